@@ -1,0 +1,148 @@
+"""``KVCacheConfig``: the named, versioned configuration of a paged KV cache.
+
+The config travels into compiled libraries as JSON (``to_json``) with a ``schema_version``. The runtime
+reads it by field name, so adding a field never breaks a library compiled earlier (see the versioning rule
+in ``docs/ARCHITECTURE.md``).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from dataclasses import dataclass, field
+
+#: The newest schema this package writes; the runtime accepts every schema up to its own newest.
+SCHEMA_VERSION = 1
+
+DTYPES = ("float16", "float32", "bfloat16")
+ROPE_MODES = ("none", "normal", "inline")
+LAYER_KINDS = ("mha",)
+
+#: Fields that may be given at run time (e.g. as Relax symbolic variables) instead of at compile time.
+RUNTIME_FIELDS = ("max_batch_size", "max_total_seq_len", "prefill_chunk_size", "page_size")
+
+
+@dataclass(frozen=True)
+class KVCacheConfig:
+    """Shape and policy of one paged KV cache.
+
+    Parameters
+    ----------
+    num_layers, num_qo_heads, num_kv_heads, head_dim :
+        Model dims. ``num_qo_heads`` must be a multiple of ``num_kv_heads`` (GQA group size).
+    v_head_dim :
+        Head dim of V; ``None`` means ``head_dim``.
+    dtype :
+        Storage dtype of pages and of q/k/v/o tensors.
+    rope_mode :
+        ``"none"``: no rotary embedding; ``"normal"``: q and k are rotated when qkv is split (k is stored
+        rotated); ``"inline"``: k is stored unrotated and the attention kernels rotate q and k.
+    rope_theta, rope_scale :
+        RoPE base and position multiplier (angle = pos * rope_scale / rope_theta ** (2i / head_dim)).
+    page_size :
+        Tokens per page (>= 1; 16 is the usual choice).
+    max_batch_size, max_total_seq_len, prefill_chunk_size :
+        Capacity: sequences per forward, tokens the pool holds (rounded up to pages per sequence), tokens
+        appended in one forward.
+    layer_kinds :
+        One kind per layer; ``None`` means every layer is ``"mha"``.
+    """
+
+    num_layers: int
+    num_qo_heads: int
+    num_kv_heads: int
+    head_dim: int
+    dtype: str = "float16"
+    v_head_dim: int | None = None
+    rope_mode: str = "normal"
+    rope_theta: float = 10000.0
+    rope_scale: float = 1.0
+    page_size: int = 16
+    max_batch_size: int = 1
+    max_total_seq_len: int = 4096
+    prefill_chunk_size: int = 2048
+    layer_kinds: tuple[str, ...] | None = None
+    schema_version: int = field(default=SCHEMA_VERSION)
+
+    def __post_init__(self) -> None:
+        problems = self.problems()
+        if problems:
+            raise ValueError("invalid KVCacheConfig: " + "; ".join(problems))
+
+    # -- validation -----------------------------------------------------------------------------------
+    def problems(self) -> list[str]:
+        """Every reason this config is invalid (empty when valid)."""
+        out = []
+        for name in ("num_layers", "num_qo_heads", "num_kv_heads", "head_dim", "max_batch_size",
+                     "max_total_seq_len", "prefill_chunk_size", "page_size"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or value < 1:
+                out.append(f"{name} must be a positive int, got {value!r}")
+        if not out and self.num_qo_heads % self.num_kv_heads:
+            out.append(f"num_qo_heads ({self.num_qo_heads}) is not a multiple of "
+                       f"num_kv_heads ({self.num_kv_heads})")
+        if self.dtype not in DTYPES:
+            out.append(f"dtype {self.dtype!r} not in {DTYPES}")
+        if self.rope_mode not in ROPE_MODES:
+            out.append(f"rope_mode {self.rope_mode!r} not in {ROPE_MODES}")
+        if self.v_head_dim is not None and self.v_head_dim != self.head_dim:
+            out.append("v_head_dim != head_dim needs MLA layers, which schema 1 does not have")
+        if isinstance(self.head_dim, int) and self.rope_mode != "none" and self.head_dim % 2:
+            out.append(f"RoPE needs an even head_dim, got {self.head_dim}")
+        if self.layer_kinds is not None:
+            if len(self.layer_kinds) != self.num_layers:
+                out.append(f"layer_kinds has {len(self.layer_kinds)} entries for {self.num_layers} layers")
+            bad = sorted(set(self.layer_kinds) - set(LAYER_KINDS))
+            if bad:
+                out.append(f"unknown layer kinds {bad}; known: {LAYER_KINDS}")
+        if self.schema_version != SCHEMA_VERSION:
+            out.append(f"schema_version {self.schema_version} is not {SCHEMA_VERSION}, the one this "
+                       "package writes")
+        return out
+
+    # -- derived ----------------------------------------------------------------------------------------
+    @property
+    def group_size(self) -> int:
+        return self.num_qo_heads // self.num_kv_heads
+
+    @property
+    def v_dim(self) -> int:
+        return self.head_dim if self.v_head_dim is None else self.v_head_dim
+
+    @property
+    def kinds(self) -> tuple[str, ...]:
+        return self.layer_kinds if self.layer_kinds is not None else ("mha",) * self.num_layers
+
+    def replace(self, **changes) -> "KVCacheConfig":
+        return dataclasses.replace(self, **changes)
+
+    # -- serialization ----------------------------------------------------------------------------------
+    def to_dict(self, *, runtime_fields: tuple[str, ...] = ()) -> dict:
+        """Fields by name, as the runtime reads them; ``runtime_fields`` are left out and listed instead."""
+        for name in runtime_fields:
+            if name not in RUNTIME_FIELDS:
+                raise ValueError(f"{name!r} cannot be a runtime field; allowed: {RUNTIME_FIELDS}")
+        out = {
+            "schema_version": self.schema_version,
+            "num_layers": self.num_layers,
+            "num_qo_heads": self.num_qo_heads,
+            "num_kv_heads": self.num_kv_heads,
+            "head_dim": self.head_dim,
+            "v_head_dim": self.v_dim,
+            "dtype": self.dtype,
+            "rope_mode": self.rope_mode,
+            "rope_theta": float(self.rope_theta),
+            "rope_scale": float(self.rope_scale),
+            "page_size": self.page_size,
+            "max_batch_size": self.max_batch_size,
+            "max_total_seq_len": self.max_total_seq_len,
+            "prefill_chunk_size": self.prefill_chunk_size,
+            "layer_kinds": list(self.kinds),
+            "runtime_fields": list(runtime_fields),
+        }
+        for name in runtime_fields:
+            del out[name]
+        return out
+
+    def to_json(self, *, runtime_fields: tuple[str, ...] = ()) -> str:
+        return json.dumps(self.to_dict(runtime_fields=runtime_fields), sort_keys=True)
