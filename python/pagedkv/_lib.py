@@ -1,0 +1,43 @@
+"""Locating and loading ``libpagedkv_runtime`` (the C++ runtime that registers the ``pagedkv.*`` globals)."""
+
+from __future__ import annotations
+
+import functools
+import os
+from pathlib import Path
+
+LIB_NAME = "libpagedkv_runtime.so"
+_PKG = Path(__file__).resolve().parent
+
+
+def runtime_library_path() -> Path:
+    """Where the runtime library is: ``$PAGEDKV_RUNTIME_LIB``, else the installed ``pagedkv/lib``, else a
+    development build under ``build/`` of a source checkout."""
+    env = os.environ.get("PAGEDKV_RUNTIME_LIB")
+    if env:
+        return Path(env)
+    installed = _PKG / "lib" / LIB_NAME
+    if installed.exists():
+        return installed
+    repo = _PKG.parent.parent
+    for candidate in sorted(repo.glob(f"build/**/{LIB_NAME}")):
+        return candidate
+    raise FileNotFoundError(
+        f"{LIB_NAME} not found in {installed.parent} (is pagedkv installed with `pip install .`?); "
+        "set PAGEDKV_RUNTIME_LIB to its path")
+
+
+@functools.lru_cache(maxsize=None)
+def load_runtime():
+    """Load the runtime library once; its globals (``pagedkv.*``) are registered on load."""
+    import tvm_ffi
+
+    return tvm_ffi.load_module(str(runtime_library_path()))
+
+
+def get_global(name: str):
+    """A ``pagedkv.*`` global function, loading the runtime library first."""
+    import tvm_ffi
+
+    load_runtime()
+    return tvm_ffi.get_global_func(name)
