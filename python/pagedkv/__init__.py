@@ -5,7 +5,15 @@
 >>> cache = pagedkv.create(cfg, backend="tir", target="llvm")
 """
 
-from . import ops
+from pathlib import Path as _Path
+
+# In a source checkout the kernels live at the repository root (`tir_kernels/`, installed as
+# `pagedkv.tir_kernels`); make `pagedkv.tir_kernels` importable there too.
+_here = _Path(__file__).resolve().parent
+if not (_here / "tir_kernels").is_dir() and (_here.parent.parent / "tir_kernels").is_dir():
+    __path__.append(str(_here.parent.parent))  # noqa: F821 (package __path__)
+
+from . import ops  # noqa: E402
 from ._lib import load_runtime, runtime_library_path
 from .config import SCHEMA_VERSION, KVCacheConfig
 

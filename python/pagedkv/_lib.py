@@ -15,6 +15,8 @@ def runtime_library_path() -> Path:
     development build under ``build/`` of a source checkout."""
     env = os.environ.get("PAGEDKV_RUNTIME_LIB")
     if env:
+        if not Path(env).is_file():
+            raise FileNotFoundError(f"PAGEDKV_RUNTIME_LIB={env} is not a file")
         return Path(env)
     installed = _PKG / "lib" / LIB_NAME
     if installed.exists():
