@@ -1,0 +1,45 @@
+# Quickstart: `make demo` and `make test` work on a fresh machine; each sets up what it needs.
+VENV   ?= .venv
+PY     := $(VENV)/bin/python
+PIP    := $(PY) -m pip
+STAMP  := $(VENV)/.pagedkv-installed
+DEPS   := $(VENV)/.deps-installed
+# The CPU build of torch (the reference of every test). This machine kind keeps its wheel in /opt/wheels;
+# elsewhere the +cpu build comes from the PyTorch CPU index given in TORCH_INDEX.
+TORCH_SPEC  ?= torch==2.13.0+cpu
+TORCH_INDEX ?= https://download.pytorch.org/whl/cpu
+SOURCES := $(wildcard src/*.cc src/*.h) CMakeLists.txt pyproject.toml \
+           $(shell find python tir_kernels -name '*.py' 2>/dev/null)
+
+.PHONY: demo test install clean bench
+demo: $(STAMP)
+	$(PY) -m pagedkv.demo
+
+test: $(STAMP)
+	$(PY) -m pytest tests -q -p no:cacheprovider $(PYTEST_ARGS)
+
+install: $(STAMP)
+
+bench: $(STAMP)
+	$(PY) benchmarks/bench_cpu_kernels.py
+
+$(PY):
+	python3 -m venv $(VENV)
+
+$(DEPS): | $(PY)
+	$(PIP) install -q --upgrade pip
+	if [ -d /opt/wheels ] && ls /opt/wheels/torch-2.13.0+cpu-* >/dev/null 2>&1; then \
+	  $(PIP) install -q --find-links /opt/wheels "$(TORCH_SPEC)"; \
+	else \
+	  $(PIP) install -q "$(TORCH_SPEC)" --extra-index-url $(TORCH_INDEX); \
+	fi
+	$(PIP) install -q "apache-tvm==0.27.0.post1" "apache-tvm-ffi==0.1.15.post2" numpy pytest \
+	  "scikit-build-core>=0.10" ninja cmake
+	touch $@
+
+$(STAMP): $(DEPS) $(SOURCES)
+	$(PIP) install -q --no-deps --no-build-isolation .
+	touch $@
+
+clean:
+	rm -rf build $(VENV)

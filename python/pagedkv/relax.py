@@ -1,0 +1,129 @@
+"""``pagedkv.relax.PagedKVCache``: the Relax-level constructor.
+
+An ``nn.Object`` built from a ``KVCacheConfig``, a backend choice and a target. Constructing it inside an
+``nn.Module`` export adds every op's kernels to the IRModule and emits one ``pagedkv.create`` call with the
+config as versioned JSON and a named op table. Its attention methods have the names and signatures of
+``tvm.relax.frontend.nn.llm.PagedKVCache``, so an existing nn model switches by changing its constructor.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Mapping, Sequence
+
+import tvm
+from tvm import relax as rx
+from tvm import tirx
+from tvm.relax.frontend.nn import Object, Tensor
+
+from . import backends as _backends
+from .config import RUNTIME_FIELDS, KVCacheConfig
+
+
+def _op_table_expr(config: KVCacheConfig, target: Any, resolution) -> rx.Tuple:
+    """Add each op's functions to the module being built; return the op table as a Relax tuple."""
+    bb = rx.BlockBuilder.current()
+    entries = []
+    for op, tag in resolution.choice.items():
+        build = _backends.get_backend(tag).build(op, config, target)
+        funcs = [bb.add_func(func, name) for name, func in build.prim_funcs]
+        funcs += [rx.ExternFunc(symbol) for symbol in build.extern_symbols]
+        entries.append(rx.Tuple([tvm.ir.StringImm(op), tvm.ir.StringImm(tag), *funcs]))
+    return rx.Tuple(entries)
+
+
+class PagedKVCache(Object):  # pylint: disable=too-few-public-methods
+    """A paged KV cache created inside a compiled model.
+
+    Parameters
+    ----------
+    config :
+        The cache configuration. Its capacity fields may be overridden by ``runtime_values``.
+    target :
+        The compilation target of the model (``"llvm"``, a ``Target``, or a CUDA target dict).
+    backend :
+        A backend tag, a priority list, or ``None`` for automatic per-op selection.
+    runtime_values :
+        Capacity fields known only at run time, by name (e.g. ``{"max_batch_size": tirx.Var(...)}``):
+        any of ``max_batch_size``, ``max_total_seq_len``, ``prefill_chunk_size``, ``page_size``.
+    """
+
+    def __init__(self, config: KVCacheConfig, *, target: Any, backend: str | Sequence[str] | None = None,
+                 runtime_values: Mapping[str, Any] | None = None, name: str = "paged_kv_cache") -> None:
+        runtime_values = dict(runtime_values or {})
+        unknown = sorted(set(runtime_values) - set(RUNTIME_FIELDS))
+        if unknown:
+            raise ValueError(f"runtime_values has unknown fields {unknown}; allowed: {RUNTIME_FIELDS}")
+        self.config = config
+        self.resolution = _backends.resolve(config, target, backend)
+        names = tuple(runtime_values)
+        args = [
+            tvm.ir.StringImm(config.to_json(runtime_fields=names)),
+            rx.ShapeExpr([runtime_values[n] for n in names]),
+            _op_table_expr(config, target, self.resolution),
+            rx.op.zeros((1,), config.dtype),  # tells the runtime which device the pages live on
+        ]
+        super().__init__(
+            _expr=rx.call_pure_packed("pagedkv.create", *args, ty_args=rx.AnyType()), _name=name)
+
+    # The methods below keep the names and signatures of tvm.relax.frontend.nn.llm.PagedKVCache.
+    # pylint: disable=protected-access
+    def attention_with_fused_qkv(self, layer_id: int, qkv: Tensor, num_qo_heads: int,
+                                 sm_scale: float) -> Tensor:
+        """``qkv[b, s, Hq + 2 Hkv, D]`` -> ``o[b, s, Hq, D]``; appends the new k/v to the cache."""
+        b, s, _, d = qkv._expr.ty.shape
+        qkv = qkv.reshape(b * s, qkv.shape[2], d)
+        out = rx.call_dps_packed(
+            "pagedkv.attention_with_fused_qkv",
+            [self._expr, rx.prim_value(layer_id), rx.prim_value(sm_scale), qkv._expr],
+            out_ty=rx.TensorType((b * s, num_qo_heads, d), qkv.dtype))
+        return Tensor(_expr=rx.BlockBuilder.current().emit(out)).reshape(b, s, num_qo_heads, d)
+
+    def self_attention(self, layer_id: int, q: Tensor, k: Tensor, v: Tensor,
+                       sm_scale: float) -> tuple[Tensor, Tensor]:
+        """Ragged causal attention over the new tokens: ``(o[b, s, Hq, Dv], lse[b, s, Hq])``."""
+        b, s, h_qo, d_qk = q._expr.ty.shape
+        _, _, h_kv, d_v = v._expr.ty.shape
+        args = [self._expr, rx.prim_value(layer_id), rx.prim_value(sm_scale),
+                q.reshape(b * s, h_qo, d_qk)._expr, k.reshape(b * s, h_kv, d_qk)._expr,
+                v.reshape(b * s, h_kv, d_v)._expr]
+        return self._o_lse("pagedkv.self_attention", args, b, s, h_qo, d_v, q.dtype)
+
+    def cross_attention(self, layer_id: int, q: Tensor, v_head_dim: int,
+                        sm_scale: float) -> tuple[Tensor, Tensor]:
+        """Attention of ``q`` over the cached k/v: ``(o[b, s, Hq, v_head_dim], lse[b, s, Hq])``."""
+        b, s, h_qo, d_qk = q._expr.ty.shape
+        args = [self._expr, rx.prim_value(layer_id), rx.prim_value(sm_scale),
+                q.reshape(b * s, h_qo, d_qk)._expr]
+        return self._o_lse("pagedkv.cross_attention", args, b, s, h_qo, v_head_dim, q.dtype)
+
+    def _o_lse(self, func: str, args, b, s, h_qo, d_v, dtype) -> tuple[Tensor, Tensor]:
+        bb = rx.BlockBuilder.current()
+        res = bb.emit(rx.call_dps_packed(func, args, out_ty=[
+            rx.TensorType((b * s, h_qo, d_v), dtype), rx.TensorType((b * s, h_qo), "float32")]))
+        o = Tensor(_expr=bb.emit(rx.TupleGetItem(res, 0))).reshape(b, s, h_qo, d_v)
+        lse = Tensor(_expr=bb.emit(rx.TupleGetItem(res, 1))).reshape(b, s, h_qo)
+        return o, lse
+
+    def merge_attn_output_inplace(self, o_self_attn: Tensor, lse_self_attn: Tensor,
+                                  o_cross_attn: Tensor, lse_cross_attn: Tensor) -> tuple[Tensor, Tensor]:
+        """Merge two attention states; the first two tensors are updated in place and returned."""
+        b, s, h_qo, d_v = o_self_attn._expr.ty.shape
+        flat = [o_self_attn.reshape(b * s, h_qo, d_v), lse_self_attn.reshape(b * s, h_qo),
+                o_cross_attn.reshape(b * s, h_qo, d_v), lse_cross_attn.reshape(b * s, h_qo)]
+        bb = rx.BlockBuilder.current()
+        res = bb.emit(rx.call_pure_packed(
+            "pagedkv.merge_attn_output_inplace", self._expr, *[t._expr for t in flat],
+            ty_args=rx.TupleType([flat[0]._expr.ty, flat[1]._expr.ty])))
+        o = Tensor(_expr=bb.emit(rx.TupleGetItem(res, 0))).reshape(b, s, h_qo, d_v)
+        lse = Tensor(_expr=bb.emit(rx.TupleGetItem(res, 1))).reshape(b, s, h_qo)
+        return o, lse
+
+    def get_query_positions(self, total_length: tirx.Expr) -> Tensor:
+        """In-sequence positions of the queries of this forward, ``int32[total_length]``."""
+        return Tensor(_expr=rx.BlockBuilder.current().emit(rx.call_pure_packed(
+            "pagedkv.get_query_positions", self._expr,
+            ty_args=rx.TensorType((total_length,), "int32"))))
+    # pylint: enable=protected-access
+
+
+__all__ = ["PagedKVCache"]
