@@ -1,0 +1,40 @@
+"""Compile an nn model that uses ``pagedkv.relax.PagedKVCache`` into a deployable library."""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+from typing import Any
+
+import tvm
+from tvm.relax.frontend import nn
+
+
+def export_model(model: nn.Module) -> tuple[tvm.IRModule, list[tuple[str, Any]]]:
+    """Export ``model`` with its default spec; returns the IRModule and the named parameter specs."""
+    mod, named_params = model.export_tvm(spec=model.get_default_spec())
+    return mod, named_params
+
+
+def build_library(model: nn.Module, target: Any, out_path: str | Path, *,
+                  verbose: bool = False) -> tuple[Path, list[tuple[str, Any]]]:
+    """Export, compile for ``target`` and write a shared library to ``out_path``.
+
+    The library holds the model's functions and the cache's kernels; a process loads it with the TVM
+    runtime after ``import pagedkv`` (which registers the ``pagedkv.*`` globals it calls). Returns the path
+    and the named parameter specs, in the order the library's functions take them.
+    """
+    t0 = time.perf_counter()
+    mod, named_params = export_model(model)
+    if verbose:
+        print(f"[pagedkv] exported Relax module in {time.perf_counter() - t0:.1f} s", flush=True)
+    tgt = tvm.target.Target(target) if not isinstance(target, tvm.target.Target) else target
+    t1 = time.perf_counter()
+    with tgt:
+        executable = tvm.compile(mod, target=tgt)
+    if verbose:
+        print(f"[pagedkv] compiled for {tgt.kind.name} in {time.perf_counter() - t1:.1f} s", flush=True)
+    out_path = Path(out_path)
+    out_path.parent.mkdir(parents=True, exist_ok=True)
+    executable.export_library(str(out_path))
+    return out_path, named_params

@@ -1,0 +1,1 @@
+"""Relax ``nn`` models that use ``pagedkv.relax.PagedKVCache``."""

@@ -1,0 +1,126 @@
+"""A Llama-architecture Relax ``nn`` model on ``pagedkv.relax.PagedKVCache``.
+
+Exported functions (all take and return the cache object):
+- ``create_paged_kv_cache(max_batch_size, max_total_seq_len, prefill_chunk_size, page_size)``
+- ``prefill(input_ids[1, n], logit_positions[b], cache) -> logits[1, b, vocab]``: every sequence of the
+  batch flattened into one row (the cache's ``begin_forward`` says how many tokens each one has);
+  ``logit_positions`` picks the rows whose logits are returned (usually each sequence's last token).
+- ``decode(input_ids[b, 1], cache) -> logits[b, 1, vocab]``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from tvm import tirx
+from tvm.relax.frontend import nn
+from tvm.relax.frontend.nn import Tensor, op
+
+from ..config import KVCacheConfig
+from ..relax import PagedKVCache
+
+
+@dataclass(frozen=True)
+class LlamaConfig:
+    """Model dims, named as in HF ``LlamaConfig``."""
+
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_hidden_layers: int
+    num_attention_heads: int
+    num_key_value_heads: int
+    head_dim: int
+    rms_norm_eps: float = 1e-5
+    rope_theta: float = 10000.0
+    tie_word_embeddings: bool = False
+
+    def kv_cache_config(self, dtype: str, **capacity) -> KVCacheConfig:
+        return KVCacheConfig(num_layers=self.num_hidden_layers, num_qo_heads=self.num_attention_heads,
+                             num_kv_heads=self.num_key_value_heads, head_dim=self.head_dim, dtype=dtype,
+                             rope_mode="normal", rope_theta=self.rope_theta, **capacity)
+
+
+class LlamaAttention(nn.Module):
+    def __init__(self, cfg: LlamaConfig, layer_id: int):
+        self.cfg, self.layer_id = cfg, layer_id
+        heads = cfg.num_attention_heads + 2 * cfg.num_key_value_heads
+        self.qkv_proj = nn.Linear(cfg.hidden_size, heads * cfg.head_dim, bias=False)
+        self.o_proj = nn.Linear(cfg.num_attention_heads * cfg.head_dim, cfg.hidden_size, bias=False)
+
+    def forward(self, x: Tensor, cache: PagedKVCache) -> Tensor:
+        b, s, _ = x.shape
+        c = self.cfg
+        qkv = op.reshape(self.qkv_proj(x), (b, s, c.num_attention_heads + 2 * c.num_key_value_heads, c.head_dim))
+        o = cache.attention_with_fused_qkv(self.layer_id, qkv, c.num_attention_heads, c.head_dim ** -0.5)
+        return self.o_proj(op.reshape(o, (b, s, c.num_attention_heads * c.head_dim)))
+
+
+class LlamaMLP(nn.Module):
+    def __init__(self, cfg: LlamaConfig):
+        self.inter = cfg.intermediate_size
+        self.gate_up_proj = nn.Linear(cfg.hidden_size, 2 * cfg.intermediate_size, bias=False)
+        self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
+
+    def forward(self, x: Tensor) -> Tensor:
+        gate, up = op.split(self.gate_up_proj(x), 2, axis=-1)
+        return self.down_proj(op.silu(gate) * up)
+
+
+class LlamaDecoderLayer(nn.Module):
+    def __init__(self, cfg: LlamaConfig, layer_id: int):
+        self.input_layernorm = nn.RMSNorm(cfg.hidden_size, -1, cfg.rms_norm_eps, bias=False)
+        self.self_attn = LlamaAttention(cfg, layer_id)
+        self.post_attention_layernorm = nn.RMSNorm(cfg.hidden_size, -1, cfg.rms_norm_eps, bias=False)
+        self.mlp = LlamaMLP(cfg)
+
+    def forward(self, x: Tensor, cache: PagedKVCache) -> Tensor:
+        x = x + self.self_attn(self.input_layernorm(x), cache)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class LlamaForCausalLM(nn.Module):
+    """Llama decoder with a pagedkv cache; ``backend`` and ``target`` choose the cache's kernels."""
+
+    def __init__(self, cfg: LlamaConfig, *, dtype: str, target: Any, backend: Any = None):
+        self.cfg, self.dtype, self.target, self.backend = cfg, dtype, target, backend
+        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        self.layers = nn.ModuleList([LlamaDecoderLayer(cfg, i) for i in range(cfg.num_hidden_layers)])
+        self.norm = nn.RMSNorm(cfg.hidden_size, -1, cfg.rms_norm_eps, bias=False)
+        self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+
+    def _body(self, input_ids: Tensor, cache: PagedKVCache) -> Tensor:
+        h = self.embed_tokens(input_ids)
+        for layer in self.layers:
+            h = layer(h, cache)
+        return self.norm(h)
+
+    def prefill(self, input_ids: Tensor, logit_positions: Tensor, cache: PagedKVCache):
+        h = self._body(input_ids, cache)
+        h = op.take(h, logit_positions, axis=1)
+        return op.astype(self.lm_head(h), "float32"), cache
+
+    def decode(self, input_ids: Tensor, cache: PagedKVCache):
+        h = self._body(input_ids, cache)
+        return op.astype(self.lm_head(h), "float32"), cache
+
+    def create_paged_kv_cache(self, max_batch_size: tirx.Var, max_total_seq_len: tirx.Var,
+                              prefill_chunk_size: tirx.Var, page_size: tirx.Var) -> PagedKVCache:
+        values = {"max_batch_size": max_batch_size, "max_total_seq_len": max_total_seq_len,
+                  "prefill_chunk_size": prefill_chunk_size, "page_size": page_size}
+        return PagedKVCache(self.cfg.kv_cache_config(self.dtype), target=self.target,
+                            backend=self.backend, runtime_values=values)
+
+    def get_default_spec(self):
+        none = {"$": {"param_mode": "none", "effect_mode": "none"}}
+        packed = {"$": {"param_mode": "packed", "effect_mode": "none"}}
+        return nn.spec.ModuleSpec.from_raw({
+            "prefill": {"input_ids": nn.spec.Tensor([1, "n"], "int32"),
+                        "logit_positions": nn.spec.Tensor(["b"], "int32"),
+                        "cache": nn.spec.Object(object_type=PagedKVCache), **packed},
+            "decode": {"input_ids": nn.spec.Tensor(["b", 1], "int32"),
+                       "cache": nn.spec.Object(object_type=PagedKVCache), **packed},
+            "create_paged_kv_cache": {"max_batch_size": int, "max_total_seq_len": int,
+                                      "prefill_chunk_size": int, "page_size": int, **none},
+        }, self)
