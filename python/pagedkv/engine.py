@@ -1,0 +1,128 @@
+"""A small generation engine over a compiled model library (``pagedkv.models.llama`` exports).
+
+It drives the cache the way a serving loop does: sequences are added (or forked from a shared prefix), one
+batched prefill per step, then batched greedy decode steps, all with the TVM runtime only.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Sequence
+
+import numpy as np
+
+from ._lib import get_global
+
+
+@dataclass
+class Timing:
+    """Tokens and seconds spent in prefill and decode."""
+
+    prefill_tokens: int = 0
+    prefill_s: float = 0.0
+    decode_tokens: int = 0
+    decode_s: float = 0.0
+
+    def lines(self) -> list[str]:
+        out = []
+        if self.prefill_s:
+            out.append(f"prefill: {self.prefill_tokens} tokens in {self.prefill_s:.2f} s "
+                       f"= {self.prefill_tokens / self.prefill_s:.1f} tokens/s")
+        if self.decode_s:
+            out.append(f"decode: {self.decode_tokens} tokens in {self.decode_s:.2f} s "
+                       f"= {self.decode_tokens / self.decode_s:.1f} tokens/s")
+        return out
+
+
+@dataclass
+class Engine:
+    """Greedy generation with a compiled model library.
+
+    Parameters
+    ----------
+    lib_path :
+        Library written by ``pagedkv.compile.build_library``.
+    params :
+        Parameter arrays in the library's order.
+    device :
+        ``"cpu"`` or ``"cuda"``.
+    """
+
+    lib_path: str
+    params: Sequence[np.ndarray]
+    device: str = "cpu"
+    max_batch_size: int = 8
+    max_total_seq_len: int = 4096
+    prefill_chunk_size: int = 512
+    page_size: int = 16
+    timing: Timing = field(default_factory=Timing)
+
+    def __post_init__(self) -> None:
+        import tvm
+        from tvm import relax
+
+        dev = tvm.device(self.device)
+        self._tvm = tvm
+        self._dev = dev
+        self.vm = relax.VirtualMachine(tvm.runtime.load_module(self.lib_path), dev)
+        self._params = [tvm.runtime.tensor(np.ascontiguousarray(p), dev) for p in self.params]
+        self.cache = self.vm["create_paged_kv_cache"](self.max_batch_size, self.max_total_seq_len,
+                                                      self.prefill_chunk_size, self.page_size)
+
+    def _g(self, name: str, *args):
+        return get_global(f"pagedkv.{name}")(self.cache, *args)
+
+    def add(self, seq_id: int) -> None:
+        self._g("add_sequence", seq_id)
+
+    def fork(self, parent: int, child: int, pos: int = -1) -> None:
+        self._g("fork_sequence", parent, child, pos)
+
+    def remove(self, seq_id: int) -> None:
+        self._g("remove_sequence", seq_id)
+
+    def prefill(self, prompts: dict[int, Sequence[int]]) -> np.ndarray:
+        """Append each sequence's tokens (chunked to ``prefill_chunk_size``); return last-token logits
+        ``[len(prompts), vocab]`` in the order given."""
+        ids = list(prompts)
+        pending = {s: list(t) for s, t in prompts.items()}
+        last = {}
+        while any(pending.values()):
+            batch, budget = {}, self.prefill_chunk_size
+            for s in ids:
+                if pending[s] and budget > 0:
+                    take = pending[s][:budget]
+                    batch[s], pending[s], budget = take, pending[s][len(take):], budget - len(take)
+            logits = self._prefill_step(batch)
+            for i, s in enumerate(batch):
+                last[s] = logits[i]
+        return np.stack([last[s] for s in ids])
+
+    def _prefill_step(self, batch: dict[int, list[int]]) -> np.ndarray:
+        t0 = time.perf_counter()
+        lens = [len(t) for t in batch.values()]
+        self._g("begin_forward", tuple(batch), tuple(lens))
+        flat = np.array([sum(batch.values(), [])], dtype="int32")
+        pos = np.cumsum(lens).astype("int32") - 1
+        tvm = self._tvm
+        logits, self.cache = self.vm["prefill"](tvm.runtime.tensor(flat, self._dev),
+                                                tvm.runtime.tensor(pos, self._dev), self.cache, self._params)
+        self._g("end_forward")
+        out = logits.numpy()[0]
+        self.timing.prefill_tokens += sum(lens)
+        self.timing.prefill_s += time.perf_counter() - t0
+        return out
+
+    def decode(self, tokens: dict[int, int]) -> np.ndarray:
+        """One decode step: one token per sequence; returns logits ``[len(tokens), vocab]``."""
+        t0 = time.perf_counter()
+        self._g("begin_forward", tuple(tokens), (1,) * len(tokens))
+        step = np.array([[t] for t in tokens.values()], dtype="int32")
+        logits, self.cache = self.vm["decode"](self._tvm.runtime.tensor(step, self._dev), self.cache,
+                                               self._params)
+        self._g("end_forward")
+        out = logits.numpy()[:, 0]
+        self.timing.decode_tokens += len(tokens)
+        self.timing.decode_s += time.perf_counter() - t0
+        return out
