@@ -16,7 +16,7 @@ torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 
 from pagedkv.compile import build_library  # noqa: E402
-from pagedkv.models.llama import LlamaConfig, LlamaForCausalLM  # noqa: E402
+from pagedkv.models.llama import LlamaConfig, LlamaForCausalLM, params_from_hf  # noqa: E402
 
 CFG = LlamaConfig(vocab_size=384, hidden_size=256, intermediate_size=512, num_hidden_layers=2,
                   num_attention_heads=6, num_key_value_heads=2, head_dim=64, rope_theta=10000.0)
@@ -35,23 +35,6 @@ def _hf_model(seed: int):
             if "norm" in name:
                 p.copy_(1 + 0.1 * torch.randn_like(p))
     return model
-
-
-def _our_params(hf, named_params) -> list[np.ndarray]:
-    sd = {k: v.detach().to(torch.float32).numpy() for k, v in hf.state_dict().items()}
-    out = []
-    for name, _ in named_params:
-        key = "model." + name if not name.startswith("lm_head") else name
-        if name.endswith("qkv_proj.weight"):
-            base = key.replace("qkv_proj.weight", "")
-            arr = np.concatenate([sd[base + p + ".weight"] for p in ("q_proj", "k_proj", "v_proj")])
-        elif name.endswith("gate_up_proj.weight"):
-            base = key.replace("gate_up_proj.weight", "")
-            arr = np.concatenate([sd[base + p + ".weight"] for p in ("gate_proj", "up_proj")])
-        else:
-            arr = sd[key]
-        out.append(np.ascontiguousarray(arr))
-    return out
 
 
 RUNNER = textwrap.dedent("""
@@ -95,7 +78,7 @@ def test_relax_model_library_in_fresh_process(tmp_path):
     hf = _hf_model(seed)
     model = LlamaForCausalLM(CFG, dtype="float32", target="llvm", backend="tir")
     lib, named_params = build_library(model, "llvm", tmp_path / "model.so")
-    params = _our_params(hf, named_params)
+    params = params_from_hf(hf, named_params, "float32")
     np.savez(tmp_path / "params.npz", *params)
     rng = np.random.default_rng(seed)
     ids = {"p0": rng.integers(0, CFG.vocab_size, 21).tolist(), "p1": rng.integers(0, CFG.vocab_size, 9).tolist(),

@@ -13,6 +13,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
+import numpy as np
 from tvm import tirx
 from tvm.relax.frontend import nn
 from tvm.relax.frontend.nn import Tensor, op
@@ -124,3 +125,22 @@ class LlamaForCausalLM(nn.Module):
             "create_paged_kv_cache": {"max_batch_size": int, "max_total_seq_len": int,
                                       "prefill_chunk_size": int, "page_size": int, **none},
         }, self)
+
+
+def params_from_hf(hf_model, named_params, dtype: str) -> list[np.ndarray]:
+    """Our parameters, in ``named_params`` order, from an HF Llama state dict (fusing qkv and gate/up)."""
+    sd = {k: v.detach().float().numpy() for k, v in hf_model.state_dict().items()}
+    fused = {"qkv_proj": ("q_proj", "k_proj", "v_proj"), "gate_up_proj": ("gate_proj", "up_proj")}
+    out = []
+    for name, _ in named_params:
+        key = name if name.startswith("lm_head") else "model." + name
+        part = key.split(".")[-2]
+        if part in fused:
+            base = key.rsplit(".", 2)[0]
+            arr = np.concatenate([sd[f"{base}.{p}.weight"] for p in fused[part]])
+        elif key == "lm_head.weight" and key not in sd:
+            arr = sd["model.embed_tokens.weight"]  # tied embeddings
+        else:
+            arr = sd[key]
+        out.append(np.ascontiguousarray(arr.astype(dtype)))
+    return out

@@ -1,0 +1,190 @@
+// PagedKVCache: one forward (begin_forward / end_forward) and the attention entry points, each a fixed
+// sequence of kernel-ABI calls through the op table (docs/ARCHITECTURE.md, "One forward").
+#include <tvm/ffi/error.h>
+
+#include <array>
+
+#include "ops.h"
+#include "paged_kv_cache.h"
+
+namespace pagedkv {
+
+namespace {
+
+std::vector<int64_t> ToVector(const ffi::Shape& shape) { return std::vector<int64_t>(shape.begin(), shape.end()); }
+
+}  // namespace
+
+void PagedKVCacheObj::BeginForward(const ffi::Shape& seq_ids, const ffi::Shape& append_lengths) {
+  CheckNoForward("begin_forward");
+  std::vector<int64_t> ids = ToVector(seq_ids), lengths = ToVector(append_lengths);
+  int64_t batch = static_cast<int64_t>(ids.size());
+  if (batch < 1 || batch > cfg_.max_batch_size) {
+    TVM_FFI_THROW(ValueError) << "pagedkv: begin_forward batch of " << batch
+                              << " sequences is outside [1, max_batch_size=" << cfg_.max_batch_size << "]";
+  }
+  pool_.CheckAppend(ids, lengths);  // ids known and unique, lengths >= 1, enough pages
+  int64_t total = 0;
+  for (int64_t l : lengths) total += l;
+  if (total > cfg_.prefill_chunk_size) {
+    TVM_FFI_THROW(ValueError) << "pagedkv: begin_forward appends " << total
+                              << " tokens, more than prefill_chunk_size=" << cfg_.prefill_chunk_size;
+  }
+  int64_t fixed = AuxBuilder::Padded(batch + 1) * 3 + 2 * AuxBuilder::Padded(total);
+  int64_t per_pass = 2 * AuxBuilder::Padded(batch + 1) + 2 * AuxBuilder::Padded(batch) + 4;
+  aux_.Reserve(fixed + kMaxPasses * per_pass + PageValuesBound(pool_, ids, lengths));
+  // Nothing below can fail on bad input: mutate.
+  pool_.Append(ids, lengths);
+  PoisonNewPages();
+  UploadPlan(BuildForwardPlan(pool_, ids, lengths));
+  if (poison_) PoisonTemps();
+}
+
+void PagedKVCacheObj::UploadPlan(const ForwardPlan& plan) {
+  aux_.Reset();
+  int q_indptr = aux_.Add(plan.q_indptr), q_pos = aux_.Add(plan.q_pos);
+  int slot = aux_.Add(plan.append_slot), prior = aux_.Add(plan.prior_len);
+  std::vector<std::array<int, 5>> pass_handles;
+  for (const PassPlan& p : plan.passes) {
+    pass_handles.push_back({aux_.Add(p.q_indptr), aux_.Add(p.page_indptr), aux_.Add(p.page_values),
+                            aux_.Add(p.last_page_len), aux_.Add(p.k_pos_offset)});
+  }
+  aux_.Upload();
+  Forward f;
+  f.is_decode = plan.is_decode;
+  f.num_tokens = plan.num_tokens;
+  f.q_indptr = aux_.View(q_indptr);
+  f.q_pos = aux_.View(q_pos);
+  f.append_slot = aux_.View(slot);
+  f.prior_len = aux_.View(prior);
+  for (size_t i = 0; i < plan.passes.size(); ++i) {
+    const auto& h = pass_handles[i];
+    f.passes.push_back(PassViews{aux_.View(h[0]), aux_.View(h[1]), aux_.View(h[2]), aux_.View(h[3]),
+                                 aux_.View(h[4]), plan.passes[i].all_empty,
+                                 plan.passes[i].one_query_per_entry});
+  }
+  int64_t n = plan.num_tokens;
+  f.q = fns_.View(q_buf_, QShape(n), dtype_, 0);
+  f.k = fns_.View(k_buf_, KVShape(n), dtype_, 0);
+  f.v = fns_.View(v_buf_, KVShape(n), dtype_, 0);
+  f.o_tmp = fns_.View(o_tmp_buf_, QShape(n), dtype_, 0);
+  f.lse_tmp = fns_.View(lse_tmp_buf_, {n, cfg_.num_qo_heads}, kFloat32, 0);
+  f.lse_own = fns_.View(lse_own_buf_, {n, cfg_.num_qo_heads}, kFloat32, 0);
+  forward_ = std::move(f);
+}
+
+void PagedKVCacheObj::EndForward() {
+  CheckForward("end_forward");
+  forward_.reset();
+}
+
+ffi::Tensor PagedKVCacheObj::GetQueryPositions() const { return CheckForward("get_query_positions").q_pos; }
+
+// ---------------------------------------------------------------------------------------------------
+// Kernel sequences
+
+void PagedKVCacheObj::RunRagged(const ffi::Tensor& q, const ffi::Tensor& k, const ffi::Tensor& v,
+                                const ffi::Tensor& o, const ffi::Tensor& lse, double sm_scale) {
+  const Forward& f = *forward_;
+  // New tokens attend causally to the new tokens of their own sequence; keys start at the prior length.
+  ops_.Get(ops::kAttnPrefillRagged)(q, k, v, f.q_indptr, f.q_indptr, f.q_pos, f.prior_len, o, lse,
+                                    /*causal=*/1, apply_rope_inline(), cfg_.rope_scale, cfg_.rope_theta,
+                                    sm_scale);
+}
+
+void PagedKVCacheObj::RunPass(int64_t layer, const PassViews& p, const ffi::Tensor& q, const ffi::Tensor& o,
+                              const ffi::Tensor& lse, double sm_scale) {
+  const Forward& f = *forward_;
+  if (f.is_decode && p.one_query_per_entry) {
+    ops_.Get(ops::kAttnDecodePaged)(q, pages_[layer], p.page_indptr, p.page_values, p.last_page_len,
+                                    p.k_pos_offset, f.q_pos, o, lse, apply_rope_inline(), cfg_.rope_scale,
+                                    cfg_.rope_theta, sm_scale);
+  } else {
+    // Multi-query entries (prefill, or decode queries grouped on a shared prefix): every key precedes
+    // every query of the entry, so the pass is non-causal.
+    ops_.Get(ops::kAttnPrefillPaged)(q, p.q_indptr, pages_[layer], p.page_indptr, p.page_values,
+                                     p.last_page_len, p.k_pos_offset, f.q_pos, o, lse, /*causal=*/0,
+                                     apply_rope_inline(), cfg_.rope_scale, cfg_.rope_theta, sm_scale);
+  }
+}
+
+// Runs every non-empty pass; the first result goes to (o, lse) unless `output_written`, later ones go to
+// the temps and are merged in. If nothing was written, the last pass runs anyway to write the empty state.
+void PagedKVCacheObj::RunPasses(int64_t layer, const ffi::Tensor& q, const ffi::Tensor& o,
+                                const ffi::Tensor& lse, double sm_scale, bool output_written) {
+  const Forward& f = *forward_;
+  for (size_t i = 0; i < f.passes.size(); ++i) {
+    const PassViews& p = f.passes[i];
+    bool last = i + 1 == f.passes.size();
+    if (p.all_empty && (output_written || !last)) continue;
+    if (!output_written) {
+      RunPass(layer, p, q, o, lse, sm_scale);
+      output_written = true;
+    } else {
+      RunPass(layer, p, q, f.o_tmp, f.lse_tmp, sm_scale);
+      ops_.Get(ops::kMergeState)(o, lse, f.o_tmp, f.lse_tmp);
+    }
+  }
+}
+
+// ---------------------------------------------------------------------------------------------------
+// Entry points
+
+void PagedKVCacheObj::AttentionWithFusedQKV(int64_t layer, double sm_scale, const ffi::Tensor& qkv,
+                                            const ffi::Tensor& o) {
+  const Forward& f = CheckForward("attention_with_fused_qkv");
+  CheckLayer(layer);
+  int64_t n = f.num_tokens;
+  CheckTensor(qkv, "qkv", {n, cfg_.num_qo_heads + 2 * cfg_.num_kv_heads, cfg_.head_dim}, dtype_, device_);
+  CheckTensor(o, "o", QShape(n), dtype_, device_);
+  int apply_rope = cfg_.rope_mode == "normal" ? 1 : 0;  // "inline": k is stored unrotated
+  ops_.Get(ops::kSplitRotary)(qkv, f.q_pos, f.q, f.k, f.v, apply_rope, cfg_.rope_scale, cfg_.rope_theta);
+  OpAdapter& append = ops_.Get(ops::kAppendKV);
+  if (f.is_decode) {
+    append(pages_[layer], f.k, f.v, f.append_slot);  // decode passes include the new token
+    RunPasses(layer, f.q, o, f.lse_own, sm_scale, /*output_written=*/false);
+  } else {
+    RunRagged(f.q, f.k, f.v, o, f.lse_own, sm_scale);
+    RunPasses(layer, f.q, o, f.lse_own, sm_scale, /*output_written=*/true);
+    append(pages_[layer], f.k, f.v, f.append_slot);
+  }
+}
+
+void PagedKVCacheObj::SelfAttention(int64_t layer, double sm_scale, const ffi::Tensor& q, const ffi::Tensor& k,
+                                    const ffi::Tensor& v, const ffi::Tensor& o, const ffi::Tensor& lse) {
+  const Forward& f = CheckForward("self_attention");
+  CheckLayer(layer);
+  int64_t n = f.num_tokens;
+  CheckTensor(q, "q", QShape(n), dtype_, device_);
+  CheckTensor(k, "k", KVShape(n), dtype_, device_);
+  CheckTensor(v, "v", KVShape(n), dtype_, device_);
+  CheckTensor(o, "o", QShape(n), dtype_, device_);
+  CheckTensor(lse, "lse", {n, cfg_.num_qo_heads}, kFloat32, device_);
+  RunRagged(q, k, v, o, lse, sm_scale);
+}
+
+void PagedKVCacheObj::CrossAttention(int64_t layer, double sm_scale, const ffi::Tensor& q, const ffi::Tensor& o,
+                                     const ffi::Tensor& lse) {
+  const Forward& f = CheckForward("cross_attention");
+  CheckLayer(layer);
+  int64_t n = f.num_tokens;
+  CheckTensor(q, "q", QShape(n), dtype_, device_);
+  CheckTensor(o, "o", QShape(n), dtype_, device_);
+  CheckTensor(lse, "lse", {n, cfg_.num_qo_heads}, kFloat32, device_);
+  RunPasses(layer, q, o, lse, sm_scale, /*output_written=*/false);
+}
+
+void PagedKVCacheObj::MergeAttnOutputInplace(const ffi::Tensor& o_a, const ffi::Tensor& lse_a,
+                                             const ffi::Tensor& o_b, const ffi::Tensor& lse_b) {
+  if (o_a.ndim() != 3) {
+    TVM_FFI_THROW(ValueError) << "pagedkv: tensor 'o_a' must be [n, H, D], given ndim " << o_a.ndim();
+  }
+  std::vector<int64_t> o_shape(o_a.shape().begin(), o_a.shape().end());
+  CheckTensor(o_a, "o_a", o_shape, dtype_, device_);
+  CheckTensor(o_b, "o_b", o_shape, dtype_, device_);
+  CheckTensor(lse_a, "lse_a", {o_shape[0], o_shape[1]}, kFloat32, device_);
+  CheckTensor(lse_b, "lse_b", {o_shape[0], o_shape[1]}, kFloat32, device_);
+  ops_.Get(ops::kMergeState)(o_a, lse_a, o_b, lse_b);
+}
+
+}  // namespace pagedkv

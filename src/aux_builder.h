@@ -1,0 +1,44 @@
+// AuxBuilder: stages the int32 index arrays of one forward in one host buffer, copies them to the device
+// with one copy, and hands out a device view per array. Each array starts at a 16-byte aligned offset
+// (kernels may vectorize loads; views carry the offset as byte_offset / elem_offset).
+#ifndef PAGEDKV_AUX_BUILDER_H_
+#define PAGEDKV_AUX_BUILDER_H_
+
+#include <cstdint>
+#include <utility>
+#include <vector>
+
+#include "tensor_util.h"
+
+namespace pagedkv {
+
+class AuxBuilder {
+ public:
+  AuxBuilder(const TensorFns* fns, DLDevice device, int64_t capacity_elems);
+
+  // Elements an array of n int32 values occupies (padded to 16 bytes).
+  static int64_t Padded(int64_t n) { return (n + 3) / 4 * 4; }
+  // Makes room for `elems` staged elements (reallocating both buffers when needed). Call it before the
+  // cache mutates anything, so an allocation failure leaves the cache unchanged.
+  void Reserve(int64_t elems);
+  void Reset();
+  // Stages `values`; returns the handle of its view.
+  int Add(const std::vector<int32_t>& values);
+  // Copies everything staged to the device at once and creates the views.
+  void Upload();
+  const ffi::Tensor& View(int handle) const { return views_.at(handle); }
+
+ private:
+  const TensorFns* fns_;
+  DLDevice device_;
+  int64_t capacity_ = 0;
+  int64_t used_ = 0;
+  ffi::Tensor host_buf_;  // on the CPU: written directly
+  ffi::Tensor dev_buf_;  // on the cache's device
+  std::vector<std::pair<int64_t, int64_t>> arrays_;  // (offset, size) in elements
+  std::vector<ffi::Tensor> views_;
+};
+
+}  // namespace pagedkv
+
+#endif  // PAGEDKV_AUX_BUILDER_H_

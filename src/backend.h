@@ -1,0 +1,69 @@
+// Backends: the one registry from backend tag to adapter factory.
+//
+// The runtime calls every op with the kernel ABI of docs/ARCHITECTURE.md ("Kernel ABI"), always with the
+// arguments in ABI order. An OpAdapter turns that call into whatever its backend's functions want: the
+// "tir" adapter forwards it unchanged to the one TIR PrimFunc; a library backend could plan, reorder or
+// split it. Adding a backend = registering one factory here.
+#ifndef PAGEDKV_BACKEND_H_
+#define PAGEDKV_BACKEND_H_
+
+#include <tvm/ffi/any.h>
+#include <tvm/ffi/container/array.h>
+#include <tvm/ffi/function.h>
+
+#include <functional>
+#include <map>
+#include <memory>
+#include <string>
+
+namespace pagedkv {
+
+namespace ffi = tvm::ffi;
+
+// One op served by one backend.
+class OpAdapter {
+ public:
+  virtual ~OpAdapter() = default;
+  // Runs the op; `args` follow the op's kernel ABI argument list.
+  virtual void Run(ffi::PackedArgs args) = 0;
+
+  template <typename... Args>
+  void operator()(Args&&... args) {
+    ffi::AnyView packed[sizeof...(Args)] = {ffi::AnyView(args)...};
+    Run(ffi::PackedArgs(packed, static_cast<int32_t>(sizeof...(Args))));
+  }
+};
+
+// Builds the adapter of `op` from the functions given for it in the op table.
+using AdapterFactory =
+    std::function<std::unique_ptr<OpAdapter>(const std::string& op, const ffi::Array<ffi::Any>& funcs)>;
+
+class BackendRegistry {
+ public:
+  static BackendRegistry& Global();
+  void Register(const std::string& tag, AdapterFactory factory);
+  // Throws ValueError naming `tag` (and the known tags) when no backend has that tag.
+  std::unique_ptr<OpAdapter> Make(const std::string& tag, const std::string& op,
+                                  const ffi::Array<ffi::Any>& funcs) const;
+
+ private:
+  BackendRegistry();
+  std::map<std::string, AdapterFactory> factories_;
+};
+
+// The op table of one cache: op name -> adapter, and op name -> backend tag.
+struct OpTable {
+  std::map<std::string, std::unique_ptr<OpAdapter>> adapters;
+  std::map<std::string, std::string> backends;
+
+  // The adapter of `op`; throws naming `op` when the table has none.
+  OpAdapter& Get(const char* op) const;
+};
+
+// Parses `[[op_name, backend_tag, func...], ...]`; unknown op names, duplicate ops, unknown tags and
+// missing required ops (src/ops.h kRequiredOps) are errors that name them.
+OpTable ParseOpTable(const ffi::Array<ffi::Any>& table);
+
+}  // namespace pagedkv
+
+#endif  // PAGEDKV_BACKEND_H_

@@ -1,0 +1,231 @@
+// Config parsing: by field name, strict (unknown fields and newer schemas are errors that name them) so a
+// library and a runtime that disagree fail at `pagedkv.create`, not with wrong results later.
+#include "config.h"
+
+#include <tvm/ffi/container/map.h>
+#include <tvm/ffi/error.h>
+#include <tvm/ffi/extra/json.h>
+
+#include <cmath>
+#include <cstdio>
+#include <map>
+#include <set>
+#include <sstream>
+
+namespace pagedkv {
+namespace {
+
+namespace ffi = tvm::ffi;
+
+// Schema-1 fields. A new schema may only add fields (each with a default keeping the old behaviour).
+const std::set<std::string> kKnownFields = {
+    "schema_version", "num_layers",     "num_qo_heads",      "num_kv_heads",       "head_dim",
+    "v_head_dim",     "dtype",          "rope_mode",         "rope_theta",         "rope_scale",
+    "page_size",      "max_batch_size", "max_total_seq_len", "prefill_chunk_size", "layer_kinds",
+    "runtime_fields"};
+const std::set<std::string> kRuntimeFields = {"max_batch_size", "max_total_seq_len",
+                                              "prefill_chunk_size", "page_size"};
+const std::set<std::string> kDTypes = {"float16", "float32", "bfloat16"};
+const std::set<std::string> kRopeModes = {"none", "normal", "inline"};
+const std::set<std::string> kLayerKinds = {"mha"};
+
+// The config fields as JSON values by name; runtime fields are merged in as ints.
+using FieldMap = std::map<std::string, ffi::Any>;
+
+FieldMap ReadFields(const std::string& json) {
+  ffi::String error;
+  ffi::Any root = ffi::json::Parse(json, &error);
+  if (!error.empty()) TVM_FFI_THROW(ValueError) << "pagedkv config: invalid JSON: " << error;
+  auto obj = root.as<ffi::Map<ffi::Any, ffi::Any>>();
+  if (!obj.has_value()) TVM_FFI_THROW(ValueError) << "pagedkv config: expected a JSON object";
+  FieldMap fields;
+  for (const auto& kv : *obj) {
+    auto key = kv.first.as<ffi::String>();
+    if (!key.has_value()) TVM_FFI_THROW(ValueError) << "pagedkv config: non-string key";
+    fields[std::string(*key)] = kv.second;
+  }
+  return fields;
+}
+
+int64_t GetInt(const FieldMap& f, const std::string& name, int64_t fallback, bool required) {
+  auto it = f.find(name);
+  if (it == f.end()) {
+    if (required) TVM_FFI_THROW(ValueError) << "pagedkv config: missing required field '" << name << "'";
+    return fallback;
+  }
+  auto v = it->second.as<int64_t>();
+  if (!v.has_value()) {
+    TVM_FFI_THROW(ValueError) << "pagedkv config: field '" << name << "' must be an int, got "
+                              << it->second.GetTypeKey();
+  }
+  return *v;
+}
+
+double GetFloat(const FieldMap& f, const std::string& name, double fallback) {
+  auto it = f.find(name);
+  if (it == f.end()) return fallback;
+  if (auto v = it->second.as<double>()) return *v;
+  if (auto v = it->second.as<int64_t>()) return static_cast<double>(*v);
+  TVM_FFI_THROW(ValueError) << "pagedkv config: field '" << name << "' must be a number";
+}
+
+std::string GetString(const FieldMap& f, const std::string& name, const std::string& fallback,
+                      const std::set<std::string>& allowed) {
+  auto it = f.find(name);
+  if (it == f.end()) return fallback;
+  auto v = it->second.as<ffi::String>();
+  if (!v.has_value()) TVM_FFI_THROW(ValueError) << "pagedkv config: field '" << name << "' must be a string";
+  std::string s(*v);
+  if (!allowed.count(s)) {
+    std::ostringstream os;
+    for (const auto& a : allowed) os << " " << a;
+    TVM_FFI_THROW(ValueError) << "pagedkv config: " << name << " '" << s << "' is not one of:" << os.str();
+  }
+  return s;
+}
+
+std::vector<std::string> GetStringList(const FieldMap& f, const std::string& name) {
+  std::vector<std::string> out;
+  auto it = f.find(name);
+  if (it == f.end()) return out;
+  auto arr = it->second.as<ffi::Array<ffi::Any>>();
+  if (!arr.has_value()) TVM_FFI_THROW(ValueError) << "pagedkv config: field '" << name << "' must be a list";
+  for (const ffi::Any& item : *arr) {
+    auto s = item.as<ffi::String>();
+    if (!s.has_value()) TVM_FFI_THROW(ValueError) << "pagedkv config: '" << name << "' must hold strings";
+    out.emplace_back(*s);
+  }
+  return out;
+}
+
+// Moves the values of "runtime_fields" (given in `values`, in order) into `fields`.
+void ApplyRuntimeFields(FieldMap* fields, const ffi::Shape& values) {
+  std::vector<std::string> names = GetStringList(*fields, "runtime_fields");
+  if (names.size() != values.size()) {
+    std::ostringstream listed;
+    for (const auto& name : names) listed << " " << name;
+    TVM_FFI_THROW(ValueError) << "pagedkv config: runtime_values has " << values.size()
+                              << " values for the " << names.size() << " runtime_fields:" << listed.str();
+  }
+  for (size_t i = 0; i < names.size(); ++i) {
+    if (!kRuntimeFields.count(names[i])) {
+      TVM_FFI_THROW(ValueError) << "pagedkv config: '" << names[i] << "' cannot be a runtime field";
+    }
+    if (fields->count(names[i])) {
+      TVM_FFI_THROW(ValueError) << "pagedkv config: field '" << names[i]
+                                << "' is given both in the JSON and in runtime_fields";
+    }
+    (*fields)[names[i]] = ffi::Any(values[i]);
+  }
+}
+
+void Validate(const KVConfig& c) {
+  const std::pair<const char*, int64_t> positive[] = {
+      {"num_layers", c.num_layers},         {"num_qo_heads", c.num_qo_heads},
+      {"num_kv_heads", c.num_kv_heads},     {"head_dim", c.head_dim},
+      {"v_head_dim", c.v_head_dim},         {"page_size", c.page_size},
+      {"max_batch_size", c.max_batch_size}, {"max_total_seq_len", c.max_total_seq_len},
+      {"prefill_chunk_size", c.prefill_chunk_size}};
+  for (const auto& [name, value] : positive) {
+    if (value < 1) TVM_FFI_THROW(ValueError) << "pagedkv config: " << name << " must be >= 1, got " << value;
+  }
+  if (c.num_qo_heads % c.num_kv_heads != 0) {
+    TVM_FFI_THROW(ValueError) << "pagedkv config: num_qo_heads (" << c.num_qo_heads
+                              << ") is not a multiple of num_kv_heads (" << c.num_kv_heads << ")";
+  }
+  if (c.v_head_dim != c.head_dim) {
+    TVM_FFI_THROW(ValueError) << "pagedkv config: v_head_dim " << c.v_head_dim << " != head_dim "
+                              << c.head_dim << " needs MLA layers, which schema 1 does not have";
+  }
+  if (c.rope_mode != "none" && c.head_dim % 2 != 0) {
+    TVM_FFI_THROW(ValueError) << "pagedkv config: RoPE needs an even head_dim, got " << c.head_dim;
+  }
+  if (static_cast<int64_t>(c.layer_kinds.size()) != c.num_layers) {
+    TVM_FFI_THROW(ValueError) << "pagedkv config: layer_kinds has " << c.layer_kinds.size()
+                              << " entries for " << c.num_layers << " layers";
+  }
+  for (const auto& kind : c.layer_kinds) {
+    if (!kLayerKinds.count(kind)) TVM_FFI_THROW(ValueError) << "pagedkv config: unknown layer kind '" << kind << "'";
+  }
+}
+
+// Writes a double so that it reads back as a JSON float (always with '.' or an exponent).
+std::string FloatJSON(double v) {
+  char buf[64];
+  std::snprintf(buf, sizeof(buf), "%.17g", v);
+  std::string s(buf);
+  if (s.find_first_of(".eEn") == std::string::npos) s += ".0";
+  return s;
+}
+
+}  // namespace
+
+DLDataType KVConfig::dl_dtype() const {
+  if (dtype == "float32") return DLDataType{kDLFloat, 32, 1};
+  if (dtype == "bfloat16") return DLDataType{kDLBfloat, 16, 1};
+  return DLDataType{kDLFloat, 16, 1};
+}
+
+KVConfig ParseConfig(const std::string& json, const ffi::Shape& runtime_values) {
+  FieldMap f = ReadFields(json);
+  KVConfig c;
+  c.schema_version = GetInt(f, "schema_version", 0, /*required=*/true);
+  if (c.schema_version > kSchemaVersion || c.schema_version < 1) {
+    TVM_FFI_THROW(ValueError) << "pagedkv config: schema_version " << c.schema_version
+                              << " is not supported; this runtime knows schema versions 1.." << kSchemaVersion;
+  }
+  for (const auto& kv : f) {
+    if (!kKnownFields.count(kv.first)) {
+      TVM_FFI_THROW(ValueError) << "pagedkv config: unknown field '" << kv.first << "' for schema_version "
+                                << c.schema_version;
+    }
+  }
+  ApplyRuntimeFields(&f, runtime_values);
+  c.num_layers = GetInt(f, "num_layers", 0, true);
+  c.num_qo_heads = GetInt(f, "num_qo_heads", 0, true);
+  c.num_kv_heads = GetInt(f, "num_kv_heads", 0, true);
+  c.head_dim = GetInt(f, "head_dim", 0, true);
+  c.v_head_dim = GetInt(f, "v_head_dim", c.head_dim, false);
+  c.dtype = GetString(f, "dtype", "float16", kDTypes);
+  c.rope_mode = GetString(f, "rope_mode", "normal", kRopeModes);
+  c.rope_theta = GetFloat(f, "rope_theta", 10000.0);
+  c.rope_scale = GetFloat(f, "rope_scale", 1.0);
+  c.page_size = GetInt(f, "page_size", 16, false);
+  c.max_batch_size = GetInt(f, "max_batch_size", 1, false);
+  c.max_total_seq_len = GetInt(f, "max_total_seq_len", c.page_size, false);
+  c.prefill_chunk_size = GetInt(f, "prefill_chunk_size", c.page_size, false);
+  c.layer_kinds = GetStringList(f, "layer_kinds");
+  if (!f.count("layer_kinds") && c.num_layers > 0) c.layer_kinds.assign(c.num_layers, "mha");
+  Validate(c);
+  return c;
+}
+
+std::string ConfigToJSON(const KVConfig& c) {
+  std::map<std::string, std::string> out;  // sorted keys, values already JSON
+  auto str = [](const std::string& s) { return "\"" + s + "\""; };
+  out["schema_version"] = std::to_string(c.schema_version);
+  out["num_layers"] = std::to_string(c.num_layers);
+  out["num_qo_heads"] = std::to_string(c.num_qo_heads);
+  out["num_kv_heads"] = std::to_string(c.num_kv_heads);
+  out["head_dim"] = std::to_string(c.head_dim);
+  out["v_head_dim"] = std::to_string(c.v_head_dim);
+  out["dtype"] = str(c.dtype);
+  out["rope_mode"] = str(c.rope_mode);
+  out["rope_theta"] = FloatJSON(c.rope_theta);
+  out["rope_scale"] = FloatJSON(c.rope_scale);
+  out["page_size"] = std::to_string(c.page_size);
+  out["max_batch_size"] = std::to_string(c.max_batch_size);
+  out["max_total_seq_len"] = std::to_string(c.max_total_seq_len);
+  out["prefill_chunk_size"] = std::to_string(c.prefill_chunk_size);
+  std::string kinds = "[";
+  for (size_t i = 0; i < c.layer_kinds.size(); ++i) kinds += (i ? ", " : "") + str(c.layer_kinds[i]);
+  out["layer_kinds"] = kinds + "]";
+  out["runtime_fields"] = "[]";
+  std::string json = "{";
+  for (const auto& [k, v] : out) json += (json.size() > 1 ? ", " : "") + str(k) + ": " + v;
+  return json + "}";
+}
+
+std::string DTypeName(DLDataType dtype) { return std::string(tvm::ffi::DLDataTypeToString(dtype)); }
+
+}  // namespace pagedkv

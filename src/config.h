@@ -1,0 +1,54 @@
+// KVConfig: the cache configuration, read by field name from the versioned JSON that
+// python/pagedkv/config.py writes (docs/ARCHITECTURE.md, "Config schema and versioning rule").
+#ifndef PAGEDKV_CONFIG_H_
+#define PAGEDKV_CONFIG_H_
+
+#include <tvm/ffi/container/shape.h>
+#include <tvm/ffi/dtype.h>
+
+#include <cstdint>
+#include <string>
+#include <vector>
+
+namespace pagedkv {
+
+// The newest config schema this runtime understands; newer libraries are rejected by name.
+inline constexpr int64_t kSchemaVersion = 1;
+
+struct KVConfig {
+  int64_t schema_version = kSchemaVersion;
+  int64_t num_layers = 0;
+  int64_t num_qo_heads = 0;
+  int64_t num_kv_heads = 0;
+  int64_t head_dim = 0;
+  int64_t v_head_dim = 0;
+  std::string dtype = "float16";
+  std::string rope_mode = "normal";
+  double rope_theta = 10000.0;
+  double rope_scale = 1.0;
+  int64_t page_size = 16;
+  int64_t max_batch_size = 1;
+  int64_t max_total_seq_len = 0;   // default: page_size
+  int64_t prefill_chunk_size = 0;  // default: page_size
+  std::vector<std::string> layer_kinds;
+
+  DLDataType dl_dtype() const;
+  // Pages in the pool: every token of max_total_seq_len plus one partial page per sequence.
+  int64_t num_pages() const {
+    return (max_total_seq_len + page_size - 1) / page_size + max_batch_size;
+  }
+};
+
+// Parses and validates `json`; `runtime_values` gives, in order, the fields listed in "runtime_fields".
+// Throws ValueError naming the offending field (unknown field, wrong type, bad value, newer schema).
+KVConfig ParseConfig(const std::string& json, const tvm::ffi::Shape& runtime_values);
+
+// The effective config (runtime fields resolved, "runtime_fields" empty) as JSON with sorted keys.
+std::string ConfigToJSON(const KVConfig& config);
+
+// "float16" etc. for a DLDataType, for error messages.
+std::string DTypeName(DLDataType dtype);
+
+}  // namespace pagedkv
+
+#endif  // PAGEDKV_CONFIG_H_

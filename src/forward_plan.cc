@@ -1,0 +1,123 @@
+// Pass construction. A chain block that a sequence shares with an adjacent sequence of the batch (same
+// block at the same depth) is read once for all of their queries (one entry per run of sharers); the rest
+// of each chain is the sequence's own entry in the last pass.
+#include "forward_plan.h"
+
+#include <algorithm>
+
+namespace pagedkv {
+namespace {
+
+int64_t CeilDiv(int64_t a, int64_t b) { return (a + b - 1) / b; }
+
+// Number of leading chain blocks of `a` and `b` that are the same block (leaves are never shared).
+size_t CommonDepth(const std::vector<int32_t>& a, const std::vector<int32_t>& b) {
+  size_t limit = std::min(a.size(), b.size()) - 1;
+  size_t d = 0;
+  while (d < limit && a[d] == b[d]) ++d;
+  return d;
+}
+
+// Appends an entry of q rows [q_begin, q_end) over keys pages[0..) holding `tokens` tokens from `start`.
+void AddEntry(PassPlan* pass, int32_t q_begin, int32_t q_end, const int32_t* pages, int64_t tokens,
+              int64_t start, int64_t page_size) {
+  if (pass->q_indptr.empty()) pass->q_indptr.push_back(q_begin);
+  if (pass->page_indptr.empty()) pass->page_indptr.push_back(0);
+  int64_t num_pages = CeilDiv(tokens, page_size);
+  pass->page_values.insert(pass->page_values.end(), pages, pages + num_pages);
+  pass->q_indptr.push_back(q_end);
+  pass->page_indptr.push_back(static_cast<int32_t>(pass->page_values.size()));
+  pass->last_page_len.push_back(tokens == 0 ? 0 : static_cast<int32_t>(tokens - (num_pages - 1) * page_size));
+  pass->k_pos_offset.push_back(static_cast<int32_t>(start));
+  if (tokens > 0) pass->all_empty = false;
+  if (q_end - q_begin != 1) pass->one_query_per_entry = false;
+}
+
+struct SeqView {
+  std::vector<int32_t> chain;
+  std::vector<int32_t> pages;
+  int64_t kv_len = 0;   // keys the passes see
+  size_t shared = 0;    // leading blocks read in prefix passes
+};
+
+// Prefix pass at depth d: runs of sequences sharing their depth-d block form one entry.
+PassPlan PrefixPass(const BlockPool& pool, const std::vector<SeqView>& seqs, const ForwardPlan& plan,
+                    size_t d) {
+  PassPlan pass;
+  size_t n = seqs.size();
+  for (size_t i = 0; i < n;) {
+    if (d >= seqs[i].shared) {
+      AddEntry(&pass, plan.q_indptr[i], plan.q_indptr[i + 1], nullptr, 0, 0, pool.PageSize());
+      ++i;
+      continue;
+    }
+    int32_t block_id = seqs[i].chain[d];
+    size_t j = i + 1;
+    while (j < n && d < seqs[j].shared && seqs[j].chain[d] == block_id) ++j;
+    const Block& block = pool.block(block_id);
+    AddEntry(&pass, plan.q_indptr[i], plan.q_indptr[j], block.pages.data(), block.num_tokens, block.start,
+             pool.PageSize());
+    i = j;
+  }
+  return pass;
+}
+
+PassPlan OwnPass(const BlockPool& pool, const std::vector<SeqView>& seqs, const ForwardPlan& plan) {
+  PassPlan pass;
+  int64_t ps = pool.PageSize();
+  for (size_t i = 0; i < seqs.size(); ++i) {
+    const SeqView& s = seqs[i];
+    int64_t start = pool.block(s.chain[s.shared]).start;
+    int64_t tokens = std::max<int64_t>(s.kv_len - start, 0);
+    AddEntry(&pass, plan.q_indptr[i], plan.q_indptr[i + 1], s.pages.data() + start / ps, tokens, start, ps);
+  }
+  return pass;
+}
+
+}  // namespace
+
+ForwardPlan BuildForwardPlan(const BlockPool& pool, const std::vector<int64_t>& ids,
+                             const std::vector<int64_t>& lengths) {
+  ForwardPlan plan;
+  int64_t ps = pool.PageSize();
+  plan.is_decode = std::all_of(lengths.begin(), lengths.end(), [](int64_t l) { return l == 1; });
+  std::vector<SeqView> seqs(ids.size());
+  plan.q_indptr.push_back(0);
+  for (size_t i = 0; i < ids.size(); ++i) {
+    SeqView& s = seqs[i];
+    s.chain = pool.Chain(ids[i]);
+    s.pages = pool.ChainPages(ids[i]);
+    int64_t length = pool.Get(ids[i]).length;
+    int64_t prior = length - lengths[i];
+    s.kv_len = plan.is_decode ? length : prior;
+    plan.prior_len.push_back(static_cast<int32_t>(prior));
+    for (int64_t pos = prior; pos < length; ++pos) {
+      plan.q_pos.push_back(static_cast<int32_t>(pos));
+      plan.append_slot.push_back(static_cast<int32_t>(s.pages[pos / ps] * ps + pos % ps));
+    }
+    plan.q_indptr.push_back(static_cast<int32_t>(plan.q_pos.size()));
+  }
+  plan.num_tokens = static_cast<int64_t>(plan.q_pos.size());
+  size_t depth = 0;
+  for (size_t i = 0; i < seqs.size(); ++i) {
+    if (i > 0) seqs[i].shared = std::max(seqs[i].shared, CommonDepth(seqs[i].chain, seqs[i - 1].chain));
+    if (i + 1 < seqs.size()) seqs[i].shared = std::max(seqs[i].shared, CommonDepth(seqs[i].chain, seqs[i + 1].chain));
+    seqs[i].shared = std::min<size_t>(seqs[i].shared, kMaxPrefixPasses);
+    depth = std::max(depth, seqs[i].shared);
+  }
+  for (size_t d = 0; d < depth; ++d) plan.passes.push_back(PrefixPass(pool, seqs, plan, d));
+  plan.passes.push_back(OwnPass(pool, seqs, plan));
+  return plan;
+}
+
+int64_t PageValuesBound(const BlockPool& pool, const std::vector<int64_t>& ids,
+                        const std::vector<int64_t>& lengths) {
+  // Each page of a chain is listed at most once per sequence over all passes.
+  int64_t bound = 0;
+  for (size_t i = 0; i < ids.size(); ++i) {
+    bound += (pool.Get(ids[i]).length + lengths[i] + pool.PageSize() - 1) / pool.PageSize();
+  }
+  return bound;
+}
+
+}  // namespace pagedkv

@@ -1,0 +1,50 @@
+// ForwardPlan: every host-side index array of one forward (docs/ARCHITECTURE.md, "One forward"), built
+// from the BlockPool after the new tokens were reserved. Pure host logic; AuxBuilder uploads it.
+#ifndef PAGEDKV_FORWARD_PLAN_H_
+#define PAGEDKV_FORWARD_PLAN_H_
+
+#include <cstdint>
+#include <vector>
+
+#include "block_pool.h"
+
+namespace pagedkv {
+
+// Shared-prefix depths that get a pass of their own; deeper shared blocks fold into the own entry.
+inline constexpr int kMaxPrefixPasses = 4;
+inline constexpr int kMaxPasses = kMaxPrefixPasses + 1;
+
+// One attention pass over paged k/v: entries are runs of sequences (q rows q_indptr[e]..q_indptr[e+1]).
+struct PassPlan {
+  std::vector<int32_t> q_indptr;       // [E+1]
+  std::vector<int32_t> page_indptr;    // [E+1]
+  std::vector<int32_t> page_values;    // [nnz]
+  std::vector<int32_t> last_page_len;  // [E]
+  std::vector<int32_t> k_pos_offset;   // [E]: position of the entry's first key
+  int64_t num_entries() const { return static_cast<int64_t>(last_page_len.size()); }
+  bool all_empty = true;               // no entry has keys: the pass is skipped
+  bool one_query_per_entry = true;     // attn_decode_paged can serve it
+};
+
+struct ForwardPlan {
+  bool is_decode = false;              // every append length is 1
+  int64_t num_tokens = 0;              // n
+  std::vector<int32_t> q_indptr;       // [B+1], one entry per sequence
+  std::vector<int32_t> q_pos;          // [n]
+  std::vector<int32_t> append_slot;    // [n]
+  std::vector<int32_t> prior_len;      // [B]: length before the forward (ragged k_pos_offset)
+  std::vector<PassPlan> passes;        // shared-prefix depths first, the own pass last
+};
+
+// `pool` already holds the appended tokens. Decode passes see the cache including the new tokens;
+// prefill passes see only the tokens cached before the forward.
+ForwardPlan BuildForwardPlan(const BlockPool& pool, const std::vector<int64_t>& ids,
+                             const std::vector<int64_t>& lengths);
+
+// Upper bound of the total page_values entries of a plan, from lengths before Append (for sizing).
+int64_t PageValuesBound(const BlockPool& pool, const std::vector<int64_t>& ids,
+                        const std::vector<int64_t>& lengths);
+
+}  // namespace pagedkv
+
+#endif  // PAGEDKV_FORWARD_PLAN_H_

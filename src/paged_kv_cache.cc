@@ -1,0 +1,214 @@
+// PagedKVCache: creation, sequence management, debug access and poisoning.
+// Forward and attention orchestration is in attention.cc.
+#include "paged_kv_cache.h"
+
+#include <tvm/ffi/error.h>
+
+#include "ops.h"
+
+namespace pagedkv {
+
+namespace {
+
+// Initial aux staging size: a forward of max_batch_size sequences and prefill_chunk_size tokens whose
+// chains together list every page once. Larger plans (heavy prefix sharing) grow it in begin_forward.
+int64_t InitialAuxElems(const KVConfig& c) {
+  int64_t b = c.max_batch_size, n = c.prefill_chunk_size;
+  int64_t per_pass = 2 * AuxBuilder::Padded(b + 1) + 2 * AuxBuilder::Padded(b) + 4;
+  return AuxBuilder::Padded(b + 1) + 2 * AuxBuilder::Padded(n) + AuxBuilder::Padded(b) +
+         kMaxPasses * per_pass + c.num_pages() + b;
+}
+
+}  // namespace
+
+PagedKVCacheObj::PagedKVCacheObj(KVConfig config, OpTable ops, DLDevice device)
+    : cfg_(std::move(config)),
+      ops_(std::move(ops)),
+      device_(device),
+      dtype_(cfg_.dl_dtype()),
+      pool_(cfg_.num_pages(), cfg_.page_size),
+      aux_(&fns_, device, InitialAuxElems(cfg_)) {
+  int64_t hq = cfg_.num_qo_heads, hkv = cfg_.num_kv_heads, d = cfg_.head_dim, n = cfg_.prefill_chunk_size;
+  for (int64_t l = 0; l < cfg_.num_layers; ++l) {
+    pages_.push_back(fns_.Alloc({cfg_.num_pages(), 2, hkv, cfg_.page_size, d}, dtype_, device_));
+  }
+  q_buf_ = fns_.Alloc({n, hq, d}, dtype_, device_);
+  k_buf_ = fns_.Alloc({n, hkv, d}, dtype_, device_);
+  v_buf_ = fns_.Alloc({n, hkv, d}, dtype_, device_);
+  o_tmp_buf_ = fns_.Alloc({n, hq, d}, dtype_, device_);
+  lse_tmp_buf_ = fns_.Alloc({n, hq}, kFloat32, device_);
+  lse_own_buf_ = fns_.Alloc({n, hq}, kFloat32, device_);
+}
+
+PagedKVCache CreatePagedKVCache(const std::string& config_json, const ffi::Shape& runtime_values,
+                                const ffi::Array<ffi::Any>& op_table, const ffi::Tensor& device_ref) {
+  KVConfig config = ParseConfig(config_json, runtime_values);
+  OpTable ops = ParseOpTable(op_table);
+  return PagedKVCache(ffi::make_object<PagedKVCacheObj>(std::move(config), std::move(ops), device_ref.device()));
+}
+
+// ---------------------------------------------------------------------------------------------------
+// Checks
+
+void PagedKVCacheObj::CheckNoForward(const char* what) const {
+  if (forward_.has_value()) {
+    TVM_FFI_THROW(RuntimeError) << "pagedkv: " << what << " is not allowed between begin_forward and "
+                                << "end_forward (the forward's index arrays refer to the current pages)";
+  }
+}
+
+const PagedKVCacheObj::Forward& PagedKVCacheObj::CheckForward(const char* what) const {
+  if (!forward_.has_value()) {
+    TVM_FFI_THROW(RuntimeError) << "pagedkv: " << what << " needs an open forward (call begin_forward first)";
+  }
+  return *forward_;
+}
+
+void PagedKVCacheObj::CheckLayer(int64_t layer) const {
+  if (layer < 0 || layer >= cfg_.num_layers) {
+    TVM_FFI_THROW(ValueError) << "pagedkv: layer " << layer << " is out of range [0, " << cfg_.num_layers << ")";
+  }
+}
+
+// ---------------------------------------------------------------------------------------------------
+// Sequences
+
+void PagedKVCacheObj::AddSequence(int64_t seq_id) {
+  CheckNoForward("add_sequence");
+  pool_.Add(seq_id);
+}
+
+void PagedKVCacheObj::RemoveSequence(int64_t seq_id) {
+  CheckNoForward("remove_sequence");
+  pool_.Remove(seq_id);
+}
+
+void PagedKVCacheObj::ForkSequence(int64_t parent_id, int64_t child_id, int64_t fork_pos) {
+  CheckNoForward("fork_sequence");
+  std::optional<PageCopy> copy = pool_.Fork(parent_id, child_id, fork_pos);
+  PoisonNewPages();  // before the copy, so the copied tokens survive
+  RunCopy(copy);
+}
+
+void PagedKVCacheObj::PopN(int64_t seq_id, int64_t n) {
+  CheckNoForward("popn");
+  std::optional<PageCopy> copy = pool_.PopN(seq_id, n);
+  PoisonNewPages();
+  RunCopy(copy);
+}
+
+void PagedKVCacheObj::Clear() {
+  forward_.reset();  // clearing also abandons an open forward
+  pool_.Clear();
+  if (poison_) {
+    for (int32_t page : pool_.FreePages()) PoisonPage(page);
+  }
+}
+
+void PagedKVCacheObj::RunCopy(const std::optional<PageCopy>& copy) {
+  if (!copy.has_value()) return;
+  OpAdapter& copy_page = ops_.Get(ops::kCopyPage);
+  for (const ffi::Tensor& pages : pages_) {
+    copy_page(pages, static_cast<int64_t>(copy->src), static_cast<int64_t>(copy->dst), copy->num_tokens);
+  }
+}
+
+// ---------------------------------------------------------------------------------------------------
+// Debug access: slot maps computed on the host, one gather/append call per layer on views of the dumps.
+
+ffi::Tensor PagedKVCacheObj::SlotsOnDevice(int64_t seq_id, int64_t start, int64_t count) {
+  std::vector<int32_t> pages = pool_.ChainPages(seq_id);
+  std::vector<int32_t> slots;
+  int64_t ps = cfg_.page_size;
+  for (int64_t t = start; t < start + count; ++t) slots.push_back(static_cast<int32_t>(pages[t / ps] * ps + t % ps));
+  if (!debug_aux_) debug_aux_ = std::make_unique<AuxBuilder>(&fns_, device_, AuxBuilder::Padded(count));
+  debug_aux_->Reserve(AuxBuilder::Padded(count));
+  debug_aux_->Reset();
+  int handle = debug_aux_->Add(slots);
+  debug_aux_->Upload();
+  return debug_aux_->View(handle);
+}
+
+void PagedKVCacheObj::DebugGetKV(int64_t seq_id, int64_t start, int64_t end, const ffi::Tensor& k_out,
+                                 const ffi::Tensor& v_out) {
+  int64_t length = pool_.Get(seq_id).length;
+  if (start < 0 || start > end || end > length) {
+    TVM_FFI_THROW(ValueError) << "pagedkv: debug_get_kv range [" << start << ", " << end
+                              << ") is not inside sequence " << seq_id << " of length " << length;
+  }
+  int64_t m = end - start;
+  std::vector<int64_t> shape = {cfg_.num_layers, m, cfg_.num_kv_heads, cfg_.head_dim};
+  CheckTensor(k_out, "k_out", shape, dtype_, device_);
+  CheckTensor(v_out, "v_out", shape, dtype_, device_);
+  OpAdapter& gather = ops_.Get(ops::kGatherKV);
+  if (m == 0) return;
+  ffi::Tensor slots = SlotsOnDevice(seq_id, start, m);
+  uint64_t layer_bytes = NumBytes(KVShape(m), dtype_);
+  for (int64_t l = 0; l < cfg_.num_layers; ++l) {
+    ffi::Tensor k = fns_.View(k_out, KVShape(m), dtype_, l * layer_bytes);
+    ffi::Tensor v = fns_.View(v_out, KVShape(m), dtype_, l * layer_bytes);
+    gather(pages_[l], slots, k, v);
+  }
+}
+
+void PagedKVCacheObj::DebugSetKV(int64_t seq_id, int64_t start, const ffi::Tensor& k, const ffi::Tensor& v) {
+  int64_t length = pool_.Get(seq_id).length;
+  int64_t m = k.ndim() == 4 ? k.shape()[1] : -1;
+  std::vector<int64_t> shape = {cfg_.num_layers, m, cfg_.num_kv_heads, cfg_.head_dim};
+  CheckTensor(k, "k", shape, dtype_, device_);
+  CheckTensor(v, "v", shape, dtype_, device_);
+  if (start < 0 || start + m > length) {
+    TVM_FFI_THROW(ValueError) << "pagedkv: debug_set_kv range [" << start << ", " << start + m
+                              << ") is not inside sequence " << seq_id << " of length " << length;
+  }
+  if (m == 0) return;
+  OpAdapter& append = ops_.Get(ops::kAppendKV);
+  ffi::Tensor slots = SlotsOnDevice(seq_id, start, m);
+  uint64_t layer_bytes = NumBytes(KVShape(m), dtype_);
+  for (int64_t l = 0; l < cfg_.num_layers; ++l) {
+    append(pages_[l], fns_.View(k, KVShape(m), dtype_, l * layer_bytes),
+           fns_.View(v, KVShape(m), dtype_, l * layer_bytes), slots);
+  }
+}
+
+// ---------------------------------------------------------------------------------------------------
+// Poisoning: pages fresh from the free list hold NaN in every layer, so reading unwritten memory fails
+// loudly in tests instead of silently reading stale tokens.
+
+void PagedKVCacheObj::DebugPoisonPages(bool on) {
+  poison_ = on;
+  if (!on) return;
+  for (int32_t page : pool_.FreePages()) PoisonPage(page);
+  PoisonTemps();
+}
+
+void PagedKVCacheObj::PoisonNewPages() {
+  std::vector<int32_t> pages = pool_.TakeNewPages();  // drained even when off, so it never grows
+  if (!poison_) return;
+  for (int32_t page : pages) PoisonPage(page);
+}
+
+void PagedKVCacheObj::PoisonPage(int32_t page) {
+  std::vector<int64_t> shape = {2, cfg_.num_kv_heads, cfg_.page_size, cfg_.head_dim};
+  size_t bytes = NumBytes(shape, dtype_);
+  std::vector<uint8_t> nan = NaNBytes(dtype_, bytes / ((dtype_.bits + 7) / 8));
+  for (const ffi::Tensor& pages : pages_) {
+    fns_.CopyFromBytes(fns_.View(pages, shape, dtype_, static_cast<uint64_t>(page) * bytes), nan.data(), bytes);
+  }
+}
+
+void PagedKVCacheObj::PoisonTemps() {
+  for (const ffi::Tensor* t : {&o_tmp_buf_, &lse_tmp_buf_, &lse_own_buf_, &q_buf_, &k_buf_, &v_buf_}) {
+    size_t count = static_cast<size_t>((*t).numel());
+    std::vector<uint8_t> nan = NaNBytes((*t).dtype(), count);
+    fns_.CopyFromBytes(*t, nan.data(), nan.size());
+  }
+}
+
+ffi::Map<ffi::String, ffi::String> PagedKVCacheObj::OpBackends() const {
+  ffi::Map<ffi::String, ffi::String> out;
+  for (const auto& [op, tag] : ops_.backends) out.Set(op, tag);
+  return out;
+}
+
+}  // namespace pagedkv

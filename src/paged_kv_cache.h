@@ -1,0 +1,125 @@
+// PagedKVCache: the tvm-ffi object behind the `pagedkv.*` globals (docs/ARCHITECTURE.md, "Runtime").
+// It owns the device pages, the BlockPool bookkeeping and the op table, and orchestrates attention as a
+// sequence of kernel-ABI calls. Every public method validates all of its arguments and the cache state
+// before changing anything, so a failed call leaves the cache as it was.
+#ifndef PAGEDKV_PAGED_KV_CACHE_H_
+#define PAGEDKV_PAGED_KV_CACHE_H_
+
+#include <tvm/ffi/container/map.h>
+#include <tvm/ffi/container/shape.h>
+#include <tvm/ffi/container/tensor.h>
+#include <tvm/ffi/object.h>
+#include <tvm/ffi/string.h>
+
+#include <memory>
+#include <optional>
+#include <string>
+#include <vector>
+
+#include "aux_builder.h"
+#include "backend.h"
+#include "block_pool.h"
+#include "config.h"
+#include "forward_plan.h"
+#include "tensor_util.h"
+
+namespace pagedkv {
+
+class PagedKVCacheObj : public ffi::Object {
+ public:
+  PagedKVCacheObj(KVConfig config, OpTable ops, DLDevice device);
+
+  // Sequences (rejected while a forward is open: its index arrays point at the current pages).
+  void AddSequence(int64_t seq_id);
+  void RemoveSequence(int64_t seq_id);
+  void ForkSequence(int64_t parent_id, int64_t child_id, int64_t fork_pos);
+  void PopN(int64_t seq_id, int64_t n);
+  void Clear();
+  int64_t GetSequenceLength(int64_t seq_id) const { return pool_.Get(seq_id).length; }
+  int64_t GetNumAvailablePages() const { return pool_.NumFreePages(); }
+  int64_t GetTotalSequenceLength() const { return pool_.TotalLength(); }
+
+  // One forward.
+  void BeginForward(const ffi::Shape& seq_ids, const ffi::Shape& append_lengths);
+  void EndForward();
+  void AttentionWithFusedQKV(int64_t layer, double sm_scale, const ffi::Tensor& qkv, const ffi::Tensor& o);
+  void SelfAttention(int64_t layer, double sm_scale, const ffi::Tensor& q, const ffi::Tensor& k,
+                     const ffi::Tensor& v, const ffi::Tensor& o, const ffi::Tensor& lse);
+  void CrossAttention(int64_t layer, double sm_scale, const ffi::Tensor& q, const ffi::Tensor& o,
+                      const ffi::Tensor& lse);
+  void MergeAttnOutputInplace(const ffi::Tensor& o_a, const ffi::Tensor& lse_a, const ffi::Tensor& o_b,
+                              const ffi::Tensor& lse_b);
+  ffi::Tensor GetQueryPositions() const;
+
+  // Debugging and introspection.
+  void DebugGetKV(int64_t seq_id, int64_t start, int64_t end, const ffi::Tensor& k_out,
+                  const ffi::Tensor& v_out);
+  void DebugSetKV(int64_t seq_id, int64_t start, const ffi::Tensor& k, const ffi::Tensor& v);
+  void DebugPoisonPages(bool on);
+  std::string ConfigJSON() const { return ConfigToJSON(cfg_); }
+  ffi::Map<ffi::String, ffi::String> OpBackends() const;
+
+  static constexpr bool _type_mutable = true;
+  TVM_FFI_DECLARE_OBJECT_INFO_FINAL("pagedkv.PagedKVCache", PagedKVCacheObj, ffi::Object);
+
+ private:
+  // Device views of one pass's index arrays.
+  struct PassViews {
+    ffi::Tensor q_indptr, page_indptr, page_values, last_page_len, k_pos_offset;
+    bool all_empty = true;
+    bool one_query_per_entry = true;
+  };
+  // State of the open forward (begin_forward .. end_forward).
+  struct Forward {
+    bool is_decode = false;
+    int64_t num_tokens = 0;
+    ffi::Tensor q_indptr, q_pos, append_slot, prior_len;
+    std::vector<PassViews> passes;
+    ffi::Tensor q, k, v, o_tmp, lse_tmp, lse_own;  // [n, ...] views of the work buffers
+  };
+
+  void CheckNoForward(const char* what) const;
+  const Forward& CheckForward(const char* what) const;
+  void CheckLayer(int64_t layer) const;
+  std::vector<int64_t> QShape(int64_t n) const { return {n, cfg_.num_qo_heads, cfg_.head_dim}; }
+  std::vector<int64_t> KVShape(int64_t n) const { return {n, cfg_.num_kv_heads, cfg_.head_dim}; }
+  void UploadPlan(const ForwardPlan& plan);
+  void RunCopy(const std::optional<PageCopy>& copy);
+  void RunPass(int64_t layer, const PassViews& pass, const ffi::Tensor& q, const ffi::Tensor& o,
+               const ffi::Tensor& lse, double sm_scale);
+  void RunPasses(int64_t layer, const ffi::Tensor& q, const ffi::Tensor& o, const ffi::Tensor& lse,
+                 double sm_scale, bool output_written);
+  void RunRagged(const ffi::Tensor& q, const ffi::Tensor& k, const ffi::Tensor& v, const ffi::Tensor& o,
+                 const ffi::Tensor& lse, double sm_scale);
+  ffi::Tensor SlotsOnDevice(int64_t seq_id, int64_t start, int64_t count);
+  void PoisonNewPages();
+  void PoisonPage(int32_t page);
+  void PoisonTemps();
+  int apply_rope_inline() const { return cfg_.rope_mode == "inline" ? 1 : 0; }
+
+  KVConfig cfg_;
+  OpTable ops_;
+  DLDevice device_;
+  DLDataType dtype_;
+  TensorFns fns_;
+  BlockPool pool_;
+  std::vector<ffi::Tensor> pages_;  // per layer [P, 2, Hkv, ps, D]
+  ffi::Tensor q_buf_, k_buf_, v_buf_, o_tmp_buf_, lse_tmp_buf_, lse_own_buf_;  // chunk-sized work buffers
+  AuxBuilder aux_;
+  std::unique_ptr<AuxBuilder> debug_aux_;  // slot maps of debug_get_kv / debug_set_kv
+  std::optional<Forward> forward_;
+  bool poison_ = false;
+};
+
+class PagedKVCache : public ffi::ObjectRef {
+ public:
+  TVM_FFI_DEFINE_OBJECT_REF_METHODS_NULLABLE(PagedKVCache, ffi::ObjectRef, PagedKVCacheObj);
+};
+
+// `pagedkv.create`: parses the config and op table, allocates pages on device_ref's device.
+PagedKVCache CreatePagedKVCache(const std::string& config_json, const ffi::Shape& runtime_values,
+                                const ffi::Array<ffi::Any>& op_table, const ffi::Tensor& device_ref);
+
+}  // namespace pagedkv
+
+#endif  // PAGEDKV_PAGED_KV_CACHE_H_

@@ -1,0 +1,48 @@
+// Device memory through TVM runtime globals looked up by name once (the runtime links tvm-ffi only, so
+// it needs no TVM C++ headers), plus argument checks that name the offending tensor.
+#ifndef PAGEDKV_TENSOR_UTIL_H_
+#define PAGEDKV_TENSOR_UTIL_H_
+
+#include <tvm/ffi/container/shape.h>
+#include <tvm/ffi/container/tensor.h>
+#include <tvm/ffi/function.h>
+
+#include <cstdint>
+#include <string>
+#include <vector>
+
+namespace pagedkv {
+
+namespace ffi = tvm::ffi;
+
+class TensorFns {
+ public:
+  // Looks up runtime.TVMTensor{AllocWithScope,CopyFromTo,CopyFromBytes,CreateView}; throws naming a
+  // missing one (TVM's runtime must be loaded, e.g. `import tvm`).
+  TensorFns();
+  ffi::Tensor Alloc(const std::vector<int64_t>& shape, DLDataType dtype, DLDevice device) const;
+  // A view of `base` (contiguous) with `shape` starting `byte_offset` bytes after base's start.
+  ffi::Tensor View(const ffi::Tensor& base, const std::vector<int64_t>& shape, DLDataType dtype,
+                   uint64_t byte_offset) const;
+  void Copy(const ffi::Tensor& from, const ffi::Tensor& to) const;
+  void CopyFromBytes(const ffi::Tensor& to, const void* data, size_t nbytes) const;
+
+ private:
+  ffi::Function alloc_, copy_from_to_, copy_from_bytes_, create_view_;
+};
+
+inline constexpr DLDataType kInt32 = {kDLInt, 32, 1};
+inline constexpr DLDataType kFloat32 = {kDLFloat, 32, 1};
+
+std::string ShapeStr(const std::vector<int64_t>& shape);
+// Throws ValueError naming `name` unless `t` is contiguous, on `device`, with `shape` and `dtype`.
+void CheckTensor(const ffi::Tensor& t, const char* name, const std::vector<int64_t>& shape,
+                 DLDataType dtype, DLDevice device);
+// Element count × element size.
+size_t NumBytes(const std::vector<int64_t>& shape, DLDataType dtype);
+// `count` elements of `dtype` all set to a quiet NaN (for poisoning).
+std::vector<uint8_t> NaNBytes(DLDataType dtype, size_t count);
+
+}  // namespace pagedkv
+
+#endif  // PAGEDKV_TENSOR_UTIL_H_

@@ -1,0 +1,89 @@
+"""Shared fixtures of the pagedkv test suites.
+
+Random inputs are fresh on every run; each test that draws them prints its seed, and
+``PAGEDKV_TEST_SEED=<seed>`` replays a run.
+"""
+
+from __future__ import annotations
+
+import os
+import random
+import sys
+from pathlib import Path
+
+import pytest
+
+_REPO = Path(__file__).resolve().parent.parent
+if str(_REPO / "python") not in sys.path:  # source checkout without `pip install`
+    sys.path.insert(0, str(_REPO / "python"))
+
+import torch  # noqa: E402
+
+torch.set_num_threads(max(1, min(4, os.cpu_count() or 1)))
+
+
+def pytest_report_header(config):
+    try:
+        from pagedkv._lib import runtime_library_path
+
+        lib = runtime_library_path()
+    except Exception as err:  # noqa: BLE001 (a header must not fail the session)
+        lib = f"not found ({err})"
+    seed = os.environ.get("PAGEDKV_TEST_SEED")
+    return [f"pagedkv runtime: {lib}", f"pagedkv seed: {seed or 'fresh per test'}"]
+
+
+@pytest.fixture
+def seed() -> int:
+    """A fresh seed per test (or ``$PAGEDKV_TEST_SEED``); printed so a failure can be replayed."""
+    env = os.environ.get("PAGEDKV_TEST_SEED")
+    value = int(env) if env else random.SystemRandom().randrange(2**31)
+    print(f"seed={value}  (replay: PAGEDKV_TEST_SEED={value})")
+    return value
+
+
+@pytest.fixture
+def gen(seed) -> torch.Generator:
+    """A CPU ``torch.Generator`` seeded with ``seed``."""
+    g = torch.Generator()
+    g.manual_seed(seed)
+    return g
+
+
+def cpu_backends(config, target: str = "llvm") -> list[str]:
+    """Registered backends that accept ``config`` on ``target`` for at least one op, highest priority
+    first (a backend serving only some ops is tested with ``tir`` filling in the rest)."""
+    from pagedkv import backends, ops
+
+    out = []
+    for tag in backends.registered_backends():
+        try:
+            backend = backends.get_backend(tag)
+        except Exception:  # noqa: BLE001 (an unimportable backend is not testable here)
+            continue
+        if any(not backend.validate_configuration(op, config, target) for op in ops.OPS):
+            out.append(tag)
+    return out
+
+
+def backend_choice(tag: str) -> list[str]:
+    """The priority list a test creates its cache with: ``tag`` first, ``tir`` for what it leaves."""
+    return [tag] if tag == "tir" else [tag, "tir"]
+
+
+@pytest.fixture(scope="session")
+def make_cache():
+    """``make_cache(config, backend)``: a fresh, NaN-poisoned cache on the CPU.
+
+    Compiled kernel modules are reused across the session (``pagedkv.cache`` keeps them per config), so
+    tests should share configs.
+    """
+    import pagedkv
+
+    def make(config, backend="tir", **kwargs):
+        kwargs.setdefault("poison", True)
+        kwargs.setdefault("target", "llvm")
+        return pagedkv.create(config, backend=backend_choice(backend) if isinstance(backend, str) else backend,
+                              **kwargs)
+
+    return make

@@ -1,0 +1,238 @@
+"""KVCacheConfig validation and JSON, and backend resolution (explicit, priority list, automatic)."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+import pagedkv
+from pagedkv import KVCacheConfig, backends, ops
+from pagedkv.backends import Backend, NoBackendError
+from pagedkv.config import RUNTIME_FIELDS, SCHEMA_VERSION
+
+BASE = dict(num_layers=2, num_qo_heads=8, num_kv_heads=2, head_dim=64, dtype="float32")
+
+
+# -- config ---------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("changes,fragments", [
+    (dict(num_layers=0), ["num_layers must be a positive int, got 0"]),
+    (dict(head_dim=-64), ["head_dim must be a positive int, got -64"]),
+    (dict(page_size=2.5), ["page_size must be a positive int, got 2.5"]),
+    (dict(max_batch_size=0), ["max_batch_size", "got 0"]),
+    (dict(num_qo_heads=6, num_kv_heads=4), ["num_qo_heads (6) is not a multiple of num_kv_heads (4)"]),
+    (dict(dtype="int8"), ["dtype 'int8'"]),
+    (dict(rope_mode="sideways"), ["rope_mode 'sideways'"]),
+    (dict(head_dim=63), ["even head_dim, got 63"]),
+    (dict(v_head_dim=32), ["v_head_dim"]),
+    (dict(layer_kinds=("mha",)), ["layer_kinds has 1 entries for 2 layers"]),
+    (dict(layer_kinds=("mha", "mla")), ["unknown layer kinds ['mla']"]),
+    (dict(schema_version=2), ["schema_version 2"]),
+    (dict(num_layers=0, dtype="int8", rope_mode="x"), ["num_layers", "'int8'", "rope_mode 'x'"]),  # all reported
+])
+def test_config_validation(changes, fragments):
+    with pytest.raises(ValueError) as info:
+        KVCacheConfig(**{**BASE, **changes})
+    msg = str(info.value)
+    assert msg.startswith("invalid KVCacheConfig: ")
+    for fragment in fragments:
+        assert fragment in msg, f"{fragment!r} not in {msg!r}"
+
+
+def test_config_valid_and_derived():
+    cfg = KVCacheConfig(**BASE)
+    assert cfg.problems() == []
+    assert cfg.group_size == 4 and cfg.v_dim == 64 and cfg.kinds == ("mha", "mha")
+    assert cfg.schema_version == SCHEMA_VERSION
+    assert KVCacheConfig(**{**BASE, "rope_mode": "none", "head_dim": 63}).problems() == []  # odd dim: no RoPE
+    with pytest.raises(ValueError, match="num_layers"):
+        cfg.replace(num_layers=-1)
+
+
+def _from_dict(d: dict) -> KVCacheConfig:
+    d = dict(d)
+    d.pop("runtime_fields")
+    d["layer_kinds"] = tuple(d["layer_kinds"])
+    return KVCacheConfig(**d)
+
+
+def test_config_json_round_trip():
+    cfg = KVCacheConfig(**BASE, rope_mode="inline", rope_theta=5e5, rope_scale=0.25, page_size=8,
+                        max_batch_size=3, max_total_seq_len=100, prefill_chunk_size=40)
+    text = cfg.to_json()
+    d = json.loads(text)
+    assert d["schema_version"] == SCHEMA_VERSION and d["runtime_fields"] == []
+    assert d["v_head_dim"] == 64 and d["layer_kinds"] == ["mha", "mha"]
+    back = _from_dict(d)
+    assert back.to_json() == text
+    assert back.to_dict() == cfg.to_dict()
+    # v_head_dim and layer_kinds are written out explicitly
+    assert back.replace(v_head_dim=None, layer_kinds=None) == cfg
+
+
+def test_config_runtime_fields():
+    cfg = KVCacheConfig(**BASE)
+    d = cfg.to_dict(runtime_fields=("max_batch_size", "page_size"))
+    assert d["runtime_fields"] == ["max_batch_size", "page_size"]
+    assert "max_batch_size" not in d and "page_size" not in d
+    with pytest.raises(ValueError, match="'num_layers' cannot be a runtime field"):
+        cfg.to_json(runtime_fields=("num_layers",))
+    assert set(RUNTIME_FIELDS) >= {"max_batch_size", "page_size"}
+
+
+#: one small config for every test here that builds kernels (compiled once per session)
+SMALL = KVCacheConfig(**BASE, rope_mode="none", page_size=8, max_batch_size=2, max_total_seq_len=32,
+                      prefill_chunk_size=24)
+
+
+def test_runtime_config_json_round_trip():
+    """The runtime's effective config (``pagedkv.config_json``) is the one it was given."""
+    cfg = SMALL
+    cache = pagedkv.create(cfg, backend="tir", target="llvm")
+    effective = json.loads(str(cache._call("config_json")))
+    expected = cfg.to_dict()
+    assert {key: effective.get(key) for key in expected} == expected
+
+
+def test_runtime_values_fill_runtime_fields():
+    """Fields listed in ``runtime_fields`` take their values from ``runtime_values``, in that order."""
+    import torch
+    import tvm_ffi
+
+    from pagedkv._lib import get_global
+    from pagedkv.cache import _compile_op_table
+
+    cfg = SMALL
+    _module, table = _compile_op_table(cfg, "llvm", tuple(backends.resolve(cfg, "llvm", "tir").choice.items()))
+    text = cfg.to_json(runtime_fields=("max_batch_size", "max_total_seq_len"))
+    handle = get_global("pagedkv.create")(text, (5, 64), table, tvm_ffi.from_dlpack(torch.empty(1)))
+    effective = json.loads(str(get_global("pagedkv.config_json")(handle)))
+    assert effective["max_batch_size"] == 5 and effective["max_total_seq_len"] == 64
+    assert get_global("pagedkv.get_num_available_pages")(handle) == 64 // 8 + 5
+
+
+# -- backends -------------------------------------------------------------------------------------------
+class RefusingBackend(Backend):
+    """Refuses every op, with two reasons naming the op."""
+
+    tag = "refuser"
+    ops = ops.OPS
+
+    def validate_configuration(self, op, config, target):
+        return [f"refuser cannot do {op}", f"refuser dislikes {config.dtype}"]
+
+    def build(self, op, config, target):  # pragma: no cover - never called for a refusing backend
+        raise AssertionError("build called on a backend that refused")
+
+
+class MergeOnlyBackend(Backend):
+    """Serves merge_state only (resolution only; never built)."""
+
+    tag = "mergeonly"
+    ops = (ops.MERGE_STATE,)
+
+    def validate_configuration(self, op, config, target):
+        return self._unsupported_op(op)
+
+    def build(self, op, config, target):  # pragma: no cover
+        raise AssertionError("not built in these tests")
+
+
+class MisTaggedBackend(RefusingBackend):
+    tag = "something-else"
+
+
+@pytest.fixture
+def registry(monkeypatch):
+    """Register test backends into a copy of the registry, restored after the test."""
+    monkeypatch.setattr(backends, "_REGISTRY", dict(backends._REGISTRY))
+    monkeypatch.setattr(backends, "_INSTANCES", dict(backends._INSTANCES))
+
+    def register(tag, cls, priority=0):
+        backends.register_backend(tag, f"{__name__}:{cls.__name__}", priority=priority, replace=True)
+
+    return register
+
+
+CFG = KVCacheConfig(**BASE)
+
+
+def test_resolve_explicit_tir():
+    res = backends.resolve(CFG, "llvm", "tir")
+    assert res.choice == {op: "tir" for op in ops.OPS}
+    assert list(res.choice) == list(ops.OPS)
+    assert res.reasons == {}
+    assert res.report() == ", ".join(f"{op}=tir" for op in ops.OPS)
+    assert backends.resolve(CFG, "llvm", ["tir"]).choice == res.choice
+
+
+def test_resolve_unknown_tag():
+    with pytest.raises(ValueError, match="unknown backend 'nope'.*registered: .*tir"):
+        backends.resolve(CFG, "llvm", "nope")
+    with pytest.raises(ValueError, match="'nope'"):
+        backends.resolve(CFG, "llvm", ["tir", "nope"])
+
+
+def test_resolve_unknown_op():
+    with pytest.raises(ValueError, match="unknown op 'frobnicate'"):
+        backends.resolve(CFG, "llvm", "tir", ops=["frobnicate"])
+
+
+def test_resolve_refusing_backend_lists_reasons(registry):
+    registry("refuser", RefusingBackend)
+    with pytest.raises(NoBackendError) as info:
+        backends.resolve(CFG, "llvm", "refuser")
+    msg = str(info.value)
+    assert f"op {ops.OPS[0]!r}" in msg and "'llvm'" in msg
+    assert f"refuser: refuser cannot do {ops.OPS[0]}; refuser dislikes float32" in msg
+
+
+def test_no_backend_error_lists_every_backend(registry):
+    registry("refuser", RefusingBackend)
+    # tir refuses the cuda target; refuser refuses everything
+    with pytest.raises(NoBackendError) as info:
+        backends.resolve(CFG, "cuda", ["refuser", "tir"])
+    msg = str(info.value)
+    assert "refuser: refuser cannot do split_rotary; refuser dislikes float32" in msg
+    assert "tir: TIR kernels are not scheduled for target kind 'cuda'" in msg
+    assert "'cuda'" in msg
+    # tir refuses bfloat16 on llvm too, with its own reason
+    with pytest.raises(NoBackendError) as info:
+        backends.resolve(CFG.replace(dtype="bfloat16"), "llvm", ["tir", "refuser"])
+    msg = str(info.value)
+    assert "tir: dtype 'bfloat16' not supported" in msg and "refuser dislikes bfloat16" in msg
+    assert msg.index("tir:") < msg.index("refuser:")  # in the priority order given
+
+
+def test_automatic_selection(registry):
+    registry("mergeonly", MergeOnlyBackend, priority=100)
+    registry("refuser", RefusingBackend, priority=50)
+    assert backends.registered_backends()[:2] == ["mergeonly", "refuser"]
+    res = backends.resolve(CFG, "llvm")
+    assert res.choice == {op: ("mergeonly" if op == ops.MERGE_STATE else "tir") for op in ops.OPS}
+    assert "merge_state=mergeonly" in res.report() and "split_rotary=tir" in res.report()
+    # the backends passed over for an op are recorded with their reasons
+    assert res.reasons["split_rotary"] == {
+        "mergeonly": ["backend 'mergeonly' does not implement op 'split_rotary'"],
+        "refuser": ["refuser cannot do split_rotary", "refuser dislikes float32"],
+    }
+    assert ops.MERGE_STATE not in res.reasons  # served by the first candidate
+
+
+def test_automatic_selection_creates_cache():
+    cache = pagedkv.create(SMALL, target="llvm")
+    assert cache.op_backends == cache.resolution.choice
+    assert set(cache.op_backends) == set(ops.OPS)
+    assert cache.resolution.report() == ", ".join(f"{op}={t}" for op, t in cache.resolution.choice.items())
+
+
+def test_register_backend_errors(registry):
+    with pytest.raises(ValueError, match="non-empty string"):
+        backends.register_backend("", "x:Y")
+    with pytest.raises(ValueError, match="'module:Class'.*'nocolon'"):
+        backends.register_backend("x", "nocolon")
+    with pytest.raises(ValueError, match="'tir' is already registered"):
+        backends.register_backend("tir", "pagedkv.backends.tir:TIRBackend")
+    registry("mistagged", MisTaggedBackend)
+    with pytest.raises(ValueError, match="tag 'something-else', registered as 'mistagged'"):
+        backends.get_backend("mistagged")

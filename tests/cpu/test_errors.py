@@ -1,0 +1,322 @@
+"""Every bad call raises, names the offending value, and leaves the cache exactly as it was.
+
+"Exactly as it was" is checked two ways: a snapshot (lengths, ``num_available_pages``,
+``total_sequence_length`` and the ``debug_get_kv`` dump of every sequence) taken before the bad call equals
+the one after it, and the cache keeps matching the reference (which never saw the bad call) through a
+following forward. Calls that fail inside a forward are followed by the rest of that forward.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+
+import pytest
+import torch
+
+import pagedkv
+from conftest import cpu_backends
+from pagedkv import KVCacheConfig, ops
+from pagedkv._lib import get_global
+from pagedkv.testing.scenarios import ScenarioRunner, add, check, check_state, forward
+
+# page size 8, max_total_seq_len 32, max_batch_size 2 -> 4 + 2 = 6 pages (48 tokens); a forward appends
+# at most 24 tokens.
+CFG = KVCacheConfig(num_layers=2, num_qo_heads=4, num_kv_heads=2, head_dim=64, dtype="float32",
+                    rope_mode="normal", page_size=8, max_batch_size=2, max_total_seq_len=32,
+                    prefill_chunk_size=24)
+NUM_PAGES = 6
+WIDTH = CFG.num_qo_heads + 2 * CFG.num_kv_heads
+BACKENDS = cpu_backends(CFG)
+
+
+@pytest.fixture(params=BACKENDS)
+def runner(request, make_cache, gen):
+    """A cache holding sequence 0 (10 tokens) and 1 (3 tokens), mirrored by the reference."""
+    r = ScenarioRunner(make_cache(CFG, request.param), gen, 0.11)
+    r.run([add(0), add(1), forward({0: 10, 1: 3})], "setup")
+    return r
+
+
+def snapshot(cache, seqs):
+    out = {"pages": cache.num_available_pages, "total": cache.total_sequence_length}
+    for s in seqs:
+        out[s] = (cache.get_sequence_length(s), *cache.debug_get_kv(s))
+    return out
+
+
+def assert_same(a, b):
+    assert a.keys() == b.keys()
+    for key in a:
+        if isinstance(a[key], tuple):
+            assert a[key][0] == b[key][0], f"length of {key} changed: {a[key][0]} -> {b[key][0]}"
+            assert torch.equal(a[key][1], b[key][1]) and torch.equal(a[key][2], b[key][2]), f"k/v of {key} changed"
+        else:
+            assert a[key] == b[key], f"{key} changed: {a[key]} -> {b[key]}"
+
+
+def rejects(r: ScenarioRunner, call, pattern: str, follow: bool = True):
+    """``call()`` raises with ``pattern`` (a regex) in its message and changes nothing; then the cache
+    still matches the reference, and (``follow``) also through one more forward of every sequence."""
+    seqs = sorted(r.ref.seqs)
+    before = snapshot(r.cache, seqs)
+    with pytest.raises(Exception) as info:
+        call()
+    msg = str(info.value)
+    assert re.search(pattern, msg, re.IGNORECASE), f"message does not name {pattern!r}: {msg!r}"
+    assert_same(before, snapshot(r.cache, seqs))
+    check_state(r.cache, r.ref, "after the rejected call")
+    live = [s for s in seqs if s in r.ref.seqs][: CFG.max_batch_size]
+    if follow and live and r.ref.num_available_pages >= len(live):
+        r.run([forward({s: 1 for s in live}), check()], "forward after the rejected call")
+
+
+def num(value: int) -> str:
+    """A regex matching the integer ``value`` as a whole number."""
+    return rf"(?<![\d.]){re.escape(str(value))}(?![\d.])"
+
+
+# -- sequences ------------------------------------------------------------------------------------------
+def test_unknown_seq_id(runner):
+    c = runner.cache
+    rejects(runner, lambda: c.remove_sequence(12345), num(12345))
+    rejects(runner, lambda: c.fork_sequence(12345, 7, -1), num(12345))
+    rejects(runner, lambda: c.popn(12345, 1), num(12345))
+    rejects(runner, lambda: c.get_sequence_length(12345), num(12345))
+    rejects(runner, lambda: c.begin_forward([0, 12345], [1, 1]), num(12345))
+    rejects(runner, lambda: c.debug_get_kv(12345, 0, 0), num(12345))
+
+
+def test_duplicate_seq_id(runner):
+    c = runner.cache
+    rejects(runner, lambda: c.add_sequence(1), r"\b1\b")
+    runner.run([add(77)], "add 77")
+    rejects(runner, lambda: c.add_sequence(77), num(77))
+    rejects(runner, lambda: c.fork_sequence(0, 77, 4), num(77))
+    rejects(runner, lambda: c.fork_sequence(0, 0, 4), r"\b0\b")
+
+
+def test_fork_pos_out_of_range(runner):
+    c = runner.cache
+    for parent in (0, 1):
+        past = runner.ref.get_sequence_length(parent) + 1
+        rejects(runner, lambda: c.fork_sequence(parent, 5, past), num(past), follow=False)
+    rejects(runner, lambda: c.fork_sequence(0, 5, -7), num(-7))
+
+
+def test_popn_too_long(runner):
+    c = runner.cache
+    for seq in (0, 1):
+        too_many = runner.ref.get_sequence_length(seq) + 1
+        rejects(runner, lambda: c.popn(seq, too_many), num(too_many), follow=False)
+    rejects(runner, lambda: c.popn(0, -2), num(-2))
+
+
+def test_out_of_pages_begin_forward(runner):
+    c = runner.cache
+    runner.run([forward({0: 14}), check()], "fill")  # 0: 24 tokens (3 pages), 1: 3 (1 page); 2 left
+    assert runner.ref.num_available_pages == 2
+    rejects(runner, lambda: c.begin_forward([0], [17]), r"page", follow=False)  # 0 needs 3 more
+    # the first sequence fits (its page must be given back), the second does not
+    rejects(runner, lambda: c.begin_forward([1, 0], [6, 16]), r"page", follow=False)
+    runner.run([forward({0: 16}), check()], "fill")  # 0: 40 tokens (5 pages); none left
+    assert runner.ref.num_available_pages == 0
+    runner.run([forward({1: 5}), check()], "fits in its last page")  # 1: 8 tokens, still 1 page
+    rejects(runner, lambda: c.begin_forward([1], [1]), r"page", follow=False)
+
+
+def test_out_of_pages_fork_midpage(runner):
+    runner.run([forward({0: 22, 1: 2}), forward({1: 9}), check()], "fill")  # 0: 32 (4 pages), 1: 14 (2)
+    assert runner.ref.num_available_pages == 0
+    rejects(runner, lambda: runner.cache.fork_sequence(0, 2, 13), r"page", follow=False)
+    rejects(runner, lambda: runner.cache.fork_sequence(1, 2, -1), r"page", follow=False)
+    # forks at a page boundary share full pages only and need none
+    for child, pos in ((2, 16), (3, -1)):
+        runner.ref.fork_sequence(0, child, pos)
+        runner.cache.fork_sequence(0, child, pos)
+    check_state(runner.cache, runner.ref, "forks at a boundary with no free page")
+
+
+# -- forward ----------------------------------------------------------------------------------------------
+def _qkv(n, width=WIDTH, d=CFG.head_dim, dtype=torch.float32):
+    return torch.randn(n, width, d).to(dtype)
+
+
+def in_forward_rejects(r: ScenarioRunner, batch: dict, bad, pattern: str):
+    """Inside a forward: layer 0 valid, then the bad call, then layer 1; outputs must match the
+    reference (which never saw the bad call) and so must the state afterwards."""
+    seqs, lens = list(batch), list(batch.values())
+    r.ref.begin_forward(seqs, lens)
+    r.cache.begin_forward(seqs, lens)
+    n = sum(lens)
+    outs = []
+    for layer in range(CFG.num_layers):
+        qkv = _qkv(n)
+        outs.append((r.cache.attention_with_fused_qkv(layer, qkv, 0.11),
+                     r.ref.attention_with_fused_qkv(layer, qkv, 0.11)))
+        if layer == 0:
+            with pytest.raises(Exception) as info:
+                bad()
+            msg = str(info.value)
+            assert re.search(pattern, msg, re.IGNORECASE), f"message does not name {pattern!r}: {msg!r}"
+    r.cache.end_forward()
+    r.ref.end_forward()
+    from pagedkv.testing.scenarios import assert_close
+
+    for layer, (o, ref_o) in enumerate(outs):
+        assert_close(o, ref_o, CFG.dtype, f"layer {layer} of the forward with a rejected call")
+    check_state(r.cache, r.ref, "after the forward with a rejected call")
+    r.run([forward({0: 1}), check()], "next forward")
+
+
+def test_layer_out_of_range(runner):
+    c = runner.cache
+    in_forward_rejects(runner, {0: 2, 1: 1}, lambda: c.attention_with_fused_qkv(17, _qkv(3), 0.1), num(17))
+    in_forward_rejects(runner, {0: 1, 1: 1}, lambda: c.attention_with_fused_qkv(2, _qkv(2), 0.1), num(2))
+    in_forward_rejects(runner, {0: 1}, lambda: c.attention_with_fused_qkv(-1, _qkv(1), 0.1), num(-1))
+    q = torch.randn(3, CFG.num_qo_heads, CFG.head_dim)
+    in_forward_rejects(runner, {0: 2, 1: 1}, lambda: c.cross_attention(17, q, 0.1), num(17))
+    kv = torch.randn(3, CFG.num_kv_heads, CFG.head_dim)
+    in_forward_rejects(runner, {0: 2, 1: 1}, lambda: c.self_attention(17, q, kv, kv, 0.1), num(17))
+
+
+def test_qkv_wrong_shape(runner):
+    c = runner.cache
+    # 11 heads instead of 4 + 2 * 2 = 8
+    in_forward_rejects(runner, {0: 2, 1: 1}, lambda: c.attention_with_fused_qkv(1, _qkv(3, width=11), 0.1),
+                       num(11))
+    # 13 tokens in a forward of 3
+    in_forward_rejects(runner, {0: 2, 1: 1}, lambda: c.attention_with_fused_qkv(1, _qkv(13), 0.1), num(13))
+    # head dim 32 instead of 64
+    in_forward_rejects(runner, {0: 2, 1: 1}, lambda: c.attention_with_fused_qkv(1, _qkv(3, d=32), 0.1), num(32))
+    # a 2-d qkv
+    in_forward_rejects(runner, {0: 2, 1: 1},
+                       lambda: c.attention_with_fused_qkv(1, torch.randn(3, WIDTH * CFG.head_dim), 0.1),
+                       r"qkv|shape|ndim|dimension")
+    # cross_attention with a q of 5 tokens in a forward of 3
+    in_forward_rejects(runner, {0: 2, 1: 1},
+                       lambda: c.cross_attention(1, torch.randn(5, CFG.num_qo_heads, CFG.head_dim), 0.1), num(5))
+
+
+def test_qkv_wrong_dtype(runner):
+    c = runner.cache
+    in_forward_rejects(runner, {0: 2, 1: 1},
+                       lambda: c.attention_with_fused_qkv(1, _qkv(3, dtype=torch.float64), 0.1), r"float64")
+    in_forward_rejects(runner, {0: 2, 1: 1},
+                       lambda: c.attention_with_fused_qkv(1, _qkv(3, dtype=torch.float16), 0.1), r"float16")
+
+
+def test_begin_forward_twice(runner):
+    c = runner.cache
+    in_forward_rejects(runner, {0: 2, 1: 1}, lambda: c.begin_forward([0], [1]), r"begin_forward|forward")
+
+
+def test_attention_outside_forward(runner):
+    c = runner.cache
+    q = torch.randn(1, CFG.num_qo_heads, CFG.head_dim)
+    kv = torch.randn(1, CFG.num_kv_heads, CFG.head_dim)
+    pattern = r"begin_forward|forward"
+    rejects(runner, lambda: c.attention_with_fused_qkv(0, _qkv(1), 0.1), pattern)
+    rejects(runner, lambda: c.cross_attention(0, q, 0.1), pattern)
+    rejects(runner, lambda: c.self_attention(0, q, kv, kv, 0.1), pattern)
+    runner.run([forward({0: 1})], "one forward")
+    rejects(runner, lambda: c.attention_with_fused_qkv(0, _qkv(1), 0.1), pattern)  # after end_forward
+
+
+def test_sequence_ops_inside_forward(runner):
+    """remove / fork / popn of a sequence of the running forward would invalidate its plan: rejected."""
+    c = runner.cache
+    for bad in (lambda: c.remove_sequence(1), lambda: c.fork_sequence(0, 9, 4), lambda: c.popn(0, 1)):
+        in_forward_rejects(runner, {0: 2, 1: 1}, bad, r"forward")
+
+
+def test_over_prefill_chunk_size(runner):
+    # chunk 24; the pages would suffice (0: 10 -> 35 tokens needs 3 more pages, 3 are left)
+    rejects(runner, lambda: runner.cache.begin_forward([0, 1], [13, 12]), num(25))
+    rejects(runner, lambda: runner.cache.begin_forward([0], [25]), num(25))
+
+
+def test_over_max_batch_size(runner):
+    runner.run([add(2)], "add 2")
+    rejects(runner, lambda: runner.cache.begin_forward([0, 1, 2], [1, 1, 1]), num(3))
+
+
+def test_bad_begin_forward_arguments(runner):
+    c = runner.cache
+    rejects(runner, lambda: c.begin_forward([0, 1], [1]), r"\b1\b|\b2\b|length")
+    rejects(runner, lambda: c.begin_forward([0, 0], [1, 1]), r"\b0\b|duplicate|repeat|twice")
+
+
+# -- create ---------------------------------------------------------------------------------------------
+@pytest.fixture
+def table():
+    """The op table of CFG for ``tir``, as ``pagedkv.create`` builds it (a fresh list per test)."""
+    from pagedkv import backends
+    from pagedkv.cache import _compile_op_table
+
+    resolution = backends.resolve(CFG, "llvm", "tir")
+    _module, entries = _compile_op_table(CFG, "llvm", tuple(resolution.choice.items()))
+    return [list(e) for e in entries]
+
+
+def _create(config_json, table, runtime_values=()):
+    import tvm_ffi
+
+    device_ref = torch.empty((1,), dtype=torch.float32)
+    return get_global("pagedkv.create")(config_json, runtime_values, table, tvm_ffi.from_dlpack(device_ref))
+
+
+def test_create_full_table_works(table):
+    cache = _create(CFG.to_json(), table)
+    assert {str(k): str(v) for k, v in get_global("pagedkv.op_backends")(cache).items()} == \
+        {op: "tir" for op in ops.OPS}
+
+
+@pytest.mark.parametrize("missing", [ops.MERGE_STATE, ops.ATTN_DECODE_PAGED, ops.COPY_PAGE])
+def test_create_missing_op(table, missing):
+    partial = [e for e in table if e[0] != missing]
+    with pytest.raises(Exception, match=re.escape(missing)):
+        _create(CFG.to_json(), partial)
+
+
+def test_create_unknown_op(table):
+    table.append(["frobnicate_kv", "tir", table[0][2]])
+    with pytest.raises(Exception, match="frobnicate_kv"):
+        _create(CFG.to_json(), table)
+
+
+def test_create_unknown_backend_tag(table):
+    table[0][1] = "nosuchbackend"
+    with pytest.raises(Exception, match="nosuchbackend"):
+        _create(CFG.to_json(), table)
+
+
+def test_create_newer_schema(table):
+    d = json.loads(CFG.to_json())
+    d["schema_version"] = 99
+    with pytest.raises(Exception, match=num(99)):
+        _create(json.dumps(d), table)
+
+
+def test_create_unknown_config_field(table):
+    d = json.loads(CFG.to_json())
+    d["bogus_field_xyz"] = 1
+    with pytest.raises(Exception, match="bogus_field_xyz"):
+        _create(json.dumps(d), table)
+
+
+def test_create_bad_config_value(table):
+    d = json.loads(CFG.to_json())
+    d["rope_mode"] = "sideways"
+    with pytest.raises(Exception, match="sideways"):
+        _create(json.dumps(d), table)
+
+
+def test_create_missing_runtime_value(table):
+    with pytest.raises(Exception, match="max_batch_size"):
+        _create(CFG.to_json(runtime_fields=("max_batch_size",)), table, ())
+
+
+def test_create_python_unknown_backend():
+    with pytest.raises(ValueError, match="nosuchbackend"):
+        pagedkv.create(CFG, backend="nosuchbackend")

@@ -1,0 +1,331 @@
+"""Every pagedkv TIR kernel on the CPU against a float64 PyTorch reference.
+
+Rules: fresh random inputs every run (no fixed seed), outputs pre-filled with NaN, unused page slots
+NaN (an over-read poisons the result), relative error ``|out - ref| / |ref|`` below 1e-5 (float32) or
+1e-2 (float16). Compiled kernels are cached per (op, config) for the session.
+
+Run: ``.venv/bin/python -m pytest tests/cpu/test_kernels.py -q``
+"""
+
+from __future__ import annotations
+
+import functools
+import importlib.util
+import math
+import pathlib
+import sys
+
+import numpy as np
+import pytest
+import torch
+
+ROOT = pathlib.Path(__file__).resolve().parents[2]
+try:  # installed package
+    from pagedkv import tir_kernels as tk
+except ImportError:  # source checkout
+    sys.path.insert(0, str(ROOT))
+    import tir_kernels as tk
+
+import tvm
+
+try:  # the shared float64 reference, when the pagedkv package is importable
+    from pagedkv.testing import reference as shared_ref
+except Exception:  # noqa: BLE001 (fall back to the local reference below)
+    shared_ref = None
+
+TOL = {"float32": 1e-5, "float16": 1e-2}
+EMPTY_LSE = -1.0e30
+RNG = np.random.default_rng()  # replaced per test by the fixture below
+TARGET = tk.host_target()
+
+
+@pytest.fixture(autouse=True)
+def _fresh_rng(request):
+    """Fresh random inputs per test; the shared ``seed`` fixture (tests/conftest.py) prints the seed and
+    honours ``PAGEDKV_TEST_SEED`` for replay."""
+    global RNG  # noqa: PLW0603 (the helpers below draw from the module generator)
+    try:
+        seed = request.getfixturevalue("seed")
+    except pytest.FixtureLookupError:
+        seed = None
+    RNG = np.random.default_rng(seed)
+
+# (Hq, Hkv, D): GQA groups 1, 3, 4, 7 with D 64/128, plus one D=96 case.
+ATTN_SHAPES = [(4, 4, 64), (6, 2, 128), (8, 2, 64), (14, 2, 128), (3, 1, 96)]
+DTYPES = ["float32", "float16"]
+
+
+# ---------------------------------------------------------------------------------------------------
+# helpers
+# ---------------------------------------------------------------------------------------------------
+@functools.lru_cache(maxsize=None)
+def kernel(op: str, cfg: tk.KernelConfig):
+    """Compiled ``pagedkv_<op>`` for ``cfg`` (cached for the whole session)."""
+    func = tk.FACTORIES[op](cfg, TARGET)
+    lib = tvm.compile(tvm.IRModule({f"pagedkv_{op}": func}), target=TARGET)
+    return lib[f"pagedkv_{op}"]
+
+
+def dev(arr: np.ndarray, offset: int = 0):
+    """A TVM tensor holding ``arr``; ``offset > 0`` makes it a view at that element offset."""
+    if offset == 0:
+        return tvm.runtime.tensor(np.ascontiguousarray(arr))
+    flat = np.full(arr.size + offset, np.nan if arr.dtype.kind == "f" else -7, dtype=arr.dtype)
+    flat[offset:] = arr.ravel()
+    base = tvm.runtime.tensor(flat)
+    return base._create_view(arr.shape, str(arr.dtype), relative_byte_offset=offset * arr.itemsize)
+
+
+def randn(*shape, dtype="float32"):
+    return RNG.standard_normal(shape).astype(dtype)
+
+
+def rel_err(out, ref) -> float:
+    out = torch.as_tensor(np.asarray(out, dtype=np.float64))
+    ref = torch.as_tensor(np.asarray(ref, dtype=np.float64))
+    return float(torch.linalg.vector_norm(out - ref) / torch.linalg.vector_norm(ref))
+
+
+def rope_ref(x: torch.Tensor, pos: torch.Tensor, scale: float, theta: float) -> torch.Tensor:
+    """Rotate-half RoPE in float64; ``x[..., T, D]`` with positions ``pos[T]``."""
+    if shared_ref is not None:
+        return shared_ref.rope(x.transpose(0, 1), pos, theta, scale).transpose(0, 1)
+    d = x.shape[-1]
+    inv = theta ** (-torch.arange(0, d // 2, dtype=torch.float64) * 2 / d)
+    ang = pos.to(torch.float64)[:, None] * scale * inv[None, :]
+    cos, sin = torch.cos(ang), torch.sin(ang)
+    x0, x1 = x[..., : d // 2], x[..., d // 2:]
+    return torch.cat([x0 * cos - x1 * sin, x1 * cos + x0 * sin], dim=-1)
+
+
+def attention_ref(q, k, v, causal, sm_scale, q_pos=None, k_pos=None, rope=None):
+    """One entry: ``q[qlen,Hq,D]``, ``k[kvlen,Hkv,D]``, ``v[kvlen,Hkv,Dv]`` -> (o, lse base 2), float64.
+
+    Rows that see no key get o = 0 and lse = EMPTY_LSE.
+    """
+    q, k, v = (torch.as_tensor(np.asarray(a, dtype=np.float64)) for a in (q, k, v))
+    qlen, hq, _ = q.shape
+    kvlen, hkv, dv = v.shape
+    if rope is not None:
+        q = rope_ref(q.transpose(0, 1), torch.as_tensor(q_pos), *rope).transpose(0, 1)
+        k = rope_ref(k.transpose(0, 1), torch.as_tensor(k_pos), *rope).transpose(0, 1)
+    if shared_ref is not None:
+        o, lse = shared_ref.attention(q, k, v, sm_scale, bool(causal))
+        return o.numpy(), lse.numpy()
+    k = k.repeat_interleave(hq // hkv, dim=1)
+    v = v.repeat_interleave(hq // hkv, dim=1)
+    s = torch.einsum("ihd,jhd->hij", q, k) * sm_scale
+    visible = torch.ones(qlen, kvlen, dtype=torch.bool)
+    if causal:
+        visible = torch.arange(kvlen)[None, :] <= (kvlen - qlen + torch.arange(qlen))[:, None]
+    s = s.masked_fill(~visible[None], -math.inf)
+    lse = torch.logsumexp(s, dim=-1)  # [H, qlen]
+    p = torch.exp(s - lse[..., None]).nan_to_num(0.0)
+    o = torch.einsum("hij,jhd->ihd", p, v)
+    empty = ~visible.any(dim=1)
+    lse = (lse / math.log(2)).transpose(0, 1)
+    lse[empty] = EMPTY_LSE
+    o[empty] = 0.0
+    return o.numpy(), lse.numpy()
+
+
+def check_attention(o, lse, o_ref, lse_ref, dtype):
+    """o/lse vs reference: nothing left NaN, empty rows exact, relative errors under the dtype's bound."""
+    assert not np.isnan(o).any(), "output rows left unwritten (NaN)"
+    assert not np.isnan(lse).any(), "lse rows left unwritten (NaN)"
+    empty = lse_ref <= EMPTY_LSE / 2
+    assert np.array_equal(lse[empty], np.full(empty.sum(), EMPTY_LSE, np.float32)), "empty lse"
+    assert np.all(o[empty] == 0), "empty rows must have o = 0"
+    assert rel_err(o, o_ref) < TOL[dtype]
+    if (~empty).any():
+        assert rel_err(lse[~empty], lse_ref[~empty]) < TOL[dtype]
+
+
+class PagedKV:
+    """A random page pool holding ``lens[b]`` tokens per entry on shuffled pages; the rest is NaN."""
+
+    def __init__(self, lens, hkv, d, ps, dtype):
+        self.lens, self.ps = list(lens), ps
+        npages = [-(-n // ps) for n in self.lens]
+        pool = sum(npages) + 3  # spare pages stay NaN
+        self.pages = np.full((pool, 2, hkv, ps, d), np.nan, dtype=dtype)
+        order = RNG.permutation(pool).astype(np.int32)
+        self.page_indptr = np.concatenate([[0], np.cumsum(npages)]).astype(np.int32)
+        self.page_values = order[: sum(npages)].copy()
+        self.last_page_len = np.array([n - (p - 1) * ps if p else 0 for n, p in zip(self.lens, npages)],
+                                      dtype=np.int32)
+        self.k, self.v = [], []
+        for b, n in enumerate(self.lens):
+            k, v = randn(n, hkv, d, dtype=dtype), randn(n, hkv, d, dtype=dtype)
+            for j in range(n):
+                page = self.page_values[self.page_indptr[b] + j // ps]
+                self.pages[page, 0, :, j % ps] = k[j]
+                self.pages[page, 1, :, j % ps] = v[j]
+            self.k.append(k)
+            self.v.append(v)
+
+
+def rope_params():
+    """Random RoPE scale/theta (positions stay below ~300 so float32 angles keep 1e-5 accuracy)."""
+    return float(RNG.choice([1.0, 0.5, 2.0])), float(RNG.choice([10000.0, 500000.0]))
+
+
+def view_offset(ps: int) -> int:
+    """Element offset for the non-page buffers: page size 8 runs every such buffer as a view."""
+    return 5 if ps == 8 else 0
+
+
+# ---------------------------------------------------------------------------------------------------
+# vocabulary and factories
+# ---------------------------------------------------------------------------------------------------
+def test_ops_match_vocabulary():
+    spec = importlib.util.spec_from_file_location("_pagedkv_ops", ROOT / "python" / "pagedkv" / "ops.py")
+    ops = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(ops)
+    assert tk.OPS == ops.OPS
+
+
+def test_build_kernels_symbols():
+    funcs = tk.build_kernels(tk.KernelConfig(8, 2, 64, 64, "float16"), TARGET)
+    assert list(funcs) == list(tk.OPS)
+    for op, func in funcs.items():
+        assert func.attrs["global_symbol"] == f"pagedkv_{op}"
+
+
+def test_config_validation():
+    assert tk.KernelConfig(8, 2, 64).v_head_dim == 64
+    with pytest.raises(ValueError, match="multiple"):
+        tk.KernelConfig(6, 4, 64)
+    with pytest.raises(ValueError, match="dtype"):
+        tk.KernelConfig(4, 4, 64, 64, "int8")
+
+
+def test_unknown_target_kind_names_the_op():
+    with pytest.raises(NotImplementedError, match="attn_decode_paged"):
+        tk.make_attn_decode_paged(tk.KernelConfig(4, 4, 64), tvm.target.Target({"kind": "vulkan"}))
+
+
+@pytest.mark.gpu
+@pytest.mark.skip(reason="CUDA schedules are a later issue")
+def test_build_every_kernel_for_cuda():
+    tk.build_kernels(tk.KernelConfig(32, 8, 128), tvm.target.Target({"kind": "cuda", "arch": "sm_90"}))
+
+
+# ---------------------------------------------------------------------------------------------------
+# attention
+# ---------------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("apply_rope", [0, 1])
+@pytest.mark.parametrize("ps", [16, 8])
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("shape", ATTN_SHAPES + [(16, 2, 256)], ids=lambda s: "x".join(map(str, s)))
+def test_attn_decode_paged(shape, dtype, ps, apply_rope):
+    hq, hkv, d = shape
+    lens = [0, 1, ps, 3 * ps + 5, 9 * ps + 1, int(RNG.integers(1, 4 * ps))]
+    kv = PagedKV(lens, hkv, d, ps, dtype)
+    nb = len(lens)
+    q = randn(nb, hq, d, dtype=dtype)
+    k_pos_offset = RNG.integers(0, 40, nb).astype(np.int32)
+    q_pos = (k_pos_offset + np.maximum(np.array(lens) - 1, 0)).astype(np.int32)
+    rope_scale, rope_theta = rope_params()
+    sm_scale = float(RNG.uniform(0.5, 1.5) / math.sqrt(d))
+    off = view_offset(ps)
+    o = dev(np.full((nb, hq, d), np.nan, dtype), off)
+    lse = dev(np.full((nb, hq), np.nan, np.float32), off)
+    kernel("attn_decode_paged", tk.KernelConfig(hq, hkv, d, d, dtype))(
+        dev(q, off), dev(kv.pages), dev(kv.page_indptr, off), dev(kv.page_values, off),
+        dev(kv.last_page_len, off), dev(k_pos_offset, off), dev(q_pos, off), o, lse,
+        apply_rope, rope_scale, rope_theta, sm_scale)
+    refs = [attention_ref(q[b:b + 1], kv.k[b], kv.v[b], False, sm_scale, q_pos[b:b + 1],
+                          k_pos_offset[b] + np.arange(n), (rope_scale, rope_theta) if apply_rope else None)
+            for b, n in enumerate(lens)]
+    check_attention(o.numpy(), lse.numpy(), np.concatenate([r[0] for r in refs]),
+                    np.concatenate([r[1] for r in refs]), dtype)
+
+
+def prefill_entries(ps):
+    """(qlen, kvlen) per entry: empty kv, qlen > kvlen (causal rows with no key), qlen 0, page
+    crossings, several query tiles, one random."""
+    return [(3, 0), (1, 1), (5, 2), (0, 7), (ps + 3, 3 * ps + 5), (40, 70),
+            (int(RNG.integers(1, 20)), int(RNG.integers(1, 5 * ps)))]
+
+
+@pytest.mark.parametrize("apply_rope", [0, 1])
+@pytest.mark.parametrize("causal", [0, 1])
+@pytest.mark.parametrize("ps", [16, 8])
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("shape", ATTN_SHAPES, ids=lambda s: "x".join(map(str, s)))
+def test_attn_prefill_paged(shape, dtype, ps, causal, apply_rope):
+    hq, hkv, d = shape
+    entries = prefill_entries(ps)
+    kv = PagedKV([kl for _, kl in entries], hkv, d, ps, dtype)
+    qlens = np.array([ql for ql, _ in entries])
+    q_indptr = np.concatenate([[0], np.cumsum(qlens)]).astype(np.int32)
+    n = int(q_indptr[-1])
+    q = randn(n, hq, d, dtype=dtype)
+    k_pos_offset = RNG.integers(0, 40, len(entries)).astype(np.int32)
+    q_pos = RNG.integers(0, 150, n).astype(np.int32)
+    rope_scale, rope_theta = rope_params()
+    sm_scale = float(RNG.uniform(0.5, 1.5) / math.sqrt(d))
+    off = view_offset(ps)
+    o = dev(np.full((n, hq, d), np.nan, dtype), off)
+    lse = dev(np.full((n, hq), np.nan, np.float32), off)
+    kernel("attn_prefill_paged", tk.KernelConfig(hq, hkv, d, d, dtype))(
+        dev(q, off), dev(q_indptr, off), dev(kv.pages), dev(kv.page_indptr, off), dev(kv.page_values, off),
+        dev(kv.last_page_len, off), dev(k_pos_offset, off), dev(q_pos, off), o, lse,
+        causal, apply_rope, rope_scale, rope_theta, sm_scale)
+    refs = [attention_ref(q[q_indptr[b]:q_indptr[b + 1]], kv.k[b], kv.v[b], causal, sm_scale,
+                          q_pos[q_indptr[b]:q_indptr[b + 1]], k_pos_offset[b] + np.arange(kl),
+                          (rope_scale, rope_theta) if apply_rope else None)
+            for b, (_, kl) in enumerate(entries)]
+    check_attention(o.numpy(), lse.numpy(), np.concatenate([r[0] for r in refs]),
+                    np.concatenate([r[1] for r in refs]), dtype)
+
+
+@pytest.mark.parametrize("apply_rope", [0, 1])
+@pytest.mark.parametrize("causal", [0, 1])
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("shape", [s + (s[2],) for s in ATTN_SHAPES] + [(8, 2, 128, 64)],
+                         ids=lambda s: "x".join(map(str, s)))
+def test_attn_prefill_ragged(shape, dtype, causal, apply_rope):
+    hq, hkv, d, dv = shape
+    entries = [(1, 1), (5, 5), (3, 0), (0, 4), (37, 37), (6, 20), (20, 6),
+               (int(RNG.integers(1, 50)), int(RNG.integers(1, 50)))]
+    qlens = np.array([e[0] for e in entries])
+    kvlens = np.array([e[1] for e in entries])
+    q_indptr = np.concatenate([[0], np.cumsum(qlens)]).astype(np.int32)
+    kv_indptr = np.concatenate([[0], np.cumsum(kvlens)]).astype(np.int32)
+    n, m = int(q_indptr[-1]), int(kv_indptr[-1])
+    q, k, v = randn(n, hq, d, dtype=dtype), randn(m, hkv, d, dtype=dtype), randn(m, hkv, dv, dtype=dtype)
+    k_pos_offset = RNG.integers(0, 40, len(entries)).astype(np.int32)
+    q_pos = RNG.integers(0, 150, n).astype(np.int32)
+    rope_scale, rope_theta = rope_params()
+    sm_scale = float(RNG.uniform(0.5, 1.5) / math.sqrt(d))
+    off = 3 * causal
+    o = dev(np.full((n, hq, dv), np.nan, dtype), off)
+    lse = dev(np.full((n, hq), np.nan, np.float32), off)
+    kernel("attn_prefill_ragged", tk.KernelConfig(hq, hkv, d, dv, dtype))(
+        dev(q, off), dev(k, off), dev(v, off), dev(q_indptr, off), dev(kv_indptr, off), dev(q_pos, off),
+        dev(k_pos_offset, off), o, lse, causal, apply_rope, rope_scale, rope_theta, sm_scale)
+    refs = [attention_ref(q[q_indptr[b]:q_indptr[b + 1]], k[kv_indptr[b]:kv_indptr[b + 1]],
+                          v[kv_indptr[b]:kv_indptr[b + 1]], causal, sm_scale,
+                          q_pos[q_indptr[b]:q_indptr[b + 1]], k_pos_offset[b] + np.arange(kvlens[b]),
+                          (rope_scale, rope_theta) if apply_rope else None)
+            for b in range(len(entries))]
+    check_attention(o.numpy(), lse.numpy(), np.concatenate([r[0] for r in refs]),
+                    np.concatenate([r[1] for r in refs]), dtype)
+
+
+def test_attn_prefill_ragged_gqa8_long():
+    """Group 8, one long causal entry (many query tiles and kv tiles, zig-zag work order)."""
+    hq, hkv, d, dtype = 16, 2, 64, "float32"
+    n = 301
+    q, k, v = randn(n, hq, d), randn(n, hkv, d), randn(n, hkv, d)
+    indptr = np.array([0, n], np.int32)
+    zeros = np.zeros(1, np.int32)
+    o = dev(np.full((n, hq, d), np.nan, dtype))
+    lse = dev(np.full((n, hq), np.nan, np.float32))
+    kernel("attn_prefill_ragged", tk.KernelConfig(hq, hkv, d, d, dtype))(
+        dev(q), dev(k), dev(v), dev(indptr), dev(indptr), dev(np.arange(n, dtype=np.int32)), dev(zeros),
+        o, lse, 1, 0, 1.0, 10000.0, 0.125)
+    o_ref, lse_ref = attention_ref(q, k, v, True, 0.125)
+    check_attention(o.numpy(), lse.numpy(), o_ref, lse_ref, dtype)

@@ -1,0 +1,179 @@
+"""TIR kernels of pagedkv: one factory per op, dispatching on the target kind.
+
+Installed as ``pagedkv.tir_kernels``; importable from a source checkout as ``tir_kernels`` (this package
+imports nothing from ``pagedkv``). Argument lists follow ``docs/ARCHITECTURE.md`` ("Kernel ABI"); every
+PrimFunc carries the global symbol ``pagedkv_<op>``.
+
+Example
+-------
+>>> import tvm
+>>> from tir_kernels import KernelConfig, build_kernels, host_target
+>>> funcs = build_kernels(KernelConfig(32, 8, 128, 128, "float16"), host_target())
+>>> lib = tvm.compile(tvm.IRModule({f"pagedkv_{op}": f for op, f in funcs.items()}), target=host_target())
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from ._common import as_target, dispatch, host_target
+from .attention_cpu import attn_decode_paged_cpu, attn_prefill_paged_cpu, attn_prefill_ragged_cpu
+from .merge import merge_state_cpu
+from .page_ops import append_kv_cpu, compact_copy_cpu, copy_page_cpu, gather_kv_cpu
+from .rope import split_rotary_cpu
+
+#: Op names, the same strings as ``pagedkv.ops.OPS`` (kept local so this package stands alone; the
+#: kernel tests check both lists are equal).
+OPS: tuple[str, ...] = ("split_rotary", "append_kv", "gather_kv", "attn_prefill_ragged",
+                        "attn_prefill_paged", "attn_decode_paged", "merge_state", "copy_page",
+                        "compact_copy")
+
+DTYPES = ("float16", "float32")
+
+
+@dataclass(frozen=True)
+class KernelConfig:
+    """The compile-time shape of one layer's kernels.
+
+    Parameters
+    ----------
+    num_qo_heads, num_kv_heads : int
+        Query and kv heads; ``num_qo_heads`` must be a multiple of ``num_kv_heads`` (GQA group size).
+    head_dim : int
+        qk head dim ``D`` (even: RoPE rotates halves).
+    v_head_dim : int or None
+        v head dim ``Dv`` (only ``attn_prefill_ragged`` and ``merge_state`` may use ``Dv != D``);
+        ``None`` means ``head_dim``.
+    dtype : str
+        Storage dtype of q/k/v/o and pages: ``"float16"`` or ``"float32"`` (accumulation is float32).
+    """
+
+    num_qo_heads: int
+    num_kv_heads: int
+    head_dim: int
+    v_head_dim: int | None = None
+    dtype: str = "float16"
+
+    def __post_init__(self):
+        if self.v_head_dim is None:
+            object.__setattr__(self, "v_head_dim", self.head_dim)
+        for name in ("num_qo_heads", "num_kv_heads", "head_dim", "v_head_dim"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or value < 1:
+                raise ValueError(f"KernelConfig.{name} must be a positive int, got {value!r}")
+        if self.num_qo_heads % self.num_kv_heads:
+            raise ValueError(f"num_qo_heads={self.num_qo_heads} is not a multiple of "
+                             f"num_kv_heads={self.num_kv_heads}")
+        if self.head_dim % 2:
+            raise ValueError(f"head_dim must be even for RoPE, got {self.head_dim}")
+        if self.dtype not in DTYPES:
+            raise ValueError(f"dtype must be one of {DTYPES}, got {self.dtype!r}")
+
+    @property
+    def group_size(self) -> int:
+        """Query heads per kv head."""
+        return self.num_qo_heads // self.num_kv_heads
+
+    @classmethod
+    def from_cache_config(cls, config) -> "KernelConfig":
+        """The kernel shape of a ``pagedkv.config.KVCacheConfig`` (read by field name)."""
+        return cls(config.num_qo_heads, config.num_kv_heads, config.head_dim,
+                   config.v_head_dim, config.dtype)
+
+
+def make_split_rotary(cfg: KernelConfig, target):
+    """PrimFunc ``pagedkv_split_rotary`` for ``target``."""
+    return dispatch("split_rotary", target, {
+        "llvm": lambda: split_rotary_cpu(cfg.num_qo_heads, cfg.num_kv_heads, cfg.head_dim, cfg.dtype)})
+
+
+def make_append_kv(cfg: KernelConfig, target):
+    """PrimFunc ``pagedkv_append_kv`` for ``target``."""
+    return dispatch("append_kv", target, {
+        "llvm": lambda: append_kv_cpu(cfg.num_kv_heads, cfg.head_dim, cfg.dtype)})
+
+
+def make_gather_kv(cfg: KernelConfig, target):
+    """PrimFunc ``pagedkv_gather_kv`` for ``target``."""
+    return dispatch("gather_kv", target, {
+        "llvm": lambda: gather_kv_cpu(cfg.num_kv_heads, cfg.head_dim, cfg.dtype)})
+
+
+def make_attn_prefill_ragged(cfg: KernelConfig, target):
+    """PrimFunc ``pagedkv_attn_prefill_ragged`` for ``target``."""
+    return dispatch("attn_prefill_ragged", target, {
+        "llvm": lambda: attn_prefill_ragged_cpu(cfg.num_qo_heads, cfg.num_kv_heads, cfg.head_dim,
+                                                cfg.v_head_dim, cfg.dtype)})
+
+
+def make_attn_prefill_paged(cfg: KernelConfig, target):
+    """PrimFunc ``pagedkv_attn_prefill_paged`` for ``target``."""
+    return dispatch("attn_prefill_paged", target, {
+        "llvm": lambda: attn_prefill_paged_cpu(cfg.num_qo_heads, cfg.num_kv_heads, cfg.head_dim,
+                                               cfg.dtype)})
+
+
+def make_attn_decode_paged(cfg: KernelConfig, target):
+    """PrimFunc ``pagedkv_attn_decode_paged`` for ``target``."""
+    return dispatch("attn_decode_paged", target, {
+        "llvm": lambda: attn_decode_paged_cpu(cfg.num_qo_heads, cfg.num_kv_heads, cfg.head_dim,
+                                              cfg.dtype)})
+
+
+def make_merge_state(cfg: KernelConfig, target):
+    """PrimFunc ``pagedkv_merge_state`` for ``target`` (``H = num_qo_heads``, ``Dv = v_head_dim``)."""
+    return dispatch("merge_state", target, {
+        "llvm": lambda: merge_state_cpu(cfg.num_qo_heads, cfg.v_head_dim, cfg.dtype)})
+
+
+def make_copy_page(cfg: KernelConfig, target):
+    """PrimFunc ``pagedkv_copy_page`` for ``target``."""
+    return dispatch("copy_page", target, {
+        "llvm": lambda: copy_page_cpu(cfg.num_kv_heads, cfg.head_dim, cfg.dtype)})
+
+
+def make_compact_copy(cfg: KernelConfig, target):
+    """PrimFunc ``pagedkv_compact_copy`` for ``target``."""
+    return dispatch("compact_copy", target, {
+        "llvm": lambda: compact_copy_cpu(cfg.num_kv_heads, cfg.head_dim, cfg.dtype)})
+
+
+#: op name -> factory ``(cfg, target) -> PrimFunc``.
+FACTORIES = {
+    "split_rotary": make_split_rotary,
+    "append_kv": make_append_kv,
+    "gather_kv": make_gather_kv,
+    "attn_prefill_ragged": make_attn_prefill_ragged,
+    "attn_prefill_paged": make_attn_prefill_paged,
+    "attn_decode_paged": make_attn_decode_paged,
+    "merge_state": make_merge_state,
+    "copy_page": make_copy_page,
+    "compact_copy": make_compact_copy,
+}
+
+
+def build_kernels(cfg: KernelConfig, target, ops=None) -> dict:
+    """Every op's PrimFunc (global symbol ``pagedkv_<op>``) for ``cfg`` on ``target``.
+
+    Parameters
+    ----------
+    cfg : KernelConfig
+    target : str | dict | tvm.target.Target
+    ops : iterable of str, optional
+        A subset of ``OPS``; default all.
+
+    Returns
+    -------
+    dict[str, tvm.tirx.PrimFunc]
+        Keyed by op name, in ``OPS`` order.
+    """
+    target = as_target(target)
+    wanted = OPS if ops is None else tuple(ops)
+    unknown = [op for op in wanted if op not in FACTORIES]
+    if unknown:
+        raise ValueError(f"unknown op(s) {unknown}; known ops: {', '.join(OPS)}")
+    return {op: FACTORIES[op](cfg, target) for op in OPS if op in wanted}
+
+
+__all__ = ["OPS", "KernelConfig", "FACTORIES", "build_kernels", "host_target"] + [
+    f"make_{op}" for op in OPS]

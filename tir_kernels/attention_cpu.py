@@ -1,0 +1,272 @@
+"""CPU (``llvm``) attention kernels: paged decode, paged prefill and ragged prefill.
+
+Parallelism: ``T.parallel`` over work items (entry x query tile x kv head); the ``G`` query heads of a
+kv head stay in one item so each K/V row is read and converted once per group. Inside an item the
+kernel walks the entry's keys ``TK`` at a time (see ``_attn_cpu_macros``). Prefill items are numbered
+through a per-entry tile prefix sum, visited in zig-zag order (first, last, second, second-to-last...)
+so that the static split of ``T.parallel`` gives every thread a similar share of a causal workload.
+"""
+
+from __future__ import annotations
+
+from tvm.script import tirx as T
+
+from ._attn_cpu_macros import make_attn_macros
+from ._common import LOG2E, TilePlan, make_tile_plan
+
+
+
+def _make_item_macro(plan: TilePlan, mac, load_tile):
+    """The body of one work item, given the macros ``mac`` and the kernel's K/V tile loader ``load_tile``.
+
+    ``load_tile(Kt, Vt, krow, kv, base, kpos0, h, j0, kvlen, rope)`` fills keys ``j0 .. j0 + TK`` of the
+    entry; ``kv`` is a kernel-specific tuple of buffers and parameters, ``base`` locates the entry in it
+    and ``kpos0`` is the RoPE position of its key 0. Tuples passed to macros hold only buffers and
+    parameters: an expression unpacked from a tuple would become a mutable scalar allocation.
+    """
+    D, DV, R, TK, RB, DC = plan.d, plan.dv, plan.rows, plan.tk, plan.rb, plan.dc
+
+    @T.macro
+    def attend(q, q_pos, o, lse, tok0, ntok, qt0, qlen, kvlen, h, causal, rope, sm_scale, kv, base, kpos0):
+        """Attention of tokens ``tok0 .. tok0 + ntok`` (token ``qt0`` of the entry onward), kv head h."""
+        Qf = T.alloc_buffer((R, D), "float32")
+        Kt = T.alloc_buffer((D, TK), "float32")
+        Vt = T.alloc_buffer((TK, DV), "float32")
+        S = T.alloc_buffer((R, TK), "float32")
+        O = T.alloc_buffer((R, DV), "float32")
+        m = T.alloc_buffer((R,), "float32")
+        l = T.alloc_buffer((R,), "float32")
+        alpha = T.alloc_buffer((R,), "float32")
+        krow = T.alloc_buffer((1, D), "float32")
+        invf = T.alloc_buffer((D // 2,), "float32")
+        # TVM puts allocations under 1 KiB on the stack; LLVM then keeps these register blocks in
+        # registers (the larger scratch above comes from the per-thread workspace pool).
+        acc_s = T.alloc_buffer((RB, TK), "float32")
+        acc_o0 = T.alloc_buffer((RB, DC), "float32")
+        acc_o1 = T.alloc_buffer((RB, DC), "float32")
+        mx = T.alloc_buffer((1,), "float32")
+        apply_rope, rope_scale, rope_theta = rope
+        if apply_rope == 1:
+            mac.init_inv_freq(invf, rope_theta)
+        mac.load_q(Qf, q, q_pos, tok0, ntok, h, (apply_rope, rope_scale, invf),
+                   sm_scale * T.float32(LOG2E))
+        mac.init_state(m, l, O)
+        # Causal: the tile's last token sees keys < kvlen - qlen + qt0 + ntok; later tiles are skipped.
+        kv_end: T.let[T.int32] = T.if_then_else(
+            causal > 0, T.min(kvlen, kvlen - qlen + qt0 + ntok), kvlen)
+        for kt in T.serial(T.max(kv_end + TK - 1, 0) // TK):
+            load_tile(Kt, Vt, krow, kv, base, kpos0, h, kt * TK, kvlen, (apply_rope, rope_scale, invf))
+            mac.score(S, Qf, Kt, acc_s)
+            mac.softmax_update(S, m, l, alpha, mx, kt * TK, kvlen, causal, qlen, qt0)
+            mac.pv(O, S, Vt, alpha, acc_o0, acc_o1)
+        mac.store(o, lse, O, m, l, tok0, ntok, h)
+
+    return attend
+
+
+def _make_paged_loader(plan: TilePlan, mac):
+    """K/V tile loader over pages; ``kv = (pages, page_values, page_size)``, ``base`` = first page slot."""
+    D, DV, TK = plan.d, plan.dv, plan.tk
+
+    @T.macro
+    def load_tile(Kt, Vt, krow, kv, base, kpos0, h, j0, kvlen, rope):
+        pages, page_values, ps = kv
+        for j in T.serial(TK):
+            if j0 + j < kvlen:
+                page: T.let[T.int32] = page_values[base + (j0 + j) // ps]
+                off: T.let[T.int32] = (j0 + j) % ps
+                for dd in T.vectorized(D):
+                    krow[0, dd] = T.Cast("float32", pages[page, 0, h, off, dd])
+                for dd in T.vectorized(DV):
+                    Vt[j, dd] = T.Cast("float32", pages[page, 1, h, off, dd])
+                mac.finish_key(Kt, krow, j, kpos0 + j0 + j, rope)
+            else:
+                mac.clear_key(Kt, Vt, j)
+
+    return load_tile
+
+
+def _make_ragged_loader(plan: TilePlan, mac):
+    """K/V tile loader over contiguous rows; ``kv = (k, v)``, ``base`` = the entry's first row."""
+    D, DV, TK = plan.d, plan.dv, plan.tk
+
+    @T.macro
+    def load_tile(Kt, Vt, krow, kv, base, kpos0, h, j0, kvlen, rope):
+        k, v = kv
+        for j in T.serial(TK):
+            if j0 + j < kvlen:
+                for dd in T.vectorized(D):
+                    krow[0, dd] = T.Cast("float32", k[base + j0 + j, h, dd])
+                for dd in T.vectorized(DV):
+                    Vt[j, dd] = T.Cast("float32", v[base + j0 + j, h, dd])
+                mac.finish_key(Kt, krow, j, kpos0 + j0 + j, rope)
+            else:
+                mac.clear_key(Kt, Vt, j)
+
+    return load_tile
+
+
+@T.macro
+def _count_tiles(tile_ptr, q_indptr, batch, tq):
+    """``tile_ptr[b]`` = query tiles of entries before ``b`` (a serial prefix sum, B steps)."""
+    tile_ptr[0] = 0
+    for b in T.serial(batch):
+        tile_ptr[b + 1] = tile_ptr[b] + (q_indptr[b + 1] - q_indptr[b] + tq - 1) // tq
+
+
+@T.macro
+def _find_entry(ent, tile_ptr, t, batch):
+    """Binary search: ``ent[0]`` = the entry b with ``tile_ptr[b] <= t < tile_ptr[b + 1]``."""
+    ent[0] = 0
+    ent[1] = batch
+    while ent[1] - ent[0] > 1:
+        if tile_ptr[(ent[0] + ent[1]) // 2] <= t:
+            ent[0] = (ent[0] + ent[1]) // 2
+        else:
+            ent[1] = (ent[0] + ent[1]) // 2
+
+
+def _zigzag(k, total):
+    """Item order 0, total-1, 1, total-2, ...: pairs a cheap causal tile with an expensive one."""
+    return T.if_then_else(k % 2 == 0, k // 2, total - 1 - k // 2)
+
+
+def _kv_len(page_indptr, last_page_len, b, ps):
+    """Keys of entry ``b`` in a paged layout (0 when it has no pages)."""
+    npg = page_indptr[b + 1] - page_indptr[b]
+    return T.if_then_else(npg > 0, (npg - 1) * ps + last_page_len[b], 0)
+
+
+def attn_decode_paged_cpu(num_qo_heads, num_kv_heads, head_dim, dtype):
+    """``pagedkv_attn_decode_paged`` for the CPU.
+
+    Signature (``docs/ARCHITECTURE.md``)::
+
+        (q[B,Hq,D], pages[P,2,Hkv,ps,D], page_indptr[B+1], page_values[nnz], last_page_len[B],
+         k_pos_offset[B], q_pos[B], o[B,Hq,D], lse[B,Hq],
+         apply_rope:i32, rope_scale:f32, rope_theta:f32, sm_scale:f32)
+    """
+    HQ, HKV, D = num_qo_heads, num_kv_heads, head_dim
+    plan = make_tile_plan(D, D, HQ // HKV, dtype, tokens_per_item=1)
+    mac = make_attn_macros(plan)
+    attend = _make_item_macro(plan, mac, _make_paged_loader(plan, mac))
+
+    @T.prim_func
+    def attn_decode_paged(q_h: T.handle, pages_h: T.handle, page_indptr_h: T.handle, page_values_h: T.handle,
+                          last_page_len_h: T.handle, k_pos_offset_h: T.handle, q_pos_h: T.handle,
+                          o_h: T.handle, lse_h: T.handle, apply_rope: T.int32, rope_scale: T.float32,
+                          rope_theta: T.float32, sm_scale: T.float32):
+        T.func_attr({"global_symbol": "pagedkv_attn_decode_paged", "tirx.noalias": True})
+        B, P, ps, nnz = T.int32(), T.int32(), T.int32(), T.int32()
+        q = T.match_buffer(q_h, (B, HQ, D), dtype, elem_offset=T.int32())
+        pages = T.match_buffer(pages_h, (P, 2, HKV, ps, D), dtype)
+        page_indptr = T.match_buffer(page_indptr_h, (B + 1,), "int32", elem_offset=T.int32())
+        page_values = T.match_buffer(page_values_h, (nnz,), "int32", elem_offset=T.int32())
+        last_page_len = T.match_buffer(last_page_len_h, (B,), "int32", elem_offset=T.int32())
+        k_pos_offset = T.match_buffer(k_pos_offset_h, (B,), "int32", elem_offset=T.int32())
+        q_pos = T.match_buffer(q_pos_h, (B,), "int32", elem_offset=T.int32())
+        o = T.match_buffer(o_h, (B, HQ, D), dtype, elem_offset=T.int32())
+        lse = T.match_buffer(lse_h, (B, HQ), "float32", elem_offset=T.int32())
+        for it in T.parallel(B * HKV):
+            attend(q, q_pos, o, lse, it // HKV, 1, 0, 1,
+                   _kv_len(page_indptr, last_page_len, it // HKV, ps), it % HKV, 0,
+                   (apply_rope, rope_scale, rope_theta), sm_scale,
+                   (pages, page_values, ps), page_indptr[it // HKV], k_pos_offset[it // HKV])
+
+    return attn_decode_paged
+
+
+def attn_prefill_paged_cpu(num_qo_heads, num_kv_heads, head_dim, dtype):
+    """``pagedkv_attn_prefill_paged`` for the CPU.
+
+    Signature::
+
+        (q[n,Hq,D], q_indptr[B+1], pages[P,2,Hkv,ps,D], page_indptr[B+1], page_values[nnz],
+         last_page_len[B], k_pos_offset[B], q_pos[n], o[n,Hq,D], lse[n,Hq],
+         causal:i32, apply_rope:i32, rope_scale:f32, rope_theta:f32, sm_scale:f32)
+    """
+    HQ, HKV, D = num_qo_heads, num_kv_heads, head_dim
+    plan = make_tile_plan(D, D, HQ // HKV, dtype, tokens_per_item=None)
+    TQ = plan.tq
+    mac = make_attn_macros(plan)
+    attend = _make_item_macro(plan, mac, _make_paged_loader(plan, mac))
+
+    @T.prim_func
+    def attn_prefill_paged(q_h: T.handle, q_indptr_h: T.handle, pages_h: T.handle, page_indptr_h: T.handle,
+                           page_values_h: T.handle, last_page_len_h: T.handle, k_pos_offset_h: T.handle,
+                           q_pos_h: T.handle, o_h: T.handle, lse_h: T.handle, causal: T.int32,
+                           apply_rope: T.int32, rope_scale: T.float32, rope_theta: T.float32,
+                           sm_scale: T.float32):
+        T.func_attr({"global_symbol": "pagedkv_attn_prefill_paged", "tirx.noalias": True})
+        n, B, P, ps, nnz = T.int32(), T.int32(), T.int32(), T.int32(), T.int32()
+        q = T.match_buffer(q_h, (n, HQ, D), dtype, elem_offset=T.int32())
+        q_indptr = T.match_buffer(q_indptr_h, (B + 1,), "int32", elem_offset=T.int32())
+        pages = T.match_buffer(pages_h, (P, 2, HKV, ps, D), dtype)
+        page_indptr = T.match_buffer(page_indptr_h, (B + 1,), "int32", elem_offset=T.int32())
+        page_values = T.match_buffer(page_values_h, (nnz,), "int32", elem_offset=T.int32())
+        last_page_len = T.match_buffer(last_page_len_h, (B,), "int32", elem_offset=T.int32())
+        k_pos_offset = T.match_buffer(k_pos_offset_h, (B,), "int32", elem_offset=T.int32())
+        q_pos = T.match_buffer(q_pos_h, (n,), "int32", elem_offset=T.int32())
+        o = T.match_buffer(o_h, (n, HQ, D), dtype, elem_offset=T.int32())
+        lse = T.match_buffer(lse_h, (n, HQ), "float32", elem_offset=T.int32())
+        tile_ptr = T.alloc_buffer((B + 1,), "int32")
+        _count_tiles(tile_ptr, q_indptr, B, TQ)
+        for it in T.parallel(tile_ptr[B] * HKV):
+            ent = T.alloc_buffer((2,), "int32")
+            _find_entry(ent, tile_ptr, _zigzag(it // HKV, tile_ptr[B]), B)
+            b: T.let[T.int32] = ent[0]
+            qt0: T.let[T.int32] = (_zigzag(it // HKV, tile_ptr[B]) - tile_ptr[b]) * TQ
+            qlen: T.let[T.int32] = q_indptr[b + 1] - q_indptr[b]
+            attend(q, q_pos, o, lse, q_indptr[b] + qt0, T.min(TQ, qlen - qt0), qt0, qlen,
+                   _kv_len(page_indptr, last_page_len, b, ps), it % HKV, causal,
+                   (apply_rope, rope_scale, rope_theta), sm_scale,
+                   (pages, page_values, ps), page_indptr[b], k_pos_offset[b])
+
+    return attn_prefill_paged
+
+
+def attn_prefill_ragged_cpu(num_qo_heads, num_kv_heads, head_dim, v_head_dim, dtype):
+    """``pagedkv_attn_prefill_ragged`` for the CPU.
+
+    Signature::
+
+        (q[n,Hq,D], k[m,Hkv,D], v[m,Hkv,Dv], q_indptr[B+1], kv_indptr[B+1], q_pos[n],
+         k_pos_offset[B], o[n,Hq,Dv], lse[n,Hq],
+         causal:i32, apply_rope:i32, rope_scale:f32, rope_theta:f32, sm_scale:f32)
+    """
+    HQ, HKV, D, DV = num_qo_heads, num_kv_heads, head_dim, v_head_dim
+    plan = make_tile_plan(D, DV, HQ // HKV, dtype, tokens_per_item=None)
+    TQ = plan.tq
+    mac = make_attn_macros(plan)
+    attend = _make_item_macro(plan, mac, _make_ragged_loader(plan, mac))
+
+    @T.prim_func
+    def attn_prefill_ragged(q_h: T.handle, k_h: T.handle, v_h: T.handle, q_indptr_h: T.handle,
+                            kv_indptr_h: T.handle, q_pos_h: T.handle, k_pos_offset_h: T.handle,
+                            o_h: T.handle, lse_h: T.handle, causal: T.int32, apply_rope: T.int32,
+                            rope_scale: T.float32, rope_theta: T.float32, sm_scale: T.float32):
+        T.func_attr({"global_symbol": "pagedkv_attn_prefill_ragged", "tirx.noalias": True})
+        n, m, B = T.int32(), T.int32(), T.int32()
+        q = T.match_buffer(q_h, (n, HQ, D), dtype, elem_offset=T.int32())
+        k = T.match_buffer(k_h, (m, HKV, D), dtype, elem_offset=T.int32())
+        v = T.match_buffer(v_h, (m, HKV, DV), dtype, elem_offset=T.int32())
+        q_indptr = T.match_buffer(q_indptr_h, (B + 1,), "int32", elem_offset=T.int32())
+        kv_indptr = T.match_buffer(kv_indptr_h, (B + 1,), "int32", elem_offset=T.int32())
+        q_pos = T.match_buffer(q_pos_h, (n,), "int32", elem_offset=T.int32())
+        k_pos_offset = T.match_buffer(k_pos_offset_h, (B,), "int32", elem_offset=T.int32())
+        o = T.match_buffer(o_h, (n, HQ, DV), dtype, elem_offset=T.int32())
+        lse = T.match_buffer(lse_h, (n, HQ), "float32", elem_offset=T.int32())
+        tile_ptr = T.alloc_buffer((B + 1,), "int32")
+        _count_tiles(tile_ptr, q_indptr, B, TQ)
+        for it in T.parallel(tile_ptr[B] * HKV):
+            ent = T.alloc_buffer((2,), "int32")
+            _find_entry(ent, tile_ptr, _zigzag(it // HKV, tile_ptr[B]), B)
+            b: T.let[T.int32] = ent[0]
+            qt0: T.let[T.int32] = (_zigzag(it // HKV, tile_ptr[B]) - tile_ptr[b]) * TQ
+            qlen: T.let[T.int32] = q_indptr[b + 1] - q_indptr[b]
+            attend(q, q_pos, o, lse, q_indptr[b] + qt0, T.min(TQ, qlen - qt0), qt0, qlen,
+                   kv_indptr[b + 1] - kv_indptr[b], it % HKV, causal,
+                   (apply_rope, rope_scale, rope_theta), sm_scale,
+                   (k, v), kv_indptr[b], k_pos_offset[b])
+
+    return attn_prefill_ragged

@@ -1,0 +1,67 @@
+"""``split_rotary``: split fused qkv into q, k, v and optionally apply RoPE to q and k (CPU).
+
+RoPE is the Llama / GPT-NeoX "rotate half" form over the whole head dim, computed in float32:
+``angle = pos * rope_scale / rope_theta ** (2 i / D)``, ``x'[i] = x[i] cos - x[i + D/2] sin``,
+``x'[i + D/2] = x[i + D/2] cos + x[i] sin``.
+"""
+
+from __future__ import annotations
+
+from tvm.script import tirx as T
+
+
+def split_rotary_cpu(num_qo_heads, num_kv_heads, head_dim, dtype):
+    """``pagedkv_split_rotary`` for the CPU.
+
+    Signature (``docs/ARCHITECTURE.md``)::
+
+        (qkv[n, Hq+2Hkv, D], q_pos[n], q[n,Hq,D], k[n,Hkv,D], v[n,Hkv,D],
+         apply_rope:i32, rope_scale:f32, rope_theta:f32)
+
+    One token per parallel iteration; its cos/sin table (D/2 entries) is computed once and shared by
+    all ``Hq + Hkv`` rotated heads.
+    """
+    HQ, HKV, D = num_qo_heads, num_kv_heads, head_dim
+    HALF = D // 2
+
+    @T.macro
+    def rotate_head(dst, qkv, s, hd, hs, cs, sn):
+        """``dst[s, hd] = rope(qkv[s, hs])`` with the token's cos/sin table."""
+        for i in T.vectorized(HALF):
+            dst[s, hd, i] = T.Cast(dtype, T.Cast("float32", qkv[s, hs, i]) * cs[i]
+                                   - T.Cast("float32", qkv[s, hs, i + HALF]) * sn[i])
+            dst[s, hd, i + HALF] = T.Cast(dtype, T.Cast("float32", qkv[s, hs, i + HALF]) * cs[i]
+                                          + T.Cast("float32", qkv[s, hs, i]) * sn[i])
+
+    @T.prim_func
+    def split_rotary(qkv_h: T.handle, q_pos_h: T.handle, q_h: T.handle, k_h: T.handle, v_h: T.handle,
+                     apply_rope: T.int32, rope_scale: T.float32, rope_theta: T.float32):
+        T.func_attr({"global_symbol": "pagedkv_split_rotary", "tirx.noalias": True})
+        n = T.int32()
+        qkv = T.match_buffer(qkv_h, (n, HQ + 2 * HKV, D), dtype, elem_offset=T.int32())
+        q_pos = T.match_buffer(q_pos_h, (n,), "int32", elem_offset=T.int32())
+        q = T.match_buffer(q_h, (n, HQ, D), dtype, elem_offset=T.int32())
+        k = T.match_buffer(k_h, (n, HKV, D), dtype, elem_offset=T.int32())
+        v = T.match_buffer(v_h, (n, HKV, D), dtype, elem_offset=T.int32())
+        for s in T.parallel(n):
+            cs = T.alloc_buffer((HALF,), "float32")
+            sn = T.alloc_buffer((HALF,), "float32")
+            if apply_rope == 1:
+                for i in T.serial(HALF):
+                    angle: T.let[T.float32] = (T.Cast("float32", q_pos[s]) * rope_scale
+                                               / T.pow(rope_theta, T.Cast("float32", 2 * i) / T.float32(D)))
+                    cs[i] = T.cos(angle)
+                    sn[i] = T.sin(angle)
+                for h in T.serial(HQ):
+                    rotate_head(q, qkv, s, h, h, cs, sn)
+                for h in T.serial(HKV):
+                    rotate_head(k, qkv, s, h, HQ + h, cs, sn)
+            else:
+                for h, d in T.grid(HQ, D):
+                    q[s, h, d] = qkv[s, h, d]
+                for h, d in T.grid(HKV, D):
+                    k[s, h, d] = qkv[s, HQ + h, d]
+            for h, d in T.grid(HKV, D):
+                v[s, h, d] = qkv[s, HQ + HKV + h, d]
+
+    return split_rotary
