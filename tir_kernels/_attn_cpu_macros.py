@@ -1,13 +1,11 @@
-"""``@T.macro`` building blocks of the CPU attention kernels (one work item = entry x kv head x query tile).
+"""Shared ``@T.macro`` pieces of the CPU attention kernels (one work item = entry x kv head x query tile).
 
-The row tile, the K/V tile layouts and the base-2 online softmax are described in ``_common``. All
-buffers named here are per-work-item float32 scratch:
+The tiling is described in ``_common`` (``TilePlan``); the score / softmax / PV steps, which depend on the
+score layout, are in ``_attn_cpu_gemm``. Per-work-item float32 scratch used here:
 
 * ``Qf[R, D]``   query rows (rotated, pre-scaled by ``sm_scale * log2(e)``);
-* ``Kt[D, TK]``  the key tile, transposed so scores vectorize over keys;
-* ``Vt[TK, Dv]`` the value tile;
-* ``S[R, TK]``   scores, then probabilities of the current tile;
-* ``O[R, Dv]``   unnormalized output; ``m[R]``, ``l[R]`` running max and sum; ``alpha[R]`` rescale.
+* ``Kf[TK, D]``, ``Vf[TK, Dv]``  the current key / value tile (converted, keys rotated);
+* ``O[R, Dv]``   unnormalized output; ``m[R]``, ``l[R]`` running max (log2 units) and sum.
 """
 
 from __future__ import annotations
@@ -15,7 +13,7 @@ from __future__ import annotations
 from tvm import tirx
 from tvm.script import tirx as T
 
-from ._common import EMPTY_LSE, MASKED, TilePlan, make_rope_macros
+from ._common import EMPTY_LSE, TilePlan, make_rope_macros
 
 # 2^f on f in [-0.5, 0.5]: Taylor coefficients (ln 2)^k / k!, degree 6 (relative error < 2e-7).
 _EXP2_COEFFS = (1.0, 0.6931471805599453, 0.2402265069591007, 0.05550410866482158,
@@ -44,8 +42,7 @@ def exp2_approx(x):
 
 def make_attn_macros(plan: TilePlan):
     """Return a namespace of the macros below, specialized to ``plan``."""
-    D, DV, G, TQ, R, TK, RB, DC, dtype = (plan.d, plan.dv, plan.group, plan.tq, plan.rows, plan.tk,
-                                          plan.rb, plan.dc, plan.dtype)
+    D, DV, G, TQ, R, dtype = plan.d, plan.dv, plan.group, plan.tq, plan.rows, plan.dtype
     init_inv_freq, rope_row = make_rope_macros(D)
 
     @T.macro
@@ -73,81 +70,19 @@ def make_attn_macros(plan: TilePlan):
                 O[r, dd] = T.float32(0)
 
     @T.macro
-    def finish_key(Kt, krow, j, kpos, rope):
-        """Rotate the staged key row ``krow`` (position ``kpos``) and store it as column ``j`` of Kt."""
+    def rope_key(Kf, j, kpos, rope):
+        """Rotate staged key row ``j`` for position ``kpos`` when inline RoPE is on."""
         apply_rope, rope_scale, invf = rope
         if apply_rope == 1:
-            rope_row(krow, 0, kpos, rope_scale, invf)
-        for dd in T.serial(D):
-            Kt[dd, j] = krow[0, dd]
+            rope_row(Kf, j, kpos, rope_scale, invf)
 
     @T.macro
-    def clear_key(Kt, Vt, j):
-        # Keys past the entry are zero (never garbage: 0 * NaN would poison the PV sum).
-        for dd in T.serial(D):
-            Kt[dd, j] = T.float32(0)
+    def clear_key(Kf, Vf, j):
+        # Keys past the entry are zero, never garbage: 0 * NaN would poison the PV sum.
+        for dd in T.vectorized(D):
+            Kf[j, dd] = T.float32(0)
         for dd in T.vectorized(DV):
-            Vt[j, dd] = T.float32(0)
-
-    @T.macro
-    def score(S, Qf, Kt, acc):
-        """``S = Qf @ Kt`` with an ``RB x TK`` register block (``acc`` is a small stack buffer)."""
-        for rb in T.serial(R // RB):
-            for rr in T.unroll(RB):
-                for j in T.vectorized(TK):
-                    acc[rr, j] = T.float32(0)
-            for dd in T.serial(D):
-                for rr in T.unroll(RB):
-                    for j in T.vectorized(TK):
-                        acc[rr, j] = acc[rr, j] + Qf[rb * RB + rr, dd] * Kt[dd, j]
-            for rr in T.unroll(RB):
-                for j in T.vectorized(TK):
-                    S[rb * RB + rr, j] = acc[rr, j]
-
-    @T.macro
-    def softmax_update(S, m, l, alpha, mx, j0, kvlen, causal, qlen, qt0):
-        """Mask the tile, then the base-2 online softmax step; ``S`` becomes probabilities.
-
-        Row ``r`` is token ``qt0 + r // G`` of an entry with ``qlen`` queries and ``kvlen`` keys; with
-        ``causal`` it sees keys ``j < kvlen - qlen + token + 1`` (bottom-right aligned).
-        """
-        for r in T.serial(R):
-            limit: T.let[T.int32] = T.if_then_else(
-                causal > 0, T.min(kvlen, kvlen - qlen + qt0 + r // G + 1), kvlen)
-            mx[0] = m[r]
-            for j in T.serial(TK):
-                S[r, j] = T.if_then_else(j0 + j < limit, S[r, j], T.float32(MASKED))
-                mx[0] = T.max(mx[0], S[r, j])
-            alpha[r] = exp2_approx(m[r] - mx[0])
-            for j in T.vectorized(TK):
-                S[r, j] = exp2_approx(S[r, j] - mx[0])
-            l[r] = l[r] * alpha[r]
-            for j in T.serial(TK):
-                l[r] = l[r] + S[r, j]
-            m[r] = mx[0]
-
-    @T.macro
-    def pv(O, S, Vt, alpha, acc0, acc1):
-        """``O = O * alpha + S @ Vt`` with an ``RB x 2DC`` register block.
-
-        The block is split over two ``RB x DC`` buffers because TVM places only allocations under
-        1 KiB on the stack (larger ones become workspace calls that LLVM cannot keep in registers).
-        """
-        for rb in T.serial(R // RB):
-            for dc in T.serial(DV // (2 * DC)):
-                for rr in T.unroll(RB):
-                    for c in T.vectorized(DC):
-                        acc0[rr, c] = O[rb * RB + rr, dc * 2 * DC + c] * alpha[rb * RB + rr]
-                        acc1[rr, c] = O[rb * RB + rr, dc * 2 * DC + DC + c] * alpha[rb * RB + rr]
-                for j in T.serial(TK):
-                    for rr in T.unroll(RB):
-                        for c in T.vectorized(DC):
-                            acc0[rr, c] = acc0[rr, c] + S[rb * RB + rr, j] * Vt[j, dc * 2 * DC + c]
-                            acc1[rr, c] = acc1[rr, c] + S[rb * RB + rr, j] * Vt[j, dc * 2 * DC + DC + c]
-                for rr in T.unroll(RB):
-                    for c in T.vectorized(DC):
-                        O[rb * RB + rr, dc * 2 * DC + c] = acc0[rr, c]
-                        O[rb * RB + rr, dc * 2 * DC + DC + c] = acc1[rr, c]
+            Vf[j, dd] = T.float32(0)
 
     @T.macro
     def store(o, lse, O, m, l, tok0, ntok, h):
@@ -168,7 +103,6 @@ def make_attn_macros(plan: TilePlan):
 
     ns = _Macros()
     for name, fn in dict(init_inv_freq=init_inv_freq, load_q=load_q, init_state=init_state,
-                         finish_key=finish_key, clear_key=clear_key, score=score,
-                         softmax_update=softmax_update, pv=pv, store=store).items():
+                         rope_key=rope_key, clear_key=clear_key, store=store).items():
         setattr(ns, name, fn)
     return ns

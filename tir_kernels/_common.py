@@ -7,8 +7,9 @@ Every attention kernel here follows the same plan (see ``docs/ARCHITECTURE.md``,
   loaded (and converted to float32) once per group instead of once per query head;
 * the work item keeps a float32 *row tile* ``Qf[R, D]`` whose row ``r`` is query token ``r // G`` of
   the tile and query head ``h * G + r % G``; rows past the tile are zero and never stored;
-* keys are visited ``TK`` at a time: K is transposed into ``Kt[D, TK]`` so the score GEMM vectorizes
-  over keys, V is kept as ``Vt[TK, Dv]`` so the PV GEMM vectorizes over the head dim;
+* keys are visited ``TK`` at a time, staged as float32 rows ``Kf[TK, D]`` and ``Vf[TK, Dv]`` (converted
+  and, for inline RoPE, rotated once per work item); the score layout depends on the row count (see
+  ``TilePlan.keys_major``); the PV GEMM vectorizes over the head dim;
 * softmax is the online (flash) form in base 2: ``sm_scale * log2(e)`` is folded into ``Qf`` so scores
   come out in log2 units, and ``lse = m + log2(l)``.
 """
@@ -72,13 +73,20 @@ class TilePlan:
     tq : int
         Query tokens per work item.
     rows : int
-        Rows of the row tile (``tq * group`` rounded up to ``rb``).
+        Rows of the row tile (``tq * group``, padded).
     tk : int
         Keys per kv tile.
-    rb : int
-        Rows per register block of the GEMM micro-kernels.
-    dc : int
-        Head-dim columns of each of the two accumulators of the PV micro-kernel.
+    keys_major : bool
+        Score layout. ``False`` (decode, few rows): ``S[rows, TK]``, each score a SIMD dot product of a
+        query row with a key row. ``True`` (prefill, rows a multiple of 16): ``St[TK, rows]``, computed as
+        ``K_tile @ Qt`` with the queries transposed once per work item, so scores vectorize over rows and
+        the key tile is used in its natural row layout (no per-key transposition).
+    jb : int
+        Keys per register block of the keys-major score GEMM (``jb * rows * 4`` bytes < 1 KiB).
+    vl : int
+        SIMD lanes of the rows-major dot products.
+    rb, dc : int
+        PV register block: ``rb`` rows x ``2 * dc`` head-dim columns (two ``rb x dc`` accumulators).
     dtype : str
         Storage dtype of q/k/v/o.
     """
@@ -89,6 +97,9 @@ class TilePlan:
     tq: int
     rows: int
     tk: int
+    keys_major: bool
+    jb: int
+    vl: int
     rb: int
     dc: int
     dtype: str
@@ -97,17 +108,29 @@ class TilePlan:
 def make_tile_plan(d: int, dv: int, group: int, dtype: str, tokens_per_item: int | None) -> TilePlan:
     """Choose the CPU tiling.
 
-    ``tokens_per_item=None`` sizes the query tile for prefill (about 32 rows, enough to reuse each
-    K/V tile from L1 many times); decode passes 1.
+    ``tokens_per_item=None`` is prefill: about 32 rows per item (each K/V tile is reused from L1 by
+    all of them), keys-major scores. Decode passes 1: the G rows of one token, rows-major scores.
     """
-    tq = tokens_per_item if tokens_per_item is not None else max(1, 32 // group)
-    # Register block: 4 rows keep 4 x (TK / 16) score accumulators and 4 x (DC / 16) output
-    # accumulators in AVX-512 registers; smaller groups (decode with G < 4) use G rows to avoid padding.
-    rb = 4 if tq * group >= 4 else tq * group
-    rows = -(-tq * group // rb) * rb
-    # PV block: RB rows x 2*DC columns (two RB x DC accumulators, each under TVM's 1 KiB stack limit).
+    tk = 32
+    if tokens_per_item is None:
+        tq = max(1, 32 // group)
+        rows = -(-tq * group // 16) * 16
+        keys_major, rb = True, 4
+    else:
+        tq = tokens_per_item
+        rows = tq * group
+        # PV register block of 4 rows when it divides (or costs little padding), else the whole group.
+        rb = 4 if rows % 4 == 0 or rows > 4 else rows
+        rows = -(-rows // rb) * rb
+        keys_major = False
+    jb = max(1, min(tk, 128 // rows))
+    while tk % jb:
+        jb -= 1
+    vl = next(v for v in (16, 8, 4, 2, 1) if d % v == 0)
+    # Two PV accumulators of rb x dc floats, each under TVM's 1 KiB stack-allocation limit.
     dc = next(c for c in (32, 16, 8, 4, 2, 1) if dv % (2 * c) == 0) if dv % 2 == 0 else dv
-    return TilePlan(d=d, dv=dv, group=group, tq=tq, rows=rows, tk=32, rb=rb, dc=dc, dtype=dtype)
+    return TilePlan(d=d, dv=dv, group=group, tq=tq, rows=rows, tk=tk, keys_major=keys_major, jb=jb,
+                    vl=vl, rb=rb, dc=dc, dtype=dtype)
 
 
 def make_rope_macros(d: int):

@@ -2,7 +2,7 @@
 
 Parallelism: ``T.parallel`` over work items (entry x query tile x kv head); the ``G`` query heads of a
 kv head stay in one item so each K/V row is read and converted once per group. Inside an item the
-kernel walks the entry's keys ``TK`` at a time (see ``_attn_cpu_macros``). Prefill items are numbered
+kernel walks the entry's keys ``TK`` at a time (see ``_common``, ``_attn_cpu_macros`` and ``_attn_cpu_gemm``). Prefill items are numbered
 through a per-entry tile prefix sum, visited in zig-zag order (first, last, second, second-to-last...)
 so that the static split of ``T.parallel`` gives every thread a similar share of a causal workload.
 """
@@ -11,97 +11,109 @@ from __future__ import annotations
 
 from tvm.script import tirx as T
 
+from ._attn_cpu_gemm import make_gemm_macros, scratch_shapes
 from ._attn_cpu_macros import make_attn_macros
 from ._common import LOG2E, TilePlan, make_tile_plan
 
 
 
 def _make_item_macro(plan: TilePlan, mac, load_tile):
-    """The body of one work item, given the macros ``mac`` and the kernel's K/V tile loader ``load_tile``.
+    """The body of one work item, given the shared macros ``mac`` and the kernel's tile loader.
 
-    ``load_tile(Kt, Vt, krow, kv, base, kpos0, h, j0, kvlen, rope)`` fills keys ``j0 .. j0 + TK`` of the
-    entry; ``kv`` is a kernel-specific tuple of buffers and parameters, ``base`` locates the entry in it
-    and ``kpos0`` is the RoPE position of its key 0. Tuples passed to macros hold only buffers and
-    parameters: an expression unpacked from a tuple would become a mutable scalar allocation.
+    ``load_tile(Kf, Vf, cur, kv, base, kpos0, h, j0, kvlen, rope)`` stages keys ``j0 .. j0 + TK`` of the
+    entry (zero rows past ``kvlen``); ``kv`` is a kernel-specific tuple of buffers and parameters,
+    ``base`` locates the entry in it, ``kpos0`` is the RoPE position of its key 0 and ``cur`` is a small
+    int scratch. Tuples passed to macros hold only buffers and parameters: an expression unpacked from a
+    tuple would become a mutable scalar allocation.
     """
     D, DV, R, TK, RB, DC = plan.d, plan.dv, plan.rows, plan.tk, plan.rb, plan.dc
+    prepare, score, softmax, pv = make_gemm_macros(plan)
+    shp = scratch_shapes(plan)
 
     @T.macro
     def attend(q, q_pos, o, lse, tok0, ntok, qt0, qlen, kvlen, h, causal, rope, sm_scale, kv, base, kpos0):
         """Attention of tokens ``tok0 .. tok0 + ntok`` (token ``qt0`` of the entry onward), kv head h."""
         Qf = T.alloc_buffer((R, D), "float32")
-        Kt = T.alloc_buffer((D, TK), "float32")
-        Vt = T.alloc_buffer((TK, DV), "float32")
-        S = T.alloc_buffer((R, TK), "float32")
+        Qt = T.alloc_buffer(shp["Qt"], "float32")
+        Kf = T.alloc_buffer((TK, D), "float32")
+        Vf = T.alloc_buffer((TK, DV), "float32")
+        S = T.alloc_buffer(shp["S"], "float32")
         O = T.alloc_buffer((R, DV), "float32")
         m = T.alloc_buffer((R,), "float32")
         l = T.alloc_buffer((R,), "float32")
         alpha = T.alloc_buffer((R,), "float32")
-        krow = T.alloc_buffer((1, D), "float32")
+        lim = T.alloc_buffer((R,), "int32")
         invf = T.alloc_buffer((D // 2,), "float32")
-        # TVM puts allocations under 1 KiB on the stack; LLVM then keeps these register blocks in
-        # registers (the larger scratch above comes from the per-thread workspace pool).
-        acc_s = T.alloc_buffer((RB, TK), "float32")
+        acc = T.alloc_buffer(shp["acc"], "float32")
+        red = T.alloc_buffer(shp["red"], "float32")
         acc_o0 = T.alloc_buffer((RB, DC), "float32")
         acc_o1 = T.alloc_buffer((RB, DC), "float32")
-        mx = T.alloc_buffer((1,), "float32")
+        mx = T.alloc_buffer(shp["mx"], "float32")
+        cur = T.alloc_buffer((2,), "int32")
         apply_rope, rope_scale, rope_theta = rope
         if apply_rope == 1:
             mac.init_inv_freq(invf, rope_theta)
         mac.load_q(Qf, q, q_pos, tok0, ntok, h, (apply_rope, rope_scale, invf),
                    sm_scale * T.float32(LOG2E))
         mac.init_state(m, l, O)
+        prepare(Qf, Qt, lim, kvlen, causal, qlen, qt0)
         # Causal: the tile's last token sees keys < kvlen - qlen + qt0 + ntok; later tiles are skipped.
         kv_end: T.let[T.int32] = T.if_then_else(
             causal > 0, T.min(kvlen, kvlen - qlen + qt0 + ntok), kvlen)
         for kt in T.serial(T.max(kv_end + TK - 1, 0) // TK):
-            load_tile(Kt, Vt, krow, kv, base, kpos0, h, kt * TK, kvlen, (apply_rope, rope_scale, invf))
-            mac.score(S, Qf, Kt, acc_s)
-            mac.softmax_update(S, m, l, alpha, mx, kt * TK, kvlen, causal, qlen, qt0)
-            mac.pv(O, S, Vt, alpha, acc_o0, acc_o1)
+            load_tile(Kf, Vf, cur, kv, base, kpos0, h, kt * TK, kvlen, (apply_rope, rope_scale, invf))
+            score(S, Qf, Qt, Kf, acc, red)
+            softmax(S, m, l, alpha, mx, lim, kt * TK)
+            pv(O, S, Vf, alpha, acc_o0, acc_o1)
         mac.store(o, lse, O, m, l, tok0, ntok, h)
 
     return attend
 
 
 def _make_paged_loader(plan: TilePlan, mac):
-    """K/V tile loader over pages; ``kv = (pages, page_values, page_size)``, ``base`` = first page slot."""
+    """Tile loader over pages; ``kv = (pages, page_values, page_size)``, ``base`` = the entry's first
+    ``page_values`` index. The (page, offset) cursor advances incrementally: one division per tile
+    instead of one per key (the page size is a runtime value)."""
     D, DV, TK = plan.d, plan.dv, plan.tk
 
     @T.macro
-    def load_tile(Kt, Vt, krow, kv, base, kpos0, h, j0, kvlen, rope):
+    def load_tile(Kf, Vf, cur, kv, base, kpos0, h, j0, kvlen, rope):
         pages, page_values, ps = kv
+        cur[0] = j0 // ps
+        cur[1] = j0 % ps
         for j in T.serial(TK):
             if j0 + j < kvlen:
-                page: T.let[T.int32] = page_values[base + (j0 + j) // ps]
-                off: T.let[T.int32] = (j0 + j) % ps
                 for dd in T.vectorized(D):
-                    krow[0, dd] = T.Cast("float32", pages[page, 0, h, off, dd])
+                    Kf[j, dd] = T.Cast("float32", pages[page_values[base + cur[0]], 0, h, cur[1], dd])
                 for dd in T.vectorized(DV):
-                    Vt[j, dd] = T.Cast("float32", pages[page, 1, h, off, dd])
-                mac.finish_key(Kt, krow, j, kpos0 + j0 + j, rope)
+                    Vf[j, dd] = T.Cast("float32", pages[page_values[base + cur[0]], 1, h, cur[1], dd])
+                mac.rope_key(Kf, j, kpos0 + j0 + j, rope)
+                cur[1] = cur[1] + 1
+                if cur[1] == ps:
+                    cur[0] = cur[0] + 1
+                    cur[1] = 0
             else:
-                mac.clear_key(Kt, Vt, j)
+                mac.clear_key(Kf, Vf, j)
 
     return load_tile
 
 
 def _make_ragged_loader(plan: TilePlan, mac):
-    """K/V tile loader over contiguous rows; ``kv = (k, v)``, ``base`` = the entry's first row."""
+    """Tile loader over contiguous rows; ``kv = (k, v)``, ``base`` = the entry's first row."""
     D, DV, TK = plan.d, plan.dv, plan.tk
 
     @T.macro
-    def load_tile(Kt, Vt, krow, kv, base, kpos0, h, j0, kvlen, rope):
+    def load_tile(Kf, Vf, cur, kv, base, kpos0, h, j0, kvlen, rope):
         k, v = kv
         for j in T.serial(TK):
             if j0 + j < kvlen:
                 for dd in T.vectorized(D):
-                    krow[0, dd] = T.Cast("float32", k[base + j0 + j, h, dd])
+                    Kf[j, dd] = T.Cast("float32", k[base + j0 + j, h, dd])
                 for dd in T.vectorized(DV):
-                    Vt[j, dd] = T.Cast("float32", v[base + j0 + j, h, dd])
-                mac.finish_key(Kt, krow, j, kpos0 + j0 + j, rope)
+                    Vf[j, dd] = T.Cast("float32", v[base + j0 + j, h, dd])
+                mac.rope_key(Kf, j, kpos0 + j0 + j, rope)
             else:
-                mac.clear_key(Kt, Vt, j)
+                mac.clear_key(Kf, Vf, j)
 
     return load_tile
 

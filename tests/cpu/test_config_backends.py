@@ -108,6 +108,7 @@ def test_runtime_values_fill_runtime_fields():
     handle = get_global("pagedkv.create")(text, (5, 64), table, tvm_ffi.from_dlpack(torch.empty(1)))
     effective = json.loads(str(get_global("pagedkv.config_json")(handle)))
     assert effective["max_batch_size"] == 5 and effective["max_total_seq_len"] == 64
+    assert effective["runtime_fields"] == []
     assert get_global("pagedkv.get_num_available_pages")(handle) == 64 // 8 + 5
 
 

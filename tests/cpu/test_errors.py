@@ -137,6 +137,17 @@ def test_out_of_pages_fork_midpage(runner):
     check_state(runner.cache, runner.ref, "forks at a boundary with no free page")
 
 
+def test_debug_kv_range(runner):
+    c = runner.cache
+    past = runner.ref.get_sequence_length(0) + 1
+    rejects(runner, lambda: c.debug_get_kv(0, 0, past), num(past), follow=False)
+    rejects(runner, lambda: c.debug_get_kv(0, 4, 2), num(4), follow=False)
+    kv = torch.randn(CFG.num_layers, 3, CFG.num_kv_heads, CFG.head_dim)
+    start = runner.ref.get_sequence_length(1) - 2  # 3 tokens from here run past the end
+    rejects(runner, lambda: c.debug_set_kv(1, start, kv, kv), num(start + 3), follow=False)
+    rejects(runner, lambda: c.debug_set_kv(0, 0, kv.half(), kv.half()), r"float16")
+
+
 # -- forward ----------------------------------------------------------------------------------------------
 def _qkv(n, width=WIDTH, d=CFG.head_dim, dtype=torch.float32):
     return torch.randn(n, width, d).to(dtype)
@@ -219,14 +230,17 @@ def test_attention_outside_forward(runner):
     rejects(runner, lambda: c.attention_with_fused_qkv(0, _qkv(1), 0.1), pattern)
     rejects(runner, lambda: c.cross_attention(0, q, 0.1), pattern)
     rejects(runner, lambda: c.self_attention(0, q, kv, kv, 0.1), pattern)
+    rejects(runner, lambda: c.get_query_positions(), pattern)
+    rejects(runner, lambda: c.end_forward(), pattern)
     runner.run([forward({0: 1})], "one forward")
     rejects(runner, lambda: c.attention_with_fused_qkv(0, _qkv(1), 0.1), pattern)  # after end_forward
 
 
 def test_sequence_ops_inside_forward(runner):
-    """remove / fork / popn of a sequence of the running forward would invalidate its plan: rejected."""
+    """add / remove / fork / popn between begin_forward and end_forward are rejected."""
     c = runner.cache
-    for bad in (lambda: c.remove_sequence(1), lambda: c.fork_sequence(0, 9, 4), lambda: c.popn(0, 1)):
+    for bad in (lambda: c.add_sequence(9), lambda: c.remove_sequence(1), lambda: c.fork_sequence(0, 9, 4),
+                lambda: c.popn(0, 1)):
         in_forward_rejects(runner, {0: 2, 1: 1}, bad, r"forward")
 
 
@@ -312,6 +326,13 @@ def test_create_bad_config_value(table):
         _create(json.dumps(d), table)
 
 
+def test_create_field_both_given_and_runtime(table):
+    d = json.loads(CFG.to_json())
+    d["runtime_fields"] = ["max_batch_size"]  # still present in the JSON as well
+    with pytest.raises(Exception, match="max_batch_size"):
+        _create(json.dumps(d), table, (2,))
+
+
 def test_create_missing_runtime_value(table):
     with pytest.raises(Exception, match="max_batch_size"):
         _create(CFG.to_json(runtime_fields=("max_batch_size",)), table, ())
@@ -320,3 +341,16 @@ def test_create_missing_runtime_value(table):
 def test_create_python_unknown_backend():
     with pytest.raises(ValueError, match="nosuchbackend"):
         pagedkv.create(CFG, backend="nosuchbackend")
+
+
+def test_clear_abandons_open_forward(runner):
+    """clear is allowed inside a forward and abandons it (no forward is open afterwards)."""
+    c = runner.cache
+    runner.ref.begin_forward([0, 1], [2, 1])
+    c.begin_forward([0, 1], [2, 1])
+    runner.ref.clear()
+    c.clear()
+    check_state(c, runner.ref, "after clear inside a forward")
+    assert c.num_available_pages == NUM_PAGES
+    rejects(runner, lambda: c.attention_with_fused_qkv(0, _qkv(3), 0.1), r"forward")
+    runner.run([add(4), forward({4: 9}), check()], "after clear")

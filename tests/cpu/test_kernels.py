@@ -329,3 +329,131 @@ def test_attn_prefill_ragged_gqa8_long():
         o, lse, 1, 0, 1.0, 10000.0, 0.125)
     o_ref, lse_ref = attention_ref(q, k, v, True, 0.125)
     check_attention(o.numpy(), lse.numpy(), o_ref, lse_ref, dtype)
+
+
+# ---------------------------------------------------------------------------------------------------
+# split_rotary and merge_state
+# ---------------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("apply_rope", [0, 1])
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("shape", [(4, 4, 64), (14, 2, 128), (3, 1, 96)], ids=lambda s: "x".join(map(str, s)))
+def test_split_rotary(shape, dtype, apply_rope):
+    hq, hkv, d = shape
+    n = int(RNG.integers(1, 40))
+    qkv = randn(n, hq + 2 * hkv, d, dtype=dtype)
+    q_pos = RNG.integers(0, 250, n).astype(np.int32)
+    rope_scale, rope_theta = rope_params()
+    outs = [dev(np.full((n, h, d), np.nan, dtype), 7) for h in (hq, hkv, hkv)]
+    kernel("split_rotary", tk.KernelConfig(hq, hkv, d, d, dtype))(
+        dev(qkv, 3), dev(q_pos, 2), *outs, apply_rope, rope_scale, rope_theta)
+    parts = [qkv[:, :hq], qkv[:, hq:hq + hkv], qkv[:, hq + hkv:]]
+    pos = torch.as_tensor(q_pos)
+    for i, (out, part) in enumerate(zip(outs, parts)):
+        ref = torch.as_tensor(part.astype(np.float64))
+        if apply_rope and i < 2:
+            ref = rope_ref(ref.transpose(0, 1), pos, rope_scale, rope_theta).transpose(0, 1)
+            assert rel_err(out.numpy(), ref) < TOL[dtype]
+        else:
+            assert np.array_equal(out.numpy(), part)  # a plain copy is exact
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("heads_dv", [(8, 64), (3, 96)], ids=lambda s: "x".join(map(str, s)))
+def test_merge_state(heads_dv, dtype):
+    h, dv = heads_dv
+    n = 23
+    o_a, o_b = randn(n, h, dv, dtype=dtype), randn(n, h, dv, dtype=dtype)
+    lse_a = (RNG.standard_normal((n, h)) * 8).astype(np.float32)
+    lse_b = (RNG.standard_normal((n, h)) * 8).astype(np.float32)
+    # empty states: only a, only b, both (rows 0, 1, 2)
+    for row, (ea, eb) in enumerate([(True, False), (False, True), (True, True)]):
+        if ea:
+            o_a[row], lse_a[row] = 0, EMPTY_LSE
+        if eb:
+            o_b[row], lse_b[row] = 0, EMPTY_LSE
+    ta, tla = dev(o_a, 4), dev(lse_a, 4)
+    kernel("merge_state", tk.KernelConfig(h, h, dv, dv, dtype))(ta, tla, dev(o_b, 1), dev(lse_b, 2))
+    oa64, ob64 = o_a.astype(np.float64), o_b.astype(np.float64)
+    la64, lb64 = lse_a.astype(np.float64), lse_b.astype(np.float64)
+    empty_a, empty_b = la64 <= EMPTY_LSE / 2, lb64 <= EMPTY_LSE / 2
+    mx = np.maximum(la64, lb64)
+    wa = np.where(empty_a, 0.0, np.exp2(la64 - mx))
+    wb = np.where(empty_b, 0.0, np.exp2(lb64 - mx))
+    both = empty_a & empty_b
+    tot = np.where(both, 1.0, wa + wb)
+    o_ref = (oa64 * wa[..., None] + ob64 * wb[..., None]) / tot[..., None]
+    lse_ref = np.where(both, EMPTY_LSE, mx + np.log2(tot))
+    o, lse = ta.numpy(), tla.numpy()
+    assert rel_err(o, o_ref) < TOL[dtype]
+    assert np.all(lse[both] == np.float32(EMPTY_LSE)) and np.all(o[both] == 0)
+    assert rel_err(lse[~both], lse_ref[~both]) < TOL[dtype]
+
+
+# ---------------------------------------------------------------------------------------------------
+# page movement (exact copies; untouched slots must stay bit-identical, NaN included)
+# ---------------------------------------------------------------------------------------------------
+PAGE_SHAPES = [(2, 64), (1, 128)]
+
+
+def page_pool(num_pages, hkv, d, ps, dtype, fill):
+    pool = np.full((num_pages, 2, hkv, ps, d), np.nan, dtype)
+    if fill:
+        pool[:] = randn(*pool.shape, dtype=dtype)
+    return pool
+
+
+
+@pytest.mark.parametrize("ps", [16, 8])
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("hkv_d", PAGE_SHAPES, ids=lambda s: "x".join(map(str, s)))
+def test_append_and_gather_kv(hkv_d, dtype, ps):
+    hkv, d = hkv_d
+    cfg = tk.KernelConfig(hkv, hkv, d, d, dtype)
+    pool = page_pool(7, hkv, d, ps, dtype, fill=False)
+    n = int(RNG.integers(1, 7 * ps))
+    slots = RNG.choice(7 * ps, n, replace=False).astype(np.int32)
+    k, v = randn(n, hkv, d, dtype=dtype), randn(n, hkv, d, dtype=dtype)
+    tpool = dev(pool)
+    kernel("append_kv", cfg)(tpool, dev(k, 3), dev(v, 5), dev(slots, 1))
+    expect = pool.copy()
+    for i, s in enumerate(slots):
+        expect[s // ps, 0, :, s % ps] = k[i]
+        expect[s // ps, 1, :, s % ps] = v[i]
+    assert np.array_equal(tpool.numpy(), expect, equal_nan=True)
+    # gather them back in a different order, into NaN-filled views
+    order = RNG.permutation(n)
+    kg, vg = dev(np.full((n, hkv, d), np.nan, dtype), 2), dev(np.full((n, hkv, d), np.nan, dtype), 6)
+    kernel("gather_kv", cfg)(tpool, dev(slots[order], 4), kg, vg)
+    assert np.array_equal(kg.numpy(), k[order]) and np.array_equal(vg.numpy(), v[order])
+
+
+@pytest.mark.parametrize("ps", [16, 8])
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("hkv_d", PAGE_SHAPES, ids=lambda s: "x".join(map(str, s)))
+def test_copy_page(hkv_d, dtype, ps):
+    hkv, d = hkv_d
+    pool = page_pool(5, hkv, d, ps, dtype, fill=True)
+    pool[4] = np.nan
+    src, dst, ntok = 1, 4, int(RNG.integers(1, ps))
+    tpool = dev(pool)
+    kernel("copy_page", tk.KernelConfig(hkv, hkv, d, d, dtype))(tpool, src, dst, ntok)
+    expect = pool.copy()
+    expect[dst, :, :, :ntok] = pool[src, :, :, :ntok]
+    assert np.array_equal(tpool.numpy(), expect, equal_nan=True)
+
+
+@pytest.mark.parametrize("ps", [16, 8])
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("hkv_d", PAGE_SHAPES, ids=lambda s: "x".join(map(str, s)))
+def test_compact_copy(hkv_d, dtype, ps):
+    hkv, d = hkv_d
+    pool = page_pool(6, hkv, d, ps, dtype, fill=True)
+    n = int(RNG.integers(1, 3 * ps))
+    chosen = RNG.choice(6 * ps, 2 * n, replace=False).astype(np.int32)
+    src, dst = chosen[:n], chosen[n:]  # disjoint, as the runtime guarantees
+    tpool = dev(pool)
+    kernel("compact_copy", tk.KernelConfig(hkv, hkv, d, d, dtype))(tpool, dev(src, 3), dev(dst, 1))
+    expect = pool.copy()
+    for s, t in zip(src, dst):
+        expect[t // ps, :, :, t % ps] = pool[s // ps, :, :, s % ps]
+    assert np.array_equal(tpool.numpy(), expect, equal_nan=True)

@@ -18,7 +18,7 @@ transformers = pytest.importorskip("transformers")
 from pagedkv.compile import build_library  # noqa: E402
 from pagedkv.models.llama import LlamaConfig, LlamaForCausalLM, params_from_hf  # noqa: E402
 
-CFG = LlamaConfig(vocab_size=384, hidden_size=256, intermediate_size=512, num_hidden_layers=2,
+CFG = LlamaConfig(vocab_size=384, hidden_size=384, intermediate_size=512, num_hidden_layers=2,
                   num_attention_heads=6, num_key_value_heads=2, head_dim=64, rope_theta=10000.0)
 
 

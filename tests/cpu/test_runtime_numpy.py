@@ -680,3 +680,43 @@ def test_errors_leave_cache_unchanged():
         zeros = np.zeros((h.L, 1, h.hkv, h.d), np.float32)
         c("debug_set_kv", s, n - 1, T(zeros), T(zeros))
     h.check_state()
+
+
+@pytest.mark.parametrize("seed", [21, 22, 23, 24])
+def test_random_operations(seed):
+    """Random add / fork / popn / remove / forward mixes (page size 2 or 3) stay equal to the reference,
+    out-of-pages errors change nothing, and removing everything gives every page back."""
+    rng = np.random.default_rng(seed)
+    ps = int(rng.choice([2, 3]))
+    h = Harness(seed=seed, page_size=ps, max_total_seq_len=48, max_batch_size=4, prefill_chunk_size=12)
+    next_id = 0
+    for step in range(60):
+        seqs = sorted(h.ref)
+        op = rng.choice(["add", "fork", "popn", "remove", "forward", "forward"]) if seqs else "add"
+        try:
+            if op == "add":
+                h.add(next_id)
+            elif op == "fork":
+                p = int(rng.choice(seqs))
+                pos = int(rng.integers(-1, h.length(p) + 1))
+                h.fork(p, next_id, pos)
+            elif op == "popn":
+                s = int(rng.choice(seqs))
+                h.popn(s, int(rng.integers(0, h.length(s) + 1)))
+            elif op == "remove":
+                h.remove(int(rng.choice(seqs)))
+            else:
+                batch_ids = rng.permutation(seqs)[: int(rng.integers(1, min(4, len(seqs)) + 1))]
+                decode = rng.random() < 0.4
+                batch = {int(s): 1 if decode else int(rng.integers(1, 4)) for s in batch_ids}
+                h.forward(batch)
+        except Exception as err:  # noqa: BLE001
+            assert "out of pages" in str(err), err
+            h.check_state()
+        next_id += 1
+        if step % 10 == 9:
+            h.check_state()
+    h.check_state()
+    for s in sorted(h.ref):
+        h.remove(s)
+    assert h.call("get_num_available_pages") == h.num_pages

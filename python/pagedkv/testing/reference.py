@@ -374,8 +374,8 @@ class ReferenceCache:
         s.v = [v[:length - n].clone() for v in s.v]
 
     def clear(self) -> None:
-        """Remove every sequence."""
-        self._no_forward("clear")
+        """Remove every sequence (allowed inside a forward, which it abandons)."""
+        self.fwd = None
         self.seqs.clear()
 
     def get_sequence_length(self, seq_id: int) -> int:

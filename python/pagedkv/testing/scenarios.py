@@ -233,6 +233,24 @@ def shared_prefix_adjacent(P: int) -> list[Step]:
     ]
 
 
+def deep_shared_prefix(P: int) -> list[Step]:
+    """Seven sequences whose chains share up to six page-aligned blocks (more prefix depths than the
+    runtime gives passes of their own), decoded and prefilled in one batch, adjacent and shuffled."""
+    steps = [add(0), forward({0: P})]
+    for s in range(1, 7):
+        steps += [fork(s - 1, s, -1), forward({s: P})]
+    every = list(range(7))
+    return steps + [
+        check(),
+        forward({s: 1 for s in every}),
+        forward({s: 2 for s in every}),
+        forward({s: 1 for s in [3, 0, 6, 1, 5, 2, 4]}),
+        fork(6, 7, 3 * P + 1),
+        forward({s: 1 for s in [7, *every]}),
+        check(),
+    ]
+
+
 def clear_scenario(P: int) -> list[Step]:
     """clear drops every sequence and gives every page back."""
     return [
@@ -259,6 +277,7 @@ SCENARIOS: dict[str, Callable[[int], list[Step]]] = {
     "popn": popn_scenario,
     "decode_only": decode_only,
     "shared_prefix_adjacent": shared_prefix_adjacent,
+    "deep_shared_prefix": deep_shared_prefix,
     "clear": clear_scenario,
 }
 

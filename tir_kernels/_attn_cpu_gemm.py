@@ -1,0 +1,176 @@
+"""Score, online-softmax and PV steps of the CPU attention kernels, in two score layouts.
+
+Both variants expose the same macros, so one work-item body serves decode and prefill:
+
+* ``prepare(Qf, Qt, lim, kvlen, causal, qlen, qt0)``: per-item setup; ``lim[r]`` = number of keys row
+  ``r`` may see (bottom-right causal: ``kvlen - qlen + token + 1``, capped at ``kvlen``);
+* ``score(S, Qf, Qt, Kf, acc, red)``: scores of the key tile (log2 units, ``Qf`` is pre-scaled);
+* ``softmax(S, m, l, alpha, mx, lim, j0)``: mask, then the base-2 online softmax step; ``S`` becomes
+  probabilities, ``alpha[r]`` the rescale of row ``r``'s previous output;
+* ``pv(O, S, Vf, alpha, acc0, acc1)``: ``O = O * alpha + P @ Vf`` with an ``RB x 2DC`` register block.
+
+Register blocks (``acc*``, ``red``) are small buffers: TVM places allocations under 1 KiB on the stack,
+where LLVM promotes them to registers.
+"""
+
+from __future__ import annotations
+
+from tvm.script import tirx as T
+
+from ._attn_cpu_macros import exp2_approx
+from ._common import MASKED, TilePlan
+
+
+def scratch_shapes(plan: TilePlan) -> dict:
+    """Shapes of the layout-dependent scratch buffers of a work item."""
+    R, TK, D = plan.rows, plan.tk, plan.d
+    if plan.keys_major:
+        return {"S": (TK, R), "Qt": (D, R), "acc": (plan.jb, R), "red": (1,), "mx": (R,)}
+    return {"S": (R, TK), "Qt": (1, 1), "acc": (2, plan.vl), "red": (plan.vl,), "mx": (1,)}
+
+
+def make_gemm_macros(plan: TilePlan):
+    """``(prepare, score, softmax, pv)`` for ``plan``'s score layout."""
+    return _keys_major(plan) if plan.keys_major else _rows_major(plan)
+
+
+def _limits_macro(plan: TilePlan):
+    G, R = plan.group, plan.rows
+
+    @T.macro
+    def limits(lim, kvlen, causal, qlen, qt0):
+        for r in T.serial(R):
+            lim[r] = T.if_then_else(causal > 0, T.min(kvlen, kvlen - qlen + qt0 + r // G + 1), kvlen)
+
+    return limits
+
+
+def _pv_macro(plan: TilePlan, keys_major: bool):
+    """PV step; ``P[r, j]`` is ``S[j, r]`` (keys-major) or ``S[r, j]`` (rows-major)."""
+    R, TK, DV, RB, DC = plan.rows, plan.tk, plan.dv, plan.rb, plan.dc
+
+    def p_at(S, r, j):
+        return S[j, r] if keys_major else S[r, j]
+
+    @T.macro
+    def pv(O, S, Vf, alpha, acc0, acc1):
+        for rb in T.serial(R // RB):
+            for dc in T.serial(DV // (2 * DC)):
+                for rr in T.unroll(RB):
+                    for c in T.vectorized(DC):
+                        acc0[rr, c] = O[rb * RB + rr, dc * 2 * DC + c] * alpha[rb * RB + rr]
+                        acc1[rr, c] = O[rb * RB + rr, dc * 2 * DC + DC + c] * alpha[rb * RB + rr]
+                for j in T.serial(TK):
+                    for rr in T.unroll(RB):
+                        for c in T.vectorized(DC):
+                            acc0[rr, c] = acc0[rr, c] + p_at(S, rb * RB + rr, j) * Vf[j, dc * 2 * DC + c]
+                            acc1[rr, c] = acc1[rr, c] + p_at(S, rb * RB + rr, j) * Vf[j, dc * 2 * DC + DC + c]
+                for rr in T.unroll(RB):
+                    for c in T.vectorized(DC):
+                        O[rb * RB + rr, dc * 2 * DC + c] = acc0[rr, c]
+                        O[rb * RB + rr, dc * 2 * DC + DC + c] = acc1[rr, c]
+
+    return pv
+
+
+def _keys_major(plan: TilePlan):
+    """Prefill: ``St[TK, R] = Kf @ Qt``, everything after it vectorized over the R rows."""
+    R, TK, D, JB = plan.rows, plan.tk, plan.d, plan.jb
+    limits = _limits_macro(plan)
+
+    @T.macro
+    def prepare(Qf, Qt, lim, kvlen, causal, qlen, qt0):
+        for r, dd in T.grid(R, D):
+            Qt[dd, r] = Qf[r, dd]
+        limits(lim, kvlen, causal, qlen, qt0)
+
+    @T.macro
+    def score(S, Qf, Qt, Kf, acc, red):
+        # JB keys x R rows of accumulators; each Kf element is broadcast (a memory operand of the FMA).
+        for jb in T.serial(TK // JB):
+            for jj in T.unroll(JB):
+                for r in T.vectorized(R):
+                    acc[jj, r] = T.float32(0)
+            for dd in T.serial(D):
+                for jj in T.unroll(JB):
+                    for r in T.vectorized(R):
+                        acc[jj, r] = acc[jj, r] + Kf[jb * JB + jj, dd] * Qt[dd, r]
+            for jj in T.unroll(JB):
+                for r in T.vectorized(R):
+                    S[jb * JB + jj, r] = acc[jj, r]
+
+    @T.macro
+    def softmax(S, m, l, alpha, mx, lim, j0):
+        for r in T.vectorized(R):
+            mx[r] = m[r]
+        for j in T.serial(TK):
+            for r in T.vectorized(R):
+                S[j, r] = T.if_then_else(j0 + j < lim[r], S[j, r], T.float32(MASKED))
+                mx[r] = T.max(mx[r], S[j, r])
+        for r in T.vectorized(R):
+            alpha[r] = exp2_approx(m[r] - mx[r])
+            l[r] = l[r] * alpha[r]
+            m[r] = mx[r]
+        for j in T.serial(TK):
+            for r in T.vectorized(R):
+                S[j, r] = exp2_approx(S[j, r] - mx[r])
+                l[r] = l[r] + S[j, r]
+
+    return prepare, score, softmax, _pv_macro(plan, keys_major=True)
+
+
+def _rows_major(plan: TilePlan):
+    """Decode: ``S[R, TK]``, each score a VL-lane dot product folded by a halving tree."""
+    R, TK, D, VL = plan.rows, plan.tk, plan.d, plan.vl
+    NPAIR, ODD = (D // VL) // 2, (D // VL) % 2 == 1
+    limits = _limits_macro(plan)
+
+    @T.macro
+    def prepare(Qf, Qt, lim, kvlen, causal, qlen, qt0):
+        limits(lim, kvlen, causal, qlen, qt0)
+
+    @T.macro
+    def score(S, Qf, Qt, Kf, acc, red):
+        for j, r in T.grid(TK, R):
+            # Two independent accumulators halve the FMA dependency chain.
+            for ll in T.vectorized(VL):
+                acc[0, ll] = T.float32(0)
+                acc[1, ll] = T.float32(0)
+            for c in T.serial(NPAIR):
+                for ll in T.vectorized(VL):
+                    acc[0, ll] = acc[0, ll] + Qf[r, c * 2 * VL + ll] * Kf[j, c * 2 * VL + ll]
+                    acc[1, ll] = acc[1, ll] + Qf[r, c * 2 * VL + VL + ll] * Kf[j, c * 2 * VL + VL + ll]
+            if ODD:
+                for ll in T.vectorized(VL):
+                    acc[0, ll] = acc[0, ll] + Qf[r, D - VL + ll] * Kf[j, D - VL + ll]
+            for ll in T.vectorized(VL):
+                red[ll] = acc[0, ll] + acc[1, ll]
+            if VL > 8:
+                for ll in T.vectorized(8):
+                    red[ll] = red[ll] + red[ll + 8]
+            if VL > 4:
+                for ll in T.vectorized(4):
+                    red[ll] = red[ll] + red[ll + 4]
+            if VL > 2:
+                for ll in T.vectorized(2):
+                    red[ll] = red[ll] + red[ll + 2]
+            if VL > 1:
+                red[0] = red[0] + red[1]
+            S[r, j] = red[0]
+
+    @T.macro
+    def softmax(S, m, l, alpha, mx, lim, j0):
+        for r in T.serial(R):
+            mx[0] = m[r]
+            for j in T.serial(TK):
+                S[r, j] = T.if_then_else(j0 + j < lim[r], S[r, j], T.float32(MASKED))
+                mx[0] = T.max(mx[0], S[r, j])
+            alpha[r] = exp2_approx(m[r] - mx[0])
+            for j in T.vectorized(TK):
+                S[r, j] = exp2_approx(S[r, j] - mx[0])
+            l[r] = l[r] * alpha[r]
+            for j in T.serial(TK):
+                l[r] = l[r] + S[r, j]
+            m[r] = mx[0]
+
+    return prepare, score, softmax, _pv_macro(plan, keys_major=False)
