@@ -67,8 +67,11 @@ class Engine:
         self._dev = dev
         self.vm = relax.VirtualMachine(tvm.runtime.load_module(self.lib_path), dev)
         self._params = [tvm.runtime.tensor(np.ascontiguousarray(p), dev) for p in self.params]
-        self.cache = self.vm["create_paged_kv_cache"](self.max_batch_size, self.max_total_seq_len,
-                                                      self.prefill_chunk_size, self.page_size)
+        import tvm_ffi
+
+        # nn.spec int arguments arrive as one-element shapes.
+        sizes = (self.max_batch_size, self.max_total_seq_len, self.prefill_chunk_size, self.page_size)
+        self.cache = self.vm["create_paged_kv_cache"](*[tvm_ffi.Shape((v,)) for v in sizes])
 
     def _g(self, name: str, *args):
         return get_global(f"pagedkv.{name}")(self.cache, *args)

@@ -47,8 +47,15 @@ class PagedKVCache(Object):  # pylint: disable=too-few-public-methods
         any of ``max_batch_size``, ``max_total_seq_len``, ``prefill_chunk_size``, ``page_size``.
     """
 
-    def __init__(self, config: KVCacheConfig, *, target: Any, backend: str | Sequence[str] | None = None,
-                 runtime_values: Mapping[str, Any] | None = None, name: str = "paged_kv_cache") -> None:
+    def __init__(self, config: KVCacheConfig | None = None, *, target: Any = None,
+                 backend: str | Sequence[str] | None = None, runtime_values: Mapping[str, Any] | None = None,
+                 name: str = "paged_kv_cache", _expr: rx.Expr | None = None, _name: str | None = None) -> None:
+        if _expr is not None:
+            # The nn exporter wraps function parameters of this type: no construction, just the handle.
+            super().__init__(_expr=_expr, _name=_name or name)
+            return
+        if config is None or target is None:
+            raise TypeError("PagedKVCache needs a KVCacheConfig and a target")
         runtime_values = dict(runtime_values or {})
         unknown = sorted(set(runtime_values) - set(RUNTIME_FIELDS))
         if unknown:

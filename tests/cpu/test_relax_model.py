@@ -49,7 +49,8 @@ RUNNER = textwrap.dedent("""
     params = [tvm.runtime.tensor(a) for a in np.load(params_path).values()]
     ids = json.load(open(ids_path))
     g = lambda n: tvm_ffi.get_global_func("pagedkv." + n)
-    cache = vm["create_paged_kv_cache"](4, 256, 64, 16)
+    # nn.spec int arguments arrive as one-element shapes
+    cache = vm["create_paged_kv_cache"](*[tvm_ffi.Shape((v,)) for v in (4, 256, 64, 16)])
     g("add_sequence")(cache, 0); g("add_sequence")(cache, 1)
     # batched prefill of two prompts
     lens = [len(ids["p0"]), len(ids["p1"])]

@@ -73,7 +73,8 @@ def _decode(seqs, times: int = 1) -> list[Step]:
 
 
 # ---------------------------------------------------------------------------------------------------------
-# scenarios (functions of the page size P); they need max_batch_size >= 8
+# scenarios (functions of the page size P); they need max_batch_size >= 8, prefill_chunk_size >= 64 and
+# a pool of >= 128 tokens + 8 pages
 # ---------------------------------------------------------------------------------------------------------
 def mixed_prefill_decode(P: int) -> list[Step]:
     """Batches mixing multi-token prefills with one-token sequences, and pure decode batches."""
@@ -119,6 +120,9 @@ def remove_reuse(P: int) -> list[Step]:
         check(),
         remove(1), remove(2),
         check(),
+        # three rounds of 127 tokens: more pages in total than the pool has, so freed pages must be reused
+        *[step for r in range(3) for step in (add(10 + r), forward({10 + r: 64}), forward({10 + r: 63}),
+                                               check(), remove(10 + r))],
         add(3), add(0),
         forward({3: P + 1, 0: 4}),
         forward({0: 1, 3: 1}),
