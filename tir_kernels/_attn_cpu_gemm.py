@@ -2,12 +2,18 @@
 
 Both variants expose the same macros, so one work-item body serves decode and prefill:
 
-* ``prepare(Qf, Qt, lim, kvlen, causal, qlen, qt0)``: per-item setup; ``lim[r]`` = number of keys row
-  ``r`` may see (bottom-right causal: ``kvlen - qlen + token + 1``, capped at ``kvlen``);
-* ``score(S, Qf, Qt, Kf, acc, red)``: scores of the key tile (log2 units, ``Qf`` is pre-scaled);
-* ``softmax(S, m, l, alpha, mx, lim, j0)``: mask, then the base-2 online softmax step; ``S`` becomes
-  probabilities, ``alpha[r]`` the rescale of row ``r``'s previous output;
-* ``pv(O, S, Vf, alpha, acc0, acc1)``: ``O = O * alpha + P @ Vf`` with an ``RB x 2DC`` register block.
+* ``prepare(Qf, Qt, lim, nrows, kvlen, causal, qlen, qt0)``: per-item setup (``nrows`` valid rows);
+  ``lim[r]`` = number of keys row ``r`` may see (bottom-right causal: ``kvlen - qlen + token + 1``,
+  capped at ``kvlen``);
+* ``score(S, Qf, Qt, Kf, acc, red, nk)``: scores of the first ``nk`` keys of the tile (log2 units,
+  ``Qf`` is pre-scaled);
+* ``softmax(S, m, l, alpha, mx, lim, j0, nk)``: mask, then the base-2 online softmax step; ``S``
+  becomes probabilities, ``alpha[r]`` the rescale of row ``r``'s previous output;
+* ``pv(O, S, Vf, alpha, acc0, acc1, nk, nrows)``: ``O = O * alpha + P @ Vf`` with an ``RB x 2DC``
+  register block, over the row blocks that hold the ``nrows`` valid rows.
+
+Only the ``nk`` valid keys of a tile are visited (a short entry or the last tile of an entry costs what
+it holds, not a full tile); ``Kf`` rows from ``nk`` to the end of the last score block are zero.
 
 Register blocks (``acc*``, ``red``) are small buffers: TVM places allocations under 1 KiB on the stack,
 where LLVM promotes them to registers.
@@ -53,14 +59,15 @@ def _pv_macro(plan: TilePlan, keys_major: bool):
         return S[j, r] if keys_major else S[r, j]
 
     @T.macro
-    def pv(O, S, Vf, alpha, acc0, acc1):
-        for rb in T.serial(R // RB):
+    def pv(O, S, Vf, alpha, acc0, acc1, nk, nrows):
+        # Only row blocks holding valid rows (a partial query tile costs what it holds).
+        for rb in T.serial((nrows + RB - 1) // RB):
             for dc in T.serial(DV // (2 * DC)):
                 for rr in T.unroll(RB):
                     for c in T.vectorized(DC):
                         acc0[rr, c] = O[rb * RB + rr, dc * 2 * DC + c] * alpha[rb * RB + rr]
                         acc1[rr, c] = O[rb * RB + rr, dc * 2 * DC + DC + c] * alpha[rb * RB + rr]
-                for j in T.serial(TK):
+                for j in T.serial(nk):
                     for rr in T.unroll(RB):
                         for c in T.vectorized(DC):
                             acc0[rr, c] = acc0[rr, c] + p_at(S, rb * RB + rr, j) * Vf[j, dc * 2 * DC + c]
@@ -79,15 +86,19 @@ def _keys_major(plan: TilePlan):
     limits = _limits_macro(plan)
 
     @T.macro
-    def prepare(Qf, Qt, lim, kvlen, causal, qlen, qt0):
-        for r, dd in T.grid(R, D):
+    def prepare(Qf, Qt, lim, nrows, kvlen, causal, qlen, qt0):
+        # Transpose only the valid rows (a scalar store each); padding lanes are zeroed a vector at a time.
+        for dd in T.serial(D):
+            for r in T.vectorized(R):
+                Qt[dd, r] = T.float32(0)
+        for r, dd in T.grid(nrows, D):
             Qt[dd, r] = Qf[r, dd]
         limits(lim, kvlen, causal, qlen, qt0)
 
     @T.macro
-    def score(S, Qf, Qt, Kf, acc, red):
+    def score(S, Qf, Qt, Kf, acc, red, nk):
         # JB keys x R rows of accumulators; each Kf element is broadcast (a memory operand of the FMA).
-        for jb in T.serial(TK // JB):
+        for jb in T.serial((nk + JB - 1) // JB):
             for jj in T.unroll(JB):
                 for r in T.vectorized(R):
                     acc[jj, r] = T.float32(0)
@@ -100,10 +111,10 @@ def _keys_major(plan: TilePlan):
                     S[jb * JB + jj, r] = acc[jj, r]
 
     @T.macro
-    def softmax(S, m, l, alpha, mx, lim, j0):
+    def softmax(S, m, l, alpha, mx, lim, j0, nk):
         for r in T.vectorized(R):
             mx[r] = m[r]
-        for j in T.serial(TK):
+        for j in T.serial(nk):
             for r in T.vectorized(R):
                 S[j, r] = T.if_then_else(j0 + j < lim[r], S[j, r], T.float32(MASKED))
                 mx[r] = T.max(mx[r], S[j, r])
@@ -111,7 +122,7 @@ def _keys_major(plan: TilePlan):
             alpha[r] = exp2_approx(m[r] - mx[r])
             l[r] = l[r] * alpha[r]
             m[r] = mx[r]
-        for j in T.serial(TK):
+        for j in T.serial(nk):
             for r in T.vectorized(R):
                 S[j, r] = exp2_approx(S[j, r] - mx[r])
                 l[r] = l[r] + S[j, r]
@@ -126,12 +137,12 @@ def _rows_major(plan: TilePlan):
     limits = _limits_macro(plan)
 
     @T.macro
-    def prepare(Qf, Qt, lim, kvlen, causal, qlen, qt0):
+    def prepare(Qf, Qt, lim, nrows, kvlen, causal, qlen, qt0):
         limits(lim, kvlen, causal, qlen, qt0)
 
     @T.macro
-    def score(S, Qf, Qt, Kf, acc, red):
-        for j, r in T.grid(TK, R):
+    def score(S, Qf, Qt, Kf, acc, red, nk):
+        for j, r in T.grid(nk, R):
             # Two independent accumulators halve the FMA dependency chain.
             for ll in T.vectorized(VL):
                 acc[0, ll] = T.float32(0)
@@ -159,17 +170,18 @@ def _rows_major(plan: TilePlan):
             S[r, j] = red[0]
 
     @T.macro
-    def softmax(S, m, l, alpha, mx, lim, j0):
+    def softmax(S, m, l, alpha, mx, lim, j0, nk):
         for r in T.serial(R):
             mx[0] = m[r]
-            for j in T.serial(TK):
+            for j in T.serial(nk):
                 S[r, j] = T.if_then_else(j0 + j < lim[r], S[r, j], T.float32(MASKED))
                 mx[0] = T.max(mx[0], S[r, j])
             alpha[r] = exp2_approx(m[r] - mx[0])
+            # Whole-tile vector exp (cheaper than a scalar tail); keys past nk are never read.
             for j in T.vectorized(TK):
                 S[r, j] = exp2_approx(S[r, j] - mx[0])
             l[r] = l[r] * alpha[r]
-            for j in T.serial(TK):
+            for j in T.serial(nk):
                 l[r] = l[r] + S[r, j]
             m[r] = mx[0]
 

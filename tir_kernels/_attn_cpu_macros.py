@@ -43,21 +43,26 @@ def exp2_approx(x):
 def make_attn_macros(plan: TilePlan):
     """Return a namespace of the macros below, specialized to ``plan``."""
     D, DV, G, TQ, R, dtype = plan.d, plan.dv, plan.group, plan.tq, plan.rows, plan.dtype
+    KEYS_MAJOR = plan.keys_major
     init_inv_freq, rope_row = make_rope_macros(D)
 
     @T.macro
     def load_q(Qf, q, q_pos, tok0, ntok, h, rope, qk_scale):
-        """Fill ``Qf`` from ``q[tok0 : tok0 + ntok, h*G : (h+1)*G]``; rows past the tile are zero."""
+        """Fill the ``ntok * G`` valid rows of ``Qf`` from ``q[tok0 : tok0 + ntok, h*G : (h+1)*G]``.
+
+        Rows-major scores read every row, so there the padding rows are zeroed; keys-major scores
+        read the transposed copy, whose padding lanes ``prepare`` zeroes.
+        """
         apply_rope, rope_scale, invf = rope
-        for r in T.serial(R):
-            if r < TQ * G and r // G < ntok:
-                for dd in T.vectorized(D):
-                    Qf[r, dd] = T.Cast("float32", q[tok0 + r // G, h * G + r % G, dd])
-                if apply_rope == 1:
-                    rope_row(Qf, r, q_pos[tok0 + r // G], rope_scale, invf)
-                for dd in T.vectorized(D):
-                    Qf[r, dd] = Qf[r, dd] * qk_scale
-            else:
+        for r in T.serial(ntok * G):
+            for dd in T.vectorized(D):
+                Qf[r, dd] = T.Cast("float32", q[tok0 + r // G, h * G + r % G, dd])
+            if apply_rope == 1:
+                rope_row(Qf, r, q_pos[tok0 + r // G], rope_scale, invf)
+            for dd in T.vectorized(D):
+                Qf[r, dd] = Qf[r, dd] * qk_scale
+        if not KEYS_MAJOR:
+            for r in T.serial(ntok * G, R):
                 for dd in T.vectorized(D):
                     Qf[r, dd] = T.float32(0)
 
@@ -77,12 +82,11 @@ def make_attn_macros(plan: TilePlan):
             rope_row(Kf, j, kpos, rope_scale, invf)
 
     @T.macro
-    def clear_key(Kf, Vf, j):
-        # Keys past the entry are zero, never garbage: 0 * NaN would poison the PV sum.
+    def clear_key(Kf, j):
+        # Key rows a score block reads past the last valid key are zero, never garbage (their scores
+        # are masked, but NaN garbage would still reach the running max). V rows past it are not read.
         for dd in T.vectorized(D):
             Kf[j, dd] = T.float32(0)
-        for dd in T.vectorized(DV):
-            Vf[j, dd] = T.float32(0)
 
     @T.macro
     def store(o, lse, O, m, l, tok0, ntok, h):

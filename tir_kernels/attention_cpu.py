@@ -20,13 +20,13 @@ from ._common import LOG2E, TilePlan, make_tile_plan
 def _make_item_macro(plan: TilePlan, mac, load_tile):
     """The body of one work item, given the shared macros ``mac`` and the kernel's tile loader.
 
-    ``load_tile(Kf, Vf, cur, kv, base, kpos0, h, j0, kvlen, rope)`` stages keys ``j0 .. j0 + TK`` of the
-    entry (zero rows past ``kvlen``); ``kv`` is a kernel-specific tuple of buffers and parameters,
+    ``load_tile(Kf, Vf, cur, kv, base, kpos0, h, j0, nk, rope)`` stages keys ``j0 .. j0 + nk`` of the
+    entry (and zero K rows up to the next score block); ``kv`` is a kernel-specific tuple of buffers and parameters,
     ``base`` locates the entry in it, ``kpos0`` is the RoPE position of its key 0 and ``cur`` is a small
     int scratch. Tuples passed to macros hold only buffers and parameters: an expression unpacked from a
     tuple would become a mutable scalar allocation.
     """
-    D, DV, R, TK, RB, DC = plan.d, plan.dv, plan.rows, plan.tk, plan.rb, plan.dc
+    D, DV, G, R, TK, RB, DC = plan.d, plan.dv, plan.group, plan.rows, plan.tk, plan.rb, plan.dc
     prepare, score, softmax, pv = make_gemm_macros(plan)
     shp = scratch_shapes(plan)
 
@@ -56,15 +56,17 @@ def _make_item_macro(plan: TilePlan, mac, load_tile):
         mac.load_q(Qf, q, q_pos, tok0, ntok, h, (apply_rope, rope_scale, invf),
                    sm_scale * T.float32(LOG2E))
         mac.init_state(m, l, O)
-        prepare(Qf, Qt, lim, kvlen, causal, qlen, qt0)
+        prepare(Qf, Qt, lim, ntok * G, kvlen, causal, qlen, qt0)
         # Causal: the tile's last token sees keys < kvlen - qlen + qt0 + ntok; later tiles are skipped.
         kv_end: T.let[T.int32] = T.if_then_else(
             causal > 0, T.min(kvlen, kvlen - qlen + qt0 + ntok), kvlen)
         for kt in T.serial(T.max(kv_end + TK - 1, 0) // TK):
-            load_tile(Kf, Vf, cur, kv, base, kpos0, h, kt * TK, kvlen, (apply_rope, rope_scale, invf))
-            score(S, Qf, Qt, Kf, acc, red)
-            softmax(S, m, l, alpha, mx, lim, kt * TK)
-            pv(O, S, Vf, alpha, acc_o0, acc_o1)
+            # Keys of this tile that some row may see (the causal limit of the last token caps it).
+            nk: T.let[T.int32] = T.min(TK, kv_end - kt * TK)
+            load_tile(Kf, Vf, cur, kv, base, kpos0, h, kt * TK, nk, (apply_rope, rope_scale, invf))
+            score(S, Qf, Qt, Kf, acc, red, nk)
+            softmax(S, m, l, alpha, mx, lim, kt * TK, nk)
+            pv(O, S, Vf, alpha, acc_o0, acc_o1, nk, ntok * G)
         mac.store(o, lse, O, m, l, tok0, ntok, h)
 
     return attend
@@ -74,56 +76,46 @@ def _make_paged_loader(plan: TilePlan, mac):
     """Tile loader over pages; ``kv = (pages, page_values, page_size)``, ``base`` = the entry's first
     ``page_values`` index. The (page, offset) cursor advances incrementally: one division per tile
     instead of one per key (the page size is a runtime value)."""
-    D, DV, TK = plan.d, plan.dv, plan.tk
+    D, DV, JB = plan.d, plan.dv, plan.jb
 
     @T.macro
-    def load_tile(Kf, Vf, cur, kv, base, kpos0, h, j0, kvlen, rope):
+    def load_tile(Kf, Vf, cur, kv, base, kpos0, h, j0, nk, rope):
         pages, page_values, ps = kv
         cur[0] = j0 // ps
         cur[1] = j0 % ps
-        for j in T.serial(TK):
-            if j0 + j < kvlen:
-                for dd in T.vectorized(D):
-                    Kf[j, dd] = T.Cast("float32", pages[page_values[base + cur[0]], 0, h, cur[1], dd])
-                for dd in T.vectorized(DV):
-                    Vf[j, dd] = T.Cast("float32", pages[page_values[base + cur[0]], 1, h, cur[1], dd])
-                mac.rope_key(Kf, j, kpos0 + j0 + j, rope)
-                cur[1] = cur[1] + 1
-                if cur[1] == ps:
-                    cur[0] = cur[0] + 1
-                    cur[1] = 0
-            else:
-                mac.clear_key(Kf, Vf, j)
+        for j in T.serial(nk):
+            for dd in T.vectorized(D):
+                Kf[j, dd] = T.Cast("float32", pages[page_values[base + cur[0]], 0, h, cur[1], dd])
+            for dd in T.vectorized(DV):
+                Vf[j, dd] = T.Cast("float32", pages[page_values[base + cur[0]], 1, h, cur[1], dd])
+            mac.rope_key(Kf, j, kpos0 + j0 + j, rope)
+            cur[1] = cur[1] + 1
+            if cur[1] == ps:
+                cur[0] = cur[0] + 1
+                cur[1] = 0
+        for j in T.serial(nk, (nk + JB - 1) // JB * JB):
+            mac.clear_key(Kf, j)
 
     return load_tile
 
 
 def _make_ragged_loader(plan: TilePlan, mac):
     """Tile loader over contiguous rows; ``kv = (k, v)``, ``base`` = the entry's first row."""
-    D, DV, TK = plan.d, plan.dv, plan.tk
+    D, DV, JB = plan.d, plan.dv, plan.jb
 
     @T.macro
-    def load_tile(Kf, Vf, cur, kv, base, kpos0, h, j0, kvlen, rope):
+    def load_tile(Kf, Vf, cur, kv, base, kpos0, h, j0, nk, rope):
         k, v = kv
-        for j in T.serial(TK):
-            if j0 + j < kvlen:
-                for dd in T.vectorized(D):
-                    Kf[j, dd] = T.Cast("float32", k[base + j0 + j, h, dd])
-                for dd in T.vectorized(DV):
-                    Vf[j, dd] = T.Cast("float32", v[base + j0 + j, h, dd])
-                mac.rope_key(Kf, j, kpos0 + j0 + j, rope)
-            else:
-                mac.clear_key(Kf, Vf, j)
+        for j in T.serial(nk):
+            for dd in T.vectorized(D):
+                Kf[j, dd] = T.Cast("float32", k[base + j0 + j, h, dd])
+            for dd in T.vectorized(DV):
+                Vf[j, dd] = T.Cast("float32", v[base + j0 + j, h, dd])
+            mac.rope_key(Kf, j, kpos0 + j0 + j, rope)
+        for j in T.serial(nk, (nk + JB - 1) // JB * JB):
+            mac.clear_key(Kf, j)
 
     return load_tile
-
-
-@T.macro
-def _count_tiles(tile_ptr, q_indptr, batch, tq):
-    """``tile_ptr[b]`` = query tiles of entries before ``b`` (a serial prefix sum, B steps)."""
-    tile_ptr[0] = 0
-    for b in T.serial(batch):
-        tile_ptr[b + 1] = tile_ptr[b] + (q_indptr[b + 1] - q_indptr[b] + tq - 1) // tq
 
 
 @T.macro
@@ -149,6 +141,13 @@ def _kv_len(page_indptr, last_page_len, b, ps):
     return T.if_then_else(npg > 0, (npg - 1) * ps + last_page_len[b], 0)
 
 
+#: Below these work estimates (kv keys x kv heads, summed over work items) a kernel runs its items on
+#: the calling thread: waking the thread pool (several microseconds, more on a loaded machine) would
+#: cost more than the work. A decode key costs about 1/8 of a prefill key (G rows instead of ~32).
+_SERIAL_DECODE_WORK = 512
+_SERIAL_PREFILL_WORK = 512
+
+
 def attn_decode_paged_cpu(num_qo_heads, num_kv_heads, head_dim, dtype):
     """``pagedkv_attn_decode_paged`` for the CPU.
 
@@ -157,11 +156,21 @@ def attn_decode_paged_cpu(num_qo_heads, num_kv_heads, head_dim, dtype):
         (q[B,Hq,D], pages[P,2,Hkv,ps,D], page_indptr[B+1], page_values[nnz], last_page_len[B],
          k_pos_offset[B], q_pos[B], o[B,Hq,D], lse[B,Hq],
          apply_rope:i32, rope_scale:f32, rope_theta:f32, sm_scale:f32)
+
+    One work item per (sequence, kv head).
     """
     HQ, HKV, D = num_qo_heads, num_kv_heads, head_dim
     plan = make_tile_plan(D, D, HQ // HKV, dtype, tokens_per_item=1)
     mac = make_attn_macros(plan)
     attend = _make_item_macro(plan, mac, _make_paged_loader(plan, mac))
+
+    @T.macro
+    def item(it, io, paged, rope, sm_scale):
+        q, q_pos, o, lse = io
+        pages, page_values, ps, page_indptr, last_page_len, k_pos_offset = paged
+        attend(q, q_pos, o, lse, it // HKV, 1, 0, 1, _kv_len(page_indptr, last_page_len, it // HKV, ps),
+               it % HKV, 0, rope, sm_scale, (pages, page_values, ps), page_indptr[it // HKV],
+               k_pos_offset[it // HKV])
 
     @T.prim_func
     def attn_decode_paged(q_h: T.handle, pages_h: T.handle, page_indptr_h: T.handle, page_values_h: T.handle,
@@ -179,13 +188,56 @@ def attn_decode_paged_cpu(num_qo_heads, num_kv_heads, head_dim, dtype):
         q_pos = T.match_buffer(q_pos_h, (B,), "int32", elem_offset=T.int32())
         o = T.match_buffer(o_h, (B, HQ, D), dtype, elem_offset=T.int32())
         lse = T.match_buffer(lse_h, (B, HQ), "float32", elem_offset=T.int32())
-        for it in T.parallel(B * HKV):
-            attend(q, q_pos, o, lse, it // HKV, 1, 0, 1,
-                   _kv_len(page_indptr, last_page_len, it // HKV, ps), it % HKV, 0,
-                   (apply_rope, rope_scale, rope_theta), sm_scale,
-                   (pages, page_values, ps), page_indptr[it // HKV], k_pos_offset[it // HKV])
+        work = T.alloc_buffer((1,), "int32")
+        work[0] = 0
+        for b in T.serial(B):
+            work[0] = work[0] + (_kv_len(page_indptr, last_page_len, b, ps) + 16) * HKV
+        io = (q, q_pos, o, lse)
+        paged = (pages, page_values, ps, page_indptr, last_page_len, k_pos_offset)
+        if work[0] < _SERIAL_DECODE_WORK:
+            for it in T.serial(B * HKV):
+                item(it, io, paged, (apply_rope, rope_scale, rope_theta), sm_scale)
+        else:
+            for it in T.parallel(B * HKV):
+                item(it, io, paged, (apply_rope, rope_scale, rope_theta), sm_scale)
 
     return attn_decode_paged
+
+
+def _make_prefill_runner(HKV, item):
+    """The item loop of a prefill kernel around its work-item macro ``item``: parallel unless the whole
+    call is too small to pay for waking the thread pool."""
+
+    @T.macro
+    def run(tile_ptr, work, batch, io, kvb, causal, rope, sm_scale):
+        if work[0] < _SERIAL_PREFILL_WORK:
+            for it in T.serial(tile_ptr[batch] * HKV):
+                item(it, tile_ptr, batch, io, kvb, causal, rope, sm_scale)
+        else:
+            for it in T.parallel(tile_ptr[batch] * HKV):
+                item(it, tile_ptr, batch, io, kvb, causal, rope, sm_scale)
+
+    return run
+
+
+@T.macro
+def _count_tiles(tile_ptr, work, q_indptr, batch, tq, hkv, kv_indptr, kv_scale):
+    """``tile_ptr[b]`` = query tiles of entries before ``b`` (a serial prefix sum, B steps) and the work
+    estimate ``work[0]`` = sum over tiles of (keys + 16) x kv heads; an entry's keys are estimated as
+    ``(kv_indptr[b + 1] - kv_indptr[b]) * kv_scale`` (rows, or pages times the page size)."""
+    tile_ptr[0] = 0
+    work[0] = 0
+    for b in T.serial(batch):
+        tile_ptr[b + 1] = tile_ptr[b] + (q_indptr[b + 1] - q_indptr[b] + tq - 1) // tq
+        work[0] = work[0] + (tile_ptr[b + 1] - tile_ptr[b]) * hkv * (
+            (kv_indptr[b + 1] - kv_indptr[b]) * kv_scale + 16)
+
+
+@T.macro
+def _locate(ent, tile_ptr, it, hkv, batch, tq):
+    """Work item ``it`` -> ``ent[0]`` = entry, ``ent[1]`` = first token of its query tile in the entry."""
+    _find_entry(ent, tile_ptr, _zigzag(it // hkv, tile_ptr[batch]), batch)
+    ent[1] = (_zigzag(it // hkv, tile_ptr[batch]) - tile_ptr[ent[0]]) * tq
 
 
 def attn_prefill_paged_cpu(num_qo_heads, num_kv_heads, head_dim, dtype):
@@ -196,12 +248,29 @@ def attn_prefill_paged_cpu(num_qo_heads, num_kv_heads, head_dim, dtype):
         (q[n,Hq,D], q_indptr[B+1], pages[P,2,Hkv,ps,D], page_indptr[B+1], page_values[nnz],
          last_page_len[B], k_pos_offset[B], q_pos[n], o[n,Hq,D], lse[n,Hq],
          causal:i32, apply_rope:i32, rope_scale:f32, rope_theta:f32, sm_scale:f32)
+
+    One work item per (entry, query tile, kv head).
     """
     HQ, HKV, D = num_qo_heads, num_kv_heads, head_dim
     plan = make_tile_plan(D, D, HQ // HKV, dtype, tokens_per_item=None)
     TQ = plan.tq
     mac = make_attn_macros(plan)
     attend = _make_item_macro(plan, mac, _make_paged_loader(plan, mac))
+
+    @T.macro
+    def item(it, tile_ptr, batch, io, kvb, causal, rope, sm_scale):
+        q, q_indptr, q_pos, o, lse = io
+        pages, page_values, ps, page_indptr, last_page_len, k_pos_offset = kvb
+        ent = T.alloc_buffer((2,), "int32")
+        _locate(ent, tile_ptr, it, HKV, batch, TQ)
+        b: T.let[T.int32] = ent[0]
+        qt0: T.let[T.int32] = ent[1]
+        qlen: T.let[T.int32] = q_indptr[b + 1] - q_indptr[b]
+        attend(q, q_pos, o, lse, q_indptr[b] + qt0, T.min(TQ, qlen - qt0), qt0, qlen,
+               _kv_len(page_indptr, last_page_len, b, ps), it % HKV, causal, rope, sm_scale,
+               (pages, page_values, ps), page_indptr[b], k_pos_offset[b])
+
+    run = _make_prefill_runner(HKV, item)
 
     @T.prim_func
     def attn_prefill_paged(q_h: T.handle, q_indptr_h: T.handle, pages_h: T.handle, page_indptr_h: T.handle,
@@ -222,17 +291,11 @@ def attn_prefill_paged_cpu(num_qo_heads, num_kv_heads, head_dim, dtype):
         o = T.match_buffer(o_h, (n, HQ, D), dtype, elem_offset=T.int32())
         lse = T.match_buffer(lse_h, (n, HQ), "float32", elem_offset=T.int32())
         tile_ptr = T.alloc_buffer((B + 1,), "int32")
-        _count_tiles(tile_ptr, q_indptr, B, TQ)
-        for it in T.parallel(tile_ptr[B] * HKV):
-            ent = T.alloc_buffer((2,), "int32")
-            _find_entry(ent, tile_ptr, _zigzag(it // HKV, tile_ptr[B]), B)
-            b: T.let[T.int32] = ent[0]
-            qt0: T.let[T.int32] = (_zigzag(it // HKV, tile_ptr[B]) - tile_ptr[b]) * TQ
-            qlen: T.let[T.int32] = q_indptr[b + 1] - q_indptr[b]
-            attend(q, q_pos, o, lse, q_indptr[b] + qt0, T.min(TQ, qlen - qt0), qt0, qlen,
-                   _kv_len(page_indptr, last_page_len, b, ps), it % HKV, causal,
-                   (apply_rope, rope_scale, rope_theta), sm_scale,
-                   (pages, page_values, ps), page_indptr[b], k_pos_offset[b])
+        work = T.alloc_buffer((1,), "int32")
+        _count_tiles(tile_ptr, work, q_indptr, B, TQ, HKV, page_indptr, ps)
+        run(tile_ptr, work, B, (q, q_indptr, q_pos, o, lse),
+            (pages, page_values, ps, page_indptr, last_page_len, k_pos_offset), causal,
+            (apply_rope, rope_scale, rope_theta), sm_scale)
 
     return attn_prefill_paged
 
@@ -245,12 +308,29 @@ def attn_prefill_ragged_cpu(num_qo_heads, num_kv_heads, head_dim, v_head_dim, dt
         (q[n,Hq,D], k[m,Hkv,D], v[m,Hkv,Dv], q_indptr[B+1], kv_indptr[B+1], q_pos[n],
          k_pos_offset[B], o[n,Hq,Dv], lse[n,Hq],
          causal:i32, apply_rope:i32, rope_scale:f32, rope_theta:f32, sm_scale:f32)
+
+    One work item per (entry, query tile, kv head).
     """
     HQ, HKV, D, DV = num_qo_heads, num_kv_heads, head_dim, v_head_dim
     plan = make_tile_plan(D, DV, HQ // HKV, dtype, tokens_per_item=None)
     TQ = plan.tq
     mac = make_attn_macros(plan)
     attend = _make_item_macro(plan, mac, _make_ragged_loader(plan, mac))
+
+    @T.macro
+    def item(it, tile_ptr, batch, io, kvb, causal, rope, sm_scale):
+        q, q_indptr, q_pos, o, lse = io
+        k, v, kv_indptr, k_pos_offset = kvb
+        ent = T.alloc_buffer((2,), "int32")
+        _locate(ent, tile_ptr, it, HKV, batch, TQ)
+        b: T.let[T.int32] = ent[0]
+        qt0: T.let[T.int32] = ent[1]
+        qlen: T.let[T.int32] = q_indptr[b + 1] - q_indptr[b]
+        attend(q, q_pos, o, lse, q_indptr[b] + qt0, T.min(TQ, qlen - qt0), qt0, qlen,
+               kv_indptr[b + 1] - kv_indptr[b], it % HKV, causal, rope, sm_scale,
+               (k, v), kv_indptr[b], k_pos_offset[b])
+
+    run = _make_prefill_runner(HKV, item)
 
     @T.prim_func
     def attn_prefill_ragged(q_h: T.handle, k_h: T.handle, v_h: T.handle, q_indptr_h: T.handle,
@@ -269,16 +349,9 @@ def attn_prefill_ragged_cpu(num_qo_heads, num_kv_heads, head_dim, v_head_dim, dt
         o = T.match_buffer(o_h, (n, HQ, DV), dtype, elem_offset=T.int32())
         lse = T.match_buffer(lse_h, (n, HQ), "float32", elem_offset=T.int32())
         tile_ptr = T.alloc_buffer((B + 1,), "int32")
-        _count_tiles(tile_ptr, q_indptr, B, TQ)
-        for it in T.parallel(tile_ptr[B] * HKV):
-            ent = T.alloc_buffer((2,), "int32")
-            _find_entry(ent, tile_ptr, _zigzag(it // HKV, tile_ptr[B]), B)
-            b: T.let[T.int32] = ent[0]
-            qt0: T.let[T.int32] = (_zigzag(it // HKV, tile_ptr[B]) - tile_ptr[b]) * TQ
-            qlen: T.let[T.int32] = q_indptr[b + 1] - q_indptr[b]
-            attend(q, q_pos, o, lse, q_indptr[b] + qt0, T.min(TQ, qlen - qt0), qt0, qlen,
-                   kv_indptr[b + 1] - kv_indptr[b], it % HKV, causal,
-                   (apply_rope, rope_scale, rope_theta), sm_scale,
-                   (k, v), kv_indptr[b], k_pos_offset[b])
+        work = T.alloc_buffer((1,), "int32")
+        _count_tiles(tile_ptr, work, q_indptr, B, TQ, HKV, kv_indptr, 1)
+        run(tile_ptr, work, B, (q, q_indptr, q_pos, o, lse), (k, v, kv_indptr, k_pos_offset), causal,
+            (apply_rope, rope_scale, rope_theta), sm_scale)
 
     return attn_prefill_ragged

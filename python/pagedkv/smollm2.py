@@ -32,7 +32,7 @@ def load_hf(dtype=None):
     path = gguf_path()
     tok = AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name)
     model = AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name,
-                                                 torch_dtype=dtype or torch.float32)
+                                                 dtype=dtype or torch.float32)
     return model.eval(), tok
 
 
