@@ -45,7 +45,7 @@ def _limits_macro(plan: TilePlan):
 
     @T.macro
     def limits(lim, kvlen, causal, qlen, qt0):
-        for r in T.serial(R):
+        for r in T.vectorized(R):
             lim[r] = T.if_then_else(causal > 0, T.min(kvlen, kvlen - qlen + qt0 + r // G + 1), kvlen)
 
     return limits

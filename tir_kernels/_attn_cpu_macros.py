@@ -10,6 +10,8 @@ score layout, are in ``_attn_cpu_gemm``. Per-work-item float32 scratch used here
 
 from __future__ import annotations
 
+from types import SimpleNamespace
+
 from tvm import tirx
 from tvm.script import tirx as T
 
@@ -41,9 +43,10 @@ def exp2_approx(x):
 
 
 def make_attn_macros(plan: TilePlan):
-    """Return a namespace of the macros below, specialized to ``plan``."""
-    D, DV, G, TQ, R, dtype = plan.d, plan.dv, plan.group, plan.tq, plan.rows, plan.dtype
-    KEYS_MAJOR = plan.keys_major
+    """The shared macros specialized to ``plan``: ``init_inv_freq, load_q, init_state, rope_key,
+    clear_key, store``."""
+    D, DV, G, R = plan.d, plan.dv, plan.group, plan.rows
+    KEYS_MAJOR, RB = plan.keys_major, plan.rb
     init_inv_freq, rope_row = make_rope_macros(D)
 
     @T.macro
@@ -67,10 +70,12 @@ def make_attn_macros(plan: TilePlan):
                     Qf[r, dd] = T.float32(0)
 
     @T.macro
-    def init_state(m, l, O):
-        for r in T.serial(R):
+    def init_state(m, l, O, nrows):
+        for r in T.vectorized(R):
             m[r] = T.float32(EMPTY_LSE)
             l[r] = T.float32(0)
+        # Only the row blocks the PV step visits (see _attn_cpu_gemm.pv).
+        for r in T.serial((nrows + RB - 1) // RB * RB):
             for dd in T.vectorized(DV):
                 O[r, dd] = T.float32(0)
 
@@ -83,16 +88,26 @@ def make_attn_macros(plan: TilePlan):
 
     @T.macro
     def clear_key(Kf, j):
-        # Key rows a score block reads past the last valid key are zero, never garbage (their scores
-        # are masked, but NaN garbage would still reach the running max). V rows past it are not read.
+        # Key rows that a score block reads past the last valid key: their scores are never read,
+        # but uninitialized scratch could hold denormals, which make the FMAs slow. V rows past the
+        # last valid key are not read at all.
         for dd in T.vectorized(D):
             Kf[j, dd] = T.float32(0)
 
+    return SimpleNamespace(init_inv_freq=init_inv_freq, load_q=load_q, init_state=init_state,
+                           rope_key=rope_key, clear_key=clear_key, store=_make_store(plan))
+
+
+def _make_store(plan: TilePlan):
+    """``store(o, lse, O, m, l, tok0, ntok, h)``: normalize and write the rows of tokens
+    ``tok0 .. tok0 + ntok``; a row that saw no key gets o = 0 and lse = EMPTY_LSE."""
+    DV, G, TQ, dtype = plan.dv, plan.group, plan.tq, plan.dtype
+
     @T.macro
     def store(o, lse, O, m, l, tok0, ntok, h):
-        """Normalize and write the rows of tokens ``tok0 .. tok0 + ntok``; no keys -> o = 0, lse = EMPTY."""
         for r in T.serial(TQ * G):
             if r // G < ntok:
+                # l >= 1 once any key was seen (the max contributes exp2(0)); exactly 0 otherwise.
                 if l[r] > T.float32(0):
                     for dd in T.vectorized(DV):
                         o[tok0 + r // G, h * G + r % G, dd] = T.Cast(dtype, O[r, dd] / l[r])
@@ -102,11 +117,4 @@ def make_attn_macros(plan: TilePlan):
                         o[tok0 + r // G, h * G + r % G, dd] = T.Cast(dtype, T.float32(0))
                     lse[tok0 + r // G, h * G + r % G] = T.float32(EMPTY_LSE)
 
-    class _Macros:
-        pass
-
-    ns = _Macros()
-    for name, fn in dict(init_inv_freq=init_inv_freq, load_q=load_q, init_state=init_state,
-                         rope_key=rope_key, clear_key=clear_key, store=store).items():
-        setattr(ns, name, fn)
-    return ns
+    return store

@@ -17,45 +17,29 @@ from ._common import LOG2E, TilePlan, make_tile_plan
 
 
 
-def _make_item_macro(plan: TilePlan, mac, load_tile):
+def _make_attend(plan: TilePlan, mac, load_tile):
     """The body of one work item, given the shared macros ``mac`` and the kernel's tile loader.
 
     ``load_tile(Kf, Vf, cur, kv, base, kpos0, h, j0, nk, rope)`` stages keys ``j0 .. j0 + nk`` of the
-    entry (and zero K rows up to the next score block); ``kv`` is a kernel-specific tuple of buffers and parameters,
-    ``base`` locates the entry in it, ``kpos0`` is the RoPE position of its key 0 and ``cur`` is a small
-    int scratch. Tuples passed to macros hold only buffers and parameters: an expression unpacked from a
-    tuple would become a mutable scalar allocation.
+    entry (and zero K rows up to the next score block); ``kv`` is a kernel-specific tuple of buffers and
+    parameters, ``base`` locates the entry in it, ``kpos0`` is the RoPE position of its key 0 and
+    ``cur`` is a small int scratch. Tuples passed to macros hold only buffers and parameters: an
+    expression unpacked from a tuple would become a mutable scalar allocation.
     """
-    D, DV, G, R, TK, RB, DC = plan.d, plan.dv, plan.group, plan.rows, plan.tk, plan.rb, plan.dc
+    G, TK = plan.group, plan.tk
     prepare, score, softmax, pv = make_gemm_macros(plan)
-    shp = scratch_shapes(plan)
 
     @T.macro
-    def attend(q, q_pos, o, lse, tok0, ntok, qt0, qlen, kvlen, h, causal, rope, sm_scale, kv, base, kpos0):
+    def attend(scr, q, q_pos, o, lse, tok0, ntok, qt0, qlen, kvlen, h, causal, rope, sm_scale, kv, base,
+               kpos0):
         """Attention of tokens ``tok0 .. tok0 + ntok`` (token ``qt0`` of the entry onward), kv head h."""
-        Qf = T.alloc_buffer((R, D), "float32")
-        Qt = T.alloc_buffer(shp["Qt"], "float32")
-        Kf = T.alloc_buffer((TK, D), "float32")
-        Vf = T.alloc_buffer((TK, DV), "float32")
-        S = T.alloc_buffer(shp["S"], "float32")
-        O = T.alloc_buffer((R, DV), "float32")
-        m = T.alloc_buffer((R,), "float32")
-        l = T.alloc_buffer((R,), "float32")
-        alpha = T.alloc_buffer((R,), "float32")
-        lim = T.alloc_buffer((R,), "int32")
-        invf = T.alloc_buffer((D // 2,), "float32")
-        acc = T.alloc_buffer(shp["acc"], "float32")
-        red = T.alloc_buffer(shp["red"], "float32")
-        acc_o0 = T.alloc_buffer((RB, DC), "float32")
-        acc_o1 = T.alloc_buffer((RB, DC), "float32")
-        mx = T.alloc_buffer(shp["mx"], "float32")
-        cur = T.alloc_buffer((2,), "int32")
+        Qf, Qt, Kf, Vf, S, O, m, l, alpha, lim, invf, acc, red, acc_o0, acc_o1, mx, cur = scr
         apply_rope, rope_scale, rope_theta = rope
         if apply_rope == 1:
             mac.init_inv_freq(invf, rope_theta)
         mac.load_q(Qf, q, q_pos, tok0, ntok, h, (apply_rope, rope_scale, invf),
                    sm_scale * T.float32(LOG2E))
-        mac.init_state(m, l, O)
+        mac.init_state(m, l, O, ntok * G)
         prepare(Qf, Qt, lim, ntok * G, kvlen, causal, qlen, qt0)
         # Causal: the tile's last token sees keys < kvlen - qlen + qt0 + ntok; later tiles are skipped.
         kv_end: T.let[T.int32] = T.if_then_else(
@@ -70,6 +54,48 @@ def _make_item_macro(plan: TilePlan, mac, load_tile):
         mac.store(o, lse, O, m, l, tok0, ntok, h)
 
     return attend
+
+
+#: Parallel chunks per call. Each chunk allocates the work-item scratch once and runs a contiguous
+#: range of items, so scratch allocation is paid per chunk, not per item; 64 chunks still balance
+#: any thread count up to tens of cores (TVM splits a parallel loop statically).
+_MAX_CHUNKS = 64
+
+
+def _make_runner(plan: TilePlan, item):
+    """``run(n, serial, args)``: call ``item(it, scr, args)`` for items ``0 .. n``.
+
+    The items run in up to ``_MAX_CHUNKS`` parallel chunks, or on the calling thread when ``serial``
+    (a call too small to pay for waking the thread pool).
+    """
+    D, DV, R, TK, RB, DC = plan.d, plan.dv, plan.rows, plan.tk, plan.rb, plan.dc
+    shp = scratch_shapes(plan)
+
+    @T.macro
+    def chunk(c, nch, n, args):
+        # Under 1 KiB (acc*, red, mx, cur, m, l...) TVM allocates on the stack, where LLVM keeps the
+        # register blocks in registers; the larger buffers come from the thread's workspace pool.
+        scr = (T.alloc_buffer((R, D), "float32"), T.alloc_buffer(shp["Qt"], "float32"),
+               T.alloc_buffer((TK, D), "float32"), T.alloc_buffer((TK, DV), "float32"),
+               T.alloc_buffer(shp["S"], "float32"), T.alloc_buffer((R, DV), "float32"),
+               T.alloc_buffer((R,), "float32"), T.alloc_buffer((R,), "float32"),
+               T.alloc_buffer((R,), "float32"), T.alloc_buffer((R,), "int32"),
+               T.alloc_buffer((D // 2,), "float32"), T.alloc_buffer(shp["acc"], "float32"),
+               T.alloc_buffer(shp["red"], "float32"), T.alloc_buffer((RB, DC), "float32"),
+               T.alloc_buffer((RB, DC), "float32"), T.alloc_buffer(shp["mx"], "float32"),
+               T.alloc_buffer((2,), "int32"))
+        for it in T.serial(c * n // nch, (c + 1) * n // nch):
+            item(it, scr, args)
+
+    @T.macro
+    def run(n, serial, args):
+        if serial:
+            chunk(0, 1, n, args)
+        else:
+            for c in T.parallel(T.min(n, _MAX_CHUNKS)):
+                chunk(c, T.min(n, _MAX_CHUNKS), n, args)
+
+    return run
 
 
 def _make_paged_loader(plan: TilePlan, mac):
@@ -162,15 +188,16 @@ def attn_decode_paged_cpu(num_qo_heads, num_kv_heads, head_dim, dtype):
     HQ, HKV, D = num_qo_heads, num_kv_heads, head_dim
     plan = make_tile_plan(D, D, HQ // HKV, dtype, tokens_per_item=1)
     mac = make_attn_macros(plan)
-    attend = _make_item_macro(plan, mac, _make_paged_loader(plan, mac))
+    attend = _make_attend(plan, mac, _make_paged_loader(plan, mac))
 
     @T.macro
-    def item(it, io, paged, rope, sm_scale):
-        q, q_pos, o, lse = io
-        pages, page_values, ps, page_indptr, last_page_len, k_pos_offset = paged
-        attend(q, q_pos, o, lse, it // HKV, 1, 0, 1, _kv_len(page_indptr, last_page_len, it // HKV, ps),
-               it % HKV, 0, rope, sm_scale, (pages, page_values, ps), page_indptr[it // HKV],
-               k_pos_offset[it // HKV])
+    def item(it, scr, args):
+        q, q_pos, o, lse, pages, page_values, ps, page_indptr, last_page_len, k_pos_offset, rope, sm_scale = args
+        attend(scr, q, q_pos, o, lse, it // HKV, 1, 0, 1,
+               _kv_len(page_indptr, last_page_len, it // HKV, ps), it % HKV, 0, rope, sm_scale,
+               (pages, page_values, ps), page_indptr[it // HKV], k_pos_offset[it // HKV])
+
+    run = _make_runner(plan, item)
 
     @T.prim_func
     def attn_decode_paged(q_h: T.handle, pages_h: T.handle, page_indptr_h: T.handle, page_values_h: T.handle,
@@ -192,32 +219,11 @@ def attn_decode_paged_cpu(num_qo_heads, num_kv_heads, head_dim, dtype):
         work[0] = 0
         for b in T.serial(B):
             work[0] = work[0] + (_kv_len(page_indptr, last_page_len, b, ps) + 16) * HKV
-        io = (q, q_pos, o, lse)
-        paged = (pages, page_values, ps, page_indptr, last_page_len, k_pos_offset)
-        if work[0] < _SERIAL_DECODE_WORK:
-            for it in T.serial(B * HKV):
-                item(it, io, paged, (apply_rope, rope_scale, rope_theta), sm_scale)
-        else:
-            for it in T.parallel(B * HKV):
-                item(it, io, paged, (apply_rope, rope_scale, rope_theta), sm_scale)
+        run(B * HKV, work[0] < _SERIAL_DECODE_WORK,
+            (q, q_pos, o, lse, pages, page_values, ps, page_indptr, last_page_len, k_pos_offset,
+             (apply_rope, rope_scale, rope_theta), sm_scale))
 
     return attn_decode_paged
-
-
-def _make_prefill_runner(HKV, item):
-    """The item loop of a prefill kernel around its work-item macro ``item``: parallel unless the whole
-    call is too small to pay for waking the thread pool."""
-
-    @T.macro
-    def run(tile_ptr, work, batch, io, kvb, causal, rope, sm_scale):
-        if work[0] < _SERIAL_PREFILL_WORK:
-            for it in T.serial(tile_ptr[batch] * HKV):
-                item(it, tile_ptr, batch, io, kvb, causal, rope, sm_scale)
-        else:
-            for it in T.parallel(tile_ptr[batch] * HKV):
-                item(it, tile_ptr, batch, io, kvb, causal, rope, sm_scale)
-
-    return run
 
 
 @T.macro
@@ -255,22 +261,22 @@ def attn_prefill_paged_cpu(num_qo_heads, num_kv_heads, head_dim, dtype):
     plan = make_tile_plan(D, D, HQ // HKV, dtype, tokens_per_item=None)
     TQ = plan.tq
     mac = make_attn_macros(plan)
-    attend = _make_item_macro(plan, mac, _make_paged_loader(plan, mac))
+    attend = _make_attend(plan, mac, _make_paged_loader(plan, mac))
 
     @T.macro
-    def item(it, tile_ptr, batch, io, kvb, causal, rope, sm_scale):
-        q, q_indptr, q_pos, o, lse = io
+    def item(it, scr, args):
+        tile_ptr, batch, q, q_indptr, q_pos, o, lse, kvb, causal, rope, sm_scale = args
         pages, page_values, ps, page_indptr, last_page_len, k_pos_offset = kvb
         ent = T.alloc_buffer((2,), "int32")
         _locate(ent, tile_ptr, it, HKV, batch, TQ)
         b: T.let[T.int32] = ent[0]
         qt0: T.let[T.int32] = ent[1]
         qlen: T.let[T.int32] = q_indptr[b + 1] - q_indptr[b]
-        attend(q, q_pos, o, lse, q_indptr[b] + qt0, T.min(TQ, qlen - qt0), qt0, qlen,
+        attend(scr, q, q_pos, o, lse, q_indptr[b] + qt0, T.min(TQ, qlen - qt0), qt0, qlen,
                _kv_len(page_indptr, last_page_len, b, ps), it % HKV, causal, rope, sm_scale,
                (pages, page_values, ps), page_indptr[b], k_pos_offset[b])
 
-    run = _make_prefill_runner(HKV, item)
+    run = _make_runner(plan, item)
 
     @T.prim_func
     def attn_prefill_paged(q_h: T.handle, q_indptr_h: T.handle, pages_h: T.handle, page_indptr_h: T.handle,
@@ -293,9 +299,10 @@ def attn_prefill_paged_cpu(num_qo_heads, num_kv_heads, head_dim, dtype):
         tile_ptr = T.alloc_buffer((B + 1,), "int32")
         work = T.alloc_buffer((1,), "int32")
         _count_tiles(tile_ptr, work, q_indptr, B, TQ, HKV, page_indptr, ps)
-        run(tile_ptr, work, B, (q, q_indptr, q_pos, o, lse),
-            (pages, page_values, ps, page_indptr, last_page_len, k_pos_offset), causal,
-            (apply_rope, rope_scale, rope_theta), sm_scale)
+        run(tile_ptr[B] * HKV, work[0] < _SERIAL_PREFILL_WORK,
+            (tile_ptr, B, q, q_indptr, q_pos, o, lse,
+             (pages, page_values, ps, page_indptr, last_page_len, k_pos_offset), causal,
+             (apply_rope, rope_scale, rope_theta), sm_scale))
 
     return attn_prefill_paged
 
@@ -315,22 +322,22 @@ def attn_prefill_ragged_cpu(num_qo_heads, num_kv_heads, head_dim, v_head_dim, dt
     plan = make_tile_plan(D, DV, HQ // HKV, dtype, tokens_per_item=None)
     TQ = plan.tq
     mac = make_attn_macros(plan)
-    attend = _make_item_macro(plan, mac, _make_ragged_loader(plan, mac))
+    attend = _make_attend(plan, mac, _make_ragged_loader(plan, mac))
 
     @T.macro
-    def item(it, tile_ptr, batch, io, kvb, causal, rope, sm_scale):
-        q, q_indptr, q_pos, o, lse = io
+    def item(it, scr, args):
+        tile_ptr, batch, q, q_indptr, q_pos, o, lse, kvb, causal, rope, sm_scale = args
         k, v, kv_indptr, k_pos_offset = kvb
         ent = T.alloc_buffer((2,), "int32")
         _locate(ent, tile_ptr, it, HKV, batch, TQ)
         b: T.let[T.int32] = ent[0]
         qt0: T.let[T.int32] = ent[1]
         qlen: T.let[T.int32] = q_indptr[b + 1] - q_indptr[b]
-        attend(q, q_pos, o, lse, q_indptr[b] + qt0, T.min(TQ, qlen - qt0), qt0, qlen,
+        attend(scr, q, q_pos, o, lse, q_indptr[b] + qt0, T.min(TQ, qlen - qt0), qt0, qlen,
                kv_indptr[b + 1] - kv_indptr[b], it % HKV, causal, rope, sm_scale,
                (k, v), kv_indptr[b], k_pos_offset[b])
 
-    run = _make_prefill_runner(HKV, item)
+    run = _make_runner(plan, item)
 
     @T.prim_func
     def attn_prefill_ragged(q_h: T.handle, k_h: T.handle, v_h: T.handle, q_indptr_h: T.handle,
@@ -351,7 +358,8 @@ def attn_prefill_ragged_cpu(num_qo_heads, num_kv_heads, head_dim, v_head_dim, dt
         tile_ptr = T.alloc_buffer((B + 1,), "int32")
         work = T.alloc_buffer((1,), "int32")
         _count_tiles(tile_ptr, work, q_indptr, B, TQ, HKV, kv_indptr, 1)
-        run(tile_ptr, work, B, (q, q_indptr, q_pos, o, lse), (k, v, kv_indptr, k_pos_offset), causal,
-            (apply_rope, rope_scale, rope_theta), sm_scale)
+        run(tile_ptr[B] * HKV, work[0] < _SERIAL_PREFILL_WORK,
+            (tile_ptr, B, q, q_indptr, q_pos, o, lse, (k, v, kv_indptr, k_pos_offset), causal,
+             (apply_rope, rope_scale, rope_theta), sm_scale))
 
     return attn_prefill_ragged

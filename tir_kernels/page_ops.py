@@ -62,7 +62,8 @@ def copy_page_cpu(num_kv_heads, head_dim, dtype):
     """``pagedkv_copy_page(pages, src_page:i64, dst_page:i64, num_tokens:i64)``.
 
     Copies offsets ``0 .. num_tokens`` of every head, K and V, from ``src_page`` to ``dst_page`` (the
-    runtime uses it when a fork point falls mid-page). Parallel over (K/V, head) pairs.
+    runtime uses it when a fork point falls mid-page; ``num_tokens`` is capped at the page size).
+    Parallel over (K/V, head) pairs.
     """
     HKV, D = num_kv_heads, head_dim
 
@@ -72,7 +73,7 @@ def copy_page_cpu(num_kv_heads, head_dim, dtype):
         P, ps = T.int32(), T.int32()
         pages = T.match_buffer(pages_h, (P, 2, HKV, ps, D), dtype)
         for ch in T.parallel(2 * HKV):
-            for t in T.serial(T.Cast("int32", num_tokens)):
+            for t in T.serial(T.min(T.Cast("int32", num_tokens), ps)):
                 for d in T.vectorized(D):
                     pages[T.Cast("int32", dst_page), ch // HKV, ch % HKV, t, d] = \
                         pages[T.Cast("int32", src_page), ch // HKV, ch % HKV, t, d]

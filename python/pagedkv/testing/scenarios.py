@@ -255,6 +255,37 @@ def deep_shared_prefix(P: int) -> list[Step]:
     ]
 
 
+def edge_cases(P: int) -> list[Step]:
+    """Empty leaves, forks of a parent whose leaf is empty, popn to a block boundary / to 0 / of 0 tokens,
+    reused ids, and batches with sharing groups split by an unrelated sequence."""
+    return [
+        add(0),
+        forward({0: 2 * P}),
+        fork(0, 1, -1),          # 0's leaf becomes empty (aligned end)
+        fork(0, 2, -1),          # fork of a sequence whose leaf is empty
+        fork(1, 3, -1),
+        popn(0, 0),
+        check(),
+        add(4),
+        forward({1: 1, 2: 1, 4: 1, 0: 1, 3: 1}),  # decode; 1, 2 adjacent, 4 splits them from 0, 3
+        forward({0: 3, 4: P, 1: 2}),               # prefill; an empty-cache sequence among sharing ones
+        popn(1, 3),              # back to exactly 2P: its leaf empties, the chain ends at the shared block
+        popn(2, 1),
+        check(),
+        forward({2: 1, 1: 1, 3: 1}),
+        popn(3, 2 * P + 1),      # all of it (into the shared prefix)
+        forward({3: 2, 0: 1}),
+        remove(2), remove(4),
+        add(2),                  # reused id
+        fork(1, 4, P - 1),       # reused id as a child, mid-page in the first shared page
+        forward({4: 2, 2: 1, 1: 1}),
+        check(),
+        popn(4, P + 1),
+        forward({4: 1}),
+        check(),
+    ]
+
+
 def clear_scenario(P: int) -> list[Step]:
     """clear drops every sequence and gives every page back."""
     return [
@@ -282,6 +313,7 @@ SCENARIOS: dict[str, Callable[[int], list[Step]]] = {
     "decode_only": decode_only,
     "shared_prefix_adjacent": shared_prefix_adjacent,
     "deep_shared_prefix": deep_shared_prefix,
+    "edge_cases": edge_cases,
     "clear": clear_scenario,
 }
 
