@@ -84,6 +84,27 @@ def test_scenario(backend, shape, scenario, make_cache, gen):
     runner.run(SCENARIOS[scenario](shape.ps), scenario)
 
 
+RANDOM_SHAPES = [p for p in BACKEND_SHAPES if p.values[1].id in
+                 ("h8x2-d64-f32-p8-inline-t500000s1", "h6x2-d64-f16-p8-normal", "h4x4-d64-f32-p16-none")]
+
+
+@pytest.mark.parametrize("backend,shape", RANDOM_SHAPES)
+def test_random_scenario(backend, shape, make_cache, gen, seed):
+    """80 random valid steps (the seed picks them), checked like the written scenarios."""
+    import random
+
+    from pagedkv.testing.scenarios import random_step
+
+    cache = make_cache(shape.config(), backend)
+    runner = ScenarioRunner(cache, gen, _sm_scale(gen, shape.d))
+    rng = random.Random(seed)
+    steps = []
+    for _ in range(80):
+        steps.append(random_step(runner.ref, rng))
+        runner.run([steps[-1]], f"random step {len(steps) - 1} (steps so far: {steps})")
+    runner.run([check()], "random end")
+
+
 def _fine_grained_steps(P: int):
     return [
         add(0), add(1), add(2),

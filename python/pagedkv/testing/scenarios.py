@@ -12,13 +12,14 @@ The GPU suite reuses this module with other targets and devices.
 from __future__ import annotations
 
 from dataclasses import dataclass
+import random
 from typing import Callable
 
 import torch
 
 from .reference import EMPTY_LSE, ReferenceCache
 
-__all__ = ["Step", "add", "fork", "remove", "popn", "forward", "check", "clear", "SCENARIOS",
+__all__ = ["Step", "add", "fork", "remove", "popn", "forward", "check", "clear", "SCENARIOS", "random_step",
            "TOLERANCE", "rel_err", "assert_close", "assert_state_close", "ScenarioRunner"]
 
 #: Relative-error bound ``||out - ref|| / ||ref||`` per storage dtype (never loosened).
@@ -300,6 +301,71 @@ def clear_scenario(P: int) -> list[Step]:
         forward({1: 1}),
         check(),
     ]
+
+
+def random_step(ref: ReferenceCache, rng: random.Random, max_seqs: int = 8) -> Step:
+    """A random step that the reference accepts in its current state (fork positions, popn lengths,
+    batches and append lengths drawn within the page, batch and chunk limits)."""
+    import copy
+
+    P = ref.page_size
+    seqs = sorted(ref.seqs)
+    for _ in range(100):
+        kind = rng.choices(["add", "fork", "remove", "popn", "decode", "prefill", "check"],
+                           weights=[2 if len(seqs) < max_seqs else 0, 3 if seqs and len(seqs) < max_seqs else 0,
+                                    1 if len(seqs) > 2 else 0, 2 if seqs else 0, 4 if seqs else 0,
+                                    4 if seqs else 0, 1])[0]
+        free_ids = [i for i in range(max_seqs + 4) if i not in ref.seqs]
+        if kind == "add":
+            step = add(rng.choice(free_ids))
+        elif kind == "fork":
+            parent = rng.choice(seqs)
+            length = ref.get_sequence_length(parent)
+            pos = rng.choice([-1, 0, length, (length // P) * P, rng.randint(0, length)])
+            step = fork(parent, rng.choice(free_ids), pos)
+        elif kind == "remove":
+            step = remove(rng.choice(seqs))
+        elif kind == "popn":
+            seq = rng.choice(seqs)
+            length = ref.get_sequence_length(seq)
+            step = popn(seq, rng.choice([rng.randint(0, min(length, 3)), rng.randint(0, length)]))
+        elif kind in ("decode", "prefill"):
+            batch = rng.sample(seqs, rng.randint(1, min(len(seqs), ref.config.max_batch_size)))
+            if rng.random() < 0.5:
+                batch.sort()  # sequences sharing blocks end up adjacent more often
+            if kind == "decode":
+                step = forward({b: 1 for b in batch})
+            else:
+                budget = ref.config.prefill_chunk_size
+                lens = [rng.choice([1, 2, rng.randint(1, 2 * P + 3)]) for _ in batch]
+                while sum(lens) > budget:
+                    lens = [max(1, n // 2) for n in lens]
+                step = forward(dict(zip(batch, lens)))
+        else:
+            step = check()
+        trial = copy.deepcopy(ref)
+        try:
+            _apply_to_reference(trial, step)
+        except ValueError:
+            continue
+        return step
+    return check()
+
+
+def _apply_to_reference(ref: ReferenceCache, step: Step) -> None:
+    if step.kind == "add":
+        ref.add_sequence(*step.args)
+    elif step.kind == "fork":
+        ref.fork_sequence(*step.args)
+    elif step.kind == "remove":
+        ref.remove_sequence(*step.args)
+    elif step.kind == "popn":
+        ref.popn(*step.args)
+    elif step.kind == "forward":
+        ref.begin_forward([s for s, _ in step.args], [n for _, n in step.args])
+        ref.fwd = None
+    elif step.kind == "clear":
+        ref.clear()
 
 
 #: Every scenario, by name (the name is the test id).
