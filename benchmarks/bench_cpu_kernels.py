@@ -10,7 +10,8 @@ Cases (float32 by default, D = 128, GQA 32 query / 8 kv heads unless changed on 
 apache-tvm's kernels (``tvm.relax.frontend.nn.llm``: ``_attention_decode_cpu``, ``_attention_prefill_cpu``,
 ``_attention_prefill_ragged_cpu``) are compiled for the same target. Every case checks our output against
 torch first. Timings are interleaved (ours, upstream, torch per round) and the median round is reported,
-because this box is shared. Writes ``benchmarks/results/bench_cpu_kernels.json`` and ``.png``.
+because this box is shared. Writes ``benchmarks/results/bench_cpu_kernels.json`` and ``.png``
+(``bench_cpu_kernels_float16.*`` with ``--dtype float16``).
 
 Usage: ``.venv/bin/python benchmarks/bench_cpu_kernels.py [--hq 32 --hkv 8 --dim 128 --dtype float32]``
 """
@@ -33,7 +34,7 @@ import tvm
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 try:
     from pagedkv import tir_kernels as tk
-except ImportError:
+except Exception:  # noqa: BLE001 (source checkout, or pagedkv present but its runtime not built)
     sys.path.insert(0, str(ROOT))
     import tir_kernels as tk
 from tvm.relax.frontend.nn.llm import _decode_kernels as up_decode  # noqa: E402
@@ -233,10 +234,11 @@ def main(argv=None):
     RESULTS.mkdir(parents=True, exist_ok=True)
     out = {"machine": platform.processor() or platform.machine(), "cpus": torch.get_num_threads(),
            "tvm": tvm.__version__, "torch": torch.__version__, "rows": rows}
-    json_path = RESULTS / "bench_cpu_kernels.json"
+    stem = "bench_cpu_kernels" if args.dtype == "float32" else f"bench_cpu_kernels_{args.dtype}"
+    json_path = RESULTS / f"{stem}.json"
     json_path.write_text(json.dumps(out, indent=2))
     print(f"wrote {json_path}")
-    plot(rows, RESULTS / "bench_cpu_kernels.png")
+    plot(rows, RESULTS / f"{stem}.png")
 
 
 if __name__ == "__main__":

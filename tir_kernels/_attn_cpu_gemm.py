@@ -23,8 +23,8 @@ from __future__ import annotations
 
 from tvm.script import tirx as T
 
-from ._attn_cpu_macros import exp2_approx
 from ._common import MASKED, TilePlan
+from ._math import exp2_approx
 
 
 def scratch_shapes(plan: TilePlan) -> dict:

@@ -12,35 +12,9 @@ from __future__ import annotations
 
 from types import SimpleNamespace
 
-from tvm import tirx
 from tvm.script import tirx as T
 
 from ._common import EMPTY_LSE, TilePlan, make_rope_macros
-
-# 2^f on f in [-0.5, 0.5]: Taylor coefficients (ln 2)^k / k!, degree 6 (relative error < 2e-7).
-_EXP2_COEFFS = (1.0, 0.6931471805599453, 0.2402265069591007, 0.05550410866482158,
-                0.009618129107628477, 0.0013333558146428443, 0.00015403530393381606)
-
-
-def exp2_approx(x):
-    """Vectorizable ``2 ** x`` for ``x <= 0`` (float32 PrimExpr).
-
-    ``T.exp2`` lowers to a scalar libm call per lane, which costs more than the whole score GEMM of a
-    key at D = 128; this polynomial + exponent-bits form stays in SIMD registers. Inputs at or below
-    -127 (masked scores, the empty running max) give exactly 0.
-    """
-    xv = tirx.Var("e2x", "float32")
-    xi = tirx.Var("e2i", "float32")
-    f = xv - xi
-    poly = tirx.const(_EXP2_COEFFS[-1], "float32")
-    for coeff in reversed(_EXP2_COEFFS[:-1]):
-        poly = poly * f + tirx.const(coeff, "float32")
-    # 2^xi from the exponent bits; xi = -127 gives biased exponent 0, i.e. the value 0.
-    scale = tirx.call_intrin("float32", "tirx.reinterpret",
-                             tirx.shift_left(tirx.Cast("int32", xi) + 127, 23))
-    body = tirx.Let(xi, tirx.floor(xv + tirx.const(0.5, "float32")), poly * scale)
-    return tirx.Let(xv, tirx.max(x, tirx.const(-127.0, "float32")), body)
-
 
 def make_attn_macros(plan: TilePlan):
     """The shared macros specialized to ``plan``: ``init_inv_freq, load_q, init_state, rope_key,

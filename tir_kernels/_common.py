@@ -24,6 +24,8 @@ from dataclasses import dataclass
 from tvm.script import tirx as T
 from tvm.target import Target
 
+from ._math import cos_approx, sin_approx
+
 #: log2(e): converts natural-log scores to base 2 so the kernels can use exp2/log2.
 LOG2E = math.log2(math.e)
 #: The lse of an entry without keys (finite so ``merge_state`` never computes ``inf - inf``).
@@ -178,12 +180,13 @@ def make_rope_macros(d: int):
     Returns ``(init_inv_freq, rope_row)``:
 
     * ``init_inv_freq(invf[d // 2], rope_theta)``: ``invf[i] = rope_theta ** (2 i / d)`` (the divisor of
-      the angle), computed once per work item so rotating a row costs one divide, cos and sin per pair;
+      the angle), computed once per work item;
     * ``rope_row(buf[*, d], r, pos, rope_scale, invf)``: rotates row ``r`` of ``buf`` in place for
-      position ``pos``.
+      position ``pos``, vectorized over the ``d / 2`` pairs (sin / cos from ``_math``, so a key costs
+      a few SIMD instructions per pair instead of two libm calls).
 
-    The angle is evaluated exactly as written in the ABI (``pos * rope_scale / theta ** (2i/d)``, float32)
-    and in the same order as ``split_rotary``, so inline and split RoPE round identically.
+    The angle is evaluated as written in the ABI (``pos * rope_scale / theta ** (2i/d)``, float32) and
+    exactly as in ``split_rotary``, so inline and split RoPE give the same rotation.
     """
     half = d // 2
 
@@ -194,16 +197,19 @@ def make_rope_macros(d: int):
 
     @T.macro
     def rope_row(buf, r, pos, rope_scale, invf):
-        for i in T.serial(half):
-            angle: T.let[T.float32] = T.Cast("float32", pos) * rope_scale / invf[i]
-            c: T.let[T.float32] = T.cos(angle)
-            s: T.let[T.float32] = T.sin(angle)
+        for i in T.vectorized(half):
             x0: T.let[T.float32] = buf[r, i]
             x1: T.let[T.float32] = buf[r, i + half]
-            buf[r, i] = x0 * c - x1 * s
-            buf[r, i + half] = x1 * c + x0 * s
+            angle: T.let[T.float32] = rope_angle(pos, rope_scale, invf[i])
+            buf[r, i] = x0 * cos_approx(angle) - x1 * sin_approx(angle)
+            buf[r, i + half] = x1 * cos_approx(angle) + x0 * sin_approx(angle)
 
     return init_inv_freq, rope_row
+
+
+def rope_angle(pos, rope_scale, divisor):
+    """The RoPE angle ``pos * rope_scale / divisor`` in float32 (``divisor = theta ** (2i/D)``)."""
+    return T.Cast("float32", pos) * rope_scale / divisor
 
 
 def host_target() -> Target:

@@ -1,10 +1,12 @@
 """CPU (``llvm``) attention kernels: paged decode, paged prefill and ragged prefill.
 
-Parallelism: ``T.parallel`` over work items (entry x query tile x kv head); the ``G`` query heads of a
-kv head stay in one item so each K/V row is read and converted once per group. Inside an item the
-kernel walks the entry's keys ``TK`` at a time (see ``_common``, ``_attn_cpu_macros`` and ``_attn_cpu_gemm``). Prefill items are numbered
-through a per-entry tile prefix sum, visited in zig-zag order (first, last, second, second-to-last...)
-so that the static split of ``T.parallel`` gives every thread a similar share of a causal workload.
+Parallelism: ``T.parallel`` over work items (entry x query tile x kv head), grouped in chunks that
+share one scratch allocation; the ``G`` query heads of a kv head stay in one item so each K/V row is
+read and converted once per group. Inside an item the kernel walks the entry's keys ``TK`` at a time
+(see ``_common``, ``_attn_cpu_macros`` and ``_attn_cpu_gemm``). Prefill items are numbered through a
+per-entry tile prefix sum and visited in zig-zag order (first, last, second, second-to-last...) so
+that the static split of ``T.parallel`` gives every thread a similar share of a causal workload.
+Calls too small to pay for waking the thread pool run on the calling thread.
 """
 
 from __future__ import annotations
@@ -14,7 +16,6 @@ from tvm.script import tirx as T
 from ._attn_cpu_gemm import make_gemm_macros, scratch_shapes
 from ._attn_cpu_macros import make_attn_macros
 from ._common import LOG2E, TilePlan, make_tile_plan
-
 
 
 def _make_attend(plan: TilePlan, mac, load_tile):
@@ -73,8 +74,8 @@ def _make_runner(plan: TilePlan, item):
 
     @T.macro
     def chunk(c, nch, n, args):
-        # Under 1 KiB (acc*, red, mx, cur, m, l...) TVM allocates on the stack, where LLVM keeps the
-        # register blocks in registers; the larger buffers come from the thread's workspace pool.
+        # Buffers under 1 KiB (acc*, red, mx, cur, m, l...) TVM places on the stack, where LLVM keeps
+        # the register blocks in registers; the larger ones come from the thread's workspace pool.
         scr = (T.alloc_buffer((R, D), "float32"), T.alloc_buffer(shp["Qt"], "float32"),
                T.alloc_buffer((TK, D), "float32"), T.alloc_buffer((TK, DV), "float32"),
                T.alloc_buffer(shp["S"], "float32"), T.alloc_buffer((R, DV), "float32"),
@@ -167,9 +168,9 @@ def _kv_len(page_indptr, last_page_len, b, ps):
     return T.if_then_else(npg > 0, (npg - 1) * ps + last_page_len[b], 0)
 
 
-#: Below these work estimates (kv keys x kv heads, summed over work items) a kernel runs its items on
-#: the calling thread: waking the thread pool (several microseconds, more on a loaded machine) would
-#: cost more than the work. A decode key costs about 1/8 of a prefill key (G rows instead of ~32).
+#: Below these work estimates ((kv keys + 16) x kv heads, summed over work items) a kernel runs its
+#: items on the calling thread: waking the thread pool (several microseconds, more on a loaded
+#: machine) would cost more than the work.
 _SERIAL_DECODE_WORK = 512
 _SERIAL_PREFILL_WORK = 512
 

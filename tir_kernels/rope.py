@@ -9,6 +9,9 @@ from __future__ import annotations
 
 from tvm.script import tirx as T
 
+from ._common import rope_angle
+from ._math import cos_approx, sin_approx
+
 
 def split_rotary_cpu(num_qo_heads, num_kv_heads, head_dim, dtype):
     """``pagedkv_split_rotary`` for the CPU.
@@ -18,8 +21,9 @@ def split_rotary_cpu(num_qo_heads, num_kv_heads, head_dim, dtype):
         (qkv[n, Hq+2Hkv, D], q_pos[n], q[n,Hq,D], k[n,Hkv,D], v[n,Hkv,D],
          apply_rope:i32, rope_scale:f32, rope_theta:f32)
 
-    One token per parallel iteration; its cos/sin table (D/2 entries) is computed once and shared by
-    all ``Hq + Hkv`` rotated heads.
+    One token per parallel iteration; its cos/sin table (D/2 entries, vectorized ``_math`` sin/cos, the
+    same as the attention kernels' inline RoPE) is computed once and shared by all ``Hq + Hkv`` rotated
+    heads.
     """
     HQ, HKV, D = num_qo_heads, num_kv_heads, head_dim
     HALF = D // 2
@@ -48,10 +52,11 @@ def split_rotary_cpu(num_qo_heads, num_kv_heads, head_dim, dtype):
             sn = T.alloc_buffer((HALF,), "float32")
             if apply_rope == 1:
                 for i in T.serial(HALF):
-                    angle: T.let[T.float32] = (T.Cast("float32", q_pos[s]) * rope_scale
-                                               / T.pow(rope_theta, T.Cast("float32", 2 * i) / T.float32(D)))
-                    cs[i] = T.cos(angle)
-                    sn[i] = T.sin(angle)
+                    cs[i] = T.pow(rope_theta, T.Cast("float32", 2 * i) / T.float32(D))
+                for i in T.vectorized(HALF):
+                    angle: T.let[T.float32] = rope_angle(q_pos[s], rope_scale, cs[i])
+                    sn[i] = sin_approx(angle)
+                    cs[i] = cos_approx(angle)
                 for h in T.serial(HQ):
                     rotate_head(q, qkv, s, h, h, cs, sn)
                 for h in T.serial(HKV):
