@@ -8,7 +8,11 @@ PyTorch tensors (exchanged through DLPack, no copies).
 from __future__ import annotations
 
 import functools
+import hashlib
+import json
 import math
+import os
+from pathlib import Path
 from typing import Any, Sequence
 
 from . import backends as _backends
@@ -31,23 +35,112 @@ def _torch_dtype(name: str):
     return getattr(torch, name)
 
 
-@functools.lru_cache(maxsize=16)
-def _compile_op_table(config: KVCacheConfig, target_key: str, choice: tuple[tuple[str, str], ...]):
-    """Compile every op's functions for ``target_key`` into one module; return the op table entries."""
+def target_spec(target: Any) -> dict:
+    """A target as a canonical dict: ``"llvm"`` -> ``{"kind": "llvm"}``, ``"cuda"`` -> sm_90 CUDA."""
+    if isinstance(target, dict):
+        return dict(target)
+    if isinstance(target, str):
+        if target == "llvm":
+            return {"kind": "llvm"}
+        if target == "cuda":
+            return {"kind": "cuda", "arch": "sm_90"}
+        raise ValueError(f"target {target!r}: use 'llvm', 'cuda' or a JSON dict such as "
+                         "{'kind': 'cuda', 'arch': 'sm_90'}")
+    return {"kind": target.kind.name, **({"arch": str(target.arch)} if "arch" in target.attrs else {})}
+
+
+def kernel_library_key(config: KVCacheConfig, target: Any, choice: Sequence[tuple[str, str]]) -> str:
+    """Content key of the kernels of ``config`` for ``target`` with the per-op backend ``choice``."""
+    blob = json.dumps({"config": config.to_dict(), "target": target_spec(target),
+                       "ops": [list(c) for c in choice]}, sort_keys=True)
+    return hashlib.sha256(blob.encode()).hexdigest()[:24]
+
+
+def _compile_target(spec: dict):
+    import tvm
+
+    if spec["kind"] == "llvm" and set(spec) == {"kind"}:
+        from .tir_kernels import host_target  # this machine's CPU features (AVX, F16C)
+
+        return host_target()
+    if spec["kind"] == "cuda":
+        return tvm.target.Target(spec, host="llvm")
+    return tvm.target.Target(spec)
+
+
+def _compile_module(config: KVCacheConfig, spec: dict, choice):
+    """Compile every op's functions into one module; returns (module, [(op, tag, symbols)])."""
     import tvm
 
     funcs: dict[str, Any] = {}
-    entries_symbols: list[tuple[str, str, list[str]]] = []
+    entries: list[tuple[str, str, list[str]]] = []
     for op, tag in choice:
-        build = _backends.get_backend(tag).build(op, config, target_key)
-        names = []
-        for name, func in build.prim_funcs:
-            funcs[name] = func
-            names.append(name)
-        entries_symbols.append((op, tag, names + list(build.extern_symbols)))
-    module = tvm.compile(tvm.IRModule(funcs), target=tvm.target.Target(target_key))
-    table = [[op, tag, *[module[name] for name in names]] for op, tag, names in entries_symbols]
-    return module, table
+        build = _backends.get_backend(tag).build(op, config, spec)
+        funcs.update(build.prim_funcs)
+        entries.append((op, tag, [name for name, _ in build.prim_funcs] + list(build.extern_symbols)))
+    target = _compile_target(spec)
+    if spec["kind"] == "cuda":
+        from .cuda_build import compile_for_cuda
+
+        return compile_for_cuda(tvm.IRModule(funcs), target), entries
+    return tvm.compile(tvm.IRModule(funcs), target=target), entries
+
+
+def _runtime_only() -> bool:
+    import tvm
+
+    return bool(getattr(tvm.base, "_RUNTIME_ONLY", False))
+
+
+def kernel_dir() -> Path | None:
+    env = os.environ.get("PAGEDKV_KERNEL_DIR")
+    return Path(env) if env else None
+
+
+def build_kernel_library(config: KVCacheConfig, out_dir: str | Path, *, target: Any = "llvm",
+                         backend: str | Sequence[str] | None = None) -> Path:
+    """Compile the kernels of ``config`` for ``target`` and export them (``kernels-<key>.so`` + ``.json``
+    with the op table) into ``out_dir``, for a process that has the TVM runtime only."""
+    resolution = _backends.resolve(config, target_spec(target), backend)
+    choice = tuple(resolution.choice.items())
+    key = kernel_library_key(config, target, choice)
+    out_dir = Path(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    lib = out_dir / f"kernels-{key}.so"
+    if lib.exists() and lib.with_suffix(".json").exists():
+        return lib
+    module, entries = _compile_module(config, target_spec(target), choice)
+    module.export_library(str(lib))
+    lib.with_suffix(".json").write_text(json.dumps(
+        {"config": config.to_dict(), "target": target_spec(target), "entries": entries}, indent=1))
+    return lib
+
+
+@functools.lru_cache(maxsize=16)
+def _op_table_cached(config: KVCacheConfig, spec_json: str, choice: tuple[tuple[str, str], ...]):
+    spec = json.loads(spec_json)
+    prebuilt = kernel_dir()
+    key = kernel_library_key(config, spec, choice)
+    if prebuilt is not None and (prebuilt / f"kernels-{key}.so").exists():
+        from .runtime import load_library
+
+        lib = prebuilt / f"kernels-{key}.so"
+        module = load_library(lib)
+        entries = json.loads(lib.with_suffix(".json").read_text())["entries"]
+    elif _runtime_only():
+        raise FileNotFoundError(
+            f"no prebuilt kernel library kernels-{key}.so in PAGEDKV_KERNEL_DIR={prebuilt} for this config "
+            f"and target {spec}, and this TVM has no compiler (runtime-only): build it on the build host "
+            "with pagedkv.cache.build_kernel_library")
+    else:
+        module, entries = _compile_module(config, spec, choice)
+    return module, [[op, tag, *[module[name] for name in names]] for op, tag, names in entries]
+
+
+def _compile_op_table(config: KVCacheConfig, target: Any, choice: tuple[tuple[str, str], ...]):
+    """(module, op table entries ``[op, tag, func...]``) for ``config`` on ``target``: compiled here, or
+    loaded from a prebuilt kernel library (``$PAGEDKV_KERNEL_DIR``) when one exists."""
+    return _op_table_cached(config, json.dumps(target_spec(target), sort_keys=True), tuple(choice))
 
 
 def create(config: KVCacheConfig, *, backend: str | Sequence[str] | None = None,
@@ -70,8 +163,8 @@ def create(config: KVCacheConfig, *, backend: str | Sequence[str] | None = None,
     """
     import torch
 
-    resolution = _backends.resolve(config, target, backend)
-    module, table = _compile_op_table(config, str(target), tuple(resolution.choice.items()))
+    resolution = _backends.resolve(config, target_spec(target), backend)
+    module, table = _compile_op_table(config, target, tuple(resolution.choice.items()))
     device = torch.device("cpu") if device is None else torch.device(device)
     device_ref = torch.empty((1,), dtype=_torch_dtype(config.dtype), device=device)
     handle = get_global("pagedkv.create")(config.to_json(), (), table, _to_ffi(device_ref))

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import functools
+import json
 from typing import Any
 
 from .. import ops
@@ -22,7 +23,9 @@ def kernel_config(config: KVCacheConfig):
 
 
 def _target_key(target: Any) -> str:
-    return str(target) if not isinstance(target, dict) else repr(sorted(target.items()))
+    if isinstance(target, dict):
+        return json.dumps(target, sort_keys=True)
+    return target if isinstance(target, str) else json.dumps(dict(target.export()), sort_keys=True)
 
 
 @functools.lru_cache(maxsize=32)
@@ -30,7 +33,8 @@ def _all_kernels(kcfg, target_key: str) -> dict:
     # One factory call yields every op's PrimFunc; cache it so building the op table stays cheap.
     from ..tir_kernels import build_kernels
 
-    return build_kernels(kcfg, target_key)
+    target = json.loads(target_key) if target_key.startswith("{") else target_key
+    return build_kernels(kcfg, target)
 
 
 class TIRBackend(Backend):
