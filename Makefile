@@ -11,7 +11,7 @@ TORCH_INDEX ?= https://download.pytorch.org/whl/cpu
 SOURCES := $(wildcard src/*.cc src/*.h) CMakeLists.txt pyproject.toml \
            $(shell find python tir_kernels -name '*.py' 2>/dev/null)
 
-.PHONY: demo test install clean bench
+.PHONY: demo test install clean bench gpu-bundle gpu-test
 demo: $(STAMP)
 	$(PY) -m pagedkv.demo
 
@@ -42,6 +42,17 @@ $(DEPS): | $(PY)
 $(STAMP): $(DEPS) $(SOURCES)
 	$(PIP) install -q --no-deps --no-build-isolation .
 	touch $@
+
+# Build host (no GPU needed): everything the GPU host needs, under .gpu/ (git-ignored).
+gpu-bundle: $(STAMP)
+	$(PY) -m pagedkv.bundle .gpu
+
+# GPU host (TVM runtime only, from .gpu/): the GPU test suite.
+gpu-test:
+	bash -c 'source .gpu/bundle/activate.sh && \
+	  PYTHONPATH=$$PWD/python:$$PYTHONPATH PAGEDKV_RUNTIME_LIB=$$PWD/.gpu/lib/libpagedkv_runtime.so \
+	  PAGEDKV_KERNEL_DIR=$$PWD/.gpu/kernels PAGEDKV_MODEL_DIR=$$PWD/.gpu/models \
+	  python3 -m pytest tests/gpu -q -p no:cacheprovider -rs $(PYTEST_ARGS)'
 
 clean:
 	rm -rf build $(VENV)

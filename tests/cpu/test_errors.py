@@ -18,7 +18,7 @@ import pagedkv
 from conftest import cpu_backends
 from pagedkv import KVCacheConfig, ops
 from pagedkv._lib import get_global
-from pagedkv.testing.scenarios import ScenarioRunner, add, check, check_state, forward
+from pagedkv.testing.scenarios import ScenarioRunner, add, assert_close, check, check_state, forward
 
 # page size 8, max_total_seq_len 32, max_batch_size 2 -> 4 + 2 = 6 pages (48 tokens); a forward appends
 # at most 24 tokens.
@@ -172,8 +172,6 @@ def in_forward_rejects(r: ScenarioRunner, batch: dict, bad, pattern: str):
             assert re.search(pattern, msg, re.IGNORECASE), f"message does not name {pattern!r}: {msg!r}"
     r.cache.end_forward()
     r.ref.end_forward()
-    from pagedkv.testing.scenarios import assert_close
-
     for layer, (o, ref_o) in enumerate(outs):
         assert_close(o, ref_o, CFG.dtype, f"layer {layer} of the forward with a rejected call")
     check_state(r.cache, r.ref, "after the forward with a rejected call")

@@ -9,7 +9,6 @@ least twice, and every scenario crosses page boundaries for both page sizes.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
 
 import pytest
 import torch
@@ -17,46 +16,8 @@ import torch
 from conftest import backend_choice, cpu_backends
 from pagedkv import KVCacheConfig, ops
 from pagedkv.testing import reference as R
-from pagedkv.testing.scenarios import (SCENARIOS, ScenarioRunner, add, assert_close, check, check_state, fork,
-                                       forward)
-
-
-@dataclass(frozen=True)
-class Shape:
-    hq: int
-    hkv: int
-    d: int
-    dtype: str
-    ps: int
-    rope: str
-    theta: float = 10000.0
-    scale: float = 1.0
-
-    @property
-    def id(self) -> str:
-        dt = {"float32": "f32", "float16": "f16"}[self.dtype]
-        extra = "" if (self.theta, self.scale) == (10000.0, 1.0) else f"-t{self.theta:g}s{self.scale:g}"
-        return f"h{self.hq}x{self.hkv}-d{self.d}-{dt}-p{self.ps}-{self.rope}{extra}"
-
-    def config(self) -> KVCacheConfig:
-        # Capacity for every scenario (they need <= 8 sequences, <= 64 tokens a forward, <= 14 pages);
-        # the pool is kept small so freed pages get reused.
-        return KVCacheConfig(num_layers=2, num_qo_heads=self.hq, num_kv_heads=self.hkv, head_dim=self.d,
-                             dtype=self.dtype, rope_mode=self.rope, rope_theta=self.theta,
-                             rope_scale=self.scale, page_size=self.ps, max_batch_size=8,
-                             max_total_seq_len=128, prefill_chunk_size=64)
-
-
-SHAPES = [
-    Shape(4, 4, 64, "float32", 16, "none"),
-    Shape(4, 4, 128, "float16", 8, "inline"),
-    Shape(6, 2, 64, "float16", 8, "normal"),
-    Shape(6, 2, 128, "float32", 16, "inline", scale=0.5),
-    Shape(8, 2, 64, "float32", 8, "inline", theta=500000.0),
-    Shape(8, 2, 128, "float16", 16, "none"),
-    Shape(7, 1, 64, "float16", 16, "normal", scale=2.0),
-    Shape(7, 1, 128, "float32", 8, "normal"),
-]
+from pagedkv.testing.scenarios import SCENARIOS, ScenarioRunner, add, check, fork, forward
+from pagedkv.testing.shapes import SHAPES  # the matrix, shared with the GPU suite and pagedkv.bundle
 
 
 def _backend_shape_params():

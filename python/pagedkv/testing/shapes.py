@@ -1,0 +1,64 @@
+"""The shape matrix of the scenario suite, shared by the CPU and GPU suites and by ``pagedkv.bundle``
+(which prebuilds the GPU kernels for exactly these configs).
+
+GQA group sizes 1, 3, 4, 7, head dims 64 / 128, float32 / float16, page sizes 16 / 8 and RoPE modes
+none / normal / inline each appear at least twice.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from ..config import KVCacheConfig
+
+
+@dataclass(frozen=True)
+class Shape:
+    hq: int
+    hkv: int
+    d: int
+    dtype: str
+    ps: int
+    rope: str
+    theta: float = 10000.0
+    scale: float = 1.0
+
+    @property
+    def id(self) -> str:
+        dt = {"float32": "f32", "float16": "f16"}[self.dtype]
+        extra = "" if (self.theta, self.scale) == (10000.0, 1.0) else f"-t{self.theta:g}s{self.scale:g}"
+        return f"h{self.hq}x{self.hkv}-d{self.d}-{dt}-p{self.ps}-{self.rope}{extra}"
+
+    def config(self) -> KVCacheConfig:
+        # Capacity for every scenario (they need <= 8 sequences, <= 64 tokens a forward, <= 14 pages);
+        # the pool is kept small so freed pages get reused.
+        return KVCacheConfig(num_layers=2, num_qo_heads=self.hq, num_kv_heads=self.hkv, head_dim=self.d,
+                             dtype=self.dtype, rope_mode=self.rope, rope_theta=self.theta,
+                             rope_scale=self.scale, page_size=self.ps, max_batch_size=8,
+                             max_total_seq_len=128, prefill_chunk_size=64)
+
+
+SHAPES = [
+    Shape(4, 4, 64, "float32", 16, "none"),
+    Shape(4, 4, 128, "float16", 8, "inline"),
+    Shape(6, 2, 64, "float16", 8, "normal"),
+    Shape(6, 2, 128, "float32", 16, "inline", scale=0.5),
+    Shape(8, 2, 64, "float32", 8, "inline", theta=500000.0),
+    Shape(8, 2, 128, "float16", 16, "none"),
+    Shape(7, 1, 64, "float16", 16, "normal", scale=2.0),
+    Shape(7, 1, 128, "float32", 8, "normal"),
+]
+
+#: Extra GPU-only shapes: GQA group 8 and the H200 benchmark shape (32 q / 8 kv heads, head dim 128).
+GPU_EXTRA = [
+    Shape(32, 8, 128, "float16", 16, "normal"),
+    Shape(8, 1, 128, "float16", 16, "inline"),
+]
+
+
+def gpu_shapes() -> list[Shape]:
+    return SHAPES + GPU_EXTRA
+
+
+def gpu_configs() -> list[KVCacheConfig]:
+    return [s.config() for s in gpu_shapes()]

@@ -1,0 +1,86 @@
+"""Shared pieces of the pagedkv CUDA kernels: vector widths, warp shuffles and float32-exact RoPE.
+
+Conventions of every ``*_cuda.py`` kernel (see ``docs/ARCHITECTURE.md``, "Kernel ABI"):
+
+* kernels are written already scheduled (``"tirx.is_scheduled": True``): every loop that runs in parallel is
+  a ``T.thread_binding`` to ``blockIdx.*`` / ``threadIdx.*``; scratch lives in ``local`` (registers) or
+  ``shared`` / ``shared.dyn`` memory; ``T.tvm_storage_sync("shared")`` separates writes and reads of shared
+  memory by different threads, and is always reached by every thread of the block;
+* ``pages`` is the only buffer with a zero element offset, so only page accesses are 16-byte vector loads
+  (``*(uint4*)``); every other buffer has a symbolic ``elem_offset`` (any value, odd included), for which
+  TVM emits element accesses; the kernels arrange those so that consecutive threads touch consecutive
+  elements (coalesced);
+* grid extents are at least 1 (a launch with a zero grid is an error in CUDA), and every block whose index
+  is past the work returns without touching memory;
+* TVM compiles CUDA with ``--use_fast_math``: ``sinf``/``cosf``/``powf``/``/`` become approximations.
+  RoPE therefore uses the same polynomial sin/cos as the CPU kernels (``_math``), the divisor
+  ``theta ** (2i/D)`` in float64 and the angle division with ``__fdiv_rn`` (IEEE float32), so the
+  rotation equals the CPU kernels' one up to FMA contraction.
+"""
+
+from __future__ import annotations
+
+from tvm import tirx
+from tvm.script import tirx as T
+
+from ._math import cos_approx, sin_approx  # noqa: F401 (re-exported for the kernels)
+
+#: Threads of a warp.
+WARP = 32
+
+
+def itemsize(dtype: str) -> int:
+    """Bytes of one element of ``dtype`` (``float16`` / ``float32``)."""
+    return {"float16": 2, "float32": 4}[dtype]
+
+
+def vec16(dtype: str) -> int:
+    """Elements of ``dtype`` in 16 bytes (one ``uint4`` / ``float4`` load)."""
+    return 16 // itemsize(dtype)
+
+
+def check_head_dim(op: str, head_dim: int, what: str = "head_dim"):
+    """The CUDA kernels need ``head_dim % 16 == 0`` (16 threads split a row; 16-byte page vectors)."""
+    if head_dim % 16 or head_dim <= 0:
+        raise NotImplementedError(
+            f"pagedkv.tir_kernels: the CUDA {op!r} kernel needs {what} to be a multiple of 16, got {what}="
+            f"{head_dim} (the CPU kernels serve any even head dim)")
+
+
+def shfl_xor(value, offset):
+    """``__shfl_xor_sync(full mask, value, offset, 32)``: every lane of the warp must execute it."""
+    return T.call_extern("float32", "__shfl_xor_sync", T.uint32(0xFFFFFFFF), value, offset, WARP)
+
+
+def fdiv_rn(a, b):
+    """IEEE round-to-nearest float32 division (``a / b`` is approximate under ``--use_fast_math``)."""
+    return T.call_extern("float32", "__fdiv_rn", a, b)
+
+
+def rope_divisor(i, theta, head_dim: int):
+    """``theta ** (2 i / D)`` in float32: computed in float64 and rounded (the correctly rounded float32
+    ``powf`` of the CPU kernels, which fast-math ``powf`` is not)."""
+    expo = T.Cast("float64", T.Cast("float32", T.Cast("float64", 2 * i) / T.float64(head_dim)))
+    return T.Cast("float32", T.pow(T.Cast("float64", theta), expo))
+
+
+def rope_angle(pos, rope_scale, divisor):
+    """``pos * rope_scale / divisor`` in float32 (IEEE division), as ``_common.rope_angle`` on the CPU."""
+    return fdiv_rn(T.Cast("float32", pos) * rope_scale, divisor)
+
+
+def ceildiv(a, b):
+    return (a + b - 1) // b
+
+
+def next_pow2(x: int) -> int:
+    p = 1
+    while p < x:
+        p *= 2
+    return p
+
+
+def let(var_name: str, dtype: str, value, body):
+    """``tirx.Let`` helper for building PrimExprs outside TVMScript."""
+    var = tirx.Var(var_name, dtype)
+    return tirx.Let(var, value, body(var))
