@@ -14,7 +14,9 @@ from pathlib import Path
 import pytest
 
 _REPO = Path(__file__).resolve().parent.parent
-if str(_REPO / "python") not in sys.path:  # source checkout without `pip install`
+try:  # the installed package (make test installs it); a bare source checkout falls back to python/
+    import pagedkv  # noqa: F401
+except ImportError:
     sys.path.insert(0, str(_REPO / "python"))
 
 import torch  # noqa: E402

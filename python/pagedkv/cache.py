@@ -49,9 +49,16 @@ def target_spec(target: Any) -> dict:
     return {"kind": target.kind.name, **({"arch": str(target.arch)} if "arch" in target.attrs else {})}
 
 
+def kernel_shape(config: KVCacheConfig) -> KVCacheConfig:
+    """The part of ``config`` that kernels are compiled for (heads, head dims, dtype); capacity, page size
+    and RoPE parameters are kernel arguments, so configs differing only there share kernels."""
+    return KVCacheConfig(num_layers=1, num_qo_heads=config.num_qo_heads, num_kv_heads=config.num_kv_heads,
+                         head_dim=config.head_dim, v_head_dim=config.v_head_dim, dtype=config.dtype)
+
+
 def kernel_library_key(config: KVCacheConfig, target: Any, choice: Sequence[tuple[str, str]]) -> str:
     """Content key of the kernels of ``config`` for ``target`` with the per-op backend ``choice``."""
-    blob = json.dumps({"config": config.to_dict(), "target": target_spec(target),
+    blob = json.dumps({"config": kernel_shape(config).to_dict(), "target": target_spec(target),
                        "ops": [list(c) for c in choice]}, sort_keys=True)
     return hashlib.sha256(blob.encode()).hexdigest()[:24]
 
@@ -109,7 +116,7 @@ def build_kernel_library(config: KVCacheConfig, out_dir: str | Path, *, target: 
     lib = out_dir / f"kernels-{key}.so"
     if lib.exists() and lib.with_suffix(".json").exists():
         return lib
-    module, entries = _compile_module(config, target_spec(target), choice)
+    module, entries = _compile_module(kernel_shape(config), target_spec(target), choice)
     module.export_library(str(lib))
     lib.with_suffix(".json").write_text(json.dumps(
         {"config": config.to_dict(), "target": target_spec(target), "entries": entries}, indent=1))
@@ -140,7 +147,8 @@ def _op_table_cached(config: KVCacheConfig, spec_json: str, choice: tuple[tuple[
 def _compile_op_table(config: KVCacheConfig, target: Any, choice: tuple[tuple[str, str], ...]):
     """(module, op table entries ``[op, tag, func...]``) for ``config`` on ``target``: compiled here, or
     loaded from a prebuilt kernel library (``$PAGEDKV_KERNEL_DIR``) when one exists."""
-    return _op_table_cached(config, json.dumps(target_spec(target), sort_keys=True), tuple(choice))
+    return _op_table_cached(kernel_shape(config), json.dumps(target_spec(target), sort_keys=True),
+                            tuple(choice))
 
 
 def create(config: KVCacheConfig, *, backend: str | Sequence[str] | None = None,
