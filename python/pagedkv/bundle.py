@@ -5,11 +5,13 @@ OUT/bundle/    runtime-only TVM + tvm-ffi wheel for the GPU host's Python (../sh
 OUT/lib/       libpagedkv_runtime.so
 OUT/kernels/   kernels-<key>.so/.json for every config of the GPU suite (sm_90 fatbins)
 OUT/models/    model libraries for the GPU model tests (when their dependencies are installed)
+OUT/upstream/  apache-tvm 0.27's own CUDA attention kernels for the benchmark shape (``--no-upstream`` skips)
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import shutil
 import subprocess
 import sys
@@ -45,15 +47,82 @@ def build_kernels(out: Path, configs, target) -> list[Path]:
     return paths
 
 
+#: The H200 benchmark shape (``benchmarks/bench_gpu_kernels.py``): fp16, 32 q / 8 kv heads, head dim 128.
+UPSTREAM_SHAPE = {"num_qo_heads": 32, "num_kv_heads": 8, "head_dim": 128, "dtype": "float16", "page_size": 16}
+
+
+def _upstream_funcs(target) -> dict:
+    """name -> (factory path, PrimFunc) of apache-tvm's CUDA attention kernels for ``UPSTREAM_SHAPE``."""
+    from tvm.relax.frontend.nn.llm import kv_cache as kc
+
+    s = UPSTREAM_SHAPE
+    hkv, hq, d, dt = s["num_kv_heads"], s["num_qo_heads"], s["head_dim"], s["dtype"]
+    base = "tvm.relax.frontend.nn.llm.kv_cache."
+    return {  # sliding_window=False, no RoPE scaling
+        "upstream_attn_decode_paged": (base + "_attention_decode",
+                                       kc._attention_decode(hkv, hq, d, dt, False, {}, target,
+                                                            page_size=s["page_size"])),
+        "upstream_attn_prefill_paged": (base + "_attention_prefill",
+                                        kc._attention_prefill(hkv, hq, d, dt, False, {}, target,
+                                                              page_size=s["page_size"])),
+        "upstream_attn_prefill_ragged": (base + "_attention_prefill_ragged",
+                                         kc._attention_prefill_ragged(hkv, hq, d, d, dt, {}, target)),
+    }
+
+
+def _describe_params(func) -> list[dict]:
+    """The argument list of a PrimFunc: tensors with dtype and shape, scalars with dtype."""
+    from tvm.tirx.buffer import is_buffer_var  # 0.27: tensor params are Vars of BufferType
+
+    out = []
+    for p in func.params:
+        if is_buffer_var(p):
+            out.append({"name": str(p.name), "kind": "tensor", "dtype": str(p.dtype),
+                        "shape": [str(x) for x in p.shape]})
+        else:
+            out.append({"name": str(p.name), "kind": "scalar", "dtype": str(p.ty)})
+    return out
+
+
+def build_upstream_kernels(out: Path, arch: str) -> Path:
+    """Compile apache-tvm 0.27's CUDA TIR attention kernels (decode, paged prefill, ragged prefill) for the
+    benchmark shape into ``out/upstream/upstream-kernels.so`` (real fatbins) + ``.json`` (symbol and
+    argument order of each). Returns the library path."""
+    import tvm
+
+    from .cuda_build import compile_for_cuda, has_device_code
+
+    t0 = time.perf_counter()
+    target = tvm.target.Target({"kind": "cuda", "arch": arch}, host="llvm")
+    funcs = _upstream_funcs(target)
+    mod = tvm.IRModule({name: f.with_attr("global_symbol", name) for name, (_, f) in funcs.items()})
+    lib_path = out / "upstream" / "upstream-kernels.so"
+    lib_path.parent.mkdir(parents=True, exist_ok=True)
+    compile_for_cuda(mod, target).export_library(str(lib_path))
+    if not has_device_code(lib_path):
+        raise RuntimeError(f"{lib_path} holds no CUDA fatbin (TVM fell back to CUDA source)")
+    meta = {"tvm_version": tvm.__version__, "target": {"kind": "cuda", "arch": arch}, "shape": UPSTREAM_SHAPE,
+            "functions": {name: {"symbol": name, "factory": factory, "args": _describe_params(f)}
+                          for name, (factory, f) in funcs.items()}}
+    lib_path.with_suffix(".json").write_text(json.dumps(meta, indent=1))
+    print(f"[pagedkv] upstream kernels {lib_path.name}: {lib_path.stat().st_size / 1e6:.2f} MB "
+          f"in {time.perf_counter() - t0:.1f} s", flush=True)
+    return lib_path
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("out", type=Path)
     ap.add_argument("--arch", default="sm_90")
+    ap.add_argument("--no-upstream", action="store_true",
+                    help="skip apache-tvm's own CUDA kernels (the kernel benchmark's baseline)")
     args = ap.parse_args(argv)
     out: Path = args.out
     (out / "lib").mkdir(parents=True, exist_ok=True)
     _runtime_bundle(out)
     shutil.copy2(runtime_library_path(), out / "lib" / "libpagedkv_runtime.so")
+    if not args.no_upstream:
+        build_upstream_kernels(out, args.arch)
     from .testing.shapes import gpu_configs
 
     build_kernels(out, gpu_configs(), {"kind": "cuda", "arch": args.arch})

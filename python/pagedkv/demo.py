@@ -125,7 +125,12 @@ def main(argv: list[str] | None = None) -> int:
     with _Ticker("loading and dequantizing the GGUF weights"):
         hf, tok = smollm2.load_hf()
     cfg = smollm2.llama_config(hf.config)
-    lib, named = compiled_library(cfg, dtype=args.dtype, target=args.target, backend=args.backend)
+    target = args.target
+    if target == "llvm":
+        from .tir_kernels import host_target
+
+        target = host_target()  # this CPU's vector units for kernels and matmuls
+    lib, named = compiled_library(cfg, dtype=args.dtype, target=target, backend=args.backend)
     params = smollm2.params_from_hf(hf, named, args.dtype)
     del hf
     device = "cpu" if args.target.startswith("llvm") else "cuda"

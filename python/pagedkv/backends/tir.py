@@ -25,7 +25,7 @@ def kernel_config(config: KVCacheConfig):
 def _target_key(target: Any) -> str:
     if isinstance(target, dict):
         return json.dumps(target, sort_keys=True)
-    return target if isinstance(target, str) else json.dumps(dict(target.export()), sort_keys=True)
+    return target if isinstance(target, str) else str(target)  # a Target prints as its JSON form
 
 
 @functools.lru_cache(maxsize=32)
