@@ -11,7 +11,7 @@ from ..config import KVCacheConfig
 from .base import Backend, OpBuild, target_kind
 
 #: Target kinds the TIR kernels are scheduled for.
-SUPPORTED_TARGETS = ("llvm",)
+SUPPORTED_TARGETS = ("llvm", "cuda")
 SUPPORTED_DTYPES = ("float16", "float32")
 
 
