@@ -56,9 +56,24 @@ def kernel_shape(config: KVCacheConfig) -> KVCacheConfig:
                          head_dim=config.head_dim, v_head_dim=config.v_head_dim, dtype=config.dtype)
 
 
+@functools.lru_cache(maxsize=None)
+def kernel_source_digest() -> str:
+    """Digest of the kernel sources (``pagedkv.tir_kernels``), found without importing them (a runtime-only
+    process has no TVMScript): a prebuilt library is only used with the sources that built it."""
+    import importlib.util
+
+    spec = importlib.util.find_spec("pagedkv.tir_kernels")
+    h = hashlib.sha256()
+    for root in (spec.submodule_search_locations or []) if spec else []:
+        for f in sorted(Path(root).glob("*.py")):
+            h.update(f.name.encode() + f.read_bytes())
+    return h.hexdigest()[:16]
+
+
 def kernel_library_key(config: KVCacheConfig, target: Any, choice: Sequence[tuple[str, str]]) -> str:
     """Content key of the kernels of ``config`` for ``target`` with the per-op backend ``choice``."""
     blob = json.dumps({"config": kernel_shape(config).to_dict(), "target": target_spec(target),
+                       "sources": kernel_source_digest(),
                        "ops": [list(c) for c in choice]}, sort_keys=True)
     return hashlib.sha256(blob.encode()).hexdigest()[:24]
 
