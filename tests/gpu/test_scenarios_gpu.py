@@ -9,7 +9,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from pagedkv.testing.scenarios import SCENARIOS, ScenarioRunner, random_step
+from pagedkv.testing.scenarios import SCENARIOS, ScenarioRunner, clear, random_step
 from pagedkv.testing.shapes import gpu_shapes
 
 SHAPES = gpu_shapes()
@@ -34,7 +34,7 @@ def test_fine_grained_gpu(shape, make_gpu_cache, gen):
     cache = make_gpu_cache(shape.config())
     runner = ScenarioRunner(cache, gen, _sm_scale(gen, shape.d), fine_grained=True)
     runner.run(SCENARIOS["mixed_prefill_decode"](shape.ps), "mixed_prefill_decode")
-    runner.run(SCENARIOS["fork_three_deep"](shape.ps), "fork_three_deep")
+    runner.run([clear()] + SCENARIOS["fork_three_deep"](shape.ps), "fork_three_deep")
 
 
 @pytest.mark.parametrize("shape", SHAPES[::3], ids=[s.id for s in SHAPES[::3]])
