@@ -17,10 +17,27 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from ._common import as_target, dispatch, host_target
-from .attention_cpu import attn_decode_paged_cpu, attn_prefill_paged_cpu, attn_prefill_ragged_cpu
+from .attention_cpu import (
+    attn_decode_paged_cpu,
+    attn_prefill_paged_cpu,
+    attn_prefill_ragged_cpu,
+)
+from .attention_cuda import (
+    attn_decode_paged_cuda,
+    attn_prefill_paged_cuda,
+    attn_prefill_ragged_cuda,
+)
 from .merge import merge_state_cpu
+from .merge_cuda import merge_state_cuda
 from .page_ops import append_kv_cpu, compact_copy_cpu, copy_page_cpu, gather_kv_cpu
+from .page_ops_cuda import (
+    append_kv_cuda,
+    compact_copy_cuda,
+    copy_page_cuda,
+    gather_kv_cuda,
+)
 from .rope import split_rotary_cpu
+from .rope_cuda import split_rotary_cuda
 
 #: Op names, the same strings as ``pagedkv.ops.OPS`` (kept local so this package stands alone; the
 #: kernel tests check both lists are equal).
@@ -84,58 +101,70 @@ class KernelConfig:
 def make_split_rotary(cfg: KernelConfig, target):
     """PrimFunc ``pagedkv_split_rotary`` for ``target``."""
     return dispatch("split_rotary", target, {
-        "llvm": lambda: split_rotary_cpu(cfg.num_qo_heads, cfg.num_kv_heads, cfg.head_dim, cfg.dtype)})
+        "llvm": lambda: split_rotary_cpu(cfg.num_qo_heads, cfg.num_kv_heads, cfg.head_dim, cfg.dtype),
+        "cuda": lambda: split_rotary_cuda(cfg.num_qo_heads, cfg.num_kv_heads, cfg.head_dim, cfg.dtype)})
 
 
 def make_append_kv(cfg: KernelConfig, target):
     """PrimFunc ``pagedkv_append_kv`` for ``target``."""
     return dispatch("append_kv", target, {
-        "llvm": lambda: append_kv_cpu(cfg.num_kv_heads, cfg.head_dim, cfg.dtype)})
+        "llvm": lambda: append_kv_cpu(cfg.num_kv_heads, cfg.head_dim, cfg.dtype),
+        "cuda": lambda: append_kv_cuda(cfg.num_kv_heads, cfg.head_dim, cfg.dtype)})
 
 
 def make_gather_kv(cfg: KernelConfig, target):
     """PrimFunc ``pagedkv_gather_kv`` for ``target``."""
     return dispatch("gather_kv", target, {
-        "llvm": lambda: gather_kv_cpu(cfg.num_kv_heads, cfg.head_dim, cfg.dtype)})
+        "llvm": lambda: gather_kv_cpu(cfg.num_kv_heads, cfg.head_dim, cfg.dtype),
+        "cuda": lambda: gather_kv_cuda(cfg.num_kv_heads, cfg.head_dim, cfg.dtype)})
 
 
 def make_attn_prefill_ragged(cfg: KernelConfig, target):
     """PrimFunc ``pagedkv_attn_prefill_ragged`` for ``target``."""
     return dispatch("attn_prefill_ragged", target, {
         "llvm": lambda: attn_prefill_ragged_cpu(cfg.num_qo_heads, cfg.num_kv_heads, cfg.head_dim,
-                                                cfg.v_head_dim, cfg.dtype)})
+                                                cfg.v_head_dim, cfg.dtype),
+        "cuda": lambda: attn_prefill_ragged_cuda(cfg.num_qo_heads, cfg.num_kv_heads, cfg.head_dim,
+                                                 cfg.v_head_dim, cfg.dtype)})
 
 
 def make_attn_prefill_paged(cfg: KernelConfig, target):
     """PrimFunc ``pagedkv_attn_prefill_paged`` for ``target``."""
     return dispatch("attn_prefill_paged", target, {
         "llvm": lambda: attn_prefill_paged_cpu(cfg.num_qo_heads, cfg.num_kv_heads, cfg.head_dim,
-                                               cfg.dtype)})
+                                               cfg.dtype),
+        "cuda": lambda: attn_prefill_paged_cuda(cfg.num_qo_heads, cfg.num_kv_heads, cfg.head_dim,
+                                                cfg.dtype)})
 
 
 def make_attn_decode_paged(cfg: KernelConfig, target):
     """PrimFunc ``pagedkv_attn_decode_paged`` for ``target``."""
     return dispatch("attn_decode_paged", target, {
         "llvm": lambda: attn_decode_paged_cpu(cfg.num_qo_heads, cfg.num_kv_heads, cfg.head_dim,
-                                              cfg.dtype)})
+                                              cfg.dtype),
+        "cuda": lambda: attn_decode_paged_cuda(cfg.num_qo_heads, cfg.num_kv_heads, cfg.head_dim,
+                                               cfg.dtype)})
 
 
 def make_merge_state(cfg: KernelConfig, target):
     """PrimFunc ``pagedkv_merge_state`` for ``target`` (``H = num_qo_heads``, ``Dv = v_head_dim``)."""
     return dispatch("merge_state", target, {
-        "llvm": lambda: merge_state_cpu(cfg.num_qo_heads, cfg.v_head_dim, cfg.dtype)})
+        "llvm": lambda: merge_state_cpu(cfg.num_qo_heads, cfg.v_head_dim, cfg.dtype),
+        "cuda": lambda: merge_state_cuda(cfg.num_qo_heads, cfg.v_head_dim, cfg.dtype)})
 
 
 def make_copy_page(cfg: KernelConfig, target):
     """PrimFunc ``pagedkv_copy_page`` for ``target``."""
     return dispatch("copy_page", target, {
-        "llvm": lambda: copy_page_cpu(cfg.num_kv_heads, cfg.head_dim, cfg.dtype)})
+        "llvm": lambda: copy_page_cpu(cfg.num_kv_heads, cfg.head_dim, cfg.dtype),
+        "cuda": lambda: copy_page_cuda(cfg.num_kv_heads, cfg.head_dim, cfg.dtype)})
 
 
 def make_compact_copy(cfg: KernelConfig, target):
     """PrimFunc ``pagedkv_compact_copy`` for ``target``."""
     return dispatch("compact_copy", target, {
-        "llvm": lambda: compact_copy_cpu(cfg.num_kv_heads, cfg.head_dim, cfg.dtype)})
+        "llvm": lambda: compact_copy_cpu(cfg.num_kv_heads, cfg.head_dim, cfg.dtype),
+        "cuda": lambda: compact_copy_cuda(cfg.num_kv_heads, cfg.head_dim, cfg.dtype)})
 
 
 #: op name -> factory ``(cfg, target) -> PrimFunc``.

@@ -4,8 +4,10 @@ Conventions of every ``*_cuda.py`` kernel (see ``docs/ARCHITECTURE.md``, "Kernel
 
 * kernels are written already scheduled (``"tirx.is_scheduled": True``): every loop that runs in parallel is
   a ``T.thread_binding`` to ``blockIdx.*`` / ``threadIdx.*``; scratch lives in ``local`` (registers) or
-  ``shared`` / ``shared.dyn`` memory; ``T.tvm_storage_sync("shared")`` separates writes and reads of shared
-  memory by different threads, and is always reached by every thread of the block;
+  static ``shared`` memory (under 48 KB; TVM 0.27's merge of ``shared.dyn`` buffers failed on the prefill
+  kernels); ``T.tvm_storage_sync("shared")`` separates writes and reads of shared memory by different
+  threads and is always reached by every thread of the block (TVM's sync planner also refuses barriers
+  under a condition);
 * ``pages`` is the only buffer with a zero element offset, so only page accesses are 16-byte vector loads
   (``*(uint4*)``); every other buffer has a symbolic ``elem_offset`` (any value, odd included), for which
   TVM emits element accesses; the kernels arrange those so that consecutive threads touch consecutive
@@ -14,16 +16,16 @@ Conventions of every ``*_cuda.py`` kernel (see ``docs/ARCHITECTURE.md``, "Kernel
   is past the work returns without touching memory;
 * TVM compiles CUDA with ``--use_fast_math``: ``sinf``/``cosf``/``powf``/``/`` become approximations.
   RoPE therefore uses the same polynomial sin/cos as the CPU kernels (``_math``), the divisor
-  ``theta ** (2i/D)`` in float64 and the angle division with ``__fdiv_rn`` (IEEE float32), so the
-  rotation equals the CPU kernels' one up to FMA contraction.
+  ``theta ** (2i/D)`` in float64 and an IEEE float32 angle division (``__fdiv_rn``, or a reciprocal
+  plus one FMA residual step, which rounds the same), so the rotation equals the CPU kernels' one up to
+  FMA contraction.
 """
 
 from __future__ import annotations
 
-from tvm import tirx
 from tvm.script import tirx as T
 
-from ._math import cos_approx, sin_approx  # noqa: F401 (re-exported for the kernels)
+from ._math import cos_approx, sin_approx
 
 #: Threads of a warp.
 WARP = 32
@@ -69,6 +71,32 @@ def rope_angle(pos, rope_scale, divisor):
     return fdiv_rn(T.Cast("float32", pos) * rope_scale, divisor)
 
 
+def frcp_rn(x):
+    """IEEE round-to-nearest float32 reciprocal."""
+    return T.call_extern("float32", "__frcp_rn", x)
+
+
+def rope_angle_rcp(pos, rope_scale, divisor, rcp):
+    """``rope_angle`` without a division: ``rcp = frcp_rn(divisor)``; ``q0 = a * rcp`` is within an ulp of
+    ``a / divisor`` and one FMA residual step (Markstein) rounds it exactly as the IEEE division does."""
+    a = T.Cast("float32", pos) * rope_scale
+    q0 = a * rcp
+    return fmaf(fmaf(-q0, divisor, a), rcp, q0)
+
+
+def fmaf(a, b, c):
+    """``a * b + c`` with one rounding (``__fmaf_rn``)."""
+    return T.call_extern("float32", "__fmaf_rn", a, b, c)
+
+
+def rotate(x, partner, first_half, angle):
+    """One RoPE output element (float32): ``x cos - partner sin`` for dims below D/2 (``first_half``),
+    ``x cos + partner sin`` above; ``x`` and ``partner`` in the storage dtype or float32."""
+    return (T.Cast("float32", x) * cos_approx(angle)
+            + T.if_then_else(first_half, T.float32(-1), T.float32(1)) * T.Cast("float32", partner)
+            * sin_approx(angle))
+
+
 def ceildiv(a, b):
     return (a + b - 1) // b
 
@@ -78,9 +106,3 @@ def next_pow2(x: int) -> int:
     while p < x:
         p *= 2
     return p
-
-
-def let(var_name: str, dtype: str, value, body):
-    """``tirx.Let`` helper for building PrimExprs outside TVMScript."""
-    var = tirx.Var(var_name, dtype)
-    return tirx.Let(var, value, body(var))

@@ -54,9 +54,8 @@ def merge_state_cuda(num_heads, v_head_dim, dtype):
                                                    * st[2]) / (st[1] + st[2]))
                     # Every lane has read lse_a before lane 0 overwrites it.
                     T.tvm_storage_sync("shared")
-                    if bx * ROWS + ty < n * H:
-                        if tx == 0:
-                            lse_a[T.truncdiv(bx * ROWS + ty, H), T.truncmod(bx * ROWS + ty, H)] = \
-                                st[0] + T.log2(st[1] + st[2])
+                    if bx * ROWS + ty < n * H and tx == 0:
+                        lse_a[T.truncdiv(bx * ROWS + ty, H), T.truncmod(bx * ROWS + ty, H)] = \
+                            st[0] + T.log2(st[1] + st[2])
 
     return merge_state

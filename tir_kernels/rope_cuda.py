@@ -41,14 +41,13 @@ def split_rotary_cuda(num_qo_heads, num_kv_heads, head_dim, dtype):
             for tx in T.thread_binding(NT, thread="threadIdx.x"):
                 cs = T.alloc_buffer((HALF,), "float32", scope="shared")
                 sn = T.alloc_buffer((HALF,), "float32", scope="shared")
-                if s < n:
-                    if apply_rope == 1:
-                        for it in T.serial(ceildiv(HALF, NT)):
-                            if it * NT + tx < HALF:
-                                angle: T.let[T.float32] = rope_angle(
-                                    q_pos[s], rope_scale, rope_divisor(it * NT + tx, rope_theta, D))
-                                cs[it * NT + tx] = cos_approx(angle)
-                                sn[it * NT + tx] = sin_approx(angle)
+                if s < n and apply_rope == 1:
+                    for it in T.serial(ceildiv(HALF, NT)):
+                        if it * NT + tx < HALF:
+                            angle: T.let[T.float32] = rope_angle(
+                                q_pos[s], rope_scale, rope_divisor(it * NT + tx, rope_theta, D))
+                            cs[it * NT + tx] = cos_approx(angle)
+                            sn[it * NT + tx] = sin_approx(angle)
                 T.tvm_storage_sync("shared")
                 if s < n:
                     if apply_rope == 1:
