@@ -110,6 +110,34 @@ def build_upstream_kernels(out: Path, arch: str) -> Path:
     return lib_path
 
 
+def build_smollm2(out: Path, arch: str, dtype: str = "float16") -> Path | None:
+    """SmolLM2's model library for CUDA (weights are not in it: the GPU host reads the GGUF file) and the
+    parameter names in the order its functions take them."""
+    try:
+        from . import smollm2
+        smollm2.gguf_path()
+    except (ImportError, FileNotFoundError) as err:
+        print(f"[pagedkv] skipping the SmolLM2 model library: {err}", flush=True)
+        return None
+    import tvm
+
+    from .compile import build_library
+    from .cuda_build import enable_cuda_codegen, has_device_code
+    from .models.llama import LlamaForCausalLM
+
+    enable_cuda_codegen()
+    t0 = time.perf_counter()
+    target = tvm.target.Target({"kind": "cuda", "arch": arch}, host="llvm")
+    model = LlamaForCausalLM(smollm2.SMOLLM2_135M, dtype=dtype, target=target, backend="tir")
+    path, named = build_library(model, target, out / "models" / f"smollm2-{dtype}-cuda.so")
+    if not has_device_code(path):
+        raise RuntimeError(f"{path} holds no CUDA fatbin")
+    path.with_suffix(".json").write_text(json.dumps({"param_names": [n for n, _ in named], "dtype": dtype}))
+    print(f"[pagedkv] model {path.name}: {path.stat().st_size / 1e6:.2f} MB in "
+          f"{time.perf_counter() - t0:.1f} s", flush=True)
+    return path
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("out", type=Path)
@@ -126,6 +154,7 @@ def main(argv: list[str] | None = None) -> int:
     from .testing.shapes import gpu_configs
 
     build_kernels(out, gpu_configs(), {"kind": "cuda", "arch": args.arch})
+    build_smollm2(out, args.arch)
     total = sum(f.stat().st_size for f in out.rglob("*") if f.is_file())
     print(f"[pagedkv] GPU bundle {out}: {total / 1e6:.1f} MB", flush=True)
     if total > 60e6:

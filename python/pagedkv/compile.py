@@ -16,6 +16,26 @@ def export_model(model: nn.Module) -> tuple[tvm.IRModule, list[tuple[str, Any]]]
     return mod, named_params
 
 
+def _cuda_pipeline(target):
+    """TVM's CUDA pipeline with dlight's GEMV/reduction/fallback schedules but not its tensor-core
+    ``Matmul`` rule, which segfaults in ``Tensorize`` on float16 matmuls in apache-tvm 0.27."""
+    from tvm.relax.backend.cuda import pipeline as cp
+    from tvm.s_tir import dlight as dl
+
+    passes = [p for p in cp.legalize_passes(target) if not isinstance(p, type(dl.ApplyDefaultSchedule()))]
+    schedule = dl.ApplyDefaultSchedule(dl.gpu.GEMV(), dl.gpu.LowBatchGEMV(), dl.gpu.Reduction(),
+                                       dl.gpu.GeneralReduction(), dl.gpu.Fallback())
+
+    @tvm.transform.module_pass(opt_level=0)
+    def _pipeline(mod, _ctx):
+        with target:
+            seq = tvm.transform.Sequential(cp.library_dispatch_passes(target) + passes + [schedule]
+                                           + cp.dataflow_lower_passes(target) + cp.finalize_passes(target))
+            return seq(mod)
+
+    return _pipeline
+
+
 def build_library(model: nn.Module, target: Any, out_path: str | Path, *,
                   verbose: bool = False) -> tuple[Path, list[tuple[str, Any]]]:
     """Export, compile for ``target`` and write a shared library to ``out_path``.
@@ -30,8 +50,13 @@ def build_library(model: nn.Module, target: Any, out_path: str | Path, *,
         print(f"[pagedkv] exported Relax module in {time.perf_counter() - t0:.1f} s", flush=True)
     tgt = tvm.target.Target(target) if not isinstance(target, tvm.target.Target) else target
     t1 = time.perf_counter()
+    if tgt.kind.name == "cuda":
+        from .cuda_build import enable_cuda_codegen
+
+        enable_cuda_codegen()
+    pipeline = _cuda_pipeline(tgt) if tgt.kind.name == "cuda" else "default"
     with tgt:
-        executable = tvm.compile(mod, target=tgt)
+        executable = tvm.compile(mod, target=tgt, relax_pipeline=pipeline)
     if verbose:
         print(f"[pagedkv] compiled for {tgt.kind.name} in {time.perf_counter() - t1:.1f} s", flush=True)
     out_path = Path(out_path)

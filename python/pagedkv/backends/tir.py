@@ -37,6 +37,21 @@ def _all_kernels(kcfg, target_key: str) -> dict:
     return build_kernels(kcfg, target)
 
 
+def _cuda_attention_limits(op: str, config: KVCacheConfig) -> list[str]:
+    """Shapes the CUDA attention kernels do not take (16-byte vector loads; static shared-memory tiles)."""
+    d, group = config.head_dim, config.group_size
+    out = []
+    if d % 16:
+        out.append(f"CUDA {op} needs head_dim % 16 == 0, got head_dim {d}")
+    if op != ops.ATTN_DECODE_PAGED:
+        if d > 256:
+            out.append(f"CUDA {op} supports head_dim <= 256, got head_dim {d}")
+        elif group > (16 if d > 128 else 32):
+            out.append(f"CUDA {op} supports GQA groups up to {16 if d > 128 else 32} at head_dim {d}, "
+                       f"got {group}")
+    return out
+
+
 class TIRBackend(Backend):
     """TIR kernels (our own, ``pagedkv.tir_kernels``) for every op."""
 
@@ -51,6 +66,8 @@ class TIRBackend(Backend):
                            f"(supported: {', '.join(SUPPORTED_TARGETS)})")
         if config.dtype not in SUPPORTED_DTYPES:
             reasons.append(f"dtype {config.dtype!r} not supported (supported: {SUPPORTED_DTYPES})")
+        if kind == "cuda" and op in ops.ATTENTION_OPS:
+            reasons += _cuda_attention_limits(op, config)
         return reasons
 
     def build(self, op: str, config: KVCacheConfig, target: Any) -> OpBuild:

@@ -10,45 +10,23 @@ Exported functions (all take and return the cache object):
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from typing import Any
 
-import numpy as np
 from tvm import tirx
 from tvm.relax.frontend import nn
 from tvm.relax.frontend.nn import Tensor, op
 
-from ..config import KVCacheConfig
 from ..relax import PagedKVCache
-
-
-@dataclass(frozen=True)
-class LlamaConfig:
-    """Model dims, named as in HF ``LlamaConfig``."""
-
-    vocab_size: int
-    hidden_size: int
-    intermediate_size: int
-    num_hidden_layers: int
-    num_attention_heads: int
-    num_key_value_heads: int
-    head_dim: int
-    rms_norm_eps: float = 1e-5
-    rope_theta: float = 10000.0
-    tie_word_embeddings: bool = False
-
-    def kv_cache_config(self, dtype: str, **capacity) -> KVCacheConfig:
-        return KVCacheConfig(num_layers=self.num_hidden_layers, num_qo_heads=self.num_attention_heads,
-                             num_kv_heads=self.num_key_value_heads, head_dim=self.head_dim, dtype=dtype,
-                             rope_mode="normal", rope_theta=self.rope_theta, **capacity)
+from .llama_params import LlamaConfig, params_from_hf  # noqa: F401 (re-exported)
 
 
 class LlamaAttention(nn.Module):
-    def __init__(self, cfg: LlamaConfig, layer_id: int):
+    def __init__(self, cfg: LlamaConfig, layer_id: int, dtype: str):
         self.cfg, self.layer_id = cfg, layer_id
         heads = cfg.num_attention_heads + 2 * cfg.num_key_value_heads
-        self.qkv_proj = nn.Linear(cfg.hidden_size, heads * cfg.head_dim, bias=False)
-        self.o_proj = nn.Linear(cfg.num_attention_heads * cfg.head_dim, cfg.hidden_size, bias=False)
+        self.qkv_proj = nn.Linear(cfg.hidden_size, heads * cfg.head_dim, bias=False, dtype=dtype)
+        self.o_proj = nn.Linear(cfg.num_attention_heads * cfg.head_dim, cfg.hidden_size, bias=False,
+                                dtype=dtype)
 
     def forward(self, x: Tensor, cache: PagedKVCache) -> Tensor:
         b, s, _ = x.shape
@@ -59,10 +37,10 @@ class LlamaAttention(nn.Module):
 
 
 class LlamaMLP(nn.Module):
-    def __init__(self, cfg: LlamaConfig):
+    def __init__(self, cfg: LlamaConfig, dtype: str):
         self.inter = cfg.intermediate_size
-        self.gate_up_proj = nn.Linear(cfg.hidden_size, 2 * cfg.intermediate_size, bias=False)
-        self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
+        self.gate_up_proj = nn.Linear(cfg.hidden_size, 2 * cfg.intermediate_size, bias=False, dtype=dtype)
+        self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=False, dtype=dtype)
 
     def forward(self, x: Tensor) -> Tensor:
         gate, up = op.split(self.gate_up_proj(x), 2, axis=-1)
@@ -70,11 +48,12 @@ class LlamaMLP(nn.Module):
 
 
 class LlamaDecoderLayer(nn.Module):
-    def __init__(self, cfg: LlamaConfig, layer_id: int):
-        self.input_layernorm = nn.RMSNorm(cfg.hidden_size, -1, cfg.rms_norm_eps, bias=False)
-        self.self_attn = LlamaAttention(cfg, layer_id)
-        self.post_attention_layernorm = nn.RMSNorm(cfg.hidden_size, -1, cfg.rms_norm_eps, bias=False)
-        self.mlp = LlamaMLP(cfg)
+    def __init__(self, cfg: LlamaConfig, layer_id: int, dtype: str):
+        self.input_layernorm = nn.RMSNorm(cfg.hidden_size, -1, cfg.rms_norm_eps, bias=False, dtype=dtype)
+        self.self_attn = LlamaAttention(cfg, layer_id, dtype)
+        self.post_attention_layernorm = nn.RMSNorm(cfg.hidden_size, -1, cfg.rms_norm_eps, bias=False,
+                                                   dtype=dtype)
+        self.mlp = LlamaMLP(cfg, dtype)
 
     def forward(self, x: Tensor, cache: PagedKVCache) -> Tensor:
         x = x + self.self_attn(self.input_layernorm(x), cache)
@@ -86,10 +65,10 @@ class LlamaForCausalLM(nn.Module):
 
     def __init__(self, cfg: LlamaConfig, *, dtype: str, target: Any, backend: Any = None):
         self.cfg, self.dtype, self.target, self.backend = cfg, dtype, target, backend
-        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
-        self.layers = nn.ModuleList([LlamaDecoderLayer(cfg, i) for i in range(cfg.num_hidden_layers)])
-        self.norm = nn.RMSNorm(cfg.hidden_size, -1, cfg.rms_norm_eps, bias=False)
-        self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size, dtype=dtype)
+        self.layers = nn.ModuleList([LlamaDecoderLayer(cfg, i, dtype) for i in range(cfg.num_hidden_layers)])
+        self.norm = nn.RMSNorm(cfg.hidden_size, -1, cfg.rms_norm_eps, bias=False, dtype=dtype)
+        self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False, dtype=dtype)
 
     def _body(self, input_ids: Tensor, cache: PagedKVCache) -> Tensor:
         h = self.embed_tokens(input_ids)
@@ -125,22 +104,3 @@ class LlamaForCausalLM(nn.Module):
             "create_paged_kv_cache": {"max_batch_size": int, "max_total_seq_len": int,
                                       "prefill_chunk_size": int, "page_size": int, **none},
         }, self)
-
-
-def params_from_hf(hf_model, named_params, dtype: str) -> list[np.ndarray]:
-    """Our parameters, in ``named_params`` order, from an HF Llama state dict (fusing qkv and gate/up)."""
-    sd = {k: v.detach().float().numpy() for k, v in hf_model.state_dict().items()}
-    fused = {"qkv_proj": ("q_proj", "k_proj", "v_proj"), "gate_up_proj": ("gate_proj", "up_proj")}
-    out = []
-    for name, _ in named_params:
-        key = name if name.startswith("lm_head") else "model." + name
-        part = key.split(".")[-2]
-        if part in fused:
-            base = key.rsplit(".", 2)[0]
-            arr = np.concatenate([sd[f"{base}.{p}.weight"] for p in fused[part]])
-        elif key == "lm_head.weight" and key not in sd:
-            arr = sd["model.embed_tokens.weight"]  # tied embeddings
-        else:
-            arr = sd[key]
-        out.append(np.ascontiguousarray(arr.astype(dtype)))
-    return out

@@ -562,7 +562,7 @@ class ReferenceCache:
         Tokens on pages shared with other sequences change for them too.
         """
         self._no_forward("debug_set_kv")
-        s = self._seq(seq_id)
+        self._seq(seq_id)  # raises for an unknown id
         m = k.shape[1]
         length = self.get_sequence_length(seq_id)
         if not (0 <= start and start + m <= length):

@@ -1,0 +1,49 @@
+"""Llama dims and weight mapping, free of the TVM compiler (usable in a runtime-only process)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from ..config import KVCacheConfig
+
+
+@dataclass(frozen=True)
+class LlamaConfig:
+    """Model dims, named as in HF ``LlamaConfig``."""
+
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_hidden_layers: int
+    num_attention_heads: int
+    num_key_value_heads: int
+    head_dim: int
+    rms_norm_eps: float = 1e-5
+    rope_theta: float = 10000.0
+    tie_word_embeddings: bool = False
+
+    def kv_cache_config(self, dtype: str, **capacity) -> KVCacheConfig:
+        return KVCacheConfig(num_layers=self.num_hidden_layers, num_qo_heads=self.num_attention_heads,
+                             num_kv_heads=self.num_key_value_heads, head_dim=self.head_dim, dtype=dtype,
+                             rope_mode="normal", rope_theta=self.rope_theta, **capacity)
+
+
+def params_from_hf(hf_model, named_params, dtype: str) -> list[np.ndarray]:
+    """Our parameters, in ``named_params`` order, from an HF Llama state dict (fusing qkv and gate/up)."""
+    sd = {k: v.detach().float().cpu().numpy() for k, v in hf_model.state_dict().items()}
+    fused = {"qkv_proj": ("q_proj", "k_proj", "v_proj"), "gate_up_proj": ("gate_proj", "up_proj")}
+    out = []
+    for name, _ in named_params:
+        key = name if name.startswith("lm_head") else "model." + name
+        part = key.split(".")[-2]
+        if part in fused:
+            base = key.rsplit(".", 2)[0]
+            arr = np.concatenate([sd[f"{base}.{p}.weight"] for p in fused[part]])
+        elif key == "lm_head.weight" and key not in sd:
+            arr = sd["model.embed_tokens.weight"]  # tied embeddings
+        else:
+            arr = sd[key]
+        out.append(np.ascontiguousarray(arr.astype(dtype)))
+    return out

@@ -1,0 +1,63 @@
+"""SmolLM2-135M-Instruct on the GPU in float16, from the CUDA model library built on the GPU-less host
+(``make gpu-bundle`` -> ``.gpu/models``) and loaded with the TVM runtime only: for three prompts (batched,
+one forked from another) the first 16 greedy tokens equal transformers' float16 tokens on the same GPU.
+A divergence fails, unless transformers' own top-2 logit margin there is a near tie (< 0.25), in which
+case the test reports the position and margin as an expected failure."""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+import pytest
+
+torch = pytest.importorskip("torch")
+pytest.importorskip("transformers")
+pytest.importorskip("gguf")
+
+from pagedkv import smollm2  # noqa: E402
+from pagedkv.engine import Engine  # noqa: E402
+from pagedkv.testing.generation import (PROMPTS, chat_ids, first_divergence, hf_greedy,  # noqa: E402
+                                        ours_greedy, shared_prefix)
+
+NEW_TOKENS = 16
+NEAR_TIE = 0.25
+
+
+def _model_lib() -> Path:
+    lib = Path(os.environ.get("PAGEDKV_MODEL_DIR", ".gpu/models")) / "smollm2-float16-cuda.so"
+    if not lib.exists():
+        pytest.skip(f"no CUDA model library at {lib} (make gpu-bundle builds it)")
+    return lib
+
+
+@pytest.mark.parametrize("backend", ["tir"])
+def test_greedy_fp16_equal_transformers(backend):
+    lib = _model_lib()
+    try:
+        smollm2.gguf_path()
+    except FileNotFoundError as err:
+        pytest.skip(str(err))
+    hf, tok = smollm2.load_hf(dtype=torch.float16)
+    hf = hf.cuda()
+    names = json.loads(lib.with_suffix(".json").read_text())["param_names"]
+    params = smollm2.params_from_hf(hf, [(n, None) for n in names], "float16")
+    engine = Engine(str(lib), params, device="cuda", max_batch_size=4, prefill_chunk_size=256)
+    convs = [chat_ids(tok, p) for p in PROMPTS]
+    shared = shared_prefix(convs[0], convs[2])
+    ours = ours_greedy(engine, convs, shared, NEW_TOKENS)
+    report = []
+    for i, conv in enumerate(convs):
+        ref, margins = hf_greedy(hf, conv, NEW_TOKENS)
+        j = first_divergence(ours[i], ref)
+        print(f"prompt {i}: ours {tok.decode(ours[i])!r}")
+        if j is not None:
+            report.append((i, j, margins[j], ours[i][j], ref[j]))
+    print("\n".join(engine.timing.lines()))
+    if report:
+        msg = "; ".join(f"prompt {i}: first divergence at new token {j}, ours {a} vs transformers {b}, "
+                        f"transformers' top-2 margin {m:.4f}" for i, j, m, a, b in report)
+        if all(m < NEAR_TIE for _, _, m, _, _ in report):
+            pytest.xfail("near-tie divergence: " + msg)
+        pytest.fail(msg)
