@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import json
 import os
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -32,8 +34,25 @@ def _model_lib() -> Path:
     return lib
 
 
+def _in_child(node: str) -> bool:
+    """Run ``node`` in a child pytest so a crash of the model run (seen once as a segfault) fails this
+    test instead of ending the whole GPU suite. Returns True inside the child."""
+    if os.environ.get("PAGEDKV_TEST_CHILD") == "1":
+        return True
+    proc = subprocess.run([sys.executable, "-m", "pytest", "-q", "-s", "-rsx", "-p", "no:cacheprovider",
+                           f"{__file__}::{node}"], env={**os.environ, "PAGEDKV_TEST_CHILD": "1"},
+                          capture_output=True, text=True, timeout=1200)
+    print(proc.stdout[-6000:])
+    if proc.returncode != 0:
+        pytest.fail(f"child pytest exited with {proc.returncode} (negative: killed by a signal):\n"
+                    f"{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}")
+    return False
+
+
 @pytest.mark.parametrize("backend", ["tir"])
 def test_greedy_fp16_equal_transformers(backend):
+    if not _in_child(f"test_greedy_fp16_equal_transformers[{backend}]"):
+        return
     lib = _model_lib()
     try:
         smollm2.gguf_path()
