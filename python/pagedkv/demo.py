@@ -70,7 +70,8 @@ def compiled_library(cfg, *, dtype: str, target: str, backend) -> tuple[Path, li
         print(f"[pagedkv] reusing compiled library {path}", flush=True)
         _, named = export_model(model)
         return path, named
-    with _Ticker(f"compiling the model for {target}"):
+    kind = target if isinstance(target, str) else target.kind.name
+    with _Ticker(f"compiling the model for {kind}"):
         path, named = build_library(model, target, path)
     return path, named
 
