@@ -18,7 +18,12 @@ def export_model(model: nn.Module) -> tuple[tvm.IRModule, list[tuple[str, Any]]]
 
 def _cuda_pipeline(target):
     """TVM's CUDA pipeline with dlight's GEMV/reduction/fallback schedules but not its tensor-core
-    ``Matmul`` rule, which segfaults in ``Tensorize`` on float16 matmuls in apache-tvm 0.27."""
+    ``Matmul`` rule, which segfaults in ``Tensorize`` on float16 matmuls in apache-tvm 0.27.
+
+    Known gap (seen on the H200, 2026-11-30): without ``Matmul`` the prefill GEMM fused with RMSNorm
+    (``matmul5`` of SmolLM2 in float16) is left unscheduled and ends up as host code, which crashes when
+    prefill runs; decode-only GEMVs are scheduled. A GEMM schedule for fused matmuls is still needed.
+    """
     from tvm.relax.backend.cuda import pipeline as cp
     from tvm.s_tir import dlight as dl
 
