@@ -16,20 +16,30 @@ def export_model(model: nn.Module) -> tuple[tvm.IRModule, list[tuple[str, Any]]]
     return mod, named_params
 
 
-def _cuda_pipeline(target):
-    """TVM's CUDA pipeline with dlight's GEMV/reduction/fallback schedules but not its tensor-core
-    ``Matmul`` rule, which segfaults in ``Tensorize`` on float16 matmuls in apache-tvm 0.27.
+def _simt_matmul_rule():
+    """dlight's GPU ``Matmul`` rule kept off its tensor-core path: in apache-tvm 0.27 that path segfaults in
+    ``Tensorize`` for float16 GEMMs (any fp16 ``nn.Linear`` with a dynamic row count, sm_80 and sm_90 alike).
+    The rule picks tensor cores from the target's arch, so it is shown an sm_60 CUDA target; the SIMT
+    schedule it then writes is valid on every newer GPU."""
+    from tvm.s_tir import dlight as dl
 
-    Known gap (seen on the H200, 2026-11-30): without ``Matmul`` the prefill GEMM fused with RMSNorm
-    (``matmul5`` of SmolLM2 in float16) is left unscheduled and ends up as host code, which crashes when
-    prefill runs; decode-only GEMVs are scheduled. A GEMM schedule for fused matmuls is still needed.
-    """
+    simt_target = tvm.target.Target({"kind": "cuda", "arch": "sm_60"})
+
+    class SimtMatmul(dl.gpu.Matmul):
+        def apply(self, func, target, tunable):  # noqa: D102
+            return super().apply(func, simt_target, tunable)
+
+    return SimtMatmul()
+
+
+def _cuda_pipeline(target):
+    """TVM's CUDA pipeline, with dlight's GPU rules, but the GEMM rule on SIMT (see ``_simt_matmul_rule``)."""
     from tvm.relax.backend.cuda import pipeline as cp
     from tvm.s_tir import dlight as dl
 
     passes = [p for p in cp.legalize_passes(target) if not isinstance(p, type(dl.ApplyDefaultSchedule()))]
-    schedule = dl.ApplyDefaultSchedule(dl.gpu.GEMV(), dl.gpu.LowBatchGEMV(), dl.gpu.Reduction(),
-                                       dl.gpu.GeneralReduction(), dl.gpu.Fallback())
+    schedule = dl.ApplyDefaultSchedule(_simt_matmul_rule(), dl.gpu.GEMV(), dl.gpu.LowBatchGEMV(),
+                                       dl.gpu.Reduction(), dl.gpu.GeneralReduction(), dl.gpu.Fallback())
 
     @tvm.transform.module_pass(opt_level=0)
     def _pipeline(mod, _ctx):
