@@ -20,31 +20,44 @@ from ..relax import PagedKVCache
 from .llama_params import LlamaConfig, params_from_hf  # noqa: F401 (re-exported)
 
 
+def _linear(in_features: int, out_features: int, dtype: str) -> nn.Linear:
+    """A bias-free projection that accumulates in float32 (TVM's default float16 matmul accumulates in
+    float16, which moved SmolLM2's greedy tokens away from transformers' on the GPU)."""
+    return nn.Linear(in_features, out_features, bias=False, dtype=dtype, out_dtype="float32")
+
+
+def _proj(layer: nn.Linear, x: Tensor, dtype: str) -> Tensor:
+    y = layer(x)
+    return y if dtype == "float32" else op.astype(y, dtype)
+
+
 class LlamaAttention(nn.Module):
     def __init__(self, cfg: LlamaConfig, layer_id: int, dtype: str):
         self.cfg, self.layer_id = cfg, layer_id
         heads = cfg.num_attention_heads + 2 * cfg.num_key_value_heads
-        self.qkv_proj = nn.Linear(cfg.hidden_size, heads * cfg.head_dim, bias=False, dtype=dtype)
-        self.o_proj = nn.Linear(cfg.num_attention_heads * cfg.head_dim, cfg.hidden_size, bias=False,
-                                dtype=dtype)
+        self.dtype = dtype
+        self.qkv_proj = _linear(cfg.hidden_size, heads * cfg.head_dim, dtype)
+        self.o_proj = _linear(cfg.num_attention_heads * cfg.head_dim, cfg.hidden_size, dtype)
 
     def forward(self, x: Tensor, cache: PagedKVCache) -> Tensor:
         b, s, _ = x.shape
         c = self.cfg
-        qkv = op.reshape(self.qkv_proj(x), (b, s, c.num_attention_heads + 2 * c.num_key_value_heads, c.head_dim))
+        qkv = op.reshape(_proj(self.qkv_proj, x, self.dtype),
+                         (b, s, c.num_attention_heads + 2 * c.num_key_value_heads, c.head_dim))
         o = cache.attention_with_fused_qkv(self.layer_id, qkv, c.num_attention_heads, c.head_dim ** -0.5)
-        return self.o_proj(op.reshape(o, (b, s, c.num_attention_heads * c.head_dim)))
+        return _proj(self.o_proj, op.reshape(o, (b, s, c.num_attention_heads * c.head_dim)), self.dtype)
 
 
 class LlamaMLP(nn.Module):
     def __init__(self, cfg: LlamaConfig, dtype: str):
         self.inter = cfg.intermediate_size
-        self.gate_up_proj = nn.Linear(cfg.hidden_size, 2 * cfg.intermediate_size, bias=False, dtype=dtype)
-        self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=False, dtype=dtype)
+        self.dtype = dtype
+        self.gate_up_proj = _linear(cfg.hidden_size, 2 * cfg.intermediate_size, dtype)
+        self.down_proj = _linear(cfg.intermediate_size, cfg.hidden_size, dtype)
 
     def forward(self, x: Tensor) -> Tensor:
-        gate, up = op.split(self.gate_up_proj(x), 2, axis=-1)
-        return self.down_proj(op.silu(gate) * up)
+        gate, up = op.split(_proj(self.gate_up_proj, x, self.dtype), 2, axis=-1)
+        return _proj(self.down_proj, op.silu(gate) * up, self.dtype)
 
 
 class LlamaDecoderLayer(nn.Module):
@@ -68,7 +81,7 @@ class LlamaForCausalLM(nn.Module):
         self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size, dtype=dtype)
         self.layers = nn.ModuleList([LlamaDecoderLayer(cfg, i, dtype) for i in range(cfg.num_hidden_layers)])
         self.norm = nn.RMSNorm(cfg.hidden_size, -1, cfg.rms_norm_eps, bias=False, dtype=dtype)
-        self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False, dtype=dtype)
+        self.lm_head = _linear(cfg.hidden_size, cfg.vocab_size, dtype)  # float32 logits
 
     def _body(self, input_ids: Tensor, cache: PagedKVCache) -> Tensor:
         h = self.embed_tokens(input_ids)
@@ -79,11 +92,11 @@ class LlamaForCausalLM(nn.Module):
     def prefill(self, input_ids: Tensor, logit_positions: Tensor, cache: PagedKVCache):
         h = self._body(input_ids, cache)
         h = op.take(h, logit_positions, axis=1)
-        return op.astype(self.lm_head(h), "float32"), cache
+        return self.lm_head(h), cache
 
     def decode(self, input_ids: Tensor, cache: PagedKVCache):
         h = self._body(input_ids, cache)
-        return op.astype(self.lm_head(h), "float32"), cache
+        return self.lm_head(h), cache
 
     def create_paged_kv_cache(self, max_batch_size: tirx.Var, max_total_seq_len: tirx.Var,
                               prefill_chunk_size: tirx.Var, page_size: tirx.Var) -> PagedKVCache:
