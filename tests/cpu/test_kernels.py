@@ -205,12 +205,6 @@ def test_unknown_target_kind_names_the_op():
         tk.make_attn_decode_paged(tk.KernelConfig(4, 4, 64), tvm.target.Target({"kind": "vulkan"}))
 
 
-@pytest.mark.gpu
-@pytest.mark.skip(reason="CUDA schedules are a later issue")
-def test_build_every_kernel_for_cuda():
-    tk.build_kernels(tk.KernelConfig(32, 8, 128), tvm.target.Target({"kind": "cuda", "arch": "sm_90"}))
-
-
 # ---------------------------------------------------------------------------------------------------
 # attention
 # ---------------------------------------------------------------------------------------------------
