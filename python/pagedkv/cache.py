@@ -16,7 +16,6 @@ from pathlib import Path
 from typing import Any, Sequence
 
 from . import backends as _backends
-from . import ops as _ops
 from ._lib import get_global
 from .config import KVCacheConfig
 
@@ -302,4 +301,3 @@ class KVCache:
 
 
 __all__ = ["create", "KVCache"]
-_ = _ops  # the op vocabulary is part of this module's contract (op_backends keys)

@@ -30,7 +30,7 @@ class Shape:
         return f"h{self.hq}x{self.hkv}-d{self.d}-{dt}-p{self.ps}-{self.rope}{extra}"
 
     def config(self) -> KVCacheConfig:
-        # Capacity for every scenario (they need <= 8 sequences, <= 64 tokens a forward, <= 14 pages);
+        # Capacity for every scenario (<= 8 sequences, <= 64 tokens a forward, <= 16 pages at page size 8);
         # the pool is kept small so freed pages get reused.
         return KVCacheConfig(num_layers=2, num_qo_heads=self.hq, num_kv_heads=self.hkv, head_dim=self.d,
                              dtype=self.dtype, rope_mode=self.rope, rope_theta=self.theta,
