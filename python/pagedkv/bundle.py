@@ -11,6 +11,7 @@ OUT/upstream/  apache-tvm 0.27's own CUDA attention kernels for the benchmark sh
 from __future__ import annotations
 
 import argparse
+import os
 import json
 import shutil
 import subprocess
@@ -31,7 +32,7 @@ def _runtime_bundle(out: Path) -> None:
     if script is None:
         raise FileNotFoundError("../shared/gpu-host/make-runtime-bundle.sh not found beside the checkout")
     subprocess.run(["bash", str(script), str(out / "bundle")], check=True,
-                   env={**__import__("os").environ, "PYTHON": sys.executable})
+                   env={**os.environ, "PYTHON": sys.executable})
 
 
 def build_kernels(out: Path, configs, target) -> list[Path]:
@@ -129,10 +130,9 @@ def build_smollm2(out: Path, arch: str, dtype: str = "float16") -> Path | None:
     t0 = time.perf_counter()
     target = tvm.target.Target({"kind": "cuda", "arch": arch}, host="llvm")
     model = LlamaForCausalLM(smollm2.SMOLLM2_135M, dtype=dtype, target=target, backend="tir")
-    path, named = build_library(model, target, out / "models" / f"smollm2-{dtype}-cuda.so")
+    path, _ = build_library(model, target, out / "models" / f"smollm2-{dtype}-cuda.so")
     if not has_device_code(path):
         raise RuntimeError(f"{path} holds no CUDA fatbin")
-    path.with_suffix(".json").write_text(json.dumps({"param_names": [n for n, _ in named], "dtype": dtype}))
     print(f"[pagedkv] model {path.name}: {path.stat().st_size / 1e6:.2f} MB in "
           f"{time.perf_counter() - t0:.1f} s", flush=True)
     return path

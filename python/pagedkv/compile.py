@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import time
 from pathlib import Path
 from typing import Any
@@ -77,4 +78,7 @@ def build_library(model: nn.Module, target: Any, out_path: str | Path, *,
     out_path = Path(out_path)
     out_path.parent.mkdir(parents=True, exist_ok=True)
     executable.export_library(str(out_path))
+    # The parameter order, beside the library, so loaders need no re-export (see ``pagedkv.engine.param_names``).
+    out_path.with_suffix(".json").write_text(json.dumps({"param_names": [n for n, _ in named_params]}))
     return out_path, named_params
+

@@ -60,16 +60,16 @@ class _Ticker:
 
 def compiled_library(cfg, *, dtype: str, target: str, backend) -> tuple[Path, list]:
     """Compile (or reuse) the model library for ``cfg``; returns its path and named parameter specs."""
-    from .compile import build_library, export_model
+    from .compile import build_library
+    from .engine import param_names
     from .models.llama import LlamaForCausalLM
 
     key = hashlib.sha256(repr((cfg, dtype, target, backend, _source_digest())).encode()).hexdigest()[:20]
     path = cache_dir() / f"llama-{key}.so"
-    model = LlamaForCausalLM(cfg, dtype=dtype, target=target, backend=backend)
-    if path.exists():
+    if path.exists() and path.with_suffix(".json").exists():
         print(f"[pagedkv] reusing compiled library {path}", flush=True)
-        _, named = export_model(model)
-        return path, named
+        return path, param_names(path)
+    model = LlamaForCausalLM(cfg, dtype=dtype, target=target, backend=backend)
     kind = target if isinstance(target, str) else target.kind.name
     with _Ticker(f"compiling the model for {kind}"):
         path, named = build_library(model, target, path)

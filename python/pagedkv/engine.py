@@ -6,13 +6,22 @@ batched prefill per step, then batched greedy decode steps, all with the TVM run
 
 from __future__ import annotations
 
+import json
 import time
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Sequence
 
 import numpy as np
 
 from ._lib import get_global
+
+
+def param_names(library_path: str | Path) -> list[tuple[str, None]]:
+    """The parameter order written beside a library by ``pagedkv.compile.build_library``, as
+    ``(name, None)`` pairs (``params_from_hf`` takes them like named parameter specs)."""
+    meta = json.loads(Path(library_path).with_suffix(".json").read_text())
+    return [(n, None) for n in meta["param_names"]]
 
 
 @dataclass

@@ -16,7 +16,8 @@ import torch
 from conftest import backend_choice, cpu_backends
 from pagedkv import KVCacheConfig, ops
 from pagedkv.testing import reference as R
-from pagedkv.testing.scenarios import SCENARIOS, ScenarioRunner, add, check, fork, forward
+from pagedkv.testing.scenarios import (SCENARIOS, ScenarioRunner, add, check, fork, forward,
+                                       random_sm_scale)
 from pagedkv.testing.shapes import SHAPES  # the matrix, shared with the GPU suite and pagedkv.bundle
 
 
@@ -31,17 +32,13 @@ def _backend_shape_params():
 BACKEND_SHAPES = _backend_shape_params()
 
 
-def _sm_scale(gen: torch.Generator, d: int) -> float:
-    # never exactly d ** -0.5, so a kernel that ignores its sm_scale argument fails
-    return float(d ** -0.5 * (0.6 + 0.8 * torch.rand((), generator=gen).item()))
-
 
 @pytest.mark.parametrize("scenario", list(SCENARIOS))
 @pytest.mark.parametrize("backend,shape", BACKEND_SHAPES)
 def test_scenario(backend, shape, scenario, make_cache, gen):
     cfg = shape.config()
     cache = make_cache(cfg, backend)
-    runner = ScenarioRunner(cache, gen, _sm_scale(gen, shape.d))
+    runner = ScenarioRunner(cache, gen, random_sm_scale(gen, shape.d))
     runner.run(SCENARIOS[scenario](shape.ps), scenario)
 
 
@@ -57,7 +54,7 @@ def test_random_scenario(backend, shape, make_cache, gen, seed):
     from pagedkv.testing.scenarios import random_step
 
     cache = make_cache(shape.config(), backend)
-    runner = ScenarioRunner(cache, gen, _sm_scale(gen, shape.d))
+    runner = ScenarioRunner(cache, gen, random_sm_scale(gen, shape.d))
     rng = random.Random(seed)
     steps = []
     for _ in range(80):
@@ -82,7 +79,7 @@ def _fine_grained_steps(P: int):
 def test_fine_grained_path(backend, shape, make_cache, gen):
     """self_attention + cross_attention (+ merge_attn_output_inplace in prefill) == the fused result."""
     cache = make_cache(shape.config(), backend)
-    runner = ScenarioRunner(cache, gen, _sm_scale(gen, shape.d), fine_grained=True)
+    runner = ScenarioRunner(cache, gen, random_sm_scale(gen, shape.d), fine_grained=True)
     runner.run(_fine_grained_steps(shape.ps), "fine_grained")
 
 
@@ -117,7 +114,7 @@ def test_debug_set_kv(backend, shape, make_cache, gen):
     """debug_set_kv overwrites stored k/v (read back by debug_get_kv and used by the next forward)."""
     cfg = shape.config()
     cache = make_cache(cfg, backend)
-    runner = ScenarioRunner(cache, gen, _sm_scale(gen, shape.d))
+    runner = ScenarioRunner(cache, gen, random_sm_scale(gen, shape.d))
     P = shape.ps
     runner.run([add(0), add(1), forward({0: 2 * P + 3, 1: 4})], "setup")
     k = runner.randn(2, P, shape.hkv, shape.d)

@@ -7,24 +7,19 @@ the H200 benchmark shape (``pagedkv.testing.shapes.gpu_shapes``).
 from __future__ import annotations
 
 import pytest
-import torch
 
-from pagedkv.testing.scenarios import SCENARIOS, ScenarioRunner, clear, random_step
+from pagedkv.testing.scenarios import SCENARIOS, ScenarioRunner, clear, random_sm_scale, random_step
 from pagedkv.testing.shapes import gpu_shapes
 
 SHAPES = gpu_shapes()
 
-
-def _sm_scale(gen: torch.Generator, d: int) -> float:
-    # never exactly d ** -0.5, so a kernel that ignores its sm_scale argument fails
-    return float(d ** -0.5 * (0.6 + 0.8 * torch.rand((), generator=gen).item()))
 
 
 @pytest.mark.parametrize("scenario", list(SCENARIOS))
 @pytest.mark.parametrize("shape", SHAPES, ids=[s.id for s in SHAPES])
 def test_scenario_gpu(shape, scenario, make_gpu_cache, gen):
     cache = make_gpu_cache(shape.config())
-    runner = ScenarioRunner(cache, gen, _sm_scale(gen, shape.d))
+    runner = ScenarioRunner(cache, gen, random_sm_scale(gen, shape.d))
     runner.run(SCENARIOS[scenario](shape.ps), scenario)
 
 
@@ -32,7 +27,7 @@ def test_scenario_gpu(shape, scenario, make_gpu_cache, gen):
 def test_fine_grained_gpu(shape, make_gpu_cache, gen):
     """self_attention + cross_attention + merge on CUDA equal the reference and the fused call."""
     cache = make_gpu_cache(shape.config())
-    runner = ScenarioRunner(cache, gen, _sm_scale(gen, shape.d), fine_grained=True)
+    runner = ScenarioRunner(cache, gen, random_sm_scale(gen, shape.d), fine_grained=True)
     runner.run(SCENARIOS["mixed_prefill_decode"](shape.ps), "mixed_prefill_decode")
     runner.run([clear()] + SCENARIOS["fork_three_deep"](shape.ps), "fork_three_deep")
 
@@ -42,7 +37,7 @@ def test_random_scenario_gpu(shape, make_gpu_cache, gen, seed):
     import random
 
     cache = make_gpu_cache(shape.config())
-    runner = ScenarioRunner(cache, gen, _sm_scale(gen, shape.d))
+    runner = ScenarioRunner(cache, gen, random_sm_scale(gen, shape.d))
     rng = random.Random(seed)
     for i in range(60):
         step = random_step(runner.ref, rng)

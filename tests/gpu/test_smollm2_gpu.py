@@ -6,7 +6,6 @@ case the test reports the position and margin as an expected failure."""
 
 from __future__ import annotations
 
-import json
 import os
 import subprocess
 import sys
@@ -19,7 +18,7 @@ pytest.importorskip("transformers")
 pytest.importorskip("gguf")
 
 from pagedkv import smollm2  # noqa: E402
-from pagedkv.engine import Engine  # noqa: E402
+from pagedkv.engine import Engine, param_names  # noqa: E402
 from pagedkv.testing.generation import (PROMPTS, chat_ids, first_divergence, hf_greedy,  # noqa: E402
                                         ours_greedy, shared_prefix)
 
@@ -60,8 +59,7 @@ def test_greedy_fp16_equal_transformers(backend):
         pytest.skip(str(err))
     hf, tok = smollm2.load_hf(dtype=torch.float16)
     hf = hf.cuda()
-    names = json.loads(lib.with_suffix(".json").read_text())["param_names"]
-    params = smollm2.params_from_hf(hf, [(n, None) for n in names], "float16")
+    params = smollm2.params_from_hf(hf, param_names(lib), "float16")
     engine = Engine(str(lib), params, device="cuda", max_batch_size=4, prefill_chunk_size=256)
     convs = [chat_ids(tok, p) for p in PROMPTS]
     shared = shared_prefix(convs[0], convs[2])

@@ -426,6 +426,12 @@ def assert_state_close(o: torch.Tensor, lse: torch.Tensor, ref_o: torch.Tensor, 
         assert_close(lse[full], ref_lse[full], dtype, f"{what} (lse)")
 
 
+def random_sm_scale(gen: torch.Generator, head_dim: int) -> float:
+    """A softmax scale near ``head_dim ** -0.5`` but never equal to it, so a kernel that ignores its
+    ``sm_scale`` argument fails."""
+    return float(head_dim ** -0.5 * (0.6 + 0.8 * torch.rand((), generator=gen).item()))
+
+
 # ---------------------------------------------------------------------------------------------------------
 # driver
 # ---------------------------------------------------------------------------------------------------------
