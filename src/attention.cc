@@ -64,10 +64,12 @@ void PagedKVCacheObj::UploadPlan(const ForwardPlan& plan) {
                                  plan.passes[i].one_query_per_entry});
   }
   int64_t n = plan.num_tokens;
-  f.q = fns_.View(q_buf_, QShape(n), dtype_, 0);
-  f.k = fns_.View(k_buf_, KVShape(n), dtype_, 0);
-  f.v = fns_.View(v_buf_, KVShape(n), dtype_, 0);
-  f.o_tmp = fns_.View(o_tmp_buf_, QShape(n), dtype_, 0);
+  if (!cfg_.is_mla()) {
+    f.q = fns_.View(q_buf_, QShape(n), dtype_, 0);
+    f.k = fns_.View(k_buf_, KVShape(n), dtype_, 0);
+    f.v = fns_.View(v_buf_, KVShape(n), dtype_, 0);
+  }
+  f.o_tmp = fns_.View(o_tmp_buf_, {n, cfg_.num_qo_heads, PagedVDim()}, dtype_, 0);
   f.lse_tmp = fns_.View(lse_tmp_buf_, {n, cfg_.num_qo_heads}, kFloat32, 0);
   f.lse_own = fns_.View(lse_own_buf_, {n, cfg_.num_qo_heads}, kFloat32, 0);
   forward_ = std::move(f);
@@ -95,6 +97,18 @@ void PagedKVCacheObj::RunRagged(const ffi::Tensor& q, const ffi::Tensor& k, cons
 void PagedKVCacheObj::RunPass(int64_t layer, const PassViews& p, const ffi::Tensor& q, const ffi::Tensor& o,
                               const ffi::Tensor& lse, double sm_scale) {
   const Forward& f = *forward_;
+  if (cfg_.is_mla()) {
+    // Absorbed MLA: keys are the latents, values their first kv_lora_rank elements; no RoPE arguments
+    // (the model rotated the rope part before append_mla_kv).
+    if (f.is_decode && p.one_query_per_entry) {
+      ops_.Get(ops::kMLAAttnDecodePaged)(q, pages_[layer], p.page_indptr, p.page_values, p.last_page_len, o,
+                                         lse, sm_scale);
+    } else {
+      ops_.Get(ops::kMLAAttnPrefillPaged)(q, p.q_indptr, pages_[layer], p.page_indptr, p.page_values,
+                                          p.last_page_len, o, lse, /*causal=*/0, sm_scale);
+    }
+    return;
+  }
   if (f.is_decode && p.one_query_per_entry) {
     ops_.Get(ops::kAttnDecodePaged)(q, pages_[layer], p.page_indptr, p.page_values, p.last_page_len,
                                     p.k_pos_offset, f.q_pos, o, lse, apply_rope_inline(), cfg_.rope_scale,
@@ -133,6 +147,7 @@ void PagedKVCacheObj::RunPasses(int64_t layer, const ffi::Tensor& q, const ffi::
 void PagedKVCacheObj::AttentionWithFusedQKV(int64_t layer, double sm_scale, const ffi::Tensor& qkv,
                                             const ffi::Tensor& o) {
   const Forward& f = CheckForward("attention_with_fused_qkv");
+  CheckKind("attention_with_fused_qkv", false);
   CheckLayer(layer);
   int64_t n = f.num_tokens;
   CheckTensor(qkv, "qkv", {n, cfg_.num_qo_heads + 2 * cfg_.num_kv_heads, cfg_.head_dim}, dtype_, device_);
@@ -157,8 +172,8 @@ void PagedKVCacheObj::SelfAttention(int64_t layer, double sm_scale, const ffi::T
   int64_t n = f.num_tokens;
   CheckTensor(q, "q", QShape(n), dtype_, device_);
   CheckTensor(k, "k", KVShape(n), dtype_, device_);
-  CheckTensor(v, "v", KVShape(n), dtype_, device_);
-  CheckTensor(o, "o", QShape(n), dtype_, device_);
+  CheckTensor(v, "v", {n, cfg_.num_kv_heads, cfg_.v_head_dim}, dtype_, device_);
+  CheckTensor(o, "o", {n, cfg_.num_qo_heads, cfg_.v_head_dim}, dtype_, device_);
   CheckTensor(lse, "lse", {n, cfg_.num_qo_heads}, kFloat32, device_);
   RunRagged(q, k, v, o, lse, sm_scale);
 }
@@ -168,8 +183,8 @@ void PagedKVCacheObj::CrossAttention(int64_t layer, double sm_scale, const ffi::
   const Forward& f = CheckForward("cross_attention");
   CheckLayer(layer);
   int64_t n = f.num_tokens;
-  CheckTensor(q, "q", QShape(n), dtype_, device_);
-  CheckTensor(o, "o", QShape(n), dtype_, device_);
+  CheckTensor(q, "q", {n, cfg_.num_qo_heads, PagedQDim()}, dtype_, device_);
+  CheckTensor(o, "o", {n, cfg_.num_qo_heads, PagedVDim()}, dtype_, device_);
   CheckTensor(lse, "lse", {n, cfg_.num_qo_heads}, kFloat32, device_);
   RunPasses(layer, q, o, lse, sm_scale, /*output_written=*/false);
 }
@@ -180,11 +195,23 @@ void PagedKVCacheObj::MergeAttnOutputInplace(const ffi::Tensor& o_a, const ffi::
     TVM_FFI_THROW(ValueError) << "pagedkv: tensor 'o_a' must be [n, H, D], given ndim " << o_a.ndim();
   }
   std::vector<int64_t> o_shape(o_a.shape().begin(), o_a.shape().end());
+  if (o_shape[1] != cfg_.num_qo_heads) {
+    TVM_FFI_THROW(ValueError) << "pagedkv: tensor 'o_a' must have num_qo_heads=" << cfg_.num_qo_heads
+                              << " heads (dim 1), given " << o_shape[1];
+  }
   CheckTensor(o_a, "o_a", o_shape, dtype_, device_);
   CheckTensor(o_b, "o_b", o_shape, dtype_, device_);
   CheckTensor(lse_a, "lse_a", {o_shape[0], o_shape[1]}, kFloat32, device_);
   CheckTensor(lse_b, "lse_b", {o_shape[0], o_shape[1]}, kFloat32, device_);
   ops_.Get(ops::kMergeState)(o_a, lse_a, o_b, lse_b);
+}
+
+void PagedKVCacheObj::AppendMLAKV(int64_t layer, const ffi::Tensor& kv) {
+  const Forward& f = CheckForward("append_mla_kv");
+  CheckKind("append_mla_kv", true);
+  CheckLayer(layer);
+  CheckTensor(kv, "kv", {f.num_tokens, cfg_.latent_dim()}, dtype_, device_);
+  ops_.Get(ops::kMLAAppendKV)(pages_[layer], kv, f.append_slot);
 }
 
 }  // namespace pagedkv

@@ -70,7 +70,8 @@ OpAdapter& OpTable::Get(const char* op) const {
   return *it->second;
 }
 
-OpTable ParseOpTable(const ffi::Array<ffi::Any>& table) {
+OpTable ParseOpTable(const ffi::Array<ffi::Any>& table, const std::string& layer_kind) {
+  bool mla = layer_kind == "mla";
   OpTable out;
   for (const ffi::Any& entry_any : table) {
     auto entry = entry_any.as<ffi::Array<ffi::Any>>();
@@ -84,13 +85,27 @@ OpTable ParseOpTable(const ffi::Array<ffi::Any>& table) {
     }
     std::string op_name(*op);
     if (!ops::IsKnownOp(op_name)) TVM_FFI_THROW(ValueError) << "pagedkv op table: unknown op '" << op_name << "'";
+    if (mla ? !ops::Contains(ops::kMLAOps, op_name) : !ops::Contains(ops::kMHAOps, op_name)) {
+      TVM_FFI_THROW(ValueError) << "pagedkv op table: op '" << op_name << "' is not an op of " << layer_kind
+                                << " layers, the kind of this cache";
+    }
     if (out.adapters.count(op_name)) TVM_FFI_THROW(ValueError) << "pagedkv op table: op '" << op_name << "' given twice";
     ffi::Array<ffi::Any> funcs(entry->begin() + 2, entry->end());
     out.adapters[op_name] = BackendRegistry::Global().Make(std::string(*tag), op_name, funcs);
     out.backends[op_name] = std::string(*tag);
   }
-  for (const char* op : ops::kRequiredOps) {
-    if (!out.adapters.count(op)) TVM_FFI_THROW(ValueError) << "pagedkv op table: missing op '" << op << "'";
+  auto require = [&out, &layer_kind](const auto& required) {
+    for (const char* op : required) {
+      if (!out.adapters.count(op)) {
+        TVM_FFI_THROW(ValueError) << "pagedkv op table: missing op '" << op << "' (needed by " << layer_kind
+                                  << " layers)";
+      }
+    }
+  };
+  if (mla) {
+    require(ops::kRequiredMLAOps);
+  } else {
+    require(ops::kRequiredMHAOps);
   }
   return out;
 }

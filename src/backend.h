@@ -60,9 +60,10 @@ struct OpTable {
   OpAdapter& Get(const char* op) const;
 };
 
-// Parses `[[op_name, backend_tag, func...], ...]`; unknown op names, duplicate ops, unknown tags and
-// missing required ops (src/ops.h kRequiredOps) are errors that name them.
-OpTable ParseOpTable(const ffi::Array<ffi::Any>& table);
+// Parses `[[op_name, backend_tag, func...], ...]` for a cache of `layer_kind` ("mha" or "mla"); unknown
+// op names, ops of the other kind, duplicate ops, unknown tags and missing required ops (src/ops.h) are
+// errors that name them.
+OpTable ParseOpTable(const ffi::Array<ffi::Any>& table, const std::string& layer_kind);
 
 }  // namespace pagedkv
 

@@ -18,16 +18,18 @@ namespace {
 namespace ffi = tvm::ffi;
 
 // Schema-1 fields. A new schema may only add fields (each with a default keeping the old behaviour).
-const std::set<std::string> kKnownFields = {
+const std::set<std::string> kSchema1Fields = {
     "schema_version", "num_layers",     "num_qo_heads",      "num_kv_heads",       "head_dim",
     "v_head_dim",     "dtype",          "rope_mode",         "rope_theta",         "rope_scale",
     "page_size",      "max_batch_size", "max_total_seq_len", "prefill_chunk_size", "layer_kinds",
     "runtime_fields"};
+// Added by schema 2 (MLA).
+const std::set<std::string> kSchema2Fields = {"kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim"};
 const std::set<std::string> kRuntimeFields = {"max_batch_size", "max_total_seq_len",
                                               "prefill_chunk_size", "page_size"};
 const std::set<std::string> kDTypes = {"float16", "float32", "bfloat16"};
 const std::set<std::string> kRopeModes = {"none", "normal", "inline"};
-const std::set<std::string> kLayerKinds = {"mha"};
+const std::set<std::string> kLayerKinds = {"mha", "mla"};
 
 // The config fields as JSON values by name; runtime fields are merged in as ints.
 using FieldMap = std::map<std::string, ffi::Any>;
@@ -119,6 +121,32 @@ void ApplyRuntimeFields(FieldMap* fields, const ffi::Shape& values) {
   }
 }
 
+void ValidateMLA(const KVConfig& c) {
+  const std::pair<const char*, int64_t> dims[] = {{"kv_lora_rank", c.kv_lora_rank},
+                                                  {"qk_nope_head_dim", c.qk_nope_head_dim},
+                                                  {"qk_rope_head_dim", c.qk_rope_head_dim}};
+  for (const auto& [name, value] : dims) {
+    if (!c.is_mla() && value != 0) {
+      TVM_FFI_THROW(ValueError) << "pagedkv config: " << name << " needs MLA layers (layer_kinds 'mla')";
+    }
+    if (c.is_mla() && value < 1) {
+      TVM_FFI_THROW(ValueError) << "pagedkv config: MLA needs " << name << " >= 1, got " << value;
+    }
+  }
+  if (!c.is_mla()) return;
+  if (c.head_dim != c.qk_nope_head_dim + c.qk_rope_head_dim) {
+    TVM_FFI_THROW(ValueError) << "pagedkv config: MLA head_dim (" << c.head_dim
+                              << ") must be qk_nope_head_dim + qk_rope_head_dim";
+  }
+  if (c.num_kv_heads != c.num_qo_heads) {
+    TVM_FFI_THROW(ValueError) << "pagedkv config: MLA num_kv_heads (" << c.num_kv_heads
+                              << ") must equal num_qo_heads (" << c.num_qo_heads << ")";
+  }
+  if (c.rope_mode != "none") {
+    TVM_FFI_THROW(ValueError) << "pagedkv config: MLA needs rope_mode 'none' (the model rotates the rope part)";
+  }
+}
+
 void Validate(const KVConfig& c) {
   const std::pair<const char*, int64_t> positive[] = {
       {"num_layers", c.num_layers},         {"num_qo_heads", c.num_qo_heads},
@@ -133,9 +161,9 @@ void Validate(const KVConfig& c) {
     TVM_FFI_THROW(ValueError) << "pagedkv config: num_qo_heads (" << c.num_qo_heads
                               << ") is not a multiple of num_kv_heads (" << c.num_kv_heads << ")";
   }
-  if (c.v_head_dim != c.head_dim) {
+  if (c.v_head_dim != c.head_dim && !c.is_mla()) {
     TVM_FFI_THROW(ValueError) << "pagedkv config: v_head_dim " << c.v_head_dim << " != head_dim "
-                              << c.head_dim << " needs MLA layers, which schema 1 does not have";
+                              << c.head_dim << " needs MLA layers";
   }
   if (c.rope_mode != "none" && c.head_dim % 2 != 0) {
     TVM_FFI_THROW(ValueError) << "pagedkv config: RoPE needs an even head_dim, got " << c.head_dim;
@@ -146,7 +174,12 @@ void Validate(const KVConfig& c) {
   }
   for (const auto& kind : c.layer_kinds) {
     if (!kLayerKinds.count(kind)) TVM_FFI_THROW(ValueError) << "pagedkv config: unknown layer kind '" << kind << "'";
+    if (kind != c.layer_kinds[0]) {
+      TVM_FFI_THROW(ValueError) << "pagedkv config: a cache holds one layer kind, got both '" << c.layer_kinds[0]
+                                << "' and '" << kind << "' in layer_kinds";
+    }
   }
+  ValidateMLA(c);
 }
 
 // Writes a double so that it reads back as a JSON float (always with '.' or an exponent).
@@ -175,7 +208,7 @@ KVConfig ParseConfig(const std::string& json, const ffi::Shape& runtime_values) 
                               << " is not supported; this runtime knows schema versions 1.." << kSchemaVersion;
   }
   for (const auto& kv : f) {
-    if (!kKnownFields.count(kv.first)) {
+    if (!kSchema1Fields.count(kv.first) && !(c.schema_version >= 2 && kSchema2Fields.count(kv.first))) {
       TVM_FFI_THROW(ValueError) << "pagedkv config: unknown field '" << kv.first << "' for schema_version "
                                 << c.schema_version;
     }
@@ -196,6 +229,9 @@ KVConfig ParseConfig(const std::string& json, const ffi::Shape& runtime_values) 
   c.prefill_chunk_size = GetInt(f, "prefill_chunk_size", c.page_size, false);
   c.layer_kinds = GetStringList(f, "layer_kinds");
   if (!f.count("layer_kinds") && c.num_layers > 0) c.layer_kinds.assign(c.num_layers, "mha");
+  c.kv_lora_rank = GetInt(f, "kv_lora_rank", 0, false);
+  c.qk_nope_head_dim = GetInt(f, "qk_nope_head_dim", 0, false);
+  c.qk_rope_head_dim = GetInt(f, "qk_rope_head_dim", 0, false);
   Validate(c);
   return c;
 }
@@ -221,6 +257,11 @@ std::string ConfigToJSON(const KVConfig& c) {
   for (size_t i = 0; i < c.layer_kinds.size(); ++i) kinds += (i ? ", " : "") + str(c.layer_kinds[i]);
   out["layer_kinds"] = kinds + "]";
   out["runtime_fields"] = "[]";
+  if (c.schema_version >= 2) {
+    out["kv_lora_rank"] = std::to_string(c.kv_lora_rank);
+    out["qk_nope_head_dim"] = std::to_string(c.qk_nope_head_dim);
+    out["qk_rope_head_dim"] = std::to_string(c.qk_rope_head_dim);
+  }
   std::string json = "{";
   for (const auto& [k, v] : out) json += (json.size() > 1 ? ", " : "") + str(k) + ": " + v;
   return json + "}";

@@ -13,7 +13,8 @@
 namespace pagedkv {
 
 // The newest config schema this runtime understands; newer libraries are rejected by name.
-inline constexpr int64_t kSchemaVersion = 1;
+// Schema 2 added MLA layers: layer kind "mla" and kv_lora_rank, qk_nope_head_dim, qk_rope_head_dim.
+inline constexpr int64_t kSchemaVersion = 2;
 
 struct KVConfig {
   int64_t schema_version = kSchemaVersion;
@@ -31,8 +32,16 @@ struct KVConfig {
   int64_t max_total_seq_len = 0;   // default: page_size
   int64_t prefill_chunk_size = 0;  // default: page_size
   std::vector<std::string> layer_kinds;
+  int64_t kv_lora_rank = 0;      // MLA (schema 2); 0 for MHA
+  int64_t qk_nope_head_dim = 0;
+  int64_t qk_rope_head_dim = 0;
 
   DLDataType dl_dtype() const;
+  // Every layer is MLA (a cache holds one layer kind).
+  bool is_mla() const { return !layer_kinds.empty() && layer_kinds[0] == "mla"; }
+  const std::string& layer_kind() const { return layer_kinds[0]; }
+  // Elements per token of an MLA page (the latent: kv_lora_rank + qk_rope_head_dim).
+  int64_t latent_dim() const { return kv_lora_rank + qk_rope_head_dim; }
   // Pages in the pool: every token of max_total_seq_len plus one partial page per sequence.
   int64_t num_pages() const {
     return (max_total_seq_len + page_size - 1) / page_size + max_batch_size;

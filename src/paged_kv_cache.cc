@@ -29,13 +29,15 @@ PagedKVCacheObj::PagedKVCacheObj(KVConfig config, OpTable ops, DLDevice device)
       pool_(cfg_.num_pages(), cfg_.page_size),
       aux_(&fns_, device, InitialAuxElems(cfg_)) {
   int64_t hq = cfg_.num_qo_heads, hkv = cfg_.num_kv_heads, d = cfg_.head_dim, n = cfg_.prefill_chunk_size;
-  for (int64_t l = 0; l < cfg_.num_layers; ++l) {
-    pages_.push_back(fns_.Alloc({cfg_.num_pages(), 2, hkv, cfg_.page_size, d}, dtype_, device_));
-  }
-  q_buf_ = fns_.Alloc({n, hq, d}, dtype_, device_);
-  k_buf_ = fns_.Alloc({n, hkv, d}, dtype_, device_);
-  v_buf_ = fns_.Alloc({n, hkv, d}, dtype_, device_);
-  o_tmp_buf_ = fns_.Alloc({n, hq, d}, dtype_, device_);
+  std::vector<int64_t> pages_shape = PageShape();
+  pages_shape.insert(pages_shape.begin(), cfg_.num_pages());
+  for (int64_t l = 0; l < cfg_.num_layers; ++l) pages_.push_back(fns_.Alloc(pages_shape, dtype_, device_));
+  // The split q/k/v buffers serve attention_with_fused_qkv, which MLA layers do not have.
+  int64_t split_n = cfg_.is_mla() ? 1 : n;
+  q_buf_ = fns_.Alloc({split_n, hq, d}, dtype_, device_);
+  k_buf_ = fns_.Alloc({split_n, hkv, d}, dtype_, device_);
+  v_buf_ = fns_.Alloc({split_n, hkv, d}, dtype_, device_);
+  o_tmp_buf_ = fns_.Alloc({n, hq, PagedVDim()}, dtype_, device_);
   lse_tmp_buf_ = fns_.Alloc({n, hq}, kFloat32, device_);
   lse_own_buf_ = fns_.Alloc({n, hq}, kFloat32, device_);
 }
@@ -43,7 +45,7 @@ PagedKVCacheObj::PagedKVCacheObj(KVConfig config, OpTable ops, DLDevice device)
 PagedKVCache CreatePagedKVCache(const std::string& config_json, const ffi::Shape& runtime_values,
                                 const ffi::Array<ffi::Any>& op_table, const ffi::Tensor& device_ref) {
   KVConfig config = ParseConfig(config_json, runtime_values);
-  OpTable ops = ParseOpTable(op_table);
+  OpTable ops = ParseOpTable(op_table, config.layer_kind());
   return PagedKVCache(ffi::make_object<PagedKVCacheObj>(std::move(config), std::move(ops), device_ref.device()));
 }
 
@@ -62,6 +64,18 @@ const PagedKVCacheObj::Forward& PagedKVCacheObj::CheckForward(const char* what) 
     TVM_FFI_THROW(RuntimeError) << "pagedkv: " << what << " needs an open forward (call begin_forward first)";
   }
   return *forward_;
+}
+
+void PagedKVCacheObj::CheckKind(const char* what, bool mla) const {
+  if (cfg_.is_mla() != mla) {
+    TVM_FFI_THROW(ValueError) << "pagedkv: " << what << " is for " << (mla ? "mla" : "mha")
+                              << " layers; this cache's layers are " << cfg_.layer_kind();
+  }
+}
+
+std::vector<int64_t> PagedKVCacheObj::PageShape() const {
+  if (cfg_.is_mla()) return {1, 1, cfg_.page_size, cfg_.latent_dim()};
+  return {2, cfg_.num_kv_heads, cfg_.page_size, cfg_.head_dim};
 }
 
 void PagedKVCacheObj::CheckLayer(int64_t layer) const {
@@ -136,6 +150,7 @@ void PagedKVCacheObj::DebugGetKV(int64_t seq_id, int64_t start, int64_t end, con
     TVM_FFI_THROW(ValueError) << "pagedkv: debug_get_kv range [" << start << ", " << end
                               << ") is not inside sequence " << seq_id << " of length " << length;
   }
+  CheckKind("debug_get_kv", false);
   int64_t m = end - start;
   std::vector<int64_t> shape = {cfg_.num_layers, m, cfg_.num_kv_heads, cfg_.head_dim};
   CheckTensor(k_out, "k_out", shape, dtype_, device_);
@@ -152,6 +167,7 @@ void PagedKVCacheObj::DebugGetKV(int64_t seq_id, int64_t start, int64_t end, con
 }
 
 void PagedKVCacheObj::DebugSetKV(int64_t seq_id, int64_t start, const ffi::Tensor& k, const ffi::Tensor& v) {
+  CheckKind("debug_set_kv", false);
   int64_t length = pool_.Get(seq_id).length;
   int64_t m = k.ndim() == 4 ? k.shape()[1] : -1;
   std::vector<int64_t> shape = {cfg_.num_layers, m, cfg_.num_kv_heads, cfg_.head_dim};
@@ -168,6 +184,44 @@ void PagedKVCacheObj::DebugSetKV(int64_t seq_id, int64_t start, const ffi::Tenso
   for (int64_t l = 0; l < cfg_.num_layers; ++l) {
     append(pages_[l], fns_.View(k, KVShape(m), dtype_, l * layer_bytes),
            fns_.View(v, KVShape(m), dtype_, l * layer_bytes), slots);
+  }
+}
+
+void PagedKVCacheObj::DebugGetMLAKV(int64_t seq_id, int64_t start, int64_t end, const ffi::Tensor& kv_out) {
+  CheckKind("debug_get_mla_kv", true);
+  int64_t length = pool_.Get(seq_id).length;
+  if (start < 0 || start > end || end > length) {
+    TVM_FFI_THROW(ValueError) << "pagedkv: debug_get_mla_kv range [" << start << ", " << end
+                              << ") is not inside sequence " << seq_id << " of length " << length;
+  }
+  int64_t m = end - start;
+  CheckTensor(kv_out, "kv_out", {cfg_.num_layers, m, cfg_.latent_dim()}, dtype_, device_);
+  OpAdapter& gather = ops_.Get(ops::kMLAGatherKV);
+  if (m == 0) return;
+  ffi::Tensor slots = SlotsOnDevice(seq_id, start, m);
+  std::vector<int64_t> layer_shape = {m, cfg_.latent_dim()};
+  uint64_t layer_bytes = NumBytes(layer_shape, dtype_);
+  for (int64_t l = 0; l < cfg_.num_layers; ++l) {
+    gather(pages_[l], slots, fns_.View(kv_out, layer_shape, dtype_, l * layer_bytes));
+  }
+}
+
+void PagedKVCacheObj::DebugSetMLAKV(int64_t seq_id, int64_t start, const ffi::Tensor& kv) {
+  CheckKind("debug_set_mla_kv", true);
+  int64_t length = pool_.Get(seq_id).length;
+  int64_t m = kv.ndim() == 3 ? kv.shape()[1] : -1;
+  CheckTensor(kv, "kv", {cfg_.num_layers, m, cfg_.latent_dim()}, dtype_, device_);
+  if (start < 0 || start + m > length) {
+    TVM_FFI_THROW(ValueError) << "pagedkv: debug_set_mla_kv range [" << start << ", " << start + m
+                              << ") is not inside sequence " << seq_id << " of length " << length;
+  }
+  if (m == 0) return;
+  OpAdapter& append = ops_.Get(ops::kMLAAppendKV);
+  ffi::Tensor slots = SlotsOnDevice(seq_id, start, m);
+  std::vector<int64_t> layer_shape = {m, cfg_.latent_dim()};
+  uint64_t layer_bytes = NumBytes(layer_shape, dtype_);
+  for (int64_t l = 0; l < cfg_.num_layers; ++l) {
+    append(pages_[l], fns_.View(kv, layer_shape, dtype_, l * layer_bytes), slots);
   }
 }
 
@@ -189,7 +243,7 @@ void PagedKVCacheObj::PoisonNewPages() {
 }
 
 void PagedKVCacheObj::PoisonPage(int32_t page) {
-  std::vector<int64_t> shape = {2, cfg_.num_kv_heads, cfg_.page_size, cfg_.head_dim};
+  std::vector<int64_t> shape = PageShape();
   size_t bytes = NumBytes(shape, dtype_);
   std::vector<uint8_t> nan = NaNBytes(dtype_, bytes / ((dtype_.bits + 7) / 8));
   for (const ffi::Tensor& pages : pages_) {

@@ -49,12 +49,16 @@ class PagedKVCacheObj : public ffi::Object {
                       const ffi::Tensor& lse);
   void MergeAttnOutputInplace(const ffi::Tensor& o_a, const ffi::Tensor& lse_a, const ffi::Tensor& o_b,
                               const ffi::Tensor& lse_b);
+  // MLA: writes the forward's latents kv[n, latent_dim] to the pages of `layer`.
+  void AppendMLAKV(int64_t layer, const ffi::Tensor& kv);
   ffi::Tensor GetQueryPositions() const;
 
   // Debugging and introspection.
   void DebugGetKV(int64_t seq_id, int64_t start, int64_t end, const ffi::Tensor& k_out,
                   const ffi::Tensor& v_out);
   void DebugSetKV(int64_t seq_id, int64_t start, const ffi::Tensor& k, const ffi::Tensor& v);
+  void DebugGetMLAKV(int64_t seq_id, int64_t start, int64_t end, const ffi::Tensor& kv_out);
+  void DebugSetMLAKV(int64_t seq_id, int64_t start, const ffi::Tensor& kv);
   void DebugPoisonPages(bool on);
   std::string ConfigJSON() const { return ConfigToJSON(cfg_); }
   ffi::Map<ffi::String, ffi::String> OpBackends() const;
@@ -75,14 +79,21 @@ class PagedKVCacheObj : public ffi::Object {
     int64_t num_tokens = 0;
     ffi::Tensor q_indptr, q_pos, append_slot, prior_len;
     std::vector<PassViews> passes;
-    ffi::Tensor q, k, v, o_tmp, lse_tmp, lse_own;  // [n, ...] views of the work buffers
+    ffi::Tensor q, k, v, o_tmp, lse_tmp, lse_own;  // [n, ...] views of the work buffers (MLA: no q, k, v)
   };
 
   void CheckNoForward(const char* what) const;
   const Forward& CheckForward(const char* what) const;
   void CheckLayer(int64_t layer) const;
+  void CheckKind(const char* what, bool mla) const;
   std::vector<int64_t> QShape(int64_t n) const { return {n, cfg_.num_qo_heads, cfg_.head_dim}; }
   std::vector<int64_t> KVShape(int64_t n) const { return {n, cfg_.num_kv_heads, cfg_.head_dim}; }
+  // One page of one layer: MHA [2 (K, V), Hkv, ps, D]; MLA [1, 1, ps, latent_dim] (V = the latent's
+  // first kv_lora_rank elements).
+  std::vector<int64_t> PageShape() const;
+  // Query dim and output dim of the paged (cross) attention: MHA (D, D); MLA (latent_dim, kv_lora_rank).
+  int64_t PagedQDim() const { return cfg_.is_mla() ? cfg_.latent_dim() : cfg_.head_dim; }
+  int64_t PagedVDim() const { return cfg_.is_mla() ? cfg_.kv_lora_rank : cfg_.head_dim; }
   void UploadPlan(const ForwardPlan& plan);
   void RunCopy(const std::optional<PageCopy>& copy);
   void RunPass(int64_t layer, const PassViews& pass, const ffi::Tensor& q, const ffi::Tensor& o,
@@ -103,7 +114,7 @@ class PagedKVCacheObj : public ffi::Object {
   DLDataType dtype_;
   TensorFns fns_;
   BlockPool pool_;
-  std::vector<ffi::Tensor> pages_;  // per layer [P, 2, Hkv, ps, D]
+  std::vector<ffi::Tensor> pages_;  // per layer [P, ...PageShape()]
   ffi::Tensor q_buf_, k_buf_, v_buf_, o_tmp_buf_, lse_tmp_buf_, lse_own_buf_;  // chunk-sized work buffers
   AuxBuilder aux_;
   std::unique_ptr<AuxBuilder> debug_aux_;  // slot maps of debug_get_kv / debug_set_kv

@@ -45,6 +45,12 @@ TVM_FFI_STATIC_INIT_BLOCK() {
              c->MergeAttnOutputInplace(o_a, lse_a, o_b, lse_b);
              return ffi::Array<T>{o_a, lse_a};
            })
+      // Returns the cache, so a Relax model orders its attention calls after the append by data flow.
+      .def("pagedkv.append_mla_kv",
+           [](C c, int64_t layer, T kv) -> C {
+             c->AppendMLAKV(layer, kv);
+             return c;
+           })
       .def("pagedkv.get_query_positions", [](C c) -> T { return c->GetQueryPositions(); })
       .def("pagedkv.debug_get_kv",
            [](C c, int64_t id, int64_t start, int64_t end, T k_out, T v_out) -> void {
@@ -52,6 +58,12 @@ TVM_FFI_STATIC_INIT_BLOCK() {
            })
       .def("pagedkv.debug_set_kv",
            [](C c, int64_t id, int64_t start, T k, T v) -> void { c->DebugSetKV(id, start, k, v); })
+      .def("pagedkv.debug_get_mla_kv",
+           [](C c, int64_t id, int64_t start, int64_t end, T kv_out) -> void {
+             c->DebugGetMLAKV(id, start, end, kv_out);
+           })
+      .def("pagedkv.debug_set_mla_kv",
+           [](C c, int64_t id, int64_t start, T kv) -> void { c->DebugSetMLAKV(id, start, kv); })
       .def("pagedkv.debug_poison_pages", [](C c, bool on) -> void { c->DebugPoisonPages(on); })
       .def("pagedkv.config_json", [](C c) -> ffi::String { return ffi::String(c->ConfigJSON()); })
       .def("pagedkv.op_backends", [](C c) -> ffi::Map<ffi::String, ffi::String> { return c->OpBackends(); });

@@ -29,7 +29,15 @@ from .attention_cuda import (
 )
 from .merge import merge_state_cpu
 from .merge_cuda import merge_state_cuda
-from .page_ops import append_kv_cpu, compact_copy_cpu, copy_page_cpu, gather_kv_cpu
+from .mla_cpu import mla_attn_decode_paged_cpu, mla_attn_prefill_paged_cpu
+from .page_ops import (
+    append_kv_cpu,
+    compact_copy_cpu,
+    copy_page_cpu,
+    gather_kv_cpu,
+    mla_append_kv_cpu,
+    mla_gather_kv_cpu,
+)
 from .page_ops_cuda import (
     append_kv_cuda,
     compact_copy_cuda,
@@ -43,7 +51,14 @@ from .rope_cuda import split_rotary_cuda
 #: kernel tests check both lists are equal).
 OPS: tuple[str, ...] = ("split_rotary", "append_kv", "gather_kv", "attn_prefill_ragged",
                         "attn_prefill_paged", "attn_decode_paged", "merge_state", "copy_page",
-                        "compact_copy")
+                        "compact_copy", "mla_append_kv", "mla_gather_kv", "mla_attn_prefill_paged",
+                        "mla_attn_decode_paged")
+#: The ops of each layer kind (as ``pagedkv.ops.OPS_BY_KIND``).
+OPS_BY_KIND: dict[str, tuple[str, ...]] = {
+    "mha": OPS[:9],
+    "mla": ("mla_append_kv", "mla_gather_kv", "attn_prefill_ragged", "mla_attn_prefill_paged",
+            "mla_attn_decode_paged", "merge_state", "copy_page", "compact_copy"),
+}
 
 DTYPES = ("float16", "float32")
 
@@ -63,6 +78,10 @@ class KernelConfig:
         ``None`` means ``head_dim``.
     dtype : str
         Storage dtype of q/k/v/o and pages: ``"float16"`` or ``"float32"`` (accumulation is float32).
+    kv_lora_rank, qk_rope_head_dim : int
+        MLA layers (both > 0): pages hold a latent of ``kv_lora_rank + qk_rope_head_dim`` elements per
+        token; ``head_dim`` / ``v_head_dim`` / ``num_kv_heads`` then describe the ragged self-attention
+        (``num_kv_heads == num_qo_heads``). 0 for MHA.
     """
 
     num_qo_heads: int
@@ -70,6 +89,8 @@ class KernelConfig:
     head_dim: int
     v_head_dim: int | None = None
     dtype: str = "float16"
+    kv_lora_rank: int = 0
+    qk_rope_head_dim: int = 0
 
     def __post_init__(self):
         if self.v_head_dim is None:
@@ -85,6 +106,18 @@ class KernelConfig:
             raise ValueError(f"head_dim must be even for RoPE, got {self.head_dim}")
         if self.dtype not in DTYPES:
             raise ValueError(f"dtype must be one of {DTYPES}, got {self.dtype!r}")
+        if (self.kv_lora_rank > 0) != (self.qk_rope_head_dim > 0):
+            raise ValueError("MLA needs both kv_lora_rank and qk_rope_head_dim > 0, got "
+                             f"{self.kv_lora_rank} and {self.qk_rope_head_dim}")
+
+    @property
+    def is_mla(self) -> bool:
+        return self.kv_lora_rank > 0
+
+    @property
+    def latent_dim(self) -> int:
+        """Elements per token of an MLA page."""
+        return self.kv_lora_rank + self.qk_rope_head_dim
 
     @property
     def group_size(self) -> int:
@@ -95,7 +128,8 @@ class KernelConfig:
     def from_cache_config(cls, config) -> "KernelConfig":
         """The kernel shape of a ``pagedkv.config.KVCacheConfig`` (read by field name)."""
         return cls(config.num_qo_heads, config.num_kv_heads, config.head_dim,
-                   config.v_head_dim, config.dtype)
+                   config.v_head_dim, config.dtype, getattr(config, "kv_lora_rank", 0),
+                   getattr(config, "qk_rope_head_dim", 0))
 
 
 def make_split_rotary(cfg: KernelConfig, target):
@@ -147,24 +181,76 @@ def make_attn_decode_paged(cfg: KernelConfig, target):
 
 
 def make_merge_state(cfg: KernelConfig, target):
-    """PrimFunc ``pagedkv_merge_state`` for ``target`` (``H = num_qo_heads``, ``Dv = v_head_dim``)."""
+    """PrimFunc ``pagedkv_merge_state`` for ``target`` (``H = num_qo_heads``; ``Dv`` symbolic)."""
     return dispatch("merge_state", target, {
-        "llvm": lambda: merge_state_cpu(cfg.num_qo_heads, cfg.v_head_dim, cfg.dtype),
-        "cuda": lambda: merge_state_cuda(cfg.num_qo_heads, cfg.v_head_dim, cfg.dtype)})
+        "llvm": lambda: merge_state_cpu(cfg.num_qo_heads, cfg.dtype),
+        "cuda": lambda: merge_state_cuda(cfg.num_qo_heads, cfg.dtype)})
+
+
+def _page_layout(cfg: KernelConfig) -> tuple[int, int, int]:
+    """(kv heads, row length, planes) of one page: MHA ``[2, Hkv, ps, D]``, MLA ``[1, 1, ps, DL]``."""
+    return (1, cfg.latent_dim, 1) if cfg.is_mla else (cfg.num_kv_heads, cfg.head_dim, 2)
 
 
 def make_copy_page(cfg: KernelConfig, target):
-    """PrimFunc ``pagedkv_copy_page`` for ``target``."""
+    """PrimFunc ``pagedkv_copy_page`` for ``target`` (MHA or MLA pages)."""
+    hkv, d, planes = _page_layout(cfg)
     return dispatch("copy_page", target, {
-        "llvm": lambda: copy_page_cpu(cfg.num_kv_heads, cfg.head_dim, cfg.dtype),
-        "cuda": lambda: copy_page_cuda(cfg.num_kv_heads, cfg.head_dim, cfg.dtype)})
+        "llvm": lambda: copy_page_cpu(hkv, d, cfg.dtype, planes=planes),
+        "cuda": lambda: copy_page_cuda(hkv, d, cfg.dtype, planes=planes)})
 
 
 def make_compact_copy(cfg: KernelConfig, target):
-    """PrimFunc ``pagedkv_compact_copy`` for ``target``."""
+    """PrimFunc ``pagedkv_compact_copy`` for ``target`` (MHA or MLA pages)."""
+    hkv, d, planes = _page_layout(cfg)
     return dispatch("compact_copy", target, {
-        "llvm": lambda: compact_copy_cpu(cfg.num_kv_heads, cfg.head_dim, cfg.dtype),
-        "cuda": lambda: compact_copy_cuda(cfg.num_kv_heads, cfg.head_dim, cfg.dtype)})
+        "llvm": lambda: compact_copy_cpu(hkv, d, cfg.dtype, planes=planes),
+        "cuda": lambda: compact_copy_cuda(hkv, d, cfg.dtype, planes=planes)})
+
+
+def _mla_cuda(name: str):
+    from . import mla_cuda  # pylint: disable=import-outside-toplevel
+
+    return getattr(mla_cuda, name)
+
+
+def _check_mla(cfg: KernelConfig, op: str) -> None:
+    if not cfg.is_mla:
+        raise ValueError(f"{op} needs an MLA KernelConfig (kv_lora_rank and qk_rope_head_dim > 0)")
+
+
+def make_mla_append_kv(cfg: KernelConfig, target):
+    """PrimFunc ``pagedkv_mla_append_kv`` for ``target``."""
+    _check_mla(cfg, "mla_append_kv")
+    return dispatch("mla_append_kv", target, {
+        "llvm": lambda: mla_append_kv_cpu(cfg.latent_dim, cfg.dtype),
+        "cuda": lambda: _mla_cuda("mla_append_kv_cuda")(cfg.latent_dim, cfg.dtype)})
+
+
+def make_mla_gather_kv(cfg: KernelConfig, target):
+    """PrimFunc ``pagedkv_mla_gather_kv`` for ``target``."""
+    _check_mla(cfg, "mla_gather_kv")
+    return dispatch("mla_gather_kv", target, {
+        "llvm": lambda: mla_gather_kv_cpu(cfg.latent_dim, cfg.dtype),
+        "cuda": lambda: _mla_cuda("mla_gather_kv_cuda")(cfg.latent_dim, cfg.dtype)})
+
+
+def make_mla_attn_prefill_paged(cfg: KernelConfig, target):
+    """PrimFunc ``pagedkv_mla_attn_prefill_paged`` for ``target``."""
+    _check_mla(cfg, "mla_attn_prefill_paged")
+    args = (cfg.num_qo_heads, cfg.kv_lora_rank, cfg.qk_rope_head_dim, cfg.dtype)
+    return dispatch("mla_attn_prefill_paged", target, {
+        "llvm": lambda: mla_attn_prefill_paged_cpu(*args),
+        "cuda": lambda: _mla_cuda("mla_attn_prefill_paged_cuda")(*args)})
+
+
+def make_mla_attn_decode_paged(cfg: KernelConfig, target):
+    """PrimFunc ``pagedkv_mla_attn_decode_paged`` for ``target``."""
+    _check_mla(cfg, "mla_attn_decode_paged")
+    args = (cfg.num_qo_heads, cfg.kv_lora_rank, cfg.qk_rope_head_dim, cfg.dtype)
+    return dispatch("mla_attn_decode_paged", target, {
+        "llvm": lambda: mla_attn_decode_paged_cpu(*args),
+        "cuda": lambda: _mla_cuda("mla_attn_decode_paged_cuda")(*args)})
 
 
 #: op name -> factory ``(cfg, target) -> PrimFunc``.
@@ -178,6 +264,10 @@ FACTORIES = {
     "merge_state": make_merge_state,
     "copy_page": make_copy_page,
     "compact_copy": make_compact_copy,
+    "mla_append_kv": make_mla_append_kv,
+    "mla_gather_kv": make_mla_gather_kv,
+    "mla_attn_prefill_paged": make_mla_attn_prefill_paged,
+    "mla_attn_decode_paged": make_mla_attn_decode_paged,
 }
 
 
@@ -189,7 +279,7 @@ def build_kernels(cfg: KernelConfig, target, ops=None) -> dict:
     cfg : KernelConfig
     target : str | dict | tvm.target.Target
     ops : iterable of str, optional
-        A subset of ``OPS``; default all.
+        A subset of ``OPS``; default: every op of ``cfg``'s layer kind (``OPS_BY_KIND``).
 
     Returns
     -------
@@ -197,12 +287,12 @@ def build_kernels(cfg: KernelConfig, target, ops=None) -> dict:
         Keyed by op name, in ``OPS`` order.
     """
     target = as_target(target)
-    wanted = OPS if ops is None else tuple(ops)
+    wanted = OPS_BY_KIND["mla" if cfg.is_mla else "mha"] if ops is None else tuple(ops)
     unknown = [op for op in wanted if op not in FACTORIES]
     if unknown:
         raise ValueError(f"unknown op(s) {unknown}; known ops: {', '.join(OPS)}")
     return {op: FACTORIES[op](cfg, target) for op in OPS if op in wanted}
 
 
-__all__ = ["OPS", "KernelConfig", "FACTORIES", "build_kernels", "host_target"] + [
+__all__ = ["OPS", "OPS_BY_KIND", "KernelConfig", "FACTORIES", "build_kernels", "host_target"] + [
     f"make_{op}" for op in OPS]

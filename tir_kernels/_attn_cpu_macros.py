@@ -20,7 +20,7 @@ def make_attn_macros(plan: TilePlan):
     """The shared macros specialized to ``plan``: ``init_inv_freq, load_q, init_state, rope_key,
     clear_key, store``."""
     D, DV, G, R = plan.d, plan.dv, plan.group, plan.rows
-    KEYS_MAJOR, RB = plan.keys_major, plan.rb
+    KEYS_MAJOR, RB, ROPE = plan.keys_major, plan.rb, plan.rope
     init_inv_freq, rope_row = make_rope_macros(D)
 
     @T.macro
@@ -34,8 +34,9 @@ def make_attn_macros(plan: TilePlan):
         for r in T.serial(ntok * G):
             for dd in T.vectorized(D):
                 Qf[r, dd] = T.Cast("float32", q[tok0 + r // G, h * G + r % G, dd])
-            if apply_rope == 1:
-                rope_row(Qf, r, q_pos[tok0 + r // G], rope_scale, invf)
+            if ROPE:  # static: kernels without inline RoPE (MLA) leave this out
+                if apply_rope == 1:
+                    rope_row(Qf, r, q_pos[tok0 + r // G], rope_scale, invf)
             for dd in T.vectorized(D):
                 Qf[r, dd] = Qf[r, dd] * qk_scale
         if not KEYS_MAJOR:
@@ -57,8 +58,9 @@ def make_attn_macros(plan: TilePlan):
     def rope_key(Kf, j, kpos, rope):
         """Rotate staged key row ``j`` for position ``kpos`` when inline RoPE is on."""
         apply_rope, rope_scale, invf = rope
-        if apply_rope == 1:
-            rope_row(Kf, j, kpos, rope_scale, invf)
+        if ROPE:
+            if apply_rope == 1:
+                rope_row(Kf, j, kpos, rope_scale, invf)
 
     @T.macro
     def clear_key(Kf, j):

@@ -130,6 +130,9 @@ class TilePlan:
         PV register block: ``rb`` rows x ``2 * dc`` head-dim columns (two ``rb x dc`` accumulators).
     dtype : str
         Storage dtype of q/k/v/o.
+    rope : bool
+        Whether the kernel takes inline RoPE at all (its ``apply_rope`` argument); ``False`` (MLA)
+        leaves the RoPE code out at parse time.
     """
 
     d: int
@@ -144,9 +147,11 @@ class TilePlan:
     rb: int
     dc: int
     dtype: str
+    rope: bool = True
 
 
-def make_tile_plan(d: int, dv: int, group: int, dtype: str, tokens_per_item: int | None) -> TilePlan:
+def make_tile_plan(d: int, dv: int, group: int, dtype: str, tokens_per_item: int | None, *,
+                   rope: bool = True) -> TilePlan:
     """Choose the CPU tiling.
 
     ``tokens_per_item=None`` is prefill: about 32 rows per item (each K/V tile is reused from L1 by
@@ -171,7 +176,7 @@ def make_tile_plan(d: int, dv: int, group: int, dtype: str, tokens_per_item: int
     # Two PV accumulators of rb x dc floats, each under TVM's 1 KiB stack-allocation limit.
     dc = next(c for c in (32, 16, 8, 4, 2, 1) if dv % (2 * c) == 0) if dv % 2 == 0 else dv
     return TilePlan(d=d, dv=dv, group=group, tq=tq, rows=rows, tk=tk, keys_major=keys_major, jb=jb,
-                    vl=vl, rb=rb, dc=dc, dtype=dtype)
+                    vl=vl, rb=rb, dc=dc, dtype=dtype, rope=rope)
 
 
 def make_rope_macros(d: int):

@@ -36,8 +36,9 @@ def _make_attend(plan: TilePlan, mac, load_tile):
         """Attention of tokens ``tok0 .. tok0 + ntok`` (token ``qt0`` of the entry onward), kv head h."""
         Qf, Qt, Kf, Vf, S, O, m, l, alpha, lim, invf, acc, red, acc_o0, acc_o1, mx, cur = scr
         apply_rope, rope_scale, rope_theta = rope
-        if apply_rope == 1:
-            mac.init_inv_freq(invf, rope_theta)
+        if plan.rope:
+            if apply_rope == 1:
+                mac.init_inv_freq(invf, rope_theta)
         mac.load_q(Qf, q, q_pos, tok0, ntok, h, (apply_rope, rope_scale, invf),
                    sm_scale * T.float32(LOG2E))
         mac.init_state(m, l, O, ntok * G)

@@ -19,16 +19,16 @@ from ._common_cuda import WARP, ceildiv
 ROWS = 8
 
 
-def merge_state_cuda(num_heads, v_head_dim, dtype):
-    """``pagedkv_merge_state(o_a[n,H,Dv], lse_a[n,H], o_b[n,H,Dv], lse_b[n,H])``."""
-    H, DV = num_heads, v_head_dim
-    PER_LANE = ceildiv(DV, WARP)
+def merge_state_cuda(num_heads, dtype):
+    """``pagedkv_merge_state(o_a[n,H,Dv], lse_a[n,H], o_b[n,H,Dv], lse_b[n,H])``; ``Dv`` is symbolic (see
+    ``merge.py``)."""
+    H = num_heads
 
     @T.prim_func
     def merge_state(o_a_h: T.handle, lse_a_h: T.handle, o_b_h: T.handle, lse_b_h: T.handle):
         T.func_attr({"global_symbol": "pagedkv_merge_state", "tirx.noalias": True,
                      "tirx.is_scheduled": True})
-        n = T.int32()
+        n, DV = T.int32(), T.int32()
         o_a = T.match_buffer(o_a_h, (n, H, DV), dtype, elem_offset=T.int32())
         lse_a = T.match_buffer(lse_a_h, (n, H), "float32", elem_offset=T.int32())
         o_b = T.match_buffer(o_b_h, (n, H, DV), dtype, elem_offset=T.int32())
@@ -43,7 +43,7 @@ def merge_state_cuda(num_heads, v_head_dim, dtype):
                         st[0] = T.max(la, lb)
                         st[1] = T.exp2(la - T.max(la, lb))
                         st[2] = T.exp2(lb - T.max(la, lb))
-                        for c in T.unroll(PER_LANE):
+                        for c in T.serial(ceildiv(DV, WARP)):
                             if c * WARP + tx < DV:
                                 o_a[T.truncdiv(bx * ROWS + ty, H), T.truncmod(bx * ROWS + ty, H), c * WARP + tx] = \
                                     T.Cast(dtype, (T.Cast("float32", o_a[T.truncdiv(bx * ROWS + ty, H),

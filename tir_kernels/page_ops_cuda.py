@@ -98,10 +98,10 @@ def gather_kv_cuda(num_kv_heads, head_dim, dtype):
     return gather_kv
 
 
-def copy_page_cuda(num_kv_heads, head_dim, dtype):
+def copy_page_cuda(num_kv_heads, head_dim, dtype, *, planes=2):
     """``pagedkv_copy_page(pages, src_page:i64, dst_page:i64, num_tokens:i64)``: offsets
     ``0 .. min(num_tokens, ps)`` of every head, K and V."""
-    HKV, D = num_kv_heads, head_dim
+    HKV, D, PL = num_kv_heads, head_dim, planes
     VEC = _vec(D, dtype)
     C = D // VEC
 
@@ -109,12 +109,12 @@ def copy_page_cuda(num_kv_heads, head_dim, dtype):
     def copy_page(pages_h: T.handle, src_page: T.int64, dst_page: T.int64, num_tokens: T.int64):
         T.func_attr({"global_symbol": "pagedkv_copy_page", "tirx.noalias": True, "tirx.is_scheduled": True})
         P, ps = T.int32(), T.int32()
-        pages = T.match_buffer(pages_h, (P, 2, HKV, ps, D), dtype)
+        pages = T.match_buffer(pages_h, (P, PL, HKV, ps, D), dtype)
         # Tokens to copy (0 when num_tokens <= 0).
         nt: T.let[T.int32] = T.max(T.min(T.Cast("int32", T.min(num_tokens, T.int64(1 << 30))), ps), 0)
-        for bx in T.thread_binding(T.max(ceildiv(nt * (2 * HKV * C), NT), 1), thread="blockIdx.x"):
+        for bx in T.thread_binding(T.max(ceildiv(nt * (PL * HKV * C), NT), 1), thread="blockIdx.x"):
             for tx in T.thread_binding(NT, thread="threadIdx.x"):
-                if bx * NT + tx < nt * (2 * HKV * C):
+                if bx * NT + tx < nt * (PL * HKV * C):
                     ch: T.let[T.int32] = T.truncdiv(bx * NT + tx, nt * C)
                     t: T.let[T.int32] = T.truncmod(T.truncdiv(bx * NT + tx, C), nt)
                     c: T.let[T.int32] = T.truncmod(bx * NT + tx, C)
@@ -125,10 +125,10 @@ def copy_page_cuda(num_kv_heads, head_dim, dtype):
     return copy_page
 
 
-def compact_copy_cuda(num_kv_heads, head_dim, dtype):
+def compact_copy_cuda(num_kv_heads, head_dim, dtype, *, planes=2):
     """``pagedkv_compact_copy(pages, src_slot[n], dst_slot[n])``: token ``src_slot[i] -> dst_slot[i]``
     (destinations never overlap sources within a call, so all copies run at once)."""
-    HKV, D = num_kv_heads, head_dim
+    HKV, D, PL = num_kv_heads, head_dim, planes
     VEC = _vec(D, dtype)
     C = D // VEC
 
@@ -137,14 +137,14 @@ def compact_copy_cuda(num_kv_heads, head_dim, dtype):
         T.func_attr({"global_symbol": "pagedkv_compact_copy", "tirx.noalias": True,
                      "tirx.is_scheduled": True})
         n, P, ps = T.int32(), T.int32(), T.int32()
-        pages = T.match_buffer(pages_h, (P, 2, HKV, ps, D), dtype)
+        pages = T.match_buffer(pages_h, (P, PL, HKV, ps, D), dtype)
         src_slot = T.match_buffer(src_slot_h, (n,), "int32", elem_offset=T.int32())
         dst_slot = T.match_buffer(dst_slot_h, (n,), "int32", elem_offset=T.int32())
-        for bx in T.thread_binding(T.max(ceildiv(n * (2 * HKV * C), NT), 1), thread="blockIdx.x"):
+        for bx in T.thread_binding(T.max(ceildiv(n * (PL * HKV * C), NT), 1), thread="blockIdx.x"):
             for tx in T.thread_binding(NT, thread="threadIdx.x"):
-                if bx * NT + tx < n * (2 * HKV * C):
-                    i: T.let[T.int32] = T.truncdiv(bx * NT + tx, 2 * HKV * C)
-                    ch: T.let[T.int32] = T.truncmod(T.truncdiv(bx * NT + tx, C), 2 * HKV)
+                if bx * NT + tx < n * (PL * HKV * C):
+                    i: T.let[T.int32] = T.truncdiv(bx * NT + tx, PL * HKV * C)
+                    ch: T.let[T.int32] = T.truncmod(T.truncdiv(bx * NT + tx, C), PL * HKV)
                     c: T.let[T.int32] = T.truncmod(bx * NT + tx, C)
                     src: T.let[T.int32] = src_slot[i]
                     dst: T.let[T.int32] = dst_slot[i]

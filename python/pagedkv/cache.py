@@ -51,6 +51,11 @@ def target_spec(target: Any) -> dict:
 def kernel_shape(config: KVCacheConfig) -> KVCacheConfig:
     """The part of ``config`` that kernels are compiled for (heads, head dims, dtype); capacity, page size
     and RoPE parameters are kernel arguments, so configs differing only there share kernels."""
+    if config.is_mla:
+        return KVCacheConfig.mla(num_layers=1, num_heads=config.num_qo_heads, kv_lora_rank=config.kv_lora_rank,
+                                 qk_nope_head_dim=config.qk_nope_head_dim,
+                                 qk_rope_head_dim=config.qk_rope_head_dim, v_head_dim=config.v_dim,
+                                 dtype=config.dtype)
     return KVCacheConfig(num_layers=1, num_qo_heads=config.num_qo_heads, num_kv_heads=config.num_kv_heads,
                          head_dim=config.head_dim, v_head_dim=config.v_head_dim, dtype=config.dtype)
 
@@ -268,11 +273,19 @@ class KVCache:
         self._call("self_attention", layer, float(sm_scale), *map(_to_ffi, (q, k, v, o, lse)))
         return o, lse
 
+    def append_mla_kv(self, layer: int, kv) -> None:
+        """MLA: write the forward's latents ``kv[n, kv_lora_rank + qk_rope_head_dim]`` into the pages."""
+        self._call("append_mla_kv", layer, _to_ffi(kv))
+
     def cross_attention(self, layer: int, q, sm_scale: float, v_head_dim: int | None = None):
-        """Attention of ``q[n, Hq, D]`` over the cached k/v -> ``(o[n, Hq, Dv], lse[n, Hq])``."""
+        """Attention of ``q[n, Hq, D]`` over the cached k/v -> ``(o[n, Hq, Dv], lse[n, Hq])``.
+
+        MLA: ``q[n, Hq, kv_lora_rank + qk_rope_head_dim]`` (absorbed) -> ``o[n, Hq, kv_lora_rank]``.
+        """
         import torch
 
-        dv = self.config.v_dim if v_head_dim is None else v_head_dim
+        default = self.config.kv_lora_rank if self.config.is_mla else self.config.v_dim
+        dv = default if v_head_dim is None else v_head_dim
         o = self._empty((q.shape[0], q.shape[1], dv), q.dtype)
         lse = self._empty((q.shape[0], q.shape[1]), torch.float32)
         self._call("cross_attention", layer, float(sm_scale), *map(_to_ffi, (q, o, lse)))
@@ -298,6 +311,16 @@ class KVCache:
 
     def debug_set_kv(self, seq_id: int, start: int, k, v) -> None:
         self._call("debug_set_kv", seq_id, start, _to_ffi(k), _to_ffi(v))
+
+    def debug_get_mla_kv(self, seq_id: int, start: int = 0, end: int | None = None):
+        """MLA: the latents of tokens ``[start, end)`` of a sequence, ``[L, end - start, latent_dim]``."""
+        end = self.get_sequence_length(seq_id) if end is None else end
+        kv = self._empty((self.config.num_layers, max(end - start, 0), self.config.latent_dim))
+        self._call("debug_get_mla_kv", seq_id, start, end, _to_ffi(kv))
+        return kv
+
+    def debug_set_mla_kv(self, seq_id: int, start: int, kv) -> None:
+        self._call("debug_set_mla_kv", seq_id, start, _to_ffi(kv))
 
 
 __all__ = ["create", "KVCache"]

@@ -12,11 +12,15 @@ import json
 from dataclasses import dataclass, field
 
 #: The newest schema this package writes; the runtime accepts every schema up to its own newest.
-SCHEMA_VERSION = 1
+#: Schema 2 added MLA layers (``kv_lora_rank``, ``qk_nope_head_dim``, ``qk_rope_head_dim``). A config is
+#: written with the lowest schema that holds it, so an MHA library still loads in a schema-1 runtime.
+SCHEMA_VERSION = 2
 
 DTYPES = ("float16", "float32", "bfloat16")
 ROPE_MODES = ("none", "normal", "inline")
-LAYER_KINDS = ("mha",)
+LAYER_KINDS = ("mha", "mla")
+#: Fields added by schema 2 (all 0 for an MHA cache).
+MLA_FIELDS = ("kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim")
 
 #: Fields that may be given at run time (e.g. as Relax symbolic variables) instead of at compile time.
 RUNTIME_FIELDS = ("max_batch_size", "max_total_seq_len", "prefill_chunk_size", "page_size")
@@ -45,7 +49,17 @@ class KVCacheConfig:
         Capacity: sequences per forward, tokens the pool holds (rounded up to pages per sequence), tokens
         appended in one forward.
     layer_kinds :
-        One kind per layer; ``None`` means every layer is ``"mha"``.
+        One kind per layer; ``None`` means every layer is ``"mha"``. A cache holds one kind: ``"mha"``
+        layers, or ``"mla"`` layers (DeepSeek multi-head latent attention; build those configs with
+        :meth:`mla`).
+    kv_lora_rank, qk_nope_head_dim, qk_rope_head_dim :
+        MLA dims (0 for MHA). An MLA page holds one latent vector of ``kv_lora_rank + qk_rope_head_dim``
+        elements per token; the absorbed attention (``cross_attention``) uses it as the key and its first
+        ``kv_lora_rank`` elements as the value. ``head_dim`` (= nope + rope) and ``v_head_dim`` are the dims
+        of the non-absorbed attention among new tokens (``self_attention``), over ``num_kv_heads`` =
+        ``num_qo_heads`` heads.
+    schema_version :
+        ``None``: the lowest schema that holds this config (1 for MHA, 2 for MLA).
     """
 
     num_layers: int
@@ -62,9 +76,14 @@ class KVCacheConfig:
     max_total_seq_len: int = 4096
     prefill_chunk_size: int = 2048
     layer_kinds: tuple[str, ...] | None = None
-    schema_version: int = field(default=SCHEMA_VERSION)
+    kv_lora_rank: int = 0
+    qk_nope_head_dim: int = 0
+    qk_rope_head_dim: int = 0
+    schema_version: int | None = field(default=None)
 
     def __post_init__(self) -> None:
+        if self.schema_version is None:
+            object.__setattr__(self, "schema_version", 2 if self.is_mla else 1)
         problems = self.problems()
         if problems:
             raise ValueError("invalid KVCacheConfig: " + "; ".join(problems))
@@ -85,8 +104,8 @@ class KVCacheConfig:
             out.append(f"dtype {self.dtype!r} not in {DTYPES}")
         if self.rope_mode not in ROPE_MODES:
             out.append(f"rope_mode {self.rope_mode!r} not in {ROPE_MODES}")
-        if self.v_head_dim is not None and self.v_head_dim != self.head_dim:
-            out.append("v_head_dim != head_dim needs MLA layers, which schema 1 does not have")
+        if self.v_head_dim is not None and self.v_head_dim != self.head_dim and not self.is_mla:
+            out.append("v_head_dim != head_dim needs MLA layers")
         if isinstance(self.head_dim, int) and self.rope_mode != "none" and self.head_dim % 2:
             out.append(f"RoPE needs an even head_dim, got {self.head_dim}")
         if self.layer_kinds is not None:
@@ -95,9 +114,35 @@ class KVCacheConfig:
             bad = sorted(set(self.layer_kinds) - set(LAYER_KINDS))
             if bad:
                 out.append(f"unknown layer kinds {bad}; known: {LAYER_KINDS}")
-        if self.schema_version != SCHEMA_VERSION:
-            out.append(f"schema_version {self.schema_version} is not {SCHEMA_VERSION}, the one this "
-                       "package writes")
+            elif len(set(self.layer_kinds)) > 1:
+                out.append("a cache holds one layer kind; got 'mha' at layers "
+                           f"{[i for i, k in enumerate(self.layer_kinds) if k == 'mha']} and 'mla' at "
+                           f"{[i for i, k in enumerate(self.layer_kinds) if k == 'mla']} (use two caches)")
+        out += self._mla_problems()
+        need = 2 if self.is_mla else 1
+        if not isinstance(self.schema_version, int) or not need <= self.schema_version <= SCHEMA_VERSION:
+            out.append(f"schema_version {self.schema_version} is outside [{need}, {SCHEMA_VERSION}] "
+                       f"(this config needs schema {need}; this package writes up to {SCHEMA_VERSION})")
+        return out
+
+    def _mla_problems(self) -> list[str]:
+        dims = {name: getattr(self, name) for name in MLA_FIELDS}
+        if not self.is_mla:
+            given = [name for name, value in dims.items() if value != 0]
+            return [f"{', '.join(given)} need MLA layers (layer_kinds 'mla')"] if given else []
+        out = [f"MLA needs {name} >= 1, got {value!r}" for name, value in dims.items()
+               if not isinstance(value, int) or value < 1]
+        if self.rope_mode != "none":
+            out.append(f"MLA needs rope_mode 'none', got {self.rope_mode!r}: the model rotates the rope "
+                       "part of q and of the latent itself before append_mla_kv")
+        if out:
+            return out
+        if self.head_dim != self.qk_nope_head_dim + self.qk_rope_head_dim:
+            out.append(f"MLA head_dim ({self.head_dim}) must be qk_nope_head_dim + qk_rope_head_dim "
+                       f"({self.qk_nope_head_dim} + {self.qk_rope_head_dim})")
+        if self.num_kv_heads != self.num_qo_heads:
+            out.append(f"MLA num_kv_heads ({self.num_kv_heads}) must equal num_qo_heads "
+                       f"({self.num_qo_heads}): the non-absorbed self_attention is plain multi-head")
         return out
 
     # -- derived ----------------------------------------------------------------------------------------
@@ -108,6 +153,29 @@ class KVCacheConfig:
     @property
     def v_dim(self) -> int:
         return self.head_dim if self.v_head_dim is None else self.v_head_dim
+
+    @property
+    def is_mla(self) -> bool:
+        """Whether the layers are MLA (a cache holds one kind)."""
+        return self.layer_kinds is not None and "mla" in self.layer_kinds
+
+    @property
+    def latent_dim(self) -> int:
+        """Elements per token of an MLA page: ``kv_lora_rank + qk_rope_head_dim`` (0 for MHA)."""
+        return self.kv_lora_rank + self.qk_rope_head_dim if self.is_mla else 0
+
+    @classmethod
+    def mla(cls, *, num_layers: int, num_heads: int, kv_lora_rank: int, qk_nope_head_dim: int,
+            qk_rope_head_dim: int, v_head_dim: int, **kwargs) -> "KVCacheConfig":
+        """An MLA cache (DeepSeek-V2/V3): every layer ``"mla"``, ``rope_mode="none"``.
+
+        ``kwargs`` are the other fields (dtype, page_size, capacity...).
+        """
+        return cls(num_layers=num_layers, num_qo_heads=num_heads, num_kv_heads=num_heads,
+                   head_dim=qk_nope_head_dim + qk_rope_head_dim, v_head_dim=v_head_dim,
+                   rope_mode=kwargs.pop("rope_mode", "none"), layer_kinds=("mla",) * num_layers,
+                   kv_lora_rank=kv_lora_rank, qk_nope_head_dim=qk_nope_head_dim,
+                   qk_rope_head_dim=qk_rope_head_dim, **kwargs)
 
     @property
     def kinds(self) -> tuple[str, ...]:
@@ -140,6 +208,8 @@ class KVCacheConfig:
             "layer_kinds": list(self.kinds),
             "runtime_fields": list(runtime_fields),
         }
+        if self.schema_version >= 2:
+            out.update({name: getattr(self, name) for name in MLA_FIELDS})
         for name in runtime_fields:
             del out[name]
         return out

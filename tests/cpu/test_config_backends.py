@@ -26,8 +26,11 @@ BASE = dict(num_layers=2, num_qo_heads=8, num_kv_heads=2, head_dim=64, dtype="fl
     (dict(head_dim=63), ["even head_dim, got 63"]),
     (dict(v_head_dim=32), ["v_head_dim"]),
     (dict(layer_kinds=("mha",)), ["layer_kinds has 1 entries for 2 layers"]),
-    (dict(layer_kinds=("mha", "mla")), ["unknown layer kinds ['mla']"]),
-    (dict(schema_version=2), ["schema_version 2"]),
+    (dict(layer_kinds=("mha", "xla")), ["unknown layer kinds ['xla']"]),
+    (dict(layer_kinds=("mha", "mla")), ["one layer kind", "'mha' at layers [0] and 'mla' at [1]"]),
+    (dict(kv_lora_rank=64), ["kv_lora_rank need MLA layers"]),
+    (dict(schema_version=3), ["schema_version 3 is outside [1, 2]"]),
+    (dict(layer_kinds=("mla", "mla")), ["MLA needs kv_lora_rank >= 1", "MLA needs rope_mode 'none'"]),
     (dict(num_layers=0, dtype="int8", rope_mode="x"), ["num_layers", "'int8'", "rope_mode 'x'"]),  # all reported
 ])
 def test_config_validation(changes, fragments):
@@ -43,7 +46,7 @@ def test_config_valid_and_derived():
     cfg = KVCacheConfig(**BASE)
     assert cfg.problems() == []
     assert cfg.group_size == 4 and cfg.v_dim == 64 and cfg.kinds == ("mha", "mha")
-    assert cfg.schema_version == SCHEMA_VERSION
+    assert cfg.schema_version == 1  # the lowest schema that holds an MHA config
     assert KVCacheConfig(**{**BASE, "rope_mode": "none", "head_dim": 63}).problems() == []  # odd dim: no RoPE
     with pytest.raises(ValueError, match="num_layers"):
         cfg.replace(num_layers=-1)
@@ -61,7 +64,7 @@ def test_config_json_round_trip():
                         max_batch_size=3, max_total_seq_len=100, prefill_chunk_size=40)
     text = cfg.to_json()
     d = json.loads(text)
-    assert d["schema_version"] == SCHEMA_VERSION and d["runtime_fields"] == []
+    assert d["schema_version"] == 1 and d["runtime_fields"] == [] and "kv_lora_rank" not in d
     assert d["v_head_dim"] == 64 and d["layer_kinds"] == ["mha", "mha"]
     back = _from_dict(d)
     assert back.to_json() == text
@@ -160,10 +163,10 @@ CFG = KVCacheConfig(**BASE)
 
 def test_resolve_explicit_tir():
     res = backends.resolve(CFG, "llvm", "tir")
-    assert res.choice == {op: "tir" for op in ops.OPS}
-    assert list(res.choice) == list(ops.OPS)
+    assert res.choice == {op: "tir" for op in ops.OPS_BY_KIND["mha"]}
+    assert list(res.choice) == list(ops.OPS_BY_KIND["mha"])
     assert res.reasons == {}
-    assert res.report() == ", ".join(f"{op}=tir" for op in ops.OPS)
+    assert res.report() == ", ".join(f"{op}=tir" for op in ops.OPS_BY_KIND["mha"])
     assert backends.resolve(CFG, "llvm", ["tir"]).choice == res.choice
 
 
@@ -214,7 +217,7 @@ def test_automatic_selection(registry):
     registry("refuser", RefusingBackend, priority=50)
     assert backends.registered_backends()[:2] == ["mergeonly", "refuser"]
     res = backends.resolve(CFG, "llvm")
-    assert res.choice == {op: ("mergeonly" if op == ops.MERGE_STATE else "tir") for op in ops.OPS}
+    assert res.choice == {op: ("mergeonly" if op == ops.MERGE_STATE else "tir") for op in ops.OPS_BY_KIND["mha"]}
     assert "merge_state=mergeonly" in res.report() and "split_rotary=tir" in res.report()
     # the backends passed over for an op are recorded with their reasons
     assert res.reasons["split_rotary"] == {
@@ -227,7 +230,7 @@ def test_automatic_selection(registry):
 def test_automatic_selection_creates_cache():
     cache = pagedkv.create(SMALL, target="llvm")
     assert cache.op_backends == cache.resolution.choice
-    assert set(cache.op_backends) == set(ops.OPS)
+    assert set(cache.op_backends) == set(ops.OPS_BY_KIND["mha"])
     assert cache.resolution.report() == ", ".join(f"{op}={t}" for op, t in cache.resolution.choice.items())
 
 
@@ -241,3 +244,24 @@ def test_register_backend_errors(registry):
     registry("mistagged", MisTaggedBackend)
     with pytest.raises(ValueError, match="tag 'something-else', registered as 'mistagged'"):
         backends.get_backend("mistagged")
+
+
+MLA = dict(num_layers=2, num_heads=4, kv_lora_rank=64, qk_nope_head_dim=32, qk_rope_head_dim=32, v_head_dim=48)
+
+
+def test_mla_config_fields_and_json():
+    cfg = KVCacheConfig.mla(**MLA, dtype="float32")
+    assert cfg.is_mla and cfg.latent_dim == 96 and cfg.head_dim == 64 and cfg.v_dim == 48
+    assert cfg.kinds == ("mla", "mla") and cfg.num_kv_heads == 4 and cfg.rope_mode == "none"
+    d = json.loads(cfg.to_json())
+    assert d["schema_version"] == SCHEMA_VERSION == 2
+    assert (d["kv_lora_rank"], d["qk_nope_head_dim"], d["qk_rope_head_dim"]) == (64, 32, 32)
+    assert _from_dict(d) == cfg
+    with pytest.raises(ValueError, match=r"MLA head_dim \(60\) must be qk_nope_head_dim"):
+        cfg.replace(head_dim=60)
+    with pytest.raises(ValueError, match="MLA num_kv_heads"):
+        cfg.replace(num_kv_heads=1)
+    with pytest.raises(ValueError, match="rope_mode 'none'"):
+        cfg.replace(rope_mode="normal")
+    with pytest.raises(ValueError, match="schema_version 1 is outside"):
+        cfg.replace(schema_version=1)

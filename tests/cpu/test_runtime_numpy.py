@@ -14,7 +14,9 @@ import numpy as np
 import pytest
 
 from pagedkv import runtime_library_path
-from pagedkv.ops import OPS
+from pagedkv.ops import OPS_BY_KIND
+
+OPS = OPS_BY_KIND["mha"]
 
 LIB = runtime_library_path()
 
@@ -571,7 +573,7 @@ def test_config_json_and_op_backends():
 
 
 @pytest.mark.parametrize("change, pattern", [
-    ({"schema_version": 2}, "schema_version 2"),
+    ({"schema_version": 3}, "schema_version 3"),
     ({"bogus_field": 1}, "bogus_field"),
     ({"rope_mode": "sideways"}, "sideways"),
     ({"dtype": "int8"}, "int8"),

@@ -94,10 +94,13 @@ def _candidates(backend: str | Sequence[str] | None) -> list[str]:
 
 
 def resolve(config: KVCacheConfig, target: Any, backend: str | Sequence[str] | None = None,
-            *, ops: Iterable[str] = _ops.OPS) -> Resolution:
+            *, ops: Iterable[str] | None = None) -> Resolution:
     """Choose a backend per op: the first of ``backend`` (a tag or priority list; ``None`` = all
-    registered, by priority) that can serve it. Raises ``NoBackendError`` listing every reason."""
+    registered, by priority) that can serve it. ``ops`` defaults to the ops of the config's layer kind
+    (``pagedkv.ops.ops_for``). Raises ``NoBackendError`` listing every reason."""
     tags = _candidates(backend)
+    if ops is None:
+        ops = _ops.ops_for(config)
     choice: dict[str, str] = {}
     reasons: dict[str, dict[str, list[str]]] = {}
     for op in ops:

@@ -19,7 +19,8 @@ def kernel_config(config: KVCacheConfig):
     from ..tir_kernels import KernelConfig
 
     return KernelConfig(num_qo_heads=config.num_qo_heads, num_kv_heads=config.num_kv_heads,
-                        head_dim=config.head_dim, v_head_dim=config.v_dim, dtype=config.dtype)
+                        head_dim=config.head_dim, v_head_dim=config.v_dim, dtype=config.dtype,
+                        kv_lora_rank=config.kv_lora_rank, qk_rope_head_dim=config.qk_rope_head_dim)
 
 
 def _target_key(target: Any) -> str:
@@ -41,6 +42,8 @@ def _cuda_attention_limits(op: str, config: KVCacheConfig) -> list[str]:
     """Shapes the CUDA attention kernels do not take (16-byte vector loads; static shared-memory tiles)."""
     d, group = config.head_dim, config.group_size
     out = []
+    if op in (ops.MLA_ATTN_PREFILL_PAGED, ops.MLA_ATTN_DECODE_PAGED):
+        return out
     if d % 16:
         out.append(f"CUDA {op} needs head_dim % 16 == 0, got head_dim {d}")
     if op != ops.ATTN_DECODE_PAGED:
@@ -60,6 +63,9 @@ class TIRBackend(Backend):
 
     def validate_configuration(self, op: str, config: KVCacheConfig, target: Any) -> list[str]:
         reasons = self._unsupported_op(op)
+        layer_kind = "mla" if config.is_mla else "mha"
+        if op not in ops.OPS_BY_KIND[layer_kind]:
+            reasons.append(f"op {op!r} is not an op of {layer_kind} layers")
         kind = target_kind(target)
         if kind not in SUPPORTED_TARGETS:
             reasons.append(f"TIR kernels are not scheduled for target kind {kind!r} "
