@@ -103,6 +103,17 @@ class PagedKVCache(Object):  # pylint: disable=too-few-public-methods
                 q.reshape(b * s, h_qo, d_qk)._expr]
         return self._o_lse("pagedkv.cross_attention", args, b, s, h_qo, v_head_dim, q.dtype)
 
+    def append_mla_kv(self, layer_id: int, kv: Tensor) -> "PagedKVCache":
+        """MLA: write the latents ``kv[b, s, kv_lora_rank + qk_rope_head_dim]`` of the forward's tokens.
+
+        Returns the cache; use the returned object for the layer's attention calls so that they follow
+        the append in the dataflow (a decode ``cross_attention`` reads the appended token).
+        """
+        b, s, d = kv._expr.ty.shape
+        res = rx.call_pure_packed("pagedkv.append_mla_kv", self._expr, rx.prim_value(layer_id),
+                                  kv.reshape(b * s, d)._expr, ty_args=rx.AnyType())
+        return PagedKVCache(_expr=rx.BlockBuilder.current().emit(res), _name="paged_kv_cache")
+
     def _o_lse(self, func: str, args, b, s, h_qo, d_v, dtype) -> tuple[Tensor, Tensor]:
         bb = rx.BlockBuilder.current()
         res = bb.emit(rx.call_dps_packed(func, args, out_ty=[

@@ -352,7 +352,7 @@ def test_split_rotary(shape, dtype, apply_rope):
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("heads_dv", [(8, 64), (3, 96)], ids=lambda s: "x".join(map(str, s)))
+@pytest.mark.parametrize("heads_dv", [(8, 64), (3, 96), (16, 512)], ids=lambda s: "x".join(map(str, s)))
 def test_merge_state(heads_dv, dtype):
     h, dv = heads_dv
     n = 23

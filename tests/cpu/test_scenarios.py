@@ -18,23 +18,24 @@ from pagedkv import KVCacheConfig, ops
 from pagedkv.testing import reference as R
 from pagedkv.testing.scenarios import (SCENARIOS, ScenarioRunner, add, check, fork, forward,
                                        random_sm_scale)
-from pagedkv.testing.shapes import SHAPES  # the matrix, shared with the GPU suite and pagedkv.bundle
+from pagedkv.testing.shapes import MLA_SHAPES, SHAPES  # shared with the GPU suite and pagedkv.bundle
 
 
-def _backend_shape_params():
+def _backend_shape_params(shapes=SHAPES):
     out = []
-    for shape in SHAPES:
+    for shape in shapes:
         for tag in cpu_backends(shape.config()):
             out.append(pytest.param(tag, shape, id=f"{tag}-{shape.id}"))
     return out
 
 
 BACKEND_SHAPES = _backend_shape_params()
+MLA_BACKEND_SHAPES = _backend_shape_params(MLA_SHAPES)
 
 
 
 @pytest.mark.parametrize("scenario", list(SCENARIOS))
-@pytest.mark.parametrize("backend,shape", BACKEND_SHAPES)
+@pytest.mark.parametrize("backend,shape", BACKEND_SHAPES + MLA_BACKEND_SHAPES)
 def test_scenario(backend, shape, scenario, make_cache, gen):
     cfg = shape.config()
     cache = make_cache(cfg, backend)
@@ -44,6 +45,7 @@ def test_scenario(backend, shape, scenario, make_cache, gen):
 
 RANDOM_SHAPES = [p for p in BACKEND_SHAPES if p.values[1].id in
                  ("h8x2-d64-f32-p8-inline-t500000s1", "h6x2-d64-f16-p8-normal", "h4x4-d64-f32-p16-none")]
+RANDOM_SHAPES += MLA_BACKEND_SHAPES[:1]
 
 
 @pytest.mark.parametrize("backend,shape", RANDOM_SHAPES)
@@ -126,7 +128,21 @@ def test_debug_set_kv(backend, shape, make_cache, gen):
     runner.run([check(), forward({0: 1, 1: 1}), forward({1: 2, 0: 3}), check()], "after set")
 
 
-@pytest.mark.parametrize("backend,shape", BACKEND_SHAPES)
+@pytest.mark.parametrize("backend,shape", MLA_BACKEND_SHAPES[:2])
+def test_mla_debug_set_kv(backend, shape, make_cache, gen):
+    """debug_set_mla_kv overwrites stored latents (read back and used by the next forwards)."""
+    cache = make_cache(shape.config(), backend)
+    runner = ScenarioRunner(cache, gen, random_sm_scale(gen, shape.d))
+    P = shape.ps
+    runner.run([add(0), add(1), forward({0: 2 * P + 3, 1: 4}), fork(0, 2, P + 1)], "setup")
+    kv = runner.randn(2, P, shape.r + shape.rope)
+    cache.debug_set_mla_kv(0, 2, kv)  # tokens [2, P + 2): across a page boundary, partly shared with 2
+    runner.ref.debug_set_kv(0, 2, kv.cpu()[:, :, None, :], kv.cpu()[:, :, None, :shape.r])
+    assert torch.equal(cache.debug_get_mla_kv(0, 2, P + 2), kv)
+    runner.run([check(), forward({0: 1, 1: 1, 2: 1}), forward({1: 2, 0: 3}), check()], "after set")
+
+
+@pytest.mark.parametrize("backend,shape", BACKEND_SHAPES + MLA_BACKEND_SHAPES)
 def test_op_backends(backend, shape, make_cache):
     """Every op is served, by the backend under test wherever it accepts the config."""
     from pagedkv import backends
@@ -134,9 +150,9 @@ def test_op_backends(backend, shape, make_cache):
     cfg = shape.config()
     cache = make_cache(cfg, backend)
     table = cache.op_backends
-    assert set(table) == set(ops.OPS)
+    assert set(table) == set(ops.ops_for(cfg))
     b = backends.get_backend(backend)
-    for op in ops.OPS:
+    for op in ops.ops_for(cfg):
         expected = backend if not b.validate_configuration(op, cfg, "llvm") else "tir"
         assert table[op] == expected, f"{op}: {table[op]} != {expected} ({backend_choice(backend)})"
 

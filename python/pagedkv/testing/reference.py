@@ -239,6 +239,7 @@ class ReferenceCache:
         self.hkv = int(config.num_kv_heads)
         self.d = int(config.head_dim)
         self.dv = int(config.v_dim)
+        self.cross_dv = self.dv  # output dim of cross_attention (MLA: kv_lora_rank)
         self.rope_mode = config.rope_mode
         self.seqs: dict[int, _Seq] = {}
         self.fwd: _Forward | None = None
@@ -526,7 +527,7 @@ class ReferenceCache:
             raise ReferenceCacheError(f"q must have {ptr[-1]} tokens")
         if fwd.is_decode and layer not in fwd.done_layers:
             raise ReferenceCacheError(f"decode cross_attention of layer {layer} before its k/v were appended")
-        o = torch.empty((q.shape[0], self.hq, self.dv), dtype=torch.float64)
+        o = torch.empty((q.shape[0], self.hq, self.cross_dv), dtype=torch.float64)
         lse = torch.empty((q.shape[0], self.hq), dtype=torch.float64)
         for b in range(len(fwd.seq_ids)):
             sl = slice(ptr[b], ptr[b + 1])

@@ -18,6 +18,8 @@ from typing import Callable
 import torch
 
 from .reference import EMPTY_LSE, ReferenceCache
+from .reference_mla import reference_for
+from .scenarios_mla import check_mla_state, mla_layer
 
 __all__ = ["Step", "add", "fork", "remove", "popn", "forward", "check", "clear", "SCENARIOS", "random_step",
            "TOLERANCE", "rel_err", "assert_close", "assert_state_close", "ScenarioRunner"]
@@ -454,7 +456,7 @@ class ScenarioRunner:
     def __init__(self, cache, generator: torch.Generator, sm_scale: float, *, fine_grained: bool = False):
         self.cache = cache
         self.cfg = cache.config
-        self.ref = ReferenceCache(self.cfg)
+        self.ref = reference_for(self.cfg)
         self.gen = generator
         self.sm_scale = float(sm_scale)
         self.fine_grained = fine_grained
@@ -503,6 +505,9 @@ class ScenarioRunner:
         n = sum(lens)
         width = self.cfg.num_qo_heads + 2 * self.cfg.num_kv_heads
         for layer in range(self.cfg.num_layers):
+            if self.cfg.is_mla:
+                mla_layer(self, layer, n)
+                continue
             qkv = self.randn(n, width, self.cfg.head_dim)
             qkv_in = qkv.clone()
             o = self.cache.attention_with_fused_qkv(layer, qkv, self.sm_scale)
@@ -542,8 +547,14 @@ class ScenarioRunner:
         assert_close(o_a, ref_o, self.cfg.dtype, f"{where}: self+cross merged vs full attention")
         assert_close(o_a, fused_o, self.cfg.dtype, f"{where}: self+cross merged vs attention_with_fused_qkv")
 
+    def assert_state(self, o, lse, ref_o, ref_lse, what: str) -> None:
+        assert_state_close(o, lse, ref_o, ref_lse, self.cfg.dtype, what)
+
     def _do_check(self):
-        check_state(self.cache, self.ref, self.where)
+        if self.cfg.is_mla:
+            check_mla_state(self.cache, self.ref, self.where)
+        else:
+            check_state(self.cache, self.ref, self.where)
 
 
 def check_state(cache, ref: ReferenceCache, where: str = "") -> None:

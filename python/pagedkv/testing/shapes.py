@@ -56,8 +56,51 @@ GPU_EXTRA = [
 ]
 
 
-def gpu_shapes() -> list[Shape]:
-    return SHAPES + GPU_EXTRA
+@dataclass(frozen=True)
+class MLAShape:
+    """An MLA cache shape: ``h`` heads, latent ``r + rope``, non-absorbed dims ``nope + rope`` / ``v``."""
+
+    h: int
+    r: int
+    rope: int
+    nope: int
+    v: int
+    dtype: str
+    ps: int
+
+    @property
+    def d(self) -> int:
+        """The model's qk head dim (its softmax scale is about ``d ** -0.5``)."""
+        return self.nope + self.rope
+
+    @property
+    def id(self) -> str:
+        dt = {"float32": "f32", "float16": "f16"}[self.dtype]
+        return f"mla-h{self.h}-r{self.r}-rope{self.rope}-nope{self.nope}-v{self.v}-{dt}-p{self.ps}"
+
+    def config(self) -> KVCacheConfig:
+        return KVCacheConfig.mla(num_layers=2, num_heads=self.h, kv_lora_rank=self.r,
+                                 qk_nope_head_dim=self.nope, qk_rope_head_dim=self.rope, v_head_dim=self.v,
+                                 dtype=self.dtype, page_size=self.ps, max_batch_size=8,
+                                 max_total_seq_len=128, prefill_chunk_size=64)
+
+
+#: MLA shapes: two small ones (3 and 4 heads) and DeepSeek-V2-Lite's (16 heads, 512 + 64 latent,
+#: nope 128, v 128).
+MLA_SHAPES = [
+    MLAShape(3, 64, 32, 32, 48, "float32", 8),
+    MLAShape(4, 64, 32, 64, 64, "float16", 16),
+    MLAShape(16, 512, 64, 128, 128, "float16", 16),
+]
+#: Extra GPU-only MLA shapes: V2-Lite in float32 and DeepSeek-V3's 128 heads.
+MLA_GPU_EXTRA = [
+    MLAShape(16, 512, 64, 128, 128, "float32", 8),
+    MLAShape(128, 512, 64, 128, 128, "float16", 16),
+]
+
+
+def gpu_shapes() -> list:
+    return SHAPES + GPU_EXTRA + MLA_SHAPES + MLA_GPU_EXTRA
 
 
 def gpu_configs() -> list[KVCacheConfig]:
