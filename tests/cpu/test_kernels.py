@@ -187,8 +187,11 @@ def test_ops_match_vocabulary():
 
 def test_build_kernels_symbols():
     funcs = tk.build_kernels(tk.KernelConfig(8, 2, 64, 64, "float16"), TARGET)
-    assert list(funcs) == list(tk.OPS)
-    for op, func in funcs.items():
+    assert list(funcs) == list(tk.OPS_BY_KIND["mha"])
+    mla = tk.build_kernels(tk.KernelConfig(4, 4, 96, 64, "float16", kv_lora_rank=64, qk_rope_head_dim=32),
+                           TARGET)
+    assert sorted(mla) == sorted(tk.OPS_BY_KIND["mla"])
+    for op, func in {**funcs, **mla}.items():
         assert func.attrs["global_symbol"] == f"pagedkv_{op}"
 
 
