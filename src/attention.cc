@@ -30,7 +30,7 @@ void PagedKVCacheObj::BeginForward(const ffi::Shape& seq_ids, const ffi::Shape& 
     TVM_FFI_THROW(ValueError) << "pagedkv: begin_forward appends " << total
                               << " tokens, more than prefill_chunk_size=" << cfg_.prefill_chunk_size;
   }
-  int64_t fixed = AuxBuilder::Padded(batch + 1) * 3 + 2 * AuxBuilder::Padded(total);
+  int64_t fixed = AuxBuilder::Padded(batch + 1) * 4 + 2 * AuxBuilder::Padded(total);
   int64_t per_pass = 2 * AuxBuilder::Padded(batch + 1) + 2 * AuxBuilder::Padded(batch) + 4;
   aux_.Reserve(fixed + kMaxPasses * per_pass + PageValuesBound(pool_, ids, lengths));
   // Nothing below can fail on bad input: mutate.
@@ -42,8 +42,11 @@ void PagedKVCacheObj::BeginForward(const ffi::Shape& seq_ids, const ffi::Shape& 
 
 void PagedKVCacheObj::UploadPlan(const ForwardPlan& plan) {
   aux_.Reset();
-  int q_indptr = aux_.Add(plan.q_indptr), q_pos = aux_.Add(plan.q_pos);
+  // q_pos first: get_query_positions hands its view to the model, and ordinary compiled ops accept only
+  // tensors with byte_offset 0.
+  int q_pos = aux_.Add(plan.q_pos), q_indptr = aux_.Add(plan.q_indptr);
   int slot = aux_.Add(plan.append_slot), prior = aux_.Add(plan.prior_len);
+  int no_keys = aux_.Add(std::vector<int32_t>(plan.q_indptr.size(), 0));
   std::vector<std::array<int, 5>> pass_handles;
   for (const PassPlan& p : plan.passes) {
     pass_handles.push_back({aux_.Add(p.q_indptr), aux_.Add(p.page_indptr), aux_.Add(p.page_values),
@@ -57,6 +60,7 @@ void PagedKVCacheObj::UploadPlan(const ForwardPlan& plan) {
   f.q_pos = aux_.View(q_pos);
   f.append_slot = aux_.View(slot);
   f.prior_len = aux_.View(prior);
+  f.no_keys_indptr = aux_.View(no_keys);
   for (size_t i = 0; i < plan.passes.size(); ++i) {
     const auto& h = pass_handles[i];
     f.passes.push_back(PassViews{aux_.View(h[0]), aux_.View(h[1]), aux_.View(h[2]), aux_.View(h[3]),
@@ -175,6 +179,15 @@ void PagedKVCacheObj::SelfAttention(int64_t layer, double sm_scale, const ffi::T
   CheckTensor(v, "v", {n, cfg_.num_kv_heads, cfg_.v_head_dim}, dtype_, device_);
   CheckTensor(o, "o", {n, cfg_.num_qo_heads, cfg_.v_head_dim}, dtype_, device_);
   CheckTensor(lse, "lse", {n, cfg_.num_qo_heads}, kFloat32, device_);
+  if (f.is_decode) {
+    // cross_attention's view of a decode forward already holds the new tokens, so self_attention covers
+    // no key: the ragged kernel over zero keys writes the empty state (o = 0, lse = -1e30), and merging
+    // self and cross is the full attention whichever path the model takes.
+    ops_.Get(ops::kAttnPrefillRagged)(q, k, v, f.q_indptr, f.no_keys_indptr, f.q_pos, f.prior_len, o, lse,
+                                      /*causal=*/1, apply_rope_inline(), cfg_.rope_scale, cfg_.rope_theta,
+                                      sm_scale);
+    return;
+  }
   RunRagged(q, k, v, o, lse, sm_scale);
 }
 

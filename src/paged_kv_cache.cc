@@ -15,7 +15,7 @@ namespace {
 int64_t InitialAuxElems(const KVConfig& c) {
   int64_t b = c.max_batch_size, n = c.prefill_chunk_size;
   int64_t per_pass = 2 * AuxBuilder::Padded(b + 1) + 2 * AuxBuilder::Padded(b) + 4;
-  return AuxBuilder::Padded(b + 1) + 2 * AuxBuilder::Padded(n) + AuxBuilder::Padded(b) +
+  return 2 * AuxBuilder::Padded(b + 1) + 2 * AuxBuilder::Padded(n) + AuxBuilder::Padded(b) +
          kMaxPasses * per_pass + c.num_pages() + b;
 }
 

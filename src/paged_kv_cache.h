@@ -78,6 +78,7 @@ class PagedKVCacheObj : public ffi::Object {
     bool is_decode = false;
     int64_t num_tokens = 0;
     ffi::Tensor q_indptr, q_pos, append_slot, prior_len;
+    ffi::Tensor no_keys_indptr;  // [B+1] zeros: a ragged kv_indptr with no keys
     std::vector<PassViews> passes;
     ffi::Tensor q, k, v, o_tmp, lse_tmp, lse_own;  // [n, ...] views of the work buffers (MLA: no q, k, v)
   };

@@ -110,12 +110,12 @@ def nvcc_results(tmp_path_factory):
 @pytest.mark.parametrize("cfg", CONFIGS, ids=IDS)
 def test_every_op_lowers_to_cuda(cfg):
     funcs = tk.build_kernels(tk.KernelConfig(*cfg), SM90)
-    assert list(funcs) == list(tk.OPS)
+    assert list(funcs) == list(tk.OPS_BY_KIND["mha"])
     for op, func in funcs.items():
         assert func.attrs["global_symbol"] == f"pagedkv_{op}"
         assert bool(func.attrs["tirx.is_scheduled"]), op
     src = _sm90_source(cfg)
-    for op in tk.OPS:
+    for op in tk.OPS_BY_KIND["mha"]:
         assert re.search(rf"__global__ void __launch_bounds__\(\d+\) pagedkv_{op}_kernel\b", src), \
             f"no CUDA kernel for {op}"
     assert "threadIdx.x" in src and "blockIdx.x" in src
@@ -125,7 +125,7 @@ def test_every_op_lowers_to_cuda(cfg):
 
 def test_generic_cuda_target_lowers():
     src = cuda_source(CONFIGS[0], "generic")
-    for op in tk.OPS:
+    for op in tk.OPS_BY_KIND["mha"]:
         assert f"pagedkv_{op}_kernel" in src
 
 

@@ -495,7 +495,8 @@ class ReferenceCache:
         """Ragged causal attention of each sequence's new queries over its new keys (no cache read).
 
         ``q[n, Hq, D]``, ``k[n, Hkv, D]``, ``v[n, Hkv, Dv]`` -> ``o[n, Hq, Dv]``, ``lse[n, Hq]`` (float64).
-        In "inline" mode q and k are rotated at the new tokens' positions first.
+        In "inline" mode q and k are rotated at the new tokens' positions first. In a decode forward the
+        new tokens belong to ``cross_attention``'s view, so this covers no key: o = 0, lse = EMPTY_LSE.
         """
         fwd = self._fwd()
         self._check_layer(layer)
@@ -504,6 +505,8 @@ class ReferenceCache:
             raise ReferenceCacheError(f"q/k/v must have {ptr[-1]} tokens")
         o = torch.empty((q.shape[0], self.hq, v.shape[2]), dtype=torch.float64)
         lse = torch.empty((q.shape[0], self.hq), dtype=torch.float64)
+        if fwd.is_decode:
+            return o.zero_(), lse.fill_(EMPTY_LSE)
         for b in range(len(fwd.seq_ids)):
             sl = slice(ptr[b], ptr[b + 1])
             qb, kb = q[sl], k[sl]

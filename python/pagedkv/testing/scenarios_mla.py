@@ -14,9 +14,9 @@ from .reference import merge_states
 def mla_layer(runner, layer: int, n: int) -> None:
     """Append random latents, then compare cross (absorbed), self (non-absorbed) and merge with the reference.
 
-    As a DeepSeek model does: a decode forward attends with ``cross_attention`` alone (its view includes
-    the token just appended); a prefill merges ``self_attention`` among the new tokens with the cross
-    state projected to ``v_head_dim`` (a random per-head ``W_UV``).
+    As a DeepSeek model does: ``self_attention`` among the new tokens merged with the cross state projected
+    to ``v_head_dim`` (a random per-head ``W_UV``). In a decode forward the cross view includes the token
+    just appended and ``self_attention`` is the empty state.
     """
     cfg, cache, ref = runner.cfg, runner.cache, runner.ref
     where = f"{runner.where} layer {layer}"
@@ -31,8 +31,7 @@ def mla_layer(runner, layer: int, n: int) -> None:
     r_oc, r_lc = ref.cross_attention(layer, q.cpu(), runner.sm_scale)
     assert tuple(o_c.shape) == (n, h, r) and o_c.dtype == runner.dtype
     runner.assert_state(o_c, lse_c, r_oc, r_lc, f"{where}: MLA cross_attention")
-    if ref.fwd.is_decode:
-        return
+    # In a decode forward self_attention covers no key (the empty state); merging still checks out.
     qs, ks = runner.randn(n, h, cfg.head_dim), runner.randn(n, h, cfg.head_dim)
     vs = runner.randn(n, h, cfg.v_dim)
     o_s, lse_s = cache.self_attention(layer, qs, ks, vs, runner.sm_scale)

@@ -1,0 +1,146 @@
+"""The DeepSeek-V3 (MLA) end-to-end case shared by the CPU test, the GPU test and ``pagedkv.bundle``.
+
+A small ``transformers.DeepseekV3Config`` with random weights, a scenario (a batched prefill, a fork inside
+a prompt, a second batched prefill, 16 batched decode steps, one token each through ``prefill``), a runner
+that plays the scenario on a compiled model library with the TVM runtime only, and the comparison of every
+logits row with HF's float64 logits of each sequence's full history. Heavy imports (torch,
+transformers) happen inside the functions that need them, so a runtime-only GPU host can import this.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+TOL = {"float32": 1e-4, "float16": 1e-2}  # ||out - ref|| / ||ref|| per logits row
+
+# Every layer dense (first_k_dense_replace >= num_hidden_layers). initializer_range 0.2 makes the attention
+# peaked (mean max probability ~0.65), so a wrong position, a missing or an extra cached token shows in the
+# logits; at HF's 0.02 the attention is nearly uniform.
+BASE = {"vocab_size": 384, "hidden_size": 256, "intermediate_size": 512, "kv_lora_rank": 64,
+        "qk_rope_head_dim": 32, "qk_nope_head_dim": 64, "v_head_dim": 64, "max_position_embeddings": 256,
+        "initializer_range": 0.2, "rms_norm_eps": 1e-6, "attention_bias": False}
+CONFIGS = {
+    # DeepSeek-V3 layout: q LoRA, interleaved RoPE, default RoPE scaling.
+    "q_lora": dict(BASE, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=4, q_lora_rank=96,
+                   first_k_dense_replace=2, rope_interleave=True, tie_word_embeddings=False),
+    # q_proj without LoRA (DeepSeek-V2-Lite layout), 3 heads, rotate_half RoPE, YaRN (mscale !=
+    # mscale_all_dim, so the cos/sin attention factor and the softmax scale's mscale^2 both differ from 1),
+    # tied embeddings.
+    "yarn_no_q_lora": dict(BASE, num_hidden_layers=3, num_attention_heads=3, num_key_value_heads=3,
+                           q_lora_rank=None, first_k_dense_replace=3, rope_interleave=False,
+                           tie_word_embeddings=True,
+                           rope_parameters={"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0,
+                                            "original_max_position_embeddings": 64, "beta_fast": 32,
+                                            "beta_slow": 1, "mscale": 1.0, "mscale_all_dim": 0.8}),
+}
+#: max_batch_size, max_total_seq_len, prefill_chunk_size, page_size
+CAPACITY = (4, 256, 64, 8)
+
+
+def hf_model(name: str, seed: int):
+    """HF ``DeepseekV3ForCausalLM`` of ``CONFIGS[name]`` in float64 with random weights (norms too)."""
+    import torch
+    import transformers
+
+    torch.manual_seed(seed)
+    model = transformers.DeepseekV3ForCausalLM(transformers.DeepseekV3Config(**CONFIGS[name]))
+    model = model.to(torch.float64).eval()
+    with torch.no_grad():  # HF initializes norms to ones
+        for pname, p in model.named_parameters():
+            if "norm" in pname:
+                p.copy_(1 + 0.1 * torch.randn_like(p))
+    return model
+
+
+def scenario(rng: np.random.Generator, vocab: int):
+    """``(steps, rows, history)``: the steps for :func:`run_scenario`; ``rows[name]`` lists the
+    ``(seq, position)`` of each logits row of a forward; ``history`` each sequence's final tokens."""
+    def toks(n):
+        return rng.integers(0, vocab, n).tolist()
+
+    history = {0: [], 1: [], 2: []}
+    steps, rows = [], {}
+
+    def forward(kind, name, batch):
+        steps.append({"kind": kind, "name": name, "batch": batch})
+        rows[name] = []
+        for seq, t in batch:
+            t = t if kind == "prefill" else [t]
+            rows[name] += [(seq, len(history[seq]) + i) for i in range(len(t))]
+            history[seq] += t
+
+    steps += [{"kind": "add", "seq": 0}, {"kind": "add", "seq": 1}]
+    forward("prefill", "prefill_0", [[0, toks(21)], [1, toks(9)]])
+    # page_size 8: the fork shares the first page of sequence 0 and copies 5 tokens of its second one
+    fork_pos = 13
+    steps.append({"kind": "fork", "parent": 0, "child": 2, "pos": fork_pos})
+    history[2] = history[0][:fork_pos]
+    # The fork's continuation attends to its cached prefix (cross_attention) and to itself (self_attention);
+    # sequence 1's second chunk beside it does the same over its own, different cache.
+    forward("prefill", "prefill_1", [[2, toks(7)], [1, toks(5)]])
+    for i in range(16):
+        forward("decode", f"decode_{i}", [[s, int(rng.integers(0, vocab))] for s in (0, 1, 2)])
+    # One token per sequence through the prefill function: a decode forward for the cache, in which
+    # self_attention is empty and cross_attention includes the new tokens, so the merge is still exact.
+    forward("prefill", "prefill_one_token_each", [[s, toks(1)] for s in (0, 1, 2)])
+    return steps, rows, history
+
+
+def run_scenario(vm, params: list, steps: list, device) -> dict[str, np.ndarray]:
+    """Play ``steps`` on a loaded model library (``vm``: a Relax VM); returns logits per forward name."""
+    import tvm
+    import tvm_ffi
+
+    def g(name):
+        return tvm_ffi.get_global_func("pagedkv." + name)
+
+    def t(a):
+        return tvm.runtime.tensor(a, device=device)
+
+    # nn.spec int arguments arrive as one-element shapes
+    cache = vm["create_paged_kv_cache"](*[tvm_ffi.Shape((v,)) for v in CAPACITY])
+    out = {}
+    for step in steps:
+        kind = step["kind"]
+        if kind == "add":
+            g("add_sequence")(cache, step["seq"])
+        elif kind == "fork":
+            g("fork_sequence")(cache, step["parent"], step["child"], step["pos"])
+        elif kind == "prefill":  # every token's logits
+            g("begin_forward")(cache, tuple(s for s, _ in step["batch"]),
+                               tuple(len(x) for _, x in step["batch"]))
+            flat = np.array([sum((x for _, x in step["batch"]), [])], dtype="int32")
+            rows = np.arange(flat.shape[1], dtype="int32")
+            logits, cache = vm["prefill"](t(flat), t(rows), cache, params)
+            g("end_forward")(cache)
+            out[step["name"]] = logits.numpy()[0]
+        else:
+            g("begin_forward")(cache, tuple(s for s, _ in step["batch"]), (1,) * len(step["batch"]))
+            ids = np.array([[x] for _, x in step["batch"]], dtype="int32")
+            logits, cache = vm["decode"](t(ids), cache, params)
+            g("end_forward")(cache)
+            out[step["name"]] = logits.numpy()[:, 0]
+    return out
+
+
+def hf_logits(hf, history: dict) -> dict:
+    """HF logits of every position of each sequence's history (one causal forward per sequence)."""
+    import torch
+
+    with torch.no_grad():
+        return {s: hf(torch.tensor([t])).logits[0].numpy() for s, t in history.items()}
+
+
+def worst_errors(got: dict, rows: dict, ref: dict) -> dict[str, tuple[float, str]]:
+    """The largest per-row relative error of prefill and of decode forwards, with where it occurred."""
+    worst = {"prefill": (0.0, ""), "decode": (0.0, "")}
+    for fwd, where in rows.items():
+        out = np.asarray(got[fwd], dtype=np.float64)
+        assert out.shape[0] == len(where), (fwd, out.shape)
+        for row, (seq, pos) in enumerate(where):
+            r = np.asarray(ref[seq][pos], dtype=np.float64)
+            err = float(np.linalg.norm(out[row] - r) / np.linalg.norm(r))
+            kind = fwd.split("_")[0]
+            if not err < worst[kind][0]:  # NaN counts as worst
+                worst[kind] = (err, f"{fwd} seq {seq} pos {pos}")
+    return worst
