@@ -138,6 +138,44 @@ def build_smollm2(out: Path, arch: str, dtype: str = "float16") -> Path | None:
     return path
 
 
+def build_deepseek(out: Path, arch: str) -> list[Path]:
+    """The DeepSeek-V3 (MLA) end-to-end case for the GPU: per config of ``pagedkv.testing.deepseek`` a
+    float32 CUDA model library and a ``.npz`` with fresh random weights, the scenario and HF's float64
+    logits (computed here: the GPU host need not have a DeepseekV3-capable transformers)."""
+    try:
+        import transformers  # noqa: F401
+    except ImportError as err:
+        print(f"[pagedkv] skipping the DeepSeek-V3 case: {err}", flush=True)
+        return []
+    import numpy as np
+    import tvm
+
+    from .compile import build_library
+    from .cuda_build import enable_cuda_codegen, has_device_code
+    from .models.deepseek_v3 import DeepseekV3Config, DeepseekV3ForCausalLM, params_from_hf
+    from .testing import deepseek as D
+
+    enable_cuda_codegen()
+    target = tvm.target.Target({"kind": "cuda", "arch": arch}, host="llvm")
+    paths = []
+    for name in D.CONFIGS:
+        t0 = time.perf_counter()
+        seed = int(np.random.SeedSequence().entropy % 2**31)
+        hf = D.hf_model(name, seed)
+        cfg = DeepseekV3Config.from_hf(hf.config)
+        model = DeepseekV3ForCausalLM(cfg, dtype="float32", target=target, backend="tir")
+        lib, named = build_library(model, target, out / "models" / f"deepseek-{name}-float32-cuda.so")
+        if not has_device_code(lib):
+            raise RuntimeError(f"{lib} holds no CUDA fatbin")
+        steps, rows, history = D.scenario(np.random.default_rng(seed), cfg.vocab_size)
+        D.write_case(lib.with_suffix(".npz"), name, seed, params_from_hf(hf, named, "float32"), steps, rows,
+                     D.hf_logits(hf, history))
+        print(f"[pagedkv] model {lib.name}: {lib.stat().st_size / 1e6:.2f} MB in "
+              f"{time.perf_counter() - t0:.1f} s", flush=True)
+        paths.append(lib)
+    return paths
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("out", type=Path)
@@ -155,6 +193,7 @@ def main(argv: list[str] | None = None) -> int:
 
     build_kernels(out, gpu_configs(), {"kind": "cuda", "arch": args.arch})
     build_smollm2(out, args.arch)
+    build_deepseek(out, args.arch)
     total = sum(f.stat().st_size for f in out.rglob("*") if f.is_file())
     print(f"[pagedkv] GPU bundle {out}: {total / 1e6:.1f} MB", flush=True)
     if total > 60e6:

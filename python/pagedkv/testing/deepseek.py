@@ -95,7 +95,7 @@ def run_scenario(vm, params: list, steps: list, device) -> dict[str, np.ndarray]
         return tvm_ffi.get_global_func("pagedkv." + name)
 
     def t(a):
-        return tvm.runtime.tensor(a, device=device)
+        return tvm.runtime.tensor(a, device)
 
     # nn.spec int arguments arrive as one-element shapes
     cache = vm["create_paged_kv_cache"](*[tvm_ffi.Shape((v,)) for v in CAPACITY])
@@ -131,16 +131,43 @@ def hf_logits(hf, history: dict) -> dict:
         return {s: hf(torch.tensor([t])).logits[0].numpy() for s, t in history.items()}
 
 
-def worst_errors(got: dict, rows: dict, ref: dict) -> dict[str, tuple[float, str]]:
-    """The largest per-row relative error of prefill and of decode forwards, with where it occurred."""
+def worst_errors(got: dict, rows: dict, expected: dict) -> dict[str, tuple[float, str]]:
+    """The largest per-row relative error of prefill and of decode forwards, with where it occurred;
+    ``expected`` is :func:`expected_rows`'s output."""
     worst = {"prefill": (0.0, ""), "decode": (0.0, "")}
     for fwd, where in rows.items():
         out = np.asarray(got[fwd], dtype=np.float64)
-        assert out.shape[0] == len(where), (fwd, out.shape)
+        assert out.shape == expected[fwd].shape, (fwd, out.shape, expected[fwd].shape)
         for row, (seq, pos) in enumerate(where):
-            r = np.asarray(ref[seq][pos], dtype=np.float64)
+            r = np.asarray(expected[fwd][row], dtype=np.float64)
             err = float(np.linalg.norm(out[row] - r) / np.linalg.norm(r))
             kind = fwd.split("_")[0]
             if not err < worst[kind][0]:  # NaN counts as worst
                 worst[kind] = (err, f"{fwd} seq {seq} pos {pos}")
     return worst
+
+
+def expected_rows(rows: dict, ref: dict) -> dict[str, np.ndarray]:
+    """HF's logits arranged like a model run's output: forward name -> ``[rows, vocab]``."""
+    return {fwd: np.stack([ref[seq][pos] for seq, pos in where]) for fwd, where in rows.items()}
+
+
+def write_case(path, name: str, seed: int, params: list, steps: list, rows: dict, ref: dict) -> None:
+    """Everything a runtime-only host needs to replay and check the case (``.npz``; no pickles)."""
+    import json
+
+    arrays = {f"param_{i}": np.asarray(p) for i, p in enumerate(params)}
+    arrays.update({f"expected_{k}": v.astype(np.float64) for k, v in expected_rows(rows, ref).items()})
+    meta = json.dumps({"name": name, "seed": seed, "num_params": len(params), "steps": steps, "rows": rows})
+    np.savez(path, meta=np.frombuffer(meta.encode(), dtype=np.uint8), **arrays)
+
+
+def read_case(path) -> tuple[dict, list, dict]:
+    """``(meta, params, expected)`` of a case written by :func:`write_case`."""
+    import json
+
+    z = np.load(path)
+    meta = json.loads(bytes(z["meta"]).decode())
+    params = [z[f"param_{i}"] for i in range(meta["num_params"])]
+    expected = {k[len("expected_"):]: z[k] for k in z.files if k.startswith("expected_")}
+    return meta, params, expected
