@@ -216,6 +216,11 @@ class BuiltModule:
         """The name a Relax ``ExternFunc`` / library lookup uses for flashinfer function ``func``."""
         return self.functions[func]
 
+    def source_objects(self) -> list[Path]:
+        """flashinfer's own objects this module was made from (in flashinfer's workspace under the cache)."""
+        info = json.loads(self.object_path.with_name("module.json").read_text())
+        return [Path(p) for p in info["objects"]]
+
     def static_library(self):
         """The object as a TVM static-library module (``IRModule`` attr ``external_mods``, or
         ``Module.import_module``), linked into the exported library by ``export_library``."""
@@ -308,7 +313,7 @@ def build_module(spec: ModuleSpec, *, jobs: int | None = None, force: bool = Fal
         (staging / "module.json").write_text(json.dumps({
             "spec": spec.to_dict(), "key": key, "flashinfer": FLASHINFER_VERSION, "toolchain": toolchain(),
             "uri": result["uri"], "functions": functions, "seconds": round(seconds, 1),
-            "objects": {p.name: p.stat().st_size for p in objects}}, indent=1))
+            "objects": {str(p): p.stat().st_size for p in objects}}, indent=1))
         if final.exists():
             shutil.rmtree(final)
         staging.rename(final)
