@@ -77,11 +77,31 @@ void PagedKVCacheObj::UploadPlan(const ForwardPlan& plan) {
   f.lse_tmp = fns_.View(lse_tmp_buf_, {n, cfg_.num_qo_heads}, kFloat32, 0);
   f.lse_own = fns_.View(lse_own_buf_, {n, cfg_.num_qo_heads}, kFloat32, 0);
   forward_ = std::move(f);
+  NotifyBeginForward(plan);
 }
 
 void PagedKVCacheObj::EndForward() {
   CheckForward("end_forward");
   forward_.reset();
+  ops_.EndForward();
+}
+
+// Library backends plan here (src/backend.h ForwardInfo). A failure is a device failure: the forward
+// is abandoned.
+void PagedKVCacheObj::NotifyBeginForward(const ForwardPlan& plan) {
+  ForwardInfo info{&cfg_, device_, &fns_, &plan, forward_->q_indptr, {}};
+  for (size_t i = 0; i < plan.passes.size(); ++i) {
+    const PassViews& v = forward_->passes[i];
+    info.passes.push_back({&plan.passes[i], v.q_indptr, v.page_indptr, v.page_values, v.last_page_len,
+                           v.k_pos_offset});
+  }
+  try {
+    ops_.BeginForward(info);
+  } catch (...) {
+    forward_.reset();
+    ops_.EndForward();
+    throw;
+  }
 }
 
 ffi::Tensor PagedKVCacheObj::GetQueryPositions() const { return CheckForward("get_query_positions").q_pos; }

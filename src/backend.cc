@@ -70,6 +70,14 @@ OpAdapter& OpTable::Get(const char* op) const {
   return *it->second;
 }
 
+void OpTable::BeginForward(const ForwardInfo& info) const {
+  for (const auto& kv : adapters) kv.second->BeginForward(info);
+}
+
+void OpTable::EndForward() const {
+  for (const auto& kv : adapters) kv.second->EndForward();
+}
+
 OpTable ParseOpTable(const ffi::Array<ffi::Any>& table, const std::string& layer_kind) {
   bool mla = layer_kind == "mla";
   OpTable out;

@@ -15,10 +15,31 @@
 #include <map>
 #include <memory>
 #include <string>
+#include <vector>
+
+#include "config.h"
+#include "forward_plan.h"
+#include "tensor_util.h"
 
 namespace pagedkv {
 
 namespace ffi = tvm::ffi;
+
+// What an adapter sees of one forward when it opens (begin_forward, after the index arrays reached the
+// device): the host arrays of every pass, their device views (the very tensors later Run calls receive as
+// page_indptr etc.), and the cache's config, device and allocator. Host arrays live only during the call.
+struct ForwardInfo {
+  struct Pass {
+    const PassPlan* host;
+    ffi::Tensor q_indptr, page_indptr, page_values, last_page_len, k_pos_offset;
+  };
+  const KVConfig* config = nullptr;
+  DLDevice device{};
+  const TensorFns* fns = nullptr;
+  const ForwardPlan* plan = nullptr;
+  ffi::Tensor q_indptr;  // device view of plan->q_indptr (ragged attention's q and kv indptr)
+  std::vector<Pass> passes;
+};
 
 // One op served by one backend.
 class OpAdapter {
@@ -26,6 +47,10 @@ class OpAdapter {
   virtual ~OpAdapter() = default;
   // Runs the op; `args` follow the op's kernel ABI argument list.
   virtual void Run(ffi::PackedArgs args) = 0;
+  // Forward hooks (default: nothing). A library backend plans here, once per forward and pass, and keeps
+  // what it planned until EndForward; Run then finds a pass's plan by the index tensors it is given.
+  virtual void BeginForward(const ForwardInfo& info) {}
+  virtual void EndForward() {}
 
   template <typename... Args>
   void operator()(Args&&... args) {
@@ -58,6 +83,9 @@ struct OpTable {
 
   // The adapter of `op`; throws naming `op` when the table has none.
   OpAdapter& Get(const char* op) const;
+  // The forward hooks of every adapter.
+  void BeginForward(const ForwardInfo& info) const;
+  void EndForward() const;
 };
 
 // Parses `[[op_name, backend_tag, func...], ...]` for a cache of `layer_kind` ("mha" or "mla"); unknown

@@ -112,6 +112,7 @@ void PagedKVCacheObj::PopN(int64_t seq_id, int64_t n) {
 }
 
 void PagedKVCacheObj::Clear() {
+  if (forward_.has_value()) ops_.EndForward();
   forward_.reset();  // clearing also abandons an open forward
   pool_.Clear();
   if (poison_) {

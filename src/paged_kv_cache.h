@@ -96,6 +96,7 @@ class PagedKVCacheObj : public ffi::Object {
   int64_t PagedQDim() const { return cfg_.is_mla() ? cfg_.latent_dim() : cfg_.head_dim; }
   int64_t PagedVDim() const { return cfg_.is_mla() ? cfg_.kv_lora_rank : cfg_.head_dim; }
   void UploadPlan(const ForwardPlan& plan);
+  void NotifyBeginForward(const ForwardPlan& plan);
   void RunCopy(const std::optional<PageCopy>& copy);
   void RunPass(int64_t layer, const PassViews& pass, const ffi::Tensor& q, const ffi::Tensor& o,
                const ffi::Tensor& lse, double sm_scale);
