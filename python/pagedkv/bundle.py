@@ -3,7 +3,9 @@ runtime only, built on a host without a GPU.
 
 OUT/bundle/    runtime-only TVM + tvm-ffi wheel for the GPU host's Python (../shared/gpu-host script)
 OUT/lib/       libpagedkv_runtime.so
-OUT/kernels/   kernels-<key>.so/.json for every config of the GPU suite (sm_90 fatbins)
+OUT/kernels/   kernels-<key>.so/.json for every config of the GPU suite (sm_90 fatbins); with
+               flashinfer-python 0.7.4 installed also with backends ("flashinfer", "tir") where FlashInfer
+               serves (its modules linked in, from the FlashInfer build cache)
 OUT/models/    model libraries for the GPU model tests (when their dependencies are installed)
 OUT/upstream/  apache-tvm 0.27's own CUDA attention kernels for the benchmark shape (``--no-upstream`` skips)
 """
@@ -43,6 +45,34 @@ def build_kernels(out: Path, configs, target) -> list[Path]:
         t0 = time.perf_counter()
         path = build_kernel_library(cfg, out / "kernels", target=target, backend="tir")
         print(f"[pagedkv] kernels {i + 1}/{len(configs)} {path.name}: {path.stat().st_size / 1e6:.2f} MB "
+              f"in {time.perf_counter() - t0:.1f} s", flush=True)
+        paths.append(path)
+    return paths
+
+
+#: The backend priority list of the FlashInfer kernel libraries (the GPU suite asks for the same list).
+FLASHINFER_BACKENDS = ("flashinfer", "tir")
+
+
+def build_flashinfer_kernels(out: Path, configs, target) -> list[Path]:
+    """Kernel libraries with FlashInfer modules (cached builds, see ``pagedkv.flashinfer``) for the configs
+    where FlashInfer serves an op; skipped, saying why, when flashinfer-python 0.7.4 is not installed."""
+    from .backends import resolve
+    from .cache import build_kernel_library
+    from .flashinfer import unavailable_reasons
+
+    why = unavailable_reasons()
+    if why:
+        print(f"[pagedkv] skipping FlashInfer kernels: {'; '.join(why)}", flush=True)
+        return []
+    paths = []
+    for cfg in configs:
+        res = resolve(cfg, target, list(FLASHINFER_BACKENDS))
+        if "flashinfer" not in res.choice.values():
+            continue
+        t0 = time.perf_counter()
+        path = build_kernel_library(cfg, out / "kernels", target=target, backend=list(FLASHINFER_BACKENDS))
+        print(f"[pagedkv] flashinfer kernels {path.name} ({res.report()}): {path.stat().st_size / 1e6:.2f} MB "
               f"in {time.perf_counter() - t0:.1f} s", flush=True)
         paths.append(path)
     return paths
@@ -192,6 +222,7 @@ def main(argv: list[str] | None = None) -> int:
     from .testing.shapes import gpu_configs
 
     build_kernels(out, gpu_configs(), {"kind": "cuda", "arch": args.arch})
+    build_flashinfer_kernels(out, gpu_configs(), {"kind": "cuda", "arch": args.arch})
     build_smollm2(out, args.arch)
     build_deepseek(out, args.arch)
     total = sum(f.stat().st_size for f in out.rglob("*") if f.is_file())

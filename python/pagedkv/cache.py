@@ -76,9 +76,13 @@ def kernel_source_digest() -> str:
 
 def kernel_library_key(config: KVCacheConfig, target: Any, choice: Sequence[tuple[str, str]]) -> str:
     """Content key of the kernels of ``config`` for ``target`` with the per-op backend ``choice``."""
-    blob = json.dumps({"config": kernel_shape(config).to_dict(), "target": target_spec(target),
-                       "sources": kernel_source_digest(),
-                       "ops": [list(c) for c in choice]}, sort_keys=True)
+    key = {"config": kernel_shape(config).to_dict(), "target": target_spec(target),
+           "sources": kernel_source_digest(), "ops": [list(c) for c in choice]}
+    if any(tag == "flashinfer" for _, tag in choice):
+        from .flashinfer.spec import FLASHINFER_VERSION, RECIPE_VERSION
+
+        key["flashinfer"] = [FLASHINFER_VERSION, RECIPE_VERSION]
+    blob = json.dumps(key, sort_keys=True)
     return hashlib.sha256(blob.encode()).hexdigest()[:24]
 
 
@@ -100,16 +104,34 @@ def _compile_module(config: KVCacheConfig, spec: dict, choice):
 
     funcs: dict[str, Any] = {}
     entries: list[tuple[str, str, list[str]]] = []
+    externs: dict[Any, Any] = {}  # object path -> built module (FlashInfer), each linked once
     for op, tag in choice:
         build = _backends.get_backend(tag).build(op, config, spec)
         funcs.update(build.prim_funcs)
         entries.append((op, tag, [name for name, _ in build.prim_funcs] + list(build.extern_symbols)))
+        externs.update({m.object_path: m for m in build.extern_modules})
     target = _compile_target(spec)
     if spec["kind"] == "cuda":
         from .cuda_build import compile_for_cuda
 
-        return compile_for_cuda(tvm.IRModule(funcs), target), entries
-    return tvm.compile(tvm.IRModule(funcs), target=target), entries
+        module = compile_for_cuda(tvm.IRModule(funcs), target)
+    else:
+        module = tvm.compile(tvm.IRModule(funcs), target=target)
+    for built in externs.values():
+        module.mod.import_module(built.static_library())  # linked in by export_library
+    return module, entries
+
+
+def _has_static_libs(module) -> bool:
+    return any(m.kind == "static_library" for m in getattr(module, "mod", module).imports)
+
+
+def _export_options(module) -> dict:
+    if _has_static_libs(module):
+        from .flashinfer.link import export_options
+
+        return {"options": export_options()}
+    return {}
 
 
 def _runtime_only() -> bool:
@@ -136,7 +158,7 @@ def build_kernel_library(config: KVCacheConfig, out_dir: str | Path, *, target: 
     if lib.exists() and lib.with_suffix(".json").exists():
         return lib
     module, entries = _compile_module(kernel_shape(config), target_spec(target), choice)
-    module.export_library(str(lib))
+    module.export_library(str(lib), **_export_options(module))
     lib.with_suffix(".json").write_text(json.dumps(
         {"config": config.to_dict(), "target": target_spec(target), "entries": entries}, indent=1))
     return lib
@@ -160,6 +182,14 @@ def _op_table_cached(config: KVCacheConfig, spec_json: str, choice: tuple[tuple[
             "with pagedkv.cache.build_kernel_library")
     else:
         module, entries = _compile_module(config, spec, choice)
+        if _has_static_libs(module):  # objects run only once linked: export and load
+            import tempfile
+
+            from .runtime import load_library
+
+            lib = Path(tempfile.mkdtemp(prefix="pagedkv-")) / "kernels.so"
+            module.export_library(str(lib), **_export_options(module))
+            module = load_library(lib)
     return module, [[op, tag, *[module[name] for name in names]] for op, tag, names in entries]
 
 

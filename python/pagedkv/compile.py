@@ -12,9 +12,22 @@ from tvm.relax.frontend import nn
 
 
 def export_model(model: nn.Module) -> tuple[tvm.IRModule, list[tuple[str, Any]]]:
-    """Export ``model`` with its default spec; returns the IRModule and the named parameter specs."""
-    mod, named_params = model.export_tvm(spec=model.get_default_spec())
+    """Export ``model`` with its default spec; returns the IRModule and the named parameter specs.
+    Prebuilt objects the cache's backends registered (FlashInfer modules) go into ``external_mods``."""
+    mod, named_params, ext_mods = model.export_tvm(spec=model.get_default_spec(), allow_extern=True)
+    if ext_mods:
+        mod = tvm.relax.transform.AttachExternModules(ext_mods)(mod)
     return mod, named_params
+
+
+def _export_options(mod: tvm.IRModule) -> dict:
+    """``export_library`` options: libraries holding FlashInfer objects link libcudart (see
+    ``pagedkv.flashinfer.link``)."""
+    if mod.attrs and "external_mods" in mod.attrs and len(mod.attrs["external_mods"]):
+        from .flashinfer.link import export_options
+
+        return {"options": export_options()}
+    return {}
 
 
 def _simt_matmul_rule():
@@ -77,7 +90,7 @@ def build_library(model: nn.Module, target: Any, out_path: str | Path, *,
         print(f"[pagedkv] compiled for {tgt.kind.name} in {time.perf_counter() - t1:.1f} s", flush=True)
     out_path = Path(out_path)
     out_path.parent.mkdir(parents=True, exist_ok=True)
-    executable.export_library(str(out_path))
+    executable.export_library(str(out_path), **_export_options(mod))
     # The parameter order, beside the library, so loaders need no re-export (see ``pagedkv.engine.param_names``).
     out_path.with_suffix(".json").write_text(json.dumps({"param_names": [n for n, _ in named_params]}))
     return out_path, named_params

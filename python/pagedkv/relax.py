@@ -27,8 +27,27 @@ def _op_table_expr(config: KVCacheConfig, target: Any, resolution) -> rx.Tuple:
         build = _backends.get_backend(tag).build(op, config, target)
         funcs = [bb.add_func(func, name) for name, func in build.prim_funcs]
         funcs += [rx.ExternFunc(symbol) for symbol in build.extern_symbols]
+        for built in build.extern_modules:
+            _add_extern_object(built.object_path, built.functions.values())
         entries.append(rx.Tuple([tvm.ir.StringImm(op), tvm.ir.StringImm(tag), *funcs]))
     return rx.Tuple(entries)
+
+
+def _add_extern_object(path, symbols) -> None:
+    """Register a prebuilt object (e.g. a FlashInfer module) with the nn exporter, once per file: the model
+    is then exported with ``allow_extern=True`` (``pagedkv.compile.export_model``) and the object linked into
+    its library."""
+    from tvm.relax.frontend import nn
+    from tvm.relax.frontend.nn.exporter import Exporter
+
+    try:
+        exporter = Exporter.current()
+    except AssertionError:
+        raise RuntimeError("a PagedKVCache whose backends link prebuilt objects (FlashInfer) must be created "
+                           "while an nn.Module is exported (export_tvm)") from None
+    if any(getattr(m, "filepath", None) == path for m in exporter.extern_mods):
+        return
+    nn.add_extern(nn.ObjectModule({name: None for name in symbols}, path))
 
 
 class PagedKVCache(Object):  # pylint: disable=too-few-public-methods

@@ -219,8 +219,8 @@ def test_automatic_selection(registry):
     res = backends.resolve(CFG, "llvm")
     assert res.choice == {op: ("mergeonly" if op == ops.MERGE_STATE else "tir") for op in ops.OPS_BY_KIND["mha"]}
     assert "merge_state=mergeonly" in res.report() and "split_rotary=tir" in res.report()
-    # the backends passed over for an op are recorded with their reasons
-    assert res.reasons["split_rotary"] == {
+    # the backends passed over for an op are recorded with their reasons (flashinfer's too: not on llvm)
+    assert {t: r for t, r in res.reasons["split_rotary"].items() if t != "flashinfer"} == {
         "mergeonly": ["backend 'mergeonly' does not implement op 'split_rotary'"],
         "refuser": ["refuser cannot do split_rotary", "refuser dislikes float32"],
     }

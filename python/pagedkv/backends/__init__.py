@@ -119,3 +119,6 @@ def resolve(config: KVCacheConfig, target: Any, backend: str | Sequence[str] | N
 
 
 register_backend("tir", "pagedkv.backends.tir:TIRBackend", priority=0)
+# Preferred where it serves (CUDA, flashinfer-python 0.7.4 installed, a supported shape); otherwise its
+# reasons are recorded and the next backend serves.
+register_backend("flashinfer", "pagedkv.backends.flashinfer:FlashInferBackend", priority=10)

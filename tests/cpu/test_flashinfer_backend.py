@@ -1,0 +1,91 @@
+"""Backend selection with FlashInfer: it serves attn_decode_paged on CUDA where it can, says why where it
+cannot (target, dtype, head dim, GQA group, RoPE mode, package), never silently; and a kernel library built
+with it holds the TIR fatbins and the FlashInfer objects in one file."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+
+import pytest
+
+from pagedkv import KVCacheConfig, backends, ops
+from pagedkv.backends import NoBackendError
+from pagedkv.backends import flashinfer as fib
+from pagedkv.flashinfer import unavailable_reasons
+
+SM90 = {"kind": "cuda", "arch": "sm_90"}
+CFG = KVCacheConfig(num_layers=2, num_qo_heads=32, num_kv_heads=8, head_dim=128, dtype="float16",
+                    page_size=16, max_batch_size=4, max_total_seq_len=256, prefill_chunk_size=64)
+_WHY = unavailable_reasons()
+needs_jit = pytest.mark.skipif(bool(_WHY), reason="FlashInfer JIT build unavailable: " + "; ".join(_WHY))
+
+
+def _reasons(cfg, target=SM90, op=ops.ATTN_DECODE_PAGED):
+    return backends.get_backend("flashinfer").validate_configuration(op, cfg, target)
+
+
+@pytest.mark.parametrize("changes,fragment", [
+    (dict(dtype="float32"), "dtype_q 'float32' not supported"),
+    (dict(head_dim=96), "head dim 96 not supported"),
+    (dict(num_qo_heads=40), "GQA group size 40/8 not supported"),
+    (dict(rope_mode="inline"), "rope_mode 'inline'"),
+])
+def test_reasons_name_what_is_unsupported(changes, fragment):
+    assert any(fragment in r for r in _reasons(CFG.replace(**changes))), _reasons(CFG.replace(**changes))
+
+
+def test_not_on_cpu_and_not_other_ops():
+    assert _reasons(CFG, "llvm") == ["FlashInfer modules are CUDA code; target kind is 'llvm'"]
+    assert _reasons(CFG, SM90, ops.SPLIT_ROTARY) == [
+        "backend 'flashinfer' does not implement op 'split_rotary'"]
+
+
+def test_missing_package_is_a_reason(monkeypatch):
+    from pagedkv.flashinfer import build
+
+    monkeypatch.setattr(build, "installed_version", lambda: None)
+    assert any("flashinfer-python is not installed" in r for r in _reasons(CFG))
+    monkeypatch.setattr(build, "installed_version", lambda: "0.6.0")
+    assert any("pins 0.7.4" in r for r in _reasons(CFG))
+
+
+def test_explicit_choice_fails_listing_reasons():
+    with pytest.raises(NoBackendError) as info:
+        backends.resolve(CFG.replace(head_dim=96), "llvm", "flashinfer", ops=[ops.ATTN_DECODE_PAGED])
+    assert "flashinfer: FlashInfer modules are CUDA code" in str(info.value)
+    with pytest.raises(NoBackendError) as info:
+        backends.resolve(CFG.replace(dtype="float32"), SM90, "flashinfer", ops=[ops.ATTN_DECODE_PAGED])
+    assert "dtype_q 'float32' not supported" in str(info.value)
+
+
+@needs_jit
+def test_automatic_selection_prefers_flashinfer_on_cuda():
+    res = backends.resolve(CFG, SM90)
+    assert res.choice[ops.ATTN_DECODE_PAGED] == "flashinfer"
+    assert all(tag == "tir" for op, tag in res.choice.items() if op != ops.ATTN_DECODE_PAGED)
+    assert "attn_decode_paged=flashinfer" in res.report()
+    # where it cannot serve, the next backend does and the reason is kept
+    res = backends.resolve(CFG.replace(head_dim=96), SM90)
+    assert res.choice[ops.ATTN_DECODE_PAGED] == "tir"
+    assert any("head dim 96" in r for r in res.reasons[ops.ATTN_DECODE_PAGED]["flashinfer"])
+    # on the CPU nothing changes
+    assert set(backends.resolve(CFG, "llvm").choice.values()) == {"tir"}
+
+
+@needs_jit
+@pytest.mark.slow
+def test_kernel_library_links_flashinfer_objects(tmp_path):
+    from pagedkv.cache import build_kernel_library
+    from pagedkv.cuda_build import has_device_code
+
+    lib = build_kernel_library(CFG, tmp_path, target=SM90, backend=["flashinfer", "tir"])
+    entries = {op: (tag, names) for op, tag, names in json.loads(lib.with_suffix(".json").read_text())["entries"]}
+    tag, names = entries[ops.ATTN_DECODE_PAGED]
+    assert tag == "flashinfer" and len(names) == 2 and names[0].endswith("_plan") and names[1].endswith("_run")
+    assert all(t == "tir" for op, (t, _) in entries.items() if op != ops.ATTN_DECODE_PAGED)
+    exported = subprocess.run(["nm", "-D", "--defined-only", str(lib)], capture_output=True, text=True,
+                              check=True).stdout
+    for name in names:
+        assert f"__tvm_ffi_{name}" in exported
+    assert has_device_code(lib)  # the TIR kernels' fatbins are in the same file
