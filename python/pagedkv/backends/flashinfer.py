@@ -65,9 +65,14 @@ class FlashInferBackend(Backend):
                 module_spec(op, config, arch)
             except ValueError as err:
                 reasons.append(str(err).split(": ", 1)[-1])
-        from ..flashinfer import unavailable_reasons
+        from ..cache import _runtime_only
 
-        reasons += unavailable_reasons()
+        if not _runtime_only():
+            # Building needs flashinfer-python 0.7.4, nvcc and binutils. A runtime-only process (the GPU
+            # host) builds nothing: it needs the prebuilt library, and says so when it is missing.
+            from ..flashinfer import unavailable_reasons
+
+            reasons += unavailable_reasons()
         return reasons
 
     def build(self, op: str, config: KVCacheConfig, target: Any) -> OpBuild:
