@@ -130,7 +130,9 @@ class DecodeAdapter : public OpAdapter {
     if (!info.plan->is_decode) return;
     const KVConfig& c = *info.config;
     ws_.Ensure(info, info.passes.size());
-    rope_rcp_scale_ = 1.0 / c.rope_scale;
+    // pagedkv: angle = p * rope_scale / theta^(2i/D); flashinfer: p * rope_rcp_scale * rope_rcp_theta^(2i/D).
+    // (flashinfer's own names a divisor "rope_scale"; pagedkv's rope_scale multiplies.)
+    rope_rcp_scale_ = c.rope_scale;
     rope_rcp_theta_ = 1.0 / c.rope_theta;
     // dtype carriers (flashinfer dispatches on their dtype only)
     int64_t zero = 0;

@@ -20,7 +20,8 @@ def fake_cache():
     import tvm_ffi
 
     cfg = KVCacheConfig(num_layers=2, num_qo_heads=4, num_kv_heads=2, head_dim=16, dtype="float32",
-                        page_size=4, max_batch_size=2, max_total_seq_len=64, prefill_chunk_size=16)
+                        page_size=4, max_batch_size=2, max_total_seq_len=64, prefill_chunk_size=16,
+                        rope_scale=2.0, rope_theta=5000.0)
     ops = ["split_rotary", "append_kv", "gather_kv", "attn_prefill_ragged", "attn_prefill_paged",
            "attn_decode_paged", "merge_state", "copy_page", "compact_copy"]
     module, table = _compile_op_table(cfg, "llvm", tuple((op, "tir") for op in ops))
@@ -91,7 +92,8 @@ def test_plan_per_forward_and_pass_run_per_layer(fake_cache):
         assert named["sm_scale"] == 0.125
         assert named["kv_layout_code"] == 1 and named["window_left"] == -1
         assert named["logits_soft_cap"] == 0.0 and named["maybe_alibi_slopes"] is None
-        assert named["rope_rcp_scale"] == 1.0 and named["rope_rcp_theta"] == pytest.approx(1e-4)
+        # pagedkv's angle p * rope_scale / theta^(2i/D) is flashinfer's p * rcp_scale * rcp_theta^(2i/D)
+        assert named["rope_rcp_scale"] == 2.0 and named["rope_rcp_theta"] == pytest.approx(1 / 5000.0)
         (k_shape, k_stride, k_ptr, _), (v_shape, v_stride, v_ptr, _) = named["paged_k_cache"], named["paged_v_cache"]
         assert k_shape == v_shape and k_shape[1:] == (2, 4, 16)  # HND: [pages, Hkv, page_size, D]
         assert k_stride == v_stride == (2 * 2 * 4 * 16, 4 * 16, 16, 1)  # K and V interleaved per page
