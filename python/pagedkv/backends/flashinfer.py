@@ -51,9 +51,9 @@ class FlashInferBackend(Backend):
         if config.rope_mode == "inline":
             reasons.append("rope_mode 'inline' needs a per-entry key position offset that FlashInfer's decode "
                            "kernel does not take (use 'normal': RoPE applied before the cache)")
-        if any(k != "mha" for k in config.kinds):
-            reasons.append(f"layer kinds {sorted(set(config.kinds) - {'mha'})} are not served by "
-                           "FlashInfer's MHA decode module")
+        if config.is_mla:
+            reasons.append(f"{op} is an MHA op; MLA caches use the mla_* ops (FlashInfer's MLA module has no "
+                           "runtime adapter yet)")
         if config.num_qo_heads % config.num_kv_heads or config.group_size not in GROUP_SIZES:
             reasons.append(f"GQA group size {config.num_qo_heads}/{config.num_kv_heads} not supported "
                            f"(FlashInfer 0.7.4 dispatches {GROUP_SIZES})")
