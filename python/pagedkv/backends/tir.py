@@ -43,7 +43,9 @@ def _cuda_attention_limits(op: str, config: KVCacheConfig) -> list[str]:
     d, group = config.head_dim, config.group_size
     out = []
     if op in (ops.MLA_ATTN_PREFILL_PAGED, ops.MLA_ATTN_DECODE_PAGED):
-        return out
+        return _cuda_mla_limits(op, config)
+    if config.v_dim % 16:
+        out.append(f"CUDA {op} needs v_head_dim % 16 == 0, got v_head_dim {config.v_dim}")
     if d % 16:
         out.append(f"CUDA {op} needs head_dim % 16 == 0, got head_dim {d}")
     if op != ops.ATTN_DECODE_PAGED:
@@ -52,6 +54,25 @@ def _cuda_attention_limits(op: str, config: KVCacheConfig) -> list[str]:
         elif group > (16 if d > 128 else 32):
             out.append(f"CUDA {op} supports GQA groups up to {16 if d > 128 else 32} at head_dim {d}, "
                        f"got {group}")
+    return out
+
+
+#: Limits of the CUDA MLA attention kernels (``tir_kernels/mla_cuda.py``: 16-byte page vectors that never
+#: straddle the value / rope boundary; float32 output accumulators and 48 KB of static shared memory).
+#: Kept here as numbers because a runtime-only process validates without importing the kernels.
+MLA_CUDA_MAX_RANK = 1024
+MLA_CUDA_MAX_LATENT = 1216
+
+
+def _cuda_mla_limits(op: str, config: KVCacheConfig) -> list[str]:
+    out = [f"CUDA {op} needs {name} to be a multiple of 16, got {value}"
+           for name, value in (("kv_lora_rank", config.kv_lora_rank), ("qk_rope_head_dim", config.qk_rope_head_dim))
+           if value % 16]
+    if config.kv_lora_rank > MLA_CUDA_MAX_RANK:
+        out.append(f"CUDA {op} supports kv_lora_rank up to {MLA_CUDA_MAX_RANK}, got {config.kv_lora_rank}")
+    if config.latent_dim > MLA_CUDA_MAX_LATENT:
+        out.append(f"CUDA {op} supports kv_lora_rank + qk_rope_head_dim up to {MLA_CUDA_MAX_LATENT}, got "
+                   f"{config.latent_dim}")
     return out
 
 

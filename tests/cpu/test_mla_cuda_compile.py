@@ -1,0 +1,187 @@
+"""The CUDA MLA kernels (``tir_kernels/mla_cuda.py``) build: TVM lowers them to CUDA source, nvcc compiles it.
+
+No GPU is needed (TVM returns a source-only CUDA module when no CUDA driver is loaded). Per configuration
+(H, kv_lora_rank, qk_rope_head_dim, dtype) the test checks that
+(a) ``tvm.compile`` of the four MLA ops for ``sm_90`` succeeds and the source holds a ``__global__`` kernel
+    for each (plus the split-KV merge kernel of the decode), with explicit thread bindings and 16-byte page
+    accesses, and
+(b) ``nvcc --cubin -arch=sm_90a -O3`` compiles that source (the nvcc jobs of all configurations run in
+    parallel; skipped when nvcc is absent) without register spills and with at most 48 KB of static
+    shared memory per kernel.
+
+The numerical check of these kernels needs a GPU (``tests/gpu``).
+
+Run: ``.venv/bin/python -m pytest tests/cpu/test_mla_cuda_compile.py -q``
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import functools
+import os
+import pathlib
+import re
+import shutil
+import subprocess
+import sys
+
+import pytest
+
+ROOT = pathlib.Path(__file__).resolve().parents[2]
+try:  # installed package
+    from pagedkv.tir_kernels import mla_cuda
+    from pagedkv.tir_kernels._common import fast_macro_expansion
+except Exception:  # noqa: BLE001 (source checkout, or an installed pagedkv without these kernels)
+    sys.path.insert(0, str(ROOT))
+    from tir_kernels import mla_cuda
+    from tir_kernels._common import fast_macro_expansion
+
+import tvm
+from tvm.target import Target
+
+SM90 = Target({"kind": "cuda", "arch": "sm_90"}, host="llvm")
+
+# (H, kv_lora_rank, qk_rope_head_dim, dtype): DeepSeek-V3 per 8-GPU shard, a small fp32 latent with a head
+# count that leaves padding rows, and the full DeepSeek-V3 head count.
+CONFIGS = [
+    (16, 512, 64, "float16"),
+    (3, 64, 32, "float32"),
+    (128, 512, 64, "float16"),
+]
+IDS = ["x".join(map(str, c)) for c in CONFIGS]
+OPS = ("mla_append_kv", "mla_gather_kv", "mla_attn_prefill_paged", "mla_attn_decode_paged")
+SMEM_LIMIT = 48 * 1024
+
+
+def build_funcs(cfg: tuple) -> dict:
+    """``{op: PrimFunc}`` of the four MLA ops for ``cfg``."""
+    h, rank, rope, dtype = cfg
+    with fast_macro_expansion():
+        return {
+            "mla_append_kv": mla_cuda.mla_append_kv_cuda(rank + rope, dtype),
+            "mla_gather_kv": mla_cuda.mla_gather_kv_cuda(rank + rope, dtype),
+            "mla_attn_prefill_paged": mla_cuda.mla_attn_prefill_paged_cuda(h, rank, rope, dtype),
+            "mla_attn_decode_paged": mla_cuda.mla_attn_decode_paged_cuda(h, rank, rope, dtype),
+        }
+
+
+def _cuda_source(executable) -> str:
+    """The CUDA C source of a compiled module (source-only module, or a real one that kept its source)."""
+    for mod in executable.mod.imports:
+        for fmt in ("", "cu", "cuda"):
+            try:
+                src = mod.inspect_source(fmt) if fmt else mod.inspect_source()
+            except Exception:  # noqa: BLE001, S112 (format not kept by this module kind)
+                continue
+            if "__global__" in src:
+                return src
+    raise AssertionError("no CUDA source in the compiled module")
+
+
+@functools.cache
+def cuda_source(cfg: tuple) -> str:
+    """CUDA source of the four MLA ops for ``cfg`` (cached per session)."""
+    funcs = build_funcs(cfg)
+    with SM90:
+        exe = tvm.compile(tvm.IRModule({f"pagedkv_{op}": f for op, f in funcs.items()}), target=SM90)
+    return _cuda_source(exe)
+
+
+def _nvcc() -> str | None:
+    return shutil.which("nvcc") or next(
+        (str(p) for p in sorted(pathlib.Path("/usr/local").glob("cuda*/bin/nvcc"))), None)
+
+
+def _compile_with_nvcc(cfg, workdir: pathlib.Path) -> tuple[int, str]:
+    name = "mla_" + "_".join(map(str, cfg))
+    cu = workdir / f"{name}.cu"
+    cu.write_text(cuda_source(cfg))
+    cmd = [_nvcc(), "--cubin", "-arch=sm_90a", "-O3", "-Xptxas", "-v", "-diag-suppress", "177,1444,1046",
+           "-o", str(workdir / f"{name}.cubin"), str(cu)]
+    proc = subprocess.run(cmd, capture_output=True, text=True, check=False)
+    return proc.returncode, proc.stdout + proc.stderr
+
+
+@pytest.fixture(scope="module")
+def nvcc_results(tmp_path_factory):
+    """nvcc on every configuration's source, the jobs run in parallel: ``{cfg: (returncode, log)}``."""
+    if _nvcc() is None:
+        pytest.skip("nvcc not found")
+    workdir = tmp_path_factory.mktemp("mla_cuda")
+    for cfg in CONFIGS:  # TVM lowering in this thread (not thread-safe to overlap with itself)
+        cuda_source(cfg)
+    with concurrent.futures.ThreadPoolExecutor(max_workers=max(1, min(len(CONFIGS), os.cpu_count() or 1))) as ex:
+        futures = {cfg: ex.submit(_compile_with_nvcc, cfg, workdir) for cfg in CONFIGS}
+        return {cfg: fut.result() for cfg, fut in futures.items()}
+
+
+@pytest.mark.parametrize("cfg", CONFIGS, ids=IDS)
+def test_every_mla_op_lowers_to_cuda(cfg):
+    for op, func in build_funcs(cfg).items():
+        assert func.attrs["global_symbol"] == f"pagedkv_{op}"
+        assert bool(func.attrs["tirx.is_scheduled"]), op
+    src = cuda_source(cfg)
+    for op in OPS:
+        assert re.search(rf"__global__ void __launch_bounds__\(\d+\) pagedkv_{op}_kernel\b", src), \
+            f"no CUDA kernel for {op}"
+    # The decode's split-KV merge is a second kernel of the same PrimFunc.
+    assert re.search(r"__global__ void __launch_bounds__\(\d+\) pagedkv_mla_attn_decode_paged_kernel_1\b", src)
+    assert "threadIdx.x" in src and "blockIdx.x" in src
+    # 16-byte page accesses (uint4 for fp16 / float4 for fp32).
+    assert ("*(uint4*)(pages" in src) or ("*(float4*)(pages" in src)
+    # Static shared memory only.
+    assert "extern __shared__" not in src
+
+
+@pytest.mark.parametrize("cfg", CONFIGS, ids=IDS)
+def test_nvcc_compiles_mla_for_sm90a(cfg, nvcc_results):
+    rc, log = nvcc_results[cfg]
+    assert rc == 0, f"nvcc failed for {cfg}:\n{log[-4000:]}"
+    spills = [line for line in log.splitlines() if re.search(r"[1-9]\d* bytes spill", line)]
+    assert not spills, "register spills:\n" + "\n".join(spills)
+    smem = [int(m) for m in re.findall(r"(\d+) bytes smem", log)]
+    assert smem and max(smem) <= SMEM_LIMIT, f"static shared memory {smem} over {SMEM_LIMIT}"
+    _, rank, rope, _ = cfg
+    assert max(smem) <= mla_cuda.smem_bytes(16, rank + rope), (smem, "smem_bytes() is not an upper bound")
+
+
+def test_block_plan():
+    """16 rows per block for DeepSeek-V3 latents (512 + 64) within 48 KB; 8 rows for latents past 576."""
+    assert mla_cuda.smem_bytes(16, 576) <= SMEM_LIMIT < mla_cuda.smem_bytes(16, 640)
+    assert mla_cuda.rows_per_thread("mla_attn_decode_paged", 512, 64) == 2
+    assert mla_cuda.rows_per_thread("mla_attn_decode_paged", 64, 32) == 2
+    assert mla_cuda.rows_per_thread("mla_attn_prefill_paged", 1024, 64) == 1
+    assert mla_cuda.smem_bytes(8, mla_cuda.MAX_LATENT) <= SMEM_LIMIT
+
+
+@pytest.mark.parametrize("factory, args, match", [
+    ("mla_attn_decode_paged_cuda", (16, 72, 64, "float16"), "kv_lora_rank=72"),
+    ("mla_attn_prefill_paged_cuda", (16, 512, 40, "float16"), "qk_rope_head_dim=40"),
+    ("mla_attn_prefill_paged_cuda", (16, 2048, 64, "float32"), "kv_lora_rank up to 1024"),
+    ("mla_attn_decode_paged_cuda", (16, 1024, 256, "float16"), "up to 1216"),
+])
+def test_unsupported_latents_name_the_dim(factory, args, match):
+    with pytest.raises(NotImplementedError, match=match):
+        getattr(mla_cuda, factory)(*args)
+
+
+def test_backend_limits_match_the_kernels():
+    """The TIR backend's CUDA MLA reasons (pure Python, for runtime-only processes) agree with the kernels."""
+    from pagedkv import KVCacheConfig, ops
+    from pagedkv.backends import get_backend
+    from pagedkv.backends.tir import MLA_CUDA_MAX_LATENT, MLA_CUDA_MAX_RANK
+
+    mc = mla_cuda
+    assert (MLA_CUDA_MAX_RANK, MLA_CUDA_MAX_LATENT) == (mc.MAX_ACC // 4 * mc.DC, mc.MAX_LATENT)
+    tir = get_backend("tir")
+    for r, rope, ok in [(512, 64, True), (1024, 192, True), (520, 64, False), (1088, 64, False),
+                        (1024, 256, False)]:
+        cfg = KVCacheConfig.mla(num_layers=1, num_heads=4, kv_lora_rank=r, qk_nope_head_dim=64,
+                                qk_rope_head_dim=rope, v_head_dim=64)
+        reasons = tir.validate_configuration(ops.MLA_ATTN_DECODE_PAGED, cfg, {"kind": "cuda", "arch": "sm_90"})
+        assert (not reasons) == ok, (r, rope, reasons)
+        if ok:
+            mc.rows_per_thread("mla_attn_decode_paged", r, rope)
+        else:
+            with pytest.raises(NotImplementedError):
+                mc.rows_per_thread("mla_attn_decode_paged", r, rope)

@@ -1,0 +1,589 @@
+"""CUDA MLA kernels (DeepSeek multi-head latent attention, weight-absorbed form) over paged latents.
+
+An MLA page holds one latent vector of ``DL = kv_lora_rank + qk_rope_head_dim`` elements per token
+(``pages[P, 1, 1, ps, DL]``). Every query head attends to the same latent sequence: the key of a token is
+its whole latent, its value the first ``DV = kv_lora_rank`` elements of the same row. That is grouped
+attention with one kv head and a group of all ``H`` query heads.
+
+Semantics are those of the MHA kernels (``attention_cuda.py``): float32 accumulation, scores in log2 units
+(``sm_scale * log2(e)`` folded into q when it is loaded), base-2 ``lse``, bottom-right causal, a row that
+sees no key writes ``o = 0`` and ``lse = -1e30``. Keys at or past an entry's length are never read.
+
+Attention: one block of 128 threads per *row tile* (and key split)
+------------------------------------------------------------------
+* A row tile is ``R = 16`` rows of one entry (8 for latents past 576 elements); entry row ``r`` is query
+  token ``r // H``, head ``r % H``, so the heads of a token (and, for small ``H``, of consecutive tokens)
+  share every latent row the block loads. A decode with ``H < 16`` leaves rows idle.
+* Threads are 8 x 16 (``ty``, ``tx``): thread (ty, tx) owns rows ``RI*ty ..`` (``RI = R / 8``) and, per
+  key tile of ``TK = 16`` keys, key ``tx`` for the scores and output dims ``tx + 16 i`` of every 64-dim
+  chunk for P@V (``RI * 4 * ceil(DV / 64)`` float32 accumulators, 64 for DeepSeek).
+* Shared memory (float32): ``Qs[R, QW + 4]`` (``QW = 64 * ceil(DL / 64)``; q scaled by
+  ``sm_scale * log2(e)``, zero past ``DL``; +4 spreads the rows over the banks), two chunk buffers ``Cb0``,
+  ``Cb1`` of ``[TK, 64 + 4]`` (64 dims of ``TK`` latent rows; stride 68 makes the per-lane float4 row reads
+  conflict-free), the tile's probabilities ``Ps[R, TK]`` and a few block-uniform ints (``blk``, re-read
+  after barriers instead of held in registers across the key loop).
+* A key tile is ``NS = NKC + NVC`` *steps* (statically unrolled): ``NKC = ceil(DL / 64)`` score chunks
+  (partial q.k over 64 dims; after the last one, the online softmax, which publishes P to ``Ps``), then
+  ``NVC = ceil(DV / 64)`` value chunks (``O += P @ V`` on 64 dims; V is re-read from L1/L2, which costs
+  less than keeping a 16 x 576 float32 tile in shared memory). The steps form a software pipeline: step
+  ``j + 1`` is loaded from global memory into registers while step ``j`` computes, then stored into the
+  other chunk buffer, so one barrier per step suffices (plus one per tile when ``NS`` is odd).
+* Keys at or past the tile's last visible key (``kend``) are loaded from the last visible key instead
+  (valid memory, never past the entry) and replaced by zeros with a select; scores of keys a row must not
+  see become ``MASKED`` (``T.if_then_else``) before the softmax, whose ``exp2`` then gives exactly 0.
+* Shared memory: at most ``smem_bytes(R, DL)`` (ptxas: 47,076 bytes for DeepSeek's 576), static, under the
+  48 KB limit (TVM 0.27 fails to merge ``shared.dyn`` buffers here). Registers: 128 per thread for
+  DeepSeek (ptxas, sm_90a), so 4 blocks (16 warps) per SM, which is also the shared-memory limit.
+* Prefill grid: ``blockIdx.x`` = virtual tile ``v`` in ``[0, n * H // R + B)``; entry ``b`` owns
+  ``[q_indptr[b] * H // R + b, q_indptr[b+1] * H // R + b + 1)`` (at least ``ceil(qlen * H / R)``), found
+  by binary search; surplus tiles idle. Within an entry the last row tile (most keys when causal) runs first.
+* Decode grid: (entry, row tile, key split). ``S`` splits per entry when ``B * ceil(H / R)`` blocks cannot
+  fill the GPU and entries are long (``_split_count``, on the host from the shapes); with ``S > 1`` the
+  blocks write normalized partial states (o, lse) to a float32 workspace and a second kernel merges them.
+
+TVM pitfalls met here: a vectorized cast from a register array (``half4 v_ = *(half4*)(Xr)``) is bound
+once by the CUDA codegen and reused after the array changed (so fp16 is converted element-wise); shared
+loads may not appear in ``if`` conditions or loop extents (``T.let`` them first).
+"""
+
+from __future__ import annotations
+
+from tvm.script import tirx as T
+
+from ._common import EMPTY_LSE, LOG2E, MASKED
+from ._common_cuda import ceildiv, shfl_xor, vec16
+
+#: Threads per attention block: TY row groups x TX lanes (a half warp per row group).
+TY, TX = 8, 16
+NT = TY * TX
+#: Keys per key tile (one per lane of a row group).
+TK = TX
+#: Latent dims per pipeline step, and the row stride of a chunk buffer (float4-aligned, bank-spread).
+DC = 64
+CS = DC + 4
+#: Static shared memory limit of a block.
+SMEM_LIMIT = 48 * 1024
+#: Output accumulators per thread at most (``RI * NVC * 4``) before registers spill.
+MAX_ACC = 64
+#: Split-KV policy of the decode kernel: about two blocks per SM of an H100/H200, splits of at least
+#: ``MIN_SPLIT_KEYS`` keys of an average entry, at most ``MAX_SPLITS``.
+TARGET_BLOCKS = 264
+MIN_SPLIT_KEYS = 128
+MAX_SPLITS = 64
+#: Bytes of shared memory beyond the float32 arrays: the block-uniform ints and 64-byte alignment.
+SMEM_SLACK = 256
+#: Slots of the block-uniform scalars kept in shared memory by the attention row tile.
+B_TOKB, B_ROW0, B_NROWS, B_K0, B_K1, B_SHIFT, B_KEND, B_NTILES, B_PBASE, B_SIZE = range(10)
+#: Threads per block of the page kernels and of the split merge.
+PAGE_NT = 256
+MERGE_NT = 128
+
+
+def check_mla_dims(op: str, kv_lora_rank: int, qk_rope_head_dim: int):
+    """Both parts of the latent must be positive multiples of 16 (16-byte page vectors that never
+    straddle the value / rope boundary)."""
+    for name, value in (("kv_lora_rank", kv_lora_rank), ("qk_rope_head_dim", qk_rope_head_dim)):
+        if value <= 0 or value % 16:
+            raise NotImplementedError(f"pagedkv.tir_kernels: the CUDA {op!r} kernel needs {name} to be a "
+                                      f"positive multiple of 16, got {name}={value}")
+
+
+def smem_bytes(rows: int, latent_dim: int) -> int:
+    """Static shared memory of an attention block of ``rows`` rows, an upper bound (``Qs``, two chunk
+    buffers, ``Ps``, ``blk``)."""
+    return 4 * (rows * (ceildiv(latent_dim, DC) * DC + 4) + 2 * TK * CS + rows * TK) + SMEM_SLACK
+
+
+#: Largest latent of a block of 8 rows within SMEM_LIMIT (16 rows: 576).
+MAX_LATENT = max(d for d in range(DC, 64 * DC, DC) if smem_bytes(TY, d) <= SMEM_LIMIT)
+
+
+def rows_per_thread(op: str, kv_lora_rank: int, qk_rope_head_dim: int) -> int:
+    """``RI`` (the block has ``8 * RI`` rows): 2, or 1 when 16 rows do not fit the shared memory or the
+    accumulator budget. Decodes of fewer than 16 heads use 16 rows too: with 8, ptxas squeezed the small
+    kernels for occupancy and spilled the softmax state."""
+    check_mla_dims(op, kv_lora_rank, qk_rope_head_dim)
+    dl, nvc = kv_lora_rank + qk_rope_head_dim, ceildiv(kv_lora_rank, DC)
+    for ri in (2, 1):
+        if smem_bytes(TY * ri, dl) <= SMEM_LIMIT and ri * nvc * 4 <= MAX_ACC:
+            return ri
+    raise NotImplementedError(f"pagedkv.tir_kernels: the CUDA {op!r} kernel supports kv_lora_rank up to "
+                              f"{MAX_ACC // 4 * DC} and kv_lora_rank + qk_rope_head_dim up to {MAX_LATENT}, got "
+                              f"kv_lora_rank={kv_lora_rank}, qk_rope_head_dim={qk_rope_head_dim}")
+
+
+def _kv_len(page_indptr, last_page_len, b, ps):
+    """Keys of entry ``b`` (0 when it has no pages)."""
+    npg = page_indptr[b + 1] - page_indptr[b]
+    return T.if_then_else(npg > 0, (npg - 1) * ps + last_page_len[b], 0)
+
+
+def _split_count(B, nnz, ps, blocks_per_split):
+    """Key splits per decode entry, from shapes only (host side); see ``TARGET_BLOCKS``."""
+    want = T.truncdiv(TARGET_BLOCKS + B * blocks_per_split - 1, T.max(B * blocks_per_split, 1))
+    avg_keys = T.truncdiv(nnz * ps, T.max(B, 1))
+    return T.max(1, T.min(T.min(want, T.truncdiv(avg_keys, MIN_SPLIT_KEYS)), MAX_SPLITS))
+
+
+# ---------------------------------------------------------------------------------------------------
+# page movement
+# ---------------------------------------------------------------------------------------------------
+def mla_append_kv_cuda(latent_dim, dtype):
+    """``pagedkv_mla_append_kv(pages[P,1,1,ps,DL], kv[n,DL], slot[n])``: token ``s`` goes to page
+    ``slot[s] // ps``, offset ``slot[s] % ps``; a negative slot skips the token.
+
+    A thread moves one 16-byte chunk (``VEC`` elements) of one token: element reads of the view, one vector
+    store to the page (consecutive threads own consecutive chunks, so a warp covers contiguous memory).
+    """
+    DL = latent_dim
+    VEC = _page_vec(DL, dtype)
+    C = DL // VEC
+
+    @T.prim_func
+    def mla_append_kv(pages_h: T.handle, kv_h: T.handle, slot_h: T.handle):
+        T.func_attr({"global_symbol": "pagedkv_mla_append_kv", "tirx.noalias": True,
+                     "tirx.is_scheduled": True})
+        n, P, ps = T.int32(), T.int32(), T.int32()
+        pages = T.match_buffer(pages_h, (P, 1, 1, ps, DL), dtype)
+        kv = T.match_buffer(kv_h, (n, DL), dtype, elem_offset=T.int32())
+        slot = T.match_buffer(slot_h, (n,), "int32", elem_offset=T.int32())
+        for bx in T.thread_binding(T.max(ceildiv(n * C, PAGE_NT), 1), thread="blockIdx.x"):
+            for tx in T.thread_binding(PAGE_NT, thread="threadIdx.x"):
+                xr = T.alloc_buffer((VEC,), dtype, scope="local")
+                if bx * PAGE_NT + tx < n * C:
+                    s: T.let[T.int32] = T.truncdiv(bx * PAGE_NT + tx, C)
+                    c: T.let[T.int32] = T.truncmod(bx * PAGE_NT + tx, C)
+                    sl: T.let[T.int32] = slot[s]
+                    if sl >= 0:
+                        for e in T.serial(VEC):
+                            xr[e] = kv[s, c * VEC + e]
+                        for e in T.vectorized(VEC):
+                            pages[T.truncdiv(sl, ps), 0, 0, T.truncmod(sl, ps), c * VEC + e] = xr[e]
+
+    return mla_append_kv
+
+
+def mla_gather_kv_cuda(latent_dim, dtype):
+    """``pagedkv_mla_gather_kv(pages[P,1,1,ps,DL], slot[n], kv[n,DL])``: ``kv[s]`` = the latent at
+    ``slot[s]``; a negative slot leaves ``kv[s]`` unchanged (it would address no page)."""
+    DL = latent_dim
+    VEC = _page_vec(DL, dtype)
+    C = DL // VEC
+
+    @T.prim_func
+    def mla_gather_kv(pages_h: T.handle, slot_h: T.handle, kv_h: T.handle):
+        T.func_attr({"global_symbol": "pagedkv_mla_gather_kv", "tirx.noalias": True,
+                     "tirx.is_scheduled": True})
+        n, P, ps = T.int32(), T.int32(), T.int32()
+        pages = T.match_buffer(pages_h, (P, 1, 1, ps, DL), dtype)
+        slot = T.match_buffer(slot_h, (n,), "int32", elem_offset=T.int32())
+        kv = T.match_buffer(kv_h, (n, DL), dtype, elem_offset=T.int32())
+        for bx in T.thread_binding(T.max(ceildiv(n * C, PAGE_NT), 1), thread="blockIdx.x"):
+            for tx in T.thread_binding(PAGE_NT, thread="threadIdx.x"):
+                xr = T.alloc_buffer((VEC,), dtype, scope="local")
+                if bx * PAGE_NT + tx < n * C:
+                    s: T.let[T.int32] = T.truncdiv(bx * PAGE_NT + tx, C)
+                    c: T.let[T.int32] = T.truncmod(bx * PAGE_NT + tx, C)
+                    sl: T.let[T.int32] = slot[s]
+                    if sl >= 0:
+                        for e in T.vectorized(VEC):
+                            xr[e] = pages[T.truncdiv(sl, ps), 0, 0, T.truncmod(sl, ps), c * VEC + e]
+                        for e in T.serial(VEC):
+                            kv[s, c * VEC + e] = xr[e]
+
+    return mla_gather_kv
+
+
+def _page_vec(latent_dim: int, dtype: str) -> int:
+    """Largest chunk (<= 16 bytes) that divides the latent."""
+    v = vec16(dtype)
+    while latent_dim % v:
+        v //= 2
+    return v
+
+
+# ---------------------------------------------------------------------------------------------------
+# attention: the row-tile body shared by prefill and decode
+# ---------------------------------------------------------------------------------------------------
+def _make_row_tile(H: int, DL: int, DV: int, RI: int, dtype: str):
+    """The ``row_tile`` macro: ``RI * 8`` rows of one entry over one key range (module docstring)."""
+    R = TY * RI
+    VEC = vec16(dtype)  # divides DL and DV (both multiples of 16)
+    CPR = DC // VEC  # 16-byte vectors per chunk row
+    NU = TK * CPR // NT  # vectors per thread per step
+    NKC, NVC = ceildiv(DL, DC), ceildiv(DV, DC)
+    NS = NKC + NVC
+    QW = NKC * DC
+    QS = QW + 4
+    CQ = QW // VEC
+
+    @T.macro
+    def load_step(Xr, Xok, kt, j, pages, page_values, pbase, ps, k0, kend, tid):
+        """Registers ``Xr[u, :]`` = the ``VEC`` dims that thread ``tid`` stages for step ``j`` (static once
+        unrolled) of key tile ``kt``: chunk ``j`` of the keys (``j < NKC``) or chunk ``j - NKC`` of the
+        values, of latent row ``jr`` (key ``k0 + kt*TK + jr``). ``Xok[u] = 0`` marks keys at or past ``kend``
+        and dims past the part, which ``store_step`` turns into zeros. Their load is clamped to the last
+        visible key (valid memory, never past the entry; ``kend > k0`` whenever a step runs) instead of
+        branched around (fewer divergent branches, fewer registers)."""
+        for u in T.unroll(NU):
+            key: T.let[T.int32] = k0 + kt * TK + T.truncdiv(u * NT + tid, CPR)
+            d0: T.let[T.int32] = (T.if_then_else(j < NKC, j, j - NKC) * DC
+                                  + T.truncmod(u * NT + tid, CPR) * VEC)
+            Xok[u] = T.if_then_else(key < kend and d0 < T.if_then_else(j < NKC, DL, DV), 1, 0)
+            for e in T.vectorized(VEC):
+                Xr[u, e] = pages[page_values[pbase + T.truncdiv(T.min(key, kend - 1), ps)], 0, 0,
+                                 T.truncmod(T.min(key, kend - 1), ps), T.min(d0, DL - VEC) + e]
+
+    @T.macro
+    def store_step(Cb, Xr, Xok, tid):
+        """``Cb[j, :]`` (row-major, stride ``CS``) = the staged registers as float32, 0 where ``Xok`` is 0
+        (a select, so whatever the clamped load read never reaches the accumulation).
+
+        fp16 is converted element by element first: a vectorized cast makes TVM's CUDA codegen bind
+        ``half4 v_ = *(half4*)(Xr + 0)`` once and reuse it in a later step, after Xr was reloaded.
+        """
+        Xf = T.alloc_buffer((VEC,), "float32", scope="local")
+        for u in T.unroll(NU):
+            for e in T.unroll(VEC):
+                Xf[e] = T.if_then_else(Xok[u] != 0, T.Cast("float32", Xr[u, e]), T.float32(0))
+            for h in T.unroll(VEC // 4):
+                for e in T.vectorized(4):
+                    Cb[T.truncdiv(u * NT + tid, CPR) * CS + T.truncmod(u * NT + tid, CPR) * VEC
+                       + h * 4 + e] = Xf[h * 4 + e]
+
+    @T.macro
+    def load_q(Qs, q, tokb, row0, nrows, scale, tid):
+        """``Qs[r, d] = q[token, head, d] * scale`` for the tile's rows; 0 for padding rows and dims."""
+        xr = T.alloc_buffer((VEC,), dtype, scope="local")
+        for it in T.serial(ceildiv(R * CQ, NT)):
+            if it * NT + tid < R * CQ:
+                r: T.let[T.int32] = T.truncmod(it * NT + tid, R)
+                cc: T.let[T.int32] = T.truncdiv(it * NT + tid, R)
+                if r < nrows and cc * VEC < DL:
+                    for e in T.unroll(VEC):
+                        xr[e] = q[tokb + T.truncdiv(row0 + r, H), T.truncmod(row0 + r, H), cc * VEC + e]
+                    for e in T.unroll(VEC):
+                        Qs[r * QS + cc * VEC + e] = T.Cast("float32", xr[e]) * scale
+                else:
+                    for e in T.unroll(VEC):
+                        Qs[r * QS + cc * VEC + e] = T.float32(0)
+
+    @T.macro
+    def score_chunk(acc, Qs, Cb, c, ty, tx):
+        """``acc[i] += q[row RI*ty + i] . k[key tx]`` over dims ``c*DC ..`` (float4 shared reads)."""
+        qv = T.alloc_buffer((4,), "float32", scope="local")
+        kv = T.alloc_buffer((4,), "float32", scope="local")
+        for d4 in T.serial(DC // 4):
+            for e in T.vectorized(4):
+                kv[e] = Cb[tx * CS + d4 * 4 + e]
+            for i in T.unroll(RI):
+                for e in T.vectorized(4):
+                    qv[e] = Qs[(ty * RI + i) * QS + c * DC + d4 * 4 + e]
+                for e in T.unroll(4):
+                    acc[i] = acc[i] + qv[e] * kv[e]
+
+    @T.macro
+    def online_softmax(acc, m, lsum, Ol, Ps, blk, key, ty, tx):
+        """Mask key ``key`` (this lane's) per row, update the row state, rescale O and publish the tile's
+        probabilities: ``Ps[r, tx]`` = P of row ``r``, key ``tx`` (read by the value chunks after the next
+        barrier; shared memory instead of a register copy per lane keeps the register count down)."""
+        st = T.alloc_buffer((3,), "float32", scope="local")
+        for i in T.unroll(RI):
+            # Keys row r sees: [k0, min(k1, shift + token)) (bottom-right causal); none for padding rows.
+            lim: T.let[T.int32] = T.if_then_else(
+                ty * RI + i < blk[B_NROWS],
+                T.min(blk[B_K1], blk[B_SHIFT] + T.truncdiv(blk[B_ROW0] + ty * RI + i, H)), 0)
+            st[0] = T.if_then_else(key < lim, acc[i], T.float32(MASKED))
+            st[1] = T.max(st[0], m[i])
+            for sh in T.unroll(4):
+                st[1] = T.max(st[1], shfl_xor(st[1], T.shift_right(8, sh)))
+            # Same new max in all 16 lanes, so the per-lane partial sums stay consistently scaled.
+            st[2] = T.exp2(m[i] - st[1])
+            m[i] = st[1]
+            st[0] = T.exp2(st[0] - st[1])
+            lsum[i] = lsum[i] * st[2] + st[0]
+            for c in T.unroll(NVC * 4):
+                Ol[i, c] = Ol[i, c] * st[2]
+            Ps[(ty * RI + i) * TK + tx] = st[0]
+
+    @T.macro
+    def value_chunk(Ol, Ps, Cb, vc, ty, tx):
+        """``O[i, vc*DC + tx + 16 c4] += sum_k P[i, k] * V[k, ...]`` for one (static) value chunk; P is
+        read 4 keys at a time (float4, the same address for the 16 lanes of a row group: a broadcast)."""
+        vv = T.alloc_buffer((4,), "float32", scope="local")
+        pv = T.alloc_buffer((RI, 4), "float32", scope="local")
+        for k4 in T.unroll(TK // 4):
+            for i in T.unroll(RI):
+                for e in T.vectorized(4):
+                    pv[i, e] = Ps[(ty * RI + i) * TK + k4 * 4 + e]
+            for kk in T.unroll(4):
+                for c4 in T.unroll(4):
+                    vv[c4] = Cb[(k4 * 4 + kk) * CS + c4 * TX + tx]
+                for i in T.unroll(RI):
+                    for c4 in T.unroll(4):
+                        Ol[i, vc * 4 + c4] = Ol[i, vc * 4 + c4] + pv[i, kk] * vv[c4]
+
+    @T.macro
+    def step(Cb, kt, j, ntiles, blk, Xr, Xok, acc, m, lsum, Ol, Ps, Qs, pages, page_values, ps, tid, ty, tx):
+        """Step ``j`` (an unrolled index) of key tile ``kt``: stage the registers into ``Cb``, barrier,
+        issue the loads of the next step (the next tile's first at ``j = NS - 1``), then compute step
+        ``j`` from ``Cb``: a score chunk (and, after the last, the online softmax) or a value chunk."""
+        store_step(Cb, Xr, Xok, tid)
+        T.tvm_storage_sync("shared")
+        # The next step's global loads are in flight while this step computes.
+        if j + 1 < NS:
+            load_step(Xr, Xok, kt, j + 1, pages, page_values, blk[B_PBASE], ps, blk[B_K0], blk[B_KEND], tid)
+        elif kt + 1 < ntiles:
+            load_step(Xr, Xok, kt + 1, 0, pages, page_values, blk[B_PBASE], ps, blk[B_K0], blk[B_KEND], tid)
+        if j < NKC:
+            if j == 0:
+                for i in T.unroll(RI):
+                    acc[i] = T.float32(0)
+            score_chunk(acc, Qs, Cb, j, ty, tx)
+            if j == NKC - 1:
+                online_softmax(acc, m, lsum, Ol, Ps, blk, blk[B_K0] + kt * TK + tx, ty, tx)
+        else:
+            value_chunk(Ol, Ps, Cb, j - NKC, ty, tx)
+
+    @T.macro
+    def write_rows(o, lse, ws_o, ws_l, Ol, m, lsum, blk, S, sp, ty, tx):
+        """Store the tile's rows: ``o``/``lse`` (``S == 1``) or the split's partial state in the workspace
+        (row ``(token * H + head) * S + sp``); ``o = 0``, ``lse = -1e30`` for a row that saw no key."""
+        tokb: T.let[T.int32] = blk[B_TOKB]
+        row0: T.let[T.int32] = blk[B_ROW0]
+        nrows: T.let[T.int32] = blk[B_NROWS]
+        for i in T.unroll(RI):
+            for sh in T.unroll(4):
+                lsum[i] = lsum[i] + shfl_xor(lsum[i], T.shift_right(8, sh))
+        for i in T.unroll(RI):
+            if ty * RI + i < nrows:
+                tok: T.let[T.int32] = tokb + T.truncdiv(row0 + ty * RI + i, H)
+                hd: T.let[T.int32] = T.truncmod(row0 + ty * RI + i, H)
+                # lsum >= 1 once any key was seen (its max contributes 2^0); else 0.
+                rl: T.let[T.float32] = T.if_then_else(lsum[i] > T.float32(0), T.float32(1) / lsum[i],
+                                                      T.float32(0))
+                ls: T.let[T.float32] = T.if_then_else(lsum[i] > T.float32(0), m[i] + T.log2(lsum[i]),
+                                                      T.float32(EMPTY_LSE))
+                # One branch per row (not per element); the dim guard folds once c is unrolled (DV % 16 == 0).
+                if S == 1:
+                    for c in T.unroll(NVC * 4):
+                        if T.truncdiv(c, 4) * DC + T.truncmod(c, 4) * TX < DV:
+                            o[tok, hd, T.truncdiv(c, 4) * DC + T.truncmod(c, 4) * TX + tx] = T.Cast(
+                                dtype, Ol[i, c] * rl)
+                    if tx == 0:
+                        lse[tok, hd] = ls
+                else:
+                    for c in T.unroll(NVC * 4):
+                        if T.truncdiv(c, 4) * DC + T.truncmod(c, 4) * TX < DV:
+                            ws_o[(tok * H + hd) * S + sp, T.truncdiv(c, 4) * DC + T.truncmod(c, 4) * TX + tx] = \
+                                Ol[i, c] * rl
+                    if tx == 0:
+                        ws_l[(tok * H + hd) * S + sp] = ls
+
+    @T.macro
+    def row_tile(q, o, lse, ws_o, ws_l, pages, page_values, pbase, ps, tokb, row0, nrows, qlen, kvlen,
+                 causal, k0, k1, S, sp, sm_scale, tid):
+        """Rows ``row0 .. row0 + nrows`` of an entry (row ``r``: token ``tokb + r // H``, head ``r % H``)
+        over its keys ``[k0, k1)``; ``nrows = 0`` idles (zero-trip loops, no memory access). No branch
+        around a barrier depends on the thread."""
+        Qs = T.alloc_buffer((R * QS,), "float32", scope="shared")
+        Cb0 = T.alloc_buffer((TK * CS,), "float32", scope="shared")
+        Cb1 = T.alloc_buffer((TK * CS,), "float32", scope="shared")
+        Ps = T.alloc_buffer((R * TK,), "float32", scope="shared")
+        blk = T.alloc_buffer((B_SIZE,), "int32", scope="shared")
+        Xr = T.alloc_buffer((NU, VEC), dtype, scope="local")
+        Xok = T.alloc_buffer((NU,), "int32", scope="local")
+        acc = T.alloc_buffer((RI,), "float32", scope="local")
+        m = T.alloc_buffer((RI,), "float32", scope="local")
+        lsum = T.alloc_buffer((RI,), "float32", scope="local")
+        Ol = T.alloc_buffer((RI, NVC * 4), "float32", scope="local")
+        ty: T.let[T.int32] = T.truncdiv(tid, TX)
+        tx: T.let[T.int32] = T.truncmod(tid, TX)
+        for i in T.unroll(RI):
+            m[i] = T.float32(EMPTY_LSE)
+            lsum[i] = T.float32(0)
+            for c in T.unroll(NVC * 4):
+                Ol[i, c] = T.float32(0)
+        # Block-uniform scalars go through shared memory, written by thread 0 and re-read after each
+        # barrier, so they hold no registers across the key loop (with every thread writing, nvcc
+        # forwards its own store and keeps the values live: spills at 128 registers).
+        # Row r sees keys [k0, min(k1, shift + token)), token = (row0 + r) // H; kend: the last key
+        # the tile's last row sees.
+        kend: T.let[T.int32] = T.if_then_else(nrows > 0, T.min(k1, T.if_then_else(
+            causal != 0, kvlen - qlen + T.truncdiv(row0 + nrows - 1, H) + 1, kvlen)), k0)
+        if tid == 0:
+            blk[B_TOKB] = tokb
+            blk[B_K1] = k1
+            blk[B_SHIFT] = T.if_then_else(causal != 0, kvlen - qlen + 1, 1 << 30)
+            blk[B_ROW0] = row0
+            blk[B_NROWS] = nrows
+            blk[B_K0] = k0
+            blk[B_KEND] = kend
+            blk[B_NTILES] = T.truncdiv(T.max(kend - k0, 0) + TK - 1, TK)
+            blk[B_PBASE] = pbase
+        T.tvm_storage_sync("shared")
+        ntiles: T.let[T.int32] = blk[B_NTILES]
+        tokb_s: T.let[T.int32] = blk[B_TOKB]
+        row0_s: T.let[T.int32] = blk[B_ROW0]
+        nrows_s: T.let[T.int32] = blk[B_NROWS]
+        load_q(Qs, q, tokb_s, row0_s, nrows_s, sm_scale * T.float32(LOG2E), tid)
+        if ntiles > 0:
+            load_step(Xr, Xok, 0, 0, pages, page_values, blk[B_PBASE], ps, blk[B_K0], blk[B_KEND], tid)
+        for kt in T.serial(ntiles):
+            # Consecutive steps alternate the chunk buffers, so one barrier per step suffices: a buffer
+            # written in step j was last read in step j - 2, which every thread finished before the
+            # barrier of step j - 1.
+            for jj in T.unroll(NS // 2):
+                step(Cb0, kt, 2 * jj, ntiles, blk, Xr, Xok, acc, m, lsum, Ol, Ps, Qs, pages, page_values, ps,
+                     tid, ty, tx)
+                step(Cb1, kt, 2 * jj + 1, ntiles, blk, Xr, Xok, acc, m, lsum, Ol, Ps, Qs, pages, page_values,
+                     ps, tid, ty, tx)
+            if NS % 2 == 1:
+                step(Cb0, kt, NS - 1, ntiles, blk, Xr, Xok, acc, m, lsum, Ol, Ps, Qs, pages, page_values, ps,
+                     tid, ty, tx)
+                # The next tile starts with Cb0 again: everyone must be done with this last step.
+                T.tvm_storage_sync("shared")
+        write_rows(o, lse, ws_o, ws_l, Ol, m, lsum, blk, S, sp, ty, tx)
+
+    return row_tile
+
+
+# ---------------------------------------------------------------------------------------------------
+# attention entry points
+# ---------------------------------------------------------------------------------------------------
+def mla_attn_prefill_paged_cuda(num_heads, kv_lora_rank, qk_rope_head_dim, dtype):
+    """``pagedkv_mla_attn_prefill_paged`` for CUDA.
+
+    Signature::
+
+        (q[n,H,DL], q_indptr[B+1], pages[P,1,1,ps,DL], page_indptr[B+1], page_values[nnz],
+         last_page_len[B], o[n,H,DV], lse[n,H], causal:i32, sm_scale:f32)
+
+    One block per virtual row tile (``R`` = 16 rows, tokens x heads of one entry), over all its keys.
+    """
+    H, DV = num_heads, kv_lora_rank
+    DL = kv_lora_rank + qk_rope_head_dim
+    RI = rows_per_thread("mla_attn_prefill_paged", kv_lora_rank, qk_rope_head_dim)
+    R = TY * RI
+    row_tile = _make_row_tile(H, DL, DV, RI, dtype)
+
+    @T.prim_func
+    def mla_attn_prefill_paged(q_h: T.handle, q_indptr_h: T.handle, pages_h: T.handle,
+                               page_indptr_h: T.handle, page_values_h: T.handle, last_page_len_h: T.handle,
+                               o_h: T.handle, lse_h: T.handle, causal: T.int32, sm_scale: T.float32):
+        T.func_attr({"global_symbol": "pagedkv_mla_attn_prefill_paged", "tirx.noalias": True,
+                     "tirx.is_scheduled": True})
+        n, B, P, ps, nnz = T.int32(), T.int32(), T.int32(), T.int32(), T.int32()
+        q = T.match_buffer(q_h, (n, H, DL), dtype, elem_offset=T.int32())
+        q_indptr = T.match_buffer(q_indptr_h, (B + 1,), "int32", elem_offset=T.int32())
+        pages = T.match_buffer(pages_h, (P, 1, 1, ps, DL), dtype)
+        page_indptr = T.match_buffer(page_indptr_h, (B + 1,), "int32", elem_offset=T.int32())
+        page_values = T.match_buffer(page_values_h, (nnz,), "int32", elem_offset=T.int32())
+        last_page_len = T.match_buffer(last_page_len_h, (B,), "int32", elem_offset=T.int32())
+        o = T.match_buffer(o_h, (n, H, DV), dtype, elem_offset=T.int32())
+        lse = T.match_buffer(lse_h, (n, H), "float32", elem_offset=T.int32())
+        for vt in T.thread_binding(T.max(T.truncdiv(n * H, R) + B, 1), thread="blockIdx.x"):
+            for tid in T.thread_binding(NT, thread="threadIdx.x"):
+                srch = T.alloc_buffer((2,), "int32", scope="local")
+                # Entry b: the last one whose first virtual tile q_indptr[b] * H // R + b is <= vt.
+                srch[0] = 0
+                srch[1] = B
+                while srch[1] - srch[0] > 1:
+                    if T.truncdiv(q_indptr[T.truncdiv(srch[0] + srch[1], 2)] * H, R) + T.truncdiv(
+                            srch[0] + srch[1], 2) <= vt:
+                        srch[0] = T.truncdiv(srch[0] + srch[1], 2)
+                    else:
+                        srch[1] = T.truncdiv(srch[0] + srch[1], 2)
+                b: T.let[T.int32] = srch[0]
+                qlen: T.let[T.int32] = T.if_then_else(B > 0, q_indptr[T.min(b + 1, B)] - q_indptr[b], 0)
+                tin: T.let[T.int32] = vt - (T.truncdiv(q_indptr[b] * H, R) + b)
+                ntiles: T.let[T.int32] = T.truncdiv(qlen * H + R - 1, R)
+                active: T.let[T.bool] = tin >= 0 and tin < ntiles
+                # Last row tile first (it sees the most keys under causal).
+                row0: T.let[T.int32] = (ntiles - 1 - tin) * R
+                kvlen: T.let[T.int32] = T.if_then_else(active, _kv_len(page_indptr, last_page_len, b, ps), 0)
+                row_tile(q, o, lse, None, None, pages, page_values, page_indptr[b], ps, q_indptr[b], row0,
+                         T.if_then_else(active, T.min(R, qlen * H - row0), 0), qlen, kvlen, causal, 0, kvlen,
+                         1, 0, sm_scale, tid)
+
+    return mla_attn_prefill_paged
+
+
+def mla_attn_decode_paged_cuda(num_heads, kv_lora_rank, qk_rope_head_dim, dtype):
+    """``pagedkv_mla_attn_decode_paged`` for CUDA.
+
+    Signature::
+
+        (q[B,H,DL], pages[P,1,1,ps,DL], page_indptr[B+1], page_values[nnz], last_page_len[B],
+         o[B,H,DV], lse[B,H], sm_scale:f32)
+
+    One block per (entry, row tile of ``R`` heads, key split); with ``S > 1`` splits a second kernel merges
+    the partial states.
+    """
+    H, DV = num_heads, kv_lora_rank
+    DL = kv_lora_rank + qk_rope_head_dim
+    RI = rows_per_thread("mla_attn_decode_paged", kv_lora_rank, qk_rope_head_dim)
+    R = TY * RI
+    NRT = ceildiv(H, R)
+    row_tile = _make_row_tile(H, DL, DV, RI, dtype)
+
+    @T.macro
+    def merge_splits(o, lse, B, S, ws_o, ws_l):
+        """o, lse of every (entry, head) row from its S partial states (base-2 lse merge)."""
+        for row in T.thread_binding(T.max(B, 1) * H, thread="blockIdx.x"):
+            for t in T.thread_binding(MERGE_NT, thread="threadIdx.x"):
+                ms = T.alloc_buffer((3,), "float32", scope="local")
+                if row < B * H:
+                    ms[0] = T.float32(EMPTY_LSE)
+                    for sp in T.serial(S):
+                        ms[0] = T.max(ms[0], ws_l[row * S + sp])
+                    ms[1] = T.float32(0)
+                    for sp in T.serial(S):
+                        ms[1] = ms[1] + T.exp2(ws_l[row * S + sp] - ms[0])
+                    for c in T.serial(ceildiv(DV, MERGE_NT)):
+                        if c * MERGE_NT + t < DV:
+                            ms[2] = T.float32(0)
+                            for sp in T.serial(S):
+                                ms[2] = ms[2] + ws_o[row * S + sp, c * MERGE_NT + t] * T.exp2(
+                                    ws_l[row * S + sp] - ms[0])
+                            o[T.truncdiv(row, H), T.truncmod(row, H), c * MERGE_NT + t] = T.Cast(
+                                dtype, ms[2] / ms[1])
+                    if t == 0:
+                        # All splits empty: lse = -1e30 + log2(S) == -1e30 in float32, o = 0.
+                        lse[T.truncdiv(row, H), T.truncmod(row, H)] = ms[0] + T.log2(ms[1])
+
+    @T.prim_func
+    def mla_attn_decode_paged(q_h: T.handle, pages_h: T.handle, page_indptr_h: T.handle,
+                              page_values_h: T.handle, last_page_len_h: T.handle, o_h: T.handle,
+                              lse_h: T.handle, sm_scale: T.float32):
+        T.func_attr({"global_symbol": "pagedkv_mla_attn_decode_paged", "tirx.noalias": True,
+                     "tirx.is_scheduled": True})
+        B, P, ps, nnz = T.int32(), T.int32(), T.int32(), T.int32()
+        q = T.match_buffer(q_h, (B, H, DL), dtype, elem_offset=T.int32())
+        pages = T.match_buffer(pages_h, (P, 1, 1, ps, DL), dtype)
+        page_indptr = T.match_buffer(page_indptr_h, (B + 1,), "int32", elem_offset=T.int32())
+        page_values = T.match_buffer(page_values_h, (nnz,), "int32", elem_offset=T.int32())
+        last_page_len = T.match_buffer(last_page_len_h, (B,), "int32", elem_offset=T.int32())
+        o = T.match_buffer(o_h, (B, H, DV), dtype, elem_offset=T.int32())
+        lse = T.match_buffer(lse_h, (B, H), "float32", elem_offset=T.int32())
+        S: T.let[T.int32] = _split_count(B, nnz, ps, NRT)
+        # Split partial states (float32); only touched when S > 1.
+        ws_o = T.alloc_buffer((T.max(B, 1) * H * S, DV), "float32")
+        ws_l = T.alloc_buffer((T.max(B, 1) * H * S,), "float32")
+        for bx in T.thread_binding(T.max(B, 1), thread="blockIdx.x"):
+            for ry in T.thread_binding(NRT, thread="blockIdx.y"):
+                for sp in T.thread_binding(S, thread="blockIdx.z"):
+                    for tid in T.thread_binding(NT, thread="threadIdx.x"):
+                        # B == 0 launches one idle block (nrows = 0; it reads page_indptr[0] only).
+                        kvlen: T.let[T.int32] = T.if_then_else(
+                            bx < B, _kv_len(page_indptr, last_page_len, bx, ps), 0)
+                        # This split's keys: [k0, k1), chunks a multiple of the key tile.
+                        chunk: T.let[T.int32] = T.truncdiv(T.truncdiv(kvlen + S - 1, S) + TK - 1, TK) * TK
+                        k0: T.let[T.int32] = T.min(sp * chunk, kvlen)
+                        row_tile(q, o, lse, ws_o, ws_l, pages, page_values, page_indptr[bx], ps, bx, ry * R,
+                                 T.if_then_else(bx < B, T.min(R, H - ry * R), 0), 1, kvlen, 0, k0,
+                                 T.min(k0 + chunk, kvlen), S, sp, sm_scale, tid)
+        if S > 1:
+            merge_splits(o, lse, B, S, ws_o, ws_l)
+
+    return mla_attn_decode_paged
