@@ -78,6 +78,22 @@ DLTensor HostInt32(const std::vector<int32_t>& v, int64_t* shape) {
   return t;
 }
 
+// FlashInfer reads a tensor's address with tvm-ffi's TensorView::data_ptr(), which is DLTensor::data and
+// ignores byte_offset; pagedkv's index arrays are views into one aux buffer (byte_offset > 0). So every
+// tensor goes to FlashInfer as a DLTensor whose offset is folded into data (device addresses are plain
+// addresses on CUDA). The returned struct borrows shape/strides from `t`, which outlives the call.
+DLTensor Folded(const DLTensor& t) {
+  DLTensor out = t;
+  out.data = static_cast<char*>(t.data) + t.byte_offset;
+  out.byte_offset = 0;
+  return out;
+}
+
+struct FoldedArg {
+  DLTensor t;
+  explicit FoldedArg(const ffi::Tensor& x) : t(Folded(*x.GetDLTensorPtr())) {}
+};
+
 uint64_t ViewKey(const ffi::Tensor& t) {
   const DLTensor* d = t.GetDLTensorPtr();
   return reinterpret_cast<uint64_t>(d->data) + d->byte_offset;
@@ -91,11 +107,11 @@ struct KVView {
     int64_t p = pages.shape[0], h = pages.shape[2], s = pages.shape[3], d = pages.shape[4];
     shape = {p, h, s, d};
     strides = {2 * h * s * d, s * d, d, 1};
-    t = pages;
+    t = Folded(pages);
     t.ndim = 4;
     t.shape = shape.data();
     t.strides = strides.data();
-    t.byte_offset = pages.byte_offset + static_cast<uint64_t>(which) * h * s * d * ((pages.dtype.bits + 7) / 8);
+    t.data = static_cast<char*>(t.data) + static_cast<uint64_t>(which) * h * s * d * ((pages.dtype.bits + 7) / 8);
   }
 };
 
@@ -184,19 +200,21 @@ class DecodeAdapter : public OpAdapter {
                                   << "begin_forward did not plan";
     }
     KVView k(*pages.GetDLTensorPtr(), 0), v(*pages.GetDLTensorPtr(), 1);
+    FoldedArg q(in[0].cast<ffi::Tensor>()), indptr(page_indptr), indices(in[3].cast<ffi::Tensor>()),
+        last(in[4].cast<ffi::Tensor>()), o(in[7].cast<ffi::Tensor>()), lse(in[8].cast<ffi::Tensor>());
     namespace a = abi::decode_run;
     ArgPack<a::kNumArgs> args;
     args.Set(a::kFloatWorkspaceBuffer, ws_.float_ws());
     args.Set(a::kIntWorkspaceBuffer, ws_.int_ws(it->second.first));
     args.Set(a::kPlanInfoVec, it->second.second);
-    args.Set(a::kQ, in[0]);
+    args.Set(a::kQ, &q.t);
     args.Set(a::kPagedKCache, &k.t);
     args.Set(a::kPagedVCache, &v.t);
-    args.Set(a::kPagedKvIndptr, in[2]);
-    args.Set(a::kPagedKvIndices, in[3]);
-    args.Set(a::kPagedKvLastPageLen, in[4]);
-    args.Set(a::kO, in[7]);
-    args.Set(a::kMaybeLse, in[8]);
+    args.Set(a::kPagedKvIndptr, &indptr.t);
+    args.Set(a::kPagedKvIndices, &indices.t);
+    args.Set(a::kPagedKvLastPageLen, &last.t);
+    args.Set(a::kO, &o.t);
+    args.Set(a::kMaybeLse, &lse.t);
     args.Set(a::kKvLayoutCode, kKvLayoutHND);
     args.Set(a::kWindowLeft, window_left_);
     args.Set(a::kEnablePdl, false);
