@@ -139,9 +139,10 @@ struct StridedView {
   DLTensor* get() { return &t; }
 };
 
-// A DLTensor describing host memory (no ownership): plan's indptr arguments are host arrays.
+// A DLTensor describing host memory (no ownership): plan's indptr arguments are host arrays. Strides are
+// set: tvm-ffi's TensorView::stride() reads them unchecked.
 struct HostInt32 {
-  int64_t shape;
+  int64_t shape, stride = 1;
   DLTensor t{};
   explicit HostInt32(const std::vector<int32_t>& v) : shape(static_cast<int64_t>(v.size())) {
     t.data = const_cast<int32_t*>(v.data());
@@ -149,6 +150,7 @@ struct HostInt32 {
     t.ndim = 1;
     t.dtype = kInt32;
     t.shape = &shape;
+    t.strides = &stride;
   }
   DLTensor* get() { return &t; }
 };
@@ -343,11 +345,12 @@ class DecodeAdapter : public FlashInferAdapter {
     rope_rcp_scale_ = c.rope_scale;
     rope_rcp_theta_ = 1.0 / c.rope_theta;
     // dtype carriers (flashinfer dispatches on their dtype only)
-    int64_t zero = 0;
+    int64_t zero = 0, one = 1;
     DLTensor empty{};
     empty.device = info.device;
     empty.ndim = 1;
     empty.shape = &zero;
+    empty.strides = &one;
     empty.dtype = c.dl_dtype();
     for (size_t i = 0; i < info.passes.size(); ++i) {
       const ForwardInfo::Pass& p = info.passes[i];

@@ -30,9 +30,10 @@ class _DLTensor(ctypes.Structure):
                 ("byte_offset", ctypes.c_uint64)]
 
 
-def raw_byte_offset(t) -> int:
-    """``byte_offset`` of a tensor argument as FlashInfer's C++ sees it: FlashInfer reads ``DLTensor::data``
-    and ignores ``byte_offset``, while Python's ``data_ptr()`` adds it. A borrowed ``DLTensor*`` argument has
+def raw_dltensor(t) -> _DLTensor:
+    """The ``DLTensor`` of a tensor argument as FlashInfer's C++ sees it: FlashInfer reads ``DLTensor::data``
+    and ignores ``byte_offset`` (Python's ``data_ptr()`` adds it), and reads ``strides`` unchecked
+    (Python's ``strides`` fills in compact ones). A borrowed ``DLTensor*`` argument has
     no DLPack export, so the ``DLTensor*`` the Python object wraps (tvm_ffi's Cython ``Tensor.cdltensor``,
     after ``CObject.chandle``) is found in the object's memory: the slot whose DLTensor has this tensor's
     ndim and ``data + byte_offset == data_ptr()``."""
@@ -44,7 +45,7 @@ def raw_byte_offset(t) -> int:
             continue
         d = _DLTensor.from_address(p)
         if d.ndim == want_ndim and (d.data or 0) + d.byte_offset == want_ptr:
-            return int(d.byte_offset)
+            return d
     raise AssertionError("could not find the DLTensor of a tensor argument")
 
 
@@ -100,15 +101,18 @@ class FakeFlashInfer:
     def __init__(self):
         self.calls: list[tuple[str, dict]] = []
         self.plans: dict[int, dict] = {}
-        self.offsets: list[tuple[str, str, int]] = []  # (function, argument, byte_offset) seen != 0
+        # (function, argument, problem): a byte_offset != 0, or NULL strides
+        self.offsets: list[tuple[str, str, object]] = []
 
     # -- helpers --------------------------------------------------------------------------------------
     def _check_offsets(self, where, named):
         for name, value in named.items():
             if hasattr(value, "data_ptr") and hasattr(value, "strides"):
-                off = raw_byte_offset(value)
-                if off:
-                    self.offsets.append((where, name, off))
+                d = raw_dltensor(value)
+                if d.byte_offset:
+                    self.offsets.append((where, name, int(d.byte_offset)))
+                if d.ndim and not d.strides:
+                    self.offsets.append((where, name, "strides NULL"))
 
     def _plan(self, func, args, extra=None):
         named = _named(func, args)

@@ -8,7 +8,7 @@ as FlashInfer's kernels read them, writing FlashInfer's empty state (lse = -inf)
   FlashInfer;
 - the scenario suite, fine-grained (self/cross/merge, empty rows checked), through the adapters for MHA
   (fa2 and fa3 argument lists) and MLA, against the PyTorch reference;
-- every tensor FlashInfer gets has byte_offset 0 (its bindings ignore byte_offset);
+- every tensor FlashInfer gets has byte_offset 0 (its bindings ignore byte_offset) and strides (read unchecked);
 - the MLA plan's staged metadata reaches the device int workspace.
 Numerics of FlashInfer itself need the GPU (tests/gpu)."""
 
@@ -111,7 +111,7 @@ def test_plan_per_forward_and_pass_run_per_layer(empty_rows):
         assert k_shape == v_shape and k_shape[1:] == (2, 4, 16)  # HND: [pages, Hkv, page_size, D]
         assert k_stride == v_stride == (2 * 2 * 4 * 16, 4 * 16, 16, 1)  # K and V interleaved per page
         assert v_ptr - k_ptr == 2 * 4 * 16 * 4  # V follows K inside each page (float32)
-    assert not fake.offsets, f"tensors with a byte_offset reached FlashInfer: {fake.offsets[:4]}"
+    assert not fake.offsets, f"tensor arguments FlashInfer would misread (byte_offset or NULL strides): {fake.offsets[:4]}"
 
 
 def test_ragged_and_paged_plans(empty_rows):
@@ -136,7 +136,7 @@ def test_ragged_and_paged_plans(empty_rows):
     assert own["qo_indptr"] == [0, 3, 5, 10] and own["kv_len_arr"] == [1, 1, 0]
     assert fake.count("prefill_fa2.paged_run") == 2 * cfg.num_layers
     assert fake.count("prefill_fa2.ragged_run") == cfg.num_layers
-    assert not fake.offsets, f"tensors with a byte_offset reached FlashInfer: {fake.offsets[:4]}"
+    assert not fake.offsets, f"tensor arguments FlashInfer would misread (byte_offset or NULL strides): {fake.offsets[:4]}"
 
 
 def test_all_empty_calls_never_reach_flashinfer(empty_rows):
@@ -166,7 +166,7 @@ def test_scenarios_through_the_adapters(empty_rows, kinds, scenario, gen):
     runner = ScenarioRunner(cache, gen, random_sm_scale(gen, cfg.head_dim), fine_grained=True)
     runner.run(SCENARIOS[scenario](cfg.page_size), scenario)
     assert fake.count(f"{MHA_KINDS[kinds]['attn_prefill_ragged']}.ragged_run") > 0
-    assert not fake.offsets, f"tensors with a byte_offset reached FlashInfer: {fake.offsets[:4]}"
+    assert not fake.offsets, f"tensor arguments FlashInfer would misread (byte_offset or NULL strides): {fake.offsets[:4]}"
 
 
 @pytest.mark.parametrize("scenario", list(SCENARIOS))
@@ -176,7 +176,7 @@ def test_mla_scenarios_through_the_adapters(empty_rows, scenario, gen):
     runner = ScenarioRunner(cache, gen, random_sm_scale(gen, cfg.head_dim))
     runner.run(SCENARIOS[scenario](cfg.page_size), scenario)
     assert fake.count("mla.run") > 0
-    assert not fake.offsets, f"tensors with a byte_offset reached FlashInfer: {fake.offsets[:4]}"
+    assert not fake.offsets, f"tensor arguments FlashInfer would misread (byte_offset or NULL strides): {fake.offsets[:4]}"
 
 
 def test_mla_plan_and_views(empty_rows):
