@@ -68,7 +68,7 @@ def load_functions(bundle: Path) -> tuple[dict, dict]:
     try:
         lib, how = find_our_library(bundle / "kernels")
         entries = json.loads(lib.with_suffix(".json").read_text())["entries"]
-        symbols = {op: names[0] for op, _tag, names in entries if op in ATTN_OPS}
+        symbols = {op: names[0] for op, _tag, names, *_ in entries if op in ATTN_OPS}
         info["ours"] = {"library": str(lib), "found_by": how, "symbols": symbols}
         funcs["ours"] = _lookup(load_library, lib, symbols)
         for op in ATTN_OPS:

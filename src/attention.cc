@@ -89,7 +89,8 @@ void PagedKVCacheObj::EndForward() {
 // Library backends plan here (src/backend.h ForwardInfo). A failure is a device failure: the forward
 // is abandoned.
 void PagedKVCacheObj::NotifyBeginForward(const ForwardPlan& plan) {
-  ForwardInfo info{&cfg_, device_, &fns_, &plan, forward_->q_indptr, {}};
+  ForwardInfo info{&cfg_, device_, &fns_, &plan, forward_->q_indptr, forward_->no_keys_indptr, {},
+                   &backend_scratch_};
   for (size_t i = 0; i < plan.passes.size(); ++i) {
     const PassViews& v = forward_->passes[i];
     info.passes.push_back({&plan.passes[i], v.q_indptr, v.page_indptr, v.page_values, v.last_page_len,

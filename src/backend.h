@@ -37,8 +37,12 @@ struct ForwardInfo {
   DLDevice device{};
   const TensorFns* fns = nullptr;
   const ForwardPlan* plan = nullptr;
-  ffi::Tensor q_indptr;  // device view of plan->q_indptr (ragged attention's q and kv indptr)
+  ffi::Tensor q_indptr;        // device view of plan->q_indptr (ragged attention's q and kv indptr)
+  ffi::Tensor no_keys_indptr;  // device view of B+1 zeros: the ragged kv_indptr of a decode self_attention
   std::vector<Pass> passes;
+  // Buffers owned by the cache that every adapter of it may share (e.g. one split-k workspace for all of a
+  // library's ops), by name; they live as long as the cache.
+  std::map<std::string, ffi::Tensor>* scratch = nullptr;
 };
 
 // One op served by one backend.

@@ -11,6 +11,7 @@
 #include <tvm/ffi/object.h>
 #include <tvm/ffi/string.h>
 
+#include <map>
 #include <memory>
 #include <optional>
 #include <string>
@@ -121,6 +122,7 @@ class PagedKVCacheObj : public ffi::Object {
   AuxBuilder aux_;
   std::unique_ptr<AuxBuilder> debug_aux_;  // slot maps of debug_get_kv / debug_set_kv
   std::optional<Forward> forward_;
+  std::map<std::string, ffi::Tensor> backend_scratch_;  // ForwardInfo::scratch: buffers adapters share
   bool poison_ = false;
 };
 

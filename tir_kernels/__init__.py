@@ -27,6 +27,7 @@ from .attention_cuda import (
     attn_prefill_paged_cuda,
     attn_prefill_ragged_cuda,
 )
+from .empty_rows import empty_rows_cpu, empty_rows_cuda
 from .merge import merge_state_cpu
 from .merge_cuda import merge_state_cuda
 from .mla_cpu import mla_attn_decode_paged_cpu, mla_attn_prefill_paged_cpu
@@ -253,6 +254,15 @@ def make_mla_attn_decode_paged(cfg: KernelConfig, target):
         "cuda": lambda: _mla_cuda("mla_attn_decode_paged_cuda")(*args)})
 
 
+def make_empty_rows(dtype: str, target):
+    """PrimFunc ``pagedkv_empty_rows(o, lse, fill)`` for ``target`` (not an op: the FlashInfer backend's helper
+    that writes pagedkv's empty state, see ``empty_rows.py``)."""
+    if dtype not in DTYPES:
+        raise ValueError(f"dtype must be one of {DTYPES}, got {dtype!r}")
+    return dispatch("empty_rows", target, {"llvm": lambda: empty_rows_cpu(dtype),
+                                           "cuda": lambda: empty_rows_cuda(dtype)})
+
+
 #: op name -> factory ``(cfg, target) -> PrimFunc``.
 FACTORIES = {
     "split_rotary": make_split_rotary,
@@ -294,5 +304,5 @@ def build_kernels(cfg: KernelConfig, target, ops=None) -> dict:
     return {op: FACTORIES[op](cfg, target) for op in OPS if op in wanted}
 
 
-__all__ = ["OPS", "OPS_BY_KIND", "KernelConfig", "FACTORIES", "build_kernels", "host_target"] + [
+__all__ = ["OPS", "OPS_BY_KIND", "KernelConfig", "FACTORIES", "build_kernels", "host_target", "make_empty_rows"] + [
     f"make_{op}" for op in OPS]

@@ -4,8 +4,9 @@ runtime only, built on a host without a GPU.
 OUT/bundle/    runtime-only TVM + tvm-ffi wheel for the GPU host's Python (../shared/gpu-host script)
 OUT/lib/       libpagedkv_runtime.so
 OUT/kernels/   kernels-<key>.so/.json for every config of the GPU suite (sm_90 fatbins); with
-               flashinfer-python 0.7.4 installed also with backends ("flashinfer", "tir") where FlashInfer
-               serves (its modules linked in, from the FlashInfer build cache)
+               flashinfer-python 0.7.4 installed also with backends ("flashinfer", "tir") for the FlashInfer
+               suite's configs (``pagedkv.testing.shapes.flashinfer_gpu_shapes``: fp16 head dim 128 and the
+               DeepSeek MLA dims; its modules linked in, from the FlashInfer build cache)
 OUT/models/    model libraries for the GPU model tests (when their dependencies are installed)
 OUT/upstream/  apache-tvm 0.27's own CUDA attention kernels for the benchmark shape (``--no-upstream`` skips)
 """
@@ -222,7 +223,9 @@ def main(argv: list[str] | None = None) -> int:
     from .testing.shapes import gpu_configs
 
     build_kernels(out, gpu_configs(), {"kind": "cuda", "arch": args.arch})
-    build_flashinfer_kernels(out, gpu_configs(), {"kind": "cuda", "arch": args.arch})
+    from .testing.shapes import flashinfer_gpu_shapes
+
+    build_flashinfer_kernels(out, [s.config() for s in flashinfer_gpu_shapes()], {"kind": "cuda", "arch": args.arch})
     build_smollm2(out, args.arch)
     build_deepseek(out, args.arch)
     total = sum(f.stat().st_size for f in out.rglob("*") if f.is_file())

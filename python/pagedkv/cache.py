@@ -79,9 +79,12 @@ def kernel_library_key(config: KVCacheConfig, target: Any, choice: Sequence[tupl
     key = {"config": kernel_shape(config).to_dict(), "target": target_spec(target),
            "sources": kernel_source_digest(), "ops": [list(c) for c in choice]}
     if any(tag == "flashinfer" for _, tag in choice):
+        from .backends.flashinfer import module_kind
         from .flashinfer.spec import FLASHINFER_VERSION, RECIPE_VERSION
 
-        key["flashinfer"] = [FLASHINFER_VERSION, RECIPE_VERSION]
+        arch = target_spec(target).get("arch")
+        key["flashinfer"] = [FLASHINFER_VERSION, RECIPE_VERSION,
+                             {op: module_kind(op, arch) for op, tag in choice if tag == "flashinfer"}]
     blob = json.dumps(key, sort_keys=True)
     return hashlib.sha256(blob.encode()).hexdigest()[:24]
 
@@ -99,16 +102,17 @@ def _compile_target(spec: dict):
 
 
 def _compile_module(config: KVCacheConfig, spec: dict, choice):
-    """Compile every op's functions into one module; returns (module, [(op, tag, symbols)])."""
+    """Compile every op's functions into one module; returns (module, [(op, tag, symbols, options)])."""
     import tvm
 
     funcs: dict[str, Any] = {}
-    entries: list[tuple[str, str, list[str]]] = []
+    entries: list[tuple[str, str, list[str], list[str]]] = []
     externs: dict[Any, Any] = {}  # object path -> built module (FlashInfer), each linked once
     for op, tag in choice:
         build = _backends.get_backend(tag).build(op, config, spec)
         funcs.update(build.prim_funcs)
-        entries.append((op, tag, [name for name, _ in build.prim_funcs] + list(build.extern_symbols)))
+        entries.append((op, tag, [name for name, _ in build.prim_funcs] + list(build.extern_symbols),
+                        list(build.options)))
         externs.update({m.object_path: m for m in build.extern_modules})
     target = _compile_target(spec)
     if spec["kind"] == "cuda":
@@ -190,7 +194,9 @@ def _op_table_cached(config: KVCacheConfig, spec_json: str, choice: tuple[tuple[
             lib = Path(tempfile.mkdtemp(prefix="pagedkv-")) / "kernels.so"
             module.export_library(str(lib), **_export_options(module))
             module = load_library(lib)
-    return module, [[op, tag, *[module[name] for name in names]] for op, tag, names in entries]
+    # an entry is (op, tag, symbols[, options]): the runtime gets [op, tag, *options, *functions]
+    return module, [[op, tag, *(rest[0] if rest else []), *[module[name] for name in names]]
+                    for op, tag, names, *rest in entries]
 
 
 def _compile_op_table(config: KVCacheConfig, target: Any, choice: tuple[tuple[str, str], ...]):

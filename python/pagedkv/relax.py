@@ -25,7 +25,8 @@ def _op_table_expr(config: KVCacheConfig, target: Any, resolution) -> rx.Tuple:
     entries = []
     for op, tag in resolution.choice.items():
         build = _backends.get_backend(tag).build(op, config, target)
-        funcs = [bb.add_func(func, name) for name, func in build.prim_funcs]
+        funcs = [tvm.ir.StringImm(option) for option in build.options]
+        funcs += [bb.add_func(func, name) for name, func in build.prim_funcs]
         funcs += [rx.ExternFunc(symbol) for symbol in build.extern_symbols]
         for built in build.extern_modules:
             _add_extern_object(built.object_path, built.functions.values())

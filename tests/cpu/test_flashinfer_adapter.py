@@ -1,59 +1,67 @@
-"""The runtime's "flashinfer" adapter for attn_decode_paged (src/flashinfer_adapter.cc), on the CPU with
-stand-in plan/run functions: plan runs once per forward and decode pass (in begin_forward, not per layer),
-run once per layer and pass with that pass's plan info, both with exactly the pinned 0.7.4 argument counts
-(``pagedkv.flashinfer.abi``), the scale passed through and flashinfer's "off" values for window and
-soft-cap. Numerics need the GPU (tests/gpu)."""
+"""The runtime's "flashinfer" adapters (src/flashinfer_adapter.cc) on the CPU, with stand-in plan/run functions
+(``_flashinfer_standin``) that check the pinned 0.7.4 argument lists and compute attention from the tensors
+as FlashInfer's kernels read them, writing FlashInfer's empty state (lse = -inf). The real TIR
+``pagedkv_empty_rows`` helper turns that into pagedkv's (o = 0, lse = -1e30).
+
+- plan once per forward and pass (begin_forward), run per layer with that pass's plan info;
+- ragged: one causal plan per prefill forward; a decode forward's self_attention (no keys) never reaches
+  FlashInfer;
+- the scenario suite, fine-grained (self/cross/merge, empty rows checked), through the adapters for MHA
+  (fa2 and fa3 argument lists) and MLA, against the PyTorch reference;
+- every tensor FlashInfer gets has byte_offset 0 (its bindings ignore byte_offset) and strides (read unchecked);
+- the MLA plan's staged metadata reaches the device int workspace.
+Numerics of FlashInfer itself need the GPU (tests/gpu)."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
+from _flashinfer_standin import FakeFlashInfer
 from pagedkv import KVCacheConfig
 from pagedkv._lib import get_global
 from pagedkv.cache import KVCache, _compile_op_table, _to_ffi
 from pagedkv.flashinfer import abi
+from pagedkv.testing.scenarios import SCENARIOS, ScenarioRunner, random_sm_scale
 
-
-@pytest.fixture
-def fake_cache():
-    import tvm_ffi
-
-    cfg = KVCacheConfig(num_layers=2, num_qo_heads=4, num_kv_heads=2, head_dim=16, dtype="float32",
-                        page_size=4, max_batch_size=2, max_total_seq_len=64, prefill_chunk_size=16,
+MHA_CFG = KVCacheConfig(num_layers=2, num_qo_heads=4, num_kv_heads=2, head_dim=16, dtype="float32",
+                        page_size=4, max_batch_size=4, max_total_seq_len=96, prefill_chunk_size=32,
                         rope_scale=2.0, rope_theta=5000.0)
-    ops = ["split_rotary", "append_kv", "gather_kv", "attn_prefill_ragged", "attn_prefill_paged",
-           "attn_decode_paged", "merge_state", "copy_page", "compact_copy"]
-    module, table = _compile_op_table(cfg, "llvm", tuple((op, "tir") for op in ops))
-    calls = {"plan": [], "run": []}
+MLA_CFG = KVCacheConfig.mla(num_layers=2, num_heads=3, kv_lora_rank=32, qk_nope_head_dim=16, qk_rope_head_dim=16,
+                            v_head_dim=16, dtype="float32", page_size=4, max_batch_size=4, max_total_seq_len=96,
+                            prefill_chunk_size=32)
+# the scenario suite's capacity (pagedkv.testing.shapes)
+SCENARIO_CAPACITY = dict(page_size=8, max_batch_size=8, max_total_seq_len=128, prefill_chunk_size=64)
+MHA_FI_OPS = ("attn_decode_paged", "attn_prefill_ragged", "attn_prefill_paged")
+MLA_FI_OPS = ("mla_attn_decode_paged", "mla_attn_prefill_paged")
 
-    # Tensor arguments may be views of the caller's stack (DLTensor*): read them during the call.
-    def record(abi_func, args):
-        named = dict(zip((n for n, _ in abi_func.args), args))
-        for name, typ in abi_func.args:
-            if name in ("indptr", "paged_k_cache", "paged_v_cache"):
-                t = named[name]  # a borrowed view: no dlpack export (it has no owner), read it here
-                named[name] = (tuple(t.shape), tuple(t.strides), t.data_ptr(),
-                               t.numpy().tolist() if name == "indptr" else None)
-            elif typ == "Array<int>":
-                named[name] = list(named[name])
-        return len(args), named
 
-    def plan(*args):
-        calls["plan"].append(record(abi.DECODE_PLAN, args))
-        return [1000 + len(calls["plan"])]  # a distinct plan info per plan call
+@pytest.fixture(scope="module")
+def empty_rows():
+    import tvm
 
-    def run(*args):
-        calls["run"].append(record(abi.DECODE_RUN, args))
+    from pagedkv.tir_kernels import host_target, make_empty_rows
 
-    table = [e if e[0] != "attn_decode_paged" else ["attn_decode_paged", "flashinfer",
-                                                     tvm_ffi.convert(plan), tvm_ffi.convert(run)]
-             for e in table]
+    lib = tvm.compile(tvm.IRModule({"pagedkv_empty_rows": make_empty_rows("float32", host_target())}),
+                      target=host_target())
+    return lib, lib["pagedkv_empty_rows"]
+
+
+def make_cache(cfg, empty_rows, kinds: dict[str, str]):
+    """A CPU cache whose ops in ``kinds`` (op -> module kind) run through the flashinfer adapter."""
+    from pagedkv import ops as O
+
+    tir_ops = O.ops_for(cfg)
+    module, table = _compile_op_table(cfg, "llvm", tuple((op, "tir") for op in tir_ops))
+    fake = FakeFlashInfer()
+    table = [fake.entry(e[0], kinds[e[0]], empty_rows[1]) if e[0] in kinds else e for e in table]
     ref = torch.empty((1,), dtype=torch.float32)
     handle = get_global("pagedkv.create")(cfg.to_json(), (), table, _to_ffi(ref))
-    cache = KVCache(handle, cfg, torch.device("cpu"), None, keepalive=module)
-    assert cache.op_backends["attn_decode_paged"] == "flashinfer"
-    return cache, cfg, calls
+    cache = KVCache(handle, cfg, torch.device("cpu"), None, keepalive=(module, empty_rows[0]))
+    get_global("pagedkv.debug_poison_pages")(handle, True)
+    for op in kinds:
+        assert cache.op_backends[op] == "flashinfer"
+    return cache, fake
 
 
 def _step(cache, cfg, ids, lengths, sm_scale):
@@ -65,48 +73,158 @@ def _step(cache, cfg, ids, lengths, sm_scale):
     cache.end_forward()
 
 
-def test_plan_per_forward_and_pass_run_per_layer(fake_cache):
-    cache, cfg, calls = fake_cache
+MHA_KINDS = {
+    "fa2": {"attn_decode_paged": "decode", "attn_prefill_ragged": "prefill_fa2", "attn_prefill_paged": "prefill_fa2"},
+    "fa3": {"attn_decode_paged": "decode", "attn_prefill_ragged": "prefill_fa3", "attn_prefill_paged": "prefill_fa3"},
+}
+
+
+def test_plan_per_forward_and_pass_run_per_layer(empty_rows):
+    cfg = MHA_CFG
+    cache, fake = make_cache(cfg, empty_rows, MHA_KINDS["fa2"])
     cache.add_sequence(0)
-    _step(cache, cfg, [0], [6], 0.25)  # prefill: no decode plan
-    assert calls == {"plan": [], "run": []}
+    _step(cache, cfg, [0], [6], 0.25)  # prefill of a fresh sequence: ragged only (its paged pass is empty)
+    assert fake.count("prefill_fa2.plan") == 1 and fake.count("prefill_fa2.ragged_run") == cfg.num_layers
+    assert fake.count("prefill_fa2.paged_run") == 0 and fake.count("decode.plan") == 0
     cache.add_sequence(1)
     _step(cache, cfg, [1], [3], 0.25)
+    fake.calls.clear()
     for step in range(2):
         _step(cache, cfg, [0, 1], [1, 1], 0.125)  # decode: one pass, two entries
-        assert len(calls["plan"]) == step + 1, "plan once per forward, not per layer"
-        assert len(calls["run"]) == cfg.num_layers * (step + 1)
-
+    assert fake.count("decode.plan") == 2, "plan once per forward, not per layer"
+    assert fake.count("decode.run") == 2 * cfg.num_layers
+    assert fake.count("prefill_fa2.plan") == 0, "a decode forward plans no ragged call"
+    plans = [c for n, c in fake.calls if n == "decode.plan"]
     # page_indptr per step: 7 and 4 tokens at page size 4 are 2 + 1 pages, then 8 and 5 tokens 2 + 2
-    for (count, named), indptr in zip(calls["plan"], ([0, 2, 3], [0, 2, 4])):
-        assert count == abi.DECODE_PLAN.num_args
-        assert named["batch_size"] == 2
+    for named, indptr in zip(plans, ([0, 2, 3], [0, 2, 4])):
+        assert named["batch_size"] == 2 and named["indptr"] == indptr
         assert (named["num_qo_heads"], named["num_kv_heads"], named["page_size"]) == (4, 2, 4)
         assert (named["head_dim_qk"], named["head_dim_vo"]) == (16, 16)
-        assert named["window_left"] == -1 and named["logits_soft_cap"] == 0.0
-        assert named["enable_cuda_graph"] is False
-        assert named["indptr"][3] == indptr  # the host array
-    for i, (count, named) in enumerate(calls["run"]):
-        assert count == abi.DECODE_RUN.num_args
-        assert named["plan_info_vec"] == [1001 + i // cfg.num_layers]
+    runs = [c for n, c in fake.calls if n == "decode.run"]
+    plan_ids = sorted(fake.plans)[-2:]
+    for i, named in enumerate(runs):
+        assert named["plan_info_vec"] == [plan_ids[i // cfg.num_layers]]
         assert named["sm_scale"] == 0.125
-        assert named["kv_layout_code"] == 1 and named["window_left"] == -1
-        assert named["logits_soft_cap"] == 0.0 and named["maybe_alibi_slopes"] is None
         # pagedkv's angle p * rope_scale / theta^(2i/D) is flashinfer's p * rcp_scale * rcp_theta^(2i/D)
         assert named["rope_rcp_scale"] == 2.0 and named["rope_rcp_theta"] == pytest.approx(1 / 5000.0)
-        (k_shape, k_stride, k_ptr, _), (v_shape, v_stride, v_ptr, _) = named["paged_k_cache"], named["paged_v_cache"]
+        (k_shape, k_stride, k_ptr), (v_shape, v_stride, v_ptr) = named["paged_k_cache"], named["paged_v_cache"]
         assert k_shape == v_shape and k_shape[1:] == (2, 4, 16)  # HND: [pages, Hkv, page_size, D]
         assert k_stride == v_stride == (2 * 2 * 4 * 16, 4 * 16, 16, 1)  # K and V interleaved per page
         assert v_ptr - k_ptr == 2 * 4 * 16 * 4  # V follows K inside each page (float32)
+    assert not fake.offsets, f"tensor arguments FlashInfer would misread (byte_offset or NULL strides): {fake.offsets[:4]}"
 
 
-def test_decode_pass_grouping_shared_prefix_goes_to_prefill(fake_cache):
-    cache, cfg, calls = fake_cache
+def test_ragged_and_paged_plans(empty_rows):
+    cfg = MHA_CFG
+    cache, fake = make_cache(cfg, empty_rows, MHA_KINDS["fa2"])
     cache.add_sequence(0)
-    _step(cache, cfg, [0], [8], 0.25)
-    cache.fork_sequence(0, 1)
-    _step(cache, cfg, [0, 1], [1, 1], 0.25)
-    # The shared 8-token prefix is one entry of two queries (attn_prefill_paged); only the own pass is a
-    # decode pass, planned once.
-    assert len(calls["plan"]) == 1
-    assert len(calls["run"]) == cfg.num_layers
+    _step(cache, cfg, [0], [9], 0.25)
+    cache.fork_sequence(0, 1)  # 9 tokens: 8 shared (two full pages), 1 copied
+    cache.add_sequence(2)
+    fake.calls.clear()
+    _step(cache, cfg, [0, 1, 2], [3, 2, 5], 0.25)
+    ragged = [c for n, c in fake.calls if n == "prefill_fa2.plan" and c["page_size"] == 1]
+    paged = [c for n, c in fake.calls if n == "prefill_fa2.plan" and c["page_size"] == 4]
+    assert len(ragged) == 1 and ragged[0]["causal"] is True
+    assert ragged[0]["qo_indptr"] == ragged[0]["kv_indptr"] == [0, 3, 5, 10]
+    assert ragged[0]["kv_len_arr"] == [3, 2, 5] and ragged[0]["total_num_rows"] == 10
+    # a prefix pass (sequences 0 and 1 share 8 tokens; 2 has none) and the own pass
+    assert len(paged) == 2 and all(c["causal"] is False for c in paged)
+    prefix, own = paged
+    assert prefix["qo_indptr"] == [0, 5, 10] and prefix["kv_indptr"] == [0, 2, 2]
+    assert prefix["kv_len_arr"] == [8, 0] and prefix["batch_size"] == 2
+    assert own["qo_indptr"] == [0, 3, 5, 10] and own["kv_len_arr"] == [1, 1, 0]
+    assert fake.count("prefill_fa2.paged_run") == 2 * cfg.num_layers
+    assert fake.count("prefill_fa2.ragged_run") == cfg.num_layers
+    assert not fake.offsets, f"tensor arguments FlashInfer would misread (byte_offset or NULL strides): {fake.offsets[:4]}"
+
+
+def test_all_empty_calls_never_reach_flashinfer(empty_rows):
+    cfg = MHA_CFG
+    cache, fake = make_cache(cfg, empty_rows, MHA_KINDS["fa2"])
+    cache.add_sequence(0)
+    cache.begin_forward([0], [3])
+    q = torch.randn(3, cfg.num_qo_heads, cfg.head_dim)
+    o, lse = cache.cross_attention(0, q, 0.3)  # a fresh sequence: its cache view is empty
+    assert torch.all(o == 0) and torch.all(lse == -1e30)
+    cache.end_forward()
+    assert fake.count("prefill_fa2.paged_run") == 0 and fake.count("prefill_fa2.plan") == 1  # the ragged plan
+    _step(cache, cfg, [0], [1], 0.3)  # decode: self_attention covers no key
+    cache.begin_forward([0], [1])
+    k = torch.randn(1, cfg.num_kv_heads, cfg.head_dim)
+    o, lse = cache.self_attention(0, torch.randn(1, cfg.num_qo_heads, cfg.head_dim), k, k.clone(), 0.3)
+    assert torch.all(o == 0) and torch.all(lse == -1e30)
+    cache.end_forward()
+    assert fake.count("prefill_fa2.ragged_run") == 0
+
+
+@pytest.mark.parametrize("kinds", list(MHA_KINDS), ids=list(MHA_KINDS))
+@pytest.mark.parametrize("scenario", list(SCENARIOS))
+def test_scenarios_through_the_adapters(empty_rows, kinds, scenario, gen):
+    cfg = MHA_CFG.replace(**SCENARIO_CAPACITY)
+    cache, fake = make_cache(cfg, empty_rows, MHA_KINDS[kinds])
+    runner = ScenarioRunner(cache, gen, random_sm_scale(gen, cfg.head_dim), fine_grained=True)
+    runner.run(SCENARIOS[scenario](cfg.page_size), scenario)
+    assert fake.count(f"{MHA_KINDS[kinds]['attn_prefill_ragged']}.ragged_run") > 0
+    assert not fake.offsets, f"tensor arguments FlashInfer would misread (byte_offset or NULL strides): {fake.offsets[:4]}"
+
+
+@pytest.mark.parametrize("scenario", list(SCENARIOS))
+def test_mla_scenarios_through_the_adapters(empty_rows, scenario, gen):
+    cfg = MLA_CFG.replace(**SCENARIO_CAPACITY)
+    cache, fake = make_cache(cfg, empty_rows, {op: "mla" for op in MLA_FI_OPS})
+    runner = ScenarioRunner(cache, gen, random_sm_scale(gen, cfg.head_dim))
+    runner.run(SCENARIOS[scenario](cfg.page_size), scenario)
+    assert fake.count("mla.run") > 0
+    assert not fake.offsets, f"tensor arguments FlashInfer would misread (byte_offset or NULL strides): {fake.offsets[:4]}"
+
+
+def test_mla_plan_and_views(empty_rows):
+    cfg = MLA_CFG
+    cache, fake = make_cache(cfg, empty_rows, {op: "mla" for op in MLA_FI_OPS})
+    cache.add_sequence(0)
+    cache.add_sequence(1)
+    cache.begin_forward([0, 1], [5, 2])
+    for layer in range(cfg.num_layers):
+        cache.append_mla_kv(layer, torch.randn(7, cfg.latent_dim))
+    cache.end_forward()
+    fake.calls.clear()
+    cache.begin_forward([0, 1], [1, 1])  # decode: mla_attn_decode_paged, one plan
+    for layer in range(cfg.num_layers):
+        cache.append_mla_kv(layer, torch.randn(2, cfg.latent_dim))
+        cache.cross_attention(layer, torch.randn(2, cfg.num_qo_heads, cfg.latent_dim), 0.2)
+    cache.end_forward()
+    (name, plan), *rest = fake.calls
+    assert name == "mla.plan" and len(rest) == cfg.num_layers
+    assert plan["qo_indptr"] == [0, 1, 2] and plan["kv_indptr"] == [0, 2, 3] and plan["kv_len"] == [6, 3]
+    assert (plan["num_heads"], plan["head_dim_o"], plan["causal"]) == (3, 32, False)
+    dl, ps = cfg.latent_dim, cfg.page_size
+    for _, run in rest:
+        (cs, cst, cptr), (ks, kst, kptr) = run["ckv_cache"], run["kpe_cache"]
+        assert cs[1:] == (ps, 32) and ks[1:] == (ps, 16) and cst == kst == (ps * dl, dl, 1)
+        assert kptr - cptr == 32 * 4  # kpe follows ckv inside each latent row (float32)
+        (qs, qst, qptr), (ps_, pst, pptr) = run["q_nope"], run["q_pe"]
+        assert qs == (2, 3, 32) and ps_ == (2, 3, 16) and qst == pst == (3 * dl, dl, 1) and pptr - qptr == 128
+        assert run["sm_scale"] == pytest.approx(0.2) and run["page_size"] == ps and run["num_heads"] == 3
+
+
+def test_op_table_entry_is_checked(empty_rows):
+    cfg = MHA_CFG
+    from pagedkv import ops as O
+
+    module, table = _compile_op_table(cfg, "llvm", tuple((op, "tir") for op in O.ops_for(cfg)))
+    fake = FakeFlashInfer()
+    ref = _to_ffi(torch.empty((1,)))
+
+    def create(entry):
+        t = [entry if e[0] == entry[0] else e for e in table]
+        return get_global("pagedkv.create")(cfg.to_json(), (), t, ref)
+
+    good = fake.entry("attn_decode_paged", "decode", empty_rows[1])
+    with pytest.raises(ValueError, match=r"takes \[module_kind, empty_rows, plan, run\]"):
+        create(good[:2] + good[4:])
+    with pytest.raises(ValueError, match="takes a FlashInfer decode module, got 'prefill_fa2'"):
+        create(good[:2] + ["prefill_fa2"] + good[3:])
+    with pytest.raises(ValueError, match="takes a FlashInfer prefill_fa2, prefill_fa3 module"):
+        create(["attn_prefill_paged", "flashinfer", "mla"] + good[3:])
+    assert abi.DECODE_RUN.num_args == 19

@@ -1,6 +1,7 @@
-"""Backend selection with FlashInfer: it serves attn_decode_paged on CUDA where it can, says why where it
-cannot (target, dtype, head dim, GQA group, RoPE mode, package), never silently; and a kernel library built
-with it holds the TIR fatbins and the FlashInfer objects in one file."""
+"""Backend selection with FlashInfer: it serves the attention ops it has runtime adapters for (decode, ragged
+and paged prefill, MLA decode and prefill) on CUDA where it can, says why where it cannot (target, dtype,
+head dims, GQA group, RoPE mode, MLA dims and planner capacity, package), never silently; and a kernel
+library built with it holds the TIR fatbins and the FlashInfer objects in one file."""
 
 from __future__ import annotations
 
@@ -21,18 +22,52 @@ _WHY = unavailable_reasons()
 needs_jit = pytest.mark.skipif(bool(_WHY), reason="FlashInfer JIT build unavailable: " + "; ".join(_WHY))
 
 
+MLA = KVCacheConfig.mla(num_layers=2, num_heads=16, kv_lora_rank=512, qk_nope_head_dim=128, qk_rope_head_dim=64,
+                        v_head_dim=128, dtype="float16", page_size=16, max_batch_size=4, max_total_seq_len=256,
+                        prefill_chunk_size=64)
+MHA_OPS = (ops.ATTN_DECODE_PAGED, ops.ATTN_PREFILL_RAGGED, ops.ATTN_PREFILL_PAGED)
+MLA_OPS = (ops.MLA_ATTN_DECODE_PAGED, ops.MLA_ATTN_PREFILL_PAGED)
+
+
 def _reasons(cfg, target=SM90, op=ops.ATTN_DECODE_PAGED):
     return backends.get_backend("flashinfer").validate_configuration(op, cfg, target)
 
 
+@pytest.mark.parametrize("op", MHA_OPS)
 @pytest.mark.parametrize("changes,fragment", [
     (dict(dtype="float32"), "dtype_q 'float32' not supported"),
     (dict(head_dim=96), "head dim 96 not supported"),
-    (dict(num_qo_heads=40), "GQA group size 40/8 not supported"),
     (dict(rope_mode="inline"), "rope_mode 'inline'"),
 ])
-def test_reasons_name_what_is_unsupported(changes, fragment):
-    assert any(fragment in r for r in _reasons(CFG.replace(**changes))), _reasons(CFG.replace(**changes))
+def test_reasons_name_what_is_unsupported(op, changes, fragment):
+    assert any(fragment in r for r in _reasons(CFG.replace(**changes), op=op)), _reasons(CFG.replace(**changes), op=op)
+
+
+def test_group_size_limits_decode_only():
+    cfg = CFG.replace(num_qo_heads=40)  # group 5
+    assert any("GQA group size 40/8 not supported by the decode kernels" in r for r in _reasons(cfg))
+    assert not _reasons(cfg, op=ops.ATTN_PREFILL_PAGED) or _WHY
+    assert not _reasons(cfg, op=ops.ATTN_PREFILL_RAGGED) or _WHY
+
+
+def test_mla_ops_and_reasons():
+    assert all(not _reasons(MLA, op=op) or _WHY for op in MLA_OPS)
+    # the MLA cache's self_attention (qk 192, v 128) stays with TIR: pagedkv builds prefill modules with qk == vo
+    assert any("head_dim_qk == head_dim_vo" in r for r in _reasons(MLA, op=ops.ATTN_PREFILL_RAGGED))
+    small = KVCacheConfig.mla(num_layers=1, num_heads=4, kv_lora_rank=64, qk_nope_head_dim=32, qk_rope_head_dim=32,
+                              v_head_dim=32, dtype="float16")
+    assert any("MLA head dims (ckv 64, kpe 32) not supported" in r for r in _reasons(small, op=ops.MLA_ATTN_DECODE_PAGED))
+    big = MLA.replace(num_qo_heads=128, num_kv_heads=128, prefill_chunk_size=8192)
+    assert any("MLA work items" in r for r in _reasons(big, op=ops.MLA_ATTN_PREFILL_PAGED))
+    assert _reasons(MLA, op=ops.ATTN_DECODE_PAGED) == ["op 'attn_decode_paged' is not an op of mla layers"]
+    assert _reasons(CFG, op=ops.MLA_ATTN_DECODE_PAGED) == ["op 'mla_attn_decode_paged' is not an op of mha layers"]
+
+
+def test_module_kinds():
+    assert fib.module_kind(ops.ATTN_PREFILL_RAGGED, "sm_90") == "prefill_fa3"
+    assert fib.module_kind(ops.ATTN_PREFILL_RAGGED, "sm_80") == "prefill_fa2"
+    assert fib.module_kind(ops.ATTN_PREFILL_PAGED, "sm_90") == "prefill_fa2"
+    assert fib.module_kind(ops.MLA_ATTN_PREFILL_PAGED, "sm_90") == "mla"
 
 
 def test_not_on_cpu_and_not_other_ops():
@@ -62,9 +97,16 @@ def test_explicit_choice_fails_listing_reasons():
 @needs_jit
 def test_automatic_selection_prefers_flashinfer_on_cuda():
     res = backends.resolve(CFG, SM90)
+    assert all(res.choice[op] == "flashinfer" for op in MHA_OPS)
+    assert all(tag == "tir" for op, tag in res.choice.items() if op not in MHA_OPS)
+    assert "attn_decode_paged=flashinfer" in res.report()
+    res = backends.resolve(MLA, SM90)
+    assert all(res.choice[op] == "flashinfer" for op in MLA_OPS)
+    assert all(tag == "tir" for op, tag in res.choice.items() if op not in MLA_OPS)
+    # a per-op choice
+    res = backends.resolve(CFG, SM90, {ops.ATTN_DECODE_PAGED: ["flashinfer", "tir"], "*": "tir"})
     assert res.choice[ops.ATTN_DECODE_PAGED] == "flashinfer"
     assert all(tag == "tir" for op, tag in res.choice.items() if op != ops.ATTN_DECODE_PAGED)
-    assert "attn_decode_paged=flashinfer" in res.report()
     # where it cannot serve, the next backend does and the reason is kept
     res = backends.resolve(CFG.replace(head_dim=96), SM90)
     assert res.choice[ops.ATTN_DECODE_PAGED] == "tir"
@@ -79,15 +121,21 @@ def test_kernel_library_links_flashinfer_objects(tmp_path):
     from pagedkv.cache import build_kernel_library
     from pagedkv.cuda_build import has_device_code
 
-    lib = build_kernel_library(CFG, tmp_path, target=SM90, backend=["flashinfer", "tir"])
-    entries = {op: (tag, names) for op, tag, names in json.loads(lib.with_suffix(".json").read_text())["entries"]}
-    tag, names = entries[ops.ATTN_DECODE_PAGED]
-    assert tag == "flashinfer" and len(names) == 2 and names[0].endswith("_plan") and names[1].endswith("_run")
-    assert all(t == "tir" for op, (t, _) in entries.items() if op != ops.ATTN_DECODE_PAGED)
+    # only the decode module (CI builds no other FlashInfer module)
+    backend = {ops.ATTN_DECODE_PAGED: ["flashinfer", "tir"], "*": "tir"}
+    lib = build_kernel_library(CFG, tmp_path, target=SM90, backend=backend)
+    entries = {op: (tag, names, opts)
+               for op, tag, names, opts in json.loads(lib.with_suffix(".json").read_text())["entries"]}
+    tag, names, opts = entries[ops.ATTN_DECODE_PAGED]
+    # [module kind, empty_rows, plan, run]
+    assert tag == "flashinfer" and opts == ["decode"] and names[0] == "pagedkv_empty_rows"
+    assert len(names) == 3 and names[1].endswith("_plan") and names[2].endswith("_run")
+    assert all(t == "tir" for op, (t, _, _) in entries.items() if op != ops.ATTN_DECODE_PAGED)
     exported = subprocess.run(["nm", "-D", "--defined-only", str(lib)], capture_output=True, text=True,
                               check=True).stdout
-    for name in names:
+    for name in names[1:]:
         assert f"__tvm_ffi_{name}" in exported
+    assert "__tvm_ffi_pagedkv_empty_rows" in exported
     assert has_device_code(lib)  # the TIR kernels' fatbins are in the same file
 
 

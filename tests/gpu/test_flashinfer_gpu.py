@@ -1,9 +1,14 @@
 """The scenario suite with the FlashInfer backend on CUDA, and FlashInfer vs TIR agreement.
 
-For every GPU-suite shape where FlashInfer serves an op (``pagedkv.backends.resolve`` with the priority list
-``("flashinfer", "tir")``, the list ``make gpu-bundle`` builds kernel libraries for), the scenarios run
-against the PyTorch reference exactly as in ``test_scenarios_gpu.py``; then the same inputs go through a
-FlashInfer cache and a TIR cache and their outputs must agree within the dtype's tolerance.
+Shapes: ``pagedkv.testing.shapes.flashinfer_gpu_shapes`` (fp16 head dim 128 and the DeepSeek MLA dims, the
+configs ``make gpu-bundle`` prebuilds kernel libraries with backends ``("flashinfer", "tir")`` for), where
+FlashInfer serves at least one op (``pagedkv.backends.resolve`` with that priority list). On them:
+
+- the scenarios against the PyTorch reference exactly as in ``test_scenarios_gpu.py``, and fine-grained
+  (``self_attention`` / ``cross_attention`` / merge, with rows without keys checked to be ``o = 0``,
+  ``lse = -1e30``, which FlashInfer alone writes as ``-inf``);
+- the same inputs through a FlashInfer cache and a TIR cache agree within the dtype's tolerance, in prefill
+  (ragged + paged passes, shared prefixes) and decode forwards, MHA and MLA.
 """
 
 from __future__ import annotations
@@ -12,9 +17,8 @@ import pytest
 import torch
 
 from pagedkv import backends
-from pagedkv.testing.scenarios import (SCENARIOS, TOLERANCE, ScenarioRunner, add, forward, random_sm_scale,
-                                       rel_err)
-from pagedkv.testing.shapes import gpu_shapes
+from pagedkv.testing.scenarios import SCENARIOS, TOLERANCE, ScenarioRunner, random_sm_scale, rel_err
+from pagedkv.testing.shapes import MLAShape, flashinfer_gpu_shapes
 
 FI = ["flashinfer", "tir"]
 CUDA = {"kind": "cuda", "arch": "sm_90"}
@@ -28,12 +32,14 @@ def _served(shape) -> bool:
     return "flashinfer" in res.choice.values()
 
 
-SHAPES = [s for s in gpu_shapes() if _served(s)]
+SHAPES = [s for s in flashinfer_gpu_shapes() if _served(s)]
 IDS = [s.id for s in SHAPES]
+MHA = [s for s in SHAPES if not isinstance(s, MLAShape)]
 
 
 def test_flashinfer_serves_some_gpu_shape():
     assert SHAPES, "FlashInfer serves no shape of the GPU suite (is flashinfer-python 0.7.4 installed?)"
+    assert any(isinstance(s, MLAShape) for s in SHAPES) and MHA
 
 
 @pytest.mark.parametrize("scenario", list(SCENARIOS))
@@ -45,25 +51,67 @@ def test_scenario_flashinfer(shape, scenario, make_gpu_cache, gen):
     runner.run(SCENARIOS[scenario](shape.ps), scenario)
 
 
+@pytest.mark.parametrize("scenario", ["mixed_prefill_decode", "fork_three_deep", "shared_prefix_adjacent",
+                                      "edge_cases", "chunked_prefill"])
+@pytest.mark.parametrize("shape", MHA, ids=[s.id for s in MHA])
+def test_fine_grained_flashinfer(shape, scenario, make_gpu_cache, gen):
+    """self + cross + merge through FlashInfer equal the reference, rows without keys included."""
+    cache = make_gpu_cache(shape.config(), FI)
+    runner = ScenarioRunner(cache, gen, random_sm_scale(gen, shape.d), fine_grained=True)
+    runner.run(SCENARIOS[scenario](shape.ps), scenario)
+
+
+def _agree(shape, caches, sm_scale, gen, steps):
+    """Run ``steps`` (lists of (seq, length)) on every cache with the same inputs; compare every output."""
+    cfg = shape.config()
+    for step_i, batch in enumerate(steps):
+        ids, lens = [s for s, _ in batch], [n for _, n in batch]
+        n = sum(lens)
+        outs = {}
+        if cfg.is_mla:
+            kv = [torch.randn(n, cfg.latent_dim, generator=gen).half().cuda() for _ in range(cfg.num_layers)]
+            q = [torch.randn(n, cfg.num_qo_heads, cfg.latent_dim, generator=gen).half().cuda()
+                 for _ in range(cfg.num_layers)]
+        else:
+            width = cfg.num_qo_heads + 2 * cfg.num_kv_heads
+            qkv = [torch.randn(n, width, cfg.head_dim, generator=gen).half().cuda() for _ in range(cfg.num_layers)]
+        for tag, cache in caches.items():
+            cache.begin_forward(ids, lens)
+            res = []
+            for layer in range(cfg.num_layers):
+                if cfg.is_mla:
+                    cache.append_mla_kv(layer, kv[layer])
+                    res.append(cache.cross_attention(layer, q[layer], sm_scale))
+                else:
+                    res.append((cache.attention_with_fused_qkv(layer, qkv[layer].clone(), sm_scale),))
+            cache.end_forward()
+            outs[tag] = res
+        for layer in range(cfg.num_layers):
+            for i, (a, b) in enumerate(zip(outs["flashinfer"][layer], outs["tir"][layer])):
+                if i == 1:  # lse: rows without keys must match exactly (-1e30), the rest within tolerance
+                    empty = b <= -1e29
+                    assert torch.equal(a[empty], b[empty]), f"step {step_i} layer {layer}: empty rows' lse"
+                    a, b = a[~empty], b[~empty]
+                err = rel_err(a, b)
+                assert err < TOLERANCE[cfg.dtype], \
+                    f"step {step_i} layer {layer} output {i}: FlashInfer vs TIR {err:.2e} ({batch})"
+
+
 @pytest.mark.parametrize("shape", SHAPES, ids=IDS)
 def test_flashinfer_agrees_with_tir(shape, make_gpu_cache, gen):
-    """The same steps and inputs through both backends: decode outputs agree within the dtype's bound."""
+    """Prefill (ragged + paged, a shared prefix, a fresh sequence beside cached ones) then decode steps (with
+    a shared prefix: paged passes in a decode forward): FlashInfer and TIR outputs agree."""
     cfg = shape.config()
-    caches = {tag: make_gpu_cache(cfg, [tag, "tir"] if tag != "tir" else "tir") for tag in ("flashinfer", "tir")}
+    caches = {tag: make_gpu_cache(cfg, FI if tag == "flashinfer" else "tir") for tag in ("flashinfer", "tir")}
+    assert "flashinfer" in caches["flashinfer"].op_backends.values()
     sm_scale = random_sm_scale(gen, shape.d)
     P = shape.ps
-    setup = [add(0), add(1), add(2), forward({0: 2 * P + 1, 1: 5}), forward({0: P, 2: P})]  # <= 64 tokens each
     for cache in caches.values():
-        ScenarioRunner(cache, torch.Generator().manual_seed(7), sm_scale).run(setup, "setup")
-    width = cfg.num_qo_heads + 2 * cfg.num_kv_heads
-    for step in range(4):
-        qkv = torch.randn(3, width, cfg.head_dim, generator=gen).to(getattr(torch, cfg.dtype)).cuda()
-        outs = {}
-        for tag, cache in caches.items():
-            cache.begin_forward([0, 1, 2], [1, 1, 1])
-            outs[tag] = [cache.attention_with_fused_qkv(layer, qkv.clone(), sm_scale)
-                         for layer in range(cfg.num_layers)]
-            cache.end_forward()
-        for layer in range(cfg.num_layers):
-            err = rel_err(outs["flashinfer"][layer], outs["tir"][layer])
-            assert err < TOLERANCE[cfg.dtype], f"decode step {step} layer {layer}: FlashInfer vs TIR {err:.2e}"
+        for seq in (0, 1, 2):
+            cache.add_sequence(seq)
+    _agree(shape, caches, sm_scale, gen, [[(0, 2 * P + 1), (1, 5)], [(0, P), (2, P)]])  # <= 64 tokens each
+    for cache in caches.values():
+        cache.fork_sequence(0, 3, -1)
+        cache.add_sequence(4)
+    _agree(shape, caches, sm_scale, gen, [[(0, 2), (3, 3), (4, 6), (1, 1)]])  # prefill: prefix pass, fresh seq
+    _agree(shape, caches, sm_scale, gen, [[(0, 1), (3, 1), (1, 1), (2, 1), (4, 1)]] * 3)  # decode

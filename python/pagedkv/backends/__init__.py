@@ -3,6 +3,7 @@
 >>> from pagedkv import backends
 >>> backends.resolve(config, "llvm")            # priority order, per op
 >>> backends.resolve(config, "llvm", backend="tir")   # explicit: every op from "tir" or an error
+>>> backends.resolve(config, "cuda", backend={"attn_decode_paged": ["flashinfer", "tir"], "*": "tir"})
 
 A backend reports, per op, the reasons it cannot serve a configuration (``validate_configuration``).
 Resolution never falls back silently: an explicit choice that cannot serve is an error listing the reasons,
@@ -13,7 +14,7 @@ from __future__ import annotations
 
 import importlib
 from dataclasses import dataclass
-from typing import Any, Iterable, Sequence
+from typing import Any, Iterable, Mapping, Sequence
 
 from .. import ops as _ops
 from ..config import KVCacheConfig
@@ -93,19 +94,27 @@ def _candidates(backend: str | Sequence[str] | None) -> list[str]:
     return tags
 
 
-def resolve(config: KVCacheConfig, target: Any, backend: str | Sequence[str] | None = None,
+def resolve(config: KVCacheConfig, target: Any,
+            backend: str | Sequence[str] | Mapping[str, str | Sequence[str] | None] | None = None,
             *, ops: Iterable[str] | None = None) -> Resolution:
     """Choose a backend per op: the first of ``backend`` (a tag or priority list; ``None`` = all
-    registered, by priority) that can serve it. ``ops`` defaults to the ops of the config's layer kind
-    (``pagedkv.ops.ops_for``). Raises ``NoBackendError`` listing every reason."""
-    tags = _candidates(backend)
+    registered, by priority) that can serve it. A mapping gives the tag or list per op name, with ``"*"``
+    for the ops it does not name (absent: all registered). ``ops`` defaults to the ops of the config's
+    layer kind (``pagedkv.ops.ops_for``). Raises ``NoBackendError`` listing every reason."""
+    per_op = dict(backend) if isinstance(backend, Mapping) else None
+    if per_op is not None:
+        for op in per_op:
+            if op != "*":
+                _ops.check_op(op)
+    tags = None if per_op is not None else _candidates(backend)
     if ops is None:
         ops = _ops.ops_for(config)
     choice: dict[str, str] = {}
     reasons: dict[str, dict[str, list[str]]] = {}
     for op in ops:
         _ops.check_op(op)
-        for tag in tags:
+        op_tags = _candidates(per_op.get(op, per_op.get("*"))) if per_op is not None else tags
+        for tag in op_tags:
             why = get_backend(tag).validate_configuration(op, config, target)
             if not why:
                 choice[op] = tag

@@ -21,13 +21,16 @@ def target_kind(target: Any) -> str:
 class OpBuild:
     """What one backend built for one op.
 
-    ``prim_funcs`` are TIR functions the caller adds to an IRModule under their names (their order is the
-    order the runtime adapter expects); ``extern_symbols`` name functions linked in from ``extern_modules``.
+    The op-table entry is ``[op, backend, *options, *prim_funcs, *extern_symbols]``: ``options`` are strings
+    the runtime adapter reads first (e.g. which FlashInfer module kind its functions come from);
+    ``prim_funcs`` are TIR functions the caller adds to an IRModule under their names; ``extern_symbols``
+    name functions linked in from ``extern_modules``. The order is the one the runtime adapter expects.
     """
 
     op: str
     backend: str
     prim_funcs: tuple[tuple[str, Any], ...] = ()
+    options: tuple[str, ...] = ()
     extern_symbols: tuple[str, ...] = ()
     extern_modules: tuple[Any, ...] = field(default=(), compare=False)
 

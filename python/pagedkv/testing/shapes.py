@@ -105,3 +105,17 @@ def gpu_shapes() -> list:
 
 def gpu_configs() -> list[KVCacheConfig]:
     return [s.config() for s in gpu_shapes()]
+
+
+def flashinfer_gpu_shapes() -> list:
+    """The GPU shapes the FlashInfer suite runs (and ``pagedkv.bundle`` prebuilds FlashInfer kernel libraries
+    for): those whose FlashInfer modules are fp16 at head dim 128 (decode, prefill fa2 / fa3) or the
+    DeepSeek MLA dims (ckv 512, kpe 64), so a bundle build links cached or quick modules only (a cold fa2 /
+    fa3 prefill module per head dim takes 10-20 minutes on the 2-core build host). Whether FlashInfer serves
+    each op of a shape is up to the backend (e.g. inline RoPE: it does not)."""
+    def cheap(s) -> bool:
+        if isinstance(s, MLAShape):
+            return (s.r, s.rope, s.dtype) == (512, 64, "float16")
+        return (s.d, s.dtype) == (128, "float16")
+
+    return [s for s in gpu_shapes() if cheap(s)]
