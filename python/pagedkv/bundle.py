@@ -142,9 +142,15 @@ def build_upstream_kernels(out: Path, arch: str) -> Path:
     return lib_path
 
 
-def build_smollm2(out: Path, arch: str, dtype: str = "float16") -> Path | None:
+#: SmolLM2 model libraries per backend choice: TIR, and FlashInfer's decode module linked into the model
+#: library (head dim 64: FlashInfer's prefill modules for it would be long cold builds, so prefill stays TIR).
+SMOLLM2_BACKENDS = {"tir": "tir", "flashinfer": {"attn_decode_paged": "flashinfer", "*": "tir"}}
+
+
+def build_smollm2(out: Path, arch: str, dtype: str = "float16", backend: str = "tir") -> Path | None:
     """SmolLM2's model library for CUDA (weights are not in it: the GPU host reads the GGUF file) and the
-    parameter names in the order its functions take them."""
+    parameter names in the order its functions take them; ``backend`` names an entry of
+    ``SMOLLM2_BACKENDS``."""
     try:
         from . import smollm2
         smollm2.gguf_path()
@@ -160,8 +166,9 @@ def build_smollm2(out: Path, arch: str, dtype: str = "float16") -> Path | None:
     enable_cuda_codegen()
     t0 = time.perf_counter()
     target = tvm.target.Target({"kind": "cuda", "arch": arch}, host="llvm")
-    model = LlamaForCausalLM(smollm2.SMOLLM2_135M, dtype=dtype, target=target, backend="tir")
-    path, _ = build_library(model, target, out / "models" / f"smollm2-{dtype}-cuda.so")
+    model = LlamaForCausalLM(smollm2.SMOLLM2_135M, dtype=dtype, target=target, backend=SMOLLM2_BACKENDS[backend])
+    name = f"smollm2-{dtype}-cuda.so" if backend == "tir" else f"smollm2-{dtype}-{backend}-cuda.so"
+    path, _ = build_library(model, target, out / "models" / name)
     if not has_device_code(path):
         raise RuntimeError(f"{path} holds no CUDA fatbin")
     print(f"[pagedkv] model {path.name}: {path.stat().st_size / 1e6:.2f} MB in "
@@ -227,6 +234,10 @@ def main(argv: list[str] | None = None) -> int:
 
     build_flashinfer_kernels(out, [s.config() for s in flashinfer_gpu_shapes()], {"kind": "cuda", "arch": args.arch})
     build_smollm2(out, args.arch)
+    from .flashinfer import unavailable_reasons
+
+    if not unavailable_reasons():
+        build_smollm2(out, args.arch, backend="flashinfer")
     build_deepseek(out, args.arch)
     total = sum(f.stat().st_size for f in out.rglob("*") if f.is_file())
     print(f"[pagedkv] GPU bundle {out}: {total / 1e6:.1f} MB", flush=True)

@@ -18,6 +18,7 @@ pytest.importorskip("transformers")
 pytest.importorskip("gguf")
 
 from pagedkv import smollm2  # noqa: E402
+from pagedkv._lib import get_global  # noqa: E402
 from pagedkv.engine import Engine, param_names  # noqa: E402
 from pagedkv.testing.generation import (PROMPTS, chat_ids, first_divergence, hf_greedy,  # noqa: E402
                                         ours_greedy, shared_prefix)
@@ -26,8 +27,9 @@ NEW_TOKENS = 16
 NEAR_TIE = 0.25
 
 
-def _model_lib() -> Path:
-    lib = Path(os.environ.get("PAGEDKV_MODEL_DIR", ".gpu/models")) / "smollm2-float16-cuda.so"
+def _model_lib(backend: str) -> Path:
+    name = "smollm2-float16-cuda.so" if backend == "tir" else f"smollm2-float16-{backend}-cuda.so"
+    lib = Path(os.environ.get("PAGEDKV_MODEL_DIR", ".gpu/models")) / name
     if not lib.exists():
         pytest.skip(f"no CUDA model library at {lib} (make gpu-bundle builds it)")
     return lib
@@ -48,11 +50,12 @@ def _in_child(node: str) -> bool:
     return False
 
 
-@pytest.mark.parametrize("backend", ["tir"])
+@pytest.mark.parametrize("backend", ["tir", "flashinfer"])
 def test_greedy_fp16_equal_transformers(backend):
+    """``flashinfer``: the model library holds FlashInfer's decode module (pagedkv.bundle.SMOLLM2_BACKENDS)."""
     if not _in_child(f"test_greedy_fp16_equal_transformers[{backend}]"):
         return
-    lib = _model_lib()
+    lib = _model_lib(backend)
     try:
         smollm2.gguf_path()
     except FileNotFoundError as err:
@@ -61,6 +64,9 @@ def test_greedy_fp16_equal_transformers(backend):
     hf = hf.cuda()
     params = smollm2.params_from_hf(hf, param_names(lib), "float16")
     engine = Engine(str(lib), params, device="cuda", max_batch_size=4, prefill_chunk_size=256)
+    served = {str(k): str(v) for k, v in get_global("pagedkv.op_backends")(engine.cache).items()}
+    print(f"[{backend}] ops served: {served}")
+    assert (served["attn_decode_paged"] == "flashinfer") == (backend == "flashinfer"), served
     convs = [chat_ids(tok, p) for p in PROMPTS]
     shared = shared_prefix(convs[0], convs[2])
     ours = ours_greedy(engine, convs, shared, NEW_TOKENS)
