@@ -32,28 +32,15 @@ from tvm.relax.frontend.nn import Tensor, op
 from tvm.script import tirx as T
 
 from ..relax import PagedKVCache
+from ._common import CausalLMExports, cast, linear, proj
 from .deepseek_v3_params import DeepseekV3Config, params_from_hf, params_from_state_dict  # noqa: F401
-
-
-def _linear(in_features: int, out_features: int, dtype: str) -> nn.Linear:
-    """A bias-free projection that accumulates in float32 (as ``pagedkv.models.llama``'s)."""
-    return nn.Linear(in_features, out_features, bias=False, dtype=dtype, out_dtype="float32")
-
-
-def _proj(layer: nn.Linear, x: Tensor, dtype: str) -> Tensor:
-    y = layer(x)
-    return _cast(y, dtype)
-
-
-def _cast(x: Tensor, dtype: str) -> Tensor:
-    return x if x.dtype == dtype else op.astype(x, dtype)
 
 
 def _expand(latent: Tensor, w: Tensor, dtype: str) -> Tensor:
     """``latent[t, r]`` times every head's ``w[h, d, r]`` -> ``[t, h * d]`` (a linear layer with the weight
     viewed as ``[h * d, r]``), accumulated in float32."""
     h, d, r = w.shape
-    return _cast(op.matmul(latent, op.permute_dims(op.reshape(w, (h * d, r))), out_dtype="float32"), dtype)
+    return cast(op.matmul(latent, op.permute_dims(op.reshape(w, (h * d, r))), out_dtype="float32"), dtype)
 
 
 def _rope_tables_func(half: int, attention_factor: float) -> tirx.PrimFunc:
@@ -102,7 +89,7 @@ def _apply_rope(x: Tensor, cos: Tensor, sin: Tensor, interleave: bool, dtype: st
     those of the paper's RoPE."""
     t, h, d = x.shape
     half = d // 2
-    x = _cast(x, "float32")
+    x = cast(x, "float32")
     if interleave:
         x1, x2 = op.split(op.reshape(x, (t, h, half, 2)), 2, axis=-1)
         x1, x2 = op.reshape(x1, (t, h, half)), op.reshape(x2, (t, h, half))
@@ -110,7 +97,7 @@ def _apply_rope(x: Tensor, cos: Tensor, sin: Tensor, interleave: bool, dtype: st
         x1, x2 = op.split(x, 2, axis=-1)
     c, s = op.reshape(cos, (t, 1, half)), op.reshape(sin, (t, 1, half))
     out = op.concat([x1 * c - x2 * s, x2 * c + x1 * s], dim=-1)
-    return _cast(out, dtype)
+    return cast(out, dtype)
 
 
 class DeepseekV3Attention(nn.Module):  # pylint: disable=too-many-instance-attributes
@@ -120,16 +107,16 @@ class DeepseekV3Attention(nn.Module):  # pylint: disable=too-many-instance-attri
         self.cfg, self.layer_id, self.dtype = cfg, layer_id, dtype
         h = cfg.num_attention_heads
         # q_a_proj (or the whole q_proj) and kv_a_proj_with_mqa both read the layer input: one GEMM.
-        self.fused_qkv_a_proj = _linear(cfg.hidden_size, cfg.q_a_dim + cfg.latent_dim, dtype)
+        self.fused_qkv_a_proj = linear(cfg.hidden_size, cfg.q_a_dim + cfg.latent_dim, dtype)
         if cfg.q_lora_rank is not None:
             self.q_a_layernorm = nn.RMSNorm(cfg.q_lora_rank, -1, cfg.LORA_NORM_EPS, bias=False, dtype=dtype)
-            self.q_b_proj = _linear(cfg.q_lora_rank, h * cfg.qk_head_dim, dtype)
+            self.q_b_proj = linear(cfg.q_lora_rank, h * cfg.qk_head_dim, dtype)
         self.kv_a_layernorm = nn.RMSNorm(cfg.kv_lora_rank, -1, cfg.LORA_NORM_EPS, bias=False, dtype=dtype)
         # HF kv_b_proj.weight [H * (nope + v), kv_lora_rank] viewed per head as [H, nope + v, kv_lora_rank]:
         # its nope rows are W_UK (latent -> k_nope), its v rows W_UV (latent -> v).
         self.w_uk = nn.Parameter((h, cfg.qk_nope_head_dim, cfg.kv_lora_rank), dtype=dtype)
         self.w_uv = nn.Parameter((h, cfg.v_head_dim, cfg.kv_lora_rank), dtype=dtype)
-        self.o_proj = _linear(h * cfg.v_head_dim, cfg.hidden_size, dtype)
+        self.o_proj = linear(h * cfg.v_head_dim, cfg.hidden_size, dtype)
 
     def forward(self, x: Tensor, cache: PagedKVCache, rope: tuple[Tensor, Tensor],
                 mode: str) -> tuple[Tensor, PagedKVCache]:
@@ -142,8 +129,8 @@ class DeepseekV3Attention(nn.Module):  # pylint: disable=too-many-instance-attri
         # mscale^2 under YaRN (DeepseekV3Config.sm_scale).
         sm_scale = c.sm_scale
 
-        qa, kv_a = op.split(_proj(self.fused_qkv_a_proj, x, dtype), [c.q_a_dim], axis=-1)
-        q = _proj(self.q_b_proj, self.q_a_layernorm(qa), dtype) if c.q_lora_rank is not None else qa
+        qa, kv_a = op.split(proj(self.fused_qkv_a_proj, x, dtype), [c.q_a_dim], axis=-1)
+        q = proj(self.q_b_proj, self.q_a_layernorm(qa), dtype) if c.q_lora_rank is not None else qa
         q = op.reshape(q, (t, h, c.qk_head_dim))
         q_nope, q_pe = op.split(q, [nope], axis=-1)
         compressed, k_pe = op.split(op.reshape(kv_a, (t, c.latent_dim)), [r], axis=-1)
@@ -159,13 +146,13 @@ class DeepseekV3Attention(nn.Module):  # pylint: disable=too-many-instance-attri
 
         # Absorbed query: q_nope [t, h, nope] -> per head @ W_UK[h] [nope, r] -> [t, h, r], then [.., q_pe].
         q_abs = op.matmul(op.permute_dims(q_nope, [1, 0, 2]), self.w_uk, out_dtype="float32")  # [h, t, r]
-        q_abs = _cast(op.permute_dims(q_abs, [1, 0, 2]), dtype)
+        q_abs = cast(op.permute_dims(q_abs, [1, 0, 2]), dtype)
         q_cross = op.reshape(op.concat([q_abs, q_pe], dim=-1), (b, s, h, r + rope_dim))
         o_lat, lse_cross = cache.cross_attention(self.layer_id, q_cross, r, sm_scale)  # o_lat [b, s, h, r]
         # Output of the absorbed attention is a latent per head: project by W_UV[h]^T [r, v].
         o_lat = op.permute_dims(op.reshape(o_lat, (t, h, r)), [1, 0, 2])  # [h, t, r]
         o_cross = op.matmul(o_lat, op.permute_dims(self.w_uv, [0, 2, 1]), out_dtype="float32")  # [h, t, v]
-        o_cross = op.reshape(_cast(op.permute_dims(o_cross, [1, 0, 2]), dtype), (b, s, h, c.v_head_dim))
+        o_cross = op.reshape(cast(op.permute_dims(o_cross, [1, 0, 2]), dtype), (b, s, h, c.v_head_dim))
 
         if mode == "prefill":
             # Non-absorbed attention among this forward's tokens: k_nope / v from the latent by kv_b_proj.
@@ -180,19 +167,19 @@ class DeepseekV3Attention(nn.Module):  # pylint: disable=too-many-instance-attri
             o, _ = cache.merge_attn_output_inplace(o_self, lse_self, o_cross, lse_cross)
         else:
             o = o_cross
-        out = _proj(self.o_proj, op.reshape(o, (b, s, h * c.v_head_dim)), dtype)
+        out = proj(self.o_proj, op.reshape(o, (b, s, h * c.v_head_dim)), dtype)
         return out, cache
 
 
 class DeepseekV3MLP(nn.Module):
     def __init__(self, cfg: DeepseekV3Config, dtype: str):
         self.dtype = dtype
-        self.gate_up_proj = _linear(cfg.hidden_size, 2 * cfg.intermediate_size, dtype)
-        self.down_proj = _linear(cfg.intermediate_size, cfg.hidden_size, dtype)
+        self.gate_up_proj = linear(cfg.hidden_size, 2 * cfg.intermediate_size, dtype)
+        self.down_proj = linear(cfg.intermediate_size, cfg.hidden_size, dtype)
 
     def forward(self, x: Tensor) -> Tensor:
-        gate, up = op.split(_proj(self.gate_up_proj, x, self.dtype), 2, axis=-1)
-        return _proj(self.down_proj, op.silu(gate) * up, self.dtype)
+        gate, up = op.split(proj(self.gate_up_proj, x, self.dtype), 2, axis=-1)
+        return proj(self.down_proj, op.silu(gate) * up, self.dtype)
 
 
 class DeepseekV3DecoderLayer(nn.Module):
@@ -209,7 +196,7 @@ class DeepseekV3DecoderLayer(nn.Module):
         return x + self.mlp(self.post_attention_layernorm(x)), cache
 
 
-class DeepseekV3ForCausalLM(nn.Module):
+class DeepseekV3ForCausalLM(CausalLMExports, nn.Module):
     """DeepSeek-V3 decoder (dense MLPs) with a pagedkv MLA cache; ``backend`` and ``target`` choose the
     cache's kernels."""
 
@@ -219,7 +206,7 @@ class DeepseekV3ForCausalLM(nn.Module):
         self.layers = nn.ModuleList([DeepseekV3DecoderLayer(cfg, i, dtype)
                                      for i in range(cfg.num_hidden_layers)])
         self.norm = nn.RMSNorm(cfg.hidden_size, -1, cfg.rms_norm_eps, bias=False, dtype=dtype)
-        self.lm_head = _linear(cfg.hidden_size, cfg.vocab_size, dtype)  # float32 logits
+        self.lm_head = linear(cfg.hidden_size, cfg.vocab_size, dtype)  # float32 logits
 
     def _body(self, input_ids: Tensor, cache: PagedKVCache, mode: str) -> tuple[Tensor, PagedKVCache]:
         b, s = input_ids.shape
@@ -238,23 +225,3 @@ class DeepseekV3ForCausalLM(nn.Module):
     def decode(self, input_ids: Tensor, cache: PagedKVCache):
         h, cache = self._body(input_ids, cache, "decode")
         return self.lm_head(h), cache
-
-    def create_paged_kv_cache(self, max_batch_size: tirx.Var, max_total_seq_len: tirx.Var,
-                              prefill_chunk_size: tirx.Var, page_size: tirx.Var) -> PagedKVCache:
-        values = {"max_batch_size": max_batch_size, "max_total_seq_len": max_total_seq_len,
-                  "prefill_chunk_size": prefill_chunk_size, "page_size": page_size}
-        return PagedKVCache(self.cfg.kv_cache_config(self.dtype), target=self.target,
-                            backend=self.backend, runtime_values=values)
-
-    def get_default_spec(self):
-        none = {"$": {"param_mode": "none", "effect_mode": "none"}}
-        packed = {"$": {"param_mode": "packed", "effect_mode": "none"}}
-        return nn.spec.ModuleSpec.from_raw({
-            "prefill": {"input_ids": nn.spec.Tensor([1, "n"], "int32"),
-                        "logit_positions": nn.spec.Tensor(["b"], "int32"),
-                        "cache": nn.spec.Object(object_type=PagedKVCache), **packed},
-            "decode": {"input_ids": nn.spec.Tensor(["b", 1], "int32"),
-                       "cache": nn.spec.Object(object_type=PagedKVCache), **packed},
-            "create_paged_kv_cache": {"max_batch_size": int, "max_total_seq_len": int,
-                                      "prefill_chunk_size": int, "page_size": int, **none},
-        }, self)

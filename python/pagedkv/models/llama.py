@@ -12,23 +12,12 @@ from __future__ import annotations
 
 from typing import Any
 
-from tvm import tirx
 from tvm.relax.frontend import nn
 from tvm.relax.frontend.nn import Tensor, op
 
 from ..relax import PagedKVCache
+from ._common import CausalLMExports, linear, proj
 from .llama_params import LlamaConfig, params_from_hf  # noqa: F401 (re-exported)
-
-
-def _linear(in_features: int, out_features: int, dtype: str) -> nn.Linear:
-    """A bias-free projection that accumulates in float32 (TVM's default float16 matmul accumulates in
-    float16, which moved SmolLM2's greedy tokens away from transformers' on the GPU)."""
-    return nn.Linear(in_features, out_features, bias=False, dtype=dtype, out_dtype="float32")
-
-
-def _proj(layer: nn.Linear, x: Tensor, dtype: str) -> Tensor:
-    y = layer(x)
-    return y if dtype == "float32" else op.astype(y, dtype)
 
 
 class LlamaAttention(nn.Module):
@@ -36,28 +25,28 @@ class LlamaAttention(nn.Module):
         self.cfg, self.layer_id = cfg, layer_id
         heads = cfg.num_attention_heads + 2 * cfg.num_key_value_heads
         self.dtype = dtype
-        self.qkv_proj = _linear(cfg.hidden_size, heads * cfg.head_dim, dtype)
-        self.o_proj = _linear(cfg.num_attention_heads * cfg.head_dim, cfg.hidden_size, dtype)
+        self.qkv_proj = linear(cfg.hidden_size, heads * cfg.head_dim, dtype)
+        self.o_proj = linear(cfg.num_attention_heads * cfg.head_dim, cfg.hidden_size, dtype)
 
     def forward(self, x: Tensor, cache: PagedKVCache) -> Tensor:
         b, s, _ = x.shape
         c = self.cfg
-        qkv = op.reshape(_proj(self.qkv_proj, x, self.dtype),
+        qkv = op.reshape(proj(self.qkv_proj, x, self.dtype),
                          (b, s, c.num_attention_heads + 2 * c.num_key_value_heads, c.head_dim))
         o = cache.attention_with_fused_qkv(self.layer_id, qkv, c.num_attention_heads, c.head_dim ** -0.5)
-        return _proj(self.o_proj, op.reshape(o, (b, s, c.num_attention_heads * c.head_dim)), self.dtype)
+        return proj(self.o_proj, op.reshape(o, (b, s, c.num_attention_heads * c.head_dim)), self.dtype)
 
 
 class LlamaMLP(nn.Module):
     def __init__(self, cfg: LlamaConfig, dtype: str):
         self.inter = cfg.intermediate_size
         self.dtype = dtype
-        self.gate_up_proj = _linear(cfg.hidden_size, 2 * cfg.intermediate_size, dtype)
-        self.down_proj = _linear(cfg.intermediate_size, cfg.hidden_size, dtype)
+        self.gate_up_proj = linear(cfg.hidden_size, 2 * cfg.intermediate_size, dtype)
+        self.down_proj = linear(cfg.intermediate_size, cfg.hidden_size, dtype)
 
     def forward(self, x: Tensor) -> Tensor:
-        gate, up = op.split(_proj(self.gate_up_proj, x, self.dtype), 2, axis=-1)
-        return _proj(self.down_proj, op.silu(gate) * up, self.dtype)
+        gate, up = op.split(proj(self.gate_up_proj, x, self.dtype), 2, axis=-1)
+        return proj(self.down_proj, op.silu(gate) * up, self.dtype)
 
 
 class LlamaDecoderLayer(nn.Module):
@@ -73,7 +62,7 @@ class LlamaDecoderLayer(nn.Module):
         return x + self.mlp(self.post_attention_layernorm(x))
 
 
-class LlamaForCausalLM(nn.Module):
+class LlamaForCausalLM(CausalLMExports, nn.Module):
     """Llama decoder with a pagedkv cache; ``backend`` and ``target`` choose the cache's kernels."""
 
     def __init__(self, cfg: LlamaConfig, *, dtype: str, target: Any, backend: Any = None):
@@ -81,7 +70,7 @@ class LlamaForCausalLM(nn.Module):
         self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size, dtype=dtype)
         self.layers = nn.ModuleList([LlamaDecoderLayer(cfg, i, dtype) for i in range(cfg.num_hidden_layers)])
         self.norm = nn.RMSNorm(cfg.hidden_size, -1, cfg.rms_norm_eps, bias=False, dtype=dtype)
-        self.lm_head = _linear(cfg.hidden_size, cfg.vocab_size, dtype)  # float32 logits
+        self.lm_head = linear(cfg.hidden_size, cfg.vocab_size, dtype)  # float32 logits
 
     def _body(self, input_ids: Tensor, cache: PagedKVCache) -> Tensor:
         h = self.embed_tokens(input_ids)
@@ -97,23 +86,3 @@ class LlamaForCausalLM(nn.Module):
     def decode(self, input_ids: Tensor, cache: PagedKVCache):
         h = self._body(input_ids, cache)
         return self.lm_head(h), cache
-
-    def create_paged_kv_cache(self, max_batch_size: tirx.Var, max_total_seq_len: tirx.Var,
-                              prefill_chunk_size: tirx.Var, page_size: tirx.Var) -> PagedKVCache:
-        values = {"max_batch_size": max_batch_size, "max_total_seq_len": max_total_seq_len,
-                  "prefill_chunk_size": prefill_chunk_size, "page_size": page_size}
-        return PagedKVCache(self.cfg.kv_cache_config(self.dtype), target=self.target,
-                            backend=self.backend, runtime_values=values)
-
-    def get_default_spec(self):
-        none = {"$": {"param_mode": "none", "effect_mode": "none"}}
-        packed = {"$": {"param_mode": "packed", "effect_mode": "none"}}
-        return nn.spec.ModuleSpec.from_raw({
-            "prefill": {"input_ids": nn.spec.Tensor([1, "n"], "int32"),
-                        "logit_positions": nn.spec.Tensor(["b"], "int32"),
-                        "cache": nn.spec.Object(object_type=PagedKVCache), **packed},
-            "decode": {"input_ids": nn.spec.Tensor(["b", 1], "int32"),
-                       "cache": nn.spec.Object(object_type=PagedKVCache), **packed},
-            "create_paged_kv_cache": {"max_batch_size": int, "max_total_seq_len": int,
-                                      "prefill_chunk_size": int, "page_size": int, **none},
-        }, self)

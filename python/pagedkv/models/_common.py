@@ -1,0 +1,50 @@
+"""Pieces shared by pagedkv's Relax models: float32-accumulating projections and the exported functions'
+cache constructor and spec (``prefill`` / ``decode`` / ``create_paged_kv_cache``)."""
+
+from __future__ import annotations
+
+from tvm import tirx
+from tvm.relax.frontend import nn
+from tvm.relax.frontend.nn import Tensor, op
+
+from ..relax import PagedKVCache
+
+
+def linear(in_features: int, out_features: int, dtype: str) -> nn.Linear:
+    """A bias-free projection that accumulates in float32 (TVM's default float16 matmul accumulates in
+    float16, which moved SmolLM2's greedy tokens away from transformers' on the GPU)."""
+    return nn.Linear(in_features, out_features, bias=False, dtype=dtype, out_dtype="float32")
+
+
+def cast(x: Tensor, dtype: str) -> Tensor:
+    return x if x.dtype == dtype else op.astype(x, dtype)
+
+
+def proj(layer: nn.Linear, x: Tensor, dtype: str) -> Tensor:
+    """``layer(x)`` (float32) cast back to the model dtype."""
+    return cast(layer(x), dtype)
+
+
+class CausalLMExports:
+    """``create_paged_kv_cache`` and ``get_default_spec`` of a causal LM ``nn.Module`` that has ``cfg`` (with
+    ``kv_cache_config(dtype)``), ``dtype``, ``target``, ``backend`` and ``prefill`` / ``decode`` methods."""
+
+    def create_paged_kv_cache(self, max_batch_size: tirx.Var, max_total_seq_len: tirx.Var,
+                              prefill_chunk_size: tirx.Var, page_size: tirx.Var) -> PagedKVCache:
+        values = {"max_batch_size": max_batch_size, "max_total_seq_len": max_total_seq_len,
+                  "prefill_chunk_size": prefill_chunk_size, "page_size": page_size}
+        return PagedKVCache(self.cfg.kv_cache_config(self.dtype), target=self.target,
+                            backend=self.backend, runtime_values=values)
+
+    def get_default_spec(self):
+        none = {"$": {"param_mode": "none", "effect_mode": "none"}}
+        packed = {"$": {"param_mode": "packed", "effect_mode": "none"}}
+        return nn.spec.ModuleSpec.from_raw({
+            "prefill": {"input_ids": nn.spec.Tensor([1, "n"], "int32"),
+                        "logit_positions": nn.spec.Tensor(["b"], "int32"),
+                        "cache": nn.spec.Object(object_type=PagedKVCache), **packed},
+            "decode": {"input_ids": nn.spec.Tensor(["b", 1], "int32"),
+                       "cache": nn.spec.Object(object_type=PagedKVCache), **packed},
+            "create_paged_kv_cache": {"max_batch_size": int, "max_total_seq_len": int,
+                                      "prefill_chunk_size": int, "page_size": int, **none},
+        }, self)
