@@ -1,0 +1,284 @@
+// attn_prefill_ragged / attn_prefill_paged on FlashInfer's batch prefill modules (fa2, fa3).
+// Design, FlashInfer facts and workspace ownership: src/flashinfer_adapter.cc.
+#include "flashinfer_common.h"
+
+namespace pagedkv {
+namespace fi {
+namespace {
+
+// ---------------------------------------------------------------------------------------------------------
+// attn_prefill_ragged / attn_prefill_paged on FlashInfer's batch prefill (fa2, or fa3 on Hopper).
+
+// The fa2 and fa3 lists share their heads (python/pagedkv/flashinfer/abi.py: _PREFILL_PLAN_HEAD,
+// _RAGGED_RUN_HEAD, _PAGED_RUN_HEAD); the head is filled through the fa2 names.
+namespace p2 = abi::prefill_fa2_plan;
+namespace p3 = abi::prefill_fa3_plan;
+namespace r2 = abi::prefill_fa2_ragged_run;
+namespace r3 = abi::prefill_fa3_ragged_run;
+namespace g2 = abi::prefill_fa2_paged_run;
+namespace g3 = abi::prefill_fa3_paged_run;
+static_assert(p2::kWindowLeft == p3::kWindowLeft && p3::kNumArgs == p3::kWindowLeft + 1 &&
+              p2::kCausal == p3::kCausal && p2::kKvLenArr == p3::kKvLenArr);
+static_assert(r2::kEnablePdl == r3::kEnablePdl && r2::kMaybeLse == r3::kMaybeLse && r2::kK == r3::kK);
+static_assert(g2::kEnablePdl == g3::kEnablePdl && g2::kPagedKvLastPageLen == g3::kPagedKvLastPageLen);
+
+enum class PrefillKind { kFA2, kFA3 };
+
+class PrefillAdapter : public FlashInferAdapter {
+ public:
+  PrefillAdapter(bool paged, PrefillKind kind, ffi::Function e, ffi::Function plan, ffi::Function run)
+      : FlashInferAdapter(paged ? ops::kAttnPrefillPaged : ops::kAttnPrefillRagged, std::move(e), std::move(plan),
+                          std::move(run)),
+        paged_(paged),
+        kind_(kind) {}
+
+  void BeginForward(const ForwardInfo& info) final {
+    plans_.Clear();
+    const KVConfig& c = *info.config;
+    rope_rcp_scale_ = c.rope_scale;
+    rope_rcp_theta_ = 1.0 / c.rope_theta;
+    const ForwardPlan& fp = *info.plan;
+    if (!paged_) {
+      if (fp.is_decode) {
+        // The only ragged call of a decode forward is self_attention over no keys (kv_indptr = zeros).
+        Planned p = EmptyFlags(std::vector<int32_t>(fp.q_indptr.size() - 1, 0), 0, true);
+        plans_.Put(ViewKey(info.no_keys_indptr), p);
+        return;
+      }
+      // Prefill: the new tokens attend causally to the new tokens of their own sequence (q and kv indptr are
+      // the same array), so no entry is empty and kv_len == q_len.
+      ws_.Attach(info);
+      std::vector<int32_t> kv_lens(fp.q_indptr.size() - 1);
+      for (size_t b = 0; b + 1 < fp.q_indptr.size(); ++b) kv_lens[b] = fp.q_indptr[b + 1] - fp.q_indptr[b];
+      Planned p = EmptyFlags(kv_lens, 0, true);
+      p.q_key = ViewKey(info.q_indptr);
+      if (!p.all_empty) p.info = Plan(info, 0, fp.q_indptr, fp.q_indptr, kv_lens, /*page_size=*/1, true);
+      plans_.Put(ViewKey(info.q_indptr), std::move(p));
+      return;
+    }
+    for (size_t i = 0; i < info.passes.size(); ++i) {
+      const ForwardInfo::Pass& pass = info.passes[i];
+      if (fp.is_decode && pass.host->one_query_per_entry) continue;  // attn_decode_paged's
+      std::vector<int32_t> kv_lens = PagedKvLens(*pass.host, c.page_size);
+      // Paged passes are non-causal: every key of an entry precedes its queries (src/attention.cc RunPass).
+      Planned p = EmptyFlags(kv_lens, i, false);
+      if (!p.all_empty) {
+        ws_.Attach(info);
+        p.info = Plan(info, i, pass.host->q_indptr, pass.host->page_indptr, kv_lens, c.page_size, false);
+      }
+      plans_.Put(ViewKey(pass.page_indptr), std::move(p));
+    }
+  }
+
+  // ragged: q, k, v, q_indptr, kv_indptr, q_pos, k_pos_offset, o, lse, causal, apply_rope, rope_scale,
+  //         rope_theta, sm_scale
+  // paged:  q, q_indptr, pages, page_indptr, page_values, last_page_len, k_pos_offset, q_pos, o, lse, causal,
+  //         apply_rope, rope_scale, rope_theta, sm_scale
+  void Run(ffi::PackedArgs in) final {
+    int nargs = paged_ ? 15 : 14;
+    if (in.size() != nargs) TVM_FFI_THROW(InternalError) << "pagedkv flashinfer: " << op_ << " takes " << nargs << " arguments";
+    int o_i = paged_ ? 8 : 7;
+    int causal_i = o_i + 2;
+    CheckNoInlineRope(in[causal_i + 1].cast<int64_t>(), op_);
+    double sm_scale = in[causal_i + 4].cast<double>();
+    const Planned& p = plans_.Find(ViewKey(in[paged_ ? 3 : 4]), op_);
+    CheckCausal(p, in[causal_i].cast<int64_t>(), op_);
+    if (!paged_ && !p.all_empty && ViewKey(in[3]) != p.q_key) {
+      TVM_FFI_THROW(RuntimeError) << "pagedkv flashinfer: attn_prefill_ragged called with a q_indptr that "
+                                  << "begin_forward did not plan";
+    }
+    if (kind_ == PrefillKind::kFA2) {
+      if (paged_) {
+        RunPaged<g2::kNumArgs, g2Tail>(p, in, sm_scale);
+      } else {
+        RunRagged<r2::kNumArgs, r2Tail>(p, in, sm_scale);
+      }
+    } else {
+      if (paged_) {
+        RunPaged<g3::kNumArgs, g3Tail>(p, in, sm_scale);
+      } else {
+        RunRagged<r3::kNumArgs, r3Tail>(p, in, sm_scale);
+      }
+    }
+  }
+
+ private:
+  // The tails' index constants, as types (namespaces cannot be template arguments).
+  struct r2Tail {
+    static constexpr bool kFA3 = false;
+    static constexpr int kMaybeCustomMask = r2::kMaybeCustomMask, kMaybeMaskIndptr = r2::kMaybeMaskIndptr,
+                         kMaybeAlibiSlopes = r2::kMaybeAlibiSlopes, kMaybePrefixLenPtr = r2::kMaybePrefixLenPtr,
+                         kMaybeTokenPosInItemsPtr = r2::kMaybeTokenPosInItemsPtr,
+                         kMaybeMaxItemLenPtr = r2::kMaybeMaxItemLenPtr, kMaybeKCacheSf = r2::kMaybeKCacheSf,
+                         kMaybeVCacheSf = r2::kMaybeVCacheSf, kLogitsSoftCap = r2::kLogitsSoftCap,
+                         kSmScale = r2::kSmScale, kRopeRcpScale = r2::kRopeRcpScale,
+                         kRopeRcpTheta = r2::kRopeRcpTheta, kTokenPosInItemsLen = r2::kTokenPosInItemsLen;
+  };
+  struct g2Tail {
+    static constexpr bool kFA3 = false;
+    static constexpr int kMaybeCustomMask = g2::kMaybeCustomMask, kMaybeMaskIndptr = g2::kMaybeMaskIndptr,
+                         kMaybeAlibiSlopes = g2::kMaybeAlibiSlopes, kMaybePrefixLenPtr = g2::kMaybePrefixLenPtr,
+                         kMaybeTokenPosInItemsPtr = g2::kMaybeTokenPosInItemsPtr,
+                         kMaybeMaxItemLenPtr = g2::kMaybeMaxItemLenPtr, kMaybeKCacheSf = g2::kMaybeKCacheSf,
+                         kMaybeVCacheSf = g2::kMaybeVCacheSf, kLogitsSoftCap = g2::kLogitsSoftCap,
+                         kSmScale = g2::kSmScale, kRopeRcpScale = g2::kRopeRcpScale,
+                         kRopeRcpTheta = g2::kRopeRcpTheta, kTokenPosInItemsLen = g2::kTokenPosInItemsLen;
+  };
+  struct r3Tail {
+    static constexpr bool kFA3 = true;
+    static constexpr int kMaybePrefixLenPtr = r3::kMaybePrefixLenPtr,
+                         kMaybeTokenPosInItemsPtr = r3::kMaybeTokenPosInItemsPtr,
+                         kMaybeMaxItemLenPtr = r3::kMaybeMaxItemLenPtr, kMaybeScaleV = r3::kMaybeScaleV,
+                         kLogitsSoftCap = r3::kLogitsSoftCap, kSmScale = r3::kSmScale,
+                         kScaleVScalar = r3::kScaleVScalar, kTokenPosInItemsLen = r3::kTokenPosInItemsLen;
+  };
+  struct g3Tail {
+    static constexpr bool kFA3 = true;
+    static constexpr int kMaybePrefixLenPtr = g3::kMaybePrefixLenPtr,
+                         kMaybeTokenPosInItemsPtr = g3::kMaybeTokenPosInItemsPtr,
+                         kMaybeMaxItemLenPtr = g3::kMaybeMaxItemLenPtr, kMaybeScaleV = g3::kMaybeScaleV,
+                         kLogitsSoftCap = g3::kLogitsSoftCap, kSmScale = g3::kSmScale,
+                         kScaleVScalar = g3::kScaleVScalar, kTokenPosInItemsLen = g3::kTokenPosInItemsLen;
+  };
+
+  // The arguments after enable_pdl: flashinfer's "off" values, the scale, and (fa2) the RoPE constants.
+  template <typename Tail, int N>
+  void SetTail(ArgPack<N>& args, double sm_scale) const {
+    args.SetNone(Tail::kMaybePrefixLenPtr);
+    args.SetNone(Tail::kMaybeTokenPosInItemsPtr);
+    args.SetNone(Tail::kMaybeMaxItemLenPtr);
+    args.Set(Tail::kLogitsSoftCap, logits_soft_cap_);
+    args.Set(Tail::kSmScale, sm_scale);
+    args.Set(Tail::kTokenPosInItemsLen, int64_t{0});
+    if constexpr (Tail::kFA3) {
+      args.SetNone(Tail::kMaybeScaleV);
+      args.Set(Tail::kScaleVScalar, 1.0);  // no fp8 V scale
+    } else {
+      args.SetNone(Tail::kMaybeCustomMask);
+      args.SetNone(Tail::kMaybeMaskIndptr);
+      args.SetNone(Tail::kMaybeAlibiSlopes);
+      args.SetNone(Tail::kMaybeKCacheSf);
+      args.SetNone(Tail::kMaybeVCacheSf);
+      // unused while the module is built without in-kernel RoPE (pos_encoding_mode 0); see DecodeAdapter
+      args.Set(Tail::kRopeRcpScale, rope_rcp_scale_);
+      args.Set(Tail::kRopeRcpTheta, rope_rcp_theta_);
+    }
+  }
+
+  ffi::Array<int64_t> Plan(const ForwardInfo& info, size_t slot, const std::vector<int32_t>& qo_indptr,
+                           const std::vector<int32_t>& kv_indptr, const std::vector<int32_t>& kv_lens,
+                           int64_t page_size, bool causal) {
+    const KVConfig& c = *info.config;
+    if (causal) {
+      for (size_t b = 0; b < kv_lens.size(); ++b) {
+        if (kv_lens[b] > 0 && kv_lens[b] < qo_indptr[b + 1] - qo_indptr[b]) {
+          TVM_FFI_THROW(InternalError) << "pagedkv flashinfer: causal " << op_ << " entry " << b
+                                       << " has fewer keys than queries (the runtime never plans that)";
+        }
+      }
+    }
+    const Workspaces::Int& iws = ws_.Slot(slot);
+    HostInt32 qo(qo_indptr), kv(kv_indptr), lens(kv_lens);
+    auto head = [&](auto& args) {
+      args.Set(p2::kFloatWorkspaceBuffer, ws_.float_ws());
+      args.Set(p2::kIntWorkspaceBuffer, iws.device);
+      args.Set(p2::kPageLockedIntWorkspaceBuffer, iws.pinned);
+      args.Set(p2::kQoIndptr, qo.get());
+      args.Set(p2::kKvIndptr, kv.get());  // ragged: token indptr; paged: page indptr (as flashinfer's wrappers)
+      args.Set(p2::kKvLenArr, lens.get());
+      args.Set(p2::kTotalNumRows, static_cast<int64_t>(qo_indptr.back()));
+      args.Set(p2::kBatchSize, static_cast<int64_t>(kv_lens.size()));
+      args.Set(p2::kNumQoHeads, c.num_qo_heads);
+      args.Set(p2::kNumKvHeads, c.num_kv_heads);
+      args.Set(p2::kPageSize, page_size);
+      args.Set(p2::kEnableCudaGraph, false);
+      args.Set(p2::kHeadDimQk, c.head_dim);
+      args.Set(p2::kHeadDimVo, c.v_head_dim);
+      args.Set(p2::kCausal, causal);
+      args.Set(p2::kWindowLeft, window_left_);
+    };
+    if (kind_ == PrefillKind::kFA2) {
+      ArgPack<p2::kNumArgs> args;
+      head(args);
+      // the values 0.7.4's BatchPrefillWith{Paged,Ragged}KVCacheWrapper.plan passes without CUDA graphs
+      args.Set(p2::kFixedSplitSize, int64_t{-1});
+      args.Set(p2::kDisableSplitKv, false);
+      args.Set(p2::kNumColocatedCtas, int64_t{0});
+      args.Set(p2::kUniformQLen, int64_t{0});
+      args.Set(p2::kFixedUniformQLen, false);
+      return args.Call(plan_, "prefill plan").cast<ffi::Array<int64_t>>();
+    }
+    ArgPack<p3::kNumArgs> args;
+    head(args);
+    return args.Call(plan_, "prefill plan").cast<ffi::Array<int64_t>>();
+  }
+
+  template <int N, typename Tail>
+  void RunRagged(const Planned& p, ffi::PackedArgs in, double sm_scale) {
+    Flat q(in[0]), k(in[1]), v(in[2]), qo(in[3]), kv(in[4]), o(in[7]), lse(in[8]);
+    ArgPack<N> args;
+    if (!p.all_empty) {
+      args.Set(r2::kFloatWorkspaceBuffer, ws_.float_ws());
+      args.Set(r2::kIntWorkspaceBuffer, ws_.Slot(p.slot).device);
+      args.Set(r2::kPlanInfoVec, p.info);
+      args.Set(r2::kQ, q.get());
+      args.Set(r2::kK, k.get());
+      args.Set(r2::kV, v.get());
+      args.Set(r2::kQoIndptr, qo.get());
+      args.Set(r2::kKvIndptr, kv.get());
+      args.Set(r2::kO, o.get());
+      args.Set(r2::kMaybeLse, lse.get());
+      args.Set(r2::kMaskModeCode, p.causal ? kMaskCausal : kMaskNone);
+      args.Set(r2::kLayout, kLayoutNHD);
+      args.Set(r2::kWindowLeft, window_left_);
+      args.Set(r2::kEnablePdl, false);
+      SetTail<Tail>(args, sm_scale);
+    }
+    RunPlanned(p, &args, in[7], in[8]);
+  }
+
+  template <int N, typename Tail>
+  void RunPaged(const Planned& p, ffi::PackedArgs in, double sm_scale) {
+    const DLTensor& pages = *in[2].cast<DLTensor*>();
+    int64_t np = pages.shape[0], h = pages.shape[2], s = pages.shape[3], d = pages.shape[4];
+    StridedView k(pages, {np, h, s, d}, {2 * h * s * d, s * d, d, 1}, 0);
+    StridedView v(pages, {np, h, s, d}, {2 * h * s * d, s * d, d, 1}, h * s * d);
+    Flat q(in[0]), qo(in[1]), indptr(in[3]), indices(in[4]), last(in[5]), o(in[8]), lse(in[9]);
+    ArgPack<N> args;
+    if (!p.all_empty) {
+      args.Set(g2::kFloatWorkspaceBuffer, ws_.float_ws());
+      args.Set(g2::kIntWorkspaceBuffer, ws_.Slot(p.slot).device);
+      args.Set(g2::kPlanInfoVec, p.info);
+      args.Set(g2::kQ, q.get());
+      args.Set(g2::kPagedKCache, k.get());
+      args.Set(g2::kPagedVCache, v.get());
+      args.Set(g2::kQoIndptr, qo.get());
+      args.Set(g2::kPagedKvIndptr, indptr.get());
+      args.Set(g2::kPagedKvIndices, indices.get());
+      args.Set(g2::kPagedKvLastPageLen, last.get());
+      args.Set(g2::kO, o.get());
+      args.Set(g2::kMaybeLse, lse.get());
+      args.Set(g2::kMaskModeCode, p.causal ? kMaskCausal : kMaskNone);
+      args.Set(g2::kLayout, kLayoutHND);
+      args.Set(g2::kWindowLeft, window_left_);
+      args.Set(g2::kEnablePdl, false);
+      SetTail<Tail>(args, sm_scale);
+    }
+    RunPlanned(p, &args, in[8], in[9]);
+  }
+
+  bool paged_;
+  PrefillKind kind_;
+  double rope_rcp_scale_ = 1.0, rope_rcp_theta_ = 1e-4;
+};
+
+}  // namespace
+
+std::unique_ptr<OpAdapter> MakePrefillAdapter(bool paged, bool fa3, ffi::Function empty_rows, ffi::Function plan,
+                                              ffi::Function run) {
+  return std::make_unique<PrefillAdapter>(paged, fa3 ? PrefillKind::kFA3 : PrefillKind::kFA2,
+                                          std::move(empty_rows), std::move(plan), std::move(run));
+}
+
+}  // namespace fi
+}  // namespace pagedkv
