@@ -106,3 +106,9 @@ def next_pow2(x: int) -> int:
     while p < x:
         p *= 2
     return p
+
+
+def paged_kv_len(page_indptr, last_page_len, b, ps):
+    """Keys of entry ``b`` in a paged layout (0 when it has no pages)."""
+    npg = page_indptr[b + 1] - page_indptr[b]
+    return T.if_then_else(npg > 0, (npg - 1) * ps + last_page_len[b], 0)
