@@ -36,7 +36,16 @@ void PagedKVCacheObj::BeginForward(const ffi::Shape& seq_ids, const ffi::Shape& 
   // Nothing below can fail on bad input: mutate.
   pool_.Append(ids, lengths);
   PoisonNewPages();
-  UploadPlan(BuildForwardPlan(pool_, ids, lengths));
+  try {
+    UploadPlan(BuildForwardPlan(pool_, ids, lengths));
+  } catch (...) {
+    // A library backend's plan failed (NotifyBeginForward abandoned the forward): take the appended
+    // tokens back, so the failed call leaves the cache as it was. They sit in each sequence's own leaf
+    // block, so popping them frees their pages and never copies one.
+    for (size_t i = 0; i < ids.size(); ++i) RunCopy(pool_.PopN(ids[i], lengths[i]));
+    PoisonNewPages();
+    throw;
+  }
   if (poison_) PoisonTemps();
 }
 

@@ -103,6 +103,7 @@ class FakeFlashInfer:
         self.plans: dict[int, dict] = {}
         # (function, argument, problem): a byte_offset != 0, or NULL strides
         self.offsets: list[tuple[str, str, object]] = []
+        self.fail_next_plan = False  # the next plan raises (a device failure in begin_forward)
 
     # -- helpers --------------------------------------------------------------------------------------
     def _check_offsets(self, where, named):
@@ -115,6 +116,9 @@ class FakeFlashInfer:
                     self.offsets.append((where, name, "strides NULL"))
 
     def _plan(self, func, args, extra=None):
+        if self.fail_next_plan:
+            self.fail_next_plan = False
+            raise RuntimeError("stand-in plan failure")
         named = _named(func, args)
         where = f"{func.kind}.{func.func}"
         self._check_offsets(where, named)

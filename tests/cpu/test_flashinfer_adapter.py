@@ -228,3 +228,19 @@ def test_op_table_entry_is_checked(empty_rows):
     with pytest.raises(ValueError, match="takes a FlashInfer prefill_fa2, prefill_fa3 module"):
         create(["attn_prefill_paged", "flashinfer", "mla"] + good[3:])
     assert abi.DECODE_RUN.num_args == 19
+
+
+def test_failed_plan_leaves_the_cache_unchanged(empty_rows):
+    """A plan that fails inside begin_forward (a device failure) takes the appended tokens back: lengths
+    and free pages are as before, no forward is open, and the next forward works."""
+    cache, fake = make_cache(MHA_CFG, empty_rows, {"attn_decode_paged": "decode"})
+    for seq in (0, 1):
+        cache.add_sequence(seq)
+    _step(cache, MHA_CFG, [0, 1], [5, 4], 0.25)  # prefill: the decode op plans nothing
+    before = ([cache.get_sequence_length(s) for s in (0, 1)], cache.num_available_pages)
+    fake.fail_next_plan = True
+    with pytest.raises(Exception, match="stand-in plan failure"):
+        cache.begin_forward([0, 1], [1, 1])
+    assert ([cache.get_sequence_length(s) for s in (0, 1)], cache.num_available_pages) == before
+    _step(cache, MHA_CFG, [0, 1], [1, 1], 0.25)  # no forward left open; planning works again
+    assert [cache.get_sequence_length(s) for s in (0, 1)] == [6, 5]
