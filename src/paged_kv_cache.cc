@@ -131,6 +131,14 @@ void PagedKVCacheObj::RunCopy(const std::optional<PageCopy>& copy) {
 // ---------------------------------------------------------------------------------------------------
 // Debug access: slot maps computed on the host, one gather/append call per layer on views of the dumps.
 
+void PagedKVCacheObj::CheckDebugRange(const char* what, int64_t seq_id, int64_t start, int64_t count) const {
+  int64_t length = pool_.Get(seq_id).length;  // throws naming an unknown id
+  if (start < 0 || count < 0 || start + count > length) {
+    TVM_FFI_THROW(ValueError) << "pagedkv: " << what << " range [" << start << ", " << start + count
+                              << ") is not inside sequence " << seq_id << " of length " << length;
+  }
+}
+
 ffi::Tensor PagedKVCacheObj::SlotsOnDevice(int64_t seq_id, int64_t start, int64_t count) {
   std::vector<int32_t> pages = pool_.ChainPages(seq_id);
   std::vector<int32_t> slots;
@@ -146,11 +154,7 @@ ffi::Tensor PagedKVCacheObj::SlotsOnDevice(int64_t seq_id, int64_t start, int64_
 
 void PagedKVCacheObj::DebugGetKV(int64_t seq_id, int64_t start, int64_t end, const ffi::Tensor& k_out,
                                  const ffi::Tensor& v_out) {
-  int64_t length = pool_.Get(seq_id).length;
-  if (start < 0 || start > end || end > length) {
-    TVM_FFI_THROW(ValueError) << "pagedkv: debug_get_kv range [" << start << ", " << end
-                              << ") is not inside sequence " << seq_id << " of length " << length;
-  }
+  CheckDebugRange("debug_get_kv", seq_id, start, end - start);
   CheckKind("debug_get_kv", false);
   int64_t m = end - start;
   std::vector<int64_t> shape = {cfg_.num_layers, m, cfg_.num_kv_heads, cfg_.head_dim};
@@ -169,15 +173,11 @@ void PagedKVCacheObj::DebugGetKV(int64_t seq_id, int64_t start, int64_t end, con
 
 void PagedKVCacheObj::DebugSetKV(int64_t seq_id, int64_t start, const ffi::Tensor& k, const ffi::Tensor& v) {
   CheckKind("debug_set_kv", false);
-  int64_t length = pool_.Get(seq_id).length;
   int64_t m = k.ndim() == 4 ? k.shape()[1] : -1;
   std::vector<int64_t> shape = {cfg_.num_layers, m, cfg_.num_kv_heads, cfg_.head_dim};
   CheckTensor(k, "k", shape, dtype_, device_);
   CheckTensor(v, "v", shape, dtype_, device_);
-  if (start < 0 || start + m > length) {
-    TVM_FFI_THROW(ValueError) << "pagedkv: debug_set_kv range [" << start << ", " << start + m
-                              << ") is not inside sequence " << seq_id << " of length " << length;
-  }
+  CheckDebugRange("debug_set_kv", seq_id, start, m);
   if (m == 0) return;
   OpAdapter& append = ops_.Get(ops::kAppendKV);
   ffi::Tensor slots = SlotsOnDevice(seq_id, start, m);
@@ -190,11 +190,7 @@ void PagedKVCacheObj::DebugSetKV(int64_t seq_id, int64_t start, const ffi::Tenso
 
 void PagedKVCacheObj::DebugGetMLAKV(int64_t seq_id, int64_t start, int64_t end, const ffi::Tensor& kv_out) {
   CheckKind("debug_get_mla_kv", true);
-  int64_t length = pool_.Get(seq_id).length;
-  if (start < 0 || start > end || end > length) {
-    TVM_FFI_THROW(ValueError) << "pagedkv: debug_get_mla_kv range [" << start << ", " << end
-                              << ") is not inside sequence " << seq_id << " of length " << length;
-  }
+  CheckDebugRange("debug_get_mla_kv", seq_id, start, end - start);
   int64_t m = end - start;
   CheckTensor(kv_out, "kv_out", {cfg_.num_layers, m, cfg_.latent_dim()}, dtype_, device_);
   OpAdapter& gather = ops_.Get(ops::kMLAGatherKV);
@@ -209,13 +205,9 @@ void PagedKVCacheObj::DebugGetMLAKV(int64_t seq_id, int64_t start, int64_t end, 
 
 void PagedKVCacheObj::DebugSetMLAKV(int64_t seq_id, int64_t start, const ffi::Tensor& kv) {
   CheckKind("debug_set_mla_kv", true);
-  int64_t length = pool_.Get(seq_id).length;
   int64_t m = kv.ndim() == 3 ? kv.shape()[1] : -1;
   CheckTensor(kv, "kv", {cfg_.num_layers, m, cfg_.latent_dim()}, dtype_, device_);
-  if (start < 0 || start + m > length) {
-    TVM_FFI_THROW(ValueError) << "pagedkv: debug_set_mla_kv range [" << start << ", " << start + m
-                              << ") is not inside sequence " << seq_id << " of length " << length;
-  }
+  CheckDebugRange("debug_set_mla_kv", seq_id, start, m);
   if (m == 0) return;
   OpAdapter& append = ops_.Get(ops::kMLAAppendKV);
   ffi::Tensor slots = SlotsOnDevice(seq_id, start, m);

@@ -105,6 +105,8 @@ class PagedKVCacheObj : public ffi::Object {
                  double sm_scale, bool output_written);
   void RunRagged(const ffi::Tensor& q, const ffi::Tensor& k, const ffi::Tensor& v, const ffi::Tensor& o,
                  const ffi::Tensor& lse, double sm_scale);
+  // Throws ValueError naming `what` unless [start, start + count) lies inside the sequence.
+  void CheckDebugRange(const char* what, int64_t seq_id, int64_t start, int64_t count) const;
   ffi::Tensor SlotsOnDevice(int64_t seq_id, int64_t start, int64_t count);
   void PoisonNewPages();
   void PoisonPage(int32_t page);

@@ -14,16 +14,13 @@ Run: ``.venv/bin/python -m pytest tests/cpu/test_cuda_compile.py -q``
 
 from __future__ import annotations
 
-import concurrent.futures
 import functools
-import os
 import pathlib
 import re
-import shutil
-import subprocess
 import sys
 
 import pytest
+from _cuda_support import cuda_source_of, find_nvcc, nvcc_all
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 try:  # installed package
@@ -52,19 +49,6 @@ def _generic_cuda_target() -> Target:
     return Target({"kind": "cuda"}, host="llvm")
 
 
-def _cuda_source(executable) -> str:
-    """The CUDA C source of a compiled module (source-only module, or a real one that kept its source)."""
-    for mod in executable.mod.imports:
-        for fmt in ("", "cu", "cuda"):
-            try:
-                src = mod.inspect_source(fmt) if fmt else mod.inspect_source()
-            except Exception:  # noqa: BLE001, S112 (format not kept by this module kind)
-                continue
-            if "__global__" in src:
-                return src
-    raise AssertionError("no CUDA source in the compiled module")
-
-
 @functools.cache
 def cuda_source(cfg: tuple, kind: str = "sm90") -> str:
     """CUDA source of all nine ops for ``cfg`` (cached per session); ``kind`` is "sm90" or "generic"."""
@@ -72,39 +56,19 @@ def cuda_source(cfg: tuple, kind: str = "sm90") -> str:
     funcs = tk.build_kernels(tk.KernelConfig(*cfg), target)
     with target:
         exe = tvm.compile(tvm.IRModule({f"pagedkv_{op}": f for op, f in funcs.items()}), target=target)
-    return _cuda_source(exe)
+    return cuda_source_of(exe)
 
 
 def _sm90_source(cfg):
     return cuda_source(cfg, "sm90")
 
 
-def _nvcc() -> str | None:
-    return shutil.which("nvcc") or next(
-        (str(p) for p in sorted(pathlib.Path("/usr/local").glob("cuda*/bin/nvcc"))), None)
-
-
-def _compile_with_nvcc(cfg, workdir: pathlib.Path) -> tuple[int, str]:
-    name = "_".join(map(str, cfg))
-    cu = workdir / f"{name}.cu"
-    cu.write_text(_sm90_source(cfg))
-    cmd = [_nvcc(), "--cubin", "-arch=sm_90a", "-O3", "-Xptxas", "-v", "-diag-suppress", "177,1444,1046",
-           "-o", str(workdir / f"{name}.cubin"), str(cu)]
-    proc = subprocess.run(cmd, capture_output=True, text=True, check=False)
-    return proc.returncode, proc.stdout + proc.stderr
-
-
 @pytest.fixture(scope="module")
 def nvcc_results(tmp_path_factory):
     """nvcc on every configuration's source, the jobs run in parallel: ``{cfg: (returncode, log)}``."""
-    if _nvcc() is None:
+    if find_nvcc() is None:
         pytest.skip("nvcc not found")
-    workdir = tmp_path_factory.mktemp("cuda")
-    for cfg in CONFIGS:  # TVM lowering in this thread (not thread-safe to overlap with itself)
-        _sm90_source(cfg)
-    with concurrent.futures.ThreadPoolExecutor(max_workers=max(1, min(len(CONFIGS), os.cpu_count() or 1))) as ex:
-        futures = {cfg: ex.submit(_compile_with_nvcc, cfg, workdir) for cfg in CONFIGS}
-        return {cfg: fut.result() for cfg, fut in futures.items()}
+    return nvcc_all(CONFIGS, _sm90_source, tmp_path_factory.mktemp("cuda"), "")
 
 
 @pytest.mark.parametrize("cfg", CONFIGS, ids=IDS)

@@ -25,6 +25,19 @@ def proj(layer: nn.Linear, x: Tensor, dtype: str) -> Tensor:
     return cast(layer(x), dtype)
 
 
+class GatedMLP(nn.Module):
+    """SiLU-gated MLP with gate and up fused into one projection (Llama, DeepSeek's dense layers)."""
+
+    def __init__(self, hidden_size: int, intermediate_size: int, dtype: str):
+        self.dtype = dtype
+        self.gate_up_proj = linear(hidden_size, 2 * intermediate_size, dtype)
+        self.down_proj = linear(intermediate_size, hidden_size, dtype)
+
+    def forward(self, x: Tensor) -> Tensor:
+        gate, up = op.split(proj(self.gate_up_proj, x, self.dtype), 2, axis=-1)
+        return proj(self.down_proj, op.silu(gate) * up, self.dtype)
+
+
 class CausalLMExports:
     """``create_paged_kv_cache`` and ``get_default_spec`` of a causal LM ``nn.Module`` that has ``cfg`` (with
     ``kv_cache_config(dtype)``), ``dtype``, ``target``, ``backend`` and ``prefill`` / ``decode`` methods."""

@@ -32,7 +32,7 @@ from tvm.relax.frontend.nn import Tensor, op
 from tvm.script import tirx as T
 
 from ..relax import PagedKVCache
-from ._common import CausalLMExports, cast, linear, proj
+from ._common import CausalLMExports, GatedMLP, cast, linear, proj
 from .deepseek_v3_params import DeepseekV3Config, params_from_hf, params_from_state_dict  # noqa: F401
 
 
@@ -171,24 +171,13 @@ class DeepseekV3Attention(nn.Module):  # pylint: disable=too-many-instance-attri
         return out, cache
 
 
-class DeepseekV3MLP(nn.Module):
-    def __init__(self, cfg: DeepseekV3Config, dtype: str):
-        self.dtype = dtype
-        self.gate_up_proj = linear(cfg.hidden_size, 2 * cfg.intermediate_size, dtype)
-        self.down_proj = linear(cfg.intermediate_size, cfg.hidden_size, dtype)
-
-    def forward(self, x: Tensor) -> Tensor:
-        gate, up = op.split(proj(self.gate_up_proj, x, self.dtype), 2, axis=-1)
-        return proj(self.down_proj, op.silu(gate) * up, self.dtype)
-
-
 class DeepseekV3DecoderLayer(nn.Module):
     def __init__(self, cfg: DeepseekV3Config, layer_id: int, dtype: str):
         self.input_layernorm = nn.RMSNorm(cfg.hidden_size, -1, cfg.rms_norm_eps, bias=False, dtype=dtype)
         self.self_attn = DeepseekV3Attention(cfg, layer_id, dtype)
         self.post_attention_layernorm = nn.RMSNorm(cfg.hidden_size, -1, cfg.rms_norm_eps, bias=False,
                                                    dtype=dtype)
-        self.mlp = DeepseekV3MLP(cfg, dtype)
+        self.mlp = GatedMLP(cfg.hidden_size, cfg.intermediate_size, dtype)
 
     def forward(self, x: Tensor, cache: PagedKVCache, rope, mode: str) -> tuple[Tensor, PagedKVCache]:
         a, cache = self.self_attn(self.input_layernorm(x), cache, rope, mode)

@@ -16,7 +16,7 @@ from tvm.relax.frontend import nn
 from tvm.relax.frontend.nn import Tensor, op
 
 from ..relax import PagedKVCache
-from ._common import CausalLMExports, linear, proj
+from ._common import CausalLMExports, GatedMLP, linear, proj
 from .llama_params import LlamaConfig, params_from_hf  # noqa: F401 (re-exported)
 
 
@@ -37,25 +37,13 @@ class LlamaAttention(nn.Module):
         return proj(self.o_proj, op.reshape(o, (b, s, c.num_attention_heads * c.head_dim)), self.dtype)
 
 
-class LlamaMLP(nn.Module):
-    def __init__(self, cfg: LlamaConfig, dtype: str):
-        self.inter = cfg.intermediate_size
-        self.dtype = dtype
-        self.gate_up_proj = linear(cfg.hidden_size, 2 * cfg.intermediate_size, dtype)
-        self.down_proj = linear(cfg.intermediate_size, cfg.hidden_size, dtype)
-
-    def forward(self, x: Tensor) -> Tensor:
-        gate, up = op.split(proj(self.gate_up_proj, x, self.dtype), 2, axis=-1)
-        return proj(self.down_proj, op.silu(gate) * up, self.dtype)
-
-
 class LlamaDecoderLayer(nn.Module):
     def __init__(self, cfg: LlamaConfig, layer_id: int, dtype: str):
         self.input_layernorm = nn.RMSNorm(cfg.hidden_size, -1, cfg.rms_norm_eps, bias=False, dtype=dtype)
         self.self_attn = LlamaAttention(cfg, layer_id, dtype)
         self.post_attention_layernorm = nn.RMSNorm(cfg.hidden_size, -1, cfg.rms_norm_eps, bias=False,
                                                    dtype=dtype)
-        self.mlp = LlamaMLP(cfg, dtype)
+        self.mlp = GatedMLP(cfg.hidden_size, cfg.intermediate_size, dtype)
 
     def forward(self, x: Tensor, cache: PagedKVCache) -> Tensor:
         x = x + self.self_attn(self.input_layernorm(x), cache)

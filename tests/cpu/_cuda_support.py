@@ -1,0 +1,51 @@
+"""CUDA source and nvcc helpers shared by the CUDA compile tests (``test_cuda_compile.py``,
+``test_mla_cuda_compile.py``): no GPU needed."""
+
+from __future__ import annotations
+
+import concurrent.futures
+import os
+import pathlib
+import shutil
+import subprocess
+
+
+def cuda_source_of(executable) -> str:
+    """The CUDA C source of a compiled module (source-only module, or a real one that kept its source)."""
+    for mod in executable.mod.imports:
+        for fmt in ("", "cu", "cuda"):
+            try:
+                src = mod.inspect_source(fmt) if fmt else mod.inspect_source()
+            except Exception:  # noqa: BLE001, S112 (format not kept by this module kind)
+                continue
+            if "__global__" in src:
+                return src
+    raise AssertionError("no CUDA source in the compiled module")
+
+
+def find_nvcc() -> str | None:
+    return shutil.which("nvcc") or next(
+        (str(p) for p in sorted(pathlib.Path("/usr/local").glob("cuda*/bin/nvcc"))), None)
+
+
+def _compile(name: str, source: str, workdir: pathlib.Path) -> tuple[int, str]:
+    cu = workdir / f"{name}.cu"
+    cu.write_text(source)
+    cmd = [find_nvcc(), "--cubin", "-arch=sm_90a", "-O3", "-Xptxas", "-v", "-diag-suppress", "177,1444,1046",
+           "-o", str(workdir / f"{name}.cubin"), str(cu)]
+    proc = subprocess.run(cmd, capture_output=True, text=True, check=False)
+    return proc.returncode, proc.stdout + proc.stderr
+
+
+def nvcc_all(configs, source, workdir: pathlib.Path, prefix: str = "") -> dict:
+    """``{cfg: (returncode, ptxas log)}`` of ``nvcc --cubin -arch=sm_90a`` on ``source(cfg)`` per config.
+
+    The sources are produced first in this thread (TVM lowering must not overlap with itself), then the nvcc
+    jobs run in parallel.
+    """
+    sources = {cfg: source(cfg) for cfg in configs}
+    workers = max(1, min(len(configs), os.cpu_count() or 1))
+    with concurrent.futures.ThreadPoolExecutor(max_workers=workers) as ex:
+        futures = {cfg: ex.submit(_compile, prefix + "_".join(map(str, cfg)), src, workdir)
+                   for cfg, src in sources.items()}
+        return {cfg: fut.result() for cfg, fut in futures.items()}
