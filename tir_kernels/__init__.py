@@ -14,6 +14,7 @@ Example
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 from ._common import as_target, dispatch, host_target
@@ -83,6 +84,15 @@ class KernelConfig:
         MLA layers (both > 0): pages hold a latent of ``kv_lora_rank + qk_rope_head_dim`` elements per
         token; ``head_dim`` / ``v_head_dim`` / ``num_kv_heads`` then describe the ragged self-attention
         (``num_kv_heads == num_qo_heads``). 0 for MHA.
+    sliding_window : int
+        MHA attention kernels only; 0 = off. Query row ``i`` of an entry with ``n`` queries and ``m`` keys
+        sits at key position ``p = m - n + i`` (bottom-right alignment, as the causal mask) and sees keys
+        ``j >= p + 1 - sliding_window`` (besides the causal / length limit). Compile-time: the op ABI does
+        not change, and with 0 the generated code is what it was before the field existed.
+    logits_soft_cap : float
+        MHA attention kernels only; 0 = off. Scores ``s = sm_scale * q.k`` become
+        ``logits_soft_cap * tanh(s / logits_soft_cap)`` before masking and softmax (FlashInfer's and
+        Gemma-2's definition); lse is over the capped scores.
     """
 
     num_qo_heads: int
@@ -92,6 +102,8 @@ class KernelConfig:
     dtype: str = "float16"
     kv_lora_rank: int = 0
     qk_rope_head_dim: int = 0
+    sliding_window: int = 0
+    logits_soft_cap: float = 0.0
 
     def __post_init__(self):
         if self.v_head_dim is None:
@@ -110,10 +122,22 @@ class KernelConfig:
         if (self.kv_lora_rank > 0) != (self.qk_rope_head_dim > 0):
             raise ValueError("MLA needs both kv_lora_rank and qk_rope_head_dim > 0, got "
                              f"{self.kv_lora_rank} and {self.qk_rope_head_dim}")
+        if not isinstance(self.sliding_window, int) or self.sliding_window < 0:
+            raise ValueError(f"sliding_window must be an int >= 0 (0: off), got {self.sliding_window!r}")
+        cap = self.logits_soft_cap
+        if not isinstance(cap, (int, float)) or not math.isfinite(cap) or cap < 0:
+            raise ValueError(f"logits_soft_cap must be a finite number >= 0 (0: off), got {cap!r}")
+        if self.is_mla and (self.sliding_window or cap):
+            raise ValueError("MLA kernels take no sliding_window or logits_soft_cap")
 
     @property
     def is_mla(self) -> bool:
         return self.kv_lora_rank > 0
+
+    @property
+    def masking(self) -> dict:
+        """The attention kernels' compile-time masking options, as keyword arguments."""
+        return {"sliding_window": self.sliding_window, "logits_soft_cap": float(self.logits_soft_cap)}
 
     @property
     def latent_dim(self) -> int:
@@ -130,7 +154,8 @@ class KernelConfig:
         """The kernel shape of a ``pagedkv.config.KVCacheConfig`` (read by field name)."""
         return cls(config.num_qo_heads, config.num_kv_heads, config.head_dim,
                    config.v_head_dim, config.dtype, getattr(config, "kv_lora_rank", 0),
-                   getattr(config, "qk_rope_head_dim", 0))
+                   getattr(config, "qk_rope_head_dim", 0), getattr(config, "sliding_window", 0),
+                   float(getattr(config, "logits_soft_cap", 0.0)))
 
 
 def make_split_rotary(cfg: KernelConfig, target):
@@ -158,27 +183,27 @@ def make_attn_prefill_ragged(cfg: KernelConfig, target):
     """PrimFunc ``pagedkv_attn_prefill_ragged`` for ``target``."""
     return dispatch("attn_prefill_ragged", target, {
         "llvm": lambda: attn_prefill_ragged_cpu(cfg.num_qo_heads, cfg.num_kv_heads, cfg.head_dim,
-                                                cfg.v_head_dim, cfg.dtype),
+                                                cfg.v_head_dim, cfg.dtype, **cfg.masking),
         "cuda": lambda: attn_prefill_ragged_cuda(cfg.num_qo_heads, cfg.num_kv_heads, cfg.head_dim,
-                                                 cfg.v_head_dim, cfg.dtype)})
+                                                 cfg.v_head_dim, cfg.dtype, **cfg.masking)})
 
 
 def make_attn_prefill_paged(cfg: KernelConfig, target):
     """PrimFunc ``pagedkv_attn_prefill_paged`` for ``target``."""
     return dispatch("attn_prefill_paged", target, {
         "llvm": lambda: attn_prefill_paged_cpu(cfg.num_qo_heads, cfg.num_kv_heads, cfg.head_dim,
-                                               cfg.dtype),
+                                               cfg.dtype, **cfg.masking),
         "cuda": lambda: attn_prefill_paged_cuda(cfg.num_qo_heads, cfg.num_kv_heads, cfg.head_dim,
-                                                cfg.dtype)})
+                                                cfg.dtype, **cfg.masking)})
 
 
 def make_attn_decode_paged(cfg: KernelConfig, target):
     """PrimFunc ``pagedkv_attn_decode_paged`` for ``target``."""
     return dispatch("attn_decode_paged", target, {
         "llvm": lambda: attn_decode_paged_cpu(cfg.num_qo_heads, cfg.num_kv_heads, cfg.head_dim,
-                                              cfg.dtype),
+                                              cfg.dtype, **cfg.masking),
         "cuda": lambda: attn_decode_paged_cuda(cfg.num_qo_heads, cfg.num_kv_heads, cfg.head_dim,
-                                               cfg.dtype)})
+                                               cfg.dtype, **cfg.masking)})
 
 
 def make_merge_state(cfg: KernelConfig, target):

@@ -18,6 +18,11 @@ from ._attn_cpu_macros import make_attn_macros
 from ._common import LOG2E, TilePlan, make_tile_plan
 
 
+def _masking_todo(sliding_window, logits_soft_cap):
+    if sliding_window or logits_soft_cap:
+        raise NotImplementedError("sliding_window / logits_soft_cap: not implemented yet")
+
+
 def _make_attend(plan: TilePlan, mac, load_tile):
     """The body of one work item, given the shared macros ``mac`` and the kernel's tile loader.
 
@@ -176,7 +181,9 @@ _SERIAL_DECODE_WORK = 512
 _SERIAL_PREFILL_WORK = 512
 
 
-def attn_decode_paged_cpu(num_qo_heads, num_kv_heads, head_dim, dtype):
+def attn_decode_paged_cpu(num_qo_heads, num_kv_heads, head_dim, dtype, *, sliding_window: int = 0,
+                          logits_soft_cap: float = 0.0):
+    _masking_todo(sliding_window, logits_soft_cap)
     """``pagedkv_attn_decode_paged`` for the CPU.
 
     Signature (``docs/ARCHITECTURE.md``)::
@@ -248,7 +255,9 @@ def _locate(ent, tile_ptr, it, hkv, batch, tq):
     ent[1] = (_zigzag(it // hkv, tile_ptr[batch]) - tile_ptr[ent[0]]) * tq
 
 
-def attn_prefill_paged_cpu(num_qo_heads, num_kv_heads, head_dim, dtype):
+def attn_prefill_paged_cpu(num_qo_heads, num_kv_heads, head_dim, dtype, *, sliding_window: int = 0,
+                           logits_soft_cap: float = 0.0):
+    _masking_todo(sliding_window, logits_soft_cap)
     """``pagedkv_attn_prefill_paged`` for the CPU.
 
     Signature::
@@ -309,7 +318,9 @@ def attn_prefill_paged_cpu(num_qo_heads, num_kv_heads, head_dim, dtype):
     return attn_prefill_paged
 
 
-def attn_prefill_ragged_cpu(num_qo_heads, num_kv_heads, head_dim, v_head_dim, dtype):
+def attn_prefill_ragged_cpu(num_qo_heads, num_kv_heads, head_dim, v_head_dim, dtype, *, sliding_window: int = 0,
+                            logits_soft_cap: float = 0.0):
+    _masking_todo(sliding_window, logits_soft_cap)
     """``pagedkv_attn_prefill_ragged`` for the CPU.
 
     Signature::

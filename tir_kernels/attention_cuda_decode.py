@@ -25,6 +25,11 @@ from ._common_cuda import (
 )
 
 
+def _masking_todo(sliding_window, logits_soft_cap):
+    if sliding_window or logits_soft_cap:
+        raise NotImplementedError("sliding_window / logits_soft_cap: not implemented yet")
+
+
 def _pick_vec(d: int, dtype: str, max_lanes: int = WARP) -> int:
     """Elements per lane along the head dim: 16 bytes when possible, a divisor of ``d / 2`` (so a RoPE
     partner chunk is a whole chunk), and at most ``max_lanes`` lanes."""
@@ -82,7 +87,9 @@ DECODE_MIN_SPLIT_KEYS = 256
 DECODE_MAX_SPLITS = 32
 
 
-def attn_decode_paged_cuda(num_qo_heads, num_kv_heads, head_dim, dtype):
+def attn_decode_paged_cuda(num_qo_heads, num_kv_heads, head_dim, dtype, *, sliding_window: int = 0,
+                           logits_soft_cap: float = 0.0):
+    _masking_todo(sliding_window, logits_soft_cap)
     """``pagedkv_attn_decode_paged`` for CUDA.
 
     Signature::

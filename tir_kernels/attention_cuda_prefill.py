@@ -29,6 +29,11 @@ PF_TY, PF_TX = 8, 16
 PF_NT = PF_TY * PF_TX
 
 
+def _masking_todo(sliding_window, logits_soft_cap):
+    if sliding_window or logits_soft_cap:
+        raise NotImplementedError("sliding_window / logits_soft_cap: not implemented yet")
+
+
 def _chunk_vec(d: int, dtype: str, rope_partner: bool) -> int:
     """Elements per global-memory chunk (16 bytes when possible; a divisor of ``d`` and, for the RoPE
     partner chunk, of ``d / 2``)."""
@@ -297,7 +302,9 @@ def _make_prefill(op: str, num_qo_heads, num_kv_heads, head_dim, v_head_dim, dty
     return make_kernel(True), make_kernel(False)
 
 
-def attn_prefill_ragged_cuda(num_qo_heads, num_kv_heads, head_dim, v_head_dim, dtype):
+def attn_prefill_ragged_cuda(num_qo_heads, num_kv_heads, head_dim, v_head_dim, dtype, *, sliding_window: int = 0,
+                             logits_soft_cap: float = 0.0):
+    _masking_todo(sliding_window, logits_soft_cap)
     """``pagedkv_attn_prefill_ragged`` for CUDA.
 
     Signature::
@@ -337,7 +344,9 @@ def attn_prefill_ragged_cuda(num_qo_heads, num_kv_heads, head_dim, v_head_dim, d
     return attn_prefill_ragged
 
 
-def attn_prefill_paged_cuda(num_qo_heads, num_kv_heads, head_dim, dtype):
+def attn_prefill_paged_cuda(num_qo_heads, num_kv_heads, head_dim, dtype, *, sliding_window: int = 0,
+                            logits_soft_cap: float = 0.0):
+    _masking_todo(sliding_window, logits_soft_cap)
     """``pagedkv_attn_prefill_paged`` for CUDA.
 
     Signature::

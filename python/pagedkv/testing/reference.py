@@ -80,7 +80,8 @@ def rope(x: torch.Tensor, positions: torch.Tensor | Sequence[int], theta: float,
 
 
 def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, sm_scale: float,
-              causal: bool) -> tuple[torch.Tensor, torch.Tensor]:
+              causal: bool, *, sliding_window: int = 0,
+              logits_soft_cap: float = 0.0) -> tuple[torch.Tensor, torch.Tensor]:
     """Softmax attention of one entry with grouped-query heads and a base-2 LSE.
 
     Parameters
@@ -92,7 +93,12 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, sm_scale: float
     sm_scale : float
         Scores are ``(q . k) * sm_scale``.
     causal : bool
-        Bottom-right aligned: query ``i`` sees keys ``j <= m - n + i``.
+        Bottom-right aligned: query ``i`` sits at key position ``m - n + i`` and sees keys ``j <= m - n + i``.
+    sliding_window : int
+        0: off. Else query ``i`` sees only keys ``j > m - n + i - sliding_window`` (the ``sliding_window``
+        most recent positions up to its own, HF's and Mistral's definition).
+    logits_soft_cap : float
+        0: off. Else scores become ``logits_soft_cap * tanh(s / logits_soft_cap)`` (Gemma-2's definition).
 
     Returns
     -------
@@ -113,11 +119,15 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, sm_scale: float
     kh = k.repeat_interleave(group, dim=1)  # [m, Hq, D]
     vh = v.repeat_interleave(group, dim=1)  # [m, Hq, Dv]
     s = torch.einsum("nhd,mhd->hnm", q, kh) * float(sm_scale)  # [Hq, n, m]
+    if logits_soft_cap:
+        s = float(logits_soft_cap) * torch.tanh(s / float(logits_soft_cap))
+    i = torch.arange(n, device=q.device)[:, None]
+    j = torch.arange(m, device=q.device)[None, :]
     visible = torch.ones((n, m), dtype=torch.bool, device=q.device)
     if causal:
-        i = torch.arange(n, device=q.device)[:, None]
-        j = torch.arange(m, device=q.device)[None, :]
-        visible = j <= (m - n + i)
+        visible &= j <= (m - n + i)
+    if sliding_window:
+        visible &= j > (m - n + i) - int(sliding_window)
     s = s.masked_fill(~visible[None], -math.inf)
     any_key = visible.any(dim=1)  # [n]
     lse_e = torch.logsumexp(s, dim=-1)  # [Hq, n], -inf where no key
