@@ -37,7 +37,7 @@ void PagedKVCacheObj::BeginForward(const ffi::Shape& seq_ids, const ffi::Shape& 
   pool_.Append(ids, lengths);
   PoisonNewPages();
   try {
-    UploadPlan(BuildForwardPlan(pool_, ids, lengths));
+    UploadPlan(BuildForwardPlan(pool_, ids, lengths, cfg_.windowed()));
   } catch (...) {
     // A library backend's plan failed (NotifyBeginForward abandoned the forward): take the appended
     // tokens back, so the failed call leaves the cache as it was. They sit in each sequence's own leaf
@@ -64,6 +64,7 @@ void PagedKVCacheObj::UploadPlan(const ForwardPlan& plan) {
   aux_.Upload();
   Forward f;
   f.is_decode = plan.is_decode;
+  f.through = plan.through;
   f.num_tokens = plan.num_tokens;
   f.q_indptr = aux_.View(q_indptr);
   f.q_pos = aux_.View(q_pos);
@@ -74,7 +75,7 @@ void PagedKVCacheObj::UploadPlan(const ForwardPlan& plan) {
     const auto& h = pass_handles[i];
     f.passes.push_back(PassViews{aux_.View(h[0]), aux_.View(h[1]), aux_.View(h[2]), aux_.View(h[3]),
                                  aux_.View(h[4]), plan.passes[i].all_empty,
-                                 plan.passes[i].one_query_per_entry});
+                                 plan.passes[i].one_query_per_entry, plan.passes[i].causal});
   }
   int64_t n = plan.num_tokens;
   if (!cfg_.is_mla()) {
@@ -149,9 +150,10 @@ void PagedKVCacheObj::RunPass(int64_t layer, const PassViews& p, const ffi::Tens
                                     cfg_.rope_theta, sm_scale);
   } else {
     // Multi-query entries (prefill, or decode queries grouped on a shared prefix): every key precedes
-    // every query of the entry, so the pass is non-causal.
+    // every query of the entry and the pass is non-causal, except a windowed cache's through pass, whose
+    // entries end with their queries' own tokens.
     ops_.Get(ops::kAttnPrefillPaged)(q, p.q_indptr, pages_[layer], p.page_indptr, p.page_values,
-                                     p.last_page_len, p.k_pos_offset, f.q_pos, o, lse, /*causal=*/0,
+                                     p.last_page_len, p.k_pos_offset, f.q_pos, o, lse, p.causal ? 1 : 0,
                                      apply_rope_inline(), cfg_.rope_scale, cfg_.rope_theta, sm_scale);
   }
 }
@@ -189,8 +191,8 @@ void PagedKVCacheObj::AttentionWithFusedQKV(int64_t layer, double sm_scale, cons
   int apply_rope = cfg_.rope_mode == "normal" ? 1 : 0;  // "inline": k is stored unrotated
   ops_.Get(ops::kSplitRotary)(qkv, f.q_pos, f.q, f.k, f.v, apply_rope, cfg_.rope_scale, cfg_.rope_theta);
   OpAdapter& append = ops_.Get(ops::kAppendKV);
-  if (f.is_decode) {
-    append(pages_[layer], f.k, f.v, f.append_slot);  // decode passes include the new token
+  if (f.through) {
+    append(pages_[layer], f.k, f.v, f.append_slot);  // the passes include the new tokens
     RunPasses(layer, f.q, o, f.lse_own, sm_scale, /*output_written=*/false);
   } else {
     RunRagged(f.q, f.k, f.v, o, f.lse_own, sm_scale);
@@ -209,10 +211,10 @@ void PagedKVCacheObj::SelfAttention(int64_t layer, double sm_scale, const ffi::T
   CheckTensor(v, "v", {n, cfg_.num_kv_heads, cfg_.v_head_dim}, dtype_, device_);
   CheckTensor(o, "o", {n, cfg_.num_qo_heads, cfg_.v_head_dim}, dtype_, device_);
   CheckTensor(lse, "lse", {n, cfg_.num_qo_heads}, kFloat32, device_);
-  if (f.is_decode) {
-    // cross_attention's view of a decode forward already holds the new tokens, so self_attention covers
-    // no key: the ragged kernel over zero keys writes the empty state (o = 0, lse = -1e30), and merging
-    // self and cross is the full attention whichever path the model takes.
+  if (f.through) {
+    // cross_attention's view of a decode forward (or of any forward of a windowed cache) already holds the
+    // new tokens, so self_attention covers no key: the ragged kernel over zero keys writes the empty state
+    // (o = 0, lse = -1e30), and merging self and cross is the full attention whichever path the model takes.
     ops_.Get(ops::kAttnPrefillRagged)(q, k, v, f.q_indptr, f.no_keys_indptr, f.q_pos, f.prior_len, o, lse,
                                       /*causal=*/1, apply_rope_inline(), cfg_.rope_scale, cfg_.rope_theta,
                                       sm_scale);

@@ -25,6 +25,8 @@ const std::set<std::string> kSchema1Fields = {
     "runtime_fields"};
 // Added by schema 2 (MLA).
 const std::set<std::string> kSchema2Fields = {"kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim"};
+// Added by schema 3 (attention options).
+const std::set<std::string> kSchema3Fields = {"sliding_window", "logits_soft_cap"};
 const std::set<std::string> kRuntimeFields = {"max_batch_size", "max_total_seq_len",
                                               "prefill_chunk_size", "page_size"};
 const std::set<std::string> kDTypes = {"float16", "float32", "bfloat16"};
@@ -147,6 +149,19 @@ void ValidateMLA(const KVConfig& c) {
   }
 }
 
+void ValidateOptions(const KVConfig& c) {
+  if (c.sliding_window < 0) {
+    TVM_FFI_THROW(ValueError) << "pagedkv config: sliding_window must be >= 0 (0: off), got " << c.sliding_window;
+  }
+  if (!std::isfinite(c.logits_soft_cap) || c.logits_soft_cap < 0) {
+    TVM_FFI_THROW(ValueError) << "pagedkv config: logits_soft_cap must be a finite number >= 0 (0: off), got "
+                              << c.logits_soft_cap;
+  }
+  if (c.is_mla() && (c.sliding_window != 0 || c.logits_soft_cap != 0)) {
+    TVM_FFI_THROW(ValueError) << "pagedkv config: MLA caches take no sliding_window or logits_soft_cap";
+  }
+}
+
 void Validate(const KVConfig& c) {
   const std::pair<const char*, int64_t> positive[] = {
       {"num_layers", c.num_layers},         {"num_qo_heads", c.num_qo_heads},
@@ -180,6 +195,7 @@ void Validate(const KVConfig& c) {
     }
   }
   ValidateMLA(c);
+  ValidateOptions(c);
 }
 
 // Writes a double so that it reads back as a JSON float (always with '.' or an exponent).
@@ -208,7 +224,8 @@ KVConfig ParseConfig(const std::string& json, const ffi::Shape& runtime_values) 
                               << " is not supported; this runtime knows schema versions 1.." << kSchemaVersion;
   }
   for (const auto& kv : f) {
-    if (!kSchema1Fields.count(kv.first) && !(c.schema_version >= 2 && kSchema2Fields.count(kv.first))) {
+    if (!kSchema1Fields.count(kv.first) && !(c.schema_version >= 2 && kSchema2Fields.count(kv.first)) &&
+        !(c.schema_version >= 3 && kSchema3Fields.count(kv.first))) {
       TVM_FFI_THROW(ValueError) << "pagedkv config: unknown field '" << kv.first << "' for schema_version "
                                 << c.schema_version;
     }
@@ -232,6 +249,8 @@ KVConfig ParseConfig(const std::string& json, const ffi::Shape& runtime_values) 
   c.kv_lora_rank = GetInt(f, "kv_lora_rank", 0, false);
   c.qk_nope_head_dim = GetInt(f, "qk_nope_head_dim", 0, false);
   c.qk_rope_head_dim = GetInt(f, "qk_rope_head_dim", 0, false);
+  c.sliding_window = GetInt(f, "sliding_window", 0, false);
+  c.logits_soft_cap = GetFloat(f, "logits_soft_cap", 0.0);
   Validate(c);
   return c;
 }
@@ -261,6 +280,10 @@ std::string ConfigToJSON(const KVConfig& c) {
     out["kv_lora_rank"] = std::to_string(c.kv_lora_rank);
     out["qk_nope_head_dim"] = std::to_string(c.qk_nope_head_dim);
     out["qk_rope_head_dim"] = std::to_string(c.qk_rope_head_dim);
+  }
+  if (c.schema_version >= 3) {
+    out["sliding_window"] = std::to_string(c.sliding_window);
+    out["logits_soft_cap"] = FloatJSON(c.logits_soft_cap);
   }
   std::string json = "{";
   for (const auto& [k, v] : out) json += (json.size() > 1 ? ", " : "") + str(k) + ": " + v;

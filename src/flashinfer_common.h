@@ -283,8 +283,14 @@ class FlashInferAdapter : public OpAdapter {
   ffi::Function empty_rows_, plan_, run_;
   Workspaces ws_;
   PlanTable plans_;
-  // Until KVConfig has sliding-window and soft-cap fields these are flashinfer's "off" values, passed to
-  // plan and run from here.
+  // The config's attention options in flashinfer's terms, passed to plan and run. window_left counts the
+  // keys before the query's own (-1: off), so a window of W positions is W - 1; the cap is as given (0: off).
+  // The modules are built with use_sliding_window / use_logits_soft_cap exactly when the options are on
+  // (python/pagedkv/backends/flashinfer.py module_spec).
+  void ReadOptions(const KVConfig& c) {
+    window_left_ = c.sliding_window > 0 ? c.sliding_window - 1 : -1;
+    logits_soft_cap_ = c.logits_soft_cap;
+  }
   int64_t window_left_ = -1;
   double logits_soft_cap_ = 0.0;
 };

@@ -16,6 +16,7 @@ class DecodeAdapter : public FlashInferAdapter {
   void BeginForward(const ForwardInfo& info) final {
     plans_.Clear();
     if (!info.plan->is_decode) return;
+    ReadOptions(*info.config);
     const KVConfig& c = *info.config;
     ws_.Attach(info);
     // pagedkv: angle = p * rope_scale / theta^(2i/D); flashinfer: p * rope_rcp_scale * rope_rcp_theta^(2i/D).

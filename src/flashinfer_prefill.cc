@@ -34,13 +34,15 @@ class PrefillAdapter : public FlashInferAdapter {
 
   void BeginForward(const ForwardInfo& info) final {
     plans_.Clear();
+    ReadOptions(*info.config);
     const KVConfig& c = *info.config;
     rope_rcp_scale_ = c.rope_scale;
     rope_rcp_theta_ = 1.0 / c.rope_theta;
     const ForwardPlan& fp = *info.plan;
     if (!paged_) {
-      if (fp.is_decode) {
-        // The only ragged call of a decode forward is self_attention over no keys (kv_indptr = zeros).
+      if (fp.through) {
+        // The only ragged call of a decode forward, or of a windowed cache's forward, is self_attention over
+        // no keys (kv_indptr = zeros).
         Planned p = EmptyFlags(std::vector<int32_t>(fp.q_indptr.size() - 1, 0), 0, true);
         plans_.Put(ViewKey(info.no_keys_indptr), p);
         return;
@@ -60,11 +62,13 @@ class PrefillAdapter : public FlashInferAdapter {
       const ForwardInfo::Pass& pass = info.passes[i];
       if (fp.is_decode && pass.host->one_query_per_entry) continue;  // attn_decode_paged's
       std::vector<int32_t> kv_lens = PagedKvLens(*pass.host, c.page_size);
-      // Paged passes are non-causal: every key of an entry precedes its queries (src/attention.cc RunPass).
-      Planned p = EmptyFlags(kv_lens, i, false);
+      // Paged passes are non-causal (every key of an entry precedes its queries), except a windowed
+      // cache's through pass (src/attention.cc RunPass).
+      bool causal = pass.host->causal;
+      Planned p = EmptyFlags(kv_lens, i, causal);
       if (!p.all_empty) {
         ws_.Attach(info);
-        p.info = Plan(info, i, pass.host->q_indptr, pass.host->page_indptr, kv_lens, c.page_size, false);
+        p.info = Plan(info, i, pass.host->q_indptr, pass.host->page_indptr, kv_lens, c.page_size, causal);
       }
       plans_.Put(ViewKey(pass.page_indptr), std::move(p));
     }

@@ -77,10 +77,11 @@ PassPlan OwnPass(const BlockPool& pool, const std::vector<SeqView>& seqs, const 
 }  // namespace
 
 ForwardPlan BuildForwardPlan(const BlockPool& pool, const std::vector<int64_t>& ids,
-                             const std::vector<int64_t>& lengths) {
+                             const std::vector<int64_t>& lengths, bool windowed) {
   ForwardPlan plan;
   int64_t ps = pool.PageSize();
   plan.is_decode = std::all_of(lengths.begin(), lengths.end(), [](int64_t l) { return l == 1; });
+  plan.through = plan.is_decode || windowed;
   std::vector<SeqView> seqs(ids.size());
   plan.q_indptr.push_back(0);
   for (size_t i = 0; i < ids.size(); ++i) {
@@ -89,7 +90,7 @@ ForwardPlan BuildForwardPlan(const BlockPool& pool, const std::vector<int64_t>& 
     s.pages = pool.ChainPages(ids[i]);
     int64_t length = pool.Get(ids[i]).length;
     int64_t prior = length - lengths[i];
-    s.kv_len = plan.is_decode ? length : prior;
+    s.kv_len = plan.through ? length : prior;
     plan.prior_len.push_back(static_cast<int32_t>(prior));
     for (int64_t pos = prior; pos < length; ++pos) {
       plan.q_pos.push_back(static_cast<int32_t>(pos));
@@ -99,7 +100,7 @@ ForwardPlan BuildForwardPlan(const BlockPool& pool, const std::vector<int64_t>& 
   }
   plan.num_tokens = static_cast<int64_t>(plan.q_pos.size());
   size_t depth = 0;
-  for (size_t i = 0; i < seqs.size(); ++i) {
+  for (size_t i = 0; i < seqs.size() && !windowed; ++i) {
     if (i > 0) seqs[i].shared = std::max(seqs[i].shared, CommonDepth(seqs[i].chain, seqs[i - 1].chain));
     if (i + 1 < seqs.size()) seqs[i].shared = std::max(seqs[i].shared, CommonDepth(seqs[i].chain, seqs[i + 1].chain));
     seqs[i].shared = std::min<size_t>(seqs[i].shared, kMaxPrefixPasses);
@@ -107,6 +108,7 @@ ForwardPlan BuildForwardPlan(const BlockPool& pool, const std::vector<int64_t>& 
   }
   for (size_t d = 0; d < depth; ++d) plan.passes.push_back(PrefixPass(pool, seqs, plan, d));
   plan.passes.push_back(OwnPass(pool, seqs, plan));
+  plan.passes.back().causal = plan.through && !plan.is_decode;
   return plan;
 }
 

@@ -24,10 +24,16 @@ struct PassPlan {
   int64_t num_entries() const { return static_cast<int64_t>(last_page_len.size()); }
   bool all_empty = true;               // no entry has keys: the pass is skipped
   bool one_query_per_entry = true;     // attn_decode_paged can serve it
+  // The entry's keys end with its queries' own tokens (a through pass of a windowed prefill): attended
+  // causally, bottom-right aligned. Otherwise every key precedes every query and the pass is non-causal.
+  bool causal = false;
 };
 
 struct ForwardPlan {
   bool is_decode = false;              // every append length is 1
+  // The passes read the new tokens too (appended before attention), so self_attention covers no key:
+  // decode forwards, and every forward of a windowed cache.
+  bool through = false;
   int64_t num_tokens = 0;              // n
   std::vector<int32_t> q_indptr;       // [B+1], one entry per sequence
   std::vector<int32_t> q_pos;          // [n]
@@ -37,9 +43,12 @@ struct ForwardPlan {
 };
 
 // `pool` already holds the appended tokens. Decode passes see the cache including the new tokens;
-// prefill passes see only the tokens cached before the forward.
+// prefill passes see only the tokens cached before the forward. `windowed` (a sliding-window cache): one
+// through pass per sequence over its whole chain, new tokens included, and no shared-prefix passes. A
+// window is relative to each query's position, which a library kernel (FlashInfer) derives from the
+// entry's key count, so every entry must end at its queries.
 ForwardPlan BuildForwardPlan(const BlockPool& pool, const std::vector<int64_t>& ids,
-                             const std::vector<int64_t>& lengths);
+                             const std::vector<int64_t>& lengths, bool windowed);
 
 // Upper bound of the total page_values entries of a plan, from lengths before Append (for sizing).
 int64_t PageValuesBound(const BlockPool& pool, const std::vector<int64_t>& ids,

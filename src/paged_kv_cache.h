@@ -73,10 +73,12 @@ class PagedKVCacheObj : public ffi::Object {
     ffi::Tensor q_indptr, page_indptr, page_values, last_page_len, k_pos_offset;
     bool all_empty = true;
     bool one_query_per_entry = true;
+    bool causal = false;  // PassPlan::causal
   };
   // State of the open forward (begin_forward .. end_forward).
   struct Forward {
     bool is_decode = false;
+    bool through = false;  // ForwardPlan::through: the passes cover the new tokens
     int64_t num_tokens = 0;
     ffi::Tensor q_indptr, q_pos, append_slot, prior_len;
     ffi::Tensor no_keys_indptr;  // [B+1] zeros: a ragged kv_indptr with no keys

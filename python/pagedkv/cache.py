@@ -49,15 +49,17 @@ def target_spec(target: Any) -> dict:
 
 
 def kernel_shape(config: KVCacheConfig) -> KVCacheConfig:
-    """The part of ``config`` that kernels are compiled for (heads, head dims, dtype); capacity, page size
-    and RoPE parameters are kernel arguments, so configs differing only there share kernels."""
+    """The part of ``config`` that kernels are compiled for (heads, head dims, dtype, attention options);
+    capacity, page size and RoPE parameters are kernel arguments, so configs differing only there share kernels."""
     if config.is_mla:
         return KVCacheConfig.mla(num_layers=1, num_heads=config.num_qo_heads, kv_lora_rank=config.kv_lora_rank,
                                  qk_nope_head_dim=config.qk_nope_head_dim,
                                  qk_rope_head_dim=config.qk_rope_head_dim, v_head_dim=config.v_dim,
                                  dtype=config.dtype)
+    # the attention options are compile-time for the TIR kernels and select FlashInfer module variants
     return KVCacheConfig(num_layers=1, num_qo_heads=config.num_qo_heads, num_kv_heads=config.num_kv_heads,
-                         head_dim=config.head_dim, v_head_dim=config.v_head_dim, dtype=config.dtype)
+                         head_dim=config.head_dim, v_head_dim=config.v_head_dim, dtype=config.dtype,
+                         sliding_window=config.sliding_window, logits_soft_cap=config.logits_soft_cap)
 
 
 @functools.lru_cache(maxsize=None)
@@ -84,7 +86,8 @@ def kernel_library_key(config: KVCacheConfig, target: Any, choice: Sequence[tupl
 
         arch = target_spec(target).get("arch")
         key["flashinfer"] = [FLASHINFER_VERSION, RECIPE_VERSION,
-                             {op: module_kind(op, arch) for op, tag in choice if tag == "flashinfer"}]
+                             {op: module_kind(op, arch, windowed=config.sliding_window > 0)
+                              for op, tag in choice if tag == "flashinfer"}]
     blob = json.dumps(key, sort_keys=True)
     return hashlib.sha256(blob.encode()).hexdigest()[:24]
 

@@ -9,18 +9,22 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 from dataclasses import dataclass, field
 
 #: The newest schema this package writes; the runtime accepts every schema up to its own newest.
-#: Schema 2 added MLA layers (``kv_lora_rank``, ``qk_nope_head_dim``, ``qk_rope_head_dim``). A config is
-#: written with the lowest schema that holds it, so an MHA library still loads in a schema-1 runtime.
-SCHEMA_VERSION = 2
+#: Schema 2 added MLA layers (``kv_lora_rank``, ``qk_nope_head_dim``, ``qk_rope_head_dim``); schema 3 the
+#: attention options ``sliding_window`` and ``logits_soft_cap``. A config is written with the lowest schema
+#: that holds it, so an MHA library without those options still loads in a schema-1 runtime.
+SCHEMA_VERSION = 3
 
 DTYPES = ("float16", "float32", "bfloat16")
 ROPE_MODES = ("none", "normal", "inline")
 LAYER_KINDS = ("mha", "mla")
 #: Fields added by schema 2 (all 0 for an MHA cache).
 MLA_FIELDS = ("kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim")
+#: Fields added by schema 3 (0: off).
+ATTENTION_OPTION_FIELDS = ("sliding_window", "logits_soft_cap")
 
 #: Fields that may be given at run time (e.g. as Relax symbolic variables) instead of at compile time.
 RUNTIME_FIELDS = ("max_batch_size", "max_total_seq_len", "prefill_chunk_size", "page_size")
@@ -58,8 +62,17 @@ class KVCacheConfig:
         ``kv_lora_rank`` elements as the value. ``head_dim`` (= nope + rope) and ``v_head_dim`` are the dims
         of the non-absorbed attention among new tokens (``self_attention``), over ``num_kv_heads`` =
         ``num_qo_heads`` heads.
+    sliding_window :
+        0: off. Else every query attends only to the ``sliding_window`` most recent positions up to its
+        own (keys with ``q_pos - k_pos < sliding_window``; HF's and Mistral's definition), in every layer.
+        A windowed cache attends each sequence's whole chain in one pass (no shared-prefix passes; see
+        ``docs/ARCHITECTURE.md``, "Attention options"); pages outside the window are kept.
+    logits_soft_cap :
+        0: off. Else attention scores ``s = sm_scale * q.k`` become ``cap * tanh(s / cap)`` before the
+        softmax (Gemma-2's definition).
     schema_version :
-        ``None``: the lowest schema that holds this config (1 for MHA, 2 for MLA).
+        ``None``: the lowest schema that holds this config (1 for MHA, 2 for MLA, 3 with an attention
+        option).
     """
 
     num_layers: int
@@ -79,11 +92,13 @@ class KVCacheConfig:
     kv_lora_rank: int = 0
     qk_nope_head_dim: int = 0
     qk_rope_head_dim: int = 0
+    sliding_window: int = 0
+    logits_soft_cap: float = 0.0
     schema_version: int | None = field(default=None)
 
     def __post_init__(self) -> None:
         if self.schema_version is None:
-            object.__setattr__(self, "schema_version", 2 if self.is_mla else 1)
+            object.__setattr__(self, "schema_version", self.min_schema)
         problems = self.problems()
         if problems:
             raise ValueError("invalid KVCacheConfig: " + "; ".join(problems))
@@ -119,7 +134,8 @@ class KVCacheConfig:
                            f"{[i for i, k in enumerate(self.layer_kinds) if k == 'mha']} and 'mla' at "
                            f"{[i for i, k in enumerate(self.layer_kinds) if k == 'mla']} (use two caches)")
         out += self._mla_problems()
-        need = 2 if self.is_mla else 1
+        out += self._option_problems()
+        need = self.min_schema
         if not isinstance(self.schema_version, int) or not need <= self.schema_version <= SCHEMA_VERSION:
             out.append(f"schema_version {self.schema_version} is outside [{need}, {SCHEMA_VERSION}] "
                        f"(this config needs schema {need}; this package writes up to {SCHEMA_VERSION})")
@@ -145,7 +161,30 @@ class KVCacheConfig:
                        f"({self.num_qo_heads}): the non-absorbed self_attention is plain multi-head")
         return out
 
+    def _option_problems(self) -> list[str]:
+        out = []
+        w, cap = self.sliding_window, self.logits_soft_cap
+        if isinstance(w, bool) or not isinstance(w, int) or w < 0:
+            out.append(f"sliding_window must be an int >= 0 (0: off), got {w!r}")
+        if isinstance(cap, bool) or not isinstance(cap, (int, float)) or not math.isfinite(cap) or cap < 0:
+            out.append(f"logits_soft_cap must be a finite number >= 0 (0: off), got {cap!r}")
+        if self.is_mla and (w or cap):
+            out.append("MLA caches take no sliding_window or logits_soft_cap (no MLA model uses them and no "
+                       "MLA kernel implements them)")
+        return out
+
     # -- derived ----------------------------------------------------------------------------------------
+    @property
+    def min_schema(self) -> int:
+        """The lowest schema that holds this config."""
+        if self.sliding_window or self.logits_soft_cap:
+            return 3
+        return 2 if self.is_mla else 1
+
+    @property
+    def windowed(self) -> bool:
+        return bool(self.sliding_window)
+
     @property
     def group_size(self) -> int:
         return self.num_qo_heads // self.num_kv_heads
@@ -182,6 +221,9 @@ class KVCacheConfig:
         return self.layer_kinds if self.layer_kinds is not None else ("mha",) * self.num_layers
 
     def replace(self, **changes) -> "KVCacheConfig":
+        """A copy with ``changes``; a config at its lowest schema stays at the lowest schema of the copy."""
+        if "schema_version" not in changes and self.schema_version == self.min_schema:
+            changes["schema_version"] = None
         return dataclasses.replace(self, **changes)
 
     # -- serialization ----------------------------------------------------------------------------------
@@ -210,6 +252,9 @@ class KVCacheConfig:
         }
         if self.schema_version >= 2:
             out.update({name: getattr(self, name) for name in MLA_FIELDS})
+        if self.schema_version >= 3:
+            out["sliding_window"] = self.sliding_window
+            out["logits_soft_cap"] = float(self.logits_soft_cap)
         for name in runtime_fields:
             del out[name]
         return out

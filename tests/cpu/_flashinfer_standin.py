@@ -62,18 +62,24 @@ def view(t) -> np.ndarray:
     return np.lib.stride_tricks.as_strided(flat, shape, tuple(st * dtype.itemsize for st in strides))
 
 
-def attend(q, k, v, sm_scale, causal):
+def attend(q, k, v, sm_scale, causal, window_left=-1, soft_cap=0.0):
     """Softmax attention of q[m, D] over k[L, D], v[L, Dv] (float64); bottom-right causal. Returns o, base-2
-    lse, with FlashInfer's empty rows: o = 0, lse = -inf."""
+    lse, with FlashInfer's empty rows: o = 0, lse = -inf. FlashInfer's options: ``window_left >= 0`` keeps
+    keys ``j >= L - m + i - window_left`` for query ``i`` (causal or not), ``soft_cap > 0`` maps scores to
+    ``soft_cap * tanh(s / soft_cap)``."""
     m, L = q.shape[0], k.shape[0]
     o = np.zeros((m, v.shape[1]))
     lse = np.full(m, -np.inf)
     if L == 0:
         return o, lse
     s = (q @ k.T) * sm_scale
+    if soft_cap > 0:
+        s = soft_cap * np.tanh(s / soft_cap)
+    j, pos = np.arange(L)[None, :], (L - m + np.arange(m))[:, None]
     if causal:
-        mask = np.arange(L)[None, :] > (L - m + np.arange(m))[:, None]
-        s = np.where(mask, -np.inf, s)
+        s = np.where(j > pos, -np.inf, s)
+    if window_left >= 0:
+        s = np.where(j < pos - window_left, -np.inf, s)
     for i in range(m):
         row = s[i]
         if np.all(np.isneginf(row)):
@@ -98,7 +104,9 @@ class FakeFlashInfer:
     """Stand-in modules. ``calls`` records (kind.func, named arguments summary) in call order; ``plans`` maps
     a plan id to the host arrays it was planned with."""
 
-    def __init__(self):
+    def __init__(self, *, window_left: int = -1, soft_cap: float = 0.0):
+        # the attention options every plan and run must be given (the config's, in FlashInfer's terms)
+        self.window_left, self.soft_cap = window_left, soft_cap
         self.calls: list[tuple[str, dict]] = []
         self.plans: dict[int, dict] = {}
         # (function, argument, problem): a byte_offset != 0, or NULL strides
@@ -147,14 +155,15 @@ class FakeFlashInfer:
     # -- decode ---------------------------------------------------------------------------------------
     def decode_plan(self, *args):
         pid, named = self._plan(abi.DECODE_PLAN, args)
-        assert named["enable_cuda_graph"] is False and named["window_left"] == -1
-        assert named["logits_soft_cap"] == 0.0
+        assert named["enable_cuda_graph"] is False and named["window_left"] == self.window_left
+        assert named["logits_soft_cap"] == self.soft_cap
         return [pid]
 
     def decode_run(self, *args):
         a, plan = self._run_common(abi.DECODE_RUN, args)
-        assert a["kv_layout_code"] == LAYOUT_HND and a["window_left"] == -1 and a["enable_pdl"] is False
-        assert a["maybe_alibi_slopes"] is None and a["logits_soft_cap"] == 0.0
+        assert a["kv_layout_code"] == LAYOUT_HND and a["window_left"] == self.window_left
+        assert a["enable_pdl"] is False
+        assert a["maybe_alibi_slopes"] is None and a["logits_soft_cap"] == self.soft_cap
         q, o, lse = view(a["q"]), view(a["o"]), view(a["maybe_lse"])
         kc, vc = view(a["paged_k_cache"]), view(a["paged_v_cache"])
         indptr, indices, last = (view(a[n]) for n in ("paged_kv_indptr", "paged_kv_indices", "paged_kv_last_page_len"))
@@ -168,7 +177,7 @@ class FakeFlashInfer:
 
         def plan(*args):
             pid, named = self._plan(func, args)
-            assert named["enable_cuda_graph"] is False and named["window_left"] == -1
+            assert named["enable_cuda_graph"] is False and named["window_left"] == self.window_left
             if kind == "prefill_fa2":
                 assert (named["fixed_split_size"], named["disable_split_kv"], named["num_colocated_ctas"],
                         named["uniform_q_len"], named["fixed_uniform_q_len"]) == (-1, False, 0, 0, False)
@@ -177,7 +186,8 @@ class FakeFlashInfer:
         return plan
 
     def _tail(self, kind, a):
-        assert a["window_left"] == -1 and a["enable_pdl"] is False and a["logits_soft_cap"] == 0.0
+        assert a["window_left"] == self.window_left and a["enable_pdl"] is False
+        assert a["logits_soft_cap"] == self.soft_cap
         assert a["token_pos_in_items_len"] == 0
         opts = [n for n, t in (abi.PREFILL_FA2_RAGGED_RUN if kind == "prefill_fa2" else abi.PREFILL_FA3_RAGGED_RUN).args
                 if t == abi.OPT_FT]
@@ -204,7 +214,8 @@ class FakeFlashInfer:
             for b in range(len(qo) - 1):
                 for h in range(q.shape[1]):
                     ob, lb = attend(q[qo[b]:qo[b + 1], h].astype(np.float64), k[kv[b]:kv[b + 1], h // gs].astype(np.float64),
-                                    v[kv[b]:kv[b + 1], h // gs].astype(np.float64), a["sm_scale"], causal)
+                                    v[kv[b]:kv[b + 1], h // gs].astype(np.float64), a["sm_scale"], causal,
+                                    self.window_left, self.soft_cap)
                     o[qo[b]:qo[b + 1], h] = ob
                     lse[qo[b]:qo[b + 1], h] = lb
 
@@ -246,7 +257,8 @@ class FakeFlashInfer:
             for h in range(q.shape[1]):
                 kk = np.array([kc[p, h // gs, s] for p, s in keys], np.float64).reshape(n, kc.shape[3])
                 vv = np.array([vc[p, h // gs, s] for p, s in keys], np.float64).reshape(n, vc.shape[3])
-                ob, lb = attend(q[qo[b]:qo[b + 1], h].astype(np.float64), kk, vv, sm_scale, causal)
+                ob, lb = attend(q[qo[b]:qo[b + 1], h].astype(np.float64), kk, vv, sm_scale, causal,
+                                self.window_left, self.soft_cap)
                 o[qo[b]:qo[b + 1], h] = ob
                 lse[qo[b]:qo[b + 1], h] = lb
 

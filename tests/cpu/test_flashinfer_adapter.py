@@ -53,7 +53,9 @@ def make_cache(cfg, empty_rows, kinds: dict[str, str]):
 
     tir_ops = O.ops_for(cfg)
     module, table = _compile_op_table(cfg, "llvm", tuple((op, "tir") for op in tir_ops))
-    fake = FakeFlashInfer()
+    # the config's attention options in FlashInfer's terms: every plan and run must be given exactly these
+    fake = FakeFlashInfer(window_left=cfg.sliding_window - 1 if cfg.sliding_window else -1,
+                          soft_cap=cfg.logits_soft_cap)
     table = [fake.entry(e[0], kinds[e[0]], empty_rows[1]) if e[0] in kinds else e for e in table]
     ref = torch.empty((1,), dtype=torch.float32)
     handle = get_global("pagedkv.create")(cfg.to_json(), (), table, _to_ffi(ref))
@@ -167,6 +169,43 @@ def test_scenarios_through_the_adapters(empty_rows, kinds, scenario, gen):
     runner.run(SCENARIOS[scenario](cfg.page_size), scenario)
     assert fake.count(f"{MHA_KINDS[kinds]['attn_prefill_ragged']}.ragged_run") > 0
     assert not fake.offsets, f"tensor arguments FlashInfer would misread (byte_offset or NULL strides): {fake.offsets[:4]}"
+
+
+#: attention options (window shorter than the scenarios' sequences, a cap that bends random scores)
+OPTIONS = {"window": dict(sliding_window=7), "cap": dict(logits_soft_cap=1.5),
+           "window+cap": dict(sliding_window=12, logits_soft_cap=2.0)}
+
+
+@pytest.mark.parametrize("options", list(OPTIONS))
+@pytest.mark.parametrize("scenario", list(SCENARIOS))
+def test_option_scenarios_through_the_adapters(empty_rows, options, scenario, gen):
+    """Window and soft-cap reach FlashInfer as its window_left / logits_soft_cap (the stand-in asserts the
+    values on every plan and run and applies FlashInfer's definitions), against the reference."""
+    cfg = MHA_CFG.replace(**SCENARIO_CAPACITY, **OPTIONS[options])
+    cache, fake = make_cache(cfg, empty_rows, MHA_KINDS["fa2"])
+    runner = ScenarioRunner(cache, gen, random_sm_scale(gen, cfg.head_dim), fine_grained=True)
+    runner.run(SCENARIOS[scenario](cfg.page_size), scenario)
+    assert fake.count("prefill_fa2.paged_run") + fake.count("decode.run") > 0
+    assert not fake.offsets, f"tensor arguments FlashInfer would misread (byte_offset or NULL strides): {fake.offsets[:4]}"
+
+
+def test_windowed_forward_is_one_causal_pass(empty_rows):
+    """A windowed cache plans each prefill as one causal paged pass over the whole chain, new tokens included
+    (FlashInfer places the window by the entry's key count), never a shared-prefix pass or a ragged call."""
+    cfg = MHA_CFG.replace(sliding_window=6)
+    cache, fake = make_cache(cfg, empty_rows, MHA_KINDS["fa2"])
+    cache.add_sequence(0)
+    _step(cache, cfg, [0], [9], 0.25)
+    cache.fork_sequence(0, 1)  # 8 tokens shared, as in test_ragged_and_paged_plans
+    cache.add_sequence(2)
+    fake.calls.clear()
+    _step(cache, cfg, [0, 1, 2], [3, 2, 5], 0.25)
+    plans = [c for n, c in fake.calls if n == "prefill_fa2.plan"]
+    assert len(plans) == 1 and plans[0]["causal"] is True and plans[0]["window_left"] == 5
+    assert plans[0]["qo_indptr"] == [0, 3, 5, 10] and plans[0]["kv_len_arr"] == [12, 11, 5]
+    assert fake.count("prefill_fa2.ragged_run") == 0 and fake.count("prefill_fa2.paged_run") == cfg.num_layers
+    runs = [c for n, c in fake.calls if n == "prefill_fa2.paged_run"]
+    assert all(r["mask_mode_code"] == 1 and r["window_left"] == 5 for r in runs)  # causal
 
 
 @pytest.mark.parametrize("scenario", list(SCENARIOS))

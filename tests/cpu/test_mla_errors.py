@@ -113,6 +113,8 @@ def test_create_rejects_mixed_and_mismatched_tables():
     ({"head_dim": 60}, "head_dim"),
     ({"num_kv_heads": 1}, "num_kv_heads"),
     ({"kv_lora_rank": 0}, "kv_lora_rank >= 1"),
+    ({"schema_version": 3, "sliding_window": 64}, "MLA caches take no sliding_window or logits_soft_cap"),
+    ({"schema_version": 3, "logits_soft_cap": 30.0}, "MLA caches take no sliding_window or logits_soft_cap"),
 ])
 def test_create_rejects_bad_mla_config(change, pattern):
     d = json.loads(CFG.to_json())

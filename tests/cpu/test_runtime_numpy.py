@@ -573,7 +573,13 @@ def test_config_json_and_op_backends():
 
 
 @pytest.mark.parametrize("change, pattern", [
-    ({"schema_version": 3}, "schema_version 3"),
+    ({"schema_version": 4}, "schema_version 4"),
+    ({"sliding_window": 8}, "unknown field 'sliding_window' for schema_version 1"),
+    ({"schema_version": 2, "logits_soft_cap": 30.0}, "unknown field 'logits_soft_cap' for schema_version 2"),
+    ({"schema_version": 3, "sliding_window": -1}, "sliding_window must be >= 0"),
+    ({"schema_version": 3, "sliding_window": 2.5}, "'sliding_window' must be an int"),
+    ({"schema_version": 3, "logits_soft_cap": -2.0}, "logits_soft_cap must be a finite number >= 0"),
+    ({"schema_version": 3, "logits_soft_cap": "big"}, "'logits_soft_cap' must be a number"),
     ({"bogus_field": 1}, "bogus_field"),
     ({"rope_mode": "sideways"}, "sideways"),
     ({"dtype": "int8"}, "int8"),

@@ -52,12 +52,14 @@ def use_fa3() -> bool:
     return os.environ.get("PAGEDKV_FLASHINFER_FA3", "1") != "0"
 
 
-def module_kind(op: str, arch: str | None) -> str:
+def module_kind(op: str, arch: str | None, *, windowed: bool = False) -> str:
     """The FlashInfer module kind that serves ``op`` on ``arch`` (see the module docstring)."""
     if op == ops.ATTN_DECODE_PAGED:
         return "decode"
     if op == ops.ATTN_PREFILL_RAGGED:
-        return "prefill_fa3" if arch == "sm_90" and use_fa3() else "prefill_fa2"
+        # A windowed cache's ragged calls attend no key (self_attention of a through forward): fa2, the
+        # module attn_prefill_paged links anyway, saves a second prefill module build.
+        return "prefill_fa3" if arch == "sm_90" and use_fa3() and not windowed else "prefill_fa2"
     if op == ops.ATTN_PREFILL_PAGED:
         return "prefill_fa2"
     if op in MLA_OPS:
@@ -69,13 +71,17 @@ def module_spec(op: str, config: KVCacheConfig, arch: str):
     """The FlashInfer module that serves ``op`` for ``config`` (raises ValueError listing why there is none)."""
     from ..flashinfer import ModuleSpec
 
-    kind = module_kind(op, arch)
+    kind = module_kind(op, arch, windowed=config.sliding_window > 0)
     if kind == "mla":
         return ModuleSpec("mla", config.dtype, config.dtype, config.dtype, config.kv_lora_rank,
                           config.qk_rope_head_dim, arch=arch)
     # the v head dim of attn_prefill_ragged is v_head_dim; the paged ops read pages of head_dim
     vo = config.v_dim if op == ops.ATTN_PREFILL_RAGGED else config.head_dim
-    return ModuleSpec(kind, config.dtype, config.dtype, config.dtype, config.head_dim, vo, arch=arch)
+    # The options' values are run-time arguments (src/flashinfer_common.h ReadOptions); the modules only
+    # need the code paths, so they are built with them exactly when the config turns them on.
+    return ModuleSpec(kind, config.dtype, config.dtype, config.dtype, config.head_dim, vo, arch=arch,
+                      use_sliding_window=config.sliding_window > 0,
+                      use_logits_soft_cap=config.logits_soft_cap > 0)
 
 
 def run_function(op: str) -> str:

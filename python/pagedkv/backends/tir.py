@@ -20,7 +20,8 @@ def kernel_config(config: KVCacheConfig):
 
     return KernelConfig(num_qo_heads=config.num_qo_heads, num_kv_heads=config.num_kv_heads,
                         head_dim=config.head_dim, v_head_dim=config.v_dim, dtype=config.dtype,
-                        kv_lora_rank=config.kv_lora_rank, qk_rope_head_dim=config.qk_rope_head_dim)
+                        kv_lora_rank=config.kv_lora_rank, qk_rope_head_dim=config.qk_rope_head_dim,
+                        sliding_window=config.sliding_window, logits_soft_cap=float(config.logits_soft_cap))
 
 
 def _target_key(target: Any) -> str:

@@ -209,10 +209,17 @@ class _Forward:
     lengths: list[int]
     prior: list[int]  # sequence lengths before the forward
     done_layers: set[int] = field(default_factory=set)
+    windowed: bool = False
 
     @property
     def is_decode(self) -> bool:
         return all(n == 1 for n in self.lengths)
+
+    @property
+    def through(self) -> bool:
+        """Whether cross_attention covers the new tokens too (decode forwards; any forward of a windowed
+        cache), so that self_attention covers no key."""
+        return self.is_decode or self.windowed
 
     @property
     def q_pos(self) -> list[int]:
@@ -251,6 +258,9 @@ class ReferenceCache:
         self.dv = int(config.v_dim)
         self.cross_dv = self.dv  # output dim of cross_attention (MLA: kv_lora_rank)
         self.rope_mode = config.rope_mode
+        #: the attention options, as keyword arguments of :func:`attention`
+        self.options = {"sliding_window": int(getattr(config, "sliding_window", 0)),
+                        "logits_soft_cap": float(getattr(config, "logits_soft_cap", 0.0))}
         self.seqs: dict[int, _Seq] = {}
         self.fwd: _Forward | None = None
 
@@ -423,7 +433,7 @@ class ReferenceCache:
         prior = [self.get_sequence_length(s) for s in seq_ids]
         for s, n in zip(seq_ids, lengths):
             self.seqs[s].leaf.num_tokens += n
-        self.fwd = _Forward(seq_ids, lengths, prior)
+        self.fwd = _Forward(seq_ids, lengths, prior, windowed=bool(self.options["sliding_window"]))
 
     def end_forward(self) -> None:
         if self.fwd is None:
@@ -497,7 +507,7 @@ class ReferenceCache:
             if self.rope_mode == "inline":
                 qb = self._maybe_rope(qb, fwd.q_pos[ptr[b]:ptr[b + 1]])
             kb, vb = self._keys(layer, b, fwd.prior[b] + fwd.lengths[b])
-            out[ptr[b]:ptr[b + 1]] = attention(qb, kb, vb, sm_scale, causal=True)[0]
+            out[ptr[b]:ptr[b + 1]] = attention(qb, kb, vb, sm_scale, causal=True, **self.options)[0]
         return out
 
     def self_attention(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
@@ -506,7 +516,8 @@ class ReferenceCache:
 
         ``q[n, Hq, D]``, ``k[n, Hkv, D]``, ``v[n, Hkv, Dv]`` -> ``o[n, Hq, Dv]``, ``lse[n, Hq]`` (float64).
         In "inline" mode q and k are rotated at the new tokens' positions first. In a decode forward the
-        new tokens belong to ``cross_attention``'s view, so this covers no key: o = 0, lse = EMPTY_LSE.
+        new tokens belong to ``cross_attention``'s view, so this covers no key: o = 0, lse = EMPTY_LSE; the same
+        in every forward of a sliding-window cache.
         """
         fwd = self._fwd()
         self._check_layer(layer)
@@ -515,7 +526,7 @@ class ReferenceCache:
             raise ReferenceCacheError(f"q/k/v must have {ptr[-1]} tokens")
         o = torch.empty((q.shape[0], self.hq, v.shape[2]), dtype=torch.float64)
         lse = torch.empty((q.shape[0], self.hq), dtype=torch.float64)
-        if fwd.is_decode:
+        if fwd.through:
             return o.zero_(), lse.fill_(EMPTY_LSE)
         for b in range(len(fwd.seq_ids)):
             sl = slice(ptr[b], ptr[b + 1])
@@ -523,23 +534,24 @@ class ReferenceCache:
             if self.rope_mode == "inline":
                 qb = self._maybe_rope(qb, fwd.q_pos[sl])
                 kb = self._maybe_rope(kb, fwd.q_pos[sl])
-            o[sl], lse[sl] = attention(qb, kb, v[sl], sm_scale, causal=True)
+            o[sl], lse[sl] = attention(qb, kb, v[sl], sm_scale, causal=True, **self.options)
         return o, lse
 
     def cross_attention(self, layer: int, q: torch.Tensor, sm_scale: float) -> tuple[torch.Tensor, torch.Tensor]:
-        """Attention of the new queries over the cached k/v (no causal mask).
+        """Attention of the new queries over the cached k/v.
 
-        The cache view is, per sequence, every token including the new one in a decode batch (every append
-        length 1; the layer's k/v must have been appended already), and the tokens cached before the
-        forward otherwise. ``q[n, Hq, D]`` -> ``o[n, Hq, Dv]``, ``lse[n, Hq]`` (float64).
+        The cache view is, per sequence, every token including the new ones in a decode batch (every append
+        length 1) and in every forward of a sliding-window cache (the layer's k/v must have been appended
+        already; causal), and the tokens cached before the forward otherwise (no mask needed). ``q[n, Hq, D]`` -> ``o[n, Hq, Dv]``, ``lse[n, Hq]`` (float64).
         """
         fwd = self._fwd()
         self._check_layer(layer)
         ptr = fwd.q_indptr
         if q.shape[0] != ptr[-1]:
             raise ReferenceCacheError(f"q must have {ptr[-1]} tokens")
-        if fwd.is_decode and layer not in fwd.done_layers:
-            raise ReferenceCacheError(f"decode cross_attention of layer {layer} before its k/v were appended")
+        if fwd.through and layer not in fwd.done_layers:
+            raise ReferenceCacheError(f"cross_attention of layer {layer} over the new tokens before their k/v "
+                                      "were appended")
         o = torch.empty((q.shape[0], self.hq, self.cross_dv), dtype=torch.float64)
         lse = torch.empty((q.shape[0], self.hq), dtype=torch.float64)
         for b in range(len(fwd.seq_ids)):
@@ -547,9 +559,9 @@ class ReferenceCache:
             qb = q[sl]
             if self.rope_mode == "inline":
                 qb = self._maybe_rope(qb, fwd.q_pos[sl])
-            end = fwd.prior[b] + (1 if fwd.is_decode else 0)
+            end = fwd.prior[b] + (fwd.lengths[b] if fwd.through else 0)
             kb, vb = self._keys(layer, b, end)
-            o[sl], lse[sl] = attention(qb, kb, vb, sm_scale, causal=False)
+            o[sl], lse[sl] = attention(qb, kb, vb, sm_scale, causal=fwd.through, **self.options)
         return o, lse
 
     @staticmethod

@@ -531,9 +531,10 @@ class ScenarioRunner:
         o_c, lse_c = self.cache.cross_attention(layer, q, self.sm_scale)
         r_oc, r_lc = self.ref.cross_attention(layer, q.cpu(), self.sm_scale)
         assert_state_close(o_c, lse_c, r_oc, r_lc, self.cfg.dtype, f"{where}: cross_attention")
-        if self.ref.fwd.is_decode:
-            # the cache view includes the new token: cross attention alone is the full attention (and
-            # self_attention, checked above, is the empty state, so merging the two changes nothing)
+        if self.ref.fwd.through:
+            # the cache view includes the new tokens (decode, or a windowed cache): cross attention alone is
+            # the full attention (and self_attention, checked above, is the empty state, so merging the two
+            # changes nothing)
             assert_close(o_c, ref_o, self.cfg.dtype, f"{where}: decode cross_attention vs full attention")
             assert_close(o_c, fused_o, self.cfg.dtype, f"{where}: decode cross_attention vs fused")
         r_om, r_lm = self.ref.merge_attn_output_inplace(r_os, r_ls, r_oc, r_lc)

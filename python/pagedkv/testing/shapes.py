@@ -2,7 +2,9 @@
 (which prebuilds the GPU kernels for exactly these configs).
 
 GQA group sizes 1, 3, 4, 7, head dims 64 / 128, float32 / float16, page sizes 16 / 8 and RoPE modes
-none / normal / inline each appear at least twice.
+none / normal / inline each appear at least twice. Three shapes turn on the attention options: a sliding
+window shorter than the scenarios' sequences (crossing pages), a logits soft-cap small enough to bend
+random scores (|s| ~ 1), and both.
 """
 
 from __future__ import annotations
@@ -22,11 +24,15 @@ class Shape:
     rope: str
     theta: float = 10000.0
     scale: float = 1.0
+    window: int = 0
+    cap: float = 0.0
 
     @property
     def id(self) -> str:
         dt = {"float32": "f32", "float16": "f16"}[self.dtype]
         extra = "" if (self.theta, self.scale) == (10000.0, 1.0) else f"-t{self.theta:g}s{self.scale:g}"
+        extra += f"-w{self.window}" if self.window else ""
+        extra += f"-cap{self.cap:g}" if self.cap else ""
         return f"h{self.hq}x{self.hkv}-d{self.d}-{dt}-p{self.ps}-{self.rope}{extra}"
 
     def config(self) -> KVCacheConfig:
@@ -35,7 +41,8 @@ class Shape:
         return KVCacheConfig(num_layers=2, num_qo_heads=self.hq, num_kv_heads=self.hkv, head_dim=self.d,
                              dtype=self.dtype, rope_mode=self.rope, rope_theta=self.theta,
                              rope_scale=self.scale, page_size=self.ps, max_batch_size=8,
-                             max_total_seq_len=128, prefill_chunk_size=64)
+                             max_total_seq_len=128, prefill_chunk_size=64, sliding_window=self.window,
+                             logits_soft_cap=self.cap)
 
 
 SHAPES = [
@@ -47,12 +54,20 @@ SHAPES = [
     Shape(8, 2, 128, "float16", 16, "none"),
     Shape(7, 1, 64, "float16", 16, "normal", scale=2.0),
     Shape(7, 1, 128, "float32", 8, "normal"),
+    Shape(4, 1, 64, "float32", 8, "normal", window=13),
+    Shape(6, 2, 128, "float16", 16, "none", cap=2.0),
+    Shape(3, 1, 64, "float16", 8, "inline", window=20, cap=2.5),
 ]
 
-#: Extra GPU-only shapes: GQA group 8 and the H200 benchmark shape (32 q / 8 kv heads, head dim 128).
+#: Extra GPU-only shapes: GQA group 8, the H200 benchmark shape (32 q / 8 kv heads, head dim 128), and
+#: attention options on FlashInfer's shape (fp16, head dim 128: window and soft-cap together, one module
+#: build each for decode and prefill) and on two TIR-only ones.
 GPU_EXTRA = [
     Shape(32, 8, 128, "float16", 16, "normal"),
     Shape(8, 1, 128, "float16", 16, "inline"),
+    Shape(32, 8, 128, "float16", 16, "normal", window=40, cap=3.0),
+    Shape(8, 2, 64, "float32", 8, "none", cap=2.0),
+    Shape(7, 1, 128, "float16", 8, "inline", window=11),
 ]
 
 
