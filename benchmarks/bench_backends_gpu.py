@@ -9,7 +9,11 @@ Cases (each times one runtime call that issues exactly one attention kernel):
   (``attn_decode_paged``); GB/s = KV bytes read / time;
 * ``prefill_ragged_L4096``: ``self_attention`` of a 4096-token prefill (``attn_prefill_ragged``, causal);
 * ``prefill_paged_Lq512_L4096``: ``cross_attention`` of a 512-token chunk over 4096 cached tokens
-  (``attn_prefill_paged``, non-causal).
+  (``attn_prefill_paged``, non-causal);
+* ``..._w1024_cap30`` (decode and paged prefill): the same with a sliding window of 1024 and a logits soft-cap
+  of 30 (``pagedkv.testing.shapes.BENCH_OPTIONS``). A windowed cache's forwards are through forwards (new
+  tokens appended first, one causal pass per sequence), so the prefill case times ``cross_attention`` of
+  the 512-token chunk over 4096 + 512 keys, each query reading at most 1024; GB/s counts the keys read.
 Outputs of the two backends are compared (relative error < 1e-2). Times: CUDA events, median of
 ``--iters`` after ``--warmup``, a 256 MB buffer written between iterations to flush L2.
 
@@ -32,12 +36,12 @@ HQ, HKV, D, PS = 32, 8, 128, 16
 BACKENDS = {"tir": "tir", "flashinfer": ["flashinfer", "tir"]}
 
 
-def make_cache(backend, batch: int, length: int, chunk: int):
+def make_cache(backend, batch: int, length: int, chunk: int, options: dict):
     import pagedkv
 
     cfg = pagedkv.KVCacheConfig(num_layers=1, num_qo_heads=HQ, num_kv_heads=HKV, head_dim=D, dtype="float16",
                                 rope_mode="none", page_size=PS, max_batch_size=batch,
-                                max_total_seq_len=batch * (length + chunk), prefill_chunk_size=chunk)
+                                max_total_seq_len=batch * (length + chunk), prefill_chunk_size=chunk, **options)
     return pagedkv.create(cfg, backend=backend, target="cuda", device="cuda")
 
 
@@ -84,35 +88,46 @@ def time_ms(run, iters: int, warmup: int, flush: torch.Tensor) -> float:
 
 def case(name: str, backend, args, flush) -> dict:
     """Set up ``name`` on a cache of ``backend``; returns the timing row and the output."""
+    from pagedkv.testing.shapes import BENCH_OPTIONS
+
     gen = torch.Generator(device="cuda").manual_seed(1234)  # same data for every backend
     sm = D ** -0.5
-    if name == "decode_B64_L4096":
+    options = BENCH_OPTIONS if name.endswith("_w1024_cap30") else {}
+    window = options.get("sliding_window", 0)
+    if name.startswith("decode_B64_L4096"):
         batch, length = 64, 4096
-        cache = make_cache(backend, batch, length, 4096)
+        cache = make_cache(backend, batch, length, 4096, options)
         fill(cache, list(range(batch)), length, gen)
         cache.begin_forward(list(range(batch)), [1] * batch)
         cache.attention_with_fused_qkv(0, torch.randn(batch, HQ + 2 * HKV, D, generator=gen, device="cuda",
                                                       dtype=torch.float16), sm)
         q = torch.randn(batch, HQ, D, generator=gen, device="cuda", dtype=torch.float16)
         op, run = "attn_decode_paged", dps(cache, "cross_attention", [q], batch, D)
-        nbytes, flops = batch * (length + 1) * HKV * D * 2 * 2, 4 * batch * (length + 1) * HQ * D
+        keys = min(length + 1, window) if window else length + 1
+        nbytes, flops = batch * keys * HKV * D * 2 * 2, 4 * batch * keys * HQ * D
     elif name == "prefill_ragged_L4096":
         length = 4096
-        cache = make_cache(backend, 1, length, length)
+        cache = make_cache(backend, 1, length, length, options)
         cache.add_sequence(0)
         cache.begin_forward([0], [length])
         q, k, v = (torch.randn(length, h, D, generator=gen, device="cuda", dtype=torch.float16)
                    for h in (HQ, HKV, HKV))
         op, run = "attn_prefill_ragged", dps(cache, "self_attention", [q, k, v], length, D)
         nbytes, flops = 0, 2 * 2 * length * length // 2 * HQ * D
-    else:  # prefill_paged_Lq512_L4096
+    else:  # prefill_paged_Lq512_L4096[_w1024_cap30]
         qlen, length = 512, 4096
-        cache = make_cache(backend, 1, length, length)
+        cache = make_cache(backend, 1, length, length, options)
         fill(cache, [0], length, gen)
         cache.begin_forward([0], [qlen])
+        if window:  # through forward: cross_attention reads the chunk's own k/v, appended by the fused call
+            cache.attention_with_fused_qkv(0, torch.randn(qlen, HQ + 2 * HKV, D, generator=gen, device="cuda",
+                                                          dtype=torch.float16), sm)
         q = torch.randn(qlen, HQ, D, generator=gen, device="cuda", dtype=torch.float16)
         op, run = "attn_prefill_paged", dps(cache, "cross_attention", [q], qlen, D)
-        nbytes, flops = length * HKV * D * 2 * 2, 4 * qlen * length * HQ * D
+        if window:
+            nbytes, flops = (window + qlen) * HKV * D * 2 * 2, 4 * qlen * window * HQ * D
+        else:
+            nbytes, flops = length * HKV * D * 2 * 2, 4 * qlen * length * HQ * D
     out = run()[0].float().clone()
     ms = time_ms(run, args.iters, args.warmup, flush)
     row = {"case": name, "op": op, "served_by": cache.op_backends[op], "ms": ms,
@@ -126,7 +141,8 @@ def main(argv=None) -> int:
     ap.add_argument("--iters", type=int, default=30)
     ap.add_argument("--warmup", type=int, default=5)
     ap.add_argument("--cases", nargs="*", default=["decode_B64_L4096", "prefill_ragged_L4096",
-                                                   "prefill_paged_Lq512_L4096"])
+                                                   "prefill_paged_Lq512_L4096", "decode_B64_L4096_w1024_cap30",
+                                                   "prefill_paged_Lq512_L4096_w1024_cap30"])
     args = ap.parse_args(argv)
     import tvm_ffi
 

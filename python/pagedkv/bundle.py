@@ -227,12 +227,11 @@ def main(argv: list[str] | None = None) -> int:
     shutil.copy2(runtime_library_path(), out / "lib" / "libpagedkv_runtime.so")
     if not args.no_upstream:
         build_upstream_kernels(out, args.arch)
-    from .testing.shapes import gpu_configs
+    from .testing.shapes import BENCH_WINDOWED, flashinfer_gpu_shapes, gpu_configs
 
-    build_kernels(out, gpu_configs(), {"kind": "cuda", "arch": args.arch})
-    from .testing.shapes import flashinfer_gpu_shapes
-
-    build_flashinfer_kernels(out, [s.config() for s in flashinfer_gpu_shapes()], {"kind": "cuda", "arch": args.arch})
+    target = {"kind": "cuda", "arch": args.arch}
+    build_kernels(out, gpu_configs() + [BENCH_WINDOWED.config()], target)
+    build_flashinfer_kernels(out, [s.config() for s in flashinfer_gpu_shapes() + [BENCH_WINDOWED]], target)
     build_smollm2(out, args.arch)
     from .flashinfer import unavailable_reasons
 

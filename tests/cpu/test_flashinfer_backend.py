@@ -68,6 +68,23 @@ def test_module_kinds():
     assert fib.module_kind(ops.ATTN_PREFILL_RAGGED, "sm_80") == "prefill_fa2"
     assert fib.module_kind(ops.ATTN_PREFILL_PAGED, "sm_90") == "prefill_fa2"
     assert fib.module_kind(ops.MLA_ATTN_PREFILL_PAGED, "sm_90") == "mla"
+    # a windowed cache's ragged op attends no key: the paged op's fa2 module serves it
+    assert fib.module_kind(ops.ATTN_PREFILL_RAGGED, "sm_90", windowed=True) == "prefill_fa2"
+
+
+def test_module_specs_follow_the_attention_options():
+    """Modules are built with use_sliding_window / use_logits_soft_cap exactly when the config turns them on
+    (a module built without them would ignore the run-time values)."""
+    plain = {op: fib.module_spec(op, CFG, "sm_90") for op in fib.MHA_OPS}
+    assert not any(s.use_sliding_window or s.use_logits_soft_cap for s in plain.values())
+    capped = {op: fib.module_spec(op, CFG.replace(logits_soft_cap=30.0), "sm_90") for op in fib.MHA_OPS}
+    assert all(s.use_logits_soft_cap and not s.use_sliding_window for s in capped.values())
+    assert capped[ops.ATTN_PREFILL_RAGGED].kind == "prefill_fa3"
+    both = {op: fib.module_spec(op, CFG.replace(sliding_window=512, logits_soft_cap=30.0), "sm_90")
+            for op in fib.MHA_OPS}
+    assert all(s.use_sliding_window and s.use_logits_soft_cap for s in both.values())
+    assert both[ops.ATTN_PREFILL_RAGGED] == both[ops.ATTN_PREFILL_PAGED]  # one fa2 module
+    assert both[ops.ATTN_DECODE_PAGED].name == "decode_f16_f16_f16_qk128_vo128_pe0_swa_cap_sm90"
 
 
 def test_not_on_cpu_and_not_other_ops():

@@ -70,6 +70,12 @@ GPU_EXTRA = [
     Shape(7, 1, 128, "float16", 8, "inline", window=11),
 ]
 
+#: The attention options of the backend benchmark's windowed cases (``benchmarks/bench_backends_gpu.py``,
+#: Mistral's window and Gemma-2's cap) on its shape; the bundle prebuilds its kernels (the TIR kernels take
+#: the options at compile time).
+BENCH_OPTIONS = dict(sliding_window=1024, logits_soft_cap=30.0)
+BENCH_WINDOWED = Shape(32, 8, 128, "float16", 16, "none", window=1024, cap=30.0)
+
 
 @dataclass(frozen=True)
 class MLAShape:
