@@ -133,6 +133,13 @@ class TilePlan:
     rope : bool
         Whether the kernel takes inline RoPE at all (its ``apply_rope`` argument); ``False`` (MLA)
         leaves the RoPE code out at parse time.
+    window : int
+        Sliding window W (0: off): a row at key position ``p`` also needs key ``j >= p + 1 - W``.
+    soft_cap : float
+        Logits soft-cap c in natural units (0: off): scores become ``c * tanh(s / c)``.
+
+    With ``window`` and ``soft_cap`` 0 their code is left out at parse time (the kernel is the same as
+    one built without them).
     """
 
     d: int
@@ -148,15 +155,22 @@ class TilePlan:
     dc: int
     dtype: str
     rope: bool = True
+    window: int = 0
+    soft_cap: float = 0.0
 
 
 def make_tile_plan(d: int, dv: int, group: int, dtype: str, tokens_per_item: int | None, *,
-                   rope: bool = True) -> TilePlan:
+                   rope: bool = True, window: int = 0, soft_cap: float = 0.0) -> TilePlan:
     """Choose the CPU tiling.
 
     ``tokens_per_item=None`` is prefill: about 32 rows per item (each K/V tile is reused from L1 by
     all of them), keys-major scores. Decode passes 1: the G rows of one token, rows-major scores.
+    ``window`` and ``soft_cap`` are the masking options (see ``TilePlan``), passed through.
     """
+    if isinstance(window, bool) or not isinstance(window, int) or window < 0:
+        raise ValueError(f"sliding_window must be an int >= 0 (0: off), got {window!r}")
+    if not math.isfinite(soft_cap) or soft_cap < 0:
+        raise ValueError(f"logits_soft_cap must be a finite number >= 0 (0: off), got {soft_cap!r}")
     tk = 32
     if tokens_per_item is None:
         tq = max(1, 32 // group)
@@ -176,7 +190,7 @@ def make_tile_plan(d: int, dv: int, group: int, dtype: str, tokens_per_item: int
     # Two PV accumulators of rb x dc floats, each under TVM's 1 KiB stack-allocation limit.
     dc = next(c for c in (32, 16, 8, 4, 2, 1) if dv % (2 * c) == 0) if dv % 2 == 0 else dv
     return TilePlan(d=d, dv=dv, group=group, tq=tq, rows=rows, tk=tk, keys_major=keys_major, jb=jb,
-                    vl=vl, rb=rb, dc=dc, dtype=dtype, rope=rope)
+                    vl=vl, rb=rb, dc=dc, dtype=dtype, rope=rope, window=window, soft_cap=float(soft_cap))
 
 
 def make_rope_macros(d: int):

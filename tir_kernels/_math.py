@@ -1,4 +1,4 @@
-"""Vectorizable float32 approximations of exp2, sin and cos, as PrimExpr builders.
+"""Vectorizable float32 approximations of exp2, tanh, sin and cos, as PrimExpr builders.
 
 ``T.exp2`` / ``T.sin`` / ``T.cos`` in a vectorized loop lower to one scalar libm call per lane (LLVM
 has no vector libm here), which would dominate the attention inner loops: a scalar ``exp2f`` costs more
@@ -9,11 +9,17 @@ These forms stay in SIMD registers. Each returns a PrimExpr whose subexpressions
 
 from __future__ import annotations
 
+import math
+
 from tvm import tirx
 
+_LOG2E = math.log2(math.e)
 # 2^f on f in [-0.5, 0.5]: Taylor coefficients (ln 2)^k / k!, degree 6 (relative error < 2e-7).
 _EXP2 = (1.0, 0.6931471805599453, 0.2402265069591007, 0.05550410866482158,
          0.009618129107628477, 0.0013333558146428443, 0.00015403530393381606)
+# tanh on |x| < 0.625: x + x^3 P(x^2), the Cephes tanhf minimax coefficients (relative error about 1e-7).
+_TANH = (-3.33332819422e-1, 1.33314422036e-1, -5.37397155531e-2, 2.06390887954e-2, -5.70498872745e-3)
+_TANH_SMALL = 0.625
 # pi/2 split for Cody-Waite reduction: the first two parts have few significant bits, so k * part is
 # exact in float32 for |k| < 2^15 (angles up to about 5e4 radians).
 _PIO2 = (1.5703125, 4.837512969970703125e-4, 7.549789954891882e-8)
@@ -39,6 +45,28 @@ def exp2_approx(x):
     scale = tirx.call_intrin("float32", "tirx.reinterpret", tirx.shift_left(tirx.Cast("int32", xi) + 127, 23))
     body = tirx.Let(xi, tirx.floor(xv + _f32(0.5)), poly * scale)
     return tirx.Let(xv, tirx.max(x, _f32(-127.0)), body)
+
+
+def tanh_approx(x):
+    """``tanh(x)`` in float32 with a relative error of a few 1e-7 everywhere.
+
+    TVM legalizes ``T.tanh`` on llvm with an exp formula (cancels near 0, and is one scalar libm call
+    per lane in a vectorized loop). Here small ``|x|`` takes an odd polynomial, the rest
+    ``(1 - e) / (1 + e)`` with ``e = exp(-2|x|) <= exp(-1.25)`` (no cancellation), signed; large
+    ``|x|`` gives ``e = 0``, i.e. exactly +-1.
+    """
+    xv = tirx.Var("th_x", "float32")
+    av = tirx.Var("th_a", "float32")
+    ev = tirx.Var("th_e", "float32")
+    z = xv * xv
+    poly = _f32(_TANH[-1])
+    for coeff in reversed(_TANH[:-1]):
+        poly = poly * z + _f32(coeff)
+    small = xv + xv * z * poly
+    big = (_f32(1.0) - ev) / (_f32(1.0) + ev)
+    body = tirx.Select(av < _f32(_TANH_SMALL), small, tirx.Select(xv < _f32(0.0), -big, big))
+    body = tirx.Let(ev, exp2_approx(av * _f32(-2.0 * _LOG2E)), body)
+    return tirx.Let(xv, x, tirx.Let(av, tirx.abs(xv), body))
 
 
 def _sincos(angle, want_sin: bool):

@@ -7,20 +7,20 @@ read and converted once per group. Inside an item the kernel walks the entry's k
 per-entry tile prefix sum and visited in zig-zag order (first, last, second, second-to-last...) so
 that the static split of ``T.parallel`` gives every thread a similar share of a causal workload.
 Calls too small to pay for waking the thread pool run on the calling thread.
+
+Masking options (compile-time, ``KernelConfig.sliding_window`` / ``logits_soft_cap``; 0 leaves their
+code out): a sliding window adds a per-row lower key bound to the causal / length limit and skips the
+key tiles below the item's smallest bound, so a windowed decode reads about W keys; a soft-cap passes
+each score through ``c * tanh(s / c)`` before masking (see ``_attn_cpu_gemm``).
 """
 
 from __future__ import annotations
 
 from tvm.script import tirx as T
 
-from ._attn_cpu_gemm import make_gemm_macros, scratch_shapes
+from ._attn_cpu_gemm import lim_size, make_gemm_macros, scratch_shapes
 from ._attn_cpu_macros import make_attn_macros
 from ._common import LOG2E, TilePlan, make_tile_plan
-
-
-def _masking_todo(sliding_window, logits_soft_cap):
-    if sliding_window or logits_soft_cap:
-        raise NotImplementedError("sliding_window / logits_soft_cap: not implemented yet")
 
 
 def _make_attend(plan: TilePlan, mac, load_tile):
@@ -32,8 +32,16 @@ def _make_attend(plan: TilePlan, mac, load_tile):
     ``cur`` is a small int scratch. Tuples passed to macros hold only buffers and parameters: an
     expression unpacked from a tuple would become a mutable scalar allocation.
     """
-    G, TK = plan.group, plan.tk
+    G, TK, W = plan.group, plan.tk, plan.window
     prepare, score, softmax, pv = make_gemm_macros(plan)
+
+    def first_tile(kvlen, qlen, qt0):
+        # Sliding window: the item's first row has the smallest lower bound, kvlen - qlen + qt0 + 1 - W;
+        # tiles wholly below it are skipped (the per-key mask handles the first visited tile). The
+        # loaders locate keys from j0, so starting late needs nothing else.
+        if not W:
+            return 0
+        return T.max(kvlen - qlen + qt0 + 1 - W, 0) // TK
 
     @T.macro
     def attend(scr, q, q_pos, o, lse, tok0, ntok, qt0, qlen, kvlen, h, causal, rope, sm_scale, kv, base,
@@ -51,7 +59,7 @@ def _make_attend(plan: TilePlan, mac, load_tile):
         # Causal: the tile's last token sees keys < kvlen - qlen + qt0 + ntok; later tiles are skipped.
         kv_end: T.let[T.int32] = T.if_then_else(
             causal > 0, T.min(kvlen, kvlen - qlen + qt0 + ntok), kvlen)
-        for kt in T.serial(T.max(kv_end + TK - 1, 0) // TK):
+        for kt in T.serial(first_tile(kvlen, qlen, qt0), T.max(kv_end + TK - 1, 0) // TK):
             # Keys of this tile that some row may see (the causal limit of the last token caps it).
             nk: T.let[T.int32] = T.min(TK, kv_end - kt * TK)
             load_tile(Kf, Vf, cur, kv, base, kpos0, h, kt * TK, nk, (apply_rope, rope_scale, invf))
@@ -76,6 +84,7 @@ def _make_runner(plan: TilePlan, item):
     (a call too small to pay for waking the thread pool).
     """
     D, DV, R, TK, RB, DC = plan.d, plan.dv, plan.rows, plan.tk, plan.rb, plan.dc
+    LIM = lim_size(plan)
     shp = scratch_shapes(plan)
 
     @T.macro
@@ -86,7 +95,7 @@ def _make_runner(plan: TilePlan, item):
                T.alloc_buffer((TK, D), "float32"), T.alloc_buffer((TK, DV), "float32"),
                T.alloc_buffer(shp["S"], "float32"), T.alloc_buffer((R, DV), "float32"),
                T.alloc_buffer((R,), "float32"), T.alloc_buffer((R,), "float32"),
-               T.alloc_buffer((R,), "float32"), T.alloc_buffer((R,), "int32"),
+               T.alloc_buffer((R,), "float32"), T.alloc_buffer((LIM,), "int32"),
                T.alloc_buffer((D // 2,), "float32"), T.alloc_buffer(shp["acc"], "float32"),
                T.alloc_buffer(shp["red"], "float32"), T.alloc_buffer((RB, DC), "float32"),
                T.alloc_buffer((RB, DC), "float32"), T.alloc_buffer(shp["mx"], "float32"),
@@ -174,6 +183,11 @@ def _kv_len(page_indptr, last_page_len, b, ps):
     return T.if_then_else(npg > 0, (npg - 1) * ps + last_page_len[b], 0)
 
 
+def _window_keys(kvlen, window):
+    """Keys a decode row reads: all of them, or (sliding window) about the last ``window``."""
+    return T.min(kvlen, window) if window else kvlen
+
+
 #: Below these work estimates ((kv keys + 16) x kv heads, summed over work items) a kernel runs its
 #: items on the calling thread: waking the thread pool (several microseconds, more on a loaded
 #: machine) would cost more than the work.
@@ -183,7 +197,6 @@ _SERIAL_PREFILL_WORK = 512
 
 def attn_decode_paged_cpu(num_qo_heads, num_kv_heads, head_dim, dtype, *, sliding_window: int = 0,
                           logits_soft_cap: float = 0.0):
-    _masking_todo(sliding_window, logits_soft_cap)
     """``pagedkv_attn_decode_paged`` for the CPU.
 
     Signature (``docs/ARCHITECTURE.md``)::
@@ -192,10 +205,12 @@ def attn_decode_paged_cpu(num_qo_heads, num_kv_heads, head_dim, dtype, *, slidin
          k_pos_offset[B], q_pos[B], o[B,Hq,D], lse[B,Hq],
          apply_rope:i32, rope_scale:f32, rope_theta:f32, sm_scale:f32)
 
-    One work item per (sequence, kv head).
+    One work item per (sequence, kv head). ``sliding_window`` / ``logits_soft_cap``: the masking
+    options (module docstring; 0: off).
     """
-    HQ, HKV, D = num_qo_heads, num_kv_heads, head_dim
-    plan = make_tile_plan(D, D, HQ // HKV, dtype, tokens_per_item=1)
+    HQ, HKV, D, W = num_qo_heads, num_kv_heads, head_dim, sliding_window
+    plan = make_tile_plan(D, D, HQ // HKV, dtype, tokens_per_item=1, window=sliding_window,
+                          soft_cap=logits_soft_cap)
     mac = make_attn_macros(plan)
     attend = _make_attend(plan, mac, _make_paged_loader(plan, mac))
 
@@ -227,7 +242,7 @@ def attn_decode_paged_cpu(num_qo_heads, num_kv_heads, head_dim, dtype, *, slidin
         work = T.alloc_buffer((1,), "int32")
         work[0] = 0
         for b in T.serial(B):
-            work[0] = work[0] + (_kv_len(page_indptr, last_page_len, b, ps) + 16) * HKV
+            work[0] = work[0] + (_window_keys(_kv_len(page_indptr, last_page_len, b, ps), W) + 16) * HKV
         run(B * HKV, work[0] < _SERIAL_DECODE_WORK,
             (q, q_pos, o, lse, pages, page_values, ps, page_indptr, last_page_len, k_pos_offset,
              (apply_rope, rope_scale, rope_theta), sm_scale))
@@ -257,7 +272,6 @@ def _locate(ent, tile_ptr, it, hkv, batch, tq):
 
 def attn_prefill_paged_cpu(num_qo_heads, num_kv_heads, head_dim, dtype, *, sliding_window: int = 0,
                            logits_soft_cap: float = 0.0):
-    _masking_todo(sliding_window, logits_soft_cap)
     """``pagedkv_attn_prefill_paged`` for the CPU.
 
     Signature::
@@ -266,10 +280,12 @@ def attn_prefill_paged_cpu(num_qo_heads, num_kv_heads, head_dim, dtype, *, slidi
          last_page_len[B], k_pos_offset[B], q_pos[n], o[n,Hq,D], lse[n,Hq],
          causal:i32, apply_rope:i32, rope_scale:f32, rope_theta:f32, sm_scale:f32)
 
-    One work item per (entry, query tile, kv head).
+    One work item per (entry, query tile, kv head). ``sliding_window`` / ``logits_soft_cap``: the
+    masking options (module docstring; 0: off).
     """
     HQ, HKV, D = num_qo_heads, num_kv_heads, head_dim
-    plan = make_tile_plan(D, D, HQ // HKV, dtype, tokens_per_item=None)
+    plan = make_tile_plan(D, D, HQ // HKV, dtype, tokens_per_item=None, window=sliding_window,
+                          soft_cap=logits_soft_cap)
     TQ = plan.tq
     mac = make_attn_macros(plan)
     attend = _make_attend(plan, mac, _make_paged_loader(plan, mac))
@@ -320,7 +336,6 @@ def attn_prefill_paged_cpu(num_qo_heads, num_kv_heads, head_dim, dtype, *, slidi
 
 def attn_prefill_ragged_cpu(num_qo_heads, num_kv_heads, head_dim, v_head_dim, dtype, *, sliding_window: int = 0,
                             logits_soft_cap: float = 0.0):
-    _masking_todo(sliding_window, logits_soft_cap)
     """``pagedkv_attn_prefill_ragged`` for the CPU.
 
     Signature::
@@ -329,10 +344,12 @@ def attn_prefill_ragged_cpu(num_qo_heads, num_kv_heads, head_dim, v_head_dim, dt
          k_pos_offset[B], o[n,Hq,Dv], lse[n,Hq],
          causal:i32, apply_rope:i32, rope_scale:f32, rope_theta:f32, sm_scale:f32)
 
-    One work item per (entry, query tile, kv head).
+    One work item per (entry, query tile, kv head). ``sliding_window`` / ``logits_soft_cap``: the
+    masking options (module docstring; 0: off).
     """
     HQ, HKV, D, DV = num_qo_heads, num_kv_heads, head_dim, v_head_dim
-    plan = make_tile_plan(D, DV, HQ // HKV, dtype, tokens_per_item=None)
+    plan = make_tile_plan(D, DV, HQ // HKV, dtype, tokens_per_item=None, window=sliding_window,
+                          soft_cap=logits_soft_cap)
     TQ = plan.tq
     mac = make_attn_macros(plan)
     attend = _make_attend(plan, mac, _make_ragged_loader(plan, mac))

@@ -98,10 +98,12 @@ def rope_ref(x: torch.Tensor, pos: torch.Tensor, scale: float, theta: float) -> 
     return torch.cat([x0 * cos - x1 * sin, x1 * cos + x0 * sin], dim=-1)
 
 
-def attention_ref(q, k, v, causal, sm_scale, q_pos=None, k_pos=None, rope=None):
+def attention_ref(q, k, v, causal, sm_scale, q_pos=None, k_pos=None, rope=None, *, sliding_window=0,
+                  logits_soft_cap=0.0):
     """One entry: ``q[qlen,Hq,D]``, ``k[kvlen,Hkv,D]``, ``v[kvlen,Hkv,Dv]`` -> (o, lse base 2), float64.
 
-    Rows that see no key get o = 0 and lse = EMPTY_LSE.
+    Rows that see no key get o = 0 and lse = EMPTY_LSE. ``sliding_window`` / ``logits_soft_cap`` as in
+    ``KernelConfig`` (0: off).
     """
     q, k, v = (torch.as_tensor(np.asarray(a, dtype=np.float64)) for a in (q, k, v))
     qlen, hq, _ = q.shape
@@ -110,14 +112,20 @@ def attention_ref(q, k, v, causal, sm_scale, q_pos=None, k_pos=None, rope=None):
         q = rope_ref(q.transpose(0, 1), torch.as_tensor(q_pos), *rope).transpose(0, 1)
         k = rope_ref(k.transpose(0, 1), torch.as_tensor(k_pos), *rope).transpose(0, 1)
     if shared_ref is not None:
-        o, lse = shared_ref.attention(q, k, v, sm_scale, bool(causal))
+        o, lse = shared_ref.attention(q, k, v, sm_scale, bool(causal), sliding_window=sliding_window,
+                                      logits_soft_cap=logits_soft_cap)
         return o.numpy(), lse.numpy()
     k = k.repeat_interleave(hq // hkv, dim=1)
     v = v.repeat_interleave(hq // hkv, dim=1)
     s = torch.einsum("ihd,jhd->hij", q, k) * sm_scale
+    if logits_soft_cap:
+        s = logits_soft_cap * torch.tanh(s / logits_soft_cap)
     visible = torch.ones(qlen, kvlen, dtype=torch.bool)
+    key_pos = (kvlen - qlen + torch.arange(qlen))[:, None]  # bottom-right aligned
     if causal:
-        visible = torch.arange(kvlen)[None, :] <= (kvlen - qlen + torch.arange(qlen))[:, None]
+        visible &= torch.arange(kvlen)[None, :] <= key_pos
+    if sliding_window:
+        visible &= torch.arange(kvlen)[None, :] > key_pos - sliding_window
     s = s.masked_fill(~visible[None], -math.inf)
     lse = torch.logsumexp(s, dim=-1)  # [H, qlen]
     p = torch.exp(s - lse[..., None]).nan_to_num(0.0)
@@ -211,16 +219,20 @@ def test_unknown_target_kind_names_the_op():
 # ---------------------------------------------------------------------------------------------------
 # attention
 # ---------------------------------------------------------------------------------------------------
-@pytest.mark.parametrize("apply_rope", [0, 1])
-@pytest.mark.parametrize("ps", [16, 8])
-@pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("shape", ATTN_SHAPES + [(16, 2, 256)], ids=lambda s: "x".join(map(str, s)))
-def test_attn_decode_paged(shape, dtype, ps, apply_rope):
+def masked_q(n, hq, d, dtype, masking):
+    """Random queries, scaled by the soft-cap if any: scores (about N(0, 1) unscaled) then often pass it."""
+    scale = masking.get("logits_soft_cap", 0.0) or 1.0
+    return (RNG.standard_normal((n, hq, d)) * scale).astype(dtype)
+
+
+def run_decode_paged(shape, dtype, ps, apply_rope, lens, masking=None, kv=None):
+    """``attn_decode_paged`` over sequences of ``lens`` keys vs the reference; ``masking``: KernelConfig's
+    sliding_window / logits_soft_cap; ``kv``: a prepared ``PagedKV`` (else a random one)."""
     hq, hkv, d = shape
-    lens = [0, 1, ps, 3 * ps + 5, 9 * ps + 1, int(RNG.integers(1, 4 * ps))]
-    kv = PagedKV(lens, hkv, d, ps, dtype)
+    masking = masking or {}
+    kv = kv or PagedKV(lens, hkv, d, ps, dtype)
     nb = len(lens)
-    q = randn(nb, hq, d, dtype=dtype)
+    q = masked_q(nb, hq, d, dtype, masking)
     k_pos_offset = RNG.integers(0, 40, nb).astype(np.int32)
     q_pos = (k_pos_offset + np.maximum(np.array(lens) - 1, 0)).astype(np.int32)
     rope_scale, rope_theta = rope_params()
@@ -228,15 +240,25 @@ def test_attn_decode_paged(shape, dtype, ps, apply_rope):
     off = view_offset(ps)
     o = dev(np.full((nb, hq, d), np.nan, dtype), off)
     lse = dev(np.full((nb, hq), np.nan, np.float32), off)
-    kernel("attn_decode_paged", tk.KernelConfig(hq, hkv, d, d, dtype))(
+    kernel("attn_decode_paged", tk.KernelConfig(hq, hkv, d, d, dtype, **masking))(
         dev(q, off), dev(kv.pages), dev(kv.page_indptr, off), dev(kv.page_values, off),
         dev(kv.last_page_len, off), dev(k_pos_offset, off), dev(q_pos, off), o, lse,
         apply_rope, rope_scale, rope_theta, sm_scale)
     refs = [attention_ref(q[b:b + 1], kv.k[b], kv.v[b], False, sm_scale, q_pos[b:b + 1],
-                          k_pos_offset[b] + np.arange(n), (rope_scale, rope_theta) if apply_rope else None)
+                          k_pos_offset[b] + np.arange(n), (rope_scale, rope_theta) if apply_rope else None,
+                          **masking)
             for b, n in enumerate(lens)]
     check_attention(o.numpy(), lse.numpy(), np.concatenate([r[0] for r in refs]),
                     np.concatenate([r[1] for r in refs]), dtype)
+
+
+@pytest.mark.parametrize("apply_rope", [0, 1])
+@pytest.mark.parametrize("ps", [16, 8])
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("shape", ATTN_SHAPES + [(16, 2, 256)], ids=lambda s: "x".join(map(str, s)))
+def test_attn_decode_paged(shape, dtype, ps, apply_rope):
+    lens = [0, 1, ps, 3 * ps + 5, 9 * ps + 1, int(RNG.integers(1, 4 * ps))]
+    run_decode_paged(shape, dtype, ps, apply_rope, lens)
 
 
 def prefill_entries(ps):
@@ -246,19 +268,15 @@ def prefill_entries(ps):
             (int(RNG.integers(1, 20)), int(RNG.integers(1, 5 * ps)))]
 
 
-@pytest.mark.parametrize("apply_rope", [0, 1])
-@pytest.mark.parametrize("causal", [0, 1])
-@pytest.mark.parametrize("ps", [16, 8])
-@pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("shape", ATTN_SHAPES, ids=lambda s: "x".join(map(str, s)))
-def test_attn_prefill_paged(shape, dtype, ps, causal, apply_rope):
+def run_prefill_paged(shape, dtype, ps, causal, apply_rope, entries, masking=None):
+    """``attn_prefill_paged`` over ``entries`` ((qlen, kvlen) each) against the reference."""
     hq, hkv, d = shape
-    entries = prefill_entries(ps)
+    masking = masking or {}
     kv = PagedKV([kl for _, kl in entries], hkv, d, ps, dtype)
     qlens = np.array([ql for ql, _ in entries])
     q_indptr = np.concatenate([[0], np.cumsum(qlens)]).astype(np.int32)
     n = int(q_indptr[-1])
-    q = randn(n, hq, d, dtype=dtype)
+    q = masked_q(n, hq, d, dtype, masking)
     k_pos_offset = RNG.integers(0, 40, len(entries)).astype(np.int32)
     q_pos = RNG.integers(0, 150, n).astype(np.int32)
     rope_scale, rope_theta = rope_params()
@@ -266,14 +284,59 @@ def test_attn_prefill_paged(shape, dtype, ps, causal, apply_rope):
     off = view_offset(ps)
     o = dev(np.full((n, hq, d), np.nan, dtype), off)
     lse = dev(np.full((n, hq), np.nan, np.float32), off)
-    kernel("attn_prefill_paged", tk.KernelConfig(hq, hkv, d, d, dtype))(
+    kernel("attn_prefill_paged", tk.KernelConfig(hq, hkv, d, d, dtype, **masking))(
         dev(q, off), dev(q_indptr, off), dev(kv.pages), dev(kv.page_indptr, off), dev(kv.page_values, off),
         dev(kv.last_page_len, off), dev(k_pos_offset, off), dev(q_pos, off), o, lse,
         causal, apply_rope, rope_scale, rope_theta, sm_scale)
     refs = [attention_ref(q[q_indptr[b]:q_indptr[b + 1]], kv.k[b], kv.v[b], causal, sm_scale,
                           q_pos[q_indptr[b]:q_indptr[b + 1]], k_pos_offset[b] + np.arange(kl),
-                          (rope_scale, rope_theta) if apply_rope else None)
+                          (rope_scale, rope_theta) if apply_rope else None, **masking)
             for b, (_, kl) in enumerate(entries)]
+    check_attention(o.numpy(), lse.numpy(), np.concatenate([r[0] for r in refs]),
+                    np.concatenate([r[1] for r in refs]), dtype)
+
+
+@pytest.mark.parametrize("apply_rope", [0, 1])
+@pytest.mark.parametrize("causal", [0, 1])
+@pytest.mark.parametrize("ps", [16, 8])
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("shape", ATTN_SHAPES, ids=lambda s: "x".join(map(str, s)))
+def test_attn_prefill_paged(shape, dtype, ps, causal, apply_rope):
+    run_prefill_paged(shape, dtype, ps, causal, apply_rope, prefill_entries(ps))
+
+
+def ragged_entries():
+    """(qlen, kvlen) per entry for the ragged prefill: as ``prefill_entries``, plus qlen > kvlen."""
+    return [(1, 1), (5, 5), (3, 0), (0, 4), (37, 37), (6, 20), (20, 6),
+            (int(RNG.integers(1, 50)), int(RNG.integers(1, 50)))]
+
+
+def run_prefill_ragged(shape, dtype, causal, apply_rope, entries, masking=None):
+    """``attn_prefill_ragged`` (``shape = (Hq, Hkv, D, Dv)``) over ``entries`` against the reference."""
+    hq, hkv, d, dv = shape
+    masking = masking or {}
+    qlens = np.array([e[0] for e in entries])
+    kvlens = np.array([e[1] for e in entries])
+    q_indptr = np.concatenate([[0], np.cumsum(qlens)]).astype(np.int32)
+    kv_indptr = np.concatenate([[0], np.cumsum(kvlens)]).astype(np.int32)
+    n, m = int(q_indptr[-1]), int(kv_indptr[-1])
+    q = masked_q(n, hq, d, dtype, masking)
+    k, v = randn(m, hkv, d, dtype=dtype), randn(m, hkv, dv, dtype=dtype)
+    k_pos_offset = RNG.integers(0, 40, len(entries)).astype(np.int32)
+    q_pos = RNG.integers(0, 150, n).astype(np.int32)
+    rope_scale, rope_theta = rope_params()
+    sm_scale = float(RNG.uniform(0.5, 1.5) / math.sqrt(d))
+    off = 3 * causal
+    o = dev(np.full((n, hq, dv), np.nan, dtype), off)
+    lse = dev(np.full((n, hq), np.nan, np.float32), off)
+    kernel("attn_prefill_ragged", tk.KernelConfig(hq, hkv, d, dv, dtype, **masking))(
+        dev(q, off), dev(k, off), dev(v, off), dev(q_indptr, off), dev(kv_indptr, off), dev(q_pos, off),
+        dev(k_pos_offset, off), o, lse, causal, apply_rope, rope_scale, rope_theta, sm_scale)
+    refs = [attention_ref(q[q_indptr[b]:q_indptr[b + 1]], k[kv_indptr[b]:kv_indptr[b + 1]],
+                          v[kv_indptr[b]:kv_indptr[b + 1]], causal, sm_scale,
+                          q_pos[q_indptr[b]:q_indptr[b + 1]], k_pos_offset[b] + np.arange(kvlens[b]),
+                          (rope_scale, rope_theta) if apply_rope else None, **masking)
+            for b in range(len(entries))]
     check_attention(o.numpy(), lse.numpy(), np.concatenate([r[0] for r in refs]),
                     np.concatenate([r[1] for r in refs]), dtype)
 
@@ -284,32 +347,80 @@ def test_attn_prefill_paged(shape, dtype, ps, causal, apply_rope):
 @pytest.mark.parametrize("shape", [s + (s[2],) for s in ATTN_SHAPES] + [(8, 2, 128, 64)],
                          ids=lambda s: "x".join(map(str, s)))
 def test_attn_prefill_ragged(shape, dtype, causal, apply_rope):
-    hq, hkv, d, dv = shape
-    entries = [(1, 1), (5, 5), (3, 0), (0, 4), (37, 37), (6, 20), (20, 6),
-               (int(RNG.integers(1, 50)), int(RNG.integers(1, 50)))]
-    qlens = np.array([e[0] for e in entries])
-    kvlens = np.array([e[1] for e in entries])
-    q_indptr = np.concatenate([[0], np.cumsum(qlens)]).astype(np.int32)
-    kv_indptr = np.concatenate([[0], np.cumsum(kvlens)]).astype(np.int32)
-    n, m = int(q_indptr[-1]), int(kv_indptr[-1])
-    q, k, v = randn(n, hq, d, dtype=dtype), randn(m, hkv, d, dtype=dtype), randn(m, hkv, dv, dtype=dtype)
-    k_pos_offset = RNG.integers(0, 40, len(entries)).astype(np.int32)
-    q_pos = RNG.integers(0, 150, n).astype(np.int32)
-    rope_scale, rope_theta = rope_params()
-    sm_scale = float(RNG.uniform(0.5, 1.5) / math.sqrt(d))
-    off = 3 * causal
-    o = dev(np.full((n, hq, dv), np.nan, dtype), off)
-    lse = dev(np.full((n, hq), np.nan, np.float32), off)
-    kernel("attn_prefill_ragged", tk.KernelConfig(hq, hkv, d, dv, dtype))(
-        dev(q, off), dev(k, off), dev(v, off), dev(q_indptr, off), dev(kv_indptr, off), dev(q_pos, off),
-        dev(k_pos_offset, off), o, lse, causal, apply_rope, rope_scale, rope_theta, sm_scale)
-    refs = [attention_ref(q[q_indptr[b]:q_indptr[b + 1]], k[kv_indptr[b]:kv_indptr[b + 1]],
-                          v[kv_indptr[b]:kv_indptr[b + 1]], causal, sm_scale,
-                          q_pos[q_indptr[b]:q_indptr[b + 1]], k_pos_offset[b] + np.arange(kvlens[b]),
-                          (rope_scale, rope_theta) if apply_rope else None)
-            for b in range(len(entries))]
-    check_attention(o.numpy(), lse.numpy(), np.concatenate([r[0] for r in refs]),
-                    np.concatenate([r[1] for r in refs]), dtype)
+    run_prefill_ragged(shape, dtype, causal, apply_rope, ragged_entries())
+
+
+# ---------------------------------------------------------------------------------------------------
+# sliding window and logits soft-cap: compile-time, so one kernel per case with the runtime options
+# (page size, causal) parametrized over it; RoPE is independent of them, so half the runs take it
+# ---------------------------------------------------------------------------------------------------
+#: ((Hq, Hkv, D), dtype, sliding_window, logits_soft_cap): windows 3 (under a page), 17, 40 (over a
+#: 32-key tile) and 200 (over every sequence), caps 5 and 30. Window only, cap only and both each take
+#: both dtypes, GQA groups 1 and 4 and head dims 64 and 128; then groups 7 and 3.
+MASK_CASES = [
+    ((4, 4, 64), "float32", 3, 0.0), ((8, 2, 128), "float16", 40, 0.0),
+    ((8, 2, 64), "float32", 0, 5.0), ((4, 4, 128), "float16", 0, 30.0),
+    ((8, 2, 128), "float32", 17, 30.0), ((4, 4, 64), "float16", 200, 5.0),
+    ((14, 2, 128), "float32", 40, 5.0), ((3, 1, 64), "float16", 17, 30.0),
+]
+
+
+def _mask_id(case):
+    shape, dtype, window, cap = case
+    return f"{'x'.join(map(str, shape))}-{dtype}-w{window}-cap{cap:g}"
+
+
+@pytest.mark.parametrize("ps", [16, 8])
+@pytest.mark.parametrize("case", MASK_CASES, ids=_mask_id)
+def test_attn_decode_paged_masking(case, ps):
+    shape, dtype, window, cap = case
+    lens = [0, 1, 5, ps, 3 * ps + 5, 70, 150, int(RNG.integers(1, 150))]
+    run_decode_paged(shape, dtype, ps, int(ps == 8), lens, {"sliding_window": window, "logits_soft_cap": cap})
+
+
+@pytest.mark.parametrize("causal", [0, 1])
+@pytest.mark.parametrize("ps", [16, 8])
+@pytest.mark.parametrize("case", MASK_CASES, ids=_mask_id)
+def test_attn_prefill_paged_masking(case, ps, causal):
+    shape, dtype, window, cap = case
+    entries = prefill_entries(ps) + [(70, 70), (25, 150)]
+    run_prefill_paged(shape, dtype, ps, causal, int(ps == 8), entries,
+                      {"sliding_window": window, "logits_soft_cap": cap})
+
+
+@pytest.mark.parametrize("causal", [0, 1])
+@pytest.mark.parametrize("case", MASK_CASES + [((8, 2, 128, 64), "float32", 17, 5.0)], ids=_mask_id)
+def test_attn_prefill_ragged_masking(case, causal):
+    shape, dtype, window, cap = case  # (Hq, Hkv, D[, Dv])
+    entries = ragged_entries() + [(70, 70), (25, 150), (90, 40)]
+    run_prefill_ragged((shape + shape[2:])[:4], dtype, causal, causal, entries,
+                       {"sliding_window": window, "logits_soft_cap": cap})
+
+
+@pytest.mark.parametrize("ps", [16, 8])
+def test_attn_decode_window_skips_old_keys(ps):
+    """A windowed decode reads only the key tiles that reach into the window: K/V of older keys are
+    NaN in the pages (a read would poison the output), the reference uses their true values."""
+    shape, dtype, window, _ = MASK_CASES[1]  # window 40 > one 32-key tile
+    lens = [150, 100, 73, 40, 9]
+    kv = PagedKV(lens, shape[1], shape[2], ps, dtype)
+    tile = 32  # keys per kv tile of the CPU kernels (TilePlan.tk)
+    for b, n in enumerate(lens):
+        for j in range(max(0, n - window) // tile * tile):
+            kv.pages[kv.page_values[kv.page_indptr[b] + j // ps], :, :, j % ps] = np.nan
+    run_decode_paged(shape, dtype, ps, 0, lens, {"sliding_window": window}, kv=kv)
+
+
+def test_attn_masking_off_is_the_default_kernel():
+    """sliding_window = 0 and logits_soft_cap = 0 build exactly the kernel of a call without them."""
+    off, on = {"sliding_window": 0, "logits_soft_cap": 0.0}, {"sliding_window": 17, "logits_soft_cap": 5.0}
+    for build in (lambda **kw: tk.attn_decode_paged_cpu(8, 2, 64, "float16", **kw),
+                  lambda **kw: tk.attn_prefill_paged_cpu(4, 4, 128, "float32", **kw),
+                  lambda **kw: tk.attn_prefill_ragged_cpu(7, 1, 128, 64, "float32", **kw)):
+        with tk._common.fast_macro_expansion():  # as the factories parse (several times faster)
+            default, zero, masked = build().script(), build(**off).script(), build(**on).script()
+        assert zero == default
+        assert masked != default
 
 
 def test_attn_prefill_ragged_gqa8_long():
