@@ -44,7 +44,8 @@ def test_scenario(backend, shape, scenario, make_cache, gen):
 
 
 RANDOM_SHAPES = [p for p in BACKEND_SHAPES if p.values[1].id in
-                 ("h8x2-d64-f32-p8-inline-t500000s1", "h6x2-d64-f16-p8-normal", "h4x4-d64-f32-p16-none")]
+                 ("h8x2-d64-f32-p8-inline-t500000s1", "h6x2-d64-f16-p8-normal", "h4x4-d64-f32-p16-none",
+                  "h3x1-d64-f16-p8-inline-w20-cap2.5")]
 RANDOM_SHAPES += MLA_BACKEND_SHAPES[:1]
 
 
