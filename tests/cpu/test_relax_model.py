@@ -1,9 +1,11 @@
 """A Relax model compiled with ``pagedkv.relax.PagedKVCache`` for ``llvm``, exported as a library, loaded in a
 fresh process (TVM runtime + pagedkv) and run for a batched prefill and a decode step; its logits must match
-HF transformers' ``LlamaForCausalLM`` with the same random weights."""
+HF transformers' ``LlamaForCausalLM`` with the same random weights, and ``MistralForCausalLM`` with a sliding
+window shorter than the prompts (the cache's ``sliding_window``)."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import subprocess
 import sys
@@ -20,16 +22,25 @@ from pagedkv.models.llama import LlamaConfig, LlamaForCausalLM, params_from_hf  
 
 CFG = LlamaConfig(vocab_size=384, hidden_size=384, intermediate_size=512, num_hidden_layers=2,
                   num_attention_heads=6, num_key_value_heads=2, head_dim=64, rope_theta=10000.0)
+#: Mistral: the Llama layout with a sliding window (8 < the prompts' 21 and 9 tokens, so it bites).
+MISTRAL = dataclasses.replace(CFG, sliding_window=8)
 
 
-def _hf_model(seed: int):
-    hf_cfg = transformers.LlamaConfig(
-        vocab_size=CFG.vocab_size, hidden_size=CFG.hidden_size, intermediate_size=CFG.intermediate_size,
-        num_hidden_layers=CFG.num_hidden_layers, num_attention_heads=CFG.num_attention_heads,
-        num_key_value_heads=CFG.num_key_value_heads, head_dim=CFG.head_dim, rms_norm_eps=CFG.rms_norm_eps,
-        rope_theta=CFG.rope_theta, tie_word_embeddings=False, attention_bias=False, mlp_bias=False)
+def _hf_model(cfg: LlamaConfig, seed: int):
+    common = dict(
+        vocab_size=cfg.vocab_size, hidden_size=cfg.hidden_size, intermediate_size=cfg.intermediate_size,
+        num_hidden_layers=cfg.num_hidden_layers, num_attention_heads=cfg.num_attention_heads,
+        num_key_value_heads=cfg.num_key_value_heads, head_dim=cfg.head_dim, rms_norm_eps=cfg.rms_norm_eps,
+        rope_theta=cfg.rope_theta, tie_word_embeddings=False)
     torch.manual_seed(seed)
-    model = transformers.LlamaForCausalLM(hf_cfg).to(torch.float64).eval()
+    if cfg.sliding_window:
+        hf_cfg = transformers.MistralConfig(**common, sliding_window=cfg.sliding_window)
+        hf_cfg._attn_implementation = "eager"  # applies the window mask on every path
+        model = transformers.MistralForCausalLM(hf_cfg)
+    else:
+        hf_cfg = transformers.LlamaConfig(**common, attention_bias=False, mlp_bias=False)
+        model = transformers.LlamaForCausalLM(hf_cfg)
+    model = model.to(torch.float64).eval()
     with torch.no_grad():  # HF initializes norms to ones; randomize them too
         for name, p in model.named_parameters():
             if "norm" in name:
@@ -73,11 +84,12 @@ def _rel(a, b) -> float:
     return float(np.linalg.norm(a - b) / np.linalg.norm(b))
 
 
-def test_relax_model_library_in_fresh_process(tmp_path):
+@pytest.mark.parametrize("cfg", [CFG, MISTRAL], ids=["llama", "mistral-window8"])
+def test_relax_model_library_in_fresh_process(tmp_path, cfg):
     seed = int(np.random.SeedSequence().entropy % 2**31)
     print("seed", seed)
-    hf = _hf_model(seed)
-    model = LlamaForCausalLM(CFG, dtype="float32", target="llvm", backend="tir")
+    hf = _hf_model(cfg, seed)
+    model = LlamaForCausalLM(cfg, dtype="float32", target="llvm", backend="tir")
     lib, named_params = build_library(model, "llvm", tmp_path / "model.so")
     params = params_from_hf(hf, named_params, "float32")
     np.savez(tmp_path / "params.npz", *params)

@@ -23,11 +23,14 @@ class LlamaConfig:
     rms_norm_eps: float = 1e-5
     rope_theta: float = 10000.0
     tie_word_embeddings: bool = False
+    #: Mistral's sliding window (HF ``MistralConfig.sliding_window``); 0: full attention (Llama).
+    sliding_window: int = 0
 
     def kv_cache_config(self, dtype: str, **capacity) -> KVCacheConfig:
         return KVCacheConfig(num_layers=self.num_hidden_layers, num_qo_heads=self.num_attention_heads,
                              num_kv_heads=self.num_key_value_heads, head_dim=self.head_dim, dtype=dtype,
-                             rope_mode="normal", rope_theta=self.rope_theta, **capacity)
+                             rope_mode="normal", rope_theta=self.rope_theta, sliding_window=self.sliding_window,
+                             **capacity)
 
 
 def params_from_hf(hf_model, named_params, dtype: str) -> list[np.ndarray]:
