@@ -19,16 +19,23 @@ Conventions of every ``*_cuda.py`` kernel (see ``docs/ARCHITECTURE.md``, "Kernel
   ``theta ** (2i/D)`` in float64 and an IEEE float32 angle division (``__fdiv_rn``, or a reciprocal
   plus one FMA residual step, which rounds the same), so the rotation equals the CPU kernels' one up to
   FMA contraction.
+* the compile-time masking options (``sliding_window``, ``logits_soft_cap``) are applied by static Python
+  ``if`` s and the helpers below, which return their argument unchanged when the option is 0, so the
+  kernels without them are exactly the kernels from before the options existed.
 """
 
 from __future__ import annotations
 
 from tvm.script import tirx as T
 
+from ._common import LOG2E
 from ._math import cos_approx, sin_approx
 
 #: Threads of a warp.
 WARP = 32
+#: Sliding windows are clamped to this many keys so that window bounds stay in int32 (a window this long
+#: hides no key of any entry the kernels can index anyway).
+MAX_WINDOW = 1 << 30
 
 
 def itemsize(dtype: str) -> int:
@@ -112,3 +119,20 @@ def paged_kv_len(page_indptr, last_page_len, b, ps):
     """Keys of entry ``b`` in a paged layout (0 when it has no pages)."""
     npg = page_indptr[b + 1] - page_indptr[b]
     return T.if_then_else(npg > 0, (npg - 1) * ps + last_page_len[b], 0)
+
+
+def soft_cap(score, cap: float):
+    """``logits_soft_cap`` on a log2-unit score (the kernels fold ``log2(e)`` into q): ``c tanh(s / c)`` in
+    natural units is ``C tanh(x / C)`` with ``x = s log2(e)``, ``C = c log2(e)``; ``cap = 0`` returns
+    ``score`` unchanged.
+
+    Written as ``C - 2C / (2^(2x/c) + 1)`` (``tanh y = 1 - 2 / (e^(2y) + 1)``) with ``exp2f`` and an IEEE
+    reciprocal, because ``--use_fast_math`` turns ``tanhf`` into ``tanh.approx.f32`` (relative error
+    2^-11: far too coarse for float32 scores). The absolute error stays within a few float32 ulps of
+    ``C`` (that of rounding a score of that size); it saturates to exactly +-C (``exp2`` gives inf or 0)
+    and maps 0 to 0.
+    """
+    if not cap:
+        return score
+    big_c = float(cap) * LOG2E
+    return T.float32(big_c) - T.float32(2.0 * big_c) * frcp_rn(T.exp2(score * T.float32(2.0 / cap)) + T.float32(1))

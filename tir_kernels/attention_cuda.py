@@ -47,6 +47,20 @@ Prefill (``attn_prefill_ragged`` / ``attn_prefill_paged``): one block per (query
   them); a block finds its entry by binary search and idles (zero-trip loops, masked accesses) when its
   tile is past the entry's queries. Within an entry the last query tile (most keys when causal) runs
   first.
+
+Masking options (``sliding_window``, ``logits_soft_cap``; compile-time, ``KernelConfig``)
+-----------------------------------------------------------------------------------
+* Both are applied by static Python ``if`` s: with 0 the generated TIR is the one from before the options
+  (same ``script()``), so the tuned kernels keep their code and registers.
+* Window ``W``: query row ``t`` of an entry sits at key position ``p = kvlen - qlen + t`` and also needs
+  ``key >= p + 1 - W``. Decode reads only the window: its split ranges cover ``[max(kvlen - W, 0), kvlen)``
+  (and the host-side split count assumes at most ``W`` keys per entry). Prefill starts the key-tile loop at
+  the tile holding the query tile's first window start (a per-block value, so the barriers stay uniform)
+  and keeps one bound per row in registers: ``lim[i]`` becomes the row's first key, the upper bound follows
+  from it (``key - first < W`` when causal) and ``kvlen``; padding rows get a first key past every key.
+* Soft cap ``c``: ``x -> C tanh(x / C)`` on the log2-unit scores (``C = c log2 e``), before the mask, written
+  with ``exp2f`` and an IEEE reciprocal (``_common_cuda.soft_cap``) because ``--use_fast_math`` turns
+  ``tanhf`` into the 2^-11-accurate ``tanh.approx.f32``.
 """
 
 from __future__ import annotations

@@ -11,6 +11,7 @@ from tvm.script import tirx as T
 
 from ._common import EMPTY_LSE, LOG2E, MASKED
 from ._common_cuda import (
+    MAX_WINDOW,
     WARP,
     ceildiv,
     check_head_dim,
@@ -21,13 +22,9 @@ from ._common_cuda import (
     rope_divisor,
     rotate,
     shfl_xor,
+    soft_cap,
     vec16,
 )
-
-
-def _masking_todo(sliding_window, logits_soft_cap):
-    if sliding_window or logits_soft_cap:
-        raise NotImplementedError("sliding_window / logits_soft_cap: not implemented yet")
 
 
 def _pick_vec(d: int, dtype: str, max_lanes: int = WARP) -> int:
@@ -72,12 +69,15 @@ def _decode_plan(g: int, d: int, dtype: str):
     return vec, lanes0, lanes, nw, gc, kpt
 
 
-def _split_count(B, nnz, ps, blocks_per_split):
+def _split_count(B, nnz, ps, blocks_per_split, window: int = 0):
     """Key splits per (entry, kv head) of the decode kernel, from shapes only (host side): enough blocks to
     fill the GPU (``DECODE_TARGET_BLOCKS``), each split at least ``DECODE_MIN_SPLIT_KEYS`` keys of an
-    average entry, at most ``DECODE_MAX_SPLITS``."""
+    average entry (of its last ``window`` keys with a sliding window, the only ones read), at most
+    ``DECODE_MAX_SPLITS``."""
     want = T.truncdiv(DECODE_TARGET_BLOCKS + B * blocks_per_split - 1, T.max(B * blocks_per_split, 1))
     avg_keys = T.truncdiv(nnz * ps, T.max(B, 1))
+    if window:
+        avg_keys = T.min(avg_keys, window)
     return T.max(1, T.min(T.min(want, T.truncdiv(avg_keys, DECODE_MIN_SPLIT_KEYS)), DECODE_MAX_SPLITS))
 
 
@@ -89,7 +89,6 @@ DECODE_MAX_SPLITS = 32
 
 def attn_decode_paged_cuda(num_qo_heads, num_kv_heads, head_dim, dtype, *, sliding_window: int = 0,
                            logits_soft_cap: float = 0.0):
-    _masking_todo(sliding_window, logits_soft_cap)
     """``pagedkv_attn_decode_paged`` for CUDA.
 
     Signature::
@@ -101,8 +100,13 @@ def attn_decode_paged_cuda(num_qo_heads, num_kv_heads, head_dim, dtype, *, slidi
     Split-KV: when ``B * Hkv`` blocks cannot fill the GPU and the entries are long, each (entry, kv head)
     is split into ``S`` key ranges (``_split_count``, computed on the host from the shapes); the blocks
     write normalized partial states (o, lse) to a workspace and a second kernel merges them.
+
+    ``sliding_window = W > 0``: the query (key position ``kvlen - 1``) sees keys ``[kvlen - W, kvlen)``; the
+    split ranges cover only those, so a window costs its own keys, not the entry's. ``logits_soft_cap``:
+    scores ``c tanh(s / c)`` (``soft_cap``). Both compile-time; 0 leaves the kernel as it was.
     """
     HQ, HKV, D = num_qo_heads, num_kv_heads, head_dim
+    WIN = min(int(sliding_window), MAX_WINDOW)
     check_head_dim("attn_decode_paged", D)
     G = HQ // HKV
     VEC, L0, L, NW, GC, KPT_PLAIN = _decode_plan(G, D, dtype)
@@ -115,6 +119,14 @@ def attn_decode_paged_cuda(num_qo_heads, num_kv_heads, head_dim, dtype, *, slidi
 
     H2 = VEC // 2
     V16H = min(H2, vec16(dtype))
+
+    # The keys the query sees: [first, kvlen), first = max(kvlen - W, 0) with a window (no other mask is
+    # needed then: the split ranges stay inside). Without one these are kvlen and ``off``, unchanged TIR.
+    def span_len(kvlen):
+        return T.min(kvlen, WIN) if WIN else kvlen
+
+    def span_key(kvlen, off):
+        return T.max(kvlen - WIN, 0) + off if WIN else off
 
     @T.macro
     def load_chunk(dst, pages, pg, c, h, off, d0, kk, base):
@@ -166,8 +178,9 @@ def attn_decode_paged_cuda(num_qo_heads, num_kv_heads, head_dim, dtype, *, slidi
                                     sp: T.let[T.int32] = T.truncmod(zs, S)
                                     kvlen: T.let[T.int32] = paged_kv_len(page_indptr, last_page_len, b, ps)
                                     # This split's keys: [k0, k1), chunks a multiple of the block step.
-                                    chunk: T.let[T.int32] = T.truncdiv(T.truncdiv(kvlen + S - 1, S) + TKB - 1, TKB) * TKB
-                                    k0: T.let[T.int32] = T.min(sp * chunk, kvlen)
+                                    chunk: T.let[T.int32] = T.truncdiv(T.truncdiv(span_len(kvlen) + S - 1, S) + TKB - 1,
+                                                                       TKB) * TKB
+                                    k0: T.let[T.int32] = T.min(span_key(kvlen, sp * chunk), kvlen)
                                     k1: T.let[T.int32] = T.min(k0 + chunk, kvlen)
                                     pbase: T.let[T.int32] = page_indptr[b]
                                     # Lane dims: plain, d0 + e (one 16-byte chunk); inline RoPE, d0h + e and
@@ -245,11 +258,13 @@ def attn_decode_paged_cuda(num_qo_heads, num_kv_heads, head_dim, dtype, *, slidi
                                             for kk in T.unroll(KPT):
                                                 for g in T.unroll(GC):
                                                     S_[kk, g] = S_[kk, g] + shfl_xor(S_[kk, g], T.shift_right(L, sh + 1))
-                                        # Online softmax of this lane group (keys past the split are masked).
+                                        # Online softmax of this lane group (keys past the split are masked;
+                                        # the soft cap, when on, comes first, as in the reference).
                                         for g in T.unroll(GC):
                                             st[0] = m[g]
                                             for kk in T.unroll(KPT):
-                                                S_[kk, g] = T.if_then_else(k0 + it * TKB + ty * KPT + kk < k1, S_[kk, g],
+                                                S_[kk, g] = T.if_then_else(k0 + it * TKB + ty * KPT + kk < k1,
+                                                                           soft_cap(S_[kk, g], logits_soft_cap),
                                                                            T.float32(MASKED))
                                                 st[0] = T.max(st[0], S_[kk, g])
                                             st[1] = T.exp2(m[g] - st[0])
@@ -356,7 +371,7 @@ def attn_decode_paged_cuda(num_qo_heads, num_kv_heads, head_dim, dtype, *, slidi
         q_pos = T.match_buffer(q_pos_h, (B,), "int32", elem_offset=T.int32())
         o = T.match_buffer(o_h, (B, HQ, D), dtype, elem_offset=T.int32())
         lse = T.match_buffer(lse_h, (B, HQ), "float32", elem_offset=T.int32())
-        S: T.let[T.int32] = _split_count(B, nnz, ps, HKV * NZ)
+        S: T.let[T.int32] = _split_count(B, nnz, ps, HKV * NZ, WIN)
         # Split partial states (float32); only touched when S > 1.
         ws_o = T.alloc_buffer((T.max(B, 1) * HQ * S, D), "float32")
         ws_l = T.alloc_buffer((T.max(B, 1) * HQ * S,), "float32")

@@ -9,6 +9,7 @@ from tvm.script import tirx as T
 
 from ._common import EMPTY_LSE, LOG2E, MASKED
 from ._common_cuda import (
+    MAX_WINDOW,
     ceildiv,
     check_head_dim,
     cos_approx,
@@ -17,9 +18,9 @@ from ._common_cuda import (
     rope_divisor,
     shfl_xor,
     sin_approx,
+    soft_cap,
     vec16,
 )
-
 
 # ---------------------------------------------------------------------------------------------------
 # prefill (ragged and paged)
@@ -27,11 +28,10 @@ from ._common_cuda import (
 #: Prefill block: 8 row groups x 16 lanes (128 threads).
 PF_TY, PF_TX = 8, 16
 PF_NT = PF_TY * PF_TX
-
-
-def _masking_todo(sliding_window, logits_soft_cap):
-    if sliding_window or logits_soft_cap:
-        raise NotImplementedError("sliding_window / logits_soft_cap: not implemented yet")
+#: First key of a padding row in the windowed kernels: past every key.
+NO_ROW = 1 << 30
+#: Span bound of the non-causal windowed mask: none (``key - first key`` stays below it).
+NO_SPAN = (1 << 31) - 1
 
 
 def _chunk_vec(d: int, dtype: str, rope_partner: bool) -> int:
@@ -64,9 +64,13 @@ def _shfl_idx(value, lane):
     return T.call_extern("float32", "__shfl_sync", T.uint32(0xFFFFFFFF), value, lane, PF_TX)
 
 
-def _make_prefill(op: str, num_qo_heads, num_kv_heads, head_dim, v_head_dim, dtype, paged: bool):
-    """The (rope, plain) kernel macros of a prefill PrimFunc: ``paged`` selects the K/V source."""
+def _make_prefill(op: str, num_qo_heads, num_kv_heads, head_dim, v_head_dim, dtype, paged: bool,
+                  sliding_window: int, logits_soft_cap: float):
+    """The (rope, plain) kernel macros of a prefill PrimFunc: ``paged`` selects the K/V source; the masking
+    options are compile-time (0: the code is exactly the code without them)."""
     HQ, HKV, D, DV = num_qo_heads, num_kv_heads, head_dim, v_head_dim
+    W = min(int(sliding_window), MAX_WINDOW)
+    WIN = W > 0  # a bool: TVMScript evaluates ``if WIN:`` at parse time
     G = HQ // HKV
     plan = _prefill_plan(op, G, D, DV, dtype)
     RI, KJ, R, TK, TQ, VEC, VECV = (plan[k] for k in ("RI", "KJ", "R", "TK", "TQ", "VEC", "VECV"))
@@ -104,6 +108,25 @@ def _make_prefill(op: str, num_qo_heads, num_kv_heads, head_dim, v_head_dim, dty
         sign = T.if_then_else(d < HALF, T.float32(-1), T.float32(1))
         return T.Cast("float32", x) * cos_approx(angle) + sign * T.Cast("float32", partner) * sin_approx(angle)
 
+    # Sliding window: token t of the entry sits at key position kvlen - qlen + t and sees keys from that
+    # position + 1 - W on; ``key_start`` is that bound for token qt0 + tok (the tile's first has the smallest).
+    def key_start(kvlen, qlen, qt0, tok):
+        return kvlen - qlen + qt0 + tok + 1 - W
+
+    def kt_first(kvlen, qlen, qt0, kv_end):
+        """First key tile of a windowed loop: the one holding the tile's first visible key (capped at kv_end,
+        so that the loop never has a negative trip count)."""
+        return T.truncdiv(T.min(T.max(key_start(kvlen, qlen, qt0, 0), 0), kv_end), TK)
+
+    def visible(key, lim, i, kvlen, causal):
+        """Whether row ``i`` of the thread sees ``key``: ``key < lim[i]``, or with a window, where ``lim[i]`` is
+        the row's first key, ``lim[i] <= key < kvlen`` and, when causal, ``key - lim[i] < W`` (up to the
+        row's own position). One bound per row in registers (the rope kernels are close to spilling), the
+        others uniform over the block."""
+        if not WIN:
+            return key < lim[i]
+        return T.And(T.And(key >= lim[i], key < kvlen), key - lim[i] < T.if_then_else(causal > 0, W, NO_SPAN))
+
     if paged:
         def kv_len_of(kvb, b):
             return paged_kv_len(kvb[2], kvb[4], b, kvb[3])
@@ -132,7 +155,8 @@ def _make_prefill(op: str, num_qo_heads, num_kv_heads, head_dim, v_head_dim, dty
                         Ol = T.alloc_buffer((RI, CD), "float32", scope="local")
                         m = T.alloc_buffer((RI,), "float32", scope="local")
                         lsum = T.alloc_buffer((RI,), "float32", scope="local")
-                        lim = T.alloc_buffer((RI,), "int32", scope="local")
+                        # Row bounds (see ``visible``); with a window lim[RI] is the first key tile.
+                        lim = T.alloc_buffer((RI + 1 if WIN else RI,), "int32", scope="local")
                         st = T.alloc_buffer((2,), "float32", scope="local")
                         tx: T.let[T.int32] = T.truncmod(tid, TX)
                         ty: T.let[T.int32] = T.truncdiv(tid, TX)
@@ -188,17 +212,26 @@ def _make_prefill(op: str, num_qo_heads, num_kv_heads, head_dim, v_head_dim, dty
                                     for e in T.unroll(VEC):
                                         Qt[c * VEC + e, r] = T.float32(0)
                         # Row state; lim = keys the row sees (bottom-right causal), 0 for padding rows.
+                        # With a window, lim = the row's first key instead (NO_ROW for padding rows).
                         for i in T.unroll(RI):
-                            lim[i] = T.if_then_else(
-                                ty * RI + i < TQ * G and T.truncdiv(ty * RI + i, G) < ntok,
-                                T.if_then_else(causal > 0,
-                                               T.min(kvlen, kvlen - qlen + qt0 + T.truncdiv(ty * RI + i, G) + 1),
-                                               kvlen), 0)
+                            if WIN:
+                                lim[i] = T.if_then_else(ty * RI + i < TQ * G and T.truncdiv(ty * RI + i, G) < ntok,
+                                                        key_start(kvlen, qlen, qt0, T.truncdiv(ty * RI + i, G)), NO_ROW)
+                            else:
+                                lim[i] = T.if_then_else(
+                                    ty * RI + i < TQ * G and T.truncdiv(ty * RI + i, G) < ntok,
+                                    T.if_then_else(causal > 0,
+                                                   T.min(kvlen, kvlen - qlen + qt0 + T.truncdiv(ty * RI + i, G) + 1),
+                                                   kvlen), 0)
                             m[i] = T.float32(EMPTY_LSE)
                             lsum[i] = T.float32(0)
                             for c in T.unroll(CD):
                                 Ol[i, c] = T.float32(0)
-                        for kt in T.serial(T.truncdiv(kv_end + TK - 1, TK)):
+                        if WIN:
+                            # Skip the tiles below every row's window. In a register: as a let, TVM would
+                            # inline the expression into every key index of the loop.
+                            lim[RI] = kt_first(kvlen, qlen, qt0, kv_end)
+                        for kt in T.serial(lim[RI] if WIN else 0, T.truncdiv(kv_end + TK - 1, TK)):
                             # The previous tile's PV is done with KV (and, first time, Qt is written).
                             T.tvm_storage_sync("shared")
                             # K tile, transposed into KV: Kt[d, j] = KV[d * TK + j] (thread per key).
@@ -236,10 +269,12 @@ def _make_prefill(op: str, num_qo_heads, num_kv_heads, head_dim, v_head_dim, dty
                                         for kk in T.unroll(KJ):
                                             acc[i, kk] = acc[i, kk] + qv[i] * kv[kk]
                             # Online softmax per row (max over the 16 lanes of the row); acc becomes P.
+                            # The soft cap, when on, applies before the mask (as in the reference).
                             for i in T.unroll(RI):
                                 st[0] = m[i]
                                 for kk in T.unroll(KJ):
-                                    acc[i, kk] = T.if_then_else(kt * TK + tx * KJ + kk < lim[i], acc[i, kk],
+                                    acc[i, kk] = T.if_then_else(visible(kt * TK + tx * KJ + kk, lim, i, kvlen, causal),
+                                                                soft_cap(acc[i, kk], logits_soft_cap),
                                                                 T.float32(MASKED))
                                     st[0] = T.max(st[0], acc[i, kk])
                                 for sh in T.unroll(4):
@@ -304,7 +339,6 @@ def _make_prefill(op: str, num_qo_heads, num_kv_heads, head_dim, v_head_dim, dty
 
 def attn_prefill_ragged_cuda(num_qo_heads, num_kv_heads, head_dim, v_head_dim, dtype, *, sliding_window: int = 0,
                              logits_soft_cap: float = 0.0):
-    _masking_todo(sliding_window, logits_soft_cap)
     """``pagedkv_attn_prefill_ragged`` for CUDA.
 
     Signature::
@@ -312,9 +346,13 @@ def attn_prefill_ragged_cuda(num_qo_heads, num_kv_heads, head_dim, v_head_dim, d
         (q[n,Hq,D], k[m,Hkv,D], v[m,Hkv,Dv], q_indptr[B+1], kv_indptr[B+1], q_pos[n],
          k_pos_offset[B], o[n,Hq,Dv], lse[n,Hq],
          causal:i32, apply_rope:i32, rope_scale:f32, rope_theta:f32, sm_scale:f32)
+
+    ``sliding_window`` / ``logits_soft_cap``: compile-time masking options (``KernelConfig``); a window
+    also skips the key tiles below the query tile's first window start.
     """
     HQ, HKV, D, DV = num_qo_heads, num_kv_heads, head_dim, v_head_dim
-    kernel_rope, kernel_plain = _make_prefill("attn_prefill_ragged", HQ, HKV, D, DV, dtype, paged=False)
+    kernel_rope, kernel_plain = _make_prefill("attn_prefill_ragged", HQ, HKV, D, DV, dtype, paged=False,
+                                              sliding_window=sliding_window, logits_soft_cap=logits_soft_cap)
 
     @T.prim_func
     def attn_prefill_ragged(q_h: T.handle, k_h: T.handle, v_h: T.handle, q_indptr_h: T.handle,
@@ -346,7 +384,6 @@ def attn_prefill_ragged_cuda(num_qo_heads, num_kv_heads, head_dim, v_head_dim, d
 
 def attn_prefill_paged_cuda(num_qo_heads, num_kv_heads, head_dim, dtype, *, sliding_window: int = 0,
                             logits_soft_cap: float = 0.0):
-    _masking_todo(sliding_window, logits_soft_cap)
     """``pagedkv_attn_prefill_paged`` for CUDA.
 
     Signature::
@@ -354,9 +391,12 @@ def attn_prefill_paged_cuda(num_qo_heads, num_kv_heads, head_dim, dtype, *, slid
         (q[n,Hq,D], q_indptr[B+1], pages[P,2,Hkv,ps,D], page_indptr[B+1], page_values[nnz],
          last_page_len[B], k_pos_offset[B], q_pos[n], o[n,Hq,D], lse[n,Hq],
          causal:i32, apply_rope:i32, rope_scale:f32, rope_theta:f32, sm_scale:f32)
+
+    ``sliding_window`` / ``logits_soft_cap``: as ``attn_prefill_ragged_cuda``.
     """
     HQ, HKV, D = num_qo_heads, num_kv_heads, head_dim
-    kernel_rope, kernel_plain = _make_prefill("attn_prefill_paged", HQ, HKV, D, D, dtype, paged=True)
+    kernel_rope, kernel_plain = _make_prefill("attn_prefill_paged", HQ, HKV, D, D, dtype, paged=True,
+                                              sliding_window=sliding_window, logits_soft_cap=logits_soft_cap)
 
     @T.prim_func
     def attn_prefill_paged(q_h: T.handle, q_indptr_h: T.handle, pages_h: T.handle, page_indptr_h: T.handle,

@@ -6,6 +6,7 @@ from __future__ import annotations
 import concurrent.futures
 import os
 import pathlib
+import re
 import shutil
 import subprocess
 
@@ -49,3 +50,16 @@ def nvcc_all(configs, source, workdir: pathlib.Path, prefix: str = "") -> dict:
         futures = {cfg: ex.submit(_compile, prefix + "_".join(map(str, cfg)), src, workdir)
                    for cfg, src in sources.items()}
         return {cfg: fut.result() for cfg, fut in futures.items()}
+
+
+def ptxas_usage(log: str) -> dict:
+    """``{kernel: (registers, spill store bytes, spill load bytes)}`` from an ``-Xptxas -v`` log."""
+    usage, name, spills = {}, None, (0, 0)
+    for line in log.splitlines():
+        if m := re.search(r"Compiling entry function '(\w+)'", line):
+            name, spills = m.group(1), (0, 0)
+        elif m := re.search(r"(\d+) bytes spill stores, (\d+) bytes spill loads", line):
+            spills = (int(m.group(1)), int(m.group(2)))
+        elif (m := re.search(r"Used (\d+) registers", line)) and name is not None:
+            usage[name] = (int(m.group(1)), *spills)
+    return usage

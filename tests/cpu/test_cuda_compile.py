@@ -7,6 +7,9 @@ also kept when one is). Per kernel configuration the test checks that
 (b) ``nvcc --cubin -arch=sm_90a -O3`` compiles that source (one ``.cu`` per configuration, the nvcc jobs
     of all configurations run in parallel; skipped when nvcc is absent) without register spills.
 
+The attention kernels' compile-time masking options (``sliding_window``, ``logits_soft_cap``) get the same
+checks on their own (window only, soft cap only, both), and with both 0 they must be the default kernels.
+
 The numerical check of these kernels needs a GPU (``tests/gpu``).
 
 Run: ``.venv/bin/python -m pytest tests/cpu/test_cuda_compile.py -q``
@@ -20,7 +23,7 @@ import re
 import sys
 
 import pytest
-from _cuda_support import cuda_source_of, find_nvcc, nvcc_all
+from _cuda_support import cuda_source_of, find_nvcc, nvcc_all, ptxas_usage
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 try:  # installed package
@@ -43,6 +46,14 @@ CONFIGS = [
 ]
 IDS = ["x".join(map(str, c)) for c in CONFIGS]
 
+#: The attention ops, which take the masking options.
+ATTN_OPS = ("attn_prefill_ragged", "attn_prefill_paged", "attn_decode_paged")
+#: (Hq, Hkv, D, Dv, dtype, sliding_window, logits_soft_cap): window only, soft cap only, both, on the H200
+#: benchmark shape and on float32 group 1 (where the prefill kernels have the least register headroom).
+MASKED_CONFIGS = [shape + opts for shape in [(32, 8, 128, 128, "float16"), (4, 4, 64, 64, "float32")]
+                  for opts in [(1024, 0.0), (0, 30.0), (100, 50.0)]]
+MASKED_IDS = ["x".join(map(str, c[:5])) + f"-w{c[5]}-cap{c[6]:g}" for c in MASKED_CONFIGS]
+
 
 def _generic_cuda_target() -> Target:
     """A CUDA target without an arch (TVM 0.27 picks a default when it cannot detect a GPU)."""
@@ -61,6 +72,17 @@ def cuda_source(cfg: tuple, kind: str = "sm90") -> str:
 
 def _sm90_source(cfg):
     return cuda_source(cfg, "sm90")
+
+
+@functools.cache
+def masked_source(key: tuple) -> str:
+    """CUDA source (sm_90) of the three attention ops for a ``MASKED_CONFIGS`` entry."""
+    *shape, window, cap = key
+    cfg = tk.KernelConfig(*shape, sliding_window=window, logits_soft_cap=cap)
+    funcs = tk.build_kernels(cfg, SM90, ops=ATTN_OPS)
+    with SM90:
+        exe = tvm.compile(tvm.IRModule({f"pagedkv_{op}": f for op, f in funcs.items()}), target=SM90)
+    return cuda_source_of(exe)
 
 
 @pytest.fixture(scope="module")
@@ -117,3 +139,52 @@ def test_cpu_dispatch_unchanged():
     funcs = tk.build_kernels(tk.KernelConfig(8, 2, 64, 64, "float16"), tk.host_target())
     for op, func in funcs.items():
         assert "tirx.is_scheduled" not in func.attrs, op
+
+
+# ---------------------------------------------------------------------------------------------------
+# masking options (sliding window, logits soft-cap) of the attention kernels
+# ---------------------------------------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def nvcc_masked_results(tmp_path_factory):
+    """nvcc on every ``MASKED_CONFIGS`` source, in parallel: ``{key: (returncode, log)}``."""
+    if find_nvcc() is None:
+        pytest.skip("nvcc not found")
+    return nvcc_all(MASKED_CONFIGS, masked_source, tmp_path_factory.mktemp("cuda_masked"), "masked_")
+
+
+@pytest.mark.parametrize("key", MASKED_CONFIGS, ids=MASKED_IDS)
+def test_masked_attention_lowers_to_cuda(key):
+    src = masked_source(key)
+    for op in ATTN_OPS:
+        assert re.search(rf"__global__ void __launch_bounds__\(\d+\) pagedkv_{op}_kernel\b", src), op
+    # The soft cap must not use tanhf: --use_fast_math (TVM's nvcc / NVRTC flags) makes it tanh.approx.f32.
+    assert not re.search(r"\btanhf?\s*\(", src)
+
+
+@pytest.mark.parametrize("key", MASKED_CONFIGS, ids=MASKED_IDS)
+def test_masked_attention_nvcc_no_spills(key, nvcc_masked_results):
+    rc, log = nvcc_masked_results[key]
+    assert rc == 0, f"nvcc failed for {key}:\n{log[-4000:]}"
+    usage = ptxas_usage(log)
+    for op in ATTN_OPS:
+        assert any(name.startswith(f"pagedkv_{op}_kernel") for name in usage), (op, sorted(usage))
+    print("\n".join(f"{name}: {regs} registers, spill stores/loads {st}/{ld} bytes"
+                    for name, (regs, st, ld) in sorted(usage.items())))
+    spills = {name: u for name, u in usage.items() if u[1] or u[2]}
+    assert not spills, f"register spills (registers, store, load bytes): {spills}"
+
+
+@pytest.mark.parametrize("shape", [(32, 8, 128, 128, "float16"), (4, 4, 64, 64, "float32")],
+                         ids=["32x8x128-f16", "4x4x64-f32"])
+@pytest.mark.parametrize("op", ATTN_OPS)
+def test_masking_off_is_the_default_kernel(op, shape):
+    """Options 0 (int or float) give exactly the default kernel; each option on changes it."""
+    factory = getattr(tk.attention_cuda, f"{op}_cuda")  # called directly: the options' defaults included
+    hq, hkv, d, dv, dtype = shape
+    args = (hq, hkv, d, dv, dtype) if op == "attn_prefill_ragged" else (hq, hkv, d, dtype)
+    with tk._common.fast_macro_expansion():  # as the factories' dispatch (5x faster parsing)
+        default = factory(*args).script()
+        assert factory(*args, sliding_window=0, logits_soft_cap=0.0).script() == default
+        assert factory(*args, sliding_window=0, logits_soft_cap=0).script() == default
+        assert factory(*args, sliding_window=64).script() != default
+        assert factory(*args, logits_soft_cap=20.0).script() != default
