@@ -86,7 +86,7 @@ def _masking(plan: TilePlan):
 
 def _pv_macro(plan: TilePlan, keys_major: bool):
     """PV step; ``P[r, j]`` is ``S[j, r]`` (keys-major) or ``S[r, j]`` (rows-major)."""
-    R, TK, DV, RB, DC = plan.rows, plan.tk, plan.dv, plan.rb, plan.dc
+    DV, RB, DC = plan.dv, plan.rb, plan.dc
 
     def p_at(S, r, j):
         return S[j, r] if keys_major else S[r, j]
@@ -115,7 +115,7 @@ def _pv_macro(plan: TilePlan, keys_major: bool):
 
 def _keys_major(plan: TilePlan):
     """Prefill: ``St[TK, R] = Kf @ Qt``, everything after it vectorized over the R rows."""
-    R, TK, D, JB = plan.rows, plan.tk, plan.d, plan.jb
+    R, D, JB = plan.rows, plan.d, plan.jb
     limits = _limits_macro(plan)
     visible, cap = _masking(plan)
 

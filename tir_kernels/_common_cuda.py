@@ -28,7 +28,7 @@ from __future__ import annotations
 
 from tvm.script import tirx as T
 
-from ._common import LOG2E
+from ._common import EMPTY_LSE, LOG2E
 from ._math import cos_approx, sin_approx
 
 #: Threads of a warp.
@@ -136,3 +136,46 @@ def soft_cap(score, cap: float):
         return score
     big_c = float(cap) * LOG2E
     return T.float32(big_c) - T.float32(2.0 * big_c) * frcp_rn(T.exp2(score * T.float32(2.0 / cap)) + T.float32(1))
+
+
+def split_count(B, nnz, ps, blocks_per_split, *, target_blocks: int, min_split_keys: int, max_splits: int,
+                window: int = 0):
+    """Key splits per (entry, block) of a split-KV decode kernel, from shapes only (host side): enough blocks
+    to fill the GPU (``target_blocks``), each split at least ``min_split_keys`` keys of an average entry (of
+    its last ``window`` keys with a sliding window, the only ones read), at most ``max_splits``."""
+    want = T.truncdiv(target_blocks + B * blocks_per_split - 1, T.max(B * blocks_per_split, 1))
+    avg_keys = T.truncdiv(nnz * ps, T.max(B, 1))
+    if window:
+        avg_keys = T.min(avg_keys, window)
+    return T.max(1, T.min(T.min(want, T.truncdiv(avg_keys, min_split_keys)), max_splits))
+
+
+def make_merge_splits(num_heads: int, dv: int, threads: int, dtype: str):
+    """``merge_splits(o, lse, B, S, ws_o, ws_l)``: the second kernel of a split-KV decode. Every (entry, head)
+    row of ``o[B, H, Dv]`` / ``lse[B, H]`` from its ``S`` normalized partial states ``ws_o[B*H*S, Dv]`` /
+    ``ws_l[B*H*S]`` (base-2 lse merge); one block of ``threads`` threads per row."""
+    H, DV, MT = num_heads, dv, threads
+
+    @T.macro
+    def merge_splits(o, lse, B, S, ws_o, ws_l):
+        for row in T.thread_binding(T.max(B, 1) * H, thread="blockIdx.x"):
+            for t in T.thread_binding(MT, thread="threadIdx.x"):
+                ms = T.alloc_buffer((3,), "float32", scope="local")
+                if row < B * H:
+                    ms[0] = T.float32(EMPTY_LSE)
+                    for sp in T.serial(S):
+                        ms[0] = T.max(ms[0], ws_l[row * S + sp])
+                    ms[1] = T.float32(0)
+                    for sp in T.serial(S):
+                        ms[1] = ms[1] + T.exp2(ws_l[row * S + sp] - ms[0])
+                    for c in T.serial(ceildiv(DV, MT)):
+                        if c * MT + t < DV:
+                            ms[2] = T.float32(0)
+                            for sp in T.serial(S):
+                                ms[2] = ms[2] + ws_o[row * S + sp, c * MT + t] * T.exp2(ws_l[row * S + sp] - ms[0])
+                            o[T.truncdiv(row, H), T.truncmod(row, H), c * MT + t] = T.Cast(dtype, ms[2] / ms[1])
+                    if t == 0:
+                        # All splits empty: lse = -1e30 + log2(S) == -1e30 in float32, o = 0.
+                        lse[T.truncdiv(row, H), T.truncmod(row, H)] = ms[0] + T.log2(ms[1])
+
+    return merge_splits

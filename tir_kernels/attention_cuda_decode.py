@@ -15,6 +15,7 @@ from ._common_cuda import (
     WARP,
     ceildiv,
     check_head_dim,
+    make_merge_splits,
     frcp_rn,
     next_pow2,
     paged_kv_len,
@@ -23,6 +24,7 @@ from ._common_cuda import (
     rotate,
     shfl_xor,
     soft_cap,
+    split_count,
     vec16,
 )
 
@@ -70,15 +72,9 @@ def _decode_plan(g: int, d: int, dtype: str):
 
 
 def _split_count(B, nnz, ps, blocks_per_split, window: int = 0):
-    """Key splits per (entry, kv head) of the decode kernel, from shapes only (host side): enough blocks to
-    fill the GPU (``DECODE_TARGET_BLOCKS``), each split at least ``DECODE_MIN_SPLIT_KEYS`` keys of an
-    average entry (of its last ``window`` keys with a sliding window, the only ones read), at most
-    ``DECODE_MAX_SPLITS``."""
-    want = T.truncdiv(DECODE_TARGET_BLOCKS + B * blocks_per_split - 1, T.max(B * blocks_per_split, 1))
-    avg_keys = T.truncdiv(nnz * ps, T.max(B, 1))
-    if window:
-        avg_keys = T.min(avg_keys, window)
-    return T.max(1, T.min(T.min(want, T.truncdiv(avg_keys, DECODE_MIN_SPLIT_KEYS)), DECODE_MAX_SPLITS))
+    """Key splits per (entry, kv head) of the decode kernel (``split_count`` with the decode constants)."""
+    return split_count(B, nnz, ps, blocks_per_split, target_blocks=DECODE_TARGET_BLOCKS,
+                       min_split_keys=DECODE_MIN_SPLIT_KEYS, max_splits=DECODE_MAX_SPLITS, window=window)
 
 
 #: Split-KV policy of the decode kernel (see ``_split_count``): about two blocks per SM of an H100/H200.
@@ -329,28 +325,7 @@ def attn_decode_paged_cuda(num_qo_heads, num_kv_heads, head_dim, dtype, *, slidi
 
         return kernel
 
-    @T.macro
-    def merge_splits(o, lse, B, S, ws_o, ws_l):
-        """o, lse of every (entry, q head) row from its S partial states (base-2 lse merge)."""
-        for row in T.thread_binding(T.max(B, 1) * HQ, thread="blockIdx.x"):
-            for t in T.thread_binding(MT, thread="threadIdx.x"):
-                ms = T.alloc_buffer((3,), "float32", scope="local")
-                if row < B * HQ:
-                    ms[0] = T.float32(EMPTY_LSE)
-                    for sp in T.serial(S):
-                        ms[0] = T.max(ms[0], ws_l[row * S + sp])
-                    ms[1] = T.float32(0)
-                    for sp in T.serial(S):
-                        ms[1] = ms[1] + T.exp2(ws_l[row * S + sp] - ms[0])
-                    for c in T.serial(ceildiv(D, MT)):
-                        if c * MT + t < D:
-                            ms[2] = T.float32(0)
-                            for sp in T.serial(S):
-                                ms[2] = ms[2] + ws_o[row * S + sp, c * MT + t] * T.exp2(ws_l[row * S + sp] - ms[0])
-                            o[T.truncdiv(row, HQ), T.truncmod(row, HQ), c * MT + t] = T.Cast(dtype, ms[2] / ms[1])
-                    if t == 0:
-                        # All splits empty: lse = -1e30 + log2(S) == -1e30 in float32, o = 0.
-                        lse[T.truncdiv(row, HQ), T.truncmod(row, HQ)] = ms[0] + T.log2(ms[1])
+    merge_splits = make_merge_splits(HQ, D, MT, dtype)
 
     kernel_rope, kernel_plain = make_kernel(True), make_kernel(False)
 

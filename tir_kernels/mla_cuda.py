@@ -51,7 +51,7 @@ from __future__ import annotations
 from tvm.script import tirx as T
 
 from ._common import EMPTY_LSE, LOG2E, MASKED
-from ._common_cuda import ceildiv, shfl_xor, vec16
+from ._common_cuda import ceildiv, make_merge_splits, paged_kv_len, shfl_xor, split_count, vec16
 
 #: Threads per attention block: TY row groups x TX lanes (a half warp per row group).
 TY, TX = 8, 16
@@ -112,17 +112,10 @@ def rows_per_thread(op: str, kv_lora_rank: int, qk_rope_head_dim: int) -> int:
                               f"kv_lora_rank={kv_lora_rank}, qk_rope_head_dim={qk_rope_head_dim}")
 
 
-def _kv_len(page_indptr, last_page_len, b, ps):
-    """Keys of entry ``b`` (0 when it has no pages)."""
-    npg = page_indptr[b + 1] - page_indptr[b]
-    return T.if_then_else(npg > 0, (npg - 1) * ps + last_page_len[b], 0)
-
-
 def _split_count(B, nnz, ps, blocks_per_split):
-    """Key splits per decode entry, from shapes only (host side); see ``TARGET_BLOCKS``."""
-    want = T.truncdiv(TARGET_BLOCKS + B * blocks_per_split - 1, T.max(B * blocks_per_split, 1))
-    avg_keys = T.truncdiv(nnz * ps, T.max(B, 1))
-    return T.max(1, T.min(T.min(want, T.truncdiv(avg_keys, MIN_SPLIT_KEYS)), MAX_SPLITS))
+    """Key splits per decode entry (``split_count`` with the MLA constants; see ``TARGET_BLOCKS``)."""
+    return split_count(B, nnz, ps, blocks_per_split, target_blocks=TARGET_BLOCKS, min_split_keys=MIN_SPLIT_KEYS,
+                       max_splits=MAX_SPLITS)
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -501,7 +494,7 @@ def mla_attn_prefill_paged_cuda(num_heads, kv_lora_rank, qk_rope_head_dim, dtype
                 active: T.let[T.bool] = tin >= 0 and tin < ntiles
                 # Last row tile first (it sees the most keys under causal).
                 row0: T.let[T.int32] = (ntiles - 1 - tin) * R
-                kvlen: T.let[T.int32] = T.if_then_else(active, _kv_len(page_indptr, last_page_len, b, ps), 0)
+                kvlen: T.let[T.int32] = T.if_then_else(active, paged_kv_len(page_indptr, last_page_len, b, ps), 0)
                 row_tile(q, o, lse, None, None, pages, page_values, page_indptr[b], ps, q_indptr[b], row0,
                          T.if_then_else(active, T.min(R, qlen * H - row0), 0), qlen, kvlen, causal, 0, kvlen,
                          1, 0, sm_scale, tid)
@@ -527,30 +520,7 @@ def mla_attn_decode_paged_cuda(num_heads, kv_lora_rank, qk_rope_head_dim, dtype)
     NRT = ceildiv(H, R)
     row_tile = _make_row_tile(H, DL, DV, RI, dtype)
 
-    @T.macro
-    def merge_splits(o, lse, B, S, ws_o, ws_l):
-        """o, lse of every (entry, head) row from its S partial states (base-2 lse merge)."""
-        for row in T.thread_binding(T.max(B, 1) * H, thread="blockIdx.x"):
-            for t in T.thread_binding(MERGE_NT, thread="threadIdx.x"):
-                ms = T.alloc_buffer((3,), "float32", scope="local")
-                if row < B * H:
-                    ms[0] = T.float32(EMPTY_LSE)
-                    for sp in T.serial(S):
-                        ms[0] = T.max(ms[0], ws_l[row * S + sp])
-                    ms[1] = T.float32(0)
-                    for sp in T.serial(S):
-                        ms[1] = ms[1] + T.exp2(ws_l[row * S + sp] - ms[0])
-                    for c in T.serial(ceildiv(DV, MERGE_NT)):
-                        if c * MERGE_NT + t < DV:
-                            ms[2] = T.float32(0)
-                            for sp in T.serial(S):
-                                ms[2] = ms[2] + ws_o[row * S + sp, c * MERGE_NT + t] * T.exp2(
-                                    ws_l[row * S + sp] - ms[0])
-                            o[T.truncdiv(row, H), T.truncmod(row, H), c * MERGE_NT + t] = T.Cast(
-                                dtype, ms[2] / ms[1])
-                    if t == 0:
-                        # All splits empty: lse = -1e30 + log2(S) == -1e30 in float32, o = 0.
-                        lse[T.truncdiv(row, H), T.truncmod(row, H)] = ms[0] + T.log2(ms[1])
+    merge_splits = make_merge_splits(H, DV, MERGE_NT, dtype)
 
     @T.prim_func
     def mla_attn_decode_paged(q_h: T.handle, pages_h: T.handle, page_indptr_h: T.handle,
@@ -576,7 +546,7 @@ def mla_attn_decode_paged_cuda(num_heads, kv_lora_rank, qk_rope_head_dim, dtype)
                     for tid in T.thread_binding(NT, thread="threadIdx.x"):
                         # B == 0 launches one idle block (nrows = 0; it reads page_indptr[0] only).
                         kvlen: T.let[T.int32] = T.if_then_else(
-                            bx < B, _kv_len(page_indptr, last_page_len, bx, ps), 0)
+                            bx < B, paged_kv_len(page_indptr, last_page_len, bx, ps), 0)
                         # This split's keys: [k0, k1), chunks a multiple of the key tile.
                         chunk: T.let[T.int32] = T.truncdiv(T.truncdiv(kvlen + S - 1, S) + TK - 1, TK) * TK
                         k0: T.let[T.int32] = T.min(sp * chunk, kvlen)
