@@ -8,7 +8,11 @@ Cases (float32 by default, D = 128, GQA 32 query / 8 kv heads unless changed on 
                       for the cached prefix (``attn_prefill_paged``).
 
 apache-tvm's kernels (``tvm.relax.frontend.nn.llm``: ``_attention_decode_cpu``, ``_attention_prefill_cpu``,
-``_attention_prefill_ragged_cpu``) are compiled for the same target. Every case checks our output against
+``_attention_prefill_ragged_cpu``) are compiled for the same target.
+
+``--sliding-window W`` / ``--soft-cap C`` compile our kernels with those options; torch SDPA then gets the
+window as a mask (it has no soft-cap), apache-tvm's kernels still attend to every key (their ABI takes no
+window per call), and the check is against ``pagedkv.testing.reference.attention`` with both options. Every case checks our output against
 torch first. Timings are interleaved (ours, upstream, torch per round) and the median round is reported,
 because this box is shared. Writes ``benchmarks/results/bench_cpu_kernels.json`` and ``.png``
 (``bench_cpu_kernels_float16.*`` with ``--dtype float16``).
@@ -88,6 +92,36 @@ def measure(runners, rounds, min_time=0.2):
     return {name: statistics.median(v) for name, v in samples.items()}
 
 
+def window_mask(n, m, window, causal):
+    """``[n, m]`` bool mask of the keys query ``i`` (at key position ``m - n + i``) sees, or None."""
+    if not window and not causal:
+        return None
+    pos = torch.arange(m)[None, :] - (m - n + torch.arange(n))[:, None]  # key minus query position
+    keep = torch.ones(n, m, dtype=torch.bool)
+    if causal:
+        keep &= pos <= 0
+    if window:
+        keep &= pos > -window
+    return keep
+
+
+def sdpa(q, k, v, sm, window, causal):
+    """torch SDPA on ``[B, H, n, D]`` tensors (GQA), with the window as a mask."""
+    mask = window_mask(q.shape[2], k.shape[2], window, causal) if window else None
+    return torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=causal and not window,
+                                                            scale=sm, enable_gqa=True)
+
+
+def options_ref(cfg, q, k, v, sm, causal):
+    """float64 reference of one batch of entries with the kernel's options: ``q[B, Hq, n, D]``, ``k/v[B, Hkv, m, D]``."""
+    from pagedkv.testing.reference import attention
+
+    outs = [attention(qb.transpose(0, 1), kb.transpose(0, 1), vb.transpose(0, 1), sm, causal,
+                      sliding_window=cfg.sliding_window, logits_soft_cap=cfg.logits_soft_cap)[0]
+            for qb, kb, vb in zip(q, k, v)]
+    return torch.stack(outs).transpose(1, 2)  # [B, Hq, n, D]
+
+
 def check(ours, ref, what):
     err = float(np.linalg.norm(ours.astype(np.float64) - ref) / np.linalg.norm(ref))
     if not err < 1e-3:
@@ -112,11 +146,11 @@ def case_decode(cfg, args, target, rng):
     runners = {
         "ours": lambda: ours(*a_ours, 0, 1.0, 1e4, sm),
         "upstream": lambda: up(*a_up, 0, 1.0, 1e4, sm),
-        "torch": lambda: torch.nn.functional.scaled_dot_product_attention(qt, k, v, scale=sm, enable_gqa=True),
+        "torch": lambda: sdpa(qt, k, v, sm, cfg.sliding_window, False),
     }
     runners["ours"]()
-    ref = runners["torch"]().squeeze(2).double().numpy()
-    return f"decode B={b} L={length}", runners, check(a_ours[7].numpy(), ref, "decode")
+    ref = options_ref(cfg, qt, k, v, sm, False) if _options(cfg) else runners["torch"]()
+    return f"decode B={b} L={length}{_options(cfg)}", runners, check(a_ours[7].numpy(), ref.squeeze(2).double().numpy(), "decode")
 
 
 def case_prefill_ragged(cfg, args, target, rng):
@@ -135,12 +169,12 @@ def case_prefill_ragged(cfg, args, target, rng):
     runners = {
         "ours": lambda: ours(*a_ours, 1, 0, 1.0, 1e4, sm),
         "upstream": lambda: up(*a_up, 1, 0, 1.0, 1e4, sm),
-        "torch": lambda: torch.nn.functional.scaled_dot_product_attention(
-            qt, kt, vt, is_causal=True, scale=sm, enable_gqa=True),
+        "torch": lambda: sdpa(qt, kt, vt, sm, cfg.sliding_window, True),
     }
     runners["ours"]()
-    ref = runners["torch"]()[0].transpose(0, 1).double().numpy()
-    return f"prefill_ragged causal L={n}", runners, check(a_ours[7].numpy(), ref, "prefill_ragged")
+    ref = options_ref(cfg, qt, kt, vt, sm, True) if _options(cfg) else runners["torch"]()
+    return (f"prefill_ragged causal L={n}{_options(cfg)}", runners,
+            check(a_ours[7].numpy(), ref[0].transpose(0, 1).double().numpy(), "prefill_ragged"))
 
 
 def case_prefill_paged(cfg, args, target, rng):
@@ -162,11 +196,18 @@ def case_prefill_paged(cfg, args, target, rng):
     runners = {
         "ours": lambda: ours(*a_ours, 0, 0, 1.0, 1e4, sm),
         "upstream": lambda: up(*a_up, 0, 0, 1.0, 1e4, sm),
-        "torch": lambda: torch.nn.functional.scaled_dot_product_attention(qt, k, v, scale=sm, enable_gqa=True),
+        "torch": lambda: sdpa(qt, k, v, sm, cfg.sliding_window, False),
     }
     runners["ours"]()
-    ref = runners["torch"]().transpose(1, 2).reshape(b * lq, hq, d).double().numpy()
-    return f"prefill_paged B={b} Lq={lq} L={length}", runners, check(a_ours[8].numpy(), ref, "prefill_paged")
+    ref = options_ref(cfg, qt, k, v, sm, False) if _options(cfg) else runners["torch"]()
+    ref = ref.transpose(1, 2).reshape(b * lq, hq, d).double().numpy()
+    return f"prefill_paged B={b} Lq={lq} L={length}{_options(cfg)}", runners, check(a_ours[8].numpy(), ref, "prefill_paged")
+
+
+def _options(cfg) -> str:
+    """Case-label suffix of the kernel options ("" without)."""
+    return ((f" w{cfg.sliding_window}" if cfg.sliding_window else "")
+            + (f" cap{cfg.logits_soft_cap:g}" if cfg.logits_soft_cap else ""))
 
 
 def plot(rows, path):
@@ -210,11 +251,14 @@ def main(argv=None):
     parser.add_argument("--rounds", type=int, default=7)
     parser.add_argument("--target", default="host", help='"host" (llvm with this CPU\'s mcpu) or a target string')
     parser.add_argument("--cases", default="decode,prefill_ragged,prefill_paged")
+    parser.add_argument("--sliding-window", type=int, default=0, help="our kernels' sliding window (0: off)")
+    parser.add_argument("--soft-cap", type=float, default=0.0, help="our kernels' logits soft-cap (0: off)")
     args = parser.parse_args(argv)
 
     target = tk.host_target() if args.target == "host" else tvm.target.Target(args.target)
-    cfg = tk.KernelConfig(args.hq, args.hkv, args.dim, args.dim, args.dtype)
-    config = f"Hq={args.hq} Hkv={args.hkv} D={args.dim} {args.dtype}, {target}"
+    cfg = tk.KernelConfig(args.hq, args.hkv, args.dim, args.dim, args.dtype, sliding_window=args.sliding_window,
+                          logits_soft_cap=args.soft_cap)
+    config = f"Hq={args.hq} Hkv={args.hkv} D={args.dim} {args.dtype}{_options(cfg)}, {target}"
     rng = np.random.default_rng(0)
     cases = {"decode": case_decode, "prefill_ragged": case_prefill_ragged, "prefill_paged": case_prefill_paged}
     rows = []
@@ -235,6 +279,8 @@ def main(argv=None):
     out = {"machine": platform.processor() or platform.machine(), "cpus": torch.get_num_threads(),
            "tvm": tvm.__version__, "torch": torch.__version__, "rows": rows}
     stem = "bench_cpu_kernels" if args.dtype == "float32" else f"bench_cpu_kernels_{args.dtype}"
+    if _options(cfg):
+        stem += f"_w{cfg.sliding_window}_cap{cfg.logits_soft_cap:g}"
     json_path = RESULTS / f"{stem}.json"
     json_path.write_text(json.dumps(out, indent=2))
     print(f"wrote {json_path}")
