@@ -49,8 +49,16 @@ $(STAMP): $(DEPS) $(SOURCES)
 	$(PIP) install -q --no-deps --no-build-isolation .
 	touch $@
 
+# What the GPU bundle's builds need beyond `make install`: fa3's CUTLASS utilities include curand_kernel.h,
+# which CUDA 13's compiler-only toolkit lacks (the wheel matching CUDA 13.0 provides it).
+CURAND_SPEC ?= nvidia-curand==10.4.0.35
+GPU_DEPS := $(VENV)/.gpu-deps-installed
+$(GPU_DEPS): $(DEPS)
+	$(PIP) install -q --no-deps "$(CURAND_SPEC)"
+	touch $@
+
 # Build host (no GPU needed): everything the GPU host needs, under .gpu/ (git-ignored).
-gpu-bundle: $(STAMP)
+gpu-bundle: $(STAMP) $(GPU_DEPS)
 	$(PY) -m pagedkv.bundle .gpu
 
 # GPU host (TVM runtime only, from .gpu/): the GPU test suite.

@@ -17,31 +17,30 @@ ATTN_OPS = ("attn_decode_paged", "attn_prefill_paged", "attn_prefill_ragged")
 # --------------------------------------------------------------------------------------------------
 # libraries
 # --------------------------------------------------------------------------------------------------
-def _matches(meta: dict) -> bool:
-    c, t = meta.get("config", {}), meta.get("target", {})
-    return (c.get("num_qo_heads"), c.get("num_kv_heads"), c.get("head_dim"), c.get("dtype")) == \
-        (HQ, HKV, D, DTYPE) and c.get("v_head_dim") in (None, D) and t.get("kind") == "cuda"
+def bench_config():
+    """The benchmark's cache config: full attention (no window, no soft-cap), the shape above; the bundle
+    builds its TIR kernel library (``pagedkv.testing.shapes.gpu_configs``)."""
+    from pagedkv.config import KVCacheConfig
+
+    return KVCacheConfig(num_layers=1, num_qo_heads=HQ, num_kv_heads=HKV, head_dim=D, dtype=DTYPE)
 
 
-def find_our_library(kernels_dir: Path) -> tuple[Path, str]:
-    """The ``kernels-<key>.so`` of the benchmark shape: by its content key with every op from the "tir"
-    backend, else the first library whose JSON names that config. Returns (path, how it was found)."""
-    try:
-        from pagedkv.cache import kernel_library_key
-        from pagedkv.config import KVCacheConfig
-        from pagedkv.ops import OPS
+def find_our_library(kernels_dir: Path, config=None) -> tuple[Path, str]:
+    """The ``kernels-<key>.so`` of ``config`` (default ``bench_config()``) with every op on the "tir" backend:
+    its content key names exactly that config's kernels (attention options included), so no other library
+    can be picked. Raises ``FileNotFoundError`` when the bundle lacks it."""
+    from pagedkv.cache import kernel_library_path
 
-        cfg = KVCacheConfig(num_layers=1, num_qo_heads=HQ, num_kv_heads=HKV, head_dim=D, dtype=DTYPE)
-        key = kernel_library_key(cfg, TARGET, tuple((op, "tir") for op in OPS))
-        lib = kernels_dir / f"kernels-{key}.so"
-        if lib.exists() and lib.with_suffix(".json").exists():
-            return lib, f"content key {key}"
-    except Exception as e:  # noqa: BLE001 (fall back to scanning)
-        print(f"[bench] kernel_library_key unavailable ({type(e).__name__}: {e}); scanning {kernels_dir}")
-    for meta_path in sorted(kernels_dir.glob("kernels-*.json")):
-        if _matches(json.loads(meta_path.read_text())) and meta_path.with_suffix(".so").exists():
-            return meta_path.with_suffix(".so"), f"scan of {kernels_dir} (config match)"
-    raise FileNotFoundError(f"no kernel library for {HQ}q/{HKV}kv heads, D={D}, {DTYPE}, cuda in {kernels_dir}")
+    config = bench_config() if config is None else config
+    lib = kernel_library_path(config, kernels_dir, target=TARGET, backend="tir")
+    if not (lib.exists() and lib.with_suffix(".json").exists()):
+        raise FileNotFoundError(f"{lib} (+ .json) is missing: the bundle has no TIR kernel library for "
+                                f"{config.to_json()} on {TARGET}; rebuild it with `make gpu-bundle`")
+    meta = json.loads(lib.with_suffix(".json").read_text())
+    if meta.get("config", {}).get("sliding_window", 0) != config.sliding_window or \
+            meta.get("config", {}).get("logits_soft_cap", 0.0) != config.logits_soft_cap:
+        raise RuntimeError(f"{lib.name} was built for another config: {meta.get('config')}")
+    return lib, f"content key of {config.to_json()}"
 
 
 def _lookup(load, lib_path: Path, symbols: dict[str, str]) -> dict:

@@ -220,8 +220,9 @@ def measure_impl(ctx: Ctx, impl, ref, nbytes, flops, is_copy: bool, is_kernel: b
         out = impl()
         torch.cuda.synchronize()
         row["rel_err"] = rel_err(out, ref)
-        if not row["rel_err"] < TOL:
+        if not row["rel_err"] < TOL:  # a wrong output gets no time: nobody should read one
             row["status"] = f"WRONG: rel err {row['rel_err']:.2e} >= {TOL}"
+            return row
     row["ms"] = time_ms(ctx, impl)
     row["gbps"] = (2 if is_copy else 1) * nbytes / (row["ms"] * 1e6) if (is_copy or not flops) else math.nan
     row["tflops"] = flops / (row["ms"] * 1e9) if flops else math.nan
@@ -356,7 +357,16 @@ def main(argv=None) -> int:
                                                       indent=1, default=str))
     sup.write_plot(rows, args.out / f"{stem}.png")
     print(f"[bench] wrote {args.out / stem}.json and .png")
-    return 0
+    return report_failures(rows, dry=args.dry_run)
+
+
+def report_failures(rows: list[dict], *, dry: bool) -> int:
+    """1 when any kernel of ours or a peer gave a wrong output, failed to run or (dry run) failed its
+    argument checks, so a benchmark that measured nothing right never exits 0; else 0."""
+    bad = [r for r in rows if not str(r.get("status", "")).startswith(("ok", "dry-run"))]
+    for r in bad:
+        print(f"[bench] FAILED {r.get('case')} {r.get('impl')}: {r.get('status')}")
+    return 1 if bad else 0
 
 
 if __name__ == "__main__":

@@ -18,6 +18,7 @@ import math
 from dataclasses import dataclass
 
 from ._common import as_target, dispatch, host_target
+from ._paths import SWITCHES, forced, normalize_paths
 from .attention_cpu import (
     attn_decode_paged_cpu,
     attn_prefill_paged_cpu,
@@ -93,6 +94,10 @@ class KernelConfig:
         MHA attention kernels only; 0 = off. Scores ``s = sm_scale * q.k`` become
         ``logits_soft_cap * tanh(s / logits_soft_cap)`` before masking and softmax (FlashInfer's and
         Gemma-2's definition); lse is over the capped scores.
+    paths : tuple of (str, str)
+        Forced run-time code paths, ``(switch, value)`` pairs of ``_paths.SWITCHES`` (tests use them to
+        reach every path on small shapes); empty = every kernel chooses for itself, and the generated code
+        is what it is without the field. Accepts a mapping; stored normalized (sorted, no "auto").
     """
 
     num_qo_heads: int
@@ -104,8 +109,10 @@ class KernelConfig:
     qk_rope_head_dim: int = 0
     sliding_window: int = 0
     logits_soft_cap: float = 0.0
+    paths: tuple = ()
 
     def __post_init__(self):
+        object.__setattr__(self, "paths", normalize_paths(self.paths))
         if self.v_head_dim is None:
             object.__setattr__(self, "v_head_dim", self.head_dim)
         for name in ("num_qo_heads", "num_kv_heads", "head_dim", "v_head_dim"):
@@ -329,5 +336,5 @@ def build_kernels(cfg: KernelConfig, target, ops=None) -> dict:
     return {op: FACTORIES[op](cfg, target) for op in OPS if op in wanted}
 
 
-__all__ = ["OPS", "OPS_BY_KIND", "KernelConfig", "FACTORIES", "build_kernels", "host_target", "make_empty_rows"] + [
+__all__ = ["OPS", "OPS_BY_KIND", "KernelConfig", "SWITCHES", "forced", "normalize_paths", "FACTORIES", "build_kernels", "host_target", "make_empty_rows"] + [
     f"make_{op}" for op in OPS]

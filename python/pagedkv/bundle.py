@@ -1,7 +1,7 @@
 """``python -m pagedkv.bundle OUT``: everything a GPU host needs to run pagedkv's GPU tests with the TVM
 runtime only, built on a host without a GPU.
 
-OUT/bundle/    runtime-only TVM + tvm-ffi wheel for the GPU host's Python (../shared/gpu-host script)
+OUT/bundle/    runtime-only TVM + tvm-ffi wheel for the GPU host's Python (``pagedkv.runtime_bundle``)
 OUT/lib/       libpagedkv_runtime.so
 OUT/kernels/   kernels-<key>.so/.json for every config of the GPU suite (sm_90 fatbins); with
                flashinfer-python 0.7.4 installed also with backends ("flashinfer", "tir") for the FlashInfer
@@ -14,10 +14,8 @@ OUT/upstream/  apache-tvm 0.27's own CUDA attention kernels for the benchmark sh
 from __future__ import annotations
 
 import argparse
-import os
 import json
 import shutil
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -26,16 +24,12 @@ from ._lib import runtime_library_path
 
 
 def _runtime_bundle(out: Path) -> None:
-    script = None
-    for root in (Path.cwd(), Path(__file__).resolve().parents[2]):
-        cand = root.parent / "shared" / "gpu-host" / "make-runtime-bundle.sh"
-        if cand.exists():
-            script = cand
-            break
-    if script is None:
-        raise FileNotFoundError("../shared/gpu-host/make-runtime-bundle.sh not found beside the checkout")
-    subprocess.run(["bash", str(script), str(out / "bundle")], check=True,
-                   env={**os.environ, "PYTHON": sys.executable})
+    from .runtime_bundle import write_runtime_bundle
+
+    t0 = time.perf_counter()
+    path = write_runtime_bundle(out / "bundle")
+    size = sum(f.stat().st_size for f in path.iterdir() if f.is_file())
+    print(f"[pagedkv] runtime bundle {path}: {size / 1e6:.1f} MB in {time.perf_counter() - t0:.1f} s", flush=True)
 
 
 def build_kernels(out: Path, configs, target) -> list[Path]:

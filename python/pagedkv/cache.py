@@ -88,8 +88,21 @@ def kernel_library_key(config: KVCacheConfig, target: Any, choice: Sequence[tupl
         key["flashinfer"] = [FLASHINFER_VERSION, RECIPE_VERSION,
                              {op: module_kind(op, arch, windowed=config.sliding_window > 0)
                               for op, tag in choice if tag == "flashinfer"}]
+    parts = _backend_key_parts(choice)
+    if parts:
+        key["backend_parts"] = parts
     blob = json.dumps(key, sort_keys=True)
     return hashlib.sha256(blob.encode()).hexdigest()[:24]
+
+
+def _backend_key_parts(choice: Sequence[tuple[str, str]]) -> dict:
+    """tag -> ``Backend.key_part()`` for the backends of ``choice`` that report one (e.g. forced paths)."""
+    out = {}
+    for tag in sorted({tag for _, tag in choice}):
+        part = _backends.get_backend(tag).key_part()
+        if part is not None:
+            out[tag] = part
+    return out
 
 
 def _compile_target(spec: dict):
@@ -152,16 +165,25 @@ def kernel_dir() -> Path | None:
     return Path(env) if env else None
 
 
+def _library_path(config: KVCacheConfig, out_dir, target, backend) -> tuple[Path, tuple]:
+    choice = tuple(_backends.resolve(config, target_spec(target), backend).choice.items())
+    return Path(out_dir) / f"kernels-{kernel_library_key(config, target, choice)}.so", choice
+
+
+def kernel_library_path(config: KVCacheConfig, out_dir: str | Path, *, target: Any = "llvm",
+                        backend: str | Sequence[str] | None = None) -> Path:
+    """Where ``build_kernel_library`` with the same arguments writes (or wrote) its library; the path is
+    the content key, so a caller finds exactly the kernels of ``config`` (options included), never a
+    library of another config. Does not build or check existence."""
+    return _library_path(config, out_dir, target, backend)[0]
+
+
 def build_kernel_library(config: KVCacheConfig, out_dir: str | Path, *, target: Any = "llvm",
                          backend: str | Sequence[str] | None = None) -> Path:
     """Compile the kernels of ``config`` for ``target`` and export them (``kernels-<key>.so`` + ``.json``
     with the op table) into ``out_dir``, for a process that has the TVM runtime only."""
-    resolution = _backends.resolve(config, target_spec(target), backend)
-    choice = tuple(resolution.choice.items())
-    key = kernel_library_key(config, target, choice)
-    out_dir = Path(out_dir)
-    out_dir.mkdir(parents=True, exist_ok=True)
-    lib = out_dir / f"kernels-{key}.so"
+    lib, choice = _library_path(config, out_dir, target, backend)
+    lib.parent.mkdir(parents=True, exist_ok=True)
     if lib.exists() and lib.with_suffix(".json").exists():
         return lib
     module, entries = _compile_module(kernel_shape(config), target_spec(target), choice)
@@ -172,7 +194,9 @@ def build_kernel_library(config: KVCacheConfig, out_dir: str | Path, *, target: 
 
 
 @functools.lru_cache(maxsize=16)
-def _op_table_cached(config: KVCacheConfig, spec_json: str, choice: tuple[tuple[str, str], ...]):
+def _op_table_cached(config: KVCacheConfig, spec_json: str, choice: tuple[tuple[str, str], ...],
+                     parts_json: str = "{}"):
+    # parts_json (the backends' key parts, e.g. forced TIR paths) only keys this cache: the build reads them
     spec = json.loads(spec_json)
     prebuilt = kernel_dir()
     key = kernel_library_key(config, spec, choice)
@@ -206,7 +230,7 @@ def _compile_op_table(config: KVCacheConfig, target: Any, choice: tuple[tuple[st
     """(module, op table entries ``[op, tag, func...]``) for ``config`` on ``target``: compiled here, or
     loaded from a prebuilt kernel library (``$PAGEDKV_KERNEL_DIR``) when one exists."""
     return _op_table_cached(kernel_shape(config), json.dumps(target_spec(target), sort_keys=True),
-                            tuple(choice))
+                            tuple(choice), json.dumps(_backend_key_parts(choice), sort_keys=True))
 
 
 def create(config: KVCacheConfig, *, backend: str | Sequence[str] | None = None,
@@ -362,4 +386,4 @@ class KVCache:
         self._call("debug_set_mla_kv", seq_id, start, _to_ffi(kv))
 
 
-__all__ = ["create", "KVCache"]
+__all__ = ["create", "KVCache", "build_kernel_library", "kernel_library_path"]

@@ -54,6 +54,11 @@ class Backend:
         """Build the functions of ``op``; only called when ``validate_configuration`` returned no reason."""
         raise NotImplementedError
 
+    def key_part(self) -> Any:
+        """What besides the config, target and op choice decides this backend's compiled functions right
+        now (JSON-able; ``None``: nothing). It joins the kernel library key and the compiled-module cache key."""
+        return None
+
     def _unsupported_op(self, op: str) -> list[str]:
         if op not in self.ops:
             return [f"backend {self.tag!r} does not implement op {op!r}"]

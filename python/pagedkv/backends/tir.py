@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import functools
 import json
-from typing import Any
+from typing import Any, Iterator, Mapping
 
 from .. import ops
 from ..config import KVCacheConfig
@@ -15,13 +17,37 @@ SUPPORTED_TARGETS = ("llvm", "cuda")
 SUPPORTED_DTYPES = ("float16", "float32")
 
 
+_FORCED_PATHS: contextvars.ContextVar[tuple] = contextvars.ContextVar("pagedkv_tir_forced_paths", default=())
+
+
+@contextlib.contextmanager
+def forced_paths(paths: Mapping[str, str]) -> Iterator[tuple]:
+    """Within this context, TIR kernels are compiled with their run-time code paths forced (tests reach
+    every path on small shapes): ``paths`` maps switches of ``pagedkv.tir_kernels.SWITCHES`` to values,
+    e.g. ``{"cpu_threads": "parallel"}``. Kernel libraries and cached modules are keyed by the forced
+    paths (``key_part``), so a forced build never serves an automatic one or the reverse."""
+    from ..tir_kernels import normalize_paths
+
+    token = _FORCED_PATHS.set(normalize_paths(paths))
+    try:
+        yield _FORCED_PATHS.get()
+    finally:
+        _FORCED_PATHS.reset(token)
+
+
+def current_forced_paths() -> tuple:
+    """The normalized ``(switch, value)`` pairs forced by the innermost ``forced_paths`` (empty: none)."""
+    return _FORCED_PATHS.get()
+
+
 def kernel_config(config: KVCacheConfig):
     from ..tir_kernels import KernelConfig
 
     return KernelConfig(num_qo_heads=config.num_qo_heads, num_kv_heads=config.num_kv_heads,
                         head_dim=config.head_dim, v_head_dim=config.v_dim, dtype=config.dtype,
                         kv_lora_rank=config.kv_lora_rank, qk_rope_head_dim=config.qk_rope_head_dim,
-                        sliding_window=config.sliding_window, logits_soft_cap=float(config.logits_soft_cap))
+                        sliding_window=config.sliding_window, logits_soft_cap=float(config.logits_soft_cap),
+                        paths=current_forced_paths())
 
 
 def _target_key(target: Any) -> str:
@@ -97,6 +123,11 @@ class TIRBackend(Backend):
         if kind == "cuda" and op in ops.ATTENTION_OPS:
             reasons += _cuda_attention_limits(op, config)
         return reasons
+
+    def key_part(self) -> Any:
+        """Forced code paths (``forced_paths``) change the compiled kernels: they join the library key."""
+        paths = current_forced_paths()
+        return {"paths": [list(p) for p in paths]} if paths else None
 
     def build(self, op: str, config: KVCacheConfig, target: Any) -> OpBuild:
         func = _all_kernels(kernel_config(config), _target_key(target))[op]
