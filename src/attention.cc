@@ -124,9 +124,10 @@ void PagedKVCacheObj::RunRagged(const ffi::Tensor& q, const ffi::Tensor& k, cons
                                 const ffi::Tensor& o, const ffi::Tensor& lse, double sm_scale) {
   const Forward& f = *forward_;
   // New tokens attend causally to the new tokens of their own sequence; keys start at the prior length.
-  ops_.Get(ops::kAttnPrefillRagged)(q, k, v, f.q_indptr, f.q_indptr, f.q_pos, f.prior_len, o, lse,
-                                    /*causal=*/1, apply_rope_inline(), cfg_.rope_scale, cfg_.rope_theta,
-                                    sm_scale);
+  ops_.Call(ops::AttnPrefillRagged()
+                .q(q).k(k).v(v).q_indptr(f.q_indptr).kv_indptr(f.q_indptr).q_pos(f.q_pos)
+                .k_pos_offset(f.prior_len).o(o).lse(lse).causal(1).apply_rope(apply_rope_inline())
+                .rope_scale(cfg_.rope_scale).rope_theta(cfg_.rope_theta).sm_scale(sm_scale));
 }
 
 void PagedKVCacheObj::RunPass(int64_t layer, const PassViews& p, const ffi::Tensor& q, const ffi::Tensor& o,
@@ -136,25 +137,32 @@ void PagedKVCacheObj::RunPass(int64_t layer, const PassViews& p, const ffi::Tens
     // Absorbed MLA: keys are the latents, values their first kv_lora_rank elements; no RoPE arguments
     // (the model rotated the rope part before append_mla_kv).
     if (f.is_decode && p.one_query_per_entry) {
-      ops_.Get(ops::kMLAAttnDecodePaged)(q, pages_[layer], p.page_indptr, p.page_values, p.last_page_len, o,
-                                         lse, sm_scale);
+      ops_.Call(ops::MLAAttnDecodePaged()
+                    .q(q).pages(pages_[layer]).page_indptr(p.page_indptr).page_values(p.page_values)
+                    .last_page_len(p.last_page_len).o(o).lse(lse).sm_scale(sm_scale));
     } else {
-      ops_.Get(ops::kMLAAttnPrefillPaged)(q, p.q_indptr, pages_[layer], p.page_indptr, p.page_values,
-                                          p.last_page_len, o, lse, /*causal=*/0, sm_scale);
+      ops_.Call(ops::MLAAttnPrefillPaged()
+                    .q(q).q_indptr(p.q_indptr).pages(pages_[layer]).page_indptr(p.page_indptr)
+                    .page_values(p.page_values).last_page_len(p.last_page_len).o(o).lse(lse).causal(0)
+                    .sm_scale(sm_scale));
     }
     return;
   }
   if (f.is_decode && p.one_query_per_entry) {
-    ops_.Get(ops::kAttnDecodePaged)(q, pages_[layer], p.page_indptr, p.page_values, p.last_page_len,
-                                    p.k_pos_offset, f.q_pos, o, lse, apply_rope_inline(), cfg_.rope_scale,
-                                    cfg_.rope_theta, sm_scale);
+    ops_.Call(ops::AttnDecodePaged()
+                  .q(q).pages(pages_[layer]).page_indptr(p.page_indptr).page_values(p.page_values)
+                  .last_page_len(p.last_page_len).k_pos_offset(p.k_pos_offset).q_pos(f.q_pos).o(o).lse(lse)
+                  .apply_rope(apply_rope_inline()).rope_scale(cfg_.rope_scale).rope_theta(cfg_.rope_theta)
+                  .sm_scale(sm_scale));
   } else {
     // Multi-query entries (prefill, or decode queries grouped on a shared prefix): every key precedes
     // every query of the entry and the pass is non-causal, except a windowed cache's through pass, whose
     // entries end with their queries' own tokens.
-    ops_.Get(ops::kAttnPrefillPaged)(q, p.q_indptr, pages_[layer], p.page_indptr, p.page_values,
-                                     p.last_page_len, p.k_pos_offset, f.q_pos, o, lse, p.causal ? 1 : 0,
-                                     apply_rope_inline(), cfg_.rope_scale, cfg_.rope_theta, sm_scale);
+    ops_.Call(ops::AttnPrefillPaged()
+                  .q(q).q_indptr(p.q_indptr).pages(pages_[layer]).page_indptr(p.page_indptr)
+                  .page_values(p.page_values).last_page_len(p.last_page_len).k_pos_offset(p.k_pos_offset)
+                  .q_pos(f.q_pos).o(o).lse(lse).causal(p.causal ? 1 : 0).apply_rope(apply_rope_inline())
+                  .rope_scale(cfg_.rope_scale).rope_theta(cfg_.rope_theta).sm_scale(sm_scale));
   }
 }
 
@@ -172,7 +180,7 @@ void PagedKVCacheObj::RunPasses(int64_t layer, const ffi::Tensor& q, const ffi::
       output_written = true;
     } else {
       RunPass(layer, p, q, f.o_tmp, f.lse_tmp, sm_scale);
-      ops_.Get(ops::kMergeState)(o, lse, f.o_tmp, f.lse_tmp);
+      ops_.Call(ops::MergeState().o_a(o).lse_a(lse).o_b(f.o_tmp).lse_b(f.lse_tmp));
     }
   }
 }
@@ -189,15 +197,19 @@ void PagedKVCacheObj::AttentionWithFusedQKV(int64_t layer, double sm_scale, cons
   CheckTensor(qkv, "qkv", {n, cfg_.num_qo_heads + 2 * cfg_.num_kv_heads, cfg_.head_dim}, dtype_, device_);
   CheckTensor(o, "o", QShape(n), dtype_, device_);
   int apply_rope = cfg_.rope_mode == "normal" ? 1 : 0;  // "inline": k is stored unrotated
-  ops_.Get(ops::kSplitRotary)(qkv, f.q_pos, f.q, f.k, f.v, apply_rope, cfg_.rope_scale, cfg_.rope_theta);
-  OpAdapter& append = ops_.Get(ops::kAppendKV);
+  ops_.Call(ops::SplitRotary()
+                .qkv(qkv).q_pos(f.q_pos).q(f.q).k(f.k).v(f.v).apply_rope(apply_rope)
+                .rope_scale(cfg_.rope_scale).rope_theta(cfg_.rope_theta));
+  auto append = [&] {
+    ops_.Call(ops::AppendKV().pages(pages_[layer]).k(f.k).v(f.v).slot(f.append_slot));
+  };
   if (f.through) {
-    append(pages_[layer], f.k, f.v, f.append_slot);  // the passes include the new tokens
+    append();  // the passes include the new tokens
     RunPasses(layer, f.q, o, f.lse_own, sm_scale, /*output_written=*/false);
   } else {
     RunRagged(f.q, f.k, f.v, o, f.lse_own, sm_scale);
     RunPasses(layer, f.q, o, f.lse_own, sm_scale, /*output_written=*/true);
-    append(pages_[layer], f.k, f.v, f.append_slot);
+    append();
   }
 }
 
@@ -215,9 +227,10 @@ void PagedKVCacheObj::SelfAttention(int64_t layer, double sm_scale, const ffi::T
     // cross_attention's view of a decode forward (or of any forward of a windowed cache) already holds the
     // new tokens, so self_attention covers no key: the ragged kernel over zero keys writes the empty state
     // (o = 0, lse = -1e30), and merging self and cross is the full attention whichever path the model takes.
-    ops_.Get(ops::kAttnPrefillRagged)(q, k, v, f.q_indptr, f.no_keys_indptr, f.q_pos, f.prior_len, o, lse,
-                                      /*causal=*/1, apply_rope_inline(), cfg_.rope_scale, cfg_.rope_theta,
-                                      sm_scale);
+    ops_.Call(ops::AttnPrefillRagged()
+                  .q(q).k(k).v(v).q_indptr(f.q_indptr).kv_indptr(f.no_keys_indptr).q_pos(f.q_pos)
+                  .k_pos_offset(f.prior_len).o(o).lse(lse).causal(1).apply_rope(apply_rope_inline())
+                  .rope_scale(cfg_.rope_scale).rope_theta(cfg_.rope_theta).sm_scale(sm_scale));
     return;
   }
   RunRagged(q, k, v, o, lse, sm_scale);
@@ -248,7 +261,7 @@ void PagedKVCacheObj::MergeAttnOutputInplace(const ffi::Tensor& o_a, const ffi::
   CheckTensor(o_b, "o_b", o_shape, dtype_, device_);
   CheckTensor(lse_a, "lse_a", {o_shape[0], o_shape[1]}, kFloat32, device_);
   CheckTensor(lse_b, "lse_b", {o_shape[0], o_shape[1]}, kFloat32, device_);
-  ops_.Get(ops::kMergeState)(o_a, lse_a, o_b, lse_b);
+  ops_.Call(ops::MergeState().o_a(o_a).lse_a(lse_a).o_b(o_b).lse_b(lse_b));
 }
 
 void PagedKVCacheObj::AppendMLAKV(int64_t layer, const ffi::Tensor& kv) {
@@ -256,7 +269,7 @@ void PagedKVCacheObj::AppendMLAKV(int64_t layer, const ffi::Tensor& kv) {
   CheckKind("append_mla_kv", true);
   CheckLayer(layer);
   CheckTensor(kv, "kv", {f.num_tokens, cfg_.latent_dim()}, dtype_, device_);
-  ops_.Get(ops::kMLAAppendKV)(pages_[layer], kv, f.append_slot);
+  ops_.Call(ops::MLAAppendKV().pages(pages_[layer]).kv(kv).slot(f.append_slot));
 }
 
 }  // namespace pagedkv

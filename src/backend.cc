@@ -78,6 +78,16 @@ void OpTable::EndForward() const {
   for (const auto& kv : adapters) kv.second->EndForward();
 }
 
+void MissingArgument(const char* op, const char* const* names, int num_args, uint64_t given) {
+  for (int i = 0; i < num_args; ++i) {
+    if (!(given >> i & 1)) {
+      TVM_FFI_THROW(InternalError) << "pagedkv: call of op '" << op << "' without its argument '" << names[i]
+                                   << "' (position " << i << " of " << num_args << ")";
+    }
+  }
+  TVM_FFI_THROW(InternalError) << "pagedkv: call of op '" << op << "' with unexpected arguments";
+}
+
 OpTable ParseOpTable(const ffi::Array<ffi::Any>& table, const std::string& layer_kind) {
   bool mla = layer_kind == "mla";
   OpTable out;

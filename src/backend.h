@@ -19,6 +19,7 @@
 
 #include "config.h"
 #include "forward_plan.h"
+#include "ops.h"
 #include "tensor_util.h"
 
 namespace pagedkv {
@@ -80,6 +81,9 @@ class BackendRegistry {
   std::map<std::string, AdapterFactory> factories_;
 };
 
+// Throws naming `op` and the first argument whose bit in `given` is unset (OpTable::Call).
+[[noreturn]] void MissingArgument(const char* op, const char* const* names, int num_args, uint64_t given);
+
 // The op table of one cache: op name -> adapter, and op name -> backend tag.
 struct OpTable {
   std::map<std::string, std::unique_ptr<OpAdapter>> adapters;
@@ -87,6 +91,14 @@ struct OpTable {
 
   // The adapter of `op`; throws naming `op` when the table has none.
   OpAdapter& Get(const char* op) const;
+  // Calls op `A` (an argument struct of src/ops.h) with its arguments in ABI order; throws naming the op and
+  // the first argument the caller did not give.
+  template <typename A>
+  void Call(const A& a) const {
+    constexpr uint64_t all = A::kNumArgs == 64 ? ~uint64_t{0} : (uint64_t{1} << A::kNumArgs) - 1;
+    if (a.given != all) MissingArgument(A::kName, A::kArgNames, A::kNumArgs, a.given);
+    Get(A::kName).Run(ffi::PackedArgs(a.args.data(), A::kNumArgs));
+  }
   // The forward hooks of every adapter.
   void BeginForward(const ForwardInfo& info) const;
   void EndForward() const;

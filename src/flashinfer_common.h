@@ -242,6 +242,14 @@ inline void CheckCausal(const Planned& p, int64_t causal, const char* op) {
   }
 }
 
+// The runtime calls every op with its kernel ABI (src/ops.h); anything else is a bug of ours.
+inline void CheckArgCount(const ffi::PackedArgs& in, int expected, const char* op) {
+  if (in.size() != expected) {
+    TVM_FFI_THROW(InternalError) << "pagedkv flashinfer: " << op << " takes " << expected << " arguments, got "
+                                 << in.size();
+  }
+}
+
 inline void CheckNoInlineRope(int64_t apply_rope, const char* op) {
   if (apply_rope != 0) {
     TVM_FFI_THROW(ValueError) << "pagedkv flashinfer: " << op << " cannot apply RoPE inside the kernel (rope_mode "

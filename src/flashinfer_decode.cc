@@ -61,18 +61,18 @@ class DecodeAdapter : public FlashInferAdapter {
     }
   }
 
-  // Kernel ABI: q, pages, page_indptr, page_values, last_page_len, k_pos_offset, q_pos, o, lse,
-  //             apply_rope, rope_scale, rope_theta, sm_scale
   void Run(ffi::PackedArgs in) final {
-    if (in.size() != 13) TVM_FFI_THROW(InternalError) << "pagedkv flashinfer: attn_decode_paged takes 13 arguments";
-    CheckNoInlineRope(in[9].cast<int64_t>(), op_);
-    const Planned& p = plans_.Find(ViewKey(in[2]), op_);
-    const DLTensor& pages = *in[1].cast<DLTensor*>();
+    using K = ops::AttnDecodePaged;  // the kernel ABI's argument positions
+    CheckArgCount(in, K::kNumArgs, op_);
+    CheckNoInlineRope(in[K::kApplyRope].cast<int64_t>(), op_);
+    const Planned& p = plans_.Find(ViewKey(in[K::kPageIndptr]), op_);
+    const DLTensor& pages = *in[K::kPages].cast<DLTensor*>();
     int64_t np = pages.shape[0], h = pages.shape[2], s = pages.shape[3], d = pages.shape[4];
     // K and V of pages[P, 2, Hkv, ps, D] as strided [P, Hkv, ps, D] (HND) views, without a copy.
     StridedView k(pages, {np, h, s, d}, {2 * h * s * d, s * d, d, 1}, 0);
     StridedView v(pages, {np, h, s, d}, {2 * h * s * d, s * d, d, 1}, h * s * d);
-    Flat q(in[0]), indptr(in[2]), indices(in[3]), last(in[4]), o(in[7]), lse(in[8]);
+    Flat q(in[K::kQ]), indptr(in[K::kPageIndptr]), indices(in[K::kPageValues]), last(in[K::kLastPageLen]),
+        o(in[K::kO]), lse(in[K::kLse]);
     namespace a = abi::decode_run;
     ArgPack<a::kNumArgs> args;
     if (!p.all_empty) {
@@ -92,11 +92,11 @@ class DecodeAdapter : public FlashInferAdapter {
       args.Set(a::kEnablePdl, false);
       args.SetNone(a::kMaybeAlibiSlopes);
       args.Set(a::kLogitsSoftCap, logits_soft_cap_);
-      args.Set(a::kSmScale, in[12].cast<double>());
+      args.Set(a::kSmScale, in[K::kSmScale].cast<double>());
       args.Set(a::kRopeRcpScale, rope_rcp_scale_);
       args.Set(a::kRopeRcpTheta, rope_rcp_theta_);
     }
-    RunPlanned(p, &args, in[7], in[8]);
+    RunPlanned(p, &args, in[K::kO], in[K::kLse]);
   }
 
  private:

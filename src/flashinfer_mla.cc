@@ -1,5 +1,7 @@
 // mla_attn_decode_paged / mla_attn_prefill_paged on FlashInfer's MLA module.
 // Design, FlashInfer facts and workspace ownership: src/flashinfer_adapter.cc.
+#include <type_traits>
+
 #include "flashinfer_common.h"
 
 namespace pagedkv {
@@ -55,23 +57,30 @@ class MLAAdapter : public FlashInferAdapter {
     }
   }
 
-  // decode:  q, pages, page_indptr, page_values, last_page_len, o, lse, sm_scale
-  // prefill: q, q_indptr, pages, page_indptr, page_values, last_page_len, o, lse, causal, sm_scale
   void Run(ffi::PackedArgs in) final {
-    int nargs = decode_ ? 8 : 10;
-    if (in.size() != nargs) TVM_FFI_THROW(InternalError) << "pagedkv flashinfer: " << op_ << " takes " << nargs << " arguments";
-    int b = decode_ ? 0 : 1;  // offset of pages and later arguments
-    const Planned& p = plans_.Find(ViewKey(in[b + 2]), op_);
-    if (!decode_) CheckCausal(p, in[8].cast<int64_t>(), op_);
-    double sm_scale = in[decode_ ? 7 : 9].cast<double>();
-    const DLTensor& pages = *in[b + 1].cast<DLTensor*>();
-    const DLTensor& q = *in[0].cast<DLTensor*>();
+    if (decode_) {
+      RunAs<ops::MLAAttnDecodePaged>(in);
+    } else {
+      RunAs<ops::MLAAttnPrefillPaged>(in);
+    }
+  }
+
+ private:
+  // K: the op's argument struct (src/ops.h); decode and prefill share every argument but `causal`.
+  template <typename K>
+  void RunAs(ffi::PackedArgs in) {
+    CheckArgCount(in, K::kNumArgs, op_);
+    const Planned& p = plans_.Find(ViewKey(in[K::kPageIndptr]), op_);
+    if constexpr (std::is_same_v<K, ops::MLAAttnPrefillPaged>) CheckCausal(p, in[K::kCausal].template cast<int64_t>(), op_);
+    double sm_scale = in[K::kSmScale].template cast<double>();
+    const DLTensor& pages = *in[K::kPages].template cast<DLTensor*>();
+    const DLTensor& q = *in[K::kQ].template cast<DLTensor*>();
     int64_t np = pages.shape[0], ps = pages.shape[3], dl = pages.shape[4];
-    int64_t r = in[b + 5].cast<DLTensor*>()->shape[2], rope = dl - r;  // o[n, H, kv_lora_rank]
+    int64_t r = in[K::kO].template cast<DLTensor*>()->shape[2], rope = dl - r;  // o[n, H, kv_lora_rank]
     int64_t n = q.shape[0], h = q.shape[1];
     StridedView q_nope(q, {n, h, r}, {h * dl, dl, 1}, 0), q_pe(q, {n, h, rope}, {h * dl, dl, 1}, r);
     StridedView ckv(pages, {np, ps, r}, {ps * dl, dl, 1}, 0), kpe(pages, {np, ps, rope}, {ps * dl, dl, 1}, r);
-    Flat indices(in[b + 3]), o(in[b + 5]), lse(in[b + 6]);
+    Flat indices(in[K::kPageValues]), o(in[K::kO]), lse(in[K::kLse]);
     namespace a = abi::mla_run;
     ArgPack<a::kNumArgs> args;
     if (!p.all_empty) {
@@ -94,10 +103,9 @@ class MLAAdapter : public FlashInferAdapter {
       args.Set(a::kKpeScale, 1.0);
       args.SetNone(a::kMaybeCkvScaleArr);
     }
-    RunPlanned(p, &args, in[b + 5], in[b + 6]);
+    RunPlanned(p, &args, in[K::kO], in[K::kLse]);
   }
 
- private:
   // MLAPlan writes at most kMLAMaxWorks work items (its int workspace arrays have that many slots): a query
   // tile of 64 packed rows (or 128) per work item, plus at most one KV split per cluster.
   void CheckWorkItems(const std::vector<int32_t>& qo_indptr, int64_t heads) const {

@@ -74,20 +74,18 @@ class PrefillAdapter : public FlashInferAdapter {
     }
   }
 
-  // ragged: q, k, v, q_indptr, kv_indptr, q_pos, k_pos_offset, o, lse, causal, apply_rope, rope_scale,
-  //         rope_theta, sm_scale
-  // paged:  q, q_indptr, pages, page_indptr, page_values, last_page_len, k_pos_offset, q_pos, o, lse, causal,
-  //         apply_rope, rope_scale, rope_theta, sm_scale
   void Run(ffi::PackedArgs in) final {
-    int nargs = paged_ ? 15 : 14;
-    if (in.size() != nargs) TVM_FFI_THROW(InternalError) << "pagedkv flashinfer: " << op_ << " takes " << nargs << " arguments";
-    int o_i = paged_ ? 8 : 7;
-    int causal_i = o_i + 2;
-    CheckNoInlineRope(in[causal_i + 1].cast<int64_t>(), op_);
-    double sm_scale = in[causal_i + 4].cast<double>();
-    const Planned& p = plans_.Find(ViewKey(in[paged_ ? 3 : 4]), op_);
-    CheckCausal(p, in[causal_i].cast<int64_t>(), op_);
-    if (!paged_ && !p.all_empty && ViewKey(in[3]) != p.q_key) {
+    if (paged_) {
+      Check<ops::AttnPrefillPaged>(in);
+    } else {
+      Check<ops::AttnPrefillRagged>(in);
+    }
+    using R = ops::AttnPrefillRagged;
+    using P = ops::AttnPrefillPaged;
+    double sm_scale = in[paged_ ? P::kSmScale : R::kSmScale].cast<double>();
+    const Planned& p = plans_.Find(ViewKey(in[paged_ ? P::kPageIndptr : R::kKVIndptr]), op_);
+    CheckCausal(p, in[paged_ ? P::kCausal : R::kCausal].cast<int64_t>(), op_);
+    if (!paged_ && !p.all_empty && ViewKey(in[R::kQIndptr]) != p.q_key) {
       TVM_FFI_THROW(RuntimeError) << "pagedkv flashinfer: attn_prefill_ragged called with a q_indptr that "
                                   << "begin_forward did not plan";
     }
@@ -217,9 +215,17 @@ class PrefillAdapter : public FlashInferAdapter {
     return args.Call(plan_, "prefill plan").cast<ffi::Array<int64_t>>();
   }
 
+  template <typename K>
+  void Check(const ffi::PackedArgs& in) const {
+    CheckArgCount(in, K::kNumArgs, op_);
+    CheckNoInlineRope(in[K::kApplyRope].template cast<int64_t>(), op_);
+  }
+
   template <int N, typename Tail>
   void RunRagged(const Planned& p, ffi::PackedArgs in, double sm_scale) {
-    Flat q(in[0]), k(in[1]), v(in[2]), qo(in[3]), kv(in[4]), o(in[7]), lse(in[8]);
+    using K = ops::AttnPrefillRagged;
+    Flat q(in[K::kQ]), k(in[K::kK]), v(in[K::kV]), qo(in[K::kQIndptr]), kv(in[K::kKVIndptr]), o(in[K::kO]),
+        lse(in[K::kLse]);
     ArgPack<N> args;
     if (!p.all_empty) {
       args.Set(r2::kFloatWorkspaceBuffer, ws_.float_ws());
@@ -238,16 +244,18 @@ class PrefillAdapter : public FlashInferAdapter {
       args.Set(r2::kEnablePdl, false);
       SetTail<Tail>(args, sm_scale);
     }
-    RunPlanned(p, &args, in[7], in[8]);
+    RunPlanned(p, &args, in[K::kO], in[K::kLse]);
   }
 
   template <int N, typename Tail>
   void RunPaged(const Planned& p, ffi::PackedArgs in, double sm_scale) {
-    const DLTensor& pages = *in[2].cast<DLTensor*>();
+    using K = ops::AttnPrefillPaged;
+    const DLTensor& pages = *in[K::kPages].template cast<DLTensor*>();
     int64_t np = pages.shape[0], h = pages.shape[2], s = pages.shape[3], d = pages.shape[4];
     StridedView k(pages, {np, h, s, d}, {2 * h * s * d, s * d, d, 1}, 0);
     StridedView v(pages, {np, h, s, d}, {2 * h * s * d, s * d, d, 1}, h * s * d);
-    Flat q(in[0]), qo(in[1]), indptr(in[3]), indices(in[4]), last(in[5]), o(in[8]), lse(in[9]);
+    Flat q(in[K::kQ]), qo(in[K::kQIndptr]), indptr(in[K::kPageIndptr]), indices(in[K::kPageValues]),
+        last(in[K::kLastPageLen]), o(in[K::kO]), lse(in[K::kLse]);
     ArgPack<N> args;
     if (!p.all_empty) {
       args.Set(g2::kFloatWorkspaceBuffer, ws_.float_ws());
@@ -268,7 +276,7 @@ class PrefillAdapter : public FlashInferAdapter {
       args.Set(g2::kEnablePdl, false);
       SetTail<Tail>(args, sm_scale);
     }
-    RunPlanned(p, &args, in[8], in[9]);
+    RunPlanned(p, &args, in[K::kO], in[K::kLse]);
   }
 
   bool paged_;

@@ -122,9 +122,10 @@ void PagedKVCacheObj::Clear() {
 
 void PagedKVCacheObj::RunCopy(const std::optional<PageCopy>& copy) {
   if (!copy.has_value()) return;
-  OpAdapter& copy_page = ops_.Get(ops::kCopyPage);
   for (const ffi::Tensor& pages : pages_) {
-    copy_page(pages, static_cast<int64_t>(copy->src), static_cast<int64_t>(copy->dst), copy->num_tokens);
+    ops_.Call(ops::CopyPage()
+                  .pages(pages).src_page(static_cast<int64_t>(copy->src)).dst_page(static_cast<int64_t>(copy->dst))
+                  .num_tokens(copy->num_tokens));
   }
 }
 
@@ -160,14 +161,14 @@ void PagedKVCacheObj::DebugGetKV(int64_t seq_id, int64_t start, int64_t end, con
   std::vector<int64_t> shape = {cfg_.num_layers, m, cfg_.num_kv_heads, cfg_.head_dim};
   CheckTensor(k_out, "k_out", shape, dtype_, device_);
   CheckTensor(v_out, "v_out", shape, dtype_, device_);
-  OpAdapter& gather = ops_.Get(ops::kGatherKV);
+  ops_.Get(ops::kGatherKV);  // an optional op: fails naming it when the table lacks it, even for m == 0
   if (m == 0) return;
   ffi::Tensor slots = SlotsOnDevice(seq_id, start, m);
   uint64_t layer_bytes = NumBytes(KVShape(m), dtype_);
   for (int64_t l = 0; l < cfg_.num_layers; ++l) {
     ffi::Tensor k = fns_.View(k_out, KVShape(m), dtype_, l * layer_bytes);
     ffi::Tensor v = fns_.View(v_out, KVShape(m), dtype_, l * layer_bytes);
-    gather(pages_[l], slots, k, v);
+    ops_.Call(ops::GatherKV().pages(pages_[l]).slot(slots).k(k).v(v));
   }
 }
 
@@ -179,12 +180,12 @@ void PagedKVCacheObj::DebugSetKV(int64_t seq_id, int64_t start, const ffi::Tenso
   CheckTensor(v, "v", shape, dtype_, device_);
   CheckDebugRange("debug_set_kv", seq_id, start, m);
   if (m == 0) return;
-  OpAdapter& append = ops_.Get(ops::kAppendKV);
   ffi::Tensor slots = SlotsOnDevice(seq_id, start, m);
   uint64_t layer_bytes = NumBytes(KVShape(m), dtype_);
   for (int64_t l = 0; l < cfg_.num_layers; ++l) {
-    append(pages_[l], fns_.View(k, KVShape(m), dtype_, l * layer_bytes),
-           fns_.View(v, KVShape(m), dtype_, l * layer_bytes), slots);
+    ffi::Tensor k_l = fns_.View(k, KVShape(m), dtype_, l * layer_bytes);
+    ffi::Tensor v_l = fns_.View(v, KVShape(m), dtype_, l * layer_bytes);
+    ops_.Call(ops::AppendKV().pages(pages_[l]).k(k_l).v(v_l).slot(slots));
   }
 }
 
@@ -193,13 +194,14 @@ void PagedKVCacheObj::DebugGetMLAKV(int64_t seq_id, int64_t start, int64_t end, 
   CheckDebugRange("debug_get_mla_kv", seq_id, start, end - start);
   int64_t m = end - start;
   CheckTensor(kv_out, "kv_out", {cfg_.num_layers, m, cfg_.latent_dim()}, dtype_, device_);
-  OpAdapter& gather = ops_.Get(ops::kMLAGatherKV);
+  ops_.Get(ops::kMLAGatherKV);  // an optional op: fails naming it when the table lacks it, even for m == 0
   if (m == 0) return;
   ffi::Tensor slots = SlotsOnDevice(seq_id, start, m);
   std::vector<int64_t> layer_shape = {m, cfg_.latent_dim()};
   uint64_t layer_bytes = NumBytes(layer_shape, dtype_);
   for (int64_t l = 0; l < cfg_.num_layers; ++l) {
-    gather(pages_[l], slots, fns_.View(kv_out, layer_shape, dtype_, l * layer_bytes));
+    ffi::Tensor kv_l = fns_.View(kv_out, layer_shape, dtype_, l * layer_bytes);
+    ops_.Call(ops::MLAGatherKV().pages(pages_[l]).slot(slots).kv(kv_l));
   }
 }
 
@@ -209,12 +211,12 @@ void PagedKVCacheObj::DebugSetMLAKV(int64_t seq_id, int64_t start, const ffi::Te
   CheckTensor(kv, "kv", {cfg_.num_layers, m, cfg_.latent_dim()}, dtype_, device_);
   CheckDebugRange("debug_set_mla_kv", seq_id, start, m);
   if (m == 0) return;
-  OpAdapter& append = ops_.Get(ops::kMLAAppendKV);
   ffi::Tensor slots = SlotsOnDevice(seq_id, start, m);
   std::vector<int64_t> layer_shape = {m, cfg_.latent_dim()};
   uint64_t layer_bytes = NumBytes(layer_shape, dtype_);
   for (int64_t l = 0; l < cfg_.num_layers; ++l) {
-    append(pages_[l], fns_.View(kv, layer_shape, dtype_, l * layer_bytes), slots);
+    ffi::Tensor kv_l = fns_.View(kv, layer_shape, dtype_, l * layer_bytes);
+    ops_.Call(ops::MLAAppendKV().pages(pages_[l]).kv(kv_l).slot(slots));
   }
 }
 

@@ -1,13 +1,12 @@
 """TIR kernels of pagedkv: one factory per op, dispatching on the target kind.
 
-Installed as ``pagedkv.tir_kernels``; importable from a source checkout as ``tir_kernels`` (this package
-imports nothing from ``pagedkv``). Argument lists follow ``docs/ARCHITECTURE.md`` ("Kernel ABI"); every
-PrimFunc carries the global symbol ``pagedkv_<op>``.
+Imported as ``pagedkv.tir_kernels`` (installed, or from a source checkout). Argument lists are those of
+the op table ``pagedkv.ops.OP_SPECS``; every PrimFunc carries the global symbol ``pagedkv_<op>``.
 
 Example
 -------
 >>> import tvm
->>> from tir_kernels import KernelConfig, build_kernels, host_target
+>>> from pagedkv.tir_kernels import KernelConfig, build_kernels, host_target
 >>> funcs = build_kernels(KernelConfig(32, 8, 128, 128, "float16"), host_target())
 >>> lib = tvm.compile(tvm.IRModule({f"pagedkv_{op}": f for op, f in funcs.items()}), target=host_target())
 """
@@ -17,6 +16,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
+from ..ops import OPS, OPS_BY_KIND  # the op vocabulary, written once (pagedkv.ops)
 from ._common import as_target, dispatch, host_target
 from ._paths import SWITCHES, forced, normalize_paths
 from .attention_cpu import (
@@ -49,19 +49,6 @@ from .page_ops_cuda import (
 )
 from .rope import split_rotary_cpu
 from .rope_cuda import split_rotary_cuda
-
-#: Op names, the same strings as ``pagedkv.ops.OPS`` (kept local so this package stands alone; the
-#: kernel tests check both lists are equal).
-OPS: tuple[str, ...] = ("split_rotary", "append_kv", "gather_kv", "attn_prefill_ragged",
-                        "attn_prefill_paged", "attn_decode_paged", "merge_state", "copy_page",
-                        "compact_copy", "mla_append_kv", "mla_gather_kv", "mla_attn_prefill_paged",
-                        "mla_attn_decode_paged")
-#: The ops of each layer kind (as ``pagedkv.ops.OPS_BY_KIND``).
-OPS_BY_KIND: dict[str, tuple[str, ...]] = {
-    "mha": OPS[:9],
-    "mla": ("mla_append_kv", "mla_gather_kv", "attn_prefill_ragged", "mla_attn_prefill_paged",
-            "mla_attn_decode_paged", "merge_state", "copy_page", "compact_copy"),
-}
 
 DTYPES = ("float16", "float32")
 

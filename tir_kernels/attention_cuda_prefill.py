@@ -88,7 +88,7 @@ def _make_prefill(op: str, num_qo_heads, num_kv_heads, head_dim, v_head_dim, dty
         """``dst[base + e]`` (registers, storage dtype) = element ``d0 + e`` (``e < nvec``) of K (c01 = 0) or
         V (c01 = 1) of key ``key`` of entry ``b``, kv head ``h``."""
         if paged:
-            pages, page_values, page_indptr, ps, _last_page_len = kvb
+            pages, page_values, page_indptr, ps = kvb[0], kvb[1], kvb[2], kvb[3]  # kvb[4]: last_page_len
             pg: T.let[T.int32] = page_values[page_indptr[b] + T.truncdiv(key, ps)]
             for u in T.unroll(nvec // v16):
                 for e in T.vectorized(v16):
