@@ -54,6 +54,11 @@ class Backend:
         """Build the functions of ``op``; only called when ``validate_configuration`` returned no reason."""
         raise NotImplementedError
 
+    def describe(self, op: str, config: KVCacheConfig, target: Any) -> str:
+        """A short note on how this backend serves ``op`` (e.g. which module kind), shown by
+        ``pagedkv backends``; only called when ``validate_configuration`` returned no reason."""
+        return ""
+
     def key_part(self) -> Any:
         """What besides the config, target and op choice decides this backend's compiled functions right
         now (JSON-able; ``None``: nothing). It joins the kernel library key and the compiled-module cache key."""

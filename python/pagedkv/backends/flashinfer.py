@@ -141,6 +141,9 @@ class FlashInferBackend(Backend):
             reasons += unavailable_reasons()
         return reasons
 
+    def describe(self, op: str, config: KVCacheConfig, target: Any) -> str:
+        return f"module {module_spec(op, config, target_arch(target)).kind}"
+
     def build(self, op: str, config: KVCacheConfig, target: Any) -> OpBuild:
         """Op-table entry ``[op, "flashinfer", module_kind, empty_rows, plan, run]`` (src/flashinfer_adapter.cc):
         the module's ``plan`` and the op's run function, and the TIR helper ``pagedkv_empty_rows`` that writes

@@ -124,6 +124,9 @@ class TIRBackend(Backend):
             reasons += _cuda_attention_limits(op, config)
         return reasons
 
+    def describe(self, op: str, config: KVCacheConfig, target: Any) -> str:
+        return f"TIR {target_kind(target)} kernel pagedkv_{op}"
+
     def key_part(self) -> Any:
         """Forced code paths (``forced_paths``) change the compiled kernels: they join the library key."""
         paths = current_forced_paths()

@@ -1,0 +1,117 @@
+"""What each backend supports: for one config and target, per op and backend, served (and how) or the
+reasons it is not, and what automatic selection picks. ``pagedkv backends`` prints it."""
+
+from __future__ import annotations
+
+import argparse
+import json
+from dataclasses import dataclass
+from typing import Any
+
+from . import backends as _backends
+from . import ops as _ops
+from .config import KVCacheConfig
+
+
+@dataclass(frozen=True)
+class Cell:
+    """One (op, backend): ``how`` it serves (``reasons`` empty), or why not."""
+
+    op: str
+    backend: str
+    reasons: tuple[str, ...]
+    how: str = ""
+
+    @property
+    def served(self) -> bool:
+        return not self.reasons
+
+
+def support_matrix(config: KVCacheConfig, target: Any) -> tuple[list[Cell], dict[str, str | None]]:
+    """(cells for every op of ``config``'s kind and every registered backend, op -> the backend automatic
+    selection picks, or ``None`` when no backend can serve it)."""
+    cells, auto = [], {}
+    for op in _ops.ops_for(config):
+        for tag in _backends.registered_backends():
+            try:
+                backend = _backends.get_backend(tag)
+            except Exception as err:  # noqa: BLE001 (an unimportable backend is reported, not fatal)
+                cells.append(Cell(op, tag, (f"backend cannot be imported: {type(err).__name__}: {err}",)))
+                continue
+            why = tuple(backend.validate_configuration(op, config, target))
+            cells.append(Cell(op, tag, why, "" if why else backend.describe(op, config, target)))
+        auto[op] = next((c.backend for c in cells if c.op == op and c.served), None)
+    return cells, auto
+
+
+def format_matrix(config: KVCacheConfig, target: Any) -> str:
+    """The support matrix as text: one block per op."""
+    cells, auto = support_matrix(config, target)
+    lines = [f"target {json.dumps(target) if isinstance(target, dict) else target}; config {config.to_json()}", ""]
+    for op in _ops.ops_for(config):
+        pick = auto[op]
+        lines.append(f"{op}: automatic selection -> {pick if pick else 'NONE (no backend can serve it)'}")
+        for c in (c for c in cells if c.op == op):
+            if c.served:
+                lines.append(f"  {c.backend:12s} serves" + (f" ({c.how})" if c.how else ""))
+            else:
+                lines.append(f"  {c.backend:12s} cannot: " + "; ".join(c.reasons))
+    return "\n".join(lines)
+
+
+def _parse_target(text: str) -> Any:
+    text = text.strip()
+    return json.loads(text) if text.startswith("{") else text
+
+
+def config_from_args(args: argparse.Namespace) -> KVCacheConfig:
+    if args.kv_lora_rank:
+        return KVCacheConfig.mla(num_layers=1, num_heads=args.num_qo_heads, kv_lora_rank=args.kv_lora_rank,
+                                 qk_nope_head_dim=args.qk_nope_head_dim, qk_rope_head_dim=args.qk_rope_head_dim,
+                                 v_head_dim=args.v_head_dim or args.qk_nope_head_dim, dtype=args.dtype,
+                                 page_size=args.page_size, prefill_chunk_size=args.prefill_chunk_size,
+                                 max_batch_size=args.max_batch_size)
+    return KVCacheConfig(num_layers=1, num_qo_heads=args.num_qo_heads, num_kv_heads=args.num_kv_heads,
+                         head_dim=args.head_dim, v_head_dim=args.v_head_dim, dtype=args.dtype,
+                         rope_mode=args.rope_mode, page_size=args.page_size,
+                         prefill_chunk_size=args.prefill_chunk_size, max_batch_size=args.max_batch_size,
+                         sliding_window=args.sliding_window, logits_soft_cap=args.logits_soft_cap)
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="pagedkv backends",
+                                 description="Per op and backend: served or why not, and what automatic "
+                                             "selection picks, for one config and target.")
+    ap.add_argument("--target", default="llvm", help="'llvm', 'cuda' or a JSON dict, e.g. "
+                                                      "'{\"kind\":\"cuda\",\"arch\":\"sm_90\"}'")
+    ap.add_argument("--num-qo-heads", type=int, default=32)
+    ap.add_argument("--num-kv-heads", type=int, default=8)
+    ap.add_argument("--head-dim", type=int, default=128)
+    ap.add_argument("--v-head-dim", type=int, default=None)
+    ap.add_argument("--dtype", default="float16")
+    ap.add_argument("--rope-mode", default="normal", choices=("normal", "inline", "none"))
+    ap.add_argument("--page-size", type=int, default=16)
+    ap.add_argument("--prefill-chunk-size", type=int, default=2048)
+    ap.add_argument("--max-batch-size", type=int, default=1)
+    ap.add_argument("--sliding-window", type=int, default=0)
+    ap.add_argument("--logits-soft-cap", type=float, default=0.0)
+    ap.add_argument("--kv-lora-rank", type=int, default=0, help="MLA: > 0 makes an MLA cache")
+    ap.add_argument("--qk-nope-head-dim", type=int, default=128)
+    ap.add_argument("--qk-rope-head-dim", type=int, default=64)
+    ap.add_argument("--json", action="store_true", help="print the matrix as JSON")
+    args = ap.parse_args(argv)
+    try:
+        config = config_from_args(args)
+    except (ValueError, TypeError) as err:
+        ap.error(str(err))
+    target = _parse_target(args.target)
+    if args.json:
+        cells, auto = support_matrix(config, target)
+        print(json.dumps({"config": config.to_dict(), "target": target, "auto": auto,
+                          "cells": [c.__dict__ for c in cells]}, indent=1))
+    else:
+        print(format_matrix(config, target))
+    return 0
+
+
+__all__ = ["Cell", "format_matrix", "support_matrix"]
