@@ -1,20 +1,22 @@
-// The backend registry and the "tir" backend (one PrimFunc per op, called with the ABI unchanged).
+// The adapter registry and the "direct" adapter (one function per op, called with the kernel ABI unchanged).
 #include "backend.h"
 
 #include <tvm/ffi/error.h>
 #include <tvm/ffi/string.h>
 
 #include <sstream>
+#include <string_view>
+#include <utility>
 
 #include "ops.h"
 
 namespace pagedkv {
 namespace {
 
-// TIR kernels implement the ABI directly, so the adapter is a plain forward.
-class TirAdapter : public OpAdapter {
+// Functions that implement the kernel ABI (TIR kernels, or any backend's that follow src/ops.h): a plain forward.
+class DirectAdapter : public OpAdapter {
  public:
-  explicit TirAdapter(ffi::Function func) : func_(std::move(func)) {}
+  explicit DirectAdapter(ffi::Function func) : func_(std::move(func)) {}
   void Run(ffi::PackedArgs args) final {
     ffi::Any rv;
     func_.CallPacked(args, &rv);
@@ -24,40 +26,56 @@ class TirAdapter : public OpAdapter {
   ffi::Function func_;
 };
 
-std::unique_ptr<OpAdapter> MakeTirAdapter(const std::string& op, const ffi::Array<ffi::Any>& funcs) {
+std::unique_ptr<OpAdapter> MakeDirectAdapter(const std::string& op, const ffi::Array<ffi::Any>& funcs) {
   if (funcs.size() != 1) {
-    TVM_FFI_THROW(ValueError) << "pagedkv op table: backend 'tir' takes exactly one function for op '" << op
+    TVM_FFI_THROW(ValueError) << "pagedkv op table: adapter 'direct' takes exactly one function for op '" << op
                               << "', got " << funcs.size();
   }
   auto func = funcs[0].as<ffi::Function>();
   if (!func.has_value()) {
-    TVM_FFI_THROW(ValueError) << "pagedkv op table: op '" << op << "' (backend 'tir') needs a function, got "
+    TVM_FFI_THROW(ValueError) << "pagedkv op table: op '" << op << "' (adapter 'direct') needs a function, got "
                               << funcs[0].GetTypeKey();
   }
-  return std::make_unique<TirAdapter>(*func);
+  return std::make_unique<DirectAdapter>(*func);
+}
+
+constexpr std::string_view kAdapterPrefix = "adapter=";
+
+// An entry is [op, tag, "adapter=<kind>", funcs...]. Libraries compiled before adapter kinds existed wrote
+// [op, tag, funcs...], where the tag named the adapter ("tir": direct); they keep loading.
+std::pair<std::string, size_t> AdapterOf(const ffi::Array<ffi::Any>& entry, const std::string& tag) {
+  if (entry.size() > 2) {
+    if (auto s = entry[2].as<ffi::String>()) {
+      std::string_view text(s->data(), s->size());
+      if (text.substr(0, kAdapterPrefix.size()) == kAdapterPrefix) {
+        return {std::string(text.substr(kAdapterPrefix.size())), 3};
+      }
+    }
+  }
+  return {tag == "tir" ? "direct" : tag, 2};
 }
 
 }  // namespace
 
-BackendRegistry::BackendRegistry() { factories_["tir"] = MakeTirAdapter; }
+BackendRegistry::BackendRegistry() { factories_["direct"] = MakeDirectAdapter; }
 
 BackendRegistry& BackendRegistry::Global() {
   static BackendRegistry registry;
   return registry;
 }
 
-void BackendRegistry::Register(const std::string& tag, AdapterFactory factory) {
-  factories_[tag] = std::move(factory);
+void BackendRegistry::Register(const std::string& adapter, AdapterFactory factory) {
+  factories_[adapter] = std::move(factory);
 }
 
-std::unique_ptr<OpAdapter> BackendRegistry::Make(const std::string& tag, const std::string& op,
+std::unique_ptr<OpAdapter> BackendRegistry::Make(const std::string& adapter, const std::string& op,
                                                  const ffi::Array<ffi::Any>& funcs) const {
-  auto it = factories_.find(tag);
+  auto it = factories_.find(adapter);
   if (it == factories_.end()) {
     std::ostringstream known;
     for (const auto& kv : factories_) known << " " << kv.first;
-    TVM_FFI_THROW(ValueError) << "pagedkv op table: unknown backend '" << tag << "' for op '" << op
-                              << "'; known backends:" << known.str();
+    TVM_FFI_THROW(ValueError) << "pagedkv op table: unknown adapter kind '" << adapter << "' for op '" << op
+                              << "'; this runtime has:" << known.str();
   }
   return it->second(op, funcs);
 }
@@ -108,8 +126,9 @@ OpTable ParseOpTable(const ffi::Array<ffi::Any>& table, const std::string& layer
                                 << " layers, the kind of this cache";
     }
     if (out.adapters.count(op_name)) TVM_FFI_THROW(ValueError) << "pagedkv op table: op '" << op_name << "' given twice";
-    ffi::Array<ffi::Any> funcs(entry->begin() + 2, entry->end());
-    out.adapters[op_name] = BackendRegistry::Global().Make(std::string(*tag), op_name, funcs);
+    auto [adapter, first_func] = AdapterOf(*entry, std::string(*tag));
+    ffi::Array<ffi::Any> funcs(entry->begin() + first_func, entry->end());
+    out.adapters[op_name] = BackendRegistry::Global().Make(adapter, op_name, funcs);
     out.backends[op_name] = std::string(*tag);
   }
   auto require = [&out, &layer_kind](const auto& required) {

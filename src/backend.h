@@ -1,9 +1,10 @@
 // Backends: the one registry from backend tag to adapter factory.
 //
-// The runtime calls every op with the kernel ABI of docs/ARCHITECTURE.md ("Kernel ABI"), always with the
-// arguments in ABI order. An OpAdapter turns that call into whatever its backend's functions want: the
-// "tir" adapter forwards it unchanged to the one TIR PrimFunc; a library backend could plan, reorder or
-// split it. Adding a backend = registering one factory here.
+// The runtime calls every op with its kernel ABI (src/ops.h, generated from python/pagedkv/ops.py), always
+// with the arguments in ABI order. An OpAdapter turns that call into whatever its functions want: the
+// "direct" adapter forwards it unchanged to the one function (TIR kernels, or any backend whose functions
+// follow the ABI: no C++ needed); a library adapter ("flashinfer") plans, reorders or splits it. The op table
+// names the adapter kind of each op apart from its backend tag; a new adapter kind registers one factory.
 #ifndef PAGEDKV_BACKEND_H_
 #define PAGEDKV_BACKEND_H_
 
@@ -68,12 +69,13 @@ class OpAdapter {
 using AdapterFactory =
     std::function<std::unique_ptr<OpAdapter>(const std::string& op, const ffi::Array<ffi::Any>& funcs)>;
 
+// Adapter kind -> factory.
 class BackendRegistry {
  public:
   static BackendRegistry& Global();
-  void Register(const std::string& tag, AdapterFactory factory);
-  // Throws ValueError naming `tag` (and the known tags) when no backend has that tag.
-  std::unique_ptr<OpAdapter> Make(const std::string& tag, const std::string& op,
+  void Register(const std::string& adapter, AdapterFactory factory);
+  // Throws ValueError naming `adapter` (and the known kinds) when none has that name.
+  std::unique_ptr<OpAdapter> Make(const std::string& adapter, const std::string& op,
                                   const ffi::Array<ffi::Any>& funcs) const;
 
  private:
@@ -104,9 +106,10 @@ struct OpTable {
   void EndForward() const;
 };
 
-// Parses `[[op_name, backend_tag, func...], ...]` for a cache of `layer_kind` ("mha" or "mla"); unknown
-// op names, ops of the other kind, duplicate ops, unknown tags and missing required ops (src/ops.h) are
-// errors that name them.
+// Parses `[[op_name, backend_tag, "adapter=<kind>", option..., func...], ...]` (or the older
+// `[op_name, backend_tag, func...]`, whose tag names the adapter) for a cache of `layer_kind` ("mha" or
+// "mla"); unknown op names, ops of the other kind, duplicate ops, unknown adapter kinds and missing required
+// ops (src/ops.h) are errors that name them.
 OpTable ParseOpTable(const ffi::Array<ffi::Any>& table, const std::string& layer_kind);
 
 }  // namespace pagedkv

@@ -5,15 +5,9 @@
 >>> cache = pagedkv.create(cfg, backend="tir", target="llvm")
 """
 
-from pathlib import Path as _Path
-
-# In a source checkout the kernels live at the repository root (`tir_kernels/`, installed as
-# `pagedkv.tir_kernels`); make `pagedkv.tir_kernels` importable there too.
-_here = _Path(__file__).resolve().parent
-if not (_here / "tir_kernels").is_dir() and (_here.parent.parent / "tir_kernels").is_dir():
-    __path__.append(str(_here.parent.parent))  # noqa: F821 (package __path__)
-
-from . import ops  # noqa: E402
+# The kernels live at the repository root (`tir_kernels/`); `python/pagedkv/tir_kernels` is a link to them, so
+# `pagedkv.tir_kernels` is the one import path, installed or from a checkout (PYTHONPATH=python).
+from . import ops
 from ._lib import load_runtime, runtime_library_path
 from .config import SCHEMA_VERSION, KVCacheConfig
 

@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import Any, Sequence
 
 from . import backends as _backends
+from . import target as _target
 from ._lib import get_global
 from .config import KVCacheConfig
 
@@ -34,18 +35,8 @@ def _torch_dtype(name: str):
     return getattr(torch, name)
 
 
-def target_spec(target: Any) -> dict:
-    """A target as a canonical dict: ``"llvm"`` -> ``{"kind": "llvm"}``, ``"cuda"`` -> sm_90 CUDA."""
-    if isinstance(target, dict):
-        return dict(target)
-    if isinstance(target, str):
-        if target == "llvm":
-            return {"kind": "llvm"}
-        if target == "cuda":
-            return {"kind": "cuda", "arch": "sm_90"}
-        raise ValueError(f"target {target!r}: use 'llvm', 'cuda' or a JSON dict such as "
-                         "{'kind': 'cuda', 'arch': 'sm_90'}")
-    return {"kind": target.kind.name, **({"arch": str(target.arch)} if "arch" in target.attrs else {})}
+#: The canonical target dict (``pagedkv.target.canonical``), under its older name.
+target_spec = _target.canonical
 
 
 def kernel_shape(config: KVCacheConfig) -> KVCacheConfig:
@@ -77,60 +68,36 @@ def kernel_source_digest() -> str:
 
 
 def kernel_library_key(config: KVCacheConfig, target: Any, choice: Sequence[tuple[str, str]]) -> str:
-    """Content key of the kernels of ``config`` for ``target`` with the per-op backend ``choice``."""
-    key = {"config": kernel_shape(config).to_dict(), "target": target_spec(target),
+    """Content key of the kernels of ``config`` for ``target`` with the per-op backend ``choice``: the kernel
+    shape, the canonical target, the kernel sources, the choice, and what each backend adds
+    (``Backend.key_part``: FlashInfer module variants, forced TIR code paths)."""
+    key = {"config": kernel_shape(config).to_dict(), "target": _target.canonical(target),
            "sources": kernel_source_digest(), "ops": [list(c) for c in choice]}
-    if any(tag == "flashinfer" for _, tag in choice):
-        from .backends.flashinfer import module_kind
-        from .flashinfer.spec import FLASHINFER_VERSION, RECIPE_VERSION
-
-        arch = target_spec(target).get("arch")
-        key["flashinfer"] = [FLASHINFER_VERSION, RECIPE_VERSION,
-                             {op: module_kind(op, arch, windowed=config.sliding_window > 0)
-                              for op, tag in choice if tag == "flashinfer"}]
-    parts = _backend_key_parts(choice)
+    parts = _backends.key_parts(config, target, choice)
     if parts:
         key["backend_parts"] = parts
     blob = json.dumps(key, sort_keys=True)
     return hashlib.sha256(blob.encode()).hexdigest()[:24]
 
 
-def _backend_key_parts(choice: Sequence[tuple[str, str]]) -> dict:
-    """tag -> ``Backend.key_part()`` for the backends of ``choice`` that report one (e.g. forced paths)."""
-    out = {}
-    for tag in sorted({tag for _, tag in choice}):
-        part = _backends.get_backend(tag).key_part()
-        if part is not None:
-            out[tag] = part
-    return out
-
-
-def _compile_target(spec: dict):
-    import tvm
-
-    if spec["kind"] == "llvm" and set(spec) == {"kind"}:
-        from .tir_kernels import host_target  # this machine's CPU features (AVX, F16C)
-
-        return host_target()
-    if spec["kind"] == "cuda":
-        return tvm.target.Target(spec, host="llvm")
-    return tvm.target.Target(spec)
-
-
 def _compile_module(config: KVCacheConfig, spec: dict, choice):
-    """Compile every op's functions into one module; returns (module, [(op, tag, symbols, options)])."""
+    """Compile every op's functions into one module. Returns (module, entries, export options): an entry is
+    ``(op, tag, symbols, head)`` with ``head`` the strings after op and tag in the op table
+    (``OpBuild.op_table_head``)."""
     import tvm
 
     funcs: dict[str, Any] = {}
     entries: list[tuple[str, str, list[str], list[str]]] = []
     externs: dict[Any, Any] = {}  # object path -> built module (FlashInfer), each linked once
+    options: list[str] = []
     for op, tag in choice:
         build = _backends.get_backend(tag).build(op, config, spec)
         funcs.update(build.prim_funcs)
         entries.append((op, tag, [name for name, _ in build.prim_funcs] + list(build.extern_symbols),
-                        list(build.options)))
+                        build.op_table_head()[2:]))
         externs.update({m.object_path: m for m in build.extern_modules})
-    target = _compile_target(spec)
+        options += [o for o in build.export_options if o not in options]
+    target = _target.to_tvm(spec)
     if spec["kind"] == "cuda":
         from .cuda_build import compile_for_cuda
 
@@ -139,25 +106,15 @@ def _compile_module(config: KVCacheConfig, spec: dict, choice):
         module = tvm.compile(tvm.IRModule(funcs), target=target)
     for built in externs.values():
         module.mod.import_module(built.static_library())  # linked in by export_library
-    return module, entries
+    return module, entries, options
 
 
 def _has_static_libs(module) -> bool:
     return any(m.kind == "static_library" for m in getattr(module, "mod", module).imports)
 
 
-def _export_options(module) -> dict:
-    if _has_static_libs(module):
-        from .flashinfer.link import export_options
-
-        return {"options": export_options()}
-    return {}
-
-
-def _runtime_only() -> bool:
-    import tvm
-
-    return bool(getattr(tvm.base, "_RUNTIME_ONLY", False))
+def _export_kwargs(options: list[str]) -> dict:
+    return {"options": options} if options else {}
 
 
 def kernel_dir() -> Path | None:
@@ -166,7 +123,7 @@ def kernel_dir() -> Path | None:
 
 
 def _library_path(config: KVCacheConfig, out_dir, target, backend) -> tuple[Path, tuple]:
-    choice = tuple(_backends.resolve(config, target_spec(target), backend).choice.items())
+    choice = tuple(_backends.resolve(config, _target.canonical(target), backend).choice.items())
     return Path(out_dir) / f"kernels-{kernel_library_key(config, target, choice)}.so", choice
 
 
@@ -186,10 +143,10 @@ def build_kernel_library(config: KVCacheConfig, out_dir: str | Path, *, target: 
     lib.parent.mkdir(parents=True, exist_ok=True)
     if lib.exists() and lib.with_suffix(".json").exists():
         return lib
-    module, entries = _compile_module(kernel_shape(config), target_spec(target), choice)
-    module.export_library(str(lib), **_export_options(module))
+    module, entries, options = _compile_module(kernel_shape(config), _target.canonical(target), choice)
+    module.export_library(str(lib), **_export_kwargs(options))
     lib.with_suffix(".json").write_text(json.dumps(
-        {"config": config.to_dict(), "target": target_spec(target), "entries": entries}, indent=1))
+        {"config": config.to_dict(), "target": _target.canonical(target), "entries": entries}, indent=1))
     return lib
 
 
@@ -206,22 +163,22 @@ def _op_table_cached(config: KVCacheConfig, spec_json: str, choice: tuple[tuple[
         lib = prebuilt / f"kernels-{key}.so"
         module = load_library(lib)
         entries = json.loads(lib.with_suffix(".json").read_text())["entries"]
-    elif _runtime_only():
+    elif _target.runtime_only():
         raise FileNotFoundError(
             f"no prebuilt kernel library kernels-{key}.so in PAGEDKV_KERNEL_DIR={prebuilt} for this config "
             f"and target {spec}, and this TVM has no compiler (runtime-only): build it on the build host "
             "with pagedkv.cache.build_kernel_library")
     else:
-        module, entries = _compile_module(config, spec, choice)
+        module, entries, options = _compile_module(config, spec, choice)
         if _has_static_libs(module):  # objects run only once linked: export and load
             import tempfile
 
             from .runtime import load_library
 
             lib = Path(tempfile.mkdtemp(prefix="pagedkv-")) / "kernels.so"
-            module.export_library(str(lib), **_export_options(module))
+            module.export_library(str(lib), **_export_kwargs(options))
             module = load_library(lib)
-    # an entry is (op, tag, symbols[, options]): the runtime gets [op, tag, *options, *functions]
+    # an entry is (op, tag, symbols[, head]): the runtime gets [op, tag, *head, *functions]
     return module, [[op, tag, *(rest[0] if rest else []), *[module[name] for name in names]]
                     for op, tag, names, *rest in entries]
 
@@ -229,8 +186,8 @@ def _op_table_cached(config: KVCacheConfig, spec_json: str, choice: tuple[tuple[
 def _compile_op_table(config: KVCacheConfig, target: Any, choice: tuple[tuple[str, str], ...]):
     """(module, op table entries ``[op, tag, func...]``) for ``config`` on ``target``: compiled here, or
     loaded from a prebuilt kernel library (``$PAGEDKV_KERNEL_DIR``) when one exists."""
-    return _op_table_cached(kernel_shape(config), json.dumps(target_spec(target), sort_keys=True),
-                            tuple(choice), json.dumps(_backend_key_parts(choice), sort_keys=True))
+    return _op_table_cached(kernel_shape(config), _target.key(target), tuple(choice),
+                            json.dumps(_backends.key_parts(config, target, choice), sort_keys=True))
 
 
 def create(config: KVCacheConfig, *, backend: str | Sequence[str] | None = None,
@@ -253,7 +210,7 @@ def create(config: KVCacheConfig, *, backend: str | Sequence[str] | None = None,
     """
     import torch
 
-    resolution = _backends.resolve(config, target_spec(target), backend)
+    resolution = _backends.resolve(config, _target.canonical(target), backend)
     module, table = _compile_op_table(config, target, tuple(resolution.choice.items()))
     device = torch.device("cpu") if device is None else torch.device(device)
     device_ref = torch.empty((1,), dtype=_torch_dtype(config.dtype), device=device)

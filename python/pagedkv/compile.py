@@ -11,23 +11,17 @@ import tvm
 from tvm.relax.frontend import nn
 
 
-def export_model(model: nn.Module) -> tuple[tvm.IRModule, list[tuple[str, Any]]]:
-    """Export ``model`` with its default spec; returns the IRModule and the named parameter specs.
-    Prebuilt objects the cache's backends registered (FlashInfer modules) go into ``external_mods``."""
-    mod, named_params, ext_mods = model.export_tvm(spec=model.get_default_spec(), allow_extern=True)
+def export_model(model: nn.Module) -> tuple[tvm.IRModule, list[tuple[str, Any]], list[str]]:
+    """Export ``model`` with its default spec; returns the IRModule, the named parameter specs and the
+    ``export_library`` options its caches' backends need (``OpBuild.export_options``). Prebuilt objects the
+    backends registered (FlashInfer modules) go into ``external_mods``."""
+    from .relax import collect_export_options
+
+    with collect_export_options() as options:
+        mod, named_params, ext_mods = model.export_tvm(spec=model.get_default_spec(), allow_extern=True)
     if ext_mods:
         mod = tvm.relax.transform.AttachExternModules(ext_mods)(mod)
-    return mod, named_params
-
-
-def _export_options(mod: tvm.IRModule) -> dict:
-    """``export_library`` options: libraries holding FlashInfer objects link libcudart (see
-    ``pagedkv.flashinfer.link``)."""
-    if mod.attrs and "external_mods" in mod.attrs and len(mod.attrs["external_mods"]):
-        from .flashinfer.link import export_options
-
-        return {"options": export_options()}
-    return {}
+    return mod, named_params, options
 
 
 def _simt_matmul_rule():
@@ -74,7 +68,7 @@ def build_library(model: nn.Module, target: Any, out_path: str | Path, *,
     and the named parameter specs, in the order the library's functions take them.
     """
     t0 = time.perf_counter()
-    mod, named_params = export_model(model)
+    mod, named_params, options = export_model(model)
     if verbose:
         print(f"[pagedkv] exported Relax module in {time.perf_counter() - t0:.1f} s", flush=True)
     tgt = tvm.target.Target(target) if not isinstance(target, tvm.target.Target) else target
@@ -90,7 +84,7 @@ def build_library(model: nn.Module, target: Any, out_path: str | Path, *,
         print(f"[pagedkv] compiled for {tgt.kind.name} in {time.perf_counter() - t1:.1f} s", flush=True)
     out_path = Path(out_path)
     out_path.parent.mkdir(parents=True, exist_ok=True)
-    executable.export_library(str(out_path), **_export_options(mod))
+    executable.export_library(str(out_path), **({"options": options} if options else {}))
     # The parameter order, beside the library, so loaders need no re-export (see ``pagedkv.engine.param_names``).
     out_path.with_suffix(".json").write_text(json.dumps({"param_names": [n for n, _ in named_params]}))
     return out_path, named_params

@@ -8,7 +8,7 @@ kind requires it, and its argument list (name, tensor or scalar, dtype, shape sy
 - ``src/ops.h`` (``python -m pagedkv._ops_gen --header > src/ops.h``): op names, kind lists and, per op, the
   argument index constants and a typed argument struct that every C++ call site and adapter uses (a CPU
   test checks the committed header is current);
-- the "Kernel ABI" table of ``docs/ARCHITECTURE.md`` (``python -m pagedkv._ops_gen --markdown``; checked too);
+- the "Op vocabulary" table of ``docs/ARCHITECTURE.md`` (``python -m pagedkv._ops_gen --markdown``; checked too);
 - the PrimFunc headers of the TIR kernels (``pagedkv.tir_kernels``), and a test that checks every PrimFunc's
   parameters and buffer shapes against it.
 
@@ -175,11 +175,3 @@ def shape_values(config) -> dict[str, int]:
     return {"Hq": config.num_qo_heads, "Hkv": config.num_kv_heads, "D": config.head_dim, "Dv": dv,
             "DL": dl, "R": config.kv_lora_rank if mla else 0, "PL": 1 if mla else 2,
             "PH": 1 if mla else config.num_kv_heads, "PD": dl if mla else config.head_dim}
-
-
-def __getattr__(name):  # the generated text lives in _ops_gen (kept out of the import of every module)
-    if name in ("cpp_header", "markdown_table"):
-        from . import _ops_gen
-
-        return getattr(_ops_gen, name)
-    raise AttributeError(name)

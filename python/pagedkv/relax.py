@@ -8,7 +8,9 @@ config as versioned JSON and a named op table. Its attention methods have the na
 
 from __future__ import annotations
 
-from typing import Any, Mapping, Sequence
+import contextlib
+import contextvars
+from typing import Any, Iterator, Mapping, Sequence
 
 import tvm
 from tvm import relax as rx
@@ -19,13 +21,33 @@ from . import backends as _backends
 from .config import RUNTIME_FIELDS, KVCacheConfig
 
 
+_EXPORT_OPTIONS: contextvars.ContextVar[list | None] = contextvars.ContextVar("pagedkv_export_options",
+                                                                              default=None)
+
+
+@contextlib.contextmanager
+def collect_export_options() -> Iterator[list[str]]:
+    """Within this context, the ``export_library`` options that the caches' backends need (``OpBuild.
+    export_options``, e.g. FlashInfer's ``-lcudart``) are appended to the yielded list
+    (``pagedkv.compile.export_model`` wraps the model export in it)."""
+    options: list[str] = []
+    token = _EXPORT_OPTIONS.set(options)
+    try:
+        yield options
+    finally:
+        _EXPORT_OPTIONS.reset(token)
+
+
 def _op_table_expr(config: KVCacheConfig, target: Any, resolution) -> rx.Tuple:
     """Add each op's functions to the module being built; return the op table as a Relax tuple."""
     bb = rx.BlockBuilder.current()
     entries = []
+    collected = _EXPORT_OPTIONS.get()
     for op, tag in resolution.choice.items():
         build = _backends.get_backend(tag).build(op, config, target)
-        funcs = [tvm.ir.StringImm(option) for option in build.options]
+        if collected is not None:
+            collected += [o for o in build.export_options if o not in collected]
+        funcs = [tvm.ir.StringImm(s) for s in build.op_table_head()[2:]]
         funcs += [bb.add_func(func, name) for name, func in build.prim_funcs]
         funcs += [rx.ExternFunc(symbol) for symbol in build.extern_symbols]
         for built in build.extern_modules:

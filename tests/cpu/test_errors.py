@@ -297,10 +297,28 @@ def test_create_unknown_op(table):
         _create(CFG.to_json(), table)
 
 
-def test_create_unknown_backend_tag(table):
-    table[0][1] = "nosuchbackend"
-    with pytest.raises(Exception, match="nosuchbackend"):
+def test_create_unknown_adapter_kind(table):
+    assert table[0][2] == "adapter=direct"
+    table[0][2] = "adapter=nosuchadapter"
+    with pytest.raises(Exception, match="unknown adapter kind 'nosuchadapter'"):
         _create(CFG.to_json(), table)
+
+
+def test_create_any_backend_tag_with_a_known_adapter(table):
+    # the tag is the backend's name (reported by op_backends); how the runtime calls it is the adapter kind,
+    # so a backend whose functions follow the kernel ABI needs no C++
+    table[0][1] = "mybackend"
+    cache = _create(CFG.to_json(), table)
+    assert str(get_global("pagedkv.op_backends")(cache)[table[0][0]]) == "mybackend"
+
+
+def test_create_legacy_entry_names_its_adapter_by_tag(table):
+    # [op, tag, func]: the format of libraries compiled before adapter kinds; its tag names the adapter
+    legacy = [[op, tag, *rest] for op, tag, _adapter, *rest in table]
+    _create(CFG.to_json(), legacy)
+    legacy[0][1] = "nosuchbackend"
+    with pytest.raises(Exception, match="unknown adapter kind 'nosuchbackend'"):
+        _create(CFG.to_json(), legacy)
 
 
 def test_create_newer_schema(table):

@@ -144,8 +144,8 @@ def test_kernel_library_links_flashinfer_objects(tmp_path):
     entries = {op: (tag, names, opts)
                for op, tag, names, opts in json.loads(lib.with_suffix(".json").read_text())["entries"]}
     tag, names, opts = entries[ops.ATTN_DECODE_PAGED]
-    # [module kind, empty_rows, plan, run]
-    assert tag == "flashinfer" and opts == ["decode"] and names[0] == "pagedkv_empty_rows"
+    # head [adapter kind, module kind]; functions [empty_rows, plan, run]
+    assert tag == "flashinfer" and opts == ["adapter=flashinfer", "decode"] and names[0] == "pagedkv_empty_rows"
     assert len(names) == 3 and names[1].endswith("_plan") and names[2].endswith("_run")
     assert all(t == "tir" for op, (t, _, _) in entries.items() if op != ops.ATTN_DECODE_PAGED)
     exported = subprocess.run(["nm", "-D", "--defined-only", str(lib)], capture_output=True, text=True,

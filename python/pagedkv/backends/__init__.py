@@ -18,9 +18,9 @@ from typing import Any, Iterable, Mapping, Sequence
 
 from .. import ops as _ops
 from ..config import KVCacheConfig
-from .base import Backend, OpBuild, target_kind
+from .base import ADAPTERS, Backend, OpBuild, target_kind
 
-__all__ = ["Backend", "OpBuild", "NoBackendError", "Resolution", "register_backend", "get_backend",
+__all__ = ["ADAPTERS", "Backend", "OpBuild", "key_parts", "NoBackendError", "Resolution", "register_backend", "get_backend",
            "registered_backends", "resolve", "target_kind"]
 
 
@@ -125,6 +125,17 @@ def resolve(config: KVCacheConfig, target: Any,
             raise NoBackendError(f"no backend can serve op {op!r} on target {target_kind(target)!r}:\n"
                                  + "\n".join(lines))
     return Resolution(choice, reasons)
+
+
+def key_parts(config: KVCacheConfig, target: Any, choice: Sequence[tuple[str, str]]) -> dict:
+    """tag -> ``Backend.key_part`` for the backends of ``choice`` that report one (part of the kernel library
+    key and the compiled-module cache key)."""
+    out = {}
+    for tag in sorted({tag for _, tag in choice}):
+        part = get_backend(tag).key_part(config, target, tuple(op for op, t in choice if t == tag))
+        if part is not None:
+            out[tag] = part
+    return out
 
 
 register_backend("tir", "pagedkv.backends.tir:TIRBackend", priority=0)

@@ -3,28 +3,27 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, ClassVar, Mapping
+from typing import Any, ClassVar
 
 from ..config import KVCacheConfig
+from ..target import kind as target_kind
 
-
-def target_kind(target: Any) -> str:
-    """The target's kind name (``"llvm"``, ``"cuda"``, ...) for a ``Target``, dict or string."""
-    if isinstance(target, str):
-        return target.split()[0]
-    if isinstance(target, Mapping):
-        return str(target["kind"])
-    return str(target.kind.name)
+#: Runtime adapter kinds (src/backend.cc): how the runtime calls an op's functions. ``direct``: the one function
+#: follows the op's kernel ABI (src/ops.h) and is called with it unchanged (any backend whose functions do
+#: needs no C++); ``flashinfer``: plan once per forward, run per layer (src/flashinfer_adapter.cc).
+ADAPTERS = ("direct", "flashinfer")
 
 
 @dataclass(frozen=True)
 class OpBuild:
     """What one backend built for one op.
 
-    The op-table entry is ``[op, backend, *options, *prim_funcs, *extern_symbols]``: ``options`` are strings
-    the runtime adapter reads first (e.g. which FlashInfer module kind its functions come from);
-    ``prim_funcs`` are TIR functions the caller adds to an IRModule under their names; ``extern_symbols``
-    name functions linked in from ``extern_modules``. The order is the one the runtime adapter expects.
+    The op-table entry is ``[op, backend, "adapter=<adapter>", *options, *prim_funcs, *extern_symbols]``
+    (``op_table_head``): ``adapter`` is the runtime adapter kind (``ADAPTERS``), separate from the backend
+    tag; ``options`` are strings the adapter reads first (e.g. which FlashInfer module kind its functions
+    come from); ``prim_funcs`` are TIR functions the caller adds to an IRModule under their names;
+    ``extern_symbols`` name functions linked in from ``extern_modules``; ``export_options`` are the
+    ``export_library(options=...)`` flags a library holding them needs (e.g. ``-lcudart``).
     """
 
     op: str
@@ -33,6 +32,16 @@ class OpBuild:
     options: tuple[str, ...] = ()
     extern_symbols: tuple[str, ...] = ()
     extern_modules: tuple[Any, ...] = field(default=(), compare=False)
+    adapter: str = "direct"
+    export_options: tuple[str, ...] = ()
+
+    def __post_init__(self):
+        if self.adapter not in ADAPTERS:
+            raise ValueError(f"OpBuild.adapter must be one of {ADAPTERS}, got {self.adapter!r}")
+
+    def op_table_head(self) -> list[str]:
+        """The strings an op-table entry starts with (the functions follow)."""
+        return [self.op, self.backend, f"adapter={self.adapter}", *self.options]
 
 
 class Backend:
@@ -59,9 +68,10 @@ class Backend:
         ``pagedkv backends``; only called when ``validate_configuration`` returned no reason."""
         return ""
 
-    def key_part(self) -> Any:
-        """What besides the config, target and op choice decides this backend's compiled functions right
-        now (JSON-able; ``None``: nothing). It joins the kernel library key and the compiled-module cache key."""
+    def key_part(self, config: KVCacheConfig, target: Any, ops: tuple[str, ...]) -> Any:
+        """What besides the kernel shape of ``config``, the target and the op choice decides this backend's
+        functions for ``ops`` right now (JSON-able; ``None``: nothing): e.g. module variants or forced code
+        paths. It joins the kernel library key and the compiled-module cache key."""
         return None
 
     def _unsupported_op(self, op: str) -> list[str]:

@@ -25,6 +25,8 @@ from typing import Any
 
 from .. import ops
 from ..config import KVCacheConfig
+from ..target import arch as target_arch
+from ..target import runtime_only
 from .base import Backend, OpBuild, target_kind
 
 #: GQA group sizes FlashInfer 0.7.4's decode kernels dispatch on (DISPATCH_GQA_GROUP_SIZE); the prefill
@@ -39,13 +41,6 @@ MLA_OPS = (ops.MLA_ATTN_DECODE_PAGED, ops.MLA_ATTN_PREFILL_PAGED)
 #: 64 packed (token, head) rows of an entry plus at most one KV split per SM (``MLA_MAX_SPLITS``).
 MLA_MAX_WORKS = 16384
 MLA_MAX_SPLITS = 1024
-
-
-def target_arch(target: Any) -> str | None:
-    """``"sm_90"`` for a CUDA target with an arch (``"cuda"`` alone means sm_90, as in ``pagedkv.cache``)."""
-    from ..cache import target_spec
-
-    return target_spec(target).get("arch")
 
 
 def use_fa3() -> bool:
@@ -131,15 +126,21 @@ class FlashInferBackend(Backend):
                 module_spec(op, config, arch)
             except ValueError as err:
                 reasons.append(str(err).split(": ", 1)[-1])
-        from ..cache import _runtime_only
-
-        if not _runtime_only():
+        if not runtime_only():
             # Building needs flashinfer-python 0.7.4, nvcc and binutils. A runtime-only process (the GPU
             # host) builds nothing: it needs the prebuilt library, and says so when it is missing.
             from ..flashinfer import unavailable_reasons
 
             reasons += unavailable_reasons()
         return reasons
+
+    def key_part(self, config: KVCacheConfig, target: Any, ops: tuple[str, ...]) -> Any:
+        """The FlashInfer version, our recipe and the module kind per op (fa2/fa3 is a choice, see
+        ``module_kind``): a library built with other modules never stands in for this one."""
+        from ..flashinfer.spec import FLASHINFER_VERSION, RECIPE_VERSION
+
+        return [FLASHINFER_VERSION, RECIPE_VERSION,
+                {op: module_kind(op, target_arch(target), windowed=config.sliding_window > 0) for op in ops}]
 
     def describe(self, op: str, config: KVCacheConfig, target: Any) -> str:
         return f"module {module_spec(op, config, target_arch(target)).kind}"
@@ -155,6 +156,8 @@ class FlashInferBackend(Backend):
         built = build_module(spec)
         names = (built.symbol("plan"), built.symbol(run_function(op)))
         helper = make_empty_rows(config.dtype, target)
-        return OpBuild(op=op, backend=self.tag, options=(spec.kind,),
+        from ..flashinfer.link import export_options
+
+        return OpBuild(op=op, backend=self.tag, adapter="flashinfer", options=(spec.kind,),
                        prim_funcs=(("pagedkv_empty_rows", helper),), extern_symbols=names,
-                       extern_modules=(built,))
+                       extern_modules=(built,), export_options=tuple(export_options()))

@@ -5,10 +5,10 @@ from __future__ import annotations
 import contextlib
 import contextvars
 import functools
-import json
 from typing import Any, Iterator, Mapping
 
 from .. import ops
+from .. import target as _target
 from ..config import KVCacheConfig
 from .base import Backend, OpBuild, target_kind
 
@@ -50,19 +50,12 @@ def kernel_config(config: KVCacheConfig):
                         paths=current_forced_paths())
 
 
-def _target_key(target: Any) -> str:
-    if isinstance(target, dict):
-        return json.dumps(target, sort_keys=True)
-    return target if isinstance(target, str) else str(target)  # a Target prints as its JSON form
-
-
 @functools.lru_cache(maxsize=32)
 def _all_kernels(kcfg, target_key: str) -> dict:
     # One factory call yields every op's PrimFunc; cache it so building the op table stays cheap.
     from ..tir_kernels import build_kernels
 
-    target = json.loads(target_key) if target_key.startswith("{") else target_key
-    return build_kernels(kcfg, target)
+    return build_kernels(kcfg, _target.canonical(target_key))
 
 
 def _cuda_attention_limits(op: str, config: KVCacheConfig) -> list[str]:
@@ -127,11 +120,11 @@ class TIRBackend(Backend):
     def describe(self, op: str, config: KVCacheConfig, target: Any) -> str:
         return f"TIR {target_kind(target)} kernel pagedkv_{op}"
 
-    def key_part(self) -> Any:
+    def key_part(self, config: KVCacheConfig, target: Any, ops: tuple[str, ...]) -> Any:
         """Forced code paths (``forced_paths``) change the compiled kernels: they join the library key."""
         paths = current_forced_paths()
         return {"paths": [list(p) for p in paths]} if paths else None
 
     def build(self, op: str, config: KVCacheConfig, target: Any) -> OpBuild:
-        func = _all_kernels(kernel_config(config), _target_key(target))[op]
+        func = _all_kernels(kernel_config(config), _target.key(target))[op]
         return OpBuild(op=op, backend=self.tag, prim_funcs=((f"pagedkv_{op}", func),))
