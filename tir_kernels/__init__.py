@@ -17,6 +17,7 @@ import math
 from dataclasses import dataclass
 
 from ..ops import OPS, OPS_BY_KIND  # the op vocabulary, written once (pagedkv.ops)
+from ._abi import abi_dims, abi_prim_func
 from ._common import as_target, dispatch, host_target
 from ._paths import SWITCHES, forced, normalize_paths
 from .attention_cpu import (
@@ -323,5 +324,5 @@ def build_kernels(cfg: KernelConfig, target, ops=None) -> dict:
     return {op: FACTORIES[op](cfg, target) for op in OPS if op in wanted}
 
 
-__all__ = ["OPS", "OPS_BY_KIND", "KernelConfig", "SWITCHES", "forced", "normalize_paths", "FACTORIES", "build_kernels", "host_target", "make_empty_rows"] + [
+__all__ = ["OPS", "OPS_BY_KIND", "KernelConfig", "abi_dims", "abi_prim_func", "SWITCHES", "forced", "normalize_paths", "FACTORIES", "build_kernels", "host_target", "make_empty_rows"] + [
     f"make_{op}" for op in OPS]

@@ -1,0 +1,92 @@
+"""PrimFunc headers from the op table (``pagedkv.ops.OP_SPECS``): a kernel writes its body once as a
+``@T.macro`` and ``abi_prim_func`` gives it the op's parameters, buffers and attributes, so no kernel types
+its own argument list.
+
+The body is called as ``body(*args, dims)``: ``args`` are the op's arguments in ABI order (buffers for
+tensors, typed scalars), ``dims`` the tuple of its run-time shape variables in ``abi_dims(op)`` order (e.g.
+``("b", "p", "ps", "nnz")`` for ``attn_decode_paged``). Every tensor but ``pages`` is matched with a
+symbolic ``elem_offset`` (the runtime passes views into one index buffer); ``pages`` never has one.
+"""
+
+from __future__ import annotations
+
+import functools
+import re
+from typing import Any, Mapping
+
+from tvm.script import from_source
+from tvm.script import tirx as T
+
+from ..ops import SPECS
+
+_SCALAR = {"int32": "T.int32", "int64": "T.int64", "float32": "T.float32"}
+
+
+def abi_dims(op: str) -> tuple[str, ...]:
+    """The run-time shape symbols of ``op`` in order of first appearance (the ``dims`` a body receives)."""
+    out: list[str] = []
+    for arg in SPECS[op].args:
+        for sym in arg.shape or ():
+            base = sym.removesuffix("+1")
+            if base[0].islower() and base not in out:
+                out.append(base)
+    return tuple(out)
+
+
+def _dim(sym: str, shape: Mapping[str, int]) -> str:
+    if sym[0].islower():
+        return f"{sym[:-2]} + 1" if sym.endswith("+1") else sym
+    missing = [w for w in re.findall(r"[A-Za-z]+", sym) if w not in shape]
+    if missing:
+        raise KeyError(f"shape symbol(s) {missing} of {sym!r} have no value (give them in `shape`)")
+    return str(int(eval(sym, {}, dict(shape))))  # noqa: S307 (the op table's own arithmetic, e.g. Hq+2*Hkv)
+
+
+@functools.lru_cache(maxsize=None)
+def _header(op: str, shape_items: tuple, dtype: str, scheduled: bool, symbol: str) -> str:
+    spec, shape = SPECS[op], dict(shape_items)
+    params, lines = [], []
+    for a in spec.args:
+        if a.is_tensor:
+            params.append(f"{a.name}_h: T.handle")
+            dt = dtype if a.dtype == "cache" else a.dtype
+            dims = ", ".join(_dim(s, shape) for s in a.shape)
+            offset = "" if a.name == "pages" else ", elem_offset=T.int32()"
+            lines.append(f"    {a.name} = T.match_buffer({a.name}_h, ({dims},), \"{dt}\"{offset})")
+        else:
+            params.append(f"{a.name}: {_SCALAR[a.dtype]}")
+    attrs = f'"global_symbol": "{symbol}", "tirx.noalias": True' + (', "tirx.is_scheduled": True'
+                                                                          if scheduled else "")
+    dims = abi_dims(op)
+    head = [f"def {op}({', '.join(params)}):", f"    T.func_attr({{{attrs}}})"]
+    if dims:
+        head.append(f"    {', '.join(dims)} = " + ", ".join("T.int32()" for _ in dims))
+    call = ", ".join([a.name for a in spec.args] + [f"({', '.join(dims)}{',' if len(dims) == 1 else ''})"])
+    return "\n".join(["@T.prim_func", *head, *lines, f"    body({call})", ""])
+
+
+def abi_prim_func(op: str, shape: Mapping[str, int], dtype: str, body: Any, *, scheduled: bool = False,
+                  symbol: str | None = None):
+    """The PrimFunc (global symbol ``symbol``, default ``pagedkv_<op>``) whose parameters are the op table's and whose body is ``body``.
+
+    Parameters
+    ----------
+    op : str
+        An op of ``pagedkv.ops.OPS``.
+    shape : mapping
+        Values of the compile-time shape symbols the op's tensors use (``Hq``, ``Hkv``, ``D``, ``Dv``,
+        ``DL``, ``R``, ``PL``, ``PH``, ``PD``; ``pagedkv.ops.shape_values`` gives all of them for a config).
+    dtype : str
+        The cache dtype (tensors of dtype ``"cache"`` in the table).
+    body : T.macro
+        Called as ``body(*args, dims)`` (module docstring).
+    scheduled : bool
+        Mark the function ``tirx.is_scheduled`` (CUDA kernels that bind their own threads).
+    symbol : str, optional
+        Another backend's name for its function (its ``OpBuild.prim_funcs`` name must be the same).
+    """
+    src = _header(op, tuple(sorted(shape.items())), dtype, scheduled, symbol or SPECS[op].symbol)
+    return from_source(src, extra_vars={"T": T, "body": body})
+
+
+__all__ = ["abi_dims", "abi_prim_func"]
