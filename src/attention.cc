@@ -3,6 +3,7 @@
 #include <tvm/ffi/error.h>
 
 #include <array>
+#include <limits>
 
 #include "ops.h"
 #include "paged_kv_cache.h"
@@ -23,13 +24,22 @@ void PagedKVCacheObj::BeginForward(const ffi::Shape& seq_ids, const ffi::Shape& 
     TVM_FFI_THROW(ValueError) << "pagedkv: begin_forward batch of " << batch
                               << " sequences is outside [1, max_batch_size=" << cfg_.max_batch_size << "]";
   }
-  pool_.CheckAppend(ids, lengths);  // ids known and unique, lengths >= 1, enough pages
+  // The chunk limit comes before the page budget: a forward over it is wrong however many pages are free.
+  // Non-positive lengths are CheckAppend's to report; the sum saturates instead of overflowing.
   int64_t total = 0;
-  for (int64_t l : lengths) total += l;
-  if (total > cfg_.prefill_chunk_size) {
-    TVM_FFI_THROW(ValueError) << "pagedkv: begin_forward appends " << total
-                              << " tokens, more than prefill_chunk_size=" << cfg_.prefill_chunk_size;
+  bool saturated = false;
+  for (int64_t l : lengths) {
+    if (l > 0 && __builtin_add_overflow(total, l, &total)) {
+      total = std::numeric_limits<int64_t>::max();
+      saturated = true;
+    }
   }
+  if (total > cfg_.prefill_chunk_size) {
+    TVM_FFI_THROW(ValueError) << "pagedkv: begin_forward appends " << (saturated ? "more than " : "") << total
+                              << " tokens in total (the sum of append_lengths), more than prefill_chunk_size="
+                              << cfg_.prefill_chunk_size << " (the most tokens one forward takes)";
+  }
+  pool_.CheckAppend(ids, lengths);  // ids known and unique, lengths >= 1, enough pages
   int64_t fixed = AuxBuilder::Padded(batch + 1) * 4 + 2 * AuxBuilder::Padded(total);
   int64_t per_pass = 2 * AuxBuilder::Padded(batch + 1) + 2 * AuxBuilder::Padded(batch) + 4;
   aux_.Reserve(fixed + kMaxPasses * per_pass + PageValuesBound(pool_, ids, lengths));

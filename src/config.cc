@@ -181,7 +181,9 @@ void Validate(const KVConfig& c) {
                               << c.head_dim << " needs MLA layers";
   }
   if (c.rope_mode != "none" && c.head_dim % 2 != 0) {
-    TVM_FFI_THROW(ValueError) << "pagedkv config: RoPE needs an even head_dim, got " << c.head_dim;
+    TVM_FFI_THROW(ValueError) << "pagedkv config: RoPE (rope_mode '" << c.rope_mode
+                              << "') rotates the two halves of a head and needs an even head_dim, got "
+                              << c.head_dim << "; an odd head_dim takes rope_mode 'none'";
   }
   if (static_cast<int64_t>(c.layer_kinds.size()) != c.num_layers) {
     TVM_FFI_THROW(ValueError) << "pagedkv config: layer_kinds has " << c.layer_kinds.size()

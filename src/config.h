@@ -48,9 +48,8 @@ struct KVConfig {
   // Elements per token of an MLA page (the latent: kv_lora_rank + qk_rope_head_dim).
   int64_t latent_dim() const { return kv_lora_rank + qk_rope_head_dim; }
   // Pages in the pool: every token of max_total_seq_len plus one partial page per sequence.
-  int64_t num_pages() const {
-    return (max_total_seq_len + page_size - 1) / page_size + max_batch_size;
-  }
+  // (Written so that it cannot overflow before pagedkv.create has checked the sizes.)
+  int64_t num_pages() const { return (max_total_seq_len - 1) / page_size + 1 + max_batch_size; }
 };
 
 // Parses and validates `json`; `runtime_values` gives, in order, the fields listed in "runtime_fields".

@@ -4,6 +4,11 @@
 
 #include <tvm/ffi/error.h>
 
+#include <cstdio>
+#include <limits>
+#include <new>
+#include <sstream>
+
 #include "ops.h"
 
 namespace pagedkv {
@@ -19,7 +24,118 @@ int64_t InitialAuxElems(const KVConfig& c) {
          kMaxPasses * per_pass + c.num_pages() + b;
 }
 
+// One page of one layer: MHA [2 (K, V), Hkv, ps, D]; MLA [1, 1, ps, latent_dim].
+std::vector<int64_t> PageShapeOf(const KVConfig& c) {
+  if (c.is_mla()) return {1, 1, c.page_size, c.latent_dim()};
+  return {2, c.num_kv_heads, c.page_size, c.head_dim};
+}
+
+// Products and sums of sizes that stick at UINT64_MAX instead of wrapping (no device holds that much).
+struct Size {
+  uint64_t value = 0;
+  bool overflow = false;
+  Size operator*(uint64_t b) const {
+    Size out{0, overflow};
+    out.overflow |= __builtin_mul_overflow(value, b, &out.value);
+    return out;
+  }
+  Size operator+(const Size& b) const {
+    Size out{0, overflow || b.overflow};
+    out.overflow |= __builtin_add_overflow(value, b.value, &out.value);
+    return out;
+  }
+};
+
+// The device memory a cache of `c` allocates: every layer's pages and the chunk-sized work buffers
+// (the constructor's allocations, in the same order).
+struct DeviceBytes {
+  Size num_pages, page, pages, work, total;
+};
+
+DeviceBytes ComputeDeviceBytes(const KVConfig& c) {
+  uint64_t elem = (c.dl_dtype().bits + 7) / 8;
+  DeviceBytes b;
+  // ceil(max_total_seq_len / page_size) + max_batch_size, without the overflow of the plain formula
+  b.num_pages = Size{static_cast<uint64_t>((c.max_total_seq_len - 1) / c.page_size + 1)} +
+                Size{static_cast<uint64_t>(c.max_batch_size)};
+  b.page = Size{elem};
+  for (int64_t d : PageShapeOf(c)) b.page = b.page * static_cast<uint64_t>(d);
+  b.pages = Size{b.page.value, b.page.overflow || b.num_pages.overflow} * b.num_pages.value *
+            static_cast<uint64_t>(c.num_layers);
+  uint64_t n = static_cast<uint64_t>(c.prefill_chunk_size), hq = static_cast<uint64_t>(c.num_qo_heads);
+  uint64_t split_n = c.is_mla() ? 1 : n, kv = static_cast<uint64_t>(c.num_kv_heads * c.head_dim);
+  uint64_t v_dim = static_cast<uint64_t>(c.is_mla() ? c.kv_lora_rank : c.head_dim);
+  Size split = (Size{split_n} * hq * static_cast<uint64_t>(c.head_dim) + Size{split_n} * kv * 2) * elem;
+  b.work = split + Size{n} * hq * v_dim * elem + Size{n} * hq * 8;  // q, k, v; o_tmp; lse_tmp, lse_own
+  b.total = b.pages + b.work;
+  return b;
+}
+
+std::string HumanBytes(uint64_t bytes) {
+  const char* units[] = {"B", "KiB", "MiB", "GiB", "TiB", "PiB", "EiB"};
+  double v = static_cast<double>(bytes);
+  int u = 0;
+  while (v >= 1024 && u < 6) {
+    v /= 1024;
+    ++u;
+  }
+  char buf[32];
+  std::snprintf(buf, sizeof(buf), "%.1f %s", v, units[u]);
+  return buf;
+}
+
+std::string BytesStr(const Size& s) {
+  if (s.overflow) return "over 2^64 bytes";
+  return std::to_string(s.value) + " bytes (" + HumanBytes(s.value) + ")";
+}
+
+// Before anything is allocated: the cache fits the device's memory (when the TVM runtime reports it), and
+// its token slots fit the kernel ABI's int32 slot indices.
+void CheckCapacity(const KVConfig& c, const DeviceBytes& b, DLDevice device) {
+  std::optional<int64_t> memory = DeviceTotalMemory(device);
+  if (b.total.overflow || (memory.has_value() && b.total.value > static_cast<uint64_t>(*memory))) {
+    std::ostringstream os;
+    os << "pagedkv: the cache needs " << BytesStr(b.total) << " of device memory, more than " << DeviceStr(device);
+    if (memory.has_value()) {
+      os << " holds (" << *memory << " bytes, " << HumanBytes(static_cast<uint64_t>(*memory)) << ")";
+    } else {
+      os << " can hold";
+    }
+    os << ": pages " << c.num_layers << " layers x "
+       << (b.num_pages.overflow ? "over 2^64" : std::to_string(b.num_pages.value)) << " pages x "
+       << BytesStr(b.page) << " = " << BytesStr(b.pages) << " (max_total_seq_len=" << c.max_total_seq_len
+       << ", page_size=" << c.page_size << ", max_batch_size=" << c.max_batch_size << "), work buffers "
+       << BytesStr(b.work) << " (prefill_chunk_size=" << c.prefill_chunk_size << ")";
+    TVM_FFI_THROW(ValueError) << os.str();
+  }
+  constexpr uint64_t kMaxSlots = std::numeric_limits<int32_t>::max();
+  Size slots = b.num_pages * static_cast<uint64_t>(c.page_size);
+  if (slots.overflow || slots.value > kMaxSlots) {
+    TVM_FFI_THROW(ValueError) << "pagedkv: max_total_seq_len=" << c.max_total_seq_len << " with page_size="
+                              << c.page_size << " and max_batch_size=" << c.max_batch_size << " needs "
+                              << b.num_pages.value << " pages of " << c.page_size << " token slots; slot indices "
+                              << "are int32 in the kernel ABI, so a cache holds at most " << kMaxSlots << " slots";
+  }
+}
+
 }  // namespace
+
+ffi::Tensor PagedKVCacheObj::AllocDevice(const std::vector<int64_t>& shape, DLDataType dtype, const char* what) {
+  auto context = [&]() {
+    std::ostringstream os;
+    os << "pagedkv: allocating " << what << " " << ShapeStr(shape) << " " << DTypeName(dtype) << " ("
+       << BytesStr(Size{NumBytes(shape, dtype)}) << ") on " << DeviceStr(device_) << " failed (the cache needs "
+       << BytesStr(ComputeDeviceBytes(cfg_).total) << " in all): ";
+    return os.str();
+  };
+  try {
+    return fns_.Alloc(shape, dtype, device_);
+  } catch (const std::bad_alloc&) {
+    TVM_FFI_THROW(MemoryError) << context() << "std::bad_alloc";
+  } catch (const ffi::Error& e) {  // the device allocator's own error: its kind is kept, the sizes added
+    throw ffi::Error(e.kind(), context() + e.message(), e.backtrace());
+  }
+}
 
 PagedKVCacheObj::PagedKVCacheObj(KVConfig config, OpTable ops, DLDevice device)
     : cfg_(std::move(config)),
@@ -31,22 +147,31 @@ PagedKVCacheObj::PagedKVCacheObj(KVConfig config, OpTable ops, DLDevice device)
   int64_t hq = cfg_.num_qo_heads, hkv = cfg_.num_kv_heads, d = cfg_.head_dim, n = cfg_.prefill_chunk_size;
   std::vector<int64_t> pages_shape = PageShape();
   pages_shape.insert(pages_shape.begin(), cfg_.num_pages());
-  for (int64_t l = 0; l < cfg_.num_layers; ++l) pages_.push_back(fns_.Alloc(pages_shape, dtype_, device_));
+  for (int64_t l = 0; l < cfg_.num_layers; ++l) pages_.push_back(AllocDevice(pages_shape, dtype_, "the pages of a layer"));
   // The split q/k/v buffers serve attention_with_fused_qkv, which MLA layers do not have.
   int64_t split_n = cfg_.is_mla() ? 1 : n;
-  q_buf_ = fns_.Alloc({split_n, hq, d}, dtype_, device_);
-  k_buf_ = fns_.Alloc({split_n, hkv, d}, dtype_, device_);
-  v_buf_ = fns_.Alloc({split_n, hkv, d}, dtype_, device_);
-  o_tmp_buf_ = fns_.Alloc({n, hq, PagedVDim()}, dtype_, device_);
-  lse_tmp_buf_ = fns_.Alloc({n, hq}, kFloat32, device_);
-  lse_own_buf_ = fns_.Alloc({n, hq}, kFloat32, device_);
+  q_buf_ = AllocDevice({split_n, hq, d}, dtype_, "work buffer q");
+  k_buf_ = AllocDevice({split_n, hkv, d}, dtype_, "work buffer k");
+  v_buf_ = AllocDevice({split_n, hkv, d}, dtype_, "work buffer v");
+  o_tmp_buf_ = AllocDevice({n, hq, PagedVDim()}, dtype_, "work buffer o_tmp");
+  lse_tmp_buf_ = AllocDevice({n, hq}, kFloat32, "work buffer lse_tmp");
+  lse_own_buf_ = AllocDevice({n, hq}, kFloat32, "work buffer lse_own");
 }
 
 PagedKVCache CreatePagedKVCache(const std::string& config_json, const ffi::Shape& runtime_values,
                                 const ffi::Array<ffi::Any>& op_table, const ffi::Tensor& device_ref) {
   KVConfig config = ParseConfig(config_json, runtime_values);
   OpTable ops = ParseOpTable(op_table, config.layer_kind());
-  return PagedKVCache(ffi::make_object<PagedKVCacheObj>(std::move(config), std::move(ops), device_ref.device()));
+  DeviceBytes bytes = ComputeDeviceBytes(config);
+  CheckCapacity(config, bytes, device_ref.device());
+  int64_t num_pages = config.num_pages();
+  try {
+    return PagedKVCache(ffi::make_object<PagedKVCacheObj>(std::move(config), std::move(ops), device_ref.device()));
+  } catch (const std::bad_alloc&) {  // host bookkeeping: the free page list and the index staging buffer
+    TVM_FFI_THROW(MemoryError) << "pagedkv: out of host memory creating a cache of " << num_pages
+                               << " pages (its free page list and index staging buffer hold an int32 per page; "
+                               << "its device memory is " << BytesStr(bytes.total) << ")";
+  }
 }
 
 // ---------------------------------------------------------------------------------------------------
@@ -73,10 +198,7 @@ void PagedKVCacheObj::CheckKind(const char* what, bool mla) const {
   }
 }
 
-std::vector<int64_t> PagedKVCacheObj::PageShape() const {
-  if (cfg_.is_mla()) return {1, 1, cfg_.page_size, cfg_.latent_dim()};
-  return {2, cfg_.num_kv_heads, cfg_.page_size, cfg_.head_dim};
-}
+std::vector<int64_t> PagedKVCacheObj::PageShape() const { return PageShapeOf(cfg_); }
 
 void PagedKVCacheObj::CheckLayer(int64_t layer) const {
   if (layer < 0 || layer >= cfg_.num_layers) {

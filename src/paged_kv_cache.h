@@ -86,6 +86,8 @@ class PagedKVCacheObj : public ffi::Object {
     ffi::Tensor q, k, v, o_tmp, lse_tmp, lse_own;  // [n, ...] views of the work buffers (MLA: no q, k, v)
   };
 
+  // fns_.Alloc on the cache's device; an allocation failure is a MemoryError naming `what` and the sizes.
+  ffi::Tensor AllocDevice(const std::vector<int64_t>& shape, DLDataType dtype, const char* what);
   void CheckNoForward(const char* what) const;
   const Forward& CheckForward(const char* what) const;
   void CheckLayer(int64_t layer) const;

@@ -21,13 +21,28 @@ ffi::Function Lookup(const char* name) {
   return *f;
 }
 
+}  // namespace
+
 std::string DeviceStr(DLDevice d) {
   std::ostringstream os;
   os << "device(" << d.device_type << ", " << d.device_id << ")";
   return os.str();
 }
 
-}  // namespace
+std::optional<int64_t> DeviceTotalMemory(DLDevice device) {
+  constexpr int kTotalGlobalMemory = 14;  // TVM's DeviceAttrKind
+  auto get_attr = ffi::Function::GetGlobal("runtime.GetDeviceAttr");
+  if (!get_attr.has_value()) return std::nullopt;
+  ffi::Any value;
+  try {
+    value = (*get_attr)(static_cast<int>(device.device_type), device.device_id, kTotalGlobalMemory);
+  } catch (const ffi::Error&) {
+    return std::nullopt;  // a device API without the attribute: only the allocation can tell
+  }
+  std::optional<int64_t> bytes = value.try_cast<int64_t>();
+  if (!bytes.has_value() || *bytes <= 0) return std::nullopt;
+  return bytes;
+}
 
 TensorFns::TensorFns()
     : alloc_(Lookup("runtime.TVMTensorAllocWithScope")),

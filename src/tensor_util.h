@@ -8,6 +8,7 @@
 #include <tvm/ffi/function.h>
 
 #include <cstdint>
+#include <optional>
 #include <string>
 #include <vector>
 
@@ -35,6 +36,10 @@ inline constexpr DLDataType kInt32 = {kDLInt, 32, 1};
 inline constexpr DLDataType kFloat32 = {kDLFloat, 32, 1};
 
 std::string ShapeStr(const std::vector<int64_t>& shape);
+std::string DeviceStr(DLDevice device);
+// The device's total memory in bytes as the TVM runtime reports it (runtime.GetDeviceAttr,
+// kTotalGlobalMemory); nullopt when it does not.
+std::optional<int64_t> DeviceTotalMemory(DLDevice device);
 // Throws ValueError naming `name` unless `t` is contiguous, on `device`, with `shape` and `dtype`.
 void CheckTensor(const ffi::Tensor& t, const char* name, const std::vector<int64_t>& shape,
                  DLDataType dtype, DLDevice device);

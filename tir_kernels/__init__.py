@@ -63,10 +63,13 @@ class KernelConfig:
     num_qo_heads, num_kv_heads : int
         Query and kv heads; ``num_qo_heads`` must be a multiple of ``num_kv_heads`` (GQA group size).
     head_dim : int
-        qk head dim ``D`` (even: RoPE rotates halves).
+        qk head dim ``D``. RoPE (``apply_rope = 1``) rotates halves and is defined for an even ``D`` only;
+        an odd ``D`` (MLA's self-attention) is served with ``apply_rope = 0`` (pagedkv's config rejects RoPE
+        with an odd head dim, so its caches never pass 1 then).
     v_head_dim : int or None
         v head dim ``Dv`` (only ``attn_prefill_ragged`` and ``merge_state`` may use ``Dv != D``);
-        ``None`` means ``head_dim``.
+        ``None`` means ``head_dim``. Even, as is ``kv_lora_rank`` (the value dim of the MLA attention):
+        the CPU attention kernels accumulate ``P @ V`` in pairs of value columns.
     dtype : str
         Storage dtype of q/k/v/o and pages: ``"float16"`` or ``"float32"`` (accumulation is float32).
     kv_lora_rank, qk_rope_head_dim : int
@@ -110,8 +113,10 @@ class KernelConfig:
         if self.num_qo_heads % self.num_kv_heads:
             raise ValueError(f"num_qo_heads={self.num_qo_heads} is not a multiple of "
                              f"num_kv_heads={self.num_kv_heads}")
-        if self.head_dim % 2:
-            raise ValueError(f"head_dim must be even for RoPE, got {self.head_dim}")
+        odd = [f"{name}={getattr(self, name)}" for name in ("v_head_dim", "kv_lora_rank") if getattr(self, name) % 2]
+        if odd:
+            raise ValueError(f"{', '.join(odd)} is odd; the CPU attention kernels accumulate P @ V in pairs of "
+                             "value columns and need an even value head dim")
         if self.dtype not in DTYPES:
             raise ValueError(f"dtype must be one of {DTYPES}, got {self.dtype!r}")
         if (self.kv_lora_rank > 0) != (self.qk_rope_head_dim > 0):

@@ -47,10 +47,13 @@ def kernel_shape(config: KVCacheConfig) -> KVCacheConfig:
                                  qk_nope_head_dim=config.qk_nope_head_dim,
                                  qk_rope_head_dim=config.qk_rope_head_dim, v_head_dim=config.v_dim,
                                  dtype=config.dtype)
-    # the attention options are compile-time for the TIR kernels and select FlashInfer module variants
+    # the attention options are compile-time for the TIR kernels and select FlashInfer module variants;
+    # the RoPE mode is not (kernels take apply_rope as an argument), so the shape says "none": it holds every
+    # head dim (an odd one only serves rope_mode "none", which the config itself enforces)
     return KVCacheConfig(num_layers=1, num_qo_heads=config.num_qo_heads, num_kv_heads=config.num_kv_heads,
                          head_dim=config.head_dim, v_head_dim=config.v_head_dim, dtype=config.dtype,
-                         sliding_window=config.sliding_window, logits_soft_cap=config.logits_soft_cap)
+                         rope_mode="none", sliding_window=config.sliding_window,
+                         logits_soft_cap=config.logits_soft_cap)
 
 
 @functools.lru_cache(maxsize=None)
@@ -221,6 +224,55 @@ def create(config: KVCacheConfig, *, backend: str | Sequence[str] | None = None,
     return cache
 
 
+def _type_name(value) -> str:
+    if value is None:
+        return "None"
+    t = type(value)
+    return t.__qualname__ if t.__module__ == "builtins" else f"{t.__module__}.{t.__qualname__}"
+
+
+class _TensorArgs:
+    """Checks the tensor arguments of one ``KVCache`` call before anything else runs, so a wrong argument is
+    reported as itself (type, dtype, device, shape and what was expected) and not as whatever fails first
+    on it. A shape is a list of ``(label, size)`` entries and symbols (``"n"``): a symbol takes its size
+    from the first argument that has it and every later argument must agree. Sizes the Python side does
+    not know (the forward's token count) are checked by the runtime, which names the tensor too."""
+
+    def __init__(self, cache: "KVCache", method: str) -> None:
+        self.cache, self.method, self.sizes = cache, method, {}
+
+    def __call__(self, name: str, value, dims=None, *, dtype: str | None = None, why: str = "the cache's dtype"):
+        import torch
+
+        dtype = self.cache.config.dtype if dtype is None else dtype
+        device = self.cache.device
+        want = f"'{name}' must be a torch.Tensor of dtype {dtype} ({why}) on {device}"
+        if not isinstance(value, torch.Tensor):
+            raise TypeError(f"{self.method}: {want}, got {_type_name(value)}")
+        got_dtype = str(value.dtype).removeprefix("torch.")
+        same_device = value.device.type == device.type and device.index in (None, value.device.index)
+        if got_dtype != dtype:
+            where = "" if same_device else f" on {value.device}"
+            raise TypeError(f"{self.method}: {want}, got {got_dtype}{where}")
+        if not same_device:
+            raise ValueError(f"{self.method}: {want}, got a tensor on {value.device}")
+        if dims is None:
+            return
+        shape = list(value.shape)
+        sizes = dict(self.sizes)
+        ok = len(shape) == len(dims)
+        for dim, size in zip(dims, shape) if ok else ():
+            if isinstance(dim, str):
+                ok = ok and sizes.setdefault(dim, size) == size
+            else:
+                ok = ok and dim[1] == size
+        if not ok:
+            spec = ", ".join((f"{d} = {self.sizes[d]}" if d in self.sizes else d) if isinstance(d, str)
+                             else f"{d[0]} = {d[1]}" for d in dims)
+            raise ValueError(f"{self.method}: '{name}' must have shape [{spec}], got {shape}")
+        self.sizes = sizes
+
+
 class KVCache:
     """Python view of a runtime ``PagedKVCache`` (see ``docs/ARCHITECTURE.md`` for the semantics)."""
 
@@ -280,6 +332,10 @@ class KVCache:
 
     def attention_with_fused_qkv(self, layer: int, qkv, sm_scale: float):
         """``qkv[n, Hq + 2 Hkv, D]`` -> ``o[n, Hq, D]``; appends k/v of the new tokens."""
+        c = self.config
+        # an MLA cache has no fused qkv: the runtime names the cache's layer kind
+        _TensorArgs(self, "attention_with_fused_qkv")("qkv", qkv, None if c.is_mla else [
+            "n", ("num_qo_heads + 2 * num_kv_heads", c.num_qo_heads + 2 * c.num_kv_heads), ("head_dim", c.head_dim)])
         o = self._empty((qkv.shape[0], self.config.num_qo_heads, self.config.v_dim), qkv.dtype)
         self._call("attention_with_fused_qkv", layer, float(sm_scale), _to_ffi(qkv), _to_ffi(o))
         return o
@@ -288,6 +344,11 @@ class KVCache:
         """Ragged causal attention over the new tokens: ``q[n, Hq, D]`` -> ``(o[n, Hq, Dv], lse[n, Hq])``."""
         import torch
 
+        c = self.config
+        check = _TensorArgs(self, "self_attention")
+        check("q", q, ["n", ("num_qo_heads", c.num_qo_heads), ("head_dim", c.head_dim)])
+        check("k", k, ["n", ("num_kv_heads", c.num_kv_heads), ("head_dim", c.head_dim)])
+        check("v", v, ["n", ("num_kv_heads", c.num_kv_heads), ("v_head_dim", c.v_dim)])
         o = self._empty((q.shape[0], q.shape[1], v.shape[2]), q.dtype)
         lse = self._empty((q.shape[0], q.shape[1]), torch.float32)
         self._call("self_attention", layer, float(sm_scale), *map(_to_ffi, (q, k, v, o, lse)))
@@ -295,6 +356,9 @@ class KVCache:
 
     def append_mla_kv(self, layer: int, kv) -> None:
         """MLA: write the forward's latents ``kv[n, kv_lora_rank + qk_rope_head_dim]`` into the pages."""
+        # an MHA cache has no latents: the runtime names the cache's layer kind
+        _TensorArgs(self, "append_mla_kv")("kv", kv, [
+            "n", ("kv_lora_rank + qk_rope_head_dim", self.config.latent_dim)] if self.config.is_mla else None)
         self._call("append_mla_kv", layer, _to_ffi(kv))
 
     def cross_attention(self, layer: int, q, sm_scale: float, v_head_dim: int | None = None):
@@ -304,6 +368,10 @@ class KVCache:
         """
         import torch
 
+        c = self.config
+        _TensorArgs(self, "cross_attention")("q", q, ["n", ("num_qo_heads", c.num_qo_heads),
+                                                      ("kv_lora_rank + qk_rope_head_dim", c.latent_dim)
+                                                      if c.is_mla else ("head_dim", c.head_dim)])
         default = self.config.kv_lora_rank if self.config.is_mla else self.config.v_dim
         dv = default if v_head_dim is None else v_head_dim
         o = self._empty((q.shape[0], q.shape[1], dv), q.dtype)
@@ -312,6 +380,14 @@ class KVCache:
         return o, lse
 
     def merge_attn_output_inplace(self, o_a, lse_a, o_b, lse_b):
+        """``(o_a, lse_a) <- merge((o_a, lse_a), (o_b, lse_b))``: ``o[n, Hq, Dv]``, ``lse[n, Hq]`` (float32)."""
+        heads = ("num_qo_heads", self.config.num_qo_heads)
+        check = _TensorArgs(self, "merge_attn_output_inplace")
+        lse = dict(dtype="float32", why="lse is always float32")
+        check("o_a", o_a, ["n", heads, "Dv"])
+        check("lse_a", lse_a, ["n", heads], **lse)
+        check("o_b", o_b, ["n", heads, "Dv"])
+        check("lse_b", lse_b, ["n", heads], **lse)
         self._call("merge_attn_output_inplace", *map(_to_ffi, (o_a, lse_a, o_b, lse_b)))
         return o_a, lse_a
 
@@ -330,6 +406,13 @@ class KVCache:
         return k, v
 
     def debug_set_kv(self, seq_id: int, start: int, k, v) -> None:
+        """Overwrite K and V of tokens ``[start, start + m)`` of a sequence: ``k, v[L, m, Hkv, D]``."""
+        c = self.config
+        dims = None if c.is_mla else [("num_layers", c.num_layers), "m", ("num_kv_heads", c.num_kv_heads),
+                                      ("head_dim", c.head_dim)]
+        check = _TensorArgs(self, "debug_set_kv")
+        check("k", k, dims)
+        check("v", v, dims)
         self._call("debug_set_kv", seq_id, start, _to_ffi(k), _to_ffi(v))
 
     def debug_get_mla_kv(self, seq_id: int, start: int = 0, end: int | None = None):
@@ -340,6 +423,10 @@ class KVCache:
         return kv
 
     def debug_set_mla_kv(self, seq_id: int, start: int, kv) -> None:
+        """MLA: overwrite the latents of tokens ``[start, start + m)`` of a sequence: ``kv[L, m, latent_dim]``."""
+        c = self.config
+        _TensorArgs(self, "debug_set_mla_kv")("kv", kv, [("num_layers", c.num_layers), "m", (
+            "kv_lora_rank + qk_rope_head_dim", c.latent_dim)] if c.is_mla else None)
         self._call("debug_set_mla_kv", seq_id, start, _to_ffi(kv))
 
 

@@ -26,6 +26,9 @@ MLA_FIELDS = ("kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim")
 #: Fields added by schema 3 (0: off).
 ATTENTION_OPTION_FIELDS = ("sliding_window", "logits_soft_cap")
 
+#: Token slots a cache may hold: slot indices (page * page_size + offset) are int32 in the kernel ABI.
+MAX_SLOTS = 2**31 - 1
+
 #: Fields that may be given at run time (e.g. as Relax symbolic variables) instead of at compile time.
 RUNTIME_FIELDS = ("max_batch_size", "max_total_seq_len", "prefill_chunk_size", "page_size")
 
@@ -115,6 +118,12 @@ class KVCacheConfig:
         if not out and self.num_qo_heads % self.num_kv_heads:
             out.append(f"num_qo_heads ({self.num_qo_heads}) is not a multiple of "
                        f"num_kv_heads ({self.num_kv_heads})")
+        if not out:
+            pages = -(-self.max_total_seq_len // self.page_size) + self.max_batch_size
+            if pages * self.page_size > MAX_SLOTS:
+                out.append(f"max_total_seq_len={self.max_total_seq_len} with page_size={self.page_size} and "
+                           f"max_batch_size={self.max_batch_size} needs {pages} pages = {pages * self.page_size} "
+                           f"token slots; slot indices are int32 in the kernel ABI (at most {MAX_SLOTS})")
         if self.dtype not in DTYPES:
             out.append(f"dtype {self.dtype!r} not in {DTYPES}")
         if self.rope_mode not in ROPE_MODES:
@@ -122,7 +131,8 @@ class KVCacheConfig:
         if self.v_head_dim is not None and self.v_head_dim != self.head_dim and not self.is_mla:
             out.append("v_head_dim != head_dim needs MLA layers")
         if isinstance(self.head_dim, int) and self.rope_mode != "none" and self.head_dim % 2:
-            out.append(f"RoPE needs an even head_dim, got {self.head_dim}")
+            out.append(f"RoPE (rope_mode {self.rope_mode!r}) rotates the two halves of a head and needs an even "
+                       f"head_dim, got {self.head_dim}; an odd head_dim takes rope_mode 'none'")
         if self.layer_kinds is not None:
             if len(self.layer_kinds) != self.num_layers:
                 out.append(f"layer_kinds has {len(self.layer_kinds)} entries for {self.num_layers} layers")

@@ -56,6 +56,21 @@ def test_append_mla_kv_bad_shape(runner):
     rejects(runner, lambda: c.append_mla_kv(2, runner.randn(2, 96)), r"layer 2", in_forward={0: 1, 1: 1})
 
 
+def test_mla_tensor_arguments(runner):
+    """The Python wrapper names a wrong tensor argument (type, dtype) before anything runs."""
+    c = runner.cache
+    must = "'kv' must be a torch.Tensor of dtype float32 (the cache's dtype) on cpu, got"
+    rejects(runner, lambda: c.append_mla_kv(0, None), re.escape(f"append_mla_kv: {must} None"),
+            in_forward={0: 1, 1: 1})
+    rejects(runner, lambda: c.append_mla_kv(0, runner.randn(2, 96).numpy()),
+            re.escape(f"append_mla_kv: {must} numpy.ndarray"), in_forward={0: 1, 1: 1})
+    kv = runner.randn(CFG.num_layers, 2, CFG.latent_dim)
+    rejects(runner, lambda: c.debug_set_mla_kv(0, 0, kv.to(torch.int32)), re.escape(f"debug_set_mla_kv: {must} int32"))
+    rejects(runner, lambda: c.debug_set_mla_kv(0, 0, kv[:, :, :95]), re.escape(
+        "debug_set_mla_kv: 'kv' must have shape [num_layers = 2, m, kv_lora_rank + qk_rope_head_dim = 96], "
+        "got [2, 2, 95]"))
+
+
 def test_append_mla_kv_outside_forward(runner):
     rejects(runner, lambda: runner.cache.append_mla_kv(0, runner.randn(2, 96)), "begin_forward")
 

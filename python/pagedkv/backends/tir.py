@@ -96,6 +96,23 @@ def _cuda_mla_limits(op: str, config: KVCacheConfig) -> list[str]:
     return out
 
 
+def _cpu_attention_limits(op: str, config: KVCacheConfig) -> list[str]:
+    """The CPU attention kernels accumulate ``P @ V`` in pairs of value columns (``tir_kernels`` tile plan):
+    an odd value head dim would leave the output unwritten, so it is refused here."""
+    if op == ops.ATTN_PREFILL_RAGGED:
+        name, value = "v_head_dim", config.v_dim
+    elif op in (ops.MLA_ATTN_PREFILL_PAGED, ops.MLA_ATTN_DECODE_PAGED):
+        name, value = "kv_lora_rank", config.kv_lora_rank  # the value dim of the absorbed attention
+    elif not config.is_mla:
+        name, value = "head_dim", config.head_dim  # MHA pages hold V at head_dim
+    else:
+        return []  # an MHA op of an MLA config: refused as such
+    if value % 2:
+        return [f"TIR CPU {op} needs an even value head dim (it accumulates P @ V in pairs of value columns), "
+                f"got {name} {value}"]
+    return []
+
+
 class TIRBackend(Backend):
     """TIR kernels (our own, ``pagedkv.tir_kernels``) for every op."""
 
@@ -115,6 +132,8 @@ class TIRBackend(Backend):
             reasons.append(f"dtype {config.dtype!r} not supported (supported: {SUPPORTED_DTYPES})")
         if kind == "cuda" and op in ops.ATTENTION_OPS:
             reasons += _cuda_attention_limits(op, config)
+        if kind == "llvm" and op in ops.ATTENTION_OPS:
+            reasons += _cpu_attention_limits(op, config)
         return reasons
 
     def describe(self, op: str, config: KVCacheConfig, target: Any) -> str:
