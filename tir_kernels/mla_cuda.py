@@ -39,7 +39,8 @@ Attention: one block of 128 threads per *row tile* (and key split)
   by binary search; surplus tiles idle. Within an entry the last row tile (most keys when causal) runs first.
 * Decode grid: (entry, row tile, key split). ``S`` splits per entry when ``B * ceil(H / R)`` blocks cannot
   fill the GPU and entries are long (``_split_count``, on the host from the shapes); with ``S > 1`` the
-  blocks write normalized partial states (o, lse) to a float32 workspace and a second kernel merges them.
+  blocks write normalized partial states (o, lse) to a float32 workspace and a second kernel merges them
+  (``cuda_decode_splits`` in ``KernelConfig.paths`` forces ``S`` for tests).
 
 TVM pitfalls met here: a vectorized cast from a register array (``half4 v_ = *(half4*)(Xr)``) is bound
 once by the CUDA codegen and reused after the array changed (so fp16 is converted element-wise); shared
