@@ -6,7 +6,7 @@ tested where a test's shapes happen to select it; forcing it (``pagedkv.backends
 path on every shape. Here:
 
 - the MHA decode kernel, called directly, under every value of ``cuda_decode_splits`` (auto, 1, 2, 3, 8) on
-  ``PATH_SHAPES`` (plain, windowed, capped, both; 8 and 4 kv heads), inline RoPE on and off (the RoPE kernel
+  ``PATH_SHAPES`` (plain, windowed, windowed + capped; 8 and 4 kv heads), inline RoPE on and off (the RoPE kernel
   has its own key step, so its own split boundaries), over batches of 20 entries of mixed lengths (empty,
   shorter than the window, just around it, windows starting past the first key step and mid-page, 3000
   keys), longest first and shortest first (a per-batch start or state would show in the later entries);
