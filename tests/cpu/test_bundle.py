@@ -108,13 +108,16 @@ def _gpu_module(name: str):
 def _lookup_key(config, paths: dict) -> str:
     """The key a GPU test looks its kernel library up by: what ``pagedkv.create`` / ``_compile_op_table`` compute
     (``pagedkv.cache._op_table_cached``) under ``forced_paths(paths)``."""
+    import json
+
     from pagedkv import backends
+    from pagedkv import target as T
     from pagedkv.backends.tir import forced_paths
-    from pagedkv.cache import kernel_library_key, kernel_shape, target_spec
+    from pagedkv.cache import kernel_library_key, kernel_shape
 
     with forced_paths(paths):
-        choice = tuple(backends.resolve(config, target_spec(CUDA), "tir").choice.items())
-        return kernel_library_key(kernel_shape(config), target_spec(CUDA), choice)
+        choice = tuple(backends.resolve(config, T.canonical(CUDA), "tir").choice.items())
+        return kernel_library_key(kernel_shape(config), json.loads(T.key(CUDA)), choice)
 
 
 def test_bundle_builds_every_kernel_library_of_the_gpu_suite(tmp_path):
