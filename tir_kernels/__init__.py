@@ -203,7 +203,14 @@ def make_attn_decode_paged(cfg: KernelConfig, target):
         "llvm": lambda: attn_decode_paged_cpu(cfg.num_qo_heads, cfg.num_kv_heads, cfg.head_dim,
                                               cfg.dtype, **cfg.masking),
         "cuda": lambda: attn_decode_paged_cuda(cfg.num_qo_heads, cfg.num_kv_heads, cfg.head_dim,
-                                               cfg.dtype, **cfg.masking)})
+                                               cfg.dtype, **cfg.masking, **_cuda_decode_paths(cfg))})
+
+
+def _cuda_decode_paths(cfg: KernelConfig) -> dict:
+    """Forced paths of the CUDA decode kernels (MHA and MLA) as keyword arguments: ``decode_splits`` (0 =
+    automatic; ``_paths.SWITCHES["cuda_decode_splits"]``)."""
+    splits = forced(cfg.paths, "cuda_decode_splits")
+    return {"decode_splits": 0 if splits == "auto" else int(splits)}
 
 
 def make_merge_state(cfg: KernelConfig, target):
@@ -276,7 +283,7 @@ def make_mla_attn_decode_paged(cfg: KernelConfig, target):
     args = (cfg.num_qo_heads, cfg.kv_lora_rank, cfg.qk_rope_head_dim, cfg.dtype)
     return dispatch("mla_attn_decode_paged", target, {
         "llvm": lambda: mla_attn_decode_paged_cpu(*args),
-        "cuda": lambda: _mla_cuda("mla_attn_decode_paged_cuda")(*args)})
+        "cuda": lambda: _mla_cuda("mla_attn_decode_paged_cuda")(*args, **_cuda_decode_paths(cfg))})
 
 
 def make_empty_rows(dtype: str, target):

@@ -139,10 +139,18 @@ def soft_cap(score, cap: float):
 
 
 def split_count(B, nnz, ps, blocks_per_split, *, target_blocks: int, min_split_keys: int, max_splits: int,
-                window: int = 0):
+                window: int = 0, forced: int = 0):
     """Key splits per (entry, block) of a split-KV decode kernel, from shapes only (host side): enough blocks
     to fill the GPU (``target_blocks``), each split at least ``min_split_keys`` keys of an average entry (of
-    its last ``window`` keys with a sliding window, the only ones read), at most ``max_splits``."""
+    its last ``window`` keys with a sliding window, the only ones read), at most ``max_splits``.
+
+    ``forced = N > 0`` (the ``cuda_decode_splits`` path switch): ``N`` splits, clamped to ``[1, nnz * ps]``
+    (never more splits than the batch has key slots, so a tiny batch gets no grid of empty splits). Any
+    ``S >= 1`` is correct: the kernels give every entry its own split ranges, and a split past an entry's
+    keys writes the empty state, which the merge weights 0. ``forced = 0``: the expression above, unchanged.
+    """
+    if forced:
+        return T.max(1, T.min(T.int32(forced), nnz * ps))
     want = T.truncdiv(target_blocks + B * blocks_per_split - 1, T.max(B * blocks_per_split, 1))
     avg_keys = T.truncdiv(nnz * ps, T.max(B, 1))
     if window:

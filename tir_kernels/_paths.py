@@ -18,6 +18,10 @@ from typing import Iterable, Mapping
 SWITCHES: dict[str, tuple[str, tuple[str, ...]]] = {
     "cpu_threads": ("CPU attention kernels (MHA and MLA): work items on the calling thread or the pool",
                     ("auto", "serial", "parallel")),
+    "cuda_decode_splits": ("CUDA decode kernels (MHA attn_decode_paged, MLA mla_attn_decode_paged): the split-KV "
+                           "count S (auto: from the shapes); a forced S is clamped to 1 .. the batch's key slots "
+                           "(nnz * page size), and with S > 1 the partial states go through the merge kernel",
+                           ("auto", "1", "2", "3", "8")),
 }
 
 

@@ -26,7 +26,9 @@ Decode (``attn_decode_paged``): one block per (entry, kv head, row chunk, key sp
   written coalesced.
 * Split-KV: ``S`` key ranges per (entry, kv head) when ``B * Hkv`` blocks cannot fill the GPU and the
   entries are long (``_split_count``, on the host from the shapes). With ``S > 1`` the blocks write
-  normalized partial (o, lse) to a float32 workspace and a second kernel merges them.
+  normalized partial (o, lse) to a float32 workspace and a second kernel merges them. Each entry splits its
+  own key range (its window's with a sliding window), so ``S`` only sets the work split, never which keys
+  an entry sees; the path switch ``cuda_decode_splits`` (``KernelConfig.paths``) forces ``S`` for tests.
 
 Prefill (``attn_prefill_ragged`` / ``attn_prefill_paged``): one block per (query tile, kv head)
 ----------------------------------------------------------------------------------------------

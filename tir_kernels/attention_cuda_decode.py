@@ -71,10 +71,12 @@ def _decode_plan(g: int, d: int, dtype: str):
     return vec, lanes0, lanes, nw, gc, kpt
 
 
-def _split_count(B, nnz, ps, blocks_per_split, window: int = 0):
-    """Key splits per (entry, kv head) of the decode kernel (``split_count`` with the decode constants)."""
+def _split_count(B, nnz, ps, blocks_per_split, window: int = 0, forced: int = 0):
+    """Key splits per (entry, kv head) of the decode kernel (``split_count`` with the decode constants;
+    ``forced > 0``: that many, clamped, see ``split_count``)."""
     return split_count(B, nnz, ps, blocks_per_split, target_blocks=DECODE_TARGET_BLOCKS,
-                       min_split_keys=DECODE_MIN_SPLIT_KEYS, max_splits=DECODE_MAX_SPLITS, window=window)
+                       min_split_keys=DECODE_MIN_SPLIT_KEYS, max_splits=DECODE_MAX_SPLITS, window=window,
+                       forced=forced)
 
 
 #: Split-KV policy of the decode kernel (see ``_split_count``): about two blocks per SM of an H100/H200.
@@ -84,7 +86,7 @@ DECODE_MAX_SPLITS = 32
 
 
 def attn_decode_paged_cuda(num_qo_heads, num_kv_heads, head_dim, dtype, *, sliding_window: int = 0,
-                           logits_soft_cap: float = 0.0):
+                           logits_soft_cap: float = 0.0, decode_splits: int = 0):
     """``pagedkv_attn_decode_paged`` for CUDA.
 
     Signature::
@@ -100,6 +102,10 @@ def attn_decode_paged_cuda(num_qo_heads, num_kv_heads, head_dim, dtype, *, slidi
     ``sliding_window = W > 0``: the query (key position ``kvlen - 1``) sees keys ``[kvlen - W, kvlen)``; the
     split ranges cover only those, so a window costs its own keys, not the entry's. ``logits_soft_cap``:
     scores ``c tanh(s / c)`` (``soft_cap``). Both compile-time; 0 leaves the kernel as it was.
+
+    ``decode_splits = N > 0`` forces the split count (path switch ``cuda_decode_splits``: tests reach the
+    direct-write ``S = 1`` path and the workspace + merge path on any shape); clamped to ``[1, nnz * ps]``.
+    0: the automatic count, and the kernel is the one from before the switch.
     """
     HQ, HKV, D = num_qo_heads, num_kv_heads, head_dim
     WIN = min(int(sliding_window), MAX_WINDOW)
@@ -346,7 +352,7 @@ def attn_decode_paged_cuda(num_qo_heads, num_kv_heads, head_dim, dtype, *, slidi
         q_pos = T.match_buffer(q_pos_h, (B,), "int32", elem_offset=T.int32())
         o = T.match_buffer(o_h, (B, HQ, D), dtype, elem_offset=T.int32())
         lse = T.match_buffer(lse_h, (B, HQ), "float32", elem_offset=T.int32())
-        S: T.let[T.int32] = _split_count(B, nnz, ps, HKV * NZ, WIN)
+        S: T.let[T.int32] = _split_count(B, nnz, ps, HKV * NZ, WIN, decode_splits)
         # Split partial states (float32); only touched when S > 1.
         ws_o = T.alloc_buffer((T.max(B, 1) * HQ * S, D), "float32")
         ws_l = T.alloc_buffer((T.max(B, 1) * HQ * S,), "float32")

@@ -39,7 +39,8 @@ Attention: one block of 128 threads per *row tile* (and key split)
   by binary search; surplus tiles idle. Within an entry the last row tile (most keys when causal) runs first.
 * Decode grid: (entry, row tile, key split). ``S`` splits per entry when ``B * ceil(H / R)`` blocks cannot
   fill the GPU and entries are long (``_split_count``, on the host from the shapes); with ``S > 1`` the
-  blocks write normalized partial states (o, lse) to a float32 workspace and a second kernel merges them.
+  blocks write normalized partial states (o, lse) to a float32 workspace and a second kernel merges them
+  (``cuda_decode_splits`` in ``KernelConfig.paths`` forces ``S`` for tests).
 
 TVM pitfalls met here: a vectorized cast from a register array (``half4 v_ = *(half4*)(Xr)``) is bound
 once by the CUDA codegen and reused after the array changed (so fp16 is converted element-wise); shared
@@ -112,10 +113,11 @@ def rows_per_thread(op: str, kv_lora_rank: int, qk_rope_head_dim: int) -> int:
                               f"kv_lora_rank={kv_lora_rank}, qk_rope_head_dim={qk_rope_head_dim}")
 
 
-def _split_count(B, nnz, ps, blocks_per_split):
-    """Key splits per decode entry (``split_count`` with the MLA constants; see ``TARGET_BLOCKS``)."""
+def _split_count(B, nnz, ps, blocks_per_split, forced: int = 0):
+    """Key splits per decode entry (``split_count`` with the MLA constants; see ``TARGET_BLOCKS``;
+    ``forced > 0``: that many, clamped to ``[1, nnz * ps]``)."""
     return split_count(B, nnz, ps, blocks_per_split, target_blocks=TARGET_BLOCKS, min_split_keys=MIN_SPLIT_KEYS,
-                       max_splits=MAX_SPLITS)
+                       max_splits=MAX_SPLITS, forced=forced)
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -502,7 +504,7 @@ def mla_attn_prefill_paged_cuda(num_heads, kv_lora_rank, qk_rope_head_dim, dtype
     return mla_attn_prefill_paged
 
 
-def mla_attn_decode_paged_cuda(num_heads, kv_lora_rank, qk_rope_head_dim, dtype):
+def mla_attn_decode_paged_cuda(num_heads, kv_lora_rank, qk_rope_head_dim, dtype, *, decode_splits: int = 0):
     """``pagedkv_mla_attn_decode_paged`` for CUDA.
 
     Signature::
@@ -511,7 +513,8 @@ def mla_attn_decode_paged_cuda(num_heads, kv_lora_rank, qk_rope_head_dim, dtype)
          o[B,H,DV], lse[B,H], sm_scale:f32)
 
     One block per (entry, row tile of ``R`` heads, key split); with ``S > 1`` splits a second kernel merges
-    the partial states.
+    the partial states. ``decode_splits = N > 0`` forces ``S`` (path switch ``cuda_decode_splits``, clamped
+    to ``[1, nnz * ps]``); 0: the automatic count, the kernel from before the switch.
     """
     H, DV = num_heads, kv_lora_rank
     DL = kv_lora_rank + qk_rope_head_dim
@@ -536,7 +539,7 @@ def mla_attn_decode_paged_cuda(num_heads, kv_lora_rank, qk_rope_head_dim, dtype)
         last_page_len = T.match_buffer(last_page_len_h, (B,), "int32", elem_offset=T.int32())
         o = T.match_buffer(o_h, (B, H, DV), dtype, elem_offset=T.int32())
         lse = T.match_buffer(lse_h, (B, H), "float32", elem_offset=T.int32())
-        S: T.let[T.int32] = _split_count(B, nnz, ps, NRT)
+        S: T.let[T.int32] = _split_count(B, nnz, ps, NRT, decode_splits)
         # Split partial states (float32); only touched when S > 1.
         ws_o = T.alloc_buffer((T.max(B, 1) * H * S, DV), "float32")
         ws_l = T.alloc_buffer((T.max(B, 1) * H * S,), "float32")

@@ -3,7 +3,8 @@ runtime only, built on a host without a GPU.
 
 OUT/bundle/    runtime-only TVM + tvm-ffi wheel for the GPU host's Python (``pagedkv.runtime_bundle``)
 OUT/lib/       libpagedkv_runtime.so
-OUT/kernels/   kernels-<key>.so/.json for every config of the GPU suite (sm_90 fatbins); with
+OUT/kernels/   kernels-<key>.so/.json for every config of the GPU suite (sm_90 fatbins), and for the CUDA
+               path tests' configs under each forced path (``tir_kernel_libraries``); with
                flashinfer-python 0.7.4 installed also with backends ("flashinfer", "tir") for the FlashInfer
                suite's configs (``pagedkv.testing.shapes.flashinfer_gpu_shapes``: fp16 head dim 128 and the
                DeepSeek MLA dims; its modules linked in, from the FlashInfer build cache)
@@ -32,17 +33,42 @@ def _runtime_bundle(out: Path) -> None:
     print(f"[pagedkv] runtime bundle {path}: {size / 1e6:.1f} MB in {time.perf_counter() - t0:.1f} s", flush=True)
 
 
-def build_kernels(out: Path, configs, target) -> list[Path]:
+def tir_kernel_libraries() -> list[tuple]:
+    """(config, forced paths) of every TIR kernel library of the bundle: the GPU suite's configs and the
+    benchmark's windowed one without forced paths (``{}``), and those of the CUDA path tests
+    (``pagedkv.testing.shapes.gpu_path_libraries``, built under ``pagedkv.backends.tir.forced_paths``)."""
+    from .testing.shapes import BENCH_WINDOWED, gpu_configs, gpu_path_libraries
+
+    return [(cfg, {}) for cfg in gpu_configs() + [BENCH_WINDOWED.config()]] + gpu_path_libraries()
+
+
+def tir_library_path(kernels: Path, config, paths: dict, target) -> Path:
+    """Where the TIR kernel library of ``config`` under forced ``paths`` lies in ``kernels`` (its key)."""
+    from .backends.tir import forced_paths
+    from .cache import kernel_library_path
+
+    with forced_paths(paths):
+        return kernel_library_path(config, kernels, target=target, backend="tir")
+
+
+def build_kernels(out: Path, libraries, target) -> list[Path]:
+    """Build ``(config, forced paths)`` TIR kernel libraries into ``out/kernels`` (each key once)."""
+    from .backends.tir import forced_paths
     from .cache import build_kernel_library
 
-    paths = []
-    for i, cfg in enumerate(configs):
+    todo: dict[Path, tuple] = {}
+    for cfg, paths in libraries:
+        todo.setdefault(tir_library_path(out / "kernels", cfg, paths, target), (cfg, paths))
+    built = []
+    for i, (cfg, paths) in enumerate(todo.values()):
         t0 = time.perf_counter()
-        path = build_kernel_library(cfg, out / "kernels", target=target, backend="tir")
-        print(f"[pagedkv] kernels {i + 1}/{len(configs)} {path.name}: {path.stat().st_size / 1e6:.2f} MB "
+        with forced_paths(paths):
+            path = build_kernel_library(cfg, out / "kernels", target=target, backend="tir")
+        forced = f" paths {paths}" if paths else ""
+        print(f"[pagedkv] kernels {i + 1}/{len(todo)} {path.name}{forced}: {path.stat().st_size / 1e6:.2f} MB "
               f"in {time.perf_counter() - t0:.1f} s", flush=True)
-        paths.append(path)
-    return paths
+        built.append(path)
+    return built
 
 
 #: The backend priority list of the FlashInfer kernel libraries (the GPU suite asks for the same list).
@@ -221,10 +247,10 @@ def main(argv: list[str] | None = None) -> int:
     shutil.copy2(runtime_library_path(), out / "lib" / "libpagedkv_runtime.so")
     if not args.no_upstream:
         build_upstream_kernels(out, args.arch)
-    from .testing.shapes import BENCH_WINDOWED, flashinfer_gpu_shapes, gpu_configs
+    from .testing.shapes import BENCH_WINDOWED, flashinfer_gpu_shapes
 
     target = {"kind": "cuda", "arch": args.arch}
-    build_kernels(out, gpu_configs() + [BENCH_WINDOWED.config()], target)
+    build_kernels(out, tir_kernel_libraries(), target)
     build_flashinfer_kernels(out, [s.config() for s in flashinfer_gpu_shapes() + [BENCH_WINDOWED]], target)
     build_smollm2(out, args.arch)
     from .flashinfer import unavailable_reasons

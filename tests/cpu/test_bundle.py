@@ -86,3 +86,86 @@ def test_kernel_benchmark_fails_on_a_wrong_output():
     assert bench.report_failures(ok, dry=False) == 0
     wrong = ok + [{"case": "c", "impl": "upstream", "status": "WRONG: rel err 5.0e-01 >= 1e-2"}]
     assert bench.report_failures(wrong, dry=False) == 1
+
+
+# ---------------------------------------------------------------------------------------------------------
+# the kernel libraries of the GPU suite (forced CUDA paths included) are exactly those the bundle builds
+# ---------------------------------------------------------------------------------------------------------
+CUDA = {"kind": "cuda", "arch": "sm_90"}
+
+
+def _gpu_module(name: str):
+    """A ``tests/gpu`` module (importable without a GPU: its tests skip, its parametrization is plain data)."""
+    import importlib
+
+    sys.path.insert(0, str(_REPO / "tests" / "gpu"))
+    try:
+        return importlib.import_module(name)
+    finally:
+        sys.path.pop(0)
+
+
+def _lookup_key(config, paths: dict) -> str:
+    """The key a GPU test looks its kernel library up by: what ``pagedkv.create`` / ``_compile_op_table`` compute
+    (``pagedkv.cache._op_table_cached``) under ``forced_paths(paths)``."""
+    import json
+
+    from pagedkv import backends
+    from pagedkv import target as T
+    from pagedkv.backends.tir import forced_paths
+    from pagedkv.cache import kernel_library_key, kernel_shape
+
+    with forced_paths(paths):
+        choice = tuple(backends.resolve(config, T.canonical(CUDA), "tir").choice.items())
+        return kernel_library_key(kernel_shape(config), json.loads(T.key(CUDA)), choice)
+
+
+def test_bundle_builds_every_kernel_library_of_the_gpu_suite(tmp_path):
+    """Dry (nothing compiled): the TIR libraries the GPU tests load, by the key they look up, forced CUDA
+    paths included, equal the libraries ``python -m pagedkv.bundle`` builds, so a runtime-only GPU run never
+    misses one (and the bundle carries none that no test loads)."""
+    from pagedkv.bundle import tir_kernel_libraries, tir_library_path
+
+    scen, mask = _gpu_module("test_scenarios_gpu"), _gpu_module("test_kernels_masking_gpu")
+    paths, fi = _gpu_module("test_cuda_paths_gpu"), _gpu_module("test_flashinfer_gpu")
+    need = [(s.config(), {}) for s in scen.SHAPES + mask.SHAPES + fi.SHAPES]
+    need += [(s.config(), p) for s, p in paths.LIBRARIES]
+    assert any(p for _, p in need), "the GPU suite forces no path"
+    want = {f"kernels-{_lookup_key(c, p)}.so" for c, p in need}
+    built = {tir_library_path(tmp_path, c, p, CUDA).name for c, p in tir_kernel_libraries()}
+    assert want == built, (sorted(want - built), sorted(built - want))
+    assert {p["cuda_decode_splits"] for _, p in paths.LIBRARIES} == set(paths.SPLITS) > {"auto"}
+
+
+def test_forced_paths_select_prebuilt_libraries_runtime_only(tmp_path):
+    """With the TVM runtime only (no TVMScript, so no kernel package), ``forced_paths`` still works and the
+    lookup asks for the forced library's key (here: missing, so the error names it)."""
+    from pagedkv.bundle import tir_library_path
+    from pagedkv.testing.shapes import PATH_SHAPES
+
+    cfg, paths = PATH_SHAPES[1].config(), {"cuda_decode_splits": "3"}
+    expected = tir_library_path(tmp_path, cfg, paths, CUDA).name
+    assert expected != tir_library_path(tmp_path, cfg, {}, CUDA).name
+    code = f"""
+import sys
+import tvm
+assert tvm.base._RUNTIME_ONLY
+from pagedkv import backends
+from pagedkv.backends.tir import forced_paths
+from pagedkv.cache import _compile_op_table
+from pagedkv.testing.shapes import PATH_SHAPES
+cfg = PATH_SHAPES[1].config()
+with forced_paths({paths!r}):
+    choice = tuple(backends.resolve(cfg, {CUDA!r}, "tir").choice.items())
+    try:
+        _compile_op_table(cfg, {CUDA!r}, choice)
+    except FileNotFoundError as err:
+        print(err)
+print("kernels imported:", "pagedkv.tir_kernels" in sys.modules)
+"""
+    env = {k: v for k, v in __import__("os").environ.items()}
+    env.update(TVM_USE_RUNTIME_LIB="1", PAGEDKV_KERNEL_DIR=str(tmp_path))
+    proc = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, cwd=tmp_path)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert expected in proc.stdout, proc.stdout
+    assert "kernels imported: False" in proc.stdout, proc.stdout

@@ -140,3 +140,41 @@ def flashinfer_gpu_shapes() -> list:
         return (s.d, s.dtype) == (128, "float16")
 
     return [s for s in gpu_shapes() if cheap(s)]
+
+
+# ---------------------------------------------------------------------------------------------------------
+# forced CUDA code paths (``pagedkv.backends.tir.forced_paths``; switches ``pagedkv.tir_kernels.SWITCHES``)
+# ---------------------------------------------------------------------------------------------------------
+#: Shapes of the CUDA path tests (``tests/gpu/test_cuda_paths_gpu.py``), whose decode kernels run under every
+#: value of the CUDA path switches: plain, windowed, windowed + capped; 8, 4 and 8 kv heads; GQA groups 4, 4, 8
+#: (8: two row chunks over blockIdx.z beside the splits); both dtypes. The windows (24, 300) start past the
+#: first key step and mid-page in the long entries of the tests. Page size and RoPE mode change no kernel.
+#: (A soft cap alone is left out: it maps each score and meets no split boundary; every forced shape costs
+#: five kernel libraries, about 0.5 MB each, of the 60 MB bundle.)
+PATH_SHAPES = [
+    Shape(32, 8, 128, "float16", 16, "normal"),
+    Shape(16, 4, 64, "float32", 8, "inline", window=24),
+    Shape(64, 8, 128, "float16", 16, "none", window=300, cap=3.0),
+]
+#: MLA shapes of the path tests: DeepSeek-V2-Lite's latent (fp16) and the small fp32 one (3 heads).
+PATH_MLA_SHAPES = [MLA_SHAPES[2], MLA_SHAPES[0]]
+#: The scenario suite runs under each forced path on these: plain, windowed and MLA.
+PATH_SCENARIO_SHAPES = PATH_SHAPES[:2] + PATH_MLA_SHAPES
+
+
+def cuda_path_switches() -> dict[str, tuple[str, ...]]:
+    """switch -> values ("auto" first) of every CUDA path switch (works with the TVM runtime only)."""
+    from ..backends.tir import path_switches
+
+    return {name: values for name, (_, values) in sorted(path_switches().items()) if name.startswith("cuda_")}
+
+
+def forced_cuda_paths() -> list[dict[str, str]]:
+    """One ``{switch: value}`` per forced value (not "auto") of every CUDA path switch."""
+    return [{name: v} for name, values in cuda_path_switches().items() for v in values if v != "auto"]
+
+
+def gpu_path_libraries() -> list[tuple[KVCacheConfig, dict[str, str]]]:
+    """(config, forced paths) of every kernel library the CUDA path tests load: each path shape under each
+    forced path and without one (``{}``). ``pagedkv.bundle`` prebuilds exactly these beside ``gpu_configs``."""
+    return [(s.config(), paths) for s in PATH_SHAPES + PATH_MLA_SHAPES for paths in [{}] + forced_cuda_paths()]

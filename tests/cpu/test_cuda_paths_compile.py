@@ -1,0 +1,139 @@
+"""Forced code paths of the CUDA kernels (``tir_kernels/_paths.py``, switches ``cuda_*``) on the build host: no GPU.
+
+- "auto" has no forced code: a decode factory without the switch, with ``decode_splits=0`` and through
+  ``KernelConfig(paths={...: "auto"})`` give the same ``script()``; a forced split count changes only the
+  host-side split expression of the decode kernels (to the documented clamp), and no other kernel.
+- Every forced value of ``cuda_decode_splits`` compiles with ``nvcc --cubin -arch=sm_90a`` without register
+  spills, at shapes of ``test_cuda_compile.py`` / ``test_mla_cuda_compile.py`` (the benchmark shape, the
+  float32 group-1 shape with both masking options, DeepSeek's latent): one module per shape holding the
+  decode kernel once per forced value, one nvcc job each.
+
+The numerical check of every forced path needs a GPU (``tests/gpu/test_cuda_paths_gpu.py``).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import importlib
+import pathlib
+import re
+import sys
+
+import pytest
+from _cuda_support import cuda_source_of, nvcc_all, ptxas_usage
+
+ROOT = pathlib.Path(__file__).resolve().parents[2]
+try:  # installed package
+    from pagedkv import tir_kernels as tk
+except Exception:  # noqa: BLE001 (source checkout, or pagedkv present but its runtime not built)
+    sys.path.insert(0, str(ROOT))
+    import tir_kernels as tk
+
+import tvm
+from tvm.target import Target
+
+SM90 = Target({"kind": "cuda", "arch": "sm_90"}, host="llvm")
+SWITCH = "cuda_decode_splits"
+FORCED = [v for v in tk.SWITCHES[SWITCH][1] if v != "auto"]
+
+
+def _mla(h, rank, rope, dtype):
+    return tk.KernelConfig(h, h, rank + rope, rank, dtype, kv_lora_rank=rank, qk_rope_head_dim=rope)
+
+
+#: name -> KernelConfig (shapes of the existing CUDA compile tests). nvcc runs on the first three (each forced
+#: value of a shape in one module); the small MLA shape serves the script checks only.
+SHAPES = {
+    "32x8x128-f16": tk.KernelConfig(32, 8, 128, 128, "float16"),
+    "4x4x64-f32-w100-cap50": tk.KernelConfig(4, 4, 64, 64, "float32", sliding_window=100, logits_soft_cap=50.0),
+    "mla-16x512x64-f16": _mla(16, 512, 64, "float16"),
+    "mla-3x64x32-f32": _mla(3, 64, 32, "float32"),
+}
+NVCC_SHAPES = list(SHAPES)[:3]
+
+
+def _decode_op(cfg) -> str:
+    return "mla_attn_decode_paged" if cfg.is_mla else "attn_decode_paged"
+
+
+def _script(cfg, op: str) -> str:
+    return tk.FACTORIES[op](cfg, SM90).script()
+
+
+def _forced(cfg, value: str):
+    return dataclasses.replace(cfg, paths={SWITCH: value})
+
+
+def test_switch_is_registered():
+    assert tk.SWITCHES[SWITCH][1][0] == "auto" and {"1", "2", "8"} <= set(FORCED)
+    assert tk.KernelConfig(4, 4, 64, paths={SWITCH: "auto"}).paths == ()
+    with pytest.raises(ValueError, match=SWITCH):
+        tk.KernelConfig(4, 4, 64, paths={SWITCH: "0"})
+
+
+@pytest.mark.parametrize("name", ["4x4x64-f32-w100-cap50", "mla-3x64x32-f32"])
+def test_auto_has_no_forced_code(name):
+    """Auto = the kernel without the switch; each forced value changes only the decode's split count line."""
+    cfg = SHAPES[name]
+    op = _decode_op(cfg)
+    factory = (importlib.import_module(f"{tk.__name__}.mla_cuda").mla_attn_decode_paged_cuda if cfg.is_mla
+               else tk.attention_cuda.attn_decode_paged_cuda)
+    args = ((cfg.num_qo_heads, cfg.kv_lora_rank, cfg.qk_rope_head_dim, cfg.dtype) if cfg.is_mla else
+            (cfg.num_qo_heads, cfg.num_kv_heads, cfg.head_dim, cfg.dtype))
+    kwargs = {} if cfg.is_mla else cfg.masking
+    with tk._common.fast_macro_expansion():  # as the factories' dispatch
+        default = factory(*args, **kwargs).script()
+        assert factory(*args, **kwargs, decode_splits=0).script() == default
+    assert _script(_forced(cfg, "auto"), op) == default
+    for value in FORCED:
+        forced = _script(_forced(cfg, value), op)
+        changed = [(a, b) for a, b in zip(default.splitlines(), forced.splitlines()) if a != b]
+        assert len(default.splitlines()) == len(forced.splitlines()) and len(changed) == 1, changed
+        assert changed[0][1].strip() == f"S: T.let[T.int32] = T.max(1, T.min({value}, nnz * ps))", changed
+
+
+@pytest.mark.parametrize("op", ["attn_prefill_paged", "attn_prefill_ragged", "merge_state", "split_rotary"])
+def test_forced_splits_leave_other_kernels_alone(op):
+    cfg = SHAPES["4x4x64-f32-w100-cap50"]
+    assert _script(_forced(cfg, "8"), op) == _script(cfg, op)
+
+
+def test_forced_splits_leave_mla_prefill_alone():
+    cfg = SHAPES["mla-3x64x32-f32"]
+    assert _script(_forced(cfg, "3"), "mla_attn_prefill_paged") == _script(cfg, "mla_attn_prefill_paged")
+
+
+@functools.cache
+def forced_source(name: str) -> str:
+    """CUDA source of one module holding ``name``'s decode kernel once per forced value (``..._s<v>``)."""
+    cfg = SHAPES[name]
+    op = _decode_op(cfg)
+    funcs = {f"pagedkv_{op}_s{v}": tk.FACTORIES[op](_forced(cfg, v), SM90).with_attr(
+        "global_symbol", f"pagedkv_{op}_s{v}") for v in FORCED}
+    with SM90:
+        exe = tvm.compile(tvm.IRModule(funcs), target=SM90)
+    return cuda_source_of(exe)
+
+
+@pytest.fixture(scope="module")
+def nvcc_forced_results(tmp_path_factory):
+    """nvcc on every ``SHAPES`` module, in parallel: ``{name: (returncode, log)}``."""
+    return nvcc_all(NVCC_SHAPES, forced_source, tmp_path_factory.mktemp("cuda_paths"), "paths_")
+
+
+@pytest.mark.parametrize("name", NVCC_SHAPES)
+def test_forced_decode_nvcc_no_spills(name, nvcc_forced_results):
+    cfg = SHAPES[name]
+    op = _decode_op(cfg)
+    rc, log = nvcc_forced_results[name]
+    assert rc == 0, f"nvcc failed for {name}:\n{log[-4000:]}"
+    usage = ptxas_usage(log)
+    print("\n".join(f"{k}: {regs} registers, spill stores/loads {st}/{ld} bytes"
+                    for k, (regs, st, ld) in sorted(usage.items())))
+    for value in FORCED:
+        kernels = [k for k in usage if re.fullmatch(rf"pagedkv_{op}_s{value}_kernel(_\d+)?", k)]
+        # the attention kernels (MHA: inline RoPE and plain), then the split merge (folded away when S = 1)
+        assert len(kernels) >= (1 if cfg.is_mla else 2), (value, sorted(usage))
+    spills = {k: u for k, u in usage.items() if u[1] or u[2]}
+    assert not spills, f"register spills (registers, store, load bytes): {spills}"

@@ -1,0 +1,142 @@
+"""Every forced code path of the CUDA kernels (``pagedkv.tir_kernels.SWITCHES``, ``cuda_*``) against the float64
+reference. Skips cleanly without a CUDA GPU.
+
+A run-time path choice (the decode kernels' split-KV count ``S``, picked on the host from the shapes) is only
+tested where a test's shapes happen to select it; forcing it (``pagedkv.backends.tir.forced_paths``) runs each
+path on every shape. Here:
+
+- the MHA decode kernel, called directly, under every value of ``cuda_decode_splits`` (auto, 1, 2, 3, 8) on
+  ``PATH_SHAPES`` (plain, windowed, windowed + capped; 8 and 4 kv heads), inline RoPE on and off (the RoPE kernel
+  has its own key step, so its own split boundaries), over batches of 20 entries of mixed lengths (empty,
+  shorter than the window, just around it, windows starting past the first key step and mid-page, 3000
+  keys), longest first and shortest first (a per-batch start or state would show in the later entries);
+- the MLA decode kernel the same way on ``PATH_MLA_SHAPES``;
+- the scenario suite (``pagedkv.testing.scenarios``) under every forced value on ``PATH_SCENARIO_SHAPES``
+  (plain, windowed, MLA), through ``pagedkv.create`` as the runtime calls the kernels.
+
+Kernels: the libraries ``pagedkv.testing.shapes.gpu_path_libraries`` names, prebuilt by ``make gpu-bundle``
+(loaded from ``$PAGEDKV_KERNEL_DIR`` by key, forced paths included, on a runtime-only host; compiled here when
+TVM has a compiler). ``tests/cpu/test_bundle.py`` checks that the bundle builds every library named in
+``LIBRARIES`` below.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import pytest
+import torch
+from test_kernels_masking_gpu import _call, _entries, _i32, _indptr, _pages, _reference
+
+from pagedkv import backends
+from pagedkv.backends.tir import forced_paths
+from pagedkv.cache import _compile_op_table
+from pagedkv.testing import reference as R
+from pagedkv.testing.scenarios import SCENARIOS, ScenarioRunner, assert_state_close, random_sm_scale
+from pagedkv.testing.shapes import PATH_MLA_SHAPES, PATH_SCENARIO_SHAPES, PATH_SHAPES, cuda_path_switches
+
+TARGET = {"kind": "cuda", "arch": "sm_90"}
+DEVICE = "cuda"
+SPLITS = list(cuda_path_switches()["cuda_decode_splits"])
+#: Keys per decode entry: empty, one, around the windows (24, 300) and the key steps (16 / 32), mid-page
+#: window starts, several splits of a long entry.
+LENGTHS = [3000, 0, 1, 5, 23, 24, 25, 31, 33, 47, 64, 100, 255, 299, 300, 301, 333, 700, 1500, 17]
+ORDERS = {"long_first": sorted(LENGTHS, reverse=True), "short_first": sorted(LENGTHS)}
+
+DECODE_CASES = [(s, {"cuda_decode_splits": v}) for s in PATH_SHAPES for v in SPLITS]
+MLA_CASES = [(s, {"cuda_decode_splits": v}) for s in PATH_MLA_SHAPES for v in SPLITS]
+SCENARIO_CASES = [(s, {"cuda_decode_splits": v}) for s in PATH_SCENARIO_SHAPES for v in SPLITS if v != "auto"]
+#: (shape, forced paths) of every kernel library this module loads.
+LIBRARIES = DECODE_CASES + MLA_CASES + SCENARIO_CASES
+
+
+def _id(case) -> str:
+    shape, paths = case
+    return shape.id + "-" + "-".join(f"{k}={v}" for k, v in sorted(paths.items()))
+
+
+@functools.cache
+def _kernels(shape, paths_items: tuple):
+    """(module, {op: function}) of ``shape``'s op table compiled (or loaded) under the forced paths."""
+    cfg = shape.config()
+    with forced_paths(dict(paths_items)):
+        choice = tuple(backends.resolve(cfg, TARGET, "tir").choice.items())
+        return _compile_op_table(cfg, TARGET, choice)
+
+
+def _decode_fn(shape, paths: dict, op: str):
+    module, table = _kernels(shape, tuple(sorted(paths.items())))
+    return module, next(entry[-1] for entry in table if entry[0] == op)
+
+
+@pytest.mark.parametrize("order", list(ORDERS))
+@pytest.mark.parametrize("apply_rope", [0, 1])
+@pytest.mark.parametrize("case", DECODE_CASES, ids=[_id(c) for c in DECODE_CASES])
+def test_decode_forced_splits(case, apply_rope, order, gen):
+    shape, paths = case
+    _module, fn = _decode_fn(shape, paths, "attn_decode_paged")
+    lengths = ORDERS[order]
+    dt = getattr(torch, shape.dtype)
+    sm_scale = random_sm_scale(gen, shape.d)
+    ents = _entries(shape, [(1, m) for m in lengths], gen)
+    pages, page_indptr, page_values, last = _pages(shape, [e[1] for e in ents], [e[2] for e in ents], gen)
+    q_pos = [off + len(k) - 1 for _q, k, _v, off in ents]
+    q = torch.cat([e[0] for e in ents]).to(dt).to(DEVICE)
+    o = torch.full((len(ents), shape.hq, shape.d), float("nan"), dtype=dt, device=DEVICE)
+    lse = torch.full((len(ents), shape.hq), float("nan"), dtype=torch.float32, device=DEVICE)
+    _call(fn, q, pages, page_indptr, page_values, last, _i32([e[3] for e in ents]), _i32(q_pos), o, lse,
+          apply_rope, float(shape.scale), float(shape.theta), sm_scale)
+    for b, ((eq, ek, ev, off), m) in enumerate(zip(ents, lengths)):
+        ro, rl = _reference(shape, eq, ek, ev, [q_pos[b]], [off + j for j in range(m)], sm_scale, True,
+                            apply_rope)
+        assert_state_close(o[b:b + 1], lse[b:b + 1], ro, rl, shape.dtype,
+                           f"{_id(case)} {order} entry {b} ({m} keys) rope={apply_rope}")
+
+
+def _mla_pages(shape, latents, gen):
+    """MLA page pool ``[P, 1, 1, ps, DL]`` holding each entry's latents (random page order, unused slots
+    NaN) and its index arrays."""
+    ps, dl = shape.ps, shape.r + shape.rope
+    counts = [-(-x.shape[0] // ps) for x in latents]
+    order = torch.randperm(sum(counts) + 3, generator=gen).tolist()  # 3 spare pages, never read
+    pages = torch.full((len(order), 1, 1, ps, dl), float("nan"), dtype=getattr(torch, shape.dtype))
+    values, last = [], []
+    for x, count in zip(latents, counts):
+        ids = [order.pop() for _ in range(count)]
+        for i, pg in enumerate(ids):
+            rows = x[i * ps:(i + 1) * ps]
+            pages[pg, 0, 0, :rows.shape[0]] = rows.to(pages.dtype)
+        values += ids
+        last.append(x.shape[0] - (count - 1) * ps if count else 0)
+    return pages.to(DEVICE), _i32(_indptr(counts)), _i32(values or [0]), _i32(last)
+
+
+@pytest.mark.parametrize("order", list(ORDERS))
+@pytest.mark.parametrize("case", MLA_CASES, ids=[_id(c) for c in MLA_CASES])
+def test_mla_decode_forced_splits(case, order, gen):
+    shape, paths = case
+    _module, fn = _decode_fn(shape, paths, "mla_attn_decode_paged")
+    lengths = ORDERS[order]
+    dt = getattr(torch, shape.dtype)
+    dl, r = shape.r + shape.rope, shape.r
+    sm_scale = random_sm_scale(gen, shape.d)
+    qs = [torch.randn(1, shape.h, dl, generator=gen).to(dt).float() for _ in lengths]
+    lat = [torch.randn(m, dl, generator=gen).to(dt).float() for m in lengths]
+    pages, page_indptr, page_values, last = _mla_pages(shape, lat, gen)
+    o = torch.full((len(lengths), shape.h, r), float("nan"), dtype=dt, device=DEVICE)
+    lse = torch.full((len(lengths), shape.h), float("nan"), dtype=torch.float32, device=DEVICE)
+    _call(fn, torch.cat(qs).to(dt).to(DEVICE), pages, page_indptr, page_values, last, o, lse, sm_scale)
+    for b, (q, x, m) in enumerate(zip(qs, lat, lengths)):
+        ro, rl = R.attention(q, x[:, None, :], x[:, None, :r], sm_scale, True)
+        assert_state_close(o[b:b + 1], lse[b:b + 1], ro, rl, shape.dtype,
+                           f"{_id(case)} {order} entry {b} ({m} keys)")
+
+
+@pytest.mark.parametrize("scenario", list(SCENARIOS))
+@pytest.mark.parametrize("case", SCENARIO_CASES, ids=[_id(c) for c in SCENARIO_CASES])
+def test_scenario_forced_paths(case, scenario, make_gpu_cache, gen):
+    shape, paths = case
+    with forced_paths(paths):  # the cache's kernels are compiled / looked up here
+        cache = make_gpu_cache(shape.config())
+    runner = ScenarioRunner(cache, gen, random_sm_scale(gen, shape.d))
+    runner.run(SCENARIOS[scenario](shape.ps), scenario)
