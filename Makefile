@@ -15,7 +15,7 @@ SOURCES := $(wildcard src/*.cc src/*.h) CMakeLists.txt pyproject.toml \
 
 .PHONY: demo test install clean bench gpu-bundle gpu-test
 demo: $(STAMP)
-	$(PY) -m pagedkv.demo
+	$(PY) -m pagedkv.apps.chat
 
 test: $(STAMP)
 	$(PY) -m pytest tests -q -p no:cacheprovider $(PYTEST_ARGS)
@@ -59,7 +59,7 @@ $(GPU_DEPS): $(DEPS)
 
 # Build host (no GPU needed): everything the GPU host needs, under .gpu/ (git-ignored).
 gpu-bundle: $(STAMP) $(GPU_DEPS)
-	$(PY) -m pagedkv.bundle .gpu
+	$(PY) -m pagedkv.apps.gpu_bundle .gpu
 
 # GPU host (TVM runtime only, from .gpu/): the GPU test suite.
 gpu-test:

@@ -8,7 +8,7 @@ import json
 import math
 from pathlib import Path
 
-#: The benchmark shape (same as ``pagedkv.bundle.UPSTREAM_SHAPE``).
+#: The benchmark shape (same as ``pagedkv.apps.gpu_bundle.UPSTREAM_SHAPE``).
 HQ, HKV, D, PS, DTYPE = 32, 8, 128, 16, "float16"
 TARGET = {"kind": "cuda", "arch": "sm_90"}
 ATTN_OPS = ("attn_decode_paged", "attn_prefill_paged", "attn_prefill_ragged")

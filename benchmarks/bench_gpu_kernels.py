@@ -322,7 +322,7 @@ def environment(ctx_info: dict, args) -> dict:
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--bundle", type=Path, default=Path(".gpu"), help="the GPU bundle (pagedkv.bundle OUT)")
+    ap.add_argument("--bundle", type=Path, default=Path(".gpu"), help="the GPU bundle (pagedkv.apps.gpu_bundle OUT)")
     ap.add_argument("--out", type=Path, default=Path("benchmarks/results"))
     ap.add_argument("--iters", type=int, default=30)
     ap.add_argument("--warmup", type=int, default=5)

@@ -16,7 +16,7 @@ def main(argv: list[str] | None = None) -> int:
 
         return backends(argv[1:])
     if argv[0] == "chat":
-        from .demo import main as chat
+        from .apps.chat import main as chat
 
         return chat(argv[1:])
     print(f"pagedkv: unknown command {argv[0]!r} (try 'pagedkv chat' or 'pagedkv backends')", file=sys.stderr)

@@ -16,7 +16,7 @@ _REPO = Path(__file__).resolve().parents[2]
 
 
 def test_runtime_bundle_is_runtime_only(tmp_path):
-    from pagedkv.runtime_bundle import write_runtime_bundle
+    from pagedkv.apps.runtime_bundle import write_runtime_bundle
 
     try:
         out = write_runtime_bundle(tmp_path / "bundle")
@@ -122,9 +122,9 @@ def _lookup_key(config, paths: dict) -> str:
 
 def test_bundle_builds_every_kernel_library_of_the_gpu_suite(tmp_path):
     """Dry (nothing compiled): the TIR libraries the GPU tests load, by the key they look up, forced CUDA
-    paths included, equal the libraries ``python -m pagedkv.bundle`` builds, so a runtime-only GPU run never
+    paths included, equal the libraries ``python -m pagedkv.apps.gpu_bundle`` builds, so a runtime-only GPU run never
     misses one (and the bundle carries none that no test loads)."""
-    from pagedkv.bundle import tir_kernel_libraries, tir_library_path
+    from pagedkv.apps.gpu_bundle import tir_kernel_libraries, tir_library_path
 
     scen, mask = _gpu_module("test_scenarios_gpu"), _gpu_module("test_kernels_masking_gpu")
     paths, fi = _gpu_module("test_cuda_paths_gpu"), _gpu_module("test_flashinfer_gpu")
@@ -140,7 +140,7 @@ def test_bundle_builds_every_kernel_library_of_the_gpu_suite(tmp_path):
 def test_forced_paths_select_prebuilt_libraries_runtime_only(tmp_path):
     """With the TVM runtime only (no TVMScript, so no kernel package), ``forced_paths`` still works and the
     lookup asks for the forced library's key (here: missing, so the error names it)."""
-    from pagedkv.bundle import tir_library_path
+    from pagedkv.apps.gpu_bundle import tir_library_path
     from pagedkv.testing.shapes import PATH_SHAPES
 
     cfg, paths = PATH_SHAPES[1].config(), {"cuda_decode_splits": "3"}

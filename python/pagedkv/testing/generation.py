@@ -6,7 +6,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from ..demo import SYSTEM
+from ..apps.chat import SYSTEM
 
 PROMPTS = ["What is the capital of France?", "Name three colors of the rainbow.",
            "Write one sentence about the sea."]

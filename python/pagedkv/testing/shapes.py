@@ -1,4 +1,4 @@
-"""The shape matrix of the scenario suite, shared by the CPU and GPU suites and by ``pagedkv.bundle``
+"""The shape matrix of the scenario suite, shared by the CPU and GPU suites and by ``pagedkv.apps.gpu_bundle``
 (which prebuilds the GPU kernels for exactly these configs).
 
 GQA group sizes 1, 3, 4, 7, head dims 64 / 128, float32 / float16, page sizes 16 / 8 and RoPE modes
@@ -129,7 +129,7 @@ def gpu_configs() -> list[KVCacheConfig]:
 
 
 def flashinfer_gpu_shapes() -> list:
-    """The GPU shapes the FlashInfer suite runs (and ``pagedkv.bundle`` prebuilds FlashInfer kernel libraries
+    """The GPU shapes the FlashInfer suite runs (and ``pagedkv.apps.gpu_bundle`` prebuilds FlashInfer kernel libraries
     for): those whose FlashInfer modules are fp16 at head dim 128 (decode, prefill fa2 / fa3) or the
     DeepSeek MLA dims (ckv 512, kpe 64), so a bundle build links cached or quick modules only (a cold fa2 /
     fa3 prefill module per head dim takes 10-20 minutes on the 2-core build host). Whether FlashInfer serves
@@ -176,5 +176,5 @@ def forced_cuda_paths() -> list[dict[str, str]]:
 
 def gpu_path_libraries() -> list[tuple[KVCacheConfig, dict[str, str]]]:
     """(config, forced paths) of every kernel library the CUDA path tests load: each path shape under each
-    forced path and without one (``{}``). ``pagedkv.bundle`` prebuilds exactly these beside ``gpu_configs``."""
+    forced path and without one (``{}``). ``pagedkv.apps.gpu_bundle`` prebuilds exactly these beside ``gpu_configs``."""
     return [(s.config(), paths) for s in PATH_SHAPES + PATH_MLA_SHAPES for paths in [{}] + forced_cuda_paths()]

@@ -10,7 +10,7 @@ import importlib.util
 import os
 from pathlib import Path
 
-from .models.llama_params import LlamaConfig, params_from_hf  # noqa: F401 (re-exported)
+from ..models.llama_params import LlamaConfig, params_from_hf  # noqa: F401 (re-exported)
 
 
 #: SmolLM2-135M-Instruct's dims (as HF transformers reads them from the GGUF file; checked by the tests).

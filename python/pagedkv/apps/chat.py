@@ -1,4 +1,4 @@
-"""``python -m pagedkv.demo`` / ``pagedkv chat``: compile SmolLM2-135M-Instruct with pagedkv and chat.
+"""``python -m pagedkv.apps.chat`` / ``pagedkv chat``: compile SmolLM2-135M-Instruct with pagedkv and chat.
 
 Several prompts share the system prompt through ``fork``: the shared prefix is prefilled once, each prompt's
 remainder is prefilled in one batch, then all decode together. Text of the first prompt streams as it is
@@ -27,12 +27,12 @@ def cache_dir() -> Path:
 
 def _source_digest() -> str:
     # Compiled libraries are reused only while the code that produced them is unchanged.
-    pkg = Path(__file__).resolve().parent
-    roots = [pkg, pkg.parent.parent / "tir_kernels"]
+    # (the whole package: the models, the Relax constructor, and pagedkv.tir_kernels, a link in a checkout)
+    pkg = Path(__file__).resolve().parent.parent
+    files = {f.resolve() for root in (pkg, (pkg / "tir_kernels").resolve()) for f in root.rglob("*.py")}
     h = hashlib.sha256()
-    for root in roots:
-        for f in sorted(root.rglob("*.py")) if root.is_dir() else []:
-            h.update(f.read_bytes())
+    for f in sorted(files):
+        h.update(f.read_bytes())
     return h.hexdigest()[:16]
 
 
@@ -60,9 +60,9 @@ class _Ticker:
 
 def compiled_library(cfg, *, dtype: str, target: str, backend) -> tuple[Path, list]:
     """Compile (or reuse) the model library for ``cfg``; returns its path and named parameter specs."""
-    from .compile import build_library
-    from .engine import param_names
-    from .models.llama import LlamaForCausalLM
+    from ..compile import build_library
+    from ..engine import param_names
+    from ..models.llama import LlamaForCausalLM
 
     key = hashlib.sha256(repr((cfg, dtype, target, backend, _source_digest())).encode()).hexdigest()[:20]
     path = cache_dir() / f"llama-{key}.so"
@@ -120,7 +120,7 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
     import pagedkv  # noqa: F401  (registers the runtime globals)
     from . import smollm2
-    from .engine import Engine
+    from ..engine import Engine
 
     print(f"[pagedkv] model file: {smollm2.gguf_path()}", flush=True)
     with _Ticker("loading and dequantizing the GGUF weights"):
@@ -128,7 +128,7 @@ def main(argv: list[str] | None = None) -> int:
     cfg = smollm2.llama_config(hf.config)
     target = args.target
     if target == "llvm":
-        from .tir_kernels import host_target
+        from ..tir_kernels import host_target
 
         target = host_target()  # this CPU's vector units for kernels and matmuls
     lib, named = compiled_library(cfg, dtype=args.dtype, target=target, backend=args.backend)

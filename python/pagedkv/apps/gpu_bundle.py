@@ -1,7 +1,7 @@
-"""``python -m pagedkv.bundle OUT``: everything a GPU host needs to run pagedkv's GPU tests with the TVM
+"""``python -m pagedkv.apps.gpu_bundle OUT``: everything a GPU host needs to run pagedkv's GPU tests with the TVM
 runtime only, built on a host without a GPU.
 
-OUT/bundle/    runtime-only TVM + tvm-ffi wheel for the GPU host's Python (``pagedkv.runtime_bundle``)
+OUT/bundle/    runtime-only TVM + tvm-ffi wheel for the GPU host's Python (``pagedkv.apps.runtime_bundle``)
 OUT/lib/       libpagedkv_runtime.so
 OUT/kernels/   kernels-<key>.so/.json for every config of the GPU suite (sm_90 fatbins), and for the CUDA
                path tests' configs under each forced path (``tir_kernel_libraries``); with
@@ -21,7 +21,7 @@ import sys
 import time
 from pathlib import Path
 
-from ._lib import runtime_library_path
+from .._lib import runtime_library_path
 
 
 def _runtime_bundle(out: Path) -> None:
@@ -37,15 +37,15 @@ def tir_kernel_libraries() -> list[tuple]:
     """(config, forced paths) of every TIR kernel library of the bundle: the GPU suite's configs and the
     benchmark's windowed one without forced paths (``{}``), and those of the CUDA path tests
     (``pagedkv.testing.shapes.gpu_path_libraries``, built under ``pagedkv.backends.tir.forced_paths``)."""
-    from .testing.shapes import BENCH_WINDOWED, gpu_configs, gpu_path_libraries
+    from ..testing.shapes import BENCH_WINDOWED, gpu_configs, gpu_path_libraries
 
     return [(cfg, {}) for cfg in gpu_configs() + [BENCH_WINDOWED.config()]] + gpu_path_libraries()
 
 
 def tir_library_path(kernels: Path, config, paths: dict, target) -> Path:
     """Where the TIR kernel library of ``config`` under forced ``paths`` lies in ``kernels`` (its key)."""
-    from .backends.tir import forced_paths
-    from .cache import kernel_library_path
+    from ..backends.tir import forced_paths
+    from ..cache import kernel_library_path
 
     with forced_paths(paths):
         return kernel_library_path(config, kernels, target=target, backend="tir")
@@ -53,8 +53,8 @@ def tir_library_path(kernels: Path, config, paths: dict, target) -> Path:
 
 def build_kernels(out: Path, libraries, target) -> list[Path]:
     """Build ``(config, forced paths)`` TIR kernel libraries into ``out/kernels`` (each key once)."""
-    from .backends.tir import forced_paths
-    from .cache import build_kernel_library
+    from ..backends.tir import forced_paths
+    from ..cache import build_kernel_library
 
     todo: dict[Path, tuple] = {}
     for cfg, paths in libraries:
@@ -78,9 +78,9 @@ FLASHINFER_BACKENDS = ("flashinfer", "tir")
 def build_flashinfer_kernels(out: Path, configs, target) -> list[Path]:
     """Kernel libraries with FlashInfer modules (cached builds, see ``pagedkv.flashinfer``) for the configs
     where FlashInfer serves an op; skipped, saying why, when flashinfer-python 0.7.4 is not installed."""
-    from .backends import resolve
-    from .cache import build_kernel_library
-    from .flashinfer import unavailable_reasons
+    from ..backends import resolve
+    from ..cache import build_kernel_library
+    from ..flashinfer import unavailable_reasons
 
     why = unavailable_reasons()
     if why:
@@ -142,7 +142,7 @@ def build_upstream_kernels(out: Path, arch: str) -> Path:
     argument order of each). Returns the library path."""
     import tvm
 
-    from .cuda_build import compile_for_cuda, has_device_code
+    from ..cuda_build import compile_for_cuda, has_device_code
 
     t0 = time.perf_counter()
     target = tvm.target.Target({"kind": "cuda", "arch": arch}, host="llvm")
@@ -179,9 +179,9 @@ def build_smollm2(out: Path, arch: str, dtype: str = "float16", backend: str = "
         return None
     import tvm
 
-    from .compile import build_library
-    from .cuda_build import enable_cuda_codegen, has_device_code
-    from .models.llama import LlamaForCausalLM
+    from ..compile import build_library
+    from ..cuda_build import enable_cuda_codegen, has_device_code
+    from ..models.llama import LlamaForCausalLM
 
     enable_cuda_codegen()
     t0 = time.perf_counter()
@@ -208,10 +208,10 @@ def build_deepseek(out: Path, arch: str) -> list[Path]:
     import numpy as np
     import tvm
 
-    from .compile import build_library
-    from .cuda_build import enable_cuda_codegen, has_device_code
-    from .models.deepseek_v3 import DeepseekV3Config, DeepseekV3ForCausalLM, params_from_hf
-    from .testing import deepseek as D
+    from ..compile import build_library
+    from ..cuda_build import enable_cuda_codegen, has_device_code
+    from ..models.deepseek_v3 import DeepseekV3Config, DeepseekV3ForCausalLM, params_from_hf
+    from ..testing import deepseek as D
 
     enable_cuda_codegen()
     target = tvm.target.Target({"kind": "cuda", "arch": arch}, host="llvm")
@@ -247,13 +247,13 @@ def main(argv: list[str] | None = None) -> int:
     shutil.copy2(runtime_library_path(), out / "lib" / "libpagedkv_runtime.so")
     if not args.no_upstream:
         build_upstream_kernels(out, args.arch)
-    from .testing.shapes import BENCH_WINDOWED, flashinfer_gpu_shapes
+    from ..testing.shapes import BENCH_WINDOWED, flashinfer_gpu_shapes
 
     target = {"kind": "cuda", "arch": args.arch}
     build_kernels(out, tir_kernel_libraries(), target)
     build_flashinfer_kernels(out, [s.config() for s in flashinfer_gpu_shapes() + [BENCH_WINDOWED]], target)
     build_smollm2(out, args.arch)
-    from .flashinfer import unavailable_reasons
+    from ..flashinfer import unavailable_reasons
 
     if not unavailable_reasons():
         build_smollm2(out, args.arch, backend="flashinfer")

@@ -1,5 +1,5 @@
 """The runtime bundle: what a GPU host with Python and PyTorch but no TVM and no network needs to load
-pagedkv's libraries (``python -m pagedkv.bundle`` writes it to ``OUT/bundle``).
+pagedkv's libraries (``python -m pagedkv.apps.gpu_bundle`` writes it to ``OUT/bundle``).
 
 - ``tvm_runtime.tar.xz``: this environment's ``tvm`` package without its compiler (``libtvm_compiler.so``),
   ``3rdparty/``, ``src/`` and ``web/``, so ``import tvm`` runs in runtime-only mode (``TVM_USE_RUNTIME_LIB=1``);
