@@ -100,7 +100,13 @@ def _make_runner(plan: TilePlan, item):
                T.alloc_buffer(shp["red"], "float32"), T.alloc_buffer((RB, DC), "float32"),
                T.alloc_buffer((RB, DC), "float32"), T.alloc_buffer(shp["mx"], "float32"),
                T.alloc_buffer((2,), "int32"))
-        for it in T.serial(c * n // nch, (c + 1) * n // nch):
+        # The item loop starts at 0 and the item index is a let binding: TVM's CanonicalizeLoop (0.27)
+        # rewrites a loop with a non-zero start to start at 0 but substitutes the shifted variable only in
+        # the loop body, not in the bounds of the loops nested in it, which keep the unshifted (chunk-local)
+        # variable. A windowed decode's key-tile loop starts at a tile computed from the entry (it // HKV),
+        # so every chunk but the first read the wrong entry's start tile, often past its last key.
+        for i in T.serial((c + 1) * n // nch - c * n // nch):
+            it: T.let[T.int32] = c * n // nch + i
             item(it, scr, args)
 
     @T.macro
