@@ -1,9 +1,15 @@
-"""Cache-level checks of the CPU kernels' run-time code paths (``pagedkv.backends.tir.forced_paths``).
+"""The scenario suite on every run-time code path of the CPU kernels (``pagedkv.backends.tir.forced_paths``).
 
-The regression of the windowed decode that returned the empty state for every entry after the first one
-when it ran on the thread pool and the first entry's window started past its first key tile. Outputs are
-compared per sequence with the float64 reference (``pagedkv.testing.reference``), so a wrong short
-sequence cannot hide behind a long one.
+* Every scenario of ``pagedkv.testing.scenarios`` on the plain, windowed and capped scenario shapes with
+  the thread path forced each way (``auto`` is ``test_scenarios.py``).
+* The batch scenarios (``scenarios_batch``: 20 sequences, long and short, both orders) on
+  ``shapes.BATCH_SHAPES`` (16 and 4 kv heads) on every path, auto included.
+* The regression of the windowed decode that returned the empty state for every entry after the first one
+  when it ran on the thread pool and the first entry's window started past its first key tile, compared
+  per sequence with the float64 reference so a wrong short sequence cannot hide behind a long one.
+
+Only the TIR backend takes forced paths; every forced config compiles once (``pagedkv.cache`` keys its
+module cache by the forced paths) and serves every scenario.
 """
 
 from __future__ import annotations
@@ -12,8 +18,40 @@ import pytest
 import torch
 
 from pagedkv import KVCacheConfig
+from pagedkv.backends.tir import forced_paths
 from pagedkv.testing.reference import ReferenceCache
-from pagedkv.testing.scenarios import TOLERANCE, assert_close, random_sm_scale
+from pagedkv.testing.scenarios import SCENARIOS, TOLERANCE, ScenarioRunner, assert_close, random_sm_scale
+from pagedkv.testing.scenarios_batch import BATCH_SCENARIOS
+from pagedkv.testing.shapes import BATCH_SHAPES, SHAPES
+
+#: The plain, windowed and capped scenario shapes (1, 4 and 2 kv heads).
+PATH_SHAPES = [s for s in SHAPES if s.id in ("h4x4-d64-f32-p16-none", "h4x1-d64-f32-p8-normal-w13",
+                                             "h6x2-d128-f16-p16-none-cap2")]
+assert len(PATH_SHAPES) == 3
+
+
+def make_forced_cache(make_cache, config, threads: str):
+    """A TIR cache whose kernels run the ``cpu_threads`` path ``threads`` (compiled with it forced)."""
+    with forced_paths({"cpu_threads": threads}):
+        return make_cache(config, "tir")
+
+
+@pytest.mark.parametrize("scenario", list(SCENARIOS))
+@pytest.mark.parametrize("threads", ["serial", "parallel"])
+@pytest.mark.parametrize("shape", PATH_SHAPES, ids=lambda s: s.id)
+def test_scenario_thread_paths(shape, threads, scenario, make_cache, gen):
+    cache = make_forced_cache(make_cache, shape.config(), threads)
+    runner = ScenarioRunner(cache, gen, random_sm_scale(gen, shape.d))
+    runner.run(SCENARIOS[scenario](shape.ps), f"{scenario} ({threads})")
+
+
+@pytest.mark.parametrize("scenario", list(BATCH_SCENARIOS))
+@pytest.mark.parametrize("threads", ["auto", "serial", "parallel"])
+@pytest.mark.parametrize("shape", BATCH_SHAPES, ids=lambda s: s.id)
+def test_batch_scenario_thread_paths(shape, threads, scenario, make_cache, gen):
+    cache = make_forced_cache(make_cache, shape.config(), threads)
+    runner = ScenarioRunner(cache, gen, random_sm_scale(gen, shape.d))
+    runner.run(BATCH_SCENARIOS[scenario](shape.ps), f"{scenario} ({threads})")
 
 
 def run_forward_per_sequence(cache, ref, batch: dict[int, int], gen: torch.Generator, sm_scale: float,
@@ -45,13 +83,15 @@ WINDOW_REPRO = KVCacheConfig(num_layers=1, num_qo_heads=16, num_kv_heads=16, hea
                              prefill_chunk_size=96, sliding_window=13)
 
 
+@pytest.mark.parametrize("threads", ["auto", "serial", "parallel"])
 @pytest.mark.parametrize("together", [False, True], ids=["prefill-apart", "prefill-together"])
 @pytest.mark.parametrize("order", [(0, 1), (1, 0)], ids=["long-first", "short-first"])
-def test_window_decode_first_window_past_first_tile(order, together, make_cache, gen):
+def test_window_decode_first_window_past_first_tile(order, together, threads, make_cache, gen):
     """Sequence 0 (66 + 1 keys: its window starts in key tile 1) and sequence 1 (27 + 1 keys), decoded in
-    both orders; the old kernel returned o = 0 for the second entry when the first was the long one."""
+    both orders; the old kernel returned o = 0 for the second entry when the first was the long one (auto
+    takes the thread pool here). The kernels are those of the windowed batch shape (same kernel shape)."""
     assert TOLERANCE[WINDOW_REPRO.dtype] == 1e-5
-    cache, ref = make_cache(WINDOW_REPRO), ReferenceCache(WINDOW_REPRO)
+    cache, ref = make_forced_cache(make_cache, WINDOW_REPRO, threads), ReferenceCache(WINDOW_REPRO)
     sm_scale = random_sm_scale(gen, WINDOW_REPRO.head_dim)
     for seq in (0, 1):
         cache.add_sequence(seq)
