@@ -35,14 +35,13 @@ def _stmts(stmt, out=None):
     return out
 
 
-def _loops(stmt, out):
-    """Every ``For`` under ``stmt``."""
-    out.extend(s for s in _stmts(stmt) if isinstance(s, tirx.For))
-    return out
+def _loops(stmt) -> list:
+    """Every ``For`` under ``stmt`` (itself included)."""
+    return [s for s in _stmts(stmt) if isinstance(s, tirx.For)]
 
 
 def _has_parallel_loop(stmt) -> bool:
-    return any(kind == tirx.ForKind.PARALLEL for kind in (f.kind for f in _loops(stmt, [])))
+    return any(f.kind == tirx.ForKind.PARALLEL for f in _loops(stmt))
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -115,11 +114,13 @@ def _estimate_branches(func, threshold: int) -> list:
 @pytest.mark.parametrize("name", list(BUILDERS))
 def test_thread_paths_structure(name):
     """auto: the run-time work-estimate branch, serial items on the calling thread, else the pool;
-    serial / parallel: only that path, and no work estimate at all."""
+    serial / parallel: only that path, and no work estimate at all. No path has the loop nest that
+    CanonicalizeLoop miscompiles (``shifted_loop_bounds``)."""
     threshold = getattr(tk.attention_cpu, BUILDERS[name][3])
     funcs = {th: built(name, th) for th in ("auto",) + THREAD_PATHS}
     (branch,) = _estimate_branches(funcs["auto"], threshold)
     assert not _has_parallel_loop(branch.then_case) and _has_parallel_loop(branch.else_case)
+    assert {th: shifted_loop_bounds(f) for th, f in funcs.items()} == {th: [] for th in funcs}
     for th in THREAD_PATHS:
         body = funcs[th].body
         assert _estimate_branches(funcs[th], threshold) == []
@@ -136,10 +137,10 @@ def shifted_loop_bounds(func) -> list[tuple[str, str]]:
     another iteration. Kernels must never contain such a pair (bind the value with ``T.let`` instead).
     """
     bad = []
-    for outer in _loops(func.body, []):
+    for outer in _loops(func.body):
         if isinstance(outer.min, tirx.IntImm) and outer.min.value == 0:
             continue
-        for inner in _loops(outer.body, []):
+        for inner in _loops(outer.body):
             used = list(tirx.analysis.undefined_vars(inner.min, [])) + list(
                 tirx.analysis.undefined_vars(inner.extent, []))
             if any(v.same_as(outer.loop_var) for v in used):
@@ -148,24 +149,31 @@ def shifted_loop_bounds(func) -> list[tuple[str, str]]:
 
 
 #: One config per CPU attention kernel variant: plain, window (prefill and decode start their key-tile
-#: loop past tile 0), soft-cap, both; MLA.
+#: loop past tile 0), soft-cap, both (on the forced parallel path); MLA.
 STRUCTURE_CFGS = [
     tk.KernelConfig(16, 16, 64, 64, "float32", sliding_window=13),
-    tk.KernelConfig(8, 2, 128, 64, "float16", sliding_window=40, logits_soft_cap=5.0),
+    tk.KernelConfig(8, 2, 128, 64, "float16", sliding_window=40, logits_soft_cap=5.0,
+                    paths={"cpu_threads": "parallel"}),
     tk.KernelConfig(6, 2, 64, 64, "float32", logits_soft_cap=30.0),
     tk.KernelConfig(4, 4, 64, 64, "float16"),
     tk.KernelConfig(16, 16, 192, 128, "float16", kv_lora_rank=512, qk_rope_head_dim=64),
 ]
 
 
-@pytest.mark.parametrize("cfg", STRUCTURE_CFGS, ids=lambda c: f"{c.num_qo_heads}x{c.num_kv_heads}x{c.head_dim}"
-                         f"-w{c.sliding_window}-cap{c.logits_soft_cap:g}-mla{c.kv_lora_rank}")
+def _structure_id(c) -> str:
+    paths = "-".join(v for _, v in c.paths) or "auto"
+    return (f"{c.num_qo_heads}x{c.num_kv_heads}x{c.head_dim}-w{c.sliding_window}-cap{c.logits_soft_cap:g}"
+            f"-mla{c.kv_lora_rank}-{paths}")
+
+
+@pytest.mark.parametrize("cfg", STRUCTURE_CFGS, ids=_structure_id)
 def test_no_loop_bound_reads_a_shifted_loop_var(cfg):
     """Every CPU kernel of ``cfg`` is free of the nested-bound pattern CanonicalizeLoop miscompiles (the
     windowed decode had it: its key-tile loop started at a tile computed from the item index)."""
     with tk._common.fast_macro_expansion():
         funcs = tk.build_kernels(cfg, "llvm")
-    assert {op: shifted_loop_bounds(f) for op, f in funcs.items() if shifted_loop_bounds(f)} == {}
+    found = {op: shifted_loop_bounds(f) for op, f in funcs.items()}
+    assert {op: pairs for op, pairs in found.items() if pairs} == {}
 
 
 # ---------------------------------------------------------------------------------------------------

@@ -36,6 +36,22 @@ def make_forced_cache(make_cache, config, threads: str):
         return make_cache(config, "tir")
 
 
+def test_forced_paths_key_the_kernels():
+    """Each forced path has its own kernel library key (so a forced build never serves another path);
+    "auto" is no forcing at all."""
+    from pagedkv import ops
+    from pagedkv.cache import kernel_library_key
+
+    cfg = PATH_SHAPES[0].config()
+    choice = [(op, "tir") for op in ops.ops_for(cfg)]
+    keys = {}
+    for threads in ("auto", "serial", "parallel"):
+        with forced_paths({"cpu_threads": threads}):
+            keys[threads] = kernel_library_key(cfg, "llvm", choice)
+    assert keys["auto"] == kernel_library_key(cfg, "llvm", choice)
+    assert len(set(keys.values())) == 3
+
+
 @pytest.mark.parametrize("scenario", list(SCENARIOS))
 @pytest.mark.parametrize("threads", ["serial", "parallel"])
 @pytest.mark.parametrize("shape", PATH_SHAPES, ids=lambda s: s.id)
