@@ -183,7 +183,7 @@ def make_attn_prefill_ragged(cfg: KernelConfig, target):
     """PrimFunc ``pagedkv_attn_prefill_ragged`` for ``target``."""
     return dispatch("attn_prefill_ragged", target, {
         "llvm": lambda: attn_prefill_ragged_cpu(cfg.num_qo_heads, cfg.num_kv_heads, cfg.head_dim,
-                                                cfg.v_head_dim, cfg.dtype, **cfg.masking),
+                                                cfg.v_head_dim, cfg.dtype, **cfg.masking, paths=cfg.paths),
         "cuda": lambda: attn_prefill_ragged_cuda(cfg.num_qo_heads, cfg.num_kv_heads, cfg.head_dim,
                                                  cfg.v_head_dim, cfg.dtype, **cfg.masking)})
 
@@ -192,7 +192,7 @@ def make_attn_prefill_paged(cfg: KernelConfig, target):
     """PrimFunc ``pagedkv_attn_prefill_paged`` for ``target``."""
     return dispatch("attn_prefill_paged", target, {
         "llvm": lambda: attn_prefill_paged_cpu(cfg.num_qo_heads, cfg.num_kv_heads, cfg.head_dim,
-                                               cfg.dtype, **cfg.masking),
+                                               cfg.dtype, **cfg.masking, paths=cfg.paths),
         "cuda": lambda: attn_prefill_paged_cuda(cfg.num_qo_heads, cfg.num_kv_heads, cfg.head_dim,
                                                 cfg.dtype, **cfg.masking)})
 
@@ -201,7 +201,7 @@ def make_attn_decode_paged(cfg: KernelConfig, target):
     """PrimFunc ``pagedkv_attn_decode_paged`` for ``target``."""
     return dispatch("attn_decode_paged", target, {
         "llvm": lambda: attn_decode_paged_cpu(cfg.num_qo_heads, cfg.num_kv_heads, cfg.head_dim,
-                                              cfg.dtype, **cfg.masking),
+                                              cfg.dtype, **cfg.masking, paths=cfg.paths),
         "cuda": lambda: attn_decode_paged_cuda(cfg.num_qo_heads, cfg.num_kv_heads, cfg.head_dim,
                                                cfg.dtype, **cfg.masking, **_cuda_decode_paths(cfg))})
 
@@ -273,7 +273,7 @@ def make_mla_attn_prefill_paged(cfg: KernelConfig, target):
     _check_mla(cfg, "mla_attn_prefill_paged")
     args = (cfg.num_qo_heads, cfg.kv_lora_rank, cfg.qk_rope_head_dim, cfg.dtype)
     return dispatch("mla_attn_prefill_paged", target, {
-        "llvm": lambda: mla_attn_prefill_paged_cpu(*args),
+        "llvm": lambda: mla_attn_prefill_paged_cpu(*args, paths=cfg.paths),
         "cuda": lambda: _mla_cuda("mla_attn_prefill_paged_cuda")(*args)})
 
 
@@ -282,7 +282,7 @@ def make_mla_attn_decode_paged(cfg: KernelConfig, target):
     _check_mla(cfg, "mla_attn_decode_paged")
     args = (cfg.num_qo_heads, cfg.kv_lora_rank, cfg.qk_rope_head_dim, cfg.dtype)
     return dispatch("mla_attn_decode_paged", target, {
-        "llvm": lambda: mla_attn_decode_paged_cpu(*args),
+        "llvm": lambda: mla_attn_decode_paged_cpu(*args, paths=cfg.paths),
         "cuda": lambda: _mla_cuda("mla_attn_decode_paged_cuda")(*args, **_cuda_decode_paths(cfg))})
 
 

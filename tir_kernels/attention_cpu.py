@@ -6,7 +6,8 @@ read and converted once per group. Inside an item the kernel walks the entry's k
 (see ``_common``, ``_attn_cpu_macros`` and ``_attn_cpu_gemm``). Prefill items are numbered through a
 per-entry tile prefix sum and visited in zig-zag order (first, last, second, second-to-last...) so
 that the static split of ``T.parallel`` gives every thread a similar share of a causal workload.
-Calls too small to pay for waking the thread pool run on the calling thread.
+Calls too small to pay for waking the thread pool run on the calling thread (a run-time work estimate;
+the ``cpu_threads`` path of ``KernelConfig.paths`` forces either path at compile time, for tests).
 
 Masking options (compile-time, ``KernelConfig.sliding_window`` / ``logits_soft_cap``; 0 leaves their
 code out): a sliding window adds a per-row lower key bound to the causal / length limit and skips the
@@ -21,6 +22,7 @@ from tvm.script import tirx as T
 from ._attn_cpu_gemm import lim_size, make_gemm_macros, scratch_shapes
 from ._attn_cpu_macros import make_attn_macros
 from ._common import LOG2E, TilePlan, make_tile_plan
+from ._paths import forced, normalize_paths
 
 
 def _make_attend(plan: TilePlan, mac, load_tile):
@@ -81,7 +83,8 @@ def _make_runner(plan: TilePlan, item):
     """``run(n, serial, args)``: call ``item(it, scr, args)`` for items ``0 .. n``.
 
     The items run in up to ``_MAX_CHUNKS`` parallel chunks, or on the calling thread when ``serial``
-    (a call too small to pay for waking the thread pool).
+    (a call too small to pay for waking the thread pool). ``serial`` is a PrimExpr (chosen at run time)
+    or a Python bool (a forced path: only that branch is built).
     """
     D, DV, R, TK, RB, DC = plan.d, plan.dv, plan.rows, plan.tk, plan.rb, plan.dc
     LIM = lim_size(plan)
@@ -100,7 +103,13 @@ def _make_runner(plan: TilePlan, item):
                T.alloc_buffer(shp["red"], "float32"), T.alloc_buffer((RB, DC), "float32"),
                T.alloc_buffer((RB, DC), "float32"), T.alloc_buffer(shp["mx"], "float32"),
                T.alloc_buffer((2,), "int32"))
-        for it in T.serial(c * n // nch, (c + 1) * n // nch):
+        # The item loop starts at 0 and the item index is a let binding: TVM's CanonicalizeLoop (0.27)
+        # rewrites a loop with a non-zero start to start at 0 but substitutes the shifted variable only in
+        # the loop body, not in the bounds of the loops nested in it, which keep the unshifted (chunk-local)
+        # variable. A windowed decode's key-tile loop starts at a tile computed from the entry (it // HKV),
+        # so every chunk but the first read the wrong entry's start tile, often past its last key.
+        for i in T.serial((c + 1) * n // nch - c * n // nch):
+            it: T.let[T.int32] = c * n // nch + i
             item(it, scr, args)
 
     @T.macro
@@ -195,8 +204,20 @@ _SERIAL_DECODE_WORK = 512
 _SERIAL_PREFILL_WORK = 512
 
 
+def cpu_threads(paths) -> str:
+    """The ``cpu_threads`` path forced in ``paths`` (``KernelConfig.paths``, or any form
+    ``normalize_paths`` takes): "auto", "serial" or "parallel"."""
+    return forced(normalize_paths(paths), "cpu_threads")
+
+
+def serial_arg(threads: str, work, threshold: int):
+    """``run``'s ``serial`` argument: the run-time work-estimate test (auto), else the forced path as a
+    Python bool, which ``run`` resolves at parse time (the other path is left out of the kernel)."""
+    return work[0] < threshold if threads == "auto" else threads == "serial"
+
+
 def attn_decode_paged_cpu(num_qo_heads, num_kv_heads, head_dim, dtype, *, sliding_window: int = 0,
-                          logits_soft_cap: float = 0.0):
+                          logits_soft_cap: float = 0.0, paths=()):
     """``pagedkv_attn_decode_paged`` for the CPU.
 
     Signature (``docs/ARCHITECTURE.md``)::
@@ -206,9 +227,10 @@ def attn_decode_paged_cpu(num_qo_heads, num_kv_heads, head_dim, dtype, *, slidin
          apply_rope:i32, rope_scale:f32, rope_theta:f32, sm_scale:f32)
 
     One work item per (sequence, kv head). ``sliding_window`` / ``logits_soft_cap``: the masking
-    options (module docstring; 0: off).
+    options (module docstring; 0: off). ``paths``: forced paths (``KernelConfig.paths``).
     """
     HQ, HKV, D, W = num_qo_heads, num_kv_heads, head_dim, sliding_window
+    THREADS = cpu_threads(paths)
     plan = make_tile_plan(D, D, HQ // HKV, dtype, tokens_per_item=1, window=sliding_window,
                           soft_cap=logits_soft_cap)
     mac = make_attn_macros(plan)
@@ -240,10 +262,11 @@ def attn_decode_paged_cpu(num_qo_heads, num_kv_heads, head_dim, dtype, *, slidin
         o = T.match_buffer(o_h, (B, HQ, D), dtype, elem_offset=T.int32())
         lse = T.match_buffer(lse_h, (B, HQ), "float32", elem_offset=T.int32())
         work = T.alloc_buffer((1,), "int32")
-        work[0] = 0
-        for b in T.serial(B):
-            work[0] = work[0] + (_window_keys(_kv_len(page_indptr, last_page_len, b, ps), W) + 16) * HKV
-        run(B * HKV, work[0] < _SERIAL_DECODE_WORK,
+        if THREADS == "auto":  # static: a forced path needs no estimate
+            work[0] = 0
+            for b in T.serial(B):
+                work[0] = work[0] + (_window_keys(_kv_len(page_indptr, last_page_len, b, ps), W) + 16) * HKV
+        run(B * HKV, serial_arg(THREADS, work, _SERIAL_DECODE_WORK),
             (q, q_pos, o, lse, pages, page_values, ps, page_indptr, last_page_len, k_pos_offset,
              (apply_rope, rope_scale, rope_theta), sm_scale))
 
@@ -251,16 +274,19 @@ def attn_decode_paged_cpu(num_qo_heads, num_kv_heads, head_dim, dtype, *, slidin
 
 
 @T.macro
-def _count_tiles(tile_ptr, work, q_indptr, batch, tq, hkv, kv_indptr, kv_scale):
+def _count_tiles(tile_ptr, work, q_indptr, batch, tq, hkv, kv_indptr, kv_scale, estimate):
     """``tile_ptr[b]`` = query tiles of entries before ``b`` (a serial prefix sum, B steps) and the work
     estimate ``work[0]`` = sum over tiles of (keys + 16) x kv heads; an entry's keys are estimated as
-    ``(kv_indptr[b + 1] - kv_indptr[b]) * kv_scale`` (rows, or pages times the page size)."""
+    ``(kv_indptr[b + 1] - kv_indptr[b]) * kv_scale`` (rows, or pages times the page size).
+    ``estimate`` (static) is False when the thread path is forced: then no estimate is computed."""
     tile_ptr[0] = 0
-    work[0] = 0
+    if estimate:
+        work[0] = 0
     for b in T.serial(batch):
         tile_ptr[b + 1] = tile_ptr[b] + (q_indptr[b + 1] - q_indptr[b] + tq - 1) // tq
-        work[0] = work[0] + (tile_ptr[b + 1] - tile_ptr[b]) * hkv * (
-            (kv_indptr[b + 1] - kv_indptr[b]) * kv_scale + 16)
+        if estimate:
+            work[0] = work[0] + (tile_ptr[b + 1] - tile_ptr[b]) * hkv * (
+                (kv_indptr[b + 1] - kv_indptr[b]) * kv_scale + 16)
 
 
 @T.macro
@@ -271,7 +297,7 @@ def _locate(ent, tile_ptr, it, hkv, batch, tq):
 
 
 def attn_prefill_paged_cpu(num_qo_heads, num_kv_heads, head_dim, dtype, *, sliding_window: int = 0,
-                           logits_soft_cap: float = 0.0):
+                           logits_soft_cap: float = 0.0, paths=()):
     """``pagedkv_attn_prefill_paged`` for the CPU.
 
     Signature::
@@ -281,12 +307,12 @@ def attn_prefill_paged_cpu(num_qo_heads, num_kv_heads, head_dim, dtype, *, slidi
          causal:i32, apply_rope:i32, rope_scale:f32, rope_theta:f32, sm_scale:f32)
 
     One work item per (entry, query tile, kv head). ``sliding_window`` / ``logits_soft_cap``: the
-    masking options (module docstring; 0: off).
+    masking options (module docstring; 0: off). ``paths``: forced paths (``KernelConfig.paths``).
     """
     HQ, HKV, D = num_qo_heads, num_kv_heads, head_dim
     plan = make_tile_plan(D, D, HQ // HKV, dtype, tokens_per_item=None, window=sliding_window,
                           soft_cap=logits_soft_cap)
-    TQ = plan.tq
+    TQ, THREADS = plan.tq, cpu_threads(paths)
     mac = make_attn_macros(plan)
     attend = _make_attend(plan, mac, _make_paged_loader(plan, mac))
 
@@ -325,8 +351,8 @@ def attn_prefill_paged_cpu(num_qo_heads, num_kv_heads, head_dim, dtype, *, slidi
         lse = T.match_buffer(lse_h, (n, HQ), "float32", elem_offset=T.int32())
         tile_ptr = T.alloc_buffer((B + 1,), "int32")
         work = T.alloc_buffer((1,), "int32")
-        _count_tiles(tile_ptr, work, q_indptr, B, TQ, HKV, page_indptr, ps)
-        run(tile_ptr[B] * HKV, work[0] < _SERIAL_PREFILL_WORK,
+        _count_tiles(tile_ptr, work, q_indptr, B, TQ, HKV, page_indptr, ps, THREADS == "auto")
+        run(tile_ptr[B] * HKV, serial_arg(THREADS, work, _SERIAL_PREFILL_WORK),
             (tile_ptr, B, q, q_indptr, q_pos, o, lse,
              (pages, page_values, ps, page_indptr, last_page_len, k_pos_offset), causal,
              (apply_rope, rope_scale, rope_theta), sm_scale))
@@ -335,7 +361,7 @@ def attn_prefill_paged_cpu(num_qo_heads, num_kv_heads, head_dim, dtype, *, slidi
 
 
 def attn_prefill_ragged_cpu(num_qo_heads, num_kv_heads, head_dim, v_head_dim, dtype, *, sliding_window: int = 0,
-                            logits_soft_cap: float = 0.0):
+                            logits_soft_cap: float = 0.0, paths=()):
     """``pagedkv_attn_prefill_ragged`` for the CPU.
 
     Signature::
@@ -345,12 +371,12 @@ def attn_prefill_ragged_cpu(num_qo_heads, num_kv_heads, head_dim, v_head_dim, dt
          causal:i32, apply_rope:i32, rope_scale:f32, rope_theta:f32, sm_scale:f32)
 
     One work item per (entry, query tile, kv head). ``sliding_window`` / ``logits_soft_cap``: the
-    masking options (module docstring; 0: off).
+    masking options (module docstring; 0: off). ``paths``: forced paths (``KernelConfig.paths``).
     """
     HQ, HKV, D, DV = num_qo_heads, num_kv_heads, head_dim, v_head_dim
     plan = make_tile_plan(D, DV, HQ // HKV, dtype, tokens_per_item=None, window=sliding_window,
                           soft_cap=logits_soft_cap)
-    TQ = plan.tq
+    TQ, THREADS = plan.tq, cpu_threads(paths)
     mac = make_attn_macros(plan)
     attend = _make_attend(plan, mac, _make_ragged_loader(plan, mac))
 
@@ -387,8 +413,8 @@ def attn_prefill_ragged_cpu(num_qo_heads, num_kv_heads, head_dim, v_head_dim, dt
         lse = T.match_buffer(lse_h, (n, HQ), "float32", elem_offset=T.int32())
         tile_ptr = T.alloc_buffer((B + 1,), "int32")
         work = T.alloc_buffer((1,), "int32")
-        _count_tiles(tile_ptr, work, q_indptr, B, TQ, HKV, kv_indptr, 1)
-        run(tile_ptr[B] * HKV, work[0] < _SERIAL_PREFILL_WORK,
+        _count_tiles(tile_ptr, work, q_indptr, B, TQ, HKV, kv_indptr, 1, THREADS == "auto")
+        run(tile_ptr[B] * HKV, serial_arg(THREADS, work, _SERIAL_PREFILL_WORK),
             (tile_ptr, B, q, q_indptr, q_pos, o, lse, (k, v, kv_indptr, k_pos_offset), causal,
              (apply_rope, rope_scale, rope_theta), sm_scale))
 

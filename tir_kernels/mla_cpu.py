@@ -26,6 +26,8 @@ from .attention_cpu import (
     _locate,
     _make_attend,
     _make_runner,
+    cpu_threads,
+    serial_arg,
 )
 
 #: Query heads per work item at most (rows of the decode row tile).
@@ -66,7 +68,7 @@ def _make_latent_loader(plan: TilePlan, mac):
     return load_tile
 
 
-def mla_attn_decode_paged_cpu(num_heads, kv_lora_rank, qk_rope_head_dim, dtype):
+def mla_attn_decode_paged_cpu(num_heads, kv_lora_rank, qk_rope_head_dim, dtype, *, paths=()):
     """``pagedkv_mla_attn_decode_paged`` for the CPU.
 
     Signature (``docs/ARCHITECTURE.md``)::
@@ -74,12 +76,12 @@ def mla_attn_decode_paged_cpu(num_heads, kv_lora_rank, qk_rope_head_dim, dtype):
         (q[B,H,DL], pages[P,1,1,ps,DL], page_indptr[B+1], page_values[nnz], last_page_len[B],
          o[B,H,DV], lse[B,H], sm_scale:f32)
 
-    One work item per (sequence, head chunk).
+    One work item per (sequence, head chunk). ``paths``: forced paths (``KernelConfig.paths``).
     """
     H, DV = num_heads, kv_lora_rank
     DL = kv_lora_rank + qk_rope_head_dim
     GC = head_chunk(H)
-    NC = H // GC
+    NC, THREADS = H // GC, cpu_threads(paths)
     plan = make_tile_plan(DL, DV, GC, dtype, tokens_per_item=1, rope=False)
     mac = make_attn_macros(plan)
     attend = _make_attend(plan, mac, _make_latent_loader(plan, mac))
@@ -106,16 +108,17 @@ def mla_attn_decode_paged_cpu(num_heads, kv_lora_rank, qk_rope_head_dim, dtype):
         o = T.match_buffer(o_h, (B, H, DV), dtype, elem_offset=T.int32())
         lse = T.match_buffer(lse_h, (B, H), "float32", elem_offset=T.int32())
         work = T.alloc_buffer((1,), "int32")
-        work[0] = 0
-        for b in T.serial(B):
-            work[0] = work[0] + (_kv_len(page_indptr, last_page_len, b, ps) + 16) * NC
-        run(B * NC, work[0] < _SERIAL_DECODE_WORK,
+        if THREADS == "auto":  # static: a forced path needs no estimate
+            work[0] = 0
+            for b in T.serial(B):
+                work[0] = work[0] + (_kv_len(page_indptr, last_page_len, b, ps) + 16) * NC
+        run(B * NC, serial_arg(THREADS, work, _SERIAL_DECODE_WORK),
             (q, o, lse, pages, page_values, ps, page_indptr, last_page_len, sm_scale))
 
     return mla_attn_decode_paged
 
 
-def mla_attn_prefill_paged_cpu(num_heads, kv_lora_rank, qk_rope_head_dim, dtype):
+def mla_attn_prefill_paged_cpu(num_heads, kv_lora_rank, qk_rope_head_dim, dtype, *, paths=()):
     """``pagedkv_mla_attn_prefill_paged`` for the CPU.
 
     Signature::
@@ -123,12 +126,13 @@ def mla_attn_prefill_paged_cpu(num_heads, kv_lora_rank, qk_rope_head_dim, dtype)
         (q[n,H,DL], q_indptr[B+1], pages[P,1,1,ps,DL], page_indptr[B+1], page_values[nnz],
          last_page_len[B], o[n,H,DV], lse[n,H], causal:i32, sm_scale:f32)
 
-    One work item per (entry, query tile, head chunk).
+    One work item per (entry, query tile, head chunk). ``paths``: forced paths
+    (``KernelConfig.paths``).
     """
     H, DV = num_heads, kv_lora_rank
     DL = kv_lora_rank + qk_rope_head_dim
     GC = head_chunk(H)
-    NC = H // GC
+    NC, THREADS = H // GC, cpu_threads(paths)
     plan = make_tile_plan(DL, DV, GC, dtype, tokens_per_item=None, rope=False)
     TQ = plan.tq
     mac = make_attn_macros(plan)
@@ -165,8 +169,8 @@ def mla_attn_prefill_paged_cpu(num_heads, kv_lora_rank, qk_rope_head_dim, dtype)
         lse = T.match_buffer(lse_h, (n, H), "float32", elem_offset=T.int32())
         tile_ptr = T.alloc_buffer((B + 1,), "int32")
         work = T.alloc_buffer((1,), "int32")
-        _count_tiles(tile_ptr, work, q_indptr, B, TQ, NC, page_indptr, ps)
-        run(tile_ptr[B] * NC, work[0] < _SERIAL_PREFILL_WORK,
+        _count_tiles(tile_ptr, work, q_indptr, B, TQ, NC, page_indptr, ps, THREADS == "auto")
+        run(tile_ptr[B] * NC, serial_arg(THREADS, work, _SERIAL_PREFILL_WORK),
             (tile_ptr, B, q, q_indptr, o, lse, (pages, page_values, ps, page_indptr, last_page_len),
              causal, sm_scale))
 

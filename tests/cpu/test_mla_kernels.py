@@ -11,6 +11,7 @@ Run: ``.venv/bin/python -m pytest tests/cpu/test_mla_kernels.py -q``
 
 from __future__ import annotations
 
+import dataclasses
 import math
 
 import numpy as np
@@ -57,13 +58,11 @@ def _sm_scale(rope):
     return float(K.RNG.uniform(0.5, 1.5) / math.sqrt(128 + rope))
 
 
-@pytest.mark.parametrize("ps", [16, 8])
-@pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("shape", MLA_SHAPES, ids=lambda s: "x".join(map(str, s)))
-def test_mla_attn_decode_paged(shape, dtype, ps):
+def run_mla_decode(shape, dtype, ps, lens, paths=()):
+    """``mla_attn_decode_paged`` over sequences of ``lens`` latents vs the reference; ``paths``: forced code
+    paths (KernelConfig.paths)."""
     h, r, rope = shape
     dl = r + rope
-    lens = [0, 1, ps, 3 * ps + 5, 9 * ps + 1, int(K.RNG.integers(1, 4 * ps))]
     kv = LatentPages(lens, dl, ps, dtype)
     nb = len(lens)
     q = randn(nb, h, dl, dtype=dtype)
@@ -71,7 +70,8 @@ def test_mla_attn_decode_paged(shape, dtype, ps):
     off = view_offset(ps)
     o = dev(np.full((nb, h, r), np.nan, dtype), off)
     lse = dev(np.full((nb, h), np.nan, np.float32), off)
-    kernel("mla_attn_decode_paged", mla_cfg(h, r, rope, dtype))(
+    cfg = dataclasses.replace(mla_cfg(h, r, rope, dtype), paths=paths)
+    kernel("mla_attn_decode_paged", cfg)(
         dev(q, off), dev(kv.pages), dev(kv.page_indptr, off), dev(kv.page_values, off),
         dev(kv.last_page_len, off), o, lse, sm_scale)
     refs = [kv.ref(b, q[b:b + 1], False, sm_scale, r) for b in range(nb)]
@@ -79,15 +79,10 @@ def test_mla_attn_decode_paged(shape, dtype, ps):
                     np.concatenate([x[1] for x in refs]), dtype)
 
 
-@pytest.mark.parametrize("causal", [0, 1])
-@pytest.mark.parametrize("ps", [16, 8])
-@pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("shape", MLA_SHAPES, ids=lambda s: "x".join(map(str, s)))
-def test_mla_attn_prefill_paged(shape, dtype, ps, causal):
+def run_mla_prefill(shape, dtype, ps, causal, entries, paths=()):
+    """``mla_attn_prefill_paged`` over ``entries`` ((qlen, kvlen) each) vs the reference."""
     h, r, rope = shape
     dl = r + rope
-    entries = [(3, 0), (1, 1), (5, 2), (0, 7), (ps + 3, 3 * ps + 5), (19, 40),
-               (int(K.RNG.integers(1, 12)), int(K.RNG.integers(1, 5 * ps)))]
     kv = LatentPages([kl for _, kl in entries], dl, ps, dtype)
     q_indptr = np.concatenate([[0], np.cumsum([ql for ql, _ in entries])]).astype(np.int32)
     n = int(q_indptr[-1])
@@ -96,12 +91,54 @@ def test_mla_attn_prefill_paged(shape, dtype, ps, causal):
     off = view_offset(ps)
     o = dev(np.full((n, h, r), np.nan, dtype), off)
     lse = dev(np.full((n, h), np.nan, np.float32), off)
-    kernel("mla_attn_prefill_paged", mla_cfg(h, r, rope, dtype))(
+    cfg = dataclasses.replace(mla_cfg(h, r, rope, dtype), paths=paths)
+    kernel("mla_attn_prefill_paged", cfg)(
         dev(q, off), dev(q_indptr, off), dev(kv.pages), dev(kv.page_indptr, off), dev(kv.page_values, off),
         dev(kv.last_page_len, off), o, lse, causal, sm_scale)
     refs = [kv.ref(b, q[q_indptr[b]:q_indptr[b + 1]], causal, sm_scale, r) for b in range(len(entries))]
     check_attention(o.numpy(), lse.numpy(), np.concatenate([x[0] for x in refs]),
                     np.concatenate([x[1] for x in refs]), dtype)
+
+
+@pytest.mark.parametrize("ps", [16, 8])
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("shape", MLA_SHAPES, ids=lambda s: "x".join(map(str, s)))
+def test_mla_attn_decode_paged(shape, dtype, ps):
+    run_mla_decode(shape, dtype, ps, [0, 1, ps, 3 * ps + 5, 9 * ps + 1, int(K.RNG.integers(1, 4 * ps))])
+
+
+@pytest.mark.parametrize("causal", [0, 1])
+@pytest.mark.parametrize("ps", [16, 8])
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("shape", MLA_SHAPES, ids=lambda s: "x".join(map(str, s)))
+def test_mla_attn_prefill_paged(shape, dtype, ps, causal):
+    entries = [(3, 0), (1, 1), (5, 2), (0, 7), (ps + 3, 3 * ps + 5), (19, 40),
+               (int(K.RNG.integers(1, 12)), int(K.RNG.integers(1, 5 * ps)))]
+    run_mla_prefill(shape, dtype, ps, causal, entries)
+
+
+#: (H, kv_lora_rank, qk_rope_head_dim, dtype) of the path tests: V2-Lite's 16 heads (one head chunk) and
+#: 64 heads in 4 chunks of 16 (4 work items per sequence: 20 sequences give more items than the 64
+#: parallel chunks, so chunks run several items).
+MLA_PATH_CASES = [((16, 512, 64), "float16"), ((64, 64, 32), "float32")]
+#: 20 decode lengths and 18 prefill entries, long and short mixed, long first (reversed: short first).
+MLA_DECODE_LENS = [150, 3, 67, 28, 0, 1, 90, 16, 33, 5, 200, 12, 64, 41, 7, 130, 2, 48, 100, 9]
+MLA_PREFILL_ENTRIES = [(40, 150), (1, 1), (3, 0), (5, 70), (0, 7), (17, 17), (33, 90), (2, 40), (9, 9),
+                       (1, 130), (25, 25), (6, 64), (12, 200), (4, 4), (31, 31), (1, 16), (20, 45), (7, 100)]
+
+
+@pytest.mark.parametrize("reverse", [False, True], ids=["long-first", "short-first"])
+@pytest.mark.parametrize("threads", ["serial", "parallel"])
+@pytest.mark.parametrize("case", MLA_PATH_CASES, ids=lambda c: f"{'x'.join(map(str, c[0]))}-{c[1]}")
+def test_mla_attn_paths(case, threads, reverse):
+    """Decode and prefill on each forced thread path (``cpu_threads``); long first: page size 16, causal;
+    short first: page size 8 (buffers as views), non-causal."""
+    shape, dtype = case
+    paths = {"cpu_threads": threads}
+    ps = 8 if reverse else 16
+    run_mla_decode(shape, dtype, ps, MLA_DECODE_LENS[::-1] if reverse else MLA_DECODE_LENS, paths)
+    run_mla_prefill(shape, dtype, ps, int(not reverse),
+                    MLA_PREFILL_ENTRIES[::-1] if reverse else MLA_PREFILL_ENTRIES, paths)
 
 
 @pytest.mark.parametrize("ps", [16, 8])

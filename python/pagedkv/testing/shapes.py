@@ -26,6 +26,8 @@ class Shape:
     scale: float = 1.0
     window: int = 0
     cap: float = 0.0
+    #: max_batch_size; a larger batch scales the token capacity and the prefill chunk with it
+    batch: int = 8
 
     @property
     def id(self) -> str:
@@ -33,16 +35,19 @@ class Shape:
         extra = "" if (self.theta, self.scale) == (10000.0, 1.0) else f"-t{self.theta:g}s{self.scale:g}"
         extra += f"-w{self.window}" if self.window else ""
         extra += f"-cap{self.cap:g}" if self.cap else ""
+        extra += f"-b{self.batch}" if self.batch != 8 else ""
         return f"h{self.hq}x{self.hkv}-d{self.d}-{dt}-p{self.ps}-{self.rope}{extra}"
 
     def config(self) -> KVCacheConfig:
         # Capacity for every scenario (<= 8 sequences, <= 64 tokens a forward, <= 16 pages at page size 8);
-        # the pool is kept small so freed pages get reused.
+        # the pool is kept small so freed pages get reused. A larger batch (the batch scenarios) gets the
+        # same capacity per sequence.
+        grow = max(1, self.batch // 8)
         return KVCacheConfig(num_layers=2, num_qo_heads=self.hq, num_kv_heads=self.hkv, head_dim=self.d,
                              dtype=self.dtype, rope_mode=self.rope, rope_theta=self.theta,
-                             rope_scale=self.scale, page_size=self.ps, max_batch_size=8,
-                             max_total_seq_len=128, prefill_chunk_size=64, sliding_window=self.window,
-                             logits_soft_cap=self.cap)
+                             rope_scale=self.scale, page_size=self.ps, max_batch_size=self.batch,
+                             max_total_seq_len=128 * grow, prefill_chunk_size=64 * grow,
+                             sliding_window=self.window, logits_soft_cap=self.cap)
 
 
 SHAPES = [
@@ -57,6 +62,15 @@ SHAPES = [
     Shape(4, 1, 64, "float32", 8, "normal", window=13),
     Shape(6, 2, 128, "float16", 16, "none", cap=2.0),
     Shape(3, 1, 64, "float16", 8, "inline", window=20, cap=2.5),
+]
+
+#: CPU shapes of the many-sequence scenarios (``scenarios_batch``): 24 sequences, 16 and 4 kv heads (more
+#: work items than the CPU kernels' 64 parallel chunks), windowed with a window shorter than a key tile (the
+#: first entry's window starts past its first tile), and plain with inline RoPE on the kernel shape of
+#: ``SHAPES[0]`` (kernels compiled for a shape serve every capacity, so they are shared).
+BATCH_SHAPES = [
+    Shape(16, 16, 64, "float32", 16, "none", window=13, batch=24),
+    Shape(4, 4, 64, "float32", 8, "inline", batch=24),
 ]
 
 #: Extra GPU-only shapes: GQA group 8, the H200 benchmark shape (32 q / 8 kv heads, head dim 128), and
