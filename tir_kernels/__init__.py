@@ -13,13 +13,10 @@ Example
 
 from __future__ import annotations
 
-import math
-from dataclasses import dataclass
-
+from ..kernel_spec import DTYPES, SWITCHES, KernelSpec, forced, normalize_paths  # the spec, written once
 from ..ops import OPS, OPS_BY_KIND  # the op vocabulary, written once (pagedkv.ops)
 from ._abi import abi_dims, abi_prim_func
 from ._common import as_target, dispatch, host_target
-from ._paths import SWITCHES, forced, normalize_paths
 from .attention_cpu import (
     attn_decode_paged_cpu,
     attn_prefill_paged_cpu,
@@ -51,111 +48,10 @@ from .page_ops_cuda import (
 from .rope import split_rotary_cpu
 from .rope_cuda import split_rotary_cuda
 
-DTYPES = ("float16", "float32")
 
 
-@dataclass(frozen=True)
-class KernelConfig:
-    """The compile-time shape of one layer's kernels.
-
-    Parameters
-    ----------
-    num_qo_heads, num_kv_heads : int
-        Query and kv heads; ``num_qo_heads`` must be a multiple of ``num_kv_heads`` (GQA group size).
-    head_dim : int
-        qk head dim ``D``. RoPE (``apply_rope = 1``) rotates halves and is defined for an even ``D`` only;
-        an odd ``D`` (MLA's self-attention) is served with ``apply_rope = 0`` (pagedkv's config rejects RoPE
-        with an odd head dim, so its caches never pass 1 then).
-    v_head_dim : int or None
-        v head dim ``Dv`` (only ``attn_prefill_ragged`` and ``merge_state`` may use ``Dv != D``);
-        ``None`` means ``head_dim``. Even, as is ``kv_lora_rank`` (the value dim of the MLA attention):
-        the CPU attention kernels accumulate ``P @ V`` in pairs of value columns.
-    dtype : str
-        Storage dtype of q/k/v/o and pages: ``"float16"`` or ``"float32"`` (accumulation is float32).
-    kv_lora_rank, qk_rope_head_dim : int
-        MLA layers (both > 0): pages hold a latent of ``kv_lora_rank + qk_rope_head_dim`` elements per
-        token; ``head_dim`` / ``v_head_dim`` / ``num_kv_heads`` then describe the ragged self-attention
-        (``num_kv_heads == num_qo_heads``). 0 for MHA.
-    sliding_window : int
-        MHA attention kernels only; 0 = off. Query row ``i`` of an entry with ``n`` queries and ``m`` keys
-        sits at key position ``p = m - n + i`` (bottom-right alignment, as the causal mask) and sees keys
-        ``j >= p + 1 - sliding_window`` (besides the causal / length limit). Compile-time: the op ABI does
-        not change, and with 0 the generated code is what it was before the field existed.
-    logits_soft_cap : float
-        MHA attention kernels only; 0 = off. Scores ``s = sm_scale * q.k`` become
-        ``logits_soft_cap * tanh(s / logits_soft_cap)`` before masking and softmax (FlashInfer's and
-        Gemma-2's definition); lse is over the capped scores.
-    paths : tuple of (str, str)
-        Forced run-time code paths, ``(switch, value)`` pairs of ``_paths.SWITCHES`` (tests use them to
-        reach every path on small shapes); empty = every kernel chooses for itself, and the generated code
-        is what it is without the field. Accepts a mapping; stored normalized (sorted, no "auto").
-    """
-
-    num_qo_heads: int
-    num_kv_heads: int
-    head_dim: int
-    v_head_dim: int | None = None
-    dtype: str = "float16"
-    kv_lora_rank: int = 0
-    qk_rope_head_dim: int = 0
-    sliding_window: int = 0
-    logits_soft_cap: float = 0.0
-    paths: tuple = ()
-
-    def __post_init__(self):
-        object.__setattr__(self, "paths", normalize_paths(self.paths))
-        if self.v_head_dim is None:
-            object.__setattr__(self, "v_head_dim", self.head_dim)
-        for name in ("num_qo_heads", "num_kv_heads", "head_dim", "v_head_dim"):
-            value = getattr(self, name)
-            if not isinstance(value, int) or value < 1:
-                raise ValueError(f"KernelConfig.{name} must be a positive int, got {value!r}")
-        if self.num_qo_heads % self.num_kv_heads:
-            raise ValueError(f"num_qo_heads={self.num_qo_heads} is not a multiple of "
-                             f"num_kv_heads={self.num_kv_heads}")
-        odd = [f"{name}={getattr(self, name)}" for name in ("v_head_dim", "kv_lora_rank") if getattr(self, name) % 2]
-        if odd:
-            raise ValueError(f"{', '.join(odd)} is odd; the CPU attention kernels accumulate P @ V in pairs of "
-                             "value columns and need an even value head dim")
-        if self.dtype not in DTYPES:
-            raise ValueError(f"dtype must be one of {DTYPES}, got {self.dtype!r}")
-        if (self.kv_lora_rank > 0) != (self.qk_rope_head_dim > 0):
-            raise ValueError("MLA needs both kv_lora_rank and qk_rope_head_dim > 0, got "
-                             f"{self.kv_lora_rank} and {self.qk_rope_head_dim}")
-        if not isinstance(self.sliding_window, int) or self.sliding_window < 0:
-            raise ValueError(f"sliding_window must be an int >= 0 (0: off), got {self.sliding_window!r}")
-        cap = self.logits_soft_cap
-        if not isinstance(cap, (int, float)) or not math.isfinite(cap) or cap < 0:
-            raise ValueError(f"logits_soft_cap must be a finite number >= 0 (0: off), got {cap!r}")
-        if self.is_mla and (self.sliding_window or cap):
-            raise ValueError("MLA kernels take no sliding_window or logits_soft_cap")
-
-    @property
-    def is_mla(self) -> bool:
-        return self.kv_lora_rank > 0
-
-    @property
-    def masking(self) -> dict:
-        """The attention kernels' compile-time masking options, as keyword arguments."""
-        return {"sliding_window": self.sliding_window, "logits_soft_cap": float(self.logits_soft_cap)}
-
-    @property
-    def latent_dim(self) -> int:
-        """Elements per token of an MLA page."""
-        return self.kv_lora_rank + self.qk_rope_head_dim
-
-    @property
-    def group_size(self) -> int:
-        """Query heads per kv head."""
-        return self.num_qo_heads // self.num_kv_heads
-
-    @classmethod
-    def from_cache_config(cls, config) -> "KernelConfig":
-        """The kernel shape of a ``pagedkv.config.KVCacheConfig`` (read by field name)."""
-        return cls(config.num_qo_heads, config.num_kv_heads, config.head_dim,
-                   config.v_head_dim, config.dtype, getattr(config, "kv_lora_rank", 0),
-                   getattr(config, "qk_rope_head_dim", 0), getattr(config, "sliding_window", 0),
-                   float(getattr(config, "logits_soft_cap", 0.0)))
+#: The kernel spec (``pagedkv.kernel_spec.KernelSpec``) under the kernels' older name.
+KernelConfig = KernelSpec
 
 
 def make_split_rotary(cfg: KernelConfig, target):
@@ -208,7 +104,7 @@ def make_attn_decode_paged(cfg: KernelConfig, target):
 
 def _cuda_decode_paths(cfg: KernelConfig) -> dict:
     """Forced paths of the CUDA decode kernels (MHA and MLA) as keyword arguments: ``decode_splits`` (0 =
-    automatic; ``_paths.SWITCHES["cuda_decode_splits"]``)."""
+    automatic; ``pagedkv.kernel_spec.SWITCHES["cuda_decode_splits"]``)."""
     splits = forced(cfg.paths, "cuda_decode_splits")
     return {"decode_splits": 0 if splits == "auto" else int(splits)}
 
@@ -336,5 +232,5 @@ def build_kernels(cfg: KernelConfig, target, ops=None) -> dict:
     return {op: FACTORIES[op](cfg, target) for op in OPS if op in wanted}
 
 
-__all__ = ["OPS", "OPS_BY_KIND", "KernelConfig", "abi_dims", "abi_prim_func", "SWITCHES", "forced", "normalize_paths", "FACTORIES", "build_kernels", "host_target", "make_empty_rows"] + [
+__all__ = ["OPS", "OPS_BY_KIND", "KernelConfig", "KernelSpec", "abi_dims", "abi_prim_func", "SWITCHES", "forced", "normalize_paths", "FACTORIES", "build_kernels", "host_target", "make_empty_rows"] + [
     f"make_{op}" for op in OPS]

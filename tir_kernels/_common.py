@@ -167,6 +167,9 @@ def make_tile_plan(d: int, dv: int, group: int, dtype: str, tokens_per_item: int
     all of them), keys-major scores. Decode passes 1: the G rows of one token, rows-major scores.
     ``window`` and ``soft_cap`` are the masking options (see ``TilePlan``), passed through.
     """
+    if dv % 2:
+        raise ValueError(f"value head dim {dv} is odd; the CPU attention kernels accumulate P @ V in pairs of "
+                         "value columns and need an even value head dim")
     if isinstance(window, bool) or not isinstance(window, int) or window < 0:
         raise ValueError(f"sliding_window must be an int >= 0 (0: off), got {window!r}")
     if not math.isfinite(soft_cap) or soft_cap < 0:

@@ -22,7 +22,7 @@ from tvm.script import tirx as T
 from ._attn_cpu_gemm import lim_size, make_gemm_macros, scratch_shapes
 from ._attn_cpu_macros import make_attn_macros
 from ._common import LOG2E, TilePlan, make_tile_plan
-from ._paths import forced, normalize_paths
+from ..kernel_spec import forced, normalize_paths
 
 
 def _make_attend(plan: TilePlan, mac, load_tile):

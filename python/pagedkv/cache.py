@@ -19,6 +19,7 @@ from . import backends as _backends
 from . import target as _target
 from ._lib import get_global
 from .config import KVCacheConfig
+from .kernel_spec import KernelSpec
 
 _FLOAT_DTYPES = {"float16", "float32", "bfloat16"}
 
@@ -40,20 +41,18 @@ target_spec = _target.canonical
 
 
 def kernel_shape(config: KVCacheConfig) -> KVCacheConfig:
-    """The part of ``config`` that kernels are compiled for (heads, head dims, dtype, attention options);
-    capacity, page size and RoPE parameters are kernel arguments, so configs differing only there share kernels."""
-    if config.is_mla:
-        return KVCacheConfig.mla(num_layers=1, num_heads=config.num_qo_heads, kv_lora_rank=config.kv_lora_rank,
-                                 qk_nope_head_dim=config.qk_nope_head_dim,
-                                 qk_rope_head_dim=config.qk_rope_head_dim, v_head_dim=config.v_dim,
-                                 dtype=config.dtype)
-    # the attention options are compile-time for the TIR kernels and select FlashInfer module variants;
-    # the RoPE mode is not (kernels take apply_rope as an argument), so the shape says "none": it holds every
-    # head dim (an odd one only serves rope_mode "none", which the config itself enforces)
-    return KVCacheConfig(num_layers=1, num_qo_heads=config.num_qo_heads, num_kv_heads=config.num_kv_heads,
-                         head_dim=config.head_dim, v_head_dim=config.v_head_dim, dtype=config.dtype,
-                         rope_mode="none", sliding_window=config.sliding_window,
-                         logits_soft_cap=config.logits_soft_cap)
+    """``config`` reduced to its kernel spec (``pagedkv.kernel_spec.KernelSpec.from_config``: heads, head dims,
+    dtype, attention options), as a config: configs differing only in capacity, page size or RoPE parameters
+    (kernel arguments) share kernels and compiled modules."""
+    spec = KernelSpec.from_config(config)
+    if spec.is_mla:
+        return KVCacheConfig.mla(num_layers=1, num_heads=spec.num_qo_heads, kv_lora_rank=spec.kv_lora_rank,
+                                 qk_nope_head_dim=spec.head_dim - spec.qk_rope_head_dim,
+                                 qk_rope_head_dim=spec.qk_rope_head_dim, v_head_dim=spec.v_head_dim,
+                                 dtype=spec.dtype)
+    return KVCacheConfig(num_layers=1, num_qo_heads=spec.num_qo_heads, num_kv_heads=spec.num_kv_heads,
+                         head_dim=spec.head_dim, v_head_dim=spec.v_head_dim, dtype=spec.dtype, rope_mode="none",
+                         sliding_window=spec.sliding_window, logits_soft_cap=spec.logits_soft_cap)
 
 
 @functools.lru_cache(maxsize=None)
@@ -74,7 +73,7 @@ def kernel_library_key(config: KVCacheConfig, target: Any, choice: Sequence[tupl
     """Content key of the kernels of ``config`` for ``target`` with the per-op backend ``choice``: the kernel
     shape, the canonical target, the kernel sources, the choice, and what each backend adds
     (``Backend.key_part``: FlashInfer module variants, forced TIR code paths)."""
-    key = {"config": kernel_shape(config).to_dict(), "target": _target.canonical(target),
+    key = {"config": KernelSpec.from_config(config).to_dict(), "target": _target.canonical(target),
            "sources": kernel_source_digest(), "ops": [list(c) for c in choice]}
     parts = _backends.key_parts(config, target, choice)
     if parts:

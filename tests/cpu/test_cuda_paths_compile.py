@@ -1,4 +1,4 @@
-"""Forced code paths of the CUDA kernels (``tir_kernels/_paths.py``, switches ``cuda_*``) on the build host: no GPU.
+"""Forced code paths of the CUDA kernels (``pagedkv.kernel_spec.SWITCHES``, switches ``cuda_*``) on the build host: no GPU.
 
 - "auto" has no forced code: a decode factory without the switch, with ``decode_splits=0`` and through
   ``KernelConfig(paths={...: "auto"})`` give the same ``script()``; a forced split count changes only the

@@ -10,6 +10,7 @@ from typing import Any, Iterator, Mapping
 from .. import ops
 from .. import target as _target
 from ..config import KVCacheConfig
+from ..kernel_spec import SWITCHES, KernelSpec, normalize_paths
 from .base import Backend, OpBuild, target_kind
 
 #: Target kinds the TIR kernels are scheduled for.
@@ -20,40 +21,19 @@ SUPPORTED_DTYPES = ("float16", "float32")
 _FORCED_PATHS: contextvars.ContextVar[tuple] = contextvars.ContextVar("pagedkv_tir_forced_paths", default=())
 
 
-@functools.lru_cache(maxsize=1)
-def _paths_module():
-    """``pagedkv.tir_kernels._paths`` (pure Python) loaded without the kernel package, whose modules need
-    TVMScript: a runtime-only process (GPU host) forces paths to find prebuilt forced libraries by key."""
-    import importlib.util
-    import sys
-    from pathlib import Path
-
-    loaded = sys.modules.get("pagedkv.tir_kernels._paths")
-    if loaded is not None:
-        return loaded
-    spec = importlib.util.find_spec("pagedkv.tir_kernels")  # imports pagedkv, not the kernels
-    if spec is None or not spec.submodule_search_locations:
-        raise ImportError("pagedkv.tir_kernels not found (its _paths.py names the kernel path switches)")
-    path = Path(list(spec.submodule_search_locations)[0]) / "_paths.py"
-    mod_spec = importlib.util.spec_from_file_location("pagedkv._tir_kernel_paths", path)
-    module = importlib.util.module_from_spec(mod_spec)
-    mod_spec.loader.exec_module(module)
-    return module
-
-
 def path_switches() -> dict:
-    """``pagedkv.tir_kernels.SWITCHES`` (switch -> (what reads it, values)); works with the TVM runtime only."""
-    return _paths_module().SWITCHES
+    """``pagedkv.kernel_spec.SWITCHES`` (switch -> (what reads it, values)); works with the TVM runtime only."""
+    return SWITCHES
 
 
 @contextlib.contextmanager
 def forced_paths(paths: Mapping[str, str]) -> Iterator[tuple]:
     """Within this context, TIR kernels are compiled with their run-time code paths forced (tests reach
-    every path on small shapes): ``paths`` maps switches of ``pagedkv.tir_kernels.SWITCHES`` to values,
+    every path on small shapes): ``paths`` maps switches of ``pagedkv.kernel_spec.SWITCHES`` to values,
     e.g. ``{"cpu_threads": "parallel"}``. Kernel libraries and cached modules are keyed by the forced
     paths (``key_part``), so a forced build never serves an automatic one or the reverse; in a runtime-only
     process the context selects the prebuilt libraries (``$PAGEDKV_KERNEL_DIR``) built under the same paths."""
-    token = _FORCED_PATHS.set(_paths_module().normalize_paths(paths))
+    token = _FORCED_PATHS.set(normalize_paths(paths))
     try:
         yield _FORCED_PATHS.get()
     finally:
@@ -65,14 +45,9 @@ def current_forced_paths() -> tuple:
     return _FORCED_PATHS.get()
 
 
-def kernel_config(config: KVCacheConfig):
-    from ..tir_kernels import KernelConfig
-
-    return KernelConfig(num_qo_heads=config.num_qo_heads, num_kv_heads=config.num_kv_heads,
-                        head_dim=config.head_dim, v_head_dim=config.v_dim, dtype=config.dtype,
-                        kv_lora_rank=config.kv_lora_rank, qk_rope_head_dim=config.qk_rope_head_dim,
-                        sliding_window=config.sliding_window, logits_soft_cap=float(config.logits_soft_cap),
-                        paths=current_forced_paths())
+def kernel_config(config: KVCacheConfig) -> KernelSpec:
+    """The kernel spec of ``config`` with the paths forced now (``forced_paths``)."""
+    return KernelSpec.from_config(config, paths=current_forced_paths())
 
 
 @functools.lru_cache(maxsize=32)

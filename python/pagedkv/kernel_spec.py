@@ -1,0 +1,163 @@
+"""The kernel spec: the compile-time shape of a layer's kernels (``KernelSpec``) and the forced run-time
+code paths (``SWITCHES``), in one pure-Python module (a runtime-only process keys prebuilt libraries with it
+without importing the kernels).
+
+Forcing a path: several kernels choose between code paths at run time from a work estimate, a split count or
+a size threshold (the CPU attention kernels run their work items on the calling thread or on the thread
+pool; the CUDA decode kernels pick a split-KV count). Left alone ("auto") each kernel chooses as it always
+has, and the generated TIR is unchanged. A forced path is compile-time: ``KernelSpec.paths`` holds
+``(switch, value)`` pairs, a kernel reads its switch with ``forced(spec.paths, switch)``, and the kernel
+library key includes the pairs, so a forced library never stands in for an automatic one. Tests force paths
+with ``pagedkv.backends.tir.forced_paths``.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, fields
+from typing import Iterable, Mapping
+
+DTYPES = ("float16", "float32")
+
+#: switch -> (what reads it, allowed values; "auto" = the kernel's own run-time choice).
+SWITCHES: dict[str, tuple[str, tuple[str, ...]]] = {
+    "cpu_threads": ("CPU attention kernels (MHA and MLA): work items on the calling thread or the pool",
+                    ("auto", "serial", "parallel")),
+    "cuda_decode_splits": ("CUDA decode kernels (MHA attn_decode_paged, MLA mla_attn_decode_paged): the split-KV "
+                           "count S (auto: from the shapes); a forced S is clamped to 1 .. the batch's key slots "
+                           "(nnz * page size), and with S > 1 the partial states go through the merge kernel",
+                           ("auto", "1", "2", "3", "8")),
+}
+
+
+def normalize_paths(paths: Mapping[str, str] | Iterable[tuple[str, str]] | None) -> tuple[tuple[str, str], ...]:
+    """``paths`` as sorted ``(switch, value)`` pairs without "auto" entries; raises ``ValueError`` naming an
+    unknown switch or value."""
+    items = dict(paths.items() if isinstance(paths, Mapping) else (paths or ()))
+    out = []
+    for name, value in sorted(items.items()):
+        if name not in SWITCHES:
+            raise ValueError(f"unknown kernel path switch {name!r}; known: {', '.join(sorted(SWITCHES))}")
+        allowed = SWITCHES[name][1]
+        if str(value) not in allowed:
+            raise ValueError(f"kernel path switch {name!r} takes {', '.join(allowed)}; got {value!r}")
+        if str(value) != "auto":
+            out.append((name, str(value)))
+    return tuple(out)
+
+
+def forced(paths: tuple[tuple[str, str], ...], switch: str) -> str:
+    """The value forced for ``switch`` in normalized ``paths``, or ``"auto"``."""
+    if switch not in SWITCHES:
+        raise KeyError(f"unknown kernel path switch {switch!r}")
+    return dict(paths).get(switch, "auto")
+
+
+@dataclass(frozen=True)
+class KernelSpec:
+    """The compile-time shape of one layer's kernels: what every backend builds for, derived from a
+    ``KVCacheConfig`` in one place (``from_config``), validated once (here), and the kernel library key's input.
+
+    Parameters
+    ----------
+    num_qo_heads, num_kv_heads : int
+        Query and kv heads; ``num_qo_heads`` must be a multiple of ``num_kv_heads`` (GQA group size).
+    head_dim : int
+        qk head dim ``D``. RoPE (``apply_rope = 1``) rotates halves and is defined for an even ``D`` only;
+        an odd ``D`` (MLA's self-attention) is served with ``apply_rope = 0`` (pagedkv's config rejects RoPE
+        with an odd head dim, so its caches never pass 1 then).
+    v_head_dim : int or None
+        v head dim ``Dv`` (only ``attn_prefill_ragged`` and ``merge_state`` may use ``Dv != D``);
+        ``None`` means ``head_dim``. (Each target family states its own limits: the CPU attention kernels
+        need an even value dim, ``kv_lora_rank`` included, as they accumulate ``P @ V`` in column pairs.)
+    dtype : str
+        Storage dtype of q/k/v/o and pages: ``"float16"`` or ``"float32"`` (accumulation is float32).
+    kv_lora_rank, qk_rope_head_dim : int
+        MLA layers (both > 0): pages hold a latent of ``kv_lora_rank + qk_rope_head_dim`` elements per
+        token; ``head_dim`` / ``v_head_dim`` / ``num_kv_heads`` then describe the ragged self-attention
+        (``num_kv_heads == num_qo_heads``). 0 for MHA.
+    sliding_window : int
+        MHA attention kernels only; 0 = off. Query row ``i`` of an entry with ``n`` queries and ``m`` keys
+        sits at key position ``p = m - n + i`` (bottom-right alignment, as the causal mask) and sees keys
+        ``j >= p + 1 - sliding_window`` (besides the causal / length limit). Compile-time: the op ABI does
+        not change, and with 0 the generated code is what it was before the field existed.
+    logits_soft_cap : float
+        MHA attention kernels only; 0 = off. Scores ``s = sm_scale * q.k`` become
+        ``logits_soft_cap * tanh(s / logits_soft_cap)`` before masking and softmax (FlashInfer's and
+        Gemma-2's definition); lse is over the capped scores.
+    paths : tuple of (str, str)
+        Forced run-time code paths, ``(switch, value)`` pairs of ``_paths.SWITCHES`` (tests use them to
+        reach every path on small shapes); empty = every kernel chooses for itself, and the generated code
+        is what it is without the field. Accepts a mapping; stored normalized (sorted, no "auto").
+    """
+
+    num_qo_heads: int
+    num_kv_heads: int
+    head_dim: int
+    v_head_dim: int | None = None
+    dtype: str = "float16"
+    kv_lora_rank: int = 0
+    qk_rope_head_dim: int = 0
+    sliding_window: int = 0
+    logits_soft_cap: float = 0.0
+    paths: tuple = ()
+
+    def __post_init__(self):
+        object.__setattr__(self, "paths", normalize_paths(self.paths))
+        if self.v_head_dim is None:
+            object.__setattr__(self, "v_head_dim", self.head_dim)
+        for name in ("num_qo_heads", "num_kv_heads", "head_dim", "v_head_dim"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or value < 1:
+                raise ValueError(f"KernelSpec.{name} must be a positive int, got {value!r}")
+        if self.num_qo_heads % self.num_kv_heads:
+            raise ValueError(f"num_qo_heads={self.num_qo_heads} is not a multiple of "
+                             f"num_kv_heads={self.num_kv_heads}")
+        if self.dtype not in DTYPES:
+            raise ValueError(f"dtype must be one of {DTYPES}, got {self.dtype!r}")
+        if (self.kv_lora_rank > 0) != (self.qk_rope_head_dim > 0):
+            raise ValueError("MLA needs both kv_lora_rank and qk_rope_head_dim > 0, got "
+                             f"{self.kv_lora_rank} and {self.qk_rope_head_dim}")
+        if not isinstance(self.sliding_window, int) or self.sliding_window < 0:
+            raise ValueError(f"sliding_window must be an int >= 0 (0: off), got {self.sliding_window!r}")
+        cap = self.logits_soft_cap
+        if not isinstance(cap, (int, float)) or not math.isfinite(cap) or cap < 0:
+            raise ValueError(f"logits_soft_cap must be a finite number >= 0 (0: off), got {cap!r}")
+        if self.is_mla and (self.sliding_window or cap):
+            raise ValueError("MLA kernels take no sliding_window or logits_soft_cap")
+
+    @property
+    def is_mla(self) -> bool:
+        return self.kv_lora_rank > 0
+
+    @property
+    def masking(self) -> dict:
+        """The attention kernels' compile-time masking options, as keyword arguments."""
+        return {"sliding_window": self.sliding_window, "logits_soft_cap": float(self.logits_soft_cap)}
+
+    @property
+    def latent_dim(self) -> int:
+        """Elements per token of an MLA page."""
+        return self.kv_lora_rank + self.qk_rope_head_dim
+
+    @property
+    def group_size(self) -> int:
+        """Query heads per kv head."""
+        return self.num_qo_heads // self.num_kv_heads
+
+    @classmethod
+    def from_config(cls, config, *, paths=()) -> "KernelSpec":
+        """The kernel spec of a ``pagedkv.config.KVCacheConfig`` (its kernel fields; capacity, page size and
+        RoPE parameters are kernel arguments, so configs differing only there share kernels)."""
+        return cls(num_qo_heads=config.num_qo_heads, num_kv_heads=config.num_kv_heads, head_dim=config.head_dim,
+                   v_head_dim=config.v_dim, dtype=config.dtype, kv_lora_rank=config.kv_lora_rank,
+                   qk_rope_head_dim=config.qk_rope_head_dim, sliding_window=config.sliding_window,
+                   logits_soft_cap=float(config.logits_soft_cap), paths=paths)
+
+    def to_dict(self) -> dict:
+        """JSON-able fields (the kernel library key's config part)."""
+        return {f.name: (list(map(list, v)) if f.name == "paths" else v)
+                for f in fields(self) for v in [getattr(self, f.name)]}
+
+
+__all__ = ["DTYPES", "KernelSpec", "SWITCHES", "forced", "normalize_paths"]
