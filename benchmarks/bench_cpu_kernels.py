@@ -28,7 +28,6 @@ import math
 import pathlib
 import platform
 import statistics
-import sys
 import time
 
 import numpy as np
@@ -36,11 +35,7 @@ import torch
 import tvm
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
-try:
-    from pagedkv import tir_kernels as tk
-except Exception:  # noqa: BLE001 (source checkout, or pagedkv present but its runtime not built)
-    sys.path.insert(0, str(ROOT))
-    import tir_kernels as tk
+from pagedkv import tir_kernels as tk  # noqa: E402
 from tvm.relax.frontend.nn.llm import _decode_kernels as up_decode  # noqa: E402
 from tvm.relax.frontend.nn.llm import _prefill_kernels as up_prefill  # noqa: E402
 

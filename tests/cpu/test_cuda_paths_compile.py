@@ -18,17 +18,12 @@ import functools
 import importlib
 import pathlib
 import re
-import sys
 
 import pytest
 from _cuda_support import cuda_source_of, nvcc_all, ptxas_usage
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
-try:  # installed package
-    from pagedkv import tir_kernels as tk
-except Exception:  # noqa: BLE001 (source checkout, or pagedkv present but its runtime not built)
-    sys.path.insert(0, str(ROOT))
-    import tir_kernels as tk
+from pagedkv import tir_kernels as tk  # noqa: E402
 
 import tvm
 from tvm.target import Target

@@ -10,28 +10,17 @@ Run: ``.venv/bin/python -m pytest tests/cpu/test_kernels.py -q``
 from __future__ import annotations
 
 import functools
-import importlib.util
 import math
-import pathlib
-import sys
 
 import numpy as np
 import pytest
 import torch
 
-ROOT = pathlib.Path(__file__).resolve().parents[2]
-try:  # installed package
-    from pagedkv import tir_kernels as tk
-except Exception:  # noqa: BLE001 (source checkout, or pagedkv present but its runtime not built)
-    sys.path.insert(0, str(ROOT))
-    import tir_kernels as tk
-
 import tvm
 
-try:  # the shared float64 reference, when the pagedkv package is importable
-    from pagedkv.testing import reference as shared_ref
-except Exception:  # noqa: BLE001 (fall back to the local reference below)
-    shared_ref = None
+from pagedkv import ops
+from pagedkv import tir_kernels as tk
+from pagedkv.testing import reference as shared_ref  # the one float64 reference
 
 TOL = {"float32": 1e-5, "float16": 1e-2}
 EMPTY_LSE = -1.0e30
@@ -87,15 +76,8 @@ def rel_err(out, ref) -> float:
 
 
 def rope_ref(x: torch.Tensor, pos: torch.Tensor, scale: float, theta: float) -> torch.Tensor:
-    """Rotate-half RoPE in float64; ``x[..., T, D]`` with positions ``pos[T]``."""
-    if shared_ref is not None:
-        return shared_ref.rope(x.transpose(0, 1), pos, theta, scale).transpose(0, 1)
-    d = x.shape[-1]
-    inv = theta ** (-torch.arange(0, d // 2, dtype=torch.float64) * 2 / d)
-    ang = pos.to(torch.float64)[:, None] * scale * inv[None, :]
-    cos, sin = torch.cos(ang), torch.sin(ang)
-    x0, x1 = x[..., : d // 2], x[..., d // 2:]
-    return torch.cat([x0 * cos - x1 * sin, x1 * cos + x0 * sin], dim=-1)
+    """Rotate-half RoPE in float64 (``pagedkv.testing.reference``); ``x[..., T, D]`` with positions ``pos[T]``."""
+    return shared_ref.rope(x.transpose(0, 1), pos, theta, scale).transpose(0, 1)
 
 
 def attention_ref(q, k, v, causal, sm_scale, q_pos=None, k_pos=None, rope=None, *, sliding_window=0,
@@ -111,29 +93,8 @@ def attention_ref(q, k, v, causal, sm_scale, q_pos=None, k_pos=None, rope=None, 
     if rope is not None:
         q = rope_ref(q.transpose(0, 1), torch.as_tensor(q_pos), *rope).transpose(0, 1)
         k = rope_ref(k.transpose(0, 1), torch.as_tensor(k_pos), *rope).transpose(0, 1)
-    if shared_ref is not None:
-        o, lse = shared_ref.attention(q, k, v, sm_scale, bool(causal), sliding_window=sliding_window,
-                                      logits_soft_cap=logits_soft_cap)
-        return o.numpy(), lse.numpy()
-    k = k.repeat_interleave(hq // hkv, dim=1)
-    v = v.repeat_interleave(hq // hkv, dim=1)
-    s = torch.einsum("ihd,jhd->hij", q, k) * sm_scale
-    if logits_soft_cap:
-        s = logits_soft_cap * torch.tanh(s / logits_soft_cap)
-    visible = torch.ones(qlen, kvlen, dtype=torch.bool)
-    key_pos = (kvlen - qlen + torch.arange(qlen))[:, None]  # bottom-right aligned
-    if causal:
-        visible &= torch.arange(kvlen)[None, :] <= key_pos
-    if sliding_window:
-        visible &= torch.arange(kvlen)[None, :] > key_pos - sliding_window
-    s = s.masked_fill(~visible[None], -math.inf)
-    lse = torch.logsumexp(s, dim=-1)  # [H, qlen]
-    p = torch.exp(s - lse[..., None]).nan_to_num(0.0)
-    o = torch.einsum("hij,jhd->ihd", p, v)
-    empty = ~visible.any(dim=1)
-    lse = (lse / math.log(2)).transpose(0, 1)
-    lse[empty] = EMPTY_LSE
-    o[empty] = 0.0
+    o, lse = shared_ref.attention(q, k, v, sm_scale, bool(causal), sliding_window=sliding_window,
+                                  logits_soft_cap=logits_soft_cap)
     return o.numpy(), lse.numpy()
 
 
@@ -187,10 +148,7 @@ def view_offset(ps: int) -> int:
 # vocabulary and factories
 # ---------------------------------------------------------------------------------------------------
 def test_ops_match_vocabulary():
-    spec = importlib.util.spec_from_file_location("_pagedkv_ops", ROOT / "python" / "pagedkv" / "ops.py")
-    ops = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(ops)
-    assert tk.OPS == ops.OPS
+    assert tk.OPS is ops.OPS  # the kernels take the vocabulary from pagedkv.ops, not a copy
 
 
 def test_build_kernels_symbols():

@@ -19,19 +19,13 @@ from __future__ import annotations
 import functools
 import pathlib
 import re
-import sys
 
 import pytest
 from _cuda_support import cuda_source_of, nvcc_all
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
-try:  # installed package
-    from pagedkv.tir_kernels import mla_cuda
-    from pagedkv.tir_kernels._common import fast_macro_expansion
-except Exception:  # noqa: BLE001 (source checkout, or an installed pagedkv without these kernels)
-    sys.path.insert(0, str(ROOT))
-    from tir_kernels import mla_cuda
-    from tir_kernels._common import fast_macro_expansion
+from pagedkv.tir_kernels import mla_cuda  # noqa: E402
+from pagedkv.tir_kernels._common import fast_macro_expansion  # noqa: E402
 
 import tvm
 from tvm.target import Target

@@ -12,7 +12,6 @@ the test, not kill pytest.
 from __future__ import annotations
 
 import json
-import re
 import subprocess
 import sys
 import textwrap

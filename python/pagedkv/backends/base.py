@@ -6,7 +6,7 @@ from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
 from ..config import KVCacheConfig
-from ..target import kind as target_kind
+from ..target import kind as target_kind  # noqa: F401 (re-exported: backends.target_kind)
 
 #: Runtime adapter kinds (src/backend.cc): how the runtime calls an op's functions. ``direct``: the one function
 #: follows the op's kernel ABI (src/ops.h) and is called with it unchanged (any backend whose functions do
