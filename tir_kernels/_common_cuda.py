@@ -19,23 +19,20 @@ Conventions of every ``*_cuda.py`` kernel (see ``docs/ARCHITECTURE.md``, "Kernel
   ``theta ** (2i/D)`` in float64 and an IEEE float32 angle division (``__fdiv_rn``, or a reciprocal
   plus one FMA residual step, which rounds the same), so the rotation equals the CPU kernels' one up to
   FMA contraction.
-* the compile-time masking options (``sliding_window``, ``logits_soft_cap``) are applied by static Python
-  ``if`` s and the helpers below, which return their argument unchanged when the option is 0, so the
-  kernels without them are exactly the kernels from before the options existed.
+* the attention variant (causal / sliding-window masks, logits soft cap) is defined once, in
+  ``_variant_cuda.CudaVariant``, which the decode and prefill kernels consume.
 """
 
 from __future__ import annotations
 
 from tvm.script import tirx as T
 
-from ._common import EMPTY_LSE, LOG2E
+from ..kernel_spec import forced as forced_path
+from ._common import EMPTY_LSE
 from ._math import cos_approx, sin_approx
 
 #: Threads of a warp.
 WARP = 32
-#: Sliding windows are clamped to this many keys so that window bounds stay in int32 (a window this long
-#: hides no key of any entry the kernels can index anyway).
-MAX_WINDOW = 1 << 30
 
 
 def itemsize(dtype: str) -> int:
@@ -121,28 +118,18 @@ def paged_kv_len(page_indptr, last_page_len, b, ps):
     return T.if_then_else(npg > 0, (npg - 1) * ps + last_page_len[b], 0)
 
 
-def soft_cap(score, cap: float):
-    """``logits_soft_cap`` on a log2-unit score (the kernels fold ``log2(e)`` into q): ``c tanh(s / c)`` in
-    natural units is ``C tanh(x / C)`` with ``x = s log2(e)``, ``C = c log2(e)``; ``cap = 0`` returns
-    ``score`` unchanged.
-
-    Written as ``C - 2C / (2^(2x/c) + 1)`` (``tanh y = 1 - 2 / (e^(2y) + 1)``) with ``exp2f`` and an IEEE
-    reciprocal, because ``--use_fast_math`` turns ``tanhf`` into ``tanh.approx.f32`` (relative error
-    2^-11: far too coarse for float32 scores). The absolute error stays within a few float32 ulps of
-    ``C`` (that of rounding a score of that size); it saturates to exactly +-C (``exp2`` gives inf or 0)
-    and maps 0 to 0.
-    """
-    if not cap:
-        return score
-    big_c = float(cap) * LOG2E
-    return T.float32(big_c) - T.float32(2.0 * big_c) * frcp_rn(T.exp2(score * T.float32(2.0 / cap)) + T.float32(1))
+def decode_splits(spec) -> int:
+    """The forced split count of the CUDA decode kernels (MHA and MLA): path switch ``cuda_decode_splits``
+    (``pagedkv.kernel_spec.SWITCHES``); 0 = automatic."""
+    splits = forced_path(spec.paths, "cuda_decode_splits")
+    return 0 if splits == "auto" else int(splits)
 
 
 def split_count(B, nnz, ps, blocks_per_split, *, target_blocks: int, min_split_keys: int, max_splits: int,
-                window: int = 0, forced: int = 0):
+                avg_keys=None, forced: int = 0):
     """Key splits per (entry, block) of a split-KV decode kernel, from shapes only (host side): enough blocks
     to fill the GPU (``target_blocks``), each split at least ``min_split_keys`` keys of an average entry (of
-    its last ``window`` keys with a sliding window, the only ones read), at most ``max_splits``.
+    the keys it reads: ``avg_keys(keys)``, e.g. ``CudaVariant.decode_avg_keys``), at most ``max_splits``.
 
     ``forced = N > 0`` (the ``cuda_decode_splits`` path switch): ``N`` splits, clamped to ``[1, nnz * ps]``
     (never more splits than the batch has key slots, so a tiny batch gets no grid of empty splits). Any
@@ -152,10 +139,10 @@ def split_count(B, nnz, ps, blocks_per_split, *, target_blocks: int, min_split_k
     if forced:
         return T.max(1, T.min(T.int32(forced), nnz * ps))
     want = T.truncdiv(target_blocks + B * blocks_per_split - 1, T.max(B * blocks_per_split, 1))
-    avg_keys = T.truncdiv(nnz * ps, T.max(B, 1))
-    if window:
-        avg_keys = T.min(avg_keys, window)
-    return T.max(1, T.min(T.min(want, T.truncdiv(avg_keys, min_split_keys)), max_splits))
+    keys = T.truncdiv(nnz * ps, T.max(B, 1))
+    if avg_keys is not None:
+        keys = avg_keys(keys)
+    return T.max(1, T.min(T.min(want, T.truncdiv(keys, min_split_keys)), max_splits))
 
 
 def make_merge_splits(num_heads: int, dv: int, threads: int, dtype: str):

@@ -1,6 +1,7 @@
 """CUDA attention kernels: paged decode, paged prefill and ragged prefill.
 
-Same ABI and semantics as ``attention_cpu.py`` (``docs/ARCHITECTURE.md``, "Kernel ABI"): base-2 LSE,
+Same ABI and semantics as ``attention_cpu.py`` (``docs/ARCHITECTURE.md``, "Kernel ABI"; the PrimFunc
+headers come from the op table, ``_abi.abi_prim_func``; the factories take a ``KernelSpec``): base-2 LSE,
 bottom-right causal, an empty row writes ``o = 0`` and ``lse = -1e30``, inline RoPE rotates q at its
 position and key ``j`` of entry ``b`` at ``k_pos_offset[b] + j``, float32 accumulation. Scores are kept in
 log2 units: ``sm_scale * log2(e)`` is folded into q when it is loaded. Each PrimFunc holds two kernels,
@@ -50,9 +51,12 @@ Prefill (``attn_prefill_ragged`` / ``attn_prefill_paged``): one block per (query
   tile is past the entry's queries. Within an entry the last query tile (most keys when causal) runs
   first.
 
-Masking options (``sliding_window``, ``logits_soft_cap``; compile-time, ``KernelConfig``)
------------------------------------------------------------------------------------
-* Both are applied by static Python ``if`` s: with 0 the generated TIR is the one from before the options
+The attention variant (causal, ``sliding_window``, ``logits_soft_cap``; compile-time, ``KernelConfig``)
+-----------------------------------------------------------------------------------------------
+* Defined once, in ``_variant_cuda.CudaVariant`` (built from the spec; decode, paged and ragged prefill call
+  its helpers for the key range they read, which keys a row sees and the logits transform); a new option is
+  added there only.
+* Options are applied by static Python ``if`` s: with 0 the generated TIR is the one from before the options
   (same ``script()``), so the tuned kernels keep their code and registers.
 * Window ``W``: query row ``t`` of an entry sits at key position ``p = kvlen - qlen + t`` and also needs
   ``key >= p + 1 - W``. Decode reads only the window: its split ranges cover ``[max(kvlen - W, 0), kvlen)``
@@ -61,7 +65,7 @@ Masking options (``sliding_window``, ``logits_soft_cap``; compile-time, ``Kernel
   and keeps one bound per row in registers: ``lim[i]`` becomes the row's first key, the upper bound follows
   from it (``key - first < W`` when causal) and ``kvlen``; padding rows get a first key past every key.
 * Soft cap ``c``: ``x -> C tanh(x / C)`` on the log2-unit scores (``C = c log2 e``), before the mask, written
-  with ``exp2f`` and an IEEE reciprocal (``_common_cuda.soft_cap``) because ``--use_fast_math`` turns
+  with ``exp2f`` and an IEEE reciprocal (``_variant_cuda.soft_cap``) because ``--use_fast_math`` turns
   ``tanhf`` into the 2^-11-accurate ``tanh.approx.f32``.
 """
 

@@ -9,12 +9,14 @@ import math
 
 from tvm.script import tirx as T
 
-from ._common import EMPTY_LSE, LOG2E, MASKED
+from ..ops import ATTN_DECODE_PAGED, shape_values
+from ._abi import abi_prim_func
+from ._common import EMPTY_LSE, LOG2E
 from ._common_cuda import (
-    MAX_WINDOW,
     WARP,
     ceildiv,
     check_head_dim,
+    decode_splits,
     make_merge_splits,
     frcp_rn,
     next_pow2,
@@ -23,10 +25,10 @@ from ._common_cuda import (
     rope_divisor,
     rotate,
     shfl_xor,
-    soft_cap,
     split_count,
     vec16,
 )
+from ._variant_cuda import CudaVariant
 
 
 def _pick_vec(d: int, dtype: str, max_lanes: int = WARP) -> int:
@@ -71,12 +73,13 @@ def _decode_plan(g: int, d: int, dtype: str):
     return vec, lanes0, lanes, nw, gc, kpt
 
 
-def _split_count(B, nnz, ps, blocks_per_split, window: int = 0, forced: int = 0):
-    """Key splits per (entry, kv head) of the decode kernel (``split_count`` with the decode constants;
-    ``forced > 0``: that many, clamped, see ``split_count``)."""
+def _split_count(B, nnz, ps, blocks_per_split, var: CudaVariant, forced: int = 0):
+    """Key splits per (entry, kv head) of the decode kernel (``split_count`` with the decode constants and
+    the variant's keys per entry; ``forced > 0``: that many, clamped, see ``split_count``)."""
     return split_count(B, nnz, ps, blocks_per_split, target_blocks=DECODE_TARGET_BLOCKS,
-                       min_split_keys=DECODE_MIN_SPLIT_KEYS, max_splits=DECODE_MAX_SPLITS, window=window,
-                       forced=forced)
+                       min_split_keys=DECODE_MIN_SPLIT_KEYS, max_splits=DECODE_MAX_SPLITS,
+                       avg_keys=var.decode_avg_keys, forced=forced)
+
 
 
 #: Split-KV policy of the decode kernel (see ``_split_count``): about two blocks per SM of an H100/H200.
@@ -85,31 +88,24 @@ DECODE_MIN_SPLIT_KEYS = 256
 DECODE_MAX_SPLITS = 32
 
 
-def attn_decode_paged_cuda(num_qo_heads, num_kv_heads, head_dim, dtype, *, sliding_window: int = 0,
-                           logits_soft_cap: float = 0.0, decode_splits: int = 0):
-    """``pagedkv_attn_decode_paged`` for CUDA.
-
-    Signature::
-
-        (q[B,Hq,D], pages[P,2,Hkv,ps,D], page_indptr[B+1], page_values[nnz], last_page_len[B],
-         k_pos_offset[B], q_pos[B], o[B,Hq,D], lse[B,Hq],
-         apply_rope:i32, rope_scale:f32, rope_theta:f32, sm_scale:f32)
+def attn_decode_paged_cuda(spec):
+    """``pagedkv_attn_decode_paged`` for CUDA (arguments: ``pagedkv.ops.OP_SPECS``), for a ``KernelSpec``.
 
     Split-KV: when ``B * Hkv`` blocks cannot fill the GPU and the entries are long, each (entry, kv head)
     is split into ``S`` key ranges (``_split_count``, computed on the host from the shapes); the blocks
     write normalized partial states (o, lse) to a workspace and a second kernel merges them.
 
-    ``sliding_window = W > 0``: the query (key position ``kvlen - 1``) sees keys ``[kvlen - W, kvlen)``; the
-    split ranges cover only those, so a window costs its own keys, not the entry's. ``logits_soft_cap``:
-    scores ``c tanh(s / c)`` (``soft_cap``). Both compile-time; 0 leaves the kernel as it was.
+    Mask and logits rules: ``CudaVariant.from_spec(spec)`` (with a sliding window the split ranges cover only
+    the window's keys, so a window costs its own keys, not the entry's).
 
-    ``decode_splits = N > 0`` forces the split count (path switch ``cuda_decode_splits``: tests reach the
-    direct-write ``S = 1`` path and the workspace + merge path on any shape); clamped to ``[1, nnz * ps]``.
-    0: the automatic count, and the kernel is the one from before the switch.
+    The path switch ``cuda_decode_splits = N > 0`` (``decode_splits``) forces the split count (tests reach
+    the direct-write ``S = 1`` path and the workspace + merge path on any shape); clamped to
+    ``[1, nnz * ps]``. Automatic: the kernel is the one from before the switch.
     """
-    HQ, HKV, D = num_qo_heads, num_kv_heads, head_dim
-    WIN = min(int(sliding_window), MAX_WINDOW)
-    check_head_dim("attn_decode_paged", D)
+    HQ, HKV, D, dtype = spec.num_qo_heads, spec.num_kv_heads, spec.head_dim, spec.dtype
+    var = CudaVariant.from_spec(spec)
+    splits = decode_splits(spec)
+    check_head_dim(ATTN_DECODE_PAGED, D)
     G = HQ // HKV
     VEC, L0, L, NW, GC, KPT_PLAIN = _decode_plan(G, D, dtype)
     NZ = G // GC
@@ -121,14 +117,6 @@ def attn_decode_paged_cuda(num_qo_heads, num_kv_heads, head_dim, dtype, *, slidi
 
     H2 = VEC // 2
     V16H = min(H2, vec16(dtype))
-
-    # The keys the query sees: [first, kvlen), first = max(kvlen - W, 0) with a window (no other mask is
-    # needed then: the split ranges stay inside). Without one these are kvlen and ``off``, unchanged TIR.
-    def span_len(kvlen):
-        return T.min(kvlen, WIN) if WIN else kvlen
-
-    def span_key(kvlen, off):
-        return T.max(kvlen - WIN, 0) + off if WIN else off
 
     @T.macro
     def load_chunk(dst, pages, pg, c, h, off, d0, kk, base):
@@ -180,9 +168,9 @@ def attn_decode_paged_cuda(num_qo_heads, num_kv_heads, head_dim, dtype, *, slidi
                                     sp: T.let[T.int32] = T.truncmod(zs, S)
                                     kvlen: T.let[T.int32] = paged_kv_len(page_indptr, last_page_len, b, ps)
                                     # This split's keys: [k0, k1), chunks a multiple of the block step.
-                                    chunk: T.let[T.int32] = T.truncdiv(T.truncdiv(span_len(kvlen) + S - 1, S) + TKB - 1,
+                                    chunk: T.let[T.int32] = T.truncdiv(T.truncdiv(var.decode_span_len(kvlen) + S - 1, S) + TKB - 1,
                                                                        TKB) * TKB
-                                    k0: T.let[T.int32] = T.min(span_key(kvlen, sp * chunk), kvlen)
+                                    k0: T.let[T.int32] = T.min(var.decode_key(kvlen, sp * chunk), kvlen)
                                     k1: T.let[T.int32] = T.min(k0 + chunk, kvlen)
                                     pbase: T.let[T.int32] = page_indptr[b]
                                     # Lane dims: plain, d0 + e (one 16-byte chunk); inline RoPE, d0h + e and
@@ -265,9 +253,7 @@ def attn_decode_paged_cuda(num_qo_heads, num_kv_heads, head_dim, dtype, *, slidi
                                         for g in T.unroll(GC):
                                             st[0] = m[g]
                                             for kk in T.unroll(KPT):
-                                                S_[kk, g] = T.if_then_else(k0 + it * TKB + ty * KPT + kk < k1,
-                                                                           soft_cap(S_[kk, g], logits_soft_cap),
-                                                                           T.float32(MASKED))
+                                                S_[kk, g] = var.logits(S_[kk, g], k0 + it * TKB + ty * KPT + kk < k1)
                                                 st[0] = T.max(st[0], S_[kk, g])
                                             st[1] = T.exp2(m[g] - st[0])
                                             m[g] = st[0]
@@ -335,24 +321,11 @@ def attn_decode_paged_cuda(num_qo_heads, num_kv_heads, head_dim, dtype, *, slidi
 
     kernel_rope, kernel_plain = make_kernel(True), make_kernel(False)
 
-    @T.prim_func
-    def attn_decode_paged(q_h: T.handle, pages_h: T.handle, page_indptr_h: T.handle, page_values_h: T.handle,
-                          last_page_len_h: T.handle, k_pos_offset_h: T.handle, q_pos_h: T.handle,
-                          o_h: T.handle, lse_h: T.handle, apply_rope: T.int32, rope_scale: T.float32,
-                          rope_theta: T.float32, sm_scale: T.float32):
-        T.func_attr({"global_symbol": "pagedkv_attn_decode_paged", "tirx.noalias": True,
-                     "tirx.is_scheduled": True})
-        B, P, ps, nnz = T.int32(), T.int32(), T.int32(), T.int32()
-        q = T.match_buffer(q_h, (B, HQ, D), dtype, elem_offset=T.int32())
-        pages = T.match_buffer(pages_h, (P, 2, HKV, ps, D), dtype)
-        page_indptr = T.match_buffer(page_indptr_h, (B + 1,), "int32", elem_offset=T.int32())
-        page_values = T.match_buffer(page_values_h, (nnz,), "int32", elem_offset=T.int32())
-        last_page_len = T.match_buffer(last_page_len_h, (B,), "int32", elem_offset=T.int32())
-        k_pos_offset = T.match_buffer(k_pos_offset_h, (B,), "int32", elem_offset=T.int32())
-        q_pos = T.match_buffer(q_pos_h, (B,), "int32", elem_offset=T.int32())
-        o = T.match_buffer(o_h, (B, HQ, D), dtype, elem_offset=T.int32())
-        lse = T.match_buffer(lse_h, (B, HQ), "float32", elem_offset=T.int32())
-        S: T.let[T.int32] = _split_count(B, nnz, ps, HKV * NZ, WIN, decode_splits)
+    @T.macro
+    def body(q, pages, page_indptr, page_values, last_page_len, k_pos_offset, q_pos, o, lse, apply_rope,
+             rope_scale, rope_theta, sm_scale, dims):
+        B, _p, ps, nnz = dims
+        S: T.let[T.int32] = _split_count(B, nnz, ps, HKV * NZ, var, splits)
         # Split partial states (float32); only touched when S > 1.
         ws_o = T.alloc_buffer((T.max(B, 1) * HQ * S, D), "float32")
         ws_l = T.alloc_buffer((T.max(B, 1) * HQ * S,), "float32")
@@ -366,4 +339,4 @@ def attn_decode_paged_cuda(num_qo_heads, num_kv_heads, head_dim, dtype, *, slidi
         if S > 1:
             merge_splits(o, lse, B, S, ws_o, ws_l)
 
-    return attn_decode_paged
+    return abi_prim_func(ATTN_DECODE_PAGED, shape_values(spec), dtype, body, scheduled=True)

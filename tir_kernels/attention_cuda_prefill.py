@@ -7,9 +7,10 @@ from __future__ import annotations
 
 from tvm.script import tirx as T
 
-from ._common import EMPTY_LSE, LOG2E, MASKED
+from ..ops import ATTN_PREFILL_PAGED, ATTN_PREFILL_RAGGED, shape_values
+from ._abi import abi_prim_func
+from ._common import EMPTY_LSE, LOG2E
 from ._common_cuda import (
-    MAX_WINDOW,
     ceildiv,
     check_head_dim,
     cos_approx,
@@ -18,9 +19,9 @@ from ._common_cuda import (
     rope_divisor,
     shfl_xor,
     sin_approx,
-    soft_cap,
     vec16,
 )
+from ._variant_cuda import CudaVariant
 
 # ---------------------------------------------------------------------------------------------------
 # prefill (ragged and paged)
@@ -28,10 +29,6 @@ from ._common_cuda import (
 #: Prefill block: 8 row groups x 16 lanes (128 threads).
 PF_TY, PF_TX = 8, 16
 PF_NT = PF_TY * PF_TX
-#: First key of a padding row in the windowed kernels: past every key.
-NO_ROW = 1 << 30
-#: Span bound of the non-causal windowed mask: none (``key - first key`` stays below it).
-NO_SPAN = (1 << 31) - 1
 
 
 def _chunk_vec(d: int, dtype: str, rope_partner: bool) -> int:
@@ -64,13 +61,13 @@ def _shfl_idx(value, lane):
     return T.call_extern("float32", "__shfl_sync", T.uint32(0xFFFFFFFF), value, lane, PF_TX)
 
 
-def _make_prefill(op: str, num_qo_heads, num_kv_heads, head_dim, v_head_dim, dtype, paged: bool,
-                  sliding_window: int, logits_soft_cap: float):
-    """The (rope, plain) kernel macros of a prefill PrimFunc: ``paged`` selects the K/V source; the masking
-    options are compile-time (0: the code is exactly the code without them)."""
-    HQ, HKV, D, DV = num_qo_heads, num_kv_heads, head_dim, v_head_dim
-    W = min(int(sliding_window), MAX_WINDOW)
-    WIN = W > 0  # a bool: TVMScript evaluates ``if WIN:`` at parse time
+def _make_prefill(op: str, spec, paged: bool):
+    """The (rope, plain) kernel macros of a prefill PrimFunc: ``paged`` selects the K/V source; the mask and
+    logits rules are ``CudaVariant`` s (compile-time; an option off leaves the code as without it)."""
+    HQ, HKV, D, dtype = spec.num_qo_heads, spec.num_kv_heads, spec.head_dim, spec.dtype
+    DV = D if paged else shape_values(spec)["Dv"]  # the paged op has no Dv (o is [n, Hq, D])
+    var = CudaVariant.from_spec(spec)
+    WIN = var.has_window  # a bool: TVMScript evaluates ``if WIN:`` at parse time
     G = HQ // HKV
     plan = _prefill_plan(op, G, D, DV, dtype)
     RI, KJ, R, TK, TQ, VEC, VECV = (plan[k] for k in ("RI", "KJ", "R", "TK", "TQ", "VEC", "VECV"))
@@ -108,25 +105,6 @@ def _make_prefill(op: str, num_qo_heads, num_kv_heads, head_dim, v_head_dim, dty
         sign = T.if_then_else(d < HALF, T.float32(-1), T.float32(1))
         return T.Cast("float32", x) * cos_approx(angle) + sign * T.Cast("float32", partner) * sin_approx(angle)
 
-    # Sliding window: token t of the entry sits at key position kvlen - qlen + t and sees keys from that
-    # position + 1 - W on; ``key_start`` is that bound for token qt0 + tok (the tile's first has the smallest).
-    def key_start(kvlen, qlen, qt0, tok):
-        return kvlen - qlen + qt0 + tok + 1 - W
-
-    def kt_first(kvlen, qlen, qt0, kv_end):
-        """First key tile of a windowed loop: the one holding the tile's first visible key (capped at kv_end,
-        so that the loop never has a negative trip count)."""
-        return T.truncdiv(T.min(T.max(key_start(kvlen, qlen, qt0, 0), 0), kv_end), TK)
-
-    def visible(key, lim, i, kvlen, causal):
-        """Whether row ``i`` of the thread sees ``key``: ``key < lim[i]``, or with a window, where ``lim[i]`` is
-        the row's first key, ``lim[i] <= key < kvlen`` and, when causal, ``key - lim[i] < W`` (up to the
-        row's own position). One bound per row in registers (the rope kernels are close to spilling), the
-        others uniform over the block."""
-        if not WIN:
-            return key < lim[i]
-        return T.And(T.And(key >= lim[i], key < kvlen), key - lim[i] < T.if_then_else(causal > 0, W, NO_SPAN))
-
     if paged:
         def kv_len_of(kvb, b):
             return paged_kv_len(kvb[2], kvb[4], b, kvb[3])
@@ -155,7 +133,7 @@ def _make_prefill(op: str, num_qo_heads, num_kv_heads, head_dim, v_head_dim, dty
                         Ol = T.alloc_buffer((RI, CD), "float32", scope="local")
                         m = T.alloc_buffer((RI,), "float32", scope="local")
                         lsum = T.alloc_buffer((RI,), "float32", scope="local")
-                        # Row bounds (see ``visible``); with a window lim[RI] is the first key tile.
+                        # Row bounds (``CudaVariant.row_bound``); with a window lim[RI] is the first key tile.
                         lim = T.alloc_buffer((RI + 1 if WIN else RI,), "int32", scope="local")
                         st = T.alloc_buffer((2,), "float32", scope="local")
                         tx: T.let[T.int32] = T.truncmod(tid, TX)
@@ -212,17 +190,9 @@ def _make_prefill(op: str, num_qo_heads, num_kv_heads, head_dim, v_head_dim, dty
                                     for e in T.unroll(VEC):
                                         Qt[c * VEC + e, r] = T.float32(0)
                         # Row state; lim = keys the row sees (bottom-right causal), 0 for padding rows.
-                        # With a window, lim = the row's first key instead (NO_ROW for padding rows).
                         for i in T.unroll(RI):
-                            if WIN:
-                                lim[i] = T.if_then_else(ty * RI + i < TQ * G and T.truncdiv(ty * RI + i, G) < ntok,
-                                                        key_start(kvlen, qlen, qt0, T.truncdiv(ty * RI + i, G)), NO_ROW)
-                            else:
-                                lim[i] = T.if_then_else(
-                                    ty * RI + i < TQ * G and T.truncdiv(ty * RI + i, G) < ntok,
-                                    T.if_then_else(causal > 0,
-                                                   T.min(kvlen, kvlen - qlen + qt0 + T.truncdiv(ty * RI + i, G) + 1),
-                                                   kvlen), 0)
+                            lim[i] = var.row_bound(ty * RI + i < TQ * G and T.truncdiv(ty * RI + i, G) < ntok, kvlen,
+                                                   qlen, qt0, T.truncdiv(ty * RI + i, G), causal)
                             m[i] = T.float32(EMPTY_LSE)
                             lsum[i] = T.float32(0)
                             for c in T.unroll(CD):
@@ -230,7 +200,7 @@ def _make_prefill(op: str, num_qo_heads, num_kv_heads, head_dim, v_head_dim, dty
                         if WIN:
                             # Skip the tiles below every row's window. In a register: as a let, TVM would
                             # inline the expression into every key index of the loop.
-                            lim[RI] = kt_first(kvlen, qlen, qt0, kv_end)
+                            lim[RI] = var.first_tile(kvlen, qlen, qt0, kv_end, TK)
                         for kt in T.serial(lim[RI] if WIN else 0, T.truncdiv(kv_end + TK - 1, TK)):
                             # The previous tile's PV is done with KV (and, first time, Qt is written).
                             T.tvm_storage_sync("shared")
@@ -273,9 +243,8 @@ def _make_prefill(op: str, num_qo_heads, num_kv_heads, head_dim, v_head_dim, dty
                             for i in T.unroll(RI):
                                 st[0] = m[i]
                                 for kk in T.unroll(KJ):
-                                    acc[i, kk] = T.if_then_else(visible(kt * TK + tx * KJ + kk, lim, i, kvlen, causal),
-                                                                soft_cap(acc[i, kk], logits_soft_cap),
-                                                                T.float32(MASKED))
+                                    acc[i, kk] = var.logits(acc[i, kk],
+                                                            var.visible(kt * TK + tx * KJ + kk, lim[i], kvlen, causal))
                                     st[0] = T.max(st[0], acc[i, kk])
                                 for sh in T.unroll(4):
                                     st[0] = T.max(st[0], shfl_xor(st[0], T.shift_right(8, sh)))
@@ -337,40 +306,18 @@ def _make_prefill(op: str, num_qo_heads, num_kv_heads, head_dim, v_head_dim, dty
     return make_kernel(True), make_kernel(False)
 
 
-def attn_prefill_ragged_cuda(num_qo_heads, num_kv_heads, head_dim, v_head_dim, dtype, *, sliding_window: int = 0,
-                             logits_soft_cap: float = 0.0):
-    """``pagedkv_attn_prefill_ragged`` for CUDA.
+def attn_prefill_ragged_cuda(spec):
+    """``pagedkv_attn_prefill_ragged`` for CUDA (arguments: ``pagedkv.ops.OP_SPECS``), for a ``KernelSpec``.
 
-    Signature::
-
-        (q[n,Hq,D], k[m,Hkv,D], v[m,Hkv,Dv], q_indptr[B+1], kv_indptr[B+1], q_pos[n],
-         k_pos_offset[B], o[n,Hq,Dv], lse[n,Hq],
-         causal:i32, apply_rope:i32, rope_scale:f32, rope_theta:f32, sm_scale:f32)
-
-    ``sliding_window`` / ``logits_soft_cap``: compile-time masking options (``KernelConfig``); a window
-    also skips the key tiles below the query tile's first window start.
+    The mask and logits rules (causal, sliding window, soft cap) are ``CudaVariant.from_spec(spec)``'s; a
+    window also skips the key tiles below the query tile's first window start.
     """
-    HQ, HKV, D, DV = num_qo_heads, num_kv_heads, head_dim, v_head_dim
-    kernel_rope, kernel_plain = _make_prefill("attn_prefill_ragged", HQ, HKV, D, DV, dtype, paged=False,
-                                              sliding_window=sliding_window, logits_soft_cap=logits_soft_cap)
+    kernel_rope, kernel_plain = _make_prefill(ATTN_PREFILL_RAGGED, spec, paged=False)
 
-    @T.prim_func
-    def attn_prefill_ragged(q_h: T.handle, k_h: T.handle, v_h: T.handle, q_indptr_h: T.handle,
-                            kv_indptr_h: T.handle, q_pos_h: T.handle, k_pos_offset_h: T.handle,
-                            o_h: T.handle, lse_h: T.handle, causal: T.int32, apply_rope: T.int32,
-                            rope_scale: T.float32, rope_theta: T.float32, sm_scale: T.float32):
-        T.func_attr({"global_symbol": "pagedkv_attn_prefill_ragged", "tirx.noalias": True,
-                     "tirx.is_scheduled": True})
-        n, m, B = T.int32(), T.int32(), T.int32()
-        q = T.match_buffer(q_h, (n, HQ, D), dtype, elem_offset=T.int32())
-        k = T.match_buffer(k_h, (m, HKV, D), dtype, elem_offset=T.int32())
-        v = T.match_buffer(v_h, (m, HKV, DV), dtype, elem_offset=T.int32())
-        q_indptr = T.match_buffer(q_indptr_h, (B + 1,), "int32", elem_offset=T.int32())
-        kv_indptr = T.match_buffer(kv_indptr_h, (B + 1,), "int32", elem_offset=T.int32())
-        q_pos = T.match_buffer(q_pos_h, (n,), "int32", elem_offset=T.int32())
-        k_pos_offset = T.match_buffer(k_pos_offset_h, (B,), "int32", elem_offset=T.int32())
-        o = T.match_buffer(o_h, (n, HQ, DV), dtype, elem_offset=T.int32())
-        lse = T.match_buffer(lse_h, (n, HQ), "float32", elem_offset=T.int32())
+    @T.macro
+    def body(q, k, v, q_indptr, kv_indptr, q_pos, k_pos_offset, o, lse, causal, apply_rope, rope_scale,
+             rope_theta, sm_scale, dims):
+        n, _m, B = dims
         # Two kernels: inline RoPE costs registers that the plain kernel does not pay for.
         if apply_rope == 1:
             kernel_rope(q, q_indptr, q_pos, k_pos_offset, o, lse, (k, v, kv_indptr), B, n, causal,
@@ -379,44 +326,18 @@ def attn_prefill_ragged_cuda(num_qo_heads, num_kv_heads, head_dim, v_head_dim, d
             kernel_plain(q, q_indptr, q_pos, k_pos_offset, o, lse, (k, v, kv_indptr), B, n, causal,
                          rope_scale, rope_theta, sm_scale)
 
-    return attn_prefill_ragged
+    return abi_prim_func(ATTN_PREFILL_RAGGED, shape_values(spec), spec.dtype, body, scheduled=True)
 
 
-def attn_prefill_paged_cuda(num_qo_heads, num_kv_heads, head_dim, dtype, *, sliding_window: int = 0,
-                            logits_soft_cap: float = 0.0):
-    """``pagedkv_attn_prefill_paged`` for CUDA.
+def attn_prefill_paged_cuda(spec):
+    """``pagedkv_attn_prefill_paged`` for CUDA (arguments: ``pagedkv.ops.OP_SPECS``), for a ``KernelSpec``;
+    mask and logits rules as ``attn_prefill_ragged_cuda``."""
+    kernel_rope, kernel_plain = _make_prefill(ATTN_PREFILL_PAGED, spec, paged=True)
 
-    Signature::
-
-        (q[n,Hq,D], q_indptr[B+1], pages[P,2,Hkv,ps,D], page_indptr[B+1], page_values[nnz],
-         last_page_len[B], k_pos_offset[B], q_pos[n], o[n,Hq,D], lse[n,Hq],
-         causal:i32, apply_rope:i32, rope_scale:f32, rope_theta:f32, sm_scale:f32)
-
-    ``sliding_window`` / ``logits_soft_cap``: as ``attn_prefill_ragged_cuda``.
-    """
-    HQ, HKV, D = num_qo_heads, num_kv_heads, head_dim
-    kernel_rope, kernel_plain = _make_prefill("attn_prefill_paged", HQ, HKV, D, D, dtype, paged=True,
-                                              sliding_window=sliding_window, logits_soft_cap=logits_soft_cap)
-
-    @T.prim_func
-    def attn_prefill_paged(q_h: T.handle, q_indptr_h: T.handle, pages_h: T.handle, page_indptr_h: T.handle,
-                           page_values_h: T.handle, last_page_len_h: T.handle, k_pos_offset_h: T.handle,
-                           q_pos_h: T.handle, o_h: T.handle, lse_h: T.handle, causal: T.int32,
-                           apply_rope: T.int32, rope_scale: T.float32, rope_theta: T.float32,
-                           sm_scale: T.float32):
-        T.func_attr({"global_symbol": "pagedkv_attn_prefill_paged", "tirx.noalias": True,
-                     "tirx.is_scheduled": True})
-        n, B, P, ps, nnz = T.int32(), T.int32(), T.int32(), T.int32(), T.int32()
-        q = T.match_buffer(q_h, (n, HQ, D), dtype, elem_offset=T.int32())
-        q_indptr = T.match_buffer(q_indptr_h, (B + 1,), "int32", elem_offset=T.int32())
-        pages = T.match_buffer(pages_h, (P, 2, HKV, ps, D), dtype)
-        page_indptr = T.match_buffer(page_indptr_h, (B + 1,), "int32", elem_offset=T.int32())
-        page_values = T.match_buffer(page_values_h, (nnz,), "int32", elem_offset=T.int32())
-        last_page_len = T.match_buffer(last_page_len_h, (B,), "int32", elem_offset=T.int32())
-        k_pos_offset = T.match_buffer(k_pos_offset_h, (B,), "int32", elem_offset=T.int32())
-        q_pos = T.match_buffer(q_pos_h, (n,), "int32", elem_offset=T.int32())
-        o = T.match_buffer(o_h, (n, HQ, D), dtype, elem_offset=T.int32())
-        lse = T.match_buffer(lse_h, (n, HQ), "float32", elem_offset=T.int32())
+    @T.macro
+    def body(q, q_indptr, pages, page_indptr, page_values, last_page_len, k_pos_offset, q_pos, o, lse, causal,
+             apply_rope, rope_scale, rope_theta, sm_scale, dims):
+        n, B, _p, ps, _nnz = dims
         if apply_rope == 1:
             kernel_rope(q, q_indptr, q_pos, k_pos_offset, o, lse,
                         (pages, page_values, page_indptr, ps, last_page_len), B, n, causal,
@@ -426,4 +347,4 @@ def attn_prefill_paged_cuda(num_qo_heads, num_kv_heads, head_dim, dtype, *, slid
                          (pages, page_values, page_indptr, ps, last_page_len), B, n, causal,
                          rope_scale, rope_theta, sm_scale)
 
-    return attn_prefill_paged
+    return abi_prim_func(ATTN_PREFILL_PAGED, shape_values(spec), spec.dtype, body, scheduled=True)

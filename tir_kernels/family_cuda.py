@@ -3,7 +3,6 @@ macros and its attention variant live in the ``*_cuda`` / ``_common_cuda`` modul
 
 from __future__ import annotations
 
-from ..kernel_spec import forced
 from .attention_cuda import attn_decode_paged_cuda, attn_prefill_paged_cuda, attn_prefill_ragged_cuda
 from .empty_rows import empty_rows_cuda
 from .merge_cuda import merge_state_cuda
@@ -17,38 +16,20 @@ def _mla_cuda(name: str):
     return getattr(mla_cuda, name)
 
 
-def _mla(s):
-    return (s.num_qo_heads, s.kv_lora_rank, s.qk_rope_head_dim, s.dtype)
-
-
-def _page(s):
-    return (1, s.latent_dim, 1) if s.is_mla else (s.num_kv_heads, s.head_dim, 2)
-
-
-def _decode_paths(s) -> dict:
-    """Forced paths of the CUDA decode kernels (MHA and MLA) as keyword arguments: ``decode_splits`` (0 =
-    automatic; ``pagedkv.kernel_spec.SWITCHES["cuda_decode_splits"]``)."""
-    splits = forced(s.paths, "cuda_decode_splits")
-    return {"decode_splits": 0 if splits == "auto" else int(splits)}
-
-
 FACTORIES = {
-    "split_rotary": lambda s: split_rotary_cuda(s.num_qo_heads, s.num_kv_heads, s.head_dim, s.dtype),
-    "append_kv": lambda s: append_kv_cuda(s.num_kv_heads, s.head_dim, s.dtype),
-    "gather_kv": lambda s: gather_kv_cuda(s.num_kv_heads, s.head_dim, s.dtype),
-    "attn_prefill_ragged": lambda s: attn_prefill_ragged_cuda(s.num_qo_heads, s.num_kv_heads, s.head_dim,
-                                                              s.v_head_dim, s.dtype, **s.masking),
-    "attn_prefill_paged": lambda s: attn_prefill_paged_cuda(s.num_qo_heads, s.num_kv_heads, s.head_dim, s.dtype,
-                                                            **s.masking),
-    "attn_decode_paged": lambda s: attn_decode_paged_cuda(s.num_qo_heads, s.num_kv_heads, s.head_dim, s.dtype,
-                                                          **s.masking, **_decode_paths(s)),
-    "merge_state": lambda s: merge_state_cuda(s.num_qo_heads, s.dtype),
-    "copy_page": lambda s: copy_page_cuda(*_page(s)[:2], s.dtype, planes=_page(s)[2]),
-    "compact_copy": lambda s: compact_copy_cuda(*_page(s)[:2], s.dtype, planes=_page(s)[2]),
-    "mla_append_kv": lambda s: _mla_cuda("mla_append_kv_cuda")(s.latent_dim, s.dtype),
-    "mla_gather_kv": lambda s: _mla_cuda("mla_gather_kv_cuda")(s.latent_dim, s.dtype),
-    "mla_attn_prefill_paged": lambda s: _mla_cuda("mla_attn_prefill_paged_cuda")(*_mla(s)),
-    "mla_attn_decode_paged": lambda s: _mla_cuda("mla_attn_decode_paged_cuda")(*_mla(s), **_decode_paths(s)),
+    "split_rotary": split_rotary_cuda,
+    "append_kv": append_kv_cuda,
+    "gather_kv": gather_kv_cuda,
+    "attn_prefill_ragged": attn_prefill_ragged_cuda,
+    "attn_prefill_paged": attn_prefill_paged_cuda,
+    "attn_decode_paged": attn_decode_paged_cuda,
+    "merge_state": merge_state_cuda,
+    "copy_page": copy_page_cuda,
+    "compact_copy": compact_copy_cuda,
+    "mla_append_kv": lambda s: _mla_cuda("mla_append_kv_cuda")(s),
+    "mla_gather_kv": lambda s: _mla_cuda("mla_gather_kv_cuda")(s),
+    "mla_attn_prefill_paged": lambda s: _mla_cuda("mla_attn_prefill_paged_cuda")(s),
+    "mla_attn_decode_paged": lambda s: _mla_cuda("mla_attn_decode_paged_cuda")(s),
 }
 
 HELPERS = {"empty_rows": empty_rows_cuda}

@@ -13,26 +13,22 @@ from __future__ import annotations
 
 from tvm.script import tirx as T
 
+from ..ops import MERGE_STATE, shape_values
+from ._abi import abi_prim_func
 from ._common_cuda import WARP, ceildiv
 
 #: Rows (warps) per block.
 ROWS = 8
 
 
-def merge_state_cuda(num_heads, dtype):
-    """``pagedkv_merge_state(o_a[n,H,Dv], lse_a[n,H], o_b[n,H,Dv], lse_b[n,H])``; ``Dv`` is symbolic (see
-    ``merge.py``)."""
-    H = num_heads
+def merge_state_cuda(spec):
+    """``pagedkv_merge_state`` for CUDA (arguments: ``pagedkv.ops.OP_SPECS``), for a ``KernelSpec``; the
+    value dim ``dv`` is symbolic (see ``merge.py``)."""
+    H, dtype = spec.num_qo_heads, spec.dtype
 
-    @T.prim_func
-    def merge_state(o_a_h: T.handle, lse_a_h: T.handle, o_b_h: T.handle, lse_b_h: T.handle):
-        T.func_attr({"global_symbol": "pagedkv_merge_state", "tirx.noalias": True,
-                     "tirx.is_scheduled": True})
-        n, DV = T.int32(), T.int32()
-        o_a = T.match_buffer(o_a_h, (n, H, DV), dtype, elem_offset=T.int32())
-        lse_a = T.match_buffer(lse_a_h, (n, H), "float32", elem_offset=T.int32())
-        o_b = T.match_buffer(o_b_h, (n, H, DV), dtype, elem_offset=T.int32())
-        lse_b = T.match_buffer(lse_b_h, (n, H), "float32", elem_offset=T.int32())
+    @T.macro
+    def body(o_a, lse_a, o_b, lse_b, dims):
+        n, DV = dims
         for bx in T.thread_binding(T.max(ceildiv(n * H, ROWS), 1), thread="blockIdx.x"):
             for ty in T.thread_binding(ROWS, thread="threadIdx.y"):
                 for tx in T.thread_binding(WARP, thread="threadIdx.x"):
@@ -58,4 +54,4 @@ def merge_state_cuda(num_heads, dtype):
                         lse_a[T.truncdiv(bx * ROWS + ty, H), T.truncmod(bx * ROWS + ty, H)] = \
                             st[0] + T.log2(st[1] + st[2])
 
-    return merge_state
+    return abi_prim_func(MERGE_STATE, shape_values(spec), dtype, body, scheduled=True)

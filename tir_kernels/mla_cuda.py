@@ -52,7 +52,9 @@ from __future__ import annotations
 from tvm.script import tirx as T
 
 from ._common import EMPTY_LSE, LOG2E, MASKED
-from ._common_cuda import ceildiv, make_merge_splits, paged_kv_len, shfl_xor, split_count, vec16
+from ..ops import MLA_APPEND_KV, MLA_ATTN_DECODE_PAGED, MLA_ATTN_PREFILL_PAGED, MLA_GATHER_KV, shape_values
+from ._abi import abi_prim_func
+from ._common_cuda import ceildiv, decode_splits, make_merge_splits, paged_kv_len, shfl_xor, split_count, vec16
 
 #: Threads per attention block: TY row groups x TX lanes (a half warp per row group).
 TY, TX = 8, 16
@@ -123,25 +125,20 @@ def _split_count(B, nnz, ps, blocks_per_split, forced: int = 0):
 # ---------------------------------------------------------------------------------------------------
 # page movement
 # ---------------------------------------------------------------------------------------------------
-def mla_append_kv_cuda(latent_dim, dtype):
-    """``pagedkv_mla_append_kv(pages[P,1,1,ps,DL], kv[n,DL], slot[n])``: token ``s`` goes to page
+def mla_append_kv_cuda(spec):
+    """``pagedkv_mla_append_kv`` (arguments: ``pagedkv.ops.OP_SPECS``) for a ``KernelSpec``: token ``s`` goes to page
     ``slot[s] // ps``, offset ``slot[s] % ps``; a negative slot skips the token.
 
     A thread moves one 16-byte chunk (``VEC`` elements) of one token: element reads of the view, one vector
     store to the page (consecutive threads own consecutive chunks, so a warp covers contiguous memory).
     """
-    DL = latent_dim
+    DL, dtype = shape_values(spec)["DL"], spec.dtype
     VEC = _page_vec(DL, dtype)
     C = DL // VEC
 
-    @T.prim_func
-    def mla_append_kv(pages_h: T.handle, kv_h: T.handle, slot_h: T.handle):
-        T.func_attr({"global_symbol": "pagedkv_mla_append_kv", "tirx.noalias": True,
-                     "tirx.is_scheduled": True})
-        n, P, ps = T.int32(), T.int32(), T.int32()
-        pages = T.match_buffer(pages_h, (P, 1, 1, ps, DL), dtype)
-        kv = T.match_buffer(kv_h, (n, DL), dtype, elem_offset=T.int32())
-        slot = T.match_buffer(slot_h, (n,), "int32", elem_offset=T.int32())
+    @T.macro
+    def body(pages, kv, slot, dims):
+        _p, ps, n = dims
         for bx in T.thread_binding(T.max(ceildiv(n * C, PAGE_NT), 1), thread="blockIdx.x"):
             for tx in T.thread_binding(PAGE_NT, thread="threadIdx.x"):
                 xr = T.alloc_buffer((VEC,), dtype, scope="local")
@@ -155,24 +152,19 @@ def mla_append_kv_cuda(latent_dim, dtype):
                         for e in T.vectorized(VEC):
                             pages[T.truncdiv(sl, ps), 0, 0, T.truncmod(sl, ps), c * VEC + e] = xr[e]
 
-    return mla_append_kv
+    return abi_prim_func(MLA_APPEND_KV, shape_values(spec), dtype, body, scheduled=True)
 
 
-def mla_gather_kv_cuda(latent_dim, dtype):
-    """``pagedkv_mla_gather_kv(pages[P,1,1,ps,DL], slot[n], kv[n,DL])``: ``kv[s]`` = the latent at
+def mla_gather_kv_cuda(spec):
+    """``pagedkv_mla_gather_kv`` (arguments: ``pagedkv.ops.OP_SPECS``) for a ``KernelSpec``: ``kv[s]`` = the latent at
     ``slot[s]``; a negative slot leaves ``kv[s]`` unchanged (it would address no page)."""
-    DL = latent_dim
+    DL, dtype = shape_values(spec)["DL"], spec.dtype
     VEC = _page_vec(DL, dtype)
     C = DL // VEC
 
-    @T.prim_func
-    def mla_gather_kv(pages_h: T.handle, slot_h: T.handle, kv_h: T.handle):
-        T.func_attr({"global_symbol": "pagedkv_mla_gather_kv", "tirx.noalias": True,
-                     "tirx.is_scheduled": True})
-        n, P, ps = T.int32(), T.int32(), T.int32()
-        pages = T.match_buffer(pages_h, (P, 1, 1, ps, DL), dtype)
-        slot = T.match_buffer(slot_h, (n,), "int32", elem_offset=T.int32())
-        kv = T.match_buffer(kv_h, (n, DL), dtype, elem_offset=T.int32())
+    @T.macro
+    def body(pages, slot, kv, dims):
+        _p, ps, n = dims
         for bx in T.thread_binding(T.max(ceildiv(n * C, PAGE_NT), 1), thread="blockIdx.x"):
             for tx in T.thread_binding(PAGE_NT, thread="threadIdx.x"):
                 xr = T.alloc_buffer((VEC,), dtype, scope="local")
@@ -186,7 +178,7 @@ def mla_gather_kv_cuda(latent_dim, dtype):
                         for e in T.serial(VEC):
                             kv[s, c * VEC + e] = xr[e]
 
-    return mla_gather_kv
+    return abi_prim_func(MLA_GATHER_KV, shape_values(spec), dtype, body, scheduled=True)
 
 
 def _page_vec(latent_dim: int, dtype: str) -> int:
@@ -446,37 +438,19 @@ def _make_row_tile(H: int, DL: int, DV: int, RI: int, dtype: str):
 # ---------------------------------------------------------------------------------------------------
 # attention entry points
 # ---------------------------------------------------------------------------------------------------
-def mla_attn_prefill_paged_cuda(num_heads, kv_lora_rank, qk_rope_head_dim, dtype):
-    """``pagedkv_mla_attn_prefill_paged`` for CUDA.
-
-    Signature::
-
-        (q[n,H,DL], q_indptr[B+1], pages[P,1,1,ps,DL], page_indptr[B+1], page_values[nnz],
-         last_page_len[B], o[n,H,DV], lse[n,H], causal:i32, sm_scale:f32)
+def mla_attn_prefill_paged_cuda(spec):
+    """``pagedkv_mla_attn_prefill_paged`` for CUDA (arguments: ``pagedkv.ops.OP_SPECS``), for a ``KernelSpec``.
 
     One block per virtual row tile (``R`` = 16 rows, tokens x heads of one entry), over all its keys.
     """
-    H, DV = num_heads, kv_lora_rank
-    DL = kv_lora_rank + qk_rope_head_dim
-    RI = rows_per_thread("mla_attn_prefill_paged", kv_lora_rank, qk_rope_head_dim)
+    H, DV, DL, dtype = spec.num_qo_heads, spec.kv_lora_rank, spec.latent_dim, spec.dtype
+    RI = rows_per_thread(MLA_ATTN_PREFILL_PAGED, spec.kv_lora_rank, spec.qk_rope_head_dim)
     R = TY * RI
     row_tile = _make_row_tile(H, DL, DV, RI, dtype)
 
-    @T.prim_func
-    def mla_attn_prefill_paged(q_h: T.handle, q_indptr_h: T.handle, pages_h: T.handle,
-                               page_indptr_h: T.handle, page_values_h: T.handle, last_page_len_h: T.handle,
-                               o_h: T.handle, lse_h: T.handle, causal: T.int32, sm_scale: T.float32):
-        T.func_attr({"global_symbol": "pagedkv_mla_attn_prefill_paged", "tirx.noalias": True,
-                     "tirx.is_scheduled": True})
-        n, B, P, ps, nnz = T.int32(), T.int32(), T.int32(), T.int32(), T.int32()
-        q = T.match_buffer(q_h, (n, H, DL), dtype, elem_offset=T.int32())
-        q_indptr = T.match_buffer(q_indptr_h, (B + 1,), "int32", elem_offset=T.int32())
-        pages = T.match_buffer(pages_h, (P, 1, 1, ps, DL), dtype)
-        page_indptr = T.match_buffer(page_indptr_h, (B + 1,), "int32", elem_offset=T.int32())
-        page_values = T.match_buffer(page_values_h, (nnz,), "int32", elem_offset=T.int32())
-        last_page_len = T.match_buffer(last_page_len_h, (B,), "int32", elem_offset=T.int32())
-        o = T.match_buffer(o_h, (n, H, DV), dtype, elem_offset=T.int32())
-        lse = T.match_buffer(lse_h, (n, H), "float32", elem_offset=T.int32())
+    @T.macro
+    def body(q, q_indptr, pages, page_indptr, page_values, last_page_len, o, lse, causal, sm_scale, dims):
+        n, B, _p, ps, _nnz = dims
         for vt in T.thread_binding(T.max(T.truncdiv(n * H, R) + B, 1), thread="blockIdx.x"):
             for tid in T.thread_binding(NT, thread="threadIdx.x"):
                 srch = T.alloc_buffer((2,), "int32", scope="local")
@@ -501,45 +475,29 @@ def mla_attn_prefill_paged_cuda(num_heads, kv_lora_rank, qk_rope_head_dim, dtype
                          T.if_then_else(active, T.min(R, qlen * H - row0), 0), qlen, kvlen, causal, 0, kvlen,
                          1, 0, sm_scale, tid)
 
-    return mla_attn_prefill_paged
+    return abi_prim_func(MLA_ATTN_PREFILL_PAGED, shape_values(spec), dtype, body, scheduled=True)
 
 
-def mla_attn_decode_paged_cuda(num_heads, kv_lora_rank, qk_rope_head_dim, dtype, *, decode_splits: int = 0):
-    """``pagedkv_mla_attn_decode_paged`` for CUDA.
-
-    Signature::
-
-        (q[B,H,DL], pages[P,1,1,ps,DL], page_indptr[B+1], page_values[nnz], last_page_len[B],
-         o[B,H,DV], lse[B,H], sm_scale:f32)
+def mla_attn_decode_paged_cuda(spec):
+    """``pagedkv_mla_attn_decode_paged`` for CUDA (arguments: ``pagedkv.ops.OP_SPECS``), for a ``KernelSpec``.
 
     One block per (entry, row tile of ``R`` heads, key split); with ``S > 1`` splits a second kernel merges
-    the partial states. ``decode_splits = N > 0`` forces ``S`` (path switch ``cuda_decode_splits``, clamped
-    to ``[1, nnz * ps]``); 0: the automatic count, the kernel from before the switch.
+    the partial states. The path switch ``cuda_decode_splits = N > 0`` (``decode_splits``) forces ``S``
+    (clamped to ``[1, nnz * ps]``); automatic: the kernel from before the switch.
     """
-    H, DV = num_heads, kv_lora_rank
-    DL = kv_lora_rank + qk_rope_head_dim
-    RI = rows_per_thread("mla_attn_decode_paged", kv_lora_rank, qk_rope_head_dim)
+    H, DV, DL, dtype = spec.num_qo_heads, spec.kv_lora_rank, spec.latent_dim, spec.dtype
+    splits = decode_splits(spec)
+    RI = rows_per_thread(MLA_ATTN_DECODE_PAGED, spec.kv_lora_rank, spec.qk_rope_head_dim)
     R = TY * RI
     NRT = ceildiv(H, R)
     row_tile = _make_row_tile(H, DL, DV, RI, dtype)
 
     merge_splits = make_merge_splits(H, DV, MERGE_NT, dtype)
 
-    @T.prim_func
-    def mla_attn_decode_paged(q_h: T.handle, pages_h: T.handle, page_indptr_h: T.handle,
-                              page_values_h: T.handle, last_page_len_h: T.handle, o_h: T.handle,
-                              lse_h: T.handle, sm_scale: T.float32):
-        T.func_attr({"global_symbol": "pagedkv_mla_attn_decode_paged", "tirx.noalias": True,
-                     "tirx.is_scheduled": True})
-        B, P, ps, nnz = T.int32(), T.int32(), T.int32(), T.int32()
-        q = T.match_buffer(q_h, (B, H, DL), dtype, elem_offset=T.int32())
-        pages = T.match_buffer(pages_h, (P, 1, 1, ps, DL), dtype)
-        page_indptr = T.match_buffer(page_indptr_h, (B + 1,), "int32", elem_offset=T.int32())
-        page_values = T.match_buffer(page_values_h, (nnz,), "int32", elem_offset=T.int32())
-        last_page_len = T.match_buffer(last_page_len_h, (B,), "int32", elem_offset=T.int32())
-        o = T.match_buffer(o_h, (B, H, DV), dtype, elem_offset=T.int32())
-        lse = T.match_buffer(lse_h, (B, H), "float32", elem_offset=T.int32())
-        S: T.let[T.int32] = _split_count(B, nnz, ps, NRT, decode_splits)
+    @T.macro
+    def body(q, pages, page_indptr, page_values, last_page_len, o, lse, sm_scale, dims):
+        B, _p, ps, nnz = dims
+        S: T.let[T.int32] = _split_count(B, nnz, ps, NRT, splits)
         # Split partial states (float32); only touched when S > 1.
         ws_o = T.alloc_buffer((T.max(B, 1) * H * S, DV), "float32")
         ws_l = T.alloc_buffer((T.max(B, 1) * H * S,), "float32")
@@ -559,4 +517,4 @@ def mla_attn_decode_paged_cuda(num_heads, kv_lora_rank, qk_rope_head_dim, dtype,
         if S > 1:
             merge_splits(o, lse, B, S, ws_o, ws_l)
 
-    return mla_attn_decode_paged
+    return abi_prim_func(MLA_ATTN_DECODE_PAGED, shape_values(spec), dtype, body, scheduled=True)

@@ -12,6 +12,8 @@ from __future__ import annotations
 
 from tvm.script import tirx as T
 
+from ..ops import APPEND_KV, COMPACT_COPY, COPY_PAGE, GATHER_KV, shape_values
+from ._abi import abi_prim_func
 from ._common_cuda import ceildiv, itemsize
 
 #: Threads per block of the page kernels.
@@ -26,20 +28,16 @@ def _vec(head_dim: int, dtype: str) -> int:
     return v
 
 
-def append_kv_cuda(num_kv_heads, head_dim, dtype):
-    """``pagedkv_append_kv(pages, k[n,Hkv,D], v[n,Hkv,D], slot[n])``; a negative slot skips the token."""
-    HKV, D = num_kv_heads, head_dim
+def append_kv_cuda(spec):
+    """``pagedkv_append_kv`` (arguments: ``pagedkv.ops.OP_SPECS``) for a ``KernelSpec``; a negative slot
+    skips the token."""
+    HKV, D, dtype = spec.num_kv_heads, spec.head_dim, spec.dtype
     VEC = _vec(D, dtype)
     C = D // VEC
 
-    @T.prim_func
-    def append_kv(pages_h: T.handle, k_h: T.handle, v_h: T.handle, slot_h: T.handle):
-        T.func_attr({"global_symbol": "pagedkv_append_kv", "tirx.noalias": True, "tirx.is_scheduled": True})
-        n, P, ps = T.int32(), T.int32(), T.int32()
-        pages = T.match_buffer(pages_h, (P, 2, HKV, ps, D), dtype)
-        k = T.match_buffer(k_h, (n, HKV, D), dtype, elem_offset=T.int32())
-        v = T.match_buffer(v_h, (n, HKV, D), dtype, elem_offset=T.int32())
-        slot = T.match_buffer(slot_h, (n,), "int32", elem_offset=T.int32())
+    @T.macro
+    def body(pages, k, v, slot, dims):
+        _p, ps, n = dims
         for bx in T.thread_binding(T.max(ceildiv(n * (HKV * C), NT), 1), thread="blockIdx.x"):
             for tx in T.thread_binding(NT, thread="threadIdx.x"):
                 kr = T.alloc_buffer((VEC,), dtype, scope="local")
@@ -60,23 +58,18 @@ def append_kv_cuda(num_kv_heads, head_dim, dtype):
                         for e in T.vectorized(VEC):
                             pages[T.truncdiv(sl, ps), 1, h, T.truncmod(sl, ps), c * VEC + e] = vr[e]
 
-    return append_kv
+    return abi_prim_func(APPEND_KV, shape_values(spec), dtype, body, scheduled=True)
 
 
-def gather_kv_cuda(num_kv_heads, head_dim, dtype):
-    """``pagedkv_gather_kv(pages, slot[n], k[n,Hkv,D], v[n,Hkv,D])``."""
-    HKV, D = num_kv_heads, head_dim
+def gather_kv_cuda(spec):
+    """``pagedkv_gather_kv`` (arguments: ``pagedkv.ops.OP_SPECS``) for a ``KernelSpec``."""
+    HKV, D, dtype = spec.num_kv_heads, spec.head_dim, spec.dtype
     VEC = _vec(D, dtype)
     C = D // VEC
 
-    @T.prim_func
-    def gather_kv(pages_h: T.handle, slot_h: T.handle, k_h: T.handle, v_h: T.handle):
-        T.func_attr({"global_symbol": "pagedkv_gather_kv", "tirx.noalias": True, "tirx.is_scheduled": True})
-        n, P, ps = T.int32(), T.int32(), T.int32()
-        pages = T.match_buffer(pages_h, (P, 2, HKV, ps, D), dtype)
-        slot = T.match_buffer(slot_h, (n,), "int32", elem_offset=T.int32())
-        k = T.match_buffer(k_h, (n, HKV, D), dtype, elem_offset=T.int32())
-        v = T.match_buffer(v_h, (n, HKV, D), dtype, elem_offset=T.int32())
+    @T.macro
+    def body(pages, slot, k, v, dims):
+        _p, ps, n = dims
         for bx in T.thread_binding(T.max(ceildiv(n * (HKV * C), NT), 1), thread="blockIdx.x"):
             for tx in T.thread_binding(NT, thread="threadIdx.x"):
                 kr = T.alloc_buffer((VEC,), dtype, scope="local")
@@ -95,21 +88,25 @@ def gather_kv_cuda(num_kv_heads, head_dim, dtype):
                     for e in T.serial(VEC):
                         v[s, h, c * VEC + e] = vr[e]
 
-    return gather_kv
+    return abi_prim_func(GATHER_KV, shape_values(spec), dtype, body, scheduled=True)
 
 
-def copy_page_cuda(num_kv_heads, head_dim, dtype, *, planes=2):
-    """``pagedkv_copy_page(pages, src_page:i64, dst_page:i64, num_tokens:i64)``: offsets
-    ``0 .. min(num_tokens, ps)`` of every head, K and V."""
-    HKV, D, PL = num_kv_heads, head_dim, planes
+def _page_dims(spec):
+    """``(heads, dim, planes)`` of a page row: ``(Hkv, D, 2)`` (K and V) or, MLA, ``(1, latent dim, 1)``."""
+    sv = shape_values(spec)
+    return sv["PH"], sv["PD"], sv["PL"]
+
+
+def copy_page_cuda(spec):
+    """``pagedkv_copy_page`` (arguments: ``pagedkv.ops.OP_SPECS``) for a ``KernelSpec`` (MHA or MLA pages):
+    offsets ``0 .. min(num_tokens, ps)`` of every head and plane."""
+    (HKV, D, PL), dtype = _page_dims(spec), spec.dtype
     VEC = _vec(D, dtype)
     C = D // VEC
 
-    @T.prim_func
-    def copy_page(pages_h: T.handle, src_page: T.int64, dst_page: T.int64, num_tokens: T.int64):
-        T.func_attr({"global_symbol": "pagedkv_copy_page", "tirx.noalias": True, "tirx.is_scheduled": True})
-        P, ps = T.int32(), T.int32()
-        pages = T.match_buffer(pages_h, (P, PL, HKV, ps, D), dtype)
+    @T.macro
+    def body(pages, src_page, dst_page, num_tokens, dims):
+        _p, ps = dims
         # Tokens to copy (0 when num_tokens <= 0).
         nt: T.let[T.int32] = T.max(T.min(T.Cast("int32", T.min(num_tokens, T.int64(1 << 30))), ps), 0)
         for bx in T.thread_binding(T.max(ceildiv(nt * (PL * HKV * C), NT), 1), thread="blockIdx.x"):
@@ -122,24 +119,20 @@ def copy_page_cuda(num_kv_heads, head_dim, dtype, *, planes=2):
                         pages[T.Cast("int32", dst_page), ch // HKV, ch % HKV, t, c * VEC + e] = \
                             pages[T.Cast("int32", src_page), ch // HKV, ch % HKV, t, c * VEC + e]
 
-    return copy_page
+    return abi_prim_func(COPY_PAGE, shape_values(spec), dtype, body, scheduled=True)
 
 
-def compact_copy_cuda(num_kv_heads, head_dim, dtype, *, planes=2):
-    """``pagedkv_compact_copy(pages, src_slot[n], dst_slot[n])``: token ``src_slot[i] -> dst_slot[i]``
-    (destinations never overlap sources within a call, so all copies run at once)."""
-    HKV, D, PL = num_kv_heads, head_dim, planes
+def compact_copy_cuda(spec):
+    """``pagedkv_compact_copy`` (arguments: ``pagedkv.ops.OP_SPECS``) for a ``KernelSpec`` (MHA or MLA
+    pages): token ``src_slot[i] -> dst_slot[i]`` (destinations never overlap sources within a call, so all
+    copies run at once)."""
+    (HKV, D, PL), dtype = _page_dims(spec), spec.dtype
     VEC = _vec(D, dtype)
     C = D // VEC
 
-    @T.prim_func
-    def compact_copy(pages_h: T.handle, src_slot_h: T.handle, dst_slot_h: T.handle):
-        T.func_attr({"global_symbol": "pagedkv_compact_copy", "tirx.noalias": True,
-                     "tirx.is_scheduled": True})
-        n, P, ps = T.int32(), T.int32(), T.int32()
-        pages = T.match_buffer(pages_h, (P, PL, HKV, ps, D), dtype)
-        src_slot = T.match_buffer(src_slot_h, (n,), "int32", elem_offset=T.int32())
-        dst_slot = T.match_buffer(dst_slot_h, (n,), "int32", elem_offset=T.int32())
+    @T.macro
+    def body(pages, src_slot, dst_slot, dims):
+        _p, ps, n = dims
         for bx in T.thread_binding(T.max(ceildiv(n * (PL * HKV * C), NT), 1), thread="blockIdx.x"):
             for tx in T.thread_binding(NT, thread="threadIdx.x"):
                 if bx * NT + tx < n * (PL * HKV * C):
@@ -152,4 +145,4 @@ def compact_copy_cuda(num_kv_heads, head_dim, dtype, *, planes=2):
                         pages[T.truncdiv(dst, ps), ch // HKV, ch % HKV, T.truncmod(dst, ps), c * VEC + e] = \
                             pages[T.truncdiv(src, ps), ch // HKV, ch % HKV, T.truncmod(src, ps), c * VEC + e]
 
-    return compact_copy
+    return abi_prim_func(COMPACT_COPY, shape_values(spec), dtype, body, scheduled=True)

@@ -11,32 +11,25 @@ from __future__ import annotations
 
 from tvm.script import tirx as T
 
+from ..ops import SPLIT_ROTARY, shape_values
+from ._abi import abi_prim_func
 from ._common_cuda import ceildiv, cos_approx, rope_angle, rope_divisor, sin_approx
 
 #: Threads per block (one block per token).
 NT = 128
 
 
-def split_rotary_cuda(num_qo_heads, num_kv_heads, head_dim, dtype):
-    """``pagedkv_split_rotary(qkv[n, Hq+2Hkv, D], q_pos[n], q[n,Hq,D], k[n,Hkv,D], v[n,Hkv,D],
-    apply_rope:i32, rope_scale:f32, rope_theta:f32)``."""
-    HQ, HKV, D = num_qo_heads, num_kv_heads, head_dim
+def split_rotary_cuda(spec):
+    """``pagedkv_split_rotary`` for CUDA (arguments: ``pagedkv.ops.OP_SPECS``), for a ``KernelSpec``."""
+    HQ, HKV, D, dtype = spec.num_qo_heads, spec.num_kv_heads, spec.head_dim, spec.dtype
     HALF = D // 2
     NROT = (HQ + HKV) * HALF  # rotation pairs of a token
     NQK = (HQ + HKV) * D  # q and k elements of a token
     NV = HKV * D
 
-    @T.prim_func
-    def split_rotary(qkv_h: T.handle, q_pos_h: T.handle, q_h: T.handle, k_h: T.handle, v_h: T.handle,
-                     apply_rope: T.int32, rope_scale: T.float32, rope_theta: T.float32):
-        T.func_attr({"global_symbol": "pagedkv_split_rotary", "tirx.noalias": True,
-                     "tirx.is_scheduled": True})
-        n = T.int32()
-        qkv = T.match_buffer(qkv_h, (n, HQ + 2 * HKV, D), dtype, elem_offset=T.int32())
-        q_pos = T.match_buffer(q_pos_h, (n,), "int32", elem_offset=T.int32())
-        q = T.match_buffer(q_h, (n, HQ, D), dtype, elem_offset=T.int32())
-        k = T.match_buffer(k_h, (n, HKV, D), dtype, elem_offset=T.int32())
-        v = T.match_buffer(v_h, (n, HKV, D), dtype, elem_offset=T.int32())
+    @T.macro
+    def body(qkv, q_pos, q, k, v, apply_rope, rope_scale, rope_theta, dims):
+        n, = dims
         for s in T.thread_binding(T.max(n, 1), thread="blockIdx.x"):
             for tx in T.thread_binding(NT, thread="threadIdx.x"):
                 cs = T.alloc_buffer((HALF,), "float32", scope="shared")
@@ -77,4 +70,4 @@ def split_rotary_cuda(num_qo_heads, num_kv_heads, head_dim, dtype):
                             v[s, T.truncdiv(it * NT + tx, D), T.truncmod(it * NT + tx, D)] = \
                                 qkv[s, HQ + HKV + T.truncdiv(it * NT + tx, D), T.truncmod(it * NT + tx, D)]
 
-    return split_rotary
+    return abi_prim_func(SPLIT_ROTARY, shape_values(spec), dtype, body, scheduled=True)

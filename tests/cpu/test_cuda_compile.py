@@ -170,9 +170,12 @@ def test_masked_attention_nvcc_no_spills(key, nvcc_masked_results):
 @pytest.mark.parametrize("op", ATTN_OPS)
 def test_masking_off_is_the_default_kernel(op, shape):
     """Options 0 (int or float) give exactly the default kernel; each option on changes it."""
-    factory = getattr(tk.attention_cuda, f"{op}_cuda")  # called directly: the options' defaults included
-    hq, hkv, d, dv, dtype = shape
-    args = (hq, hkv, d, dv, dtype) if op == "attn_prefill_ragged" else (hq, hkv, d, dtype)
+    spec_factory = getattr(tk.attention_cuda, f"{op}_cuda")  # called directly, on specs with the options
+
+    def factory(*args, **options):
+        return spec_factory(tk.KernelConfig(*args, **options))
+
+    args = shape  # (hq, hkv, d, dv, dtype): KernelConfig's positional fields
     with tk._common.fast_macro_expansion():  # as the factories' dispatch (5x faster parsing)
         default = factory(*args).script()
         assert factory(*args, sliding_window=0, logits_soft_cap=0.0).script() == default

@@ -72,11 +72,13 @@ def test_auto_has_no_forced_code(name):
     """Auto = the kernel without the switch; each forced value changes only the decode's split count line."""
     cfg = SHAPES[name]
     op = _decode_op(cfg)
-    factory = (importlib.import_module(f"{tk.__name__}.mla_cuda").mla_attn_decode_paged_cuda if cfg.is_mla
-               else tk.attention_cuda.attn_decode_paged_cuda)
-    args = ((cfg.num_qo_heads, cfg.kv_lora_rank, cfg.qk_rope_head_dim, cfg.dtype) if cfg.is_mla else
-            (cfg.num_qo_heads, cfg.num_kv_heads, cfg.head_dim, cfg.dtype))
-    kwargs = {} if cfg.is_mla else cfg.masking
+    spec_factory = (importlib.import_module(f"{tk.__name__}.mla_cuda").mla_attn_decode_paged_cuda if cfg.is_mla
+                    else tk.attention_cuda.attn_decode_paged_cuda)
+
+    def factory(decode_splits: int = 0):  # the factories take the spec: decode_splits 0 is the "auto" path
+        return spec_factory(_forced(cfg, str(decode_splits) if decode_splits else "auto"))
+
+    args, kwargs = (), {}
     with tk._common.fast_macro_expansion():  # as the factories' dispatch
         default = factory(*args, **kwargs).script()
         assert factory(*args, **kwargs, decode_splits=0).script() == default

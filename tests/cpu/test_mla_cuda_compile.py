@@ -44,16 +44,18 @@ OPS = ("mla_append_kv", "mla_gather_kv", "mla_attn_prefill_paged", "mla_attn_dec
 SMEM_LIMIT = 48 * 1024
 
 
+def mla_spec(h: int, rank: int, rope: int, dtype: str):
+    """The ``KernelSpec`` of an MLA configuration (the factories take the spec)."""
+    from pagedkv.kernel_spec import KernelSpec
+
+    return KernelSpec(h, h, 64, 64, dtype, kv_lora_rank=rank, qk_rope_head_dim=rope)
+
+
 def build_funcs(cfg: tuple) -> dict:
     """``{op: PrimFunc}`` of the four MLA ops for ``cfg``."""
-    h, rank, rope, dtype = cfg
+    spec = mla_spec(*cfg)
     with fast_macro_expansion():
-        return {
-            "mla_append_kv": mla_cuda.mla_append_kv_cuda(rank + rope, dtype),
-            "mla_gather_kv": mla_cuda.mla_gather_kv_cuda(rank + rope, dtype),
-            "mla_attn_prefill_paged": mla_cuda.mla_attn_prefill_paged_cuda(h, rank, rope, dtype),
-            "mla_attn_decode_paged": mla_cuda.mla_attn_decode_paged_cuda(h, rank, rope, dtype),
-        }
+        return {op: getattr(mla_cuda, f"{op}_cuda")(spec) for op in OPS}
 
 
 @functools.cache
@@ -118,7 +120,7 @@ def test_block_plan():
 ])
 def test_unsupported_latents_name_the_dim(factory, args, match):
     with pytest.raises(NotImplementedError, match=match):
-        getattr(mla_cuda, factory)(*args)
+        getattr(mla_cuda, factory)(mla_spec(*args))
 
 
 def test_backend_limits_match_the_kernels():
