@@ -2,14 +2,12 @@
 
 Both variants expose the same macros, so one work-item body serves decode and prefill:
 
-* ``prepare(Qf, Qt, lim, nrows, kvlen, causal, qlen, qt0)``: per-item setup (``nrows`` valid rows);
-  ``lim[r]`` = number of keys row ``r`` may see (bottom-right causal: ``kvlen - qlen + token + 1``,
-  capped at ``kvlen``); with a sliding window W, ``lim[R + r]`` = its first visible key
-  ``kvlen - qlen + token + 1 - W`` (may be negative);
+* ``prepare(Qf, Qt, lim, nrows, kvlen, causal, qlen, qt0)``: per-item setup (``nrows`` valid rows),
+  including the per-row key limits ``lim`` of the attention variant (``_variant_cpu.CpuVariant``);
 * ``score(S, Qf, Qt, Kf, acc, red, nk)``: scores of the first ``nk`` keys of the tile (log2 units,
   ``Qf`` is pre-scaled);
-* ``softmax(S, m, l, alpha, mx, lim, j0, nk)``: soft-cap (when on) and mask, then the base-2 online
-  softmax step; ``S`` becomes probabilities, ``alpha[r]`` the rescale of row ``r``'s previous output;
+* ``softmax(S, m, l, alpha, mx, lim, j0, nk)``: the variant's logits transform and mask, then the
+  base-2 online softmax step; ``S`` becomes probabilities, ``alpha[r]`` the rescale of row ``r``'s previous output;
 * ``pv(O, S, Vf, alpha, acc0, acc1, nk, nrows)``: ``O = O * alpha + P @ Vf`` with an ``RB x 2DC``
   register block, over the row blocks that hold the ``nrows`` valid rows.
 
@@ -22,11 +20,10 @@ where LLVM promotes them to registers.
 
 from __future__ import annotations
 
-from tvm import tirx
 from tvm.script import tirx as T
 
-from ._common import LOG2E, MASKED, TilePlan
-from ._math import exp2_approx, tanh_approx
+from ._common import MASKED, TilePlan
+from ._math import exp2_approx
 
 
 def scratch_shapes(plan: TilePlan) -> dict:
@@ -40,48 +37,6 @@ def scratch_shapes(plan: TilePlan) -> dict:
 def make_gemm_macros(plan: TilePlan):
     """``(prepare, score, softmax, pv)`` for ``plan``'s score layout."""
     return _keys_major(plan) if plan.keys_major else _rows_major(plan)
-
-
-def lim_size(plan: TilePlan) -> int:
-    """Length of the per-row key-limit buffer: upper limits, then (sliding window) lower bounds."""
-    return 2 * plan.rows if plan.window else plan.rows
-
-
-def _limits_macro(plan: TilePlan):
-    G, R, W = plan.group, plan.rows, plan.window
-
-    @T.macro
-    def limits(lim, kvlen, causal, qlen, qt0):
-        for r in T.vectorized(R):
-            lim[r] = T.if_then_else(causal > 0, T.min(kvlen, kvlen - qlen + qt0 + r // G + 1), kvlen)
-        if W > 0:  # static; the lower bound holds with or without causal
-            for r in T.vectorized(R):
-                lim[R + r] = kvlen - qlen + qt0 + r // G + 1 - W
-
-    return limits
-
-
-def _masking(plan: TilePlan):
-    """``(visible, cap)``: PrimExpr builders for the per-key mask and the soft-cap of a log2 score.
-
-    ``visible(lim, r, key)``: row ``r`` may see key position ``key`` (upper limit and, with a window,
-    lower bound). ``cap(x)``: ``C tanh(x / C)`` with ``C = c log2(e)`` (the natural-units cap ``c``
-    carried to the log2 units the kernels work in), or ``x`` itself when the cap is off, so that a
-    kernel without these options is built exactly as before.
-    """
-    R, W, CAP = plan.rows, plan.window, plan.soft_cap * LOG2E
-
-    def visible(lim, r, key):
-        if W:
-            return tirx.And(key < lim[r], key >= lim[R + r])
-        return key < lim[r]
-
-    def cap(x):
-        if not CAP:
-            return x
-        return tirx.const(CAP, "float32") * tanh_approx(x * tirx.const(1.0 / CAP, "float32"))
-
-    return visible, cap
 
 
 def _pv_macro(plan: TilePlan, keys_major: bool):
@@ -116,8 +71,8 @@ def _pv_macro(plan: TilePlan, keys_major: bool):
 def _keys_major(plan: TilePlan):
     """Prefill: ``St[TK, R] = Kf @ Qt``, everything after it vectorized over the R rows."""
     R, D, JB = plan.rows, plan.d, plan.jb
-    limits = _limits_macro(plan)
-    visible, cap = _masking(plan)
+    var = plan.variant
+    limits = var.limits_macro(plan.group, R)
 
     @T.macro
     def prepare(Qf, Qt, lim, nrows, kvlen, causal, qlen, qt0):
@@ -150,7 +105,7 @@ def _keys_major(plan: TilePlan):
             mx[r] = m[r]
         for j in T.serial(nk):
             for r in T.vectorized(R):
-                S[j, r] = T.if_then_else(visible(lim, r, j0 + j), cap(S[j, r]), T.float32(MASKED))
+                S[j, r] = T.if_then_else(var.visible(lim, R, r, j0 + j), var.cap(S[j, r]), T.float32(MASKED))
                 mx[r] = T.max(mx[r], S[j, r])
         for r in T.vectorized(R):
             alpha[r] = exp2_approx(m[r] - mx[r])
@@ -168,9 +123,8 @@ def _rows_major(plan: TilePlan):
     """Decode: ``S[R, TK]``, each score a VL-lane dot product folded by a halving tree."""
     R, TK, D, VL = plan.rows, plan.tk, plan.d, plan.vl
     NPAIR, ODD = (D // VL) // 2, (D // VL) % 2 == 1
-    CAPPED = plan.soft_cap > 0
-    limits = _limits_macro(plan)
-    visible, cap = _masking(plan)
+    var = plan.variant
+    limits = var.limits_macro(plan.group, R)
 
     @T.macro
     def prepare(Qf, Qt, lim, nrows, kvlen, causal, qlen, qt0):
@@ -209,11 +163,11 @@ def _rows_major(plan: TilePlan):
     def softmax(S, m, l, alpha, mx, lim, j0, nk):
         for r in T.serial(R):
             mx[0] = m[r]
-            if CAPPED:  # static; whole-tile vectors, as the exp below (keys past nk are never read)
+            if var.capped:  # static; whole-tile vectors, as the exp below (keys past nk are never read)
                 for j in T.vectorized(TK):
-                    S[r, j] = cap(S[r, j])
+                    S[r, j] = var.cap(S[r, j])
             for j in T.serial(nk):
-                S[r, j] = T.if_then_else(visible(lim, r, j0 + j), S[r, j], T.float32(MASKED))
+                S[r, j] = T.if_then_else(var.visible(lim, R, r, j0 + j), S[r, j], T.float32(MASKED))
                 mx[0] = T.max(mx[0], S[r, j])
             alpha[r] = exp2_approx(m[r] - mx[0])
             # Whole-tile vector exp (cheaper than a scalar tail); keys past nk are never read.

@@ -20,11 +20,15 @@ import contextlib
 import inspect
 import math
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 from tvm.script import tirx as T
 from tvm.target import Target
 
 from ._math import cos_approx, sin_approx
+
+if TYPE_CHECKING:  # _variant_cpu imports this module's constants
+    from ._variant_cpu import CpuVariant
 
 #: log2(e): converts natural-log scores to base 2 so the kernels can use exp2/log2.
 LOG2E = math.log2(math.e)
@@ -133,13 +137,8 @@ class TilePlan:
     rope : bool
         Whether the kernel takes inline RoPE at all (its ``apply_rope`` argument); ``False`` (MLA)
         leaves the RoPE code out at parse time.
-    window : int
-        Sliding window W (0: off): a row at key position ``p`` also needs key ``j >= p + 1 - W``.
-    soft_cap : float
-        Logits soft-cap c in natural units (0: off): scores become ``c * tanh(s / c)``.
-
-    With ``window`` and ``soft_cap`` 0 their code is left out at parse time (the kernel is the same as
-    one built without them).
+    variant : CpuVariant
+        The attention variant (``_variant_cpu``): key range, per-key mask and logits transform.
     """
 
     d: int
@@ -154,26 +153,21 @@ class TilePlan:
     rb: int
     dc: int
     dtype: str
+    variant: "CpuVariant"
     rope: bool = True
-    window: int = 0
-    soft_cap: float = 0.0
 
 
-def make_tile_plan(d: int, dv: int, group: int, dtype: str, tokens_per_item: int | None, *,
-                   rope: bool = True, window: int = 0, soft_cap: float = 0.0) -> TilePlan:
+def make_tile_plan(d: int, dv: int, group: int, dtype: str, tokens_per_item: int | None, variant: "CpuVariant",
+                   *, rope: bool = True) -> TilePlan:
     """Choose the CPU tiling.
 
     ``tokens_per_item=None`` is prefill: about 32 rows per item (each K/V tile is reused from L1 by
     all of them), keys-major scores. Decode passes 1: the G rows of one token, rows-major scores.
-    ``window`` and ``soft_cap`` are the masking options (see ``TilePlan``), passed through.
+    The spec's options were validated by ``KernelSpec``; only this family's own limit is checked here.
     """
     if dv % 2:
         raise ValueError(f"value head dim {dv} is odd; the CPU attention kernels accumulate P @ V in pairs of "
                          "value columns and need an even value head dim")
-    if isinstance(window, bool) or not isinstance(window, int) or window < 0:
-        raise ValueError(f"sliding_window must be an int >= 0 (0: off), got {window!r}")
-    if not math.isfinite(soft_cap) or soft_cap < 0:
-        raise ValueError(f"logits_soft_cap must be a finite number >= 0 (0: off), got {soft_cap!r}")
     tk = 32
     if tokens_per_item is None:
         tq = max(1, 32 // group)
@@ -193,7 +187,7 @@ def make_tile_plan(d: int, dv: int, group: int, dtype: str, tokens_per_item: int
     # Two PV accumulators of rb x dc floats, each under TVM's 1 KiB stack-allocation limit.
     dc = next(c for c in (32, 16, 8, 4, 2, 1) if dv % (2 * c) == 0) if dv % 2 == 0 else dv
     return TilePlan(d=d, dv=dv, group=group, tq=tq, rows=rows, tk=tk, keys_major=keys_major, jb=jb,
-                    vl=vl, rb=rb, dc=dc, dtype=dtype, rope=rope, window=window, soft_cap=float(soft_cap))
+                    vl=vl, rb=rb, dc=dc, dtype=dtype, variant=variant, rope=rope)
 
 
 def make_rope_macros(d: int):

@@ -9,20 +9,23 @@ that the static split of ``T.parallel`` gives every thread a similar share of a 
 Calls too small to pay for waking the thread pool run on the calling thread (a run-time work estimate;
 the ``cpu_threads`` path of ``KernelConfig.paths`` forces either path at compile time, for tests).
 
-Masking options (compile-time, ``KernelConfig.sliding_window`` / ``logits_soft_cap``; 0 leaves their
-code out): a sliding window adds a per-row lower key bound to the causal / length limit and skips the
-key tiles below the item's smallest bound, so a windowed decode reads about W keys; a soft-cap passes
-each score through ``c * tanh(s / c)`` before masking (see ``_attn_cpu_gemm``).
+The attention variant (causal, sliding window, logits soft-cap of the ``KernelSpec``) is defined once,
+in ``_variant_cpu.CpuVariant``: the work-item body takes its key range from it and the score steps
+(``_attn_cpu_gemm``) its mask and logits transform; a windowed decode reads about W keys. Factories take
+the spec; PrimFunc headers come from the op table (``_abi.abi_prim_func``).
 """
 
 from __future__ import annotations
 
 from tvm.script import tirx as T
 
-from ._attn_cpu_gemm import lim_size, make_gemm_macros, scratch_shapes
+from ._abi import abi_prim_func
+from ._attn_cpu_gemm import make_gemm_macros, scratch_shapes
 from ._attn_cpu_macros import make_attn_macros
 from ._common import LOG2E, TilePlan, make_tile_plan
+from ._variant_cpu import CpuVariant
 from ..kernel_spec import forced, normalize_paths
+from ..ops import shape_values
 
 
 def _make_attend(plan: TilePlan, mac, load_tile):
@@ -34,16 +37,8 @@ def _make_attend(plan: TilePlan, mac, load_tile):
     ``cur`` is a small int scratch. Tuples passed to macros hold only buffers and parameters: an
     expression unpacked from a tuple would become a mutable scalar allocation.
     """
-    G, TK, W = plan.group, plan.tk, plan.window
+    G, TK, var = plan.group, plan.tk, plan.variant
     prepare, score, softmax, pv = make_gemm_macros(plan)
-
-    def first_tile(kvlen, qlen, qt0):
-        # Sliding window: the item's first row has the smallest lower bound, kvlen - qlen + qt0 + 1 - W;
-        # tiles wholly below it are skipped (the per-key mask handles the first visited tile). The
-        # loaders locate keys from j0, so starting late needs nothing else.
-        if not W:
-            return 0
-        return T.max(kvlen - qlen + qt0 + 1 - W, 0) // TK
 
     @T.macro
     def attend(scr, q, q_pos, o, lse, tok0, ntok, qt0, qlen, kvlen, h, causal, rope, sm_scale, kv, base,
@@ -58,10 +53,9 @@ def _make_attend(plan: TilePlan, mac, load_tile):
                    sm_scale * T.float32(LOG2E))
         mac.init_state(m, l, O, ntok * G)
         prepare(Qf, Qt, lim, ntok * G, kvlen, causal, qlen, qt0)
-        # Causal: the tile's last token sees keys < kvlen - qlen + qt0 + ntok; later tiles are skipped.
-        kv_end: T.let[T.int32] = T.if_then_else(
-            causal > 0, T.min(kvlen, kvlen - qlen + qt0 + ntok), kvlen)
-        for kt in T.serial(first_tile(kvlen, qlen, qt0), T.max(kv_end + TK - 1, 0) // TK):
+        # The variant's key range of the tile: key tiles outside it are skipped.
+        kv_end: T.let[T.int32] = var.kv_end(causal, kvlen, qlen, qt0, ntok)
+        for kt in T.serial(var.first_tile(kvlen, qlen, qt0, TK), T.max(kv_end + TK - 1, 0) // TK):
             # Keys of this tile that some row may see (the causal limit of the last token caps it).
             nk: T.let[T.int32] = T.min(TK, kv_end - kt * TK)
             load_tile(Kf, Vf, cur, kv, base, kpos0, h, kt * TK, nk, (apply_rope, rope_scale, invf))
@@ -87,7 +81,7 @@ def _make_runner(plan: TilePlan, item):
     or a Python bool (a forced path: only that branch is built).
     """
     D, DV, R, TK, RB, DC = plan.d, plan.dv, plan.rows, plan.tk, plan.rb, plan.dc
-    LIM = lim_size(plan)
+    LIM = plan.variant.lim_size(R)
     shp = scratch_shapes(plan)
 
     @T.macro
@@ -192,11 +186,6 @@ def _kv_len(page_indptr, last_page_len, b, ps):
     return T.if_then_else(npg > 0, (npg - 1) * ps + last_page_len[b], 0)
 
 
-def _window_keys(kvlen, window):
-    """Keys a decode row reads: all of them, or (sliding window) about the last ``window``."""
-    return T.min(kvlen, window) if window else kvlen
-
-
 #: Below these work estimates ((kv keys + 16) x kv heads, summed over work items) a kernel runs its
 #: items on the calling thread: waking the thread pool (several microseconds, more on a loaded
 #: machine) would cost more than the work.
@@ -216,24 +205,16 @@ def serial_arg(threads: str, work, threshold: int):
     return work[0] < threshold if threads == "auto" else threads == "serial"
 
 
-def attn_decode_paged_cpu(num_qo_heads, num_kv_heads, head_dim, dtype, *, sliding_window: int = 0,
-                          logits_soft_cap: float = 0.0, paths=()):
-    """``pagedkv_attn_decode_paged`` for the CPU.
+def attn_decode_paged_cpu(spec):
+    """``pagedkv_attn_decode_paged`` of ``spec`` (a ``KernelSpec``) for the CPU; arguments from the op table.
 
-    Signature (``docs/ARCHITECTURE.md``)::
-
-        (q[B,Hq,D], pages[P,2,Hkv,ps,D], page_indptr[B+1], page_values[nnz], last_page_len[B],
-         k_pos_offset[B], q_pos[B], o[B,Hq,D], lse[B,Hq],
-         apply_rope:i32, rope_scale:f32, rope_theta:f32, sm_scale:f32)
-
-    One work item per (sequence, kv head). ``sliding_window`` / ``logits_soft_cap``: the masking
-    options (module docstring; 0: off). ``paths``: forced paths (``KernelConfig.paths``).
+    One work item per (sequence, kv head). The spec's variant (window, soft-cap) is ``CpuVariant``;
+    ``spec.paths`` forces a thread path.
     """
-    HQ, HKV, D, W = num_qo_heads, num_kv_heads, head_dim, sliding_window
-    THREADS = cpu_threads(paths)
-    plan = make_tile_plan(D, D, HQ // HKV, dtype, tokens_per_item=1, window=sliding_window,
-                          soft_cap=logits_soft_cap)
-    mac = make_attn_macros(plan)
+    HKV, THREADS = spec.num_kv_heads, cpu_threads(spec.paths)
+    plan = make_tile_plan(spec.head_dim, spec.head_dim, spec.num_qo_heads // HKV, spec.dtype, 1,
+                          CpuVariant.from_spec(spec))
+    var, mac = plan.variant, make_attn_macros(plan)
     attend = _make_attend(plan, mac, _make_paged_loader(plan, mac))
 
     @T.macro
@@ -245,32 +226,20 @@ def attn_decode_paged_cpu(num_qo_heads, num_kv_heads, head_dim, dtype, *, slidin
 
     run = _make_runner(plan, item)
 
-    @T.prim_func
-    def attn_decode_paged(q_h: T.handle, pages_h: T.handle, page_indptr_h: T.handle, page_values_h: T.handle,
-                          last_page_len_h: T.handle, k_pos_offset_h: T.handle, q_pos_h: T.handle,
-                          o_h: T.handle, lse_h: T.handle, apply_rope: T.int32, rope_scale: T.float32,
-                          rope_theta: T.float32, sm_scale: T.float32):
-        T.func_attr({"global_symbol": "pagedkv_attn_decode_paged", "tirx.noalias": True})
-        B, P, ps, nnz = T.int32(), T.int32(), T.int32(), T.int32()
-        q = T.match_buffer(q_h, (B, HQ, D), dtype, elem_offset=T.int32())
-        pages = T.match_buffer(pages_h, (P, 2, HKV, ps, D), dtype)
-        page_indptr = T.match_buffer(page_indptr_h, (B + 1,), "int32", elem_offset=T.int32())
-        page_values = T.match_buffer(page_values_h, (nnz,), "int32", elem_offset=T.int32())
-        last_page_len = T.match_buffer(last_page_len_h, (B,), "int32", elem_offset=T.int32())
-        k_pos_offset = T.match_buffer(k_pos_offset_h, (B,), "int32", elem_offset=T.int32())
-        q_pos = T.match_buffer(q_pos_h, (B,), "int32", elem_offset=T.int32())
-        o = T.match_buffer(o_h, (B, HQ, D), dtype, elem_offset=T.int32())
-        lse = T.match_buffer(lse_h, (B, HQ), "float32", elem_offset=T.int32())
+    @T.macro
+    def body(q, pages, page_indptr, page_values, last_page_len, k_pos_offset, q_pos, o, lse, apply_rope,
+             rope_scale, rope_theta, sm_scale, dims):
+        b, _p, ps, _nnz = dims
         work = T.alloc_buffer((1,), "int32")
         if THREADS == "auto":  # static: a forced path needs no estimate
             work[0] = 0
-            for b in T.serial(B):
-                work[0] = work[0] + (_window_keys(_kv_len(page_indptr, last_page_len, b, ps), W) + 16) * HKV
-        run(B * HKV, serial_arg(THREADS, work, _SERIAL_DECODE_WORK),
+            for e in T.serial(b):
+                work[0] = work[0] + (var.decode_keys(_kv_len(page_indptr, last_page_len, e, ps)) + 16) * HKV
+        run(b * HKV, serial_arg(THREADS, work, _SERIAL_DECODE_WORK),
             (q, q_pos, o, lse, pages, page_values, ps, page_indptr, last_page_len, k_pos_offset,
              (apply_rope, rope_scale, rope_theta), sm_scale))
 
-    return attn_decode_paged
+    return abi_prim_func("attn_decode_paged", shape_values(spec), spec.dtype, body)
 
 
 @T.macro
@@ -296,24 +265,15 @@ def _locate(ent, tile_ptr, it, hkv, batch, tq):
     ent[1] = (_zigzag(it // hkv, tile_ptr[batch]) - tile_ptr[ent[0]]) * tq
 
 
-def attn_prefill_paged_cpu(num_qo_heads, num_kv_heads, head_dim, dtype, *, sliding_window: int = 0,
-                           logits_soft_cap: float = 0.0, paths=()):
-    """``pagedkv_attn_prefill_paged`` for the CPU.
+def attn_prefill_paged_cpu(spec):
+    """``pagedkv_attn_prefill_paged`` of ``spec`` for the CPU; arguments from the op table.
 
-    Signature::
-
-        (q[n,Hq,D], q_indptr[B+1], pages[P,2,Hkv,ps,D], page_indptr[B+1], page_values[nnz],
-         last_page_len[B], k_pos_offset[B], q_pos[n], o[n,Hq,D], lse[n,Hq],
-         causal:i32, apply_rope:i32, rope_scale:f32, rope_theta:f32, sm_scale:f32)
-
-    One work item per (entry, query tile, kv head). ``sliding_window`` / ``logits_soft_cap``: the
-    masking options (module docstring; 0: off). ``paths``: forced paths (``KernelConfig.paths``).
+    One work item per (entry, query tile, kv head); variant and paths as in ``attn_decode_paged_cpu``.
     """
-    HQ, HKV, D = num_qo_heads, num_kv_heads, head_dim
-    plan = make_tile_plan(D, D, HQ // HKV, dtype, tokens_per_item=None, window=sliding_window,
-                          soft_cap=logits_soft_cap)
-    TQ, THREADS = plan.tq, cpu_threads(paths)
-    mac = make_attn_macros(plan)
+    HKV, THREADS = spec.num_kv_heads, cpu_threads(spec.paths)
+    plan = make_tile_plan(spec.head_dim, spec.head_dim, spec.num_qo_heads // HKV, spec.dtype, None,
+                          CpuVariant.from_spec(spec))
+    TQ, mac = plan.tq, make_attn_macros(plan)
     attend = _make_attend(plan, mac, _make_paged_loader(plan, mac))
 
     @T.macro
@@ -331,53 +291,31 @@ def attn_prefill_paged_cpu(num_qo_heads, num_kv_heads, head_dim, dtype, *, slidi
 
     run = _make_runner(plan, item)
 
-    @T.prim_func
-    def attn_prefill_paged(q_h: T.handle, q_indptr_h: T.handle, pages_h: T.handle, page_indptr_h: T.handle,
-                           page_values_h: T.handle, last_page_len_h: T.handle, k_pos_offset_h: T.handle,
-                           q_pos_h: T.handle, o_h: T.handle, lse_h: T.handle, causal: T.int32,
-                           apply_rope: T.int32, rope_scale: T.float32, rope_theta: T.float32,
-                           sm_scale: T.float32):
-        T.func_attr({"global_symbol": "pagedkv_attn_prefill_paged", "tirx.noalias": True})
-        n, B, P, ps, nnz = T.int32(), T.int32(), T.int32(), T.int32(), T.int32()
-        q = T.match_buffer(q_h, (n, HQ, D), dtype, elem_offset=T.int32())
-        q_indptr = T.match_buffer(q_indptr_h, (B + 1,), "int32", elem_offset=T.int32())
-        pages = T.match_buffer(pages_h, (P, 2, HKV, ps, D), dtype)
-        page_indptr = T.match_buffer(page_indptr_h, (B + 1,), "int32", elem_offset=T.int32())
-        page_values = T.match_buffer(page_values_h, (nnz,), "int32", elem_offset=T.int32())
-        last_page_len = T.match_buffer(last_page_len_h, (B,), "int32", elem_offset=T.int32())
-        k_pos_offset = T.match_buffer(k_pos_offset_h, (B,), "int32", elem_offset=T.int32())
-        q_pos = T.match_buffer(q_pos_h, (n,), "int32", elem_offset=T.int32())
-        o = T.match_buffer(o_h, (n, HQ, D), dtype, elem_offset=T.int32())
-        lse = T.match_buffer(lse_h, (n, HQ), "float32", elem_offset=T.int32())
-        tile_ptr = T.alloc_buffer((B + 1,), "int32")
+    @T.macro
+    def body(q, q_indptr, pages, page_indptr, page_values, last_page_len, k_pos_offset, q_pos, o, lse, causal,
+             apply_rope, rope_scale, rope_theta, sm_scale, dims):
+        _n, b, _p, ps, _nnz = dims
+        tile_ptr = T.alloc_buffer((b + 1,), "int32")
         work = T.alloc_buffer((1,), "int32")
-        _count_tiles(tile_ptr, work, q_indptr, B, TQ, HKV, page_indptr, ps, THREADS == "auto")
-        run(tile_ptr[B] * HKV, serial_arg(THREADS, work, _SERIAL_PREFILL_WORK),
-            (tile_ptr, B, q, q_indptr, q_pos, o, lse,
+        _count_tiles(tile_ptr, work, q_indptr, b, TQ, HKV, page_indptr, ps, THREADS == "auto")
+        run(tile_ptr[b] * HKV, serial_arg(THREADS, work, _SERIAL_PREFILL_WORK),
+            (tile_ptr, b, q, q_indptr, q_pos, o, lse,
              (pages, page_values, ps, page_indptr, last_page_len, k_pos_offset), causal,
              (apply_rope, rope_scale, rope_theta), sm_scale))
 
-    return attn_prefill_paged
+    return abi_prim_func("attn_prefill_paged", shape_values(spec), spec.dtype, body)
 
 
-def attn_prefill_ragged_cpu(num_qo_heads, num_kv_heads, head_dim, v_head_dim, dtype, *, sliding_window: int = 0,
-                            logits_soft_cap: float = 0.0, paths=()):
-    """``pagedkv_attn_prefill_ragged`` for the CPU.
+def attn_prefill_ragged_cpu(spec):
+    """``pagedkv_attn_prefill_ragged`` of ``spec`` for the CPU (value head dim ``spec.v_head_dim``);
+    arguments from the op table.
 
-    Signature::
-
-        (q[n,Hq,D], k[m,Hkv,D], v[m,Hkv,Dv], q_indptr[B+1], kv_indptr[B+1], q_pos[n],
-         k_pos_offset[B], o[n,Hq,Dv], lse[n,Hq],
-         causal:i32, apply_rope:i32, rope_scale:f32, rope_theta:f32, sm_scale:f32)
-
-    One work item per (entry, query tile, kv head). ``sliding_window`` / ``logits_soft_cap``: the
-    masking options (module docstring; 0: off). ``paths``: forced paths (``KernelConfig.paths``).
+    One work item per (entry, query tile, kv head); variant and paths as in ``attn_decode_paged_cpu``.
     """
-    HQ, HKV, D, DV = num_qo_heads, num_kv_heads, head_dim, v_head_dim
-    plan = make_tile_plan(D, DV, HQ // HKV, dtype, tokens_per_item=None, window=sliding_window,
-                          soft_cap=logits_soft_cap)
-    TQ, THREADS = plan.tq, cpu_threads(paths)
-    mac = make_attn_macros(plan)
+    HKV, THREADS = spec.num_kv_heads, cpu_threads(spec.paths)
+    plan = make_tile_plan(spec.head_dim, spec.v_head_dim, spec.num_qo_heads // HKV, spec.dtype, None,
+                          CpuVariant.from_spec(spec))
+    TQ, mac = plan.tq, make_attn_macros(plan)
     attend = _make_attend(plan, mac, _make_ragged_loader(plan, mac))
 
     @T.macro
@@ -395,27 +333,15 @@ def attn_prefill_ragged_cpu(num_qo_heads, num_kv_heads, head_dim, v_head_dim, dt
 
     run = _make_runner(plan, item)
 
-    @T.prim_func
-    def attn_prefill_ragged(q_h: T.handle, k_h: T.handle, v_h: T.handle, q_indptr_h: T.handle,
-                            kv_indptr_h: T.handle, q_pos_h: T.handle, k_pos_offset_h: T.handle,
-                            o_h: T.handle, lse_h: T.handle, causal: T.int32, apply_rope: T.int32,
-                            rope_scale: T.float32, rope_theta: T.float32, sm_scale: T.float32):
-        T.func_attr({"global_symbol": "pagedkv_attn_prefill_ragged", "tirx.noalias": True})
-        n, m, B = T.int32(), T.int32(), T.int32()
-        q = T.match_buffer(q_h, (n, HQ, D), dtype, elem_offset=T.int32())
-        k = T.match_buffer(k_h, (m, HKV, D), dtype, elem_offset=T.int32())
-        v = T.match_buffer(v_h, (m, HKV, DV), dtype, elem_offset=T.int32())
-        q_indptr = T.match_buffer(q_indptr_h, (B + 1,), "int32", elem_offset=T.int32())
-        kv_indptr = T.match_buffer(kv_indptr_h, (B + 1,), "int32", elem_offset=T.int32())
-        q_pos = T.match_buffer(q_pos_h, (n,), "int32", elem_offset=T.int32())
-        k_pos_offset = T.match_buffer(k_pos_offset_h, (B,), "int32", elem_offset=T.int32())
-        o = T.match_buffer(o_h, (n, HQ, DV), dtype, elem_offset=T.int32())
-        lse = T.match_buffer(lse_h, (n, HQ), "float32", elem_offset=T.int32())
-        tile_ptr = T.alloc_buffer((B + 1,), "int32")
+    @T.macro
+    def body(q, k, v, q_indptr, kv_indptr, q_pos, k_pos_offset, o, lse, causal, apply_rope, rope_scale,
+             rope_theta, sm_scale, dims):
+        _n, _m, b = dims
+        tile_ptr = T.alloc_buffer((b + 1,), "int32")
         work = T.alloc_buffer((1,), "int32")
-        _count_tiles(tile_ptr, work, q_indptr, B, TQ, HKV, kv_indptr, 1, THREADS == "auto")
-        run(tile_ptr[B] * HKV, serial_arg(THREADS, work, _SERIAL_PREFILL_WORK),
-            (tile_ptr, B, q, q_indptr, q_pos, o, lse, (k, v, kv_indptr, k_pos_offset), causal,
+        _count_tiles(tile_ptr, work, q_indptr, b, TQ, HKV, kv_indptr, 1, THREADS == "auto")
+        run(tile_ptr[b] * HKV, serial_arg(THREADS, work, _SERIAL_PREFILL_WORK),
+            (tile_ptr, b, q, q_indptr, q_pos, o, lse, (k, v, kv_indptr, k_pos_offset), causal,
              (apply_rope, rope_scale, rope_theta), sm_scale))
 
-    return attn_prefill_ragged
+    return abi_prim_func("attn_prefill_ragged", shape_values(spec), spec.dtype, body)

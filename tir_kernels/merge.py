@@ -10,31 +10,29 @@ from __future__ import annotations
 
 from tvm.script import tirx as T
 
+from ._abi import abi_prim_func
+from ..ops import shape_values
 
-def merge_state_cpu(num_heads, dtype):
-    """``pagedkv_merge_state(o_a[n,H,Dv], lse_a[n,H], o_b[n,H,Dv], lse_b[n,H])``; parallel over rows.
 
-    ``Dv`` is symbolic: one kernel merges the self/cross states a model sees (``v_head_dim``) and the
+def merge_state_cpu(spec):
+    """``pagedkv_merge_state(o_a[n,H,dv], lse_a[n,H], o_b[n,H,dv], lse_b[n,H])``; parallel over rows.
+
+    ``dv`` is symbolic: one kernel merges the self/cross states a model sees (``v_head_dim``) and the
     runtime's per-pass states (MLA: ``kv_lora_rank``).
     """
-    H = num_heads
+    H, dtype = spec.num_qo_heads, spec.dtype
 
-    @T.prim_func
-    def merge_state(o_a_h: T.handle, lse_a_h: T.handle, o_b_h: T.handle, lse_b_h: T.handle):
-        T.func_attr({"global_symbol": "pagedkv_merge_state", "tirx.noalias": True})
-        n, DV = T.int32(), T.int32()
-        o_a = T.match_buffer(o_a_h, (n, H, DV), dtype, elem_offset=T.int32())
-        lse_a = T.match_buffer(lse_a_h, (n, H), "float32", elem_offset=T.int32())
-        o_b = T.match_buffer(o_b_h, (n, H, DV), dtype, elem_offset=T.int32())
-        lse_b = T.match_buffer(lse_b_h, (n, H), "float32", elem_offset=T.int32())
+    @T.macro
+    def body(o_a, lse_a, o_b, lse_b, dims):
+        n, dv = dims
         for s in T.parallel(n):
             for h in T.serial(H):
                 mx: T.let[T.float32] = T.max(lse_a[s, h], lse_b[s, h])
                 wa: T.let[T.float32] = T.exp2(lse_a[s, h] - mx)
                 wb: T.let[T.float32] = T.exp2(lse_b[s, h] - mx)
-                for d in T.serial(DV):  # symbolic extent; LLVM's loop vectorizer takes it
+                for d in T.serial(dv):  # symbolic extent; LLVM's loop vectorizer takes it
                     o_a[s, h, d] = T.Cast(dtype, (T.Cast("float32", o_a[s, h, d]) * wa
                                                   + T.Cast("float32", o_b[s, h, d]) * wb) / (wa + wb))
                 lse_a[s, h] = mx + T.log2(wa + wb)
 
-    return merge_state
+    return abi_prim_func("merge_state", shape_values(spec), dtype, body)

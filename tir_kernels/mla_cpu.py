@@ -16,6 +16,7 @@ from __future__ import annotations
 
 from tvm.script import tirx as T
 
+from ._abi import abi_prim_func
 from ._attn_cpu_macros import make_attn_macros
 from ._common import TilePlan, make_tile_plan
 from .attention_cpu import (
@@ -29,6 +30,8 @@ from .attention_cpu import (
     cpu_threads,
     serial_arg,
 )
+from ._variant_cpu import CpuVariant
+from ..ops import shape_values
 
 #: Query heads per work item at most (rows of the decode row tile).
 MAX_CHUNK = 16
@@ -68,21 +71,23 @@ def _make_latent_loader(plan: TilePlan, mac):
     return load_tile
 
 
-def mla_attn_decode_paged_cpu(num_heads, kv_lora_rank, qk_rope_head_dim, dtype, *, paths=()):
-    """``pagedkv_mla_attn_decode_paged`` for the CPU.
+def _mla_plan(spec, tokens_per_item):
+    """``(plan, heads per chunk, chunks)``: a head chunk is a virtual kv head over the shared latents.
+    MLA has no attention options: the variant is the plain causal one (``CpuVariant()``)."""
+    gc = head_chunk(spec.num_qo_heads)
+    plan = make_tile_plan(spec.latent_dim, spec.kv_lora_rank, gc, spec.dtype, tokens_per_item, CpuVariant(),
+                          rope=False)
+    return plan, spec.num_qo_heads // gc
 
-    Signature (``docs/ARCHITECTURE.md``)::
 
-        (q[B,H,DL], pages[P,1,1,ps,DL], page_indptr[B+1], page_values[nnz], last_page_len[B],
-         o[B,H,DV], lse[B,H], sm_scale:f32)
+def mla_attn_decode_paged_cpu(spec):
+    """``pagedkv_mla_attn_decode_paged`` of ``spec`` (an MLA ``KernelSpec``) for the CPU; arguments from
+    the op table (``q[b,Hq,DL]``, latent pages, ``o[b,Hq,R]``).
 
-    One work item per (sequence, head chunk). ``paths``: forced paths (``KernelConfig.paths``).
+    One work item per (sequence, head chunk). ``spec.paths`` forces a thread path.
     """
-    H, DV = num_heads, kv_lora_rank
-    DL = kv_lora_rank + qk_rope_head_dim
-    GC = head_chunk(H)
-    NC, THREADS = H // GC, cpu_threads(paths)
-    plan = make_tile_plan(DL, DV, GC, dtype, tokens_per_item=1, rope=False)
+    THREADS = cpu_threads(spec.paths)
+    plan, NC = _mla_plan(spec, 1)
     mac = make_attn_macros(plan)
     attend = _make_attend(plan, mac, _make_latent_loader(plan, mac))
 
@@ -94,48 +99,29 @@ def mla_attn_decode_paged_cpu(num_heads, kv_lora_rank, qk_rope_head_dim, dtype, 
 
     run = _make_runner(plan, item)
 
-    @T.prim_func
-    def mla_attn_decode_paged(q_h: T.handle, pages_h: T.handle, page_indptr_h: T.handle,
-                              page_values_h: T.handle, last_page_len_h: T.handle, o_h: T.handle,
-                              lse_h: T.handle, sm_scale: T.float32):
-        T.func_attr({"global_symbol": "pagedkv_mla_attn_decode_paged", "tirx.noalias": True})
-        B, P, ps, nnz = T.int32(), T.int32(), T.int32(), T.int32()
-        q = T.match_buffer(q_h, (B, H, DL), dtype, elem_offset=T.int32())
-        pages = T.match_buffer(pages_h, (P, 1, 1, ps, DL), dtype)
-        page_indptr = T.match_buffer(page_indptr_h, (B + 1,), "int32", elem_offset=T.int32())
-        page_values = T.match_buffer(page_values_h, (nnz,), "int32", elem_offset=T.int32())
-        last_page_len = T.match_buffer(last_page_len_h, (B,), "int32", elem_offset=T.int32())
-        o = T.match_buffer(o_h, (B, H, DV), dtype, elem_offset=T.int32())
-        lse = T.match_buffer(lse_h, (B, H), "float32", elem_offset=T.int32())
+    @T.macro
+    def body(q, pages, page_indptr, page_values, last_page_len, o, lse, sm_scale, dims):
+        b, _p, ps, _nnz = dims
         work = T.alloc_buffer((1,), "int32")
         if THREADS == "auto":  # static: a forced path needs no estimate
             work[0] = 0
-            for b in T.serial(B):
-                work[0] = work[0] + (_kv_len(page_indptr, last_page_len, b, ps) + 16) * NC
-        run(B * NC, serial_arg(THREADS, work, _SERIAL_DECODE_WORK),
+            for e in T.serial(b):
+                work[0] = work[0] + (_kv_len(page_indptr, last_page_len, e, ps) + 16) * NC
+        run(b * NC, serial_arg(THREADS, work, _SERIAL_DECODE_WORK),
             (q, o, lse, pages, page_values, ps, page_indptr, last_page_len, sm_scale))
 
-    return mla_attn_decode_paged
+    return abi_prim_func("mla_attn_decode_paged", shape_values(spec), spec.dtype, body)
 
 
-def mla_attn_prefill_paged_cpu(num_heads, kv_lora_rank, qk_rope_head_dim, dtype, *, paths=()):
-    """``pagedkv_mla_attn_prefill_paged`` for the CPU.
+def mla_attn_prefill_paged_cpu(spec):
+    """``pagedkv_mla_attn_prefill_paged`` of ``spec`` (an MLA ``KernelSpec``) for the CPU; arguments from
+    the op table.
 
-    Signature::
-
-        (q[n,H,DL], q_indptr[B+1], pages[P,1,1,ps,DL], page_indptr[B+1], page_values[nnz],
-         last_page_len[B], o[n,H,DV], lse[n,H], causal:i32, sm_scale:f32)
-
-    One work item per (entry, query tile, head chunk). ``paths``: forced paths
-    (``KernelConfig.paths``).
+    One work item per (entry, query tile, head chunk). ``spec.paths`` forces a thread path.
     """
-    H, DV = num_heads, kv_lora_rank
-    DL = kv_lora_rank + qk_rope_head_dim
-    GC = head_chunk(H)
-    NC, THREADS = H // GC, cpu_threads(paths)
-    plan = make_tile_plan(DL, DV, GC, dtype, tokens_per_item=None, rope=False)
-    TQ = plan.tq
-    mac = make_attn_macros(plan)
+    THREADS = cpu_threads(spec.paths)
+    plan, NC = _mla_plan(spec, None)
+    TQ, mac = plan.tq, make_attn_macros(plan)
     attend = _make_attend(plan, mac, _make_latent_loader(plan, mac))
 
     @T.macro
@@ -153,25 +139,14 @@ def mla_attn_prefill_paged_cpu(num_heads, kv_lora_rank, qk_rope_head_dim, dtype,
 
     run = _make_runner(plan, item)
 
-    @T.prim_func
-    def mla_attn_prefill_paged(q_h: T.handle, q_indptr_h: T.handle, pages_h: T.handle,
-                               page_indptr_h: T.handle, page_values_h: T.handle, last_page_len_h: T.handle,
-                               o_h: T.handle, lse_h: T.handle, causal: T.int32, sm_scale: T.float32):
-        T.func_attr({"global_symbol": "pagedkv_mla_attn_prefill_paged", "tirx.noalias": True})
-        n, B, P, ps, nnz = T.int32(), T.int32(), T.int32(), T.int32(), T.int32()
-        q = T.match_buffer(q_h, (n, H, DL), dtype, elem_offset=T.int32())
-        q_indptr = T.match_buffer(q_indptr_h, (B + 1,), "int32", elem_offset=T.int32())
-        pages = T.match_buffer(pages_h, (P, 1, 1, ps, DL), dtype)
-        page_indptr = T.match_buffer(page_indptr_h, (B + 1,), "int32", elem_offset=T.int32())
-        page_values = T.match_buffer(page_values_h, (nnz,), "int32", elem_offset=T.int32())
-        last_page_len = T.match_buffer(last_page_len_h, (B,), "int32", elem_offset=T.int32())
-        o = T.match_buffer(o_h, (n, H, DV), dtype, elem_offset=T.int32())
-        lse = T.match_buffer(lse_h, (n, H), "float32", elem_offset=T.int32())
-        tile_ptr = T.alloc_buffer((B + 1,), "int32")
+    @T.macro
+    def body(q, q_indptr, pages, page_indptr, page_values, last_page_len, o, lse, causal, sm_scale, dims):
+        _n, b, _p, ps, _nnz = dims
+        tile_ptr = T.alloc_buffer((b + 1,), "int32")
         work = T.alloc_buffer((1,), "int32")
-        _count_tiles(tile_ptr, work, q_indptr, B, TQ, NC, page_indptr, ps, THREADS == "auto")
-        run(tile_ptr[B] * NC, serial_arg(THREADS, work, _SERIAL_PREFILL_WORK),
-            (tile_ptr, B, q, q_indptr, o, lse, (pages, page_values, ps, page_indptr, last_page_len),
+        _count_tiles(tile_ptr, work, q_indptr, b, TQ, NC, page_indptr, ps, THREADS == "auto")
+        run(tile_ptr[b] * NC, serial_arg(THREADS, work, _SERIAL_PREFILL_WORK),
+            (tile_ptr, b, q, q_indptr, o, lse, (pages, page_values, ps, page_indptr, last_page_len),
              causal, sm_scale))
 
-    return mla_attn_prefill_paged
+    return abi_prim_func("mla_attn_prefill_paged", shape_values(spec), spec.dtype, body)

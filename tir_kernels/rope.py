@@ -9,12 +9,14 @@ from __future__ import annotations
 
 from tvm.script import tirx as T
 
+from ._abi import abi_prim_func
 from ._common import rope_angle
 from ._math import cos_approx, sin_approx
+from ..ops import shape_values
 
 
-def split_rotary_cpu(num_qo_heads, num_kv_heads, head_dim, dtype):
-    """``pagedkv_split_rotary`` for the CPU.
+def split_rotary_cpu(spec):
+    """``pagedkv_split_rotary`` of ``spec`` for the CPU; arguments from the op table.
 
     Signature (``docs/ARCHITECTURE.md``)::
 
@@ -25,7 +27,7 @@ def split_rotary_cpu(num_qo_heads, num_kv_heads, head_dim, dtype):
     same as the attention kernels' inline RoPE) is computed once and shared by all ``Hq + Hkv`` rotated
     heads.
     """
-    HQ, HKV, D = num_qo_heads, num_kv_heads, head_dim
+    HQ, HKV, D, dtype = spec.num_qo_heads, spec.num_kv_heads, spec.head_dim, spec.dtype
     HALF = D // 2
 
     @T.macro
@@ -37,16 +39,9 @@ def split_rotary_cpu(num_qo_heads, num_kv_heads, head_dim, dtype):
             dst[s, hd, i + HALF] = T.Cast(dtype, T.Cast("float32", qkv[s, hs, i + HALF]) * cs[i]
                                           + T.Cast("float32", qkv[s, hs, i]) * sn[i])
 
-    @T.prim_func
-    def split_rotary(qkv_h: T.handle, q_pos_h: T.handle, q_h: T.handle, k_h: T.handle, v_h: T.handle,
-                     apply_rope: T.int32, rope_scale: T.float32, rope_theta: T.float32):
-        T.func_attr({"global_symbol": "pagedkv_split_rotary", "tirx.noalias": True})
-        n = T.int32()
-        qkv = T.match_buffer(qkv_h, (n, HQ + 2 * HKV, D), dtype, elem_offset=T.int32())
-        q_pos = T.match_buffer(q_pos_h, (n,), "int32", elem_offset=T.int32())
-        q = T.match_buffer(q_h, (n, HQ, D), dtype, elem_offset=T.int32())
-        k = T.match_buffer(k_h, (n, HKV, D), dtype, elem_offset=T.int32())
-        v = T.match_buffer(v_h, (n, HKV, D), dtype, elem_offset=T.int32())
+    @T.macro
+    def body(qkv, q_pos, q, k, v, apply_rope, rope_scale, rope_theta, dims):
+        (n,) = dims
         for s in T.parallel(n):
             cs = T.alloc_buffer((HALF,), "float32")
             sn = T.alloc_buffer((HALF,), "float32")
@@ -69,4 +64,4 @@ def split_rotary_cpu(num_qo_heads, num_kv_heads, head_dim, dtype):
             for h, d in T.grid(HKV, D):
                 v[s, h, d] = qkv[s, HQ + HKV + h, d]
 
-    return split_rotary
+    return abi_prim_func("split_rotary", shape_values(spec), dtype, body)

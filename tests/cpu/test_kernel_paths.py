@@ -47,24 +47,23 @@ def _has_parallel_loop(stmt) -> bool:
 # ---------------------------------------------------------------------------------------------------
 # auto builds the default kernel; forced paths build exactly one path
 # ---------------------------------------------------------------------------------------------------
-#: Per CPU attention kernel: the factory called directly (how the kernel was built before paths existed),
-#: the op and KernelConfig of the same kernel (the path through ``FACTORIES``), and its work threshold.
-BUILDERS = {
-    "decode": (lambda **kw: tk.attn_decode_paged_cpu(8, 2, 64, "float16", **kw), "attn_decode_paged",
-               tk.KernelConfig(8, 2, 64, 64, "float16"), "_SERIAL_DECODE_WORK"),
-    "paged": (lambda **kw: tk.attn_prefill_paged_cpu(4, 4, 128, "float32", **kw), "attn_prefill_paged",
-              tk.KernelConfig(4, 4, 128, 128, "float32"), "_SERIAL_PREFILL_WORK"),
-    "ragged": (lambda **kw: tk.attn_prefill_ragged_cpu(7, 1, 128, 64, "float32", **kw), "attn_prefill_ragged",
-               tk.KernelConfig(7, 1, 128, 64, "float32"), "_SERIAL_PREFILL_WORK"),
-    "mla_decode": (lambda **kw: tk.mla_attn_decode_paged_cpu(16, 512, 64, "float16", **kw),
-                   "mla_attn_decode_paged",
-                   tk.KernelConfig(16, 16, 192, 128, "float16", kv_lora_rank=512, qk_rope_head_dim=64),
-                   "_SERIAL_DECODE_WORK"),
-    "mla_prefill": (lambda **kw: tk.mla_attn_prefill_paged_cpu(3, 64, 32, "float32", **kw),
-                    "mla_attn_prefill_paged",
-                    tk.KernelConfig(3, 3, 96, 64, "float32", kv_lora_rank=64, qk_rope_head_dim=32),
-                    "_SERIAL_PREFILL_WORK"),
-}
+#: Per CPU attention kernel: the family factory called directly with a spec (``family_cpu``), the op and
+#: KernelConfig of the same kernel (the path through ``FACTORIES``), and its work threshold.
+def _direct(factory, cfg):
+    """The family factory called with ``cfg`` updated by the keyword options (paths, masking)."""
+    return lambda **kw: factory(dataclasses.replace(cfg, **kw))
+
+
+_CFGS = {"decode": tk.KernelConfig(8, 2, 64, 64, "float16"), "paged": tk.KernelConfig(4, 4, 128, 128, "float32"),
+         "ragged": tk.KernelConfig(7, 1, 128, 64, "float32"),
+         "mla_decode": tk.KernelConfig(16, 16, 192, 128, "float16", kv_lora_rank=512, qk_rope_head_dim=64),
+         "mla_prefill": tk.KernelConfig(3, 3, 96, 64, "float32", kv_lora_rank=64, qk_rope_head_dim=32)}
+_OPS = {"decode": ("attn_decode_paged", "_SERIAL_DECODE_WORK"), "paged": ("attn_prefill_paged", "_SERIAL_PREFILL_WORK"),
+        "ragged": ("attn_prefill_ragged", "_SERIAL_PREFILL_WORK"),
+        "mla_decode": ("mla_attn_decode_paged", "_SERIAL_DECODE_WORK"),
+        "mla_prefill": ("mla_attn_prefill_paged", "_SERIAL_PREFILL_WORK")}
+BUILDERS = {name: (_direct(tk.family_cpu.FACTORIES[op], _CFGS[name]), op, _CFGS[name], thr)
+            for name, (op, thr) in _OPS.items()}
 
 
 @functools.lru_cache(maxsize=None)
