@@ -131,11 +131,6 @@ class KernelSpec:
         return self.kv_lora_rank > 0
 
     @property
-    def masking(self) -> dict:
-        """The attention kernels' compile-time masking options, as keyword arguments."""
-        return {"sliding_window": self.sliding_window, "logits_soft_cap": float(self.logits_soft_cap)}
-
-    @property
     def latent_dim(self) -> int:
         """Elements per token of an MLA page."""
         return self.kv_lora_rank + self.qk_rope_head_dim
