@@ -52,7 +52,7 @@ def kernel_shape(config: KVCacheConfig) -> KVCacheConfig:
                                  dtype=spec.dtype)
     return KVCacheConfig(num_layers=1, num_qo_heads=spec.num_qo_heads, num_kv_heads=spec.num_kv_heads,
                          head_dim=spec.head_dim, v_head_dim=spec.v_head_dim, dtype=spec.dtype, rope_mode="none",
-                         sliding_window=spec.sliding_window, logits_soft_cap=spec.logits_soft_cap)
+                         **spec.options())
 
 
 @functools.lru_cache(maxsize=None)

@@ -120,6 +120,8 @@ class KernelSpec:
                              f"{self.kv_lora_rank} and {self.qk_rope_head_dim}")
         if not isinstance(self.sliding_window, int) or self.sliding_window < 0:
             raise ValueError(f"sliding_window must be an int >= 0 (0: off), got {self.sliding_window!r}")
+        if isinstance(self.logits_soft_cap, int) and not isinstance(self.logits_soft_cap, bool):
+            object.__setattr__(self, "logits_soft_cap", float(self.logits_soft_cap))
         cap = self.logits_soft_cap
         if not isinstance(cap, (int, float)) or not math.isfinite(cap) or cap < 0:
             raise ValueError(f"logits_soft_cap must be a finite number >= 0 (0: off), got {cap!r}")
@@ -144,10 +146,18 @@ class KernelSpec:
     def from_config(cls, config, *, paths=()) -> "KernelSpec":
         """The kernel spec of a ``pagedkv.config.KVCacheConfig`` (its kernel fields; capacity, page size and
         RoPE parameters are kernel arguments, so configs differing only there share kernels)."""
+        from .config import ATTENTION_OPTION_FIELDS  # every attention option carries over by name
+
         return cls(num_qo_heads=config.num_qo_heads, num_kv_heads=config.num_kv_heads, head_dim=config.head_dim,
                    v_head_dim=config.v_dim, dtype=config.dtype, kv_lora_rank=config.kv_lora_rank,
-                   qk_rope_head_dim=config.qk_rope_head_dim, sliding_window=config.sliding_window,
-                   logits_soft_cap=float(config.logits_soft_cap), paths=paths)
+                   qk_rope_head_dim=config.qk_rope_head_dim, paths=paths,
+                   **{f: getattr(config, f) for f in ATTENTION_OPTION_FIELDS})
+
+    def options(self) -> dict:
+        """The attention options (``pagedkv.config.ATTENTION_OPTION_FIELDS``) by name."""
+        from .config import ATTENTION_OPTION_FIELDS
+
+        return {f: getattr(self, f) for f in ATTENTION_OPTION_FIELDS}
 
     def to_dict(self) -> dict:
         """JSON-able fields (the kernel library key's config part)."""

@@ -10,7 +10,7 @@ from typing import Any
 
 from . import backends as _backends
 from . import ops as _ops
-from .config import KVCacheConfig
+from .config import ATTENTION_OPTION_FIELDS, KVCacheConfig
 
 
 @dataclass(frozen=True)
@@ -75,7 +75,7 @@ def config_from_args(args: argparse.Namespace) -> KVCacheConfig:
                          head_dim=args.head_dim, v_head_dim=args.v_head_dim, dtype=args.dtype,
                          rope_mode=args.rope_mode, page_size=args.page_size,
                          prefill_chunk_size=args.prefill_chunk_size, max_batch_size=args.max_batch_size,
-                         sliding_window=args.sliding_window, logits_soft_cap=args.logits_soft_cap)
+                         **{f: getattr(args, f) for f in ATTENTION_OPTION_FIELDS})
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -93,8 +93,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--page-size", type=int, default=16)
     ap.add_argument("--prefill-chunk-size", type=int, default=2048)
     ap.add_argument("--max-batch-size", type=int, default=1)
-    ap.add_argument("--sliding-window", type=int, default=0)
-    ap.add_argument("--logits-soft-cap", type=float, default=0.0)
+    defaults = KVCacheConfig(num_layers=1, num_qo_heads=1, num_kv_heads=1, head_dim=2)
+    for f in ATTENTION_OPTION_FIELDS:  # every attention option, by its config field (default: off)
+        ap.add_argument(f"--{f.replace('_', '-')}", type=type(getattr(defaults, f)), default=getattr(defaults, f))
     ap.add_argument("--kv-lora-rank", type=int, default=0, help="MLA: > 0 makes an MLA cache")
     ap.add_argument("--qk-nope-head-dim", type=int, default=128)
     ap.add_argument("--qk-rope-head-dim", type=int, default=64)
