@@ -37,6 +37,7 @@ def main(argv=None) -> int:
         return list(enc["input_ids"] if hasattr(enc, "keys") else enc)  # transformers 5 returns an encoding
     prompts = [ids(p) for p in args.prompts]
     shared = min(next((i for i, (a, b) in enumerate(zip(prompts[0], p)) if a != b), len(p)) for p in prompts)
+    shared = min(shared, min(len(p) for p in prompts) - 1)  # every question keeps a token of its own to prefill
     engine.add(0)
     engine.prefill({0: prompts[0][:shared]})          # the shared prefix once, in sequence 0's pages
     for i in range(len(prompts)):
