@@ -6,7 +6,7 @@ import argparse
 import sys
 
 from .build import build_module
-from .spec import KINDS, ModuleSpec
+from .spec import KINDS, MLA_KINDS, ModuleSpec
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -22,8 +22,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--jobs", type=int, default=None)
     ap.add_argument("--force", action="store_true", help="rebuild even when cached")
     a = ap.parse_args(argv)
-    qk = a.head_dim or (512 if a.kind == "mla" else 128)
-    vo = a.head_dim_vo or (64 if a.kind == "mla" else qk)
+    qk = a.head_dim or (512 if a.kind in MLA_KINDS else 128)
+    vo = a.head_dim_vo or (64 if a.kind in MLA_KINDS else qk)
     spec = ModuleSpec(a.kind, a.dtype, a.dtype, a.dtype, qk, vo, pos_encoding_mode=a.pos_encoding_mode,
                       use_sliding_window=a.sliding_window, use_logits_soft_cap=a.logits_soft_cap, arch=a.arch)
     built = build_module(spec, jobs=a.jobs, force=a.force)

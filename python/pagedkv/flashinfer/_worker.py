@@ -39,8 +39,9 @@ def jit_spec(spec: dict):
         return m.gen_batch_prefill_module(kind[-3:], q, kv, o, idx, spec["head_dim_qk"], spec["head_dim_vo"],
                                           spec["pos_encoding_mode"], spec["use_sliding_window"],
                                           spec["use_logits_soft_cap"], spec["use_fp16_qk_reduction"])
-    if kind == "mla":
-        return m.gen_batch_mla_module("fa2", q, kv, o, idx, spec["head_dim_qk"], spec["head_dim_vo"], False)
+    if kind in ("mla", "mla_fa3"):
+        backend = "fa3" if kind == "mla_fa3" else "fa2"
+        return m.gen_batch_mla_module(backend, q, kv, o, idx, spec["head_dim_qk"], spec["head_dim_vo"], False)
     raise ValueError(f"unknown module kind {kind!r}")
 
 

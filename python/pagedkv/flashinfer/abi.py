@@ -114,10 +114,14 @@ CALLED: dict[str, tuple[FuncABI, ...]] = {
     "prefill_fa3": (PREFILL_FA3_PLAN, PREFILL_FA3_RAGGED_RUN, PREFILL_FA3_PAGED_RUN),
     "mla": (MLA_PLAN, MLA_RUN),
 }
+# fa3 MLA (batch_mla_sm90_binding.cu) exports plan / run with the same argument lists as fa2's; the header
+# names them once, under "mla".
+SAME_AS = {"mla_fa3": "mla"}
 
 
 def functions(kind: str) -> tuple[FuncABI, ...]:
-    return CALLED[kind]
+    """The pinned functions of module kind ``kind`` (fa3 MLA: fa2 MLA's lists)."""
+    return CALLED[SAME_AS.get(kind, kind)]
 
 
 def _camel(s: str) -> str:

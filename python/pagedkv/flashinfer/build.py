@@ -144,11 +144,11 @@ def _worker_env(spec: ModuleSpec, root: Path, jobs: int) -> dict[str, str]:
     env["FLASHINFER_CUDA_ARCH_LIST"] = _arch_list(spec.arch)  # no GPU here to detect one from
     env["FLASHINFER_WORKSPACE_BASE"] = str(root / "workspace")
     env["MAX_JOBS"] = str(jobs)
-    if spec.kind == "prefill_fa3":
+    if spec.kind in ("prefill_fa3", "mla_fa3"):
         inc = curand_include_dir()
         if inc is None:
             raise FlashInferUnavailable(
-                "prefill_fa3 needs curand_kernel.h (CUTLASS utilities include it) and neither the CUDA toolkit "
+                f"{spec.kind} needs curand_kernel.h (CUTLASS utilities include it) and neither the CUDA toolkit "
                 "nor an nvidia-curand wheel has it: pip install nvidia-curand")
         if str(inc) != str(home / "include"):
             env["FLASHINFER_EXTRA_CUDAFLAGS"] = (env.get("FLASHINFER_EXTRA_CUDAFLAGS", "")

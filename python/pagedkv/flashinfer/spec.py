@@ -23,7 +23,10 @@ FLASHINFER_VERSION = "0.7.4"
 #:   prefill_fa2 -- gen_batch_prefill_module("fa2", ...) (plan / ragged_run / paged_run / workspace_size)
 #:   prefill_fa3 -- gen_batch_prefill_module("fa3", ...) (Hopper, sm_90 only: plan / ragged_run / paged_run)
 #:   mla         -- gen_batch_mla_module("fa2", ...) (plan / run)
-KINDS = ("decode", "prefill_fa2", "prefill_fa3", "mla")
+#:   mla_fa3     -- gen_batch_mla_module("fa3", ...) (Hopper, sm_90 only; plan / run with mla's argument lists)
+KINDS = ("decode", "prefill_fa2", "prefill_fa3", "mla", "mla_fa3")
+#: The MLA kinds (the same plan / run argument lists, the DeepSeek head dims).
+MLA_KINDS = ("mla", "mla_fa3")
 
 #: Data types the specs take (names as in ``KVCacheConfig.dtype`` / torch).
 DTYPES = ("float16", "bfloat16")
@@ -64,6 +67,7 @@ class ModuleSpec:
 
     FIELDS_UNUSED: ClassVar[dict[str, tuple[str, ...]]] = {
         "mla": ("pos_encoding_mode", "use_sliding_window", "use_logits_soft_cap", "use_fp16_qk_reduction"),
+        "mla_fa3": ("pos_encoding_mode", "use_sliding_window", "use_logits_soft_cap", "use_fp16_qk_reduction"),
         "decode": ("use_fp16_qk_reduction",),
         "prefill_fa3": ("use_fp16_qk_reduction",),
     }
@@ -86,7 +90,7 @@ class ModuleSpec:
             out.append(f"dtype_idx {self.dtype_idx!r}: pagedkv's index arrays are int32")
         if self.arch not in ARCHS:
             out.append(f"arch {self.arch!r} not supported (supported: {', '.join(ARCHS)})")
-        if self.kind == "mla":
+        if self.kind in MLA_KINDS:
             if (self.head_dim_qk, self.head_dim_vo) not in MLA_HEAD_DIMS:
                 out.append(f"MLA head dims (ckv {self.head_dim_qk}, kpe {self.head_dim_vo}) not supported "
                            f"(supported: {MLA_HEAD_DIMS})")
@@ -99,9 +103,9 @@ class ModuleSpec:
                 out.append(f"{self.kind} head dim {self.head_dim_qk} not supported (supported: {dims})")
             if self.pos_encoding_mode not in (0, 1, 2):
                 out.append(f"pos_encoding_mode {self.pos_encoding_mode} is not 0, 1 or 2")
+        if self.kind in ("prefill_fa3", "mla_fa3") and self.arch != "sm_90":
+            out.append(f"{self.kind} runs on Hopper (sm_90) only, got {self.arch}")
         if self.kind == "prefill_fa3":
-            if self.arch != "sm_90":
-                out.append(f"prefill_fa3 runs on Hopper (sm_90) only, got {self.arch}")
             if self.pos_encoding_mode != 0:
                 out.append("prefill_fa3 has no in-kernel RoPE (pos_encoding_mode must be 0)")
         for field in self.FIELDS_UNUSED.get(self.kind, ()):
@@ -116,7 +120,7 @@ class ModuleSpec:
         """A readable name, unique per spec: ``decode_f16_f16_f16_qk128_vo128_pe0_sm90`` (+ flags)."""
         parts = [self.kind, _SHORT.get(self.dtype_q, self.dtype_q), _SHORT.get(self.dtype_kv, self.dtype_kv),
                  _SHORT.get(self.dtype_o, self.dtype_o)]
-        if self.kind == "mla":
+        if self.kind in MLA_KINDS:
             parts += [f"ckv{self.head_dim_qk}", f"kpe{self.head_dim_vo}"]
         else:
             parts += [f"qk{self.head_dim_qk}", f"vo{self.head_dim_vo}", f"pe{self.pos_encoding_mode}"]
@@ -151,5 +155,5 @@ class ModuleSpec:
         return f"pagedkv_fi_{self.kind}_{content_key.rsplit('-', 1)[1]}_"
 
 
-__all__ = ["ModuleSpec", "KINDS", "DTYPES", "FLASHINFER_VERSION", "FA2_HEAD_DIMS", "FA3_HEAD_DIMS",
+__all__ = ["ModuleSpec", "KINDS", "MLA_KINDS", "DTYPES", "FLASHINFER_VERSION", "FA2_HEAD_DIMS", "FA3_HEAD_DIMS",
            "MLA_HEAD_DIMS", "ARCHS", "RECIPE_VERSION"]
