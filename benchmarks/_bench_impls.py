@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import torch
 
-from _bench_workloads import (D, HKV, MLA_DL, MLA_PS, MLA_R, MLA_ROPE, PS, TORCH_DTYPES, Inputs, Workload,
+from _bench_workloads import (D, HKV, MLA_PS, MLA_R, MLA_ROPE, PS, TORCH_DTYPES, Inputs, Workload,
                               sm_scale)
 
 TARGET = {"kind": "cuda", "arch": "sm_90"}
