@@ -65,6 +65,40 @@ def _package_files(root: Path):
             yield p, rel
 
 
+_PRIMARY_SCRIPT = r"""
+import json, subprocess, sys, torch
+sys.path.insert(0, sys.argv[3])
+from _worker import object_targets
+from flashinfer.jit.attention import modules as m
+dt = getattr(torch, sys.argv[1])
+js = m._gen_batch_prefill_primary_module("fa2", dt, dt, dt, torch.int32, 128, 128, 0, False, False, False)
+js.write_ninja()
+objs = object_targets(js.ninja_path)
+subprocess.run(["ninja", "-C", str(js.build_dir), "-f", str(js.ninja_path), "-j", sys.argv[2], *objs],
+               check=True, stdout=subprocess.DEVNULL)
+print(json.dumps({"uri": js.name, "objects": objs}))
+"""
+
+
+def _fa2_primary(spec, out: Path) -> dict:
+    """FlashInfer's own fa2 batch-prefill wrapper (and its tensor-core decode) loads the equal-K/V-stride
+    "primary" module (``_kv_stride_equal``: the SAME_KV_STRIDES instantiation only), not the public module
+    pagedkv links (which dispatches to the same instantiation at run time when K and V strides agree).
+    Built with FlashInfer's generator and ninja rules, in pagedkv's FlashInfer workspace."""
+    import pagedkv.flashinfer.build as fb
+
+    jobs = os.environ.get("MAX_JOBS", str(os.cpu_count() or 1))
+    env = fb._worker_env(spec, fb.cache_root(), int(jobs))  # pylint: disable=protected-access
+    worker_dir = Path(fb.__file__).parent
+    res = subprocess.run([sys.executable, "-c", _PRIMARY_SCRIPT, spec.dtype_q, jobs, str(worker_dir)], env=env,
+                         check=True, capture_output=True, text=True)
+    info = json.loads(res.stdout.strip().splitlines()[-1])
+    so = out / "aot" / info["uri"] / f"{info['uri']}.so"
+    if not so.exists():
+        _link([Path(o) for o in info["objects"]], so)
+    return {"uri": info["uri"], "bytes": so.stat().st_size}
+
+
 def pack(out: Path, specs=None) -> dict:
     """Write ``out/flashinfer-py.tar.xz`` and ``out/aot/<uri>/<uri>.so`` for ``specs`` (default
     ``peer_specs()``); returns what was written (also ``out/peer.json``)."""
@@ -81,6 +115,8 @@ def pack(out: Path, specs=None) -> dict:
         if not so.exists():
             _link(built.source_objects(), so)
         modules[spec.name] = {"uri": uri, "bytes": so.stat().st_size}
+        if spec.kind == "prefill_fa2":
+            modules[spec.name + "_kv_stride_equal"] = _fa2_primary(spec, out)
     root = Path(flashinfer.__file__).parent
     with tarfile.open(out / "flashinfer-py.tar.xz", "w:xz") as tar:
         for path, rel in _package_files(root):
