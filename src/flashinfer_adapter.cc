@@ -11,7 +11,8 @@
 //   mla_attn_decode_paged   mla or mla_fa3         plan per decode pass, run per layer
 //   mla_attn_prefill_paged  mla or mla_fa3         plan per pass it serves (non-causal), run per layer
 // An op-table entry is [op, "flashinfer", module_kind, empty_rows, plan, run]: the module kind string
-// ("decode", "prefill_fa2", "prefill_fa3", "mla", "mla_fa3") says which pinned argument lists plan and run take, and
+// ("decode", "prefill_fa2", "prefill_fa3", "mla", "mla_fa3"; "decode|prefill_fa2" adds a second plan, run
+// pair and chooses per forward, ChooseDecodeAdapter) says which pinned argument lists plan and run take, and
 // empty_rows is the backend's small TIR kernel `pagedkv_empty_rows(o, lse, fill)` (below).
 //
 // Plan once per forward and pass, run per layer:
@@ -59,17 +60,62 @@ ffi::Function FuncArg(const std::string& op, const ffi::Array<ffi::Any>& funcs, 
   return *f;
 }
 
-std::unique_ptr<OpAdapter> MakeFlashInferAdapter(const std::string& op, const ffi::Array<ffi::Any>& funcs) {
-  if (funcs.size() != 4) {
-    TVM_FFI_THROW(ValueError) << "pagedkv op table: backend 'flashinfer' takes [module_kind, empty_rows, plan, "
-                              << "run] for op '" << op << "', got " << funcs.size() << " values";
+// attn_decode_paged on two modules ("decode|prefill_fa2"): per forward, the CUDA-core decode kernel when the
+// decode passes are skewed (their longest entry has at least kSkew times the mean keys), else the tensor-core
+// path (the prefill kernel). Measured on the H200 at GQA group 4 (python/pagedkv/backends/flashinfer.py):
+// tensor cores win on uniform batches, the CUDA-core kernel on a skewed one.
+class ChooseDecodeAdapter : public OpAdapter {
+ public:
+  static constexpr double kSkew = 2.0;
+  ChooseDecodeAdapter(std::unique_ptr<OpAdapter> cuda_cores, std::unique_ptr<OpAdapter> tensor_cores)
+      : cuda_cores_(std::move(cuda_cores)), tensor_cores_(std::move(tensor_cores)) {}
+
+  void BeginForward(const ForwardInfo& info) final {
+    chosen_ = Skewed(info) ? cuda_cores_.get() : tensor_cores_.get();
+    chosen_->BeginForward(info);
   }
-  auto kind_str = funcs[0].as<ffi::String>();
+  void Run(ffi::PackedArgs args) final {
+    if (chosen_ == nullptr) {
+      TVM_FFI_THROW(RuntimeError) << "pagedkv flashinfer: attn_decode_paged called outside a forward";
+    }
+    chosen_->Run(args);
+  }
+  void EndForward() final {
+    if (chosen_ != nullptr) chosen_->EndForward();
+    chosen_ = nullptr;
+  }
+ private:
+  static bool Skewed(const ForwardInfo& info) {
+    if (!info.plan->is_decode) return false;
+    int64_t entries = 0, keys = 0, longest = 0;
+    for (const ForwardInfo::Pass& p : info.passes) {
+      if (!p.host->one_query_per_entry) continue;
+      for (int32_t n : PagedKvLens(*p.host, info.config->page_size)) {
+        ++entries;
+        keys += n;
+        longest = std::max<int64_t>(longest, n);
+      }
+    }
+    return entries > 1 && static_cast<double>(longest) * entries >= kSkew * static_cast<double>(keys);
+  }
+
+  std::unique_ptr<OpAdapter> cuda_cores_, tensor_cores_;
+  OpAdapter* chosen_ = nullptr;
+};
+
+std::unique_ptr<OpAdapter> MakeFlashInferAdapter(const std::string& op, const ffi::Array<ffi::Any>& funcs) {
+  auto kind_str = funcs.size() > 0 ? funcs[0].as<ffi::String>() : std::nullopt;
+  std::string kind = kind_str.has_value() ? std::string(*kind_str) : "";
+  size_t want_size = kind == "decode|prefill_fa2" ? 6 : 4;
+  if (funcs.size() != want_size) {
+    TVM_FFI_THROW(ValueError) << "pagedkv op table: backend 'flashinfer' takes [module_kind, empty_rows, plan, "
+                              << "run" << (want_size == 6 ? ", plan, run" : "") << "] for op '" << op << "', got "
+                              << funcs.size() << " values";
+  }
   if (!kind_str.has_value()) {
     TVM_FFI_THROW(ValueError) << "pagedkv op table: op '" << op << "' (backend 'flashinfer') needs the module kind "
                               << "string first, got " << funcs[0].GetTypeKey();
   }
-  std::string kind(*kind_str);
   ffi::Function e = FuncArg(op, funcs, 1, "empty_rows"), plan = FuncArg(op, funcs, 2, "plan"),
                 run = FuncArg(op, funcs, 3, "run");
   auto want = [&](std::initializer_list<const char*> kinds) {
@@ -82,8 +128,13 @@ std::unique_ptr<OpAdapter> MakeFlashInferAdapter(const std::string& op, const ff
                               << list << " module, got '" << kind << "'";
   };
   if (op == ops::kAttnDecodePaged) {
-    want({"decode", "prefill_fa2", "prefill_fa3"});
+    want({"decode", "prefill_fa2", "prefill_fa3", "decode|prefill_fa2"});
     if (kind == "decode") return MakeDecodeAdapter(e, plan, run);
+    if (kind == "decode|prefill_fa2") {
+      ffi::Function plan2 = FuncArg(op, funcs, 4, "plan"), run2 = FuncArg(op, funcs, 5, "run");
+      return std::make_unique<ChooseDecodeAdapter>(MakeDecodeAdapter(e, plan, run),
+                                                   MakePrefillAdapter(op, false, e, plan2, run2));
+    }
     return MakePrefillAdapter(op, kind == "prefill_fa3", e, plan, run);
   }
   if (op == ops::kAttnPrefillRagged || op == ops::kAttnPrefillPaged) {

@@ -315,6 +315,10 @@ class FakeFlashInfer:
     def entry(self, op: str, kind: str, empty_rows):
         import tvm_ffi
 
+        if op == "attn_decode_paged" and kind == "decode|prefill_fa2":  # both, chosen per forward
+            return [op, "flashinfer", kind, empty_rows, *map(tvm_ffi.convert, (
+                self.decode_plan, self.decode_run, self.prefill_plan("prefill_fa2", decode=True),
+                self.paged_run("prefill_fa2")))]
         if op == "attn_decode_paged" and kind == "decode":
             plan, run = self.decode_plan, self.decode_run
         elif op == "attn_decode_paged":

@@ -83,6 +83,9 @@ MHA_KINDS = {
                "attn_prefill_paged": "prefill_fa3"},
     "tc-fa3": {"attn_decode_paged": "prefill_fa3", "attn_prefill_ragged": "prefill_fa2",
                "attn_prefill_paged": "prefill_fa2"},
+    # both decode kernels, chosen per forward by the lengths' skew
+    "choose": {"attn_decode_paged": "decode|prefill_fa2", "attn_prefill_ragged": "prefill_fa3",
+               "attn_prefill_paged": "prefill_fa3"},
 }
 MLA_KINDS = ("mla", "mla_fa3")
 
@@ -174,7 +177,7 @@ def test_scenarios_through_the_adapters(empty_rows, kinds, scenario, gen):
     runner = ScenarioRunner(cache, gen, random_sm_scale(gen, cfg.head_dim), fine_grained=True)
     runner.run(SCENARIOS[scenario](cfg.page_size), scenario)
     assert fake.count(f"{MHA_KINDS[kinds]['attn_prefill_ragged']}.ragged_run") > 0
-    if MHA_KINDS[kinds]["attn_decode_paged"] != "decode":
+    if MHA_KINDS[kinds]["attn_decode_paged"] in ("prefill_fa2", "prefill_fa3"):
         assert fake.count("decode.run") == 0
     assert not fake.offsets, f"tensor arguments FlashInfer would misread (byte_offset or NULL strides): {fake.offsets[:4]}"
 
@@ -229,6 +232,28 @@ def test_tensor_core_decode_plans(empty_rows):
     plans = [c for n, c in fake.calls if n == "prefill_fa2.plan"]
     assert len(plans) == 1 and plans[0]["qo_indptr"] == [0, 1, 2, 3] and plans[0]["kv_len_arr"] == [7, 4, 10]
     assert fake.count("prefill_fa2.paged_run") == cfg.num_layers and fake.count("decode.run") == 0
+    assert not fake.offsets
+
+
+def test_decode_kernel_chosen_per_forward(empty_rows):
+    """"decode|prefill_fa2": a forward whose longest sequence has at least twice the mean keys runs on the
+    CUDA-core decode kernel, any other on the tensor-core path; each plans and runs only its own module."""
+    cfg = MHA_CFG
+    cache, fake = make_cache(cfg, empty_rows, MHA_KINDS["choose"])
+    for seq, n in ((0, 20), (1, 19), (2, 21)):
+        cache.add_sequence(seq)
+        _step(cache, cfg, [seq], [n], 0.25)
+    fake.calls.clear()
+    _step(cache, cfg, [0, 1, 2], [1, 1, 1], 0.125)  # 21, 20, 22 keys: uniform
+    assert fake.count("prefill_fa2.plan") == 1 and fake.count("prefill_fa2.paged_run") == cfg.num_layers
+    assert fake.count("decode.plan") == 0 and fake.count("decode.run") == 0
+    for seq in (3, 4):
+        cache.add_sequence(seq)
+        _step(cache, cfg, [seq], [2], 0.25)
+    fake.calls.clear()
+    _step(cache, cfg, [0, 3, 4], [1, 1, 1], 0.125)  # 23, 3, 3 keys: the longest is 23 >= 2 * 29 / 3
+    assert fake.count("decode.plan") == 1 and fake.count("decode.run") == cfg.num_layers
+    assert fake.count("prefill_fa2.plan") == 0 and fake.count("prefill_fa2.paged_run") == 0
     assert not fake.offsets
 
 
@@ -321,7 +346,8 @@ def test_op_table_entry_is_checked(empty_rows):
     good = fake.entry("attn_decode_paged", "decode", empty_rows[1])
     with pytest.raises(ValueError, match=r"takes \[module_kind, empty_rows, plan, run\]"):
         create(good[:2] + good[4:])
-    with pytest.raises(ValueError, match="takes a FlashInfer decode, prefill_fa2, prefill_fa3 module, got 'mla'"):
+    with pytest.raises(ValueError, match="takes a FlashInfer decode, prefill_fa2, prefill_fa3, decode.prefill_fa2 "
+                                         "module, got 'mla'"):
         create(good[:2] + ["mla"] + good[3:])
     with pytest.raises(ValueError, match="takes a FlashInfer prefill_fa2, prefill_fa3 module"):
         create(["attn_prefill_paged", "flashinfer", "mla"] + good[3:])

@@ -44,8 +44,10 @@ def test_reasons_name_what_is_unsupported(op, changes, fragment):
 
 
 def test_group_size_limits_decode_only():
-    cfg = CFG.replace(num_qo_heads=40)  # group 5
-    assert any("GQA group size 40/8 not supported by the decode kernels" in r for r in _reasons(cfg))
+    cfg = CFG.replace(num_qo_heads=40)  # group 5: the tensor-core path serves it, the CUDA-core kernel cannot
+    assert not _reasons(cfg) or _WHY
+    with fib.forced_modules({ops.ATTN_DECODE_PAGED: "decode"}):
+        assert any("GQA group size 40/8 not supported by the decode kernels" in r for r in _reasons(cfg))
     assert not _reasons(cfg, op=ops.ATTN_PREFILL_PAGED) or _WHY
     assert not _reasons(cfg, op=ops.ATTN_PREFILL_RAGGED) or _WHY
 
@@ -72,9 +74,14 @@ def test_module_kinds():
     assert kind(ops.ATTN_PREFILL_PAGED, CFG, "sm_80") == "prefill_fa2"
     assert kind(ops.MLA_ATTN_PREFILL_PAGED, MLA, "sm_90") == "mla_fa3"
     assert kind(ops.MLA_ATTN_DECODE_PAGED, MLA, "sm_80") == "mla"
-    # decode: tensor cores from a GQA group of 4, the CUDA-core kernel below
-    assert kind(ops.ATTN_DECODE_PAGED, CFG.replace(num_qo_heads=32, num_kv_heads=8), "sm_90") == "prefill_fa2"
-    assert kind(ops.ATTN_DECODE_PAGED, CFG.replace(num_qo_heads=16, num_kv_heads=8), "sm_90") == "decode"
+    # decode: tensor cores from a GQA group of 8 (and groups the CUDA-core kernel lacks), both kernels chosen
+    # per forward at 4 and 6, the CUDA-core kernel below
+    def dec(hq, hkv=8):
+        return kind(ops.ATTN_DECODE_PAGED, CFG.replace(num_qo_heads=hq, num_kv_heads=hkv), "sm_90")
+    assert dec(64) == dec(40) == dec(56) == "prefill_fa2"
+    assert dec(32) == dec(48) == "decode|prefill_fa2"
+    assert dec(16) == dec(24) == dec(8) == "decode"
+    assert [s.kind for s in fib.module_specs(ops.ATTN_DECODE_PAGED, CFG, "sm_90")] == ["decode", "prefill_fa2"]
     # a windowed cache's prefill ops share the fa2 module
     windowed = CFG.replace(sliding_window=64)
     assert kind(ops.ATTN_PREFILL_RAGGED, windowed, "sm_90") == kind(ops.ATTN_PREFILL_PAGED, windowed, "sm_90") \
@@ -87,7 +94,7 @@ def test_forced_modules():
         assert fib.module_kind(ops.MLA_ATTN_DECODE_PAGED, MLA, "sm_90") == "mla"
         key = fib.FlashInferBackend().key_part(CFG, SM90, (ops.ATTN_DECODE_PAGED,))
     assert key != fib.FlashInferBackend().key_part(CFG, SM90, (ops.ATTN_DECODE_PAGED,))
-    with pytest.raises(ValueError, match="runs on decode, prefill_fa2, prefill_fa3, not 'mla'"):
+    with pytest.raises(ValueError, match=r"runs on decode, prefill_fa2, prefill_fa3, decode\|prefill_fa2, not .mla."):
         with fib.forced_modules({ops.ATTN_DECODE_PAGED: "mla"}):
             pass
     with pytest.raises(ValueError, match="not a FlashInfer op"):
@@ -98,16 +105,22 @@ def test_forced_modules():
 def test_module_specs_follow_the_attention_options():
     """Modules are built with use_sliding_window / use_logits_soft_cap exactly when the config turns them on
     (a module built without them would ignore the run-time values)."""
-    plain = {op: fib.module_spec(op, CFG, "sm_90") for op in fib.MHA_OPS}
-    assert not any(s.use_sliding_window or s.use_logits_soft_cap for s in plain.values())
-    capped = {op: fib.module_spec(op, CFG.replace(logits_soft_cap=30.0), "sm_90") for op in fib.MHA_OPS}
-    assert all(s.use_logits_soft_cap and not s.use_sliding_window for s in capped.values())
-    assert capped[ops.ATTN_PREFILL_RAGGED].kind == "prefill_fa3"
-    both = {op: fib.module_spec(op, CFG.replace(sliding_window=512, logits_soft_cap=30.0), "sm_90")
-            for op in fib.MHA_OPS}
-    assert all(s.use_sliding_window and s.use_logits_soft_cap for s in both.values())
+    def specs(cfg):
+        return {op: fib.module_specs(op, cfg, "sm_90") for op in fib.MHA_OPS}
+
+    def every(d):
+        return [s for v in d.values() for s in v]
+
+    plain = specs(CFG)
+    assert not any(s.use_sliding_window or s.use_logits_soft_cap for s in every(plain))
+    capped = specs(CFG.replace(logits_soft_cap=30.0))
+    assert all(s.use_logits_soft_cap and not s.use_sliding_window for s in every(capped))
+    assert capped[ops.ATTN_PREFILL_RAGGED][0].kind == "prefill_fa3"
+    both = specs(CFG.replace(sliding_window=512, logits_soft_cap=30.0))
+    assert all(s.use_sliding_window and s.use_logits_soft_cap for s in every(both))
     assert both[ops.ATTN_PREFILL_RAGGED] == both[ops.ATTN_PREFILL_PAGED]  # one fa2 module
-    assert both[ops.ATTN_DECODE_PAGED].name == "decode_f16_f16_f16_qk128_vo128_pe0_swa_cap_sm90"
+    assert both[ops.ATTN_DECODE_PAGED][1] == both[ops.ATTN_PREFILL_PAGED][0]  # tensor-core decode shares it
+    assert both[ops.ATTN_DECODE_PAGED][0].name == "decode_f16_f16_f16_qk128_vo128_pe0_swa_cap_sm90"
 
 
 def test_not_on_cpu_and_not_other_ops():
@@ -163,7 +176,8 @@ def test_kernel_library_links_flashinfer_objects(tmp_path):
 
     # only the decode module (CI builds no other FlashInfer module)
     backend = {ops.ATTN_DECODE_PAGED: ["flashinfer", "tir"], "*": "tir"}
-    lib = build_kernel_library(CFG, tmp_path, target=SM90, backend=backend)
+    with fib.forced_modules({ops.ATTN_DECODE_PAGED: "decode"}):
+        lib = build_kernel_library(CFG, tmp_path, target=SM90, backend=backend)
     entries = {op: (tag, names, opts)
                for op, tag, names, opts in json.loads(lib.with_suffix(".json").read_text())["entries"]}
     tag, names, opts = entries[ops.ATTN_DECODE_PAGED]

@@ -33,6 +33,7 @@ pytestmark = pytest.mark.skipif(bool(_WHY), reason="FlashInfer JIT build unavail
 DECODE = ModuleSpec("decode", "float16", "float16", "float16", 128, 128)
 OTHERS = [
     ModuleSpec("mla", "float16", "float16", "float16", 512, 64),
+    ModuleSpec("mla_fa3", "float16", "float16", "float16", 512, 64),
     ModuleSpec("prefill_fa2", "float16", "float16", "float16", 128, 128),
     ModuleSpec("prefill_fa3", "float16", "float16", "float16", 128, 128),
 ]

@@ -5,9 +5,11 @@ Ops and the module each runs on by default (``module_kind``; chosen by measureme
 ``benchmarks/bench_gpu.py``, see BENCHMARKS.md):
 
 ========================== ====================================================================
-``attn_decode_paged``      GQA group >= ``TENSOR_CORE_DECODE_MIN_GROUP``: ``prefill_fa2`` (FlashInfer's
-                           "tensor-core decode": its paged prefill kernel with one query row per
-                           entry, as its own decode wrapper does with ``use_tensor_cores=True``);
+``attn_decode_paged``      GQA group >= 8: ``prefill_fa2`` (FlashInfer's "tensor-core decode": its
+                           paged prefill kernel with one query row per entry, as its own decode wrapper
+                           does with ``use_tensor_cores=True``); groups 4 and 6: ``decode|prefill_fa2``
+                           (both linked; the runtime takes the CUDA-core kernel for a forward whose
+                           longest sequence is at least twice the mean, tensor cores otherwise);
                            smaller groups: ``decode`` (the CUDA-core decode kernel)
 ``attn_prefill_ragged``    ``prefill_fa3`` on sm_90 (Hopper), else ``prefill_fa2`` (causal)
 ``attn_prefill_paged``     ``prefill_fa3`` on sm_90, else ``prefill_fa2`` (non-causal passes, and the
@@ -47,16 +49,18 @@ MLA_OPS = (ops.MLA_ATTN_DECODE_PAGED, ops.MLA_ATTN_PREFILL_PAGED)
 
 #: The module kinds each op can run on (the runtime has an adapter for each pair).
 CHOICES: dict[str, tuple[str, ...]] = {
-    ops.ATTN_DECODE_PAGED: ("decode", "prefill_fa2", "prefill_fa3"),
+    ops.ATTN_DECODE_PAGED: ("decode", "prefill_fa2", "prefill_fa3", "decode|prefill_fa2"),
     ops.ATTN_PREFILL_RAGGED: ("prefill_fa2", "prefill_fa3"),
     ops.ATTN_PREFILL_PAGED: ("prefill_fa2", "prefill_fa3"),
     ops.MLA_ATTN_DECODE_PAGED: ("mla", "mla_fa3"),
     ops.MLA_ATTN_PREFILL_PAGED: ("mla", "mla_fa3"),
 }
-#: From this GQA group size on, decode runs on the prefill kernel's tensor cores: a group's query rows
-#: share each K/V tile in one MMA. FlashInfer's own heuristic and upstream TVM switch at 4 too; the
-#: crossover measured on the H200 is in BENCHMARKS.md.
+#: From this GQA group size on, decode may run on the prefill kernel's tensor cores (a group's query rows
+#: share each K/V tile in one MMA), and from ``TENSOR_CORE_DECODE_ALWAYS_GROUP`` on it always does. Measured
+#: on the H200 (BENCHMARKS.md, fp16 x/8/128): at group 4 tensor cores win on uniform batches (1x32K to
+#: 256x2K, by 4-25%) and lose on a skewed one (128 ... 16K, by 26%); at group 8 they win on all of them.
 TENSOR_CORE_DECODE_MIN_GROUP = 4
+TENSOR_CORE_DECODE_ALWAYS_GROUP = 8
 
 _FORCED: contextvars.ContextVar[tuple] = contextvars.ContextVar("pagedkv_flashinfer_forced", default=())
 
@@ -107,17 +111,28 @@ def module_kind(op: str, config: KVCacheConfig, arch: str | None) -> str:
     fa3 = arch == "sm_90" and use_fa3()
     windowed = config.sliding_window > 0
     if op == ops.ATTN_DECODE_PAGED:
-        return "prefill_fa2" if config.group_size >= TENSOR_CORE_DECODE_MIN_GROUP else "decode"
+        g = config.group_size
+        if g >= TENSOR_CORE_DECODE_ALWAYS_GROUP or g not in GROUP_SIZES:
+            return "prefill_fa2"
+        return "decode|prefill_fa2" if g >= TENSOR_CORE_DECODE_MIN_GROUP else "decode"
     if op in (ops.ATTN_PREFILL_RAGGED, ops.ATTN_PREFILL_PAGED):
         return "prefill_fa3" if fa3 and not windowed else "prefill_fa2"
     return "mla_fa3" if fa3 else "mla"
 
 
-def module_spec(op: str, config: KVCacheConfig, arch: str):
-    """The FlashInfer module that serves ``op`` for ``config`` (raises ValueError listing why there is none)."""
+def module_specs(op: str, config: KVCacheConfig, arch: str) -> tuple:
+    """The FlashInfer modules that serve ``op`` for ``config``: one, or two for a per-forward choice
+    (``"decode|prefill_fa2"``). Raises ValueError listing why a module cannot be built."""
+    return tuple(module_spec(op, config, arch, kind=k) for k in module_kind(op, config, arch).split("|"))
+
+
+def module_spec(op: str, config: KVCacheConfig, arch: str, *, kind: str | None = None):
+    """The FlashInfer module of kind ``kind`` (default: the op's only kind) for ``op`` of ``config``."""
     from ..flashinfer import MLA_KINDS, ModuleSpec
 
-    kind = module_kind(op, config, arch)
+    kind = kind or module_kind(op, config, arch)
+    if "|" in kind:
+        raise ValueError(f"{op} runs on two modules ({kind}): use module_specs")
     if kind in MLA_KINDS:
         return ModuleSpec(kind, config.dtype, config.dtype, config.dtype, config.kv_lora_rank,
                           config.qk_rope_head_dim, arch=arch)
@@ -163,7 +178,7 @@ class FlashInferBackend(Backend):
             if config.num_qo_heads % config.num_kv_heads:
                 reasons.append(f"num_qo_heads {config.num_qo_heads} is not a multiple of num_kv_heads "
                                f"{config.num_kv_heads}")
-            elif (op == ops.ATTN_DECODE_PAGED and module_kind(op, config, target_arch(target)) == "decode"
+            elif (op == ops.ATTN_DECODE_PAGED and "decode" in module_kind(op, config, target_arch(target)).split("|")
                   and config.group_size not in GROUP_SIZES):
                 reasons.append(f"GQA group size {config.num_qo_heads}/{config.num_kv_heads} not supported by "
                                f"the decode kernels (FlashInfer 0.7.4 dispatches {GROUP_SIZES})")
@@ -172,7 +187,7 @@ class FlashInferBackend(Backend):
             reasons.append("the CUDA target names no arch (FlashInfer modules are built for one)")
         else:
             try:
-                module_spec(op, config, arch)
+                module_specs(op, config, arch)
             except ValueError as err:
                 reasons.append(str(err).split(": ", 1)[-1])
         if not runtime_only():
@@ -191,21 +206,21 @@ class FlashInferBackend(Backend):
         return [FLASHINFER_VERSION, RECIPE_VERSION, {op: module_kind(op, config, target_arch(target)) for op in ops}]
 
     def describe(self, op: str, config: KVCacheConfig, target: Any) -> str:
-        return f"module {module_spec(op, config, target_arch(target)).kind}"
+        return f"module {module_kind(op, config, target_arch(target))}"
 
     def build(self, op: str, config: KVCacheConfig, target: Any) -> OpBuild:
-        """Op-table entry ``[op, "flashinfer", module_kind, empty_rows, plan, run]`` (src/flashinfer_adapter.cc):
-        the module's ``plan`` and the op's run function, and the TIR helper ``pagedkv_empty_rows`` that writes
-        pagedkv's empty state (FlashInfer writes lse = -inf for rows without keys)."""
+        """Op-table entry ``[op, "flashinfer", module_kind, empty_rows, plan, run(, plan, run)]``
+        (src/flashinfer_adapter.cc): each module's ``plan`` and the op's run function, and the TIR helper
+        ``pagedkv_empty_rows`` that writes pagedkv's empty state (FlashInfer writes lse = -inf for rows
+        without keys)."""
         from ..flashinfer import build_module
+        from ..flashinfer.link import export_options
         from ..tir_kernels import make_empty_rows
 
-        spec = module_spec(op, config, target_arch(target))
-        built = build_module(spec)
-        names = (built.symbol("plan"), built.symbol(run_function(op, spec.kind)))
+        kind = module_kind(op, config, target_arch(target))
+        built = [build_module(spec) for spec in module_specs(op, config, target_arch(target))]
+        names = tuple(n for b in built for n in (b.symbol("plan"), b.symbol(run_function(op, b.spec.kind))))
         helper = make_empty_rows(config.dtype, target)
-        from ..flashinfer.link import export_options
-
-        return OpBuild(op=op, backend=self.tag, adapter="flashinfer", options=(spec.kind,),
+        return OpBuild(op=op, backend=self.tag, adapter="flashinfer", options=(kind,),
                        prim_funcs=(("pagedkv_empty_rows", helper),), extern_symbols=names,
-                       extern_modules=(built,), export_options=tuple(export_options()))
+                       extern_modules=tuple(built), export_options=tuple(export_options()))
