@@ -32,12 +32,14 @@ from tvm.target import Target
 
 SM90 = Target({"kind": "cuda", "arch": "sm_90"}, host="llvm")
 
-# (Hq, Hkv, D, Dv, dtype): GQA groups 4, 7, 3, 8; head dims 128, 64, 96, 256; both dtypes.
+# (Hq, Hkv, D, Dv, dtype): GQA groups 4, 7, 3, 8, 4; head dims 128, 64, 96, 256, 128; every dtype
+# (bfloat16 on Llama 3's shape: 32 q / 8 kv heads, head dim 128).
 CONFIGS = [
     (32, 8, 128, 128, "float16"),
     (7, 1, 64, 64, "float32"),
     (12, 4, 96, 96, "float16"),
     (16, 2, 256, 256, "float16"),
+    (32, 8, 128, 128, "bfloat16"),
 ]
 IDS = ["x".join(map(str, c)) for c in CONFIGS]
 
