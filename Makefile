@@ -13,7 +13,7 @@ FLASHINFER ?= 1
 SOURCES := $(wildcard src/*.cc src/*.h) CMakeLists.txt pyproject.toml \
            $(shell find python tir_kernels -name '*.py' 2>/dev/null)
 
-.PHONY: demo test lint install clean bench gpu-bundle gpu-test
+.PHONY: demo test lint install clean bench gpu-bundle gpu-test bench-bundle bench-gpu
 demo: $(STAMP)
 	$(PY) -m pagedkv.apps.chat
 
@@ -72,6 +72,18 @@ gpu-test:
 	  PYTHONPATH=$$PWD/python:$$PYTHONPATH PAGEDKV_RUNTIME_LIB=$$PWD/.gpu/lib/libpagedkv_runtime.so \
 	  PAGEDKV_KERNEL_DIR=$$PWD/.gpu/kernels PAGEDKV_MODEL_DIR=$$PWD/.gpu/models \
 	  python3 -m pytest tests/gpu -q -p no:cacheprovider -rs $(PYTEST_ARGS)'
+
+# Build host: the one-process GPU benchmark's bundle (pagedkv kernel libraries of every workload, FlashInfer's
+# own Python API with its modules prebuilt, apache-tvm's kernels), under .gpu-bench/ (git-ignored).
+bench-bundle: $(STAMP) $(GPU_DEPS)
+	$(PY) benchmarks/bench_bundle.py .gpu-bench $(BENCH_BUNDLE_ARGS)
+
+# GPU host: benchmarks/bench_gpu.py from .gpu-bench/ (table, JSON and PNG into $${OUT:-benchmarks/results}).
+bench-gpu:
+	bash -c 'source .gpu-bench/bundle/activate.sh && \
+	  PYTHONPATH=$$PWD/python:$$PWD/benchmarks:$$PYTHONPATH \
+	  PAGEDKV_RUNTIME_LIB=$$PWD/.gpu-bench/lib/libpagedkv_runtime.so PAGEDKV_KERNEL_DIR=$$PWD/.gpu-bench/kernels \
+	  python3 benchmarks/bench_gpu.py --bundle .gpu-bench --out $${OUT:-benchmarks/results} $(BENCH_ARGS)'
 
 clean:
 	rm -rf build $(VENV)

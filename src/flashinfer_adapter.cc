@@ -4,13 +4,14 @@
 // checks against compiled modules.
 //
 // Ops and modules (docs/FLASHINFER.md):
-//   attn_decode_paged       decode module          plan per decode pass, run per layer
+//   attn_decode_paged       decode module, or      plan per decode pass, run per layer
+//                           prefill_fa2 / _fa3     (tensor-core decode: the paged prefill kernel)
 //   attn_prefill_ragged     prefill_fa2 or _fa3    plan once per prefill forward (causal), run per layer
 //   attn_prefill_paged      prefill_fa2 or _fa3    plan per pass it serves (non-causal), run per layer
-//   mla_attn_decode_paged   mla module             plan per decode pass, run per layer
-//   mla_attn_prefill_paged  mla module             plan per pass it serves (non-causal), run per layer
+//   mla_attn_decode_paged   mla or mla_fa3         plan per decode pass, run per layer
+//   mla_attn_prefill_paged  mla or mla_fa3         plan per pass it serves (non-causal), run per layer
 // An op-table entry is [op, "flashinfer", module_kind, empty_rows, plan, run]: the module kind string
-// ("decode", "prefill_fa2", "prefill_fa3", "mla") says which pinned argument lists plan and run take, and
+// ("decode", "prefill_fa2", "prefill_fa3", "mla", "mla_fa3") says which pinned argument lists plan and run take, and
 // empty_rows is the backend's small TIR kernel `pagedkv_empty_rows(o, lse, fill)` (below).
 //
 // Plan once per forward and pass, run per layer:
@@ -81,15 +82,17 @@ std::unique_ptr<OpAdapter> MakeFlashInferAdapter(const std::string& op, const ff
                               << list << " module, got '" << kind << "'";
   };
   if (op == ops::kAttnDecodePaged) {
-    want({"decode"});
-    return MakeDecodeAdapter(e, plan, run);
+    want({"decode", "prefill_fa2", "prefill_fa3"});
+    if (kind == "decode") return MakeDecodeAdapter(e, plan, run);
+    return MakePrefillAdapter(op, kind == "prefill_fa3", e, plan, run);
   }
   if (op == ops::kAttnPrefillRagged || op == ops::kAttnPrefillPaged) {
     want({"prefill_fa2", "prefill_fa3"});
-    return MakePrefillAdapter(op == ops::kAttnPrefillPaged, kind == "prefill_fa3", e, plan, run);
+    return MakePrefillAdapter(op, kind == "prefill_fa3", e, plan, run);
   }
   if (op == ops::kMLAAttnDecodePaged || op == ops::kMLAAttnPrefillPaged) {
-    want({"mla"});
+    // fa2 ("mla") and fa3 ("mla_fa3", Hopper) MLA export plan / run with the same argument lists.
+    want({"mla", "mla_fa3"});
     return MakeMLAAdapter(op == ops::kMLAAttnDecodePaged, e, plan, run);
   }
   TVM_FFI_THROW(ValueError) << "pagedkv op table: this runtime has no 'flashinfer' adapter for op '" << op

@@ -35,7 +35,8 @@ constexpr int64_t kLayoutHND = 1;                      // QKVLayout::kHND: [page
 constexpr int64_t kMaskNone = 0, kMaskCausal = 1;      // flashinfer MaskMode::kNone / kCausal
 constexpr DLDataType kUInt8 = {kDLUInt, 8, 1};
 constexpr const char* kFloatWorkspaceKey = "flashinfer.float_workspace";
-// MLA: the planner sizes its work arrays for 16384 work items (scheduler.cuh MLAPlan max_total_num_works).
+// MLA: the planner sizes its work arrays for 16384 work items (scheduler.cuh MLAPlan max_total_num_works);
+// src/flashinfer_mla.cc splits a pass into sub-plans that fit.
 constexpr int64_t kMLAMaxWorks = 16384;
 // Upper bound on the KV splits MLAPlan adds to the query tiles (at most one per cluster, <= SMs per GPU).
 constexpr int64_t kMLAMaxSplits = 1024;
@@ -115,6 +116,17 @@ struct HostInt32 {
   }
   DLTensor* get() { return &t; }
 };
+
+// Row-major without gaps (strides NULL or the compact ones): a row offset is then an element offset.
+inline bool IsCompact(const DLTensor& t) {
+  if (t.strides == nullptr) return true;
+  int64_t expect = 1;
+  for (int i = t.ndim - 1; i >= 0; --i) {
+    if (t.shape[i] != 1 && t.strides[i] != expect) return false;
+    expect *= t.shape[i];
+  }
+  return true;
+}
 
 inline uint64_t ViewKey(ffi::AnyView v) {
   const DLTensor* d = v.cast<DLTensor*>();
@@ -215,6 +227,7 @@ struct Planned {
   bool has_empty = false;         // some entry has no keys: lse is floored at -1e30 after the run
   bool causal = false;
   uint64_t q_key = 0;             // ragged: the q_indptr view planned for
+  ffi::Tensor q_indptr;           // decode on the prefill kernel: the pass's device q_indptr (0..B)
 };
 
 class PlanTable {
@@ -263,7 +276,7 @@ class FlashInferAdapter : public OpAdapter {
  public:
   FlashInferAdapter(const char* op, ffi::Function empty_rows, ffi::Function plan, ffi::Function run)
       : op_(op), empty_rows_(std::move(empty_rows)), plan_(std::move(plan)), run_(std::move(run)) {}
-  void EndForward() final { plans_.Clear(); }
+  void EndForward() override { plans_.Clear(); }
 
  protected:
   // o = 0, lse = -1e30 on every row (fill), or lse = max(lse, -1e30) with NaN kept (floor).
@@ -306,8 +319,9 @@ class FlashInferAdapter : public OpAdapter {
 
 // Adapters per module family (src/flashinfer_decode.cc, _prefill.cc, _mla.cc).
 std::unique_ptr<OpAdapter> MakeDecodeAdapter(ffi::Function empty_rows, ffi::Function plan, ffi::Function run);
-std::unique_ptr<OpAdapter> MakePrefillAdapter(bool paged, bool fa3, ffi::Function empty_rows, ffi::Function plan,
-                                              ffi::Function run);
+// op: attn_prefill_ragged, attn_prefill_paged, or attn_decode_paged (run on the paged prefill kernel).
+std::unique_ptr<OpAdapter> MakePrefillAdapter(const std::string& op, bool fa3, ffi::Function empty_rows,
+                                              ffi::Function plan, ffi::Function run);
 std::unique_ptr<OpAdapter> MakeMLAAdapter(bool decode, ffi::Function empty_rows, ffi::Function plan,
                                           ffi::Function run);
 

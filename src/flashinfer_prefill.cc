@@ -1,5 +1,7 @@
 // attn_prefill_ragged / attn_prefill_paged on FlashInfer's batch prefill modules (fa2, fa3).
 // Design, FlashInfer facts and workspace ownership: src/flashinfer_adapter.cc.
+#include <type_traits>
+
 #include "flashinfer_common.h"
 
 namespace pagedkv {
@@ -24,48 +26,115 @@ static_assert(g2::kEnablePdl == g3::kEnablePdl && g2::kPagedKvLastPageLen == g3:
 
 enum class PrefillKind { kFA2, kFA3 };
 
+// What the adapter serves: attn_prefill_ragged, attn_prefill_paged, or attn_decode_paged run on the paged
+// prefill kernel (FlashInfer's "tensor-core decode": one query row per entry, the GQA group's rows share
+// each K/V tile in an MMA, where the CUDA-core decode kernel reads K/V once per group with scalar FMAs).
+enum class PrefillOp { kRagged, kPaged, kDecode };
+
 class PrefillAdapter : public FlashInferAdapter {
  public:
-  PrefillAdapter(bool paged, PrefillKind kind, ffi::Function e, ffi::Function plan, ffi::Function run)
-      : FlashInferAdapter(paged ? ops::kAttnPrefillPaged : ops::kAttnPrefillRagged, std::move(e), std::move(plan),
-                          std::move(run)),
-        paged_(paged),
-        kind_(kind) {}
+  PrefillAdapter(PrefillOp what, PrefillKind kind, ffi::Function e, ffi::Function plan, ffi::Function run)
+      : FlashInferAdapter(OpName(what), std::move(e), std::move(plan), std::move(run)), what_(what), kind_(kind) {}
 
   void BeginForward(const ForwardInfo& info) final {
     plans_.Clear();
     ReadOptions(*info.config);
-    const KVConfig& c = *info.config;
-    rope_rcp_scale_ = c.rope_scale;
-    rope_rcp_theta_ = 1.0 / c.rope_theta;
-    const ForwardPlan& fp = *info.plan;
-    if (!paged_) {
-      if (fp.through) {
-        // The only ragged call of a decode forward, or of a windowed cache's forward, is self_attention over
-        // no keys (kv_indptr = zeros).
-        Planned p = EmptyFlags(std::vector<int32_t>(fp.q_indptr.size() - 1, 0), 0, true);
-        plans_.Put(ViewKey(info.no_keys_indptr), p);
-        return;
-      }
-      // Prefill: the new tokens attend causally to the new tokens of their own sequence (q and kv indptr are
-      // the same array), so no entry is empty and kv_len == q_len.
-      ws_.Attach(info);
-      std::vector<int32_t> kv_lens(fp.q_indptr.size() - 1);
-      for (size_t b = 0; b + 1 < fp.q_indptr.size(); ++b) kv_lens[b] = fp.q_indptr[b + 1] - fp.q_indptr[b];
-      Planned p = EmptyFlags(kv_lens, 0, true);
-      p.q_key = ViewKey(info.q_indptr);
-      if (!p.all_empty) p.info = Plan(info, 0, fp.q_indptr, fp.q_indptr, kv_lens, /*page_size=*/1, true);
-      plans_.Put(ViewKey(info.q_indptr), std::move(p));
+    rope_rcp_scale_ = info.config->rope_scale;
+    rope_rcp_theta_ = 1.0 / info.config->rope_theta;
+    if (what_ == PrefillOp::kRagged) {
+      PlanRagged(info);
+    } else {
+      PlanPaged(info);
+    }
+  }
+
+  void Run(ffi::PackedArgs in) final {
+    if (what_ == PrefillOp::kDecode) {
+      Check<ops::AttnDecodePaged>(in);
+      using K = ops::AttnDecodePaged;
+      const Planned& p = plans_.Find(ViewKey(in[K::kPageIndptr]), op_);
+      Dispatch<K>(p, in, in[K::kSmScale].cast<double>());
       return;
     }
+    if (what_ == PrefillOp::kPaged) {
+      Check<ops::AttnPrefillPaged>(in);
+      using K = ops::AttnPrefillPaged;
+      const Planned& p = plans_.Find(ViewKey(in[K::kPageIndptr]), op_);
+      CheckCausal(p, in[K::kCausal].cast<int64_t>(), op_);
+      Dispatch<K>(p, in, in[K::kSmScale].cast<double>());
+      return;
+    }
+    Check<ops::AttnPrefillRagged>(in);
+    using R = ops::AttnPrefillRagged;
+    const Planned& p = plans_.Find(ViewKey(in[R::kKVIndptr]), op_);
+    CheckCausal(p, in[R::kCausal].cast<int64_t>(), op_);
+    if (!p.all_empty && ViewKey(in[R::kQIndptr]) != p.q_key) {
+      TVM_FFI_THROW(RuntimeError) << "pagedkv flashinfer: attn_prefill_ragged called with a q_indptr that "
+                                  << "begin_forward did not plan";
+    }
+    double sm_scale = in[R::kSmScale].cast<double>();
+    if (kind_ == PrefillKind::kFA2) {
+      RunRagged<r2::kNumArgs, r2Tail>(p, in, sm_scale);
+    } else {
+      RunRagged<r3::kNumArgs, r3Tail>(p, in, sm_scale);
+    }
+  }
+
+ private:
+  static const char* OpName(PrefillOp what) {
+    switch (what) {
+      case PrefillOp::kRagged: return ops::kAttnPrefillRagged;
+      case PrefillOp::kPaged: return ops::kAttnPrefillPaged;
+      default: return ops::kAttnDecodePaged;
+    }
+  }
+
+  void PlanRagged(const ForwardInfo& info) {
+    const ForwardPlan& fp = *info.plan;
+    if (fp.through) {
+      // The only ragged call of a decode forward, or of a windowed cache's forward, is self_attention over
+      // no keys (kv_indptr = zeros).
+      Planned p = EmptyFlags(std::vector<int32_t>(fp.q_indptr.size() - 1, 0), 0, true);
+      plans_.Put(ViewKey(info.no_keys_indptr), p);
+      return;
+    }
+    // Prefill: the new tokens attend causally to the new tokens of their own sequence (q and kv indptr are
+    // the same array), so no entry is empty and kv_len == q_len.
+    ws_.Attach(info);
+    std::vector<int32_t> kv_lens(fp.q_indptr.size() - 1);
+    for (size_t b = 0; b + 1 < fp.q_indptr.size(); ++b) kv_lens[b] = fp.q_indptr[b + 1] - fp.q_indptr[b];
+    Planned p = EmptyFlags(kv_lens, 0, true);
+    p.q_key = ViewKey(info.q_indptr);
+    if (!p.all_empty) p.info = Plan(info, 0, fp.q_indptr, fp.q_indptr, kv_lens, /*page_size=*/1, true);
+    plans_.Put(ViewKey(info.q_indptr), std::move(p));
+  }
+
+  // attn_prefill_paged: every pass but attn_decode_paged's; the decode mode: exactly those (a decode
+  // forward's passes with one query per entry, src/attention.cc RunPass).
+  void PlanPaged(const ForwardInfo& info) {
+    const KVConfig& c = *info.config;
+    const ForwardPlan& fp = *info.plan;
     for (size_t i = 0; i < info.passes.size(); ++i) {
       const ForwardInfo::Pass& pass = info.passes[i];
-      if (fp.is_decode && pass.host->one_query_per_entry) continue;  // attn_decode_paged's
+      bool decode_pass = fp.is_decode && pass.host->one_query_per_entry;
+      if (decode_pass != (what_ == PrefillOp::kDecode)) continue;
       std::vector<int32_t> kv_lens = PagedKvLens(*pass.host, c.page_size);
       // Paged passes are non-causal (every key of an entry precedes its queries), except a windowed
-      // cache's through pass (src/attention.cc RunPass).
+      // cache's through pass (src/attention.cc RunPass); a decode row's keys all precede or are it.
       bool causal = pass.host->causal;
       Planned p = EmptyFlags(kv_lens, i, causal);
+      if (decode_pass) {
+        // attn_decode_paged has no q_indptr: entry e is q row e. The pass's own device q_indptr is that
+        // arange, and the prefill kernel reads it.
+        const std::vector<int32_t>& qo = pass.host->q_indptr;
+        for (size_t e = 0; e < qo.size(); ++e) {
+          if (qo[e] != static_cast<int32_t>(e)) {
+            TVM_FFI_THROW(InternalError) << "pagedkv flashinfer: decode pass entry " << e << " starts at q row "
+                                         << qo[e];
+          }
+        }
+        p.q_indptr = pass.q_indptr;
+      }
       if (!p.all_empty) {
         ws_.Attach(info);
         p.info = Plan(info, i, pass.host->q_indptr, pass.host->page_indptr, kv_lens, c.page_size, causal);
@@ -74,37 +143,15 @@ class PrefillAdapter : public FlashInferAdapter {
     }
   }
 
-  void Run(ffi::PackedArgs in) final {
-    if (paged_) {
-      Check<ops::AttnPrefillPaged>(in);
-    } else {
-      Check<ops::AttnPrefillRagged>(in);
-    }
-    using R = ops::AttnPrefillRagged;
-    using P = ops::AttnPrefillPaged;
-    double sm_scale = in[paged_ ? P::kSmScale : R::kSmScale].cast<double>();
-    const Planned& p = plans_.Find(ViewKey(in[paged_ ? P::kPageIndptr : R::kKVIndptr]), op_);
-    CheckCausal(p, in[paged_ ? P::kCausal : R::kCausal].cast<int64_t>(), op_);
-    if (!paged_ && !p.all_empty && ViewKey(in[R::kQIndptr]) != p.q_key) {
-      TVM_FFI_THROW(RuntimeError) << "pagedkv flashinfer: attn_prefill_ragged called with a q_indptr that "
-                                  << "begin_forward did not plan";
-    }
+  template <typename K>
+  void Dispatch(const Planned& p, ffi::PackedArgs in, double sm_scale) {
     if (kind_ == PrefillKind::kFA2) {
-      if (paged_) {
-        RunPaged<g2::kNumArgs, g2Tail>(p, in, sm_scale);
-      } else {
-        RunRagged<r2::kNumArgs, r2Tail>(p, in, sm_scale);
-      }
+      RunPaged<K, g2::kNumArgs, g2Tail>(p, in, sm_scale);
     } else {
-      if (paged_) {
-        RunPaged<g3::kNumArgs, g3Tail>(p, in, sm_scale);
-      } else {
-        RunRagged<r3::kNumArgs, r3Tail>(p, in, sm_scale);
-      }
+      RunPaged<K, g3::kNumArgs, g3Tail>(p, in, sm_scale);
     }
   }
 
- private:
   // The tails' index constants, as types (namespaces cannot be template arguments).
   struct r2Tail {
     static constexpr bool kFA3 = false;
@@ -202,12 +249,16 @@ class PrefillAdapter : public FlashInferAdapter {
     if (kind_ == PrefillKind::kFA2) {
       ArgPack<p2::kNumArgs> args;
       head(args);
-      // the values 0.7.4's BatchPrefillWith{Paged,Ragged}KVCacheWrapper.plan passes without CUDA graphs
+      // the values 0.7.4's BatchPrefillWith{Paged,Ragged}KVCacheWrapper.plan (and, for decode, its
+      // BatchDecodeWithPagedKVCacheWrapper with use_tensor_cores) passes without CUDA graphs
       args.Set(p2::kFixedSplitSize, int64_t{-1});
       args.Set(p2::kDisableSplitKv, false);
       args.Set(p2::kNumColocatedCtas, int64_t{0});
-      args.Set(p2::kUniformQLen, int64_t{0});
-      args.Set(p2::kFixedUniformQLen, false);
+      // decode rows: one query each, as FlashInfer's tensor-core decode plans them (the planner then
+      // sizes the query tile for one row per entry)
+      bool decode = what_ == PrefillOp::kDecode;
+      args.Set(p2::kUniformQLen, int64_t{decode ? 1 : 0});
+      args.Set(p2::kFixedUniformQLen, decode);
       return args.Call(plan_, "prefill plan").cast<ffi::Array<int64_t>>();
     }
     ArgPack<p3::kNumArgs> args;
@@ -247,14 +298,15 @@ class PrefillAdapter : public FlashInferAdapter {
     RunPlanned(p, &args, in[K::kO], in[K::kLse]);
   }
 
-  template <int N, typename Tail>
+  // K: attn_prefill_paged's or attn_decode_paged's argument struct (the decode op has no q_indptr: the
+  // plan holds the pass's device arange).
+  template <typename K, int N, typename Tail>
   void RunPaged(const Planned& p, ffi::PackedArgs in, double sm_scale) {
-    using K = ops::AttnPrefillPaged;
     const DLTensor& pages = *in[K::kPages].template cast<DLTensor*>();
     int64_t np = pages.shape[0], h = pages.shape[2], s = pages.shape[3], d = pages.shape[4];
     StridedView k(pages, {np, h, s, d}, {2 * h * s * d, s * d, d, 1}, 0);
     StridedView v(pages, {np, h, s, d}, {2 * h * s * d, s * d, d, 1}, h * s * d);
-    Flat q(in[K::kQ]), qo(in[K::kQIndptr]), indptr(in[K::kPageIndptr]), indices(in[K::kPageValues]),
+    Flat q(in[K::kQ]), qo(QIndptr<K>(p, in)), indptr(in[K::kPageIndptr]), indices(in[K::kPageValues]),
         last(in[K::kLastPageLen]), o(in[K::kO]), lse(in[K::kLse]);
     ArgPack<N> args;
     if (!p.all_empty) {
@@ -279,17 +331,29 @@ class PrefillAdapter : public FlashInferAdapter {
     RunPlanned(p, &args, in[K::kO], in[K::kLse]);
   }
 
-  bool paged_;
+  template <typename K>
+  static const DLTensor& QIndptr(const Planned& p, const ffi::PackedArgs& in) {
+    if constexpr (std::is_same_v<K, ops::AttnDecodePaged>) {
+      return *p.q_indptr.GetDLTensorPtr();
+    } else {
+      return *in[K::kQIndptr].template cast<DLTensor*>();
+    }
+  }
+
+  PrefillOp what_;
   PrefillKind kind_;
   double rope_rcp_scale_ = 1.0, rope_rcp_theta_ = 1e-4;
 };
 
 }  // namespace
 
-std::unique_ptr<OpAdapter> MakePrefillAdapter(bool paged, bool fa3, ffi::Function empty_rows, ffi::Function plan,
-                                              ffi::Function run) {
-  return std::make_unique<PrefillAdapter>(paged, fa3 ? PrefillKind::kFA3 : PrefillKind::kFA2,
-                                          std::move(empty_rows), std::move(plan), std::move(run));
+std::unique_ptr<OpAdapter> MakePrefillAdapter(const std::string& op, bool fa3, ffi::Function empty_rows,
+                                              ffi::Function plan, ffi::Function run) {
+  PrefillOp what = op == ops::kAttnPrefillRagged ? PrefillOp::kRagged
+                   : op == ops::kAttnPrefillPaged ? PrefillOp::kPaged
+                                                  : PrefillOp::kDecode;
+  return std::make_unique<PrefillAdapter>(what, fa3 ? PrefillKind::kFA3 : PrefillKind::kFA2, std::move(empty_rows),
+                                          std::move(plan), std::move(run));
 }
 
 }  // namespace fi

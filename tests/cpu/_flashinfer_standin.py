@@ -81,14 +81,16 @@ def attend(q, k, v, sm_scale, causal, window_left=-1, soft_cap=0.0):
         s = np.where(j > pos, -np.inf, s)
     if window_left >= 0:
         s = np.where(j < pos - window_left, -np.inf, s)
-    for i in range(m):
-        row = s[i]
-        if np.all(np.isneginf(row)):
-            continue
-        mx = row.max()
-        p = np.exp(row - mx)
-        o[i] = p @ v / p.sum()
-        lse[i] = (mx + math.log(p.sum())) / math.log(2)
+    # rows with no visible key keep FlashInfer's empty state; the others get the softmax (vectorized: the
+    # MLA split test attends thousands of rows)
+    live = ~np.all(np.isneginf(s), axis=1)
+    if live.any():
+        sl = s[live]
+        mx = sl.max(axis=1, keepdims=True)
+        p = np.exp(sl - mx)
+        tot = p.sum(axis=1, keepdims=True)
+        o[live] = (p @ v) / tot
+        lse[live] = (mx[:, 0] + np.log(tot[:, 0])) / math.log(2)
     return o, lse
 
 
@@ -104,6 +106,10 @@ def _host(t) -> list[int]:
 class FakeFlashInfer:
     """Stand-in modules. ``calls`` records (kind.func, named arguments summary) in call order; ``plans`` maps
     a plan id to the host arrays it was planned with."""
+
+    #: FlashInfer 0.7.4's MLA planner: at most this many work items (scheduler.cuh MLAPlan), about one per 64
+    #: packed (query, head) rows; the adapter must split larger passes.
+    MLA_MAX_WORKS = 16384
 
     def __init__(self, *, window_left: int = -1, soft_cap: float = 0.0):
         # the attention options every plan and run must be given (the config's, in FlashInfer's terms)
@@ -124,12 +130,12 @@ class FakeFlashInfer:
                 if d.ndim and not d.strides:
                     self.offsets.append((where, name, "strides NULL"))
 
-    def _plan(self, func, args, extra=None):
+    def _plan(self, func, args, where=None):
         if self.fail_next_plan:
             self.fail_next_plan = False
             raise RuntimeError("stand-in plan failure")
         named = _named(func, args)
-        where = f"{func.kind}.{func.func}"
+        where = where or f"{func.kind}.{func.func}"
         self._check_offsets(where, named)
         rec = {k: (_host(v) if k in ("indptr", "qo_indptr", "kv_indptr", "kv_len_arr", "kv_len") else v)
                for k, v in named.items()}
@@ -138,9 +144,9 @@ class FakeFlashInfer:
         self.calls.append((where, rec))
         return pid, named
 
-    def _run_common(self, func, args):
+    def _run_common(self, func, args, where=None):
         named = _named(func, args)
-        where = f"{func.kind}.{func.func}"
+        where = where or f"{func.kind}.{func.func}"
         self._check_offsets(where, named)
         info = list(named["plan_info_vec"])
         assert len(info) == 1 and info[0] in self.plans, f"{where}: unknown plan info {info}"
@@ -173,15 +179,21 @@ class FakeFlashInfer:
                     layout=LAYOUT_HND)
 
     # -- prefill ----------------------------------------------------------------------------------------
-    def prefill_plan(self, kind):
+    def prefill_plan(self, kind, *, decode: bool = False):
+        """``decode``: the plan of attn_decode_paged on the prefill kernel (FlashInfer's tensor-core decode),
+        one query per entry, planned as FlashInfer's decode wrapper does (uniform_q_len 1)."""
         func = abi.PREFILL_FA2_PLAN if kind == "prefill_fa2" else abi.PREFILL_FA3_PLAN
 
         def plan(*args):
             pid, named = self._plan(func, args)
             assert named["enable_cuda_graph"] is False and named["window_left"] == self.window_left
             if kind == "prefill_fa2":
+                uniform = (1, True) if decode else (0, False)
                 assert (named["fixed_split_size"], named["disable_split_kv"], named["num_colocated_ctas"],
-                        named["uniform_q_len"], named["fixed_uniform_q_len"]) == (-1, False, 0, 0, False)
+                        named["uniform_q_len"], named["fixed_uniform_q_len"]) == (-1, False, 0, *uniform)
+            if decode:
+                qo = self.plans[pid]["qo_indptr"]
+                assert qo == list(range(len(qo))) and named["causal"] is False
             return [pid]
 
         return plan
@@ -264,8 +276,12 @@ class FakeFlashInfer:
                 lse[qo[b]:qo[b + 1], h] = lb
 
     # -- MLA ----------------------------------------------------------------------------------------------
-    def mla_plan(self, *args):
-        pid, named = self._plan(abi.MLA_PLAN, args)
+    def mla_plan(self, *args, kind="mla"):
+        pid, named = self._plan(abi.MLA_PLAN, args, f"{kind}.plan")
+        qo, heads = self.plans[pid]["qo_indptr"], named["num_heads"]
+        tiles = sum(-(-(qo[i + 1] - qo[i]) * heads // 64) for i in range(len(qo) - 1))
+        assert qo[0] == 0 and tiles + 132 <= self.MLA_MAX_WORKS, \
+            f"MLA plan: {tiles} query tiles, more than FlashInfer's planner holds"
         # the planner leaves metadata in the page-locked buffer; the caller stages it to the device
         pinned = view(named["page_locked_int_workspace_buffer"])
         pattern = (np.arange(64) * 7 + pid) % 251
@@ -273,8 +289,8 @@ class FakeFlashInfer:
         self.plans[pid]["pattern"] = pattern.copy()
         return ([pid], 64)
 
-    def mla_run(self, *args):
-        a, plan = self._run_common(abi.MLA_RUN, args)
+    def mla_run(self, *args, kind="mla"):
+        a, plan = self._run_common(abi.MLA_RUN, args, f"{kind}.run")
         assert np.array_equal(view(a["int_workspace_buffer"])[:64], plan["pattern"]), \
             "MLA run: the staged plan metadata did not reach the int workspace"
         assert a["mask_mode_code"] == MASK_NONE and a["return_lse_base_on_e"] is False
@@ -300,14 +316,20 @@ class FakeFlashInfer:
     def entry(self, op: str, kind: str, empty_rows):
         import tvm_ffi
 
-        if op == "attn_decode_paged":
+        if op == "attn_decode_paged" and kind == "decode":
             plan, run = self.decode_plan, self.decode_run
+        elif op == "attn_decode_paged":
+            plan, run = self.prefill_plan(kind, decode=True), self.paged_run(kind)
         elif op == "attn_prefill_ragged":
             plan, run = self.prefill_plan(kind), self.ragged_run(kind)
         elif op == "attn_prefill_paged":
             plan, run = self.prefill_plan(kind), self.paged_run(kind)
-        else:
-            plan, run = self.mla_plan, self.mla_run
+        else:  # fa2 and fa3 MLA share their argument lists
+            def plan(*args):
+                return self.mla_plan(*args, kind=kind)
+
+            def run(*args):
+                return self.mla_run(*args, kind=kind)
         return [op, "flashinfer", kind, empty_rows, tvm_ffi.convert(plan), tvm_ffi.convert(run)]
 
     def count(self, name: str) -> int:

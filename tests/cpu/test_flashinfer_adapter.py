@@ -88,7 +88,13 @@ def _step(cache, cfg, ids, lengths, sm_scale):
 MHA_KINDS = {
     "fa2": {"attn_decode_paged": "decode", "attn_prefill_ragged": "prefill_fa2", "attn_prefill_paged": "prefill_fa2"},
     "fa3": {"attn_decode_paged": "decode", "attn_prefill_ragged": "prefill_fa3", "attn_prefill_paged": "prefill_fa3"},
+    # tensor-core decode: attn_decode_paged on the paged prefill kernel
+    "tc-fa2": {"attn_decode_paged": "prefill_fa2", "attn_prefill_ragged": "prefill_fa3",
+               "attn_prefill_paged": "prefill_fa3"},
+    "tc-fa3": {"attn_decode_paged": "prefill_fa3", "attn_prefill_ragged": "prefill_fa2",
+               "attn_prefill_paged": "prefill_fa2"},
 }
+MLA_KINDS = ("mla", "mla_fa3")
 
 
 def test_plan_per_forward_and_pass_run_per_layer(empty_rows):
@@ -178,6 +184,8 @@ def test_scenarios_through_the_adapters(empty_rows, kinds, scenario, gen):
     runner = ScenarioRunner(cache, gen, random_sm_scale(gen, cfg.head_dim), fine_grained=True)
     runner.run(SCENARIOS[scenario](cfg.page_size), scenario)
     assert fake.count(f"{MHA_KINDS[kinds]['attn_prefill_ragged']}.ragged_run") > 0
+    if MHA_KINDS[kinds]["attn_decode_paged"] != "decode":
+        assert fake.count("decode.run") == 0
     assert not fake.offsets, f"tensor arguments FlashInfer would misread (byte_offset or NULL strides): {fake.offsets[:4]}"
 
 
@@ -236,13 +244,30 @@ def test_windowed_forward_is_one_causal_pass(empty_rows):
     assert all(r["mask_mode_code"] == 1 and r["window_left"] == 5 for r in runs)  # causal
 
 
+def test_tensor_core_decode_plans(empty_rows):
+    """attn_decode_paged on the prefill kernel: one non-causal plan per decode pass with q_indptr 0..B (the
+    stand-in checks uniform_q_len 1 as FlashInfer's decode wrapper plans it), run per layer with paged_run."""
+    cfg = MHA_CFG
+    cache, fake = make_cache(cfg, empty_rows, MHA_KINDS["tc-fa2"])
+    for seq, n in ((0, 6), (1, 3), (2, 9)):
+        cache.add_sequence(seq)
+        _step(cache, cfg, [seq], [n], 0.25)
+    fake.calls.clear()
+    _step(cache, cfg, [0, 1, 2], [1, 1, 1], 0.125)
+    plans = [c for n, c in fake.calls if n == "prefill_fa2.plan"]
+    assert len(plans) == 1 and plans[0]["qo_indptr"] == [0, 1, 2, 3] and plans[0]["kv_len_arr"] == [7, 4, 10]
+    assert fake.count("prefill_fa2.paged_run") == cfg.num_layers and fake.count("decode.run") == 0
+    assert not fake.offsets
+
+
+@pytest.mark.parametrize("kind", MLA_KINDS)
 @pytest.mark.parametrize("scenario", list(SCENARIOS))
-def test_mla_scenarios_through_the_adapters(empty_rows, scenario, gen):
+def test_mla_scenarios_through_the_adapters(empty_rows, kind, scenario, gen):
     cfg = MLA_CFG.replace(**SCENARIO_CAPACITY)
-    cache, fake = make_cache(cfg, empty_rows, {op: "mla" for op in MLA_FI_OPS})
+    cache, fake = make_cache(cfg, empty_rows, {op: kind for op in MLA_FI_OPS})
     runner = ScenarioRunner(cache, gen, random_sm_scale(gen, cfg.head_dim))
     runner.run(SCENARIOS[scenario](cfg.page_size), scenario)
-    assert fake.count("mla.run") > 0
+    assert fake.count(f"{kind}.run") > 0
     assert not fake.offsets, f"tensor arguments FlashInfer would misread (byte_offset or NULL strides): {fake.offsets[:4]}"
 
 
@@ -275,6 +300,40 @@ def test_mla_plan_and_views(empty_rows):
         assert run["sm_scale"] == pytest.approx(0.2) and run["page_size"] == ps and run["num_heads"] == 3
 
 
+def test_mla_pass_larger_than_the_planner_is_split(empty_rows, gen):
+    """128 heads x 8000 queries are 16000 query tiles, more than FlashInfer's MLA planner holds (16384 work
+    items less the KV splits): the adapter plans the pass as sub-plans that fit (the stand-in asserts the
+    limit), splitting an entry by queries, and the result equals one exact attention over the cache."""
+    heads, n_new, n_old = 128, 8000, 37
+    cfg = KVCacheConfig.mla(num_layers=1, num_heads=heads, kv_lora_rank=32, qk_nope_head_dim=16,
+                            qk_rope_head_dim=16, v_head_dim=16, dtype="float32", page_size=16, max_batch_size=2,
+                            max_total_seq_len=8192, prefill_chunk_size=8192)
+    cache, fake = make_cache(cfg, empty_rows, {op: "mla_fa3" for op in MLA_FI_OPS})
+    for seq in (0, 1):
+        cache.add_sequence(seq)
+    kv_old = torch.randn(n_old + 5, cfg.latent_dim, generator=gen)
+    cache.begin_forward([0, 1], [n_old, 5])
+    cache.append_mla_kv(0, kv_old)
+    cache.end_forward()
+    fake.calls.clear()
+    cache.begin_forward([0, 1], [n_new, 3])
+    cache.append_mla_kv(0, torch.randn(n_new + 3, cfg.latent_dim, generator=gen))
+    q = torch.randn(n_new + 3, heads, cfg.latent_dim, generator=gen)
+    o, lse = cache.cross_attention(0, q, 0.15)
+    cache.end_forward()
+    plans = [c for n, c in fake.calls if n == "mla_fa3.plan"]
+    assert len(plans) == 2 and [p["qo_indptr"][-1] for p in plans] == [7680, n_new + 3 - 7680]
+    assert plans[0]["kv_len"] == [n_old] and plans[1]["kv_len"] == [n_old, 5]  # entry 0 split by queries
+    r = cfg.kv_lora_rank
+    for rows, keys in ((slice(0, n_new), kv_old[:n_old]), (slice(n_new, None), kv_old[n_old:])):
+        s = torch.einsum("nhd,ld->nhl", q[rows].double(), keys.double()) * 0.15
+        ref = torch.einsum("nhl,ld->nhd", torch.softmax(s, -1), keys[:, :r].double())
+        err = (o[rows].double() - ref).norm() / ref.norm()
+        assert err < 1e-5, err
+        assert torch.allclose(lse[rows].double(), torch.logsumexp(s, -1) / torch.log(torch.tensor(2.0)),
+                              atol=1e-4)
+
+
 def test_op_table_entry_is_checked(empty_rows):
     cfg = MHA_CFG
     from pagedkv import ops as O
@@ -290,8 +349,8 @@ def test_op_table_entry_is_checked(empty_rows):
     good = fake.entry("attn_decode_paged", "decode", empty_rows[1])
     with pytest.raises(ValueError, match=r"takes \[module_kind, empty_rows, plan, run\]"):
         create(good[:2] + good[4:])
-    with pytest.raises(ValueError, match="takes a FlashInfer decode module, got 'prefill_fa2'"):
-        create(good[:2] + ["prefill_fa2"] + good[3:])
+    with pytest.raises(ValueError, match="takes a FlashInfer decode, prefill_fa2, prefill_fa3 module, got 'mla'"):
+        create(good[:2] + ["mla"] + good[3:])
     with pytest.raises(ValueError, match="takes a FlashInfer prefill_fa2, prefill_fa3 module"):
         create(["attn_prefill_paged", "flashinfer", "mla"] + good[3:])
     assert abi.DECODE_RUN.num_args == 19

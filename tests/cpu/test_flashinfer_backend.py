@@ -68,19 +68,42 @@ def test_mla_ops_and_reasons():
     small = KVCacheConfig.mla(num_layers=1, num_heads=4, kv_lora_rank=64, qk_nope_head_dim=32, qk_rope_head_dim=32,
                               v_head_dim=32, dtype="float16")
     assert any("MLA head dims (ckv 64, kpe 32) not supported" in r for r in _reasons(small, op=ops.MLA_ATTN_DECODE_PAGED))
-    big = MLA.replace(num_qo_heads=128, num_kv_heads=128, prefill_chunk_size=8192)
-    assert any("MLA work items" in r for r in _reasons(big, op=ops.MLA_ATTN_PREFILL_PAGED))
+    # DeepSeek-V3's 128 heads at a 16K chunk: the adapter splits passes the MLA planner cannot hold at once
+    big = MLA.replace(num_qo_heads=128, num_kv_heads=128, prefill_chunk_size=16384)
+    assert not [r for r in _reasons(big, op=ops.MLA_ATTN_PREFILL_PAGED) if "work items" in r]
     assert _reasons(MLA, op=ops.ATTN_DECODE_PAGED) == ["op 'attn_decode_paged' is not an op of mla layers"]
     assert _reasons(CFG, op=ops.MLA_ATTN_DECODE_PAGED) == ["op 'mla_attn_decode_paged' is not an op of mha layers"]
 
 
 def test_module_kinds():
-    assert fib.module_kind(ops.ATTN_PREFILL_RAGGED, "sm_90") == "prefill_fa3"
-    assert fib.module_kind(ops.ATTN_PREFILL_RAGGED, "sm_80") == "prefill_fa2"
-    assert fib.module_kind(ops.ATTN_PREFILL_PAGED, "sm_90") == "prefill_fa2"
-    assert fib.module_kind(ops.MLA_ATTN_PREFILL_PAGED, "sm_90") == "mla"
-    # a windowed cache's ragged op attends no key: the paged op's fa2 module serves it
-    assert fib.module_kind(ops.ATTN_PREFILL_RAGGED, "sm_90", windowed=True) == "prefill_fa2"
+    kind = fib.module_kind
+    assert kind(ops.ATTN_PREFILL_RAGGED, CFG, "sm_90") == "prefill_fa3"
+    assert kind(ops.ATTN_PREFILL_RAGGED, CFG, "sm_80") == "prefill_fa2"
+    assert kind(ops.ATTN_PREFILL_PAGED, CFG, "sm_90") == "prefill_fa3"
+    assert kind(ops.ATTN_PREFILL_PAGED, CFG, "sm_80") == "prefill_fa2"
+    assert kind(ops.MLA_ATTN_PREFILL_PAGED, MLA, "sm_90") == "mla_fa3"
+    assert kind(ops.MLA_ATTN_DECODE_PAGED, MLA, "sm_80") == "mla"
+    # decode: tensor cores from a GQA group of 4, the CUDA-core kernel below
+    assert kind(ops.ATTN_DECODE_PAGED, CFG.replace(num_qo_heads=32, num_kv_heads=8), "sm_90") == "prefill_fa2"
+    assert kind(ops.ATTN_DECODE_PAGED, CFG.replace(num_qo_heads=16, num_kv_heads=8), "sm_90") == "decode"
+    # a windowed cache's prefill ops share the fa2 module
+    windowed = CFG.replace(sliding_window=64)
+    assert kind(ops.ATTN_PREFILL_RAGGED, windowed, "sm_90") == kind(ops.ATTN_PREFILL_PAGED, windowed, "sm_90") \
+        == "prefill_fa2"
+
+
+def test_forced_modules():
+    with fib.forced_modules({ops.ATTN_DECODE_PAGED: "prefill_fa3", ops.MLA_ATTN_DECODE_PAGED: "mla"}):
+        assert fib.module_kind(ops.ATTN_DECODE_PAGED, CFG, "sm_90") == "prefill_fa3"
+        assert fib.module_kind(ops.MLA_ATTN_DECODE_PAGED, MLA, "sm_90") == "mla"
+        key = fib.FlashInferBackend().key_part(CFG, SM90, (ops.ATTN_DECODE_PAGED,))
+    assert key != fib.FlashInferBackend().key_part(CFG, SM90, (ops.ATTN_DECODE_PAGED,))
+    with pytest.raises(ValueError, match="runs on decode, prefill_fa2, prefill_fa3, not 'mla'"):
+        with fib.forced_modules({ops.ATTN_DECODE_PAGED: "mla"}):
+            pass
+    with pytest.raises(ValueError, match="not a FlashInfer op"):
+        with fib.forced_modules({ops.SPLIT_ROTARY: "decode"}):
+            pass
 
 
 def test_module_specs_follow_the_attention_options():

@@ -1,27 +1,35 @@
 """The FlashInfer backend: FlashInfer 0.7.4 JIT modules, built at model compile time and linked into the model
 library (``pagedkv.flashinfer``), driven by the runtime's "flashinfer" adapters (``src/flashinfer_adapter.cc``).
 
-Ops and the module each runs on:
+Ops and the module each runs on by default (``module_kind``; chosen by measurement on the H200 with
+``benchmarks/bench_gpu.py``, see BENCHMARKS.md):
 
 ========================== ====================================================================
-``attn_decode_paged``      ``decode`` (batch decode; plan per decode pass, run per layer)
-``attn_prefill_ragged``    ``prefill_fa3`` on sm_90 (Hopper), else ``prefill_fa2`` (plan once per
-                           prefill forward, causal)
-``attn_prefill_paged``     ``prefill_fa2`` (plan per pass, non-causal; its passes include the short
-                           shared-prefix passes of decode forwards, where FlashInfer itself prefers fa2)
-``mla_attn_decode_paged``  ``mla`` (fa2 MLA; plan per decode pass)
-``mla_attn_prefill_paged`` ``mla`` (plan per pass, non-causal)
+``attn_decode_paged``      GQA group >= ``TENSOR_CORE_DECODE_MIN_GROUP``: ``prefill_fa2`` (FlashInfer's
+                           "tensor-core decode": its paged prefill kernel with one query row per
+                           entry, as its own decode wrapper does with ``use_tensor_cores=True``);
+                           smaller groups: ``decode`` (the CUDA-core decode kernel)
+``attn_prefill_ragged``    ``prefill_fa3`` on sm_90 (Hopper), else ``prefill_fa2`` (causal)
+``attn_prefill_paged``     ``prefill_fa3`` on sm_90, else ``prefill_fa2`` (non-causal passes, and the
+                           shared-prefix passes of decode forwards)
+``mla_attn_decode_paged``  ``mla_fa3`` on sm_90, else ``mla`` (fa2 MLA)
+``mla_attn_prefill_paged`` ``mla_fa3`` on sm_90, else ``mla`` (non-causal passes)
 ========================== ====================================================================
 
-``PAGEDKV_FLASHINFER_FA3=0`` makes ``attn_prefill_ragged`` use fa2 on sm_90 too (the choice is part of the
-kernel-library key). Every reason the backend cannot serve an op is reported, so an explicit
+A windowed cache keeps the fa2 prefill module for its prefill ops (its passes are through passes; one
+module serves both and no fa3 window module is built). ``forced_modules({op: kind})`` (or
+``PAGEDKV_FLASHINFER_MODULES="op=kind,..."``) runs an op on another kind it can run on (``CHOICES``), for
+benchmarks and tests; ``PAGEDKV_FLASHINFER_FA3=0`` keeps every op off the fa3 kinds. The kind per op is
+part of the kernel-library key. Every reason the backend cannot serve an op is reported, so an explicit
 ``backend="flashinfer"`` fails at compile time listing them, and automatic selection records them.
 """
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import os
-from typing import Any
+from typing import Any, Iterator, Mapping
 
 from .. import ops
 from ..config import KVCacheConfig
@@ -37,38 +45,81 @@ GROUP_SIZES = (1, 2, 3, 4, 6, 8, 16)
 MHA_OPS = (ops.ATTN_DECODE_PAGED, ops.ATTN_PREFILL_RAGGED, ops.ATTN_PREFILL_PAGED)
 MLA_OPS = (ops.MLA_ATTN_DECODE_PAGED, ops.MLA_ATTN_PREFILL_PAGED)
 
-#: FlashInfer's MLA planner holds at most this many work items (scheduler.cuh MLAPlan); a pass needs one per
-#: 64 packed (token, head) rows of an entry plus at most one KV split per SM (``MLA_MAX_SPLITS``).
-MLA_MAX_WORKS = 16384
-MLA_MAX_SPLITS = 1024
+#: The module kinds each op can run on (the runtime has an adapter for each pair).
+CHOICES: dict[str, tuple[str, ...]] = {
+    ops.ATTN_DECODE_PAGED: ("decode", "prefill_fa2", "prefill_fa3"),
+    ops.ATTN_PREFILL_RAGGED: ("prefill_fa2", "prefill_fa3"),
+    ops.ATTN_PREFILL_PAGED: ("prefill_fa2", "prefill_fa3"),
+    ops.MLA_ATTN_DECODE_PAGED: ("mla", "mla_fa3"),
+    ops.MLA_ATTN_PREFILL_PAGED: ("mla", "mla_fa3"),
+}
+#: From this GQA group size on, decode runs on the prefill kernel's tensor cores: a group's query rows
+#: share each K/V tile in one MMA. FlashInfer's own heuristic and upstream TVM switch at 4 too; the
+#: crossover measured on the H200 is in BENCHMARKS.md.
+TENSOR_CORE_DECODE_MIN_GROUP = 4
+
+_FORCED: contextvars.ContextVar[tuple] = contextvars.ContextVar("pagedkv_flashinfer_forced", default=())
+
+
+def _normalize(modules: Mapping[str, str]) -> tuple:
+    out = []
+    for op, kind in sorted(modules.items()):
+        if op not in CHOICES:
+            raise ValueError(f"forced_modules: op {op!r} is not a FlashInfer op (ops: {', '.join(CHOICES)})")
+        if kind not in CHOICES[op]:
+            raise ValueError(f"forced_modules: op {op!r} runs on {', '.join(CHOICES[op])}, not {kind!r}")
+        out.append((op, kind))
+    return tuple(out)
+
+
+@contextlib.contextmanager
+def forced_modules(modules: Mapping[str, str]) -> Iterator[tuple]:
+    """Within the block, ``op`` runs on module kind ``modules[op]`` (one of ``CHOICES[op]``)."""
+    token = _FORCED.set(_normalize(modules))
+    try:
+        yield _FORCED.get()
+    finally:
+        _FORCED.reset(token)
+
+
+def current_forced_modules() -> dict[str, str]:
+    """``forced_modules``' choices, else those of ``PAGEDKV_FLASHINFER_MODULES`` ("op=kind,...")."""
+    if _FORCED.get():
+        return dict(_FORCED.get())
+    env = os.environ.get("PAGEDKV_FLASHINFER_MODULES", "").strip()
+    if not env:
+        return {}
+    pairs = dict(item.split("=", 1) for item in env.split(",") if item.strip())
+    return dict(_normalize({k.strip(): v.strip() for k, v in pairs.items()}))
 
 
 def use_fa3() -> bool:
     return os.environ.get("PAGEDKV_FLASHINFER_FA3", "1") != "0"
 
 
-def module_kind(op: str, arch: str | None, *, windowed: bool = False) -> str:
-    """The FlashInfer module kind that serves ``op`` on ``arch`` (see the module docstring)."""
+def module_kind(op: str, config: KVCacheConfig, arch: str | None) -> str:
+    """The FlashInfer module kind that serves ``op`` of ``config`` on ``arch`` (see the module docstring)."""
+    if op not in CHOICES:
+        raise ValueError(f"no FlashInfer module for op {op!r}")
+    forced = current_forced_modules().get(op)
+    if forced is not None:
+        return forced
+    fa3 = arch == "sm_90" and use_fa3()
+    windowed = config.sliding_window > 0
     if op == ops.ATTN_DECODE_PAGED:
-        return "decode"
-    if op == ops.ATTN_PREFILL_RAGGED:
-        # A windowed cache's ragged calls attend no key (self_attention of a through forward): fa2, the
-        # module attn_prefill_paged links anyway, saves a second prefill module build.
-        return "prefill_fa3" if arch == "sm_90" and use_fa3() and not windowed else "prefill_fa2"
-    if op == ops.ATTN_PREFILL_PAGED:
-        return "prefill_fa2"
-    if op in MLA_OPS:
-        return "mla"
-    raise ValueError(f"no FlashInfer module for op {op!r}")
+        return "prefill_fa2" if config.group_size >= TENSOR_CORE_DECODE_MIN_GROUP else "decode"
+    if op in (ops.ATTN_PREFILL_RAGGED, ops.ATTN_PREFILL_PAGED):
+        return "prefill_fa3" if fa3 and not windowed else "prefill_fa2"
+    return "mla_fa3" if fa3 else "mla"
 
 
 def module_spec(op: str, config: KVCacheConfig, arch: str):
     """The FlashInfer module that serves ``op`` for ``config`` (raises ValueError listing why there is none)."""
-    from ..flashinfer import ModuleSpec
+    from ..flashinfer import MLA_KINDS, ModuleSpec
 
-    kind = module_kind(op, arch, windowed=config.sliding_window > 0)
-    if kind == "mla":
-        return ModuleSpec("mla", config.dtype, config.dtype, config.dtype, config.kv_lora_rank,
+    kind = module_kind(op, config, arch)
+    if kind in MLA_KINDS:
+        return ModuleSpec(kind, config.dtype, config.dtype, config.dtype, config.kv_lora_rank,
                           config.qk_rope_head_dim, arch=arch)
     # the v head dim of attn_prefill_ragged is v_head_dim; the paged ops read pages of head_dim
     vo = config.v_dim if op == ops.ATTN_PREFILL_RAGGED else config.head_dim
@@ -79,9 +130,13 @@ def module_spec(op: str, config: KVCacheConfig, arch: str):
                       use_logits_soft_cap=config.logits_soft_cap > 0)
 
 
-def run_function(op: str) -> str:
+def run_function(op: str, kind: str) -> str:
     """The module function the op's adapter runs (after ``plan``)."""
-    return {ops.ATTN_PREFILL_RAGGED: "ragged_run", ops.ATTN_PREFILL_PAGED: "paged_run"}.get(op, "run")
+    if op == ops.ATTN_PREFILL_RAGGED:
+        return "ragged_run"
+    if op == ops.ATTN_PREFILL_PAGED or kind.startswith("prefill_"):
+        return "paged_run"
+    return "run"
 
 
 class FlashInferBackend(Backend):
@@ -108,16 +163,10 @@ class FlashInferBackend(Backend):
             if config.num_qo_heads % config.num_kv_heads:
                 reasons.append(f"num_qo_heads {config.num_qo_heads} is not a multiple of num_kv_heads "
                                f"{config.num_kv_heads}")
-            elif op == ops.ATTN_DECODE_PAGED and config.group_size not in GROUP_SIZES:
+            elif (op == ops.ATTN_DECODE_PAGED and module_kind(op, config, target_arch(target)) == "decode"
+                  and config.group_size not in GROUP_SIZES):
                 reasons.append(f"GQA group size {config.num_qo_heads}/{config.num_kv_heads} not supported by "
                                f"the decode kernels (FlashInfer 0.7.4 dispatches {GROUP_SIZES})")
-        else:
-            # one pass holds at most prefill_chunk_size queries over at most max_batch_size entries
-            works = (config.prefill_chunk_size * config.num_qo_heads + 63) // 64 + config.max_batch_size
-            if works + MLA_MAX_SPLITS > MLA_MAX_WORKS:
-                reasons.append(f"a pass of prefill_chunk_size={config.prefill_chunk_size} tokens x "
-                               f"{config.num_qo_heads} heads needs up to {works + MLA_MAX_SPLITS} MLA work items, "
-                               f"more than FlashInfer's planner holds ({MLA_MAX_WORKS})")
         arch = target_arch(target)
         if arch is None:
             reasons.append("the CUDA target names no arch (FlashInfer modules are built for one)")
@@ -139,8 +188,7 @@ class FlashInferBackend(Backend):
         ``module_kind``): a library built with other modules never stands in for this one."""
         from ..flashinfer.spec import FLASHINFER_VERSION, RECIPE_VERSION
 
-        return [FLASHINFER_VERSION, RECIPE_VERSION,
-                {op: module_kind(op, target_arch(target), windowed=config.sliding_window > 0) for op in ops}]
+        return [FLASHINFER_VERSION, RECIPE_VERSION, {op: module_kind(op, config, target_arch(target)) for op in ops}]
 
     def describe(self, op: str, config: KVCacheConfig, target: Any) -> str:
         return f"module {module_spec(op, config, target_arch(target)).kind}"
@@ -154,7 +202,7 @@ class FlashInferBackend(Backend):
 
         spec = module_spec(op, config, target_arch(target))
         built = build_module(spec)
-        names = (built.symbol("plan"), built.symbol(run_function(op)))
+        names = (built.symbol("plan"), built.symbol(run_function(op, spec.kind)))
         helper = make_empty_rows(config.dtype, target)
         from ..flashinfer.link import export_options
 

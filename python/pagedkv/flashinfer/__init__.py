@@ -19,7 +19,7 @@ Nothing here imports flashinfer or torch in the calling process.
 from . import abi
 from .build import (BuiltModule, FlashInferUnavailable, build_module, build_modules, cache_root,
                     installed_version, unavailable_reasons)
-from .spec import FLASHINFER_VERSION, KINDS, ModuleSpec
+from .spec import FLASHINFER_VERSION, KINDS, MLA_KINDS, ModuleSpec
 
-__all__ = ["abi", "BuiltModule", "FlashInferUnavailable", "ModuleSpec", "KINDS", "FLASHINFER_VERSION",
+__all__ = ["abi", "BuiltModule", "FlashInferUnavailable", "ModuleSpec", "KINDS", "MLA_KINDS", "FLASHINFER_VERSION",
            "build_module", "build_modules", "cache_root", "installed_version", "unavailable_reasons"]

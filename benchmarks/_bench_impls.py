@@ -1,0 +1,224 @@
+"""Implementations ``bench_gpu.py`` times on each workload, all on the same inputs (``_bench_workloads``).
+
+Each builder returns ``run() -> out`` (out: ``[n, Hq, D|R]``, preallocated: nothing is allocated inside a
+timed call), or raises ``Unavailable`` saying why the implementation does not apply to the workload.
+
+- ``fi:*``: FlashInfer 0.7.4 through its own Python wrappers (plan once, run timed), every variant:
+  decode on CUDA cores and on tensor cores (fa2, fa3), ragged and paged prefill (fa2, fa3), MLA (fa2, fa3);
+- ``pagedkv-fi`` / ``pagedkv-tir``: a pagedkv cache (``pagedkv.create``) with the FlashInfer backend (TIR
+  for what it does not serve) or TIR only; the runtime call a model makes per layer is timed (decode:
+  ``cross_attention`` in a decode forward; prefill: ``self_attention`` of fresh tokens, or for a chunk over
+  a cache ``cross_attention`` + ``self_attention`` + ``merge_attn_output_inplace``, as a model layer does),
+  with ``begin_forward`` (where FlashInfer plans) done once outside the timing, as in a model;
+- ``upstream``: apache-tvm 0.27's own CUDA TIR kernels (fp16, 32/8/128 only: the bundle builds that shape);
+- ``torch-sdpa``: ``scaled_dot_product_attention`` on dense tensors (equal lengths only).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from _bench_workloads import (D, HKV, MLA_PS, MLA_R, MLA_ROPE, PS, TORCH_DTYPES, Inputs, Workload,
+                              sm_scale)
+
+TARGET = {"kind": "cuda", "arch": "sm_90"}
+#: where the benchmark runs (a CPU test of the benchmark's plumbing sets "cpu" and TARGET "llvm")
+DEVICE = "cuda"
+PAGEDKV_BACKENDS = {"pagedkv-fi": ["flashinfer", "tir"], "pagedkv-tir": "tir"}
+_WS_BYTES = 512 << 20  # FlashInfer's own wrappers get a generous float workspace
+
+
+class Unavailable(Exception):
+    """This implementation does not apply to the workload (the message says why)."""
+
+
+def _out(w: Workload, x: Inputs) -> torch.Tensor:
+    return torch.empty(x.q.shape[0], w.hq, MLA_R if w.mla else D, dtype=x.q.dtype, device=x.q.device)
+
+
+# --------------------------------------------------------------------------------------------------
+# FlashInfer's own API
+# --------------------------------------------------------------------------------------------------
+def fi_variants(w: Workload) -> list[str]:
+    if w.kind == "decode":
+        return ["fi:decode", "fi:tc-fa2", "fi:tc-fa3"]
+    if w.kind == "prefill":
+        return ["fi:ragged-fa2", "fi:ragged-fa3", "fi:paged-fa2", "fi:paged-fa3"]
+    return ["fi:mla-fa2", "fi:mla-fa3"]
+
+
+def fi_impl(fi, variant: str, w: Workload, x: Inputs):
+    ws = torch.empty(_WS_BYTES, dtype=torch.uint8, device=DEVICE)
+    dt, scale, o = TORCH_DTYPES[w.dtype], sm_scale(w), _out(w, x)
+    kind, _, backend = variant[3:].partition("-")
+    if w.kind == "decode":
+        if kind == "decode" and w.hq // HKV not in (1, 2, 3, 4, 6, 8, 16):
+            raise Unavailable(f"the CUDA-core decode kernel has no GQA group {w.hq // HKV}")
+        tc = kind == "tc"
+        wrap = fi.BatchDecodeWithPagedKVCacheWrapper(ws, "HND", use_tensor_cores=tc,
+                                                     backend=backend if tc else "auto")
+        wrap.plan(x.indptr, x.indices, x.last, w.hq, HKV, D, PS, q_data_type=dt, kv_data_type=dt, sm_scale=scale)
+        return lambda: wrap.run(x.q, x.pages, out=o)
+    if w.kind == "prefill":
+        if kind == "ragged":
+            k, v = torch.cat(x.k), torch.cat(x.v)
+            kv_indptr = torch.tensor([0] + torch.tensor(w.keys).cumsum(0).tolist(), dtype=torch.int32,
+                                     device=DEVICE)
+            wrap = fi.BatchPrefillWithRaggedKVCacheWrapper(ws, "NHD", backend=backend)
+            wrap.plan(x.qo_indptr, kv_indptr, w.hq, HKV, D, causal=True, sm_scale=scale, q_data_type=dt,
+                      kv_data_type=dt)
+            return lambda: wrap.run(x.q, k, v, out=o)
+        wrap = fi.BatchPrefillWithPagedKVCacheWrapper(ws, "HND", backend=backend)
+        wrap.plan(x.qo_indptr, x.indptr, x.indices, x.last, w.hq, HKV, D, PS, causal=True, sm_scale=scale,
+                  q_data_type=dt, kv_data_type=dt)
+        return lambda: wrap.run(x.q, x.pages, out=o)
+    from flashinfer.mla import BatchMLAPagedAttentionWrapper
+
+    ckv, kpe = x.pages[..., :MLA_R].contiguous(), x.pages[..., MLA_R:].contiguous()  # FlashInfer's layout
+    q_nope, q_pe = x.q[..., :MLA_R].contiguous(), x.q[..., MLA_R:].contiguous()
+    wrap = BatchMLAPagedAttentionWrapper(ws, backend=backend)
+    wrap.plan(x.qo_indptr, x.indptr, x.indices, x.kv_lens, w.hq, MLA_R, MLA_ROPE, MLA_PS, False, scale, dt, dt)
+    return lambda: wrap.run(q_nope, q_pe, ckv, kpe, out=o)
+
+
+# --------------------------------------------------------------------------------------------------
+# pagedkv
+# --------------------------------------------------------------------------------------------------
+def pagedkv_config(w: Workload):
+    import pagedkv
+
+    cap = dict(max_batch_size=w.batch, max_total_seq_len=sum(w.keys) + w.batch * MLA_PS,
+               prefill_chunk_size=max(w.batch * w.qlen, w.batch, FILL_CHUNK))
+    if w.mla:
+        return pagedkv.KVCacheConfig.mla(num_layers=1, num_heads=w.hq, kv_lora_rank=MLA_R, qk_nope_head_dim=128,
+                                         qk_rope_head_dim=MLA_ROPE, v_head_dim=128, dtype=w.dtype,
+                                         page_size=MLA_PS, **cap)
+    return pagedkv.KVCacheConfig(num_layers=1, num_qo_heads=w.hq, num_kv_heads=HKV, head_dim=D, dtype=w.dtype,
+                                 rope_mode="none", page_size=PS, **cap)
+
+
+#: tokens per reserving forward of ``_fill`` (and the least prefill_chunk_size of a benchmark cache)
+FILL_CHUNK = 16384
+
+
+def _fill(cache, w: Workload, x: Inputs, upto) -> None:
+    """Cache the first ``upto[b]`` keys of each sequence: reserve them in forwards of at most FILL_CHUNK
+    tokens (no attention runs), then write them."""
+    for b in range(w.batch):
+        cache.add_sequence(b)
+    todo = [[b, upto[b]] for b in range(w.batch) if upto[b] > 0]
+    while todo:
+        ids, lens, room = [], [], FILL_CHUNK
+        for item in todo:
+            if room == 0:
+                break
+            take = min(item[1], room)
+            ids.append(item[0])
+            lens.append(take)
+            item[1] -= take
+            room -= take
+        cache.begin_forward(ids, lens)
+        cache.end_forward()
+        todo = [item for item in todo if item[1] > 0]
+    for b in range(w.batch):
+        if upto[b] == 0:
+            continue
+        if w.mla:
+            cache.debug_set_mla_kv(b, 0, x.k[b][None, :upto[b]].contiguous())
+        else:
+            cache.debug_set_kv(b, 0, x.k[b][None, :upto[b]].contiguous(), x.v[b][None, :upto[b]].contiguous())
+
+
+def _dps(cache, name: str, inputs: list, o, lse, scale):
+    from pagedkv.cache import _to_ffi
+
+    args = [_to_ffi(t) for t in (*inputs, o, lse)]
+    return lambda: (cache._call(name, 0, scale, *args), o)[1]  # pylint: disable=protected-access
+
+
+def pagedkv_impl(label: str, w: Workload, x: Inputs):
+    """(run, cache): the cache stays in the forward ``run`` belongs to until the caller ends it."""
+    import pagedkv
+
+    cache = pagedkv.create(pagedkv_config(w), backend=PAGEDKV_BACKENDS[label], target=TARGET, device=DEVICE)
+    scale, o = sm_scale(w), _out(w, x)
+    lse = torch.empty(o.shape[0], w.hq, dtype=torch.float32, device=DEVICE)
+    if w.kind == "prefill":
+        _fill(cache, w, x, list(w.lens))
+        cache.begin_forward(list(range(w.batch)), [w.qlen] * w.batch)
+        new = [slice(n, n + w.qlen) for n in w.lens]
+        k = torch.cat([x.k[b][new[b]] for b in range(w.batch)])
+        v = torch.cat([x.v[b][new[b]] for b in range(w.batch)])
+        self_run = _dps(cache, "self_attention", [x.q, k, v], o, lse, scale)
+        if not any(w.lens):
+            return self_run, cache
+        o2, lse2 = torch.empty_like(o), torch.empty_like(lse)
+        cross_run = _dps(cache, "cross_attention", [x.q], o2, lse2, scale)
+        from pagedkv.cache import _to_ffi
+
+        merge_args = [_to_ffi(t) for t in (o, lse, o2, lse2)]
+
+        def chunk():
+            cross_run()
+            self_run()
+            cache._call("merge_attn_output_inplace", *merge_args)  # pylint: disable=protected-access
+            return o
+        return chunk, cache
+    # decode: every key but the last cached; the decode forward appends the last one
+    _fill(cache, w, x, [n - 1 for n in w.lens])
+    cache.begin_forward(list(range(w.batch)), [1] * w.batch)
+    if w.mla:
+        cache.append_mla_kv(0, torch.stack([x.k[b][-1] for b in range(w.batch)]))
+    else:
+        q0 = torch.zeros(w.batch, w.hq, D, dtype=x.q.dtype, device=DEVICE)
+        qkv = torch.cat([q0, torch.stack([x.k[b][-1] for b in range(w.batch)]),
+                         torch.stack([x.v[b][-1] for b in range(w.batch)])], dim=1)
+        cache.attention_with_fused_qkv(0, qkv, scale)
+    return _dps(cache, "cross_attention", [x.q], o, lse, scale), cache
+
+
+# --------------------------------------------------------------------------------------------------
+# apache-tvm's own kernels and torch SDPA
+# --------------------------------------------------------------------------------------------------
+def upstream_impl(funcs: dict, w: Workload, x: Inputs):
+    if w.dtype != "float16" or w.hq != 32 or w.mla:
+        raise Unavailable("the bundle builds apache-tvm's kernels for fp16 32/8/128 only")
+    import tvm_ffi
+
+    o, lse = _out(w, x), torch.empty(x.q.shape[0], w.hq, dtype=torch.float32, device=DEVICE)
+    ints = dict(dtype=torch.int32, device=DEVICE)
+    if w.kind == "decode":
+        zero = torch.zeros(w.batch, **ints)
+        args = [x.q, x.pages, x.indptr, x.indices, x.last, zero, zero, o, lse]
+        fn, scalars = funcs["attn_decode_paged"], (0, 1.0, 1e4, sm_scale(w))
+    elif not any(w.lens):
+        k, v = torch.cat(x.k), torch.cat(x.v)
+        pos = torch.cat([torch.arange(w.qlen, **ints)] * w.batch)
+        zero = torch.zeros(w.batch, **ints)
+        args = [x.q, x.qo_indptr, k, v, x.qo_indptr, pos, zero, o, lse]
+        fn, scalars = funcs["attn_prefill_ragged"], (1, 0, 1.0, 1e4, sm_scale(w))
+    else:
+        raise Unavailable("a chunk over a cache is three upstream calls; timed for pagedkv only")
+    if isinstance(fn, Exception):
+        raise Unavailable(f"upstream kernels not loaded: {fn}")
+    ffi_args = [tvm_ffi.from_dlpack(t) for t in args] + list(scalars)
+    return lambda: (fn(*ffi_args), o)[1]
+
+
+def sdpa_impl(w: Workload, x: Inputs):
+    if not w.dense_ok():
+        raise Unavailable("ragged lengths (SDPA takes a dense batch)" if not w.mla else "no MLA in SDPA")
+    b, n, m = w.batch, w.keys[0], w.qlen
+    q4 = x.q.view(b, m, w.hq, D).transpose(1, 2)
+    k4 = torch.stack(x.k).transpose(1, 2)
+    v4 = torch.stack(x.v).transpose(1, 2)
+    mask = None
+    if w.kind == "prefill" and n != m:  # bottom-right causal: SDPA's is_causal is top-left
+        mask = torch.arange(n, device=DEVICE)[None, :] <= (n - m + torch.arange(m, device=DEVICE))[:, None]
+    causal = w.kind == "prefill" and n == m
+
+    def run():
+        o4 = torch.nn.functional.scaled_dot_product_attention(q4, k4, v4, attn_mask=mask, is_causal=causal,
+                                                              scale=sm_scale(w), enable_gqa=True)
+        return o4.transpose(1, 2).reshape(-1, w.hq, D)
+    return run

@@ -1,0 +1,280 @@
+"""One-process GPU attention benchmark: pagedkv (FlashInfer and TIR backends) side by side with FlashInfer
+0.7.4's own Python API (every variant), apache-tvm 0.27's own TIR kernels and torch SDPA, against the
+device's ceilings, every output checked against a float32 reference in the same run.
+
+Workloads (``_bench_workloads.workloads``): decode 32/8/128 and 64/8/128 at B x L = 1x32K, 16x4K, 64x4K,
+64x8K, 256x2K and a skewed batch (128 ... 16K); causal prefill (ragged and paged peers) at 1x4K, 16x1K,
+1x16K and a 512-token chunk over 4K cached; MLA decode (DeepSeek latent) at 128 and 16 heads, B 64/128 x
+L 1K/8K; fp16 and bf16. Implementations: ``_bench_impls``. Ceilings: device-to-device copy bandwidth
+(decode: KV bytes / time against it) and a bf16 matmul (prefill and MLA: TFLOP/s against it).
+
+Columns: time (median of CUDA-event timings, L2 flushed before each), TB/s (decode: KV bytes read / time) or
+TFLOP/s, ratio to FlashInfer's best variant on that workload (its time / this time: >= 1 is as fast), ratio
+to the ceiling. A wrong output (relative error >= 1e-2) gets no time, and the run exits non-zero; so does a
+pagedkv implementation that fails. Also the host cost of a decode step (``--host-cost``): ``begin_forward``
+(with FlashInfer's plans) and the per-layer dispatch of a 32-layer 32/8/128 cache at B = 1, 64, 256.
+
+GPU host (``make bench-gpu`` runs it from the bench bundle built by ``make bench-bundle``)::
+
+    source .gpu-bench/bundle/activate.sh && PYTHONPATH=python:benchmarks:$PYTHONPATH \\
+      PAGEDKV_RUNTIME_LIB=.gpu-bench/lib/libpagedkv_runtime.so PAGEDKV_KERNEL_DIR=.gpu-bench/kernels \\
+      python3 benchmarks/bench_gpu.py --bundle .gpu-bench --out $OUT
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import statistics
+import sys
+import time
+import traceback
+from pathlib import Path
+
+import torch
+
+import _bench_impls as impls
+import _bench_workloads as W
+
+TOL = 1e-2
+
+
+def time_ms(run, iters: int, warmup: int, flush: torch.Tensor) -> float:
+    for _ in range(warmup):
+        run()
+    events = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)) for _ in range(iters)]
+    for start, end in events:
+        flush.zero_()
+        start.record()
+        run()
+        end.record()
+    torch.cuda.synchronize()
+    return statistics.median(s.elapsed_time(e) for s, e in events)
+
+
+def ceilings(flush) -> dict:
+    """Device copy bandwidth (bytes read per second: a copy reads and writes, GB/s counts the read) and
+    bf16 matmul TFLOP/s."""
+    src = torch.empty(1 << 30, dtype=torch.uint8, device="cuda")
+    dst = torch.empty_like(src)
+    ms = time_ms(lambda: dst.copy_(src), 20, 3, flush)
+    a = torch.randn(8192, 8192, dtype=torch.bfloat16, device="cuda")
+    b = torch.randn(8192, 8192, dtype=torch.bfloat16, device="cuda")
+    mm = time_ms(lambda: a @ b, 20, 3, flush)
+    return {"copy_read_TBps": (1 << 30) / ms / 1e9, "bf16_matmul_TFLOPs": 2 * 8192 ** 3 / mm / 1e9}
+
+
+def _no_flashinfer():
+    raise impls.Unavailable("flashinfer is not importable here")
+
+
+def _builders(w: W.Workload, fi, upstream: dict) -> dict:
+    """impl name -> ``build() -> (run, cache or None)``, in the order they are measured."""
+    out = {}
+    for v in impls.fi_variants(w):
+        out[v] = (lambda v=v: (impls.fi_impl(fi, v, w, X), None)) if fi is not None else _no_flashinfer
+    for label in impls.PAGEDKV_BACKENDS:
+        out[label] = lambda label=label: impls.pagedkv_impl(label, w, X)
+    out["upstream"] = lambda: (impls.upstream_impl(upstream, w, X), None)
+    out["torch-sdpa"] = lambda: (impls.sdpa_impl(w, X), None)
+    return out
+
+
+X: W.Inputs | None = None  # the current workload's inputs (builders read it)
+
+
+def measure(w: W.Workload, name: str, build, ref, args, flush) -> dict:
+    row = {"workload": w.name, "kind": w.kind, "dtype": w.dtype, "impl": name}
+    cache = None
+    try:
+        run, cache = build()
+        out = run()
+        torch.cuda.synchronize()
+        row["rel_err"] = W.rel_err(out, ref)
+        if not row["rel_err"] < TOL:
+            row["status"] = f"WRONG: rel err {row['rel_err']:.2e} >= {TOL}"
+            return row
+        row["ms"] = time_ms(run, args.iters, args.warmup, flush)
+        row["status"] = "ok"
+        if cache is not None:
+            row["served_by"] = dict(cache.op_backends)
+    except impls.Unavailable as e:
+        row["status"] = f"n/a: {e}"
+    except Exception as e:  # noqa: BLE001
+        traceback.print_exc()
+        row["status"] = f"error: {type(e).__name__}: {e}".replace("\n", " ")[:300]
+    finally:
+        if cache is not None:
+            try:
+                cache.end_forward()
+            except Exception:  # noqa: BLE001
+                pass
+    return row
+
+
+def run_workload(w: W.Workload, fi, upstream, args, flush, ceil) -> list[dict]:
+    global X
+    t0 = time.perf_counter()
+    gen = torch.Generator(device="cuda").manual_seed(hash(w.name) % (1 << 31))
+    X = W.make_inputs(w, gen)
+    ref = W.reference(w, X)
+    rows = [measure(w, name, b, ref, args, flush) for name, b in _builders(w, fi, upstream).items()]
+    best = min((r["ms"] for r in rows if r["impl"].startswith("fi:") and "ms" in r), default=math.nan)
+    for r in rows:
+        if "ms" not in r:
+            continue
+        if w.kind == "decode":
+            r["TBps"] = w.kv_bytes() / r["ms"] / 1e9
+            r["vs_ceiling"] = r["TBps"] / ceil["copy_read_TBps"]
+        else:
+            r["TFLOPs"] = w.flops() / r["ms"] / 1e9
+            r["vs_ceiling"] = r["TFLOPs"] / ceil["bf16_matmul_TFLOPs"]
+        r["vs_fi_best"] = best / r["ms"]
+    X = None
+    del ref
+    torch.cuda.empty_cache()
+    print(f"[bench] {w.name}: {time.perf_counter() - t0:.1f} s", flush=True)
+    return rows
+
+
+def host_cost(args) -> list[dict]:
+    """Host time of a decode step of a 32-layer 32/8/128 fp16 cache with the FlashInfer backend."""
+    import pagedkv
+    from pagedkv.cache import _to_ffi
+
+    out = []
+    for batch, length in ((1, 4096), (64, 4096), (256, 2048)):
+        cfg = pagedkv.KVCacheConfig(num_layers=32, num_qo_heads=32, num_kv_heads=8, head_dim=128,
+                                    dtype="float16", rope_mode="none", page_size=16, max_batch_size=batch,
+                                    max_total_seq_len=batch * (length + 64), prefill_chunk_size=max(batch, 16))
+        cache = pagedkv.create(cfg, backend=impls.PAGEDKV_BACKENDS["pagedkv-fi"], target=impls.TARGET,
+                               device="cuda")
+        for b in range(batch):
+            cache.add_sequence(b)
+        cache.begin_forward(list(range(batch)), [length] * batch)
+        cache.end_forward()
+        kv = torch.randn(32, length, 8, 128, dtype=torch.float16, device="cuda")
+        for b in range(batch):
+            cache.debug_set_kv(b, 0, kv, kv)
+        qkv = torch.randn(batch, 48, 128, dtype=torch.float16, device="cuda")
+        o = torch.empty(batch, 32, 128, dtype=torch.float16, device="cuda")
+        fq, fo = _to_ffi(qkv), _to_ffi(o)
+        ids, ones = list(range(batch)), [1] * batch
+        steps = []
+        for step in range(args.host_steps):
+            torch.cuda.synchronize()
+            t0 = time.perf_counter()
+            cache.begin_forward(ids, ones)
+            t1 = time.perf_counter()
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            for layer in range(32):
+                cache._call("attention_with_fused_qkv", layer, 0.088, fq, fo)  # pylint: disable=protected-access
+            end.record()
+            t2 = time.perf_counter()
+            cache.end_forward()
+            torch.cuda.synchronize()
+            if step >= 2:
+                steps.append((t1 - t0, t2 - t1, start.elapsed_time(end) / 1e3))
+        bf, disp, gpu = (statistics.median(s[i] for s in steps) for i in range(3))
+        out.append({"batch": batch, "length": length, "begin_forward_us": bf * 1e6, "dispatch_us": disp * 1e6,
+                    "gpu_attention_us": gpu * 1e6, "host_share": (bf + disp) / gpu,
+                    "served_by": dict(cache.op_backends)})
+        print(f"[host] B={batch}: begin_forward {bf * 1e6:.0f} us, 32-layer dispatch {disp * 1e6:.0f} us, "
+              f"GPU {gpu * 1e6:.0f} us, host share {(bf + disp) / gpu:.1%}", flush=True)
+        del cache, kv
+        torch.cuda.empty_cache()
+    return out
+
+
+def print_table(rows: list[dict]) -> None:
+    print(f"\n{'workload':34s} {'impl':12s} {'ms':>9s} {'TB/s|TF/s':>9s} {'vs FI best':>10s} {'vs ceil':>8s} "
+          f"{'err':>8s}  status")
+    for r in rows:
+        ms = f"{r['ms']:9.4f}" if "ms" in r else f"{'-':>9s}"
+        rate = r.get("TBps", r.get("TFLOPs"))
+        rate = f"{rate:9.2f}" if rate is not None else f"{'-':>9s}"
+        vs = f"{r['vs_fi_best']:10.3f}" if "vs_fi_best" in r else f"{'-':>10s}"
+        vc = f"{r['vs_ceiling']:8.3f}" if "vs_ceiling" in r else f"{'-':>8s}"
+        err = f"{r['rel_err']:8.1e}" if "rel_err" in r else f"{'-':>8s}"
+        print(f"{r['workload']:34s} {r['impl']:12s} {ms} {rate} {vs} {vc} {err}  {r['status'][:60]}")
+
+
+def write_plot(rows: list[dict], path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    names = sorted({r["workload"] for r in rows}, key=[r["workload"] for r in rows].index)
+    labels = ["pagedkv-fi", "pagedkv-tir", "upstream", "torch-sdpa"]
+    fig, ax = plt.subplots(figsize=(max(10, len(names) * 0.35), 4.5))
+    for i, label in enumerate(labels):
+        vals = [next((r["vs_fi_best"] for r in rows if r["workload"] == n and r["impl"] == label
+                      and "vs_fi_best" in r), 0.0) for n in names]
+        ax.bar([j + 0.2 * i for j in range(len(names))], vals, 0.2, label=label)
+    ax.axhline(1.0, color="k", lw=0.8)
+    ax.set_xticks([j + 0.3 for j in range(len(names))], names, rotation=90, fontsize=6)
+    ax.set_ylabel("speed vs FlashInfer's best variant")
+    ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+
+
+def failures(rows: list[dict]) -> list[str]:
+    bad = []
+    for r in rows:
+        if r["status"].startswith("WRONG") or (r["impl"].startswith("pagedkv") and r["status"].startswith("error")):
+            bad.append(f"{r['workload']} {r['impl']}: {r['status']}")
+    return bad
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--bundle", type=Path, default=Path(".gpu-bench"))
+    ap.add_argument("--out", type=Path, default=Path("benchmarks/results"))
+    ap.add_argument("--iters", type=int, default=20)
+    ap.add_argument("--warmup", type=int, default=3)
+    ap.add_argument("--only", default="", help="substring of the workload names to run")
+    ap.add_argument("--dtypes", default="float16,bfloat16")
+    ap.add_argument("--host-steps", type=int, default=12)
+    ap.add_argument("--no-host-cost", action="store_true")
+    args = ap.parse_args(argv)
+    import tvm_ffi
+
+    import _fi_peer
+    import _gpu_bench_support as sup
+
+    try:
+        fi = _fi_peer.activate(args.bundle / "flashinfer")
+    except Exception as e:  # noqa: BLE001
+        traceback.print_exc()
+        print(f"[bench] FlashInfer's own API is not available: {e}", flush=True)
+        fi = None
+    upstream = sup.load_functions(args.bundle)[0]["upstream"]
+    flush = torch.empty(64 << 20, dtype=torch.float32, device="cuda")
+    rows, host = [], []
+    with tvm_ffi.use_torch_stream():
+        ceil = ceilings(flush)
+        print(f"[bench] ceilings: {ceil}", flush=True)
+        for w in W.workloads(tuple(args.dtypes.split(","))):
+            if args.only in w.name:
+                rows += run_workload(w, fi, upstream, args, flush, ceil)
+        if not args.no_host_cost:
+            host = host_cost(args)
+    print_table(rows)
+    args.out.mkdir(parents=True, exist_ok=True)
+    meta = {"date": time.strftime("%Y-%m-%d %H:%M"), "gpu": torch.cuda.get_device_name(), "ceilings": ceil,
+            "torch": torch.__version__, "flashinfer": getattr(fi, "__version__", None), "rows": rows,
+            "host_cost": host}
+    (args.out / "bench_gpu.json").write_text(json.dumps(meta, indent=1))
+    write_plot(rows, args.out / "bench_gpu.png")
+    bad = failures(rows)
+    for b in bad:
+        print(f"[bench] FAILED: {b}", flush=True)
+    return 1 if bad else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,68 @@
+"""The GPU benchmark's own plumbing on the CPU (``benchmarks/bench_gpu.py``): its workloads, inputs and
+float32 reference, and the pagedkv and torch SDPA implementations it times, on small instances of each
+workload kind through a CPU cache (TIR kernels) -- so a wrong fill, reservation or chunk merge in the
+benchmark shows up here, not as a WRONG row on the GPU host."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
+
+import _bench_impls as impls  # noqa: E402
+import _bench_workloads as W  # noqa: E402
+
+SMALL = [
+    W.Workload("decode", "float16", 32, (40, 37, 3, 16)),
+    W.Workload("decode", "float16", 64, (33,) * 2),
+    W.Workload("prefill", "float16", 32, (0, 0), qlen=24),
+    W.Workload("prefill", "float16", 32, (45,), qlen=13),
+    W.Workload("mla_decode", "float16", 16, (70, 5)),
+]
+
+
+@pytest.fixture(autouse=True)
+def on_cpu(monkeypatch):
+    monkeypatch.setattr(impls, "DEVICE", "cpu")
+    monkeypatch.setattr(impls, "TARGET", "llvm")
+    monkeypatch.setattr(impls, "FILL_CHUNK", 32)  # several reserving forwards, a sequence split across two
+
+
+def test_workload_table():
+    ws = W.workloads()
+    assert len({w.name for w in ws}) == len(ws) == 48
+    assert {w.kind for w in ws} == {"decode", "prefill", "mla_decode"}
+    skew = next(w for w in ws if "skew" in w.name)
+    assert min(skew.lens) == 128 and max(skew.lens) == 16384
+    chunk = next(w for w in ws if w.kind == "prefill" and w.lens[0])
+    assert chunk.keys == [4096 + 512]
+    assert chunk.flops() == 4.0 * 32 * 128 * (512 * 4096 + 512 * 513 // 2)
+
+
+@pytest.mark.parametrize("w", SMALL, ids=[w.name for w in SMALL])
+def test_pagedkv_and_sdpa_match_the_reference(w, gen):
+    x = W.make_inputs(w, gen, device="cpu")
+    ref = W.reference(w, x)
+    assert torch.isfinite(ref).all()
+    run, cache = impls.pagedkv_impl("pagedkv-tir", w, x)
+    out = run()
+    assert W.rel_err(out, ref) < 1e-2, W.rel_err(out, ref)
+    out2 = run()  # timed runs repeat the call: same result
+    assert torch.equal(out, out2)
+    cache.end_forward()
+    if w.dense_ok() and w.kind == "decode":
+        assert W.rel_err(impls.sdpa_impl(w, x)(), ref) < 1e-2
+
+
+def test_paged_layout_holds_the_dense_kv(gen):
+    w = SMALL[0]
+    x = W.make_inputs(w, gen, device="cpu")
+    for b, n in enumerate(w.keys):
+        pages = x.indices[x.indptr[b]:x.indptr[b + 1]].long()
+        k = x.pages[pages, 0].transpose(1, 2).reshape(-1, W.HKV, W.D)[:n]
+        assert torch.equal(k, x.k[b])
+        assert n == (len(pages) - 1) * W.PS + int(x.last[b])
