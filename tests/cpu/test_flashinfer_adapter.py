@@ -213,15 +213,15 @@ def test_option_scenarios_through_the_adapters(empty_rows, options, scenario, ge
 BF16_SCENARIOS = ("mixed_prefill_decode", "fork_boundary_midpage", "shared_prefix_adjacent", "popn")
 
 
-@pytest.mark.parametrize("kinds", ["fa2", "fa3", "mla"])
+@pytest.mark.parametrize("kinds", list(MHA_KINDS) + list(MLA_KINDS))
 @pytest.mark.parametrize("scenario", BF16_SCENARIOS)
 def test_bf16_scenarios_through_the_adapters(empty_rows_bf16, kinds, scenario, gen):
-    mla = kinds == "mla"
+    mla = kinds in MLA_KINDS
     cfg = (MLA_CFG if mla else MHA_CFG).replace(dtype="bfloat16", **SCENARIO_CAPACITY)
-    cache, fake = make_cache(cfg, empty_rows_bf16, {op: "mla" for op in MLA_FI_OPS} if mla else MHA_KINDS[kinds])
+    cache, fake = make_cache(cfg, empty_rows_bf16, {op: kinds for op in MLA_FI_OPS} if mla else MHA_KINDS[kinds])
     runner = ScenarioRunner(cache, gen, random_sm_scale(gen, cfg.head_dim), fine_grained=not mla)
     runner.run(SCENARIOS[scenario](cfg.page_size), scenario)
-    assert fake.count("mla.run" if mla else f"{MHA_KINDS[kinds]['attn_prefill_ragged']}.ragged_run") > 0
+    assert fake.count(f"{kinds}.run" if mla else f"{MHA_KINDS[kinds]['attn_prefill_ragged']}.ragged_run") > 0
     assert not fake.offsets, f"tensor arguments FlashInfer would misread (byte_offset or NULL strides): {fake.offsets[:4]}"
 
 

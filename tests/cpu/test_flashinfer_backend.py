@@ -111,6 +111,9 @@ def test_module_specs_follow_the_attention_options():
     (a module built without them would ignore the run-time values)."""
     plain = {op: fib.module_spec(op, CFG, "sm_90") for op in fib.MHA_OPS}
     assert not any(s.use_sliding_window or s.use_logits_soft_cap for s in plain.values())
+    for op in fib.MHA_OPS:  # bf16: the same modules in bf16
+        bf16 = fib.module_spec(op, CFG.replace(dtype="bfloat16"), "sm_90")
+        assert bf16.name == plain[op].name.replace("_f16_f16_f16_", "_bf16_bf16_bf16_") and "bf16" in bf16.name
     capped = {op: fib.module_spec(op, CFG.replace(logits_soft_cap=30.0), "sm_90") for op in fib.MHA_OPS}
     assert all(s.use_logits_soft_cap and not s.use_sliding_window for s in capped.values())
     assert capped[ops.ATTN_PREFILL_RAGGED].kind == "prefill_fa3"
@@ -119,8 +122,6 @@ def test_module_specs_follow_the_attention_options():
     assert all(s.use_sliding_window and s.use_logits_soft_cap for s in both.values())
     assert both[ops.ATTN_PREFILL_RAGGED] == both[ops.ATTN_PREFILL_PAGED]  # one fa2 module
     assert both[ops.ATTN_DECODE_PAGED].name == "decode_f16_f16_f16_qk128_vo128_pe0_swa_cap_sm90"
-    bf16 = fib.module_spec(ops.ATTN_DECODE_PAGED, CFG.replace(dtype="bfloat16"), "sm_90")
-    assert bf16.name == "decode_bf16_bf16_bf16_qk128_vo128_pe0_sm90"
 
 
 def test_not_on_cpu_and_not_other_ops():
