@@ -14,7 +14,7 @@ from types import SimpleNamespace
 
 from tvm.script import tirx as T
 
-from ._common import EMPTY_LSE, TilePlan, make_rope_macros
+from ._common import EMPTY_LSE, TilePlan, const_store_loop, make_rope_macros
 
 def make_attn_macros(plan: TilePlan):
     """The shared macros specialized to ``plan``: ``init_inv_freq, load_q, init_state, rope_key,
@@ -78,6 +78,7 @@ def _make_store(plan: TilePlan):
     """``store(o, lse, O, m, l, tok0, ntok, h)``: normalize and write the rows of tokens
     ``tok0 .. tok0 + ntok``; a row that saw no key gets o = 0 and lse = EMPTY_LSE."""
     DV, G, TQ, dtype = plan.dv, plan.group, plan.tq, plan.dtype
+    zero_loop = const_store_loop(dtype)
 
     @T.macro
     def store(o, lse, O, m, l, tok0, ntok, h):
@@ -89,7 +90,7 @@ def _make_store(plan: TilePlan):
                         o[tok0 + r // G, h * G + r % G, dd] = T.Cast(dtype, O[r, dd] / l[r])
                     lse[tok0 + r // G, h * G + r % G] = m[r] + T.log2(l[r])
                 else:
-                    for dd in T.vectorized(DV):
+                    for dd in zero_loop(DV):
                         o[tok0 + r // G, h * G + r % G, dd] = T.Cast(dtype, T.float32(0))
                     lse[tok0 + r // G, h * G + r % G] = T.float32(EMPTY_LSE)
 

@@ -39,6 +39,16 @@ EMPTY_LSE = -1.0e30
 MASKED = -3.0e38
 
 
+def const_store_loop(dtype: str):
+    """The loop kind for a CPU loop that stores one constant (e.g. an empty row's ``o = 0``) into a buffer of
+    ``dtype``: ``T.vectorized``, except ``T.serial`` for bfloat16. TVM 0.27's bf16 storage legalization
+    (``tirx.transform.BF16StorageLegalize``, which turns bf16 buffers into uint16 ones for LLVM) leaves a
+    broadcast bf16 constant's type unchanged, so a vectorized bf16 store of a constant fails to build
+    ("dtype mismatch on BufferStore: ... uint16 ... bfloat16x64"); stores of computed values are legalized
+    correctly. A serial constant store is vectorized by LLVM anyway."""
+    return T.serial if dtype == "bfloat16" else T.vectorized
+
+
 def as_target(target) -> Target:
     """Return ``target`` as a ``tvm.target.Target`` (accepts a string, a dict or a Target)."""
     return target if isinstance(target, Target) else Target(target)

@@ -36,8 +36,8 @@ WARP = 32
 
 
 def itemsize(dtype: str) -> int:
-    """Bytes of one element of ``dtype`` (``float16`` / ``float32``)."""
-    return {"float16": 2, "float32": 4}[dtype]
+    """Bytes of one element of ``dtype`` (``float16`` / ``bfloat16`` / ``float32``)."""
+    return {"float16": 2, "bfloat16": 2, "float32": 4}[dtype]
 
 
 def vec16(dtype: str) -> int:

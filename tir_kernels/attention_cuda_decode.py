@@ -19,6 +19,7 @@ from ._common_cuda import (
     decode_splits,
     make_merge_splits,
     frcp_rn,
+    itemsize,
     next_pow2,
     paged_kv_len,
     rope_angle_rcp,
@@ -66,7 +67,7 @@ def _decode_plan(g: int, d: int, dtype: str):
     if 2 * gc < g <= 8:
         gc = g
     # Keys per lane group and step: as many independent loads as the registers allow.
-    per_key = 2 * vec * (2 if dtype == "float16" else 4) // 4 + gc
+    per_key = 2 * vec * itemsize(dtype) // 4 + gc
     kpt = 4
     while kpt > 1 and 2 * gc * vec + kpt * per_key > 160:
         kpt //= 2

@@ -17,7 +17,8 @@ import math
 from dataclasses import dataclass, fields
 from typing import Iterable, Mapping
 
-DTYPES = ("float16", "float32")
+#: Storage dtypes of the TIR kernels (accumulation is float32 for every one).
+DTYPES = ("float16", "float32", "bfloat16")
 
 #: switch -> (what reads it, allowed values; "auto" = the kernel's own run-time choice).
 SWITCHES: dict[str, tuple[str, tuple[str, ...]]] = {
@@ -71,7 +72,8 @@ class KernelSpec:
         ``None`` means ``head_dim``. (Each target family states its own limits: the CPU attention kernels
         need an even value dim, ``kv_lora_rank`` included, as they accumulate ``P @ V`` in column pairs.)
     dtype : str
-        Storage dtype of q/k/v/o and pages: ``"float16"`` or ``"float32"`` (accumulation is float32).
+        Storage dtype of q/k/v/o and pages: ``"float16"``, ``"float32"`` or ``"bfloat16"`` (accumulation is
+        float32).
     kv_lora_rank, qk_rope_head_dim : int
         MLA layers (both > 0): pages hold a latent of ``kv_lora_rank + qk_rope_head_dim`` elements per
         token; ``head_dim`` / ``v_head_dim`` / ``num_kv_heads`` then describe the ragged self-attention

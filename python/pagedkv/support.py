@@ -10,7 +10,7 @@ from typing import Any
 
 from . import backends as _backends
 from . import ops as _ops
-from .config import ATTENTION_OPTION_FIELDS, KVCacheConfig
+from .config import ATTENTION_OPTION_FIELDS, DTYPES, KVCacheConfig
 
 
 @dataclass(frozen=True)
@@ -44,10 +44,26 @@ def support_matrix(config: KVCacheConfig, target: Any) -> tuple[list[Cell], dict
     return cells, auto
 
 
+def dtype_support(config: KVCacheConfig, target: Any) -> dict[str, list[str]]:
+    """backend -> the storage dtypes (``pagedkv.config.DTYPES``) in which it serves at least one op of
+    ``config`` with only the dtype changed (e.g. ``tir``: float16, float32, bfloat16)."""
+    out = {}
+    for tag in _backends.registered_backends():
+        try:
+            backend = _backends.get_backend(tag)
+        except Exception:  # noqa: BLE001, S112 (reported by support_matrix)
+            continue
+        out[tag] = [dt for dt in DTYPES if any(not backend.validate_configuration(op, config.replace(dtype=dt), target)
+                                                for op in _ops.ops_for(config))]
+    return out
+
+
 def format_matrix(config: KVCacheConfig, target: Any) -> str:
-    """The support matrix as text: one block per op."""
+    """The support matrix as text: the dtypes per backend, then one block per op."""
     cells, auto = support_matrix(config, target)
-    lines = [f"target {json.dumps(target) if isinstance(target, dict) else target}; config {config.to_json()}", ""]
+    dtypes = "; ".join(f"{tag} {', '.join(dts) if dts else 'none'}" for tag, dts in dtype_support(config, target).items())
+    lines = [f"target {json.dumps(target) if isinstance(target, dict) else target}; config {config.to_json()}",
+             f"dtypes served (some op of this config): {dtypes}", ""]
     for op in _ops.ops_for(config):
         pick = auto[op]
         lines.append(f"{op}: automatic selection -> {pick if pick else 'NONE (no backend can serve it)'}")
@@ -88,7 +104,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--num-kv-heads", type=int, default=8)
     ap.add_argument("--head-dim", type=int, default=128)
     ap.add_argument("--v-head-dim", type=int, default=None)
-    ap.add_argument("--dtype", default="float16")
+    ap.add_argument("--dtype", default="float16", choices=DTYPES, help="storage dtype of q/k/v/o and pages")
     ap.add_argument("--rope-mode", default="normal", choices=("normal", "inline", "none"))
     ap.add_argument("--page-size", type=int, default=16)
     ap.add_argument("--prefill-chunk-size", type=int, default=2048)
@@ -109,10 +125,10 @@ def main(argv: list[str] | None = None) -> int:
     if args.json:
         cells, auto = support_matrix(config, target)
         print(json.dumps({"config": config.to_dict(), "target": target, "auto": auto,
-                          "cells": [c.__dict__ for c in cells]}, indent=1))
+                          "dtypes": dtype_support(config, target), "cells": [c.__dict__ for c in cells]}, indent=1))
     else:
         print(format_matrix(config, target))
     return 0
 
 
-__all__ = ["Cell", "format_matrix", "support_matrix"]
+__all__ = ["Cell", "dtype_support", "format_matrix", "support_matrix"]

@@ -15,6 +15,7 @@ from __future__ import annotations
 import ctypes
 import math
 
+import ml_dtypes  # noqa: F401 (numpy's "bfloat16", for views of bf16 tensors; a dependency of apache-tvm)
 import numpy as np
 
 from pagedkv.flashinfer import abi

@@ -211,12 +211,24 @@ def test_no_backend_error_lists_every_backend(registry):
     with pytest.raises(NoBackendError) as info:
         backends.resolve(CFG.replace(head_dim=72), {"kind": "cuda", "arch": "sm_90"}, ["tir"])
     assert "head_dim 72" in str(info.value) and "attn_prefill_ragged" in str(info.value)
-    # tir refuses bfloat16 on llvm too, with its own reason
+    # reasons are listed in the priority order given
     with pytest.raises(NoBackendError) as info:
-        backends.resolve(CFG.replace(dtype="bfloat16"), "llvm", ["tir", "refuser"])
+        backends.resolve(CFG.replace(dtype="bfloat16"), {"kind": "vulkan"}, ["tir", "refuser"])
     msg = str(info.value)
-    assert "tir: dtype 'bfloat16' not supported" in msg and "refuser dislikes bfloat16" in msg
-    assert msg.index("tir:") < msg.index("refuser:")  # in the priority order given
+    assert "tir: TIR kernels are not scheduled" in msg and "refuser dislikes bfloat16" in msg
+    assert msg.index("tir:") < msg.index("refuser:")
+
+
+@pytest.mark.parametrize("target", ["llvm", {"kind": "cuda", "arch": "sm_90"}], ids=["llvm", "cuda"])
+def test_tir_serves_bfloat16(registry, target):
+    """bfloat16 caches (Llama 3, Qwen, DeepSeek-V3 checkpoints) get TIR kernels for every op, MHA and MLA."""
+    registry("refuser", RefusingBackend)
+    mla = KVCacheConfig.mla(num_layers=1, num_heads=16, kv_lora_rank=512, qk_nope_head_dim=128,
+                            qk_rope_head_dim=64, v_head_dim=128, dtype="bfloat16")
+    for cfg in (CFG.replace(dtype="bfloat16", head_dim=128), mla):
+        res = backends.resolve(cfg, target, ["refuser", "tir"])
+        assert set(res.choice.values()) == {"tir"}, res.report()
+        assert set(res.choice) == set(ops.ops_for(cfg))
 
 
 def test_automatic_selection(registry):

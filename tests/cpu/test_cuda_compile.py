@@ -32,12 +32,14 @@ from tvm.target import Target
 
 SM90 = Target({"kind": "cuda", "arch": "sm_90"}, host="llvm")
 
-# (Hq, Hkv, D, Dv, dtype): GQA groups 4, 7, 3, 8; head dims 128, 64, 96, 256; both dtypes.
+# (Hq, Hkv, D, Dv, dtype): GQA groups 4, 7, 3, 8, 4; head dims 128, 64, 96, 256, 128; every dtype
+# (bfloat16 on Llama 3's shape: 32 q / 8 kv heads, head dim 128).
 CONFIGS = [
     (32, 8, 128, 128, "float16"),
     (7, 1, 64, 64, "float32"),
     (12, 4, 96, 96, "float16"),
     (16, 2, 256, 256, "float16"),
+    (32, 8, 128, 128, "bfloat16"),
 ]
 IDS = ["x".join(map(str, c)) for c in CONFIGS]
 
@@ -47,6 +49,7 @@ ATTN_OPS = ("attn_prefill_ragged", "attn_prefill_paged", "attn_decode_paged")
 #: benchmark shape and on float32 group 1 (where the prefill kernels have the least register headroom).
 MASKED_CONFIGS = [shape + opts for shape in [(32, 8, 128, 128, "float16"), (4, 4, 64, 64, "float32")]
                   for opts in [(1024, 0.0), (0, 30.0), (100, 50.0)]]
+MASKED_CONFIGS.append((32, 8, 128, 128, "bfloat16", 100, 50.0))  # both options in bf16
 MASKED_IDS = ["x".join(map(str, c[:5])) + f"-w{c[5]}-cap{c[6]:g}" for c in MASKED_CONFIGS]
 
 
@@ -182,3 +185,15 @@ def test_masking_off_is_the_default_kernel(op, shape):
         assert factory(*args, sliding_window=0, logits_soft_cap=0).script() == default
         assert factory(*args, sliding_window=64).script() != default
         assert factory(*args, logits_soft_cap=20.0).script() != default
+
+
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16", "float32"])
+def test_empty_rows_helper_compiles(dtype, tmp_path):
+    """The FlashInfer backend's ``pagedkv_empty_rows`` helper in every cache dtype: lowered and nvcc-compiled."""
+    target = SM90
+    with target:
+        exe = tvm.compile(tvm.IRModule({"pagedkv_empty_rows": tk.make_empty_rows(dtype, target)}), target=target)
+    src = cuda_source_of(exe)
+    assert re.search(r"__global__ void __launch_bounds__\(\d+\) pagedkv_empty_rows_kernel\b", src)
+    rc, log = nvcc_all([(dtype,)], lambda _: src, tmp_path, "empty_rows_")[(dtype,)]
+    assert rc == 0, f"nvcc failed for {dtype}:\n{log[-4000:]}"

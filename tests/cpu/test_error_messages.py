@@ -220,7 +220,7 @@ def _raw_create(config_json: str):
 
 def _cache_bytes(cfg: KVCacheConfig, max_total_seq_len: int) -> tuple[int, int, int, int]:
     """(pages, page bytes, pages of all layers, work buffers) as the runtime computes them."""
-    elem = {"float32": 4, "float16": 2}[cfg.dtype]
+    elem = {"float32": 4, "float16": 2, "bfloat16": 2}[cfg.dtype]
     pages = -(-max_total_seq_len // cfg.page_size) + cfg.max_batch_size
     page = 2 * cfg.num_kv_heads * cfg.page_size * cfg.head_dim * elem
     n, hq = cfg.prefill_chunk_size, cfg.num_qo_heads
@@ -256,6 +256,35 @@ def test_absurd_max_total_seq_len(runner):
     # the cache in use is untouched and keeps working
     assert_same(before, snapshot(runner.cache, [0, 1]))
     runner.run([forward({0: 3, 1: 1}), forward({0: 1, 1: 1}), check()], "after the failed creates")
+
+
+def test_bfloat16_cache_in_the_runtime():
+    """A bf16 cache: its pages are 2-byte elements (the size check counts them so), its pages and work
+    buffers are bf16 tensors, and a tensor of another dtype handed to a global is refused naming the
+    argument, the dtype expected and the one given."""
+    import tvm  # noqa: F401 (registers runtime.GetDeviceAttr: the size check reads the device's memory)
+
+    from pagedkv._lib import get_global
+
+    cfg = CFG.replace(dtype="bfloat16")
+    d = cfg.to_dict()
+    d["max_total_seq_len"] = 2**40
+    pages, page, all_pages, work = _cache_bytes(cfg, 2**40)
+    assert page == 4096  # half of the float32 page of test_absurd_max_total_seq_len
+    with pytest.raises(ValueError, match=re.escape(f"x {pages} pages x 4096 bytes (4.0 KiB) = {all_pages} bytes")):
+        _raw_create(json.dumps(d))
+    cache = _raw_create(cfg.to_json())
+    get_global("pagedkv.add_sequence")(cache, 0)
+    get_global("pagedkv.begin_forward")(cache, (0,), (2,))
+    qkv = torch.zeros(2, WIDTH, cfg.head_dim, dtype=torch.float16)
+    o = torch.zeros(2, cfg.num_qo_heads, cfg.head_dim, dtype=torch.bfloat16)
+    with pytest.raises(ValueError, match=re.escape(
+            f"pagedkv: tensor 'qkv' expected [2, {WIDTH}, {cfg.head_dim}] bfloat16 on device(1, 0), given "
+            f"[2, {WIDTH}, {cfg.head_dim}] float16 on device(1, 0)")):
+        get_global("pagedkv.attention_with_fused_qkv")(cache, 0, 0.1, qkv, o)
+    k = torch.zeros(cfg.num_layers, 2, cfg.num_kv_heads, cfg.head_dim, dtype=torch.float32)
+    with pytest.raises(ValueError, match=re.escape("pagedkv: tensor 'k_out' expected") + ".* bfloat16 .* float32"):
+        get_global("pagedkv.debug_get_kv")(cache, 0, 0, 2, k, k.clone())
 
 
 def test_slots_beyond_int32_in_the_runtime():

@@ -7,7 +7,7 @@ as FlashInfer's kernels read them, writing FlashInfer's empty state (lse = -inf)
 - ragged: one causal plan per prefill forward; a decode forward's self_attention (no keys) never reaches
   FlashInfer;
 - the scenario suite, fine-grained (self/cross/merge, empty rows checked), through the adapters for MHA
-  (fa2 and fa3 argument lists) and MLA, against the PyTorch reference;
+  (fa2 and fa3 argument lists) and MLA, against the PyTorch reference, in float32 and (a subset) bfloat16;
 - every tensor FlashInfer gets has byte_offset 0 (its bindings ignore byte_offset) and strides (read unchecked);
 - the MLA plan's staged metadata reaches the device int workspace.
 Numerics of FlashInfer itself need the GPU (tests/gpu)."""
@@ -36,15 +36,25 @@ MHA_FI_OPS = ("attn_decode_paged", "attn_prefill_ragged", "attn_prefill_paged")
 MLA_FI_OPS = ("mla_attn_decode_paged", "mla_attn_prefill_paged")
 
 
-@pytest.fixture(scope="module")
-def empty_rows():
+def _empty_rows(dtype: str):
+    """The TIR ``pagedkv_empty_rows`` helper for ``dtype`` compiled for the CPU: (library, function)."""
     import tvm
 
     from pagedkv.tir_kernels import host_target, make_empty_rows
 
-    lib = tvm.compile(tvm.IRModule({"pagedkv_empty_rows": make_empty_rows("float32", host_target())}),
+    lib = tvm.compile(tvm.IRModule({"pagedkv_empty_rows": make_empty_rows(dtype, host_target())}),
                       target=host_target())
     return lib, lib["pagedkv_empty_rows"]
+
+
+@pytest.fixture(scope="module")
+def empty_rows():
+    return _empty_rows("float32")
+
+
+@pytest.fixture(scope="module")
+def empty_rows_bf16():
+    return _empty_rows("bfloat16")
 
 
 def make_cache(cfg, empty_rows, kinds: dict[str, str]):
@@ -197,6 +207,24 @@ def test_option_scenarios_through_the_adapters(empty_rows, options, scenario, ge
     runner = ScenarioRunner(cache, gen, random_sm_scale(gen, cfg.head_dim), fine_grained=True)
     runner.run(SCENARIOS[scenario](cfg.page_size), scenario)
     assert fake.count("prefill_fa2.paged_run") + fake.count("decode.run") > 0
+    assert not fake.offsets, f"tensor arguments FlashInfer would misread (byte_offset or NULL strides): {fake.offsets[:4]}"
+
+
+#: bfloat16 through the adapters (2-byte elements: the K/V and ckv/kpe pointers and strides, the bf16
+#: empty_rows helper), on scenarios that reach every plan: prefill with and without cached tokens, forks
+#: mid-page, shared-prefix passes and popn.
+BF16_SCENARIOS = ("mixed_prefill_decode", "fork_boundary_midpage", "shared_prefix_adjacent", "popn")
+
+
+@pytest.mark.parametrize("kinds", list(MHA_KINDS) + list(MLA_KINDS))
+@pytest.mark.parametrize("scenario", BF16_SCENARIOS)
+def test_bf16_scenarios_through_the_adapters(empty_rows_bf16, kinds, scenario, gen):
+    mla = kinds in MLA_KINDS
+    cfg = (MLA_CFG if mla else MHA_CFG).replace(dtype="bfloat16", **SCENARIO_CAPACITY)
+    cache, fake = make_cache(cfg, empty_rows_bf16, {op: kinds for op in MLA_FI_OPS} if mla else MHA_KINDS[kinds])
+    runner = ScenarioRunner(cache, gen, random_sm_scale(gen, cfg.head_dim), fine_grained=not mla)
+    runner.run(SCENARIOS[scenario](cfg.page_size), scenario)
+    assert fake.count(f"{kinds}.run" if mla else f"{MHA_KINDS[kinds]['attn_prefill_ragged']}.ragged_run") > 0
     assert not fake.offsets, f"tensor arguments FlashInfer would misread (byte_offset or NULL strides): {fake.offsets[:4]}"
 
 

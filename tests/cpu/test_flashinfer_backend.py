@@ -1,7 +1,7 @@
 """Backend selection with FlashInfer: it serves the attention ops it has runtime adapters for (decode, ragged
-and paged prefill, MLA decode and prefill) on CUDA where it can, says why where it cannot (target, dtype,
-head dims, GQA group, RoPE mode, MLA dims and planner capacity, package), never silently; and a kernel
-library built with it holds the TIR fatbins and the FlashInfer objects in one file."""
+and paged prefill, MLA decode and prefill) on CUDA where it can, fp16 and bf16 alike, says why where it
+cannot (target, dtype, head dims, GQA group, RoPE mode, MLA dims and planner capacity, package), never
+silently; and a kernel library built with it holds the TIR fatbins and the FlashInfer objects in one file."""
 
 from __future__ import annotations
 
@@ -41,6 +41,16 @@ def _reasons(cfg, target=SM90, op=ops.ATTN_DECODE_PAGED):
 ])
 def test_reasons_name_what_is_unsupported(op, changes, fragment):
     assert any(fragment in r for r in _reasons(CFG.replace(**changes), op=op)), _reasons(CFG.replace(**changes), op=op)
+
+
+@pytest.mark.parametrize("op", MHA_OPS + MLA_OPS)
+def test_bfloat16_configs_validate(op):
+    """bf16 caches (Llama 3, Qwen, DeepSeek-V3 checkpoints) take the same modules as fp16 ones, in bf16."""
+    cfg = (MLA if op in MLA_OPS else CFG).replace(dtype="bfloat16")
+    assert not _reasons(cfg, op=op) or _WHY, _reasons(cfg, op=op)
+    for spec, fp16 in zip(fib.module_specs(op, cfg, "sm_90"), fib.module_specs(op, cfg.replace(dtype="float16"), "sm_90")):
+        assert spec.dtype_q == spec.dtype_kv == spec.dtype_o == "bfloat16" and not spec.reasons()
+        assert spec.name == fp16.name.replace("_f16_f16_f16_", "_bf16_bf16_bf16_")
 
 
 def test_group_size_limits_decode_only():
@@ -118,6 +128,9 @@ def test_module_specs_follow_the_attention_options():
     assert capped[ops.ATTN_PREFILL_RAGGED][0].kind == "prefill_fa3"
     both = specs(CFG.replace(sliding_window=512, logits_soft_cap=30.0))
     assert all(s.use_sliding_window and s.use_logits_soft_cap for s in every(both))
+    for op, fp16 in plain.items():  # bf16: the same modules in bf16
+        bf16 = fib.module_specs(op, CFG.replace(dtype="bfloat16"), "sm_90")
+        assert [s.name for s in bf16] == [s.name.replace("_f16_f16_f16_", "_bf16_bf16_bf16_") for s in fp16]
     assert both[ops.ATTN_PREFILL_RAGGED] == both[ops.ATTN_PREFILL_PAGED]  # one fa2 module
     assert both[ops.ATTN_DECODE_PAGED][1] == both[ops.ATTN_PREFILL_PAGED][0]  # tensor-core decode shares it
     assert both[ops.ATTN_DECODE_PAGED][0].name == "decode_f16_f16_f16_qk128_vo128_pe0_swa_cap_sm90"
@@ -166,18 +179,24 @@ def test_automatic_selection_prefers_flashinfer_on_cuda():
     assert any("head dim 96" in r for r in res.reasons[ops.ATTN_DECODE_PAGED]["flashinfer"])
     # on the CPU nothing changes
     assert set(backends.resolve(CFG, "llvm").choice.values()) == {"tir"}
+    # bfloat16 as float16 (validation only: nothing is built here)
+    for cfg, fi_ops in ((CFG, MHA_OPS), (MLA, MLA_OPS)):
+        res = backends.resolve(cfg.replace(dtype="bfloat16"), SM90)
+        assert {op: res.choice[op] for op in fi_ops} == {op: "flashinfer" for op in fi_ops}, res.report()
+        assert all(tag == "tir" for op, tag in res.choice.items() if op not in fi_ops)
 
 
 @needs_jit
 @pytest.mark.slow
-def test_kernel_library_links_flashinfer_objects(tmp_path):
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
+def test_kernel_library_links_flashinfer_objects(tmp_path, dtype):
     from pagedkv.cache import build_kernel_library
     from pagedkv.cuda_build import has_device_code
 
     # only the decode module (CI builds no other FlashInfer module)
     backend = {ops.ATTN_DECODE_PAGED: ["flashinfer", "tir"], "*": "tir"}
     with fib.forced_modules({ops.ATTN_DECODE_PAGED: "decode"}):
-        lib = build_kernel_library(CFG, tmp_path, target=SM90, backend=backend)
+        lib = build_kernel_library(CFG.replace(dtype=dtype), tmp_path, target=SM90, backend=backend)
     entries = {op: (tag, names, opts)
                for op, tag, names, opts in json.loads(lib.with_suffix(".json").read_text())["entries"]}
     tag, names, opts = entries[ops.ATTN_DECODE_PAGED]

@@ -2,12 +2,12 @@
 the arguments the runtime adapter passes (the flashinfer-python 0.7.4 lists pinned in
 ``pagedkv.flashinfer.abi``).
 
-The test builds (or takes from ``$PAGEDKV_CACHE_DIR/flashinfer``) the decode module for sm_90 (fp16, head
-dim 128), links it with a trivial TIR function into one library through ``external_mods`` as the model
-library would be, loads that library here (only ``libcudart`` is needed to load it; nothing runs on a GPU)
-and calls each function the adapter uses: with no arguments tvm-ffi refuses the call before touching
-anything and names the signature, which must equal the pinned one; with the pinned count it gets past the
-count check (and fails converting the first ``None``).
+The test builds (or takes from ``$PAGEDKV_CACHE_DIR/flashinfer``) the decode module for sm_90 (fp16 and
+bf16, head dim 128), links it with a trivial TIR function into one library through ``external_mods`` as
+the model library would be, loads that library here (only ``libcudart`` is needed to load it; nothing runs
+on a GPU) and calls each function the adapter uses: with no arguments tvm-ffi refuses the call before
+touching anything and names the signature, which must equal the pinned one; with the pinned count it gets
+past the count check (and fails converting the first ``None``).
 
 Skipped, with the reason, when flashinfer-python 0.7.4, nvcc or binutils are missing.
 Prefill (fa2, fa3) and MLA modules are checked the same way when ``PAGEDKV_FLASHINFER_ALL=1`` (minutes).
@@ -30,12 +30,13 @@ from pagedkv.flashinfer.spec import ModuleSpec
 _WHY = unavailable_reasons()
 pytestmark = pytest.mark.skipif(bool(_WHY), reason="FlashInfer JIT build unavailable: " + "; ".join(_WHY))
 
-DECODE = ModuleSpec("decode", "float16", "float16", "float16", 128, 128)
+#: The decode module in both dtypes (fp16, and bf16 for Llama 3 / Qwen / DeepSeek-V3 checkpoints).
+DECODES = [ModuleSpec("decode", dt, dt, dt, 128, 128) for dt in ("float16", "bfloat16")]
 OTHERS = [
-    ModuleSpec("mla", "float16", "float16", "float16", 512, 64),
-    ModuleSpec("mla_fa3", "float16", "float16", "float16", 512, 64),
-    ModuleSpec("prefill_fa2", "float16", "float16", "float16", 128, 128),
-    ModuleSpec("prefill_fa3", "float16", "float16", "float16", 128, 128),
+    ModuleSpec(kind, dt, dt, dt, *dims)
+    for dt in ("float16", "bfloat16")
+    for kind, dims in (("mla", (512, 64)), ("mla_fa3", (512, 64)), ("prefill_fa2", (128, 128)),
+                       ("prefill_fa3", (128, 128)))
 ]
 _SIG = re.compile(r"when calling: `(.*)`\. Expected (\d+) but got (\d+) arguments")
 
@@ -93,16 +94,16 @@ def _check_abi(lookup, built) -> None:
         assert "Mismatched type on argument" in str(err.value), str(err.value)
 
 
-@pytest.fixture(scope="module")
-def decode_module():
-    return build_module(DECODE)
+@pytest.fixture(scope="module", params=DECODES, ids=[s.dtype_q for s in DECODES])
+def decode_module(request):
+    return build_module(request.param)
 
 
 def test_decode_module_links_and_matches_pinned_abi(decode_module, tmp_path):
     import tvm
 
     built = decode_module
-    assert built.spec == DECODE and built.object_path.exists()
+    assert built.spec in DECODES and built.object_path.exists()
     # Only the module's prefixed exports are global in its object.
     out = subprocess.run(["nm", "-g", "--defined-only", str(built.object_path)], capture_output=True,
                          text=True, check=True).stdout
@@ -147,7 +148,7 @@ def test_two_modules_link_into_one_library(decode_module, tmp_path):
 @pytest.mark.slow
 @pytest.mark.skipif(os.environ.get("PAGEDKV_FLASHINFER_ALL") != "1",
                     reason="prefill and MLA modules build for minutes: set PAGEDKV_FLASHINFER_ALL=1")
-@pytest.mark.parametrize("spec", OTHERS, ids=lambda s: s.kind)
+@pytest.mark.parametrize("spec", OTHERS, ids=lambda s: f"{s.kind}-{s.dtype_q}")
 def test_other_modules_match_pinned_abi(spec, tmp_path):
     import tvm
 

@@ -2,7 +2,8 @@
 
 Rules: fresh random inputs every run (no fixed seed), outputs pre-filled with NaN, unused page slots
 NaN (an over-read poisons the result), relative error ``|out - ref| / |ref|`` below 1e-5 (float32) or
-1e-2 (float16). Compiled kernels are cached per (op, config) for the session.
+1e-2 (float16, bfloat16; the reference takes the inputs as rounded to the storage dtype). bfloat16 arrays
+are numpy arrays of ml_dtypes' ``bfloat16``. Compiled kernels are cached per (op, config) for the session.
 
 Run: ``.venv/bin/python -m pytest tests/cpu/test_kernels.py -q``
 """
@@ -12,6 +13,7 @@ from __future__ import annotations
 import functools
 import math
 
+import ml_dtypes  # noqa: F401 (registers numpy's "bfloat16"; a dependency of apache-tvm)
 import numpy as np
 import pytest
 import torch
@@ -22,7 +24,7 @@ from pagedkv import ops
 from pagedkv import tir_kernels as tk
 from pagedkv.testing import reference as shared_ref  # the one float64 reference
 
-TOL = {"float32": 1e-5, "float16": 1e-2}
+TOL = {"float32": 1e-5, "float16": 1e-2, "bfloat16": 1e-2}
 EMPTY_LSE = -1.0e30
 RNG = np.random.default_rng()  # replaced per test by the fixture below
 TARGET = tk.host_target()
@@ -41,7 +43,7 @@ def _fresh_rng(request):
 
 # (Hq, Hkv, D): GQA groups 1, 3, 4, 7 with D 64/128, plus one D=96 case.
 ATTN_SHAPES = [(4, 4, 64), (6, 2, 128), (8, 2, 64), (14, 2, 128), (3, 1, 96)]
-DTYPES = ["float32", "float16"]
+DTYPES = ["float32", "float16", "bfloat16"]
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -59,10 +61,15 @@ def dev(arr: np.ndarray, offset: int = 0):
     """A TVM tensor holding ``arr``; ``offset > 0`` makes it a view at that element offset."""
     if offset == 0:
         return tvm.runtime.tensor(np.ascontiguousarray(arr))
-    flat = np.full(arr.size + offset, np.nan if arr.dtype.kind == "f" else -7, dtype=arr.dtype)
+    flat = np.full(arr.size + offset, np.nan if is_float(arr.dtype) else -7, dtype=arr.dtype)
     flat[offset:] = arr.ravel()
     base = tvm.runtime.tensor(flat)
     return base._create_view(arr.shape, str(arr.dtype), relative_byte_offset=offset * arr.itemsize)
+
+
+def is_float(dtype) -> bool:
+    """numpy float dtypes, ml_dtypes' bfloat16 included (its numpy kind is "V")."""
+    return np.dtype(dtype).kind == "f" or np.dtype(dtype) == np.dtype("bfloat16")
 
 
 def randn(*shape, dtype="float32"):
@@ -315,12 +322,14 @@ def test_attn_prefill_ragged(shape, dtype, causal, apply_rope):
 # ---------------------------------------------------------------------------------------------------
 #: ((Hq, Hkv, D), dtype, sliding_window, logits_soft_cap): windows 3 (under a page), 17, 40 (over a
 #: 32-key tile) and 200 (over every sequence), caps 5 and 30. Window only, cap only and both each take
-#: both dtypes, GQA groups 1 and 4 and head dims 64 and 128; then groups 7 and 3.
+#: both dtypes, GQA groups 1 and 4 and head dims 64 and 128; then groups 7 and 3; then both options in
+#: bfloat16 (the capped scores' tanh and the window mask are float32 whatever the storage dtype).
 MASK_CASES = [
     ((4, 4, 64), "float32", 3, 0.0), ((8, 2, 128), "float16", 40, 0.0),
     ((8, 2, 64), "float32", 0, 5.0), ((4, 4, 128), "float16", 0, 30.0),
     ((8, 2, 128), "float32", 17, 30.0), ((4, 4, 64), "float16", 200, 5.0),
     ((14, 2, 128), "float32", 40, 5.0), ((3, 1, 64), "float16", 17, 30.0),
+    ((8, 2, 128), "bfloat16", 40, 5.0),
 ]
 
 

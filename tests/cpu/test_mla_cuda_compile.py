@@ -33,11 +33,13 @@ from tvm.target import Target
 SM90 = Target({"kind": "cuda", "arch": "sm_90"}, host="llvm")
 
 # (H, kv_lora_rank, qk_rope_head_dim, dtype): DeepSeek-V3 per 8-GPU shard, a small fp32 latent with a head
-# count that leaves padding rows, and the full DeepSeek-V3 head count.
+# count that leaves padding rows, and the full DeepSeek-V3 head count, also in bfloat16 (its checkpoint's
+# dtype).
 CONFIGS = [
     (16, 512, 64, "float16"),
     (3, 64, 32, "float32"),
     (128, 512, 64, "float16"),
+    (128, 512, 64, "bfloat16"),
 ]
 IDS = ["x".join(map(str, c)) for c in CONFIGS]
 OPS = ("mla_append_kv", "mla_gather_kv", "mla_attn_prefill_paged", "mla_attn_decode_paged")

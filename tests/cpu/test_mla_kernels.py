@@ -2,7 +2,7 @@
 
 Shapes: DeepSeek-V2-Lite's (16 heads, kv_lora_rank 512, rope 64) and two small ones (3 and 4 heads,
 latent 64 + 32). Same rules as ``test_kernels.py`` (whose helpers this reuses): fresh random inputs,
-NaN-filled outputs and spare page slots, relative-error bounds 1e-5 (fp32) / 1e-2 (fp16). The
+NaN-filled outputs and spare page slots, relative-error bounds 1e-5 (fp32) / 1e-2 (fp16, bf16). The
 reference is MHA attention with one kv head whose K is the latent and V its first ``kv_lora_rank``
 elements, which is what absorbed MLA computes.
 
@@ -21,7 +21,7 @@ from test_kernels import _fresh_rng, attention_ref, check_attention, dev, kernel
 
 # (H, kv_lora_rank, qk_rope_head_dim)
 MLA_SHAPES = [(16, 512, 64), (3, 64, 32), (4, 64, 32)]
-DTYPES = ["float32", "float16"]
+DTYPES = ["float32", "float16", "bfloat16"]
 
 
 def mla_cfg(h, r, rope, dtype):

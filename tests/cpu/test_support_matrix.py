@@ -9,7 +9,7 @@ from pathlib import Path
 
 from pagedkv import ops
 from pagedkv.config import KVCacheConfig
-from pagedkv.support import support_matrix
+from pagedkv.support import dtype_support, support_matrix
 
 CUDA = '{"kind":"cuda","arch":"sm_90"}'
 
@@ -49,3 +49,19 @@ def test_mla_matrix_and_a_config_no_backend_serves():
     bad = subprocess.run([sys.executable, "-m", "pagedkv", "backends", "--num-qo-heads", "3", "--num-kv-heads", "2"],
                          capture_output=True, text=True)
     assert bad.returncode == 2 and "num_qo_heads" in bad.stderr
+
+
+def test_bfloat16_support_is_shown():
+    """TIR serves bf16 on both targets; FlashInfer (CUDA) serves fp16 and bf16 or says why not; the CLI lists
+    the dtypes and a bf16 config's matrix."""
+    cfg = KVCacheConfig(num_layers=1, num_qo_heads=32, num_kv_heads=8, head_dim=128, dtype="float16")
+    assert dtype_support(cfg, "llvm")["tir"] == ["float16", "float32", "bfloat16"]
+    cuda = dtype_support(cfg, {"kind": "cuda", "arch": "sm_90"})
+    assert cuda["tir"] == ["float16", "float32", "bfloat16"]
+    assert cuda["flashinfer"] in (["float16", "bfloat16"], [])  # [] without a FlashInfer JIT build
+    out = subprocess.run([sys.executable, "-m", "pagedkv", "backends", "--target", CUDA, "--dtype", "bfloat16"],
+                         capture_output=True, text=True, check=True).stdout
+    assert "dtypes served (some op of this config): " in out and "tir float16, float32, bfloat16" in out
+    assert '"dtype": "bfloat16"' in out
+    assert "serves (TIR cuda kernel pagedkv_split_rotary)" in out
+    assert "flashinfer   serves (module decode)" in out or "flashinfer   cannot:" in out

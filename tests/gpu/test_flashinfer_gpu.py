@@ -1,8 +1,9 @@
 """The scenario suite with the FlashInfer backend on CUDA, and FlashInfer vs TIR agreement.
 
-Shapes: ``pagedkv.testing.shapes.flashinfer_gpu_shapes`` (fp16 head dim 128 and the DeepSeek MLA dims, the
-configs ``make gpu-bundle`` prebuilds kernel libraries with backends ``("flashinfer", "tir")`` for), where
-FlashInfer serves at least one op (``pagedkv.backends.resolve`` with that priority list). On them:
+Shapes: ``pagedkv.testing.shapes.flashinfer_gpu_shapes`` (fp16 head dim 128 and the DeepSeek MLA dims, and
+the same in bf16 without attention options: the configs ``make gpu-bundle`` prebuilds kernel libraries with
+backends ``("flashinfer", "tir")`` for), where FlashInfer serves at least one op (``pagedkv.backends.resolve``
+with that priority list). On them:
 
 - the scenarios against the PyTorch reference exactly as in ``test_scenarios_gpu.py``, and fine-grained
   (``self_attention`` / ``cross_attention`` / merge, with rows without keys checked to be ``o = 0``,
@@ -68,13 +69,14 @@ def _agree(shape, caches, sm_scale, gen, steps):
         ids, lens = [s for s, _ in batch], [n for _, n in batch]
         n = sum(lens)
         outs = {}
+        dt = getattr(torch, cfg.dtype)  # fp16 or bf16
         if cfg.is_mla:
-            kv = [torch.randn(n, cfg.latent_dim, generator=gen).half().cuda() for _ in range(cfg.num_layers)]
-            q = [torch.randn(n, cfg.num_qo_heads, cfg.latent_dim, generator=gen).half().cuda()
+            kv = [torch.randn(n, cfg.latent_dim, generator=gen).to(dt).cuda() for _ in range(cfg.num_layers)]
+            q = [torch.randn(n, cfg.num_qo_heads, cfg.latent_dim, generator=gen).to(dt).cuda()
                  for _ in range(cfg.num_layers)]
         else:
             width = cfg.num_qo_heads + 2 * cfg.num_kv_heads
-            qkv = [torch.randn(n, width, cfg.head_dim, generator=gen).half().cuda() for _ in range(cfg.num_layers)]
+            qkv = [torch.randn(n, width, cfg.head_dim, generator=gen).to(dt).cuda() for _ in range(cfg.num_layers)]
         for tag, cache in caches.items():
             cache.begin_forward(ids, lens)
             res = []

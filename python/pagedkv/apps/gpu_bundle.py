@@ -8,7 +8,8 @@ OUT/kernels/   kernels-<key>.so/.json for every config of the GPU suite (sm_90 f
                flashinfer-python 0.7.4 installed also with backends ("flashinfer", "tir") for the FlashInfer
                suite's configs (``pagedkv.testing.shapes.flashinfer_gpu_shapes``: fp16 head dim 128 and the
                DeepSeek MLA dims; its modules linked in, from the FlashInfer build cache)
-OUT/models/    model libraries for the GPU model tests (when their dependencies are installed)
+OUT/models/    model libraries for the GPU model tests (when their dependencies are installed): SmolLM2 and
+               DeepSeek-V3 (float32, and bfloat16 for its own layout) with their cases
 OUT/upstream/  apache-tvm 0.27's own CUDA attention kernels for the benchmark shape (``--no-upstream`` skips)
 """
 
@@ -197,9 +198,10 @@ def build_smollm2(out: Path, arch: str, dtype: str = "float16", backend: str = "
 
 
 def build_deepseek(out: Path, arch: str) -> list[Path]:
-    """The DeepSeek-V3 (MLA) end-to-end case for the GPU: per config of ``pagedkv.testing.deepseek`` a
-    float32 CUDA model library and a ``.npz`` with fresh random weights, the scenario and HF's float64
-    logits (computed here: the GPU host need not have a DeepseekV3-capable transformers)."""
+    """The DeepSeek-V3 (MLA) end-to-end cases for the GPU: per (config, dtype) of
+    ``pagedkv.testing.deepseek.GPU_CASES`` a CUDA model library and a ``.npz`` with fresh random weights
+    (rounded to the dtype), the scenario and HF's float64 logits of those weights (computed here: the GPU
+    host need not have a DeepseekV3-capable transformers)."""
     try:
         import transformers  # noqa: F401
     except ImportError as err:
@@ -216,18 +218,18 @@ def build_deepseek(out: Path, arch: str) -> list[Path]:
     enable_cuda_codegen()
     target = tvm.target.Target({"kind": "cuda", "arch": arch}, host="llvm")
     paths = []
-    for name in D.CONFIGS:
+    for name, dtype in D.GPU_CASES:
         t0 = time.perf_counter()
         seed = int(np.random.SeedSequence().entropy % 2**31)
-        hf = D.hf_model(name, seed)
+        hf = D.round_weights(D.hf_model(name, seed), dtype)
         cfg = DeepseekV3Config.from_hf(hf.config)
-        model = DeepseekV3ForCausalLM(cfg, dtype="float32", target=target, backend="tir")
-        lib, named = build_library(model, target, out / "models" / f"deepseek-{name}-float32-cuda.so")
+        model = DeepseekV3ForCausalLM(cfg, dtype=dtype, target=target, backend="tir")
+        lib, named = build_library(model, target, out / "models" / f"deepseek-{name}-{dtype}-cuda.so")
         if not has_device_code(lib):
             raise RuntimeError(f"{lib} holds no CUDA fatbin")
         steps, rows, history = D.scenario(np.random.default_rng(seed), cfg.vocab_size)
-        D.write_case(lib.with_suffix(".npz"), name, seed, params_from_hf(hf, named, "float32"), steps, rows,
-                     D.hf_logits(hf, history))
+        D.write_case(lib.with_suffix(".npz"), name, seed, params_from_hf(hf, named, dtype), steps, rows,
+                     D.hf_logits(hf, history), dtype)
         print(f"[pagedkv] model {lib.name}: {lib.stat().st_size / 1e6:.2f} MB in "
               f"{time.perf_counter() - t0:.1f} s", flush=True)
         paths.append(lib)

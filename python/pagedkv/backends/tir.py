@@ -10,12 +10,13 @@ from typing import Any, Iterator, Mapping
 from .. import ops
 from .. import target as _target
 from ..config import KVCacheConfig
-from ..kernel_spec import SWITCHES, KernelSpec, normalize_paths
+from ..kernel_spec import DTYPES, SWITCHES, KernelSpec, normalize_paths
 from .base import Backend, OpBuild, target_kind
 
 #: Target kinds the TIR kernels are scheduled for.
 SUPPORTED_TARGETS = ("llvm", "cuda")
-SUPPORTED_DTYPES = ("float16", "float32")
+#: Storage dtypes the TIR kernels take (``pagedkv.kernel_spec.DTYPES``: fp16, fp32, bf16).
+SUPPORTED_DTYPES = DTYPES
 
 
 _FORCED_PATHS: contextvars.ContextVar[tuple] = contextvars.ContextVar("pagedkv_tir_forced_paths", default=())

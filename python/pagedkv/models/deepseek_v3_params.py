@@ -222,8 +222,17 @@ def params_from_state_dict(cfg: DeepseekV3Config, state_dict: Mapping[str, Any],
             arr = get("model.embed_tokens.weight")  # tied embeddings
         else:
             arr = get(key)
-        out.append(np.ascontiguousarray(arr.astype(dtype)))
+        out.append(np.ascontiguousarray(arr.astype(_numpy_dtype(dtype))))
     return out
+
+
+def _numpy_dtype(dtype: str):
+    """numpy's dtype for a model dtype name; bfloat16 is ml_dtypes' (a dependency of apache-tvm)."""
+    if dtype == "bfloat16":
+        import ml_dtypes
+
+        return ml_dtypes.bfloat16
+    return np.dtype(dtype)
 
 
 def params_from_hf(hf_model, named_params, dtype: str) -> list[np.ndarray]:

@@ -2,9 +2,11 @@
 (which prebuilds the GPU kernels for exactly these configs).
 
 GQA group sizes 1, 3, 4, 7, head dims 64 / 128, float32 / float16, page sizes 16 / 8 and RoPE modes
-none / normal / inline each appear at least twice. Three shapes turn on the attention options: a sliding
-window shorter than the scenarios' sequences (crossing pages), a logits soft-cap small enough to bend
-random scores (|s| ~ 1), and both.
+none / normal / inline each appear at least twice; bfloat16 (the dtype of Llama 3, Qwen and DeepSeek-V3
+checkpoints) on two of them (inline RoPE at head dim 128, normal at 64: neither takes FlashInfer modules of
+its own, whose libraries are ~7 MB of the GPU bundle each) and on one small MLA shape. Three
+shapes turn on the attention options: a sliding window shorter than the scenarios' sequences (crossing
+pages), a logits soft-cap small enough to bend random scores (|s| ~ 1), and both.
 """
 
 from __future__ import annotations
@@ -12,6 +14,10 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from ..config import KVCacheConfig
+
+
+#: Short dtype names of the test ids.
+DTYPE_IDS = {"float32": "f32", "float16": "f16", "bfloat16": "bf16"}
 
 
 @dataclass(frozen=True)
@@ -31,7 +37,7 @@ class Shape:
 
     @property
     def id(self) -> str:
-        dt = {"float32": "f32", "float16": "f16"}[self.dtype]
+        dt = DTYPE_IDS[self.dtype]
         extra = "" if (self.theta, self.scale) == (10000.0, 1.0) else f"-t{self.theta:g}s{self.scale:g}"
         extra += f"-w{self.window}" if self.window else ""
         extra += f"-cap{self.cap:g}" if self.cap else ""
@@ -62,6 +68,8 @@ SHAPES = [
     Shape(4, 1, 64, "float32", 8, "normal", window=13),
     Shape(6, 2, 128, "float16", 16, "none", cap=2.0),
     Shape(3, 1, 64, "float16", 8, "inline", window=20, cap=2.5),
+    Shape(6, 2, 128, "bfloat16", 8, "inline"),
+    Shape(7, 1, 64, "bfloat16", 16, "normal"),
 ]
 
 #: CPU shapes of the many-sequence scenarios (``scenarios_batch``): 24 sequences, 16 and 4 kv heads (more
@@ -73,11 +81,12 @@ BATCH_SHAPES = [
     Shape(4, 4, 64, "float32", 8, "inline", batch=24),
 ]
 
-#: Extra GPU-only shapes: GQA group 8, the H200 benchmark shape (32 q / 8 kv heads, head dim 128), and
-#: attention options on FlashInfer's shape (fp16, head dim 128: window and soft-cap together, one module
-#: build each for decode and prefill) and on two TIR-only ones.
+#: Extra GPU-only shapes: GQA group 8, the H200 benchmark shape (32 q / 8 kv heads, head dim 128) in fp16
+#: and in bf16 (Llama 3 8B's attention), and attention options on FlashInfer's shape (fp16, head dim 128:
+#: window and soft-cap together, one module build each for decode and prefill) and on two TIR-only ones.
 GPU_EXTRA = [
     Shape(32, 8, 128, "float16", 16, "normal"),
+    Shape(32, 8, 128, "bfloat16", 16, "normal"),
     Shape(8, 1, 128, "float16", 16, "inline"),
     Shape(32, 8, 128, "float16", 16, "normal", window=40, cap=3.0),
     Shape(8, 2, 64, "float32", 8, "none", cap=2.0),
@@ -110,7 +119,7 @@ class MLAShape:
 
     @property
     def id(self) -> str:
-        dt = {"float32": "f32", "float16": "f16"}[self.dtype]
+        dt = DTYPE_IDS[self.dtype]
         return f"mla-h{self.h}-r{self.r}-rope{self.rope}-nope{self.nope}-v{self.v}-{dt}-p{self.ps}"
 
     def config(self) -> KVCacheConfig:
@@ -120,17 +129,20 @@ class MLAShape:
                                  max_total_seq_len=128, prefill_chunk_size=64)
 
 
-#: MLA shapes: two small ones (3 and 4 heads) and DeepSeek-V2-Lite's (16 heads, 512 + 64 latent,
-#: nope 128, v 128).
+#: MLA shapes: two small ones (3 and 4 heads), DeepSeek-V2-Lite's (16 heads, 512 + 64 latent, nope 128,
+#: v 128), and a small bf16 one (4 heads; page size 8).
 MLA_SHAPES = [
     MLAShape(3, 64, 32, 32, 48, "float32", 8),
     MLAShape(4, 64, 32, 64, 64, "float16", 16),
     MLAShape(16, 512, 64, 128, 128, "float16", 16),
+    MLAShape(4, 64, 32, 64, 64, "bfloat16", 8),
 ]
-#: Extra GPU-only MLA shapes: V2-Lite in float32 and DeepSeek-V3's 128 heads.
+#: Extra GPU-only MLA shapes: V2-Lite in float32 and DeepSeek-V3's 128 heads, in fp16 and in bf16 (the
+#: checkpoint's dtype).
 MLA_GPU_EXTRA = [
     MLAShape(16, 512, 64, 128, 128, "float32", 8),
     MLAShape(128, 512, 64, 128, 128, "float16", 16),
+    MLAShape(128, 512, 64, 128, 128, "bfloat16", 16),
 ]
 
 
@@ -145,13 +157,16 @@ def gpu_configs() -> list[KVCacheConfig]:
 def flashinfer_gpu_shapes() -> list:
     """The GPU shapes the FlashInfer suite runs (and ``pagedkv.apps.gpu_bundle`` prebuilds FlashInfer kernel libraries
     for): those whose FlashInfer modules are fp16 at head dim 128 (decode, prefill fa2 / fa3) or the
-    DeepSeek MLA dims (ckv 512, kpe 64), so a bundle build links cached or quick modules only (a cold fa2 /
-    fa3 prefill module per head dim takes 10-20 minutes on the 2-core build host). Whether FlashInfer serves
-    each op of a shape is up to the backend (e.g. inline RoPE: it does not)."""
+    DeepSeek MLA dims (ckv 512, kpe 64), and the same in bf16 without attention options (the bf16 modules
+    built: decode, prefill fa2 / fa3 and MLA, none with a window or a soft cap), so a bundle build links
+    cached or quick modules only (a cold fa2 / fa3 prefill module per head dim takes 10-20 minutes on the
+    2-core build host). Whether FlashInfer serves each op of a shape is up to the backend (e.g. inline RoPE:
+    it does not)."""
     def cheap(s) -> bool:
         if isinstance(s, MLAShape):
-            return (s.r, s.rope, s.dtype) == (512, 64, "float16")
-        return (s.d, s.dtype) == (128, "float16")
+            return (s.r, s.rope) == (512, 64) and s.dtype in ("float16", "bfloat16")
+        plain = not (s.window or s.cap)
+        return s.d == 128 and (s.dtype == "float16" or (s.dtype == "bfloat16" and plain))
 
     return [s for s in gpu_shapes() if cheap(s)]
 
