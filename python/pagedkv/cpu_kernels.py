@@ -5,11 +5,12 @@ weight, see ``models._common.LinearKN``), maybe followed by a residual add. TVM 
 it an unscheduled loop nest (no threads, no vectors); dlight's CPU ``GEMV`` rule vectorizes the reduction's
 spatial axis with strided loads. These kernels replace such a function with one of the same parameters:
 
-* **rows <= GEMV_ROWS** (decode, the prefill's logits): the weight streams from memory once, row by row.
-  ``N`` is cut into ``N / NC`` column chunks run in parallel; a chunk keeps ``rows x NC`` float32 sums in
-  L1 and reads ``w[k, chunk]`` (``NC`` contiguous floats) once per ``k`` for every row. Long contiguous rows
-  keep the hardware prefetchers streaming (a narrow column strip per thread reads a few cache lines per
-  4 KiB page and ran at a third of the bandwidth).
+* **rows <= GEMV_ROWS** (decode, the prefill's logits): the weight streams from memory once. ``K`` is cut
+  into ``KSPLIT`` slices run in parallel; a slice reads its rows of ``w`` front to back (one contiguous
+  range of memory per thread) into float32 partial sums of whole output rows, and a second parallel loop
+  adds the slices. Column chunks per thread instead (``w[k, chunk]`` for every ``k``: a few KiB, then a
+  jump) streamed at half the bandwidth on the 2-core host. Two to four rows are padded to four, so each
+  weight vector is loaded once for all of them.
 * **more rows** (prefill): a register-tiled GEMM. Tiles of ``MR x NR`` outputs (6 x 64: 24 AVX-512
   accumulators) run over the whole ``K``; ``NR``-column strips run in parallel, and each strip's ``K x NR``
   weight panel stays in L2 while every row tile passes over it. Rows past the last full tile run one at a
@@ -34,7 +35,9 @@ GEMV_ROWS = 4
 LANES = 16
 #: Register tile of the GEMM path: rows x columns.
 MR, NR = 6, 64
-#: Largest column chunk of the GEMV path (rows x NC float32 sums must stay in L1).
+#: Slices of ``K`` the GEMV path streams in parallel (the final sum below adds exactly four).
+KSPLIT = 4
+#: Largest column block of the GEMV path's final sum over the slices.
 MAX_CHUNK = 1024
 
 
@@ -69,7 +72,7 @@ class MatmulShape:
 
 
 def gemv_chunk(n: int) -> int | None:
-    """Column chunk of the GEMV path: the largest multiple of ``LANES`` dividing ``n``, at most ``MAX_CHUNK``,
+    """Column block of the GEMV path's final sum: the largest multiple of ``LANES`` dividing ``n``, at most ``MAX_CHUNK``,
     that leaves an even number (>= 4) of chunks for the threads, else one leaving >= 2; None if none."""
     cands = [c for c in range(LANES, min(n, MAX_CHUNK) + 1, LANES) if n % c == 0]
     for ok in (lambda q: q >= 4 and q % 2 == 0, lambda q: q >= 2):
@@ -87,15 +90,15 @@ def gemm_strip(n: int) -> int | None:
 def supported(shape: MatmulShape) -> bool:
     """Whether ``matmul_kernel`` serves ``shape`` (``N`` a multiple of ``LANES``; float32 output)."""
     return (shape.out_dtype == "float32" and gemv_chunk(shape.n) is not None
-            and gemm_strip(shape.n) is not None)
+            and gemm_strip(shape.n) is not None and shape.k % KSPLIT == 0)
 
 
 def matmul_kernel(shape: MatmulShape) -> tirx.PrimFunc:
     """The replacement PrimFunc for ``shape`` (same parameters, in the same order)."""
     K, N = shape.k, shape.n
-    NC, SR = gemv_chunk(N), gemm_strip(N)
+    RB, SR = gemv_chunk(N), gemm_strip(N)
     rows = math.prod(shape.a_shape[:-1])
-    gemv, gemm = _gemv_body(K, N, NC), _gemm_body(K, N, SR)
+    gemv, small, gemm = _gemv_body(K, N, RB), _small_body(K, N, SR), _gemm_body(K, N, SR)
     store = _store_res if shape.has_residual else _store
     a_shape, o_shape, adt, wdt = shape.a_shape, shape.out_shape, shape.a_dtype, shape.w_dtype
 
@@ -104,8 +107,10 @@ def matmul_kernel(shape: MatmulShape) -> tirx.PrimFunc:
         Af = T.decl_buffer((rows, K), adt, data=A.data)
         Of = T.decl_buffer((rows, N), "float32", data=O.data)
         Rf = T.decl_buffer((rows, N), "float32", data=R.data)
-        if rows <= GEMV_ROWS:
-            gemv(Af, W, Of, Rf, rows, store)
+        if rows == 1:
+            gemv(Af, W, Of, Rf, store)
+        elif rows <= GEMV_ROWS:
+            small(Af, W, Of, Rf, rows, store)
         else:
             gemm(Af, W, Of, Rf, rows, store)
 
@@ -143,29 +148,57 @@ def _store_res(Of, Rf, m, n, value):
     Of[m, n] = Rf[m, n] + value
 
 
-def _gemv_body(K: int, N: int, NC: int):
-    """Rows <= GEMV_ROWS: ``N / NC`` chunks in parallel, each streaming its ``w[:, chunk]`` rows once."""
-    V = LANES
+def _gemv_body(K: int, N: int, RB: int):
+    """One row: ``KSPLIT`` parallel slices of ``K``, each streaming its contiguous rows of ``w`` into
+    partial sums ``part[slice, :]``; then ``N / RB`` parallel column blocks add the slices up."""
+    V, KC = LANES, K // KSPLIT
 
     @T.macro
-    def gemv(Af, W, Of, Rf, rows, store):
-        for c in T.parallel(N // NC):
-            acc = T.alloc_buffer((GEMV_ROWS, NC), "float32")
-            for m in range(rows):
-                for j in T.vectorized(NC):
-                    acc[m, j] = T.float32(0)
-            for k in range(K):
-                for m in range(rows):
-                    for jo in range(NC // V):
-                        for ji in T.vectorized(V):
-                            acc[m, jo * V + ji] = acc[m, jo * V + ji] + T.Cast("float32", Af[m, k]) * T.Cast(
-                                "float32", W[k, c * NC + jo * V + ji])
-            for m in range(rows):
-                for jo in range(NC // V):
+    def gemv(Af, W, Of, Rf, store):
+        part = T.alloc_buffer((KSPLIT, N), "float32")
+        for c in T.parallel(KSPLIT):
+            for jo in range(N // V):
+                for ji in T.vectorized(V):
+                    part[c, jo * V + ji] = T.float32(0)
+            for kk in range(KC):
+                for jo in range(N // V):
                     for ji in T.vectorized(V):
-                        store(Of, Rf, m, c * NC + jo * V + ji, acc[m, jo * V + ji])
+                        part[c, jo * V + ji] = part[c, jo * V + ji] + T.Cast(
+                            "float32", Af[0, c * KC + kk]) * T.Cast("float32", W[c * KC + kk, jo * V + ji])
+        for r in T.parallel(N // RB):
+            for jo in range(RB // V):
+                for ji in T.vectorized(V):
+                    store(Of, Rf, 0, r * RB + jo * V + ji, part[0, r * RB + jo * V + ji]
+                          + part[1, r * RB + jo * V + ji] + part[2, r * RB + jo * V + ji]
+                          + part[3, r * RB + jo * V + ji])
 
     return gemv
+
+
+def _small_body(K: int, N: int, SR: int):
+    """2 to GEMV_ROWS rows: the rows, zero-padded to GEMV_ROWS, times ``SR``-column strips of ``w`` in
+    parallel, ``GEMV_ROWS x SR`` sums in registers (each weight vector is loaded once for every row)."""
+
+    @T.macro
+    def small(Af, W, Of, Rf, rows, store):
+        a = T.alloc_buffer((GEMV_ROWS, K), "float32")
+        for m, k in T.grid(GEMV_ROWS, K):
+            row = T.Cast("int64", m)
+            a[m, k] = T.if_then_else(row < rows, T.Cast("float32", Af[T.min(row, rows - 1), k]), T.float32(0))
+        for s in T.parallel(N // SR):
+            acc = T.alloc_buffer((GEMV_ROWS, SR), "float32", scope="local")
+            for i in T.unroll(GEMV_ROWS):
+                for j in T.vectorized(SR):
+                    acc[i, j] = T.float32(0)
+            for k in range(K):
+                for i in T.unroll(GEMV_ROWS):
+                    for j in T.vectorized(SR):
+                        acc[i, j] = acc[i, j] + a[i, k] * T.Cast("float32", W[k, s * SR + j])
+            for i in range(rows):
+                for j in T.vectorized(SR):
+                    store(Of, Rf, i, s * SR + j, acc[i, j])
+
+    return small
 
 
 def _gemm_body(K: int, N: int, SR: int):
