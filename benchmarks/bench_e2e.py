@@ -71,7 +71,6 @@ if ARGS is not None:
     # TVM's thread pool reads this when it starts (first parallel call): before any TVM import.
     os.environ["TVM_NUM_THREADS"] = str(ARGS.threads)
 
-import numpy as np  # noqa: E402
 import torch  # noqa: E402
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
@@ -122,7 +121,6 @@ def bandwidth(device: str) -> dict:
 
     read = best(lambda: x.sum(), x.numel() * 4)
     copy = best(lambda: y.copy_(x[: y.numel()]), 2 * y.numel() * 4)
-    del x, y
     return {"read_GBps": read, "copy_GBps": copy}
 
 
@@ -188,7 +186,7 @@ def print_table(results: dict, bw: dict, weight_bytes: int, args) -> None:
     roof = bw["read_GBps"] * 1e9 / weight_bytes
     print(f"\nmemory: read {bw['read_GBps']:.1f} GB/s, copy {bw['copy_GBps']:.1f} GB/s; one decode step reads "
           f"{weight_bytes / 1e9:.3f} GB of weights -> decode roof {roof:.1f} tokens/s per sequence at batch 1")
-    print(f"\n| batch | system | prefill tok/s | decode tok/s | prefill vs HF | decode vs HF | decode / roof |")
+    print("\n| batch | system | prefill tok/s | decode tok/s | prefill vs HF | decode vs HF | decode / roof |")
     print("|---|---|---|---|---|---|---|")
     for batch, rows in results.items():
         for name, row in rows.items():
