@@ -5,20 +5,22 @@ weight, see ``models._common.LinearKN``), maybe followed by a residual add. TVM 
 it an unscheduled loop nest (no threads, no vectors); dlight's CPU ``GEMV`` rule vectorizes the reduction's
 spatial axis with strided loads. These kernels replace such a function with one of the same parameters:
 
-* **rows <= GEMV_ROWS** (decode, the prefill's logits): the weight streams from memory once. ``K`` is cut
-  into ``KSPLIT`` slices run in parallel; a slice reads its rows of ``w`` front to back (one contiguous
-  range of memory per thread) into float32 partial sums of whole output rows, and a second parallel loop
-  adds the slices. Column chunks per thread instead (``w[k, chunk]`` for every ``k``: a few KiB, then a
-  jump) streamed at half the bandwidth on the 2-core host. Two to four rows are padded to four, so each
-  weight vector is loaded once for all of them.
+* **one row** (decode of one sequence, the prefill's logits): the weight streams from memory once. ``K``
+  is cut into ``KSPLIT`` slices run in parallel; a slice reads its rows of ``w`` front to back (one
+  contiguous range of memory per thread) into float32 partial sums of the whole output row, which one
+  thread then adds. Column chunks per thread instead (``w[k, chunk]`` for every ``k``: a few KiB, then a
+  jump) streamed at half the bandwidth on the 2-core host.
+* **2 to GEMV_ROWS rows** (batched decode): the register tiles below, rows zero-padded to ``GEMV_ROWS``, so
+  each weight vector is loaded once for every row.
 * **more rows** (prefill): a register-tiled GEMM. Tiles of ``MR x NR`` outputs (6 x 64: 24 AVX-512
   accumulators) run over the whole ``K``; ``NR``-column strips run in parallel, and each strip's ``K x NR``
-  weight panel stays in L2 while every row tile passes over it. Rows past the last full tile run one at a
-  time with the same strip width.
+  weight panel stays in L2 while every row tile passes over it. The rows past the last full tile are
+  copied into one zero-padded tile.
 
 Loops all start at 0 (TVM 0.27's ``CanonicalizeLoop`` miscompiles nested loops under an outer loop that
-starts above 0, see ``tir_kernels/attention_cpu.py``): the row tail is ``base + t`` for ``t`` from 0.
-Sums are float32 whatever the input dtype.
+starts above 0, see ``tir_kernels/attention_cpu.py``): the row tail is ``base + t`` for ``t`` from 0. No
+``x = ...`` binding inside a vectorized loop either: TVM 0.27 compiled one (a let of the lane index) into
+wrong sums without a word. Sums are float32 whatever the input dtype.
 """
 
 from __future__ import annotations
@@ -29,7 +31,7 @@ from dataclasses import dataclass
 from tvm import tirx
 from tvm.script import tirx as T
 
-#: Rows at or below which the streaming (GEMV) path runs.
+#: Rows up to which one zero-padded register tile serves (above one row: one row streams, see above).
 GEMV_ROWS = 4
 #: Float32 lanes of one vector (AVX-512); strips and chunks are multiples of it.
 LANES = 16
@@ -150,7 +152,7 @@ def _store_res(Of, Rf, m, n, value):
 
 def _gemv_body(K: int, N: int, RB: int):
     """One row: ``KSPLIT`` parallel slices of ``K``, each streaming its contiguous rows of ``w`` into
-    partial sums ``part[slice, :]``; then ``N / RB`` parallel column blocks add the slices up."""
+    partial sums ``part[slice, :]``; then one thread adds the slices up."""
     V, KC = LANES, K // KSPLIT
 
     @T.macro
@@ -165,7 +167,9 @@ def _gemv_body(K: int, N: int, RB: int):
                     for ji in T.vectorized(V):
                         part[c, jo * V + ji] = part[c, jo * V + ji] + T.Cast(
                             "float32", Af[0, c * KC + kk]) * T.Cast("float32", W[c * KC + kk, jo * V + ji])
-        for r in T.parallel(N // RB):
+        # The sum of the slices is a few microseconds of work: one thread, no second parallel launch
+        # (each costs ~10 us on the 2-core host, and a decode step makes hundreds).
+        for r in range(N // RB):
             for jo in range(RB // V):
                 for ji in T.vectorized(V):
                     store(Of, Rf, 0, r * RB + jo * V + ji, part[0, r * RB + jo * V + ji]
@@ -202,10 +206,16 @@ def _small_body(K: int, N: int, SR: int):
 
 
 def _gemm_body(K: int, N: int, SR: int):
-    """More rows: ``MR x SR`` register tiles, ``SR``-column strips in parallel, then the row tail."""
+    """More rows: ``MR x SR`` register tiles, ``SR``-column strips in parallel; the last ``rows % MR`` rows
+    form one more tile, zero-padded (one row at a time would re-read the strip's weights per row)."""
 
     @T.macro
     def gemm(Af, W, Of, Rf, rows, store):
+        full = rows // MR * MR
+        tail = T.alloc_buffer((MR, K), "float32")
+        for i, k in T.grid(MR, K):
+            row = full + T.Cast("int64", i)
+            tail[i, k] = T.if_then_else(row < rows, T.Cast("float32", Af[T.min(row, rows - 1), k]), T.float32(0))
         for s in T.parallel(N // SR):
             acc = T.alloc_buffer((MR, SR), "float32", scope="local")
             for mb in range(rows // MR):
@@ -220,14 +230,16 @@ def _gemm_body(K: int, N: int, SR: int):
                 for i in T.unroll(MR):
                     for j in T.vectorized(SR):
                         store(Of, Rf, mb * MR + i, s * SR + j, acc[i, j])
-            for t in range(rows - rows // MR * MR):
-                for j in T.vectorized(SR):
-                    acc[0, j] = T.float32(0)
-                for k in range(K):
+            if full < rows:
+                for i in T.unroll(MR):
                     for j in T.vectorized(SR):
-                        acc[0, j] = acc[0, j] + T.Cast("float32", Af[rows // MR * MR + t, k]) * T.Cast(
-                            "float32", W[k, s * SR + j])
-                for j in T.vectorized(SR):
-                    store(Of, Rf, rows // MR * MR + t, s * SR + j, acc[0, j])
+                        acc[i, j] = T.float32(0)
+                for k in range(K):
+                    for i in T.unroll(MR):
+                        for j in T.vectorized(SR):
+                            acc[i, j] = acc[i, j] + tail[i, k] * T.Cast("float32", W[k, s * SR + j])
+                for t in range(rows - full):
+                    for j in T.vectorized(SR):
+                        store(Of, Rf, full + t, s * SR + j, acc[t, j])
 
     return gemm

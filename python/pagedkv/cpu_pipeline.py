@@ -25,7 +25,7 @@ from . import cpu_kernels
 from .cpu_kernels import MatmulShape
 
 #: Bumped whenever a schedule here or a kernel of ``cpu_kernels`` changes what is compiled.
-SCHEDULE_VERSION = "cpu-sched-2"
+SCHEDULE_VERSION = "cpu-sched-3"
 #: Elements of one parallel task of an elementwise function (small ones stay on one thread).
 ELEMWISE_CHUNK = 4096
 
