@@ -24,6 +24,19 @@ class Run:
     margins: list = field(default_factory=list)
 
 
+def _cache_kw(model) -> str:
+    """The name transformers' forward takes the KV cache under: ``cache`` (5.2x) or ``past_key_values``."""
+    import inspect
+
+    return "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
+
+
+def _takes_cache_position(model) -> bool:
+    import inspect
+
+    return "cache_position" in inspect.signature(model.forward).parameters
+
+
 def _margins(logits: list) -> list:
     """``[batch][step]`` top-1 minus top-2 logit, from per-step ``[batch, vocab]`` logits."""
     steps = [torch.topk(lg.float(), 2, dim=-1).values.cpu() for lg in logits]
@@ -86,7 +99,7 @@ class HFEager:
     ``logits_to_keep=1`` in the prefill as ``generate`` passes it."""
 
     def __init__(self, model, device: str):
-        self.model, self.device = model, device
+        self.model, self.device, self.cache_kw = model, device, _cache_kw(model)
 
     def _sync(self) -> None:
         if self.device == "cuda":
@@ -105,7 +118,7 @@ class HFEager:
         t1 = perf_counter()
         pkv = out.past_key_values
         for _ in range(n - 1):
-            out = self.model(nxt[:, None], past_key_values=pkv, use_cache=True)
+            out = self.model(nxt[:, None], use_cache=True, **{self.cache_kw: pkv})
             pkv = out.past_key_values
             logits.append(out.logits[:, -1])
             nxt = logits[-1].argmax(-1)
@@ -119,12 +132,23 @@ class HFEager:
 class HFStatic(HFEager):
     """CUDA: transformers with a ``StaticCache``; the prefill runs eager, each decode step is the model's
     forward under ``torch.compile(mode="reduce-overhead")`` (CUDA graphs). One cache per batch size; its
-    graphs are captured in the untimed warm-up run."""
+    graphs are captured in the untimed warm-up run. Written on a host without a GPU and not run yet:
+    transformers moved the cache argument (``past_key_values`` -> ``cache``) and ``cache_position`` between
+    versions, so both are chosen from the forward's signature; no ``fullgraph`` (a deprecation warning
+    inside the forward would break the graph)."""
 
     def __init__(self, model, device: str):
         super().__init__(model, device)
-        self.step = torch.compile(model.forward, mode="reduce-overhead", fullgraph=True)
+        self.step = torch.compile(model.forward, mode="reduce-overhead")
+        self.with_position = _takes_cache_position(model)
         self.caches: dict = {}
+
+    def _positions(self, start: int, count: int, batch: int) -> dict:
+        pos = torch.arange(start, start + count, device=self.device)
+        kw = {"position_ids": pos.expand(batch, count)}
+        if self.with_position:
+            kw["cache_position"] = pos
+        return kw
 
     def _cache(self, batch: int, length: int):
         from transformers import StaticCache
@@ -143,17 +167,15 @@ class HFStatic(HFEager):
         x = torch.tensor(ids, device=self.device)
         self._sync()
         t0 = perf_counter()
-        out = self.model(x, past_key_values=cache, use_cache=True, logits_to_keep=1,
-                         cache_position=torch.arange(L, device=self.device))
+        out = self.model(x, use_cache=True, logits_to_keep=1, **{self.cache_kw: cache},
+                         **self._positions(0, L, b))
         logits = [out.logits[:, -1].clone()]
         nxt = logits[-1].argmax(-1)
         toks = [nxt]
         self._sync()
         t1 = perf_counter()
         for i in range(n - 1):
-            pos = torch.tensor([L + i], device=self.device)
-            out = self.step(nxt[:, None], past_key_values=cache, use_cache=True, cache_position=pos,
-                            position_ids=pos.expand(b, 1))
+            out = self.step(nxt[:, None], use_cache=True, **{self.cache_kw: cache}, **self._positions(L + i, 1, b))
             logits.append(out.logits[:, -1].clone())  # CUDA graph outputs are overwritten by the next call
             nxt = logits[-1].argmax(-1)
             toks.append(nxt)
