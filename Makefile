@@ -13,7 +13,7 @@ FLASHINFER ?= 1
 SOURCES := $(wildcard src/*.cc src/*.h) CMakeLists.txt pyproject.toml \
            $(shell find python tir_kernels -name '*.py' 2>/dev/null)
 
-.PHONY: demo test lint install clean bench gpu-bundle gpu-test bench-bundle bench-gpu
+.PHONY: demo test lint install clean bench bench-e2e gpu-bundle gpu-test bench-bundle bench-gpu
 demo: $(STAMP)
 	$(PY) -m pagedkv.apps.chat
 
@@ -29,6 +29,11 @@ install: $(STAMP)
 
 bench: $(STAMP)
 	$(PY) benchmarks/bench_cpu_kernels.py
+
+# SmolLM2-135M end to end, pagedkv vs HF transformers in one process (CPU; BENCH_ARGS="--device cuda ..." on
+# the GPU host). Results: benchmarks/results/bench_e2e_<device>.{json,png}; the table goes to BENCHMARKS.md.
+bench-e2e: $(STAMP)
+	$(PY) benchmarks/bench_e2e.py $(BENCH_ARGS)
 
 $(PY):
 	python3 -m venv $(VENV)

@@ -59,6 +59,19 @@ def _cuda_pipeline(target):
     return _pipeline
 
 
+def relax_pipeline(target: tvm.target.Target, report: dict | None = None):
+    """The Relax pipeline for ``target``: ``_cuda_pipeline`` for CUDA, ``pagedkv.cpu_pipeline`` for llvm (TVM's
+    default leaves every CPU matmul unscheduled), TVM's default otherwise. ``report`` (CPU) collects what was
+    done to each PrimFunc."""
+    if target.kind.name == "cuda":
+        return _cuda_pipeline(target)
+    if target.kind.name == "llvm":
+        from .cpu_pipeline import cpu_pipeline
+
+        return cpu_pipeline(target, report)
+    return "default"
+
+
 def build_library(model: nn.Module, target: Any, out_path: str | Path, *,
                   verbose: bool = False) -> tuple[Path, list[tuple[str, Any]]]:
     """Export, compile for ``target`` and write a shared library to ``out_path``.
@@ -77,11 +90,15 @@ def build_library(model: nn.Module, target: Any, out_path: str | Path, *,
         from .cuda_build import enable_cuda_codegen
 
         enable_cuda_codegen()
-    pipeline = _cuda_pipeline(tgt) if tgt.kind.name == "cuda" else "default"
+    report: dict = {}
+    pipeline = relax_pipeline(tgt, report)
     with tgt:
         executable = tvm.compile(mod, target=tgt, relax_pipeline=pipeline)
     if verbose:
-        print(f"[pagedkv] compiled for {tgt.kind.name} in {time.perf_counter() - t1:.1f} s", flush=True)
+        kinds = sorted({k for k in report.values()})
+        counts = ", ".join(f"{sum(v == k for v in report.values())} {k}" for k in kinds)
+        print(f"[pagedkv] compiled for {tgt.kind.name} in {time.perf_counter() - t1:.1f} s"
+              + (f" (model functions: {counts})" if counts else ""), flush=True)
     out_path = Path(out_path)
     out_path.parent.mkdir(parents=True, exist_ok=True)
     executable.export_library(str(out_path), **({"options": options} if options else {}))

@@ -64,7 +64,12 @@ def compiled_library(cfg, *, dtype: str, target: str, backend) -> tuple[Path, li
     from ..engine import param_names
     from ..models.llama import LlamaForCausalLM
 
-    key = hashlib.sha256(repr((cfg, dtype, target, backend, _source_digest())).encode()).hexdigest()[:20]
+    from ..cpu_pipeline import SCHEDULE_VERSION
+
+    # The schedules' version is in the key as well as their source: a library compiled with other
+    # schedules (or none, before pagedkv.cpu_pipeline) is never reused.
+    key = hashlib.sha256(repr((cfg, dtype, target, backend, SCHEDULE_VERSION, _source_digest())).encode())
+    key = key.hexdigest()[:20]
     path = cache_dir() / f"llama-{key}.so"
     if path.exists() and path.with_suffix(".json").exists():
         print(f"[pagedkv] reusing compiled library {path}", flush=True)
@@ -72,7 +77,7 @@ def compiled_library(cfg, *, dtype: str, target: str, backend) -> tuple[Path, li
     model = LlamaForCausalLM(cfg, dtype=dtype, target=target, backend=backend)
     kind = target if isinstance(target, str) else target.kind.name
     with _Ticker(f"compiling the model for {kind}"):
-        path, named = build_library(model, target, path)
+        path, named = build_library(model, target, path, verbose=True)
     return path, named
 
 

@@ -1,5 +1,13 @@
 """Pieces shared by pagedkv's Relax models: float32-accumulating projections and the exported functions'
-cache constructor and spec (``prefill`` / ``decode`` / ``create_paged_kv_cache``)."""
+cache constructor and spec (``prefill`` / ``decode`` / ``create_paged_kv_cache``).
+
+Projection weights have one of two layouts (``WEIGHT_LAYOUTS``): ``"nk"`` is HF's ``[out, in]`` (``nn.Linear``,
+the parameter ``<name>.weight``), ``"kn"`` is ``[in, out]`` (``LinearKN``, the parameter ``<name>.weight_kn``).
+CPU models use ``"kn"``: ``nn.Linear`` transposes its weight in every call, which TVM's CPU pipeline runs as a
+kernel of its own (the whole model's weights copied once per step), and a matmul over ``[in, out]`` rows
+vectorizes along the output without horizontal sums (``pagedkv.cpu_pipeline``). The parameter name says the
+layout, so weight loaders (``llama_params.params_from_hf``) need no other record of it.
+"""
 
 from __future__ import annotations
 
@@ -10,9 +18,36 @@ from tvm.relax.frontend.nn import Tensor, op
 from ..relax import PagedKVCache
 
 
-def linear(in_features: int, out_features: int, dtype: str) -> nn.Linear:
+#: Projection weight layouts: ``"nk"`` = ``[out, in]`` (HF, ``nn.Linear``), ``"kn"`` = ``[in, out]``.
+WEIGHT_LAYOUTS = ("nk", "kn")
+
+
+class LinearKN(nn.Module):
+    """A bias-free projection whose weight is stored ``[in, out]`` (parameter ``weight_kn``): ``x @ weight_kn``."""
+
+    def __init__(self, in_features: int, out_features: int, dtype: str, out_dtype: str = "float32"):
+        self.in_features, self.out_features, self.out_dtype = in_features, out_features, out_dtype
+        self.weight_kn = nn.Parameter((in_features, out_features), dtype)
+
+    def forward(self, x: Tensor) -> Tensor:
+        return op.matmul(x, self.weight_kn, out_dtype=self.out_dtype)
+
+
+def layout_for(target) -> str:
+    """The weight layout a model compiled for ``target`` uses: ``"kn"`` on the CPU (``llvm``), else ``"nk"``."""
+    from ..target import kind
+
+    return "kn" if kind(target) == "llvm" else "nk"
+
+
+def linear(in_features: int, out_features: int, dtype: str, layout: str = "nk") -> nn.Module:
     """A bias-free projection that accumulates in float32 (TVM's default float16 matmul accumulates in
-    float16, which moved SmolLM2's greedy tokens away from transformers' on the GPU)."""
+    float16, which moved SmolLM2's greedy tokens away from transformers' on the GPU), its weight in
+    ``layout`` (``WEIGHT_LAYOUTS``)."""
+    if layout == "kn":
+        return LinearKN(in_features, out_features, dtype)
+    if layout != "nk":
+        raise ValueError(f"weight layout must be one of {WEIGHT_LAYOUTS}, got {layout!r}")
     return nn.Linear(in_features, out_features, bias=False, dtype=dtype, out_dtype="float32")
 
 
@@ -20,7 +55,7 @@ def cast(x: Tensor, dtype: str) -> Tensor:
     return x if x.dtype == dtype else op.astype(x, dtype)
 
 
-def proj(layer: nn.Linear, x: Tensor, dtype: str) -> Tensor:
+def proj(layer: nn.Module, x: Tensor, dtype: str) -> Tensor:
     """``layer(x)`` (float32) cast back to the model dtype."""
     return cast(layer(x), dtype)
 
@@ -28,10 +63,10 @@ def proj(layer: nn.Linear, x: Tensor, dtype: str) -> Tensor:
 class GatedMLP(nn.Module):
     """SiLU-gated MLP with gate and up fused into one projection (Llama, DeepSeek's dense layers)."""
 
-    def __init__(self, hidden_size: int, intermediate_size: int, dtype: str):
+    def __init__(self, hidden_size: int, intermediate_size: int, dtype: str, layout: str = "nk"):
         self.dtype = dtype
-        self.gate_up_proj = linear(hidden_size, 2 * intermediate_size, dtype)
-        self.down_proj = linear(intermediate_size, hidden_size, dtype)
+        self.gate_up_proj = linear(hidden_size, 2 * intermediate_size, dtype, layout)
+        self.down_proj = linear(intermediate_size, hidden_size, dtype, layout)
 
     def forward(self, x: Tensor) -> Tensor:
         gate, up = op.split(proj(self.gate_up_proj, x, self.dtype), 2, axis=-1)

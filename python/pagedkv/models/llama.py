@@ -16,17 +16,17 @@ from tvm.relax.frontend import nn
 from tvm.relax.frontend.nn import Tensor, op
 
 from ..relax import PagedKVCache
-from ._common import CausalLMExports, GatedMLP, linear, proj
+from ._common import CausalLMExports, GatedMLP, layout_for, linear, proj
 from .llama_params import LlamaConfig, params_from_hf  # noqa: F401 (re-exported)
 
 
 class LlamaAttention(nn.Module):
-    def __init__(self, cfg: LlamaConfig, layer_id: int, dtype: str):
+    def __init__(self, cfg: LlamaConfig, layer_id: int, dtype: str, layout: str):
         self.cfg, self.layer_id = cfg, layer_id
         heads = cfg.num_attention_heads + 2 * cfg.num_key_value_heads
         self.dtype = dtype
-        self.qkv_proj = linear(cfg.hidden_size, heads * cfg.head_dim, dtype)
-        self.o_proj = linear(cfg.num_attention_heads * cfg.head_dim, cfg.hidden_size, dtype)
+        self.qkv_proj = linear(cfg.hidden_size, heads * cfg.head_dim, dtype, layout)
+        self.o_proj = linear(cfg.num_attention_heads * cfg.head_dim, cfg.hidden_size, dtype, layout)
 
     def forward(self, x: Tensor, cache: PagedKVCache) -> Tensor:
         b, s, _ = x.shape
@@ -38,12 +38,12 @@ class LlamaAttention(nn.Module):
 
 
 class LlamaDecoderLayer(nn.Module):
-    def __init__(self, cfg: LlamaConfig, layer_id: int, dtype: str):
+    def __init__(self, cfg: LlamaConfig, layer_id: int, dtype: str, layout: str):
         self.input_layernorm = nn.RMSNorm(cfg.hidden_size, -1, cfg.rms_norm_eps, bias=False, dtype=dtype)
-        self.self_attn = LlamaAttention(cfg, layer_id, dtype)
+        self.self_attn = LlamaAttention(cfg, layer_id, dtype, layout)
         self.post_attention_layernorm = nn.RMSNorm(cfg.hidden_size, -1, cfg.rms_norm_eps, bias=False,
                                                    dtype=dtype)
-        self.mlp = GatedMLP(cfg.hidden_size, cfg.intermediate_size, dtype)
+        self.mlp = GatedMLP(cfg.hidden_size, cfg.intermediate_size, dtype, layout)
 
     def forward(self, x: Tensor, cache: PagedKVCache) -> Tensor:
         x = x + self.self_attn(self.input_layernorm(x), cache)
@@ -51,14 +51,17 @@ class LlamaDecoderLayer(nn.Module):
 
 
 class LlamaForCausalLM(CausalLMExports, nn.Module):
-    """Llama decoder with a pagedkv cache; ``backend`` and ``target`` choose the cache's kernels."""
+    """Llama decoder with a pagedkv cache; ``backend`` and ``target`` choose the cache's kernels, ``target``
+    also the projections' weight layout (``_common.layout_for``: ``[in, out]`` on the CPU)."""
 
     def __init__(self, cfg: LlamaConfig, *, dtype: str, target: Any, backend: Any = None):
         self.cfg, self.dtype, self.target, self.backend = cfg, dtype, target, backend
+        layout = layout_for(target)
         self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size, dtype=dtype)
-        self.layers = nn.ModuleList([LlamaDecoderLayer(cfg, i, dtype) for i in range(cfg.num_hidden_layers)])
+        self.layers = nn.ModuleList([LlamaDecoderLayer(cfg, i, dtype, layout)
+                                     for i in range(cfg.num_hidden_layers)])
         self.norm = nn.RMSNorm(cfg.hidden_size, -1, cfg.rms_norm_eps, bias=False, dtype=dtype)
-        self.lm_head = linear(cfg.hidden_size, cfg.vocab_size, dtype)  # float32 logits
+        self.lm_head = linear(cfg.hidden_size, cfg.vocab_size, dtype, layout)  # float32 logits
 
     def _body(self, input_ids: Tensor, cache: PagedKVCache) -> Tensor:
         h = self.embed_tokens(input_ids)

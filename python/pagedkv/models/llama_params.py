@@ -34,11 +34,16 @@ class LlamaConfig:
 
 
 def params_from_hf(hf_model, named_params, dtype: str) -> list[np.ndarray]:
-    """Our parameters, in ``named_params`` order, from an HF Llama state dict (fusing qkv and gate/up)."""
+    """Our parameters, in ``named_params`` order, from an HF Llama state dict (fusing qkv and gate/up).
+
+    A parameter named ``<proj>.weight_kn`` is the projection's weight stored ``[in, out]`` (CPU models,
+    ``_common.LinearKN``): HF's ``<proj>.weight``, transposed."""
     sd = {k: v.detach().float().cpu().numpy() for k, v in hf_model.state_dict().items()}
     fused = {"qkv_proj": ("q_proj", "k_proj", "v_proj"), "gate_up_proj": ("gate_proj", "up_proj")}
     out = []
     for name, _ in named_params:
+        transpose = name.endswith(".weight_kn")
+        name = name.removesuffix("_kn")
         key = name if name.startswith("lm_head") else "model." + name
         part = key.split(".")[-2]
         if part in fused:
@@ -48,5 +53,5 @@ def params_from_hf(hf_model, named_params, dtype: str) -> list[np.ndarray]:
             arr = sd["model.embed_tokens.weight"]  # tied embeddings
         else:
             arr = sd[key]
-        out.append(np.ascontiguousarray(arr.astype(dtype)))
+        out.append(np.ascontiguousarray((arr.T if transpose else arr).astype(dtype)))
     return out
