@@ -1,0 +1,56 @@
+"""``python benchmarks/summarize_gpu.py bench_gpu.json``: the markdown tables of BENCHMARKS.md from one
+``bench_gpu.py`` run: per workload FlashInfer's best variant, pagedkv (FlashInfer and TIR backends), apache-tvm
+0.27's kernels and torch SDPA as ratios to that best (>= 1: as fast or faster), and the host cost."""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+PEERS = ("pagedkv-fi", "pagedkv-tir", "upstream", "torch-sdpa")
+
+
+def _cell(r) -> str:
+    return f"{r['vs_fi_best']:.3f}" if r and "vs_fi_best" in r else "-"
+
+
+def workload_table(rows: list[dict]) -> str:
+    by = {}
+    for r in rows:
+        by.setdefault(r["workload"], {})[r["impl"]] = r
+    out = ["| workload | FI best (ms) | rate | " + " | ".join(PEERS) + " |",
+           "|---|---|---|" + "---|" * len(PEERS)]
+    for name, impls in by.items():
+        fi = [r for k, r in impls.items() if k.startswith("fi:") and "ms" in r]
+        if not fi:
+            continue
+        best = min(fi, key=lambda r: r["ms"])
+        rate = f"{best['TBps']:.2f} TB/s" if "TBps" in best else f"{best['TFLOPs']:.0f} TFLOP/s"
+        out.append(f"| {name} | {best['impl'][3:]} {best['ms']:.4f} | {rate} | "
+                   + " | ".join(_cell(impls.get(p)) for p in PEERS) + " |")
+    return "\n".join(out)
+
+
+def host_table(host: list[dict]) -> str:
+    out = ["| batch x keys | begin_forward | 32-layer dispatch | cross_attention / layer | GPU attention | host share |",
+           "|---|---|---|---|---|---|"]
+    for h in host:
+        out.append(f"| {h['batch']} x {h['length']} | {h['begin_forward_us']:.0f} us | {h['dispatch_us']:.0f} us | "
+                   f"{h['cross_attention_call_us']:.1f} us | {h['gpu_attention_us']:.0f} us | "
+                   f"{h['host_share']:.1%} |")
+    return "\n".join(out)
+
+
+def main(argv=None) -> int:
+    d = json.loads(Path((argv or sys.argv[1:])[0]).read_text())
+    print(f"{d['date']}, {d['gpu']}, torch {d['torch']}, flashinfer {d['flashinfer']}; ceilings: copy "
+          f"{d['ceilings']['copy_TBps']:.2f} TB/s, bf16 matmul {d['ceilings']['bf16_matmul_TFLOPs']:.0f} TFLOP/s\n")
+    print(workload_table(d["rows"]))
+    print()
+    print(host_table(d["host_cost"]))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
