@@ -101,12 +101,10 @@ def pagedkv_config(w: Workload):
 FILL_CHUNK = 16384
 
 
-def _fill(cache, w: Workload, x: Inputs, upto) -> None:
-    """Cache the first ``upto[b]`` keys of each sequence: reserve them in forwards of at most FILL_CHUNK
-    tokens (no attention runs), then write them."""
-    for b in range(w.batch):
-        cache.add_sequence(b)
-    todo = [[b, upto[b]] for b in range(w.batch) if upto[b] > 0]
+def reserve(cache, lengths: dict[int, int]) -> None:
+    """Append ``lengths[seq]`` tokens to each (already added) sequence in forwards of at most FILL_CHUNK
+    tokens; no attention runs, so the keys are whatever the pages hold until written."""
+    todo = [[seq, n] for seq, n in lengths.items() if n > 0]
     while todo:
         ids, lens, room = [], [], FILL_CHUNK
         for item in todo:
@@ -120,6 +118,13 @@ def _fill(cache, w: Workload, x: Inputs, upto) -> None:
         cache.begin_forward(ids, lens)
         cache.end_forward()
         todo = [item for item in todo if item[1] > 0]
+
+
+def _fill(cache, w: Workload, x: Inputs, upto) -> None:
+    """Cache the first ``upto[b]`` keys of each sequence: reserve them, then write them."""
+    for b in range(w.batch):
+        cache.add_sequence(b)
+    reserve(cache, dict(enumerate(upto)))
     for b in range(w.batch):
         if upto[b] == 0:
             continue

@@ -43,14 +43,12 @@ def peer_specs(dtypes=("float16", "bfloat16"), arch: str = "sm_90") -> list:
 def _link(objects: list[Path], so: Path) -> None:
     """The link step of FlashInfer's build.ninja (``c++ $in -shared -lcudart -lcuda``), against the stub
     libcuda pagedkv's CUDA builds use (the GPU host's driver provides the real one)."""
-    from pagedkv.cuda_build import cuda_home, enable_cuda_codegen
+    from pagedkv.cuda_build import cuda_home, stub_libcuda
 
     home = cuda_home()
-    enable_cuda_codegen()  # builds the stub libcuda.so.1 when there is no driver
-    stub = Path(os.environ.get("PAGEDKV_CACHE_DIR", Path.home() / ".cache" / "pagedkv")) / "stub-libcuda"
     so.parent.mkdir(parents=True, exist_ok=True)
     cmd = ["c++", *map(str, objects), "-shared", f"-L{home}/lib64", f"-L{home}/lib", "-lcudart",
-           f"-L{stub}", "-l:libcuda.so.1", "-o", str(so)]
+           f"-L{stub_libcuda().parent}", "-l:libcuda.so.1", "-o", str(so)]
     subprocess.run(cmd, check=True)
 
 

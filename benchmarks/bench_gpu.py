@@ -69,19 +69,16 @@ def _no_flashinfer():
     raise impls.Unavailable("flashinfer is not importable here")
 
 
-def _builders(w: W.Workload, fi, upstream: dict) -> dict:
+def _builders(w: W.Workload, x: W.Inputs, fi, upstream: dict) -> dict:
     """impl name -> ``build() -> (run, cache or None)``, in the order they are measured."""
     out = {}
     for v in impls.fi_variants(w):
-        out[v] = (lambda v=v: (impls.fi_impl(fi, v, w, X), None)) if fi is not None else _no_flashinfer
+        out[v] = (lambda v=v: (impls.fi_impl(fi, v, w, x), None)) if fi is not None else _no_flashinfer
     for label in impls.PAGEDKV_BACKENDS:
-        out[label] = lambda label=label: impls.pagedkv_impl(label, w, X)
-    out["upstream"] = lambda: (impls.upstream_impl(upstream, w, X), None)
-    out["torch-sdpa"] = lambda: (impls.sdpa_impl(w, X), None)
+        out[label] = lambda label=label: impls.pagedkv_impl(label, w, x)
+    out["upstream"] = lambda: (impls.upstream_impl(upstream, w, x), None)
+    out["torch-sdpa"] = lambda: (impls.sdpa_impl(w, x), None)
     return out
-
-
-X: W.Inputs | None = None  # the current workload's inputs (builders read it)
 
 
 def measure(w: W.Workload, name: str, build, ref, args, flush) -> dict:
@@ -116,12 +113,11 @@ def measure(w: W.Workload, name: str, build, ref, args, flush) -> dict:
 
 
 def run_workload(w: W.Workload, fi, upstream, args, flush, ceil) -> list[dict]:
-    global X
     t0 = time.perf_counter()
     gen = torch.Generator(device="cuda").manual_seed(hash(w.name) % (1 << 31))
-    X = W.make_inputs(w, gen)
-    ref = W.reference(w, X)
-    rows = [measure(w, name, b, ref, args, flush) for name, b in _builders(w, fi, upstream).items()]
+    x = W.make_inputs(w, gen)
+    ref = W.reference(w, x)
+    rows = [measure(w, name, b, ref, args, flush) for name, b in _builders(w, x, fi, upstream).items()]
     best = min((r["ms"] for r in rows if r["impl"].startswith("fi:") and "ms" in r), default=math.nan)
     for r in rows:
         if "ms" not in r:
@@ -133,8 +129,7 @@ def run_workload(w: W.Workload, fi, upstream, args, flush, ceil) -> list[dict]:
             r["TFLOPs"] = w.flops() / r["ms"] / 1e9
             r["vs_ceiling"] = r["TFLOPs"] / ceil["bf16_matmul_TFLOPs"]
         r["vs_fi_best"] = best / r["ms"]
-    X = None
-    del ref
+    del x, ref
     torch.cuda.empty_cache()
     print(f"[bench] {w.name}: {time.perf_counter() - t0:.1f} s", flush=True)
     return rows
@@ -153,11 +148,9 @@ def host_cost(args) -> list[dict]:
                                     max_total_seq_len=batch * (length + 64), prefill_chunk_size=16384)
         cache = pagedkv.create(cfg, backend=impls.PAGEDKV_BACKENDS["pagedkv-fi"], target=impls.TARGET,
                                device="cuda")
-        for b in range(batch):  # reserve the keys, 16K tokens a forward
+        for b in range(batch):
             cache.add_sequence(b)
-            for start in range(0, length, 16384):
-                cache.begin_forward([b], [min(16384, length - start)])
-                cache.end_forward()
+        impls.reserve(cache, {b: length for b in range(batch)})
         kv = torch.randn(32, length, 8, 128, dtype=torch.float16, device="cuda")
         for b in range(batch):
             cache.debug_set_kv(b, 0, kv, kv)

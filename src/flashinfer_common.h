@@ -230,11 +230,13 @@ struct Planned {
   ffi::Tensor q_indptr;           // decode on the prefill kernel: the pass's device q_indptr (0..B)
 };
 
-class PlanTable {
+// Plans of one forward by the device view Run is given (ViewKey); P: what one pass planned.
+template <typename P>
+class PlanMap {
  public:
   void Clear() { plans_.clear(); }
-  void Put(uint64_t key, Planned p) { plans_[key] = std::move(p); }
-  const Planned& Find(uint64_t key, const char* op) const {
+  void Put(uint64_t key, P p) { plans_[key] = std::move(p); }
+  const P& Find(uint64_t key, const char* op) const {
     auto it = plans_.find(key);
     if (it == plans_.end()) {
       TVM_FFI_THROW(RuntimeError) << "pagedkv flashinfer: " << op << " called for a pass that begin_forward did "
@@ -245,8 +247,9 @@ class PlanTable {
   size_t size() const { return plans_.size(); }
 
  private:
-  std::map<uint64_t, Planned> plans_;
+  std::map<uint64_t, P> plans_;
 };
+using PlanTable = PlanMap<Planned>;
 
 inline void CheckCausal(const Planned& p, int64_t causal, const char* op) {
   if ((causal != 0) != p.causal) {

@@ -36,7 +36,7 @@ class MLAAdapter : public FlashInferAdapter {
   static constexpr int64_t kTileBudget = kMLAMaxWorks - kMLAMaxSplits;
 
   void BeginForward(const ForwardInfo& info) final {
-    passes_.clear();
+    passes_.Clear();
     next_slot_ = 0;
     const KVConfig& c = *info.config;
     const ForwardPlan& fp = *info.plan;
@@ -55,7 +55,7 @@ class MLAAdapter : public FlashInferAdapter {
           pp.subs.push_back(std::move(sub));
         }
       }
-      passes_[ViewKey(pass.page_indptr)] = std::move(pp);
+      passes_.Put(ViewKey(pass.page_indptr), std::move(pp));
     }
   }
 
@@ -67,7 +67,7 @@ class MLAAdapter : public FlashInferAdapter {
     }
   }
 
-  void EndForward() final { passes_.clear(); }
+  void EndForward() final { passes_.Clear(); }
 
  private:
   // One plan/run pair: q rows [q_begin, q_end) of the pass, entries with relative q and absolute kv indptr.
@@ -138,20 +138,11 @@ class MLAAdapter : public FlashInferAdapter {
     ws_.StageToDevice(iws, result[1].cast<int64_t>());
   }
 
-  const PassPlans& Find(ffi::AnyView page_indptr) const {
-    auto it = passes_.find(ViewKey(page_indptr));
-    if (it == passes_.end()) {
-      TVM_FFI_THROW(RuntimeError) << "pagedkv flashinfer: " << op_ << " called for a pass that begin_forward did "
-                                  << "not plan";
-    }
-    return it->second;
-  }
-
   // K: the op's argument struct (src/ops.h); decode and prefill share every argument but `causal`.
   template <typename K>
   void RunAs(ffi::PackedArgs in) {
     CheckArgCount(in, K::kNumArgs, op_);
-    const PassPlans& pp = Find(in[K::kPageIndptr]);
+    const PassPlans& pp = passes_.Find(ViewKey(in[K::kPageIndptr]), op_);
     if constexpr (std::is_same_v<K, ops::MLAAttnPrefillPaged>) {
       CheckCausal(pp.flags, in[K::kCausal].template cast<int64_t>(), op_);
     }
@@ -214,7 +205,7 @@ class MLAAdapter : public FlashInferAdapter {
 
   bool decode_;
   size_t next_slot_ = 0;
-  std::map<uint64_t, PassPlans> passes_;
+  PlanMap<PassPlans> passes_;
 };
 
 }  // namespace

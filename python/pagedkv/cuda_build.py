@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import ctypes
 import functools
+import hashlib
 import os
 import shutil
 import subprocess
@@ -79,15 +80,29 @@ def build_stub_libcuda(symbols: list[str], out_dir: Path) -> Path:
     """A ``libcuda.so.1`` exporting ``symbols``, each returning CUDA_ERROR_NO_DEVICE."""
     out_dir.mkdir(parents=True, exist_ok=True)
     lib = out_dir / "libcuda.so.1"
-    key = out_dir / ("symbols-" + str(abs(hash(tuple(symbols)))) + ".txt")
+    # A digest stable across processes (str hashes are salted per process, which rebuilt the stub in every
+    # process and rewrote a library other processes had loaded).
+    digest = hashlib.sha256("\n".join(symbols).encode()).hexdigest()[:16]
+    key = out_dir / f"symbols-{digest}.txt"
     if lib.exists() and key.exists():
         return lib
     src = out_dir / "stub_libcuda.c"
     src.write_text("\n".join(f"int {s}(void) {{ return {_CUDA_ERROR_NO_DEVICE}; }}" for s in symbols) + "\n")
-    subprocess.run(["gcc", "-shared", "-fPIC", "-Wl,-soname,libcuda.so.1", "-o", str(lib), str(src)],
+    tmp = out_dir / f"libcuda.so.1.{os.getpid()}.tmp"
+    subprocess.run(["gcc", "-shared", "-fPIC", "-Wl,-soname,libcuda.so.1", "-o", str(tmp), str(src)],
                    check=True)
+    tmp.replace(lib)  # atomic: a process that has the old file open keeps it
     key.write_text("\n".join(symbols))
     return lib
+
+
+@functools.lru_cache(maxsize=None)
+def stub_libcuda() -> Path:
+    """The stub ``libcuda.so.1`` of this host (built on first use, cached under ``$PAGEDKV_CACHE_DIR``): it
+    exports the driver functions TVM's CUDA runtime imports, each failing with CUDA_ERROR_NO_DEVICE. Links
+    that need ``-lcuda`` on a host without a driver take it too."""
+    cache = Path(os.environ.get("PAGEDKV_CACHE_DIR", Path.home() / ".cache" / "pagedkv")) / "stub-libcuda"
+    return build_stub_libcuda(_driver_symbols(_tvm_lib_dir() / "libtvm_runtime_cuda.so"), cache)
 
 
 @functools.lru_cache(maxsize=None)
@@ -106,8 +121,7 @@ def enable_cuda_codegen() -> str:
         ctypes.CDLL("libcuda.so.1", mode=ctypes.RTLD_GLOBAL)
         driver = "the real CUDA driver"
     except OSError:
-        cache = Path(os.environ.get("PAGEDKV_CACHE_DIR", Path.home() / ".cache" / "pagedkv")) / "stub-libcuda"
-        ctypes.CDLL(str(build_stub_libcuda(_driver_symbols(sidecar), cache)), mode=ctypes.RTLD_GLOBAL)
+        ctypes.CDLL(str(stub_libcuda()), mode=ctypes.RTLD_GLOBAL)
         driver = "a stub libcuda (no GPU driver here)"
     _LOADED_LIBS["tvm_runtime_cuda"] = ctypes.CDLL(str(sidecar), mode=ctypes.RTLD_GLOBAL)
     return f"TVM CUDA codegen enabled with {driver}, nvcc from {cuda_home()}"

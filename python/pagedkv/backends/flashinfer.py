@@ -123,16 +123,13 @@ def module_kind(op: str, config: KVCacheConfig, arch: str | None) -> str:
 def module_specs(op: str, config: KVCacheConfig, arch: str) -> tuple:
     """The FlashInfer modules that serve ``op`` for ``config``: one, or two for a per-forward choice
     (``"decode|prefill_fa2"``). Raises ValueError listing why a module cannot be built."""
-    return tuple(module_spec(op, config, arch, kind=k) for k in module_kind(op, config, arch).split("|"))
+    return tuple(_module_spec(op, config, arch, k) for k in module_kind(op, config, arch).split("|"))
 
 
-def module_spec(op: str, config: KVCacheConfig, arch: str, *, kind: str | None = None):
-    """The FlashInfer module of kind ``kind`` (default: the op's only kind) for ``op`` of ``config``."""
+def _module_spec(op: str, config: KVCacheConfig, arch: str, kind: str):
+    """The FlashInfer module of kind ``kind`` for ``op`` of ``config``."""
     from ..flashinfer import MLA_KINDS, ModuleSpec
 
-    kind = kind or module_kind(op, config, arch)
-    if "|" in kind:
-        raise ValueError(f"{op} runs on two modules ({kind}): use module_specs")
     if kind in MLA_KINDS:
         return ModuleSpec(kind, config.dtype, config.dtype, config.dtype, config.kv_lora_rank,
                           config.qk_rope_head_dim, arch=arch)
