@@ -2,6 +2,7 @@
 // sequence of kernel-ABI calls through the op table (docs/ARCHITECTURE.md, "One forward").
 #include <tvm/ffi/error.h>
 
+#include <algorithm>
 #include <array>
 #include <limits>
 
@@ -40,14 +41,24 @@ void PagedKVCacheObj::BeginForward(const ffi::Shape& seq_ids, const ffi::Shape& 
                               << cfg_.prefill_chunk_size << " (the most tokens one forward takes)";
   }
   pool_.CheckAppend(ids, lengths);  // ids known and unique, lengths >= 1, enough pages
-  int64_t fixed = AuxBuilder::Padded(batch + 1) * 4 + 2 * AuxBuilder::Padded(total);
-  int64_t per_pass = 2 * AuxBuilder::Padded(batch + 1) + 2 * AuxBuilder::Padded(batch) + 4;
-  aux_.Reserve(fixed + kMaxPasses * per_pass + PageValuesBound(pool_, ids, lengths));
+  bool graph = GraphDecode(lengths);
+  if (!graph) {  // the CUDA-graph layout was reserved at creation, for max_batch_size
+    int64_t fixed = AuxBuilder::Padded(batch + 1) * 4 + 2 * AuxBuilder::Padded(total);
+    int64_t per_pass = 2 * AuxBuilder::Padded(batch + 1) + 2 * AuxBuilder::Padded(batch) + 4;
+    aux_.Reserve(fixed + kMaxPasses * per_pass + PageValuesBound(pool_, ids, lengths));
+  }
   // Nothing below can fail on bad input: mutate.
   pool_.Append(ids, lengths);
   PoisonNewPages();
   try {
-    UploadPlan(BuildForwardPlan(pool_, ids, lengths, cfg_.windowed()));
+    // A CUDA-graph decode attends each sequence's whole chain in one pass, as a windowed cache does: the
+    // captured kernel sequence must not depend on which sequences share a prefix.
+    ForwardPlan plan = BuildForwardPlan(pool_, ids, lengths, /*flat=*/cfg_.windowed() || graph);
+    if (graph) {
+      UploadGraphPlan(plan);
+    } else {
+      UploadPlan(plan);
+    }
   } catch (...) {
     // A library backend's plan failed (NotifyBeginForward abandoned the forward): take the appended
     // tokens back, so the failed call leaves the cache as it was. They sit in each sequence's own leaf
@@ -59,32 +70,68 @@ void PagedKVCacheObj::BeginForward(const ffi::Shape& seq_ids, const ffi::Shape& 
   if (poison_) PoisonTemps();
 }
 
+bool PagedKVCacheObj::GraphDecode(const std::vector<int64_t>& lengths) const {
+  return cfg_.cuda_graph() && std::all_of(lengths.begin(), lengths.end(), [](int64_t l) { return l == 1; });
+}
+
+// The arrays every forward has, as handles 0..4 of `aux`: q_pos, q_indptr, append_slot, prior_len and the
+// B+1 zeros of a ragged kv_indptr without keys. q_pos first: get_query_positions hands its view to the model,
+// and ordinary compiled ops accept only tensors with byte_offset 0.
+static void AddForwardArrays(AuxBuilder* aux, const ForwardPlan& plan) {
+  aux->Reset();
+  aux->Add(plan.q_pos);
+  aux->Add(plan.q_indptr);
+  aux->Add(plan.append_slot);
+  aux->Add(plan.prior_len);
+  aux->Add(std::vector<int32_t>(plan.q_indptr.size(), 0));
+}
+
 void PagedKVCacheObj::UploadPlan(const ForwardPlan& plan) {
-  aux_.Reset();
-  // q_pos first: get_query_positions hands its view to the model, and ordinary compiled ops accept only
-  // tensors with byte_offset 0.
-  int q_pos = aux_.Add(plan.q_pos), q_indptr = aux_.Add(plan.q_indptr);
-  int slot = aux_.Add(plan.append_slot), prior = aux_.Add(plan.prior_len);
-  int no_keys = aux_.Add(std::vector<int32_t>(plan.q_indptr.size(), 0));
+  AddForwardArrays(&aux_, plan);
   std::vector<std::array<int, 5>> pass_handles;
   for (const PassPlan& p : plan.passes) {
     pass_handles.push_back({aux_.Add(p.q_indptr), aux_.Add(p.page_indptr), aux_.Add(p.page_values),
                             aux_.Add(p.last_page_len), aux_.Add(p.k_pos_offset)});
   }
   aux_.Upload();
+  OpenForward(plan, aux_, pass_handles);
+}
+
+// CUDA-graph decode: a replay of the captured step reads its index arrays from the device addresses and
+// with the shapes the capture saw (TIR kernels derive their split counts from those shapes). So the layout
+// depends on the batch size only: the arrays live in their own buffer, allocated once at creation for
+// max_batch_size, page_values last with room for every page of every sequence (b * num_pages).
+void PagedKVCacheObj::UploadGraphPlan(const ForwardPlan& plan) {
+  TVM_FFI_ICHECK_EQ(plan.passes.size(), 1) << "pagedkv: a CUDA-graph decode forward has one pass";
+  AuxBuilder& aux = *graph_aux_;
+  AddForwardArrays(&aux, plan);
+  const PassPlan& p = plan.passes[0];
+  std::array<int, 5> h;
+  h[0] = aux.Add(p.q_indptr);
+  h[1] = aux.Add(p.page_indptr);
+  h[3] = aux.Add(p.last_page_len);
+  h[4] = aux.Add(p.k_pos_offset);
+  h[2] = aux.Add(p.page_values, GraphPageValues(cfg_, p.num_entries()));
+  aux.Upload();
+  OpenForward(plan, aux, {h});
+}
+
+void PagedKVCacheObj::OpenForward(const ForwardPlan& plan, const AuxBuilder& aux,
+                                  const std::vector<std::array<int, 5>>& pass_handles) {
+  const int q_pos = 0, q_indptr = 1, slot = 2, prior = 3, no_keys = 4;  // AddForwardArrays
   Forward f;
   f.is_decode = plan.is_decode;
   f.through = plan.through;
   f.num_tokens = plan.num_tokens;
-  f.q_indptr = aux_.View(q_indptr);
-  f.q_pos = aux_.View(q_pos);
-  f.append_slot = aux_.View(slot);
-  f.prior_len = aux_.View(prior);
-  f.no_keys_indptr = aux_.View(no_keys);
+  f.q_indptr = aux.View(q_indptr);
+  f.q_pos = aux.View(q_pos);
+  f.append_slot = aux.View(slot);
+  f.prior_len = aux.View(prior);
+  f.no_keys_indptr = aux.View(no_keys);
   for (size_t i = 0; i < plan.passes.size(); ++i) {
     const auto& h = pass_handles[i];
-    f.passes.push_back(PassViews{aux_.View(h[0]), aux_.View(h[1]), aux_.View(h[2]), aux_.View(h[3]),
-                                 aux_.View(h[4]), plan.passes[i].all_empty,
+    f.passes.push_back(PassViews{aux.View(h[0]), aux.View(h[1]), aux.View(h[2]), aux.View(h[3]),
+                                 aux.View(h[4]), plan.passes[i].all_empty,
                                  plan.passes[i].one_query_per_entry, plan.passes[i].causal});
   }
   int64_t n = plan.num_tokens;
@@ -110,7 +157,7 @@ void PagedKVCacheObj::EndForward() {
 // is abandoned.
 void PagedKVCacheObj::NotifyBeginForward(const ForwardPlan& plan) {
   ForwardInfo info{&cfg_, device_, &fns_, &plan, forward_->q_indptr, forward_->no_keys_indptr, {},
-                   &backend_scratch_};
+                   &backend_scratch_, /*cuda_graph=*/cfg_.cuda_graph() && plan.is_decode};
   for (size_t i = 0; i < plan.passes.size(); ++i) {
     const PassViews& v = forward_->passes[i];
     info.passes.push_back({&plan.passes[i], v.q_indptr, v.page_indptr, v.page_values, v.last_page_len,
@@ -123,6 +170,26 @@ void PagedKVCacheObj::NotifyBeginForward(const ForwardPlan& plan) {
     ops_.EndForward();
     throw;
   }
+}
+
+ffi::Map<ffi::String, ffi::Tensor> PagedKVCacheObj::DebugForwardArrays() const {
+  const Forward& f = CheckForward("debug_forward_arrays");
+  ffi::Map<ffi::String, ffi::Tensor> out;
+  out.Set("q_pos", f.q_pos);
+  out.Set("q_indptr", f.q_indptr);
+  out.Set("append_slot", f.append_slot);
+  out.Set("prior_len", f.prior_len);
+  out.Set("no_keys_indptr", f.no_keys_indptr);
+  for (size_t i = 0; i < f.passes.size(); ++i) {
+    const PassViews& p = f.passes[i];
+    std::string pre = "pass" + std::to_string(i) + ".";
+    out.Set(pre + "q_indptr", p.q_indptr);
+    out.Set(pre + "page_indptr", p.page_indptr);
+    out.Set(pre + "page_values", p.page_values);
+    out.Set(pre + "last_page_len", p.last_page_len);
+    out.Set(pre + "k_pos_offset", p.k_pos_offset);
+  }
+  return out;
 }
 
 ffi::Tensor PagedKVCacheObj::GetQueryPositions() const { return CheckForward("get_query_positions").q_pos; }
@@ -201,6 +268,7 @@ void PagedKVCacheObj::RunPasses(int64_t layer, const ffi::Tensor& q, const ffi::
 void PagedKVCacheObj::AttentionWithFusedQKV(int64_t layer, double sm_scale, const ffi::Tensor& qkv,
                                             const ffi::Tensor& o) {
   const Forward& f = CheckForward("attention_with_fused_qkv");
+  ++attention_calls_;
   CheckKind("attention_with_fused_qkv", false);
   CheckLayer(layer);
   int64_t n = f.num_tokens;
@@ -226,6 +294,7 @@ void PagedKVCacheObj::AttentionWithFusedQKV(int64_t layer, double sm_scale, cons
 void PagedKVCacheObj::SelfAttention(int64_t layer, double sm_scale, const ffi::Tensor& q, const ffi::Tensor& k,
                                     const ffi::Tensor& v, const ffi::Tensor& o, const ffi::Tensor& lse) {
   const Forward& f = CheckForward("self_attention");
+  ++attention_calls_;
   CheckLayer(layer);
   int64_t n = f.num_tokens;
   CheckTensor(q, "q", QShape(n), dtype_, device_);
@@ -249,6 +318,7 @@ void PagedKVCacheObj::SelfAttention(int64_t layer, double sm_scale, const ffi::T
 void PagedKVCacheObj::CrossAttention(int64_t layer, double sm_scale, const ffi::Tensor& q, const ffi::Tensor& o,
                                      const ffi::Tensor& lse) {
   const Forward& f = CheckForward("cross_attention");
+  ++attention_calls_;
   CheckLayer(layer);
   int64_t n = f.num_tokens;
   CheckTensor(q, "q", {n, cfg_.num_qo_heads, PagedQDim()}, dtype_, device_);
@@ -276,6 +346,7 @@ void PagedKVCacheObj::MergeAttnOutputInplace(const ffi::Tensor& o_a, const ffi::
 
 void PagedKVCacheObj::AppendMLAKV(int64_t layer, const ffi::Tensor& kv) {
   const Forward& f = CheckForward("append_mla_kv");
+  ++attention_calls_;
   CheckKind("append_mla_kv", true);
   CheckLayer(layer);
   CheckTensor(kv, "kv", {f.num_tokens, cfg_.latent_dim()}, dtype_, device_);

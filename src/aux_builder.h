@@ -22,8 +22,10 @@ class AuxBuilder {
   // cache mutates anything, so an allocation failure leaves the cache unchanged.
   void Reserve(int64_t elems);
   void Reset();
-  // Stages `values`; returns the handle of its view.
-  int Add(const std::vector<int32_t>& values);
+  // Stages `values`; returns the handle of its view. `view_size` (>= values.size(), default: the size) is
+  // the view's length and the room the array takes: a layout whose views depend on sizes only (CUDA-graph
+  // decode) reserves the most an array can hold. Elements past the values are not uploaded.
+  int Add(const std::vector<int32_t>& values, int64_t view_size = -1);
   // Copies everything staged to the device at once and creates the views.
   void Upload();
   const ffi::Tensor& View(int handle) const { return views_.at(handle); }
@@ -33,9 +35,10 @@ class AuxBuilder {
   DLDevice device_;
   int64_t capacity_ = 0;
   int64_t used_ = 0;
+  int64_t upload_end_ = 0;  // end of the last staged value: Upload copies [0, upload_end_)
   ffi::Tensor host_buf_;  // on the CPU: written directly
   ffi::Tensor dev_buf_;  // on the cache's device
-  std::vector<std::pair<int64_t, int64_t>> arrays_;  // (offset, size) in elements
+  std::vector<std::pair<int64_t, int64_t>> arrays_;  // (offset, view size) in elements
   std::vector<ffi::Tensor> views_;
 };
 

@@ -45,6 +45,10 @@ struct ForwardInfo {
   // Buffers owned by the cache that every adapter of it may share (e.g. one split-k workspace for all of a
   // library's ops), by name; they live as long as the cache.
   std::map<std::string, ffi::Tensor>* scratch = nullptr;
+  // A CUDA-graph decode forward (config cuda_graph_batch): the layer calls may have been captured once and
+  // replayed, so a plan must give every forward of the same batch size the same launch configuration
+  // (FlashInfer's enable_cuda_graph) and keep its metadata at the same device addresses.
+  bool cuda_graph = false;
 };
 
 // One op served by one backend.

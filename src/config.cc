@@ -27,6 +27,8 @@ const std::set<std::string> kSchema1Fields = {
 const std::set<std::string> kSchema2Fields = {"kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim"};
 // Added by schema 3 (attention options).
 const std::set<std::string> kSchema3Fields = {"sliding_window", "logits_soft_cap"};
+// Added by schema 4 (CUDA-graph decode).
+const std::set<std::string> kSchema4Fields = {"cuda_graph_batch"};
 const std::set<std::string> kRuntimeFields = {"max_batch_size", "max_total_seq_len",
                                               "prefill_chunk_size", "page_size"};
 const std::set<std::string> kDTypes = {"float16", "float32", "bfloat16"};
@@ -160,6 +162,18 @@ void ValidateOptions(const KVConfig& c) {
   if (c.is_mla() && (c.sliding_window != 0 || c.logits_soft_cap != 0)) {
     TVM_FFI_THROW(ValueError) << "pagedkv config: MLA caches take no sliding_window or logits_soft_cap";
   }
+  if (c.cuda_graph_batch < 0) {
+    TVM_FFI_THROW(ValueError) << "pagedkv config: cuda_graph_batch must be >= 0 (0: off), got " << c.cuda_graph_batch;
+  }
+  if (c.cuda_graph() && c.is_mla()) {
+    TVM_FFI_THROW(ValueError) << "pagedkv config: cuda_graph_batch is not supported for MLA caches yet (CUDA-graph "
+                              << "decode is implemented for MHA layers only); compile the MLA model without graphs";
+  }
+  if (c.cuda_graph() && c.max_batch_size > c.cuda_graph_batch) {
+    TVM_FFI_THROW(ValueError) << "pagedkv config: max_batch_size=" << c.max_batch_size
+                              << " is larger than cuda_graph_batch=" << c.cuda_graph_batch
+                              << " (the most sequences the library's CUDA-graph decode step was compiled for)";
+  }
 }
 
 void Validate(const KVConfig& c) {
@@ -227,7 +241,8 @@ KVConfig ParseConfig(const std::string& json, const ffi::Shape& runtime_values) 
   }
   for (const auto& kv : f) {
     if (!kSchema1Fields.count(kv.first) && !(c.schema_version >= 2 && kSchema2Fields.count(kv.first)) &&
-        !(c.schema_version >= 3 && kSchema3Fields.count(kv.first))) {
+        !(c.schema_version >= 3 && kSchema3Fields.count(kv.first)) &&
+        !(c.schema_version >= 4 && kSchema4Fields.count(kv.first))) {
       TVM_FFI_THROW(ValueError) << "pagedkv config: unknown field '" << kv.first << "' for schema_version "
                                 << c.schema_version;
     }
@@ -253,6 +268,7 @@ KVConfig ParseConfig(const std::string& json, const ffi::Shape& runtime_values) 
   c.qk_rope_head_dim = GetInt(f, "qk_rope_head_dim", 0, false);
   c.sliding_window = GetInt(f, "sliding_window", 0, false);
   c.logits_soft_cap = GetFloat(f, "logits_soft_cap", 0.0);
+  c.cuda_graph_batch = GetInt(f, "cuda_graph_batch", 0, false);
   Validate(c);
   return c;
 }
@@ -287,6 +303,7 @@ std::string ConfigToJSON(const KVConfig& c) {
     out["sliding_window"] = std::to_string(c.sliding_window);
     out["logits_soft_cap"] = FloatJSON(c.logits_soft_cap);
   }
+  if (c.schema_version >= 4) out["cuda_graph_batch"] = std::to_string(c.cuda_graph_batch);
   std::string json = "{";
   for (const auto& [k, v] : out) json += (json.size() > 1 ? ", " : "") + str(k) + ": " + v;
   return json + "}";

@@ -15,7 +15,8 @@ namespace pagedkv {
 // The newest config schema this runtime understands; newer libraries are rejected by name.
 // Schema 2 added MLA layers: layer kind "mla" and kv_lora_rank, qk_nope_head_dim, qk_rope_head_dim.
 // Schema 3 added the attention options sliding_window and logits_soft_cap (0: off).
-inline constexpr int64_t kSchemaVersion = 3;
+// Schema 4 added cuda_graph_batch (0: off): decode forwards laid out for CUDA-graph replay.
+inline constexpr int64_t kSchemaVersion = 4;
 
 struct KVConfig {
   int64_t schema_version = kSchemaVersion;
@@ -38,10 +39,15 @@ struct KVConfig {
   int64_t qk_rope_head_dim = 0;
   int64_t sliding_window = 0;    // schema 3; 0: off. Queries see keys with q_pos - k_pos < sliding_window.
   double logits_soft_cap = 0.0;  // schema 3; 0: off. Scores s become cap * tanh(s / cap).
+  // schema 4; 0: off. Else the library's decode step runs in CUDA graphs for up to this many sequences, so
+  // every decode forward keeps its index arrays at fixed device addresses with shapes that depend on the
+  // batch size only (attention.cc, "CUDA-graph decode"), and max_batch_size may not exceed it.
+  int64_t cuda_graph_batch = 0;
 
   DLDataType dl_dtype() const;
   // A windowed cache attends each sequence's whole chain in one causal pass (forward_plan.h).
   bool windowed() const { return sliding_window > 0; }
+  bool cuda_graph() const { return cuda_graph_batch > 0; }
   // Every layer is MLA (a cache holds one layer kind).
   bool is_mla() const { return !layer_kinds.empty() && layer_kinds[0] == "mla"; }
   const std::string& layer_kind() const { return layer_kinds[0]; }

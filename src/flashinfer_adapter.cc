@@ -71,7 +71,9 @@ class ChooseDecodeAdapter : public OpAdapter {
       : cuda_cores_(std::move(cuda_cores)), tensor_cores_(std::move(tensor_cores)) {}
 
   void BeginForward(const ForwardInfo& info) final {
-    chosen_ = Skewed(info) ? cuda_cores_.get() : tensor_cores_.get();
+    // A CUDA-graph decode replays one kernel choice for every forward of a batch size: tensor cores, which
+    // win on the uniform batches graphs usually replay.
+    chosen_ = !info.cuda_graph && Skewed(info) ? cuda_cores_.get() : tensor_cores_.get();
     chosen_->BeginForward(info);
   }
   void Run(ffi::PackedArgs args) final {

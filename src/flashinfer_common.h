@@ -303,10 +303,26 @@ class FlashInferAdapter : public OpAdapter {
     return p;
   }
 
+  // A CUDA-graph decode forward replays the launches recorded at capture, whose grid sizes and workspace
+  // offsets came from the plan info of that batch size's first forward. FlashInfer's enable_cuda_graph plans
+  // promise the same info for every forward of a batch size; this holds them to it (a changed plan would
+  // replay stale launches: wrong results, never an error).
+  void CheckGraphPlan(const ForwardInfo& info, size_t slot, int64_t batch, const ffi::Array<int64_t>& plan) {
+    if (!info.cuda_graph) return;
+    std::vector<int64_t> now(plan.begin(), plan.end());
+    auto [it, fresh] = graph_plans_.emplace(std::make_pair(slot, batch), now);
+    if (!fresh && it->second != now) {
+      TVM_FFI_THROW(RuntimeError) << "pagedkv flashinfer: " << op_ << " planned a CUDA-graph decode forward of "
+                                  << batch << " sequences with a launch configuration other than the first "
+                                  << "forward of that batch size, which a captured graph replays";
+    }
+  }
+
   const char* op_;
   ffi::Function empty_rows_, plan_, run_;
   Workspaces ws_;
   PlanTable plans_;
+  std::map<std::pair<size_t, int64_t>, std::vector<int64_t>> graph_plans_;  // CheckGraphPlan
   // The config's attention options in flashinfer's terms, passed to plan and run. window_left counts the
   // keys before the query's own (-1: off), so a window of W positions is W - 1; the cap is as given (0: off).
   // The modules are built with use_sliding_window / use_logits_soft_cap exactly when the options are on

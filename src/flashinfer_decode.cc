@@ -48,7 +48,7 @@ class DecodeAdapter : public FlashInferAdapter {
         args.Set(a::kNumQoHeads, c.num_qo_heads);
         args.Set(a::kNumKvHeads, c.num_kv_heads);
         args.Set(a::kPageSize, c.page_size);
-        args.Set(a::kEnableCudaGraph, false);
+        args.Set(a::kEnableCudaGraph, info.cuda_graph);
         args.Set(a::kWindowLeft, window_left_);
         args.Set(a::kLogitsSoftCap, logits_soft_cap_);
         args.Set(a::kHeadDimQk, c.head_dim);
@@ -56,6 +56,7 @@ class DecodeAdapter : public FlashInferAdapter {
         args.Set(a::kEmptyQData, &empty);
         args.Set(a::kEmptyKvData, &empty);
         planned.info = args.Call(plan_, "decode plan").cast<ffi::Array<int64_t>>();
+        CheckGraphPlan(info, i, p.host->num_entries(), planned.info);
       }
       plans_.Put(ViewKey(p.page_indptr), std::move(planned));
     }

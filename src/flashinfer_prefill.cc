@@ -138,6 +138,7 @@ class PrefillAdapter : public FlashInferAdapter {
       if (!p.all_empty) {
         ws_.Attach(info);
         p.info = Plan(info, i, pass.host->q_indptr, pass.host->page_indptr, kv_lens, c.page_size, causal);
+        CheckGraphPlan(info, i, pass.host->num_entries(), p.info);
       }
       plans_.Put(ViewKey(pass.page_indptr), std::move(p));
     }
@@ -240,7 +241,7 @@ class PrefillAdapter : public FlashInferAdapter {
       args.Set(p2::kNumQoHeads, c.num_qo_heads);
       args.Set(p2::kNumKvHeads, c.num_kv_heads);
       args.Set(p2::kPageSize, page_size);
-      args.Set(p2::kEnableCudaGraph, false);
+      args.Set(p2::kEnableCudaGraph, info.cuda_graph);
       args.Set(p2::kHeadDimQk, c.head_dim);
       args.Set(p2::kHeadDimVo, c.v_head_dim);
       args.Set(p2::kCausal, causal);

@@ -77,11 +77,11 @@ PassPlan OwnPass(const BlockPool& pool, const std::vector<SeqView>& seqs, const 
 }  // namespace
 
 ForwardPlan BuildForwardPlan(const BlockPool& pool, const std::vector<int64_t>& ids,
-                             const std::vector<int64_t>& lengths, bool windowed) {
+                             const std::vector<int64_t>& lengths, bool flat) {
   ForwardPlan plan;
   int64_t ps = pool.PageSize();
   plan.is_decode = std::all_of(lengths.begin(), lengths.end(), [](int64_t l) { return l == 1; });
-  plan.through = plan.is_decode || windowed;
+  plan.through = plan.is_decode || flat;
   std::vector<SeqView> seqs(ids.size());
   plan.q_indptr.push_back(0);
   for (size_t i = 0; i < ids.size(); ++i) {
@@ -100,7 +100,7 @@ ForwardPlan BuildForwardPlan(const BlockPool& pool, const std::vector<int64_t>& 
   }
   plan.num_tokens = static_cast<int64_t>(plan.q_pos.size());
   size_t depth = 0;
-  for (size_t i = 0; i < seqs.size() && !windowed; ++i) {
+  for (size_t i = 0; i < seqs.size() && !flat; ++i) {
     if (i > 0) seqs[i].shared = std::max(seqs[i].shared, CommonDepth(seqs[i].chain, seqs[i - 1].chain));
     if (i + 1 < seqs.size()) seqs[i].shared = std::max(seqs[i].shared, CommonDepth(seqs[i].chain, seqs[i + 1].chain));
     seqs[i].shared = std::min<size_t>(seqs[i].shared, kMaxPrefixPasses);

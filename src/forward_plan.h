@@ -43,12 +43,13 @@ struct ForwardPlan {
 };
 
 // `pool` already holds the appended tokens. Decode passes see the cache including the new tokens;
-// prefill passes see only the tokens cached before the forward. `windowed` (a sliding-window cache): one
-// through pass per sequence over its whole chain, new tokens included, and no shared-prefix passes. A
-// window is relative to each query's position, which a library kernel (FlashInfer) derives from the
-// entry's key count, so every entry must end at its queries.
+// prefill passes see only the tokens cached before the forward. `flat`: one through pass per sequence over
+// its whole chain, new tokens included, and no shared-prefix passes. A sliding-window cache plans flat (a
+// window is relative to each query's position, which a library kernel (FlashInfer) derives from the entry's
+// key count, so every entry must end at its queries), and so does a CUDA-graph decode (its kernel sequence
+// may not depend on how sequences share prefixes).
 ForwardPlan BuildForwardPlan(const BlockPool& pool, const std::vector<int64_t>& ids,
-                             const std::vector<int64_t>& lengths, bool windowed);
+                             const std::vector<int64_t>& lengths, bool flat);
 
 // Upper bound of the total page_values entries of a plan, from lengths before Append (for sizing).
 int64_t PageValuesBound(const BlockPool& pool, const std::vector<int64_t>& ids,

@@ -24,6 +24,12 @@ int64_t InitialAuxElems(const KVConfig& c) {
          kMaxPasses * per_pass + c.num_pages() + b;
 }
 
+// The CUDA-graph decode layout (attention.cc UploadGraphPlan) for max_batch_size sequences.
+int64_t GraphAuxElems(const KVConfig& c) {
+  int64_t b = c.max_batch_size;
+  return 4 * AuxBuilder::Padded(b + 1) + 5 * AuxBuilder::Padded(b) + AuxBuilder::Padded(GraphPageValues(c, b));
+}
+
 // One page of one layer: MHA [2 (K, V), Hkv, ps, D]; MLA [1, 1, ps, latent_dim].
 std::vector<int64_t> PageShapeOf(const KVConfig& c) {
   if (c.is_mla()) return {1, 1, c.page_size, c.latent_dim()};
@@ -67,6 +73,11 @@ DeviceBytes ComputeDeviceBytes(const KVConfig& c) {
   uint64_t v_dim = static_cast<uint64_t>(c.is_mla() ? c.kv_lora_rank : c.head_dim);
   Size split = (Size{split_n} * hq * static_cast<uint64_t>(c.head_dim) + Size{split_n} * kv * 2) * elem;
   b.work = split + Size{n} * hq * v_dim * elem + Size{n} * hq * 8;  // q, k, v; o_tmp; lse_tmp, lse_own
+  if (c.cuda_graph()) {  // the CUDA-graph decode index arrays (GraphAuxElems), about b * num_pages int32
+    uint64_t batch = static_cast<uint64_t>(c.max_batch_size);
+    Size graph = Size{batch + 2} * 9 + Size{batch, b.num_pages.overflow} * b.num_pages.value + Size{4};
+    b.work = b.work + graph * 4;
+  }
   b.total = b.pages + b.work;
   return b;
 }
@@ -120,6 +131,8 @@ void CheckCapacity(const KVConfig& c, const DeviceBytes& b, DLDevice device) {
 
 }  // namespace
 
+int64_t GraphPageValues(const KVConfig& c, int64_t batch) { return batch * c.num_pages(); }
+
 ffi::Tensor PagedKVCacheObj::AllocDevice(const std::vector<int64_t>& shape, DLDataType dtype, const char* what) {
   auto context = [&]() {
     std::ostringstream os;
@@ -156,6 +169,7 @@ PagedKVCacheObj::PagedKVCacheObj(KVConfig config, OpTable ops, DLDevice device)
   o_tmp_buf_ = AllocDevice({n, hq, PagedVDim()}, dtype_, "work buffer o_tmp");
   lse_tmp_buf_ = AllocDevice({n, hq}, kFloat32, "work buffer lse_tmp");
   lse_own_buf_ = AllocDevice({n, hq}, kFloat32, "work buffer lse_own");
+  if (cfg_.cuda_graph()) graph_aux_ = std::make_unique<AuxBuilder>(&fns_, device, GraphAuxElems(cfg_));
 }
 
 PagedKVCache CreatePagedKVCache(const std::string& config_json, const ffi::Shape& runtime_values,

@@ -11,6 +11,7 @@
 #include <tvm/ffi/object.h>
 #include <tvm/ffi/string.h>
 
+#include <array>
 #include <map>
 #include <memory>
 #include <optional>
@@ -61,6 +62,11 @@ class PagedKVCacheObj : public ffi::Object {
   void DebugGetMLAKV(int64_t seq_id, int64_t start, int64_t end, const ffi::Tensor& kv_out);
   void DebugSetMLAKV(int64_t seq_id, int64_t start, const ffi::Tensor& kv);
   void DebugPoisonPages(bool on);
+  // The open forward's device index arrays by name (q_pos, ..., "pass<i>.page_values"): the CUDA-graph tests
+  // check that their addresses and shapes depend on the batch size only.
+  ffi::Map<ffi::String, ffi::Tensor> DebugForwardArrays() const;
+  // Attention entry-point calls since creation: a replayed CUDA graph runs the kernels without them.
+  int64_t DebugAttentionCalls() const { return attention_calls_; }
   std::string ConfigJSON() const { return ConfigToJSON(cfg_); }
   ffi::Map<ffi::String, ffi::String> OpBackends() const;
 
@@ -100,7 +106,12 @@ class PagedKVCacheObj : public ffi::Object {
   // Query dim and output dim of the paged (cross) attention: MHA (D, D); MLA (latent_dim, kv_lora_rank).
   int64_t PagedQDim() const { return cfg_.is_mla() ? cfg_.latent_dim() : cfg_.head_dim; }
   int64_t PagedVDim() const { return cfg_.is_mla() ? cfg_.kv_lora_rank : cfg_.head_dim; }
+  // Whether a forward of these append lengths is a CUDA-graph decode (config cuda_graph_batch, all 1).
+  bool GraphDecode(const std::vector<int64_t>& lengths) const;
   void UploadPlan(const ForwardPlan& plan);
+  void UploadGraphPlan(const ForwardPlan& plan);
+  void OpenForward(const ForwardPlan& plan, const AuxBuilder& aux,
+                   const std::vector<std::array<int, 5>>& pass_handles);
   void NotifyBeginForward(const ForwardPlan& plan);
   void RunCopy(const std::optional<PageCopy>& copy);
   void RunPass(int64_t layer, const PassViews& pass, const ffi::Tensor& q, const ffi::Tensor& o,
@@ -127,15 +138,20 @@ class PagedKVCacheObj : public ffi::Object {
   ffi::Tensor q_buf_, k_buf_, v_buf_, o_tmp_buf_, lse_tmp_buf_, lse_own_buf_;  // chunk-sized work buffers
   AuxBuilder aux_;
   std::unique_ptr<AuxBuilder> debug_aux_;  // slot maps of debug_get_kv / debug_set_kv
+  std::unique_ptr<AuxBuilder> graph_aux_;  // CUDA-graph decode forwards (UploadGraphPlan), fixed at creation
   std::optional<Forward> forward_;
   std::map<std::string, ffi::Tensor> backend_scratch_;  // ForwardInfo::scratch: buffers adapters share
   bool poison_ = false;
+  int64_t attention_calls_ = 0;  // DebugAttentionCalls
 };
 
 class PagedKVCache : public ffi::ObjectRef {
  public:
   TVM_FFI_DEFINE_OBJECT_REF_METHODS_NULLABLE(PagedKVCache, ffi::ObjectRef, PagedKVCacheObj);
 };
+
+// page_values room of a CUDA-graph decode forward of `batch` sequences: every page of each (b * num_pages).
+int64_t GraphPageValues(const KVConfig& c, int64_t batch);
 
 // `pagedkv.create`: parses the config and op table, allocates pages on device_ref's device.
 PagedKVCache CreatePagedKVCache(const std::string& config_json, const ffi::Shape& runtime_values,

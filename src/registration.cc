@@ -176,6 +176,9 @@ TVM_FFI_STATIC_INIT_BLOCK() {
   Def("pagedkv.debug_set_mla_kv", {"cache", "seq_id", "start", "kv"},
       [](C c, int64_t id, int64_t start, T kv) -> void { c->DebugSetMLAKV(id, start, kv); });
   Def("pagedkv.debug_poison_pages", {"cache", "on"}, [](C c, bool on) -> void { c->DebugPoisonPages(on); });
+  Def("pagedkv.debug_forward_arrays", {"cache"},
+      [](C c) -> ffi::Map<ffi::String, T> { return c->DebugForwardArrays(); });
+  Def("pagedkv.debug_attention_calls", {"cache"}, [](C c) -> int64_t { return c->DebugAttentionCalls(); });
   Def("pagedkv.config_json", {"cache"}, [](C c) -> ffi::String { return ffi::String(c->ConfigJSON()); });
   Def("pagedkv.op_backends", {"cache"},
       [](C c) -> ffi::Map<ffi::String, ffi::String> { return c->OpBackends(); });

@@ -21,7 +21,36 @@ def export_model(model: nn.Module) -> tuple[tvm.IRModule, list[tuple[str, Any]],
         mod, named_params, ext_mods = model.export_tvm(spec=model.get_default_spec(), allow_extern=True)
     if ext_mods:
         mod = tvm.relax.transform.AttachExternModules(ext_mods)(mod)
-    return mod, named_params, options
+    return _mark_cuda_graph_functions(model, mod), named_params, options
+
+
+def cuda_graph_batch(model: nn.Module) -> int:
+    """The batch bound of ``model``'s CUDA-graph functions (0: none; ``models._common.CausalLMExports``)."""
+    batch = getattr(model, "cuda_graph_batch", 0)
+    if isinstance(batch, bool) or not isinstance(batch, int) or batch < 0:
+        raise ValueError(f"cuda_graph_batch must be an int >= 0 (0: off), got {batch!r}")
+    return batch
+
+
+def _mark_cuda_graph_functions(model: nn.Module, mod: tvm.IRModule) -> tvm.IRModule:
+    """Annotates the functions ``model`` runs in CUDA graphs for TVM's ``RewriteCUDAGraph`` pass (enabled by
+    ``build_library``): ``num_input = 1`` marks every argument after the input ids (the cache object and the
+    weights) as fixed across calls, so the whole step from the embedding's output to the final norm, the
+    cache's attention calls included, is one static region; the batch-size variable is captured (one graph
+    per batch size) and bounded, so memory planning gives the region storage of constant size, which the
+    pass allocates once and keeps."""
+    batch = cuda_graph_batch(model)
+    if not batch:
+        return mod
+    for name, var in model.CUDA_GRAPH_FUNCTIONS.items():
+        gv = mod.get_global_var(name)
+        func = mod[gv]
+        if len(func.params) < 2:
+            raise ValueError(f"{name}: a CUDA-graph function takes the input ids, then the fixed arguments")
+        mod[gv] = (func.with_attr("num_input", 1)
+                   .with_attr("relax.rewrite_cuda_graph.capture_symbolic_vars", [var])
+                   .with_attr("tir_var_upper_bound", {var: batch}))
+    return mod
 
 
 def _simt_matmul_rule():
@@ -45,7 +74,10 @@ def _cuda_pipeline(target):
     from tvm.relax.backend.cuda import pipeline as cp
     from tvm.s_tir import dlight as dl
 
-    passes = [p for p in cp.legalize_passes(target) if not isinstance(p, type(dl.ApplyDefaultSchedule()))]
+    # FuseTransposeMatmul: nn.Linear's x @ W.T becomes one NT matmul kernel; without it every step (a decode
+    # step too) transposes every weight into a temporary first, reading and writing all weights once more
+    passes = [tvm.relax.transform.FuseTransposeMatmul()]
+    passes += [p for p in cp.legalize_passes(target) if not isinstance(p, type(dl.ApplyDefaultSchedule()))]
     schedule = dl.ApplyDefaultSchedule(_simt_matmul_rule(), dl.gpu.GEMV(), dl.gpu.LowBatchGEMV(),
                                        dl.gpu.Reduction(), dl.gpu.GeneralReduction(), dl.gpu.Fallback())
 
@@ -92,7 +124,10 @@ def build_library(model: nn.Module, target: Any, out_path: str | Path, *,
         enable_cuda_codegen()
     report: dict = {}
     pipeline = relax_pipeline(tgt, report)
-    with tgt:
+    graphs = cuda_graph_batch(model) > 0
+    if graphs and tgt.kind.name != "cuda":
+        raise ValueError(f"cuda_graph_batch needs a CUDA target, got {tgt.kind.name}")
+    with tgt, tvm.transform.PassContext(config={"relax.backend.use_cuda_graph": graphs}):
         executable = tvm.compile(mod, target=tgt, relax_pipeline=pipeline)
     if verbose:
         kinds = sorted({k for k in report.values()})

@@ -14,9 +14,10 @@ from dataclasses import dataclass, field
 
 #: The newest schema this package writes; the runtime accepts every schema up to its own newest.
 #: Schema 2 added MLA layers (``kv_lora_rank``, ``qk_nope_head_dim``, ``qk_rope_head_dim``); schema 3 the
-#: attention options ``sliding_window`` and ``logits_soft_cap``. A config is written with the lowest schema
-#: that holds it, so an MHA library without those options still loads in a schema-1 runtime.
-SCHEMA_VERSION = 3
+#: attention options ``sliding_window`` and ``logits_soft_cap``; schema 4 ``cuda_graph_batch``. A config is
+#: written with the lowest schema that holds it, so an MHA library without those options still loads in a
+#: schema-1 runtime.
+SCHEMA_VERSION = 4
 
 DTYPES = ("float16", "float32", "bfloat16")
 ROPE_MODES = ("none", "normal", "inline")
@@ -73,9 +74,14 @@ class KVCacheConfig:
     logits_soft_cap :
         0: off. Else attention scores ``s = sm_scale * q.k`` become ``cap * tanh(s / cap)`` before the
         softmax (Gemma-2's definition).
+    cuda_graph_batch :
+        0: off. Else the model library runs its decode step in CUDA graphs for batches of up to this many
+        sequences (``pagedkv.compile.build_library`` of a model built with ``cuda_graph_batch``): every decode
+        forward keeps its index arrays at fixed device addresses, attends each sequence's chain in one pass,
+        and plans FlashInfer with ``enable_cuda_graph``; ``max_batch_size`` may not exceed it. MHA only.
     schema_version :
         ``None``: the lowest schema that holds this config (1 for MHA, 2 for MLA, 3 with an attention
-        option).
+        option, 4 with ``cuda_graph_batch``).
     """
 
     num_layers: int
@@ -97,6 +103,7 @@ class KVCacheConfig:
     qk_rope_head_dim: int = 0
     sliding_window: int = 0
     logits_soft_cap: float = 0.0
+    cuda_graph_batch: int = 0
     schema_version: int | None = field(default=None)
 
     def __post_init__(self) -> None:
@@ -181,12 +188,23 @@ class KVCacheConfig:
         if self.is_mla and (w or cap):
             out.append("MLA caches take no sliding_window or logits_soft_cap (no MLA model uses them and no "
                        "MLA kernel implements them)")
+        g = self.cuda_graph_batch
+        if isinstance(g, bool) or not isinstance(g, int) or g < 0:
+            out.append(f"cuda_graph_batch must be an int >= 0 (0: off), got {g!r}")
+        elif g and self.is_mla:
+            out.append("cuda_graph_batch is not supported for MLA caches yet (CUDA-graph decode is implemented "
+                       "for MHA layers only)")
+        elif g and isinstance(self.max_batch_size, int) and self.max_batch_size > g:
+            out.append(f"max_batch_size={self.max_batch_size} is larger than cuda_graph_batch={g} (the most "
+                       "sequences the CUDA-graph decode step is compiled for)")
         return out
 
     # -- derived ----------------------------------------------------------------------------------------
     @property
     def min_schema(self) -> int:
         """The lowest schema that holds this config."""
+        if self.cuda_graph_batch:
+            return 4
         if self.sliding_window or self.logits_soft_cap:
             return 3
         return 2 if self.is_mla else 1
@@ -265,6 +283,8 @@ class KVCacheConfig:
         if self.schema_version >= 3:
             out["sliding_window"] = self.sliding_window
             out["logits_soft_cap"] = float(self.logits_soft_cap)
+        if self.schema_version >= 4:
+            out["cuda_graph_batch"] = self.cuda_graph_batch
         for name in runtime_fields:
             del out[name]
         return out

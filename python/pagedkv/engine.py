@@ -97,6 +97,10 @@ class Engine:
     def remove(self, seq_id: int) -> None:
         self._g("remove_sequence", seq_id)
 
+    def popn(self, seq_id: int, n: int) -> None:
+        """Drop the last ``n`` cached tokens of a sequence."""
+        self._g("popn", seq_id, n)
+
     def prefill(self, prompts: dict[int, Sequence[int]]) -> np.ndarray:
         """Append each sequence's tokens (chunked to ``prefill_chunk_size``); return last-token logits
         ``[len(prompts), vocab]`` in the order given."""

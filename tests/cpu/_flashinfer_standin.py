@@ -111,9 +111,14 @@ class FakeFlashInfer:
     #: packed (query, head) rows; the adapter must split larger passes.
     MLA_MAX_WORKS = 16384
 
-    def __init__(self, *, window_left: int = -1, soft_cap: float = 0.0):
+    def __init__(self, *, window_left: int = -1, soft_cap: float = 0.0, cuda_graph: bool = False):
         # the attention options every plan and run must be given (the config's, in FlashInfer's terms)
         self.window_left, self.soft_cap = window_left, soft_cap
+        # a CUDA-graph cache: decode plans come with enable_cuda_graph and, as FlashInfer's do, return the same
+        # plan info for every plan of a batch size (a plan id per (function, batch size))
+        self.cuda_graph = cuda_graph
+        self.graph_plan_ids: dict[tuple[str, int], int] = {}
+        self.perturb_next_graph_plan = False  # the next graph plan returns another plan info
         self.calls: list[tuple[str, dict]] = []
         self.plans: dict[int, dict] = {}
         # (function, argument, problem): a byte_offset != 0, or NULL strides
@@ -140,6 +145,12 @@ class FakeFlashInfer:
         rec = {k: (_host(v) if k in ("indptr", "qo_indptr", "kv_indptr", "kv_len_arr", "kv_len") else v)
                for k, v in named.items()}
         pid = 1000 + len(self.plans)
+        if named.get("enable_cuda_graph"):
+            key = (where, int(named["batch_size"]))
+            if self.perturb_next_graph_plan:
+                self.perturb_next_graph_plan = False
+            else:
+                pid = self.graph_plan_ids.setdefault(key, pid)
         self.plans[pid] = rec
         self.calls.append((where, rec))
         return pid, named
@@ -162,7 +173,7 @@ class FakeFlashInfer:
     # -- decode ---------------------------------------------------------------------------------------
     def decode_plan(self, *args):
         pid, named = self._plan(abi.DECODE_PLAN, args)
-        assert named["enable_cuda_graph"] is False and named["window_left"] == self.window_left
+        assert named["enable_cuda_graph"] is self.cuda_graph and named["window_left"] == self.window_left
         assert named["logits_soft_cap"] == self.soft_cap
         return [pid]
 
@@ -186,7 +197,8 @@ class FakeFlashInfer:
 
         def plan(*args):
             pid, named = self._plan(func, args)
-            assert named["enable_cuda_graph"] is False and named["window_left"] == self.window_left
+            assert named["enable_cuda_graph"] is (self.cuda_graph and decode)
+            assert named["window_left"] == self.window_left
             if kind == "prefill_fa2":
                 uniform = (1, True) if decode else (0, False)
                 assert (named["fixed_split_size"], named["disable_split_kv"], named["num_colocated_ctas"],

@@ -29,14 +29,18 @@ BASE = dict(num_layers=2, num_qo_heads=8, num_kv_heads=2, head_dim=64, dtype="fl
     (dict(layer_kinds=("mha", "xla")), ["unknown layer kinds ['xla']"]),
     (dict(layer_kinds=("mha", "mla")), ["one layer kind", "'mha' at layers [0] and 'mla' at [1]"]),
     (dict(kv_lora_rank=64), ["kv_lora_rank need MLA layers"]),
-    (dict(schema_version=4), ["schema_version 4 is outside [1, 3]"]),
+    (dict(schema_version=5), ["schema_version 5 is outside [1, 4]"]),
+    (dict(cuda_graph_batch=-1), ["cuda_graph_batch must be an int >= 0 (0: off), got -1"]),
+    (dict(cuda_graph_batch=True), ["cuda_graph_batch must be an int >= 0"]),
+    (dict(cuda_graph_batch=2, max_batch_size=4), ["max_batch_size=4 is larger than cuda_graph_batch=2"]),
+    (dict(cuda_graph_batch=4, schema_version=3), ["schema_version 3 is outside [4, 4]"]),
     (dict(sliding_window=-1), ["sliding_window must be an int >= 0 (0: off), got -1"]),
     (dict(sliding_window=2.5), ["sliding_window must be an int >= 0"]),
     (dict(sliding_window=True), ["sliding_window must be an int >= 0"]),
     (dict(logits_soft_cap=-1.0), ["logits_soft_cap must be a finite number >= 0 (0: off), got -1.0"]),
     (dict(logits_soft_cap=float("nan")), ["logits_soft_cap must be a finite number"]),
     (dict(logits_soft_cap=float("inf")), ["logits_soft_cap must be a finite number"]),
-    (dict(sliding_window=8, schema_version=2), ["schema_version 2 is outside [3, 3]"]),
+    (dict(sliding_window=8, schema_version=2), ["schema_version 2 is outside [3, 4]"]),
     (dict(layer_kinds=("mla", "mla")), ["MLA needs kv_lora_rank >= 1", "MLA needs rope_mode 'none'"]),
     (dict(num_layers=0, dtype="int8", rope_mode="x"), ["num_layers", "'int8'", "rope_mode 'x'"]),  # all reported
 ])
@@ -273,7 +277,7 @@ def test_mla_config_fields_and_json():
     assert cfg.is_mla and cfg.latent_dim == 96 and cfg.head_dim == 64 and cfg.v_dim == 48
     assert cfg.kinds == ("mla", "mla") and cfg.num_kv_heads == 4 and cfg.rope_mode == "none"
     d = json.loads(cfg.to_json())
-    assert d["schema_version"] == 2 and SCHEMA_VERSION == 3
+    assert d["schema_version"] == 2 and SCHEMA_VERSION == 4
     assert (d["kv_lora_rank"], d["qk_nope_head_dim"], d["qk_rope_head_dim"]) == (64, 32, 32)
     assert _from_dict(d) == cfg
     with pytest.raises(ValueError, match=r"MLA head_dim \(60\) must be qk_nope_head_dim"):
@@ -288,6 +292,8 @@ def test_mla_config_fields_and_json():
         cfg.replace(sliding_window=8)
     with pytest.raises(ValueError, match="MLA caches take no sliding_window or logits_soft_cap"):
         cfg.replace(logits_soft_cap=30.0)
+    with pytest.raises(ValueError, match="cuda_graph_batch is not supported for MLA caches"):
+        cfg.replace(cuda_graph_batch=4)
 
 
 def test_attention_options_schema_and_json():
@@ -296,7 +302,7 @@ def test_attention_options_schema_and_json():
     assert plain.schema_version == 1 and "sliding_window" not in json.loads(plain.to_json())
     windowed = plain.replace(sliding_window=4096)
     capped = plain.replace(logits_soft_cap=50.0)
-    assert windowed.schema_version == capped.schema_version == 3 == SCHEMA_VERSION
+    assert windowed.schema_version == capped.schema_version == 3
     assert windowed.replace(sliding_window=0).schema_version == 1  # back to the lowest
     d = json.loads(windowed.replace(logits_soft_cap=30).to_json())
     assert (d["sliding_window"], d["logits_soft_cap"]) == (4096, 30.0)
@@ -304,3 +310,13 @@ def test_attention_options_schema_and_json():
     # an explicit newer schema is kept, with the options' defaults written out
     d = json.loads(plain.replace(schema_version=3).to_json())
     assert (d["schema_version"], d["sliding_window"], d["logits_soft_cap"]) == (3, 0, 0.0)
+
+
+def test_cuda_graph_batch_schema_and_json():
+    """cuda_graph_batch needs schema 4 (SCHEMA_VERSION); configs without it keep their lower schema."""
+    graph = KVCacheConfig(**BASE).replace(cuda_graph_batch=8)
+    assert graph.schema_version == 4 == SCHEMA_VERSION
+    d = json.loads(graph.to_json())
+    assert d["cuda_graph_batch"] == 8 and _from_dict(d).to_dict() == graph.to_dict()
+    assert graph.replace(cuda_graph_batch=0).schema_version == 1
+    assert "cuda_graph_batch" not in json.loads(graph.replace(cuda_graph_batch=0).to_json())

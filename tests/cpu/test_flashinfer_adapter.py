@@ -65,7 +65,7 @@ def make_cache(cfg, empty_rows, kinds: dict[str, str]):
     module, table = _compile_op_table(cfg, "llvm", tuple((op, "tir") for op in tir_ops))
     # the config's attention options in FlashInfer's terms: every plan and run must be given exactly these
     fake = FakeFlashInfer(window_left=cfg.sliding_window - 1 if cfg.sliding_window else -1,
-                          soft_cap=cfg.logits_soft_cap)
+                          soft_cap=cfg.logits_soft_cap, cuda_graph=bool(cfg.cuda_graph_batch))
     table = [fake.entry(e[0], kinds[e[0]], empty_rows[1]) if e[0] in kinds else e for e in table]
     ref = torch.empty((1,), dtype=torch.float32)
     handle = get_global("pagedkv.create")(cfg.to_json(), (), table, _to_ffi(ref))
@@ -396,3 +396,37 @@ def test_failed_plan_leaves_the_cache_unchanged(empty_rows):
     assert ([cache.get_sequence_length(s) for s in (0, 1)], cache.num_available_pages) == before
     _step(cache, MHA_CFG, [0, 1], [1, 1], 0.25)  # no forward left open; planning works again
     assert [cache.get_sequence_length(s) for s in (0, 1)] == [6, 5]
+
+
+#: CUDA-graph caches: decode plans take enable_cuda_graph (the stand-in asserts it and returns one plan info
+#: per batch size, as FlashInfer's graph plans do); prefill plans do not.
+GRAPH_KINDS = ("fa2", "tc-fa2", "choose")
+
+
+@pytest.mark.parametrize("kinds", GRAPH_KINDS)
+@pytest.mark.parametrize("scenario", list(SCENARIOS))
+def test_graph_scenarios_through_the_adapters(empty_rows, kinds, scenario, gen):
+    cfg = MHA_CFG.replace(**SCENARIO_CAPACITY, cuda_graph_batch=SCENARIO_CAPACITY["max_batch_size"])
+    cache, fake = make_cache(cfg, empty_rows, MHA_KINDS[kinds])
+    runner = ScenarioRunner(cache, gen, random_sm_scale(gen, cfg.head_dim), fine_grained=True)
+    runner.run(SCENARIOS[scenario](cfg.page_size), scenario)
+    if kinds == "choose":  # a graph decode replays one kernel choice: tensor cores, whatever the skew
+        assert fake.count("decode.plan") == 0
+    assert not fake.offsets
+
+
+def test_graph_plan_that_changes_is_refused(empty_rows):
+    """A decode plan of a batch size already seen must keep its plan info (the captured launches); one that
+    changes fails begin_forward naming the reason, and leaves the cache as it was."""
+    cfg = MHA_CFG.replace(cuda_graph_batch=4)
+    cache, fake = make_cache(cfg, empty_rows, MHA_KINDS["tc-fa2"])
+    for seq, n in ((0, 6), (1, 3), (2, 9)):
+        cache.add_sequence(seq)
+        _step(cache, cfg, [seq], [n], 0.25)
+    _step(cache, cfg, [0, 1, 2], [1, 1, 1], 0.125)
+    _step(cache, cfg, [0, 1, 2], [1, 1, 1], 0.125)  # same info: fine
+    fake.perturb_next_graph_plan = True
+    with pytest.raises(Exception, match="launch configuration other than the first forward of that batch size"):
+        cache.begin_forward([0, 1, 2], [1, 1, 1])
+    assert [cache.get_sequence_length(s) for s in (0, 1, 2)] == [8, 5, 11]
+    _step(cache, cfg, [0, 1, 2], [1, 1, 1], 0.125)

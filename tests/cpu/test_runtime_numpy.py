@@ -573,7 +573,11 @@ def test_config_json_and_op_backends():
 
 
 @pytest.mark.parametrize("change, pattern", [
-    ({"schema_version": 4}, "schema_version 4"),
+    ({"schema_version": 5}, "schema_version 5"),
+    ({"schema_version": 3, "cuda_graph_batch": 4}, "unknown field 'cuda_graph_batch' for schema_version 3"),
+    ({"schema_version": 4, "cuda_graph_batch": -1}, "cuda_graph_batch must be >= 0"),
+    ({"schema_version": 4, "cuda_graph_batch": 1, "max_batch_size": 2},
+     "max_batch_size=2 is larger than cuda_graph_batch=1"),
     ({"sliding_window": 8}, "unknown field 'sliding_window' for schema_version 1"),
     ({"schema_version": 2, "logits_soft_cap": 30.0}, "unknown field 'logits_soft_cap' for schema_version 2"),
     ({"schema_version": 3, "sliding_window": -1}, "sliding_window must be >= 0"),

@@ -168,10 +168,20 @@ def build_upstream_kernels(out: Path, arch: str) -> Path:
 SMOLLM2_BACKENDS = {"tir": "tir", "flashinfer": {"attn_decode_paged": "flashinfer", "*": "tir"}}
 
 
-def build_smollm2(out: Path, arch: str, dtype: str = "float16", backend: str = "tir") -> Path | None:
+#: Batch bound of the CUDA-graph model libraries (the end-to-end benchmark's largest batch).
+GRAPH_BATCH = 32
+
+
+def model_name(model: str, dtype: str, backend: str, graph: bool) -> str:
+    """File name of a CUDA model library: ``smollm2-float16[-flashinfer][-graph]-cuda.so``."""
+    return f"{model}-{dtype}" + ("" if backend == "tir" else f"-{backend}") + ("-graph" if graph else "") + "-cuda.so"
+
+
+def build_smollm2(out: Path, arch: str, dtype: str = "float16", backend: str = "tir", *,
+                  graph: bool = False) -> Path | None:
     """SmolLM2's model library for CUDA (weights are not in it: the GPU host reads the GGUF file) and the
     parameter names in the order its functions take them; ``backend`` names an entry of
-    ``SMOLLM2_BACKENDS``."""
+    ``SMOLLM2_BACKENDS``; ``graph``: decode steps of up to ``GRAPH_BATCH`` sequences in CUDA graphs."""
     try:
         from . import smollm2
         smollm2.gguf_path()
@@ -187,14 +197,48 @@ def build_smollm2(out: Path, arch: str, dtype: str = "float16", backend: str = "
     enable_cuda_codegen()
     t0 = time.perf_counter()
     target = tvm.target.Target({"kind": "cuda", "arch": arch}, host="llvm")
-    model = LlamaForCausalLM(smollm2.SMOLLM2_135M, dtype=dtype, target=target, backend=SMOLLM2_BACKENDS[backend])
-    name = f"smollm2-{dtype}-cuda.so" if backend == "tir" else f"smollm2-{dtype}-{backend}-cuda.so"
-    path, _ = build_library(model, target, out / "models" / name)
+    model = LlamaForCausalLM(smollm2.SMOLLM2_135M, dtype=dtype, target=target, backend=SMOLLM2_BACKENDS[backend],
+                             cuda_graph_batch=GRAPH_BATCH if graph else 0)
+    path, _ = build_library(model, target, out / "models" / model_name("smollm2", dtype, backend, graph))
     if not has_device_code(path):
         raise RuntimeError(f"{path} holds no CUDA fatbin")
     print(f"[pagedkv] model {path.name}: {path.stat().st_size / 1e6:.2f} MB in "
           f"{time.perf_counter() - t0:.1f} s", flush=True)
     return path
+
+
+def build_graph_case(out: Path, arch: str, backends) -> list[Path]:
+    """The CUDA-graph replay case (tests/gpu/test_cuda_graph_gpu.py, ``pagedkv.testing.graph_case``): a small
+    random Llama in float16, its model library per backend with and without CUDA graphs, and its weights
+    (``graph-llama.npz``: HF's state dict, for the reference on the GPU host)."""
+    try:
+        import transformers  # noqa: F401
+    except ImportError as err:
+        print(f"[pagedkv] skipping the CUDA-graph case: {err}", flush=True)
+        return []
+    import tvm
+
+    from ..compile import build_library
+    from ..cuda_build import enable_cuda_codegen, has_device_code
+    from ..models.llama import LlamaForCausalLM
+    from ..testing import graph_case as G
+
+    enable_cuda_codegen()
+    target = tvm.target.Target({"kind": "cuda", "arch": arch}, host="llvm")
+    G.write_weights(out / "models" / "graph-llama.npz")
+    paths = []
+    for backend in backends:
+        for graph in (False, True):
+            t0 = time.perf_counter()
+            model = LlamaForCausalLM(G.CONFIG, dtype="float16", target=target, backend=SMOLLM2_BACKENDS[backend],
+                                     cuda_graph_batch=G.GRAPH_BATCH if graph else 0)
+            lib, _ = build_library(model, target, out / "models" / model_name("graph-llama", "float16", backend, graph))
+            if not has_device_code(lib):
+                raise RuntimeError(f"{lib} holds no CUDA fatbin")
+            print(f"[pagedkv] model {lib.name}: {lib.stat().st_size / 1e6:.2f} MB in "
+                  f"{time.perf_counter() - t0:.1f} s", flush=True)
+            paths.append(lib)
+    return paths
 
 
 def build_deepseek(out: Path, arch: str) -> list[Path]:
@@ -254,11 +298,13 @@ def main(argv: list[str] | None = None) -> int:
     target = {"kind": "cuda", "arch": args.arch}
     build_kernels(out, tir_kernel_libraries(), target)
     build_flashinfer_kernels(out, [s.config() for s in flashinfer_gpu_shapes() + [BENCH_WINDOWED]], target)
-    build_smollm2(out, args.arch)
     from ..flashinfer import unavailable_reasons
 
-    if not unavailable_reasons():
-        build_smollm2(out, args.arch, backend="flashinfer")
+    backends = ["tir"] + ([] if unavailable_reasons() else ["flashinfer"])
+    for backend in backends:
+        for graph in (False, True):
+            build_smollm2(out, args.arch, backend=backend, graph=graph)
+    build_graph_case(out, args.arch, backends)
     build_deepseek(out, args.arch)
     total = sum(f.stat().st_size for f in out.rglob("*") if f.is_file())
     print(f"[pagedkv] GPU bundle {out}: {total / 1e6:.1f} MB", flush=True)

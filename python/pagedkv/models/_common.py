@@ -75,14 +75,25 @@ class GatedMLP(nn.Module):
 
 class CausalLMExports:
     """``create_paged_kv_cache`` and ``get_default_spec`` of a causal LM ``nn.Module`` that has ``cfg`` (with
-    ``kv_cache_config(dtype)``), ``dtype``, ``target``, ``backend`` and ``prefill`` / ``decode`` methods."""
+    ``kv_cache_config(dtype)``), ``dtype``, ``target``, ``backend`` and ``prefill`` / ``decode`` methods.
+
+    A model with ``cuda_graph_batch > 0`` runs its decode step in CUDA graphs for batches of up to that many
+    sequences: its cache config carries the bound (``KVCacheConfig.cuda_graph_batch``) and
+    ``pagedkv.compile.build_library`` captures the functions of ``CUDA_GRAPH_FUNCTIONS``."""
+
+    #: exported function -> name of its batch-size variable (``get_default_spec``): the functions whose
+    #: steps are captured in CUDA graphs, once per batch size, when ``cuda_graph_batch > 0``
+    CUDA_GRAPH_FUNCTIONS = {"decode": "b"}
+    cuda_graph_batch: int = 0
 
     def create_paged_kv_cache(self, max_batch_size: tirx.Var, max_total_seq_len: tirx.Var,
                               prefill_chunk_size: tirx.Var, page_size: tirx.Var) -> PagedKVCache:
         values = {"max_batch_size": max_batch_size, "max_total_seq_len": max_total_seq_len,
                   "prefill_chunk_size": prefill_chunk_size, "page_size": page_size}
-        return PagedKVCache(self.cfg.kv_cache_config(self.dtype), target=self.target,
-                            backend=self.backend, runtime_values=values)
+        config = self.cfg.kv_cache_config(self.dtype)
+        if self.cuda_graph_batch:
+            config = config.replace(cuda_graph_batch=self.cuda_graph_batch)
+        return PagedKVCache(config, target=self.target, backend=self.backend, runtime_values=values)
 
     def get_default_spec(self):
         none = {"$": {"param_mode": "none", "effect_mode": "none"}}

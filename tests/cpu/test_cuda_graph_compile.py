@@ -1,0 +1,65 @@
+"""A model compiled with ``cuda_graph_batch`` captures its whole decode step, attention included, in one CUDA
+graph: TVM's ``RewriteCUDAGraph`` lifts everything from the embedding's output to the final norm into one
+capture function (run by ``vm.builtin.cuda_graph.run_or_capture``, one graph per batch size) whose storage is
+allocated once (``vm.builtin.cuda_graph.get_cached_alloc``). Checked on the Relax module after the CUDA
+pipeline (no GPU needed); replays are tested on the GPU (tests/gpu/test_cuda_graph_gpu.py)."""
+
+from __future__ import annotations
+
+import pytest
+import tvm
+
+from pagedkv.compile import build_library, export_model, relax_pipeline
+from pagedkv.models.llama import LlamaForCausalLM
+from pagedkv.testing import graph_case as G
+
+SM90 = tvm.target.Target({"kind": "cuda", "arch": "sm_90"}, host="llvm")
+
+
+def _lowered(backend, graph_batch: int) -> tvm.IRModule:
+    model = LlamaForCausalLM(G.CONFIG, dtype="float16", target=SM90, backend=backend,
+                             cuda_graph_batch=graph_batch)
+    mod, _, _ = export_model(model)
+    with SM90, tvm.transform.PassContext(config={"relax.backend.use_cuda_graph": graph_batch > 0}):
+        return relax_pipeline(SM90)(mod)
+
+
+def _names(mod) -> list[str]:
+    return [gv.name_hint for gv in mod.functions]
+
+
+@pytest.fixture(scope="module")
+def graph_mod():
+    return _lowered("tir", G.GRAPH_BATCH)
+
+
+def test_decode_step_is_one_capture(graph_mod):
+    assert "decode_cuda_graph_capture" in _names(graph_mod)
+    assert not [n for n in _names(graph_mod) if n.startswith("decode_cuda_graph_capture") and n[-1].isdigit()]
+    capture = graph_mod["decode_cuda_graph_capture"].script()
+    calls = capture.count('"pagedkv.attention_with_fused_qkv"')
+    assert calls == G.CONFIG.num_hidden_layers, f"{calls} attention calls in the capture function"
+    decode = graph_mod["decode"].script()
+    assert decode.count("vm.builtin.cuda_graph.run_or_capture") == 1
+    assert "vm.builtin.cuda_graph.get_cached_alloc" in decode
+    assert '"pagedkv.attention_with_fused_qkv"' not in decode  # every one is in the graph
+    attrs = graph_mod["decode"].attrs
+    assert attrs["tir_var_upper_bound"]["b"] == G.GRAPH_BATCH
+
+
+def test_no_graph_without_the_option():
+    mod = _lowered("tir", 0)
+    assert not [n for n in _names(mod) if "cuda_graph" in n]
+
+
+def test_weights_are_not_transposed_per_step(graph_mod):
+    """FuseTransposeMatmul: projections are NT matmul kernels, not a transpose of the weight plus a matmul."""
+    prims = [n for n in _names(graph_mod) if isinstance(graph_mod[n], tvm.tirx.PrimFunc)]
+    assert not [n for n in prims if n.startswith("transpose")], prims
+    assert [n for n in prims if "NT_matmul" in n]
+
+
+def test_graphs_need_a_cuda_target(tmp_path):
+    model = LlamaForCausalLM(G.CONFIG, dtype="float32", target="llvm", backend="tir", cuda_graph_batch=2)
+    with pytest.raises(ValueError, match="cuda_graph_batch needs a CUDA target"):
+        build_library(model, "llvm", tmp_path / "m.so")
