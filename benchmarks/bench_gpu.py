@@ -36,6 +36,7 @@ import torch
 
 import _bench_impls as impls
 import _bench_workloads as W
+from _host_cost import graph_host_cost, host_cost
 
 TOL = 1e-2
 
@@ -135,83 +136,6 @@ def run_workload(w: W.Workload, fi, upstream, args, flush, ceil) -> list[dict]:
     return rows
 
 
-def host_cost(args) -> list[dict]:
-    """Host time of a decode step of a 32-layer 32/8/128 fp16 cache with the FlashInfer backend."""
-    import pagedkv
-    from pagedkv._lib import get_global
-    from pagedkv.cache import _to_ffi
-
-    out = []
-    for batch, length in ((1, 4096), (64, 4096), (256, 2048)):
-        cfg = pagedkv.KVCacheConfig(num_layers=32, num_qo_heads=32, num_kv_heads=8, head_dim=128,
-                                    dtype="float16", rope_mode="none", page_size=16, max_batch_size=batch,
-                                    max_total_seq_len=batch * (length + 64), prefill_chunk_size=16384)
-        cache = pagedkv.create(cfg, backend=impls.PAGEDKV_BACKENDS["pagedkv-fi"], target=impls.TARGET,
-                               device="cuda")
-        for b in range(batch):
-            cache.add_sequence(b)
-        impls.reserve(cache, {b: length for b in range(batch)})
-        kv = torch.randn(32, length, 8, 128, dtype=torch.float16, device="cuda")
-        for b in range(batch):
-            cache.debug_set_kv(b, 0, kv, kv)
-        qkv = torch.randn(batch, 48, 128, dtype=torch.float16, device="cuda")
-        o = torch.empty(batch, 32, 128, dtype=torch.float16, device="cuda")
-        fq, fo = _to_ffi(qkv), _to_ffi(o)
-        ids, ones = list(range(batch)), [1] * batch
-        steps = []
-        fused = get_global("pagedkv.attention_with_fused_qkv")
-        for step in range(args.host_steps):
-            torch.cuda.synchronize()
-            t0 = time.perf_counter()
-            cache.begin_forward(ids, ones)
-            t1 = time.perf_counter()
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
-            for layer in range(32):
-                fused(cache.handle, layer, 0.088, fq, fo)
-            end.record()
-            t2 = time.perf_counter()
-            torch.cuda.synchronize()
-            t3 = time.perf_counter()
-            cache.end_forward()
-            if step >= 2:
-                steps.append((t1 - t0, t2 - t1, start.elapsed_time(end) / 1e3, t3 - t0))
-        bf, disp, gpu, wall = (statistics.median(s[i] for s in steps) for i in range(4))
-        # where the dispatch goes: cross_attention alone (the FlashInfer run) per layer, in a decode forward
-        cross = get_global("pagedkv.cross_attention")
-        q = torch.randn(batch, 32, 128, dtype=torch.float16, device="cuda")
-        lse = torch.empty(batch, 32, dtype=torch.float32, device="cuda")
-        fqq, fl = _to_ffi(q), _to_ffi(lse)
-        cache.begin_forward(ids, ones)
-        torch.cuda.synchronize()
-        t0 = time.perf_counter()
-        for layer in range(32):
-            cross(cache.handle, layer, 0.088, fqq, fo, fl)
-        cross_us = (time.perf_counter() - t0) / 32 * 1e6
-        torch.cuda.synchronize()
-        cache.end_forward()
-        # the Python -> tvm-ffi call itself, on a global that does no work (subtracted from the dispatch:
-        # a compiled model calls the runtime from the Relax VM in C++)
-        length_of = get_global("pagedkv.get_sequence_length")
-        t0 = time.perf_counter()
-        for _ in range(3200):
-            length_of(cache.handle, 0)
-        call_us = (time.perf_counter() - t0) / 3200 * 1e6
-        out.append({"batch": batch, "length": length, "begin_forward_us": bf * 1e6, "dispatch_us": disp * 1e6,
-                    "python_call_us": call_us, "cross_attention_call_us": cross_us, "gpu_attention_us": gpu * 1e6, "step_wall_us": wall * 1e6,
-                    "host_share": (bf + disp) / gpu,
-                    "host_share_runtime": (bf + disp - 32 * call_us / 1e6) / gpu,
-                    "served_by": dict(cache.op_backends)})
-        r = out[-1]
-        print(f"[host] B={batch}: begin_forward {bf * 1e6:.0f} us, 32-layer dispatch {disp * 1e6:.0f} us "
-              f"(python call {call_us:.1f} us, cross_attention alone {cross_us:.1f} us per layer), GPU {gpu * 1e6:.0f} us, step {wall * 1e6:.0f} us wall; "
-              f"host share {r['host_share']:.1%} ({r['host_share_runtime']:.1%} without the Python calls)",
-              flush=True)
-        del cache, kv
-        torch.cuda.empty_cache()
-    return out
-
-
 def print_table(rows: list[dict]) -> None:
     print(f"\n{'workload':34s} {'impl':12s} {'ms':>9s} {'TB/s|TF/s':>9s} {'vs FI best':>10s} {'vs ceil':>8s} "
           f"{'err':>8s}  status")
@@ -286,7 +210,7 @@ def main(argv=None) -> int:
             if args.only in w.name:
                 rows += run_workload(w, fi, upstream, args, flush, ceil)
         if not args.no_host_cost:
-            host = host_cost(args)
+            host = host_cost(args) + graph_host_cost(args)
     print_table(rows)
     args.out.mkdir(parents=True, exist_ok=True)
     meta = {"date": time.strftime("%Y-%m-%d %H:%M"), "gpu": torch.cuda.get_device_name(), "ceilings": ceil,

@@ -33,12 +33,14 @@ def workload_table(rows: list[dict]) -> str:
 
 
 def host_table(host: list[dict]) -> str:
-    out = ["| batch x keys | begin_forward | 32-layer dispatch | cross_attention / layer | GPU attention | host share |",
-           "|---|---|---|---|---|---|"]
+    out = ["| batch x keys | layers | begin_forward | 32-layer dispatch | cross_attention / layer | GPU attention "
+           "| host share |", "|---|---|---|---|---|---|---|"]
     for h in host:
-        out.append(f"| {h['batch']} x {h['length']} | {h['begin_forward_us']:.0f} us | {h['dispatch_us']:.0f} us | "
-                   f"{h['cross_attention_call_us']:.1f} us | {h['gpu_attention_us']:.0f} us | "
-                   f"{h['host_share']:.1%} |")
+        graph = h.get("cuda_graph", False)
+        cross = "-" if graph else f"{h['cross_attention_call_us']:.1f} us"
+        out.append(f"| {h['batch']} x {h['length']} | {'CUDA graph replay' if graph else 'one call each'} | "
+                   f"{h['begin_forward_us']:.0f} us | {h['dispatch_us']:.0f} us | {cross} | "
+                   f"{h['gpu_attention_us']:.0f} us | {h['host_share']:.1%} |")
     return "\n".join(out)
 
 

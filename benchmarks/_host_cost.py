@@ -1,0 +1,157 @@
+"""Host cost of a decode step of a 32-layer 32/8/128 fp16 cache with the FlashInfer backend (``bench_gpu.py
+--host-cost``), at B = 1, 64 and 256: ``begin_forward`` (pagedkv's forward plan and index upload, FlashInfer's
+plans) and the 32 layers' attention calls, as a share of the step's GPU attention time.
+
+``host_cost``: the layers dispatched one call at a time (as the Relax VM of a library without graphs does).
+``graph_host_cost``: a cache with ``cuda_graph_batch`` whose 32 layer calls are captured once in a CUDA graph
+(as a library compiled with ``cuda_graph_batch`` captures its decode step) and replayed each step after
+``begin_forward``; the host cost is ``begin_forward`` plus the replay's launch.
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+
+import torch
+
+import _bench_impls as impls
+
+SHAPES = ((1, 4096), (64, 4096), (256, 2048))
+
+
+def _cache(batch: int, length: int, *, graph: bool):
+    import pagedkv
+
+    cfg = pagedkv.KVCacheConfig(num_layers=32, num_qo_heads=32, num_kv_heads=8, head_dim=128,
+                                dtype="float16", rope_mode="none", page_size=16, max_batch_size=batch,
+                                max_total_seq_len=batch * (length + 64), prefill_chunk_size=16384,
+                                cuda_graph_batch=batch if graph else 0)
+    cache = pagedkv.create(cfg, backend=impls.PAGEDKV_BACKENDS["pagedkv-fi"], target=impls.TARGET, device="cuda")
+    for b in range(batch):
+        cache.add_sequence(b)
+    impls.reserve(cache, {b: length for b in range(batch)})
+    kv = torch.randn(32, length, 8, 128, dtype=torch.float16, device="cuda")
+    for b in range(batch):
+        cache.debug_set_kv(b, 0, kv, kv)
+    return cache
+
+
+def host_cost(args) -> list[dict]:
+    """Host time of a decode step, the layers dispatched one call at a time."""
+    from pagedkv._lib import get_global
+    from pagedkv.cache import _to_ffi
+
+    out = []
+    for batch, length in SHAPES:
+        cache = _cache(batch, length, graph=False)
+        qkv = torch.randn(batch, 48, 128, dtype=torch.float16, device="cuda")
+        o = torch.empty(batch, 32, 128, dtype=torch.float16, device="cuda")
+        fq, fo = _to_ffi(qkv), _to_ffi(o)
+        ids, ones = list(range(batch)), [1] * batch
+        steps = []
+        fused = get_global("pagedkv.attention_with_fused_qkv")
+        for step in range(args.host_steps):
+            torch.cuda.synchronize()
+            t0 = time.perf_counter()
+            cache.begin_forward(ids, ones)
+            t1 = time.perf_counter()
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            for layer in range(32):
+                fused(cache.handle, layer, 0.088, fq, fo)
+            end.record()
+            t2 = time.perf_counter()
+            torch.cuda.synchronize()
+            t3 = time.perf_counter()
+            cache.end_forward()
+            if step >= 2:
+                steps.append((t1 - t0, t2 - t1, start.elapsed_time(end) / 1e3, t3 - t0))
+        bf, disp, gpu, wall = (statistics.median(s[i] for s in steps) for i in range(4))
+        # where the dispatch goes: cross_attention alone (the FlashInfer run) per layer, in a decode forward
+        cross = get_global("pagedkv.cross_attention")
+        q = torch.randn(batch, 32, 128, dtype=torch.float16, device="cuda")
+        lse = torch.empty(batch, 32, dtype=torch.float32, device="cuda")
+        fqq, fl = _to_ffi(q), _to_ffi(lse)
+        cache.begin_forward(ids, ones)
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        for layer in range(32):
+            cross(cache.handle, layer, 0.088, fqq, fo, fl)
+        cross_us = (time.perf_counter() - t0) / 32 * 1e6
+        torch.cuda.synchronize()
+        cache.end_forward()
+        # the Python -> tvm-ffi call itself, on a global that does no work (subtracted from the dispatch:
+        # a compiled model calls the runtime from the Relax VM in C++)
+        length_of = get_global("pagedkv.get_sequence_length")
+        t0 = time.perf_counter()
+        for _ in range(3200):
+            length_of(cache.handle, 0)
+        call_us = (time.perf_counter() - t0) / 3200 * 1e6
+        out.append({"batch": batch, "length": length, "begin_forward_us": bf * 1e6, "dispatch_us": disp * 1e6,
+                    "python_call_us": call_us, "cross_attention_call_us": cross_us, "gpu_attention_us": gpu * 1e6, "step_wall_us": wall * 1e6,
+                    "host_share": (bf + disp) / gpu,
+                    "host_share_runtime": (bf + disp - 32 * call_us / 1e6) / gpu,
+                    "served_by": dict(cache.op_backends)})
+        r = out[-1]
+        print(f"[host] B={batch}: begin_forward {bf * 1e6:.0f} us, 32-layer dispatch {disp * 1e6:.0f} us "
+              f"(python call {call_us:.1f} us, cross_attention alone {cross_us:.1f} us per layer), GPU {gpu * 1e6:.0f} us, step {wall * 1e6:.0f} us wall; "
+              f"host share {r['host_share']:.1%} ({r['host_share_runtime']:.1%} without the Python calls)",
+              flush=True)
+        del cache
+        torch.cuda.empty_cache()
+    return out
+
+
+def graph_host_cost(args) -> list[dict]:
+    """Host time of a decode step whose 32 layer calls replay a CUDA graph captured once."""
+    import tvm_ffi
+
+    from pagedkv._lib import get_global
+    from pagedkv.cache import _to_ffi
+
+    fused, out = get_global("pagedkv.attention_with_fused_qkv"), []
+    for batch, length in SHAPES:
+        cache = _cache(batch, length, graph=True)
+        qkv = torch.randn(batch, 48, 128, dtype=torch.float16, device="cuda")
+        o = torch.empty(batch, 32, 128, dtype=torch.float16, device="cuda")
+        fq, fo = _to_ffi(qkv), _to_ffi(o)
+        ids, ones = list(range(batch)), [1] * batch
+
+        def layers(handle=cache.handle):
+            for layer in range(32):
+                fused(handle, layer, 0.088, fq, fo)
+
+        cache.begin_forward(ids, ones)  # warm (modules loaded, workspaces allocated), then capture
+        layers()
+        cache.end_forward()
+        torch.cuda.synchronize()
+        graph = torch.cuda.CUDAGraph()
+        cache.begin_forward(ids, ones)
+        with torch.cuda.graph(graph), tvm_ffi.use_torch_stream():
+            layers()
+        cache.end_forward()
+        steps = []
+        for step in range(args.host_steps):
+            torch.cuda.synchronize()
+            t0 = time.perf_counter()
+            cache.begin_forward(ids, ones)
+            t1 = time.perf_counter()
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            graph.replay()
+            end.record()
+            t2 = time.perf_counter()
+            torch.cuda.synchronize()
+            cache.end_forward()
+            if step >= 2:
+                steps.append((t1 - t0, t2 - t1, start.elapsed_time(end) / 1e3))
+        bf, replay, gpu = (statistics.median(s[i] for s in steps) for i in range(3))
+        out.append({"batch": batch, "length": length, "cuda_graph": True, "begin_forward_us": bf * 1e6,
+                    "dispatch_us": replay * 1e6, "gpu_attention_us": gpu * 1e6, "host_share": (bf + replay) / gpu,
+                    "served_by": dict(cache.op_backends)})
+        print(f"[host] B={batch} CUDA graph: begin_forward {bf * 1e6:.0f} us, replay launch {replay * 1e6:.0f} us, "
+              f"GPU {gpu * 1e6:.0f} us; host share {out[-1]['host_share']:.1%}", flush=True)
+        del graph, cache
+        torch.cuda.empty_cache()
+    return out
