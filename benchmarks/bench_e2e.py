@@ -361,10 +361,20 @@ def _meta(args, bw: dict, weight_bytes: int, systems: dict) -> dict:
     gpu = torch.cuda.get_device_name(0) if args.device == "cuda" else None
     return {"date": time.strftime("%Y-%m-%d %H:%M"), "host": platform.node(), "cpu": platform.processor(),
             "gpu": gpu, "torch": torch.__version__, "transformers": transformers.__version__,
+            "torch_compile_counters": compile_counters(),
             "load_average": os.getloadavg(), "args": dict(vars(args)), "systems": list(systems),
             "libraries": {n: str(s.engine.lib_path) for n, s in systems.items() if isinstance(s, Ours)},
             "bandwidth": bw, "weight_bytes": weight_bytes,
             "roof_tok_s_batch1": bw["read_GBps"] * 1e9 / weight_bytes}
+
+
+def compile_counters() -> dict:
+    """torch.compile's counters of this process (graphs, graph breaks, CUDA-graph skips), to tell whether
+    hf_static_compiled really replayed CUDA graphs."""
+    from torch._dynamo.utils import counters
+
+    keep = ("frames", "stats", "graph_break", "inductor")
+    return {k: {str(n): int(v) for n, v in counters[k].items()} for k in keep if counters.get(k)}
 
 
 def write_outputs(out: pathlib.Path, args, meta: dict, results: dict, failures: dict, lines: list[str]) -> None:
@@ -400,6 +410,10 @@ def main(args: argparse.Namespace) -> int:
                   + "\n  ".join(p for ps in failed.values() for p in ps), flush=True)
     if not failures:
         print("[bench_e2e] greedy tokens: identical for every system and batch")
+    skips = compile_counters().get("inductor", {}).get("cudagraph_skips", 0)
+    if args.hf_static and args.device == "cuda" and skips:
+        print(f"[bench_e2e] WARNING: torch.compile skipped CUDA graphs {skips} time(s): hf_static_compiled ran "
+              "(partly) without them (TORCH_LOGS=perf_hints says why)")
     lines = table(results, failures, bw, weight_bytes)
     print("\n" + "\n".join(lines))
     out = pathlib.Path(args.out) if args.out else ROOT / "benchmarks" / "results"
