@@ -13,7 +13,8 @@ FLASHINFER ?= 1
 SOURCES := $(wildcard src/*.cc src/*.h) CMakeLists.txt pyproject.toml \
            $(shell find python tir_kernels -name '*.py' 2>/dev/null)
 
-.PHONY: demo test lint install clean bench bench-e2e gpu-bundle gpu-test bench-bundle bench-gpu
+.PHONY: demo test lint install clean bench bench-e2e gpu-bundle gpu-test bench-bundle bench-gpu \
+        gpu-carry gpu-stage gpu-assemble bench-e2e-gpu
 demo: $(STAMP)
 	$(PY) -m pagedkv.apps.chat
 
@@ -71,12 +72,48 @@ $(GPU_DEPS): $(DEPS)
 gpu-bundle: $(STAMP) $(GPU_DEPS)
 	$(PY) -m pagedkv.apps.gpu_bundle .gpu
 
+# GPU host: the environment of the runs from .gpu/ (TVM runtime only, pagedkv's libraries), with what
+# gpu-assemble added beside it when present (.gpu/extra-env.sh: the gguf package and PAGEDKV_GGUF).
+GPU_ENV = source .gpu/bundle/activate.sh && \
+  if [ -f .gpu/extra-env.sh ]; then source .gpu/extra-env.sh; fi && \
+  export PYTHONPATH=$$PWD/python:$$PWD/benchmarks:$$PYTHONPATH \
+  PAGEDKV_RUNTIME_LIB=$$PWD/.gpu/lib/libpagedkv_runtime.so \
+  PAGEDKV_KERNEL_DIR=$$PWD/.gpu/kernels PAGEDKV_MODEL_DIR=$$PWD/.gpu/models
+
 # GPU host (TVM runtime only, from .gpu/): the GPU test suite.
 gpu-test:
-	bash -c 'source .gpu/bundle/activate.sh && \
-	  PYTHONPATH=$$PWD/python:$$PYTHONPATH PAGEDKV_RUNTIME_LIB=$$PWD/.gpu/lib/libpagedkv_runtime.so \
-	  PAGEDKV_KERNEL_DIR=$$PWD/.gpu/kernels PAGEDKV_MODEL_DIR=$$PWD/.gpu/models \
-	  python3 -m pytest tests/gpu -q -p no:cacheprovider -rs $(PYTEST_ARGS)'
+	bash -c '$(GPU_ENV) && python3 -m pytest tests/gpu -q -p no:cacheprovider -rs $(PYTEST_ARGS)'
+
+# GPU host: SmolLM2 end to end on CUDA (pagedkv [+graphs] vs HF eager and HF static cache + torch.compile),
+# table on stdout, JSON and PNG into $${OUT:-benchmarks/results}. Needs the extras of gpu-carry (the GGUF file).
+bench-e2e-gpu:
+	bash -c '$(GPU_ENV) && python3 benchmarks/bench_e2e.py --device cuda --out $${OUT:-benchmarks/results} $(BENCH_ARGS)'
+
+# Build host, after gpu-bundle: .gpu/, the SmolLM2 GGUF file and the gguf wheel (the GPU host has neither)
+# cut into .gpu-carry/part1..N of at most CARRY_MB MB each (one carry of the GPU tool holds 64 MiB, the
+# working tree included). On the GPU host, one call per part: `make gpu-stage PART=.gpu-carry/partK` (carry
+# .gpu-carry/partK), then `make gpu-assemble` rebuilds .gpu/ (+ .gpu/extra/, .gpu/extra-env.sh) in the repo.
+CARRY_MB    ?= 60
+GGUF_SPEC   ?= gguf==0.19.0
+CARRY_STAGE ?= /tmp/pagedkv-stage
+gpu-carry: $(STAMP)
+	@test -f .gpu/bundle/activate.sh || { echo "no .gpu/ bundle here: run make gpu-bundle first" >&2; exit 1; }
+	rm -rf .gpu-carry/extra && mkdir -p .gpu-carry/extra
+	$(PIP) download -q --no-deps --only-binary=:all: -d .gpu-carry/extra "$(GGUF_SPEC)"
+	g=$$($(PY) -c "from pagedkv.apps.smollm2 import gguf_path; print(gguf_path())") && \
+	  $(PY) tools/carry.py split .gpu-carry --max-mb $(CARRY_MB) .gpu .gpu-carry/extra=.gpu/extra \
+	    "$$g=.gpu/extra/$$(basename "$$g")"
+
+# GPU host: stage one carried part (or several: PART="a b") under $(CARRY_STAGE), which outlives the call.
+gpu-stage:
+	@test -n "$(PART)" || { echo "usage: make gpu-stage PART=.gpu-carry/partK" >&2; exit 1; }
+	for p in $(PART); do python3 tools/carry.py stage "$$p" $(CARRY_STAGE) || exit 1; done
+
+# GPU host, once every part is staged: rebuild and check .gpu/ here, then the extras' environment.
+gpu-assemble:
+	python3 tools/carry.py assemble $(CARRY_STAGE) .
+	cp tools/gpu-extra-env.sh .gpu/extra-env.sh
+	bash -c 'source .gpu/extra-env.sh && python3 -c "import gguf, os; print(\"[carry] gguf from\", gguf.__file__, \"PAGEDKV_GGUF\", os.environ[\"PAGEDKV_GGUF\"])"'
 
 # Build host: the one-process GPU benchmark's bundle (pagedkv kernel libraries of every workload, FlashInfer's
 # own Python API with its modules prebuilt, apache-tvm's kernels), under .gpu-bench/ (git-ignored).

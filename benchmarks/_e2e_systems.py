@@ -5,7 +5,6 @@ generation loop needs it) is inside the timed region."""
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass, field
 from pathlib import Path
 from time import perf_counter
@@ -22,6 +21,24 @@ class Run:
     prefill_s: float
     decode_s: float
     margins: list = field(default_factory=list)
+    #: of ``decode_s``, the seconds spent picking tokens on the host (pagedkv: its engine returns logits
+    #: to the host; transformers' argmax runs on its device and is not split out)
+    host_argmax_s: float = 0.0
+
+
+def greedy(logits: np.ndarray) -> list[int]:
+    """Row-wise argmax of ``[rows, vocab]`` logits, as ``np.argmax`` picks it. float16 goes through its bits:
+    numpy's float16 argmax is a scalar loop (milliseconds a step at batch 32, more than a GPU decode step),
+    while integer keys that order as the values do are vectorized: with the sign clear the key is
+    ``bits ^ 0x8000``, with it set ``bits ^ 0xFFFF`` (one temporary array: the arithmetic shift gives the
+    mask). The one difference: -0.0 ranks just below +0.0 instead of tying with it."""
+    if logits.dtype != np.float16:
+        return np.argmax(logits, axis=-1).tolist()
+    bits = logits.view(np.int16)
+    keys = bits >> 15  # 0 (sign clear) or -1 (set), i.e. 0x0000 or 0xFFFF
+    np.bitwise_or(keys, np.int16(-0x8000), out=keys)
+    np.bitwise_xor(keys, bits, out=keys)
+    return np.argmax(keys.view(np.uint16), axis=-1).tolist()
 
 
 def _cache_kw(model) -> str:
@@ -50,20 +67,20 @@ class Ours:
         self.engine, self.weight_bytes = engine, weight_bytes
 
     @classmethod
-    def create(cls, hf, args) -> Ours:
+    def create(cls, hf, args, lib: Path | None = None) -> Ours:
+        """The engine over ``lib`` (CUDA: a prebuilt model library), or over a library compiled here for the
+        CPU when ``lib`` is None."""
         import pagedkv  # noqa: F401 (registers the runtime's globals)
         from pagedkv.apps import smollm2
         from pagedkv.engine import Engine, param_names
 
-        if args.device == "cpu":
+        if lib is None:
             from pagedkv.apps.chat import compiled_library
             from pagedkv.target import host_target
 
             lib, named = compiled_library(smollm2.llama_config(hf.config), dtype=args.dtype,
                                           target=host_target(), backend=None)
         else:
-            lib = Path(args.model_lib or Path(os.environ.get("PAGEDKV_MODEL_DIR", ".gpu/models"))
-                       / f"smollm2-{args.dtype}-cuda.so")
             named = param_names(lib)
         params = smollm2.params_from_hf(hf, named, args.dtype)
         # A decode step reads every weight but the embedding table (of which it gathers one row per sequence).
@@ -79,19 +96,20 @@ class Ours:
         for s in seqs:
             eng.add(s)
         t0 = perf_counter()
-        logits = eng.prefill({s: ids[s] for s in seqs})
-        nxt = [int(i) for i in np.argmax(logits, axis=-1)]
+        nxt = greedy(eng.prefill({s: ids[s] for s in seqs}))
         t1 = perf_counter()
-        toks = [[t] for t in nxt]
+        toks, host = [[t] for t in nxt], 0.0
         for _ in range(n - 1):
             logits = eng.decode({s: nxt[s] for s in seqs})
-            nxt = [int(i) for i in np.argmax(logits, axis=-1)]
+            ta = perf_counter()
+            nxt = greedy(logits)
+            host += perf_counter() - ta
             for s in seqs:
                 toks[s].append(nxt[s])
         t2 = perf_counter()
         for s in seqs:
             eng.remove(s)
-        return Run(toks, t1 - t0, t2 - t1)
+        return Run(toks, t1 - t0, t2 - t1, host_argmax_s=host)
 
 
 class HFEager:
@@ -100,6 +118,10 @@ class HFEager:
 
     def __init__(self, model, device: str):
         self.model, self.device, self.cache_kw = model, device, _cache_kw(model)
+
+    def _out_cache(self, out):
+        # the output's field carries the input's name where it has one (5.2x's ``past_key_values`` warns)
+        return getattr(out, self.cache_kw) if hasattr(out, self.cache_kw) else out.past_key_values
 
     def _sync(self) -> None:
         if self.device == "cuda":
@@ -116,10 +138,10 @@ class HFEager:
         toks = [nxt]
         self._sync()
         t1 = perf_counter()
-        pkv = out.past_key_values
+        pkv = self._out_cache(out)
         for _ in range(n - 1):
             out = self.model(nxt[:, None], use_cache=True, **{self.cache_kw: pkv})
-            pkv = out.past_key_values
+            pkv = self._out_cache(out)
             logits.append(out.logits[:, -1])
             nxt = logits[-1].argmax(-1)
             toks.append(nxt)
@@ -132,20 +154,24 @@ class HFEager:
 class HFStatic(HFEager):
     """CUDA: transformers with a ``StaticCache``; the prefill runs eager, each decode step is the model's
     forward under ``torch.compile(mode="reduce-overhead")`` (CUDA graphs). One cache per batch size; its
-    graphs are captured in the untimed warm-up run. Written on a host without a GPU and not run yet:
-    transformers moved the cache argument (``past_key_values`` -> ``cache``) and ``cache_position`` between
-    versions, so both are chosen from the forward's signature; no ``fullgraph`` (a deprecation warning
-    inside the forward would break the graph)."""
+    graphs are captured in the untimed warm-up run. transformers moved the cache argument
+    (``past_key_values`` -> ``cache``) and ``cache_position`` between versions, so both are chosen from the
+    forward's signature; no ``fullgraph`` (a deprecation warning inside the forward would break the graph).
+    Checked on the CPU only (``--hf-static``; transformers 5.17, the GPU host's, and 5.24): one graph per
+    batch size, no graph break, tokens equal to the eager run's; CUDA graphs themselves are untried."""
 
     def __init__(self, model, device: str):
         super().__init__(model, device)
-        self.step = torch.compile(model.forward, mode="reduce-overhead")
+        # dynamic=False: one graph specialized per batch size (what a served static batch gets), rather than
+        # a symbolic-shape graph after the second batch size (automatic dynamic shapes).
+        self.step = torch.compile(model.forward, mode="reduce-overhead", dynamic=False)
         self.with_position = _takes_cache_position(model)
         self.caches: dict = {}
 
     def _positions(self, start: int, count: int, batch: int) -> dict:
         pos = torch.arange(start, start + count, device=self.device)
-        kw = {"position_ids": pos.expand(batch, count)}
+        # contiguous: an expanded (stride 0) input would be one more layout for the compiled graph to guard on
+        kw = {"position_ids": pos.expand(batch, count).contiguous()}
         if self.with_position:
             kw["cache_position"] = pos
         return kw

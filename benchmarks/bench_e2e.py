@@ -8,24 +8,29 @@ time``; the first new token comes from the prefill's logits) and the ratio to tr
 Fairness: both run in this process with the same thread count (``torch.set_num_threads`` and TVM's pool,
 ``TVM_NUM_THREADS``, set before TVM starts), the same dtype and the same token ids. Every system runs once
 untimed per batch (warm-up, compilation of transformers' static-cache graph), then ``--rounds`` timed rounds
-interleave the systems, alternating their order; the median round is reported. Before any time is printed
-the greedy tokens of every system must equal transformers' eager tokens: a divergence prints where, with
-transformers' top-2 logit margin there, and exits 1 (``--tie-margin m`` accepts a divergence at a margin
-below ``m``, for float16 on the GPU).
+interleave the systems, alternating their order; the median round is reported. A system is timed only where
+its greedy tokens equal transformers' eager tokens: a divergence prints where, with transformers' top-2
+logit margin there, that system gets no time at that batch (nor does one that raises, which is also left out
+of later batches), the others are still timed and the run exits 1 (``--tie-margin m`` accepts a divergence
+at a margin below ``m``, for float16 on the GPU).
 
 Memory: the host's read bandwidth (a sum over 1 GiB) and copy bandwidth (a 512 MiB copy, read + write) are
 measured first; the decode roof is ``read bandwidth / bytes of weights one decode step reads`` (every
 projection and the logits head, not the embedding table, of which a step reads ``b`` rows).
 
 CPU (default): batches 1 and 4, float32. ``--device cuda`` (batches 1, 8, 32, float16): pagedkv runs the
-CUDA model library ``--model-lib`` (``make gpu-bundle`` writes ``.gpu/models/smollm2-float16-cuda.so``), and
-transformers runs both eager and with a static cache whose decode step is
-``torch.compile(mode="reduce-overhead")``. llama-cpp-python is not a column: PyPI has no wheel of it for
-this host (sdist only; building llama.cpp from source on the 2-core host takes far longer than a run).
+CUDA model library ``--model-lib`` (``make gpu-bundle`` writes ``.gpu/models/smollm2-float16-cuda.so``) and,
+as a second system ``pagedkv+graphs``, the CUDA-graph decode library ``--graph-lib`` (by default
+``smollm2-float16-graph-cuda.so`` beside it, when it exists); transformers runs both eager and with a static
+cache whose decode step is ``torch.compile(mode="reduce-overhead")`` (``--hf-static`` also on the CPU, to
+check its logic there). Besides tokens/s, the table gives pagedkv+graphs / pagedkv and each pagedkv system
+over transformers static compiled and over eager. llama-cpp-python is not a column: PyPI has no wheel of it
+for this host (sdist only; building llama.cpp from source on the 2-core host takes far longer than a run).
 
-Writes ``benchmarks/results/bench_e2e_<device>.json`` and ``.png``.
+Writes ``benchmarks/results/bench_e2e_<device>.json``, ``.md`` (the table) and ``.png`` (``--out`` elsewhere).
 
-Usage: ``.venv/bin/python benchmarks/bench_e2e.py [--device cuda --model-lib PATH] [--rounds 3]``
+Usage: ``.venv/bin/python benchmarks/bench_e2e.py [--device cuda --model-lib PATH --graph-lib PATH]
+[--rounds 3]``; on the GPU host ``make bench-e2e-gpu`` (after ``make gpu-assemble``).
 """
 
 from __future__ import annotations
@@ -38,6 +43,15 @@ import platform
 import statistics
 import sys
 import time
+import traceback
+
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+#: The reference every system's greedy tokens are checked against.
+REF = "hf_eager"
+#: (numerator, denominator) of the printed ratios, where both systems ran with the right tokens.
+RATIOS = [("pagedkv+graphs", "pagedkv"), ("pagedkv", "hf_static_compiled"),
+          ("pagedkv+graphs", "hf_static_compiled"), ("pagedkv", "hf_eager"), ("pagedkv+graphs", "hf_eager")]
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -51,7 +65,15 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--threads", type=int, default=os.cpu_count())
     ap.add_argument("--dtype", default=None, help="float32 (CPU default) or float16 (CUDA default)")
     ap.add_argument("--model-lib", default=None, help="CUDA: pagedkv's model library (default: "
-                    "$PAGEDKV_MODEL_DIR or .gpu/models, smollm2-float16-cuda.so)")
+                    "$PAGEDKV_MODEL_DIR or .gpu/models, smollm2-<dtype>-cuda.so)")
+    ap.add_argument("--graph-lib", default=None,
+                    help="CUDA: a second pagedkv system, pagedkv+graphs, running this model library (CUDA-graph "
+                         "decode) the same way (default: smollm2-<dtype>-graph-cuda.so in $PAGEDKV_MODEL_DIR or "
+                         ".gpu/models if it exists; 'none' leaves it out)")
+    ap.add_argument("--hf-static", action=argparse.BooleanOptionalAction, default=None,
+                    help="also time transformers with a static cache and a torch.compile(mode='reduce-overhead') "
+                         "decode step (default: on CUDA only; on the CPU it has no CUDA graphs, but it checks "
+                         "that system's logic)")
     ap.add_argument("--tie-margin", type=float, default=None,
                     help="accept a token divergence where transformers' top-2 margin is below this "
                          "(default 0 on the CPU, 0.25 on CUDA)")
@@ -61,8 +83,13 @@ def parse_args(argv=None) -> argparse.Namespace:
     args.batches = args.batches or ([1, 8, 32] if cuda else [1, 4])
     args.dtype = args.dtype or ("float16" if cuda else "float32")
     args.tie_margin = args.tie_margin if args.tie_margin is not None else (0.25 if cuda else 0.0)
-    if args.rounds < 1 or args.new_tokens < 2:
-        ap.error("--rounds >= 1 and --new-tokens >= 2")
+    args.hf_static = cuda if args.hf_static is None else args.hf_static
+    if args.rounds < 1 or args.new_tokens < 2 or min(args.batches) < 1:
+        ap.error("--rounds >= 1, --new-tokens >= 2 and batches >= 1")
+    if len(set(args.batches)) != len(args.batches):
+        ap.error(f"--batches {args.batches}: each batch size once (results are keyed by it)")
+    if not cuda and (args.model_lib or args.graph_lib not in (None, "none")):
+        ap.error("--model-lib and --graph-lib are CUDA model libraries (the CPU compiles its own)")
     return args
 
 
@@ -73,9 +100,37 @@ if ARGS is not None:
 
 import torch  # noqa: E402
 
-ROOT = pathlib.Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "benchmarks"))
 from _e2e_systems import HFEager, HFStatic, Ours, Run  # noqa: E402
+
+
+def model_dir() -> pathlib.Path:
+    """Where the CUDA model libraries lie: ``$PAGEDKV_MODEL_DIR``, else the checkout's ``.gpu/models``."""
+    return pathlib.Path(os.environ.get("PAGEDKV_MODEL_DIR") or ROOT / ".gpu" / "models")
+
+
+def pagedkv_libs(args) -> dict[str, pathlib.Path | None]:
+    """System name -> model library of each pagedkv system (None: compiled here, on the CPU). Checked
+    before transformers loads the model, so a missing library fails in seconds, naming the path."""
+    if args.device == "cpu":
+        return {"pagedkv": None}
+    libs = {"pagedkv": pathlib.Path(args.model_lib) if args.model_lib
+            else model_dir() / f"smollm2-{args.dtype}-cuda.so"}
+    if args.graph_lib is None:
+        default = model_dir() / f"smollm2-{args.dtype}-graph-cuda.so"
+        if default.is_file():
+            libs["pagedkv+graphs"] = default
+        else:
+            print(f"[bench_e2e] no CUDA-graph model library at {default}: pagedkv+graphs left out", flush=True)
+    elif args.graph_lib != "none":
+        libs["pagedkv+graphs"] = pathlib.Path(args.graph_lib)
+    for name, lib in libs.items():
+        for path in (lib, lib.with_suffix(".json")):  # the .json beside it holds the parameter order
+            if not path.is_file():
+                raise SystemExit(f"[bench_e2e] {name}: no {path} (make gpu-bundle writes the model libraries "
+                                 "into .gpu/models)")
+    return libs
+
 
 #: Plain prose the prompts are cut from (windows at different offsets, so every sequence differs).
 TEXT = (
@@ -129,71 +184,126 @@ def sync(device: str) -> None:
         torch.cuda.synchronize()
 
 
-def check_tokens(runs: dict[str, Run], ref: str, tok, tie_margin: float) -> list[str]:
-    """Problems (empty: every system's greedy tokens equal ``ref``'s, up to accepted near ties)."""
-    problems, base = [], runs[ref]
+def check_tokens(runs: dict[str, Run], ref: str, tok, tie_margin: float) -> dict[str, list[str]]:
+    """System name -> its problems, for each system whose greedy tokens differ from ``ref``'s (other than
+    at an accepted near tie); empty when every system agrees."""
+    problems, base = {}, runs[ref]
     for name, run in runs.items():
+        if len(run.tokens) != len(base.tokens):
+            problems.setdefault(name, []).append(f"{name}: {len(run.tokens)} sequences, {ref} {len(base.tokens)}")
+            continue
         for s, (ours, theirs) in enumerate(zip(run.tokens, base.tokens)):
-            j = next((k for k in range(len(theirs)) if ours[k] != theirs[k]), None)
+            j = next((k for k in range(len(theirs)) if k >= len(ours) or ours[k] != theirs[k]), None)
             if j is None:
+                continue
+            if j >= len(ours):
+                problems.setdefault(name, []).append(f"{name}: sequence {s} has {len(ours)} tokens, "
+                                                     f"{ref} {len(theirs)}")
                 continue
             margin = base.margins[s][j]
             what = (f"{name} vs {ref}: sequence {s} diverges at new token {j}: {ours[j]} "
                     f"({tok.decode([ours[j]])!r}) vs {theirs[j]} ({tok.decode([theirs[j]])!r}); "
                     f"{ref}'s top-2 margin there {margin:.4f}")
             if margin >= tie_margin:
-                problems.append(what)
+                problems.setdefault(name, []).append(what)
             else:
                 print(f"[bench_e2e] accepted near tie: {what}")
     return problems
 
 
-def measure(systems: dict, batch: int, ids, args, tok) -> dict[str, list[Run]]:
-    """Warm-up + token check, then ``rounds`` interleaved timed runs per system."""
-    warm = {name: sys_.run(ids, args.new_tokens) for name, sys_ in systems.items()}
-    problems = check_tokens(warm, "hf_eager", tok, args.tie_margin)
-    if problems:
-        print("[bench_e2e] greedy tokens differ; no timing is reported:\n  " + "\n  ".join(problems))
-        sys.exit(1)
-    runs: dict[str, list[Run]] = {name: [] for name in systems}
-    names = list(systems)
+def _warm_up(systems: dict, ids, args, broken: set) -> tuple[dict[str, Run], dict[str, list[str]]]:
+    """One untimed run per system (compilation, graph capture). A system that raises is reported and added
+    to ``broken`` (a raise is rarely a matter of one batch, and a CUDA error can poison later calls), not
+    fatal, except the reference, without which nothing can be checked."""
+    warm, failed = {}, {}
+    for name, system in systems.items():
+        try:
+            warm[name] = system.run(ids, args.new_tokens)
+        except Exception as err:  # noqa: BLE001 (one broken system must not hide the others' numbers)
+            if name == REF:
+                raise
+            traceback.print_exc()
+            failed[name] = [f"{name}: raised {type(err).__name__}: {err}"]
+            broken.add(name)
+    return warm, failed
+
+
+def measure(systems: dict, ids, args, tok, broken: set | None = None) -> tuple[dict, dict[str, list[str]]]:
+    """Warm-up + token check, then ``rounds`` interleaved timed runs of each system whose tokens equal the
+    reference's. Returns (system name -> its runs, for the right systems; name -> problems, for the
+    others): a wrong system gets no time, and a timed round whose tokens differ from the warm-up's drops
+    its system too. Systems that raised are added to ``broken``."""
+    warm, failed = _warm_up(systems, ids, args, set() if broken is None else broken)
+    failed.update(check_tokens(warm, REF, tok, args.tie_margin))
+    good = [name for name in systems if name not in failed]
+    runs: dict[str, list[Run]] = {name: [] for name in good}
     for r in range(args.rounds):
-        for name in (names if r % 2 == 0 else names[::-1]):
+        for name in (good if r % 2 == 0 else good[::-1]):
+            if name in failed:
+                continue
             run = systems[name].run(ids, args.new_tokens)
             if run.tokens != warm[name].tokens:
-                print(f"[bench_e2e] {name}: round {r} produced other tokens than its warm-up; no timing")
-                sys.exit(1)
+                failed[name] = [f"{name}: round {r} produced other tokens than its warm-up"]
+                continue
             runs[name].append(run)
-    return runs
+    return {name: rs for name, rs in runs.items() if name not in failed}, failed
 
 
 def summarize(runs: dict[str, list[Run]], batch: int, args) -> dict:
+    """System name -> median prefill and decode tokens/s (and every round's seconds), with the ratios to
+    transformers' eager run when it is there."""
     rows = {}
     for name, rs in runs.items():
         pre = statistics.median(r.prefill_s for r in rs)
         dec = statistics.median(r.decode_s for r in rs)
         rows[name] = {"prefill_tok_s": batch * args.prompt_len / pre,
                       "decode_tok_s": batch * (args.new_tokens - 1) / dec,
-                      "prefill_s": [r.prefill_s for r in rs], "decode_s": [r.decode_s for r in rs]}
-    hf = rows["hf_eager"]
+                      "prefill_s": [r.prefill_s for r in rs], "decode_s": [r.decode_s for r in rs],
+                      "host_argmax_ms_per_step": 1e3 * statistics.median(r.host_argmax_s for r in rs)
+                      / (args.new_tokens - 1)}
+    hf = rows.get(REF)
     for row in rows.values():
-        row["prefill_vs_hf"] = row["prefill_tok_s"] / hf["prefill_tok_s"]
-        row["decode_vs_hf"] = row["decode_tok_s"] / hf["decode_tok_s"]
+        if hf:
+            row["prefill_vs_hf"] = row["prefill_tok_s"] / hf["prefill_tok_s"]
+            row["decode_vs_hf"] = row["decode_tok_s"] / hf["decode_tok_s"]
     return rows
 
 
-def print_table(results: dict, bw: dict, weight_bytes: int, args) -> None:
+def ratios(rows: dict) -> dict[str, dict[str, float]]:
+    """``"a / b"`` -> prefill and decode tokens/s of ``a`` over ``b``, for the pairs of RATIOS that both ran
+    with the right tokens."""
+    return {f"{a} / {b}": {"prefill": rows[a]["prefill_tok_s"] / rows[b]["prefill_tok_s"],
+                           "decode": rows[a]["decode_tok_s"] / rows[b]["decode_tok_s"]}
+            for a, b in RATIOS if a in rows and b in rows}
+
+
+def table(results: dict, failures: dict, bw: dict, weight_bytes: int) -> list[str]:
+    """The report (Markdown): tokens/s per batch and system, then the ratios. A system that failed at a
+    batch (wrong tokens, raised) shows why, never a time."""
     roof = bw["read_GBps"] * 1e9 / weight_bytes
-    print(f"\nmemory: read {bw['read_GBps']:.1f} GB/s, copy {bw['copy_GBps']:.1f} GB/s; one decode step reads "
-          f"{weight_bytes / 1e9:.3f} GB of weights -> decode roof {roof:.1f} tokens/s per sequence at batch 1")
-    print("\n| batch | system | prefill tok/s | decode tok/s | prefill vs HF | decode vs HF | decode / roof |")
-    print("|---|---|---|---|---|---|---|")
+    out = [f"memory: read {bw['read_GBps']:.1f} GB/s, copy {bw['copy_GBps']:.1f} GB/s; one decode step reads "
+           f"{weight_bytes / 1e9:.3f} GB of weights -> decode roof {roof:.1f} tokens/s per sequence at batch 1",
+           "", "| batch | system | prefill tok/s | decode tok/s | decode / roof |", "|---|---|---|---|---|"]
     for batch, rows in results.items():
         for name, row in rows.items():
-            print(f"| {batch} | {name} | {row['prefill_tok_s']:.1f} | {row['decode_tok_s']:.1f} | "
-                  f"{row['prefill_vs_hf']:.2f}x | {row['decode_vs_hf']:.2f}x | "
-                  f"{row['decode_tok_s'] / (roof * batch):.2f} |")
-    print("(decode / roof: decode tokens/s over batch x the batch-1 roof, which bounds a memory-bound step)")
+            out.append(f"| {batch} | {name} | {row['prefill_tok_s']:.1f} | {row['decode_tok_s']:.1f} | "
+                       f"{row['decode_tok_s'] / (roof * batch):.2f} |")
+        for name in failures.get(batch, {}):
+            out.append(f"| {batch} | {name} | failed | failed | - |")
+    out.append("(decode / roof: decode tokens/s over batch x the batch-1 roof, which bounds a memory-bound step)")
+    host = [f"batch {b} {row['host_argmax_ms_per_step']:.3f}" for b, rows in results.items()
+            for name, row in rows.items() if name == "pagedkv"]
+    if host:
+        out.append("(pagedkv's decode time includes its engine's copy of the logits to the host and, of it, "
+                   f"a host argmax taking ms per step: {', '.join(host)})")
+    out += ["", "| batch | ratio | prefill | decode |", "|---|---|---|---|"]
+    for batch, rows in results.items():
+        for pair, r in ratios(rows).items():
+            out.append(f"| {batch} | {pair} | {r['prefill']:.2f}x | {r['decode']:.2f}x |")
+    for batch, fails in failures.items():
+        for name, problems in fails.items():
+            out.append(f"FAILED at batch {batch}: " + "; ".join(problems))
+    return out
 
 
 def plot(results: dict, path: pathlib.Path, title: str) -> None:
@@ -204,13 +314,13 @@ def plot(results: dict, path: pathlib.Path, title: str) -> None:
 
     fig, axes = plt.subplots(1, 2, figsize=(11, 4))
     batches = list(results)
-    names = list(next(iter(results.values())))
-    width = 0.8 / len(names)
+    names = list(dict.fromkeys(n for rows in results.values() for n in rows))  # a wrong system has no bar
+    width = 0.8 / max(1, len(names))
     for ax, key, label in ((axes[0], "prefill_tok_s", "prefill tokens/s"),
                            (axes[1], "decode_tok_s", "decode tokens/s")):
         for i, name in enumerate(names):
-            ax.bar([b + i * width for b in range(len(batches))], [results[b][name][key] for b in batches],
-                   width, label=name)
+            ax.bar([b + i * width for b in range(len(batches))],
+                   [results[b][name][key] if name in results[b] else 0.0 for b in batches], width, label=name)
         ax.set_xticks([b + width * (len(names) - 1) / 2 for b in range(len(batches))],
                       [f"batch {b}" for b in batches])
         ax.set_ylabel(label)
@@ -220,37 +330,95 @@ def plot(results: dict, path: pathlib.Path, title: str) -> None:
     fig.savefig(path, dpi=120)
 
 
-def main(args: argparse.Namespace) -> int:
+def build_systems(args) -> tuple[dict, object, int, dict[str, list[str]]]:
+    """(name -> system, tokenizer, bytes of weights a decode step reads, name -> problems of the systems
+    that could not be set up): pagedkv's (one per model library), transformers eager, and transformers
+    static + compiled when asked. Only pagedkv+graphs may fail to set up without ending the run."""
     from pagedkv.apps import smollm2
 
+    libs = pagedkv_libs(args)
+    hf, tok = smollm2.load_hf(dtype=getattr(torch, args.dtype))
+    hf = hf.to(args.device)
+    systems, broken = {}, {}
+    for name, lib in libs.items():
+        try:
+            systems[name] = Ours.create(hf, args, lib)
+        except Exception as err:  # noqa: BLE001 (a new library must not hide the other systems' numbers)
+            if name == "pagedkv":
+                raise
+            traceback.print_exc()
+            broken[name] = [f"{name}: setting up {lib} raised {type(err).__name__}: {err}"]
+    weight_bytes = systems["pagedkv"].weight_bytes
+    systems[REF] = HFEager(hf, args.device)
+    if args.hf_static:
+        systems["hf_static_compiled"] = HFStatic(hf, args.device)
+    return systems, tok, weight_bytes, broken
+
+
+def _meta(args, bw: dict, weight_bytes: int, systems: dict) -> dict:
+    import transformers
+
+    gpu = torch.cuda.get_device_name(0) if args.device == "cuda" else None
+    return {"date": time.strftime("%Y-%m-%d %H:%M"), "host": platform.node(), "cpu": platform.processor(),
+            "gpu": gpu, "torch": torch.__version__, "transformers": transformers.__version__,
+            "torch_compile_counters": compile_counters(),
+            "load_average": os.getloadavg(), "args": dict(vars(args)), "systems": list(systems),
+            "libraries": {n: str(s.engine.lib_path) for n, s in systems.items() if isinstance(s, Ours)},
+            "bandwidth": bw, "weight_bytes": weight_bytes,
+            "roof_tok_s_batch1": bw["read_GBps"] * 1e9 / weight_bytes}
+
+
+def compile_counters() -> dict:
+    """torch.compile's counters of this process (graphs, graph breaks, CUDA-graph skips), to tell whether
+    hf_static_compiled really replayed CUDA graphs."""
+    from torch._dynamo.utils import counters
+
+    keep = ("frames", "stats", "graph_break", "inductor")
+    return {k: {str(n): int(v) for n, v in counters[k].items()} for k in keep if counters.get(k)}
+
+
+def write_outputs(out: pathlib.Path, args, meta: dict, results: dict, failures: dict, lines: list[str]) -> None:
+    """``bench_e2e_<device>.json`` (every round's times, the ratios, the failures), ``.md`` (the table) and
+    ``.png`` in ``out``."""
+    out.mkdir(parents=True, exist_ok=True)
+    stem = out / f"bench_e2e_{args.device}"
+    doc = {"meta": meta, "results": results, "ratios": {b: ratios(rows) for b, rows in results.items()},
+           "failures": failures}
+    stem.with_suffix(".json").write_text(json.dumps(doc, indent=2))
+    stem.with_suffix(".md").write_text("\n".join(lines) + "\n")
+    plot(results, stem.with_suffix(".png"), f"SmolLM2-135M {args.dtype} on {meta['gpu'] or args.device}")
+    print(f"wrote {stem}.json, .md and .png")
+
+
+def main(args: argparse.Namespace) -> int:
     torch.set_num_threads(args.threads)
     print(f"[bench_e2e] {args.device}, {args.dtype}, {args.threads} threads (torch and TVM), "
           f"prompt {args.prompt_len} tokens, {args.new_tokens} new tokens, {args.rounds} rounds", flush=True)
     bw = bandwidth(args.device)
-    hf, tok = smollm2.load_hf(dtype=getattr(torch, args.dtype))
-    hf = hf.to(args.device)
-    ours = Ours.create(hf, args)
-    systems = {"pagedkv": ours, "hf_eager": HFEager(hf, args.device)}
-    if args.device == "cuda":
-        systems["hf_static_compiled"] = HFStatic(hf, args.device)
-    results = {}
+    systems, tok, weight_bytes, unset = build_systems(args)
+    results, failures, broken = {}, {}, set()
     for batch in args.batches:
         ids = prompts(tok, batch, args.prompt_len)
-        print(f"[bench_e2e] batch {batch} ...", flush=True)
-        results[batch] = summarize(measure(systems, batch, ids, args, tok), batch, args)
-    print("[bench_e2e] greedy tokens: identical for every system and batch")
-    print_table(results, bw, ours.weight_bytes, args)
+        active = {name: s for name, s in systems.items() if name not in broken}
+        print(f"[bench_e2e] batch {batch}: {', '.join(active)} ...", flush=True)
+        runs, failed = measure(active, ids, args, tok, broken)
+        failed = {**unset, **failed}
+        results[batch] = summarize(runs, batch, args)
+        if failed:
+            failures[batch] = failed
+            print(f"[bench_e2e] batch {batch}: failed, no time reported:\n  "
+                  + "\n  ".join(p for ps in failed.values() for p in ps), flush=True)
+    if not failures:
+        print("[bench_e2e] greedy tokens: identical for every system and batch")
+    skips = compile_counters().get("inductor", {}).get("cudagraph_skips", 0)
+    if args.hf_static and args.device == "cuda" and skips:
+        print(f"[bench_e2e] WARNING: torch.compile skipped CUDA graphs {skips} time(s): hf_static_compiled ran "
+              "(partly) without them (TORCH_LOGS=perf_hints says why)")
+    lines = table(results, failures, bw, weight_bytes)
+    print("\n" + "\n".join(lines))
     out = pathlib.Path(args.out) if args.out else ROOT / "benchmarks" / "results"
-    out.mkdir(parents=True, exist_ok=True)
-    stem = out / f"bench_e2e_{args.device}"
-    meta = {"date": time.strftime("%Y-%m-%d %H:%M"), "host": platform.node(), "cpu": platform.processor(),
-            "load_average": os.getloadavg(), "args": {k: v for k, v in vars(args).items()},
-            "bandwidth": bw, "weight_bytes": ours.weight_bytes,
-            "roof_tok_s_batch1": bw["read_GBps"] * 1e9 / ours.weight_bytes}
-    stem.with_suffix(".json").write_text(json.dumps({"meta": meta, "results": results}, indent=2))
-    plot(results, stem.with_suffix(".png"), f"SmolLM2-135M {args.dtype} on {args.device}, {args.threads} threads")
-    print(f"wrote {stem.with_suffix('.json')} and .png")
-    return 0
+    write_outputs(out, args, _meta(args, bw, weight_bytes, systems), results, failures, lines)
+    return 1 if failures else 0
 
 
 if __name__ == "__main__":
