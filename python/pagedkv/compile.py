@@ -69,6 +69,38 @@ def _simt_matmul_rule():
     return SimtMatmul()
 
 
+#: Symbolic row counts of the exported functions (``models._common.CausalLMExports.get_default_spec``): ``b``
+#: stays small (a decode step's batch, the rows whose logits a prefill returns), ``n`` (prefill tokens) not.
+SMALL_ROW_VARS, ROW_VARS = frozenset({"b"}), frozenset({"b", "n"})
+
+
+def _row_vars(func) -> set[str]:
+    """The row-count variables (``ROW_VARS``) that ``func`` refers to."""
+    from tvm import tirx
+
+    return {v.name for v in tirx.analysis.undefined_vars(func.body) if v.name in ROW_VARS}
+
+
+def _small_rows_gemv_rule():
+    """dlight's ``LowBatchGEMV`` for the projections of a few rows (decode steps, the logits of a prefill),
+    ``None`` otherwise (then the SIMT ``Matmul`` rule schedules it). The ``Matmul`` rule tiles 32 rows x 64
+    columns per block and walks K serially: with a few rows that leaves 9 to 48 blocks per SmolLM2 projection,
+    each latency-bound (about 6 ms per decode step in all); the GEMV schedule splits K over threads."""
+    from tvm import tirx
+    from tvm.s_tir import dlight as dl
+
+    class SmallRowsGEMV(dl.gpu.LowBatchGEMV):
+        def apply(self, func, target, tunable):  # noqa: D102
+            if not isinstance(func, tirx.PrimFunc):
+                return None
+            rows = _row_vars(func)
+            if not rows or not rows <= SMALL_ROW_VARS:
+                return None
+            return super().apply(func, target, tunable)
+
+    return SmallRowsGEMV()
+
+
 def _cuda_pipeline(target):
     """TVM's CUDA pipeline, with dlight's GPU rules, but the GEMM rule on SIMT (see ``_simt_matmul_rule``)."""
     from tvm.relax.backend.cuda import pipeline as cp
@@ -78,7 +110,7 @@ def _cuda_pipeline(target):
     # step too) transposes every weight into a temporary first, reading and writing all weights once more
     passes = [tvm.relax.transform.FuseTransposeMatmul()]
     passes += [p for p in cp.legalize_passes(target) if not isinstance(p, type(dl.ApplyDefaultSchedule()))]
-    schedule = dl.ApplyDefaultSchedule(_simt_matmul_rule(), dl.gpu.GEMV(), dl.gpu.LowBatchGEMV(),
+    schedule = dl.ApplyDefaultSchedule(_small_rows_gemv_rule(), _simt_matmul_rule(), dl.gpu.GEMV(), dl.gpu.LowBatchGEMV(),
                                        dl.gpu.Reduction(), dl.gpu.GeneralReduction(), dl.gpu.Fallback())
 
     @tvm.transform.module_pass(opt_level=0)
