@@ -78,8 +78,13 @@ class Engine:
         self._dev = dev
         # load_library also works with the TVM runtime only (it loads TVM's CUDA runtime when needed)
         self.vm = VirtualMachine(load_library(self.lib_path), dev)
-        self._params = [tvm.runtime.tensor(np.ascontiguousarray(p), dev) for p in self.params]
         import tvm_ffi
+
+        # Converted once: the VM takes the weights as one tuple, and converting a Python list of hundreds of
+        # tensors on every call costs about as much host time as a small model's whole decode step.
+        self._params = tvm_ffi.convert([tvm.runtime.tensor(np.ascontiguousarray(p), dev) for p in self.params])
+        self._prefill_fn, self._decode_fn = self.vm["prefill"], self.vm["decode"]
+        self._decode_ids: dict[int, object] = {}  # batch size -> device input ids [b, 1], reused
 
         # nn.spec int arguments arrive as one-element shapes.
         sizes = (self.max_batch_size, self.max_total_seq_len, self.prefill_chunk_size, self.page_size)
@@ -125,8 +130,8 @@ class Engine:
         flat = np.array([sum(batch.values(), [])], dtype="int32")
         pos = np.cumsum(lens).astype("int32") - 1
         tvm = self._tvm
-        logits, self.cache = self.vm["prefill"](tvm.runtime.tensor(flat, self._dev),
-                                                tvm.runtime.tensor(pos, self._dev), self.cache, self._params)
+        logits, self.cache = self._prefill_fn(tvm.runtime.tensor(flat, self._dev),
+                                              tvm.runtime.tensor(pos, self._dev), self.cache, self._params)
         self._g("end_forward")
         out = logits.numpy()[0]
         self.timing.prefill_tokens += sum(lens)
@@ -138,8 +143,11 @@ class Engine:
         t0 = time.perf_counter()
         self._g("begin_forward", tuple(tokens), (1,) * len(tokens))
         step = np.array([[t] for t in tokens.values()], dtype="int32")
-        logits, self.cache = self.vm["decode"](self._tvm.runtime.tensor(step, self._dev), self.cache,
-                                               self._params)
+        ids = self._decode_ids.get(len(step))
+        if ids is None:  # one device buffer per batch size, refilled each step (no allocation per step)
+            ids = self._decode_ids[len(step)] = self._tvm.runtime.empty(step.shape, "int32", self._dev)
+        ids.copyfrom(step)
+        logits, self.cache = self._decode_fn(ids, self.cache, self._params)
         self._g("end_forward")
         out = logits.numpy()[:, 0]
         self.timing.decode_tokens += len(tokens)
