@@ -30,7 +30,8 @@ from ._sincos_cuda import rope_freq, rope_sincos
 
 def make_rope_stages(p: DecodePlan):
     """``(rope_setup, rope_q_table, load_q_table)`` macros for plan ``p`` (module docstring)."""
-    VEC, GC, L, L0, KPT, D = p.vec, p.gc, p.l, p.l0, p.kpt, p.d
+    VEC, GC, L0, KPT, D = p.vec, p.gc, p.l0, p.kpt, p.d
+    # LW: elements of one float4 column of a lane-major row (4 per lane)
     H2, HALF, LW = VEC // 2, D // 2, p.l * 4
 
     @T.macro

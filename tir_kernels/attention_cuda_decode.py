@@ -90,20 +90,56 @@ DECODE_MIN_SPLIT_KEYS = 256
 DECODE_MAX_SPLITS = 32
 
 
-def _make_kernel(p: DecodePlan, var: CudaVariant, rope: bool):
-    """The decode kernel (inline RoPE or plain) as a macro: the grid, the registers, the key loop over the
-    stages of ``_decode_stages_cuda`` (and ``_decode_rope_cuda``) and the store."""
-    GC, VEC, NW, L, H2, TKB = p.gc, p.vec, p.nw, p.l, p.vec // 2, p.tkb
+def _make_key_loop(p: DecodePlan, var: CudaVariant, rope: bool):
+    """``key_loop(...)``: the lane group's softmax state over the split's keys ``[k0, k1)``, in steps of
+    ``TKB`` keys: load, score, softmax, accumulate. Inline RoPE first sets up the rotations and walks the
+    steps in batches of ``NW``, each with its rotated-q table (``_decode_rope_cuda``)."""
+    NW, TKB, KPT = p.nw, p.tkb, p.kpt
     load_kv, score, softmax = make_load_kv(p, rope), make_score(p, rope), make_softmax(p, var)
-    accumulate, store, load_q = make_accumulate(p), make_store(p), make_load_q(p)
+    accumulate, load_q = make_accumulate(p), make_load_q(p)
     rope_setup, rope_q_table, load_q_table = make_rope_stages(p)
 
     @T.macro
-    def key_step(Kr, Vr, S_, Qr, Oc, Os, m, lsum, Orr, st, pages, page_values, pbase, ps, h, key0, k1, tx):
+    def key_step(regs, pages, page_values, pbase, ps, h, key0, k1, tx):
+        Qr, Kr, Vr, S_, Oc, Os, m, lsum, Orr, st = regs
         load_kv(Kr, Vr, pages, page_values, pbase, ps, h, key0, k1, tx)
         score(S_, Qr, Kr, Oc, Os)
         softmax(S_, m, lsum, Orr, st, key0, k1)
         accumulate(Orr, S_, Vr)
+
+    @T.macro
+    def key_loop(regs, rope_regs, q, pages, page_indptr, page_values, k_pos_offset, q_pos, b, h, row0, k0, k1,
+                 ps, rope_scale, rope_theta, sm_scale, tx, ty):
+        Qr, _Kr, _Vr, _S, Oc, Os, m, lsum, Orr, _st = regs
+        wh, wl, q_raw, red_o = rope_regs  # red_o: the rotated-q table until the store
+        steps: T.let[T.int32] = T.truncdiv(k1 - k0 + TKB - 1, TKB)
+        if rope:
+            rope_setup(wh, wl, Oc, Os, q_raw, Orr, m, lsum, q, b, row0, rope_theta, rope_scale, sm_scale, tx, ty)
+            # Batches of NW steps. Barriers: the previous batch's table readers are done; the table is written.
+            for bt in T.serial(T.truncdiv(steps + NW - 1, NW)):
+                T.tvm_storage_sync("shared")
+                rope_q_table(red_o, q_raw, wh, wl, q_pos[b] - k_pos_offset[b] - k0 - (bt * NW + ty) * TKB, tx, ty)
+                T.tvm_storage_sync("shared")
+                for w in T.serial(T.min(NW, steps - bt * NW)):
+                    load_q_table(Qr, red_o, w, tx)
+                    key_step(regs, pages, page_values, page_indptr[b], ps, h,
+                             k0 + (bt * NW + w) * TKB + ty * KPT, k1, tx)
+            T.tvm_storage_sync("shared")  # the store reuses the table's shared memory
+        else:
+            load_q(Qr, Orr, m, lsum, q, b, row0, sm_scale, tx)
+            for it in T.serial(steps):
+                key_step(regs, pages, page_values, page_indptr[b], ps, h, k0 + it * TKB + ty * KPT, k1, tx)
+
+    return key_loop
+
+
+def _make_kernel(p: DecodePlan, var: CudaVariant, rope: bool):
+    """The decode kernel (inline RoPE or plain) as a macro: the grid, the registers and shared memory, the
+    split's key range, the key loop and the store (``_decode_stages_cuda``)."""
+    GC, VEC, NW, L, H2, TKB = p.gc, p.vec, p.nw, p.l, p.vec // 2, p.tkb
+    key_loop, store = _make_key_loop(p, var, rope), make_store(p)
+    # RoPE-only buffers are 1 element in the plain kernel (its code does not touch them).
+    R1 = 1 if not rope else None
 
     @T.macro
     def kernel(q, pages, page_indptr, page_values, last_page_len, k_pos_offset, q_pos, o, lse, B, ps,
@@ -122,50 +158,27 @@ def _make_kernel(p: DecodePlan, var: CudaVariant, rope: bool):
                             S_ = T.alloc_buffer((p.kpt, GC), "float32", scope="local")
                             st = T.alloc_buffer((2,), "float32", scope="local")
                             # RoPE: pair frequencies, key-offset rotations, the block's unrotated q rows.
-                            wh = T.alloc_buffer((H2 if rope else 1,), "float32", scope="local")
-                            wl = T.alloc_buffer((H2 if rope else 1,), "float32", scope="local")
-                            Oc = T.alloc_buffer((p.kpt * H2 if rope else 1,), "float32", scope="local")
-                            Os = T.alloc_buffer((p.kpt * H2 if rope else 1,), "float32", scope="local")
-                            q_raw = T.alloc_buffer((GC, p.lanes_width) if rope else (1, 1), "float32",
-                                                   scope="shared")
+                            wh = T.alloc_buffer((R1 or H2,), "float32", scope="local")
+                            wl = T.alloc_buffer((R1 or H2,), "float32", scope="local")
+                            Oc = T.alloc_buffer((R1 or p.kpt * H2,), "float32", scope="local")
+                            Os = T.alloc_buffer((R1 or p.kpt * H2,), "float32", scope="local")
+                            q_raw = T.alloc_buffer((R1 or GC, R1 or p.lanes_width), "float32", scope="shared")
                             red_ml = T.alloc_buffer((NW, GC, 2), "float32", scope="shared")
                             # The lane-group states at the end; with RoPE first the rotated-q table.
                             red_o = T.alloc_buffer((NW, GC, p.lanes_width if rope else p.d), "float32",
                                                    scope="shared")
                             if bx < B:
-                                b: T.let[T.int32] = bx
                                 gz: T.let[T.int32] = T.truncdiv(zs, S)
                                 sp: T.let[T.int32] = T.truncmod(zs, S)
-                                kvlen: T.let[T.int32] = paged_kv_len(page_indptr, last_page_len, b, ps)
+                                kvlen: T.let[T.int32] = paged_kv_len(page_indptr, last_page_len, bx, ps)
                                 # This split's keys: [k0, k1), chunks a multiple of the block step.
                                 chunk: T.let[T.int32] = T.truncdiv(
                                     T.truncdiv(var.decode_span_len(kvlen) + S - 1, S) + TKB - 1, TKB) * TKB
                                 k0: T.let[T.int32] = T.min(var.decode_key(kvlen, sp * chunk), kvlen)
-                                k1: T.let[T.int32] = T.min(k0 + chunk, kvlen)
-                                steps: T.let[T.int32] = T.truncdiv(k1 - k0 + TKB - 1, TKB)
-                                row0: T.let[T.int32] = h * p.g + gz * GC
-                                if rope:
-                                    rope_setup(wh, wl, Oc, Os, q_raw, Orr, m, lsum, q, b, row0, rope_theta,
-                                               rope_scale, sm_scale, tx, ty)
-                                    # Batches of NW steps: the rotated-q table of the batch (barriers: the
-                                    # previous batch's readers are done; the table is written).
-                                    for bt in T.serial(T.truncdiv(steps + NW - 1, NW)):
-                                        T.tvm_storage_sync("shared")
-                                        rope_q_table(red_o, q_raw, wh, wl,
-                                                     q_pos[b] - k_pos_offset[b] - k0 - (bt * NW + ty) * TKB, tx, ty)
-                                        T.tvm_storage_sync("shared")
-                                        for w in T.serial(T.min(NW, steps - bt * NW)):
-                                            load_q_table(Qr, red_o, w, tx)
-                                            key_step(Kr, Vr, S_, Qr, Oc, Os, m, lsum, Orr, st, pages, page_values,
-                                                     page_indptr[b], ps, h, k0 + (bt * NW + w) * TKB + ty * p.kpt,
-                                                     k1, tx)
-                                    T.tvm_storage_sync("shared")  # red_o is reused by the store
-                                else:
-                                    load_q(Qr, Orr, m, lsum, q, b, row0, sm_scale, tx)
-                                    for it in T.serial(steps):
-                                        key_step(Kr, Vr, S_, Qr, Oc, Os, m, lsum, Orr, st, pages, page_values,
-                                                 page_indptr[b], ps, h, k0 + it * TKB + ty * p.kpt, k1, tx)
-                                store(o, lse, ws_o, ws_l, red_ml, red_o, m, lsum, Orr, b, h, gz, sp, S, tx, ty)
+                                key_loop((Qr, Kr, Vr, S_, Oc, Os, m, lsum, Orr, st), (wh, wl, q_raw, red_o), q, pages,
+                                         page_indptr, page_values, k_pos_offset, q_pos, bx, h, h * p.g + gz * GC,
+                                         k0, T.min(k0 + chunk, kvlen), ps, rope_scale, rope_theta, sm_scale, tx, ty)
+                                store(o, lse, ws_o, ws_l, red_ml, red_o, m, lsum, Orr, bx, h, gz, sp, S, tx, ty)
 
     return kernel
 
