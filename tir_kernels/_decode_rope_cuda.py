@@ -35,16 +35,23 @@ def make_rope_stages(p: DecodePlan):
     H2, HALF, LW = VEC // 2, D // 2, p.l * 4
 
     @T.macro
-    def rope_setup(wh, wl, Oc, Os, q_raw, Orr, m, lsum, q, b, row0, rope_theta, rope_scale, sm_scale, tx, ty):
-        """Per thread: the frequencies of its pairs (``wh + wl``), the key-offset rotations ``Oc``, ``Os``
-        (``[KPT * VEC/2]``, offset ``ty*KPT + kk``) and the empty softmax state; lane group 0 writes the
-        block's q rows (scaled by ``sm_scale * log2(e)``, unrotated; zeros on padding lanes) to ``q_raw``
-        (read after the first barrier of the key loop)."""
+    def rope_setup(w_s, Oc, Os, q_raw, Orr, m, lsum, q, b, row0, rope_theta, rope_scale, sm_scale, tx, ty):
+        """Per thread: the key-offset rotations ``Oc``, ``Os`` (``[KPT * VEC/2]``, offset ``ty*KPT + kk``) and
+        the empty softmax state. Lane group 0 writes, for the first barrier of the key loop, the frequencies of
+        each lane's pairs (``w_s[0] + w_s[1]``; in shared memory: 2 * VEC/2 registers less through the key loop)
+        and the block's q rows (scaled by ``sm_scale * log2(e)``, unrotated; zeros on padding lanes) to
+        ``q_raw``."""
+        wh = T.alloc_buffer((H2,), "float32", scope="local")
+        wl = T.alloc_buffer((H2,), "float32", scope="local")
         for e in T.unroll(H2):
             rope_freq(wh, wl, e, tx * H2 + e, rope_theta, rope_scale, D)
         for kk in T.unroll(KPT):
             for e in T.unroll(H2):
                 rope_sincos(Oc, Os, kk * H2 + e, ty * KPT + kk, wh[e], wl[e])
+        if ty == 0:
+            for e in T.unroll(H2):
+                w_s[0, tx * H2 + e] = wh[e]
+                w_s[1, tx * H2 + e] = wl[e]
         for g in T.unroll(GC):
             for e in T.unroll(VEC):
                 Orr[g, e] = T.float32(0)
@@ -60,7 +67,7 @@ def make_rope_stages(p: DecodePlan):
                     ) * (sm_scale * T.float32(LOG2E))
 
     @T.macro
-    def rope_q_table(qtab, q_raw, wh, wl, rel, tx, ty):
+    def rope_q_table(qtab, q_raw, w_s, rel, tx, ty):
         """``qtab[ty, g] = R(rel) q_raw[g]`` (lane-major rows): the q rows rotated for the step whose first key
         is at ``q_pos - rel``."""
         cs = T.alloc_buffer((H2,), "float32", scope="local")
@@ -68,7 +75,7 @@ def make_rope_stages(p: DecodePlan):
         qv = T.alloc_buffer((VEC,), "float32", scope="local")
         qt = T.alloc_buffer((VEC,), "float32", scope="local")
         for e in T.unroll(H2):
-            rope_sincos(cs, sn, e, rel, wh[e], wl[e])
+            rope_sincos(cs, sn, e, rel, w_s[0, tx * H2 + e], w_s[1, tx * H2 + e])
         for g in T.unroll(GC):
             for u in T.unroll(VEC // 4):
                 for e in T.vectorized(4):

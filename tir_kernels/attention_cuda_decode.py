@@ -111,14 +111,14 @@ def _make_key_loop(p: DecodePlan, var: CudaVariant, rope: bool):
     def key_loop(regs, rope_regs, q, pages, page_indptr, page_values, k_pos_offset, q_pos, b, h, row0, k0, k1,
                  ps, rope_scale, rope_theta, sm_scale, tx, ty):
         Qr, _Kr, _Vr, _S, Oc, Os, m, lsum, Orr, _st = regs
-        wh, wl, q_raw, red_o = rope_regs  # red_o: the rotated-q table until the store
+        w_s, q_raw, red_o = rope_regs  # red_o: the rotated-q table until the store
         steps: T.let[T.int32] = T.truncdiv(k1 - k0 + TKB - 1, TKB)
         if rope:
-            rope_setup(wh, wl, Oc, Os, q_raw, Orr, m, lsum, q, b, row0, rope_theta, rope_scale, sm_scale, tx, ty)
+            rope_setup(w_s, Oc, Os, q_raw, Orr, m, lsum, q, b, row0, rope_theta, rope_scale, sm_scale, tx, ty)
             # Batches of NW steps. Barriers: the previous batch's table readers are done; the table is written.
             for bt in T.serial(T.truncdiv(steps + NW - 1, NW)):
                 T.tvm_storage_sync("shared")
-                rope_q_table(red_o, q_raw, wh, wl, q_pos[b] - k_pos_offset[b] - k0 - (bt * NW + ty) * TKB, tx, ty)
+                rope_q_table(red_o, q_raw, w_s, q_pos[b] - k_pos_offset[b] - k0 - (bt * NW + ty) * TKB, tx, ty)
                 T.tvm_storage_sync("shared")
                 for w in T.serial(T.min(NW, steps - bt * NW)):
                     load_q_table(Qr, red_o, w, tx)
@@ -157,11 +157,10 @@ def _make_kernel(p: DecodePlan, var: CudaVariant, rope: bool):
                             Vr = T.alloc_buffer((p.kpt, VEC), p.dtype, scope="local")
                             S_ = T.alloc_buffer((p.kpt, GC), "float32", scope="local")
                             st = T.alloc_buffer((2,), "float32", scope="local")
-                            # RoPE: pair frequencies, key-offset rotations, the block's unrotated q rows.
-                            wh = T.alloc_buffer((R1 or H2,), "float32", scope="local")
-                            wl = T.alloc_buffer((R1 or H2,), "float32", scope="local")
+                            # RoPE: key-offset rotations, pair frequencies, the block's unrotated q rows.
                             Oc = T.alloc_buffer((R1 or p.kpt * H2,), "float32", scope="local")
                             Os = T.alloc_buffer((R1 or p.kpt * H2,), "float32", scope="local")
+                            w_s = T.alloc_buffer((R1 or 2, R1 or L * H2), "float32", scope="shared")
                             q_raw = T.alloc_buffer((R1 or GC, R1 or p.lanes_width), "float32", scope="shared")
                             red_ml = T.alloc_buffer((NW, GC, 2), "float32", scope="shared")
                             # The lane-group states at the end; with RoPE first the rotated-q table.
@@ -175,7 +174,7 @@ def _make_kernel(p: DecodePlan, var: CudaVariant, rope: bool):
                                 chunk: T.let[T.int32] = T.truncdiv(
                                     T.truncdiv(var.decode_span_len(kvlen) + S - 1, S) + TKB - 1, TKB) * TKB
                                 k0: T.let[T.int32] = T.min(var.decode_key(kvlen, sp * chunk), kvlen)
-                                key_loop((Qr, Kr, Vr, S_, Oc, Os, m, lsum, Orr, st), (wh, wl, q_raw, red_o), q, pages,
+                                key_loop((Qr, Kr, Vr, S_, Oc, Os, m, lsum, Orr, st), (w_s, q_raw, red_o), q, pages,
                                          page_indptr, page_values, k_pos_offset, q_pos, bx, h, h * p.g + gz * GC,
                                          k0, T.min(k0 + chunk, kvlen), ps, rope_scale, rope_theta, sm_scale, tx, ty)
                                 store(o, lse, ws_o, ws_l, red_ml, red_o, m, lsum, Orr, bx, h, gz, sp, S, tx, ty)
