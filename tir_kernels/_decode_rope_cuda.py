@@ -11,8 +11,8 @@ The score of key ``j`` (position ``P + o``, ``P`` the position of the block step
   ``ty``'s position into a shared table (``rope_q_table``, one sin / cos per pair and step), and every lane
   group reads the row of the step it runs (``load_q_table``, float4 shared loads).
 
-Sin / cos are ``_sincos_cuda.rope_sincos`` (exact angle, about 1e-7 from the float64 reference at every
-position below 2^24): one per (position, pair) per block, none per kv head of a key nor per GQA row.
+Sin / cos are ``_sincos_cuda.rope_sincos`` (exact angle, about 1e-7 from the float64 reference up to
+position 2M): one per (position, pair) per block, none per kv head of a key nor per GQA row.
 
 Shared rows are lane-major (``lane_slot``): element ``e`` of lane ``tx`` at ``(e // 4) * 4L + 4 tx + e % 4``,
 so the 16-byte accesses of consecutive lanes are consecutive (no bank conflicts). A lane's element ``e < VEC/2``

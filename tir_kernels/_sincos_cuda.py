@@ -13,8 +13,10 @@ than float32's tolerance. Here the angle is never rounded:
   two round once each at ``|r| < 1``; then ``r += lo``;
 * ``sin r`` and ``cos r`` come from the Cephes minimax polynomials (``_math``), rotated by ``k pi/2``.
 
-The result is within ~2e-7 of the float64 cos / sin for every ``|p * w| < 2^24`` rad (positions up to 2^24
-at ``w <= 1``). ``--use_fast_math`` does not touch it: every rounding step is an explicit ``__f*_rn``.
+The result is within ~2e-7 of the float64 cos / sin for ``|p * w| < 2^21`` rad (positions up to 2M at
+``rope_scale = 1``; measured with a float32 emulation of these steps); past that ``k`` no longer rounds to the
+nearest multiple (1.5e-6 at 2^22, 2e-5 at 2^23). ``--use_fast_math`` does not touch it: every rounding step
+that matters is an explicit ``__f*_rn``.
 
 The decode kernel uses it on *relative* positions (``q_pos - key``, and small key offsets), which is where
 the saving comes from; the identity ``<R(a) q, R(b) k> = <R(a - c) q, R(b - c) k>`` makes the result the
