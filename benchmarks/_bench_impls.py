@@ -12,14 +12,18 @@ timed call), or raises ``Unavailable`` saying why the implementation does not ap
   with ``begin_forward`` (where FlashInfer plans) done once outside the timing, as in a model;
 - ``upstream``: apache-tvm 0.27's own CUDA TIR kernels (fp16, 32/8/128 only: the bundle builds that shape);
 - ``torch-sdpa``: ``scaled_dot_product_attention`` on dense tensors (equal lengths only).
+
+Inline-RoPE decode workloads (``Workload.rope``) run on ``pagedkv-tir`` only: the others are n/a (FlashInfer's
+backend serves no inline RoPE, so ``pagedkv-fi`` would time the same TIR kernel; no peer column rotates
+stored keys here).
 """
 
 from __future__ import annotations
 
 import torch
 
-from _bench_workloads import (D, HKV, MLA_PS, MLA_R, MLA_ROPE, PS, TORCH_DTYPES, Inputs, Workload,
-                              sm_scale)
+from _bench_workloads import (D, HKV, MLA_PS, MLA_R, MLA_ROPE, PS, ROPE_SCALE, ROPE_THETA, TORCH_DTYPES, Inputs,
+                              Workload, sm_scale)
 
 TARGET = {"kind": "cuda", "arch": "sm_90"}
 #: where the benchmark runs (a CPU test of the benchmark's plumbing sets "cpu" and TARGET "llvm")
@@ -47,7 +51,13 @@ def fi_variants(w: Workload) -> list[str]:
     return ["fi:mla-fa2", "fi:mla-fa3"]
 
 
+def _no_rope(w: Workload, what: str) -> None:
+    if w.rope:
+        raise Unavailable(f"{what}: no inline RoPE column (pagedkv-tir only)")
+
+
 def fi_impl(fi, variant: str, w: Workload, x: Inputs):
+    _no_rope(w, "FlashInfer")
     ws = torch.empty(_WS_BYTES, dtype=torch.uint8, device=DEVICE)
     dt, scale, o = TORCH_DTYPES[w.dtype], sm_scale(w), _out(w, x)
     kind, _, backend = variant[3:].partition("-")
@@ -94,7 +104,8 @@ def pagedkv_config(w: Workload):
                                          qk_rope_head_dim=MLA_ROPE, v_head_dim=128, dtype=w.dtype,
                                          page_size=MLA_PS, **cap)
     return pagedkv.KVCacheConfig(num_layers=1, num_qo_heads=w.hq, num_kv_heads=HKV, head_dim=D, dtype=w.dtype,
-                                 rope_mode="none", page_size=PS, **cap)
+                                 rope_mode="inline" if w.rope else "none", rope_theta=ROPE_THETA,
+                                 rope_scale=ROPE_SCALE, page_size=PS, **cap)
 
 
 #: tokens per reserving forward of ``_fill`` (and the least prefill_chunk_size of a benchmark cache)
@@ -145,6 +156,8 @@ def pagedkv_impl(label: str, w: Workload, x: Inputs):
     """(run, cache): the cache stays in the forward ``run`` belongs to until the caller ends it."""
     import pagedkv
 
+    if label != "pagedkv-tir":
+        _no_rope(w, label)
     cache = pagedkv.create(pagedkv_config(w), backend=PAGEDKV_BACKENDS[label], target=TARGET, device=DEVICE)
     scale, o = sm_scale(w), _out(w, x)
     lse = torch.empty(o.shape[0], w.hq, dtype=torch.float32, device=DEVICE)
@@ -186,6 +199,7 @@ def pagedkv_impl(label: str, w: Workload, x: Inputs):
 # apache-tvm's own kernels and torch SDPA
 # --------------------------------------------------------------------------------------------------
 def upstream_impl(funcs: dict, w: Workload, x: Inputs):
+    _no_rope(w, "upstream")
     if w.dtype != "float16" or w.hq != 32 or w.mla:
         raise Unavailable("the bundle builds apache-tvm's kernels for fp16 32/8/128 only")
     import tvm_ffi
@@ -211,6 +225,7 @@ def upstream_impl(funcs: dict, w: Workload, x: Inputs):
 
 
 def sdpa_impl(w: Workload, x: Inputs):
+    _no_rope(w, "torch SDPA")
     if not w.dense_ok():
         raise Unavailable("ragged lengths (SDPA takes a dense batch)" if not w.mla else "no MLA in SDPA")
     b, n, m = w.batch, w.keys[0], w.qlen

@@ -4,6 +4,11 @@ implementation), its byte and FLOP counts, and its float32 reference.
 MHA shapes: ``hq`` q heads over 8 kv heads, head dim 128, page 16. MLA: DeepSeek's latent (kv_lora_rank
 512 + rope 64), page 64. Sequence ``b`` has ``lens[b]`` cached tokens; prefill adds ``qlen`` new tokens to
 each (causal over cache + new, bottom-right aligned), decode adds one (its own key included in ``lens``).
+
+Inline RoPE pairs (``rope=True``, name ``<plain name>-rope``): the same decode with the keys stored unrotated
+and rotated in the kernel (cache ``rope_mode="inline"``, theta 10000, scale 1: key ``j`` at position ``j``,
+the query at ``lens[b] - 1``); ``rope_pairs`` names each with its plain twin (``bench_gpu`` prints the time
+ratio of the TIR backend, inline / plain).
 """
 
 from __future__ import annotations
@@ -31,12 +36,19 @@ class Workload:
     lens: tuple[int, ...]
     qlen: int = 1
     label: str = ""
+    #: decode with inline RoPE (keys rotated in the kernel)
+    rope: bool = False
 
     @property
     def name(self) -> str:
         shape = self.label or (f"B{len(self.lens)}xL{self.lens[0]}" if self.kind != "prefill"
                                else f"{len(self.lens)}x{self.qlen}" + (f"+{self.lens[0]}" if self.lens[0] else ""))
-        return f"{self.kind}-h{self.hq}-{SHORT[self.dtype]}-{shape}"
+        return f"{self.kind}-h{self.hq}-{SHORT[self.dtype]}-{shape}" + ("-rope" if self.rope else "")
+
+    @property
+    def plain(self) -> "Workload":
+        """The same workload without RoPE."""
+        return Workload(self.kind, self.dtype, self.hq, self.lens, self.qlen, self.label)
 
     @property
     def batch(self) -> int:
@@ -69,12 +81,18 @@ class Workload:
         return len(set(self.lens)) == 1 and not self.mla
 
 
+#: (B, L) of the inline-RoPE decode pairs (fp16, 32 q heads)
+ROPE_SHAPES = ((64, 4096), (1, 32768))
+
+
 def workloads(dtypes=("float16", "bfloat16")) -> list[Workload]:
     out = []
     for dt in dtypes:
         for hq in (32, 64):
             for b, n in ((1, 32768), (16, 4096), (64, 4096), (64, 8192), (256, 2048)):
                 out.append(Workload("decode", dt, hq, (n,) * b))
+                if dt == "float16" and hq == 32 and (b, n) in ROPE_SHAPES:
+                    out.append(Workload("decode", dt, hq, (n,) * b, rope=True))
             out.append(Workload("decode", dt, hq, SKEW, label="skew128-16K"))
         for b, q, cached in ((1, 4096, 0), (16, 1024, 0), (1, 16384, 0), (1, 512, 4096)):
             out.append(Workload("prefill", dt, 32, (cached,) * b, qlen=q))
@@ -152,19 +170,36 @@ def sm_scale(w: Workload) -> float:
 # --------------------------------------------------------------------------------------------------
 # the float32 reference
 # --------------------------------------------------------------------------------------------------
+#: RoPE parameters of the inline-RoPE workloads (the cache's defaults)
+ROPE_THETA, ROPE_SCALE = 10000.0, 1.0
+
+
+def _rotated(w: Workload, x: Inputs, b: int):
+    """q and k of sequence ``b`` rotated (float64 RoPE, then float32): q at ``keys - 1``, key ``j`` at ``j``."""
+    from pagedkv.testing.reference_ops import rope
+
+    n = w.keys[b]
+    q = rope(x.q[b:b + 1], [n - 1], ROPE_THETA, ROPE_SCALE).float()
+    return q, rope(x.k[b], range(n), ROPE_THETA, ROPE_SCALE).float()
+
+
 def reference(w: Workload, x: Inputs) -> torch.Tensor:
-    """float32 attention output ``[n, Hq, D|R]`` (bottom-right causal for prefill)."""
+    """float32 attention output ``[n, Hq, D|R]`` (bottom-right causal for prefill; q and k rotated first for
+    the inline-RoPE workloads)."""
     scale = sm_scale(w)
     outs = []
     for b in range(w.batch):
         q = x.q[b * w.qlen:(b + 1) * w.qlen].float()  # [m, H, *]
+        kb = x.k[b]
+        if w.rope:
+            q, kb = _rotated(w, x, b)
         if w.mla:
             kv = x.k[b].float()
             s = torch.einsum("mhd,ld->hml", q, kv) * scale
             outs.append(torch.einsum("hml,ld->mhd", torch.softmax(s, -1), kv[:, :MLA_R]))
             continue
         g = w.hq // HKV
-        k = x.k[b].float().repeat_interleave(g, dim=1)  # [L, H, D]
+        k = kb.float().repeat_interleave(g, dim=1)  # [L, H, D]
         v = x.v[b].float().repeat_interleave(g, dim=1)
         m, n = q.shape[0], k.shape[0]
         for r0 in range(0, m, 1024):  # query chunks: a 16K prefill's full score matrix would be 32 GB
@@ -174,6 +209,12 @@ def reference(w: Workload, x: Inputs) -> torch.Tensor:
                 s = s.masked_fill(torch.arange(n, device=q.device)[None, :] > (n - m + rows)[:, None], float("-inf"))
             outs.append(torch.einsum("hml,lhd->mhd", torch.softmax(s, -1), v))
     return torch.cat(outs)
+
+
+def rope_pairs(ws: list[Workload]) -> list[tuple[Workload, Workload]]:
+    """(plain, inline RoPE) pairs among ``ws``."""
+    names = {w.name: w for w in ws}
+    return [(names[w.plain.name], w) for w in ws if w.rope and w.plain.name in names]
 
 
 def rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:

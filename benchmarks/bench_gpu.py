@@ -3,7 +3,8 @@
 device's ceilings, every output checked against a float32 reference in the same run.
 
 Workloads (``_bench_workloads.workloads``): decode 32/8/128 and 64/8/128 at B x L = 1x32K, 16x4K, 64x4K,
-64x8K, 256x2K and a skewed batch (128 ... 16K); causal prefill (ragged and paged peers) at 1x4K, 16x1K,
+64x8K, 256x2K and a skewed batch (128 ... 16K), and inline-RoPE twins of 32/8/128 fp16 at 64x4K and 1x32K
+(TIR backend only; the time ratio inline / plain is printed after the table); causal prefill (ragged and paged peers) at 1x4K, 16x1K,
 1x16K and a 512-token chunk over 4K cached; MLA decode (DeepSeek latent) at 128 and 16 heads, B 64/128 x
 L 1K/8K; fp16 and bf16. Implementations: ``_bench_impls``. Ceilings: device-to-device copy bandwidth
 (decode: KV bytes / time against it) and a bf16 matmul (prefill and MLA: TFLOP/s against it).
@@ -149,6 +150,27 @@ def print_table(rows: list[dict]) -> None:
         print(f"{r['workload']:34s} {r['impl']:12s} {ms} {rate} {vs} {vc} {err}  {r['status'][:60]}")
 
 
+def rope_ratios(rows: list[dict], ws: list) -> list[dict]:
+    """Per inline-RoPE pair: the TIR backend's time with inline RoPE over its time without (n/a when a side
+    has no time)."""
+    def ms(w):
+        return next((r["ms"] for r in rows if r["workload"] == w.name and r["impl"] == "pagedkv-tir"
+                     and "ms" in r), None)
+
+    out = []
+    for plain, rope in W.rope_pairs(ws):
+        a, b = ms(plain), ms(rope)
+        out.append({"plain": plain.name, "rope": rope.name, "plain_ms": a, "rope_ms": b,
+                    "ratio": b / a if a and b else None})
+    if out:
+        print("\ninline RoPE / plain decode, pagedkv-tir:")
+    for r in out:
+        ratio = f"{r['ratio']:.3f}x" if r["ratio"] else "n/a"
+        times = f"({r['rope_ms']:.4f} / {r['plain_ms']:.4f} ms)" if r["ratio"] else ""
+        print(f"  {r['rope']:40s} {ratio} {times}")
+    return out
+
+
 def write_plot(rows: list[dict], path: Path) -> None:
     import matplotlib
 
@@ -203,19 +225,20 @@ def main(argv=None) -> int:
     upstream = sup.load_functions(args.bundle)[0]["upstream"]
     flush = torch.empty(64 << 20, dtype=torch.float32, device="cuda")
     rows, host = [], []
+    selected = [w for w in W.workloads(tuple(args.dtypes.split(","))) if args.only in w.name]
     with tvm_ffi.use_torch_stream():
         ceil = ceilings(flush)
         print(f"[bench] ceilings: {ceil}", flush=True)
-        for w in W.workloads(tuple(args.dtypes.split(","))):
-            if args.only in w.name:
-                rows += run_workload(w, fi, upstream, args, flush, ceil)
+        for w in selected:
+            rows += run_workload(w, fi, upstream, args, flush, ceil)
         if not args.no_host_cost:
             host = host_cost(args) + graph_host_cost(args)
     print_table(rows)
+    ratios = rope_ratios(rows, selected)
     args.out.mkdir(parents=True, exist_ok=True)
     meta = {"date": time.strftime("%Y-%m-%d %H:%M"), "gpu": torch.cuda.get_device_name(), "ceilings": ceil,
             "torch": torch.__version__, "flashinfer": getattr(fi, "__version__", None), "rows": rows,
-            "host_cost": host}
+            "host_cost": host, "rope_ratios": ratios}
     (args.out / "bench_gpu.json").write_text(json.dumps(meta, indent=1))
     write_plot(rows, args.out / "bench_gpu.png")
     bad = failures(rows)

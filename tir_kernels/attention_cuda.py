@@ -13,17 +13,24 @@ Decode (``attn_decode_paged``): one block per (entry, kv head, row chunk, key sp
 -------------------------------------------------------------------------------------------------
 * A *lane group* of ``L`` threads splits the head dim: lane ``tx`` owns ``VEC`` dims (8 fp16 / 4 fp32:
   one 16-byte page load per K or V row); ``L = next_pow2(D / VEC)``, padding lanes hold zeros. Inline
-  RoPE uses another lane layout: dims ``tx*VEC/2 + e`` and ``D/2 + tx*VEC/2 + e``, so a lane holds both
-  elements of its rotation pairs and computes each angle once (dot products and P@V do not depend on
-  the order of the dims). The block has ``NW = 128 / L`` lane groups.
+  RoPE uses another lane layout for q and K: dims ``tx*VEC/2 + e`` and ``D/2 + tx*VEC/2 + e``, so a lane
+  holds both elements of its rotation pairs (no shuffle to rotate; dot products do not depend on the order
+  of the dims; V keeps the plain layout). The block has ``NW = 128 / L`` lane groups.
+* Inline RoPE without sin / cos in the key loop (``_decode_rope_cuda``): a key at position ``P + o`` (``P``
+  its block step's first key, ``o = w*KPT + kk`` fixed per thread and ``kk``) scores
+  ``<R(q_pos - P) q, R(o) k>``. ``R(o)`` is a per-thread constant (cos / sin computed once), so a key costs
+  4 float ops per pair; ``R(q_pos - P) q`` is shared by all lane groups: per batch of ``NW`` steps each lane
+  group rotates the ``GC`` q rows for one step into a shared table (two barriers per batch), read with
+  float4 loads. One sin / cos per (position, pair) per block; none per kv head of a key or per GQA row.
+  Angles are exact (``_sincos_cuda``), not rounded to float32.
 * Every thread keeps ``GC`` query rows of its kv head in registers (``GC`` = the GQA group, or a divisor
   of it up to ``DECODE_MAX_ROWS``, the rest over ``blockIdx.z``), so a K/V row is loaded once per block
   and used for all its rows. Lane group ``w`` walks keys ``k0 + it*NW*KPT + w*KPT + kk`` (``KPT``
   consecutive keys, all loads issued before use); a score is a per-lane partial dot product folded
   with ``__shfl_xor_sync`` over the ``L`` lanes; keys past the range are clamped (valid memory) and
   masked.
-* Each lane group runs its own online softmax (``m``, ``l``, ``O`` in registers, no barrier in the key
-  loop); at the end the ``NW`` states are merged through shared memory (``red_o[NW, GC, D]``) and
+* Each lane group runs its own online softmax (``m``, ``l``, ``O`` in registers; no barrier in the plain
+  kernel's key loop, the inline-RoPE one's two per batch of steps); at the end the ``NW`` states are merged through shared memory (``red_o[NW, GC, D]``) and
   written coalesced.
 * Split-KV: ``S`` key ranges per (entry, kv head) when ``B * Hkv`` blocks cannot fill the GPU and the
   entries are long (``_split_count``, on the host from the shapes). With ``S > 1`` the blocks write

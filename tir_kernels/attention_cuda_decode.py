@@ -5,29 +5,30 @@ Design and ABI: the docstring of ``attention_cuda.py``.
 
 from __future__ import annotations
 
-import math
-
 from tvm.script import tirx as T
 
 from ..ops import ATTN_DECODE_PAGED, shape_values
 from ._abi import abi_prim_func
-from ._common import EMPTY_LSE, LOG2E
 from ._common_cuda import (
     WARP,
-    ceildiv,
     check_head_dim,
     decode_splits,
-    make_merge_splits,
-    frcp_rn,
     itemsize,
+    make_merge_splits,
     next_pow2,
     paged_kv_len,
-    rope_angle_rcp,
-    rope_divisor,
-    rotate,
-    shfl_xor,
     split_count,
     vec16,
+)
+from ._decode_rope_cuda import make_rope_stages
+from ._decode_stages_cuda import (
+    DecodePlan,
+    make_accumulate,
+    make_load_kv,
+    make_load_q,
+    make_score,
+    make_softmax,
+    make_store,
 )
 from ._variant_cuda import CudaVariant
 
@@ -89,6 +90,98 @@ DECODE_MIN_SPLIT_KEYS = 256
 DECODE_MAX_SPLITS = 32
 
 
+def _make_key_loop(p: DecodePlan, var: CudaVariant, rope: bool):
+    """``key_loop(...)``: the lane group's softmax state over the split's keys ``[k0, k1)``, in steps of
+    ``TKB`` keys: load, score, softmax, accumulate. Inline RoPE first sets up the rotations and walks the
+    steps in batches of ``NW``, each with its rotated-q table (``_decode_rope_cuda``)."""
+    NW, TKB, KPT = p.nw, p.tkb, p.kpt
+    load_kv, score, softmax = make_load_kv(p, rope), make_score(p, rope), make_softmax(p, var)
+    accumulate, load_q = make_accumulate(p), make_load_q(p)
+    rope_setup, rope_q_table, load_q_table = make_rope_stages(p)
+
+    @T.macro
+    def key_step(regs, pages, page_values, pbase, ps, h, key0, k1, tx):
+        Qr, Kr, Vr, S_, Oc, Os, m, lsum, Orr, st = regs
+        load_kv(Kr, Vr, pages, page_values, pbase, ps, h, key0, k1, tx)
+        score(S_, Qr, Kr, Oc, Os)
+        softmax(S_, m, lsum, Orr, st, key0, k1)
+        accumulate(Orr, S_, Vr)
+
+    @T.macro
+    def key_loop(regs, rope_regs, q, pages, page_indptr, page_values, k_pos_offset, q_pos, b, h, row0, k0, k1,
+                 ps, rope_scale, rope_theta, sm_scale, tx, ty):
+        Qr, _Kr, _Vr, _S, Oc, Os, m, lsum, Orr, _st = regs
+        w_s, q_raw, red_o = rope_regs  # red_o: the rotated-q table until the store
+        steps: T.let[T.int32] = T.truncdiv(k1 - k0 + TKB - 1, TKB)
+        if rope:
+            rope_setup(w_s, Oc, Os, q_raw, Orr, m, lsum, q, b, row0, rope_theta, rope_scale, sm_scale, tx, ty)
+            # Batches of NW steps. Barriers: the previous batch's table readers are done; the table is written.
+            for bt in T.serial(T.truncdiv(steps + NW - 1, NW)):
+                T.tvm_storage_sync("shared")
+                rope_q_table(red_o, q_raw, w_s, q_pos[b] - k_pos_offset[b] - k0 - (bt * NW + ty) * TKB, tx, ty)
+                T.tvm_storage_sync("shared")
+                for w in T.serial(T.min(NW, steps - bt * NW)):
+                    load_q_table(Qr, red_o, w, tx)
+                    key_step(regs, pages, page_values, page_indptr[b], ps, h,
+                             k0 + (bt * NW + w) * TKB + ty * KPT, k1, tx)
+            T.tvm_storage_sync("shared")  # the store reuses the table's shared memory
+        else:
+            load_q(Qr, Orr, m, lsum, q, b, row0, sm_scale, tx)
+            for it in T.serial(steps):
+                key_step(regs, pages, page_values, page_indptr[b], ps, h, k0 + it * TKB + ty * KPT, k1, tx)
+
+    return key_loop
+
+
+def _make_kernel(p: DecodePlan, var: CudaVariant, rope: bool):
+    """The decode kernel (inline RoPE or plain) as a macro: the grid, the registers and shared memory, the
+    split's key range, the key loop and the store (``_decode_stages_cuda``)."""
+    GC, VEC, NW, L, H2, TKB = p.gc, p.vec, p.nw, p.l, p.vec // 2, p.tkb
+    key_loop, store = _make_key_loop(p, var, rope), make_store(p)
+    # RoPE-only buffers are 1 element in the plain kernel (its code does not touch them).
+    R1 = 1 if not rope else None
+
+    @T.macro
+    def kernel(q, pages, page_indptr, page_values, last_page_len, k_pos_offset, q_pos, o, lse, B, ps,
+               rope_scale, rope_theta, sm_scale, S, ws_o, ws_l):
+        for bx in T.thread_binding(T.max(B, 1), thread="blockIdx.x"):
+            for h in T.thread_binding(p.hkv, thread="blockIdx.y"):
+                for zs in T.thread_binding(p.nz * S, thread="blockIdx.z"):
+                    for ty in T.thread_binding(NW, thread="threadIdx.y"):
+                        for tx in T.thread_binding(L, thread="threadIdx.x"):
+                            Qr = T.alloc_buffer((GC, VEC), "float32", scope="local")
+                            Orr = T.alloc_buffer((GC, VEC), "float32", scope="local")
+                            m = T.alloc_buffer((GC,), "float32", scope="local")
+                            lsum = T.alloc_buffer((GC,), "float32", scope="local")
+                            Kr = T.alloc_buffer((p.kpt, VEC), p.dtype, scope="local")
+                            Vr = T.alloc_buffer((p.kpt, VEC), p.dtype, scope="local")
+                            S_ = T.alloc_buffer((p.kpt, GC), "float32", scope="local")
+                            st = T.alloc_buffer((2,), "float32", scope="local")
+                            # RoPE: key-offset rotations, pair frequencies, the block's unrotated q rows.
+                            Oc = T.alloc_buffer((R1 or p.kpt * H2,), "float32", scope="local")
+                            Os = T.alloc_buffer((R1 or p.kpt * H2,), "float32", scope="local")
+                            w_s = T.alloc_buffer((R1 or 2, R1 or L * H2), "float32", scope="shared")
+                            q_raw = T.alloc_buffer((R1 or GC, R1 or p.lanes_width), "float32", scope="shared")
+                            red_ml = T.alloc_buffer((NW, GC, 2), "float32", scope="shared")
+                            # The lane-group states at the end; with RoPE first the rotated-q table.
+                            red_o = T.alloc_buffer((NW, GC, p.lanes_width if rope else p.d), "float32",
+                                                   scope="shared")
+                            if bx < B:
+                                gz: T.let[T.int32] = T.truncdiv(zs, S)
+                                sp: T.let[T.int32] = T.truncmod(zs, S)
+                                kvlen: T.let[T.int32] = paged_kv_len(page_indptr, last_page_len, bx, ps)
+                                # This split's keys: [k0, k1), chunks a multiple of the block step.
+                                chunk: T.let[T.int32] = T.truncdiv(
+                                    T.truncdiv(var.decode_span_len(kvlen) + S - 1, S) + TKB - 1, TKB) * TKB
+                                k0: T.let[T.int32] = T.min(var.decode_key(kvlen, sp * chunk), kvlen)
+                                key_loop((Qr, Kr, Vr, S_, Oc, Os, m, lsum, Orr, st), (w_s, q_raw, red_o), q, pages,
+                                         page_indptr, page_values, k_pos_offset, q_pos, bx, h, h * p.g + gz * GC,
+                                         k0, T.min(k0 + chunk, kvlen), ps, rope_scale, rope_theta, sm_scale, tx, ty)
+                                store(o, lse, ws_o, ws_l, red_ml, red_o, m, lsum, Orr, bx, h, gz, sp, S, tx, ty)
+
+    return kernel
+
+
 def attn_decode_paged_cuda(spec):
     """``pagedkv_attn_decode_paged`` for CUDA (arguments: ``pagedkv.ops.OP_SPECS``), for a ``KernelSpec``.
 
@@ -107,230 +200,19 @@ def attn_decode_paged_cuda(spec):
     var = CudaVariant.from_spec(spec)
     splits = decode_splits(spec)
     check_head_dim(ATTN_DECODE_PAGED, D)
-    G = HQ // HKV
-    VEC, L0, L, NW, GC, KPT_PLAIN = _decode_plan(G, D, dtype)
-    NZ = G // GC
-    HALF = D // 2
-    V16 = min(VEC, vec16(dtype))
-    NT = L * NW
-    SHIFTS = len([L >> (s + 1) for s in range(int(math.log2(L)))])
-    MT = 128  # threads of the merge kernel
-
-    H2 = VEC // 2
-    V16H = min(H2, vec16(dtype))
-
-    @T.macro
-    def load_chunk(dst, pages, pg, c, h, off, d0, kk, base):
-        """``dst[kk, base + e] = pages[pg, c, h, off, d0 + e]`` for ``e < VEC`` (16-byte loads)."""
-        for u in T.unroll(VEC // V16):
-            for e in T.vectorized(V16):
-                dst[kk, base + u * V16 + e] = pages[pg, c, h, off, d0 + u * V16 + e]
-
-    @T.macro
-    def load_halves(dst, pages, pg, c, h, off, d0h, kk):
-        """RoPE lane layout: ``dst[kk, e] = row[d0h + e]``, ``dst[kk, H2 + e] = row[D/2 + d0h + e]``
-        (``e < VEC/2``): a lane holds both elements of each of its rotation pairs."""
-        for u in T.unroll(H2 // V16H):
-            for e in T.vectorized(V16H):
-                dst[kk, u * V16H + e] = pages[pg, c, h, off, d0h + u * V16H + e]
-        for u in T.unroll(H2 // V16H):
-            for e in T.vectorized(V16H):
-                dst[kk, H2 + u * V16H + e] = pages[pg, c, h, off, HALF + d0h + u * V16H + e]
-
-    def make_kernel(ROPE: bool):
-        # Inline RoPE is compute-bound: fewer keys in flight, fewer registers.
-        KPT = KPT_PLAIN if not ROPE else max(1, KPT_PLAIN // 2)
-        TKB = NW * KPT  # keys per block step
-
-        @T.macro
-        def kernel(q, pages, page_indptr, page_values, last_page_len, k_pos_offset, q_pos, o, lse, B, ps,
-                   rope_scale, rope_theta, sm_scale, S, ws_o, ws_l):
-            for bx in T.thread_binding(T.max(B, 1), thread="blockIdx.x"):
-                for h in T.thread_binding(HKV, thread="blockIdx.y"):
-                    for zs in T.thread_binding(NZ * S, thread="blockIdx.z"):
-                        for ty in T.thread_binding(NW, thread="threadIdx.y"):
-                            for tx in T.thread_binding(L, thread="threadIdx.x"):
-                                Qr = T.alloc_buffer((GC, VEC), "float32", scope="local")
-                                Orr = T.alloc_buffer((GC, VEC), "float32", scope="local")
-                                m = T.alloc_buffer((GC,), "float32", scope="local")
-                                lsum = T.alloc_buffer((GC,), "float32", scope="local")
-                                Kr = T.alloc_buffer((KPT, VEC), dtype, scope="local")
-                                Vr = T.alloc_buffer((KPT, VEC), dtype, scope="local")
-                                Kf = T.alloc_buffer((KPT, VEC) if ROPE else (1,), "float32", scope="local")
-                                S_ = T.alloc_buffer((KPT, GC), "float32", scope="local")
-                                invf = T.alloc_buffer((H2,), "float32", scope="local")
-                                rcpf = T.alloc_buffer((H2,), "float32", scope="local")
-                                st = T.alloc_buffer((4,), "float32", scope="local")
-                                red_ml = T.alloc_buffer((NW, GC, 2), "float32", scope="shared")
-                                red_o = T.alloc_buffer((NW, GC, D), "float32", scope="shared")
-                                if bx < B:
-                                    b: T.let[T.int32] = bx
-                                    gz: T.let[T.int32] = T.truncdiv(zs, S)
-                                    sp: T.let[T.int32] = T.truncmod(zs, S)
-                                    kvlen: T.let[T.int32] = paged_kv_len(page_indptr, last_page_len, b, ps)
-                                    # This split's keys: [k0, k1), chunks a multiple of the block step.
-                                    chunk: T.let[T.int32] = T.truncdiv(T.truncdiv(var.decode_span_len(kvlen) + S - 1, S) + TKB - 1,
-                                                                       TKB) * TKB
-                                    k0: T.let[T.int32] = T.min(var.decode_key(kvlen, sp * chunk), kvlen)
-                                    k1: T.let[T.int32] = T.min(k0 + chunk, kvlen)
-                                    pbase: T.let[T.int32] = page_indptr[b]
-                                    # Lane dims: plain, d0 + e (one 16-byte chunk); inline RoPE, d0h + e and
-                                    # D/2 + d0h + e for e < VEC/2 (both elements of its rotation pairs, so
-                                    # each angle is computed once). q.k and P@V do not depend on the order.
-                                    d0: T.let[T.int32] = tx * VEC
-                                    d0h: T.let[T.int32] = tx * H2
-                                    if ROPE:
-                                        for e in T.unroll(H2):
-                                            invf[e] = rope_divisor(d0h + e, rope_theta, D)
-                                            rcpf[e] = frcp_rn(invf[e])
-                                    # q rows of this kv head, rotated and scaled by sm_scale * log2(e).
-                                    for g in T.unroll(GC):
-                                        for e in T.unroll(VEC):
-                                            Qr[g, e] = T.float32(0)
-                                            Orr[g, e] = T.float32(0)
-                                        if tx < L0:
-                                            if ROPE:
-                                                for e in T.unroll(H2):
-                                                    xlo: T.let[T.float32] = T.Cast("float32", q[b, h * G + gz * GC + g, d0h + e])
-                                                    xhi: T.let[T.float32] = T.Cast("float32", q[b, h * G + gz * GC + g, HALF + d0h + e])
-                                                    ang: T.let[T.float32] = rope_angle_rcp(q_pos[b], rope_scale, invf[e], rcpf[e])
-                                                    Qr[g, e] = rotate(xlo, xhi, True, ang)
-                                                    Qr[g, H2 + e] = rotate(xhi, xlo, False, ang)
-                                            else:
-                                                for e in T.unroll(VEC):
-                                                    Qr[g, e] = T.Cast("float32", q[b, h * G + gz * GC + g, d0 + e])
-                                            for e in T.unroll(VEC):
-                                                Qr[g, e] = Qr[g, e] * (sm_scale * T.float32(LOG2E))
-                                        m[g] = T.float32(EMPTY_LSE)
-                                        lsum[g] = T.float32(0)
-                                    for it in T.serial(T.truncdiv(k1 - k0 + TKB - 1, TKB)):
-                                        # Issue every load of the step first (KPT keys, K and V); keys past the
-                                        # split are clamped to its last key (valid memory) and masked below.
-                                        for kk in T.unroll(KPT):
-                                            jc: T.let[T.int32] = T.min(k0 + it * TKB + ty * KPT + kk, k1 - 1)
-                                            pg: T.let[T.int32] = page_values[pbase + T.truncdiv(jc, ps)]
-                                            if tx < L0:
-                                                if ROPE:
-                                                    load_halves(Kr, pages, pg, 0, h, T.truncmod(jc, ps), d0h, kk)
-                                                    load_halves(Vr, pages, pg, 1, h, T.truncmod(jc, ps), d0h, kk)
-                                                else:
-                                                    load_chunk(Kr, pages, pg, 0, h, T.truncmod(jc, ps), d0, kk, 0)
-                                                    load_chunk(Vr, pages, pg, 1, h, T.truncmod(jc, ps), d0, kk, 0)
-                                            else:
-                                                for e in T.unroll(VEC):
-                                                    Kr[kk, e] = T.Cast(dtype, 0)
-                                                for e in T.unroll(VEC):
-                                                    Vr[kk, e] = T.Cast(dtype, 0)
-                                        # Partial dot products (keys rotated at position k_pos_offset + j
-                                        # when inline RoPE), folded over the L lanes of the group.
-                                        if ROPE:
-                                            for kk in T.unroll(KPT):
-                                                for e in T.unroll(H2):
-                                                    Kf[kk, e] = rotate(
-                                                        Kr[kk, e], Kr[kk, H2 + e], True,
-                                                        rope_angle_rcp(k_pos_offset[b] + k0 + it * TKB + ty * KPT + kk,
-                                                                       rope_scale, invf[e], rcpf[e]))
-                                                    Kf[kk, H2 + e] = rotate(
-                                                        Kr[kk, H2 + e], Kr[kk, e], False,
-                                                        rope_angle_rcp(k_pos_offset[b] + k0 + it * TKB + ty * KPT + kk,
-                                                                       rope_scale, invf[e], rcpf[e]))
-                                            for kk in T.unroll(KPT):
-                                                for g in T.unroll(GC):
-                                                    S_[kk, g] = T.float32(0)
-                                                    for e in T.unroll(VEC):
-                                                        S_[kk, g] = S_[kk, g] + Qr[g, e] * Kf[kk, e]
-                                        else:
-                                            for kk in T.unroll(KPT):
-                                                for g in T.unroll(GC):
-                                                    S_[kk, g] = T.float32(0)
-                                                    for e in T.unroll(VEC):
-                                                        S_[kk, g] = S_[kk, g] + Qr[g, e] * T.Cast("float32", Kr[kk, e])
-                                        for sh in T.unroll(SHIFTS):
-                                            for kk in T.unroll(KPT):
-                                                for g in T.unroll(GC):
-                                                    S_[kk, g] = S_[kk, g] + shfl_xor(S_[kk, g], T.shift_right(L, sh + 1))
-                                        # Online softmax of this lane group (keys past the split are masked;
-                                        # the soft cap, when on, comes first, as in the reference).
-                                        for g in T.unroll(GC):
-                                            st[0] = m[g]
-                                            for kk in T.unroll(KPT):
-                                                S_[kk, g] = var.logits(S_[kk, g], k0 + it * TKB + ty * KPT + kk < k1)
-                                                st[0] = T.max(st[0], S_[kk, g])
-                                            st[1] = T.exp2(m[g] - st[0])
-                                            m[g] = st[0]
-                                            lsum[g] = lsum[g] * st[1]
-                                            for e in T.unroll(VEC):
-                                                Orr[g, e] = Orr[g, e] * st[1]
-                                            for kk in T.unroll(KPT):
-                                                st[2] = T.exp2(S_[kk, g] - st[0])
-                                                lsum[g] = lsum[g] + st[2]
-                                                for e in T.unroll(VEC):
-                                                    Orr[g, e] = Orr[g, e] + st[2] * T.Cast("float32", Vr[kk, e])
-                                    # Merge the NW lane-group states through shared memory.
-                                    for g in T.unroll(GC):
-                                        if tx == 0:
-                                            red_ml[ty, g, 0] = m[g]
-                                            red_ml[ty, g, 1] = lsum[g]
-                                        if tx < L0:
-                                            if ROPE:
-                                                for e in T.unroll(H2):
-                                                    red_o[ty, g, d0h + e] = Orr[g, e]
-                                                    red_o[ty, g, HALF + d0h + e] = Orr[g, H2 + e]
-                                            else:
-                                                for u in T.unroll(VEC // 4):
-                                                    for e in T.vectorized(4):
-                                                        red_o[ty, g, d0 + u * 4 + e] = Orr[g, u * 4 + e]
-                                    T.tvm_storage_sync("shared")
-                                    for idx in T.serial(ceildiv(GC * D, NT)):
-                                        if idx * NT + ty * L + tx < GC * D:
-                                            gg: T.let[T.int32] = T.truncdiv(idx * NT + ty * L + tx, D)
-                                            dd: T.let[T.int32] = T.truncmod(idx * NT + ty * L + tx, D)
-                                            hq: T.let[T.int32] = h * G + gz * GC + gg
-                                            st[0] = T.float32(EMPTY_LSE)
-                                            for w in T.unroll(NW):
-                                                st[0] = T.max(st[0], red_ml[w, gg, 0])
-                                            st[1] = T.float32(0)
-                                            st[2] = T.float32(0)
-                                            for w in T.unroll(NW):
-                                                st[3] = T.exp2(red_ml[w, gg, 0] - st[0])
-                                                st[1] = st[1] + red_ml[w, gg, 1] * st[3]
-                                                st[2] = st[2] + red_o[w, gg, dd] * st[3]
-                                            # l >= 1 once any key was seen (its max contributes 2^0); else 0.
-                                            if S == 1:
-                                                if st[1] > T.float32(0):
-                                                    o[b, hq, dd] = T.Cast(dtype, st[2] / st[1])
-                                                    if dd == 0:
-                                                        lse[b, hq] = st[0] + T.log2(st[1])
-                                                else:
-                                                    o[b, hq, dd] = T.Cast(dtype, T.float32(0))
-                                                    if dd == 0:
-                                                        lse[b, hq] = T.float32(EMPTY_LSE)
-                                            else:
-                                                # Partial state of split sp (float32 workspace).
-                                                if st[1] > T.float32(0):
-                                                    ws_o[(b * HQ + hq) * S + sp, dd] = st[2] / st[1]
-                                                    if dd == 0:
-                                                        ws_l[(b * HQ + hq) * S + sp] = st[0] + T.log2(st[1])
-                                                else:
-                                                    ws_o[(b * HQ + hq) * S + sp, dd] = T.float32(0)
-                                                    if dd == 0:
-                                                        ws_l[(b * HQ + hq) * S + sp] = T.float32(EMPTY_LSE)
-
-        return kernel
-
-    merge_splits = make_merge_splits(HQ, D, MT, dtype)
-
-    kernel_rope, kernel_plain = make_kernel(True), make_kernel(False)
+    plan = DecodePlan(HQ, HKV, D, dtype, *_decode_plan(HQ // HKV, D, dtype))
+    merge_splits = make_merge_splits(HQ, D, 128, dtype)
+    # Two kernels: inline RoPE costs registers that the plain kernel does not pay for.
+    kernel_rope, kernel_plain = _make_kernel(plan, var, True), _make_kernel(plan, var, False)
 
     @T.macro
     def body(q, pages, page_indptr, page_values, last_page_len, k_pos_offset, q_pos, o, lse, apply_rope,
              rope_scale, rope_theta, sm_scale, dims):
         B, _p, ps, nnz = dims
-        S: T.let[T.int32] = _split_count(B, nnz, ps, HKV * NZ, var, splits)
+        S: T.let[T.int32] = _split_count(B, nnz, ps, HKV * plan.nz, var, splits)
         # Split partial states (float32); only touched when S > 1.
         ws_o = T.alloc_buffer((T.max(B, 1) * HQ * S, D), "float32")
         ws_l = T.alloc_buffer((T.max(B, 1) * HQ * S,), "float32")
-        # Two kernels: inline RoPE costs registers that the plain kernel does not pay for.
         if apply_rope == 1:
             kernel_rope(q, pages, page_indptr, page_values, last_page_len, k_pos_offset, q_pos, o, lse, B, ps,
                         rope_scale, rope_theta, sm_scale, S, ws_o, ws_l)

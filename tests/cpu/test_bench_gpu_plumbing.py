@@ -19,6 +19,7 @@ import _bench_workloads as W  # noqa: E402
 SMALL = [
     W.Workload("decode", "float16", 32, (40, 37, 3, 16)),
     W.Workload("decode", "float16", 64, (33,) * 2),
+    W.Workload("decode", "float16", 32, (40, 37, 3, 16), rope=True),
     W.Workload("prefill", "float16", 32, (0, 0), qlen=24),
     W.Workload("prefill", "float16", 32, (45,), qlen=13),
     W.Workload("mla_decode", "float16", 16, (70, 5)),
@@ -34,8 +35,11 @@ def on_cpu(monkeypatch):
 
 def test_workload_table():
     ws = W.workloads()
-    assert len({w.name for w in ws}) == len(ws) == 48
+    assert len({w.name for w in ws}) == len(ws) == 50
     assert {w.kind for w in ws} == {"decode", "prefill", "mla_decode"}
+    pairs = [(a.name, b.name) for a, b in W.rope_pairs(ws)]
+    assert pairs == [("decode-h32-f16-B1xL32768", "decode-h32-f16-B1xL32768-rope"),
+                     ("decode-h32-f16-B64xL4096", "decode-h32-f16-B64xL4096-rope")]
     skew = next(w for w in ws if "skew" in w.name)
     assert min(skew.lens) == 128 and max(skew.lens) == 16384
     chunk = next(w for w in ws if w.kind == "prefill" and w.lens[0])
@@ -58,6 +62,23 @@ def test_pagedkv_and_sdpa_match_the_reference(w, gen):
         assert W.rel_err(impls.sdpa_impl(w, x)(), ref) < 1e-2
 
 
+def test_rope_workloads_are_tir_only(gen):
+    """Inline-RoPE rows: pagedkv-tir only, every other column says n/a."""
+    w = SMALL[2]
+    x = W.make_inputs(w, gen, device="cpu")
+    for build in (lambda: impls.fi_impl(None, "fi:decode", w, x), lambda: impls.upstream_impl({}, w, x),
+                  lambda: impls.sdpa_impl(w, x), lambda: impls.pagedkv_impl("pagedkv-fi", w, x)):
+        with pytest.raises(impls.Unavailable, match="inline RoPE"):
+            build()
+
+
+def test_rope_reference_rotates(gen):
+    """The RoPE reference is not the plain one (its q and k are rotated)."""
+    w = SMALL[2]
+    x = W.make_inputs(w, gen, device="cpu")
+    assert W.rel_err(W.reference(w, x), W.reference(w.plain, x)) > 1e-2
+
+
 def test_paged_layout_holds_the_dense_kv(gen):
     w = SMALL[0]
     x = W.make_inputs(w, gen, device="cpu")
@@ -66,3 +87,18 @@ def test_paged_layout_holds_the_dense_kv(gen):
         k = x.pages[pages, 0].transpose(1, 2).reshape(-1, W.HKV, W.D)[:n]
         assert torch.equal(k, x.k[b])
         assert n == (len(pages) - 1) * W.PS + int(x.last[b])
+
+
+def test_rope_ratio_rows(capsys):
+    """bench_gpu prints inline / plain of the TIR rows of each pair (n/a when a side has no time)."""
+    import bench_gpu
+
+    ws = [w for w in W.workloads(("float16",)) if "B64xL4096" in w.name and w.hq == 32]
+    rows = [{"workload": ws[0].name, "impl": "pagedkv-tir", "ms": 0.2},
+            {"workload": ws[1].name, "impl": "pagedkv-tir", "ms": 0.23},
+            {"workload": ws[1].name, "impl": "pagedkv-fi", "ms": 9.0}]
+    (r,) = bench_gpu.rope_ratios(rows, ws)
+    assert (r["plain"], r["rope"]) == ("decode-h32-f16-B64xL4096", "decode-h32-f16-B64xL4096-rope")
+    assert abs(r["ratio"] - 1.15) < 1e-9
+    assert "1.150x" in capsys.readouterr().out
+    assert bench_gpu.rope_ratios(rows[:1], ws)[0]["ratio"] is None

@@ -7,9 +7,11 @@ path on every shape. Here:
 
 - the MHA decode kernel, called directly, under every value of ``cuda_decode_splits`` (auto, 1, 2, 3, 8) on
   ``PATH_SHAPES`` (plain, windowed, windowed + capped; 8 and 4 kv heads), inline RoPE on and off (the RoPE kernel
-  has its own key step, so its own split boundaries), over batches of 20 entries of mixed lengths (empty,
-  shorter than the window, just around it, windows starting past the first key step and mid-page, 3000
-  keys), longest first and shortest first (a per-batch start or state would show in the later entries);
+  walks a split in batches of ``NW`` key steps with a rotated-q table per batch, so a split ends mid-batch
+  too), over batches of 20 entries of mixed lengths (empty, shorter than the window, just around it, windows
+  starting past the first key step and mid-page, 3000 keys), every other entry's keys from a position near
+  100K (``FAR``; RoPE against the exact float64 angle), longest first and shortest first (a per-batch start or
+  state would show in the later entries);
 - the MLA decode kernel the same way on ``PATH_MLA_SHAPES``;
 - the scenario suite (``pagedkv.testing.scenarios``) under every forced value on ``PATH_SCENARIO_SHAPES``
   (plain, windowed, MLA), through ``pagedkv.create`` as the runtime calls the kernels.
@@ -78,7 +80,7 @@ def test_decode_forced_splits(case, apply_rope, order, gen):
     lengths = ORDERS[order]
     dt = getattr(torch, shape.dtype)
     sm_scale = random_sm_scale(gen, shape.d)
-    ents = _entries(shape, [(1, m) for m in lengths], gen)
+    ents = _entries(shape, [(1, m) for m in lengths], gen, far=True)
     pages, page_indptr, page_values, last = _pages(shape, [e[1] for e in ents], [e[2] for e in ents], gen)
     q_pos = [off + len(k) - 1 for _q, k, _v, off in ents]
     q = torch.cat([e[0] for e in ents]).to(dt).to(DEVICE)
@@ -88,9 +90,9 @@ def test_decode_forced_splits(case, apply_rope, order, gen):
           apply_rope, float(shape.scale), float(shape.theta), sm_scale)
     for b, ((eq, ek, ev, off), m) in enumerate(zip(ents, lengths)):
         ro, rl = _reference(shape, eq, ek, ev, [q_pos[b]], [off + j for j in range(m)], sm_scale, True,
-                            apply_rope)
+                            apply_rope, exact=True)
         assert_state_close(o[b:b + 1], lse[b:b + 1], ro, rl, shape.dtype,
-                           f"{_id(case)} {order} entry {b} ({m} keys) rope={apply_rope}")
+                           f"{_id(case)} {order} entry {b} ({m} keys from position {off}) rope={apply_rope}")
 
 
 def _mla_pages(shape, latents, gen):

@@ -64,9 +64,10 @@ def _indptr(lengths):
 
 
 def _rope(x, pos, theta, scale):
-    """Rotate-half RoPE in float64 of the ABI's float32 angle ``pos * scale / theta ** (2i/D)`` (the float64
-    reference's exact angle drifts from it by ~1e-4 rad at the positions of a 3000-key entry, which fails
-    float32's tolerance)."""
+    """Rotate-half RoPE in float64 of the float32-rounded angle ``pos * scale / theta ** (2i/D)`` that the
+    prefill kernels compute (the float64 reference's exact angle drifts from it by ~1e-4 rad at the positions
+    of a 3000-key entry, which fails float32's tolerance). The decode kernel computes the exact angle and is
+    checked against the float64 reference (``R.rope``)."""
     d = x.shape[-1]
     expo = (2.0 * torch.arange(d // 2, dtype=torch.float64) / d).float().double()
     divisor = (float(theta) ** expo).float()
@@ -77,10 +78,12 @@ def _rope(x, pos, theta, scale):
     return torch.cat([x0 * cos - x1 * sin, x1 * cos + x0 * sin], dim=-1)
 
 
-def _reference(shape, q, k, v, q_pos, k_pos, sm_scale, causal, apply_rope):
-    """Float64 (o, lse) of one entry, q / k rotated first with inline RoPE."""
+def _reference(shape, q, k, v, q_pos, k_pos, sm_scale, causal, apply_rope, exact=False):
+    """Float64 (o, lse) of one entry, q / k rotated first with inline RoPE: at the exact angle (``exact``, the
+    decode kernel) or at the prefill kernels' float32 one (``_rope``)."""
     if apply_rope:
-        q, k = _rope(q, q_pos, shape.theta, shape.scale), _rope(k, k_pos, shape.theta, shape.scale)
+        rot = R.rope if exact else _rope
+        q, k = rot(q, q_pos, shape.theta, shape.scale), rot(k, k_pos, shape.theta, shape.scale)
     return R.attention(q, k, v, sm_scale, causal, sliding_window=shape.window, logits_soft_cap=shape.cap)
 
 
@@ -103,14 +106,21 @@ def _pages(shape, ks, vs, gen):
     return pages.to(DEVICE), _i32(_indptr(counts)), _i32(values or [0]), _i32(last)
 
 
-def _entries(shape, lens, gen):
-    """Per entry (q, k, v, k_pos_offset) in the storage dtype's values (float32 tensors on the CPU)."""
+#: Key position offsets of the "far" decode entries (``_entries``): around 100K to 131K, where a float32
+#: angle is off by up to 8e-3 rad and a Cody-Waite reduction built for smaller angles loses its exactness.
+FAR = (98_000, 131_000)
+
+
+def _entries(shape, lens, gen, far: bool = False):
+    """Per entry (q, k, v, k_pos_offset) in the storage dtype's values (float32 tensors on the CPU); offsets
+    below 50, or with ``far`` every other entry (odd ones) in ``FAR``."""
     dt = getattr(torch, shape.dtype)
     out = []
-    for n, m in lens:
+    for i, (n, m) in enumerate(lens):
         q, k, v = (torch.randn(rows, h, shape.d, generator=gen).to(dt).float()
                    for rows, h in ((n, shape.hq), (m, shape.hkv), (m, shape.hkv)))
-        out.append((q, k, v, int(torch.randint(0, 50, (1,), generator=gen))))
+        lo, hi = FAR if far and i % 2 else (0, 50)
+        out.append((q, k, v, int(torch.randint(lo, hi, (1,), generator=gen))))
     return out
 
 
@@ -156,7 +166,7 @@ def test_decode_masking(shape, apply_rope, gen):
     _module, fns = attention_kernels(shape)
     dt = getattr(torch, shape.dtype)
     sm_scale = random_sm_scale(gen, shape.d)
-    ents = _entries(shape, [(1, m) for m in DECODE], gen)
+    ents = _entries(shape, [(1, m) for m in DECODE], gen, far=True)
     pages, page_indptr, page_values, last = _pages(shape, [e[1] for e in ents], [e[2] for e in ents], gen)
     q_pos = [off + len(k) - 1 for _q, k, _v, off in ents]
     q = torch.cat([e[0] for e in ents]).to(dt).to(DEVICE)
@@ -166,6 +176,6 @@ def test_decode_masking(shape, apply_rope, gen):
           _i32(q_pos), o, lse, apply_rope, float(shape.scale), float(shape.theta), sm_scale)
     for b, ((eq, ek, ev, off), m) in enumerate(zip(ents, DECODE)):
         ro, rl = _reference(shape, eq, ek, ev, [q_pos[b]], [off + j for j in range(m)], sm_scale, True,
-                            apply_rope)
+                            apply_rope, exact=True)
         assert_state_close(o[b:b + 1], lse[b:b + 1], ro, rl, shape.dtype,
-                           f"{shape.id} decode entry {b} ({m} keys) rope={apply_rope}")
+                           f"{shape.id} decode entry {b} ({m} keys, keys from position {off}) rope={apply_rope}")
