@@ -63,8 +63,9 @@ def _margins(logits: list) -> list:
 class Ours:
     """pagedkv: the model library (compiled here for the CPU, prebuilt for CUDA) on ``pagedkv.engine``."""
 
-    def __init__(self, engine, weight_bytes: int):
-        self.engine, self.weight_bytes = engine, weight_bytes
+    def __init__(self, engine, weight_bytes: int, *, on_device: bool = False):
+        # on_device (CUDA): decode logits stay on the GPU and the argmax runs there, as for the HF systems
+        self.engine, self.weight_bytes, self.on_device = engine, weight_bytes, on_device
 
     @classmethod
     def create(cls, hf, args, lib: Path | None = None) -> Ours:
@@ -89,7 +90,7 @@ class Ours:
         engine = Engine(str(lib), params, device=args.device, max_batch_size=top,
                         prefill_chunk_size=top * args.prompt_len,
                         max_total_seq_len=top * (args.prompt_len + args.new_tokens + 16))
-        return cls(engine, weight_bytes)
+        return cls(engine, weight_bytes, on_device=args.device == "cuda")
 
     def run(self, ids: list, n: int) -> Run:
         eng, seqs = self.engine, list(range(len(ids)))
@@ -100,6 +101,10 @@ class Ours:
         t1 = perf_counter()
         toks, host = [[t] for t in nxt], 0.0
         for _ in range(n - 1):
+            if self.on_device:  # as the HF systems: argmax on the GPU, only the token ids come back
+                logits = eng.decode({s: nxt[s] for s in seqs}, on_device=True)
+                nxt = torch.from_dlpack(logits).argmax(-1).flatten().tolist()
+                continue
             logits = eng.decode({s: nxt[s] for s in seqs})
             ta = perf_counter()
             nxt = greedy(logits)

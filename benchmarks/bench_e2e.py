@@ -292,7 +292,7 @@ def table(results: dict, failures: dict, bw: dict, weight_bytes: int) -> list[st
             out.append(f"| {batch} | {name} | failed | failed | - |")
     out.append("(decode / roof: decode tokens/s over batch x the batch-1 roof, which bounds a memory-bound step)")
     host = [f"batch {b} {row['host_argmax_ms_per_step']:.3f}" for b, rows in results.items()
-            for name, row in rows.items() if name == "pagedkv"]
+            for name, row in rows.items() if name == "pagedkv" and row['host_argmax_ms_per_step'] > 0]
     if host:
         out.append("(pagedkv's decode time includes its engine's copy of the logits to the host and, of it, "
                    f"a host argmax taking ms per step: {', '.join(host)})")

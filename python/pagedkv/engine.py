@@ -138,8 +138,10 @@ class Engine:
         self.timing.prefill_s += time.perf_counter() - t0
         return out
 
-    def decode(self, tokens: dict[int, int]) -> np.ndarray:
-        """One decode step: one token per sequence; returns logits ``[len(tokens), vocab]``."""
+    def decode(self, tokens: dict[int, int], *, on_device: bool = False):
+        """One decode step: one token per sequence; returns logits ``[len(tokens), vocab]`` (numpy), or with
+        ``on_device`` the library's ``[len(tokens), 1, vocab]`` device tensor, not copied (pick tokens on the
+        device, e.g. ``torch.from_dlpack(t).argmax(-1)``; the step's time then excludes the GPU's work)."""
         t0 = time.perf_counter()
         self._g("begin_forward", tuple(tokens), (1,) * len(tokens))
         step = np.array([[t] for t in tokens.values()], dtype="int32")
@@ -149,7 +151,7 @@ class Engine:
         ids.copyfrom(step)
         logits, self.cache = self._decode_fn(ids, self.cache, self._params)
         self._g("end_forward")
-        out = logits.numpy()[:, 0]
+        out = logits if on_device else logits.numpy()[:, 0]
         self.timing.decode_tokens += len(tokens)
         self.timing.decode_s += time.perf_counter() - t0
         return out
