@@ -104,11 +104,11 @@ class Ours:
             if self.on_device:  # as the HF systems: argmax on the GPU, only the token ids come back
                 logits = eng.decode({s: nxt[s] for s in seqs}, on_device=True)
                 nxt = torch.from_dlpack(logits).argmax(-1).flatten().tolist()
-                continue
-            logits = eng.decode({s: nxt[s] for s in seqs})
-            ta = perf_counter()
-            nxt = greedy(logits)
-            host += perf_counter() - ta
+            else:
+                logits = eng.decode({s: nxt[s] for s in seqs})
+                ta = perf_counter()
+                nxt = greedy(logits)
+                host += perf_counter() - ta
             for s in seqs:
                 toks[s].append(nxt[s])
         t2 = perf_counter()
