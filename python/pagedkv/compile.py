@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 import time
 from pathlib import Path
 from typing import Any
@@ -30,6 +31,30 @@ def cuda_graph_batch(model: nn.Module) -> int:
     if isinstance(batch, bool) or not isinstance(batch, int) or batch < 0:
         raise ValueError(f"cuda_graph_batch must be an int >= 0 (0: off), got {batch!r}")
     return batch
+
+
+def check_captured(mod: tvm.IRModule, functions) -> None:
+    """Raises ``ValueError`` unless every cache call of each of ``functions`` (after the pipeline) is inside
+    the CUDA graph that TVM's ``RewriteCUDAGraph`` captures: a step asked to run in a graph must never run
+    partly outside it without saying so."""
+    for name in functions:
+        outside = sorted(set(re.findall(r'"(pagedkv\.[a-z_]+)"', mod[name].script())))
+        captured = [gv.name_hint for gv in mod.functions if gv.name_hint.startswith(f"{name}_cuda_graph_capture")]
+        if outside or not captured:
+            raise ValueError(f"{name}: cuda_graph_batch was asked for, but TVM's RewriteCUDAGraph left "
+                             + (f"the cache calls {outside} outside the captured graph" if outside else
+                                "no captured region") + " (every argument after the input ids must be fixed "
+                             "across calls and the batch size the only symbolic shape)")
+
+
+def _then_check_captured(pipeline, functions):
+    @tvm.transform.module_pass(opt_level=0, name="CheckCUDAGraphCaptured")
+    def _run(mod, _ctx):
+        mod = pipeline(mod)
+        check_captured(mod, functions)
+        return mod
+
+    return _run
 
 
 def _mark_cuda_graph_functions(model: nn.Module, mod: tvm.IRModule) -> tvm.IRModule:
@@ -159,6 +184,8 @@ def build_library(model: nn.Module, target: Any, out_path: str | Path, *,
     graphs = cuda_graph_batch(model) > 0
     if graphs and tgt.kind.name != "cuda":
         raise ValueError(f"cuda_graph_batch needs a CUDA target, got {tgt.kind.name}")
+    if graphs:
+        pipeline = _then_check_captured(pipeline, tuple(model.CUDA_GRAPH_FUNCTIONS))
     with tgt, tvm.transform.PassContext(config={"relax.backend.use_cuda_graph": graphs}):
         executable = tvm.compile(mod, target=tgt, relax_pipeline=pipeline)
     if verbose:

@@ -9,7 +9,7 @@ from __future__ import annotations
 import pytest
 import tvm
 
-from pagedkv.compile import build_library, export_model, relax_pipeline
+from pagedkv.compile import build_library, check_captured, export_model, relax_pipeline
 from pagedkv.models.llama import LlamaForCausalLM
 from pagedkv.testing import graph_case as G
 
@@ -50,6 +50,13 @@ def test_decode_step_is_one_capture(graph_mod):
 def test_no_graph_without_the_option():
     mod = _lowered("tir", 0)
     assert not [n for n in _names(mod) if "cuda_graph" in n]
+    # build_library checks the capture after the pipeline: a step left outside a graph is an error
+    with pytest.raises(ValueError, match=r"decode: cuda_graph_batch was asked for, but .*pagedkv.attention_with_fused_qkv"):
+        check_captured(mod, ["decode"])
+
+
+def test_captured_step_passes_the_check(graph_mod):
+    check_captured(graph_mod, ["decode"])
 
 
 def test_weights_are_not_transposed_per_step(graph_mod):
