@@ -37,6 +37,28 @@ def _cache(batch: int, length: int, *, graph: bool):
     return cache
 
 
+def _timed_steps(cache, ids, launch, steps: int) -> tuple[float, float, float, float]:
+    """Median seconds of ``begin_forward``, of ``launch()`` (the 32 layers' host time), of the layers' GPU time
+    (CUDA events) and of the whole step, over ``steps`` decode steps of ``ids`` (the first two untimed)."""
+    ones, times = [1] * len(ids), []
+    for step in range(steps):
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        cache.begin_forward(ids, ones)
+        t1 = time.perf_counter()
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        launch()
+        end.record()
+        t2 = time.perf_counter()
+        torch.cuda.synchronize()
+        t3 = time.perf_counter()
+        cache.end_forward()
+        if step >= 2:
+            times.append((t1 - t0, t2 - t1, start.elapsed_time(end) / 1e3, t3 - t0))
+    return tuple(statistics.median(t[i] for t in times) for i in range(4))
+
+
 def host_cost(args) -> list[dict]:
     """Host time of a decode step, the layers dispatched one call at a time."""
     from pagedkv._lib import get_global
@@ -49,25 +71,13 @@ def host_cost(args) -> list[dict]:
         o = torch.empty(batch, 32, 128, dtype=torch.float16, device="cuda")
         fq, fo = _to_ffi(qkv), _to_ffi(o)
         ids, ones = list(range(batch)), [1] * batch
-        steps = []
         fused = get_global("pagedkv.attention_with_fused_qkv")
-        for step in range(args.host_steps):
-            torch.cuda.synchronize()
-            t0 = time.perf_counter()
-            cache.begin_forward(ids, ones)
-            t1 = time.perf_counter()
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
+
+        def layers(handle=cache.handle):
             for layer in range(32):
-                fused(cache.handle, layer, 0.088, fq, fo)
-            end.record()
-            t2 = time.perf_counter()
-            torch.cuda.synchronize()
-            t3 = time.perf_counter()
-            cache.end_forward()
-            if step >= 2:
-                steps.append((t1 - t0, t2 - t1, start.elapsed_time(end) / 1e3, t3 - t0))
-        bf, disp, gpu, wall = (statistics.median(s[i] for s in steps) for i in range(4))
+                fused(handle, layer, 0.088, fq, fo)
+
+        bf, disp, gpu, wall = _timed_steps(cache, ids, layers, args.host_steps)
         # where the dispatch goes: cross_attention alone (the FlashInfer run) per layer, in a decode forward
         cross = get_global("pagedkv.cross_attention")
         q = torch.randn(batch, 32, 128, dtype=torch.float16, device="cuda")
@@ -131,22 +141,7 @@ def graph_host_cost(args) -> list[dict]:
         with torch.cuda.graph(graph), tvm_ffi.use_torch_stream():
             layers()
         cache.end_forward()
-        steps = []
-        for step in range(args.host_steps):
-            torch.cuda.synchronize()
-            t0 = time.perf_counter()
-            cache.begin_forward(ids, ones)
-            t1 = time.perf_counter()
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
-            graph.replay()
-            end.record()
-            t2 = time.perf_counter()
-            torch.cuda.synchronize()
-            cache.end_forward()
-            if step >= 2:
-                steps.append((t1 - t0, t2 - t1, start.elapsed_time(end) / 1e3))
-        bf, replay, gpu = (statistics.median(s[i] for s in steps) for i in range(3))
+        bf, replay, gpu, _ = _timed_steps(cache, ids, graph.replay, args.host_steps)
         out.append({"batch": batch, "length": length, "cuda_graph": True, "begin_forward_us": bf * 1e6,
                     "dispatch_us": replay * 1e6, "gpu_attention_us": gpu * 1e6, "host_share": (bf + replay) / gpu,
                     "served_by": dict(cache.op_backends)})
