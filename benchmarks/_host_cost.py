@@ -20,8 +20,13 @@ import _bench_impls as impls
 SHAPES = ((1, 4096), (64, 4096), (256, 2048))
 
 
-def _cache(batch: int, length: int, *, graph: bool):
+def _decode_step(batch: int, length: int, *, graph: bool):
+    """A cache of ``batch`` sequences of ``length`` tokens (``graph``: with ``cuda_graph_batch``), and
+    ``layers()``, the 32 layers' ``attention_with_fused_qkv`` calls of one decode step; returns
+    ``(cache, layers, o)`` with ``o`` the layers' output tensor (tvm-ffi)."""
     import pagedkv
+    from pagedkv._lib import get_global
+    from pagedkv.cache import _to_ffi
 
     cfg = pagedkv.KVCacheConfig(num_layers=32, num_qo_heads=32, num_kv_heads=8, head_dim=128,
                                 dtype="float16", rope_mode="none", page_size=16, max_batch_size=batch,
@@ -34,7 +39,15 @@ def _cache(batch: int, length: int, *, graph: bool):
     kv = torch.randn(32, length, 8, 128, dtype=torch.float16, device="cuda")
     for b in range(batch):
         cache.debug_set_kv(b, 0, kv, kv)
-    return cache
+    qkv = _to_ffi(torch.randn(batch, 48, 128, dtype=torch.float16, device="cuda"))
+    o = _to_ffi(torch.empty(batch, 32, 128, dtype=torch.float16, device="cuda"))
+    fused, handle = get_global("pagedkv.attention_with_fused_qkv"), cache.handle
+
+    def layers():
+        for layer in range(32):
+            fused(handle, layer, 0.088, qkv, o)
+
+    return cache, layers, o
 
 
 def _timed_steps(cache, ids, launch, steps: int) -> tuple[float, float, float, float]:
@@ -66,17 +79,8 @@ def host_cost(args) -> list[dict]:
 
     out = []
     for batch, length in SHAPES:
-        cache = _cache(batch, length, graph=False)
-        qkv = torch.randn(batch, 48, 128, dtype=torch.float16, device="cuda")
-        o = torch.empty(batch, 32, 128, dtype=torch.float16, device="cuda")
-        fq, fo = _to_ffi(qkv), _to_ffi(o)
+        cache, layers, fo = _decode_step(batch, length, graph=False)
         ids, ones = list(range(batch)), [1] * batch
-        fused = get_global("pagedkv.attention_with_fused_qkv")
-
-        def layers(handle=cache.handle):
-            for layer in range(32):
-                fused(handle, layer, 0.088, fq, fo)
-
         bf, disp, gpu, wall = _timed_steps(cache, ids, layers, args.host_steps)
         # where the dispatch goes: cross_attention alone (the FlashInfer run) per layer, in a decode forward
         cross = get_global("pagedkv.cross_attention")
@@ -108,7 +112,7 @@ def host_cost(args) -> list[dict]:
               f"(python call {call_us:.1f} us, cross_attention alone {cross_us:.1f} us per layer), GPU {gpu * 1e6:.0f} us, step {wall * 1e6:.0f} us wall; "
               f"host share {r['host_share']:.1%} ({r['host_share_runtime']:.1%} without the Python calls)",
               flush=True)
-        del cache
+        del cache, layers, fo  # layers holds the cache's handle
         torch.cuda.empty_cache()
     return out
 
@@ -117,21 +121,10 @@ def graph_host_cost(args) -> list[dict]:
     """Host time of a decode step whose 32 layer calls replay a CUDA graph captured once."""
     import tvm_ffi
 
-    from pagedkv._lib import get_global
-    from pagedkv.cache import _to_ffi
-
-    fused, out = get_global("pagedkv.attention_with_fused_qkv"), []
+    out = []
     for batch, length in SHAPES:
-        cache = _cache(batch, length, graph=True)
-        qkv = torch.randn(batch, 48, 128, dtype=torch.float16, device="cuda")
-        o = torch.empty(batch, 32, 128, dtype=torch.float16, device="cuda")
-        fq, fo = _to_ffi(qkv), _to_ffi(o)
+        cache, layers, _ = _decode_step(batch, length, graph=True)
         ids, ones = list(range(batch)), [1] * batch
-
-        def layers(handle=cache.handle):
-            for layer in range(32):
-                fused(handle, layer, 0.088, fq, fo)
-
         cache.begin_forward(ids, ones)  # warm (modules loaded, workspaces allocated), then capture
         layers()
         cache.end_forward()
@@ -147,6 +140,6 @@ def graph_host_cost(args) -> list[dict]:
                     "served_by": dict(cache.op_backends)})
         print(f"[host] B={batch} CUDA graph: begin_forward {bf * 1e6:.0f} us, replay launch {replay * 1e6:.0f} us, "
               f"GPU {gpu * 1e6:.0f} us; host share {out[-1]['host_share']:.1%}", flush=True)
-        del graph, cache
+        del graph, cache, layers
         torch.cuda.empty_cache()
     return out

@@ -24,12 +24,6 @@ int64_t InitialAuxElems(const KVConfig& c) {
          kMaxPasses * per_pass + c.num_pages() + b;
 }
 
-// The CUDA-graph decode layout (attention.cc UploadGraphPlan) for max_batch_size sequences.
-int64_t GraphAuxElems(const KVConfig& c) {
-  int64_t b = c.max_batch_size;
-  return 4 * AuxBuilder::Padded(b + 1) + 5 * AuxBuilder::Padded(b) + AuxBuilder::Padded(GraphPageValues(c, b));
-}
-
 // One page of one layer: MHA [2 (K, V), Hkv, ps, D]; MLA [1, 1, ps, latent_dim].
 std::vector<int64_t> PageShapeOf(const KVConfig& c) {
   if (c.is_mla()) return {1, 1, c.page_size, c.latent_dim()};
@@ -52,6 +46,15 @@ struct Size {
   }
 };
 
+// int32 elements of the CUDA-graph decode layout (attention.cc UploadGraphPlan) for max_batch_size sequences:
+// nine arrays of b or b + 1 entries, then page_values with room for GraphPageValues = b * num_pages (padded).
+// A Size, because ComputeDeviceBytes counts it before CheckCapacity has bounded the config.
+Size GraphAuxElems(const KVConfig& c, const Size& num_pages) {
+  uint64_t b = static_cast<uint64_t>(c.max_batch_size);
+  Size fixed{static_cast<uint64_t>(4 * AuxBuilder::Padded(c.max_batch_size + 1) + 5 * AuxBuilder::Padded(c.max_batch_size))};
+  return fixed + Size{b, num_pages.overflow} * num_pages.value + Size{3};
+}
+
 // The device memory a cache of `c` allocates: every layer's pages and the chunk-sized work buffers
 // (the constructor's allocations, in the same order).
 struct DeviceBytes {
@@ -73,11 +76,7 @@ DeviceBytes ComputeDeviceBytes(const KVConfig& c) {
   uint64_t v_dim = static_cast<uint64_t>(c.is_mla() ? c.kv_lora_rank : c.head_dim);
   Size split = (Size{split_n} * hq * static_cast<uint64_t>(c.head_dim) + Size{split_n} * kv * 2) * elem;
   b.work = split + Size{n} * hq * v_dim * elem + Size{n} * hq * 8;  // q, k, v; o_tmp; lse_tmp, lse_own
-  if (c.cuda_graph()) {  // the CUDA-graph decode index arrays (GraphAuxElems), about b * num_pages int32
-    uint64_t batch = static_cast<uint64_t>(c.max_batch_size);
-    Size graph = Size{batch + 2} * 9 + Size{batch, b.num_pages.overflow} * b.num_pages.value + Size{4};
-    b.work = b.work + graph * 4;
-  }
+  if (c.cuda_graph()) b.work = b.work + GraphAuxElems(c, b.num_pages) * 4;
   b.total = b.pages + b.work;
   return b;
 }
@@ -169,7 +168,10 @@ PagedKVCacheObj::PagedKVCacheObj(KVConfig config, OpTable ops, DLDevice device)
   o_tmp_buf_ = AllocDevice({n, hq, PagedVDim()}, dtype_, "work buffer o_tmp");
   lse_tmp_buf_ = AllocDevice({n, hq}, kFloat32, "work buffer lse_tmp");
   lse_own_buf_ = AllocDevice({n, hq}, kFloat32, "work buffer lse_own");
-  if (cfg_.cuda_graph()) graph_aux_ = std::make_unique<AuxBuilder>(&fns_, device, GraphAuxElems(cfg_));
+  if (cfg_.cuda_graph()) {  // CheckCapacity has bounded the sizes: no overflow here
+    int64_t elems = static_cast<int64_t>(GraphAuxElems(cfg_, Size{static_cast<uint64_t>(cfg_.num_pages())}).value);
+    graph_aux_ = std::make_unique<AuxBuilder>(&fns_, device, elems);
+  }
 }
 
 PagedKVCache CreatePagedKVCache(const std::string& config_json, const ffi::Shape& runtime_values,

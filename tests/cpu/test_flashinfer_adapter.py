@@ -85,6 +85,13 @@ def _step(cache, cfg, ids, lengths, sm_scale):
     cache.end_forward()
 
 
+def _prefill_each(cache, cfg, lengths: dict[int, int]) -> None:
+    """Adds each sequence and prefills it with its own forward of ``lengths[seq]`` tokens."""
+    for seq, n in lengths.items():
+        cache.add_sequence(seq)
+        _step(cache, cfg, [seq], [n], 0.25)
+
+
 MHA_KINDS = {
     "fa2": {"attn_decode_paged": "decode", "attn_prefill_ragged": "prefill_fa2", "attn_prefill_paged": "prefill_fa2"},
     "fa3": {"attn_decode_paged": "decode", "attn_prefill_ragged": "prefill_fa3", "attn_prefill_paged": "prefill_fa3"},
@@ -252,9 +259,7 @@ def test_tensor_core_decode_plans(empty_rows):
     stand-in checks uniform_q_len 1 as FlashInfer's decode wrapper plans it), run per layer with paged_run."""
     cfg = MHA_CFG
     cache, fake = make_cache(cfg, empty_rows, MHA_KINDS["tc-fa2"])
-    for seq, n in ((0, 6), (1, 3), (2, 9)):
-        cache.add_sequence(seq)
-        _step(cache, cfg, [seq], [n], 0.25)
+    _prefill_each(cache, cfg, {0: 6, 1: 3, 2: 9})
     fake.calls.clear()
     _step(cache, cfg, [0, 1, 2], [1, 1, 1], 0.125)
     plans = [c for n, c in fake.calls if n == "prefill_fa2.plan"]
@@ -268,16 +273,12 @@ def test_decode_kernel_chosen_per_forward(empty_rows):
     CUDA-core decode kernel, any other on the tensor-core path; each plans and runs only its own module."""
     cfg = MHA_CFG
     cache, fake = make_cache(cfg, empty_rows, MHA_KINDS["choose"])
-    for seq, n in ((0, 20), (1, 19), (2, 21)):
-        cache.add_sequence(seq)
-        _step(cache, cfg, [seq], [n], 0.25)
+    _prefill_each(cache, cfg, {0: 20, 1: 19, 2: 21})
     fake.calls.clear()
     _step(cache, cfg, [0, 1, 2], [1, 1, 1], 0.125)  # 21, 20, 22 keys: uniform
     assert fake.count("prefill_fa2.plan") == 1 and fake.count("prefill_fa2.paged_run") == cfg.num_layers
     assert fake.count("decode.plan") == 0 and fake.count("decode.run") == 0
-    for seq in (3, 4):
-        cache.add_sequence(seq)
-        _step(cache, cfg, [seq], [2], 0.25)
+    _prefill_each(cache, cfg, {3: 2, 4: 2})
     fake.calls.clear()
     _step(cache, cfg, [0, 3, 4], [1, 1, 1], 0.125)  # 23, 3, 3 keys: the longest is 23 >= 2 * 29 / 3
     assert fake.count("decode.plan") == 1 and fake.count("decode.run") == cfg.num_layers
@@ -420,9 +421,7 @@ def test_graph_plan_that_changes_is_refused(empty_rows):
     changes fails begin_forward naming the reason, and leaves the cache as it was."""
     cfg = MHA_CFG.replace(cuda_graph_batch=4)
     cache, fake = make_cache(cfg, empty_rows, MHA_KINDS["tc-fa2"])
-    for seq, n in ((0, 6), (1, 3), (2, 9)):
-        cache.add_sequence(seq)
-        _step(cache, cfg, [seq], [n], 0.25)
+    _prefill_each(cache, cfg, {0: 6, 1: 3, 2: 9})
     _step(cache, cfg, [0, 1, 2], [1, 1, 1], 0.125)
     _step(cache, cfg, [0, 1, 2], [1, 1, 1], 0.125)  # same info: fine
     fake.perturb_next_graph_plan = True

@@ -27,8 +27,9 @@ TOL = 1e-2
 
 
 def _lib(backend: str, graph: bool) -> Path:
-    name = "graph-llama-float16" + ("" if backend == "tir" else f"-{backend}") + ("-graph" if graph else "")
-    lib = MODEL_DIR / f"{name}-cuda.so"
+    from pagedkv.apps.gpu_bundle import model_name
+
+    lib = MODEL_DIR / model_name("graph-llama", "float16", backend, graph)
     if not lib.exists():
         pytest.skip(f"no CUDA model library at {lib} (make gpu-bundle builds it)")
     return lib

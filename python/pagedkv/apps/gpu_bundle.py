@@ -177,6 +177,29 @@ def model_name(model: str, dtype: str, backend: str, graph: bool) -> str:
     return f"{model}-{dtype}" + ("" if backend == "tir" else f"-{backend}") + ("-graph" if graph else "") + "-cuda.so"
 
 
+def _model_library(model, arch: str, path: Path) -> tuple[Path, list]:
+    """``pagedkv.compile.build_library`` of ``model`` for sm ``arch`` at ``path``, checked to hold device code
+    (a CUDA fatbin, not CUDA source), with its size and time printed; returns (path, named params)."""
+    from ..compile import build_library
+    from ..cuda_build import enable_cuda_codegen, has_device_code
+
+    enable_cuda_codegen()
+    t0 = time.perf_counter()
+    lib, named = build_library(model, cuda_target(arch), path)
+    if not has_device_code(lib):
+        raise RuntimeError(f"{lib} holds no CUDA fatbin")
+    print(f"[pagedkv] model {lib.name}: {lib.stat().st_size / 1e6:.2f} MB in {time.perf_counter() - t0:.1f} s",
+          flush=True)
+    return lib, named
+
+
+def cuda_target(arch: str):
+    """The CUDA target the bundle's model libraries are compiled for (host code for x86-64 LLVM)."""
+    import tvm
+
+    return tvm.target.Target({"kind": "cuda", "arch": arch}, host="llvm")
+
+
 def build_smollm2(out: Path, arch: str, dtype: str = "float16", backend: str = "tir", *,
                   graph: bool = False) -> Path | None:
     """SmolLM2's model library for CUDA (weights are not in it: the GPU host reads the GGUF file) and the
@@ -188,23 +211,11 @@ def build_smollm2(out: Path, arch: str, dtype: str = "float16", backend: str = "
     except (ImportError, FileNotFoundError) as err:
         print(f"[pagedkv] skipping the SmolLM2 model library: {err}", flush=True)
         return None
-    import tvm
-
-    from ..compile import build_library
-    from ..cuda_build import enable_cuda_codegen, has_device_code
     from ..models.llama import LlamaForCausalLM
 
-    enable_cuda_codegen()
-    t0 = time.perf_counter()
-    target = tvm.target.Target({"kind": "cuda", "arch": arch}, host="llvm")
-    model = LlamaForCausalLM(smollm2.SMOLLM2_135M, dtype=dtype, target=target, backend=SMOLLM2_BACKENDS[backend],
-                             cuda_graph_batch=GRAPH_BATCH if graph else 0)
-    path, _ = build_library(model, target, out / "models" / model_name("smollm2", dtype, backend, graph))
-    if not has_device_code(path):
-        raise RuntimeError(f"{path} holds no CUDA fatbin")
-    print(f"[pagedkv] model {path.name}: {path.stat().st_size / 1e6:.2f} MB in "
-          f"{time.perf_counter() - t0:.1f} s", flush=True)
-    return path
+    model = LlamaForCausalLM(smollm2.SMOLLM2_135M, dtype=dtype, target=cuda_target(arch),
+                             backend=SMOLLM2_BACKENDS[backend], cuda_graph_batch=GRAPH_BATCH if graph else 0)
+    return _model_library(model, arch, out / "models" / model_name("smollm2", dtype, backend, graph))[0]
 
 
 def build_graph_case(out: Path, arch: str, backends) -> list[Path]:
@@ -216,28 +227,17 @@ def build_graph_case(out: Path, arch: str, backends) -> list[Path]:
     except ImportError as err:
         print(f"[pagedkv] skipping the CUDA-graph case: {err}", flush=True)
         return []
-    import tvm
-
-    from ..compile import build_library
-    from ..cuda_build import enable_cuda_codegen, has_device_code
     from ..models.llama import LlamaForCausalLM
     from ..testing import graph_case as G
 
-    enable_cuda_codegen()
-    target = tvm.target.Target({"kind": "cuda", "arch": arch}, host="llvm")
     G.write_weights(out / "models" / "graph-llama.npz")
     paths = []
     for backend in backends:
         for graph in (False, True):
-            t0 = time.perf_counter()
-            model = LlamaForCausalLM(G.CONFIG, dtype="float16", target=target, backend=SMOLLM2_BACKENDS[backend],
-                                     cuda_graph_batch=G.GRAPH_BATCH if graph else 0)
-            lib, _ = build_library(model, target, out / "models" / model_name("graph-llama", "float16", backend, graph))
-            if not has_device_code(lib):
-                raise RuntimeError(f"{lib} holds no CUDA fatbin")
-            print(f"[pagedkv] model {lib.name}: {lib.stat().st_size / 1e6:.2f} MB in "
-                  f"{time.perf_counter() - t0:.1f} s", flush=True)
-            paths.append(lib)
+            model = LlamaForCausalLM(G.CONFIG, dtype="float16", target=cuda_target(arch),
+                                     backend=SMOLLM2_BACKENDS[backend], cuda_graph_batch=G.GRAPH_BATCH if graph else 0)
+            path = out / "models" / model_name("graph-llama", "float16", backend, graph)
+            paths.append(_model_library(model, arch, path)[0])
     return paths
 
 
@@ -252,30 +252,20 @@ def build_deepseek(out: Path, arch: str) -> list[Path]:
         print(f"[pagedkv] skipping the DeepSeek-V3 case: {err}", flush=True)
         return []
     import numpy as np
-    import tvm
 
-    from ..compile import build_library
-    from ..cuda_build import enable_cuda_codegen, has_device_code
     from ..models.deepseek_v3 import DeepseekV3Config, DeepseekV3ForCausalLM, params_from_hf
     from ..testing import deepseek as D
 
-    enable_cuda_codegen()
-    target = tvm.target.Target({"kind": "cuda", "arch": arch}, host="llvm")
     paths = []
     for name, dtype in D.GPU_CASES:
-        t0 = time.perf_counter()
         seed = int(np.random.SeedSequence().entropy % 2**31)
         hf = D.round_weights(D.hf_model(name, seed), dtype)
         cfg = DeepseekV3Config.from_hf(hf.config)
-        model = DeepseekV3ForCausalLM(cfg, dtype=dtype, target=target, backend="tir")
-        lib, named = build_library(model, target, out / "models" / f"deepseek-{name}-{dtype}-cuda.so")
-        if not has_device_code(lib):
-            raise RuntimeError(f"{lib} holds no CUDA fatbin")
+        model = DeepseekV3ForCausalLM(cfg, dtype=dtype, target=cuda_target(arch), backend="tir")
+        lib, named = _model_library(model, arch, out / "models" / f"deepseek-{name}-{dtype}-cuda.so")
         steps, rows, history = D.scenario(np.random.default_rng(seed), cfg.vocab_size)
         D.write_case(lib.with_suffix(".npz"), name, seed, params_from_hf(hf, named, dtype), steps, rows,
                      D.hf_logits(hf, history), dtype)
-        print(f"[pagedkv] model {lib.name}: {lib.stat().st_size / 1e6:.2f} MB in "
-              f"{time.perf_counter() - t0:.1f} s", flush=True)
         paths.append(lib)
     return paths
 
