@@ -106,6 +106,16 @@ def _row_vars(func) -> set[str]:
     return {v.name for v in tirx.analysis.undefined_vars(func.body) if v.name in ROW_VARS}
 
 
+def _one_warp(target):
+    """``target`` with ``max_num_threads`` 32: ``LowBatchGEMV`` then gives each block one warp. With its
+    default (64 reduction threads) SmolLM2's K = 576 (no factor of 128 x 4) splits into scalar loads; one
+    warp reads it as vector-2 loads and makes 4x the blocks. Measured on the H200 (BENCHMARKS.md): a batch-1
+    SmolLM2 graph step 1.55 -> 1.14 ms, batch 8 1.77 -> 1.35 ms; a half warp (16) was slower than both."""
+    spec = dict(target.export())
+    spec["max_num_threads"] = 32
+    return tvm.target.Target(spec)
+
+
 def _small_rows_gemv_rule():
     """dlight's ``LowBatchGEMV`` for the projections of a few rows (decode steps, the logits of a prefill),
     ``None`` otherwise (then the SIMT ``Matmul`` rule schedules it). The ``Matmul`` rule tiles 32 rows x 64
@@ -121,7 +131,7 @@ def _small_rows_gemv_rule():
             rows = _row_vars(func)
             if not rows or not rows <= SMALL_ROW_VARS:
                 return None
-            return super().apply(func, target, tunable)
+            return super().apply(func, _one_warp(target), tunable)
 
     return SmallRowsGEMV()
 

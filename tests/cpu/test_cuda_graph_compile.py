@@ -6,6 +6,8 @@ pipeline (no GPU needed); replays are tested on the GPU (tests/gpu/test_cuda_gra
 
 from __future__ import annotations
 
+import re
+
 import pytest
 import tvm
 
@@ -70,3 +72,27 @@ def test_graphs_need_a_cuda_target(tmp_path):
     model = LlamaForCausalLM(G.CONFIG, dtype="float32", target="llvm", backend="tir", cuda_graph_batch=2)
     with pytest.raises(ValueError, match="cuda_graph_batch needs a CUDA target"):
         build_library(model, "llvm", tmp_path / "m.so")
+
+
+def _thread_extents(func) -> dict[str, int]:
+    """``threadIdx.*`` extents bound in a scheduled PrimFunc (read from its TVMScript)."""
+    found = {}
+    for extent, tag in re.findall(r'T\.thread_binding\((?:T\.int64\()?(\d+)\)?, thread="(threadIdx\.[xyz])"\)', func.script()):
+        found[tag] = max(found.get(tag, 0), int(extent))
+    return found
+
+
+def test_decode_projections_run_one_warp_per_block(graph_mod):
+    """The projections of a decode step (row var ``b``) are LowBatchGEMV kernels of one warp (K = 576 reads as
+    vector loads; BENCHMARKS.md has the measurement); a prefill's (``n`` rows) stay on the SIMT matmul tiles."""
+    from pagedkv.compile import _row_vars
+
+    prims = {n: graph_mod[n] for n in _names(graph_mod) if isinstance(graph_mod[n], tvm.tirx.PrimFunc)}
+    small = {n: f for n, f in prims.items() if "NT_matmul" in n and _row_vars(f) == {"b"}}
+    large = {n: f for n, f in prims.items() if "NT_matmul" in n and "n" in _row_vars(f)}
+    assert small and large, sorted(prims)
+    for name, func in small.items():
+        ext = _thread_extents(func)
+        assert ext and all(v <= 32 for v in ext.values()) and ext.get("threadIdx.x", 1) * ext.get("threadIdx.y", 1) <= 32, (name, ext)
+    assert any(_thread_extents(f).get("threadIdx.x", 1) * _thread_extents(f).get("threadIdx.y", 1) > 32
+               for f in large.values()), {n: _thread_extents(f) for n, f in large.items()}
