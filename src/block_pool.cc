@@ -4,6 +4,7 @@
 
 #include <tvm/ffi/error.h>
 
+#include <algorithm>
 #include <set>
 
 namespace pagedkv {
@@ -99,11 +100,18 @@ void BlockPool::CheckAppend(const std::vector<int64_t>& ids, const std::vector<i
     TVM_FFI_THROW(ValueError) << "pagedkv: " << ids.size() << " sequence ids but " << lengths.size()
                               << " append lengths";
   }
+  // Whether any id repeats, by sorting a copy (one allocation); only then the set that names the first
+  // repeat in order (a std::set allocates a node per id: every forward paid that).
+  std::vector<int64_t> sorted(ids);
+  std::sort(sorted.begin(), sorted.end());
+  bool repeats = std::adjacent_find(sorted.begin(), sorted.end()) != sorted.end();
   std::set<int64_t> seen;
   int64_t pages = 0;
   for (size_t i = 0; i < ids.size(); ++i) {
     const Sequence& seq = Get(ids[i]);
-    if (!seen.insert(ids[i]).second) TVM_FFI_THROW(ValueError) << "pagedkv: sequence id " << ids[i] << " appears twice";
+    if (repeats && !seen.insert(ids[i]).second) {
+      TVM_FFI_THROW(ValueError) << "pagedkv: sequence id " << ids[i] << " appears twice";
+    }
     if (lengths[i] < 1) {
       TVM_FFI_THROW(ValueError) << "pagedkv: append length " << lengths[i] << " of sequence " << ids[i]
                                 << " must be >= 1";
@@ -117,19 +125,24 @@ void BlockPool::CheckAppend(const std::vector<int64_t>& ids, const std::vector<i
 }
 
 void BlockPool::Append(const std::vector<int64_t>& ids, const std::vector<int64_t>& lengths) {
-  CheckAppend(ids, lengths);
+  TVM_FFI_ICHECK_EQ(ids.size(), lengths.size()) << "pagedkv: Append without CheckAppend";
   for (size_t i = 0; i < ids.size(); ++i) {
-    Sequence& seq = seqs_[ids[i]];
+    auto it = seqs_.find(ids[i]);
+    TVM_FFI_ICHECK(it != seqs_.end()) << "pagedkv: Append without CheckAppend";
+    Sequence& seq = it->second;
     for (int64_t k = PagesNeeded(seq, lengths[i]); k > 0; --k) blocks_[seq.leaf].pages.push_back(TakePage());
     blocks_[seq.leaf].num_tokens += lengths[i];
     seq.length += lengths[i];
   }
 }
 
-std::vector<int32_t> BlockPool::Chain(int64_t seq_id) const {
+std::vector<int32_t> BlockPool::Chain(int64_t seq_id) const { return Chain(Get(seq_id)); }
+
+std::vector<int32_t> BlockPool::Chain(const Sequence& seq) const {
   std::vector<int32_t> chain;
-  for (int32_t b = Get(seq_id).leaf; b != -1; b = blocks_[b].parent) chain.push_back(b);
-  return std::vector<int32_t>(chain.rbegin(), chain.rend());
+  for (int32_t b = seq.leaf; b != -1; b = blocks_[b].parent) chain.push_back(b);
+  std::reverse(chain.begin(), chain.end());
+  return chain;
 }
 
 std::vector<int32_t> BlockPool::ChainPages(int64_t seq_id) const {

@@ -51,6 +51,8 @@ class BlockPool {
   std::optional<PageCopy> PopN(int64_t seq_id, int64_t n);
   // Throws unless Append(ids, lengths) can succeed (ids known and unique, lengths >= 1, pages enough).
   void CheckAppend(const std::vector<int64_t>& ids, const std::vector<int64_t>& lengths) const;
+  // Only after CheckAppend(ids, lengths) passed with no change to the pool since (begin_forward checks,
+  // reserves its index buffers, then appends): the check is a third of a decode step's host work at B=64.
   void Append(const std::vector<int64_t>& ids, const std::vector<int64_t>& lengths);
 
   const Sequence& Get(int64_t seq_id) const;  // throws naming an unknown id
@@ -58,6 +60,7 @@ class BlockPool {
   const std::map<int64_t, Sequence>& sequences() const { return seqs_; }
   const Block& block(int32_t id) const { return blocks_[id]; }
   std::vector<int32_t> Chain(int64_t seq_id) const;       // block ids, root first
+  std::vector<int32_t> Chain(const Sequence& seq) const;
   std::vector<int32_t> ChainPages(int64_t seq_id) const;  // page ids of the chain, in token order
   int64_t NumFreePages() const { return static_cast<int64_t>(free_pages_.size()); }
   int64_t NumPages() const { return num_pages_; }

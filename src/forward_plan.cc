@@ -35,10 +35,35 @@ void AddEntry(PassPlan* pass, int32_t q_begin, int32_t q_end, const int32_t* pag
 
 struct SeqView {
   std::vector<int32_t> chain;
-  std::vector<int32_t> pages;
+  // The chain's page ids in token order: the leaf block's own list when the chain is that one block (a
+  // sequence that was never forked; no copy: a B=64 decode at 4K tokens would copy 16K ids per step),
+  // otherwise `own_pages`, the chain's lists concatenated.
+  const int32_t* pages = nullptr;
+  std::vector<int32_t> own_pages;
   int64_t kv_len = 0;   // keys the passes see
   size_t shared = 0;    // leading blocks read in prefix passes
 };
+
+void ViewPages(const BlockPool& pool, SeqView* s) {
+  if (s->chain.size() == 1) {
+    s->pages = pool.block(s->chain[0]).pages.data();
+    return;
+  }
+  for (int32_t b : s->chain) {
+    const std::vector<int32_t>& pages = pool.block(b).pages;
+    s->own_pages.insert(s->own_pages.end(), pages.begin(), pages.end());
+  }
+  s->pages = s->own_pages.data();
+}
+
+// Reserves each array of a pass of `entries` entries listing at most `pages` page ids.
+void ReservePass(PassPlan* pass, size_t entries, size_t pages) {
+  pass->q_indptr.reserve(entries + 1);
+  pass->page_indptr.reserve(entries + 1);
+  pass->page_values.reserve(pages);
+  pass->last_page_len.reserve(entries);
+  pass->k_pos_offset.reserve(entries);
+}
 
 // Prefix pass at depth d: runs of sequences sharing their depth-d block form one entry.
 PassPlan PrefixPass(const BlockPool& pool, const std::vector<SeqView>& seqs, const ForwardPlan& plan,
@@ -65,11 +90,14 @@ PassPlan PrefixPass(const BlockPool& pool, const std::vector<SeqView>& seqs, con
 PassPlan OwnPass(const BlockPool& pool, const std::vector<SeqView>& seqs, const ForwardPlan& plan) {
   PassPlan pass;
   int64_t ps = pool.PageSize();
+  size_t pages = 0;
+  for (const SeqView& s : seqs) pages += static_cast<size_t>((s.kv_len + ps - 1) / ps);
+  ReservePass(&pass, seqs.size(), pages);
   for (size_t i = 0; i < seqs.size(); ++i) {
     const SeqView& s = seqs[i];
     int64_t start = pool.block(s.chain[s.shared]).start;
     int64_t tokens = std::max<int64_t>(s.kv_len - start, 0);
-    AddEntry(&pass, plan.q_indptr[i], plan.q_indptr[i + 1], s.pages.data() + start / ps, tokens, start, ps);
+    AddEntry(&pass, plan.q_indptr[i], plan.q_indptr[i + 1], s.pages + start / ps, tokens, start, ps);
   }
   return pass;
 }
@@ -83,12 +111,19 @@ ForwardPlan BuildForwardPlan(const BlockPool& pool, const std::vector<int64_t>& 
   plan.is_decode = std::all_of(lengths.begin(), lengths.end(), [](int64_t l) { return l == 1; });
   plan.through = plan.is_decode || flat;
   std::vector<SeqView> seqs(ids.size());
+  int64_t tokens = 0;
+  for (int64_t l : lengths) tokens += l;
+  plan.q_indptr.reserve(ids.size() + 1);
+  plan.prior_len.reserve(ids.size());
+  plan.q_pos.reserve(static_cast<size_t>(tokens));
+  plan.append_slot.reserve(static_cast<size_t>(tokens));
   plan.q_indptr.push_back(0);
   for (size_t i = 0; i < ids.size(); ++i) {
     SeqView& s = seqs[i];
-    s.chain = pool.Chain(ids[i]);
-    s.pages = pool.ChainPages(ids[i]);
-    int64_t length = pool.Get(ids[i]).length;
+    const Sequence& seq = pool.Get(ids[i]);
+    s.chain = pool.Chain(seq);
+    ViewPages(pool, &s);
+    int64_t length = seq.length;
     int64_t prior = length - lengths[i];
     s.kv_len = plan.through ? length : prior;
     plan.prior_len.push_back(static_cast<int32_t>(prior));

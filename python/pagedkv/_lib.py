@@ -37,8 +37,10 @@ def load_runtime():
     return tvm_ffi.load_module(str(runtime_library_path()))
 
 
+@functools.lru_cache(maxsize=None)
 def get_global(name: str):
-    """A ``pagedkv.*`` global function, loading the runtime library first."""
+    """A ``pagedkv.*`` global function, loading the runtime library first. Cached: the lookup (registry
+    search and a new function object) cost more than the call of a cheap global, on every cache method."""
     import tvm_ffi
 
     load_runtime()

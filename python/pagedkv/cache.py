@@ -318,7 +318,7 @@ class KVCache:
 
     # -- forward ------------------------------------------------------------------------------------
     def begin_forward(self, seq_ids: Sequence[int], append_lengths: Sequence[int]) -> None:
-        self._call("begin_forward", tuple(int(s) for s in seq_ids), tuple(int(n) for n in append_lengths))
+        self._call("begin_forward", tuple(map(int, seq_ids)), tuple(map(int, append_lengths)))
 
     def end_forward(self) -> None:
         self._call("end_forward")
