@@ -20,6 +20,40 @@ import _bench_impls as impls
 SHAPES = ((1, 4096), (64, 4096), (256, 2048))
 
 
+def _config(batch: int, length: int, *, layers: int = 32, graph: bool = False):
+    import pagedkv
+
+    return pagedkv.KVCacheConfig(num_layers=layers, num_qo_heads=32, num_kv_heads=8, head_dim=128,
+                                 dtype="float16", rope_mode="none", page_size=16, max_batch_size=batch,
+                                 max_total_seq_len=batch * (length + 64), prefill_chunk_size=16384,
+                                 cuda_graph_batch=batch if graph else 0)
+
+
+def begin_forward_split(batch: int, length: int, steps: int) -> dict:
+    """Median ``begin_forward`` of a 1-layer cache of the same shape with the TIR backend (pagedkv's own
+    plan and index upload) and with the FlashInfer backend (plus FlashInfer's plans), in microseconds."""
+    import pagedkv
+
+    out = {}
+    for label in ("pagedkv-tir", "pagedkv-fi"):
+        cache = pagedkv.create(_config(batch, length, layers=1), backend=impls.PAGEDKV_BACKENDS[label],
+                               target=impls.TARGET, device=impls.DEVICE)
+        for b in range(batch):
+            cache.add_sequence(b)
+        impls.reserve(cache, {b: length for b in range(batch)})
+        ids, ones, times = list(range(batch)), [1] * batch, []
+        for _ in range(steps):
+            if impls.DEVICE == "cuda":
+                torch.cuda.synchronize()
+            t0 = time.perf_counter()
+            cache.begin_forward(ids, ones)
+            times.append(time.perf_counter() - t0)
+            cache.end_forward()
+        out[label] = statistics.median(times[2:]) * 1e6
+        del cache
+    return out
+
+
 def _decode_step(batch: int, length: int, *, graph: bool):
     """A cache of ``batch`` sequences of ``length`` tokens (``graph``: with ``cuda_graph_batch``), and
     ``layers()``, the 32 layers' ``attention_with_fused_qkv`` calls of one decode step; returns
@@ -28,11 +62,7 @@ def _decode_step(batch: int, length: int, *, graph: bool):
     from pagedkv._lib import get_global
     from pagedkv.cache import _to_ffi
 
-    cfg = pagedkv.KVCacheConfig(num_layers=32, num_qo_heads=32, num_kv_heads=8, head_dim=128,
-                                dtype="float16", rope_mode="none", page_size=16, max_batch_size=batch,
-                                max_total_seq_len=batch * (length + 64), prefill_chunk_size=16384,
-                                cuda_graph_batch=batch if graph else 0)
-    cache = pagedkv.create(cfg, backend=impls.PAGEDKV_BACKENDS["pagedkv-fi"], target=impls.TARGET, device="cuda")
+    cache = pagedkv.create(_config(batch, length, graph=graph), backend=impls.PAGEDKV_BACKENDS["pagedkv-fi"], target=impls.TARGET, device="cuda")
     for b in range(batch):
         cache.add_sequence(b)
     impls.reserve(cache, {b: length for b in range(batch)})
@@ -102,7 +132,9 @@ def host_cost(args) -> list[dict]:
         for _ in range(3200):
             length_of(cache.handle, 0)
         call_us = (time.perf_counter() - t0) / 3200 * 1e6
+        split = begin_forward_split(batch, length, args.host_steps)
         out.append({"batch": batch, "length": length, "begin_forward_us": bf * 1e6, "dispatch_us": disp * 1e6,
+                    "begin_forward_1layer_us": split,
                     "python_call_us": call_us, "cross_attention_call_us": cross_us, "gpu_attention_us": gpu * 1e6, "step_wall_us": wall * 1e6,
                     "host_share": (bf + disp) / gpu,
                     "host_share_runtime": (bf + disp - 32 * call_us / 1e6) / gpu,
@@ -110,7 +142,8 @@ def host_cost(args) -> list[dict]:
         r = out[-1]
         print(f"[host] B={batch}: begin_forward {bf * 1e6:.0f} us, 32-layer dispatch {disp * 1e6:.0f} us "
               f"(python call {call_us:.1f} us, cross_attention alone {cross_us:.1f} us per layer), GPU {gpu * 1e6:.0f} us, step {wall * 1e6:.0f} us wall; "
-              f"host share {r['host_share']:.1%} ({r['host_share_runtime']:.1%} without the Python calls)",
+              f"host share {r['host_share']:.1%} ({r['host_share_runtime']:.1%} without the Python calls); "
+              f"1-layer begin_forward: TIR {split['pagedkv-tir']:.0f} us, FlashInfer {split['pagedkv-fi']:.0f} us",
               flush=True)
         del cache, layers, fo  # layers holds the cache's handle
         torch.cuda.empty_cache()

@@ -102,3 +102,12 @@ def test_rope_ratio_rows(capsys):
     assert abs(r["ratio"] - 1.15) < 1e-9
     assert "1.150x" in capsys.readouterr().out
     assert bench_gpu.rope_ratios(rows[:1], ws)[0]["ratio"] is None
+
+
+def test_begin_forward_split_runs():
+    """The host-cost benchmark's 1-layer ``begin_forward`` timing, with both backend labels (on the CPU the
+    FlashInfer label's priority list is served by TIR)."""
+    import _host_cost
+
+    times = _host_cost.begin_forward_split(3, 40, steps=4)
+    assert set(times) == {"pagedkv-tir", "pagedkv-fi"} and all(t > 0 for t in times.values())
