@@ -332,8 +332,8 @@ def attn_prefill_ragged_cuda(spec):
     The mask and logits rules (causal, sliding window, soft cap) are ``CudaVariant.from_spec(spec)``'s; a
     window also skips the key tiles below the query tile's first window start.
     """
-    kernel_rope, kernel_plain = _make_prefill(ATTN_PREFILL_RAGGED, spec, paged=False)
     TC = use_tensor_cores(ATTN_PREFILL_RAGGED, spec, shape_values(spec)["Dv"])  # a bool: parse-time ``if``
+    kernel_rope, kernel_plain = _make_prefill(ATTN_PREFILL_RAGGED, spec, paged=False)
     kernel_tc = make_prefill_tc(ATTN_PREFILL_RAGGED, spec, paged=False) if TC else None
 
     @T.macro
@@ -358,8 +358,8 @@ def attn_prefill_ragged_cuda(spec):
 def attn_prefill_paged_cuda(spec):
     """``pagedkv_attn_prefill_paged`` for CUDA (arguments: ``pagedkv.ops.OP_SPECS``), for a ``KernelSpec``;
     mask and logits rules as ``attn_prefill_ragged_cuda``."""
-    kernel_rope, kernel_plain = _make_prefill(ATTN_PREFILL_PAGED, spec, paged=True)
     TC = use_tensor_cores(ATTN_PREFILL_PAGED, spec, spec.head_dim)
+    kernel_rope, kernel_plain = _make_prefill(ATTN_PREFILL_PAGED, spec, paged=True)
     kernel_tc = make_prefill_tc(ATTN_PREFILL_PAGED, spec, paged=True) if TC else None
 
     @T.macro

@@ -39,6 +39,33 @@ TC_ROWS = TC_WARPS * TC_WROWS
 TC_NT = TC_WARPS * 32
 TC_DTYPES = ("float16", "bfloat16")
 TC_MAX_DIM = 128
+#: GQA groups served: the PrimFunc also holds the SIMT RoPE kernel, whose tile takes groups up to 32 rows
+#: (``attention_cuda_prefill._prefill_plan``); the tensor-core tile itself would take 64.
+TC_MAX_GROUP = 32
+
+
+def k_store_index(key, dim, d: int):
+    """Where ``load_kv`` puts element ``dim`` of key ``key`` of the tile in ``Ks`` (key-major)."""
+    return key * (d + TC_PAD) + dim
+
+
+def v_store_index(key, dim):
+    """Where ``load_kv`` puts element ``dim`` of value ``key`` of the tile in ``Vt`` (dim-major)."""
+    return dim * (TC_TK + TC_PAD) + key
+
+
+def k_smem_index(lane, nt, ks, u, d: int):
+    """Index into ``Ks[key, dim]`` (row stride ``d + TC_PAD``) of the first of the two halves of register
+    ``u`` of the lane's B fragment for key tile ``nt`` (keys ``8 nt ..``) and dims ``16 ks ..``."""
+    k, n = b_frag(lane, 2 * u)
+    return (nt * 8 + n) * (d + TC_PAD) + ks * 16 + k
+
+
+def v_smem_index(lane, dn, kk, u):
+    """Index into ``Vt[dim, key]`` (row stride ``TC_TK + TC_PAD``) of register ``u`` of the lane's B fragment
+    for dims ``8 dn ..`` and keys ``16 kk ..``."""
+    k, n = b_frag(lane, 2 * u)
+    return (dn * 8 + n) * (TC_TK + TC_PAD) + kk * 16 + k
 
 
 def tc_unserved(spec, dv: int) -> str | None:
@@ -49,8 +76,8 @@ def tc_unserved(spec, dv: int) -> str | None:
         return f"dtype {spec.dtype} (the tensor-core prefill takes {', '.join(TC_DTYPES)})"
     if d % 16 or dv % 16 or max(d, dv) > TC_MAX_DIM:
         return f"head dims {d}/{dv} (the tensor-core prefill takes multiples of 16 up to {TC_MAX_DIM})"
-    if g > TC_ROWS:
-        return f"GQA group {g} (the tensor-core prefill takes groups up to {TC_ROWS})"
+    if g > TC_MAX_GROUP:
+        return f"GQA group {g} (the tensor-core prefill takes groups up to {TC_MAX_GROUP})"
     return None
 
 
@@ -144,20 +171,20 @@ def make_prefill_tc(op: str, spec, paged: bool):
         for it in T.serial(TK * D // (NT * 8)):
             for u in T.unroll(8):
                 if kt * TK + T.truncdiv((it * 8 + u) * NT + tid, D) < ti[6]:
-                    Ks[T.truncdiv((it * 8 + u) * NT + tid, D) * KS + T.truncmod((it * 8 + u) * NT + tid, D)] = \
+                    Ks[k_store_index(T.truncdiv((it * 8 + u) * NT + tid, D), T.truncmod((it * 8 + u) * NT + tid, D), D)] = \
                         kv_elem(kvb, 0, ti[0], kt * TK + T.truncdiv((it * 8 + u) * NT + tid, D), h,
                                 T.truncmod((it * 8 + u) * NT + tid, D))
                 else:
-                    Ks[T.truncdiv((it * 8 + u) * NT + tid, D) * KS + T.truncmod((it * 8 + u) * NT + tid, D)] = \
+                    Ks[k_store_index(T.truncdiv((it * 8 + u) * NT + tid, D), T.truncmod((it * 8 + u) * NT + tid, D), D)] = \
                         T.Cast(dtype, T.float32(0))
         for it in T.serial(TK * DV // (NT * 8)):
             for u in T.unroll(8):
                 if kt * TK + T.truncdiv((it * 8 + u) * NT + tid, DV) < ti[6]:
-                    Vt[T.truncmod((it * 8 + u) * NT + tid, DV) * VS + T.truncdiv((it * 8 + u) * NT + tid, DV)] = \
+                    Vt[v_store_index(T.truncdiv((it * 8 + u) * NT + tid, DV), T.truncmod((it * 8 + u) * NT + tid, DV))] = \
                         kv_elem(kvb, 1, ti[0], kt * TK + T.truncdiv((it * 8 + u) * NT + tid, DV), h,
                                 T.truncmod((it * 8 + u) * NT + tid, DV))
                 else:
-                    Vt[T.truncmod((it * 8 + u) * NT + tid, DV) * VS + T.truncdiv((it * 8 + u) * NT + tid, DV)] = \
+                    Vt[v_store_index(T.truncdiv((it * 8 + u) * NT + tid, DV), T.truncmod((it * 8 + u) * NT + tid, DV))] = \
                         T.Cast(dtype, T.float32(0))
 
     @T.macro
@@ -170,9 +197,7 @@ def make_prefill_tc(op: str, spec, paged: bool):
         for ks in T.unroll(NKS):
             for nt in T.unroll(NSN):
                 for u in T.unroll(2):
-                    T.evaluate(copy4(T.address_of(bfr[u]),
-                                     T.address_of(Ks[(nt * 8 + b_frag(lane, 2 * u)[1]) * KS + ks * 16
-                                                     + b_frag(lane, 2 * u)[0]])))
+                    T.evaluate(copy4(T.address_of(bfr[u]), T.address_of(Ks[k_smem_index(lane, nt, ks, u, D)])))
                 T.evaluate(mma_sync(dtype, T.address_of(sacc[nt * 4]), T.address_of(qf[ks * 8]),
                                     T.address_of(bfr[0])))
 
@@ -210,9 +235,7 @@ def make_prefill_tc(op: str, spec, paged: bool):
         for kk in T.unroll(NKK):
             for dn in T.unroll(NDN):
                 for u in T.unroll(2):
-                    T.evaluate(copy4(T.address_of(bfr[u]),
-                                     T.address_of(Vt[(dn * 8 + b_frag(lane, 2 * u)[1]) * VS + kk * 16
-                                                     + b_frag(lane, 2 * u)[0]])))
+                    T.evaluate(copy4(T.address_of(bfr[u]), T.address_of(Vt[v_smem_index(lane, dn, kk, u)])))
                 T.evaluate(mma_sync(dtype, T.address_of(oacc[dn * 4]), T.address_of(pf[kk * 8]),
                                     T.address_of(bfr[0])))
 
@@ -273,4 +296,5 @@ def make_prefill_tc(op: str, spec, paged: bool):
     return kernel
 
 
-__all__ = ["TC_DTYPES", "TC_MAX_DIM", "TC_ROWS", "TC_TK", "make_prefill_tc", "tc_unserved"]
+__all__ = ["TC_DTYPES", "TC_MAX_DIM", "TC_MAX_GROUP", "TC_ROWS", "TC_TK", "k_smem_index", "k_store_index", "make_prefill_tc", "tc_unserved", "v_smem_index",
+           "v_store_index"]
