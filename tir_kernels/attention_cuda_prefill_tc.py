@@ -10,15 +10,21 @@ Design (FlashAttention-2 style), one block of 4 warps (128 threads) per (query t
 * A query tile is ``TQ = 64 // G`` tokens x the ``G`` q heads of the kv head = up to 64 *rows* (row ``r`` =
   token ``r // G``, head ``h*G + r % G``, as in the SIMT kernel), so one K/V tile serves the GQA group.
   Warp ``w`` owns rows ``16w .. 16w+15``; its Q fragments (``D/16`` A fragments) stay in registers.
-* Key tiles of 64: K as ``Ks[key, d]`` and V transposed as ``Vt[d, key]`` in static shared memory, rows
-  padded by 8 elements so that the B-fragment reads (lanes ``4g + t`` at row ``g``, word ``t``) hit 32
-  distinct banks; loaded through registers with element loads (q/k/v views may start at any element
-  offset, so 16-byte ``cp.async`` is not safe for them), one stage: other resident blocks hide the latency.
-* S = Q K^T: ``D/16 x 8`` MMAs per warp and tile into 8 C fragments (fp32); scores scaled by
-  ``sm_scale * log2(e)`` in fp32 (base-2 softmax), masked / capped by ``CudaVariant``; online softmax per
-  row (a row's 64 scores live in the 4 lanes of a quad: two ``shfl_xor``); P rounded to the storage dtype
-  *is* the A fragment of P V (the C layout of two adjacent n8 tiles equals the A layout of one k16 step).
-* O += P V: ``4 x DV/8`` MMAs per tile, B fragments from ``Vt`` (one 32-bit LDS per register).
+* Key tiles of 64: K as ``Ks[key, d]`` and V as ``Vs[key, d]`` (both row-major) in static shared memory,
+  rows padded by 8 elements so that each 8-lane phase of an ``ldmatrix`` (8 rows of 16 bytes) hits 32
+  distinct banks. One buffer each, software-pipelined with ``cp.async`` (16-byte copies, commit / wait
+  groups): K of tile ``kt + 1`` is in flight during the softmax and P V of ``kt``, V of ``kt + 1`` during the
+  scores of ``kt + 1`` (a second stage of both would need 70 KB: over the 48 KB of static shared memory).
+  Ragged q / k / v are views that may start at any element: when k or v does not start at a 16-byte
+  aligned address (a block-uniform run-time test) the same schedule loads elements through registers
+  instead (slower, same results); pages always take the 16-byte path.
+* S = Q K^T: ``D/16 x 8`` MMAs per warp and tile into 8 C fragments (fp32), the B fragments of two k steps
+  per ``ldmatrix.x4``; scores scaled by ``sm_scale * log2(e)`` in fp32 (base-2 softmax), masked / capped by
+  ``CudaVariant``; online softmax per row (a row's 64 scores live in the 4 lanes of a quad: two
+  ``shfl_xor``); P rounded to the storage dtype *is* the A fragment of P V (the C layout of two adjacent n8
+  tiles equals the A layout of one k16 step).
+* O += P V: ``4 x DV/8`` MMAs per tile, the B fragments of two n tiles per ``ldmatrix.x4.trans`` of ``Vs``.
+* Registers (ptxas, sm_90a, fp16 D = 128): 180 a thread, no spills: 2 blocks (8 warps) per SM.
 * Causal tiles past the tile's last row are skipped (and, with a window, those before its first window).
 * Grid and entry search as the SIMT kernel: virtual tiles, binary search, idle blocks run zero-trip loops.
 """
@@ -30,7 +36,7 @@ from tvm.script import tirx as T
 from ..ops import shape_values
 from ._common import EMPTY_LSE, LOG2E
 from ._common_cuda import paged_kv_len, shfl_xor
-from ._mma_cuda import a_frag, b_frag, c_frag, copy4, mma_sync
+from ._mma_cuda import a_frag, aligned16, c_frag, cp_async16, cp_async_commit, cp_async_wait1, ldmatrix_x4, mma_sync
 from ._variant_cuda import CudaVariant
 
 #: Warps per block, rows per warp (one m16 tile), keys per tile, shared-memory row padding (elements).
@@ -45,27 +51,29 @@ TC_MAX_GROUP = 32
 
 
 def k_store_index(key, dim, d: int):
-    """Where ``load_kv`` puts element ``dim`` of key ``key`` of the tile in ``Ks`` (key-major)."""
+    """Where ``load_kv`` puts element ``dim`` of key ``key`` of the tile in ``Ks`` (row stride ``d + TC_PAD``)."""
     return key * (d + TC_PAD) + dim
 
 
-def v_store_index(key, dim):
-    """Where ``load_kv`` puts element ``dim`` of value ``key`` of the tile in ``Vt`` (dim-major)."""
-    return dim * (TC_TK + TC_PAD) + key
+def v_store_index(key, dim, dv: int):
+    """Where ``load_kv`` puts element ``dim`` of value ``key`` of the tile in ``Vs`` (row stride ``dv + TC_PAD``)."""
+    return key * (dv + TC_PAD) + dim
 
 
-def k_smem_index(lane, nt, ks, u, d: int):
-    """Index into ``Ks[key, dim]`` (row stride ``d + TC_PAD``) of the first of the two halves of register
-    ``u`` of the lane's B fragment for key tile ``nt`` (keys ``8 nt ..``) and dims ``16 ks ..``."""
-    k, n = b_frag(lane, 2 * u)
-    return (nt * 8 + n) * (d + TC_PAD) + ks * 16 + k
+def k_ldsm_index(lane, nt, ks2, d: int):
+    """The ``Ks`` row this lane addresses in the ``ldmatrix.x4`` of keys ``8 nt ..`` x dims ``32 ks2 ..``:
+    matrix ``lane // 8`` = dims ``32 ks2 + 8 (lane // 8) ..``, row ``lane % 8``. Registers 0, 1 are then the B
+    fragment of k step ``2 ks2``, registers 2, 3 that of ``2 ks2 + 1`` (no transpose: a B fragment's n is
+    the key, its k the dim, and ldmatrix gives lane t row t / 4, columns 2 (t % 4), + 1)."""
+    return (nt * 8 + lane % 8) * (d + TC_PAD) + ks2 * 32 + (lane // 8) * 8
 
 
-def v_smem_index(lane, dn, kk, u):
-    """Index into ``Vt[dim, key]`` (row stride ``TC_TK + TC_PAD``) of register ``u`` of the lane's B fragment
-    for dims ``8 dn ..`` and keys ``16 kk ..``."""
-    k, n = b_frag(lane, 2 * u)
-    return (dn * 8 + n) * (TC_TK + TC_PAD) + kk * 16 + k
+def v_ldsm_index(lane, kk, dn2, dv: int):
+    """The ``Vs`` row this lane addresses in the ``ldmatrix.x4.trans`` of keys ``16 kk ..`` x dims
+    ``16 dn2 ..``: matrix ``i = lane // 8`` = keys ``16 kk + 8 (i % 2) ..`` x dims ``16 dn2 + 8 (i // 2) ..``,
+    row ``lane % 8``. Registers 0, 1 are the B fragment of n tile ``2 dn2``, registers 2, 3 that of
+    ``2 dn2 + 1`` (transposed: lane t gets rows = keys 2 (t % 4), + 1 of column = dim t / 4)."""
+    return (kk * 16 + ((lane // 8) % 2) * 8 + lane % 8) * (dv + TC_PAD) + dn2 * 16 + (lane // 16) * 8
 
 
 def tc_unserved(spec, dv: int) -> str | None:
@@ -74,8 +82,9 @@ def tc_unserved(spec, dv: int) -> str | None:
     d, g = spec.head_dim, spec.group_size
     if spec.dtype not in TC_DTYPES:
         return f"dtype {spec.dtype} (the tensor-core prefill takes {', '.join(TC_DTYPES)})"
-    if d % 16 or dv % 16 or max(d, dv) > TC_MAX_DIM:
-        return f"head dims {d}/{dv} (the tensor-core prefill takes multiples of 16 up to {TC_MAX_DIM})"
+    if d % 32 or dv % 16 or max(d, dv) > TC_MAX_DIM:
+        return (f"head dims {d}/{dv} (the tensor-core prefill takes a qk dim multiple of 32 and a v dim multiple "
+                f"of 16, up to {TC_MAX_DIM})")
     if g > TC_MAX_GROUP:
         return f"GQA group {g} (the tensor-core prefill takes groups up to {TC_MAX_GROUP})"
     return None
@@ -95,7 +104,7 @@ def make_prefill_tc(op: str, spec, paged: bool):
     TQ = TC_ROWS // G
     RV = TQ * G  # row slots holding a (token, head); the rest of the 64 are padding
     TK, NT = TC_TK, TC_NT
-    KS, VS = D + TC_PAD, TK + TC_PAD  # shared row strides (elements) of Ks and Vt
+    KS, VS = D + TC_PAD, DV + TC_PAD  # shared row strides (elements) of Ks and Vs
     NKS, NSN, NKK, NDN = D // 16, TK // 8, TK // 16, DV // 8
 
     if paged:
@@ -111,6 +120,9 @@ def make_prefill_tc(op: str, spec, paged: bool):
 
         def kv_elem(kvb, c01, b, key, h, d):
             return (kvb[0] if c01 == 0 else kvb[1])[kvb[2][b] + key, h, d]
+
+    def store_index(key, dim, c01):
+        return k_store_index(key, dim, D) if c01 == 0 else v_store_index(key, dim, DV)
 
     def row_ok(r, ti):
         """Row slot ``r`` holds a token of the tile (``ti[3]`` = tokens in the tile)."""
@@ -163,43 +175,79 @@ def make_prefill_tc(op: str, spec, paged: bool):
         for e in T.unroll(NDN * 4):
             oacc[e] = T.float32(0)
 
+    def aligned(kvb):
+        """16-byte global loads are safe: pages always (no element offset, rows of D elements, an allocation's
+        base), ragged k / v when their first elements' addresses are (rows of ``Hkv * D`` elements keep it;
+        the test is on the address, as a view may put its offset in the pointer or in ``elem_offset``)."""
+        if paged:
+            return True
+        return T.And(aligned16(T.address_of(kvb[0][0, 0, 0])) == 1, aligned16(T.address_of(kvb[1][0, 0, 0])) == 1)
+
+    def rows_loader(c01: int, dim: int, vec: bool):
+        """The macro loading tile ``kt`` of K (``c01`` 0, into ``Ks``) or V (1, ``Vs``): row-major, ``dim``
+        elements a key, zeros past the keys any row sees (a masked P = 0 must never meet stale data). ``vec``:
+        16-byte ``cp.async`` chunks (completed by the caller's wait + barrier), else element loads through
+        registers; consecutive threads take consecutive chunks of a row (coalesced), the loop is unrolled so
+        that all of a thread's loads are in flight at once."""
+        width = 8 if vec else 1
+        per_row = dim // width
+
+        @T.macro
+        def load_chunk(dst, kvb, ti, kt, h, tid, it):
+            if kt * TK + T.truncdiv(it * NT + tid, per_row) < ti[6]:
+                if vec:
+                    T.evaluate(cp_async16(
+                        T.address_of(dst[store_index(T.truncdiv(it * NT + tid, per_row),
+                                                     T.truncmod(it * NT + tid, per_row) * 8, c01)]),
+                        T.address_of(kv_elem(kvb, c01, ti[0], kt * TK + T.truncdiv(it * NT + tid, per_row), h,
+                                             T.truncmod(it * NT + tid, per_row) * 8))))
+                else:
+                    dst[store_index(T.truncdiv(it * NT + tid, per_row), T.truncmod(it * NT + tid, per_row), c01)] = \
+                        kv_elem(kvb, c01, ti[0], kt * TK + T.truncdiv(it * NT + tid, per_row), h,
+                                T.truncmod(it * NT + tid, per_row))
+            else:
+                for e in T.vectorized(width):
+                    dst[store_index(T.truncdiv(it * NT + tid, per_row),
+                                    T.truncmod(it * NT + tid, per_row) * width + e, c01)] = \
+                        T.Cast(dtype, T.float32(0))
+
+        # Element loads: 8 in flight per thread (all of them unrolled would hold 64 registers).
+        outer, inner = (1, TK * per_row // NT) if vec else (TK * per_row // NT // 8, 8)
+
+        @T.macro
+        def load(dst, kvb, ti, kt, h, tid):
+            for it0 in T.serial(outer):
+                for it1 in T.unroll(inner):
+                    load_chunk(dst, kvb, ti, kt, h, tid, it0 * inner + it1)
+
+        return load
+
+    load_vec, load_elem = (rows_loader(0, D, True), rows_loader(1, DV, True)), (rows_loader(0, D, False),
+                                                                                   rows_loader(1, DV, False))
+
     @T.macro
-    def load_kv(Ks, Vt, kvb, ti, kt, h, tid):
-        """Key tile ``kt``: ``Ks[j, d]`` and ``Vt[d, j]`` (zeros past the keys any row sees, so that a
-        masked P = 0 never meets stale data). Consecutive threads read consecutive dims (coalesced); the
-        inner unroll keeps 8 loads in flight per thread."""
-        for it in T.serial(TK * D // (NT * 8)):
-            for u in T.unroll(8):
-                if kt * TK + T.truncdiv((it * 8 + u) * NT + tid, D) < ti[6]:
-                    Ks[k_store_index(T.truncdiv((it * 8 + u) * NT + tid, D), T.truncmod((it * 8 + u) * NT + tid, D), D)] = \
-                        kv_elem(kvb, 0, ti[0], kt * TK + T.truncdiv((it * 8 + u) * NT + tid, D), h,
-                                T.truncmod((it * 8 + u) * NT + tid, D))
-                else:
-                    Ks[k_store_index(T.truncdiv((it * 8 + u) * NT + tid, D), T.truncmod((it * 8 + u) * NT + tid, D), D)] = \
-                        T.Cast(dtype, T.float32(0))
-        for it in T.serial(TK * DV // (NT * 8)):
-            for u in T.unroll(8):
-                if kt * TK + T.truncdiv((it * 8 + u) * NT + tid, DV) < ti[6]:
-                    Vt[v_store_index(T.truncdiv((it * 8 + u) * NT + tid, DV), T.truncmod((it * 8 + u) * NT + tid, DV))] = \
-                        kv_elem(kvb, 1, ti[0], kt * TK + T.truncdiv((it * 8 + u) * NT + tid, DV), h,
-                                T.truncmod((it * 8 + u) * NT + tid, DV))
-                else:
-                    Vt[v_store_index(T.truncdiv((it * 8 + u) * NT + tid, DV), T.truncmod((it * 8 + u) * NT + tid, DV))] = \
-                        T.Cast(dtype, T.float32(0))
+    def issue(dst, kvb, ti, kt, h, tid, c01: int):
+        """Start loading tile ``kt`` of K (``c01`` 0) or V (1) into ``dst`` and commit it as one cp.async
+        group (element loads, for unaligned ragged views, complete at once; the group is then empty)."""
+        if aligned(kvb):
+            load_vec[c01](dst, kvb, ti, kt, h, tid)
+        else:
+            load_elem[c01](dst, kvb, ti, kt, h, tid)
+        T.evaluate(cp_async_commit())
 
     @T.macro
     def score(sacc, qf, Ks, bfr, lane):
-        """S (16 rows x 64 keys of the warp) = Q K^T: C fragment ``nt`` holds keys ``8 nt ..``; the B
-        fragment of (key tile ``nt``, dims ``16 ks ..``) is ``Ks[8 nt + n, 16 ks + k]``, two halves per
-        32-bit read (elements 2u, 2u + 1 are adjacent in k)."""
+        """S (16 rows x 64 keys of the warp) = Q K^T: C fragment ``nt`` holds keys ``8 nt ..``; one
+        ``ldmatrix.x4`` gives the B fragments of two k steps (``k_ldsm_index``)."""
         for e in T.unroll(NSN * 4):
             sacc[e] = T.float32(0)
-        for ks in T.unroll(NKS):
+        for ks2 in T.unroll(NKS // 2):
             for nt in T.unroll(NSN):
+                T.evaluate(ldmatrix_x4(T.address_of(bfr[0]), T.address_of(Ks[k_ldsm_index(lane, nt, ks2, D)]),
+                                       False))
                 for u in T.unroll(2):
-                    T.evaluate(copy4(T.address_of(bfr[u]), T.address_of(Ks[k_smem_index(lane, nt, ks, u, D)])))
-                T.evaluate(mma_sync(dtype, T.address_of(sacc[nt * 4]), T.address_of(qf[ks * 8]),
-                                    T.address_of(bfr[0])))
+                    T.evaluate(mma_sync(dtype, T.address_of(sacc[nt * 4]), T.address_of(qf[(ks2 * 2 + u) * 8]),
+                                        T.address_of(bfr[u * 2])))
 
     @T.macro
     def softmax(sacc, pf, m, lsum, oacc, lim, st, ti, kt, lane, causal, sm_scale):
@@ -229,15 +277,16 @@ def make_prefill_tc(op: str, spec, paged: bool):
                     pf[nt * 4 + rr * 2 + c] = T.Cast(dtype, st[2])
 
     @T.macro
-    def accumulate(oacc, pf, Vt, bfr, lane):
-        """O += P V: k-step ``kk`` (keys ``16 kk ..``) x n tile ``dn`` (dims ``8 dn ..``); the B fragment is
-        ``V[16 kk + k, 8 dn + n] = Vt[8 dn + n, 16 kk + k]``."""
+    def accumulate(oacc, pf, Vs, bfr, lane):
+        """O += P V: k step ``kk`` (keys ``16 kk ..``) x n tiles ``2 dn2``, ``2 dn2 + 1`` (dims ``16 dn2 ..``), their B
+        fragments from one ``ldmatrix.x4.trans`` of the row-major ``Vs`` (``v_ldsm_index``)."""
         for kk in T.unroll(NKK):
-            for dn in T.unroll(NDN):
+            for dn2 in T.unroll(NDN // 2):
+                T.evaluate(ldmatrix_x4(T.address_of(bfr[0]), T.address_of(Vs[v_ldsm_index(lane, kk, dn2, DV)]),
+                                       True))
                 for u in T.unroll(2):
-                    T.evaluate(copy4(T.address_of(bfr[u]), T.address_of(Vt[v_smem_index(lane, dn, kk, u)])))
-                T.evaluate(mma_sync(dtype, T.address_of(oacc[dn * 4]), T.address_of(pf[kk * 8]),
-                                    T.address_of(bfr[0])))
+                    T.evaluate(mma_sync(dtype, T.address_of(oacc[(dn2 * 2 + u) * 4]), T.address_of(pf[kk * 8]),
+                                        T.address_of(bfr[u * 2])))
 
     @T.macro
     def store(o, lse, oacc, m, lsum, ti, h, w, lane):
@@ -265,14 +314,13 @@ def make_prefill_tc(op: str, spec, paged: bool):
             for h in T.thread_binding(HKV, thread="blockIdx.y"):
                 for tid in T.thread_binding(NT, thread="threadIdx.x"):
                     Ks = T.alloc_buffer((TK * KS,), dtype, scope="shared")
-                    Vt = T.alloc_buffer((DV * VS,), dtype, scope="shared")
+                    Vs = T.alloc_buffer((TK * VS,), dtype, scope="shared")
                     ti = T.alloc_buffer((8,), "int32", scope="local")
                     qf = T.alloc_buffer((NKS * 8,), dtype, scope="local")
                     sacc = T.alloc_buffer((NSN * 4,), "float32", scope="local")
                     pf = T.alloc_buffer((NSN * 4,), dtype, scope="local")
-                    # The B fragment as 2 x 32 bits: TVM sizes a local array by the elements it sees indexed,
-                    # and copy4 / mma index it only through addresses (a 4 x 16-bit array came out as 3).
-                    bfr = T.alloc_buffer((2,), "uint32", scope="local")
+                    # Two B fragments (ldmatrix.x4), 4 x 32 bits.
+                    bfr = T.alloc_buffer((4,), "uint32", scope="local")
                     oacc = T.alloc_buffer((NDN * 4,), "float32", scope="local")
                     m = T.alloc_buffer((2,), "float32", scope="local")
                     lsum = T.alloc_buffer((2,), "float32", scope="local")
@@ -281,20 +329,34 @@ def make_prefill_tc(op: str, spec, paged: bool):
                     w: T.let[T.int32] = T.truncdiv(tid, 32)
                     lane: T.let[T.int32] = T.truncmod(tid, 32)
                     # No branch around the barriers: an idle block runs zero-trip loops, masked accesses.
+                    # TVM sizes a local array by the elements it sees indexed, and ldmatrix / mma reach bfr
+                    # through addresses only (bfr[0], bfr[2]): without these stores it would get 3 elements.
+                    for e in T.unroll(4):
+                        bfr[e] = T.uint32(0)
                     locate(ti, q_indptr, kvb, B, vt, causal)
                     load_q(qf, q, ti, h, w, lane)
                     init_rows(lim, m, lsum, oacc, ti, w, lane, causal)
+                    # One buffer per operand, software-pipelined: K of tile kt + 1 loads during the softmax
+                    # and P V of tile kt, V of kt + 1 during the scores of kt + 1. In flight at each wait:
+                    # {K kt, V kt} at the top, {V kt, K kt + 1} before P V (wait_group 1 = the older is done).
+                    issue(Ks, kvb, ti, ti[7], h, tid, 0)
+                    issue(Vs, kvb, ti, ti[7], h, tid, 1)
                     for kt in T.serial(ti[7], T.truncdiv(ti[6] + TK - 1, TK)):
-                        T.tvm_storage_sync("shared")  # every warp is done with the previous tile
-                        load_kv(Ks, Vt, kvb, ti, kt, h, tid)
-                        T.tvm_storage_sync("shared")
+                        T.evaluate(cp_async_wait1())
+                        T.tvm_storage_sync("shared")  # K kt visible to every warp
                         score(sacc, qf, Ks, bfr, lane)
+                        T.tvm_storage_sync("shared")  # every warp is done with Ks
+                        issue(Ks, kvb, ti, kt + 1, h, tid, 0)  # past the last tile: zeros, never read
                         softmax(sacc, pf, m, lsum, oacc, lim, st, ti, kt, lane, causal, sm_scale)
-                        accumulate(oacc, pf, Vt, bfr, lane)
+                        T.evaluate(cp_async_wait1())
+                        T.tvm_storage_sync("shared")  # V kt visible
+                        accumulate(oacc, pf, Vs, bfr, lane)
+                        T.tvm_storage_sync("shared")  # every warp is done with Vs
+                        issue(Vs, kvb, ti, kt + 1, h, tid, 1)
                     store(o, lse, oacc, m, lsum, ti, h, w, lane)
 
     return kernel
 
 
-__all__ = ["TC_DTYPES", "TC_MAX_DIM", "TC_MAX_GROUP", "TC_ROWS", "TC_TK", "k_smem_index", "k_store_index", "make_prefill_tc", "tc_unserved", "v_smem_index",
-           "v_store_index"]
+__all__ = ["TC_DTYPES", "TC_MAX_DIM", "TC_MAX_GROUP", "TC_ROWS", "TC_TK", "k_ldsm_index", "k_store_index",
+           "make_prefill_tc", "tc_unserved", "v_ldsm_index", "v_store_index"]
