@@ -6,7 +6,9 @@ bf16; one windowed + soft-capped), ragged and paged, causal and not, over one ba
 lengths: not multiples of the 64-row / 64-key tiles (1, 17, 63, 64, 65, 200, 1000), more keys than queries
 (bottom-right causal), fewer (rows that see no key), no keys, no queries; outputs NaN-poisoned, fresh random
 inputs per test. Besides ``assert_state_close`` (the suite's rule) each entry's ``|o - ref| / |ref|`` must be
-below 1e-2. ``apply_rope = 1`` still runs the SIMT RoPE kernel of the same PrimFunc (checked once per shape).
+below 1e-2. Ragged k / v also as views not 16-byte aligned (the kernel then loads elements instead of 16-byte
+``cp.async`` chunks). ``apply_rope = 1`` still runs the SIMT RoPE kernel of the same PrimFunc (checked once
+per shape).
 
 Kernels: the libraries of ``(shape, PREFILL_TC_PATHS)``, prebuilt by ``make gpu-bundle``
 (``pagedkv.testing.shapes.gpu_path_libraries``); ``tests/cpu/test_bundle.py`` checks that the bundle builds
@@ -46,8 +48,18 @@ def _prefill_fns(shape):
     return module, {entry[0]: entry[-1] for entry in table}
 
 
-def _run(shape, paged: bool, causal: int, apply_rope: int, gen):
-    """Run one prefill over ``ENTRIES``; returns (entries, q_pos, o, lse, sm_scale)."""
+def _misaligned(x: torch.Tensor) -> torch.Tensor:
+    """A copy of ``x`` as a view one element into its buffer: not 16-byte aligned."""
+    buf = torch.empty(x.numel() + 1, dtype=x.dtype, device=x.device)
+    view = buf[1:].view(x.shape)
+    view.copy_(x)
+    assert view.data_ptr() % 16
+    return view
+
+
+def _run(shape, paged: bool, causal: int, apply_rope: int, gen, misalign: bool = False):
+    """Run one prefill over ``ENTRIES``; returns (entries, q_pos, o, lse, sm_scale). ``misalign``: ragged k / v
+    as unaligned views (the kernel's element-load path)."""
     _module, fns = _prefill_fns(shape)
     dt = getattr(torch, shape.dtype)
     sm_scale = random_sm_scale(gen, shape.d)
@@ -66,17 +78,20 @@ def _run(shape, paged: bool, causal: int, apply_rope: int, gen):
     else:
         k = torch.cat([e[1] for e in ents]).to(dt).to(DEVICE)
         v = torch.cat([e[2] for e in ents]).to(dt).to(DEVICE)
+        if misalign:
+            k, v = _misaligned(k), _misaligned(v)
         _call(fns["attn_prefill_ragged"], q, k, v, q_indptr, _i32(_indptr([len(e[1]) for e in ents])),
               _i32(q_pos), k_pos, o, lse, *tail)
     return ents, q_pos, o, lse, sm_scale
 
 
-def _check(shape, paged, causal, apply_rope, gen):
-    ents, q_pos, o, lse, sm_scale = _run(shape, paged, causal, apply_rope, gen)
+def _check(shape, paged, causal, apply_rope, gen, misalign=False):
+    ents, q_pos, o, lse, sm_scale = _run(shape, paged, causal, apply_rope, gen, misalign)
     row = 0
     for (eq, ek, ev, off), (nq, nk) in zip(ents, ENTRIES):
         if nq:
-            what = f"{shape.id} {'paged' if paged else 'ragged'} entry ({nq} q, {nk} k) causal={causal} rope={apply_rope}"
+            what = (f"{shape.id} {'paged' if paged else 'ragged'}{' misaligned' if misalign else ''} entry ({nq} q, "
+                    f"{nk} k) causal={causal} rope={apply_rope}")
             ro, rl = _reference(shape, eq, ek, ev, q_pos[row:row + nq], [off + j for j in range(nk)],
                                 sm_scale, bool(causal), apply_rope)
             got = o[row:row + nq].detach().to("cpu", torch.float64)
@@ -99,3 +114,10 @@ def test_prefill_tc(shape, paged, causal, gen):
 def test_prefill_tc_library_runs_simt_rope(shape, gen):
     """``apply_rope = 1``: the tensor-core PrimFunc's SIMT RoPE kernel (the tensor-core one has no RoPE)."""
     _check(shape, False, 1, 1, gen)
+
+
+@pytest.mark.parametrize("causal", [1, 0])
+@pytest.mark.parametrize("shape", PREFILL_TC_SHAPES, ids=[s.id for s in PREFILL_TC_SHAPES])
+def test_prefill_tc_unaligned_views(shape, causal, gen):
+    """Ragged k / v not 16-byte aligned: the element-load path (a run-time test of the addresses)."""
+    _check(shape, False, causal, 0, gen, misalign=True)
