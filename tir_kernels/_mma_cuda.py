@@ -58,10 +58,6 @@ __device__ __forceinline__ void pagedkv_mma_bf16(float* d, const void* a, const 
                : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
                : "r"(A[0]), "r"(A[1]), "r"(A[2]), "r"(A[3]), "r"(B[0]), "r"(B[1]));
 }
-// One 32-bit copy (two 16-bit elements): a B-fragment register from shared memory in one LDS.32.
-__device__ __forceinline__ void pagedkv_cp4(void* dst, const void* src) {
-  *reinterpret_cast<unsigned*>(dst) = *reinterpret_cast<const unsigned*>(src);
-}
 // ldmatrix .x4: four 8 x 8 b16 matrices; lane l gives the address of row l % 8 of matrix l / 8 (16 bytes,
 // 16-byte aligned, shared memory); register i of lane t gets row t / 4, elements 2 (t % 4) and + 1 of
 // matrix i (.trans: column t / 4, rows 2 (t % 4) and + 1).
@@ -108,11 +104,6 @@ def mma_sync(dtype: str, d, a, b):
     return T.cuda.func_call(f"pagedkv_mma_{_PTX_TYPE[dtype]}", d, a, b, source_code=_SOURCE)
 
 
-def copy4(dst, src):
-    """Copy 4 bytes (two 16-bit elements) from address ``src`` to ``dst``; both 4-byte aligned."""
-    return T.cuda.func_call("pagedkv_cp4", dst, src, source_code=_SOURCE)
-
-
 def ldmatrix_x4(dst, src, trans: bool):
     """``ldmatrix.sync.aligned.m8n8.x4[.trans].shared.b16``: 4 registers at address ``dst`` (local) from the
     row address ``src`` this lane gives (shared, 16-byte aligned); layout in ``ldmatrix_elem``."""
@@ -149,5 +140,5 @@ def ldmatrix_elem(lane, reg, half, trans: bool):
     return lane // 4, (lane % 4) * 2 + half
 
 
-__all__ = ["a_frag", "aligned16", "b_frag", "c_frag", "copy4", "cp_async16", "cp_async_commit", "cp_async_wait1", "ldmatrix_elem",
+__all__ = ["a_frag", "aligned16", "b_frag", "c_frag", "cp_async16", "cp_async_commit", "cp_async_wait1", "ldmatrix_elem",
            "ldmatrix_x4", "mma_sync"]

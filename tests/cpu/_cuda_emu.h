@@ -142,7 +142,6 @@ inline void ldsm_emu(void* dst, const void* smem, bool trans) {
 #define PAGEDKV_MMA_HELPERS
 inline void pagedkv_mma_f16(float* d, const void* a, const void* b) { mma_emu<half>(d, a, b); }
 inline void pagedkv_mma_bf16(float* d, const void* a, const void* b) { mma_emu<nv_bfloat16>(d, a, b); }
-inline void pagedkv_cp4(void* dst, const void* src) { std::memcpy(dst, src, 4); }
 inline void pagedkv_ldsm_x4(void* dst, const void* smem) { ldsm_emu(dst, smem, false); }
 inline void pagedkv_ldsm_x4_trans(void* dst, const void* smem) { ldsm_emu(dst, smem, true); }
 inline void pagedkv_cp_async16(void* smem, const void* gmem) { std::memcpy(smem, gmem, 16); }
