@@ -24,7 +24,8 @@ Design (FlashAttention-2 style), one block of 4 warps (128 threads) per (query t
   ``shfl_xor``); P rounded to the storage dtype *is* the A fragment of P V (the C layout of two adjacent n8
   tiles equals the A layout of one k16 step).
 * O += P V: ``4 x DV/8`` MMAs per tile, the B fragments of two n tiles per ``ldmatrix.x4.trans`` of ``Vs``.
-* Registers (ptxas, sm_90a, fp16 D = 128): 187 a thread ragged, 194 paged, no spills: 2 blocks (8 warps) per SM.
+* Registers (ptxas, sm_90a, fp16 / bf16 D = 128): 176 a thread ragged, 194 paged, no spills: 2 blocks (8 warps)
+  per SM.
 * Causal tiles past the tile's last row are skipped (and, with a window, those before its first window).
 * Grid and entry search as the SIMT kernel: virtual tiles, binary search, idle blocks run zero-trip loops.
 """
@@ -254,39 +255,38 @@ def make_prefill_tc(op: str, spec, paged: bool):
         masked by ``CudaVariant`` (``logits(s, True)`` is the cap alone)."""
 
         @T.macro
-        def scores(sacc, lim, ti, kt, lane, causal, sm_scale):
+        def scores(sacc, mx, m, lim, ti, kt, lane, causal, sm_scale):
+            # mx[rr]: the lane's running max of row rr (folded in as each score is made: fewer live values)
             for rr in T.unroll(2):
+                mx[rr] = m[rr]
                 for nt in T.unroll(NSN):
                     for c in T.unroll(2):
                         sacc[nt * 4 + rr * 2 + c] = var.logits(
                             sacc[nt * 4 + rr * 2 + c] * (sm_scale * T.float32(LOG2E)),
                             var.visible(kt * TK + nt * 8 + c_frag(lane, c)[1], lim[rr], ti[5], causal)
                             if masked else True)
+                        mx[rr] = T.max(mx[rr], sacc[nt * 4 + rr * 2 + c])
 
         return scores
 
     scores_masked, scores_visible = mask_scores(True), mask_scores(False)
 
     @T.macro
-    def softmax(sacc, pf, m, lsum, oacc, lim, st, ti, kt, lane, causal, sm_scale):
+    def softmax(sacc, pf, m, lsum, oacc, lim, mx, st, ti, kt, lane, causal, sm_scale):
         """Online softmax of the lane's two rows (``rr``: C elements 2rr, 2rr + 1 of every fragment); a row's
         scores are spread over the 4 lanes of a quad. ``pf`` = P in the storage dtype, already laid out as
         the A fragments of P V (``pf[8 kk + i]`` = C element ``i % 4`` of fragment ``2 kk + i // 4``)."""
         if WIN:
-            scores_masked(sacc, lim, ti, kt, lane, causal, sm_scale)
+            scores_masked(sacc, mx, m, lim, ti, kt, lane, causal, sm_scale)
         else:
             # Without a window a row sees keys < lim: a tile below both rows' bounds needs no mask (the
             # branch is per lane, with no shuffle inside; padding rows have lim 0, so they take the mask).
             if (kt + 1) * TK <= T.min(lim[0], lim[1]):
-                scores_visible(sacc, lim, ti, kt, lane, causal, sm_scale)
+                scores_visible(sacc, mx, m, lim, ti, kt, lane, causal, sm_scale)
             else:
-                scores_masked(sacc, lim, ti, kt, lane, causal, sm_scale)
+                scores_masked(sacc, mx, m, lim, ti, kt, lane, causal, sm_scale)
         for rr in T.unroll(2):
-            st[0] = m[rr]
-            for nt in T.unroll(NSN):
-                for c in T.unroll(2):
-                    st[0] = T.max(st[0], sacc[nt * 4 + rr * 2 + c])
-            st[0] = T.max(st[0], shfl_xor(st[0], 1))
+            st[0] = T.max(mx[rr], shfl_xor(mx[rr], 1))
             st[0] = T.max(st[0], shfl_xor(st[0], 2))
             st[1] = T.exp2(m[rr] - st[0])
             m[rr] = st[0]
@@ -350,6 +350,7 @@ def make_prefill_tc(op: str, spec, paged: bool):
                     lsum = T.alloc_buffer((2,), "float32", scope="local")
                     lim = T.alloc_buffer((2,), "int32", scope="local")
                     st = T.alloc_buffer((3,), "float32", scope="local")
+                    mx = T.alloc_buffer((2,), "float32", scope="local")
                     w: T.let[T.int32] = T.truncdiv(tid, 32)
                     lane: T.let[T.int32] = T.truncmod(tid, 32)
                     # No branch around the barriers: an idle block runs zero-trip loops, masked accesses.
@@ -371,7 +372,7 @@ def make_prefill_tc(op: str, spec, paged: bool):
                         score(sacc, qf, Ks, bfr, lane)
                         T.tvm_storage_sync("shared")  # every warp is done with Ks
                         issue(Ks, kvb, ti, kt + 1, h, tid, 0)  # past the last tile: zeros, never read
-                        softmax(sacc, pf, m, lsum, oacc, lim, st, ti, kt, lane, causal, sm_scale)
+                        softmax(sacc, pf, m, lsum, oacc, lim, mx, st, ti, kt, lane, causal, sm_scale)
                         T.evaluate(cp_async_wait1())
                         T.tvm_storage_sync("shared")  # V kt visible
                         accumulate(oacc, pf, Vs, bfr, lane)
