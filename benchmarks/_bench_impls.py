@@ -5,6 +5,8 @@ timed call), or raises ``Unavailable`` saying why the implementation does not ap
 
 - ``fi:*``: FlashInfer 0.7.4 through its own Python wrappers (plan once, run timed), every variant:
   decode on CUDA cores and on tensor cores (fa2, fa3), ragged and paged prefill (fa2, fa3), MLA (fa2, fa3);
+- ``pagedkv-tir-tc``: ``pagedkv-tir`` with the tensor-core prefill kernel forced (path switch
+  ``cuda_prefill_kernel=tc``), on the prefill workloads;
 - ``pagedkv-fi`` / ``pagedkv-tir``: a pagedkv cache (``pagedkv.create``) with the FlashInfer backend (TIR
   for what it does not serve) or TIR only; the runtime call a model makes per layer is timed (decode:
   ``cross_attention`` in a decode forward; prefill: ``self_attention`` of fresh tokens, or for a chunk over
@@ -28,7 +30,10 @@ from _bench_workloads import (D, HKV, MLA_PS, MLA_R, MLA_ROPE, PS, ROPE_SCALE, R
 TARGET = {"kind": "cuda", "arch": "sm_90"}
 #: where the benchmark runs (a CPU test of the benchmark's plumbing sets "cpu" and TARGET "llvm")
 DEVICE = "cuda"
-PAGEDKV_BACKENDS = {"pagedkv-fi": ["flashinfer", "tir"], "pagedkv-tir": "tir"}
+PAGEDKV_BACKENDS = {"pagedkv-fi": ["flashinfer", "tir"], "pagedkv-tir": "tir", "pagedkv-tir-tc": "tir"}
+#: label -> TIR code paths its cache is created under (``pagedkv.backends.tir.forced_paths``): the tensor-core
+#: prefill kernel, opt-in until verified on a GPU (``tir_kernels.attention_cuda_prefill.TC_BY_DEFAULT``).
+PAGEDKV_PATHS = {"pagedkv-tir-tc": {"cuda_prefill_kernel": "tc"}}
 _WS_BYTES = 512 << 20  # FlashInfer's own wrappers get a generous float workspace
 
 
@@ -54,6 +59,14 @@ def fi_variants(w: Workload) -> list[str]:
 def _no_rope(w: Workload, what: str) -> None:
     if w.rope:
         raise Unavailable(f"{what}: no inline RoPE column (pagedkv-tir only)")
+
+
+def pagedkv_unavailable(label: str, w: Workload) -> str | None:
+    """Why ``label`` has no column on ``w`` (None: it has one). The tensor-core prefill label times MHA
+    prefill only (its decode would time the plain TIR decode again)."""
+    if label in PAGEDKV_PATHS and w.kind != "prefill":
+        return f"{label}: prefill workloads only (its decode is pagedkv-tir's)"
+    return None
 
 
 def fi_impl(fi, variant: str, w: Workload, x: Inputs):
@@ -156,9 +169,14 @@ def pagedkv_impl(label: str, w: Workload, x: Inputs):
     """(run, cache): the cache stays in the forward ``run`` belongs to until the caller ends it."""
     import pagedkv
 
+    from pagedkv.backends.tir import forced_paths
+
     if label != "pagedkv-tir":
         _no_rope(w, label)
-    cache = pagedkv.create(pagedkv_config(w), backend=PAGEDKV_BACKENDS[label], target=TARGET, device=DEVICE)
+    if why := pagedkv_unavailable(label, w):
+        raise Unavailable(why)
+    with forced_paths(PAGEDKV_PATHS.get(label, {})):  # the cache's kernel library is chosen here
+        cache = pagedkv.create(pagedkv_config(w), backend=PAGEDKV_BACKENDS[label], target=TARGET, device=DEVICE)
     scale, o = sm_scale(w), _out(w, x)
     lse = torch.empty(o.shape[0], w.hq, dtype=torch.float32, device=DEVICE)
     if w.kind == "prefill":

@@ -25,24 +25,31 @@ import _fi_peer  # noqa: E402
 
 
 def kernel_libraries(out: Path, dtypes) -> list[Path]:
+    """Every pagedkv column's library of every workload (a label's forced TIR paths, ``PAGEDKV_PATHS``,
+    are part of its key), each once."""
+    from pagedkv.backends.tir import forced_paths
     from pagedkv.cache import build_kernel_library, kernel_library_path, kernel_shape
 
     seen, built = set(), []
     for w in W.workloads(dtypes):
         cfg = kernel_shape(impls.pagedkv_config(w))
-        for backend in impls.PAGEDKV_BACKENDS.values():
-            path = kernel_library_path(cfg, out, target=impls.TARGET, backend=backend)
-            if path in seen:
+        for label, backend in impls.PAGEDKV_BACKENDS.items():
+            if impls.pagedkv_unavailable(label, w):
                 continue
-            seen.add(path)
-            t0 = time.perf_counter()
-            try:
-                build_kernel_library(cfg, out, target=impls.TARGET, backend=backend)
-            except Exception as e:  # noqa: BLE001 (reported; bench_gpu says the library is missing)
-                print(f"[bench-bundle] FAILED {cfg.to_json()} backend {backend}: {e}", flush=True)
-                continue
+            paths = impls.PAGEDKV_PATHS.get(label, {})
+            with forced_paths(paths):
+                path = kernel_library_path(cfg, out, target=impls.TARGET, backend=backend)
+                if path in seen:
+                    continue
+                seen.add(path)
+                t0 = time.perf_counter()
+                try:
+                    build_kernel_library(cfg, out, target=impls.TARGET, backend=backend)
+                except Exception as e:  # noqa: BLE001 (reported; bench_gpu says the library is missing)
+                    print(f"[bench-bundle] FAILED {cfg.to_json()} backend {backend} paths {paths}: {e}", flush=True)
+                    continue
             print(f"[bench-bundle] kernels {path.name} ({w.dtype}, {'MLA' if w.mla else 'MHA'} h{w.hq}, "
-                  f"{backend}): {path.stat().st_size / 1e6:.2f} MB in {time.perf_counter() - t0:.1f} s", flush=True)
+                  f"{label}): {path.stat().st_size / 1e6:.2f} MB in {time.perf_counter() - t0:.1f} s", flush=True)
             built.append(path)
     return built
 

@@ -1,4 +1,4 @@
-"""One-process GPU attention benchmark: pagedkv (FlashInfer and TIR backends) side by side with FlashInfer
+"""One-process GPU attention benchmark: pagedkv (FlashInfer and TIR backends; the TIR one also with its opt-in tensor-core prefill, ``pagedkv-tir-tc``) side by side with FlashInfer
 0.7.4's own Python API (every variant), apache-tvm 0.27's own TIR kernels and torch SDPA, against the
 device's ceilings, every output checked against a float32 reference in the same run.
 
@@ -138,7 +138,7 @@ def run_workload(w: W.Workload, fi, upstream, args, flush, ceil) -> list[dict]:
 
 
 def print_table(rows: list[dict]) -> None:
-    print(f"\n{'workload':34s} {'impl':12s} {'ms':>9s} {'TB/s|TF/s':>9s} {'vs FI best':>10s} {'vs ceil':>8s} "
+    print(f"\n{'workload':34s} {'impl':14s} {'ms':>9s} {'TB/s|TF/s':>9s} {'vs FI best':>10s} {'vs ceil':>8s} "
           f"{'err':>8s}  status")
     for r in rows:
         ms = f"{r['ms']:9.4f}" if "ms" in r else f"{'-':>9s}"
@@ -147,7 +147,7 @@ def print_table(rows: list[dict]) -> None:
         vs = f"{r['vs_fi_best']:10.3f}" if "vs_fi_best" in r else f"{'-':>10s}"
         vc = f"{r['vs_ceiling']:8.3f}" if "vs_ceiling" in r else f"{'-':>8s}"
         err = f"{r['rel_err']:8.1e}" if "rel_err" in r else f"{'-':>8s}"
-        print(f"{r['workload']:34s} {r['impl']:12s} {ms} {rate} {vs} {vc} {err}  {r['status'][:60]}")
+        print(f"{r['workload']:34s} {r['impl']:14s} {ms} {rate} {vs} {vc} {err}  {r['status'][:60]}")
 
 
 def rope_ratios(rows: list[dict], ws: list) -> list[dict]:
@@ -178,12 +178,12 @@ def write_plot(rows: list[dict], path: Path) -> None:
     import matplotlib.pyplot as plt
 
     names = sorted({r["workload"] for r in rows}, key=[r["workload"] for r in rows].index)
-    labels = ["pagedkv-fi", "pagedkv-tir", "upstream", "torch-sdpa"]
+    labels = ["pagedkv-fi", "pagedkv-tir", "pagedkv-tir-tc", "upstream", "torch-sdpa"]
     fig, ax = plt.subplots(figsize=(max(10, len(names) * 0.35), 4.5))
     for i, label in enumerate(labels):
         vals = [next((r["vs_fi_best"] for r in rows if r["workload"] == n and r["impl"] == label
                       and "vs_fi_best" in r), 0.0) for n in names]
-        ax.bar([j + 0.2 * i for j in range(len(names))], vals, 0.2, label=label)
+        ax.bar([j + 0.16 * i for j in range(len(names))], vals, 0.16, label=label)
     ax.axhline(1.0, color="k", lw=0.8)
     ax.set_xticks([j + 0.3 for j in range(len(names))], names, rotation=90, fontsize=6)
     ax.set_ylabel("speed vs FlashInfer's best variant")

@@ -8,7 +8,7 @@ import json
 import sys
 from pathlib import Path
 
-PEERS = ("pagedkv-fi", "pagedkv-tir", "upstream", "torch-sdpa")
+PEERS = ("pagedkv-fi", "pagedkv-tir", "pagedkv-tir-tc", "upstream", "torch-sdpa")
 
 
 def _cell(r) -> str:

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 from tvm.script import tirx as T
 
+from ..kernel_spec import forced as forced_path
 from ..ops import ATTN_PREFILL_PAGED, ATTN_PREFILL_RAGGED, shape_values
 from ._abi import abi_prim_func
 from ._common import EMPTY_LSE, LOG2E
@@ -22,6 +23,13 @@ from ._common_cuda import (
     vec16,
 )
 from ._variant_cuda import CudaVariant
+from .attention_cuda_prefill_tc import make_prefill_tc, tc_unserved
+
+#: Path switch choosing the plain (apply_rope == 0) prefill kernel: "simt" (FP32 FMA), "tc" (tensor cores).
+PREFILL_SWITCH = "cuda_prefill_kernel"
+#: What "auto" picks for specs the tensor-core kernel serves. False until it is verified on a GPU (the
+#: numerical tests of ``tests/gpu/test_prefill_tc_gpu.py`` and the benchmark); then it becomes True.
+TC_BY_DEFAULT = False
 
 # ---------------------------------------------------------------------------------------------------
 # prefill (ragged and paged)
@@ -306,25 +314,43 @@ def _make_prefill(op: str, spec, paged: bool):
     return make_kernel(True), make_kernel(False)
 
 
+def use_tensor_cores(op: str, spec, dv: int) -> bool:
+    """Whether the plain prefill kernel of ``spec`` is the tensor-core one (``attention_cuda_prefill_tc``):
+    forced by ``cuda_prefill_kernel`` ("tc" raises for a spec it does not serve, naming why; "simt" never),
+    else ``TC_BY_DEFAULT`` for the specs it serves."""
+    choice = forced_path(spec.paths, PREFILL_SWITCH)
+    reason = tc_unserved(spec, dv)
+    if choice == "tc" and reason:
+        raise NotImplementedError(f"pagedkv.tir_kernels: {PREFILL_SWITCH}=tc: the tensor-core CUDA {op!r} "
+                                  f"kernel does not serve {reason}")
+    return choice == "tc" or (choice == "auto" and TC_BY_DEFAULT and reason is None)
+
+
 def attn_prefill_ragged_cuda(spec):
     """``pagedkv_attn_prefill_ragged`` for CUDA (arguments: ``pagedkv.ops.OP_SPECS``), for a ``KernelSpec``.
 
     The mask and logits rules (causal, sliding window, soft cap) are ``CudaVariant.from_spec(spec)``'s; a
     window also skips the key tiles below the query tile's first window start.
     """
+    TC = use_tensor_cores(ATTN_PREFILL_RAGGED, spec, shape_values(spec)["Dv"])  # a bool: parse-time ``if``
     kernel_rope, kernel_plain = _make_prefill(ATTN_PREFILL_RAGGED, spec, paged=False)
+    kernel_tc = make_prefill_tc(ATTN_PREFILL_RAGGED, spec, paged=False) if TC else None
 
     @T.macro
     def body(q, k, v, q_indptr, kv_indptr, q_pos, k_pos_offset, o, lse, causal, apply_rope, rope_scale,
              rope_theta, sm_scale, dims):
         n, _m, B = dims
-        # Two kernels: inline RoPE costs registers that the plain kernel does not pay for.
+        # Two kernels: inline RoPE costs registers that the plain kernel does not pay for. The tensor-core
+        # kernel has no inline RoPE: with it, apply_rope == 1 still runs the SIMT RoPE kernel.
         if apply_rope == 1:
             kernel_rope(q, q_indptr, q_pos, k_pos_offset, o, lse, (k, v, kv_indptr), B, n, causal,
                         rope_scale, rope_theta, sm_scale)
         else:
-            kernel_plain(q, q_indptr, q_pos, k_pos_offset, o, lse, (k, v, kv_indptr), B, n, causal,
-                         rope_scale, rope_theta, sm_scale)
+            if TC:
+                kernel_tc(q, q_indptr, o, lse, (k, v, kv_indptr), B, n, causal, sm_scale)
+            else:
+                kernel_plain(q, q_indptr, q_pos, k_pos_offset, o, lse, (k, v, kv_indptr), B, n, causal,
+                             rope_scale, rope_theta, sm_scale)
 
     return abi_prim_func(ATTN_PREFILL_RAGGED, shape_values(spec), spec.dtype, body, scheduled=True)
 
@@ -332,7 +358,9 @@ def attn_prefill_ragged_cuda(spec):
 def attn_prefill_paged_cuda(spec):
     """``pagedkv_attn_prefill_paged`` for CUDA (arguments: ``pagedkv.ops.OP_SPECS``), for a ``KernelSpec``;
     mask and logits rules as ``attn_prefill_ragged_cuda``."""
+    TC = use_tensor_cores(ATTN_PREFILL_PAGED, spec, spec.head_dim)
     kernel_rope, kernel_plain = _make_prefill(ATTN_PREFILL_PAGED, spec, paged=True)
+    kernel_tc = make_prefill_tc(ATTN_PREFILL_PAGED, spec, paged=True) if TC else None
 
     @T.macro
     def body(q, q_indptr, pages, page_indptr, page_values, last_page_len, k_pos_offset, q_pos, o, lse, causal,
@@ -343,8 +371,12 @@ def attn_prefill_paged_cuda(spec):
                         (pages, page_values, page_indptr, ps, last_page_len), B, n, causal,
                         rope_scale, rope_theta, sm_scale)
         else:
-            kernel_plain(q, q_indptr, q_pos, k_pos_offset, o, lse,
-                         (pages, page_values, page_indptr, ps, last_page_len), B, n, causal,
-                         rope_scale, rope_theta, sm_scale)
+            if TC:
+                kernel_tc(q, q_indptr, o, lse, (pages, page_values, page_indptr, ps, last_page_len), B, n,
+                          causal, sm_scale)
+            else:
+                kernel_plain(q, q_indptr, q_pos, k_pos_offset, o, lse,
+                             (pages, page_values, page_indptr, ps, last_page_len), B, n, causal,
+                             rope_scale, rope_theta, sm_scale)
 
     return abi_prim_func(ATTN_PREFILL_PAGED, shape_values(spec), spec.dtype, body, scheduled=True)

@@ -198,12 +198,31 @@ def cuda_path_switches() -> dict[str, tuple[str, ...]]:
     return {name: values for name, (_, values) in sorted(path_switches().items()) if name.startswith("cuda_")}
 
 
-def forced_cuda_paths() -> list[dict[str, str]]:
-    """One ``{switch: value}`` per forced value (not "auto") of every CUDA path switch."""
-    return [{name: v} for name, values in cuda_path_switches().items() for v in values if v != "auto"]
+#: Shapes of the tensor-core prefill tests (``tests/gpu/test_prefill_tc_gpu.py``, path switch
+#: ``cuda_prefill_kernel=tc``): GQA groups 4, 1, 8, 7 and 3; head dims 128 and 64; fp16 and bf16; the last one
+#: windowed and soft-capped (the variant hooks inside the MMA tiles).
+PREFILL_TC_SHAPES = [
+    Shape(32, 8, 128, "float16", 16, "none"),
+    Shape(8, 8, 128, "bfloat16", 16, "none"),
+    Shape(64, 8, 128, "bfloat16", 16, "none"),
+    Shape(21, 3, 64, "float16", 8, "none"),
+    Shape(12, 4, 64, "bfloat16", 8, "none", window=100, cap=30.0),
+]
+#: The forced path of the tensor-core prefill tests.
+PREFILL_TC_PATHS = {"cuda_prefill_kernel": "tc"}
+
+
+def forced_cuda_paths(switch: str | None = None) -> list[dict[str, str]]:
+    """One ``{switch: value}`` per forced value (not "auto") of every CUDA path switch (or of ``switch``)."""
+    return [{name: v} for name, values in cuda_path_switches().items() for v in values
+            if v != "auto" and switch in (None, name)]
 
 
 def gpu_path_libraries() -> list[tuple[KVCacheConfig, dict[str, str]]]:
     """(config, forced paths) of every kernel library the CUDA path tests load: each path shape under each
-    forced path and without one (``{}``). ``pagedkv.apps.gpu_bundle`` prebuilds exactly these beside ``gpu_configs``."""
-    return [(s.config(), paths) for s in PATH_SHAPES + PATH_MLA_SHAPES for paths in [{}] + forced_cuda_paths()]
+    forced decode split and without one (``{}``), and the tensor-core prefill shapes under
+    ``PREFILL_TC_PATHS`` (the prefill switch has its own shapes: "tc" raises on a spec the kernel does not
+    serve, e.g. float32 or MLA). ``pagedkv.apps.gpu_bundle`` prebuilds exactly these beside ``gpu_configs``."""
+    return ([(s.config(), paths) for s in PATH_SHAPES + PATH_MLA_SHAPES
+             for paths in [{}] + forced_cuda_paths("cuda_decode_splits")]
+            + [(s.config(), dict(PREFILL_TC_PATHS)) for s in PREFILL_TC_SHAPES])

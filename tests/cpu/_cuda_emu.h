@@ -1,0 +1,174 @@
+// A CPU stand-in for the CUDA the tensor-core prefill kernel uses, so that TVM's generated kernel source
+// runs on the build host (tests/cpu/test_prefill_tc_emulated.py): one std::thread per CUDA thread of a
+// block, __syncthreads as a block barrier, and the warp-collective pieces (shfl_xor, ldmatrix, mma.sync)
+// as exchanges through per-warp slots between warp barriers, computed from the PTX ISA's definitions.
+// cp.async copies at once (a correct pipeline stays correct when copies complete early).
+#include <barrier>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <thread>
+#include <vector>
+
+#define __global__
+#define __device__
+#define __host__
+#define __forceinline__ inline
+#define __launch_bounds__(x)
+#define __shared__ static
+
+typedef unsigned int uint;
+typedef _Float16 half;
+struct nv_bfloat16 {
+  uint16_t bits;
+  nv_bfloat16() = default;
+  explicit nv_bfloat16(float f) {  // round to nearest even
+    uint32_t u;
+    std::memcpy(&u, &f, 4);
+    u += 0x7FFFu + ((u >> 16) & 1u);
+    bits = static_cast<uint16_t>(u >> 16);
+  }
+  explicit operator float() const {
+    uint32_t u = static_cast<uint32_t>(bits) << 16;
+    float f;
+    std::memcpy(&f, &u, 4);
+    return f;
+  }
+};
+inline half __float2half_rn(float x) { return static_cast<half>(x); }
+inline nv_bfloat16 __float2bfloat16_rn(float x) { return nv_bfloat16(x); }
+inline nv_bfloat16 __float2bfloat16(float x) { return nv_bfloat16(x); }
+inline float __half2float(half x) { return static_cast<float>(x); }
+inline float __bfloat162float(nv_bfloat16 x) { return static_cast<float>(x); }
+template <class T16>
+inline uint pack2(T16 a, T16 b) {
+  uint16_t lo, hi;
+  std::memcpy(&lo, &a, 2);
+  std::memcpy(&hi, &b, 2);
+  return static_cast<uint>(lo) | (static_cast<uint>(hi) << 16);
+}
+inline uint __pack_half2(half a, half b) { return pack2(a, b); }
+inline uint __pack_nv_bfloat162(nv_bfloat16 a, nv_bfloat16 b) { return pack2(a, b); }
+struct uint4 { uint x, y, z, w; };
+inline uint4 make_uint4(uint x, uint y, uint z, uint w) { return uint4{x, y, z, w}; }
+inline float __frcp_rn(float x) { return 1.0f / x; }
+inline float __fdiv_rn(float a, float b) { return a / b; }
+inline float __fmaf_rn(float a, float b, float c) { return std::fma(a, b, c); }
+inline float max(float a, float b) { return a > b ? a : b; }
+inline float min(float a, float b) { return a < b ? a : b; }
+inline int max(int a, int b) { return a > b ? a : b; }
+inline int min(int a, int b) { return a < b ? a : b; }
+
+struct Dim3 { int x, y, z; };
+thread_local Dim3 threadIdx, blockIdx;
+constexpr int kThreads = 128, kWarps = kThreads / 32;
+static std::barrier<>* g_block_barrier;
+struct WarpSlots {
+  std::barrier<>* bar;
+  float f[32];
+  uint a[32][4], b[32][2];
+  const void* p[32];
+};
+static WarpSlots g_warps[kWarps];
+inline int lane_id() { return threadIdx.x % 32; }
+inline WarpSlots& my_warp() { return g_warps[threadIdx.x / 32]; }
+inline void warp_sync() { my_warp().bar->arrive_and_wait(); }
+inline void __syncthreads() { g_block_barrier->arrive_and_wait(); }
+
+inline float __shfl_xor_sync(uint, float v, int mask, int) {
+  WarpSlots& w = my_warp();
+  w.f[lane_id()] = v;
+  warp_sync();
+  float r = w.f[lane_id() ^ mask];
+  warp_sync();
+  return r;
+}
+
+// 16-bit element h (0: low) of a register, as float.
+template <class T16>
+inline float half_of(uint r, int h) {
+  uint16_t bits = static_cast<uint16_t>(h ? r >> 16 : r & 0xFFFFu);
+  T16 x;
+  std::memcpy(&x, &bits, 2);
+  return static_cast<float>(x);
+}
+
+// mma.m16n8k16.row.col: A a0..a7 (row g for a0, a1, a4, a5, else g + 8; col 2 t + (i & 1), + 8 for
+// a4..a7), B b0..b3 (k 2 t + (i & 1), + 8 for b2, b3; n g), C c0..c3 (row g, + 8 for c2, c3; col 2 t + (i & 1)).
+template <class T16>
+inline void mma_emu(float* d, const void* a, const void* b) {
+  WarpSlots& w = my_warp();
+  int l = lane_id();
+  std::memcpy(w.a[l], a, 16);
+  std::memcpy(w.b[l], b, 8);
+  warp_sync();
+  float A[16][16], B[16][8];
+  for (int t = 0; t < 32; ++t) {
+    int g = t / 4, q = t % 4;
+    for (int i = 0; i < 8; ++i) {
+      int row = (i == 0 || i == 1 || i == 4 || i == 5) ? g : g + 8;
+      A[row][2 * q + (i & 1) + (i >= 4 ? 8 : 0)] = half_of<T16>(w.a[t][i / 2], i & 1);
+    }
+    for (int i = 0; i < 4; ++i) B[2 * q + (i & 1) + (i >= 2 ? 8 : 0)][g] = half_of<T16>(w.b[t][i / 2], i & 1);
+  }
+  warp_sync();
+  for (int i = 0; i < 4; ++i) {
+    int row = l / 4 + (i >= 2 ? 8 : 0), col = 2 * (l % 4) + (i & 1);
+    float acc = 0.f;
+    for (int k = 0; k < 16; ++k) acc += A[row][k] * B[k][col];
+    d[i] += acc;
+  }
+}
+
+// ldmatrix.m8n8.x4[.trans].b16: lane 8 i + r addresses row r of matrix i; register i of lane l = elements
+// (l / 4, 2 (l % 4) + h) of matrix i, transposed: (2 (l % 4) + h, l / 4).
+inline void ldsm_emu(void* dst, const void* smem, bool trans) {
+  WarpSlots& w = my_warp();
+  int l = lane_id();
+  w.p[l] = smem;
+  warp_sync();
+  uint* d = static_cast<uint*>(dst);
+  for (int i = 0; i < 4; ++i) {
+    uint16_t e[2];
+    for (int h = 0; h < 2; ++h) {
+      int row = trans ? 2 * (l % 4) + h : l / 4, col = trans ? l / 4 : 2 * (l % 4) + h;
+      std::memcpy(&e[h], static_cast<const uint16_t*>(w.p[8 * i + row]) + col, 2);
+    }
+    d[i] = static_cast<uint>(e[0]) | (static_cast<uint>(e[1]) << 16);
+  }
+  warp_sync();
+}
+
+#define PAGEDKV_MMA_HELPERS
+inline void pagedkv_mma_f16(float* d, const void* a, const void* b) { mma_emu<half>(d, a, b); }
+inline void pagedkv_mma_bf16(float* d, const void* a, const void* b) { mma_emu<nv_bfloat16>(d, a, b); }
+inline void pagedkv_ldsm_x4(void* dst, const void* smem) { ldsm_emu(dst, smem, false); }
+inline void pagedkv_ldsm_x4_trans(void* dst, const void* smem) { ldsm_emu(dst, smem, true); }
+inline void pagedkv_cp_async16(void* smem, const void* gmem) { std::memcpy(smem, gmem, 16); }
+inline void pagedkv_cp_async_commit() {}
+inline void pagedkv_cp_async_wait1() {}
+inline int pagedkv_aligned16(const void* p) { return (reinterpret_cast<uintptr_t>(p) & 15u) == 0 ? 1 : 0; }
+
+// Run `body` (the kernel call) for every block of a grid, 128 CPU threads in lock step.
+template <class F>
+void launch(int grid_x, int grid_y, F body) {
+  std::barrier<> block_bar(kThreads);
+  std::vector<std::barrier<>*> warp_bars;
+  for (int w = 0; w < kWarps; ++w) g_warps[w].bar = new std::barrier<>(32);
+  g_block_barrier = &block_bar;
+  std::vector<std::thread> threads;
+  for (int t = 0; t < kThreads; ++t) {
+    threads.emplace_back([=, &block_bar]() {
+      threadIdx = Dim3{t, 0, 0};
+      for (int by = 0; by < grid_y; ++by) {
+        for (int bx = 0; bx < grid_x; ++bx) {
+          blockIdx = Dim3{bx, by, 0};
+          body();
+          block_bar.arrive_and_wait();  // the block's statics (shared memory) are reused by the next one
+        }
+      }
+    });
+  }
+  for (auto& th : threads) th.join();
+  for (int w = 0; w < kWarps; ++w) delete g_warps[w].bar;
+}

@@ -1,0 +1,189 @@
+"""The tensor-core prefill's generated CUDA, run on the CPU (no GPU): TVM's source of the kernel, compiled
+with g++ against ``_cuda_emu.h`` (one CPU thread per CUDA thread, barriers, and the warp-collective
+``shfl_xor`` / ``ldmatrix`` / ``mma.sync`` emulated from the PTX ISA's definitions), checked against the
+float64 reference on ragged and paged batches of odd lengths, causal and not, GQA groups 4 and 3, fp16 and
+bf16, windowed + soft-capped, ragged k / v also unaligned (the element-load path). This checks the kernel's own logic (tiles, entry search, masks, online
+softmax, pipeline order, stores) as TVM lowered it; the GPU run (``tests/gpu/test_prefill_tc_gpu.py``)
+checks the hardware side (timing of ``cp.async``, real MMA rounding). Skips without g++.
+
+The kernel is the ``apply_rope = 0`` one (the PrimFunc's host code picks it); its launch is 128 threads x
+``(max(n // TQ + B, 1), Hkv)`` blocks as TVM's host code launches it.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import dataclasses
+import math
+import pathlib
+import re
+import shutil
+import subprocess
+
+import numpy as np
+import pytest
+import torch
+from _cuda_support import cuda_source_of
+
+from pagedkv import tir_kernels as tk
+from pagedkv.testing import reference as R
+from pagedkv.tir_kernels.attention_cuda_prefill_tc import TC_ROWS
+
+import tvm
+from tvm.target import Target
+
+SM90 = Target({"kind": "cuda", "arch": "sm_90"}, host="llvm")
+HERE = pathlib.Path(__file__).resolve().parent
+LOG2E = math.log2(math.e)
+#: (queries, keys) per entry: tile edges, more and fewer keys than queries, empty sides.
+ENTRIES = [(1, 1), (17, 17), (65, 65), (70, 130), (20, 6), (5, 0), (0, 3), (64, 64)]
+CONFIGS = {
+    "8x2x64-f16": tk.KernelConfig(8, 2, 64, 64, "float16"),
+    "6x2x64-bf16-w40-cap20": tk.KernelConfig(6, 2, 64, 64, "bfloat16", sliding_window=40, logits_soft_cap=20.0),
+    "4x1x128-f16": tk.KernelConfig(4, 1, 128, 128, "float16"),
+}
+
+
+def _kernel_source(src: str) -> tuple[str, str, list]:
+    """(kernel name, its definition, [(type, name)] params) of the tensor-core kernel in a module's source."""
+    for m in re.finditer(r'extern "C" __global__ void __launch_bounds__\(\d+\) (\w+)\(([^)]*)\) \{\n', src):
+        end = src.index("\n}\n", m.end())
+        # g++ wants the alignment before ``static`` (``__shared__`` is ``static`` in _cuda_emu.h).
+        body = re.sub(r"__shared__ (alignas\(\d+\))", r"\1 static", src[m.start():end + 3])
+        if "pagedkv_mma_" in body:
+            params = [tuple(p.replace("__restrict__", "").rsplit(None, 1)) for p in m.group(2).split(", ")]
+            return m.group(1), body, params
+    raise AssertionError("no tensor-core kernel in the source")
+
+
+@pytest.fixture(scope="module")
+def built(tmp_path_factory):
+    if shutil.which("g++") is None:
+        pytest.skip("g++ not found")
+    out = {}
+    workdir = tmp_path_factory.mktemp("emu")
+    for name, cfg in CONFIGS.items():
+        cfg = dataclasses.replace(cfg, paths={"cuda_prefill_kernel": "tc"})
+        for op in ("attn_prefill_ragged", "attn_prefill_paged"):
+            func = tk.build_kernels(cfg, SM90, ops=(op,))[op]
+            with SM90:
+                exe = tvm.compile(tvm.IRModule({f"pagedkv_{op}": func}), target=SM90)
+            kname, body, params = _kernel_source(cuda_source_of(exe))
+            args = []
+            for i, (ty, pname) in enumerate(params):
+                args.append(f"({ty})ptrs[{i}]" if ty.endswith("*") else f"(({ty})nums[{i}])")
+            cpp = workdir / f"{name}-{op}.cpp"
+            cpp.write_text(f'#include "{HERE / "_cuda_emu.h"}"\n{body}\n'
+                           f'extern "C" void run(void** ptrs, double* nums, int gx, int gy) {{\n'
+                           f'  launch(gx, gy, [=]() {{ {kname}({", ".join(args)}); }});\n}}\n')
+            lib = workdir / f"{name}-{op}.so"
+            proc = subprocess.run(["g++", "-O1", "-std=c++20", "-shared", "-fPIC", "-pthread", "-w", "-o", str(lib),
+                                   str(cpp)], capture_output=True, text=True, check=False)
+            assert proc.returncode == 0, proc.stderr[-4000:]
+            out[(name, op)] = (ctypes.CDLL(str(lib)), params)
+    return out
+
+
+def _to_storage(x: torch.Tensor, dtype: str) -> np.ndarray:
+    if dtype == "float16":
+        return x.to(torch.float16).numpy().copy()
+    return x.to(torch.bfloat16).view(torch.int16).numpy().copy()
+
+
+def _from_storage(a: np.ndarray, dtype: str) -> torch.Tensor:
+    t = torch.from_numpy(a.copy())
+    return (t if dtype == "float16" else t.view(torch.bfloat16)).double()
+
+
+def _run(lib, params, arrays: dict, scalars: dict, grid):
+    ptrs = (ctypes.c_void_p * len(params))()
+    nums = (ctypes.c_double * len(params))()
+    for i, (ty, pname) in enumerate(params):
+        if ty.endswith("*"):
+            ptrs[i] = arrays[pname.removesuffix("_ptr")].ctypes.data
+        elif pname in scalars:
+            nums[i] = scalars[pname]
+        elif re.fullmatch(r"v(_\d+)?", pname):
+            nums[i] = 0  # element offsets: every view starts at its buffer
+        elif ty == "float":
+            nums[i] = scalars["scale2"]  # the one float: sm_scale * log2(e), hoisted by TVM
+        else:
+            raise AssertionError(f"unknown kernel parameter {ty} {pname}")
+    lib.run(ptrs, nums, grid[0], grid[1])
+
+
+def _misaligned(a: np.ndarray) -> np.ndarray:
+    """``a`` copied into a buffer one element in: not 16-byte aligned (the kernel's element-load path)."""
+    buf = np.empty(a.size + 1, a.dtype)
+    out = buf[1:].reshape(a.shape)
+    out[...] = a
+    assert out.ctypes.data % 16
+    return out
+
+
+@pytest.mark.parametrize("causal", [1, 0])
+@pytest.mark.parametrize("op", ["attn_prefill_ragged", "attn_prefill_paged"])
+@pytest.mark.parametrize("name", list(CONFIGS))
+def test_emulated_kernel_matches_reference(name, op, causal, built):
+    _check(name, op, causal, built, misalign=False)
+
+
+@pytest.mark.parametrize("name", list(CONFIGS)[:2])
+def test_emulated_unaligned_ragged_views(name, built):
+    _check(name, "attn_prefill_ragged", 1, built, misalign=True)
+
+
+def _check(name, op, causal, built, misalign):
+    cfg = CONFIGS[name]
+    lib, params = built[(name, op)]
+    hq, hkv, d, dt = cfg.num_qo_heads, cfg.num_kv_heads, cfg.head_dim, cfg.dtype
+    gen = torch.Generator().manual_seed(7 + causal)
+    rnd = getattr(torch, dt)
+    ents = [tuple(torch.randn(r, h, d, generator=gen).to(rnd).double() for r, h in ((nq, hq), (nk, hkv), (nk, hkv)))
+            for nq, nk in ENTRIES]
+    n, B, ps = sum(e[0].shape[0] for e in ents), len(ents), 16
+    sm_scale = 0.8 / math.sqrt(d)
+    q = torch.cat([e[0] for e in ents])
+    arrays = {"q": _to_storage(q, dt), "q_indptr": np.cumsum([0] + [e[0].shape[0] for e in ents]).astype(np.int32),
+              "o": np.full((n, hq, d), np.nan, np.float16) if dt == "float16" else np.full((n, hq, d), -1, np.int16),
+              "lse": np.full((n, hq), np.nan, np.float32)}
+    if op == "attn_prefill_ragged":
+        arrays["k"] = _to_storage(torch.cat([e[1] for e in ents]), dt)
+        arrays["v"] = _to_storage(torch.cat([e[2] for e in ents]), dt)
+        arrays["kv_indptr"] = np.cumsum([0] + [e[1].shape[0] for e in ents]).astype(np.int32)
+        if misalign:
+            arrays["k"], arrays["v"] = _misaligned(arrays["k"]), _misaligned(arrays["v"])
+    else:
+        counts = [-(-e[1].shape[0] // ps) for e in ents]
+        order = np.random.default_rng(3).permutation(sum(counts) + 2)
+        pages = torch.full((len(order), 2, hkv, ps, d), float("nan"), dtype=torch.float64)
+        values, last, pos = [], [], 0
+        for (_q, k, v), cnt in zip(ents, counts):
+            ids = [int(order[pos + i]) for i in range(cnt)]
+            pos += cnt
+            for i, pg in enumerate(ids):
+                rows = slice(i * ps, min((i + 1) * ps, k.shape[0]))
+                pages[pg, 0, :, :rows.stop - rows.start] = k[rows].transpose(0, 1)
+                pages[pg, 1, :, :rows.stop - rows.start] = v[rows].transpose(0, 1)
+            values += ids
+            last.append(k.shape[0] - (cnt - 1) * ps if cnt else 0)
+        arrays.update(pages=_to_storage(pages, dt), page_indptr=np.cumsum([0] + counts).astype(np.int32),
+                      page_values=np.array(values or [0], np.int32), last_page_len=np.array(last, np.int32))
+    tq = TC_ROWS // (hq // hkv)
+    _run(lib, params, arrays, {"B": B, "n": n, "causal": causal, "ps": ps, "scale2": sm_scale * LOG2E},
+         (max(n // tq + B, 1), hkv))
+    o, lse = _from_storage(arrays["o"], dt), torch.from_numpy(arrays["lse"]).double()
+    row = 0
+    for (eq, ek, ev), (nq, nk) in zip(ents, ENTRIES):
+        if nq:
+            ro, rl = R.attention(eq, ek, ev, sm_scale, bool(causal), sliding_window=cfg.sliding_window,
+                                 logits_soft_cap=cfg.logits_soft_cap)
+            got, gl = o[row:row + nq], lse[row:row + nq]
+            empty = rl <= -1e29
+            assert not torch.isnan(got).any() and not torch.isnan(gl).any(), f"entry ({nq}, {nk}): NaN left"
+            assert torch.all(got[empty] == 0) and torch.all((gl[empty] + 1e30).abs() <= 1e24), f"entry ({nq}, {nk}): empty rows"
+            if (~empty).any():
+                rel = ((got - ro)[~empty].norm() / ro[~empty].norm()).item()
+                assert rel < 1e-2, f"entry ({nq}, {nk}): |o - ref| / |ref| = {rel:.3g}"
+                assert torch.allclose(gl[~empty], rl[~empty], atol=2e-2, rtol=1e-3), f"entry ({nq}, {nk}): lse"
+        row += nq

@@ -1,0 +1,160 @@
+"""The tensor-core prefill's fragment bookkeeping, checked on the CPU against an independent NumPy model of
+``mma.sync.m16n8k16.row.col`` (no GPU, no TVM lowering).
+
+The kernel (``tir_kernels.attention_cuda_prefill_tc``) builds its operands with ``_mma_cuda.a_frag`` /
+``b_frag`` / ``c_frag`` and the shared-memory index helpers; here the same helpers fill per-lane register
+files, the model below (written from the PTX ISA's fragment tables, not from those helpers) executes the
+MMAs, a model of ``ldmatrix`` (also from the ISA) loads the B fragments from the kernel's shared-memory
+layout at the addresses the kernel's lanes give, and one warp's S = Q K^T and O = P V must equal plain
+matmuls. Also: the ldmatrix rows are 16-byte aligned and hit 32 distinct banks per 8-lane phase, and the 4
+lanes sharing a row are a quad (``shfl_xor`` 1 and 2 reach all of them).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from pagedkv.tir_kernels import _mma_cuda as mm
+from pagedkv.tir_kernels import attention_cuda_prefill_tc as tc
+
+LANES = 32
+
+
+def _ptx_a(lane, reg_half):
+    """PTX ISA, m16n8k16 .f16/.bf16 A: a0..a7; row groupID for a0, a1, a4, a5, groupID + 8 for the others;
+    col threadID_in_group * 2 + (i & 1), + 8 for a4..a7."""
+    gid, tig = lane >> 2, lane & 3
+    row = gid if reg_half in (0, 1, 4, 5) else gid + 8
+    return row, tig * 2 + (reg_half & 1) + (8 if reg_half >= 4 else 0)
+
+
+def _ptx_b(lane, reg_half):
+    """B: b0..b3; row (k) threadID_in_group * 2 + (i & 1), + 8 for b2, b3; col (n) groupID."""
+    gid, tig = lane >> 2, lane & 3
+    return tig * 2 + (reg_half & 1) + (8 if reg_half >= 2 else 0), gid
+
+
+def _ptx_c(lane, i):
+    """C / D: c0..c3; row groupID for c0, c1, groupID + 8 for c2, c3; col threadID_in_group * 2 + (i & 1)."""
+    gid, tig = lane >> 2, lane & 3
+    return gid + (8 if i >= 2 else 0), tig * 2 + (i & 1)
+
+
+def mma_model(a_regs, b_regs, c_regs):
+    """One warp's m16n8k16: ``a_regs[32, 8]``, ``b_regs[32, 4]``, ``c_regs[32, 4]`` -> ``d_regs[32, 4]``."""
+    a, b, c = np.zeros((16, 16)), np.zeros((16, 8)), np.zeros((16, 8))
+    for lane in range(LANES):
+        for i in range(8):
+            a[_ptx_a(lane, i)] = a_regs[lane, i]
+        for i in range(4):
+            b[_ptx_b(lane, i)] = b_regs[lane, i]
+            c[_ptx_c(lane, i)] = c_regs[lane, i]
+    d = a @ b + c
+    return np.array([[d[_ptx_c(lane, i)] for i in range(4)] for lane in range(LANES)])
+
+
+def test_layouts_match_the_ptx_tables():
+    for lane in range(LANES):
+        assert [mm.a_frag(lane, i) for i in range(8)] == [_ptx_a(lane, i) for i in range(8)]
+        assert [mm.b_frag(lane, i) for i in range(4)] == [_ptx_b(lane, i) for i in range(4)]
+        assert [mm.c_frag(lane, i) for i in range(4)] == [_ptx_c(lane, i) for i in range(4)]
+
+
+def test_p_accumulator_is_the_a_fragment():
+    """pf[8 kk + i] = C element i % 4 of n tile 2 kk + i // 4: the same (row, key) as A element i of k step kk."""
+    for lane in range(LANES):
+        for i in range(8):
+            row, col = mm.c_frag(lane, i % 4)
+            assert (row, col + 8 * (i // 4)) == mm.a_frag(lane, i)
+
+
+def test_quad_shares_rows():
+    for lane in range(LANES):
+        for x in (1, 2, 3):
+            assert mm.c_frag(lane ^ x, 0)[0] == mm.c_frag(lane, 0)[0]
+
+
+def ldmatrix_model(smem, row_addr, trans: bool):
+    """PTX ``ldmatrix.m8n8.x4[.trans].b16``: lane ``8 i + r`` gives the address of row ``r`` of matrix ``i``;
+    register ``i`` of lane ``t`` holds elements ``(t / 4, 2 (t % 4) + h)`` of matrix ``i`` (``.trans``:
+    ``(2 (t % 4) + h, t / 4)``) for halves ``h`` = 0, 1. Returns ``regs[32, 4, 2]``."""
+    mats = [np.array([smem[row_addr[8 * i + r]:row_addr[8 * i + r] + 8] for r in range(8)]) for i in range(4)]
+    out = np.zeros((LANES, 4, 2))
+    for t in range(LANES):
+        for i in range(4):
+            for h in range(2):
+                out[t, i, h] = mats[i][(t % 4) * 2 + h, t // 4] if trans else mats[i][t // 4, (t % 4) * 2 + h]
+    return out
+
+
+def test_ldmatrix_elem_is_the_model():
+    smem = np.arange(64 * 8, dtype=float)
+    addr = [8 * lane for lane in range(LANES)]  # matrix i = rows 8 i .. of an 8-wide array
+    for trans in (False, True):
+        regs = ldmatrix_model(smem, addr, trans)
+        for t in range(LANES):
+            for i in range(4):
+                for h in range(2):
+                    r, c = mm.ldmatrix_elem(t, i, h, trans)
+                    assert regs[t, i, h] == smem[addr[8 * i + r] + c]
+
+
+@pytest.mark.parametrize("d", [64, 128])
+def test_ldmatrix_rows_are_aligned_without_bank_conflicts(d):
+    """Each 8-lane phase of an ldmatrix reads 8 rows of 16 bytes: 16-byte aligned, 32 distinct banks."""
+    for idx in (lambda ln: tc.k_ldsm_index(ln, 3, 1, d), lambda ln: tc.v_ldsm_index(ln, 2, 1, d)):
+        for phase in range(4):
+            lanes = range(8 * phase, 8 * phase + 8)
+            assert all(idx(ln) % 8 == 0 for ln in lanes)
+            banks = {(idx(ln) // 2 + w) % 32 for ln in lanes for w in range(4)}
+            assert len(banks) == 32
+
+
+@pytest.mark.parametrize("d,dv", [(128, 128), (64, 64), (64, 128), (96, 32)])
+def test_one_warp_tile_equals_matmul(d, dv):
+    """S = Q K^T over d / 16 k steps x 8 n tiles, then O = P V with P straight from the S accumulators; the
+    B fragments from the ldmatrix model at the kernel's addresses (K plain, V transposed)."""
+    rng = np.random.default_rng(d + dv)
+    tk = tc.TC_TK
+    q, k, v = rng.standard_normal((16, d)), rng.standard_normal((tk, d)), rng.standard_normal((tk, dv))
+    ks_smem = np.full(tk * (d + tc.TC_PAD), np.nan)  # padding never read
+    vs_smem = np.full(tk * (dv + tc.TC_PAD), np.nan)
+    for j in range(tk):
+        for e in range(d):
+            ks_smem[tc.k_store_index(j, e, d)] = k[j, e]
+        for e in range(dv):
+            vs_smem[tc.v_store_index(j, e, dv)] = v[j, e]
+    qf = np.array([[q[mm.a_frag(lane, i)[0], ks * 16 + mm.a_frag(lane, i)[1]] for ks in range(d // 16)
+                    for i in range(8)] for lane in range(LANES)])
+    sacc = np.zeros((LANES, tk // 8 * 4))
+    for ks2 in range(d // 32):
+        for nt in range(tk // 8):
+            regs = ldmatrix_model(ks_smem, [tc.k_ldsm_index(ln, nt, ks2, d) for ln in range(LANES)], False)
+            for u in (0, 1):
+                b = regs[:, 2 * u:2 * u + 2, :].reshape(LANES, 4)
+                ks = 2 * ks2 + u
+                sacc[:, nt * 4:nt * 4 + 4] = mma_model(qf[:, ks * 8:ks * 8 + 8], b, sacc[:, nt * 4:nt * 4 + 4])
+    s_ref = q @ k.T
+    for lane in range(LANES):
+        for nt in range(tk // 8):
+            for i in range(4):
+                row, col = mm.c_frag(lane, i)
+                assert sacc[lane, nt * 4 + i] == pytest.approx(s_ref[row, nt * 8 + col])
+    pf = sacc  # the kernel's pf[e] = cast(p[e]): same index
+    oacc = np.zeros((LANES, dv // 8 * 4))
+    for kk in range(tk // 16):
+        for dn2 in range(dv // 16):
+            regs = ldmatrix_model(vs_smem, [tc.v_ldsm_index(ln, kk, dn2, dv) for ln in range(LANES)], True)
+            for u in (0, 1):
+                b = regs[:, 2 * u:2 * u + 2, :].reshape(LANES, 4)
+                dn = 2 * dn2 + u
+                oacc[:, dn * 4:dn * 4 + 4] = mma_model(pf[:, kk * 8:kk * 8 + 8], b, oacc[:, dn * 4:dn * 4 + 4])
+    o_ref = s_ref @ v
+    got = np.zeros((16, dv))
+    for lane in range(LANES):
+        for dn in range(dv // 8):
+            for i in range(4):
+                row, col = mm.c_frag(lane, i)
+                got[row, dn * 8 + col] = oacc[lane, dn * 4 + i]
+    np.testing.assert_allclose(got, o_ref, rtol=1e-10, atol=1e-9)

@@ -1,0 +1,387 @@
+"""Tensor-core CUDA prefill (``attn_prefill_ragged`` / ``attn_prefill_paged``), fp16 / bf16, sm_80+: the
+plain (``apply_rope == 0``) kernel on ``mma.sync.m16n8k16`` (``_mma_cuda``). Opt-in for now: path switch
+``cuda_prefill_kernel`` (``pagedkv.kernel_spec.SWITCHES``); ``tc_unserved`` says which specs it serves.
+
+Same ABI and semantics as the SIMT kernel (``attention_cuda.py``): base-2 LSE, bottom-right causal, sliding
+window and soft cap through ``CudaVariant``, empty rows ``o = 0`` / ``lse = -1e30``, sm_scale an argument.
+
+Design (FlashAttention-2 style), one block of 4 warps (128 threads) per (query tile, kv head):
+
+* A query tile is ``TQ = 64 // G`` tokens x the ``G`` q heads of the kv head = up to 64 *rows* (row ``r`` =
+  token ``r // G``, head ``h*G + r % G``, as in the SIMT kernel), so one K/V tile serves the GQA group.
+  Warp ``w`` owns rows ``16w .. 16w+15``; its Q fragments (``D/16`` A fragments) stay in registers.
+* Key tiles of 64: K as ``Ks[key, d]`` and V as ``Vs[key, d]`` (both row-major) in static shared memory,
+  rows padded by 8 elements so that each 8-lane phase of an ``ldmatrix`` (8 rows of 16 bytes) hits 32
+  distinct banks. One buffer each, software-pipelined with ``cp.async`` (16-byte copies, commit / wait
+  groups): K of tile ``kt + 1`` is in flight during the softmax and P V of ``kt``, V of ``kt + 1`` during the
+  scores of ``kt + 1`` (a second stage of both would need 70 KB: over the 48 KB of static shared memory).
+  Ragged q / k / v are views that may start at any element: when k or v does not start at a 16-byte
+  aligned address (a block-uniform run-time test) the same schedule loads elements through registers
+  instead (slower, same results); pages always take the 16-byte path.
+* S = Q K^T: ``D/16 x 8`` MMAs per warp and tile into 8 C fragments (fp32), the B fragments of two k steps
+  per ``ldmatrix.x4``; scores scaled by ``sm_scale * log2(e)`` in fp32 (base-2 softmax), masked / capped by
+  ``CudaVariant``; online softmax per row (a row's 64 scores live in the 4 lanes of a quad: two
+  ``shfl_xor``); P rounded to the storage dtype *is* the A fragment of P V (the C layout of two adjacent n8
+  tiles equals the A layout of one k16 step).
+* O += P V: ``4 x DV/8`` MMAs per tile, the B fragments of two n tiles per ``ldmatrix.x4.trans`` of ``Vs``.
+* Registers (ptxas, sm_90a, fp16 / bf16 D = 128): 176 a thread ragged, 194 paged, no spills: 2 blocks (8 warps)
+  per SM.
+* Causal tiles past the tile's last row are skipped (and, with a window, those before its first window).
+* Grid and entry search as the SIMT kernel: virtual tiles, binary search, idle blocks run zero-trip loops.
+"""
+
+from __future__ import annotations
+
+from tvm.script import tirx as T
+
+from ..ops import shape_values
+from ._common import EMPTY_LSE, LOG2E
+from ._common_cuda import paged_kv_len, shfl_xor
+from ._mma_cuda import a_frag, aligned16, c_frag, cp_async16, cp_async_commit, cp_async_wait1, ldmatrix_x4, mma_sync
+from ._variant_cuda import CudaVariant
+
+#: Warps per block, rows per warp (one m16 tile), keys per tile, shared-memory row padding (elements).
+TC_WARPS, TC_WROWS, TC_TK, TC_PAD = 4, 16, 64, 8
+TC_ROWS = TC_WARPS * TC_WROWS
+TC_NT = TC_WARPS * 32
+TC_DTYPES = ("float16", "bfloat16")
+TC_MAX_DIM = 128
+#: GQA groups served: the PrimFunc also holds the SIMT RoPE kernel, whose tile takes groups up to 32 rows
+#: (``attention_cuda_prefill._prefill_plan``); the tensor-core tile itself would take 64.
+TC_MAX_GROUP = 32
+
+
+def k_store_index(key, dim, d: int):
+    """Where ``load_kv`` puts element ``dim`` of key ``key`` of the tile in ``Ks`` (row stride ``d + TC_PAD``)."""
+    return key * (d + TC_PAD) + dim
+
+
+def v_store_index(key, dim, dv: int):
+    """Where ``load_kv`` puts element ``dim`` of value ``key`` of the tile in ``Vs`` (row stride ``dv + TC_PAD``)."""
+    return key * (dv + TC_PAD) + dim
+
+
+def k_ldsm_index(lane, nt, ks2, d: int):
+    """The ``Ks`` row this lane addresses in the ``ldmatrix.x4`` of keys ``8 nt ..`` x dims ``32 ks2 ..``:
+    matrix ``lane // 8`` = dims ``32 ks2 + 8 (lane // 8) ..``, row ``lane % 8``. Registers 0, 1 are then the B
+    fragment of k step ``2 ks2``, registers 2, 3 that of ``2 ks2 + 1`` (no transpose: a B fragment's n is
+    the key, its k the dim, and ldmatrix gives lane t row t / 4, columns 2 (t % 4), + 1)."""
+    return (nt * 8 + lane % 8) * (d + TC_PAD) + ks2 * 32 + (lane // 8) * 8
+
+
+def v_ldsm_index(lane, kk, dn2, dv: int):
+    """The ``Vs`` row this lane addresses in the ``ldmatrix.x4.trans`` of keys ``16 kk ..`` x dims
+    ``16 dn2 ..``: matrix ``i = lane // 8`` = keys ``16 kk + 8 (i % 2) ..`` x dims ``16 dn2 + 8 (i // 2) ..``,
+    row ``lane % 8``. Registers 0, 1 are the B fragment of n tile ``2 dn2``, registers 2, 3 that of
+    ``2 dn2 + 1`` (transposed: lane t gets rows = keys 2 (t % 4), + 1 of column = dim t / 4)."""
+    return (kk * 16 + ((lane // 8) % 2) * 8 + lane % 8) * (dv + TC_PAD) + dn2 * 16 + (lane // 16) * 8
+
+
+def tc_unserved(spec, dv: int) -> str | None:
+    """Why the tensor-core prefill does not serve ``spec`` (value head dim ``dv``), or None when it does.
+    Inline RoPE is not a reason: the PrimFunc runs the SIMT RoPE kernel when ``apply_rope == 1``."""
+    d, g = spec.head_dim, spec.group_size
+    if spec.dtype not in TC_DTYPES:
+        return f"dtype {spec.dtype} (the tensor-core prefill takes {', '.join(TC_DTYPES)})"
+    if d % 32 or dv % 16 or max(d, dv) > TC_MAX_DIM:
+        return (f"head dims {d}/{dv} (the tensor-core prefill takes a qk dim multiple of 32 and a v dim multiple "
+                f"of 16, up to {TC_MAX_DIM})")
+    if g > TC_MAX_GROUP:
+        return f"GQA group {g} (the tensor-core prefill takes groups up to {TC_MAX_GROUP})"
+    return None
+
+
+def make_prefill_tc(op: str, spec, paged: bool):
+    """The plain tensor-core kernel macro of a prefill PrimFunc (``paged`` selects the K/V source), called
+    as ``kernel(q, q_indptr, o, lse, kvb, B, n, causal, sm_scale)``."""
+    D, dtype, HKV = spec.head_dim, spec.dtype, spec.num_kv_heads
+    DV = D if paged else shape_values(spec)["Dv"]
+    reason = tc_unserved(spec, DV)
+    if reason:
+        raise NotImplementedError(f"pagedkv.tir_kernels: the tensor-core CUDA {op!r} kernel does not serve {reason}")
+    var = CudaVariant.from_spec(spec)
+    WIN = var.has_window
+    G = spec.group_size
+    TQ = TC_ROWS // G
+    RV = TQ * G  # row slots holding a (token, head); the rest of the 64 are padding
+    TK, NT = TC_TK, TC_NT
+    KS, VS = D + TC_PAD, DV + TC_PAD  # shared row strides (elements) of Ks and Vs
+    NKS, NSN, NKK, NDN = D // 16, TK // 8, TK // 16, DV // 8
+
+    if paged:
+        def kv_len_of(kvb, b):
+            return paged_kv_len(kvb[2], kvb[4], b, kvb[3])
+
+        def kv_elem(kvb, c01, b, key, h, d):
+            pages, page_values, page_indptr, ps = kvb[0], kvb[1], kvb[2], kvb[3]
+            return pages[page_values[page_indptr[b] + T.truncdiv(key, ps)], c01, h, T.truncmod(key, ps), d]
+    else:
+        def kv_len_of(kvb, b):
+            return kvb[2][b + 1] - kvb[2][b]
+
+        def kv_elem(kvb, c01, b, key, h, d):
+            return (kvb[0] if c01 == 0 else kvb[1])[kvb[2][b] + key, h, d]
+
+    def store_index(key, dim, c01):
+        return k_store_index(key, dim, D) if c01 == 0 else v_store_index(key, dim, DV)
+
+    def row_ok(r, ti):
+        """Row slot ``r`` holds a token of the tile (``ti[3]`` = tokens in the tile)."""
+        return T.And(r < RV, T.truncdiv(r, G) < ti[3])
+
+    @T.macro
+    def locate(ti, q_indptr, kvb, B, vt, causal):
+        """Tile info ``ti``: 0 entry b, 1 qlen, 2 qt0 (first token of the tile in the entry), 3 tokens, 4 first
+        token row of q, 5 kvlen, 6 keys any row sees, 7 first key tile. Entry b: the last one whose first
+        virtual tile ``q_indptr[b] // TQ + b`` is <= vt (the SIMT kernel's grid)."""
+        ti[0] = 0
+        ti[1] = B
+        while ti[1] - ti[0] > 1:
+            if T.truncdiv(q_indptr[T.truncdiv(ti[0] + ti[1], 2)], TQ) + T.truncdiv(ti[0] + ti[1], 2) <= vt:
+                ti[0] = T.truncdiv(ti[0] + ti[1], 2)
+            else:
+                ti[1] = T.truncdiv(ti[0] + ti[1], 2)
+        ti[1] = T.if_then_else(B > 0, q_indptr[T.min(ti[0] + 1, B)] - q_indptr[ti[0]], 0)
+        ti[2] = vt - (T.truncdiv(q_indptr[ti[0]], TQ) + ti[0])  # tile of the entry (temporarily)
+        ti[5] = T.if_then_else(T.And(ti[2] >= 0, ti[2] < T.truncdiv(ti[1] + TQ - 1, TQ)), 1, 0)  # active
+        # Last query tile first (it sees the most keys under causal).
+        ti[2] = (T.truncdiv(ti[1] + TQ - 1, TQ) - 1 - ti[2]) * TQ
+        ti[3] = T.if_then_else(ti[5] > 0, T.min(TQ, ti[1] - ti[2]), 0)
+        ti[4] = q_indptr[ti[0]] + ti[2]
+        ti[5] = T.if_then_else(ti[5] > 0, kv_len_of(kvb, ti[0]), 0)
+        ti[6] = T.if_then_else(causal > 0, T.max(T.min(ti[5], ti[5] - ti[1] + ti[2] + ti[3]), 0), ti[5])
+        ti[7] = var.first_tile(ti[5], ti[1], ti[2], ti[6], TK) if WIN else 0
+
+    @T.macro
+    def load_q(qf, q, ti, h, w, lane):
+        """The warp's Q rows as A fragments: ``qf[ks*8 + i]`` = element ``a_frag(lane, i)`` of dims ``16 ks ..``
+        (storage dtype, unscaled: the scale is applied to the fp32 scores); padding rows 0."""
+        for ks in T.unroll(NKS):
+            for i in T.unroll(8):
+                if row_ok(w * TC_WROWS + a_frag(lane, i)[0], ti):
+                    qf[ks * 8 + i] = q[ti[4] + T.truncdiv(w * TC_WROWS + a_frag(lane, i)[0], G),
+                                       h * G + T.truncmod(w * TC_WROWS + a_frag(lane, i)[0], G),
+                                       ks * 16 + a_frag(lane, i)[1]]
+                else:
+                    qf[ks * 8 + i] = T.Cast(dtype, T.float32(0))
+
+    @T.macro
+    def init_rows(lim, m, lsum, oacc, ti, w, lane, causal):
+        """Row state of the lane's two rows (``c_frag`` rows g and g + 8): bound, running max, sum, O."""
+        for rr in T.unroll(2):
+            lim[rr] = var.row_bound(row_ok(w * TC_WROWS + c_frag(lane, 2 * rr)[0], ti), ti[5], ti[1], ti[2],
+                                    T.truncdiv(w * TC_WROWS + c_frag(lane, 2 * rr)[0], G), causal)
+            m[rr] = T.float32(EMPTY_LSE)
+            lsum[rr] = T.float32(0)
+        for e in T.unroll(NDN * 4):
+            oacc[e] = T.float32(0)
+
+    def aligned(kvb):
+        """16-byte global loads are safe: pages always (no element offset, rows of D elements, an allocation's
+        base), ragged k / v when their first elements' addresses are (rows of ``Hkv * D`` elements keep it;
+        the test is on the address, as a view may put its offset in the pointer or in ``elem_offset``)."""
+        if paged:
+            return True
+        return T.And(aligned16(T.address_of(kvb[0][0, 0, 0])) == 1, aligned16(T.address_of(kvb[1][0, 0, 0])) == 1)
+
+    def rows_loader(c01: int, dim: int, vec: bool):
+        """The macro loading tile ``kt`` of K (``c01`` 0, into ``Ks``) or V (1, ``Vs``): row-major, ``dim``
+        elements a key, zeros past the keys any row sees (a masked P = 0 must never meet stale data). ``vec``:
+        16-byte ``cp.async`` chunks (completed by the caller's wait + barrier), else element loads through
+        registers; consecutive threads take consecutive chunks of a row (coalesced), the loop is unrolled so
+        that all of a thread's loads are in flight at once."""
+        width = 8 if vec else 1
+        per_row = dim // width
+
+        @T.macro
+        def load_chunk(dst, kvb, ti, kt, h, tid, it):
+            if kt * TK + T.truncdiv(it * NT + tid, per_row) < ti[6]:
+                if vec:
+                    T.evaluate(cp_async16(
+                        T.address_of(dst[store_index(T.truncdiv(it * NT + tid, per_row),
+                                                     T.truncmod(it * NT + tid, per_row) * 8, c01)]),
+                        T.address_of(kv_elem(kvb, c01, ti[0], kt * TK + T.truncdiv(it * NT + tid, per_row), h,
+                                             T.truncmod(it * NT + tid, per_row) * 8))))
+                else:
+                    dst[store_index(T.truncdiv(it * NT + tid, per_row), T.truncmod(it * NT + tid, per_row), c01)] = \
+                        kv_elem(kvb, c01, ti[0], kt * TK + T.truncdiv(it * NT + tid, per_row), h,
+                                T.truncmod(it * NT + tid, per_row))
+            else:
+                for e in T.vectorized(width):
+                    dst[store_index(T.truncdiv(it * NT + tid, per_row),
+                                    T.truncmod(it * NT + tid, per_row) * width + e, c01)] = \
+                        T.Cast(dtype, T.float32(0))
+
+        # Element loads: 8 in flight per thread (all of them unrolled would hold 64 registers).
+        outer, inner = (1, TK * per_row // NT) if vec else (TK * per_row // NT // 8, 8)
+
+        @T.macro
+        def load(dst, kvb, ti, kt, h, tid):
+            for it0 in T.serial(outer):
+                for it1 in T.unroll(inner):
+                    load_chunk(dst, kvb, ti, kt, h, tid, it0 * inner + it1)
+
+        return load
+
+    load_vec, load_elem = (rows_loader(0, D, True), rows_loader(1, DV, True)), (rows_loader(0, D, False),
+                                                                                   rows_loader(1, DV, False))
+
+    @T.macro
+    def issue(dst, kvb, ti, kt, h, tid, c01: int):
+        """Start loading tile ``kt`` of K (``c01`` 0) or V (1) into ``dst`` and commit it as one cp.async
+        group (element loads, for unaligned ragged views, complete at once; the group is then empty)."""
+        if aligned(kvb):
+            load_vec[c01](dst, kvb, ti, kt, h, tid)
+        else:
+            load_elem[c01](dst, kvb, ti, kt, h, tid)
+        T.evaluate(cp_async_commit())
+
+    @T.macro
+    def score(sacc, qf, Ks, bfr, lane):
+        """S (16 rows x 64 keys of the warp) = Q K^T: C fragment ``nt`` holds keys ``8 nt ..``; one
+        ``ldmatrix.x4`` gives the B fragments of two k steps (``k_ldsm_index``)."""
+        for e in T.unroll(NSN * 4):
+            sacc[e] = T.float32(0)
+        for ks2 in T.unroll(NKS // 2):
+            for nt in T.unroll(NSN):
+                T.evaluate(ldmatrix_x4(T.address_of(bfr[0]), T.address_of(Ks[k_ldsm_index(lane, nt, ks2, D)]),
+                                       False))
+                for u in T.unroll(2):
+                    T.evaluate(mma_sync(dtype, T.address_of(sacc[nt * 4]), T.address_of(qf[(ks2 * 2 + u) * 8]),
+                                        T.address_of(bfr[u * 2])))
+
+    def mask_scores(masked: bool):
+        """The macro turning the lane's raw scores into log2-unit logits: scaled, soft-capped and (``masked``)
+        masked by ``CudaVariant`` (``logits(s, True)`` is the cap alone)."""
+
+        @T.macro
+        def scores(sacc, mx, m, lim, ti, kt, lane, causal, sm_scale):
+            # mx[rr]: the lane's running max of row rr (folded in as each score is made: fewer live values)
+            for rr in T.unroll(2):
+                mx[rr] = m[rr]
+                for nt in T.unroll(NSN):
+                    for c in T.unroll(2):
+                        sacc[nt * 4 + rr * 2 + c] = var.logits(
+                            sacc[nt * 4 + rr * 2 + c] * (sm_scale * T.float32(LOG2E)),
+                            var.visible(kt * TK + nt * 8 + c_frag(lane, c)[1], lim[rr], ti[5], causal)
+                            if masked else True)
+                        mx[rr] = T.max(mx[rr], sacc[nt * 4 + rr * 2 + c])
+
+        return scores
+
+    scores_masked, scores_visible = mask_scores(True), mask_scores(False)
+
+    @T.macro
+    def softmax(sacc, pf, m, lsum, oacc, lim, mx, st, ti, kt, lane, causal, sm_scale):
+        """Online softmax of the lane's two rows (``rr``: C elements 2rr, 2rr + 1 of every fragment); a row's
+        scores are spread over the 4 lanes of a quad. ``pf`` = P in the storage dtype, already laid out as
+        the A fragments of P V (``pf[8 kk + i]`` = C element ``i % 4`` of fragment ``2 kk + i // 4``)."""
+        if WIN:
+            scores_masked(sacc, mx, m, lim, ti, kt, lane, causal, sm_scale)
+        else:
+            # Without a window a row sees keys < lim: a tile below both rows' bounds needs no mask (the
+            # branch is per lane, with no shuffle inside; padding rows have lim 0, so they take the mask).
+            if (kt + 1) * TK <= T.min(lim[0], lim[1]):
+                scores_visible(sacc, mx, m, lim, ti, kt, lane, causal, sm_scale)
+            else:
+                scores_masked(sacc, mx, m, lim, ti, kt, lane, causal, sm_scale)
+        for rr in T.unroll(2):
+            st[0] = T.max(mx[rr], shfl_xor(mx[rr], 1))
+            st[0] = T.max(st[0], shfl_xor(st[0], 2))
+            st[1] = T.exp2(m[rr] - st[0])
+            m[rr] = st[0]
+            lsum[rr] = lsum[rr] * st[1]
+            for dn in T.unroll(NDN):
+                for c in T.unroll(2):
+                    oacc[dn * 4 + rr * 2 + c] = oacc[dn * 4 + rr * 2 + c] * st[1]
+            for nt in T.unroll(NSN):
+                for c in T.unroll(2):
+                    st[2] = T.exp2(sacc[nt * 4 + rr * 2 + c] - st[0])
+                    lsum[rr] = lsum[rr] + st[2]
+                    pf[nt * 4 + rr * 2 + c] = T.Cast(dtype, st[2])
+
+    @T.macro
+    def accumulate(oacc, pf, Vs, bfr, lane):
+        """O += P V: k step ``kk`` (keys ``16 kk ..``) x n tiles ``2 dn2``, ``2 dn2 + 1`` (dims ``16 dn2 ..``), their B
+        fragments from one ``ldmatrix.x4.trans`` of the row-major ``Vs`` (``v_ldsm_index``)."""
+        for kk in T.unroll(NKK):
+            for dn2 in T.unroll(NDN // 2):
+                T.evaluate(ldmatrix_x4(T.address_of(bfr[0]), T.address_of(Vs[v_ldsm_index(lane, kk, dn2, DV)]),
+                                       True))
+                for u in T.unroll(2):
+                    T.evaluate(mma_sync(dtype, T.address_of(oacc[(dn2 * 2 + u) * 4]), T.address_of(pf[kk * 8]),
+                                        T.address_of(bfr[u * 2])))
+
+    @T.macro
+    def store(o, lse, oacc, m, lsum, ti, h, w, lane):
+        """Row sums over the quad, then o = O / sum and lse = m + log2(sum) (base 2); a row that saw no key
+        (sum 0) writes the empty state."""
+        for rr in T.unroll(2):
+            lsum[rr] = lsum[rr] + shfl_xor(lsum[rr], 1)
+            lsum[rr] = lsum[rr] + shfl_xor(lsum[rr], 2)
+        for rr in T.unroll(2):
+            if row_ok(w * TC_WROWS + c_frag(lane, 2 * rr)[0], ti):
+                for dn in T.unroll(NDN):
+                    for c in T.unroll(2):
+                        o[ti[4] + T.truncdiv(w * TC_WROWS + c_frag(lane, 2 * rr)[0], G),
+                          h * G + T.truncmod(w * TC_WROWS + c_frag(lane, 2 * rr)[0], G),
+                          dn * 8 + c_frag(lane, c)[1]] = T.Cast(dtype, T.if_then_else(
+                              lsum[rr] > T.float32(0), oacc[dn * 4 + rr * 2 + c] / lsum[rr], T.float32(0)))
+                if lane % 4 == 0:
+                    lse[ti[4] + T.truncdiv(w * TC_WROWS + c_frag(lane, 2 * rr)[0], G),
+                        h * G + T.truncmod(w * TC_WROWS + c_frag(lane, 2 * rr)[0], G)] = T.if_then_else(
+                            lsum[rr] > T.float32(0), m[rr] + T.log2(lsum[rr]), T.float32(EMPTY_LSE))
+
+    @T.macro
+    def kernel(q, q_indptr, o, lse, kvb, B, n, causal, sm_scale):
+        for vt in T.thread_binding(T.max(n // TQ + B, 1), thread="blockIdx.x"):
+            for h in T.thread_binding(HKV, thread="blockIdx.y"):
+                for tid in T.thread_binding(NT, thread="threadIdx.x"):
+                    Ks = T.alloc_buffer((TK * KS,), dtype, scope="shared")
+                    Vs = T.alloc_buffer((TK * VS,), dtype, scope="shared")
+                    ti = T.alloc_buffer((8,), "int32", scope="local")
+                    qf = T.alloc_buffer((NKS * 8,), dtype, scope="local")
+                    sacc = T.alloc_buffer((NSN * 4,), "float32", scope="local")
+                    pf = T.alloc_buffer((NSN * 4,), dtype, scope="local")
+                    # Two B fragments (ldmatrix.x4), 4 x 32 bits.
+                    bfr = T.alloc_buffer((4,), "uint32", scope="local")
+                    oacc = T.alloc_buffer((NDN * 4,), "float32", scope="local")
+                    m = T.alloc_buffer((2,), "float32", scope="local")
+                    lsum = T.alloc_buffer((2,), "float32", scope="local")
+                    lim = T.alloc_buffer((2,), "int32", scope="local")
+                    st = T.alloc_buffer((3,), "float32", scope="local")
+                    mx = T.alloc_buffer((2,), "float32", scope="local")
+                    w: T.let[T.int32] = T.truncdiv(tid, 32)
+                    lane: T.let[T.int32] = T.truncmod(tid, 32)
+                    # No branch around the barriers: an idle block runs zero-trip loops, masked accesses.
+                    # TVM sizes a local array by the elements it sees indexed, and ldmatrix / mma reach bfr
+                    # through addresses only (bfr[0], bfr[2]): without these stores it would get 3 elements.
+                    for e in T.unroll(4):
+                        bfr[e] = T.uint32(0)
+                    locate(ti, q_indptr, kvb, B, vt, causal)
+                    load_q(qf, q, ti, h, w, lane)
+                    init_rows(lim, m, lsum, oacc, ti, w, lane, causal)
+                    # One buffer per operand, software-pipelined: K of tile kt + 1 loads during the softmax
+                    # and P V of tile kt, V of kt + 1 during the scores of kt + 1. In flight at each wait:
+                    # {K kt, V kt} at the top, {V kt, K kt + 1} before P V (wait_group 1 = the older is done).
+                    issue(Ks, kvb, ti, ti[7], h, tid, 0)
+                    issue(Vs, kvb, ti, ti[7], h, tid, 1)
+                    for kt in T.serial(ti[7], T.truncdiv(ti[6] + TK - 1, TK)):
+                        T.evaluate(cp_async_wait1())
+                        T.tvm_storage_sync("shared")  # K kt visible to every warp
+                        score(sacc, qf, Ks, bfr, lane)
+                        T.tvm_storage_sync("shared")  # every warp is done with Ks
+                        issue(Ks, kvb, ti, kt + 1, h, tid, 0)  # past the last tile: zeros, never read
+                        softmax(sacc, pf, m, lsum, oacc, lim, mx, st, ti, kt, lane, causal, sm_scale)
+                        T.evaluate(cp_async_wait1())
+                        T.tvm_storage_sync("shared")  # V kt visible
+                        accumulate(oacc, pf, Vs, bfr, lane)
+                        T.tvm_storage_sync("shared")  # every warp is done with Vs
+                        issue(Vs, kvb, ti, kt + 1, h, tid, 1)
+                    store(o, lse, oacc, m, lsum, ti, h, w, lane)
+
+    return kernel
+
+
+__all__ = ["TC_DTYPES", "TC_MAX_DIM", "TC_MAX_GROUP", "TC_ROWS", "TC_TK", "k_ldsm_index", "k_store_index",
+           "make_prefill_tc", "tc_unserved", "v_ldsm_index", "v_store_index"]
