@@ -28,6 +28,9 @@ SWITCHES: dict[str, tuple[str, tuple[str, ...]]] = {
                            "count S (auto: from the shapes); a forced S is clamped to 1 .. the batch's key slots "
                            "(nnz * page size), and with S > 1 the partial states go through the merge kernel",
                            ("auto", "1", "2", "3", "8")),
+    "cuda_decode_kernel": ("CUDA MHA decode (attn_decode_paged) without inline RoPE: the lane-group kernel "
+                           "(lanes) or the shared-memory staged kernel (staged; auto: staged where its limits "
+                           "allow)", ("auto", "lanes", "staged")),
 }
 
 
