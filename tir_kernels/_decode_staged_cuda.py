@@ -19,9 +19,9 @@ nothing while it computes. Here
   over the ``L`` lanes by shuffles; online softmax and ``O += P V`` per thread and row;
 * the ``NZ`` key-group states are merged through shared memory at the end (``store``).
 
-Limits (``staged_limits``): ``head_dim % 16 == 0`` with at most 32 lanes per row, ``G * L <= 512`` threads;
-dtypes float16 / bfloat16 / float32. Inline RoPE stays on the lane-group kernel (its key rotations are
-per-thread constants of the lane layout).
+Limits (``staged_limits``): ``head_dim % 16 == 0`` with at most 32 lanes per row, ``G / R * L <= 512``
+threads, 48 KB of static shared memory; dtypes float16 / bfloat16 / float32. Inline RoPE stays on the
+lane-group kernel (its key rotations are per-thread constants of the lane layout).
 """
 
 from __future__ import annotations
@@ -39,8 +39,14 @@ TILE_BYTES = 16384
 STAGED_THREADS = 128
 #: Most threads of the group's rows (``G / R * L``), so that a block fits registers.
 STAGED_MAX_ROW_THREADS = 512
+#: 16-byte vectors per lane and K / V row (``_lane_vec``): 8 lanes per fp16 row of 128 dims.
+LANE_VECTORS = 2
 #: Most q rows per thread (``_rows_per_thread``).
 STAGED_MAX_ROWS = 4
+#: Most q elements per thread (``R * VEC``; ``_rows_per_thread``).
+STAGED_ROW_FLOATS = 32
+#: Static shared memory of a block (CUDA's limit without an opt-in; see ``_common_cuda``).
+STAGED_MAX_SMEM = 48 * 1024
 
 
 @dataclass(frozen=True)
@@ -87,47 +93,60 @@ class StagedPlan:
     def shifts(self) -> int:
         return self.l.bit_length() - 1
 
+    @property
+    def lw(self) -> int:
+        """Lane dim layout: element ``u*V16 + e`` of lane ``tx`` is dim ``u*LW + tx*V16 + e`` (``LW = L0*V16``,
+        ``V16`` the elements of 16 bytes), so that the lanes' 16-byte shared reads of a row are contiguous."""
+        return self.l0 * min(self.vec, vec16(self.dtype))
+
+    @property
+    def smem_bytes(self) -> int:
+        """Static shared memory: the K and V tile, the key groups' states (``store_rows``)."""
+        return 2 * self.tk * self.d * itemsize(self.dtype) + self.nz * self.g * (self.d + 2) * 4
+
 
 def staged_limits(g: int, d: int, dtype: str) -> list[str]:
     """Why the staged kernel does not take this shape (empty: it does)."""
-    out = []
     if d % 16 or d <= 0:
-        out.append(f"head_dim {d} is not a multiple of 16")
-        return out
-    vec = _lane_vec(d, dtype)
-    if vec is None:
-        out.append(f"no split of head_dim {d} over at most {WARP} lanes")
-    elif g // _rows_per_thread(g) * next_pow2(d // vec) > STAGED_MAX_ROW_THREADS:
-        out.append(f"GQA group {g} ({_rows_per_thread(g)} rows per thread) x {next_pow2(d // vec)} "
-                   f"lanes exceeds {STAGED_MAX_ROW_THREADS} threads")
+        return [f"head_dim {d} is not a multiple of 16"]
+    if _lane_vec(d, dtype) is None:
+        return [f"no split of head_dim {d} over at most {WARP} lanes"]
+    p = _layout(g, 1, d, dtype)
+    out = []
+    if p.gt * p.l > STAGED_MAX_ROW_THREADS:
+        out.append(f"GQA group {g} ({p.r} rows per thread) x {p.l} lanes exceeds {STAGED_MAX_ROW_THREADS} "
+                   "threads")
+    if p.smem_bytes > STAGED_MAX_SMEM:
+        out.append(f"GQA group {g} at head_dim {d} needs {p.smem_bytes} bytes of shared memory (at most "
+                   f"{STAGED_MAX_SMEM})")
     return out
 
 
-def _rows_per_thread(g: int) -> int:
+def _rows_per_thread(g: int, vec: int) -> int:
     """q rows per thread: the largest divisor of ``G`` up to ``max(2, G / 2)`` and ``STAGED_MAX_ROWS``
     (G = 4: 2, G = 8: 4, G = 3, 7: 1). A thread reads and converts each K / V element it takes from shared
     memory once for all its rows: at one row per thread, group 8's shared loads, conversions and shuffles
     alone exceed the issue slots that the memory roof leaves; more rows cost registers (fp16, D = 128:
-    R = 2 fits 128 registers, 4 blocks per SM; R = 4 about 168, 3 blocks)."""
-    top = min(STAGED_MAX_ROWS, max(2, g // 2))
+    R = 2 fits 128 registers, 4 blocks per SM; R = 4 about 168, 3 blocks), so ``R * VEC`` stays within
+    ``STAGED_ROW_FLOATS`` (q and o of the rows: twice that many registers)."""
+    top = min(STAGED_MAX_ROWS, max(2, g // 2), max(1, STAGED_ROW_FLOATS // vec))
     return max(r for r in range(1, top + 1) if g % r == 0)
 
 
 def _lane_vec(d: int, dtype: str):
-    vec = vec16(dtype)
+    """Elements per lane: ``LANE_VECTORS`` 16-byte vectors where the head dim splits so, more past 32 lanes.
+    Fewer lanes per row: fewer shuffle steps per score and fewer lanes repeating each row's softmax."""
+    vec = vec16(dtype) * LANE_VECTORS if d % (vec16(dtype) * LANE_VECTORS) == 0 else vec16(dtype)
     while vec <= d and (d % vec or d // vec > WARP):
         vec *= 2
     return vec if vec <= d and not d % vec else None
 
 
-def staged_plan(hq: int, hkv: int, d: int, dtype: str) -> StagedPlan:
-    """The plan for a shape; raises ``NotImplementedError`` naming the limit it breaks."""
+def _layout(hq: int, hkv: int, d: int, dtype: str) -> StagedPlan:
+    """The plan, unchecked (``staged_plan`` checks it)."""
     g = hq // hkv
-    rows = _rows_per_thread(g)
-    why = staged_limits(g, d, dtype)
-    if why:
-        raise NotImplementedError("pagedkv.tir_kernels: the staged CUDA decode kernel: " + "; ".join(why))
     vec = _lane_vec(d, dtype)
+    rows = _rows_per_thread(g, vec)
     l0 = d // vec
     lanes = next_pow2(l0)
     # Key groups: about STAGED_THREADS threads, and whole warps (the shuffles name all 32 lanes).
@@ -138,6 +157,14 @@ def staged_plan(hq: int, hkv: int, d: int, dtype: str) -> StagedPlan:
     while 2 * tk * 2 * d * itemsize(dtype) <= TILE_BYTES:
         tk *= 2
     return StagedPlan(hq, hkv, d, dtype, vec, l0, lanes, nz, max(tk, nz), rows)
+
+
+def staged_plan(hq: int, hkv: int, d: int, dtype: str) -> StagedPlan:
+    """The plan for a shape; raises ``NotImplementedError`` naming the limit it breaks."""
+    why = staged_limits(hq // hkv, d, dtype)
+    if why:
+        raise NotImplementedError("pagedkv.tir_kernels: the staged CUDA decode kernel: " + "; ".join(why))
+    return _layout(hq, hkv, d, dtype)
 
 
 def make_load_tile(p: StagedPlan):
@@ -189,7 +216,7 @@ def make_score_tile(p: StagedPlan):
     """``score_tile(S_, Qr, Ks, kv, kf, tx, tz)``: ``S_[kk, r]`` = this thread's row ``r`` . tile key
     ``tz*KZ + kk`` (log2 units), summed over the ``L`` lanes (every lane ends with the full score); padding
     lanes add 0. Each key element is read and converted once for the ``R`` rows."""
-    VEC, KZ, L0, L, SHIFTS, R = p.vec, p.kz, p.l0, p.l, p.shifts, p.r
+    VEC, KZ, L0, L, SHIFTS, R, LW = p.vec, p.kz, p.l0, p.l, p.shifts, p.r, p.lw
     V16 = min(VEC, vec16(p.dtype))
 
     @T.macro
@@ -200,7 +227,7 @@ def make_score_tile(p: StagedPlan):
             if tx < L0:
                 for u in T.unroll(VEC // V16):
                     for e in T.vectorized(V16):
-                        kv[u * V16 + e] = Ks[tz * KZ + kk, tx * VEC + u * V16 + e]
+                        kv[u * V16 + e] = Ks[tz * KZ + kk, u * LW + tx * V16 + e]
                 for e in T.unroll(VEC):
                     kf[e] = T.Cast("float32", kv[e])
                 for r in T.unroll(R):
@@ -242,7 +269,7 @@ def make_softmax_tile(p: StagedPlan, var):
 def make_accumulate_tile(p: StagedPlan):
     """``accumulate_tile(Or, S_, Vs, vv, vf, tx, tz)``: ``Or[r] += sum_kk S_[kk, r] * v[tz*KZ + kk]`` (the
     lane's dims; each value element read and converted once for the ``R`` rows)."""
-    VEC, KZ, L0, R = p.vec, p.kz, p.l0, p.r
+    VEC, KZ, L0, R, LW = p.vec, p.kz, p.l0, p.r, p.lw
     V16 = min(VEC, vec16(p.dtype))
 
     @T.macro
@@ -251,7 +278,7 @@ def make_accumulate_tile(p: StagedPlan):
             for kk in T.unroll(KZ):
                 for u in T.unroll(VEC // V16):
                     for e in T.vectorized(V16):
-                        vv[u * V16 + e] = Vs[tz * KZ + kk, tx * VEC + u * V16 + e]
+                        vv[u * V16 + e] = Vs[tz * KZ + kk, u * LW + tx * V16 + e]
                 for e in T.unroll(VEC):
                     vf[e] = T.Cast("float32", vv[e])
                 for r in T.unroll(R):
@@ -264,7 +291,8 @@ def make_accumulate_tile(p: StagedPlan):
 def make_load_q_rows(p: StagedPlan):
     """``load_q_rows(Qr, Or, ml, q, b, row0, sm_scale, tx)``: the lane's dims of q rows ``row0 + r``
     (``r < R``) scaled by ``sm_scale * log2(e)`` (0 on padding lanes) and the empty softmax states."""
-    VEC, L0, R = p.vec, p.l0, p.r
+    VEC, L0, R, LW = p.vec, p.l0, p.r, p.lw
+    V16 = min(VEC, vec16(p.dtype))
 
     @T.macro
     def load_q_rows(Qr, Or, ml, q, b, row0, sm_scale, tx):
@@ -273,8 +301,10 @@ def make_load_q_rows(p: StagedPlan):
                 Qr[r, e] = T.float32(0)
                 Or[r, e] = T.float32(0)
             if tx < L0:
-                for e in T.unroll(VEC):
-                    Qr[r, e] = T.Cast("float32", q[b, row0 + r, tx * VEC + e]) * (sm_scale * T.float32(LOG2E))
+                for u in T.unroll(VEC // V16):
+                    for e in T.unroll(V16):
+                        Qr[r, u * V16 + e] = T.Cast("float32", q[b, row0 + r, u * LW + tx * V16 + e]) * (
+                            sm_scale * T.float32(LOG2E))
             ml[r, 0] = T.float32(EMPTY_LSE)
             ml[r, 1] = T.float32(0)
 
@@ -286,7 +316,8 @@ def make_store_rows(p: StagedPlan):
     key-group states of each row (``red_ml``, ``red_o`` in shared memory; one barrier) and write row
     ``h*G + g``: ``o``, ``lse`` when the kernel is not split (``S == 1``), else split ``sp``'s normalized
     partial state into the float32 workspace. A row that saw no key writes ``o = 0``, ``lse = -1e30``."""
-    VEC, L, L0, NZ, D, HQ, G, NT, R, GT = p.vec, p.l, p.l0, p.nz, p.d, p.hq, p.g, p.nt, p.r, p.gt
+    VEC, L, L0, NZ, D, HQ, G, NT, R, GT, LW = p.vec, p.l, p.l0, p.nz, p.d, p.hq, p.g, p.nt, p.r, p.gt, p.lw
+    V16 = min(VEC, vec16(p.dtype))
     dtype = p.dtype
 
     @T.macro
@@ -297,8 +328,9 @@ def make_store_rows(p: StagedPlan):
                 red_ml[tz, ty * R + r, 0] = ml[r, 0]
                 red_ml[tz, ty * R + r, 1] = ml[r, 1]
             if tx < L0:
-                for e in T.unroll(VEC):
-                    red_o[tz, ty * R + r, tx * VEC + e] = Or[r, e]
+                for u in T.unroll(VEC // V16):
+                    for e in T.unroll(V16):
+                        red_o[tz, ty * R + r, u * LW + tx * V16 + e] = Or[r, u * V16 + e]
         T.tvm_storage_sync("shared")
         t: T.let[T.int32] = (tz * GT + ty) * L + tx
         for idx in T.serial((G * D + NT - 1) // NT):

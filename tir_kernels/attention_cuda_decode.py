@@ -92,10 +92,11 @@ def _split_count(B, nnz, ps, blocks_per_split, var: CudaVariant, forced: int = 0
 DECODE_TARGET_BLOCKS = 264
 DECODE_MIN_SPLIT_KEYS = 256
 DECODE_MAX_SPLITS = 32
-#: ... of the staged kernel (``_decode_staged_cuda``): four blocks per SM of an H200 (16 KB of loads in
-#: flight each; 4 x 132 = 528 resident), a little under, so that B = 1 at 32K keys (8 kv heads: 64 splits of
-#: 512 keys), B = 16 x 4K (S = 4) and B = 64 (S = 1) each run as one wave of 512 blocks.
-STAGED_TARGET_BLOCKS = 512
+#: ... of the staged kernel (``_decode_staged_cuda``): one wave of three blocks per SM of an H200 (fp16 at
+#: D = 128 and groups 4 / 8 take 160-166 registers: 3 blocks of 128 threads, 48 KB of loads in flight per
+#: SM), so B = 1 at 32K keys (8 kv heads: 48 splits), B = 16 x 4K (S = 3, 384 blocks) and B = 64 (S = 1)
+#: each run as one wave. (``split_count`` rounds the splits up: 396 = 3 x 132 would give B = 16 four.)
+STAGED_TARGET_BLOCKS = 384
 STAGED_MAX_SPLITS = 64
 
 

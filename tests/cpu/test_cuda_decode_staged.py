@@ -46,14 +46,21 @@ def test_plan_invariants(g, d, dtype):
     assert p.vec * st.itemsize(dtype) % 16 == 0, p  # whole 16-byte vectors
     assert p.tk % p.nz == 0 and 2 * p.tk * d * st.itemsize(dtype) <= st.TILE_BYTES, p
     assert p.loads * p.nt >= p.tk * p.l0, p
-    # group 8 and up: several rows per thread (shared loads and conversions amortized)
-    assert p.r == {1: 1, 2: 2, 3: 1, 4: 2, 7: 1, 8: 4, 16: 4}[g]
+    assert p.smem_bytes <= st.STAGED_MAX_SMEM, p
+    # several rows per thread (shared loads and conversions amortized), q and o within the register budget
+    assert p.r * p.vec <= st.STAGED_ROW_FLOATS
+    want = {1: 1, 2: 2, 3: 1, 4: 2, 7: 1, 8: 4, 16: 4}[g]
+    assert p.r == (want if p.vec <= 8 else min(want, 2)), p
+    # 16-byte vectors: two per lane where the head dim splits so (fewer lanes: fewer shuffles per score)
+    assert p.vec * st.itemsize(dtype) == (32 if d % (2 * st.vec16(dtype)) == 0 else 16), p
 
 
 def test_limits_are_data_and_forced_staged_raises():
     assert st.staged_limits(4, 120, "float16") == ["head_dim 120 is not a multiple of 16"]
-    why = st.staged_limits(256, 128, "float16")  # 64 row threads x 16 lanes
-    assert len(why) == 1 and "exceeds 512 threads" in why[0]
+    why = st.staged_limits(256, 128, "float16")  # 128 row threads x 8 lanes (and too much shared memory)
+    assert "exceeds 512 threads" in why[0]
+    why = st.staged_limits(32, 256, "float16")  # 49408 bytes of shared memory
+    assert len(why) == 1 and "shared memory" in why[0]
     big = tk.KernelConfig(256, 1, 128, 128, "float16")
     assert not use_staged(big)  # auto: the lane-group kernel takes it
     with pytest.raises(NotImplementedError, match="cuda_decode_kernel=staged"):
