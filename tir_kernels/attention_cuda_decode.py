@@ -9,6 +9,7 @@ from tvm.script import tirx as T
 
 from ..ops import ATTN_DECODE_PAGED, shape_values
 from ._abi import abi_prim_func
+from ..kernel_spec import forced as forced_path
 from ._common_cuda import (
     WARP,
     check_head_dim,
@@ -21,6 +22,7 @@ from ._common_cuda import (
     vec16,
 )
 from ._decode_rope_cuda import make_rope_stages
+from ._decode_staged_cuda import make_staged_kernel, staged_limits, staged_plan
 from ._decode_stages_cuda import (
     DecodePlan,
     make_accumulate,
@@ -75,19 +77,40 @@ def _decode_plan(g: int, d: int, dtype: str):
     return vec, lanes0, lanes, nw, gc, kpt
 
 
-def _split_count(B, nnz, ps, blocks_per_split, var: CudaVariant, forced: int = 0):
-    """Key splits per (entry, kv head) of the decode kernel (``split_count`` with the decode constants and
-    the variant's keys per entry; ``forced > 0``: that many, clamped, see ``split_count``)."""
-    return split_count(B, nnz, ps, blocks_per_split, target_blocks=DECODE_TARGET_BLOCKS,
-                       min_split_keys=DECODE_MIN_SPLIT_KEYS, max_splits=DECODE_MAX_SPLITS,
+def _split_count(B, nnz, ps, blocks_per_split, var: CudaVariant, forced: int = 0, staged: bool = False):
+    """Key splits per (entry, kv head) of the decode kernel (``split_count`` with the decode constants of the
+    plain kernel in use and the variant's keys per entry; ``forced > 0``: that many, clamped, see
+    ``split_count``)."""
+    target, max_splits = ((STAGED_TARGET_BLOCKS, STAGED_MAX_SPLITS) if staged
+                          else (DECODE_TARGET_BLOCKS, DECODE_MAX_SPLITS))
+    return split_count(B, nnz, ps, blocks_per_split, target_blocks=target,
+                       min_split_keys=DECODE_MIN_SPLIT_KEYS, max_splits=max_splits,
                        avg_keys=var.decode_avg_keys, forced=forced)
-
 
 
 #: Split-KV policy of the decode kernel (see ``_split_count``): about two blocks per SM of an H100/H200.
 DECODE_TARGET_BLOCKS = 264
 DECODE_MIN_SPLIT_KEYS = 256
 DECODE_MAX_SPLITS = 32
+#: ... of the staged kernel (``_decode_staged_cuda``): one wave of three blocks per SM of an H200 (fp16 at
+#: D = 128 and groups 4 / 8 take 160-166 registers: 3 blocks of 128 threads, 48 KB of loads in flight per
+#: SM), so B = 1 at 32K keys (8 kv heads: 48 splits), B = 16 x 4K (S = 3, 384 blocks) and B = 64 (S = 1)
+#: each run as one wave. (``split_count`` rounds the splits up: 396 = 3 x 132 would give B = 16 four.)
+STAGED_TARGET_BLOCKS = 384
+STAGED_MAX_SPLITS = 64
+
+
+def use_staged(spec) -> bool:
+    """Whether the plain (no inline RoPE) decode runs the staged kernel: path switch ``cuda_decode_kernel``
+    ("staged", "lanes"; auto: staged wherever ``staged_limits`` allows). A forced "staged" on a shape it
+    does not take raises."""
+    choice = forced_path(spec.paths, "cuda_decode_kernel")
+    if choice == "lanes":
+        return False
+    why = staged_limits(spec.num_qo_heads // spec.num_kv_heads, spec.head_dim, spec.dtype)
+    if choice == "staged" and why:
+        raise NotImplementedError("pagedkv.tir_kernels: cuda_decode_kernel=staged: " + "; ".join(why))
+    return not why
 
 
 def _make_key_loop(p: DecodePlan, var: CudaVariant, rope: bool):
@@ -194,7 +217,9 @@ def attn_decode_paged_cuda(spec):
 
     The path switch ``cuda_decode_splits = N > 0`` (``decode_splits``) forces the split count (tests reach
     the direct-write ``S = 1`` path and the workspace + merge path on any shape); clamped to
-    ``[1, nnz * ps]``. Automatic: the kernel is the one from before the switch.
+    ``[1, nnz * ps]``. Automatic: the kernel is the one from before the switch. The switch
+    ``cuda_decode_kernel`` picks the plain kernel (``use_staged``): "lanes" is the lane-group kernel of this
+    module (with its split policy), "staged" the shared-memory one of ``_decode_staged_cuda``.
     """
     HQ, HKV, D, dtype = spec.num_qo_heads, spec.num_kv_heads, spec.head_dim, spec.dtype
     var = CudaVariant.from_spec(spec)
@@ -202,14 +227,20 @@ def attn_decode_paged_cuda(spec):
     check_head_dim(ATTN_DECODE_PAGED, D)
     plan = DecodePlan(HQ, HKV, D, dtype, *_decode_plan(HQ // HKV, D, dtype))
     merge_splits = make_merge_splits(HQ, D, 128, dtype)
-    # Two kernels: inline RoPE costs registers that the plain kernel does not pay for.
-    kernel_rope, kernel_plain = _make_kernel(plan, var, True), _make_kernel(plan, var, False)
+    # Two kernels: inline RoPE costs registers that the plain kernel does not pay for. The plain one is the
+    # staged kernel where it applies (``use_staged``); the split count then follows its policy (one block
+    # per split and kv head), for the RoPE kernel too (any S is correct for both).
+    staged = use_staged(spec)
+    kernel_rope = _make_kernel(plan, var, True)
+    kernel_plain = (make_staged_kernel(staged_plan(HQ, HKV, D, dtype), var) if staged
+                    else _make_kernel(plan, var, False))
+    bps = HKV if staged else HKV * plan.nz
 
     @T.macro
     def body(q, pages, page_indptr, page_values, last_page_len, k_pos_offset, q_pos, o, lse, apply_rope,
              rope_scale, rope_theta, sm_scale, dims):
         B, _p, ps, nnz = dims
-        S: T.let[T.int32] = _split_count(B, nnz, ps, HKV * plan.nz, var, splits)
+        S: T.let[T.int32] = _split_count(B, nnz, ps, bps, var, splits, staged)
         # Split partial states (float32); only touched when S > 1.
         ws_o = T.alloc_buffer((T.max(B, 1) * HQ * S, D), "float32")
         ws_l = T.alloc_buffer((T.max(B, 1) * HQ * S,), "float32")

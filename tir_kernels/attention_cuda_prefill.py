@@ -27,9 +27,8 @@ from .attention_cuda_prefill_tc import make_prefill_tc, tc_unserved
 
 #: Path switch choosing the plain (apply_rope == 0) prefill kernel: "simt" (FP32 FMA), "tc" (tensor cores).
 PREFILL_SWITCH = "cuda_prefill_kernel"
-#: What "auto" picks for specs the tensor-core kernel serves. False until it is verified on a GPU (the
-#: numerical tests of ``tests/gpu/test_prefill_tc_gpu.py`` and the benchmark); then it becomes True.
-TC_BY_DEFAULT = False
+#: What "auto" picks for specs the tensor-core kernel serves (``tc_unserved`` names what it does not).
+TC_BY_DEFAULT = True
 
 # ---------------------------------------------------------------------------------------------------
 # prefill (ragged and paged)

@@ -31,9 +31,12 @@ SWITCHES: dict[str, tuple[str, tuple[str, ...]]] = {
     "cuda_prefill_kernel": ("CUDA MHA prefill kernels (attn_prefill_ragged, attn_prefill_paged), apply_rope = 0: the "
                             "SIMT FP32 kernel or the tensor-core one (mma.sync; fp16 / bf16, head dims multiples of "
                             "16 up to 128, GQA groups up to 32, sm_80+; forcing tc on another spec raises). Inline "
-                            "RoPE always runs the SIMT kernel. auto: SIMT until the tensor-core kernel is verified "
-                            "on a GPU (tir_kernels.attention_cuda_prefill.TC_BY_DEFAULT)",
+                            "RoPE always runs the SIMT kernel. auto: the tensor-core kernel where it serves the spec "
+                            "(tir_kernels.attention_cuda_prefill.TC_BY_DEFAULT), SIMT elsewhere",
                             ("auto", "simt", "tc")),
+    "cuda_decode_kernel": ("CUDA MHA decode (attn_decode_paged) without inline RoPE: the lane-group kernel "
+                           "(lanes) or the shared-memory staged kernel (staged; auto: staged where its limits "
+                           "allow)", ("auto", "lanes", "staged")),
 }
 
 

@@ -3,8 +3,8 @@
 - "auto" has no forced code: a decode factory without the switch, with ``decode_splits=0`` and through
   ``KernelConfig(paths={...: "auto"})`` give the same ``script()``; a forced split count changes only the
   host-side split expression of the decode kernels (to the documented clamp), and no other kernel.
-- Every forced value of ``cuda_decode_splits`` compiles with ``nvcc --cubin -arch=sm_90a`` without register
-  spills, at shapes of ``test_cuda_compile.py`` / ``test_mla_cuda_compile.py`` (the benchmark shape, the
+- Every forced value of ``cuda_decode_splits`` (MHA: with the default plain kernel and with
+  ``cuda_decode_kernel=lanes``) compiles with ``nvcc --cubin -arch=sm_90a`` without register spills, at shapes of ``test_cuda_compile.py`` / ``test_mla_cuda_compile.py`` (the benchmark shape, the
   float32 group-1 shape with both masking options, DeepSeek's latent): one module per shape holding the
   decode kernel once per forced value, one nvcc job each.
 
@@ -101,13 +101,22 @@ def test_forced_splits_leave_mla_prefill_alone():
     assert _script(_forced(cfg, "3"), "mla_attn_prefill_paged") == _script(cfg, "mla_attn_prefill_paged")
 
 
+def _variants(cfg) -> dict:
+    """symbol suffix -> forced paths: every forced split count, and (MHA) each with the lane-group plain kernel."""
+    out = {f"s{v}": {SWITCH: v} for v in FORCED}
+    if not cfg.is_mla:
+        out.update({f"lanes_s{v}": {SWITCH: v, "cuda_decode_kernel": "lanes"} for v in FORCED})
+    return out
+
+
 @functools.cache
 def forced_source(name: str) -> str:
-    """CUDA source of one module holding ``name``'s decode kernel once per forced value (``..._s<v>``)."""
+    """CUDA source of one module holding ``name``'s decode kernel once per forced variant (``..._<suffix>``,
+    ``_variants``)."""
     cfg = SHAPES[name]
     op = _decode_op(cfg)
-    funcs = {f"pagedkv_{op}_s{v}": tk.FACTORIES[op](_forced(cfg, v), SM90).with_attr(
-        "global_symbol", f"pagedkv_{op}_s{v}") for v in FORCED}
+    funcs = {f"pagedkv_{op}_{k}": tk.FACTORIES[op](dataclasses.replace(cfg, paths=paths), SM90).with_attr(
+        "global_symbol", f"pagedkv_{op}_{k}") for k, paths in _variants(cfg).items()}
     with SM90:
         exe = tvm.compile(tvm.IRModule(funcs), target=SM90)
     return cuda_source_of(exe)
@@ -128,9 +137,9 @@ def test_forced_decode_nvcc_no_spills(name, nvcc_forced_results):
     usage = ptxas_usage(log)
     print("\n".join(f"{k}: {regs} registers, spill stores/loads {st}/{ld} bytes"
                     for k, (regs, st, ld) in sorted(usage.items())))
-    for value in FORCED:
-        kernels = [k for k in usage if re.fullmatch(rf"pagedkv_{op}_s{value}_kernel(_\d+)?", k)]
+    for suffix in _variants(cfg):
+        kernels = [k for k in usage if re.fullmatch(rf"pagedkv_{op}_{suffix}_kernel(_\d+)?", k)]
         # the attention kernels (MHA: inline RoPE and plain), then the split merge (folded away when S = 1)
-        assert len(kernels) >= (1 if cfg.is_mla else 2), (value, sorted(usage))
+        assert len(kernels) >= (1 if cfg.is_mla else 2), (suffix, sorted(usage))
     spills = {k: u for k, u in usage.items() if u[1] or u[2]}
     assert not spills, f"register spills (registers, store, load bytes): {spills}"

@@ -1,8 +1,9 @@
 """The tensor-core CUDA prefill (path switch ``cuda_prefill_kernel``) on the build host: no GPU.
 
-- Opt-in: without the switch, with "auto" and with "simt" the prefill PrimFuncs are the SIMT ones (same
-  ``script()``); "tc" puts ``mma.sync`` calls in them; "tc" on a spec the kernel does not serve (float32, a
-  head dim over 128) raises naming why, and ``TC_BY_DEFAULT`` is off until a GPU run verifies the kernel.
+- The default where it serves: without the switch and with "auto" the prefill PrimFuncs of an fp16 / bf16 spec
+  are the tensor-core ones (same ``script()`` as "tc", with ``mma.sync`` calls), "simt" gives the FP32 kernel;
+  a spec it does not serve (float32, a head dim over 128) gets the SIMT kernel under "auto", and "tc" forced on
+  it raises naming why.
 - ``nvcc --cubin -arch=sm_90a`` compiles the ragged and paged kernels without register spills (but for a
   known 20 bytes in the windowed + capped paged kernel at D 64: ``SPILL_BYTES``), and the SASS
   holds the expected HMMA count (``cuobjdump -sass``; skipped when cuobjdump is missing): per kernel and key
@@ -50,18 +51,21 @@ def _script(cfg, op):
     return tk.FACTORIES[op](cfg, SM90).script()
 
 
-def test_switch_is_registered_and_off_by_default():
+def test_switch_is_registered_and_on_by_default():
     assert tk.SWITCHES[SWITCH][1] == ("auto", "simt", "tc")
-    assert pf.TC_BY_DEFAULT is False
+    assert pf.TC_BY_DEFAULT is True
 
 
 @pytest.mark.parametrize("op", OPS)
-def test_tc_is_opt_in(op):
+def test_tc_is_the_default_where_it_serves(op):
     cfg = SHAPES["32x8x128-f16"]
     default = _script(cfg, op)
-    assert "pagedkv_mma" not in default
-    assert _script(_with(cfg, "auto"), op) == default == _script(_with(cfg, "simt"), op)
-    assert "pagedkv_mma_f16" in _script(_with(cfg, "tc"), op)
+    assert "pagedkv_mma_f16" in default
+    assert _script(_with(cfg, "auto"), op) == default == _script(_with(cfg, "tc"), op)
+    assert "pagedkv_mma" not in _script(_with(cfg, "simt"), op)
+    unserved = tk.KernelConfig(4, 4, 64, 64, "float32")
+    assert "pagedkv_mma" not in _script(unserved, op)
+    assert _script(unserved, op) == _script(_with(unserved, "simt"), op)
 
 
 @pytest.mark.parametrize("cfg,why", [(tk.KernelConfig(4, 4, 64, 64, "float32"), "dtype float32"),

@@ -6,7 +6,9 @@ tested where a test's shapes happen to select it; forcing it (``pagedkv.backends
 path on every shape. Here:
 
 - the MHA decode kernel, called directly, under every value of ``cuda_decode_splits`` (auto, 1, 2, 3, 8) on
-  ``PATH_SHAPES`` (plain, windowed, windowed + capped; 8 and 4 kv heads), inline RoPE on and off (the RoPE kernel
+  ``PATH_SHAPES`` (plain, windowed, windowed + capped; 8 and 4 kv heads; GQA groups 4 and 8), and with the
+  lane-group plain kernel forced (``cuda_decode_kernel=lanes``, splits auto, 1, 3; without it the plain kernel
+  is the staged one of ``_decode_staged_cuda``), inline RoPE on and off (the RoPE kernel
   walks a split in batches of ``NW`` key steps with a rotated-q table per batch, so a split ends mid-batch
   too), over batches of 20 entries of mixed lengths (empty, shorter than the window, just around it, windows
   starting past the first key step and mid-page, 3000 keys), every other entry's keys from a position near
@@ -35,7 +37,7 @@ from pagedkv.backends.tir import forced_paths
 from pagedkv.cache import _compile_op_table
 from pagedkv.testing import reference as R
 from pagedkv.testing.scenarios import SCENARIOS, ScenarioRunner, assert_state_close, random_sm_scale
-from pagedkv.testing.shapes import PATH_MLA_SHAPES, PATH_SCENARIO_SHAPES, PATH_SHAPES, cuda_path_switches
+from pagedkv.testing.shapes import PATH_SCENARIO_SHAPES, cuda_path_switches, decode_path_cases, mla_path_cases
 
 TARGET = {"kind": "cuda", "arch": "sm_90"}
 DEVICE = "cuda"
@@ -45,9 +47,13 @@ SPLITS = list(cuda_path_switches()["cuda_decode_splits"])
 LENGTHS = [3000, 0, 1, 5, 23, 24, 25, 31, 33, 47, 64, 100, 255, 299, 300, 301, 333, 700, 1500, 17]
 ORDERS = {"long_first": sorted(LENGTHS, reverse=True), "short_first": sorted(LENGTHS)}
 
-DECODE_CASES = [(s, {"cuda_decode_splits": v}) for s in PATH_SHAPES for v in SPLITS]
-MLA_CASES = [(s, {"cuda_decode_splits": v}) for s in PATH_MLA_SHAPES for v in SPLITS]
+#: Default kernels (plain decode: the staged kernel) under every split value, and the lane-group plain kernel
+#: (``cuda_decode_kernel=lanes``) under ``LANES_SPLITS``; inline RoPE runs the lane-group kernel in both.
+DECODE_CASES = decode_path_cases()
+MLA_CASES = mla_path_cases()
 SCENARIO_CASES = [(s, {"cuda_decode_splits": v}) for s in PATH_SCENARIO_SHAPES for v in SPLITS if v != "auto"]
+#: ... and the lane-group plain kernel through the runtime (a library of DECODE_CASES).
+SCENARIO_CASES += [(s, {"cuda_decode_kernel": "lanes", "cuda_decode_splits": "3"}) for s in PATH_SCENARIO_SHAPES[:2]]
 #: (shape, forced paths) of every kernel library this module loads.
 LIBRARIES = DECODE_CASES + MLA_CASES + SCENARIO_CASES
 

@@ -1,5 +1,6 @@
 """The tensor-core CUDA prefill (``tir_kernels.attention_cuda_prefill_tc``, forced with the path switch
-``cuda_prefill_kernel=tc``) against the float64 reference. Skips cleanly without a CUDA GPU.
+``cuda_prefill_kernel=tc``; the default for the specs it serves) and the SIMT one (forced ``simt``) against the
+float64 reference. Skips cleanly without a CUDA GPU.
 
 Shapes ``pagedkv.testing.shapes.PREFILL_TC_SHAPES`` (GQA groups 4, 1, 8, 7, 3; head dims 128 and 64; fp16 and
 bf16; one windowed + soft-capped), ragged and paged, causal and not, over one batch of entries of mixed
@@ -10,7 +11,7 @@ below 1e-2. Ragged k / v also as views not 16-byte aligned (the kernel then load
 ``cp.async`` chunks). ``apply_rope = 1`` still runs the SIMT RoPE kernel of the same PrimFunc (checked once
 per shape).
 
-Kernels: the libraries of ``(shape, PREFILL_TC_PATHS)``, prebuilt by ``make gpu-bundle``
+Kernels: the libraries of ``(shape, paths)`` for each of ``PREFILL_KERNEL_PATHS``, prebuilt by ``make gpu-bundle``
 (``pagedkv.testing.shapes.gpu_path_libraries``); ``tests/cpu/test_bundle.py`` checks that the bundle builds
 every library named in ``LIBRARIES``.
 """
@@ -27,22 +28,23 @@ from pagedkv import backends
 from pagedkv.backends.tir import forced_paths
 from pagedkv.cache import _compile_op_table
 from pagedkv.testing.scenarios import assert_state_close, random_sm_scale
-from pagedkv.testing.shapes import PREFILL_TC_PATHS, PREFILL_TC_SHAPES
+from pagedkv.testing.shapes import PREFILL_KERNEL_PATHS, PREFILL_TC_SHAPES
 
 TARGET = {"kind": "cuda", "arch": "sm_90"}
 DEVICE = "cuda"
 #: (shape, forced paths) of every kernel library this module loads.
-LIBRARIES = [(s, dict(PREFILL_TC_PATHS)) for s in PREFILL_TC_SHAPES]
+LIBRARIES = [(s, dict(p)) for s in PREFILL_TC_SHAPES for p in PREFILL_KERNEL_PATHS]
+KERNELS = [p["cuda_prefill_kernel"] for p in PREFILL_KERNEL_PATHS]
 #: (queries, keys) per entry, in one batch.
 ENTRIES = [(1, 1), (17, 17), (63, 63), (64, 64), (65, 65), (200, 200), (1000, 1000), (17, 200), (65, 1000),
            (64, 129), (20, 6), (200, 0), (0, 5), (3, 70)]
 
 
 @functools.cache
-def _prefill_fns(shape):
-    """(module, {op: function}) of the shape's op table compiled (or loaded) with the tensor-core prefill."""
+def _prefill_fns(shape, kernel: str):
+    """(module, {op: function}) of the shape's op table compiled (or loaded) with the ``kernel`` prefill."""
     cfg = shape.config()
-    with forced_paths(PREFILL_TC_PATHS):
+    with forced_paths({"cuda_prefill_kernel": kernel}):
         choice = tuple(backends.resolve(cfg, TARGET, "tir").choice.items())
         module, table = _compile_op_table(cfg, TARGET, choice)
     return module, {entry[0]: entry[-1] for entry in table}
@@ -57,10 +59,10 @@ def _misaligned(x: torch.Tensor) -> torch.Tensor:
     return view
 
 
-def _run(shape, paged: bool, causal: int, apply_rope: int, gen, misalign: bool = False):
+def _run(shape, paged: bool, causal: int, apply_rope: int, gen, misalign: bool = False, kernel: str = "tc"):
     """Run one prefill over ``ENTRIES``; returns (entries, q_pos, o, lse, sm_scale). ``misalign``: ragged k / v
     as unaligned views (the kernel's element-load path)."""
-    _module, fns = _prefill_fns(shape)
+    _module, fns = _prefill_fns(shape, kernel)
     dt = getattr(torch, shape.dtype)
     sm_scale = random_sm_scale(gen, shape.d)
     ents = _entries(shape, ENTRIES, gen)
@@ -85,12 +87,12 @@ def _run(shape, paged: bool, causal: int, apply_rope: int, gen, misalign: bool =
     return ents, q_pos, o, lse, sm_scale
 
 
-def _check(shape, paged, causal, apply_rope, gen, misalign=False):
-    ents, q_pos, o, lse, sm_scale = _run(shape, paged, causal, apply_rope, gen, misalign)
+def _check(shape, paged, causal, apply_rope, gen, misalign=False, kernel="tc"):
+    ents, q_pos, o, lse, sm_scale = _run(shape, paged, causal, apply_rope, gen, misalign, kernel)
     row = 0
     for (eq, ek, ev, off), (nq, nk) in zip(ents, ENTRIES):
         if nq:
-            what = (f"{shape.id} {'paged' if paged else 'ragged'}{' misaligned' if misalign else ''} entry ({nq} q, "
+            what = (f"{kernel} {shape.id} {'paged' if paged else 'ragged'}{' misaligned' if misalign else ''} entry ({nq} q, "
                     f"{nk} k) causal={causal} rope={apply_rope}")
             ro, rl = _reference(shape, eq, ek, ev, q_pos[row:row + nq], [off + j for j in range(nk)],
                                 sm_scale, bool(causal), apply_rope)
@@ -103,11 +105,12 @@ def _check(shape, paged, causal, apply_rope, gen, misalign=False):
         row += nq
 
 
+@pytest.mark.parametrize("kernel", KERNELS)
 @pytest.mark.parametrize("causal", [1, 0])
 @pytest.mark.parametrize("paged", [False, True], ids=["ragged", "paged"])
 @pytest.mark.parametrize("shape", PREFILL_TC_SHAPES, ids=[s.id for s in PREFILL_TC_SHAPES])
-def test_prefill_tc(shape, paged, causal, gen):
-    _check(shape, paged, causal, 0, gen)
+def test_prefill_tc(shape, paged, causal, kernel, gen):
+    _check(shape, paged, causal, 0, gen, kernel=kernel)
 
 
 @pytest.mark.parametrize("shape", PREFILL_TC_SHAPES, ids=[s.id for s in PREFILL_TC_SHAPES])

@@ -176,10 +176,11 @@ def flashinfer_gpu_shapes() -> list:
 # ---------------------------------------------------------------------------------------------------------
 #: Shapes of the CUDA path tests (``tests/gpu/test_cuda_paths_gpu.py``), whose decode kernels run under every
 #: value of the CUDA path switches: plain, windowed, windowed + capped; 8, 4 and 8 kv heads; GQA groups 4, 4, 8
-#: (8: two row chunks over blockIdx.z beside the splits); both dtypes. The windows (24, 300) start past the
+#: (8: in the lane-group kernel two row chunks over blockIdx.z beside the splits; in the staged kernel 4 rows
+#: per thread); both dtypes. The windows (24, 300) start past the
 #: first key step and mid-page in the long entries of the tests. Page size and RoPE mode change no kernel.
 #: (A soft cap alone is left out: it maps each score and meets no split boundary; every forced shape costs
-#: five kernel libraries, about 0.5 MB each, of the 60 MB bundle.)
+#: eight kernel libraries, about 0.5 MB each: five split values, three with the lane-group kernel forced.)
 PATH_SHAPES = [
     Shape(32, 8, 128, "float16", 16, "normal"),
     Shape(16, 4, 64, "float32", 8, "inline", window=24),
@@ -210,19 +211,38 @@ PREFILL_TC_SHAPES = [
 ]
 #: The forced path of the tensor-core prefill tests.
 PREFILL_TC_PATHS = {"cuda_prefill_kernel": "tc"}
+#: Both plain prefill kernels, forced: the tests run the shapes on each (the SIMT one is the default only
+#: where the tensor-core kernel does not serve a spec, so the fp16 / bf16 shapes reach it only forced).
+PREFILL_KERNEL_PATHS = ({"cuda_prefill_kernel": "tc"}, {"cuda_prefill_kernel": "simt"})
 
 
-def forced_cuda_paths(switch: str | None = None) -> list[dict[str, str]]:
-    """One ``{switch: value}`` per forced value (not "auto") of every CUDA path switch (or of ``switch``)."""
-    return [{name: v} for name, values in cuda_path_switches().items() for v in values
-            if v != "auto" and switch in (None, name)]
+#: Split counts under which the path tests also run the lane-group MHA decode kernel
+#: (``cuda_decode_kernel=lanes``; the default plain kernel is the staged one): its own policy, the direct-write
+#: S = 1 and a merged odd S.
+LANES_SPLITS = ("auto", "1", "3")
+
+
+def decode_path_cases() -> list[tuple[Shape, dict[str, str]]]:
+    """(shape, forced paths) of the MHA decode path tests: every ``PATH_SHAPES`` shape under every value of
+    ``cuda_decode_splits`` (the default kernels), and under ``LANES_SPLITS`` with ``cuda_decode_kernel=lanes``.
+    Every entry names its split value (``"auto"`` included)."""
+    splits = cuda_path_switches()["cuda_decode_splits"]
+    return ([(s, {"cuda_decode_splits": v}) for s in PATH_SHAPES for v in splits]
+            + [(s, {"cuda_decode_kernel": "lanes", "cuda_decode_splits": v}) for s in PATH_SHAPES
+               for v in LANES_SPLITS])
+
+
+def mla_path_cases() -> list[tuple[MLAShape, dict[str, str]]]:
+    """(shape, forced paths) of the MLA decode path tests: every value of ``cuda_decode_splits``."""
+    return [(s, {"cuda_decode_splits": v}) for s in PATH_MLA_SHAPES
+            for v in cuda_path_switches()["cuda_decode_splits"]]
 
 
 def gpu_path_libraries() -> list[tuple[KVCacheConfig, dict[str, str]]]:
-    """(config, forced paths) of every kernel library the CUDA path tests load: each path shape under each
-    forced decode split and without one (``{}``), and the tensor-core prefill shapes under
-    ``PREFILL_TC_PATHS`` (the prefill switch has its own shapes: "tc" raises on a spec the kernel does not
-    serve, e.g. float32 or MLA). ``pagedkv.apps.gpu_bundle`` prebuilds exactly these beside ``gpu_configs``."""
-    return ([(s.config(), paths) for s in PATH_SHAPES + PATH_MLA_SHAPES
-             for paths in [{}] + forced_cuda_paths("cuda_decode_splits")]
-            + [(s.config(), dict(PREFILL_TC_PATHS)) for s in PREFILL_TC_SHAPES])
+    """(config, forced paths) of every kernel library the CUDA path tests load (``decode_path_cases``,
+    ``mla_path_cases``; ``"auto"`` values dropped), and the tensor-core prefill shapes under each of ``PREFILL_KERNEL_PATHS``
+    (that switch has its own shapes: "tc" raises on a spec the kernel does not serve, e.g. float32 or MLA).
+    ``pagedkv.apps.gpu_bundle`` prebuilds exactly these beside ``gpu_configs``."""
+    return ([(s.config(), {k: v for k, v in paths.items() if v != "auto"})
+             for s, paths in decode_path_cases() + mla_path_cases()]
+            + [(s.config(), dict(p)) for s in PREFILL_TC_SHAPES for p in PREFILL_KERNEL_PATHS])

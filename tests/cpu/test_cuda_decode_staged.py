@@ -1,0 +1,111 @@
+"""The staged CUDA decode kernel (``tir_kernels/_decode_staged_cuda.py``) on the build host: no GPU.
+
+- its plan for every group size, head dim and dtype the kernels serve: whole warps, at most 1024 threads, a
+  tile of at most ``TILE_BYTES`` of K + V split evenly over the key groups, lanes covering the head dim;
+- its limits as data (``staged_limits``) and the switch ``cuda_decode_kernel``: auto = staged wherever the
+  limits allow, a forced "staged" on a shape they refuse raises, "lanes" is the lane-group kernel;
+- the generated CUDA: 16-byte page loads (``uint4``) into registers, 16-byte shared loads, one kernel per
+  decode variant (inline RoPE, plain) plus the split merge.
+
+nvcc (no spills) runs on the default kernels in ``test_cuda_compile.py`` (groups 4, 7, 3, 8, 4; head dims 128,
+64, 96, 256, 128; every dtype) and on every forced split count in ``test_cuda_paths_compile.py``; the numerical
+check is ``tests/gpu/test_cuda_paths_gpu.py`` and the GPU suite (the staged kernel is the default).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import re
+
+import pytest
+from _cuda_support import cuda_source_of
+
+from pagedkv import tir_kernels as tk
+from pagedkv.tir_kernels import _decode_staged_cuda as st
+from pagedkv.tir_kernels.attention_cuda_decode import use_staged
+
+import tvm
+from tvm.target import Target
+
+SM90 = Target({"kind": "cuda", "arch": "sm_90"}, host="llvm")
+SWITCH = "cuda_decode_kernel"
+GROUPS = (1, 2, 3, 4, 7, 8, 16)
+DIMS = (64, 96, 128, 256)
+DTYPES = ("float16", "bfloat16", "float32")
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("d", DIMS)
+@pytest.mark.parametrize("g", GROUPS)
+def test_plan_invariants(g, d, dtype):
+    assert st.staged_limits(g, d, dtype) == []
+    p = st.staged_plan(2 * g, 2, d, dtype)
+    assert p.g == g and g % p.r == 0 and p.gt * p.r == g
+    assert p.nt % 32 == 0 and p.nt <= 1024, p
+    assert p.l0 * p.vec == d and p.l0 <= p.l <= 32 and p.l & (p.l - 1) == 0, p
+    assert p.vec * st.itemsize(dtype) % 16 == 0, p  # whole 16-byte vectors
+    assert p.tk % p.nz == 0 and 2 * p.tk * d * st.itemsize(dtype) <= st.TILE_BYTES, p
+    assert p.loads * p.nt >= p.tk * p.l0, p
+    assert p.smem_bytes <= st.STAGED_MAX_SMEM, p
+    # several rows per thread (shared loads and conversions amortized), q and o within the register budget
+    assert p.r * p.vec <= st.STAGED_ROW_FLOATS
+    want = {1: 1, 2: 2, 3: 1, 4: 2, 7: 1, 8: 4, 16: 4}[g]
+    assert p.r == (want if p.vec <= 8 else min(want, 2)), p
+    # 16-byte vectors: two per lane where the head dim splits so (fewer lanes: fewer shuffles per score)
+    assert p.vec * st.itemsize(dtype) == (32 if d % (2 * st.vec16(dtype)) == 0 else 16), p
+
+
+def test_limits_are_data_and_forced_staged_raises():
+    assert st.staged_limits(4, 120, "float16") == ["head_dim 120 is not a multiple of 16"]
+    why = st.staged_limits(256, 128, "float16")  # 128 row threads x 8 lanes (and too much shared memory)
+    assert "exceeds 512 threads" in why[0]
+    why = st.staged_limits(32, 256, "float16")  # 49408 bytes of shared memory
+    assert len(why) == 1 and "shared memory" in why[0]
+    big = tk.KernelConfig(256, 1, 128, 128, "float16")
+    assert not use_staged(big)  # auto: the lane-group kernel takes it
+    with pytest.raises(NotImplementedError, match="cuda_decode_kernel=staged"):
+        use_staged(dataclasses.replace(big, paths={SWITCH: "staged"}))
+
+
+def test_switch_values():
+    assert tk.SWITCHES[SWITCH][1] == ("auto", "lanes", "staged")
+    cfg = tk.KernelConfig(8, 2, 64, 64, "float16")
+    assert use_staged(cfg) and use_staged(dataclasses.replace(cfg, paths={SWITCH: "staged"}))
+    assert not use_staged(dataclasses.replace(cfg, paths={SWITCH: "lanes"}))
+
+
+def _script(cfg, op="attn_decode_paged", **paths):
+    return tk.FACTORIES[op](dataclasses.replace(cfg, paths=paths), SM90).script()
+
+
+def test_auto_is_staged_lanes_differs_other_kernels_alone():
+    cfg = tk.KernelConfig(8, 2, 64, 64, "float32", sliding_window=40, logits_soft_cap=5.0)
+    auto = _script(cfg)
+    assert _script(cfg, cuda_decode_kernel="staged") == auto
+    assert _script(cfg, cuda_decode_kernel="lanes") != auto
+    for op in ("attn_prefill_paged", "attn_prefill_ragged", "merge_state"):
+        assert _script(cfg, op, cuda_decode_kernel="lanes") == _script(cfg, op)
+
+
+def test_mla_decode_ignores_the_kernel_switch():
+    cfg = tk.KernelConfig(3, 3, 96, 64, "float32", kv_lora_rank=64, qk_rope_head_dim=32)
+    op = "mla_attn_decode_paged"
+    assert _script(cfg, op, cuda_decode_kernel="lanes") == _script(cfg, op)
+
+
+@pytest.mark.parametrize("hq,hkv,dtype", [(32, 8, "float16"), (64, 8, "bfloat16"), (16, 4, "float32")])
+def test_generated_cuda_uses_vector_loads(hq, hkv, dtype):
+    cfg = tk.KernelConfig(hq, hkv, 128, 128, dtype)
+    with SM90:
+        exe = tvm.compile(tvm.IRModule({"main": tk.FACTORIES["attn_decode_paged"](cfg, SM90)}), target=SM90)
+    src = cuda_source_of(exe)
+    bodies = re.split(r'extern "C" __global__', src)[1:]
+    staged = [b for b in bodies if "Ks_ptr" in b]  # the forward declarations have no body
+    assert len(staged) == 1, "one staged kernel body"
+    body = staged[0]
+    # page reads: 16-byte vectors into the staging registers; shared tile reads: 16-byte vectors
+    vec = "float4" if dtype == "float32" else "uint4"
+    assert re.search(rf"Kst_ptr\[\d+\] = \*\({vec}\*\)\(pages_ptr", body), "K page loads are not 16 bytes"
+    assert re.search(rf"Vst_ptr\[\d+\] = \*\({vec}\*\)\(pages_ptr", body), "V page loads are not 16 bytes"
+    assert re.search(rf"\*\({vec}\*\)\(kv_ptr \+ 0\) = Ks_ptr\[", body), "K shared loads are not 16 bytes"
+    assert "__shfl_xor_sync" in body and body.count("__syncthreads()") >= 3
