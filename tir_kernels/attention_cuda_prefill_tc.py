@@ -46,6 +46,9 @@ TC_ROWS = TC_WARPS * TC_WROWS
 TC_NT = TC_WARPS * 32
 TC_DTYPES = ("float16", "bfloat16")
 TC_MAX_DIM = 128
+#: qk and v head dims served: those run on the H200 (tests/gpu/test_prefill_tc_gpu.py) and in the CPU emulation
+#: of the kernel; the tile code takes multiples of 32 up to TC_MAX_DIM, but 96 spills 4 bytes in the paged kernel.
+TC_HEAD_DIMS = (64, 128)
 #: GQA groups served: the PrimFunc also holds the SIMT RoPE kernel, whose tile takes groups up to 32 rows
 #: (``attention_cuda_prefill._prefill_plan``); the tensor-core tile itself would take 64.
 TC_MAX_GROUP = 32
@@ -83,9 +86,9 @@ def tc_unserved(spec, dv: int) -> str | None:
     d, g = spec.head_dim, spec.group_size
     if spec.dtype not in TC_DTYPES:
         return f"dtype {spec.dtype} (the tensor-core prefill takes {', '.join(TC_DTYPES)})"
-    if d % 32 or dv % 16 or max(d, dv) > TC_MAX_DIM:
-        return (f"head dims {d}/{dv} (the tensor-core prefill takes a qk dim multiple of 32 and a v dim multiple "
-                f"of 16, up to {TC_MAX_DIM})")
+    if d not in TC_HEAD_DIMS or dv not in TC_HEAD_DIMS:
+        return (f"head dims {d}/{dv} (the tensor-core prefill takes qk and v dims in {TC_HEAD_DIMS}: the ones run "
+                f"on the H200; 96 compiles but spills, others are untested)")
     if g > TC_MAX_GROUP:
         return f"GQA group {g} (the tensor-core prefill takes groups up to {TC_MAX_GROUP})"
     return None
@@ -383,5 +386,5 @@ def make_prefill_tc(op: str, spec, paged: bool):
     return kernel
 
 
-__all__ = ["TC_DTYPES", "TC_MAX_DIM", "TC_MAX_GROUP", "TC_ROWS", "TC_TK", "k_ldsm_index", "k_store_index",
+__all__ = ["TC_DTYPES", "TC_HEAD_DIMS", "TC_MAX_DIM", "TC_MAX_GROUP", "TC_ROWS", "TC_TK", "k_ldsm_index", "k_store_index",
            "make_prefill_tc", "tc_unserved", "v_ldsm_index", "v_store_index"]

@@ -29,8 +29,8 @@ SWITCHES: dict[str, tuple[str, tuple[str, ...]]] = {
                            "(nnz * page size), and with S > 1 the partial states go through the merge kernel",
                            ("auto", "1", "2", "3", "8")),
     "cuda_prefill_kernel": ("CUDA MHA prefill kernels (attn_prefill_ragged, attn_prefill_paged), apply_rope = 0: the "
-                            "SIMT FP32 kernel or the tensor-core one (mma.sync; fp16 / bf16, head dims multiples of "
-                            "16 up to 128, GQA groups up to 32, sm_80+; forcing tc on another spec raises). Inline "
+                            "SIMT FP32 kernel or the tensor-core one (mma.sync; fp16 / bf16, head dims 64 and "
+                            "128, GQA groups up to 32, sm_80+; forcing tc on another spec raises). Inline "
                             "RoPE always runs the SIMT kernel. auto: the tensor-core kernel where it serves the spec "
                             "(tir_kernels.attention_cuda_prefill.TC_BY_DEFAULT), SIMT elsewhere",
                             ("auto", "simt", "tc")),
