@@ -105,7 +105,8 @@ def _keys_major(plan: TilePlan):
             mx[r] = m[r]
         for j in T.serial(nk):
             for r in T.vectorized(R):
-                S[j, r] = T.if_then_else(var.visible(lim, R, r, j0 + j), var.cap(S[j, r]), T.float32(MASKED))
+                # A select, not if_then_else: TVM lowers if_then_else to a branch, which scalarizes the row loop.
+                S[j, r] = T.Select(var.visible(lim, R, r, j0 + j), var.cap(S[j, r]), T.float32(MASKED))
                 mx[r] = T.max(mx[r], S[j, r])
         for r in T.vectorized(R):
             alpha[r] = exp2_approx(m[r] - mx[r])

@@ -168,7 +168,7 @@ class TilePlan:
 
 
 def make_tile_plan(d: int, dv: int, group: int, dtype: str, tokens_per_item: int | None, variant: "CpuVariant",
-                   *, rope: bool = True) -> TilePlan:
+                   *, rope: bool = True, prefill_rows: int = 32) -> TilePlan:
     """Choose the CPU tiling.
 
     ``tokens_per_item=None`` is prefill: about 32 rows per item (each K/V tile is reused from L1 by
@@ -180,7 +180,7 @@ def make_tile_plan(d: int, dv: int, group: int, dtype: str, tokens_per_item: int
                          "value columns and need an even value head dim")
     tk = 32
     if tokens_per_item is None:
-        tq = max(1, 32 // group)
+        tq = max(1, prefill_rows // group)
         rows = -(-tq * group // 16) * 16
         keys_major, rb = True, 4
     else:
