@@ -171,8 +171,8 @@ def make_tile_plan(d: int, dv: int, group: int, dtype: str, tokens_per_item: int
                    *, rope: bool = True, prefill_rows: int = 32) -> TilePlan:
     """Choose the CPU tiling.
 
-    ``tokens_per_item=None`` is prefill: about 32 rows per item (each K/V tile is reused from L1 by
-    all of them), keys-major scores. Decode passes 1: the G rows of one token, rows-major scores.
+    ``tokens_per_item=None`` is prefill: about ``prefill_rows`` rows per item (each staged K/V tile is
+    reused from the caches by all of them), rounded up to a multiple of 16, keys-major scores. Decode passes 1: the G rows of one token, rows-major scores.
     The spec's options were validated by ``KernelSpec``; only this family's own limit is checked here.
     """
     if dv % 2:
