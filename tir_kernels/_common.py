@@ -137,7 +137,11 @@ class TilePlan:
         ``K_tile @ Qt`` with the queries transposed once per work item, so scores vectorize over rows and
         the key tile is used in its natural row layout (no per-key transposition).
     jb : int
-        Keys per register block of the keys-major score GEMM (``jb * rows * 4`` bytes < 1 KiB).
+        Keys per register block of the keys-major score GEMM (``jb * rw * 4`` bytes < 1 KiB).
+    rw : int
+        Rows per keys-major score register block and softmax step (a divisor of ``rows``): a work item
+        visits only the blocks holding its valid rows, so a short entry in a 64-row tile costs what a
+        32-row tile did.
     vl : int
         SIMD lanes of the rows-major dot products.
     rb, dc : int
@@ -159,6 +163,7 @@ class TilePlan:
     tk: int
     keys_major: bool
     jb: int
+    rw: int
     vl: int
     rb: int
     dc: int
@@ -190,13 +195,15 @@ def make_tile_plan(d: int, dv: int, group: int, dtype: str, tokens_per_item: int
         rb = 4 if rows % 4 == 0 or rows > 4 else rows
         rows = -(-rows // rb) * rb
         keys_major = False
-    jb = max(1, min(tk, 128 // rows))
+    # Keys-major: two 16-lane row vectors per block when the rows allow; 128 accumulators either way.
+    rw = (32 if rows % 32 == 0 else 16) if keys_major else rows
+    jb = max(1, min(tk, 128 // rw))
     while tk % jb:
         jb -= 1
     vl = next(v for v in (16, 8, 4, 2, 1) if d % v == 0)
     # Two PV accumulators of rb x dc floats, each under TVM's 1 KiB stack-allocation limit.
     dc = next(c for c in (32, 16, 8, 4, 2, 1) if dv % (2 * c) == 0) if dv % 2 == 0 else dv
-    return TilePlan(d=d, dv=dv, group=group, tq=tq, rows=rows, tk=tk, keys_major=keys_major, jb=jb,
+    return TilePlan(d=d, dv=dv, group=group, tq=tq, rows=rows, tk=tk, keys_major=keys_major, jb=jb, rw=rw,
                     vl=vl, rb=rb, dc=dc, dtype=dtype, variant=variant, rope=rope)
 
 

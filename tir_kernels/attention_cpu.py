@@ -61,8 +61,8 @@ def _make_attend(plan: TilePlan, mac, load_tile):
             # Keys of this tile that some row may see (the causal limit of the last token caps it).
             nk: T.let[T.int32] = T.min(TK, kv_end - kt * TK)
             load_tile(Kf, Vf, cur, kv, base, kpos0, h, kt * TK, nk, (apply_rope, rope_scale, invf))
-            score(S, Qf, Qt, Kf, acc, red, nk)
-            softmax(S, m, l, alpha, mx, lim, kt * TK, nk)
+            score(S, Qf, Qt, Kf, acc, red, nk, ntok * G)
+            softmax(S, m, l, alpha, mx, lim, kt * TK, nk, ntok * G)
             pv(O, S, Vf, alpha, acc_o0, acc_o1, nk, ntok * G)
         mac.store(o, lse, O, m, l, tok0, ntok, h)
 
