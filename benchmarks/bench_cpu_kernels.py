@@ -5,7 +5,9 @@ Cases (float32 by default, D = 128, GQA 32 query / 8 kv heads unless changed on 
 * ``decode``          B sequences of L cached tokens, one query each (``attn_decode_paged``);
 * ``prefill_ragged``  one causal prefill of L new tokens (``attn_prefill_ragged``);
 * ``prefill_paged``   B entries of Lq new queries over L cached tokens, non-causal, as the runtime calls it
-                      for the cached prefix (``attn_prefill_paged``).
+                      for the cached prefix (``attn_prefill_paged``);
+* ``prefill_chunk``   the same kernel on one chunk of Lq queries over a longer prefix (B=1 Lq=128 L=1024:
+                      the GPU table's Lq=512 over 4096, scaled to the CPU).
 
 apache-tvm's kernels (``tvm.relax.frontend.nn.llm``: ``_attention_decode_cpu``, ``_attention_prefill_cpu``,
 ``_attention_prefill_ragged_cpu``) are compiled for the same target.
@@ -174,8 +176,17 @@ def case_prefill_ragged(cfg, args, target, rng):
 
 def case_prefill_paged(cfg, args, target, rng):
     """B entries of Lq new queries over L cached tokens (non-causal)."""
+    return _paged_prefill(cfg, target, rng, args.batch_paged, args.paged_q_len, args.paged_kv_len)
+
+
+def case_prefill_chunk(cfg, args, target, rng):
+    """One chunk of Lq new queries over a longer cached prefix (the GPU table's Lq=512 over 4096, scaled)."""
+    return _paged_prefill(cfg, target, rng, 1, args.chunk_q_len, args.chunk_kv_len)
+
+
+def _paged_prefill(cfg, target, rng, b, lq, length):
+    """``attn_prefill_paged`` of B entries of Lq queries over L cached tokens (non-causal) and its peers."""
     hq, hkv, d, dtype = cfg.num_qo_heads, cfg.num_kv_heads, cfg.head_dim, cfg.dtype
-    b, lq, length = args.batch_paged, args.paged_q_len, args.paged_kv_len
     sm = 1.0 / math.sqrt(cfg.head_dim)
     pages, values, indptr, last, k, v = paged_layout(b, length, hkv, d, UPSTREAM_PAGE_SIZE, dtype, rng)
     q = rng.standard_normal((b * lq, hq, d)).astype(dtype)
@@ -243,9 +254,11 @@ def main(argv=None):
     parser.add_argument("--batch-paged", type=int, default=2)
     parser.add_argument("--paged-q-len", type=int, default=128)
     parser.add_argument("--paged-kv-len", type=int, default=512)
+    parser.add_argument("--chunk-q-len", type=int, default=128)
+    parser.add_argument("--chunk-kv-len", type=int, default=1024)
     parser.add_argument("--rounds", type=int, default=7)
     parser.add_argument("--target", default="host", help='"host" (llvm with this CPU\'s mcpu) or a target string')
-    parser.add_argument("--cases", default="decode,prefill_ragged,prefill_paged")
+    parser.add_argument("--cases", default="decode,prefill_ragged,prefill_paged,prefill_chunk")
     parser.add_argument("--sliding-window", type=int, default=0, help="our kernels' sliding window (0: off)")
     parser.add_argument("--soft-cap", type=float, default=0.0, help="our kernels' logits soft-cap (0: off)")
     args = parser.parse_args(argv)
@@ -255,7 +268,8 @@ def main(argv=None):
                           logits_soft_cap=args.soft_cap)
     config = f"Hq={args.hq} Hkv={args.hkv} D={args.dim} {args.dtype}{_options(cfg)}, {target}"
     rng = np.random.default_rng(0)
-    cases = {"decode": case_decode, "prefill_ragged": case_prefill_ragged, "prefill_paged": case_prefill_paged}
+    cases = {"decode": case_decode, "prefill_ragged": case_prefill_ragged, "prefill_paged": case_prefill_paged,
+             "prefill_chunk": case_prefill_chunk}
     rows = []
     print(f"{config}; torch threads {torch.get_num_threads()}")
     print(f"{'case':34s} {'ours ms':>9s} {'upstr ms':>9s} {'torch ms':>9s} {'ours/upstr':>11s} "

@@ -4,15 +4,16 @@ Both variants expose the same macros, so one work-item body serves decode and pr
 
 * ``prepare(Qf, Qt, lim, nrows, kvlen, causal, qlen, qt0)``: per-item setup (``nrows`` valid rows),
   including the per-row key limits ``lim`` of the attention variant (``_variant_cpu.CpuVariant``);
-* ``score(S, Qf, Qt, Kf, acc, red, nk)``: scores of the first ``nk`` keys of the tile (log2 units,
-  ``Qf`` is pre-scaled);
-* ``softmax(S, m, l, alpha, mx, lim, j0, nk)``: the variant's logits transform and mask, then the
+* ``score(S, Qf, Qt, Kf, acc, red, nk, nrows)``: scores of the first ``nk`` keys of the tile (log2 units,
+  ``Qf`` is pre-scaled) for (at least) the ``nrows`` valid rows;
+* ``softmax(S, m, l, alpha, mx, lim, j0, nk, nrows)``: the variant's logits transform and mask, then the
   base-2 online softmax step; ``S`` becomes probabilities, ``alpha[r]`` the rescale of row ``r``'s previous output;
 * ``pv(O, S, Vf, alpha, acc0, acc1, nk, nrows)``: ``O = O * alpha + P @ Vf`` with an ``RB x 2DC``
   register block, over the row blocks that hold the ``nrows`` valid rows.
 
 Only the ``nk`` valid keys of a tile are visited (a short entry or the last tile of an entry costs what
-it holds, not a full tile); ``Kf`` rows from ``nk`` to the end of the last score block are zero.
+it holds, not a full tile); ``Kf`` rows from ``nk`` to the end of the last score block are zero. Keys-major
+steps likewise visit only the ``rw``-row blocks that hold valid rows (a query tile of a short entry).
 
 Register blocks (``acc*``, ``red``) are small buffers: TVM places allocations under 1 KiB on the stack,
 where LLVM promotes them to registers.
@@ -30,7 +31,7 @@ def scratch_shapes(plan: TilePlan) -> dict:
     """Shapes of the layout-dependent scratch buffers of a work item."""
     R, TK, D = plan.rows, plan.tk, plan.d
     if plan.keys_major:
-        return {"S": (TK, R), "Qt": (D, R), "acc": (plan.jb, R), "red": (1,), "mx": (R,)}
+        return {"S": (TK, R), "Qt": (D, R), "acc": (plan.jb, plan.rw), "red": (1,), "mx": (R,)}
     return {"S": (R, TK), "Qt": (1, 1), "acc": (2, plan.vl), "red": (plan.vl,), "mx": (1,)}
 
 
@@ -69,8 +70,8 @@ def _pv_macro(plan: TilePlan, keys_major: bool):
 
 
 def _keys_major(plan: TilePlan):
-    """Prefill: ``St[TK, R] = Kf @ Qt``, everything after it vectorized over the R rows."""
-    R, D, JB = plan.rows, plan.d, plan.jb
+    """Prefill: ``St[TK, R] = Kf @ Qt``, everything after it vectorized over blocks of RW rows."""
+    R, D, JB, RW = plan.rows, plan.d, plan.jb, plan.rw
     var = plan.variant
     limits = var.limits_macro(plan.group, R)
 
@@ -85,36 +86,46 @@ def _keys_major(plan: TilePlan):
         limits(lim, kvlen, causal, qlen, qt0)
 
     @T.macro
-    def score(S, Qf, Qt, Kf, acc, red, nk):
-        # JB keys x R rows of accumulators; each Kf element is broadcast (a memory operand of the FMA).
-        for jb in T.serial((nk + JB - 1) // JB):
-            for jj in T.unroll(JB):
-                for r in T.vectorized(R):
-                    acc[jj, r] = T.float32(0)
-            for dd in T.serial(D):
+    def score(S, Qf, Qt, Kf, acc, red, nk, nrows):
+        # Per block of RW rows holding valid rows: JB keys x RW rows of accumulators; each Kf element is
+        # broadcast (a memory operand of the FMA).
+        for rb in T.serial((nrows + RW - 1) // RW):
+            for jb in T.serial((nk + JB - 1) // JB):
                 for jj in T.unroll(JB):
-                    for r in T.vectorized(R):
-                        acc[jj, r] = acc[jj, r] + Kf[jb * JB + jj, dd] * Qt[dd, r]
-            for jj in T.unroll(JB):
-                for r in T.vectorized(R):
-                    S[jb * JB + jj, r] = acc[jj, r]
+                    for r in T.vectorized(RW):
+                        acc[jj, r] = T.float32(0)
+                for dd in T.serial(D):
+                    for jj in T.unroll(JB):
+                        for r in T.vectorized(RW):
+                            acc[jj, r] = acc[jj, r] + Kf[jb * JB + jj, dd] * Qt[dd, rb * RW + r]
+                for jj in T.unroll(JB):
+                    for r in T.vectorized(RW):
+                        S[jb * JB + jj, rb * RW + r] = acc[jj, r]
 
     @T.macro
-    def softmax(S, m, l, alpha, mx, lim, j0, nk):
-        for r in T.vectorized(R):
-            mx[r] = m[r]
+    def softmax_block(S, m, l, alpha, mx, lim, j0, nk, r0):
+        """The online softmax step of rows ``r0 .. r0 + RW``."""
+        for r in T.vectorized(RW):
+            mx[r0 + r] = m[r0 + r]
         for j in T.serial(nk):
-            for r in T.vectorized(R):
-                S[j, r] = T.if_then_else(var.visible(lim, R, r, j0 + j), var.cap(S[j, r]), T.float32(MASKED))
-                mx[r] = T.max(mx[r], S[j, r])
-        for r in T.vectorized(R):
-            alpha[r] = exp2_approx(m[r] - mx[r])
-            l[r] = l[r] * alpha[r]
-            m[r] = mx[r]
+            for r in T.vectorized(RW):
+                # A select, not if_then_else: TVM lowers if_then_else to a branch, which scalarizes the row loop.
+                S[j, r0 + r] = T.Select(var.visible(lim, R, r0 + r, j0 + j), var.cap(S[j, r0 + r]),
+                                        T.float32(MASKED))
+                mx[r0 + r] = T.max(mx[r0 + r], S[j, r0 + r])
+        for r in T.vectorized(RW):
+            alpha[r0 + r] = exp2_approx(m[r0 + r] - mx[r0 + r])
+            l[r0 + r] = l[r0 + r] * alpha[r0 + r]
+            m[r0 + r] = mx[r0 + r]
         for j in T.serial(nk):
-            for r in T.vectorized(R):
-                S[j, r] = exp2_approx(S[j, r] - mx[r])
-                l[r] = l[r] + S[j, r]
+            for r in T.vectorized(RW):
+                S[j, r0 + r] = exp2_approx(S[j, r0 + r] - mx[r0 + r])
+                l[r0 + r] = l[r0 + r] + S[j, r0 + r]
+
+    @T.macro
+    def softmax(S, m, l, alpha, mx, lim, j0, nk, nrows):
+        for rb in T.serial((nrows + RW - 1) // RW):
+            softmax_block(S, m, l, alpha, mx, lim, j0, nk, rb * RW)
 
     return prepare, score, softmax, _pv_macro(plan, keys_major=True)
 
@@ -131,7 +142,8 @@ def _rows_major(plan: TilePlan):
         limits(lim, kvlen, causal, qlen, qt0)
 
     @T.macro
-    def score(S, Qf, Qt, Kf, acc, red, nk):
+    def score(S, Qf, Qt, Kf, acc, red, nk, nrows):
+        # Every row (decode tiles are a few rows, all valid but the padding of a register block).
         for j, r in T.grid(nk, R):
             # Two independent accumulators halve the FMA dependency chain.
             for ll in T.vectorized(VL):
@@ -160,7 +172,7 @@ def _rows_major(plan: TilePlan):
             S[r, j] = red[0]
 
     @T.macro
-    def softmax(S, m, l, alpha, mx, lim, j0, nk):
+    def softmax(S, m, l, alpha, mx, lim, j0, nk, nrows):
         for r in T.serial(R):
             mx[0] = m[r]
             if var.capped:  # static; whole-tile vectors, as the exp below (keys past nk are never read)

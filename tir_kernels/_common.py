@@ -137,7 +137,11 @@ class TilePlan:
         ``K_tile @ Qt`` with the queries transposed once per work item, so scores vectorize over rows and
         the key tile is used in its natural row layout (no per-key transposition).
     jb : int
-        Keys per register block of the keys-major score GEMM (``jb * rows * 4`` bytes < 1 KiB).
+        Keys per register block of the keys-major score GEMM (``jb * rw * 4`` bytes < 1 KiB).
+    rw : int
+        Rows per keys-major score register block and softmax step (a divisor of ``rows``): a work item
+        visits only the blocks holding its valid rows, so a short entry in a 64-row tile costs what a
+        32-row tile did.
     vl : int
         SIMD lanes of the rows-major dot products.
     rb, dc : int
@@ -159,6 +163,7 @@ class TilePlan:
     tk: int
     keys_major: bool
     jb: int
+    rw: int
     vl: int
     rb: int
     dc: int
@@ -168,11 +173,11 @@ class TilePlan:
 
 
 def make_tile_plan(d: int, dv: int, group: int, dtype: str, tokens_per_item: int | None, variant: "CpuVariant",
-                   *, rope: bool = True) -> TilePlan:
+                   *, rope: bool = True, prefill_rows: int = 32) -> TilePlan:
     """Choose the CPU tiling.
 
-    ``tokens_per_item=None`` is prefill: about 32 rows per item (each K/V tile is reused from L1 by
-    all of them), keys-major scores. Decode passes 1: the G rows of one token, rows-major scores.
+    ``tokens_per_item=None`` is prefill: about ``prefill_rows`` rows per item (each staged K/V tile is
+    reused from the caches by all of them), rounded up to a multiple of 16, keys-major scores. Decode passes 1: the G rows of one token, rows-major scores.
     The spec's options were validated by ``KernelSpec``; only this family's own limit is checked here.
     """
     if dv % 2:
@@ -180,7 +185,7 @@ def make_tile_plan(d: int, dv: int, group: int, dtype: str, tokens_per_item: int
                          "value columns and need an even value head dim")
     tk = 32
     if tokens_per_item is None:
-        tq = max(1, 32 // group)
+        tq = max(1, prefill_rows // group)
         rows = -(-tq * group // 16) * 16
         keys_major, rb = True, 4
     else:
@@ -190,13 +195,15 @@ def make_tile_plan(d: int, dv: int, group: int, dtype: str, tokens_per_item: int
         rb = 4 if rows % 4 == 0 or rows > 4 else rows
         rows = -(-rows // rb) * rb
         keys_major = False
-    jb = max(1, min(tk, 128 // rows))
+    # Keys-major: two 16-lane row vectors per block when the rows allow; 128 accumulators either way.
+    rw = (32 if rows % 32 == 0 else 16) if keys_major else rows
+    jb = max(1, min(tk, 128 // rw))
     while tk % jb:
         jb -= 1
     vl = next(v for v in (16, 8, 4, 2, 1) if d % v == 0)
     # Two PV accumulators of rb x dc floats, each under TVM's 1 KiB stack-allocation limit.
     dc = next(c for c in (32, 16, 8, 4, 2, 1) if dv % (2 * c) == 0) if dv % 2 == 0 else dv
-    return TilePlan(d=d, dv=dv, group=group, tq=tq, rows=rows, tk=tk, keys_major=keys_major, jb=jb,
+    return TilePlan(d=d, dv=dv, group=group, tq=tq, rows=rows, tk=tk, keys_major=keys_major, jb=jb, rw=rw,
                     vl=vl, rb=rb, dc=dc, dtype=dtype, variant=variant, rope=rope)
 
 

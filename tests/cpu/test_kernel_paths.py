@@ -252,3 +252,35 @@ def test_attn_prefill_ragged_paths(case, threads, reverse):
     entries = RAGGED_ENTRIES[::-1] if reverse else RAGGED_ENTRIES
     run_prefill_ragged(shape + shape[2:], dtype, int(not reverse), int(reverse), entries,
                        {"sliding_window": window, "logits_soft_cap": cap}, paths={"cpu_threads": threads})
+
+
+#: Long paged prefill entries: every GQA group's 64-row query tiles (64 tokens at group 1 ... 8 at group 8)
+#: come several per entry, with a partial last tile (150 = 64 + 64 + 22 at group 1, 129 = 2 x 64 + 1), beside
+#: short and empty entries; kv lengths up to 400 cross many pages.
+LONG_PAGED_ENTRIES = [(150, 300), (1, 33), (70, 70), (0, 5), (3, 0), (65, 81), (129, 129), (20, 400)]
+#: ((Hq, Hkv, D), dtype, masking): groups 1, 3, 4, 7, 8, 8 and head dims 64, 96, 128, 256 over the three
+#: storage dtypes; the group-3 case with a window shorter than a query tile's keys and a soft-cap.
+LONG_PAGED_CASES = [
+    ((4, 4, 64), "float32", {}),
+    ((6, 2, 96), "bfloat16", {"sliding_window": 70, "logits_soft_cap": 5.0}),
+    ((8, 2, 128), "float32", {}),
+    ((14, 2, 64), "float16", {}),
+    ((16, 2, 128), "float32", {}),
+    ((8, 1, 256), "float16", {}),
+]
+
+
+def _long_id(case):
+    shape, dtype, masking = case
+    return f"{'x'.join(map(str, shape))}-{dtype}" + "".join(f"-{k}{v:g}" for k, v in masking.items())
+
+
+@pytest.mark.parametrize("threads", THREAD_PATHS)
+@pytest.mark.parametrize("case", LONG_PAGED_CASES, ids=_long_id)
+def test_attn_prefill_paged_long_entries(case, threads):
+    """Several query tiles per entry on both thread paths: causal with inline RoPE (page size 16), then
+    non-causal without (page size 8, buffers as views), both against the float64 reference."""
+    shape, dtype, masking = case
+    for ps, causal in ((16, 1), (8, 0)):
+        run_prefill_paged(shape, dtype, ps, causal, causal, LONG_PAGED_ENTRIES, masking,
+                          paths={"cpu_threads": threads})
