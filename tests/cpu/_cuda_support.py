@@ -24,6 +24,19 @@ def cuda_source_of(executable) -> str:
     raise AssertionError("no CUDA source in the compiled module")
 
 
+def ops_cuda_source(spec, ops, target) -> str:
+    """CUDA C source of the kernels of ``ops`` (None: every op) built for ``spec`` (a ``KernelSpec``), compiled
+    for ``target`` (a CUDA ``tvm.target.Target``)."""
+    import tvm
+
+    from pagedkv import tir_kernels as tk
+
+    funcs = tk.build_kernels(spec, target, ops=ops)
+    with target:
+        exe = tvm.compile(tvm.IRModule({f"pagedkv_{op}": f for op, f in funcs.items()}), target=target)
+    return cuda_source_of(exe)
+
+
 def find_nvcc() -> str | None:
     return shutil.which("nvcc") or next(
         (str(p) for p in sorted(pathlib.Path("/usr/local").glob("cuda*/bin/nvcc"))), None)

@@ -22,7 +22,7 @@ import pathlib
 import re
 
 import pytest
-from _cuda_support import cuda_source_of, nvcc_all, ptxas_usage
+from _cuda_support import cuda_source_of, nvcc_all, ops_cuda_source, ptxas_usage
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 from pagedkv import tir_kernels as tk  # noqa: E402
@@ -61,11 +61,7 @@ def _generic_cuda_target() -> Target:
 @functools.cache
 def cuda_source(cfg: tuple, kind: str = "sm90") -> str:
     """CUDA source of all nine ops for ``cfg`` (cached per session); ``kind`` is "sm90" or "generic"."""
-    target = SM90 if kind == "sm90" else _generic_cuda_target()
-    funcs = tk.build_kernels(tk.KernelConfig(*cfg), target)
-    with target:
-        exe = tvm.compile(tvm.IRModule({f"pagedkv_{op}": f for op, f in funcs.items()}), target=target)
-    return cuda_source_of(exe)
+    return ops_cuda_source(tk.KernelConfig(*cfg), None, SM90 if kind == "sm90" else _generic_cuda_target())
 
 
 def _sm90_source(cfg):
@@ -76,11 +72,7 @@ def _sm90_source(cfg):
 def masked_source(key: tuple) -> str:
     """CUDA source (sm_90) of the three attention ops for a ``MASKED_CONFIGS`` entry."""
     *shape, window, cap = key
-    cfg = tk.KernelConfig(*shape, sliding_window=window, logits_soft_cap=cap)
-    funcs = tk.build_kernels(cfg, SM90, ops=ATTN_OPS)
-    with SM90:
-        exe = tvm.compile(tvm.IRModule({f"pagedkv_{op}": f for op, f in funcs.items()}), target=SM90)
-    return cuda_source_of(exe)
+    return ops_cuda_source(tk.KernelConfig(*shape, sliding_window=window, logits_soft_cap=cap), ATTN_OPS, SM90)
 
 
 @pytest.fixture(scope="module")

@@ -22,12 +22,11 @@ import shutil
 import subprocess
 
 import pytest
-from _cuda_support import cuda_source_of, nvcc_all, ptxas_usage
+from _cuda_support import nvcc_all, ops_cuda_source, ptxas_usage
 
 from pagedkv import tir_kernels as tk
 from pagedkv.tir_kernels import attention_cuda_prefill as pf
 
-import tvm
 from tvm.target import Target
 
 SM90 = Target({"kind": "cuda", "arch": "sm_90"}, host="llvm")
@@ -78,11 +77,7 @@ def test_tc_refuses_what_it_does_not_serve(cfg, why):
 
 
 def _source(key):
-    cfg = _with(SHAPES[key[0]], "tc")
-    funcs = tk.build_kernels(cfg, SM90, ops=OPS)
-    with SM90:
-        exe = tvm.compile(tvm.IRModule({f"pagedkv_{op}": f for op, f in funcs.items()}), target=SM90)
-    return cuda_source_of(exe)
+    return ops_cuda_source(_with(SHAPES[key[0]], "tc"), OPS, SM90)
 
 
 @pytest.fixture(scope="module")
