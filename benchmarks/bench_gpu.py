@@ -9,8 +9,10 @@ Workloads (``_bench_workloads.workloads``): decode 32/8/128 and 64/8/128 at B x 
 L 1K/8K; fp16 and bf16. Implementations: ``_bench_impls``. Ceilings: device-to-device copy bandwidth
 (decode: KV bytes / time against it) and a bf16 matmul (prefill and MLA: TFLOP/s against it).
 
-Columns: time (median of CUDA-event timings, L2 flushed before each), TB/s (decode: KV bytes read / time) or
-TFLOP/s, ratio to FlashInfer's best variant on that workload (its time / this time: >= 1 is as fast), ratio
+Columns: time (median of CUDA-event timings, L2 flushed before each, taken in interleaved rounds over the
+implementations of a workload), TB/s (decode: KV bytes read / time) or
+TFLOP/s, ratio to FlashInfer's best variant on that workload (its time / this time: >= 1 is as fast; on the
+chunk over a cache, the variants that read the cached keys from pages: ``_bench_impls.fi_in_best``), ratio
 to the ceiling. A wrong output (relative error >= 1e-2) gets no time, and the run exits non-zero; so does a
 pagedkv implementation that fails. Also the host cost of a decode step (``--host-cost``): ``begin_forward``
 (with FlashInfer's plans) and the per-layer dispatch of a 32-layer 32/8/128 cache at B = 1, 64, 256.
@@ -42,7 +44,8 @@ from _host_cost import graph_host_cost, host_cost
 TOL = 1e-2
 
 
-def time_ms(run, iters: int, warmup: int, flush: torch.Tensor) -> float:
+def time_samples(run, iters: int, warmup: int, flush: torch.Tensor) -> list[float]:
+    """``iters`` CUDA-event timings (ms) of ``run``, each after an L2 flush."""
     for _ in range(warmup):
         run()
     events = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)) for _ in range(iters)]
@@ -52,7 +55,11 @@ def time_ms(run, iters: int, warmup: int, flush: torch.Tensor) -> float:
         run()
         end.record()
     torch.cuda.synchronize()
-    return statistics.median(s.elapsed_time(e) for s, e in events)
+    return [s.elapsed_time(e) for s, e in events]
+
+
+def time_ms(run, iters: int, warmup: int, flush: torch.Tensor) -> float:
+    return statistics.median(time_samples(run, iters, warmup, flush))
 
 
 def ceilings(flush) -> dict:
@@ -83,7 +90,9 @@ def _builders(w: W.Workload, x: W.Inputs, fi, upstream: dict) -> dict:
     return out
 
 
-def measure(w: W.Workload, name: str, build, ref, args, flush) -> dict:
+def prepare(w: W.Workload, name: str, build, ref) -> tuple[dict, object, object]:
+    """(row, run or None, cache or None): builds the implementation and checks its output; ``run`` is None
+    when it does not apply, failed or was wrong (the row's status says which)."""
     row = {"workload": w.name, "kind": w.kind, "dtype": w.dtype, "impl": name}
     cache = None
     try:
@@ -93,25 +102,40 @@ def measure(w: W.Workload, name: str, build, ref, args, flush) -> dict:
         row["rel_err"] = W.rel_err(out, ref)
         if not row["rel_err"] < TOL:
             row["status"] = f"WRONG: rel err {row['rel_err']:.2e} >= {TOL}"
-            return row
-        row["ms"] = time_ms(run, args.iters, args.warmup, flush)
-        row["status"] = "ok"
+            return row, None, cache
         if cache is not None:
             row["served_by"] = dict(cache.op_backends)
+        return row, run, cache
     except impls.Unavailable as e:
         row["status"] = f"n/a: {e}"
     except Exception as e:  # noqa: BLE001
-        if name.startswith("pagedkv"):
-            traceback.print_exc()
-        row["status"] = f"error: {type(e).__name__}: {e}".replace("\n", " ")[:300]
-        print(f"[bench] {w.name} {name}: {row['status']}", flush=True)
-    finally:
-        if cache is not None:
+        _error(row, name, e)
+    return row, None, cache
+
+
+def _error(row: dict, name: str, e: Exception) -> None:
+    if name.startswith("pagedkv"):
+        traceback.print_exc()
+    row["status"] = f"error: {type(e).__name__}: {e}".replace("\n", " ")[:300]
+    print(f"[bench] {row['workload']} {name}: {row['status']}", flush=True)
+
+
+def time_interleaved(prepared: list, args, flush) -> None:
+    """Times every runnable implementation of a workload in ``args.rounds`` interleaved rounds of
+    ``args.iters`` calls each (so clock and power drift spread over all of them, not onto whichever ran
+    last) and records the median of all samples."""
+    samples = {id(row): [] for row, run, _ in prepared if run is not None}
+    for _ in range(args.rounds):
+        for row, run, _ in prepared:
+            if id(row) not in samples or "status" in row:
+                continue
             try:
-                cache.end_forward()
-            except Exception:  # noqa: BLE001
-                pass
-    return row
+                samples[id(row)] += time_samples(run, args.iters, args.warmup, flush)
+            except Exception as e:  # noqa: BLE001
+                _error(row, row["impl"], e)
+    for row, run, _ in prepared:
+        if run is not None and "status" not in row:
+            row["ms"], row["status"] = statistics.median(samples[id(row)]), "ok"
 
 
 def run_workload(w: W.Workload, fi, upstream, args, flush, ceil) -> list[dict]:
@@ -119,8 +143,21 @@ def run_workload(w: W.Workload, fi, upstream, args, flush, ceil) -> list[dict]:
     gen = torch.Generator(device="cuda").manual_seed(hash(w.name) % (1 << 31))
     x = W.make_inputs(w, gen)
     ref = W.reference(w, x)
-    rows = [measure(w, name, b, ref, args, flush) for name, b in _builders(w, x, fi, upstream).items()]
-    best = min((r["ms"] for r in rows if r["impl"].startswith("fi:") and "ms" in r), default=math.nan)
+    prepared = [prepare(w, name, b, ref) for name, b in _builders(w, x, fi, upstream).items()]
+    try:
+        time_interleaved(prepared, args, flush)
+    finally:
+        for _, _, cache in prepared:
+            if cache is not None:
+                try:
+                    cache.end_forward()
+                except Exception:  # noqa: BLE001
+                    pass
+    rows = [row for row, _, _ in prepared]
+    for r in rows:
+        if r["impl"].startswith("fi:") and "ms" in r:
+            r["in_fi_best"] = impls.fi_in_best(r["impl"], w)
+    best = min((r["ms"] for r in rows if r.get("in_fi_best")), default=math.nan)
     for r in rows:
         if "ms" not in r:
             continue
@@ -131,7 +168,9 @@ def run_workload(w: W.Workload, fi, upstream, args, flush, ceil) -> list[dict]:
             r["TFLOPs"] = w.flops() / r["ms"] / 1e9
             r["vs_ceiling"] = r["TFLOPs"] / ceil["bf16_matmul_TFLOPs"]
         r["vs_fi_best"] = best / r["ms"]
-    del x, ref
+        if r.get("in_fi_best") is False:
+            r["status"] = "ok (reads a contiguous copy of the cached keys: not in FI best)"
+    del x, ref, prepared
     torch.cuda.empty_cache()
     print(f"[bench] {w.name}: {time.perf_counter() - t0:.1f} s", flush=True)
     return rows
@@ -204,7 +243,8 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--bundle", type=Path, default=Path(".gpu-bench"))
     ap.add_argument("--out", type=Path, default=Path("benchmarks/results"))
-    ap.add_argument("--iters", type=int, default=20)
+    ap.add_argument("--iters", type=int, default=10, help="timed calls per implementation per round")
+    ap.add_argument("--rounds", type=int, default=4, help="interleaved rounds over the implementations")
     ap.add_argument("--warmup", type=int, default=3)
     ap.add_argument("--only", default="", help="substring of the workload names to run")
     ap.add_argument("--dtypes", default="float16,bfloat16")

@@ -1,6 +1,7 @@
 """``python benchmarks/summarize_gpu.py bench_gpu.json``: the markdown tables of BENCHMARKS.md from one
 ``bench_gpu.py`` run: per workload FlashInfer's best variant, pagedkv (FlashInfer and TIR backends), apache-tvm
-0.27's kernels and torch SDPA as ratios to that best (>= 1: as fast or faster), and the host cost."""
+0.27's kernels and torch SDPA as ratios to that best (>= 1: as fast or faster), a text plot of the pagedkv
+columns against 1.0, and the host cost."""
 
 from __future__ import annotations
 
@@ -15,17 +16,44 @@ def _cell(r) -> str:
     return f"{r['vs_fi_best']:.3f}" if r and "vs_fi_best" in r else "-"
 
 
-def workload_table(rows: list[dict]) -> str:
+def fi_best(impls: dict) -> dict | None:
+    """FlashInfer's fastest variant among those that count (``in_fi_best``; JSON of older runs has no flag)."""
+    fi = [r for k, r in impls.items() if k.startswith("fi:") and "ms" in r and r.get("in_fi_best", True)]
+    return min(fi, key=lambda r: r["ms"]) if fi else None
+
+
+def _by_workload(rows: list[dict]) -> dict:
     by = {}
     for r in rows:
         by.setdefault(r["workload"], {})[r["impl"]] = r
+    return by
+
+
+def text_plot(rows: list[dict], labels=("pagedkv-fi", "pagedkv-tir"), width: int = 40) -> str:
+    """One bar per workload and label: its speed as a fraction of FlashInfer's best, ``|`` at 1.0 (bars
+    past it are capped at 1.25)."""
+    out = ["```", f"speed / FlashInfer's best ({', '.join(labels)}); '|' marks 1.0"]
+    for name, impls in _by_workload(rows).items():
+        for label in labels:
+            r = impls.get(label)
+            if not r or "vs_fi_best" not in r:
+                continue
+            v = r["vs_fi_best"]
+            n = round(min(v, 1.25) * width)
+            bar = "".join("|" if i == width else ("#" if i < n else " ") for i in range(max(n, width + 1)))
+            out.append(f"{name:34s} {label:12s} {bar} {v:.3f}")
+    out.append("```")
+    return "\n".join(out)
+
+
+def workload_table(rows: list[dict]) -> str:
+    by = _by_workload(rows)
     out = ["| workload | FI best (ms) | rate | " + " | ".join(PEERS) + " |",
            "|---|---|---|" + "---|" * len(PEERS)]
     for name, impls in by.items():
-        fi = [r for k, r in impls.items() if k.startswith("fi:") and "ms" in r]
-        if not fi:
+        best = fi_best(impls)
+        if best is None:
             continue
-        best = min(fi, key=lambda r: r["ms"])
         rate = f"{best['TBps']:.2f} TB/s" if "TBps" in best else f"{best['TFLOPs']:.0f} TFLOP/s"
         out.append(f"| {name} | {best['impl'][3:]} {best['ms']:.4f} | {rate} | "
                    + " | ".join(_cell(impls.get(p)) for p in PEERS) + " |")
@@ -49,6 +77,8 @@ def main(argv=None) -> int:
     print(f"{d['date']}, {d['gpu']}, torch {d['torch']}, flashinfer {d['flashinfer']}; ceilings: copy "
           f"{d['ceilings']['copy_TBps']:.2f} TB/s, bf16 matmul {d['ceilings']['bf16_matmul_TFLOPs']:.0f} TFLOP/s\n")
     print(workload_table(d["rows"]))
+    print()
+    print(text_plot(d["rows"]))
     print()
     print(host_table(d["host_cost"]))
     return 0

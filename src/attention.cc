@@ -53,7 +53,12 @@ void PagedKVCacheObj::BeginForward(const ffi::Shape& seq_ids, const ffi::Shape& 
   try {
     // A CUDA-graph decode attends each sequence's whole chain in one pass, as a windowed cache does: the
     // captured kernel sequence must not depend on which sequences share a prefix.
-    ForwardPlan plan = BuildForwardPlan(pool_, ids, lengths, /*flat=*/cfg_.windowed() || graph);
+    // MLA keeps continuations split: its paged pass is the absorbed (latent) attention, non-causal only,
+    // and the new tokens' own attention is the cheaper plain multi-head one (self_attention).
+    PlanOptions options;
+    options.flat = cfg_.windowed() || graph;
+    options.through_continuations = !cfg_.is_mla();
+    ForwardPlan plan = BuildForwardPlan(pool_, ids, lengths, options);
     if (graph) {
       UploadGraphPlan(plan);
     } else {
@@ -233,7 +238,7 @@ void PagedKVCacheObj::RunPass(int64_t layer, const PassViews& p, const ffi::Tens
                   .sm_scale(sm_scale));
   } else {
     // Multi-query entries (prefill, or decode queries grouped on a shared prefix): every key precedes
-    // every query of the entry and the pass is non-causal, except a windowed cache's through pass, whose
+    // every query of the entry and the pass is non-causal, except the own pass of a through prefill, whose
     // entries end with their queries' own tokens.
     ops_.Call(ops::AttnPrefillPaged()
                   .q(q).q_indptr(p.q_indptr).pages(pages_[layer]).page_indptr(p.page_indptr)

@@ -92,8 +92,8 @@ class PrefillAdapter : public FlashInferAdapter {
   void PlanRagged(const ForwardInfo& info) {
     const ForwardPlan& fp = *info.plan;
     if (fp.through) {
-      // The only ragged call of a decode forward, or of a windowed cache's forward, is self_attention over
-      // no keys (kv_indptr = zeros).
+      // The only ragged call of a through forward (decode, a continuation prefill, any forward of a
+      // windowed cache) is self_attention over no keys (kv_indptr = zeros).
       Planned p = EmptyFlags(std::vector<int32_t>(fp.q_indptr.size() - 1, 0), 0, true);
       plans_.Put(ViewKey(info.no_keys_indptr), p);
       return;
@@ -119,8 +119,8 @@ class PrefillAdapter : public FlashInferAdapter {
       bool decode_pass = fp.is_decode && pass.host->one_query_per_entry;
       if (decode_pass != (what_ == PrefillOp::kDecode)) continue;
       std::vector<int32_t> kv_lens = PagedKvLens(*pass.host, c.page_size);
-      // Paged passes are non-causal (every key of an entry precedes its queries), except a windowed
-      // cache's through pass (src/attention.cc RunPass); a decode row's keys all precede or are it.
+      // Paged passes are non-causal (every key of an entry precedes its queries), except the own pass of
+      // a through prefill (src/attention.cc RunPass); a decode row's keys all precede or are it.
       bool causal = pass.host->causal;
       Planned p = EmptyFlags(kv_lens, i, causal);
       if (decode_pass) {

@@ -105,11 +105,14 @@ PassPlan OwnPass(const BlockPool& pool, const std::vector<SeqView>& seqs, const 
 }  // namespace
 
 ForwardPlan BuildForwardPlan(const BlockPool& pool, const std::vector<int64_t>& ids,
-                             const std::vector<int64_t>& lengths, bool flat) {
+                             const std::vector<int64_t>& lengths, PlanOptions options) {
   ForwardPlan plan;
   int64_t ps = pool.PageSize();
+  bool flat = options.flat;
   plan.is_decode = std::all_of(lengths.begin(), lengths.end(), [](int64_t l) { return l == 1; });
-  plan.through = plan.is_decode || flat;
+  bool continuation = options.through_continuations;
+  for (size_t i = 0; i < ids.size() && continuation; ++i) continuation = pool.Get(ids[i]).length > lengths[i];
+  plan.through = plan.is_decode || flat || continuation;
   std::vector<SeqView> seqs(ids.size());
   int64_t tokens = 0;
   for (int64_t l : lengths) tokens += l;

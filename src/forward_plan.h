@@ -32,7 +32,8 @@ struct PassPlan {
 struct ForwardPlan {
   bool is_decode = false;              // every append length is 1
   // The passes read the new tokens too (appended before attention), so self_attention covers no key:
-  // decode forwards, and every forward of a windowed cache.
+  // decode forwards, continuation forwards (PlanOptions::through_continuations) and every forward of a
+  // windowed cache.
   bool through = false;
   int64_t num_tokens = 0;              // n
   std::vector<int32_t> q_indptr;       // [B+1], one entry per sequence
@@ -48,8 +49,18 @@ struct ForwardPlan {
 // window is relative to each query's position, which a library kernel (FlashInfer) derives from the entry's
 // key count, so every entry must end at its queries), and so does a CUDA-graph decode (its kernel sequence
 // may not depend on how sequences share prefixes).
+//
+// `through_continuations`: a prefill forward in which every sequence already holds tokens (a chunked
+// prefill's later chunks, a chat's next turn) is planned through as well: its own pass is causal over the
+// cached and the new tokens, one attention kernel instead of a ragged pass over the new tokens, a paged pass
+// over the cached ones and a merge (BENCHMARKS.md, the 512-over-4096 chunk). A forward with a fresh sequence
+// keeps the split: the ragged kernel over contiguous new tokens is the faster one for a whole prompt.
+struct PlanOptions {
+  bool flat = false;
+  bool through_continuations = false;
+};
 ForwardPlan BuildForwardPlan(const BlockPool& pool, const std::vector<int64_t>& ids,
-                             const std::vector<int64_t>& lengths, bool flat);
+                             const std::vector<int64_t>& lengths, PlanOptions options);
 
 // Upper bound of the total page_values entries of a plan, from lengths before Append (for sizing).
 int64_t PageValuesBound(const BlockPool& pool, const std::vector<int64_t>& ids,

@@ -111,3 +111,27 @@ def test_begin_forward_split_runs():
 
     times = _host_cost.begin_forward_split(3, 40, steps=4)
     assert set(times) == {"pagedkv-tir", "pagedkv-fi"} and all(t > 0 for t in times.values())
+
+
+def test_fi_best_reads_the_cached_keys_where_they_are():
+    """On a chunk over cached tokens, FlashInfer's ragged variants (over a contiguous copy of every key) are
+    timed but are not the yardstick; on whole prompts and decode every variant counts."""
+    chunk = next(w for w in W.workloads(("float16",)) if w.kind == "prefill" and any(w.lens))
+    prompt = next(w for w in W.workloads(("float16",)) if w.kind == "prefill" and not any(w.lens))
+    decode = next(w for w in W.workloads(("float16",)) if w.kind == "decode")
+    assert [v for v in impls.fi_variants(chunk) if impls.fi_in_best(v, chunk)] == ["fi:paged-fa2", "fi:paged-fa3"]
+    assert all(impls.fi_in_best(v, prompt) for v in impls.fi_variants(prompt))
+    assert all(impls.fi_in_best(v, decode) for v in impls.fi_variants(decode))
+
+
+def test_summary_uses_the_counted_best_and_plots():
+    import summarize_gpu
+
+    rows = [{"workload": "c", "impl": "fi:ragged-fa3", "ms": 1.0, "TFLOPs": 9.0, "in_fi_best": False},
+            {"workload": "c", "impl": "fi:paged-fa3", "ms": 2.0, "TFLOPs": 4.5, "in_fi_best": True},
+            {"workload": "c", "impl": "pagedkv-fi", "ms": 2.0, "vs_fi_best": 1.0},
+            {"workload": "c", "impl": "pagedkv-tir", "ms": 4.0, "vs_fi_best": 0.5}]
+    table = summarize_gpu.workload_table(rows)
+    assert "| c | paged-fa3 2.0000 |" in table and "| 1.000 | 0.500 |" in table
+    plot = summarize_gpu.text_plot(rows, width=10).splitlines()
+    assert plot[2].endswith("##########| 1.000") and plot[3].endswith("#####     | 0.500")

@@ -476,30 +476,40 @@ def test_clear_and_reuse_ids():
 
 
 def test_self_cross_merge_equals_fused():
+    """Split forwards (a fresh sequence in the batch): self over the new tokens + cross over the cache before
+    the forward, merged, is the fused result. Through forwards (decode, or a continuation in which every
+    sequence already holds tokens): cross_attention after the fused call's append is the whole attention,
+    one causal paged pass and no ragged call."""
     h = Harness(seed=7, rope_mode="inline")
     h.add(0)
     h.add(1)
     h.forward({0: 5, 1: 3})
     hq, hkv, d = h.hq, h.hkv, h.d
-    for batch in ({0: 3, 1: 2}, {0: 1, 1: 1}):
+    for batch, through in (({0: 3, 2: 4}, False), ({0: 3, 1: 2}, True), ({0: 1, 1: 1}, True)):
+        if 2 in batch and 2 not in h.ref:
+            h.add(2)
         n = sum(batch.values())
         h.call("begin_forward", list(batch), list(batch.values()))
         qkv = h.rng.standard_normal((n, hq + 2 * hkv, d)).astype(np.float32)
         q, k, v = (np.ascontiguousarray(x) for x in (qkv[:, :hq], qkv[:, hq:hq + hkv], qkv[:, hq + hkv:]))
         o_self, o_cross = np.empty((n, hq, d), np.float32), np.empty((n, hq, d), np.float32)
         l_self, l_cross = np.empty((n, hq), np.float32), np.empty((n, hq), np.float32)
-        decode = n == len(batch)
-        if not decode:  # prefill: ragged over new tokens + cache before the forward, merged
+        if not through:  # ragged over new tokens + cache before the forward, merged
             h.call("self_attention", 0, 0.3, T(q), T(k), T(v), T(o_self), T(l_self))
             h.call("cross_attention", 0, 0.3, T(q), T(o_cross), T(l_cross))
             res = h.call("merge_attn_output_inplace", T(o_self), T(l_self), T(o_cross), T(l_cross))
             assert len(res) == 2
             got = o_self
         o_fused = np.empty((n, hq, d), np.float32)
+        h.k.calls.clear()
         h.call("attention_with_fused_qkv", 0, 0.3, T(qkv), T(o_fused))
-        if decode:  # decode: cross_attention sees the cache including the token just appended
+        ops_used = [c[0] for c in h.k.calls]
+        assert ("attn_prefill_ragged" in ops_used) == (not through), ops_used
+        if through:  # cross_attention sees the cache including the tokens just appended
             h.call("cross_attention", 0, 0.3, T(q), T(o_cross), T(l_cross))
             got = o_cross
+            h.call("self_attention", 0, 0.3, T(q), T(k), T(v), T(o_self), T(l_self))
+            assert np.all(o_self == 0) and np.all(l_self == np.float32(EMPTY_LSE))  # the empty state
         o_layer1 = np.empty((n, hq, d), np.float32)
         h.call("attention_with_fused_qkv", 1, 0.3, T(qkv), T(o_layer1))
         h.call("end_forward")

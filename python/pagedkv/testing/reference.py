@@ -66,6 +66,7 @@ class _Forward:
     prior: list[int]  # sequence lengths before the forward
     done_layers: set[int] = field(default_factory=set)
     windowed: bool = False
+    mla: bool = False
 
     @property
     def is_decode(self) -> bool:
@@ -73,9 +74,11 @@ class _Forward:
 
     @property
     def through(self) -> bool:
-        """Whether cross_attention covers the new tokens too (decode forwards; any forward of a windowed
-        cache), so that self_attention covers no key."""
-        return self.is_decode or self.windowed
+        """Whether cross_attention covers the new tokens too (decode forwards; a continuation forward, in
+        which every sequence already held tokens, of an MHA cache; any forward of a windowed cache), so that
+        self_attention covers no key."""
+        continuation = not self.mla and all(p > 0 for p in self.prior)
+        return self.is_decode or self.windowed or continuation
 
     @property
     def q_pos(self) -> list[int]:
@@ -289,7 +292,8 @@ class ReferenceCache:
         prior = [self.get_sequence_length(s) for s in seq_ids]
         for s, n in zip(seq_ids, lengths):
             self.seqs[s].leaf.num_tokens += n
-        self.fwd = _Forward(seq_ids, lengths, prior, windowed=bool(self.options["sliding_window"]))
+        self.fwd = _Forward(seq_ids, lengths, prior, windowed=bool(self.options["sliding_window"]),
+                            mla=bool(self.config.is_mla))
 
     def end_forward(self) -> None:
         if self.fwd is None:
@@ -373,7 +377,8 @@ class ReferenceCache:
         ``q[n, Hq, D]``, ``k[n, Hkv, D]``, ``v[n, Hkv, Dv]`` -> ``o[n, Hq, Dv]``, ``lse[n, Hq]`` (float64).
         In "inline" mode q and k are rotated at the new tokens' positions first. In a decode forward the
         new tokens belong to ``cross_attention``'s view, so this covers no key: o = 0, lse = EMPTY_LSE; the same
-        in every forward of a sliding-window cache.
+        in an MHA cache's continuation forward (every sequence already held tokens) and in every forward of a
+        sliding-window cache.
         """
         fwd = self._fwd()
         self._check_layer(layer)
@@ -397,8 +402,9 @@ class ReferenceCache:
         """Attention of the new queries over the cached k/v.
 
         The cache view is, per sequence, every token including the new ones in a decode batch (every append
-        length 1) and in every forward of a sliding-window cache (the layer's k/v must have been appended
-        already; causal), and the tokens cached before the forward otherwise (no mask needed). ``q[n, Hq, D]`` -> ``o[n, Hq, Dv]``, ``lse[n, Hq]`` (float64).
+        length 1), in an MHA cache's continuation forward (every sequence already held tokens) and in every
+        forward of a sliding-window cache (the layer's k/v must have been appended already; causal), and the
+        tokens cached before the forward otherwise (no mask needed). ``q[n, Hq, D]`` -> ``o[n, Hq, Dv]``, ``lse[n, Hq]`` (float64).
         """
         fwd = self._fwd()
         self._check_layer(layer)
