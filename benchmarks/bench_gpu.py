@@ -45,7 +45,7 @@ from _host_cost import graph_host_cost, host_cost
 TOL = 1e-2
 
 
-def warm(run, calls: int, min_ms: float = 25.0) -> None:
+def warm(run, calls: int, min_ms: float = 100.0) -> None:
     """At least ``calls`` calls of ``run`` and at least ``min_ms`` of them, so that the clocks have settled
     on this implementation's load (a long kernel timed right after a lighter one runs faster at first)."""
     t0, n = time.perf_counter(), 0
@@ -255,8 +255,8 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--bundle", type=Path, default=Path(".gpu-bench"))
     ap.add_argument("--out", type=Path, default=Path("benchmarks/results"))
-    ap.add_argument("--iters", type=int, default=10, help="timed calls per implementation per round")
-    ap.add_argument("--rounds", type=int, default=4, help="interleaved rounds over the implementations")
+    ap.add_argument("--iters", type=int, default=8, help="timed calls per implementation per round")
+    ap.add_argument("--rounds", type=int, default=6, help="interleaved rounds over the implementations")
     ap.add_argument("--warmup", type=int, default=3)
     ap.add_argument("--only", default="", help="substring of the workload names to run")
     ap.add_argument("--dtypes", default="float16,bfloat16")
