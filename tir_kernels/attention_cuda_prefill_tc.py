@@ -32,15 +32,28 @@ Design (FlashAttention-2 style), one block of 4 warps (128 threads) per (query t
 
 from __future__ import annotations
 
+import dataclasses
+
 from tvm.script import tirx as T
 
 from ..ops import shape_values
 from ._common import EMPTY_LSE, LOG2E
 from ._common_cuda import paged_kv_len, shfl_xor
-from ._mma_cuda import a_frag, aligned16, c_frag, cp_async16, cp_async_commit, cp_async_wait1, ldmatrix_x4, mma_sync
+from ._mma_cuda import (
+    a_frag,
+    aligned16,
+    c_frag,
+    cp_async16,
+    cp_async_commit,
+    cp_async_wait0,
+    cp_async_wait1,
+    ldmatrix_x4,
+    mma_sync,
+)
 from ._variant_cuda import CudaVariant
 
-#: Warps per block, rows per warp (one m16 tile), keys per tile, shared-memory row padding (elements).
+#: Warps per block, rows per warp (one m16 tile), keys per tile, shared-memory row padding (elements): the
+#: "tc" tile (``TC_TILES``); ``TC_ROWS`` / ``TC_NT`` are its rows and threads per block.
 TC_WARPS, TC_WROWS, TC_TK, TC_PAD = 4, 16, 64, 8
 TC_ROWS = TC_WARPS * TC_WROWS
 TC_NT = TC_WARPS * 32
@@ -52,6 +65,49 @@ TC_HEAD_DIMS = (64, 128)
 #: GQA groups served: the PrimFunc also holds the SIMT RoPE kernel, whose tile takes groups up to 32 rows
 #: (``attention_cuda_prefill._prefill_plan``); the tensor-core tile itself would take 64.
 TC_MAX_GROUP = 32
+#: Shared memory a block may use (bytes): sm_90's 227 KB of dynamic shared memory per block; static shared
+#: memory stops at 48 KB (the one-stage tile stays under it).
+TC_MAX_SMEM, TC_STATIC_SMEM = 227 * 1024, 48 * 1024
+
+
+@dataclasses.dataclass(frozen=True)
+class TcTile:
+    """A configuration of the kernel, named by its value of the path switch ``cuda_prefill_kernel``.
+
+    ``warps`` warps of 16 rows each (rows per block = 16 warps); ``stages`` K/V buffers: 1 = one K and one V
+    tile in static shared memory, loads overlapped through the two cp.async groups (4 barriers a key tile);
+    2 = two of each in one dynamic shared-memory buffer, tile kt + 1 loading during all of tile kt (one
+    barrier a key tile; over 48 KB at D 128, which TVM's CUDA launcher allows by raising the function's
+    ``CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES`` when a launch asks for 48 KB or more).
+    """
+
+    name: str
+    warps: int
+    stages: int
+
+    @property
+    def rows(self) -> int:
+        return self.warps * TC_WROWS
+
+    @property
+    def threads(self) -> int:
+        return self.warps * 32
+
+    def smem_bytes(self, d: int, dv: int, dtype: str = "float16") -> int:
+        """Shared memory of a block: ``stages`` x (K tile + V tile), rows padded by ``TC_PAD``."""
+        return self.stages * TC_TK * (d + dv + 2 * TC_PAD) * (4 if dtype == "float32" else 2)
+
+
+#: The tiles, by switch value. "tc": 64 rows (4 warps), one stage (ptxas at D 128: 176 / 194 registers ragged /
+#: paged, 2 blocks = 8 warps an SM, 34,816 bytes of static shared memory). "tc2": 128 rows (8 warps), two
+#: stages: each K/V tile read from L2 serves twice the rows (half the L2 -> SM traffic per row and half the
+#: cp.async work per thread), and the load of tile kt + 1 overlaps the whole of tile kt with one barrier a
+#: tile instead of four; 69,632 bytes of dynamic shared memory at D 128 and the same registers a thread as
+#: "tc" (the per-warp work is unchanged), so 1 block = 8 warps an SM at D 128 (registers: 256 x 194 > 32K),
+#: 2 at D 64. Expected (not measured): above "tc" where L2 bandwidth or barrier stalls bound it; the
+#: ldmatrix-to-MMA ratio (one ldmatrix.x4 per 2 MMAs) is the same, so a kernel bound by shared-memory
+#: bandwidth gains less.
+TC_TILES = {"tc": TcTile("tc", TC_WARPS, 1), "tc2": TcTile("tc2", 8, 2)}
 
 
 def k_store_index(key, dim, d: int):
@@ -80,10 +136,11 @@ def v_ldsm_index(lane, kk, dn2, dv: int):
     return (kk * 16 + ((lane // 8) % 2) * 8 + lane % 8) * (dv + TC_PAD) + dn2 * 16 + (lane // 16) * 8
 
 
-def tc_unserved(spec, dv: int) -> str | None:
-    """Why the tensor-core prefill does not serve ``spec`` (value head dim ``dv``), or None when it does.
-    Inline RoPE is not a reason: the PrimFunc runs the SIMT RoPE kernel when ``apply_rope == 1``."""
-    d, g = spec.head_dim, spec.group_size
+def tc_unserved(spec, dv: int, tile: str = "tc") -> str | None:
+    """Why the tensor-core prefill tile ``tile`` (``TC_TILES``) does not serve ``spec`` (value head dim ``dv``),
+    or None when it does. Inline RoPE is not a reason: the PrimFunc runs the SIMT RoPE kernel when
+    ``apply_rope == 1``."""
+    d, g, cfg = spec.head_dim, spec.group_size, TC_TILES[tile]
     if spec.dtype not in TC_DTYPES:
         return f"dtype {spec.dtype} (the tensor-core prefill takes {', '.join(TC_DTYPES)})"
     if d not in TC_HEAD_DIMS or dv not in TC_HEAD_DIMS:
@@ -91,24 +148,31 @@ def tc_unserved(spec, dv: int) -> str | None:
                 f"on the H200; 96 compiles but spills, others are untested)")
     if g > TC_MAX_GROUP:
         return f"GQA group {g} (the tensor-core prefill takes groups up to {TC_MAX_GROUP})"
+    smem = cfg.smem_bytes(d, dv)
+    if smem > (TC_STATIC_SMEM if cfg.stages == 1 else TC_MAX_SMEM):
+        return f"head dims {d}/{dv} with tile {tile!r}: {smem} bytes of shared memory"
     return None
 
 
-def make_prefill_tc(op: str, spec, paged: bool):
-    """The plain tensor-core kernel macro of a prefill PrimFunc (``paged`` selects the K/V source), called
-    as ``kernel(q, q_indptr, o, lse, kvb, B, n, causal, sm_scale)``."""
+def make_prefill_tc(op: str, spec, paged: bool, tile: str = "tc"):
+    """The plain tensor-core kernel macro of a prefill PrimFunc (``paged`` selects the K/V source, ``tile`` the
+    configuration of ``TC_TILES``), called as ``kernel(q, q_indptr, o, lse, kvb, B, n, causal, sm_scale)``."""
     D, dtype, HKV = spec.head_dim, spec.dtype, spec.num_kv_heads
     DV = D if paged else shape_values(spec)["Dv"]
-    reason = tc_unserved(spec, DV)
+    reason = tc_unserved(spec, DV, tile)
     if reason:
         raise NotImplementedError(f"pagedkv.tir_kernels: the tensor-core CUDA {op!r} kernel does not serve {reason}")
     var = CudaVariant.from_spec(spec)
     WIN = var.has_window
     G = spec.group_size
-    TQ = TC_ROWS // G
-    RV = TQ * G  # row slots holding a (token, head); the rest of the 64 are padding
-    TK, NT = TC_TK, TC_NT
+    cfg = TC_TILES[tile]
+    TQ = cfg.rows // G
+    RV = TQ * G  # row slots holding a (token, head); the rest of the block's rows are padding
+    TK, NT = TC_TK, cfg.threads
     KS, VS = D + TC_PAD, DV + TC_PAD  # shared row strides (elements) of Ks and Vs
+    # Two stages: one dynamic buffer, stage s = K tile at s * STG, V tile at s * STG + KSZ (elements; every
+    # offset a multiple of 8 elements: ldmatrix / cp.async rows stay 16-byte aligned).
+    KSZ, STG = TK * KS, TK * (KS + VS)
     NKS, NSN, NKK, NDN = D // 16, TK // 8, TK // 16, DV // 8
 
     if paged:
@@ -197,32 +261,33 @@ def make_prefill_tc(op: str, spec, paged: bool):
         per_row = dim // width
 
         @T.macro
-        def load_chunk(dst, kvb, ti, kt, h, tid, it):
+        def load_chunk(dst, base, kvb, ti, kt, h, tid, it):
             if kt * TK + T.truncdiv(it * NT + tid, per_row) < ti[6]:
                 if vec:
                     T.evaluate(cp_async16(
-                        T.address_of(dst[store_index(T.truncdiv(it * NT + tid, per_row),
+                        T.address_of(dst[base + store_index(T.truncdiv(it * NT + tid, per_row),
                                                      T.truncmod(it * NT + tid, per_row) * 8, c01)]),
                         T.address_of(kv_elem(kvb, c01, ti[0], kt * TK + T.truncdiv(it * NT + tid, per_row), h,
                                              T.truncmod(it * NT + tid, per_row) * 8))))
                 else:
-                    dst[store_index(T.truncdiv(it * NT + tid, per_row), T.truncmod(it * NT + tid, per_row), c01)] = \
+                    dst[base + store_index(T.truncdiv(it * NT + tid, per_row), T.truncmod(it * NT + tid, per_row),
+                                           c01)] = \
                         kv_elem(kvb, c01, ti[0], kt * TK + T.truncdiv(it * NT + tid, per_row), h,
                                 T.truncmod(it * NT + tid, per_row))
             else:
                 for e in T.vectorized(width):
-                    dst[store_index(T.truncdiv(it * NT + tid, per_row),
-                                    T.truncmod(it * NT + tid, per_row) * width + e, c01)] = \
+                    dst[base + store_index(T.truncdiv(it * NT + tid, per_row),
+                                           T.truncmod(it * NT + tid, per_row) * width + e, c01)] = \
                         T.Cast(dtype, T.float32(0))
 
         # Element loads: 8 in flight per thread (all of them unrolled would hold 64 registers).
         outer, inner = (1, TK * per_row // NT) if vec else (TK * per_row // NT // 8, 8)
 
         @T.macro
-        def load(dst, kvb, ti, kt, h, tid):
+        def load(dst, base, kvb, ti, kt, h, tid):
             for it0 in T.serial(outer):
                 for it1 in T.unroll(inner):
-                    load_chunk(dst, kvb, ti, kt, h, tid, it0 * inner + it1)
+                    load_chunk(dst, base, kvb, ti, kt, h, tid, it0 * inner + it1)
 
         return load
 
@@ -230,24 +295,37 @@ def make_prefill_tc(op: str, spec, paged: bool):
                                                                                    rows_loader(1, DV, False))
 
     @T.macro
-    def issue(dst, kvb, ti, kt, h, tid, c01: int):
-        """Start loading tile ``kt`` of K (``c01`` 0) or V (1) into ``dst`` and commit it as one cp.async
-        group (element loads, for unaligned ragged views, complete at once; the group is then empty)."""
+    def issue(dst, base, kvb, ti, kt, h, tid, c01: int):
+        """Start loading tile ``kt`` of K (``c01`` 0) or V (1) into ``dst`` from element ``base`` and commit it
+        as one cp.async group (element loads, for unaligned ragged views, complete at once; the group is
+        then empty)."""
         if aligned(kvb):
-            load_vec[c01](dst, kvb, ti, kt, h, tid)
+            load_vec[c01](dst, base, kvb, ti, kt, h, tid)
         else:
-            load_elem[c01](dst, kvb, ti, kt, h, tid)
+            load_elem[c01](dst, base, kvb, ti, kt, h, tid)
         T.evaluate(cp_async_commit())
 
     @T.macro
-    def score(sacc, qf, Ks, bfr, lane):
+    def issue_kv(smem, stage, kvb, ti, kt, h, tid):
+        """Two stages: start loading K and V of tile ``kt`` into stage ``stage`` as one cp.async group (both
+        are needed by the same wait: one group is one wait_group 0)."""
+        if aligned(kvb):
+            load_vec[0](smem, stage * STG, kvb, ti, kt, h, tid)
+            load_vec[1](smem, stage * STG + KSZ, kvb, ti, kt, h, tid)
+        else:
+            load_elem[0](smem, stage * STG, kvb, ti, kt, h, tid)
+            load_elem[1](smem, stage * STG + KSZ, kvb, ti, kt, h, tid)
+        T.evaluate(cp_async_commit())
+
+    @T.macro
+    def score(sacc, qf, Ks, kb, bfr, lane):
         """S (16 rows x 64 keys of the warp) = Q K^T: C fragment ``nt`` holds keys ``8 nt ..``; one
         ``ldmatrix.x4`` gives the B fragments of two k steps (``k_ldsm_index``)."""
         for e in T.unroll(NSN * 4):
             sacc[e] = T.float32(0)
         for ks2 in T.unroll(NKS // 2):
             for nt in T.unroll(NSN):
-                T.evaluate(ldmatrix_x4(T.address_of(bfr[0]), T.address_of(Ks[k_ldsm_index(lane, nt, ks2, D)]),
+                T.evaluate(ldmatrix_x4(T.address_of(bfr[0]), T.address_of(Ks[kb + k_ldsm_index(lane, nt, ks2, D)]),
                                        False))
                 for u in T.unroll(2):
                     T.evaluate(mma_sync(dtype, T.address_of(sacc[nt * 4]), T.address_of(qf[(ks2 * 2 + u) * 8]),
@@ -304,12 +382,12 @@ def make_prefill_tc(op: str, spec, paged: bool):
                     pf[nt * 4 + rr * 2 + c] = T.Cast(dtype, st[2])
 
     @T.macro
-    def accumulate(oacc, pf, Vs, bfr, lane):
+    def accumulate(oacc, pf, Vs, vb, bfr, lane):
         """O += P V: k step ``kk`` (keys ``16 kk ..``) x n tiles ``2 dn2``, ``2 dn2 + 1`` (dims ``16 dn2 ..``), their B
         fragments from one ``ldmatrix.x4.trans`` of the row-major ``Vs`` (``v_ldsm_index``)."""
         for kk in T.unroll(NKK):
             for dn2 in T.unroll(NDN // 2):
-                T.evaluate(ldmatrix_x4(T.address_of(bfr[0]), T.address_of(Vs[v_ldsm_index(lane, kk, dn2, DV)]),
+                T.evaluate(ldmatrix_x4(T.address_of(bfr[0]), T.address_of(Vs[vb + v_ldsm_index(lane, kk, dn2, DV)]),
                                        True))
                 for u in T.unroll(2):
                     T.evaluate(mma_sync(dtype, T.address_of(oacc[(dn2 * 2 + u) * 4]), T.address_of(pf[kk * 8]),
@@ -336,12 +414,46 @@ def make_prefill_tc(op: str, spec, paged: bool):
                             lsum[rr] > T.float32(0), m[rr] + T.log2(lsum[rr]), T.float32(EMPTY_LSE))
 
     @T.macro
+    def tiles_one_stage(Ks, Vs, qf, sacc, pf, bfr, oacc, m, lsum, lim, mx, st, ti, kvb, h, tid, lane, causal,
+                        sm_scale):
+        """One buffer per operand, software-pipelined: K of tile kt + 1 loads during the softmax and P V of tile
+        kt, V of kt + 1 during the scores of kt + 1. In flight at each wait: {K kt, V kt} at the top, {V kt,
+        K kt + 1} before P V (wait_group 1 = the older is done)."""
+        issue(Ks, 0, kvb, ti, ti[7], h, tid, 0)
+        issue(Vs, 0, kvb, ti, ti[7], h, tid, 1)
+        for kt in T.serial(ti[7], T.truncdiv(ti[6] + TK - 1, TK)):
+            T.evaluate(cp_async_wait1())
+            T.tvm_storage_sync("shared")  # K kt visible to every warp
+            score(sacc, qf, Ks, 0, bfr, lane)
+            T.tvm_storage_sync("shared")  # every warp is done with Ks
+            issue(Ks, 0, kvb, ti, kt + 1, h, tid, 0)  # past the last tile: zeros, never read
+            softmax(sacc, pf, m, lsum, oacc, lim, mx, st, ti, kt, lane, causal, sm_scale)
+            T.evaluate(cp_async_wait1())
+            T.tvm_storage_sync("shared")  # V kt visible
+            accumulate(oacc, pf, Vs, 0, bfr, lane)
+            T.tvm_storage_sync("shared")  # every warp is done with Vs
+            issue(Vs, 0, kvb, ti, kt + 1, h, tid, 1)
+
+    @T.macro
+    def tiles_two_stage(smem, qf, sacc, pf, bfr, oacc, m, lsum, lim, mx, st, ti, kvb, h, tid, lane, causal,
+                        sm_scale):
+        """Two stages (tile kt in stage kt % 2): after the wait for tile kt, one barrier both publishes it and
+        tells that every warp is done with tile kt - 1, whose stage then takes tile kt + 1, loading during
+        the whole of tile kt (scores, softmax, P V)."""
+        issue_kv(smem, T.truncmod(ti[7], 2), kvb, ti, ti[7], h, tid)
+        for kt in T.serial(ti[7], T.truncdiv(ti[6] + TK - 1, TK)):
+            T.evaluate(cp_async_wait0())
+            T.tvm_storage_sync("shared")  # tile kt visible; stage (kt + 1) % 2 free
+            issue_kv(smem, T.truncmod(kt + 1, 2), kvb, ti, kt + 1, h, tid)  # past the last tile: zeros, unread
+            score(sacc, qf, smem, T.truncmod(kt, 2) * STG, bfr, lane)
+            softmax(sacc, pf, m, lsum, oacc, lim, mx, st, ti, kt, lane, causal, sm_scale)
+            accumulate(oacc, pf, smem, T.truncmod(kt, 2) * STG + KSZ, bfr, lane)
+
+    @T.macro
     def kernel(q, q_indptr, o, lse, kvb, B, n, causal, sm_scale):
         for vt in T.thread_binding(T.max(n // TQ + B, 1), thread="blockIdx.x"):
             for h in T.thread_binding(HKV, thread="blockIdx.y"):
                 for tid in T.thread_binding(NT, thread="threadIdx.x"):
-                    Ks = T.alloc_buffer((TK * KS,), dtype, scope="shared")
-                    Vs = T.alloc_buffer((TK * VS,), dtype, scope="shared")
                     ti = T.alloc_buffer((8,), "int32", scope="local")
                     qf = T.alloc_buffer((NKS * 8,), dtype, scope="local")
                     sacc = T.alloc_buffer((NSN * 4,), "float32", scope="local")
@@ -364,27 +476,20 @@ def make_prefill_tc(op: str, spec, paged: bool):
                     locate(ti, q_indptr, kvb, B, vt, causal)
                     load_q(qf, q, ti, h, w, lane)
                     init_rows(lim, m, lsum, oacc, ti, w, lane, causal)
-                    # One buffer per operand, software-pipelined: K of tile kt + 1 loads during the softmax
-                    # and P V of tile kt, V of kt + 1 during the scores of kt + 1. In flight at each wait:
-                    # {K kt, V kt} at the top, {V kt, K kt + 1} before P V (wait_group 1 = the older is done).
-                    issue(Ks, kvb, ti, ti[7], h, tid, 0)
-                    issue(Vs, kvb, ti, ti[7], h, tid, 1)
-                    for kt in T.serial(ti[7], T.truncdiv(ti[6] + TK - 1, TK)):
-                        T.evaluate(cp_async_wait1())
-                        T.tvm_storage_sync("shared")  # K kt visible to every warp
-                        score(sacc, qf, Ks, bfr, lane)
-                        T.tvm_storage_sync("shared")  # every warp is done with Ks
-                        issue(Ks, kvb, ti, kt + 1, h, tid, 0)  # past the last tile: zeros, never read
-                        softmax(sacc, pf, m, lsum, oacc, lim, mx, st, ti, kt, lane, causal, sm_scale)
-                        T.evaluate(cp_async_wait1())
-                        T.tvm_storage_sync("shared")  # V kt visible
-                        accumulate(oacc, pf, Vs, bfr, lane)
-                        T.tvm_storage_sync("shared")  # every warp is done with Vs
-                        issue(Vs, kvb, ti, kt + 1, h, tid, 1)
+                    if cfg.stages == 1:
+                        Ks = T.alloc_buffer((TK * KS,), dtype, scope="shared")
+                        Vs = T.alloc_buffer((TK * VS,), dtype, scope="shared")
+                        tiles_one_stage(Ks, Vs, qf, sacc, pf, bfr, oacc, m, lsum, lim, mx, st, ti, kvb, h, tid,
+                                        lane, causal, sm_scale)
+                    else:
+                        # One dynamic buffer (TVM 0.27 fails to merge several shared.dyn buffers here).
+                        smem = T.alloc_buffer((2 * STG,), dtype, scope="shared.dyn")
+                        tiles_two_stage(smem, qf, sacc, pf, bfr, oacc, m, lsum, lim, mx, st, ti, kvb, h, tid,
+                                        lane, causal, sm_scale)
                     store(o, lse, oacc, m, lsum, ti, h, w, lane)
 
     return kernel
 
 
-__all__ = ["TC_DTYPES", "TC_HEAD_DIMS", "TC_MAX_DIM", "TC_MAX_GROUP", "TC_ROWS", "TC_TK", "k_ldsm_index", "k_store_index",
-           "make_prefill_tc", "tc_unserved", "v_ldsm_index", "v_store_index"]
+__all__ = ["TC_DTYPES", "TC_HEAD_DIMS", "TC_MAX_DIM", "TC_MAX_GROUP", "TC_ROWS", "TC_TILES", "TC_TK", "TcTile",
+           "k_ldsm_index", "k_store_index", "make_prefill_tc", "tc_unserved", "v_ldsm_index", "v_store_index"]

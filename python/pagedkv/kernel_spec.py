@@ -30,10 +30,13 @@ SWITCHES: dict[str, tuple[str, tuple[str, ...]]] = {
                            ("auto", "1", "2", "3", "8")),
     "cuda_prefill_kernel": ("CUDA MHA prefill kernels (attn_prefill_ragged, attn_prefill_paged), apply_rope = 0: the "
                             "SIMT FP32 kernel or the tensor-core one (mma.sync; fp16 / bf16, head dims 64 and "
-                            "128, GQA groups up to 32, sm_80+; forcing tc on another spec raises). Inline "
-                            "RoPE always runs the SIMT kernel. auto: the tensor-core kernel where it serves the spec "
-                            "(tir_kernels.attention_cuda_prefill.TC_BY_DEFAULT), SIMT elsewhere",
-                            ("auto", "simt", "tc")),
+                            "128, GQA groups up to 32, sm_80+; forcing tc / tc2 on another spec raises) in one "
+                            "of its tiles: tc = 64 rows a block, one K/V stage in static shared memory; tc2 = "
+                            "128 rows, two stages in dynamic shared memory (sm_90: 69,632 bytes at D 128). "
+                            "Inline RoPE always runs the SIMT kernel. auto: the tensor-core kernel (tile "
+                            "tir_kernels.attention_cuda_prefill.TC_DEFAULT_TILE) where it serves the spec "
+                            "(TC_BY_DEFAULT), SIMT elsewhere",
+                            ("auto", "simt", "tc", "tc2")),
     "cuda_decode_kernel": ("CUDA MHA decode (attn_decode_paged) without inline RoPE: the lane-group kernel "
                            "(lanes) or the shared-memory staged kernel (staged; auto: staged where its limits "
                            "allow)", ("auto", "lanes", "staged")),

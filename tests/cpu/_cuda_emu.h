@@ -147,6 +147,7 @@ inline void pagedkv_ldsm_x4_trans(void* dst, const void* smem) { ldsm_emu(dst, s
 inline void pagedkv_cp_async16(void* smem, const void* gmem) { std::memcpy(smem, gmem, 16); }
 inline void pagedkv_cp_async_commit() {}
 inline void pagedkv_cp_async_wait1() {}
+inline void pagedkv_cp_async_wait0() {}
 inline int pagedkv_aligned16(const void* p) { return (reinterpret_cast<uintptr_t>(p) & 15u) == 0 ? 1 : 0; }
 
 // Run `body` (the kernel call) for every block of a grid, 128 CPU threads in lock step.
