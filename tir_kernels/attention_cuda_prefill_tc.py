@@ -97,6 +97,19 @@ class TcTile:
         """Shared memory of a block: ``stages`` x (K tile + V tile), rows padded by ``TC_PAD``."""
         return self.stages * TC_TK * (d + dv + 2 * TC_PAD) * (4 if dtype == "float32" else 2)
 
+    @staticmethod
+    def k_base(stage, d: int, dv: int):
+        """First element of stage ``stage``'s K tile in the two-stage buffer (int or TIR expression): stages
+        of ``TC_TK`` K rows then ``TC_TK`` V rows, each a multiple of 8 elements (16-byte cp.async / ldmatrix
+        rows stay aligned) and, for D 64 / 128, of 64 (128 bytes: the bank pattern of a stage is that of
+        element 0, as ``tests/cpu/test_prefill_tc_layout.py`` checks)."""
+        return stage * (TC_TK * (d + dv + 2 * TC_PAD))
+
+    @staticmethod
+    def v_base(stage, d: int, dv: int):
+        """First element of stage ``stage``'s V tile in the two-stage buffer (after its K tile)."""
+        return TcTile.k_base(stage, d, dv) + TC_TK * (d + TC_PAD)
+
 
 #: The tiles, by switch value. "tc": 64 rows (4 warps), one stage (ptxas at D 128: 176 / 194 registers ragged /
 #: paged, 2 blocks = 8 warps an SM, 34,816 bytes of static shared memory). "tc2": 128 rows (8 warps), two
@@ -170,9 +183,6 @@ def make_prefill_tc(op: str, spec, paged: bool, tile: str = "tc"):
     RV = TQ * G  # row slots holding a (token, head); the rest of the block's rows are padding
     TK, NT = TC_TK, cfg.threads
     KS, VS = D + TC_PAD, DV + TC_PAD  # shared row strides (elements) of Ks and Vs
-    # Two stages: one dynamic buffer, stage s = K tile at s * STG, V tile at s * STG + KSZ (elements; every
-    # offset a multiple of 8 elements: ldmatrix / cp.async rows stay 16-byte aligned).
-    KSZ, STG = TK * KS, TK * (KS + VS)
     NKS, NSN, NKK, NDN = D // 16, TK // 8, TK // 16, DV // 8
 
     if paged:
@@ -310,11 +320,11 @@ def make_prefill_tc(op: str, spec, paged: bool, tile: str = "tc"):
         """Two stages: start loading K and V of tile ``kt`` into stage ``stage`` as one cp.async group (both
         are needed by the same wait: one group is one wait_group 0)."""
         if aligned(kvb):
-            load_vec[0](smem, stage * STG, kvb, ti, kt, h, tid)
-            load_vec[1](smem, stage * STG + KSZ, kvb, ti, kt, h, tid)
+            load_vec[0](smem, cfg.k_base(stage, D, DV), kvb, ti, kt, h, tid)
+            load_vec[1](smem, cfg.v_base(stage, D, DV), kvb, ti, kt, h, tid)
         else:
-            load_elem[0](smem, stage * STG, kvb, ti, kt, h, tid)
-            load_elem[1](smem, stage * STG + KSZ, kvb, ti, kt, h, tid)
+            load_elem[0](smem, cfg.k_base(stage, D, DV), kvb, ti, kt, h, tid)
+            load_elem[1](smem, cfg.v_base(stage, D, DV), kvb, ti, kt, h, tid)
         T.evaluate(cp_async_commit())
 
     @T.macro
@@ -445,9 +455,9 @@ def make_prefill_tc(op: str, spec, paged: bool, tile: str = "tc"):
             T.evaluate(cp_async_wait0())
             T.tvm_storage_sync("shared")  # tile kt visible; stage (kt + 1) % 2 free
             issue_kv(smem, T.truncmod(kt + 1, 2), kvb, ti, kt + 1, h, tid)  # past the last tile: zeros, unread
-            score(sacc, qf, smem, T.truncmod(kt, 2) * STG, bfr, lane)
+            score(sacc, qf, smem, cfg.k_base(T.truncmod(kt, 2), D, DV), bfr, lane)
             softmax(sacc, pf, m, lsum, oacc, lim, mx, st, ti, kt, lane, causal, sm_scale)
-            accumulate(oacc, pf, smem, T.truncmod(kt, 2) * STG + KSZ, bfr, lane)
+            accumulate(oacc, pf, smem, cfg.v_base(T.truncmod(kt, 2), D, DV), bfr, lane)
 
     @T.macro
     def kernel(q, q_indptr, o, lse, kvb, B, n, causal, sm_scale):
@@ -483,7 +493,7 @@ def make_prefill_tc(op: str, spec, paged: bool, tile: str = "tc"):
                                         lane, causal, sm_scale)
                     else:
                         # One dynamic buffer (TVM 0.27 fails to merge several shared.dyn buffers here).
-                        smem = T.alloc_buffer((2 * STG,), dtype, scope="shared.dyn")
+                        smem = T.alloc_buffer((cfg.k_base(2, D, DV),), dtype, scope="shared.dyn")
                         tiles_two_stage(smem, qf, sacc, pf, bfr, oacc, m, lsum, lim, mx, st, ti, kvb, h, tid,
                                         lane, causal, sm_scale)
                     store(o, lse, oacc, m, lsum, ti, h, w, lane)

@@ -158,3 +158,19 @@ def test_one_warp_tile_equals_matmul(d, dv):
                 row, col = mm.c_frag(lane, i)
                 got[row, dn * 8 + col] = oacc[lane, dn * 4 + i]
     np.testing.assert_allclose(got, o_ref, rtol=1e-10, atol=1e-9)
+
+
+@pytest.mark.parametrize("d,dv", [(128, 128), (64, 64), (64, 128)])
+def test_two_stage_buffer_regions(d, dv):
+    """"tc2"'s one dynamic buffer: the K and V tiles of both stages are disjoint, fill ``smem_bytes``, and
+    start at multiples of 128 bytes (16-byte aligned rows, and the same banks as the base-0 buffers above)."""
+    tile, tk = tc.TC_TILES["tc2"], tc.TC_TK
+    regions = []
+    for stage in range(tile.stages):
+        regions += [(tile.k_base(stage, d, dv), tk * (d + tc.TC_PAD)), (tile.v_base(stage, d, dv), tk * (dv + tc.TC_PAD))]
+    assert all(start * 2 % 128 == 0 for start, _ in regions)
+    assert all(a + n == b for (a, n), (b, _) in zip(regions, regions[1:])) and regions[0][0] == 0
+    assert (regions[-1][0] + regions[-1][1]) * 2 == tile.smem_bytes(d, dv)
+    # The largest index the kernel's ldmatrix rows reach (+ 8 elements) stays inside its tile.
+    assert tc.k_ldsm_index(31, tk // 8 - 1, d // 32 - 1, d) + 8 <= tk * (d + tc.TC_PAD)
+    assert tc.v_ldsm_index(31, tk // 16 - 1, dv // 16 - 1, dv) + 8 <= tk * (dv + tc.TC_PAD)
