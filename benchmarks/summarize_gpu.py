@@ -9,7 +9,7 @@ import json
 import sys
 from pathlib import Path
 
-PEERS = ("pagedkv-fi", "pagedkv-tir", "pagedkv-tir-tc", "pagedkv-tir-tc2", "upstream", "torch-sdpa")
+PEERS = ("pagedkv-fi", "pagedkv-tir", "pagedkv-tir-tc", "pagedkv-tir-tc2", "pagedkv-tir-tc3", "upstream", "torch-sdpa")
 
 
 def _cell(r) -> str:

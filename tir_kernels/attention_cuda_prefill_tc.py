@@ -84,10 +84,18 @@ class TcTile:
     name: str
     warps: int
     stages: int
+    mtiles: int = 1
+    tk: int = TC_TK
 
     @property
     def rows(self) -> int:
-        return self.warps * TC_WROWS
+        return self.warps * self.mtiles * TC_WROWS
+
+    @property
+    def q_in_smem(self) -> bool:
+        """Q staged in shared memory (re-read as A fragments each key tile) rather than held in registers:
+        with two m16 tiles a warp the registers go to the accumulators."""
+        return self.mtiles > 1
 
     @property
     def threads(self) -> int:
@@ -95,20 +103,23 @@ class TcTile:
 
     def smem_bytes(self, d: int, dv: int, dtype: str = "float16") -> int:
         """Shared memory of a block: ``stages`` x (K tile + V tile), rows padded by ``TC_PAD``."""
-        return self.stages * TC_TK * (d + dv + 2 * TC_PAD) * (4 if dtype == "float32" else 2)
+        q = self.rows * (d + TC_PAD) if self.q_in_smem else 0
+        return (self.stages * self.tk * (d + dv + 2 * TC_PAD) + q) * (4 if dtype == "float32" else 2)
 
-    @staticmethod
-    def k_base(stage, d: int, dv: int):
+    def k_base(self, stage, d: int, dv: int):
         """First element of stage ``stage``'s K tile in the two-stage buffer (int or TIR expression): stages
-        of ``TC_TK`` K rows then ``TC_TK`` V rows, each a multiple of 8 elements (16-byte cp.async / ldmatrix
+        of ``tk`` K rows then ``tk`` V rows, each a multiple of 8 elements (16-byte cp.async / ldmatrix
         rows stay aligned) and, for D 64 / 128, of 64 (128 bytes: the bank pattern of a stage is that of
         element 0, as ``tests/cpu/test_prefill_tc_layout.py`` checks)."""
-        return stage * (TC_TK * (d + dv + 2 * TC_PAD))
+        return stage * (self.tk * (d + dv + 2 * TC_PAD))
 
-    @staticmethod
-    def v_base(stage, d: int, dv: int):
+    def v_base(self, stage, d: int, dv: int):
         """First element of stage ``stage``'s V tile in the two-stage buffer (after its K tile)."""
-        return TcTile.k_base(stage, d, dv) + TC_TK * (d + TC_PAD)
+        return self.k_base(stage, d, dv) + self.tk * (d + TC_PAD)
+
+    def q_base(self, d: int, dv: int) -> int:
+        """First element of the Q rows (``q_in_smem``: row-major, stride ``d + TC_PAD``), after the stages."""
+        return self.k_base(self.stages, d, dv)
 
 
 #: The tiles, by switch value. "tc": 64 rows (4 warps), one stage (ptxas at D 128: 176 / 194 registers ragged /
@@ -120,7 +131,7 @@ class TcTile:
 #: 2 at D 64. Expected (not measured): above "tc" where L2 bandwidth or barrier stalls bound it; the
 #: ldmatrix-to-MMA ratio (one ldmatrix.x4 per 2 MMAs) is the same, so a kernel bound by shared-memory
 #: bandwidth gains less.
-TC_TILES = {"tc": TcTile("tc", TC_WARPS, 1), "tc2": TcTile("tc2", 8, 2)}
+TC_TILES = {"tc": TcTile("tc", TC_WARPS, 1), "tc2": TcTile("tc2", 8, 2), "tc3": TcTile("tc3", 4, 2, mtiles=2, tk=32)}
 
 
 def k_store_index(key, dim, d: int):
@@ -139,6 +150,21 @@ def k_ldsm_index(lane, nt, ks2, d: int):
     fragment of k step ``2 ks2``, registers 2, 3 that of ``2 ks2 + 1`` (no transpose: a B fragment's n is
     the key, its k the dim, and ldmatrix gives lane t row t / 4, columns 2 (t % 4), + 1)."""
     return (nt * 8 + lane % 8) * (d + TC_PAD) + ks2 * 32 + (lane // 8) * 8
+
+
+def k_ldsm_index_nt2(lane, nt2, ks, d: int):
+    """The ``Ks`` row this lane addresses in the ``ldmatrix.x4`` of keys ``16 nt2 ..`` x dims ``16 ks ..`` (the
+    k-step-outer order of Q in shared memory): matrix ``i = lane // 8`` = keys ``16 nt2 + 8 (i // 2) ..`` x dims
+    ``16 ks + 8 (i % 2) ..``, row ``lane % 8``. Registers 0, 1 are then the B fragment of n tile ``2 nt2`` at k
+    step ``ks``, registers 2, 3 that of ``2 nt2 + 1``."""
+    return (nt2 * 16 + (lane // 16) * 8 + lane % 8) * (d + TC_PAD) + ks * 16 + ((lane // 8) % 2) * 8
+
+
+def q_ldsm_index(lane, row0, ks, d: int):
+    """The Q row (in the ``q_in_smem`` layout) this lane addresses in the ``ldmatrix.x4`` of the A fragment of
+    rows ``row0 ..`` x dims ``16 ks ..``: matrix ``i = lane // 8`` = rows ``row0 + 8 (i % 2) ..`` x dims
+    ``16 ks + 8 (i // 2) ..``, so registers 0..3 are A elements (0, 1), (2, 3), (4, 5), (6, 7) (``a_frag``)."""
+    return (row0 + ((lane // 8) % 2) * 8 + lane % 8) * (d + TC_PAD) + ks * 16 + (lane // 16) * 8
 
 
 def v_ldsm_index(lane, kk, dn2, dv: int):
@@ -179,11 +205,19 @@ def make_prefill_tc(op: str, spec, paged: bool, tile: str = "tc"):
     WIN = var.has_window
     G = spec.group_size
     cfg = TC_TILES[tile]
+    MT, QS = cfg.mtiles, cfg.q_in_smem  # m16 tiles a warp; Q in shared memory
+    if QS and cfg.stages != 2:
+        raise NotImplementedError(f"pagedkv.tir_kernels: tile {tile!r}: Q in shared memory needs the two-stage buffer")
     TQ = cfg.rows // G
     RV = TQ * G  # row slots holding a (token, head); the rest of the block's rows are padding
-    TK, NT = TC_TK, cfg.threads
+    TK, NT = cfg.tk, cfg.threads
     KS, VS = D + TC_PAD, DV + TC_PAD  # shared row strides (elements) of Ks and Vs
     NKS, NSN, NKK, NDN = D // 16, TK // 8, TK // 16, DV // 8
+    SN, ON = NSN * 4, NDN * 4  # S and O accumulator elements of one m16 tile (a lane)
+
+    def wrow(w, mt):
+        """First row of m16 tile ``mt`` of warp ``w``."""
+        return (w * MT + mt) * TC_WROWS
 
     if paged:
         def kv_len_of(kvb, b):
@@ -231,26 +265,46 @@ def make_prefill_tc(op: str, spec, paged: bool, tile: str = "tc"):
 
     @T.macro
     def load_q(qf, q, ti, h, w, lane):
-        """The warp's Q rows as A fragments: ``qf[ks*8 + i]`` = element ``a_frag(lane, i)`` of dims ``16 ks ..``
-        (storage dtype, unscaled: the scale is applied to the fp32 scores); padding rows 0."""
+        """Q in registers (one m16 tile a warp): the warp's rows as A fragments, ``qf[ks*8 + i]`` = element
+        ``a_frag(lane, i)`` of dims ``16 ks ..`` (storage dtype, unscaled: the scale is applied to the fp32
+        scores); padding rows 0."""
         for ks in T.unroll(NKS):
             for i in T.unroll(8):
-                if row_ok(w * TC_WROWS + a_frag(lane, i)[0], ti):
-                    qf[ks * 8 + i] = q[ti[4] + T.truncdiv(w * TC_WROWS + a_frag(lane, i)[0], G),
-                                       h * G + T.truncmod(w * TC_WROWS + a_frag(lane, i)[0], G),
+                if row_ok(wrow(w, 0) + a_frag(lane, i)[0], ti):
+                    qf[ks * 8 + i] = q[ti[4] + T.truncdiv(wrow(w, 0) + a_frag(lane, i)[0], G),
+                                       h * G + T.truncmod(wrow(w, 0) + a_frag(lane, i)[0], G),
                                        ks * 16 + a_frag(lane, i)[1]]
                 else:
                     qf[ks * 8 + i] = T.Cast(dtype, T.float32(0))
 
     @T.macro
+    def load_q_smem(smem, q, ti, h, tid):
+        """Q in shared memory: the block's rows at ``q_base`` (row-major, stride D + TC_PAD), element loads
+        (once a block; consecutive threads take consecutive dims), 8 in flight a thread; padding rows 0.
+        Published by the first key tile's barrier."""
+        for it0 in T.serial(cfg.rows * D // NT // 8):
+            for it1 in T.unroll(8):
+                if row_ok(T.truncdiv((it0 * 8 + it1) * NT + tid, D), ti):
+                    smem[cfg.q_base(D, DV) + T.truncdiv((it0 * 8 + it1) * NT + tid, D) * KS
+                         + T.truncmod((it0 * 8 + it1) * NT + tid, D)] = \
+                        q[ti[4] + T.truncdiv(T.truncdiv((it0 * 8 + it1) * NT + tid, D), G),
+                          h * G + T.truncmod(T.truncdiv((it0 * 8 + it1) * NT + tid, D), G),
+                          T.truncmod((it0 * 8 + it1) * NT + tid, D)]
+                else:
+                    smem[cfg.q_base(D, DV) + T.truncdiv((it0 * 8 + it1) * NT + tid, D) * KS
+                         + T.truncmod((it0 * 8 + it1) * NT + tid, D)] = T.Cast(dtype, T.float32(0))
+
+    @T.macro
     def init_rows(lim, m, lsum, oacc, ti, w, lane, causal):
-        """Row state of the lane's two rows (``c_frag`` rows g and g + 8): bound, running max, sum, O."""
-        for rr in T.unroll(2):
-            lim[rr] = var.row_bound(row_ok(w * TC_WROWS + c_frag(lane, 2 * rr)[0], ti), ti[5], ti[1], ti[2],
-                                    T.truncdiv(w * TC_WROWS + c_frag(lane, 2 * rr)[0], G), causal)
-            m[rr] = T.float32(EMPTY_LSE)
-            lsum[rr] = T.float32(0)
-        for e in T.unroll(NDN * 4):
+        """Row state of the lane's rows (``c_frag`` rows g and g + 8 of each m16 tile; index ``2 mt + rr``):
+        bound, running max, sum, O."""
+        for mt in T.unroll(MT):
+            for rr in T.unroll(2):
+                lim[mt * 2 + rr] = var.row_bound(row_ok(wrow(w, mt) + c_frag(lane, 2 * rr)[0], ti), ti[5], ti[1],
+                                                 ti[2], T.truncdiv(wrow(w, mt) + c_frag(lane, 2 * rr)[0], G), causal)
+                m[mt * 2 + rr] = T.float32(EMPTY_LSE)
+                lsum[mt * 2 + rr] = T.float32(0)
+        for e in T.unroll(MT * ON):
             oacc[e] = T.float32(0)
 
     def aligned(kvb):
@@ -328,35 +382,52 @@ def make_prefill_tc(op: str, spec, paged: bool, tile: str = "tc"):
         T.evaluate(cp_async_commit())
 
     @T.macro
-    def score(sacc, qf, Ks, kb, bfr, lane):
-        """S (16 rows x 64 keys of the warp) = Q K^T: C fragment ``nt`` holds keys ``8 nt ..``; one
-        ``ldmatrix.x4`` gives the B fragments of two k steps (``k_ldsm_index``)."""
-        for e in T.unroll(NSN * 4):
+    def score(sacc, qf, afr, smem, kb, bfr, w, lane):
+        """S (the warp's rows x 64 keys) = Q K^T: C fragment ``mt * 8 + nt`` holds keys ``8 nt ..`` of m16 tile
+        ``mt``. Q in registers (``qf``, one m16 tile): one ``ldmatrix.x4`` gives the B fragments of two k steps
+        (``k_ldsm_index``). Q in shared memory: per k step one ``ldmatrix.x4`` of each m16 tile's A fragment
+        into ``afr`` (``q_ldsm_index``), and one of the B fragments of two n tiles (``k_ldsm_index_nt2``) used
+        by every m16 tile of the warp."""
+        for e in T.unroll(MT * SN):
             sacc[e] = T.float32(0)
-        for ks2 in T.unroll(NKS // 2):
-            for nt in T.unroll(NSN):
-                T.evaluate(ldmatrix_x4(T.address_of(bfr[0]), T.address_of(Ks[kb + k_ldsm_index(lane, nt, ks2, D)]),
-                                       False))
-                for u in T.unroll(2):
-                    T.evaluate(mma_sync(dtype, T.address_of(sacc[nt * 4]), T.address_of(qf[(ks2 * 2 + u) * 8]),
-                                        T.address_of(bfr[u * 2])))
+        if QS:
+            # k step outer: the A fragments of one k step (4 registers a m16 tile) stay live across the keys.
+            for ks in T.unroll(NKS):
+                for mt in T.unroll(MT):
+                    T.evaluate(ldmatrix_x4(T.address_of(afr[mt * 4]), T.address_of(
+                        smem[cfg.q_base(D, DV) + q_ldsm_index(lane, wrow(w, mt), ks, D)]), False))
+                for nt2 in T.unroll(NSN // 2):
+                    T.evaluate(ldmatrix_x4(T.address_of(bfr[0]), T.address_of(
+                        smem[kb + k_ldsm_index_nt2(lane, nt2, ks, D)]), False))
+                    for mt in T.unroll(MT):
+                        for u in T.unroll(2):
+                            T.evaluate(mma_sync(dtype, T.address_of(sacc[mt * SN + (nt2 * 2 + u) * 4]),
+                                                T.address_of(afr[mt * 4]), T.address_of(bfr[u * 2])))
+        else:
+            for ks2 in T.unroll(NKS // 2):
+                for nt in T.unroll(NSN):
+                    T.evaluate(ldmatrix_x4(T.address_of(bfr[0]), T.address_of(
+                        smem[kb + k_ldsm_index(lane, nt, ks2, D)]), False))
+                    for u in T.unroll(2):
+                        T.evaluate(mma_sync(dtype, T.address_of(sacc[nt * 4]), T.address_of(qf[(ks2 * 2 + u) * 8]),
+                                            T.address_of(bfr[u * 2])))
 
     def mask_scores(masked: bool):
-        """The macro turning the lane's raw scores into log2-unit logits: scaled, soft-capped and (``masked``)
-        masked by ``CudaVariant`` (``logits(s, True)`` is the cap alone)."""
+        """The macro turning m16 tile ``mt``'s raw scores (of the lane) into log2-unit logits: scaled,
+        soft-capped and (``masked``) masked by ``CudaVariant`` (``logits(s, True)`` is the cap alone)."""
 
         @T.macro
-        def scores(sacc, mx, m, lim, ti, kt, lane, causal, sm_scale):
-            # mx[rr]: the lane's running max of row rr (folded in as each score is made: fewer live values)
+        def scores(sacc, mx, m, lim, ti, kt, lane, causal, sm_scale, mt):
+            # mx: the lane's running max of each row (folded in as each score is made: fewer live values)
             for rr in T.unroll(2):
-                mx[rr] = m[rr]
+                mx[mt * 2 + rr] = m[mt * 2 + rr]
                 for nt in T.unroll(NSN):
                     for c in T.unroll(2):
-                        sacc[nt * 4 + rr * 2 + c] = var.logits(
-                            sacc[nt * 4 + rr * 2 + c] * (sm_scale * T.float32(LOG2E)),
-                            var.visible(kt * TK + nt * 8 + c_frag(lane, c)[1], lim[rr], ti[5], causal)
+                        sacc[mt * SN + nt * 4 + rr * 2 + c] = var.logits(
+                            sacc[mt * SN + nt * 4 + rr * 2 + c] * (sm_scale * T.float32(LOG2E)),
+                            var.visible(kt * TK + nt * 8 + c_frag(lane, c)[1], lim[mt * 2 + rr], ti[5], causal)
                             if masked else True)
-                        mx[rr] = T.max(mx[rr], sacc[nt * 4 + rr * 2 + c])
+                        mx[mt * 2 + rr] = T.max(mx[mt * 2 + rr], sacc[mt * SN + nt * 4 + rr * 2 + c])
 
         return scores
 
@@ -364,100 +435,108 @@ def make_prefill_tc(op: str, spec, paged: bool, tile: str = "tc"):
 
     @T.macro
     def softmax(sacc, pf, m, lsum, oacc, lim, mx, st, ti, kt, lane, causal, sm_scale):
-        """Online softmax of the lane's two rows (``rr``: C elements 2rr, 2rr + 1 of every fragment); a row's
-        scores are spread over the 4 lanes of a quad. ``pf`` = P in the storage dtype, already laid out as
-        the A fragments of P V (``pf[8 kk + i]`` = C element ``i % 4`` of fragment ``2 kk + i // 4``)."""
-        if WIN:
-            scores_masked(sacc, mx, m, lim, ti, kt, lane, causal, sm_scale)
-        else:
-            # Without a window a row sees keys < lim: a tile below both rows' bounds needs no mask (the
-            # branch is per lane, with no shuffle inside; padding rows have lim 0, so they take the mask).
-            if (kt + 1) * TK <= T.min(lim[0], lim[1]):
-                scores_visible(sacc, mx, m, lim, ti, kt, lane, causal, sm_scale)
+        """Online softmax of the lane's rows (m16 tile ``mt``, ``rr``: C elements 2rr, 2rr + 1 of its
+        fragments); a row's scores are spread over the 4 lanes of a quad. ``pf`` = P in the storage dtype,
+        already laid out as the A fragments of P V (``pf[mt * SN + 8 kk + i]`` = C element ``i % 4`` of
+        fragment ``2 kk + i // 4``)."""
+        for mt in T.unroll(MT):
+            if WIN:
+                scores_masked(sacc, mx, m, lim, ti, kt, lane, causal, sm_scale, mt)
             else:
-                scores_masked(sacc, mx, m, lim, ti, kt, lane, causal, sm_scale)
-        for rr in T.unroll(2):
-            st[0] = T.max(mx[rr], shfl_xor(mx[rr], 1))
-            st[0] = T.max(st[0], shfl_xor(st[0], 2))
-            st[1] = T.exp2(m[rr] - st[0])
-            m[rr] = st[0]
-            lsum[rr] = lsum[rr] * st[1]
-            for dn in T.unroll(NDN):
-                for c in T.unroll(2):
-                    oacc[dn * 4 + rr * 2 + c] = oacc[dn * 4 + rr * 2 + c] * st[1]
-            for nt in T.unroll(NSN):
-                for c in T.unroll(2):
-                    st[2] = T.exp2(sacc[nt * 4 + rr * 2 + c] - st[0])
-                    lsum[rr] = lsum[rr] + st[2]
-                    pf[nt * 4 + rr * 2 + c] = T.Cast(dtype, st[2])
+                # Without a window a row sees keys < lim: a tile below both rows' bounds needs no mask (the
+                # branch is per lane, with no shuffle inside; padding rows have lim 0, so they take the mask).
+                if (kt + 1) * TK <= T.min(lim[mt * 2], lim[mt * 2 + 1]):
+                    scores_visible(sacc, mx, m, lim, ti, kt, lane, causal, sm_scale, mt)
+                else:
+                    scores_masked(sacc, mx, m, lim, ti, kt, lane, causal, sm_scale, mt)
+            for rr in T.unroll(2):
+                st[0] = T.max(mx[mt * 2 + rr], shfl_xor(mx[mt * 2 + rr], 1))
+                st[0] = T.max(st[0], shfl_xor(st[0], 2))
+                st[1] = T.exp2(m[mt * 2 + rr] - st[0])
+                m[mt * 2 + rr] = st[0]
+                lsum[mt * 2 + rr] = lsum[mt * 2 + rr] * st[1]
+                for dn in T.unroll(NDN):
+                    for c in T.unroll(2):
+                        oacc[mt * ON + dn * 4 + rr * 2 + c] = oacc[mt * ON + dn * 4 + rr * 2 + c] * st[1]
+                for nt in T.unroll(NSN):
+                    for c in T.unroll(2):
+                        st[2] = T.exp2(sacc[mt * SN + nt * 4 + rr * 2 + c] - st[0])
+                        lsum[mt * 2 + rr] = lsum[mt * 2 + rr] + st[2]
+                        pf[mt * SN + nt * 4 + rr * 2 + c] = T.Cast(dtype, st[2])
 
     @T.macro
     def accumulate(oacc, pf, Vs, vb, bfr, lane):
         """O += P V: k step ``kk`` (keys ``16 kk ..``) x n tiles ``2 dn2``, ``2 dn2 + 1`` (dims ``16 dn2 ..``), their B
-        fragments from one ``ldmatrix.x4.trans`` of the row-major ``Vs`` (``v_ldsm_index``)."""
+        fragments from one ``ldmatrix.x4.trans`` of the row-major ``Vs`` (``v_ldsm_index``), used by every m16
+        tile of the warp."""
         for kk in T.unroll(NKK):
             for dn2 in T.unroll(NDN // 2):
                 T.evaluate(ldmatrix_x4(T.address_of(bfr[0]), T.address_of(Vs[vb + v_ldsm_index(lane, kk, dn2, DV)]),
                                        True))
-                for u in T.unroll(2):
-                    T.evaluate(mma_sync(dtype, T.address_of(oacc[(dn2 * 2 + u) * 4]), T.address_of(pf[kk * 8]),
-                                        T.address_of(bfr[u * 2])))
+                for mt in T.unroll(MT):
+                    for u in T.unroll(2):
+                        T.evaluate(mma_sync(dtype, T.address_of(oacc[mt * ON + (dn2 * 2 + u) * 4]),
+                                            T.address_of(pf[mt * SN + kk * 8]), T.address_of(bfr[u * 2])))
 
     @T.macro
     def store(o, lse, oacc, m, lsum, ti, h, w, lane):
         """Row sums over the quad, then o = O / sum and lse = m + log2(sum) (base 2); a row that saw no key
         (sum 0) writes the empty state."""
-        for rr in T.unroll(2):
-            lsum[rr] = lsum[rr] + shfl_xor(lsum[rr], 1)
-            lsum[rr] = lsum[rr] + shfl_xor(lsum[rr], 2)
-        for rr in T.unroll(2):
-            if row_ok(w * TC_WROWS + c_frag(lane, 2 * rr)[0], ti):
-                for dn in T.unroll(NDN):
-                    for c in T.unroll(2):
-                        o[ti[4] + T.truncdiv(w * TC_WROWS + c_frag(lane, 2 * rr)[0], G),
-                          h * G + T.truncmod(w * TC_WROWS + c_frag(lane, 2 * rr)[0], G),
-                          dn * 8 + c_frag(lane, c)[1]] = T.Cast(dtype, T.if_then_else(
-                              lsum[rr] > T.float32(0), oacc[dn * 4 + rr * 2 + c] / lsum[rr], T.float32(0)))
-                if lane % 4 == 0:
-                    lse[ti[4] + T.truncdiv(w * TC_WROWS + c_frag(lane, 2 * rr)[0], G),
-                        h * G + T.truncmod(w * TC_WROWS + c_frag(lane, 2 * rr)[0], G)] = T.if_then_else(
-                            lsum[rr] > T.float32(0), m[rr] + T.log2(lsum[rr]), T.float32(EMPTY_LSE))
+        for j in T.unroll(MT * 2):
+            lsum[j] = lsum[j] + shfl_xor(lsum[j], 1)
+            lsum[j] = lsum[j] + shfl_xor(lsum[j], 2)
+        for mt in T.unroll(MT):
+            for rr in T.unroll(2):
+                if row_ok(wrow(w, mt) + c_frag(lane, 2 * rr)[0], ti):
+                    for dn in T.unroll(NDN):
+                        for c in T.unroll(2):
+                            o[ti[4] + T.truncdiv(wrow(w, mt) + c_frag(lane, 2 * rr)[0], G),
+                              h * G + T.truncmod(wrow(w, mt) + c_frag(lane, 2 * rr)[0], G),
+                              dn * 8 + c_frag(lane, c)[1]] = T.Cast(dtype, T.if_then_else(
+                                  lsum[mt * 2 + rr] > T.float32(0),
+                                  oacc[mt * ON + dn * 4 + rr * 2 + c] / lsum[mt * 2 + rr], T.float32(0)))
+                    if lane % 4 == 0:
+                        lse[ti[4] + T.truncdiv(wrow(w, mt) + c_frag(lane, 2 * rr)[0], G),
+                            h * G + T.truncmod(wrow(w, mt) + c_frag(lane, 2 * rr)[0], G)] = T.if_then_else(
+                                lsum[mt * 2 + rr] > T.float32(0), m[mt * 2 + rr] + T.log2(lsum[mt * 2 + rr]),
+                                T.float32(EMPTY_LSE))
 
     @T.macro
-    def tiles_one_stage(Ks, Vs, qf, sacc, pf, bfr, oacc, m, lsum, lim, mx, st, ti, kvb, h, tid, lane, causal,
-                        sm_scale):
+    def tiles_one_stage(Ks, Vs, fr, acc, rows, ti, kvb, h, tid, w, lane, causal, sm_scale):
         """One buffer per operand, software-pipelined: K of tile kt + 1 loads during the softmax and P V of tile
         kt, V of kt + 1 during the scores of kt + 1. In flight at each wait: {K kt, V kt} at the top, {V kt,
-        K kt + 1} before P V (wait_group 1 = the older is done)."""
+        K kt + 1} before P V (wait_group 1 = the older is done). ``fr`` = (qf, afr, bfr), ``acc`` = (sacc,
+        pf, oacc), ``rows`` = (m, lsum, lim, mx, st): the kernel's register arrays."""
         issue(Ks, 0, kvb, ti, ti[7], h, tid, 0)
         issue(Vs, 0, kvb, ti, ti[7], h, tid, 1)
         for kt in T.serial(ti[7], T.truncdiv(ti[6] + TK - 1, TK)):
             T.evaluate(cp_async_wait1())
             T.tvm_storage_sync("shared")  # K kt visible to every warp
-            score(sacc, qf, Ks, 0, bfr, lane)
+            score(acc[0], fr[0], fr[1], Ks, 0, fr[2], w, lane)
             T.tvm_storage_sync("shared")  # every warp is done with Ks
             issue(Ks, 0, kvb, ti, kt + 1, h, tid, 0)  # past the last tile: zeros, never read
-            softmax(sacc, pf, m, lsum, oacc, lim, mx, st, ti, kt, lane, causal, sm_scale)
+            softmax(acc[0], acc[1], rows[0], rows[1], acc[2], rows[2], rows[3], rows[4], ti, kt, lane, causal,
+                    sm_scale)
             T.evaluate(cp_async_wait1())
             T.tvm_storage_sync("shared")  # V kt visible
-            accumulate(oacc, pf, Vs, 0, bfr, lane)
+            accumulate(acc[2], acc[1], Vs, 0, fr[2], lane)
             T.tvm_storage_sync("shared")  # every warp is done with Vs
             issue(Vs, 0, kvb, ti, kt + 1, h, tid, 1)
 
     @T.macro
-    def tiles_two_stage(smem, qf, sacc, pf, bfr, oacc, m, lsum, lim, mx, st, ti, kvb, h, tid, lane, causal,
-                        sm_scale):
+    def tiles_two_stage(smem, fr, acc, rows, ti, kvb, h, tid, w, lane, causal, sm_scale):
         """Two stages (tile kt in stage kt % 2): after the wait for tile kt, one barrier both publishes it and
         tells that every warp is done with tile kt - 1, whose stage then takes tile kt + 1, loading during
-        the whole of tile kt (scores, softmax, P V)."""
+        the whole of tile kt (scores, softmax, P V). Arguments as ``tiles_one_stage``."""
         issue_kv(smem, T.truncmod(ti[7], 2), kvb, ti, ti[7], h, tid)
         for kt in T.serial(ti[7], T.truncdiv(ti[6] + TK - 1, TK)):
             T.evaluate(cp_async_wait0())
-            T.tvm_storage_sync("shared")  # tile kt visible; stage (kt + 1) % 2 free
+            T.tvm_storage_sync("shared")  # tile kt (and Q) visible; stage (kt + 1) % 2 free
             issue_kv(smem, T.truncmod(kt + 1, 2), kvb, ti, kt + 1, h, tid)  # past the last tile: zeros, unread
-            score(sacc, qf, smem, cfg.k_base(T.truncmod(kt, 2), D, DV), bfr, lane)
-            softmax(sacc, pf, m, lsum, oacc, lim, mx, st, ti, kt, lane, causal, sm_scale)
-            accumulate(oacc, pf, smem, cfg.v_base(T.truncmod(kt, 2), D, DV), bfr, lane)
+            score(acc[0], fr[0], fr[1], smem, cfg.k_base(T.truncmod(kt, 2), D, DV), fr[2], w, lane)
+            softmax(acc[0], acc[1], rows[0], rows[1], acc[2], rows[2], rows[3], rows[4], ti, kt, lane, causal,
+                    sm_scale)
+            accumulate(acc[2], acc[1], smem, cfg.v_base(T.truncmod(kt, 2), D, DV), fr[2], lane)
 
     @T.macro
     def kernel(q, q_indptr, o, lse, kvb, B, n, causal, sm_scale):
@@ -465,37 +544,46 @@ def make_prefill_tc(op: str, spec, paged: bool, tile: str = "tc"):
             for h in T.thread_binding(HKV, thread="blockIdx.y"):
                 for tid in T.thread_binding(NT, thread="threadIdx.x"):
                     ti = T.alloc_buffer((8,), "int32", scope="local")
-                    qf = T.alloc_buffer((NKS * 8,), dtype, scope="local")
-                    sacc = T.alloc_buffer((NSN * 4,), "float32", scope="local")
-                    pf = T.alloc_buffer((NSN * 4,), dtype, scope="local")
+                    # A fragments: Q in registers (qf), or per k step from shared memory (afr, 32 bits).
+                    qf = T.alloc_buffer((1 if QS else NKS * 8,), dtype, scope="local")
+                    afr = T.alloc_buffer((MT * 4 if QS else 1,), "uint32", scope="local")
+                    sacc = T.alloc_buffer((MT * SN,), "float32", scope="local")
+                    pf = T.alloc_buffer((MT * SN,), dtype, scope="local")
                     # Two B fragments (ldmatrix.x4), 4 x 32 bits.
                     bfr = T.alloc_buffer((4,), "uint32", scope="local")
-                    oacc = T.alloc_buffer((NDN * 4,), "float32", scope="local")
-                    m = T.alloc_buffer((2,), "float32", scope="local")
-                    lsum = T.alloc_buffer((2,), "float32", scope="local")
-                    lim = T.alloc_buffer((2,), "int32", scope="local")
+                    oacc = T.alloc_buffer((MT * ON,), "float32", scope="local")
+                    m = T.alloc_buffer((MT * 2,), "float32", scope="local")
+                    lsum = T.alloc_buffer((MT * 2,), "float32", scope="local")
+                    lim = T.alloc_buffer((MT * 2,), "int32", scope="local")
                     st = T.alloc_buffer((3,), "float32", scope="local")
-                    mx = T.alloc_buffer((2,), "float32", scope="local")
+                    mx = T.alloc_buffer((MT * 2,), "float32", scope="local")
                     w: T.let[T.int32] = T.truncdiv(tid, 32)
                     lane: T.let[T.int32] = T.truncmod(tid, 32)
                     # No branch around the barriers: an idle block runs zero-trip loops, masked accesses.
                     # TVM sizes a local array by the elements it sees indexed, and ldmatrix / mma reach bfr
-                    # through addresses only (bfr[0], bfr[2]): without these stores it would get 3 elements.
+                    # (afr) through addresses only (bfr[0], bfr[2]): without these stores it would get 3 elements.
                     for e in T.unroll(4):
                         bfr[e] = T.uint32(0)
+                    if QS:
+                        for e in T.unroll(MT * 4):
+                            afr[e] = T.uint32(0)
                     locate(ti, q_indptr, kvb, B, vt, causal)
-                    load_q(qf, q, ti, h, w, lane)
                     init_rows(lim, m, lsum, oacc, ti, w, lane, causal)
                     if cfg.stages == 1:
                         Ks = T.alloc_buffer((TK * KS,), dtype, scope="shared")
                         Vs = T.alloc_buffer((TK * VS,), dtype, scope="shared")
-                        tiles_one_stage(Ks, Vs, qf, sacc, pf, bfr, oacc, m, lsum, lim, mx, st, ti, kvb, h, tid,
-                                        lane, causal, sm_scale)
+                        load_q(qf, q, ti, h, w, lane)
+                        tiles_one_stage(Ks, Vs, (qf, afr, bfr), (sacc, pf, oacc), (m, lsum, lim, mx, st), ti, kvb,
+                                        h, tid, w, lane, causal, sm_scale)
                     else:
                         # One dynamic buffer (TVM 0.27 fails to merge several shared.dyn buffers here).
-                        smem = T.alloc_buffer((cfg.k_base(2, D, DV),), dtype, scope="shared.dyn")
-                        tiles_two_stage(smem, qf, sacc, pf, bfr, oacc, m, lsum, lim, mx, st, ti, kvb, h, tid,
-                                        lane, causal, sm_scale)
+                        smem = T.alloc_buffer((cfg.smem_bytes(D, DV) // 2,), dtype, scope="shared.dyn")
+                        if QS:
+                            load_q_smem(smem, q, ti, h, tid)
+                        else:
+                            load_q(qf, q, ti, h, w, lane)
+                        tiles_two_stage(smem, (qf, afr, bfr), (sacc, pf, oacc), (m, lsum, lim, mx, st), ti, kvb, h,
+                                        tid, w, lane, causal, sm_scale)
                     store(o, lse, oacc, m, lsum, ti, h, w, lane)
 
     return kernel

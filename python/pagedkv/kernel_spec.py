@@ -36,7 +36,7 @@ SWITCHES: dict[str, tuple[str, tuple[str, ...]]] = {
                             "Inline RoPE always runs the SIMT kernel. auto: the tensor-core kernel (tile "
                             "tir_kernels.attention_cuda_prefill.TC_DEFAULT_TILE) where it serves the spec "
                             "(TC_BY_DEFAULT), SIMT elsewhere",
-                            ("auto", "simt", "tc", "tc2")),
+                            ("auto", "simt", "tc", "tc2", "tc3")),
     "cuda_decode_kernel": ("CUDA MHA decode (attn_decode_paged) without inline RoPE: the lane-group kernel "
                            "(lanes) or the shared-memory staged kernel (staged; auto: staged where its limits "
                            "allow)", ("auto", "lanes", "staged")),

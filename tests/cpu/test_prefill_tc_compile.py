@@ -2,12 +2,13 @@
 
 - The default where it serves: without the switch and with "auto" the prefill PrimFuncs of an fp16 / bf16 spec
   are the tensor-core ones (same ``script()`` as "tc", with ``mma.sync`` calls), "simt" gives the FP32 kernel,
-  "tc2" the opt-in 128-row two-stage tile (``shared.dyn``); a spec it does not serve (float32, a head dim over
-  128) gets the SIMT kernel under "auto", and "tc" / "tc2" forced on it raise naming why.
+  "tc2" / "tc3" the opt-in 128-row two-stage tiles (``shared.dyn``); a spec it does not serve (float32, a head
+  dim over 128) gets the SIMT kernel under "auto", and any tile forced on it raises naming why.
 - ``nvcc --cubin -arch=sm_90a`` compiles the ragged and paged kernels of both tiles without register spills (but for a
   known 20 bytes in the windowed + capped paged kernel at D 64: ``SPILL_BYTES``), and the SASS
   holds the expected HMMA count (``cuobjdump -sass``; skipped when cuobjdump is missing): per kernel and key
-  tile, ``D/16 * 8`` MMAs for S and ``4 * D/8`` for P V, every one unrolled.
+  tile, ``mtiles * (D/16 * TK/8)`` MMAs for S and ``mtiles * TK/16 * D/8`` for P V, every one unrolled (also
+  counted in the CUDA source, without cuobjdump).
 
 The numerical check needs a GPU (``tests/gpu/test_prefill_tc_gpu.py``).
 """
@@ -34,7 +35,7 @@ SM90 = Target({"kind": "cuda", "arch": "sm_90"}, host="llvm")
 SWITCH = "cuda_prefill_kernel"
 OPS = ("attn_prefill_ragged", "attn_prefill_paged")
 #: The tensor-core tiles (switch values), "tc" the default one.
-TILES = ("tc", "tc2")
+TILES = ("tc", "tc2", "tc3")
 SHAPES = {
     "32x8x128-f16": tk.KernelConfig(32, 8, 128, 128, "float16"),
     "12x4x64-bf16-w100-cap30": tk.KernelConfig(12, 4, 64, 64, "bfloat16", sliding_window=100, logits_soft_cap=30.0),
@@ -65,8 +66,9 @@ def test_tc_is_the_default_where_it_serves(op):
     assert "pagedkv_mma_f16" in default
     assert _script(_with(cfg, "auto"), op) == default == _script(_with(cfg, "tc"), op)
     assert "pagedkv_mma" not in _script(_with(cfg, "simt"), op)
-    tc2 = _script(_with(cfg, "tc2"), op)  # opt-in: 128 rows, two stages in dynamic shared memory
-    assert "pagedkv_mma_f16" in tc2 and "shared.dyn" in tc2 and "shared.dyn" not in default
+    for tile in TILES[1:]:  # opt-in: 128 rows, two stages in dynamic shared memory
+        script = _script(_with(cfg, tile), op)
+        assert "pagedkv_mma_f16" in script and "shared.dyn" in script and "shared.dyn" not in default
     unserved = tk.KernelConfig(4, 4, 64, 64, "float32")
     assert "pagedkv_mma" not in _script(unserved, op)
     assert _script(unserved, op) == _script(_with(unserved, "simt"), op)
@@ -89,6 +91,8 @@ def test_tile_shared_memory():
     assert (tiles["tc2"].rows, tiles["tc2"].threads, tiles["tc2"].stages) == (128, 256, 2)
     assert tiles["tc"].smem_bytes(128, 128) == 34816 and tiles["tc2"].smem_bytes(128, 128) == 69632
     assert tiles["tc2"].smem_bytes(64, 64) == 36864
+    assert (tiles["tc3"].rows, tiles["tc3"].threads, tiles["tc3"].stages, tiles["tc3"].tk) == (128, 128, 2, 32)
+    assert tiles["tc3"].smem_bytes(128, 128) == 2 * 32 * 272 * 2 + 128 * 136 * 2 == 69632
 
 
 def _source(key):
@@ -125,8 +129,8 @@ def test_tc_nvcc_no_spills_and_hmma(name, tile, nvcc_results):
     # registers and spills 20 bytes there (a performance nit, looked at when the kernel is tuned on a GPU).
     limit = SPILL_BYTES.get((name, tile), 0)
     assert usage and all(max(u[1:]) <= limit for u in usage.values()), usage
-    d = SHAPES[name].head_dim
-    want = d // 16 * 8 + 4 * d // 8  # per kernel: S and P V of one key tile, unrolled (same per warp in both tiles)
+    d, t = SHAPES[name].head_dim, TC_TILES[tile]
+    want = t.mtiles * (d // 16 * t.tk // 8 + t.tk // 16 * d // 8)  # per kernel: S and P V of a key tile, unrolled
     # Each op's PrimFunc: the tensor-core kernel (the plain one) and the SIMT RoPE kernel (no MMA). In the
     # CUDA source TVM emitted (its unrolling), then, when cuobjdump is there, in the SASS (ptxas' code).
     source = (workdir / f"tc_{name}_{tile}.cu").read_text()

@@ -3,15 +3,15 @@ with g++ against ``_cuda_emu.h`` (one CPU thread per CUDA thread, barriers, ``cp
 as its waits allow, and the warp-collective ``shfl_xor`` / ``ldmatrix`` / ``mma.sync`` emulated from the PTX
 ISA's definitions), checked against the float64 reference on ragged and paged batches of odd lengths (tile,
 page and 128-row block edges, entries with no keys or no queries), causal and not, fp16 and bf16, windowed +
-soft-capped, ragged k / v also unaligned (the element-load path). Tiles (``TC_TILES``): "tc2" on GQA groups
-1, 3, 4, 7, 8 and head dims 64 / 128, "tc" on groups 4, 3 and both dims. This checks the kernel's own logic
+soft-capped, ragged k / v also unaligned (the element-load path). Tiles (``TC_TILES``): "tc2" and "tc3" on
+GQA groups 1, 3, 4, 7, 8 and head dims 64 / 128, "tc" on groups 4, 3 and both dims. This checks the kernel's own logic
 (tiles, entry search, masks, online softmax, pipeline order and waits, stores) as TVM lowered it; the GPU
 run (``tests/gpu/test_prefill_tc_gpu.py``) checks the hardware side (real MMA rounding, timing). Skips
 without g++.
 
 The kernel is the ``apply_rope = 0`` one (the PrimFunc's host code picks it); its launch is the tile's threads
-(``__launch_bounds__``) x ``(max(n // TQ + B, 1), Hkv)`` blocks as TVM's host code launches it; "tc2"'s
-dynamic shared memory becomes a static array.
+(``__launch_bounds__``) x ``(max(n // TQ + B, 1), Hkv)`` blocks as TVM's host code launches it; the dynamic
+shared memory of the two-stage tiles becomes a static array.
 """
 
 from __future__ import annotations
@@ -50,10 +50,10 @@ CONFIGS = {
     "7x1x128-bf16": tk.KernelConfig(7, 1, 128, 128, "bfloat16"),
     "8x1x64-bf16": tk.KernelConfig(8, 1, 64, 64, "bfloat16"),
 }
-#: (config, tile) pairs run: every config on "tc2" (GQA groups 1, 3, 4, 7, 8; D 64 and 128; fp16 and bf16;
-#: windowed + capped), the first three on "tc".
-CASES = [(name, "tc") for name in list(CONFIGS)[:3]] + [(name, "tc2") for name in CONFIGS]
-#: The unaligned-view (element-load) runs: two configs on "tc", every one on "tc2".
+#: (config, tile) pairs run: every config on "tc2" and "tc3" (GQA groups 1, 3, 4, 7, 8; D 64 and 128; fp16 and
+#: bf16; windowed + capped), the first three on "tc".
+CASES = [(name, "tc") for name in list(CONFIGS)[:3]] + [(name, t) for t in ("tc2", "tc3") for name in CONFIGS]
+#: The unaligned-view (element-load) runs: two configs on "tc", every one on "tc2" and "tc3".
 UNALIGNED = CASES[:2] + CASES[3:]
 #: Bytes of the static array standing in for a kernel's dynamic shared memory.
 DYN_SMEM_BYTES = 256 * 1024
