@@ -1,38 +1,66 @@
 """Tensor-core CUDA prefill (``attn_prefill_ragged`` / ``attn_prefill_paged``), fp16 / bf16, sm_80+: the
-plain (``apply_rope == 0``) kernel on ``mma.sync.m16n8k16`` (``_mma_cuda``). Opt-in for now: path switch
-``cuda_prefill_kernel`` (``pagedkv.kernel_spec.SWITCHES``); ``tc_unserved`` says which specs it serves.
+plain (``apply_rope == 0``) kernel on ``mma.sync.m16n8k16`` (``_mma_cuda``), in one of the tiles ``TC_TILES``,
+picked by the path switch ``cuda_prefill_kernel`` (``pagedkv.kernel_spec.SWITCHES``): "tc" is the default
+where it serves (``attention_cuda_prefill.TC_BY_DEFAULT`` / ``TC_DEFAULT_TILE``), "tc2" and "tc3" are opt-in
+until a GPU run compares them; ``tc_unserved`` says which specs a tile serves.
 
 Same ABI and semantics as the SIMT kernel (``attention_cuda.py``): base-2 LSE, bottom-right causal, sliding
 window and soft cap through ``CudaVariant``, empty rows ``o = 0`` / ``lse = -1e30``, sm_scale an argument.
 
-Design (FlashAttention-2 style), one block of 4 warps (128 threads) per (query tile, kv head):
+Design (FlashAttention-2 style), one block per (query tile, kv head):
 
-* A query tile is ``TQ = 64 // G`` tokens x the ``G`` q heads of the kv head = up to 64 *rows* (row ``r`` =
-  token ``r // G``, head ``h*G + r % G``, as in the SIMT kernel), so one K/V tile serves the GQA group.
-  Warp ``w`` owns rows ``16w .. 16w+15``; its Q fragments (``D/16`` A fragments) stay in registers.
-* Key tiles of 64: K as ``Ks[key, d]`` and V as ``Vs[key, d]`` (both row-major) in static shared memory,
-  rows padded by 8 elements so that each 8-lane phase of an ``ldmatrix`` (8 rows of 16 bytes) hits 32
-  distinct banks. One buffer each, software-pipelined with ``cp.async`` (16-byte copies, commit / wait
-  groups): K of tile ``kt + 1`` is in flight during the softmax and P V of ``kt``, V of ``kt + 1`` during the
-  scores of ``kt + 1`` (a second stage of both would need 70 KB: over the 48 KB of static shared memory).
-  Ragged q / k / v are views that may start at any element: when k or v does not start at a 16-byte
-  aligned address (a block-uniform run-time test) the same schedule loads elements through registers
-  instead (slower, same results); pages always take the 16-byte path.
-* S = Q K^T: ``D/16 x 8`` MMAs per warp and tile into 8 C fragments (fp32), the B fragments of two k steps
-  per ``ldmatrix.x4``; scores scaled by ``sm_scale * log2(e)`` in fp32 (base-2 softmax), masked / capped by
-  ``CudaVariant``; online softmax per row (a row's 64 scores live in the 4 lanes of a quad: two
+* A query tile is ``TQ = rows // G`` tokens x the ``G`` q heads of the kv head = up to ``rows`` *rows* (row
+  ``r`` = token ``r // G``, head ``h*G + r % G``, as in the SIMT kernel), so one K/V tile serves the GQA group.
+  Warp ``w`` owns ``mtiles`` m16 tiles, rows ``16 (w mtiles + mt) ..``.
+* Key tiles of ``tk``: K as ``Ks[key, d]`` and V as ``Vs[key, d]`` (both row-major) in shared memory, rows
+  padded by 8 elements so that each 8-lane phase of an ``ldmatrix`` (8 rows of 16 bytes) hits 32 distinct
+  banks; loaded with ``cp.async`` (16-byte copies, commit / wait groups), zeros past the visible keys.
+  Ragged q / k / v are views that may start at any element: when k or v does not start at a 16-byte aligned
+  address (a block-uniform run-time test) the same schedule loads elements through registers instead
+  (slower, same results); pages always take the 16-byte path.
+* One stage ("tc"): one K and one V buffer in static shared memory; K of tile ``kt + 1`` is in flight during
+  the softmax and P V of ``kt``, V of ``kt + 1`` during the scores of ``kt + 1``; 4 barriers a tile. Two
+  stages ("tc2", "tc3"): two of each in one ``shared.dyn`` buffer (over 48 KB at D 128; TVM's CUDA launcher
+  raises the function's dynamic shared-memory limit when a launch asks for 48 KB or more); K and V of tile
+  ``kt + 1`` load during all of tile ``kt``, one barrier a tile.
+* S = Q K^T: ``D/16 x tk/8`` MMAs per m16 tile and key tile into C fragments (fp32). Q in registers ("tc",
+  "tc2": the A fragments of the warp's one m16 tile), the B fragments of two k steps per ``ldmatrix.x4``; or
+  Q in shared memory ("tc3", two m16 tiles a warp: their A fragments would take 64 more registers), re-read
+  per k step with one ``ldmatrix.x4`` per m16 tile, and the B fragments of two n tiles per ``ldmatrix.x4``,
+  each used by both m16 tiles. Scores scaled by ``sm_scale * log2(e)`` in fp32 (base-2 softmax), masked /
+  capped by ``CudaVariant``; online softmax per row (a row's scores live in the 4 lanes of a quad: two
   ``shfl_xor``); P rounded to the storage dtype *is* the A fragment of P V (the C layout of two adjacent n8
   tiles equals the A layout of one k16 step).
-* O += P V: ``4 x DV/8`` MMAs per tile, the B fragments of two n tiles per ``ldmatrix.x4.trans`` of ``Vs``.
-* Registers (ptxas, sm_90a, fp16 / bf16 D = 128): 176 a thread ragged, 194 paged, no spills: 2 blocks (8 warps)
-  per SM.
+* O += P V: ``tk/16 x DV/8`` MMAs per m16 tile and key tile, the B fragments of two n tiles per
+  ``ldmatrix.x4.trans`` of ``Vs``, used by every m16 tile of the warp.
 * Causal tiles past the tile's last row are skipped (and, with a window, those before its first window).
 * Grid and entry search as the SIMT kernel: virtual tiles, binary search, idle blocks run zero-trip loops.
+
+The tiles (ptxas, sm_90a, no spills; registers ragged / paged; blocks an SM from registers (64K) and shared
+memory (228 KB), H200):
+
+======  ====  =======  ======  ==  ==============  =============  =====================  =================
+tile    rows  threads  stages  tk  m16 tiles/warp  shared (D 128)  registers D 128 / D 64  blocks/SM D 128/64
+======  ====  =======  ======  ==  ==============  =============  =====================  =================
+tc      64    128      1       64  1 (Q in regs)   34,816 static  176/194, 130/137       2 / 3
+tc2     128   256      2       64  1 (Q in regs)   69,632 dyn.    194/190, 136/155       1 / 1
+tc3     128   128      2       32  2 (Q in smem)   69,632 dyn.    249/251, 161/161       2 / 3
+======  ====  =======  ======  ==  ==============  =============  =====================  =================
+
+(D 64: the 8 / 8 / 64 bf16 spec; the windowed + capped D 64 one takes 162/168 (20 bytes spilled), 156/142 and
+203/200.) Every tile runs 8 warps an SM at D 128. Expected effect, not measured (the GPU run decides):
+
+* "tc2" vs "tc": each K/V tile fetched from L2 serves 128 rows instead of 64 (half the L2 -> SM bytes and
+  cp.async work per row), the next tile loads during a whole tile, and a tile has one barrier for 8 warps
+  instead of 4 for 4. The shared-memory reads per MMA are unchanged (one ``ldmatrix.x4``, 512 bytes, per 2
+  MMAs), and at D 64 it holds 8 warps an SM where "tc" holds 12.
+* "tc3" vs "tc2": the same 128 rows and two stages, and every K / V fragment read from shared memory feeds
+  both m16 tiles of a warp: with Q re-read each key tile, 24 KB of ldmatrix traffic per 128 MMAs of a warp
+  (192 bytes an MMA, vs 256 for "tc" / "tc2"), the lever if the kernel is bound by shared-memory bandwidth;
+  the price is 32-key tiles (twice the softmax rescales of O and the barriers per key) to fit 255 registers.
 """
 
 from __future__ import annotations
-
-import dataclasses
 
 from tvm.script import tirx as T
 
@@ -50,129 +78,27 @@ from ._mma_cuda import (
     ldmatrix_x4,
     mma_sync,
 )
+from ._prefill_tc_tiles import (
+    TC_DTYPES,
+    TC_HEAD_DIMS,
+    TC_MAX_DIM,
+    TC_MAX_GROUP,
+    TC_MAX_SMEM,
+    TC_PAD,
+    TC_ROWS,
+    TC_STATIC_SMEM,
+    TC_TILES,
+    TC_TK,
+    TC_WROWS,
+    TcTile,
+    k_ldsm_index,
+    k_ldsm_index_nt2,
+    k_store_index,
+    q_ldsm_index,
+    v_ldsm_index,
+    v_store_index,
+)
 from ._variant_cuda import CudaVariant
-
-#: Warps per block, rows per warp (one m16 tile), keys per tile, shared-memory row padding (elements): the
-#: "tc" tile (``TC_TILES``); ``TC_ROWS`` / ``TC_NT`` are its rows and threads per block.
-TC_WARPS, TC_WROWS, TC_TK, TC_PAD = 4, 16, 64, 8
-TC_ROWS = TC_WARPS * TC_WROWS
-TC_NT = TC_WARPS * 32
-TC_DTYPES = ("float16", "bfloat16")
-TC_MAX_DIM = 128
-#: qk and v head dims served: those run on the H200 (tests/gpu/test_prefill_tc_gpu.py) and in the CPU emulation
-#: of the kernel; the tile code takes multiples of 32 up to TC_MAX_DIM, but 96 spills 4 bytes in the paged kernel.
-TC_HEAD_DIMS = (64, 128)
-#: GQA groups served: the PrimFunc also holds the SIMT RoPE kernel, whose tile takes groups up to 32 rows
-#: (``attention_cuda_prefill._prefill_plan``); the tensor-core tile itself would take 64.
-TC_MAX_GROUP = 32
-#: Shared memory a block may use (bytes): sm_90's 227 KB of dynamic shared memory per block; static shared
-#: memory stops at 48 KB (the one-stage tile stays under it).
-TC_MAX_SMEM, TC_STATIC_SMEM = 227 * 1024, 48 * 1024
-
-
-@dataclasses.dataclass(frozen=True)
-class TcTile:
-    """A configuration of the kernel, named by its value of the path switch ``cuda_prefill_kernel``.
-
-    ``warps`` warps of 16 rows each (rows per block = 16 warps); ``stages`` K/V buffers: 1 = one K and one V
-    tile in static shared memory, loads overlapped through the two cp.async groups (4 barriers a key tile);
-    2 = two of each in one dynamic shared-memory buffer, tile kt + 1 loading during all of tile kt (one
-    barrier a key tile; over 48 KB at D 128, which TVM's CUDA launcher allows by raising the function's
-    ``CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES`` when a launch asks for 48 KB or more).
-    """
-
-    name: str
-    warps: int
-    stages: int
-    mtiles: int = 1
-    tk: int = TC_TK
-
-    @property
-    def rows(self) -> int:
-        return self.warps * self.mtiles * TC_WROWS
-
-    @property
-    def q_in_smem(self) -> bool:
-        """Q staged in shared memory (re-read as A fragments each key tile) rather than held in registers:
-        with two m16 tiles a warp the registers go to the accumulators."""
-        return self.mtiles > 1
-
-    @property
-    def threads(self) -> int:
-        return self.warps * 32
-
-    def smem_bytes(self, d: int, dv: int, dtype: str = "float16") -> int:
-        """Shared memory of a block: ``stages`` x (K tile + V tile), rows padded by ``TC_PAD``."""
-        q = self.rows * (d + TC_PAD) if self.q_in_smem else 0
-        return (self.stages * self.tk * (d + dv + 2 * TC_PAD) + q) * (4 if dtype == "float32" else 2)
-
-    def k_base(self, stage, d: int, dv: int):
-        """First element of stage ``stage``'s K tile in the two-stage buffer (int or TIR expression): stages
-        of ``tk`` K rows then ``tk`` V rows, each a multiple of 8 elements (16-byte cp.async / ldmatrix
-        rows stay aligned) and, for D 64 / 128, of 64 (128 bytes: the bank pattern of a stage is that of
-        element 0, as ``tests/cpu/test_prefill_tc_layout.py`` checks)."""
-        return stage * (self.tk * (d + dv + 2 * TC_PAD))
-
-    def v_base(self, stage, d: int, dv: int):
-        """First element of stage ``stage``'s V tile in the two-stage buffer (after its K tile)."""
-        return self.k_base(stage, d, dv) + self.tk * (d + TC_PAD)
-
-    def q_base(self, d: int, dv: int) -> int:
-        """First element of the Q rows (``q_in_smem``: row-major, stride ``d + TC_PAD``), after the stages."""
-        return self.k_base(self.stages, d, dv)
-
-
-#: The tiles, by switch value. "tc": 64 rows (4 warps), one stage (ptxas at D 128: 176 / 194 registers ragged /
-#: paged, 2 blocks = 8 warps an SM, 34,816 bytes of static shared memory). "tc2": 128 rows (8 warps), two
-#: stages: each K/V tile read from L2 serves twice the rows (half the L2 -> SM traffic per row and half the
-#: cp.async work per thread), and the load of tile kt + 1 overlaps the whole of tile kt with one barrier a
-#: tile instead of four; 69,632 bytes of dynamic shared memory at D 128 and the same registers a thread as
-#: "tc" (the per-warp work is unchanged), so 1 block = 8 warps an SM at D 128 (registers: 256 x 194 > 32K),
-#: 2 at D 64. Expected (not measured): above "tc" where L2 bandwidth or barrier stalls bound it; the
-#: ldmatrix-to-MMA ratio (one ldmatrix.x4 per 2 MMAs) is the same, so a kernel bound by shared-memory
-#: bandwidth gains less.
-TC_TILES = {"tc": TcTile("tc", TC_WARPS, 1), "tc2": TcTile("tc2", 8, 2), "tc3": TcTile("tc3", 4, 2, mtiles=2, tk=32)}
-
-
-def k_store_index(key, dim, d: int):
-    """Where ``load_kv`` puts element ``dim`` of key ``key`` of the tile in ``Ks`` (row stride ``d + TC_PAD``)."""
-    return key * (d + TC_PAD) + dim
-
-
-def v_store_index(key, dim, dv: int):
-    """Where ``load_kv`` puts element ``dim`` of value ``key`` of the tile in ``Vs`` (row stride ``dv + TC_PAD``)."""
-    return key * (dv + TC_PAD) + dim
-
-
-def k_ldsm_index(lane, nt, ks2, d: int):
-    """The ``Ks`` row this lane addresses in the ``ldmatrix.x4`` of keys ``8 nt ..`` x dims ``32 ks2 ..``:
-    matrix ``lane // 8`` = dims ``32 ks2 + 8 (lane // 8) ..``, row ``lane % 8``. Registers 0, 1 are then the B
-    fragment of k step ``2 ks2``, registers 2, 3 that of ``2 ks2 + 1`` (no transpose: a B fragment's n is
-    the key, its k the dim, and ldmatrix gives lane t row t / 4, columns 2 (t % 4), + 1)."""
-    return (nt * 8 + lane % 8) * (d + TC_PAD) + ks2 * 32 + (lane // 8) * 8
-
-
-def k_ldsm_index_nt2(lane, nt2, ks, d: int):
-    """The ``Ks`` row this lane addresses in the ``ldmatrix.x4`` of keys ``16 nt2 ..`` x dims ``16 ks ..`` (the
-    k-step-outer order of Q in shared memory): matrix ``i = lane // 8`` = keys ``16 nt2 + 8 (i // 2) ..`` x dims
-    ``16 ks + 8 (i % 2) ..``, row ``lane % 8``. Registers 0, 1 are then the B fragment of n tile ``2 nt2`` at k
-    step ``ks``, registers 2, 3 that of ``2 nt2 + 1``."""
-    return (nt2 * 16 + (lane // 16) * 8 + lane % 8) * (d + TC_PAD) + ks * 16 + ((lane // 8) % 2) * 8
-
-
-def q_ldsm_index(lane, row0, ks, d: int):
-    """The Q row (in the ``q_in_smem`` layout) this lane addresses in the ``ldmatrix.x4`` of the A fragment of
-    rows ``row0 ..`` x dims ``16 ks ..``: matrix ``i = lane // 8`` = rows ``row0 + 8 (i % 2) ..`` x dims
-    ``16 ks + 8 (i // 2) ..``, so registers 0..3 are A elements (0, 1), (2, 3), (4, 5), (6, 7) (``a_frag``)."""
-    return (row0 + ((lane // 8) % 2) * 8 + lane % 8) * (d + TC_PAD) + ks * 16 + (lane // 16) * 8
-
-
-def v_ldsm_index(lane, kk, dn2, dv: int):
-    """The ``Vs`` row this lane addresses in the ``ldmatrix.x4.trans`` of keys ``16 kk ..`` x dims
-    ``16 dn2 ..``: matrix ``i = lane // 8`` = keys ``16 kk + 8 (i % 2) ..`` x dims ``16 dn2 + 8 (i // 2) ..``,
-    row ``lane % 8``. Registers 0, 1 are the B fragment of n tile ``2 dn2``, registers 2, 3 that of
-    ``2 dn2 + 1`` (transposed: lane t gets rows = keys 2 (t % 4), + 1 of column = dim t / 4)."""
-    return (kk * 16 + ((lane // 8) % 2) * 8 + lane % 8) * (dv + TC_PAD) + dn2 * 16 + (lane // 16) * 8
 
 
 def tc_unserved(spec, dv: int, tile: str = "tc") -> str | None:
@@ -568,11 +494,12 @@ def make_prefill_tc(op: str, spec, paged: bool, tile: str = "tc"):
                         for e in T.unroll(MT * 4):
                             afr[e] = T.uint32(0)
                     locate(ti, q_indptr, kvb, B, vt, causal)
+                    if not QS:
+                        load_q(qf, q, ti, h, w, lane)
                     init_rows(lim, m, lsum, oacc, ti, w, lane, causal)
                     if cfg.stages == 1:
                         Ks = T.alloc_buffer((TK * KS,), dtype, scope="shared")
                         Vs = T.alloc_buffer((TK * VS,), dtype, scope="shared")
-                        load_q(qf, q, ti, h, w, lane)
                         tiles_one_stage(Ks, Vs, (qf, afr, bfr), (sacc, pf, oacc), (m, lsum, lim, mx, st), ti, kvb,
                                         h, tid, w, lane, causal, sm_scale)
                     else:
@@ -580,8 +507,6 @@ def make_prefill_tc(op: str, spec, paged: bool, tile: str = "tc"):
                         smem = T.alloc_buffer((cfg.smem_bytes(D, DV) // 2,), dtype, scope="shared.dyn")
                         if QS:
                             load_q_smem(smem, q, ti, h, tid)
-                        else:
-                            load_q(qf, q, ti, h, w, lane)
                         tiles_two_stage(smem, (qf, afr, bfr), (sacc, pf, oacc), (m, lsum, lim, mx, st), ti, kvb, h,
                                         tid, w, lane, causal, sm_scale)
                     store(o, lse, oacc, m, lsum, ti, h, w, lane)
@@ -589,5 +514,6 @@ def make_prefill_tc(op: str, spec, paged: bool, tile: str = "tc"):
     return kernel
 
 
-__all__ = ["TC_DTYPES", "TC_HEAD_DIMS", "TC_MAX_DIM", "TC_MAX_GROUP", "TC_ROWS", "TC_TILES", "TC_TK", "TcTile",
-           "k_ldsm_index", "k_store_index", "make_prefill_tc", "tc_unserved", "v_ldsm_index", "v_store_index"]
+__all__ = ["TC_DTYPES", "TC_HEAD_DIMS", "TC_MAX_DIM", "TC_MAX_GROUP", "TC_PAD", "TC_ROWS", "TC_TILES", "TC_TK", "TcTile",
+           "k_ldsm_index", "k_ldsm_index_nt2", "k_store_index", "make_prefill_tc", "q_ldsm_index", "tc_unserved",
+           "v_ldsm_index", "v_store_index"]
