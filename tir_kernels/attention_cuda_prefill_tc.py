@@ -203,22 +203,52 @@ def make_prefill_tc(op: str, spec, paged: bool, tile: str = "tc"):
                 else:
                     qf[ks * 8 + i] = T.Cast(dtype, T.float32(0))
 
+    def q_row_loader(vec: bool):
+        """The macro loading the block's Q rows into shared memory at ``q_base`` (row-major, stride D + TC_PAD;
+        padding rows 0), once a block, consecutive threads on consecutive chunks of a row: ``vec``, 16-byte
+        ``cp.async`` chunks, all in flight (they join the first key tile's group: its wait and barrier
+        publish Q); else element loads through registers, 8 in flight a thread (q not 16-byte aligned)."""
+        width = 8 if vec else 1
+        per_row = D // width
+        outer, inner = (1, cfg.rows * per_row // NT) if vec else (cfg.rows * per_row // NT // 8, 8)
+
+        def at(it, tid):
+            """(row, first dim) of chunk ``it`` of thread ``tid``."""
+            return T.truncdiv(it * NT + tid, per_row), T.truncmod(it * NT + tid, per_row) * width
+
+        @T.macro
+        def load(smem, q, ti, h, tid):
+            for it0 in T.serial(outer):
+                for it1 in T.unroll(inner):
+                    if row_ok(at(it0 * inner + it1, tid)[0], ti):
+                        if vec:
+                            T.evaluate(cp_async16(
+                                T.address_of(smem[cfg.q_base(D, DV) + at(it0 * inner + it1, tid)[0] * KS
+                                                  + at(it0 * inner + it1, tid)[1]]),
+                                T.address_of(q[ti[4] + T.truncdiv(at(it0 * inner + it1, tid)[0], G),
+                                               h * G + T.truncmod(at(it0 * inner + it1, tid)[0], G),
+                                               at(it0 * inner + it1, tid)[1]])))
+                        else:
+                            smem[cfg.q_base(D, DV) + at(it0 * inner + it1, tid)[0] * KS + at(it0 * inner + it1, tid)[1]] = \
+                                q[ti[4] + T.truncdiv(at(it0 * inner + it1, tid)[0], G),
+                                  h * G + T.truncmod(at(it0 * inner + it1, tid)[0], G), at(it0 * inner + it1, tid)[1]]
+                    else:
+                        for e in T.vectorized(width):
+                            smem[cfg.q_base(D, DV) + at(it0 * inner + it1, tid)[0] * KS
+                                 + at(it0 * inner + it1, tid)[1] + e] = T.Cast(dtype, T.float32(0))
+
+        return load
+
+    q_rows_vec, q_rows_elem = q_row_loader(True), q_row_loader(False)
+
     @T.macro
     def load_q_smem(smem, q, ti, h, tid):
-        """Q in shared memory: the block's rows at ``q_base`` (row-major, stride D + TC_PAD), element loads
-        (once a block; consecutive threads take consecutive dims), 8 in flight a thread; padding rows 0.
-        Published by the first key tile's barrier."""
-        for it0 in T.serial(cfg.rows * D // NT // 8):
-            for it1 in T.unroll(8):
-                if row_ok(T.truncdiv((it0 * 8 + it1) * NT + tid, D), ti):
-                    smem[cfg.q_base(D, DV) + T.truncdiv((it0 * 8 + it1) * NT + tid, D) * KS
-                         + T.truncmod((it0 * 8 + it1) * NT + tid, D)] = \
-                        q[ti[4] + T.truncdiv(T.truncdiv((it0 * 8 + it1) * NT + tid, D), G),
-                          h * G + T.truncmod(T.truncdiv((it0 * 8 + it1) * NT + tid, D), G),
-                          T.truncmod((it0 * 8 + it1) * NT + tid, D)]
-                else:
-                    smem[cfg.q_base(D, DV) + T.truncdiv((it0 * 8 + it1) * NT + tid, D) * KS
-                         + T.truncmod((it0 * 8 + it1) * NT + tid, D)] = T.Cast(dtype, T.float32(0))
+        """Q in shared memory (``q_row_loader``): 16-byte copies when q's first element is 16-byte aligned (rows
+        of ``Hq * D`` elements keep it, as for k / v), else element loads."""
+        if aligned16(T.address_of(q[0, 0, 0])) == 1:
+            q_rows_vec(smem, q, ti, h, tid)
+        else:
+            q_rows_elem(smem, q, ti, h, tid)
 
     @T.macro
     def init_rows(lim, m, lsum, oacc, ti, w, lane, causal):

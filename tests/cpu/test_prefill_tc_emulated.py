@@ -181,8 +181,9 @@ def _check(name, tile, op, causal, built, misalign):
         arrays["k"] = _to_storage(torch.cat([e[1] for e in ents]), dt)
         arrays["v"] = _to_storage(torch.cat([e[2] for e in ents]), dt)
         arrays["kv_indptr"] = np.cumsum([0] + [e[1].shape[0] for e in ents]).astype(np.int32)
-        if misalign:
+        if misalign:  # q too: "tc3" copies q rows with cp.async when aligned
             arrays["k"], arrays["v"] = _misaligned(arrays["k"]), _misaligned(arrays["v"])
+            arrays["q"] = _misaligned(arrays["q"])
     else:
         counts = [-(-e[1].shape[0] // ps) for e in ents]
         order = np.random.default_rng(3).permutation(sum(counts) + 2)

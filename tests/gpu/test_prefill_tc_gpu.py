@@ -63,7 +63,7 @@ def _misaligned(x: torch.Tensor) -> torch.Tensor:
 
 
 def _run(shape, paged: bool, causal: int, apply_rope: int, gen, misalign: bool = False, kernel: str = "tc"):
-    """Run one prefill over ``ENTRIES``; returns (entries, q_pos, o, lse, sm_scale). ``misalign``: ragged k / v
+    """Run one prefill over ``ENTRIES``; returns (entries, q_pos, o, lse, sm_scale). ``misalign``: ragged q / k / v
     as unaligned views (the kernel's element-load path)."""
     _module, fns = _prefill_fns(shape, kernel)
     dt = getattr(torch, shape.dtype)
@@ -83,8 +83,8 @@ def _run(shape, paged: bool, causal: int, apply_rope: int, gen, misalign: bool =
     else:
         k = torch.cat([e[1] for e in ents]).to(dt).to(DEVICE)
         v = torch.cat([e[2] for e in ents]).to(dt).to(DEVICE)
-        if misalign:
-            k, v = _misaligned(k), _misaligned(v)
+        if misalign:  # q too: "tc3" copies q rows with cp.async when aligned
+            k, v, q = _misaligned(k), _misaligned(v), _misaligned(q)
         _call(fns["attn_prefill_ragged"], q, k, v, q_indptr, _i32(_indptr([len(e[1]) for e in ents])),
               _i32(q_pos), k_pos, o, lse, *tail)
     return ents, q_pos, o, lse, sm_scale
