@@ -29,6 +29,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import random
 import statistics
 import sys
 import time
@@ -44,10 +45,21 @@ from _host_cost import graph_host_cost, host_cost
 TOL = 1e-2
 
 
-def time_samples(run, iters: int, warmup: int, flush: torch.Tensor) -> list[float]:
-    """``iters`` CUDA-event timings (ms) of ``run``, each after an L2 flush."""
-    for _ in range(warmup):
+def warm(run, calls: int, min_ms: float = 100.0) -> None:
+    """At least ``calls`` calls of ``run`` and at least ``min_ms`` of them, so that the clocks have settled
+    on this implementation's load (a long kernel timed right after a lighter one runs faster at first)."""
+    t0, n = time.perf_counter(), 0
+    while n < calls or (time.perf_counter() - t0) * 1e3 < min_ms:
         run()
+        n += 1
+        if n % 4 == 0:
+            torch.cuda.synchronize()
+    torch.cuda.synchronize()
+
+
+def time_samples(run, iters: int, warmup: int, flush: torch.Tensor) -> list[float]:
+    """``iters`` CUDA-event timings (ms) of ``run``, each after an L2 flush, after ``warm``."""
+    warm(run, warmup)
     events = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)) for _ in range(iters)]
     for start, end in events:
         flush.zero_()
@@ -122,11 +134,11 @@ def _error(row: dict, name: str, e: Exception) -> None:
 
 def time_interleaved(prepared: list, args, flush) -> None:
     """Times every runnable implementation of a workload in ``args.rounds`` interleaved rounds of
-    ``args.iters`` calls each (so clock and power drift spread over all of them, not onto whichever ran
-    last) and records the median of all samples."""
+    ``args.iters`` calls each, in a fresh order each round (so clock and power drift, and what ran just
+    before, spread over all of them) and records the median of all samples."""
     samples = {id(row): [] for row, run, _ in prepared if run is not None}
-    for _ in range(args.rounds):
-        for row, run, _ in prepared:
+    for rnd in range(args.rounds):
+        for row, run, _ in random.Random(rnd).sample(prepared, len(prepared)):
             if id(row) not in samples or "status" in row:
                 continue
             try:
@@ -243,8 +255,8 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--bundle", type=Path, default=Path(".gpu-bench"))
     ap.add_argument("--out", type=Path, default=Path("benchmarks/results"))
-    ap.add_argument("--iters", type=int, default=10, help="timed calls per implementation per round")
-    ap.add_argument("--rounds", type=int, default=4, help="interleaved rounds over the implementations")
+    ap.add_argument("--iters", type=int, default=8, help="timed calls per implementation per round")
+    ap.add_argument("--rounds", type=int, default=6, help="interleaved rounds over the implementations")
     ap.add_argument("--warmup", type=int, default=3)
     ap.add_argument("--only", default="", help="substring of the workload names to run")
     ap.add_argument("--dtypes", default="float16,bfloat16")

@@ -6,6 +6,7 @@ columns against 1.0, and the host cost."""
 from __future__ import annotations
 
 import json
+import math
 import sys
 from pathlib import Path
 
@@ -36,7 +37,7 @@ def text_plot(rows: list[dict], labels=("pagedkv-fi", "pagedkv-tir"), width: int
     for name, impls in _by_workload(rows).items():
         for label in labels:
             r = impls.get(label)
-            if not r or "vs_fi_best" not in r:
+            if not r or not math.isfinite(r.get("vs_fi_best", math.nan)):
                 continue
             v = r["vs_fi_best"]
             n = round(min(v, 1.25) * width)

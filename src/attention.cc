@@ -162,7 +162,7 @@ void PagedKVCacheObj::EndForward() {
 // is abandoned.
 void PagedKVCacheObj::NotifyBeginForward(const ForwardPlan& plan) {
   ForwardInfo info{&cfg_, device_, &fns_, &plan, forward_->q_indptr, forward_->no_keys_indptr, {},
-                   &backend_scratch_, /*cuda_graph=*/cfg_.cuda_graph() && plan.is_decode};
+                   &backend_scratch_, /*cuda_graph=*/cfg_.cuda_graph() && plan.is_decode, pdl_};
   for (size_t i = 0; i < plan.passes.size(); ++i) {
     const PassViews& v = forward_->passes[i];
     info.passes.push_back({&plan.passes[i], v.q_indptr, v.page_indptr, v.page_values, v.last_page_len,

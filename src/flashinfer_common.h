@@ -327,12 +327,15 @@ class FlashInferAdapter : public OpAdapter {
   // keys before the query's own (-1: off), so a window of W positions is W - 1; the cap is as given (0: off).
   // The modules are built with use_sliding_window / use_logits_soft_cap exactly when the options are on
   // (python/pagedkv/backends/flashinfer.py module_spec).
-  void ReadOptions(const KVConfig& c) {
+  void ReadOptions(const ForwardInfo& info) {
+    const KVConfig& c = *info.config;
     window_left_ = c.sliding_window > 0 ? c.sliding_window - 1 : -1;
     logits_soft_cap_ = c.logits_soft_cap;
+    pdl_ = info.pdl;
   }
   int64_t window_left_ = -1;
   double logits_soft_cap_ = 0.0;
+  bool pdl_ = false;  // run with enable_pdl (ForwardInfo::pdl)
 };
 
 

@@ -16,7 +16,7 @@ class DecodeAdapter : public FlashInferAdapter {
   void BeginForward(const ForwardInfo& info) final {
     plans_.Clear();
     if (!info.plan->is_decode) return;
-    ReadOptions(*info.config);
+    ReadOptions(info);
     const KVConfig& c = *info.config;
     ws_.Attach(info);
     // pagedkv: angle = p * rope_scale / theta^(2i/D); flashinfer: p * rope_rcp_scale * rope_rcp_theta^(2i/D).
@@ -90,7 +90,7 @@ class DecodeAdapter : public FlashInferAdapter {
       args.Set(a::kMaybeLse, lse.get());
       args.Set(a::kKvLayoutCode, kLayoutHND);
       args.Set(a::kWindowLeft, window_left_);
-      args.Set(a::kEnablePdl, false);
+      args.Set(a::kEnablePdl, pdl_);
       args.SetNone(a::kMaybeAlibiSlopes);
       args.Set(a::kLogitsSoftCap, logits_soft_cap_);
       args.Set(a::kSmScale, in[K::kSmScale].cast<double>());

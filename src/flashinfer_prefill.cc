@@ -38,7 +38,7 @@ class PrefillAdapter : public FlashInferAdapter {
 
   void BeginForward(const ForwardInfo& info) final {
     plans_.Clear();
-    ReadOptions(*info.config);
+    ReadOptions(info);
     rope_rcp_scale_ = info.config->rope_scale;
     rope_rcp_theta_ = 1.0 / info.config->rope_theta;
     if (what_ == PrefillOp::kRagged) {
@@ -293,7 +293,7 @@ class PrefillAdapter : public FlashInferAdapter {
       args.Set(r2::kMaskModeCode, p.causal ? kMaskCausal : kMaskNone);
       args.Set(r2::kLayout, kLayoutNHD);
       args.Set(r2::kWindowLeft, window_left_);
-      args.Set(r2::kEnablePdl, false);
+      args.Set(r2::kEnablePdl, pdl_);
       SetTail<Tail>(args, sm_scale);
     }
     RunPlanned(p, &args, in[K::kO], in[K::kLse]);
@@ -326,7 +326,7 @@ class PrefillAdapter : public FlashInferAdapter {
       args.Set(g2::kMaskModeCode, p.causal ? kMaskCausal : kMaskNone);
       args.Set(g2::kLayout, kLayoutHND);
       args.Set(g2::kWindowLeft, window_left_);
-      args.Set(g2::kEnablePdl, false);
+      args.Set(g2::kEnablePdl, pdl_);
       SetTail<Tail>(args, sm_scale);
     }
     RunPlanned(p, &args, in[K::kO], in[K::kLse]);

@@ -155,7 +155,8 @@ PagedKVCacheObj::PagedKVCacheObj(KVConfig config, OpTable ops, DLDevice device)
       device_(device),
       dtype_(cfg_.dl_dtype()),
       pool_(cfg_.num_pages(), cfg_.page_size),
-      aux_(&fns_, device, InitialAuxElems(cfg_)) {
+      aux_(&fns_, device, InitialAuxElems(cfg_)),
+      pdl_(DeviceSupportsPDL(device)) {
   int64_t hq = cfg_.num_qo_heads, hkv = cfg_.num_kv_heads, d = cfg_.head_dim, n = cfg_.prefill_chunk_size;
   std::vector<int64_t> pages_shape = PageShape();
   pages_shape.insert(pages_shape.begin(), cfg_.num_pages());

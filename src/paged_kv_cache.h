@@ -142,6 +142,7 @@ class PagedKVCacheObj : public ffi::Object {
   std::optional<Forward> forward_;
   std::map<std::string, ffi::Tensor> backend_scratch_;  // ForwardInfo::scratch: buffers adapters share
   bool poison_ = false;
+  bool pdl_ = false;  // ForwardInfo::pdl, asked of the device once at creation
   int64_t attention_calls_ = 0;  // DebugAttentionCalls
 };
 

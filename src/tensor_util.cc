@@ -4,6 +4,7 @@
 #include <tvm/ffi/optional.h>
 #include <tvm/ffi/string.h>
 
+#include <cstdlib>
 #include <cstring>
 #include <sstream>
 
@@ -42,6 +43,20 @@ std::optional<int64_t> DeviceTotalMemory(DLDevice device) {
   std::optional<int64_t> bytes = value.try_cast<int64_t>();
   if (!bytes.has_value() || *bytes <= 0) return std::nullopt;
   return bytes;
+}
+
+bool DeviceSupportsPDL(DLDevice device) {
+  constexpr int kComputeVersion = 4;  // TVM's DeviceAttrKind: "major.minor"
+  if (device.device_type != kDLCUDA) return false;
+  auto get_attr = ffi::Function::GetGlobal("runtime.GetDeviceAttr");
+  if (!get_attr.has_value()) return false;
+  try {
+    std::optional<ffi::String> v =
+        (*get_attr)(static_cast<int>(device.device_type), device.device_id, kComputeVersion).try_cast<ffi::String>();
+    return v.has_value() && std::atoi(std::string(*v).c_str()) >= 9;
+  } catch (const ffi::Error&) {
+    return false;
+  }
 }
 
 TensorFns::TensorFns()

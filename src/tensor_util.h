@@ -40,6 +40,9 @@ std::string DeviceStr(DLDevice device);
 // The device's total memory in bytes as the TVM runtime reports it (runtime.GetDeviceAttr,
 // kTotalGlobalMemory); nullopt when it does not.
 std::optional<int64_t> DeviceTotalMemory(DLDevice device);
+// Whether `device` is a CUDA device of compute capability 9.0 or newer (runtime.GetDeviceAttr's compute
+// version), where kernels may be launched with programmatic dependent launch; false when it cannot tell.
+bool DeviceSupportsPDL(DLDevice device);
 // Throws ValueError naming `name` unless `t` is contiguous, on `device`, with `shape` and `dtype`.
 void CheckTensor(const ffi::Tensor& t, const char* name, const std::vector<int64_t>& shape,
                  DLDataType dtype, DLDevice device);
