@@ -5,8 +5,8 @@ timed call), or raises ``Unavailable`` saying why the implementation does not ap
 
 - ``fi:*``: FlashInfer 0.7.4 through its own Python wrappers (plan once, run timed), every variant:
   decode on CUDA cores and on tensor cores (fa2, fa3), ragged and paged prefill (fa2, fa3), MLA (fa2, fa3);
-- ``pagedkv-tir-tc``: ``pagedkv-tir`` with the tensor-core prefill kernel forced (path switch
-  ``cuda_prefill_kernel=tc``), on the prefill workloads;
+- ``pagedkv-tir-tc`` / ``-tc2`` / ``-tc3``: ``pagedkv-tir`` with the tensor-core prefill kernel forced (path
+  switch ``cuda_prefill_kernel=tc``, or ``tc2`` / ``tc3``: its 128-row two-stage tiles), on the prefill workloads;
 - ``pagedkv-fi`` / ``pagedkv-tir``: a pagedkv cache (``pagedkv.create``) with the FlashInfer backend (TIR
   for what it does not serve) or TIR only; the runtime call a model makes per layer is timed (decode:
   ``cross_attention`` in a decode forward; prefill: ``self_attention`` of fresh tokens, or for a chunk over
@@ -30,10 +30,12 @@ from _bench_workloads import (D, HKV, MLA_PS, MLA_R, MLA_ROPE, PS, ROPE_SCALE, R
 TARGET = {"kind": "cuda", "arch": "sm_90"}
 #: where the benchmark runs (a CPU test of the benchmark's plumbing sets "cpu" and TARGET "llvm")
 DEVICE = "cuda"
-PAGEDKV_BACKENDS = {"pagedkv-fi": ["flashinfer", "tir"], "pagedkv-tir": "tir", "pagedkv-tir-tc": "tir"}
+PAGEDKV_BACKENDS = {"pagedkv-fi": ["flashinfer", "tir"], "pagedkv-tir": "tir", "pagedkv-tir-tc": "tir",
+                    "pagedkv-tir-tc2": "tir", "pagedkv-tir-tc3": "tir"}
 #: label -> TIR code paths its cache is created under (``pagedkv.backends.tir.forced_paths``): the tensor-core
 #: prefill kernel, opt-in until verified on a GPU (``tir_kernels.attention_cuda_prefill.TC_BY_DEFAULT``).
-PAGEDKV_PATHS = {"pagedkv-tir-tc": {"cuda_prefill_kernel": "tc"}}
+PAGEDKV_PATHS = {"pagedkv-tir-tc": {"cuda_prefill_kernel": "tc"}, "pagedkv-tir-tc2": {"cuda_prefill_kernel": "tc2"},
+                 "pagedkv-tir-tc3": {"cuda_prefill_kernel": "tc3"}}
 _WS_BYTES = 512 << 20  # FlashInfer's own wrappers get a generous float workspace
 
 

@@ -88,6 +88,11 @@ __device__ __forceinline__ void pagedkv_cp_async_commit() {
 __device__ __forceinline__ void pagedkv_cp_async_wait1() {
   asm volatile("cp.async.wait_group 1;\n" ::: "memory");
 }
+// Wait until every committed group of this thread is complete (the two-stage pipeline: the newest group is
+// the tile the block computes next).
+__device__ __forceinline__ void pagedkv_cp_async_wait0() {
+  asm volatile("cp.async.wait_group 0;\n" ::: "memory");
+}
 // Whether an address is 16-byte aligned (1) or not (0).
 __device__ __forceinline__ int pagedkv_aligned16(const void* p) {
   return (reinterpret_cast<unsigned long long>(p) & 15ull) == 0ull ? 1 : 0;
@@ -127,6 +132,11 @@ def cp_async_wait1():
     return T.cuda.func_call("pagedkv_cp_async_wait1", source_code=_SOURCE)
 
 
+def cp_async_wait0():
+    """``cp.async.wait_group 0``: all of this thread's groups are complete (then a barrier as for ``wait1``)."""
+    return T.cuda.func_call("pagedkv_cp_async_wait0", source_code=_SOURCE)
+
+
 def aligned16(addr):
     """1 when address ``addr`` is a multiple of 16 bytes, else 0 (int32)."""
     return T.cuda.func_call("pagedkv_aligned16", addr, source_code=_SOURCE, return_type="int32")
@@ -140,5 +150,5 @@ def ldmatrix_elem(lane, reg, half, trans: bool):
     return lane // 4, (lane % 4) * 2 + half
 
 
-__all__ = ["a_frag", "aligned16", "b_frag", "c_frag", "cp_async16", "cp_async_commit", "cp_async_wait1", "ldmatrix_elem",
-           "ldmatrix_x4", "mma_sync"]
+__all__ = ["a_frag", "aligned16", "b_frag", "c_frag", "cp_async16", "cp_async_commit", "cp_async_wait0", "cp_async_wait1",
+           "ldmatrix_elem", "ldmatrix_x4", "mma_sync"]

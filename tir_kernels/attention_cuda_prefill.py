@@ -23,12 +23,14 @@ from ._common_cuda import (
     vec16,
 )
 from ._variant_cuda import CudaVariant
-from .attention_cuda_prefill_tc import make_prefill_tc, tc_unserved
+from .attention_cuda_prefill_tc import TC_TILES, make_prefill_tc, tc_unserved
 
-#: Path switch choosing the plain (apply_rope == 0) prefill kernel: "simt" (FP32 FMA), "tc" (tensor cores).
+#: Path switch choosing the plain (apply_rope == 0) prefill kernel: "simt" (FP32 FMA), "tc" / "tc2" (tensor
+#: cores, the tiles of ``attention_cuda_prefill_tc.TC_TILES``).
 PREFILL_SWITCH = "cuda_prefill_kernel"
-#: What "auto" picks for specs the tensor-core kernel serves (``tc_unserved`` names what it does not).
+#: What "auto" picks for specs the tensor-core kernel serves (``tc_unserved`` names what it does not), and its tile.
 TC_BY_DEFAULT = True
+TC_DEFAULT_TILE = "tc"
 
 # ---------------------------------------------------------------------------------------------------
 # prefill (ragged and paged)
@@ -313,16 +315,20 @@ def _make_prefill(op: str, spec, paged: bool):
     return make_kernel(True), make_kernel(False)
 
 
-def use_tensor_cores(op: str, spec, dv: int) -> bool:
-    """Whether the plain prefill kernel of ``spec`` is the tensor-core one (``attention_cuda_prefill_tc``):
-    forced by ``cuda_prefill_kernel`` ("tc" raises for a spec it does not serve, naming why; "simt" never),
-    else ``TC_BY_DEFAULT`` for the specs it serves."""
+def use_tensor_cores(op: str, spec, dv: int) -> str | None:
+    """The tensor-core tile (``TC_TILES`` key) of the plain prefill kernel of ``spec``, or None for the SIMT one:
+    forced by ``cuda_prefill_kernel`` ("tc" / "tc2" raise for a spec they do not serve, naming why; "simt"
+    never), else ``TC_DEFAULT_TILE`` where ``TC_BY_DEFAULT`` and it serves the spec."""
     choice = forced_path(spec.paths, PREFILL_SWITCH)
-    reason = tc_unserved(spec, dv)
-    if choice == "tc" and reason:
-        raise NotImplementedError(f"pagedkv.tir_kernels: {PREFILL_SWITCH}=tc: the tensor-core CUDA {op!r} "
-                                  f"kernel does not serve {reason}")
-    return choice == "tc" or (choice == "auto" and TC_BY_DEFAULT and reason is None)
+    if choice in TC_TILES:
+        reason = tc_unserved(spec, dv, choice)
+        if reason:
+            raise NotImplementedError(f"pagedkv.tir_kernels: {PREFILL_SWITCH}={choice}: the tensor-core CUDA "
+                                      f"{op!r} kernel does not serve {reason}")
+        return choice
+    if choice == "auto" and TC_BY_DEFAULT and tc_unserved(spec, dv, TC_DEFAULT_TILE) is None:
+        return TC_DEFAULT_TILE
+    return None
 
 
 def attn_prefill_ragged_cuda(spec):
@@ -331,9 +337,10 @@ def attn_prefill_ragged_cuda(spec):
     The mask and logits rules (causal, sliding window, soft cap) are ``CudaVariant.from_spec(spec)``'s; a
     window also skips the key tiles below the query tile's first window start.
     """
-    TC = use_tensor_cores(ATTN_PREFILL_RAGGED, spec, shape_values(spec)["Dv"])  # a bool: parse-time ``if``
+    tile = use_tensor_cores(ATTN_PREFILL_RAGGED, spec, shape_values(spec)["Dv"])
+    TC = tile is not None  # a bool: parse-time ``if``
     kernel_rope, kernel_plain = _make_prefill(ATTN_PREFILL_RAGGED, spec, paged=False)
-    kernel_tc = make_prefill_tc(ATTN_PREFILL_RAGGED, spec, paged=False) if TC else None
+    kernel_tc = make_prefill_tc(ATTN_PREFILL_RAGGED, spec, paged=False, tile=tile) if TC else None
 
     @T.macro
     def body(q, k, v, q_indptr, kv_indptr, q_pos, k_pos_offset, o, lse, causal, apply_rope, rope_scale,
@@ -357,9 +364,10 @@ def attn_prefill_ragged_cuda(spec):
 def attn_prefill_paged_cuda(spec):
     """``pagedkv_attn_prefill_paged`` for CUDA (arguments: ``pagedkv.ops.OP_SPECS``), for a ``KernelSpec``;
     mask and logits rules as ``attn_prefill_ragged_cuda``."""
-    TC = use_tensor_cores(ATTN_PREFILL_PAGED, spec, spec.head_dim)
+    tile = use_tensor_cores(ATTN_PREFILL_PAGED, spec, spec.head_dim)
+    TC = tile is not None
     kernel_rope, kernel_plain = _make_prefill(ATTN_PREFILL_PAGED, spec, paged=True)
-    kernel_tc = make_prefill_tc(ATTN_PREFILL_PAGED, spec, paged=True) if TC else None
+    kernel_tc = make_prefill_tc(ATTN_PREFILL_PAGED, spec, paged=True, tile=tile) if TC else None
 
     @T.macro
     def body(q, q_indptr, pages, page_indptr, page_values, last_page_len, k_pos_offset, q_pos, o, lse, causal,

@@ -1,33 +1,63 @@
 """Tensor-core CUDA prefill (``attn_prefill_ragged`` / ``attn_prefill_paged``), fp16 / bf16, sm_80+: the
-plain (``apply_rope == 0``) kernel on ``mma.sync.m16n8k16`` (``_mma_cuda``). Opt-in for now: path switch
-``cuda_prefill_kernel`` (``pagedkv.kernel_spec.SWITCHES``); ``tc_unserved`` says which specs it serves.
+plain (``apply_rope == 0``) kernel on ``mma.sync.m16n8k16`` (``_mma_cuda``), in one of the tiles ``TC_TILES``,
+picked by the path switch ``cuda_prefill_kernel`` (``pagedkv.kernel_spec.SWITCHES``): "tc" is the default
+where it serves (``attention_cuda_prefill.TC_BY_DEFAULT`` / ``TC_DEFAULT_TILE``), "tc2" and "tc3" are opt-in
+until a GPU run compares them; ``tc_unserved`` says which specs a tile serves.
 
 Same ABI and semantics as the SIMT kernel (``attention_cuda.py``): base-2 LSE, bottom-right causal, sliding
 window and soft cap through ``CudaVariant``, empty rows ``o = 0`` / ``lse = -1e30``, sm_scale an argument.
 
-Design (FlashAttention-2 style), one block of 4 warps (128 threads) per (query tile, kv head):
+Design (FlashAttention-2 style), one block per (query tile, kv head):
 
-* A query tile is ``TQ = 64 // G`` tokens x the ``G`` q heads of the kv head = up to 64 *rows* (row ``r`` =
-  token ``r // G``, head ``h*G + r % G``, as in the SIMT kernel), so one K/V tile serves the GQA group.
-  Warp ``w`` owns rows ``16w .. 16w+15``; its Q fragments (``D/16`` A fragments) stay in registers.
-* Key tiles of 64: K as ``Ks[key, d]`` and V as ``Vs[key, d]`` (both row-major) in static shared memory,
-  rows padded by 8 elements so that each 8-lane phase of an ``ldmatrix`` (8 rows of 16 bytes) hits 32
-  distinct banks. One buffer each, software-pipelined with ``cp.async`` (16-byte copies, commit / wait
-  groups): K of tile ``kt + 1`` is in flight during the softmax and P V of ``kt``, V of ``kt + 1`` during the
-  scores of ``kt + 1`` (a second stage of both would need 70 KB: over the 48 KB of static shared memory).
-  Ragged q / k / v are views that may start at any element: when k or v does not start at a 16-byte
-  aligned address (a block-uniform run-time test) the same schedule loads elements through registers
-  instead (slower, same results); pages always take the 16-byte path.
-* S = Q K^T: ``D/16 x 8`` MMAs per warp and tile into 8 C fragments (fp32), the B fragments of two k steps
-  per ``ldmatrix.x4``; scores scaled by ``sm_scale * log2(e)`` in fp32 (base-2 softmax), masked / capped by
-  ``CudaVariant``; online softmax per row (a row's 64 scores live in the 4 lanes of a quad: two
+* A query tile is ``TQ = rows // G`` tokens x the ``G`` q heads of the kv head = up to ``rows`` *rows* (row
+  ``r`` = token ``r // G``, head ``h*G + r % G``, as in the SIMT kernel), so one K/V tile serves the GQA group.
+  Warp ``w`` owns ``mtiles`` m16 tiles, rows ``16 (w mtiles + mt) ..``.
+* Key tiles of ``tk``: K as ``Ks[key, d]`` and V as ``Vs[key, d]`` (both row-major) in shared memory, rows
+  padded by 8 elements so that each 8-lane phase of an ``ldmatrix`` (8 rows of 16 bytes) hits 32 distinct
+  banks; loaded with ``cp.async`` (16-byte copies, commit / wait groups), zeros past the visible keys.
+  Ragged q / k / v are views that may start at any element: when k or v does not start at a 16-byte aligned
+  address (a block-uniform run-time test) the same schedule loads elements through registers instead
+  (slower, same results); pages always take the 16-byte path.
+* One stage ("tc"): one K and one V buffer in static shared memory; K of tile ``kt + 1`` is in flight during
+  the softmax and P V of ``kt``, V of ``kt + 1`` during the scores of ``kt + 1``; 4 barriers a tile. Two
+  stages ("tc2", "tc3"): two of each in one ``shared.dyn`` buffer (over 48 KB at D 128; TVM's CUDA launcher
+  raises the function's dynamic shared-memory limit when a launch asks for 48 KB or more); K and V of tile
+  ``kt + 1`` load during all of tile ``kt``, one barrier a tile.
+* S = Q K^T: ``D/16 x tk/8`` MMAs per m16 tile and key tile into C fragments (fp32). Q in registers ("tc",
+  "tc2": the A fragments of the warp's one m16 tile), the B fragments of two k steps per ``ldmatrix.x4``; or
+  Q in shared memory ("tc3", two m16 tiles a warp: their A fragments would take 64 more registers), re-read
+  per k step with one ``ldmatrix.x4`` per m16 tile, and the B fragments of two n tiles per ``ldmatrix.x4``,
+  each used by both m16 tiles. Scores scaled by ``sm_scale * log2(e)`` in fp32 (base-2 softmax), masked /
+  capped by ``CudaVariant``; online softmax per row (a row's scores live in the 4 lanes of a quad: two
   ``shfl_xor``); P rounded to the storage dtype *is* the A fragment of P V (the C layout of two adjacent n8
   tiles equals the A layout of one k16 step).
-* O += P V: ``4 x DV/8`` MMAs per tile, the B fragments of two n tiles per ``ldmatrix.x4.trans`` of ``Vs``.
-* Registers (ptxas, sm_90a, fp16 / bf16 D = 128): 176 a thread ragged, 194 paged, no spills: 2 blocks (8 warps)
-  per SM.
+* O += P V: ``tk/16 x DV/8`` MMAs per m16 tile and key tile, the B fragments of two n tiles per
+  ``ldmatrix.x4.trans`` of ``Vs``, used by every m16 tile of the warp.
 * Causal tiles past the tile's last row are skipped (and, with a window, those before its first window).
 * Grid and entry search as the SIMT kernel: virtual tiles, binary search, idle blocks run zero-trip loops.
+
+The tiles (ptxas, sm_90a, no spills; registers ragged / paged; blocks an SM from registers (64K) and shared
+memory (228 KB), H200):
+
+======  ====  =======  ======  ==  ==============  =============  =====================  =================
+tile    rows  threads  stages  tk  m16 tiles/warp  shared (D 128)  registers D 128 / D 64  blocks/SM D 128/64
+======  ====  =======  ======  ==  ==============  =============  =====================  =================
+tc      64    128      1       64  1 (Q in regs)   34,816 static  176/194, 130/137       2 / 3
+tc2     128   256      2       64  1 (Q in regs)   69,632 dyn.    194/190, 136/155       1 / 1
+tc3     128   128      2       32  2 (Q in smem)   69,632 dyn.    249/250, 161/162       2 / 3
+======  ====  =======  ======  ==  ==============  =============  =====================  =================
+
+(D 64: the 8 / 8 / 64 bf16 spec; the windowed + capped D 64 one takes 162/168 (20 bytes spilled), 156/142 and
+206/203.) Every tile runs 8 warps an SM at D 128. Expected effect, not measured (the GPU run decides):
+
+* "tc2" vs "tc": each K/V tile fetched from L2 serves 128 rows instead of 64 (half the L2 -> SM bytes and
+  cp.async work per row), the next tile loads during a whole tile, and a tile has one barrier for 8 warps
+  instead of 4 for 4. The shared-memory reads per MMA are unchanged (one ``ldmatrix.x4``, 512 bytes, per 2
+  MMAs), and at D 64 it holds 8 warps an SM where "tc" holds 12.
+* "tc3" vs "tc2": the same 128 rows and two stages, and every K / V fragment read from shared memory feeds
+  both m16 tiles of a warp: with Q re-read each key tile, 24 KB of ldmatrix traffic per 128 MMAs of a warp
+  (192 bytes an MMA, vs 256 for "tc" / "tc2"), the lever if the kernel is bound by shared-memory bandwidth;
+  the price is 32-key tiles (twice the softmax rescales of O and the barriers per key) to fit 255 registers.
 """
 
 from __future__ import annotations
@@ -37,53 +67,45 @@ from tvm.script import tirx as T
 from ..ops import shape_values
 from ._common import EMPTY_LSE, LOG2E
 from ._common_cuda import paged_kv_len, shfl_xor
-from ._mma_cuda import a_frag, aligned16, c_frag, cp_async16, cp_async_commit, cp_async_wait1, ldmatrix_x4, mma_sync
+from ._mma_cuda import (
+    a_frag,
+    aligned16,
+    c_frag,
+    cp_async16,
+    cp_async_commit,
+    cp_async_wait0,
+    cp_async_wait1,
+    ldmatrix_x4,
+    mma_sync,
+)
+from ._prefill_tc_tiles import (
+    TC_DTYPES,
+    TC_HEAD_DIMS,
+    TC_MAX_DIM,
+    TC_MAX_GROUP,
+    TC_MAX_SMEM,
+    TC_PAD,
+    TC_ROWS,
+    TC_STATIC_SMEM,
+    TC_TILES,
+    TC_TK,
+    TC_WROWS,
+    TcTile,
+    k_ldsm_index,
+    k_ldsm_index_nt2,
+    k_store_index,
+    q_ldsm_index,
+    v_ldsm_index,
+    v_store_index,
+)
 from ._variant_cuda import CudaVariant
 
-#: Warps per block, rows per warp (one m16 tile), keys per tile, shared-memory row padding (elements).
-TC_WARPS, TC_WROWS, TC_TK, TC_PAD = 4, 16, 64, 8
-TC_ROWS = TC_WARPS * TC_WROWS
-TC_NT = TC_WARPS * 32
-TC_DTYPES = ("float16", "bfloat16")
-TC_MAX_DIM = 128
-#: qk and v head dims served: those run on the H200 (tests/gpu/test_prefill_tc_gpu.py) and in the CPU emulation
-#: of the kernel; the tile code takes multiples of 32 up to TC_MAX_DIM, but 96 spills 4 bytes in the paged kernel.
-TC_HEAD_DIMS = (64, 128)
-#: GQA groups served: the PrimFunc also holds the SIMT RoPE kernel, whose tile takes groups up to 32 rows
-#: (``attention_cuda_prefill._prefill_plan``); the tensor-core tile itself would take 64.
-TC_MAX_GROUP = 32
 
-
-def k_store_index(key, dim, d: int):
-    """Where ``load_kv`` puts element ``dim`` of key ``key`` of the tile in ``Ks`` (row stride ``d + TC_PAD``)."""
-    return key * (d + TC_PAD) + dim
-
-
-def v_store_index(key, dim, dv: int):
-    """Where ``load_kv`` puts element ``dim`` of value ``key`` of the tile in ``Vs`` (row stride ``dv + TC_PAD``)."""
-    return key * (dv + TC_PAD) + dim
-
-
-def k_ldsm_index(lane, nt, ks2, d: int):
-    """The ``Ks`` row this lane addresses in the ``ldmatrix.x4`` of keys ``8 nt ..`` x dims ``32 ks2 ..``:
-    matrix ``lane // 8`` = dims ``32 ks2 + 8 (lane // 8) ..``, row ``lane % 8``. Registers 0, 1 are then the B
-    fragment of k step ``2 ks2``, registers 2, 3 that of ``2 ks2 + 1`` (no transpose: a B fragment's n is
-    the key, its k the dim, and ldmatrix gives lane t row t / 4, columns 2 (t % 4), + 1)."""
-    return (nt * 8 + lane % 8) * (d + TC_PAD) + ks2 * 32 + (lane // 8) * 8
-
-
-def v_ldsm_index(lane, kk, dn2, dv: int):
-    """The ``Vs`` row this lane addresses in the ``ldmatrix.x4.trans`` of keys ``16 kk ..`` x dims
-    ``16 dn2 ..``: matrix ``i = lane // 8`` = keys ``16 kk + 8 (i % 2) ..`` x dims ``16 dn2 + 8 (i // 2) ..``,
-    row ``lane % 8``. Registers 0, 1 are the B fragment of n tile ``2 dn2``, registers 2, 3 that of
-    ``2 dn2 + 1`` (transposed: lane t gets rows = keys 2 (t % 4), + 1 of column = dim t / 4)."""
-    return (kk * 16 + ((lane // 8) % 2) * 8 + lane % 8) * (dv + TC_PAD) + dn2 * 16 + (lane // 16) * 8
-
-
-def tc_unserved(spec, dv: int) -> str | None:
-    """Why the tensor-core prefill does not serve ``spec`` (value head dim ``dv``), or None when it does.
-    Inline RoPE is not a reason: the PrimFunc runs the SIMT RoPE kernel when ``apply_rope == 1``."""
-    d, g = spec.head_dim, spec.group_size
+def tc_unserved(spec, dv: int, tile: str = "tc") -> str | None:
+    """Why the tensor-core prefill tile ``tile`` (``TC_TILES``) does not serve ``spec`` (value head dim ``dv``),
+    or None when it does. Inline RoPE is not a reason: the PrimFunc runs the SIMT RoPE kernel when
+    ``apply_rope == 1``."""
+    d, g, cfg = spec.head_dim, spec.group_size, TC_TILES[tile]
     if spec.dtype not in TC_DTYPES:
         return f"dtype {spec.dtype} (the tensor-core prefill takes {', '.join(TC_DTYPES)})"
     if d not in TC_HEAD_DIMS or dv not in TC_HEAD_DIMS:
@@ -91,25 +113,37 @@ def tc_unserved(spec, dv: int) -> str | None:
                 f"on the H200; 96 compiles but spills, others are untested)")
     if g > TC_MAX_GROUP:
         return f"GQA group {g} (the tensor-core prefill takes groups up to {TC_MAX_GROUP})"
+    smem = cfg.smem_bytes(d, dv)
+    if smem > (TC_STATIC_SMEM if cfg.stages == 1 else TC_MAX_SMEM):
+        return f"head dims {d}/{dv} with tile {tile!r}: {smem} bytes of shared memory"
     return None
 
 
-def make_prefill_tc(op: str, spec, paged: bool):
-    """The plain tensor-core kernel macro of a prefill PrimFunc (``paged`` selects the K/V source), called
-    as ``kernel(q, q_indptr, o, lse, kvb, B, n, causal, sm_scale)``."""
+def make_prefill_tc(op: str, spec, paged: bool, tile: str = "tc"):
+    """The plain tensor-core kernel macro of a prefill PrimFunc (``paged`` selects the K/V source, ``tile`` the
+    configuration of ``TC_TILES``), called as ``kernel(q, q_indptr, o, lse, kvb, B, n, causal, sm_scale)``."""
     D, dtype, HKV = spec.head_dim, spec.dtype, spec.num_kv_heads
     DV = D if paged else shape_values(spec)["Dv"]
-    reason = tc_unserved(spec, DV)
+    reason = tc_unserved(spec, DV, tile)
     if reason:
         raise NotImplementedError(f"pagedkv.tir_kernels: the tensor-core CUDA {op!r} kernel does not serve {reason}")
     var = CudaVariant.from_spec(spec)
     WIN = var.has_window
     G = spec.group_size
-    TQ = TC_ROWS // G
-    RV = TQ * G  # row slots holding a (token, head); the rest of the 64 are padding
-    TK, NT = TC_TK, TC_NT
+    cfg = TC_TILES[tile]
+    MT, QS = cfg.mtiles, cfg.q_in_smem  # m16 tiles a warp; Q in shared memory
+    if QS and cfg.stages != 2:
+        raise NotImplementedError(f"pagedkv.tir_kernels: tile {tile!r}: Q in shared memory needs the two-stage buffer")
+    TQ = cfg.rows // G
+    RV = TQ * G  # row slots holding a (token, head); the rest of the block's rows are padding
+    TK, NT = cfg.tk, cfg.threads
     KS, VS = D + TC_PAD, DV + TC_PAD  # shared row strides (elements) of Ks and Vs
     NKS, NSN, NKK, NDN = D // 16, TK // 8, TK // 16, DV // 8
+    SN, ON = NSN * 4, NDN * 4  # S and O accumulator elements of one m16 tile (a lane)
+
+    def wrow(w, mt):
+        """First row of m16 tile ``mt`` of warp ``w``."""
+        return (w * MT + mt) * TC_WROWS
 
     if paged:
         def kv_len_of(kvb, b):
@@ -157,26 +191,76 @@ def make_prefill_tc(op: str, spec, paged: bool):
 
     @T.macro
     def load_q(qf, q, ti, h, w, lane):
-        """The warp's Q rows as A fragments: ``qf[ks*8 + i]`` = element ``a_frag(lane, i)`` of dims ``16 ks ..``
-        (storage dtype, unscaled: the scale is applied to the fp32 scores); padding rows 0."""
+        """Q in registers (one m16 tile a warp): the warp's rows as A fragments, ``qf[ks*8 + i]`` = element
+        ``a_frag(lane, i)`` of dims ``16 ks ..`` (storage dtype, unscaled: the scale is applied to the fp32
+        scores); padding rows 0."""
         for ks in T.unroll(NKS):
             for i in T.unroll(8):
-                if row_ok(w * TC_WROWS + a_frag(lane, i)[0], ti):
-                    qf[ks * 8 + i] = q[ti[4] + T.truncdiv(w * TC_WROWS + a_frag(lane, i)[0], G),
-                                       h * G + T.truncmod(w * TC_WROWS + a_frag(lane, i)[0], G),
+                if row_ok(wrow(w, 0) + a_frag(lane, i)[0], ti):
+                    qf[ks * 8 + i] = q[ti[4] + T.truncdiv(wrow(w, 0) + a_frag(lane, i)[0], G),
+                                       h * G + T.truncmod(wrow(w, 0) + a_frag(lane, i)[0], G),
                                        ks * 16 + a_frag(lane, i)[1]]
                 else:
                     qf[ks * 8 + i] = T.Cast(dtype, T.float32(0))
 
+    def q_row_loader(vec: bool):
+        """The macro loading the block's Q rows into shared memory at ``q_base`` (row-major, stride D + TC_PAD;
+        padding rows 0), once a block, consecutive threads on consecutive chunks of a row: ``vec``, 16-byte
+        ``cp.async`` chunks, all in flight (they join the first key tile's group: its wait and barrier
+        publish Q); else element loads through registers, 8 in flight a thread (q not 16-byte aligned)."""
+        width = 8 if vec else 1
+        per_row = D // width
+        outer, inner = (1, cfg.rows * per_row // NT) if vec else (cfg.rows * per_row // NT // 8, 8)
+
+        def at(it, tid):
+            """(row, first dim) of chunk ``it`` of thread ``tid``."""
+            return T.truncdiv(it * NT + tid, per_row), T.truncmod(it * NT + tid, per_row) * width
+
+        @T.macro
+        def load(smem, q, ti, h, tid):
+            for it0 in T.serial(outer):
+                for it1 in T.unroll(inner):
+                    if row_ok(at(it0 * inner + it1, tid)[0], ti):
+                        if vec:
+                            T.evaluate(cp_async16(
+                                T.address_of(smem[cfg.q_base(D, DV) + at(it0 * inner + it1, tid)[0] * KS
+                                                  + at(it0 * inner + it1, tid)[1]]),
+                                T.address_of(q[ti[4] + T.truncdiv(at(it0 * inner + it1, tid)[0], G),
+                                               h * G + T.truncmod(at(it0 * inner + it1, tid)[0], G),
+                                               at(it0 * inner + it1, tid)[1]])))
+                        else:
+                            smem[cfg.q_base(D, DV) + at(it0 * inner + it1, tid)[0] * KS + at(it0 * inner + it1, tid)[1]] = \
+                                q[ti[4] + T.truncdiv(at(it0 * inner + it1, tid)[0], G),
+                                  h * G + T.truncmod(at(it0 * inner + it1, tid)[0], G), at(it0 * inner + it1, tid)[1]]
+                    else:
+                        for e in T.vectorized(width):
+                            smem[cfg.q_base(D, DV) + at(it0 * inner + it1, tid)[0] * KS
+                                 + at(it0 * inner + it1, tid)[1] + e] = T.Cast(dtype, T.float32(0))
+
+        return load
+
+    q_rows_vec, q_rows_elem = q_row_loader(True), q_row_loader(False)
+
+    @T.macro
+    def load_q_smem(smem, q, ti, h, tid):
+        """Q in shared memory (``q_row_loader``): 16-byte copies when q's first element is 16-byte aligned (rows
+        of ``Hq * D`` elements keep it, as for k / v), else element loads."""
+        if aligned16(T.address_of(q[0, 0, 0])) == 1:
+            q_rows_vec(smem, q, ti, h, tid)
+        else:
+            q_rows_elem(smem, q, ti, h, tid)
+
     @T.macro
     def init_rows(lim, m, lsum, oacc, ti, w, lane, causal):
-        """Row state of the lane's two rows (``c_frag`` rows g and g + 8): bound, running max, sum, O."""
-        for rr in T.unroll(2):
-            lim[rr] = var.row_bound(row_ok(w * TC_WROWS + c_frag(lane, 2 * rr)[0], ti), ti[5], ti[1], ti[2],
-                                    T.truncdiv(w * TC_WROWS + c_frag(lane, 2 * rr)[0], G), causal)
-            m[rr] = T.float32(EMPTY_LSE)
-            lsum[rr] = T.float32(0)
-        for e in T.unroll(NDN * 4):
+        """Row state of the lane's rows (``c_frag`` rows g and g + 8 of each m16 tile; index ``2 mt + rr``):
+        bound, running max, sum, O."""
+        for mt in T.unroll(MT):
+            for rr in T.unroll(2):
+                lim[mt * 2 + rr] = var.row_bound(row_ok(wrow(w, mt) + c_frag(lane, 2 * rr)[0], ti), ti[5], ti[1],
+                                                 ti[2], T.truncdiv(wrow(w, mt) + c_frag(lane, 2 * rr)[0], G), causal)
+                m[mt * 2 + rr] = T.float32(EMPTY_LSE)
+                lsum[mt * 2 + rr] = T.float32(0)
+        for e in T.unroll(MT * ON):
             oacc[e] = T.float32(0)
 
     def aligned(kvb):
@@ -197,32 +281,33 @@ def make_prefill_tc(op: str, spec, paged: bool):
         per_row = dim // width
 
         @T.macro
-        def load_chunk(dst, kvb, ti, kt, h, tid, it):
+        def load_chunk(dst, base, kvb, ti, kt, h, tid, it):
             if kt * TK + T.truncdiv(it * NT + tid, per_row) < ti[6]:
                 if vec:
                     T.evaluate(cp_async16(
-                        T.address_of(dst[store_index(T.truncdiv(it * NT + tid, per_row),
+                        T.address_of(dst[base + store_index(T.truncdiv(it * NT + tid, per_row),
                                                      T.truncmod(it * NT + tid, per_row) * 8, c01)]),
                         T.address_of(kv_elem(kvb, c01, ti[0], kt * TK + T.truncdiv(it * NT + tid, per_row), h,
                                              T.truncmod(it * NT + tid, per_row) * 8))))
                 else:
-                    dst[store_index(T.truncdiv(it * NT + tid, per_row), T.truncmod(it * NT + tid, per_row), c01)] = \
+                    dst[base + store_index(T.truncdiv(it * NT + tid, per_row), T.truncmod(it * NT + tid, per_row),
+                                           c01)] = \
                         kv_elem(kvb, c01, ti[0], kt * TK + T.truncdiv(it * NT + tid, per_row), h,
                                 T.truncmod(it * NT + tid, per_row))
             else:
                 for e in T.vectorized(width):
-                    dst[store_index(T.truncdiv(it * NT + tid, per_row),
-                                    T.truncmod(it * NT + tid, per_row) * width + e, c01)] = \
+                    dst[base + store_index(T.truncdiv(it * NT + tid, per_row),
+                                           T.truncmod(it * NT + tid, per_row) * width + e, c01)] = \
                         T.Cast(dtype, T.float32(0))
 
         # Element loads: 8 in flight per thread (all of them unrolled would hold 64 registers).
         outer, inner = (1, TK * per_row // NT) if vec else (TK * per_row // NT // 8, 8)
 
         @T.macro
-        def load(dst, kvb, ti, kt, h, tid):
+        def load(dst, base, kvb, ti, kt, h, tid):
             for it0 in T.serial(outer):
                 for it1 in T.unroll(inner):
-                    load_chunk(dst, kvb, ti, kt, h, tid, it0 * inner + it1)
+                    load_chunk(dst, base, kvb, ti, kt, h, tid, it0 * inner + it1)
 
         return load
 
@@ -230,45 +315,75 @@ def make_prefill_tc(op: str, spec, paged: bool):
                                                                                    rows_loader(1, DV, False))
 
     @T.macro
-    def issue(dst, kvb, ti, kt, h, tid, c01: int):
-        """Start loading tile ``kt`` of K (``c01`` 0) or V (1) into ``dst`` and commit it as one cp.async
-        group (element loads, for unaligned ragged views, complete at once; the group is then empty)."""
+    def issue(dst, base, kvb, ti, kt, h, tid, c01: int):
+        """Start loading tile ``kt`` of K (``c01`` 0) or V (1) into ``dst`` from element ``base`` and commit it
+        as one cp.async group (element loads, for unaligned ragged views, complete at once; the group is
+        then empty)."""
         if aligned(kvb):
-            load_vec[c01](dst, kvb, ti, kt, h, tid)
+            load_vec[c01](dst, base, kvb, ti, kt, h, tid)
         else:
-            load_elem[c01](dst, kvb, ti, kt, h, tid)
+            load_elem[c01](dst, base, kvb, ti, kt, h, tid)
         T.evaluate(cp_async_commit())
 
     @T.macro
-    def score(sacc, qf, Ks, bfr, lane):
-        """S (16 rows x 64 keys of the warp) = Q K^T: C fragment ``nt`` holds keys ``8 nt ..``; one
-        ``ldmatrix.x4`` gives the B fragments of two k steps (``k_ldsm_index``)."""
-        for e in T.unroll(NSN * 4):
+    def issue_kv(smem, stage, kvb, ti, kt, h, tid):
+        """Two stages: start loading K and V of tile ``kt`` into stage ``stage`` as one cp.async group (both
+        are needed by the same wait: one group is one wait_group 0)."""
+        if aligned(kvb):
+            load_vec[0](smem, cfg.k_base(stage, D, DV), kvb, ti, kt, h, tid)
+            load_vec[1](smem, cfg.v_base(stage, D, DV), kvb, ti, kt, h, tid)
+        else:
+            load_elem[0](smem, cfg.k_base(stage, D, DV), kvb, ti, kt, h, tid)
+            load_elem[1](smem, cfg.v_base(stage, D, DV), kvb, ti, kt, h, tid)
+        T.evaluate(cp_async_commit())
+
+    @T.macro
+    def score(sacc, qf, afr, smem, kb, bfr, w, lane):
+        """S (the warp's rows x 64 keys) = Q K^T: C fragment ``mt * 8 + nt`` holds keys ``8 nt ..`` of m16 tile
+        ``mt``. Q in registers (``qf``, one m16 tile): one ``ldmatrix.x4`` gives the B fragments of two k steps
+        (``k_ldsm_index``). Q in shared memory: per k step one ``ldmatrix.x4`` of each m16 tile's A fragment
+        into ``afr`` (``q_ldsm_index``), and one of the B fragments of two n tiles (``k_ldsm_index_nt2``) used
+        by every m16 tile of the warp."""
+        for e in T.unroll(MT * SN):
             sacc[e] = T.float32(0)
-        for ks2 in T.unroll(NKS // 2):
-            for nt in T.unroll(NSN):
-                T.evaluate(ldmatrix_x4(T.address_of(bfr[0]), T.address_of(Ks[k_ldsm_index(lane, nt, ks2, D)]),
-                                       False))
-                for u in T.unroll(2):
-                    T.evaluate(mma_sync(dtype, T.address_of(sacc[nt * 4]), T.address_of(qf[(ks2 * 2 + u) * 8]),
-                                        T.address_of(bfr[u * 2])))
+        if QS:
+            # k step outer: the A fragments of one k step (4 registers a m16 tile) stay live across the keys.
+            for ks in T.unroll(NKS):
+                for mt in T.unroll(MT):
+                    T.evaluate(ldmatrix_x4(T.address_of(afr[mt * 4]), T.address_of(
+                        smem[cfg.q_base(D, DV) + q_ldsm_index(lane, wrow(w, mt), ks, D)]), False))
+                for nt2 in T.unroll(NSN // 2):
+                    T.evaluate(ldmatrix_x4(T.address_of(bfr[0]), T.address_of(
+                        smem[kb + k_ldsm_index_nt2(lane, nt2, ks, D)]), False))
+                    for mt in T.unroll(MT):
+                        for u in T.unroll(2):
+                            T.evaluate(mma_sync(dtype, T.address_of(sacc[mt * SN + (nt2 * 2 + u) * 4]),
+                                                T.address_of(afr[mt * 4]), T.address_of(bfr[u * 2])))
+        else:
+            for ks2 in T.unroll(NKS // 2):
+                for nt in T.unroll(NSN):
+                    T.evaluate(ldmatrix_x4(T.address_of(bfr[0]), T.address_of(
+                        smem[kb + k_ldsm_index(lane, nt, ks2, D)]), False))
+                    for u in T.unroll(2):
+                        T.evaluate(mma_sync(dtype, T.address_of(sacc[nt * 4]), T.address_of(qf[(ks2 * 2 + u) * 8]),
+                                            T.address_of(bfr[u * 2])))
 
     def mask_scores(masked: bool):
-        """The macro turning the lane's raw scores into log2-unit logits: scaled, soft-capped and (``masked``)
-        masked by ``CudaVariant`` (``logits(s, True)`` is the cap alone)."""
+        """The macro turning m16 tile ``mt``'s raw scores (of the lane) into log2-unit logits: scaled,
+        soft-capped and (``masked``) masked by ``CudaVariant`` (``logits(s, True)`` is the cap alone)."""
 
         @T.macro
-        def scores(sacc, mx, m, lim, ti, kt, lane, causal, sm_scale):
-            # mx[rr]: the lane's running max of row rr (folded in as each score is made: fewer live values)
+        def scores(sacc, mx, m, lim, ti, kt, lane, causal, sm_scale, mt):
+            # mx: the lane's running max of each row (folded in as each score is made: fewer live values)
             for rr in T.unroll(2):
-                mx[rr] = m[rr]
+                mx[mt * 2 + rr] = m[mt * 2 + rr]
                 for nt in T.unroll(NSN):
                     for c in T.unroll(2):
-                        sacc[nt * 4 + rr * 2 + c] = var.logits(
-                            sacc[nt * 4 + rr * 2 + c] * (sm_scale * T.float32(LOG2E)),
-                            var.visible(kt * TK + nt * 8 + c_frag(lane, c)[1], lim[rr], ti[5], causal)
+                        sacc[mt * SN + nt * 4 + rr * 2 + c] = var.logits(
+                            sacc[mt * SN + nt * 4 + rr * 2 + c] * (sm_scale * T.float32(LOG2E)),
+                            var.visible(kt * TK + nt * 8 + c_frag(lane, c)[1], lim[mt * 2 + rr], ti[5], causal)
                             if masked else True)
-                        mx[rr] = T.max(mx[rr], sacc[nt * 4 + rr * 2 + c])
+                        mx[mt * 2 + rr] = T.max(mx[mt * 2 + rr], sacc[mt * SN + nt * 4 + rr * 2 + c])
 
         return scores
 
@@ -276,115 +391,159 @@ def make_prefill_tc(op: str, spec, paged: bool):
 
     @T.macro
     def softmax(sacc, pf, m, lsum, oacc, lim, mx, st, ti, kt, lane, causal, sm_scale):
-        """Online softmax of the lane's two rows (``rr``: C elements 2rr, 2rr + 1 of every fragment); a row's
-        scores are spread over the 4 lanes of a quad. ``pf`` = P in the storage dtype, already laid out as
-        the A fragments of P V (``pf[8 kk + i]`` = C element ``i % 4`` of fragment ``2 kk + i // 4``)."""
-        if WIN:
-            scores_masked(sacc, mx, m, lim, ti, kt, lane, causal, sm_scale)
-        else:
-            # Without a window a row sees keys < lim: a tile below both rows' bounds needs no mask (the
-            # branch is per lane, with no shuffle inside; padding rows have lim 0, so they take the mask).
-            if (kt + 1) * TK <= T.min(lim[0], lim[1]):
-                scores_visible(sacc, mx, m, lim, ti, kt, lane, causal, sm_scale)
+        """Online softmax of the lane's rows (m16 tile ``mt``, ``rr``: C elements 2rr, 2rr + 1 of its
+        fragments); a row's scores are spread over the 4 lanes of a quad. ``pf`` = P in the storage dtype,
+        already laid out as the A fragments of P V (``pf[mt * SN + 8 kk + i]`` = C element ``i % 4`` of
+        fragment ``2 kk + i // 4``)."""
+        for mt in T.unroll(MT):
+            if WIN:
+                scores_masked(sacc, mx, m, lim, ti, kt, lane, causal, sm_scale, mt)
             else:
-                scores_masked(sacc, mx, m, lim, ti, kt, lane, causal, sm_scale)
-        for rr in T.unroll(2):
-            st[0] = T.max(mx[rr], shfl_xor(mx[rr], 1))
-            st[0] = T.max(st[0], shfl_xor(st[0], 2))
-            st[1] = T.exp2(m[rr] - st[0])
-            m[rr] = st[0]
-            lsum[rr] = lsum[rr] * st[1]
-            for dn in T.unroll(NDN):
-                for c in T.unroll(2):
-                    oacc[dn * 4 + rr * 2 + c] = oacc[dn * 4 + rr * 2 + c] * st[1]
-            for nt in T.unroll(NSN):
-                for c in T.unroll(2):
-                    st[2] = T.exp2(sacc[nt * 4 + rr * 2 + c] - st[0])
-                    lsum[rr] = lsum[rr] + st[2]
-                    pf[nt * 4 + rr * 2 + c] = T.Cast(dtype, st[2])
+                # Without a window a row sees keys < lim: a tile below both rows' bounds needs no mask (the
+                # branch is per lane, with no shuffle inside; padding rows have lim 0, so they take the mask).
+                if (kt + 1) * TK <= T.min(lim[mt * 2], lim[mt * 2 + 1]):
+                    scores_visible(sacc, mx, m, lim, ti, kt, lane, causal, sm_scale, mt)
+                else:
+                    scores_masked(sacc, mx, m, lim, ti, kt, lane, causal, sm_scale, mt)
+            for rr in T.unroll(2):
+                st[0] = T.max(mx[mt * 2 + rr], shfl_xor(mx[mt * 2 + rr], 1))
+                st[0] = T.max(st[0], shfl_xor(st[0], 2))
+                st[1] = T.exp2(m[mt * 2 + rr] - st[0])
+                m[mt * 2 + rr] = st[0]
+                lsum[mt * 2 + rr] = lsum[mt * 2 + rr] * st[1]
+                for dn in T.unroll(NDN):
+                    for c in T.unroll(2):
+                        oacc[mt * ON + dn * 4 + rr * 2 + c] = oacc[mt * ON + dn * 4 + rr * 2 + c] * st[1]
+                for nt in T.unroll(NSN):
+                    for c in T.unroll(2):
+                        st[2] = T.exp2(sacc[mt * SN + nt * 4 + rr * 2 + c] - st[0])
+                        lsum[mt * 2 + rr] = lsum[mt * 2 + rr] + st[2]
+                        pf[mt * SN + nt * 4 + rr * 2 + c] = T.Cast(dtype, st[2])
 
     @T.macro
-    def accumulate(oacc, pf, Vs, bfr, lane):
+    def accumulate(oacc, pf, Vs, vb, bfr, lane):
         """O += P V: k step ``kk`` (keys ``16 kk ..``) x n tiles ``2 dn2``, ``2 dn2 + 1`` (dims ``16 dn2 ..``), their B
-        fragments from one ``ldmatrix.x4.trans`` of the row-major ``Vs`` (``v_ldsm_index``)."""
+        fragments from one ``ldmatrix.x4.trans`` of the row-major ``Vs`` (``v_ldsm_index``), used by every m16
+        tile of the warp."""
         for kk in T.unroll(NKK):
             for dn2 in T.unroll(NDN // 2):
-                T.evaluate(ldmatrix_x4(T.address_of(bfr[0]), T.address_of(Vs[v_ldsm_index(lane, kk, dn2, DV)]),
+                T.evaluate(ldmatrix_x4(T.address_of(bfr[0]), T.address_of(Vs[vb + v_ldsm_index(lane, kk, dn2, DV)]),
                                        True))
-                for u in T.unroll(2):
-                    T.evaluate(mma_sync(dtype, T.address_of(oacc[(dn2 * 2 + u) * 4]), T.address_of(pf[kk * 8]),
-                                        T.address_of(bfr[u * 2])))
+                for mt in T.unroll(MT):
+                    for u in T.unroll(2):
+                        T.evaluate(mma_sync(dtype, T.address_of(oacc[mt * ON + (dn2 * 2 + u) * 4]),
+                                            T.address_of(pf[mt * SN + kk * 8]), T.address_of(bfr[u * 2])))
 
     @T.macro
     def store(o, lse, oacc, m, lsum, ti, h, w, lane):
         """Row sums over the quad, then o = O / sum and lse = m + log2(sum) (base 2); a row that saw no key
         (sum 0) writes the empty state."""
-        for rr in T.unroll(2):
-            lsum[rr] = lsum[rr] + shfl_xor(lsum[rr], 1)
-            lsum[rr] = lsum[rr] + shfl_xor(lsum[rr], 2)
-        for rr in T.unroll(2):
-            if row_ok(w * TC_WROWS + c_frag(lane, 2 * rr)[0], ti):
-                for dn in T.unroll(NDN):
-                    for c in T.unroll(2):
-                        o[ti[4] + T.truncdiv(w * TC_WROWS + c_frag(lane, 2 * rr)[0], G),
-                          h * G + T.truncmod(w * TC_WROWS + c_frag(lane, 2 * rr)[0], G),
-                          dn * 8 + c_frag(lane, c)[1]] = T.Cast(dtype, T.if_then_else(
-                              lsum[rr] > T.float32(0), oacc[dn * 4 + rr * 2 + c] / lsum[rr], T.float32(0)))
-                if lane % 4 == 0:
-                    lse[ti[4] + T.truncdiv(w * TC_WROWS + c_frag(lane, 2 * rr)[0], G),
-                        h * G + T.truncmod(w * TC_WROWS + c_frag(lane, 2 * rr)[0], G)] = T.if_then_else(
-                            lsum[rr] > T.float32(0), m[rr] + T.log2(lsum[rr]), T.float32(EMPTY_LSE))
+        for j in T.unroll(MT * 2):
+            lsum[j] = lsum[j] + shfl_xor(lsum[j], 1)
+            lsum[j] = lsum[j] + shfl_xor(lsum[j], 2)
+        for mt in T.unroll(MT):
+            for rr in T.unroll(2):
+                if row_ok(wrow(w, mt) + c_frag(lane, 2 * rr)[0], ti):
+                    for dn in T.unroll(NDN):
+                        for c in T.unroll(2):
+                            o[ti[4] + T.truncdiv(wrow(w, mt) + c_frag(lane, 2 * rr)[0], G),
+                              h * G + T.truncmod(wrow(w, mt) + c_frag(lane, 2 * rr)[0], G),
+                              dn * 8 + c_frag(lane, c)[1]] = T.Cast(dtype, T.if_then_else(
+                                  lsum[mt * 2 + rr] > T.float32(0),
+                                  oacc[mt * ON + dn * 4 + rr * 2 + c] / lsum[mt * 2 + rr], T.float32(0)))
+                    if lane % 4 == 0:
+                        lse[ti[4] + T.truncdiv(wrow(w, mt) + c_frag(lane, 2 * rr)[0], G),
+                            h * G + T.truncmod(wrow(w, mt) + c_frag(lane, 2 * rr)[0], G)] = T.if_then_else(
+                                lsum[mt * 2 + rr] > T.float32(0), m[mt * 2 + rr] + T.log2(lsum[mt * 2 + rr]),
+                                T.float32(EMPTY_LSE))
+
+    @T.macro
+    def tiles_one_stage(Ks, Vs, fr, acc, rows, ti, kvb, h, tid, w, lane, causal, sm_scale):
+        """One buffer per operand, software-pipelined: K of tile kt + 1 loads during the softmax and P V of tile
+        kt, V of kt + 1 during the scores of kt + 1. In flight at each wait: {K kt, V kt} at the top, {V kt,
+        K kt + 1} before P V (wait_group 1 = the older is done). ``fr`` = (qf, afr, bfr), ``acc`` = (sacc,
+        pf, oacc), ``rows`` = (m, lsum, lim, mx, st): the kernel's register arrays."""
+        issue(Ks, 0, kvb, ti, ti[7], h, tid, 0)
+        issue(Vs, 0, kvb, ti, ti[7], h, tid, 1)
+        for kt in T.serial(ti[7], T.truncdiv(ti[6] + TK - 1, TK)):
+            T.evaluate(cp_async_wait1())
+            T.tvm_storage_sync("shared")  # K kt visible to every warp
+            score(acc[0], fr[0], fr[1], Ks, 0, fr[2], w, lane)
+            T.tvm_storage_sync("shared")  # every warp is done with Ks
+            issue(Ks, 0, kvb, ti, kt + 1, h, tid, 0)  # past the last tile: zeros, never read
+            softmax(acc[0], acc[1], rows[0], rows[1], acc[2], rows[2], rows[3], rows[4], ti, kt, lane, causal,
+                    sm_scale)
+            T.evaluate(cp_async_wait1())
+            T.tvm_storage_sync("shared")  # V kt visible
+            accumulate(acc[2], acc[1], Vs, 0, fr[2], lane)
+            T.tvm_storage_sync("shared")  # every warp is done with Vs
+            issue(Vs, 0, kvb, ti, kt + 1, h, tid, 1)
+
+    @T.macro
+    def tiles_two_stage(smem, fr, acc, rows, ti, kvb, h, tid, w, lane, causal, sm_scale):
+        """Two stages (tile kt in stage kt % 2): after the wait for tile kt, one barrier both publishes it and
+        tells that every warp is done with tile kt - 1, whose stage then takes tile kt + 1, loading during
+        the whole of tile kt (scores, softmax, P V). Arguments as ``tiles_one_stage``."""
+        issue_kv(smem, T.truncmod(ti[7], 2), kvb, ti, ti[7], h, tid)
+        for kt in T.serial(ti[7], T.truncdiv(ti[6] + TK - 1, TK)):
+            T.evaluate(cp_async_wait0())
+            T.tvm_storage_sync("shared")  # tile kt (and Q) visible; stage (kt + 1) % 2 free
+            issue_kv(smem, T.truncmod(kt + 1, 2), kvb, ti, kt + 1, h, tid)  # past the last tile: zeros, unread
+            score(acc[0], fr[0], fr[1], smem, cfg.k_base(T.truncmod(kt, 2), D, DV), fr[2], w, lane)
+            softmax(acc[0], acc[1], rows[0], rows[1], acc[2], rows[2], rows[3], rows[4], ti, kt, lane, causal,
+                    sm_scale)
+            accumulate(acc[2], acc[1], smem, cfg.v_base(T.truncmod(kt, 2), D, DV), fr[2], lane)
 
     @T.macro
     def kernel(q, q_indptr, o, lse, kvb, B, n, causal, sm_scale):
         for vt in T.thread_binding(T.max(n // TQ + B, 1), thread="blockIdx.x"):
             for h in T.thread_binding(HKV, thread="blockIdx.y"):
                 for tid in T.thread_binding(NT, thread="threadIdx.x"):
-                    Ks = T.alloc_buffer((TK * KS,), dtype, scope="shared")
-                    Vs = T.alloc_buffer((TK * VS,), dtype, scope="shared")
                     ti = T.alloc_buffer((8,), "int32", scope="local")
-                    qf = T.alloc_buffer((NKS * 8,), dtype, scope="local")
-                    sacc = T.alloc_buffer((NSN * 4,), "float32", scope="local")
-                    pf = T.alloc_buffer((NSN * 4,), dtype, scope="local")
+                    # A fragments: Q in registers (qf), or per k step from shared memory (afr, 32 bits).
+                    qf = T.alloc_buffer((1 if QS else NKS * 8,), dtype, scope="local")
+                    afr = T.alloc_buffer((MT * 4 if QS else 1,), "uint32", scope="local")
+                    sacc = T.alloc_buffer((MT * SN,), "float32", scope="local")
+                    pf = T.alloc_buffer((MT * SN,), dtype, scope="local")
                     # Two B fragments (ldmatrix.x4), 4 x 32 bits.
                     bfr = T.alloc_buffer((4,), "uint32", scope="local")
-                    oacc = T.alloc_buffer((NDN * 4,), "float32", scope="local")
-                    m = T.alloc_buffer((2,), "float32", scope="local")
-                    lsum = T.alloc_buffer((2,), "float32", scope="local")
-                    lim = T.alloc_buffer((2,), "int32", scope="local")
+                    oacc = T.alloc_buffer((MT * ON,), "float32", scope="local")
+                    m = T.alloc_buffer((MT * 2,), "float32", scope="local")
+                    lsum = T.alloc_buffer((MT * 2,), "float32", scope="local")
+                    lim = T.alloc_buffer((MT * 2,), "int32", scope="local")
                     st = T.alloc_buffer((3,), "float32", scope="local")
-                    mx = T.alloc_buffer((2,), "float32", scope="local")
+                    mx = T.alloc_buffer((MT * 2,), "float32", scope="local")
                     w: T.let[T.int32] = T.truncdiv(tid, 32)
                     lane: T.let[T.int32] = T.truncmod(tid, 32)
                     # No branch around the barriers: an idle block runs zero-trip loops, masked accesses.
                     # TVM sizes a local array by the elements it sees indexed, and ldmatrix / mma reach bfr
-                    # through addresses only (bfr[0], bfr[2]): without these stores it would get 3 elements.
+                    # (afr) through addresses only (bfr[0], bfr[2]): without these stores it would get 3 elements.
                     for e in T.unroll(4):
                         bfr[e] = T.uint32(0)
+                    if QS:
+                        for e in T.unroll(MT * 4):
+                            afr[e] = T.uint32(0)
                     locate(ti, q_indptr, kvb, B, vt, causal)
-                    load_q(qf, q, ti, h, w, lane)
+                    if not QS:
+                        load_q(qf, q, ti, h, w, lane)
                     init_rows(lim, m, lsum, oacc, ti, w, lane, causal)
-                    # One buffer per operand, software-pipelined: K of tile kt + 1 loads during the softmax
-                    # and P V of tile kt, V of kt + 1 during the scores of kt + 1. In flight at each wait:
-                    # {K kt, V kt} at the top, {V kt, K kt + 1} before P V (wait_group 1 = the older is done).
-                    issue(Ks, kvb, ti, ti[7], h, tid, 0)
-                    issue(Vs, kvb, ti, ti[7], h, tid, 1)
-                    for kt in T.serial(ti[7], T.truncdiv(ti[6] + TK - 1, TK)):
-                        T.evaluate(cp_async_wait1())
-                        T.tvm_storage_sync("shared")  # K kt visible to every warp
-                        score(sacc, qf, Ks, bfr, lane)
-                        T.tvm_storage_sync("shared")  # every warp is done with Ks
-                        issue(Ks, kvb, ti, kt + 1, h, tid, 0)  # past the last tile: zeros, never read
-                        softmax(sacc, pf, m, lsum, oacc, lim, mx, st, ti, kt, lane, causal, sm_scale)
-                        T.evaluate(cp_async_wait1())
-                        T.tvm_storage_sync("shared")  # V kt visible
-                        accumulate(oacc, pf, Vs, bfr, lane)
-                        T.tvm_storage_sync("shared")  # every warp is done with Vs
-                        issue(Vs, kvb, ti, kt + 1, h, tid, 1)
+                    if cfg.stages == 1:
+                        Ks = T.alloc_buffer((TK * KS,), dtype, scope="shared")
+                        Vs = T.alloc_buffer((TK * VS,), dtype, scope="shared")
+                        tiles_one_stage(Ks, Vs, (qf, afr, bfr), (sacc, pf, oacc), (m, lsum, lim, mx, st), ti, kvb,
+                                        h, tid, w, lane, causal, sm_scale)
+                    else:
+                        # One dynamic buffer (TVM 0.27 fails to merge several shared.dyn buffers here).
+                        smem = T.alloc_buffer((cfg.smem_bytes(D, DV) // 2,), dtype, scope="shared.dyn")
+                        if QS:
+                            load_q_smem(smem, q, ti, h, tid)
+                        tiles_two_stage(smem, (qf, afr, bfr), (sacc, pf, oacc), (m, lsum, lim, mx, st), ti, kvb, h,
+                                        tid, w, lane, causal, sm_scale)
                     store(o, lse, oacc, m, lsum, ti, h, w, lane)
 
     return kernel
 
 
-__all__ = ["TC_DTYPES", "TC_HEAD_DIMS", "TC_MAX_DIM", "TC_MAX_GROUP", "TC_ROWS", "TC_TK", "k_ldsm_index", "k_store_index",
-           "make_prefill_tc", "tc_unserved", "v_ldsm_index", "v_store_index"]
+__all__ = ["TC_DTYPES", "TC_HEAD_DIMS", "TC_MAX_DIM", "TC_MAX_GROUP", "TC_PAD", "TC_ROWS", "TC_TILES", "TC_TK", "TcTile",
+           "k_ldsm_index", "k_ldsm_index_nt2", "k_store_index", "make_prefill_tc", "q_ldsm_index", "tc_unserved",
+           "v_ldsm_index", "v_store_index"]

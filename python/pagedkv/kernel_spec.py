@@ -30,10 +30,15 @@ SWITCHES: dict[str, tuple[str, tuple[str, ...]]] = {
                            ("auto", "1", "2", "3", "8")),
     "cuda_prefill_kernel": ("CUDA MHA prefill kernels (attn_prefill_ragged, attn_prefill_paged), apply_rope = 0: the "
                             "SIMT FP32 kernel or the tensor-core one (mma.sync; fp16 / bf16, head dims 64 and "
-                            "128, GQA groups up to 32, sm_80+; forcing tc on another spec raises). Inline "
-                            "RoPE always runs the SIMT kernel. auto: the tensor-core kernel where it serves the spec "
-                            "(tir_kernels.attention_cuda_prefill.TC_BY_DEFAULT), SIMT elsewhere",
-                            ("auto", "simt", "tc")),
+                            "128, GQA groups up to 32, sm_80+; forcing a tc* value on another spec raises) in one "
+                            "of its tiles (tir_kernels._prefill_tc_tiles.TC_TILES): tc = 64 rows a block, one K/V "
+                            "stage in static shared memory; tc2 = 128 rows (8 warps), two stages in dynamic shared "
+                            "memory; tc3 = 128 rows (4 warps of two m16 tiles, Q in shared memory), two stages of "
+                            "32 keys. "
+                            "Inline RoPE always runs the SIMT kernel. auto: the tensor-core kernel (tile "
+                            "tir_kernels.attention_cuda_prefill.TC_DEFAULT_TILE) where it serves the spec "
+                            "(TC_BY_DEFAULT), SIMT elsewhere",
+                            ("auto", "simt", "tc", "tc2", "tc3")),
     "cuda_decode_kernel": ("CUDA MHA decode (attn_decode_paged) without inline RoPE: the lane-group kernel "
                            "(lanes) or the shared-memory staged kernel (staged; auto: staged where its limits "
                            "allow)", ("auto", "lanes", "staged")),

@@ -1,8 +1,9 @@
 // A CPU stand-in for the CUDA the tensor-core prefill kernel uses, so that TVM's generated kernel source
 // runs on the build host (tests/cpu/test_prefill_tc_emulated.py): one std::thread per CUDA thread of a
-// block, __syncthreads as a block barrier, and the warp-collective pieces (shfl_xor, ldmatrix, mma.sync)
+// block, __syncthreads as a block barrier, dynamic shared memory as a static array (the test rewrites the
+// kernel's extern declaration), and the warp-collective pieces (shfl_xor, ldmatrix, mma.sync)
 // as exchanges through per-warp slots between warp barriers, computed from the PTX ISA's definitions.
-// cp.async copies at once (a correct pipeline stays correct when copies complete early).
+// cp.async completes at the latest point its wait allows (below).
 #include <barrier>
 #include <cmath>
 #include <cstdint>
@@ -61,7 +62,11 @@ inline int min(int a, int b) { return a < b ? a : b; }
 
 struct Dim3 { int x, y, z; };
 thread_local Dim3 threadIdx, blockIdx;
-constexpr int kThreads = 128, kWarps = kThreads / 32;
+// Threads of a block: the kernel's __launch_bounds__ (the test defines it before including this file).
+#ifndef PAGEDKV_EMU_THREADS
+#define PAGEDKV_EMU_THREADS 128
+#endif
+constexpr int kThreads = PAGEDKV_EMU_THREADS, kWarps = kThreads / 32;
 static std::barrier<>* g_block_barrier;
 struct WarpSlots {
   std::barrier<>* bar;
@@ -144,12 +149,26 @@ inline void pagedkv_mma_f16(float* d, const void* a, const void* b) { mma_emu<ha
 inline void pagedkv_mma_bf16(float* d, const void* a, const void* b) { mma_emu<nv_bfloat16>(d, a, b); }
 inline void pagedkv_ldsm_x4(void* dst, const void* smem) { ldsm_emu(dst, smem, false); }
 inline void pagedkv_ldsm_x4_trans(void* dst, const void* smem) { ldsm_emu(dst, smem, true); }
-inline void pagedkv_cp_async16(void* smem, const void* gmem) { std::memcpy(smem, gmem, 16); }
-inline void pagedkv_cp_async_commit() {}
-inline void pagedkv_cp_async_wait1() {}
+// cp.async completes as late as the ISA allows: a copy is queued in its thread's open group, commit closes
+// the group, wait_group N performs every group but the newest N (so a wait placed too late, or a buffer
+// read before its wait, reads stale data); copies still queued when a block ends are dropped.
+struct CpAsync { void* dst; const void* src; };
+thread_local std::vector<std::vector<CpAsync>> t_groups(1);
+inline void pagedkv_cp_async16(void* smem, const void* gmem) { t_groups.back().push_back({smem, gmem}); }
+inline void pagedkv_cp_async_commit() { t_groups.emplace_back(); }
+inline void cp_async_wait(size_t newest_left) {
+  size_t closed = t_groups.size() - 1;  // the last entry is the open (uncommitted) group
+  while (closed > newest_left) {
+    for (const CpAsync& c : t_groups.front()) std::memcpy(c.dst, c.src, 16);
+    t_groups.erase(t_groups.begin());
+    --closed;
+  }
+}
+inline void pagedkv_cp_async_wait1() { cp_async_wait(1); }
+inline void pagedkv_cp_async_wait0() { cp_async_wait(0); }
 inline int pagedkv_aligned16(const void* p) { return (reinterpret_cast<uintptr_t>(p) & 15u) == 0 ? 1 : 0; }
 
-// Run `body` (the kernel call) for every block of a grid, 128 CPU threads in lock step.
+// Run `body` (the kernel call) for every block of a grid, kThreads CPU threads in lock step.
 template <class F>
 void launch(int grid_x, int grid_y, F body) {
   std::barrier<> block_bar(kThreads);
@@ -164,6 +183,7 @@ void launch(int grid_x, int grid_y, F body) {
         for (int bx = 0; bx < grid_x; ++bx) {
           blockIdx = Dim3{bx, by, 0};
           body();
+          t_groups.assign(1, {});
           block_bar.arrive_and_wait();  // the block's statics (shared memory) are reused by the next one
         }
       }

@@ -1,13 +1,14 @@
 """The tensor-core CUDA prefill (path switch ``cuda_prefill_kernel``) on the build host: no GPU.
 
 - The default where it serves: without the switch and with "auto" the prefill PrimFuncs of an fp16 / bf16 spec
-  are the tensor-core ones (same ``script()`` as "tc", with ``mma.sync`` calls), "simt" gives the FP32 kernel;
-  a spec it does not serve (float32, a head dim over 128) gets the SIMT kernel under "auto", and "tc" forced on
-  it raises naming why.
-- ``nvcc --cubin -arch=sm_90a`` compiles the ragged and paged kernels without register spills (but for a
+  are the tensor-core ones (same ``script()`` as "tc", with ``mma.sync`` calls), "simt" gives the FP32 kernel,
+  "tc2" / "tc3" the opt-in 128-row two-stage tiles (``shared.dyn``); a spec it does not serve (float32, a head
+  dim over 128) gets the SIMT kernel under "auto", and any tile forced on it raises naming why.
+- ``nvcc --cubin -arch=sm_90a`` compiles the ragged and paged kernels of both tiles without register spills (but for a
   known 20 bytes in the windowed + capped paged kernel at D 64: ``SPILL_BYTES``), and the SASS
   holds the expected HMMA count (``cuobjdump -sass``; skipped when cuobjdump is missing): per kernel and key
-  tile, ``D/16 * 8`` MMAs for S and ``4 * D/8`` for P V, every one unrolled.
+  tile, ``mtiles * (D/16 * TK/8)`` MMAs for S and ``mtiles * TK/16 * D/8`` for P V, every one unrolled (also
+  counted in the CUDA source, without cuobjdump).
 
 The numerical check needs a GPU (``tests/gpu/test_prefill_tc_gpu.py``).
 """
@@ -26,12 +27,15 @@ from _cuda_support import nvcc_all, ops_cuda_source, ptxas_usage
 
 from pagedkv import tir_kernels as tk
 from pagedkv.tir_kernels import attention_cuda_prefill as pf
+from pagedkv.tir_kernels.attention_cuda_prefill_tc import TC_TILES
 
 from tvm.target import Target
 
 SM90 = Target({"kind": "cuda", "arch": "sm_90"}, host="llvm")
 SWITCH = "cuda_prefill_kernel"
 OPS = ("attn_prefill_ragged", "attn_prefill_paged")
+#: The tensor-core tiles (switch values), "tc" the default one.
+TILES = ("tc", "tc2", "tc3")
 SHAPES = {
     "32x8x128-f16": tk.KernelConfig(32, 8, 128, 128, "float16"),
     "12x4x64-bf16-w100-cap30": tk.KernelConfig(12, 4, 64, 64, "bfloat16", sliding_window=100, logits_soft_cap=30.0),
@@ -39,7 +43,7 @@ SHAPES = {
 
 
 #: Spill bytes (stores or loads) allowed per kernel of a shape (default 0).
-SPILL_BYTES = {"12x4x64-bf16-w100-cap30": 32}
+SPILL_BYTES = {("12x4x64-bf16-w100-cap30", "tc"): 32}
 
 
 def _with(cfg, value):
@@ -51,8 +55,8 @@ def _script(cfg, op):
 
 
 def test_switch_is_registered_and_on_by_default():
-    assert tk.SWITCHES[SWITCH][1] == ("auto", "simt", "tc")
-    assert pf.TC_BY_DEFAULT is True
+    assert tk.SWITCHES[SWITCH][1] == ("auto", "simt", *TILES)
+    assert pf.TC_BY_DEFAULT is True and pf.TC_DEFAULT_TILE == "tc"
 
 
 @pytest.mark.parametrize("op", OPS)
@@ -62,6 +66,9 @@ def test_tc_is_the_default_where_it_serves(op):
     assert "pagedkv_mma_f16" in default
     assert _script(_with(cfg, "auto"), op) == default == _script(_with(cfg, "tc"), op)
     assert "pagedkv_mma" not in _script(_with(cfg, "simt"), op)
+    for tile in TILES[1:]:  # opt-in: 128 rows, two stages in dynamic shared memory
+        script = _script(_with(cfg, tile), op)
+        assert "pagedkv_mma_f16" in script and "shared.dyn" in script and "shared.dyn" not in default
     unserved = tk.KernelConfig(4, 4, 64, 64, "float32")
     assert "pagedkv_mma" not in _script(unserved, op)
     assert _script(unserved, op) == _script(_with(unserved, "simt"), op)
@@ -72,18 +79,30 @@ def test_tc_is_the_default_where_it_serves(op):
                                      (tk.KernelConfig(64, 1, 64, 64, "float16"), "GQA group 64")])
 def test_tc_refuses_what_it_does_not_serve(cfg, why):
     for op in OPS:
-        with pytest.raises(NotImplementedError, match=why):
-            tk.FACTORIES[op](_with(cfg, "tc"), SM90)
+        for tile in TILES:
+            with pytest.raises(NotImplementedError, match=f"{SWITCH}={tile}: .*{why}"):
+                tk.FACTORIES[op](_with(cfg, tile), SM90)
+
+
+def test_tile_shared_memory():
+    """Bytes a block holds: "tc" one K and one V tile (static, under 48 KB), "tc2" two of each (dynamic)."""
+    tiles = TC_TILES
+    assert (tiles["tc"].rows, tiles["tc"].threads, tiles["tc"].stages) == (64, 128, 1)
+    assert (tiles["tc2"].rows, tiles["tc2"].threads, tiles["tc2"].stages) == (128, 256, 2)
+    assert tiles["tc"].smem_bytes(128, 128) == 34816 and tiles["tc2"].smem_bytes(128, 128) == 69632
+    assert tiles["tc2"].smem_bytes(64, 64) == 36864
+    assert (tiles["tc3"].rows, tiles["tc3"].threads, tiles["tc3"].stages, tiles["tc3"].tk) == (128, 128, 2, 32)
+    assert tiles["tc3"].smem_bytes(128, 128) == 2 * 32 * 272 * 2 + 128 * 136 * 2 == 69632
 
 
 def _source(key):
-    return ops_cuda_source(_with(SHAPES[key[0]], "tc"), OPS, SM90)
+    return ops_cuda_source(_with(SHAPES[key[0]], key[1]), OPS, SM90)
 
 
 @pytest.fixture(scope="module")
 def nvcc_results(tmp_path_factory):
     workdir = tmp_path_factory.mktemp("tc")
-    return workdir, nvcc_all([(name,) for name in SHAPES], _source, workdir, "tc_")  # keys: 1-tuples
+    return workdir, nvcc_all([(name, tile) for name in SHAPES for tile in TILES], _source, workdir, "tc_")
 
 
 def _cuobjdump() -> str | None:
@@ -99,21 +118,34 @@ def _sass_by_kernel(cubin: pathlib.Path) -> dict:
     return dict(zip(parts[1::2], parts[2::2]))
 
 
+@pytest.mark.parametrize("tile", TILES)
 @pytest.mark.parametrize("name", list(SHAPES))
-def test_tc_nvcc_no_spills_and_hmma(name, nvcc_results):
+def test_tc_nvcc_no_spills_and_hmma(name, tile, nvcc_results):
     workdir, results = nvcc_results
-    rc, log = results[(name,)]
+    rc, log = results[(name, tile)]
     assert rc == 0, log[-3000:]
     usage = ptxas_usage(log)
     # No spills, except a known small one: ptxas caps the windowed + capped paged kernel (D 64) at 168
     # registers and spills 20 bytes there (a performance nit, looked at when the kernel is tuned on a GPU).
-    limit = SPILL_BYTES.get(name, 0)
+    limit = SPILL_BYTES.get((name, tile), 0)
     assert usage and all(max(u[1:]) <= limit for u in usage.values()), usage
+    d, t = SHAPES[name].head_dim, TC_TILES[tile]
+    want = t.mtiles * (d // 16 * t.tk // 8 + t.tk // 16 * d // 8)  # per kernel: S and P V of a key tile, unrolled
+    # Each op's PrimFunc: the tensor-core kernel (the plain one) and the SIMT RoPE kernel (no MMA). In the
+    # CUDA source TVM emitted (its unrolling), then, when cuobjdump is there, in the SASS (ptxas' code).
+    source = (workdir / f"tc_{name}_{tile}.cu").read_text()
+    calls = {k: len(re.findall(r"\bpagedkv_mma_b?f16\(", body)) for k, body in _kernel_bodies(source).items()}
+    assert sorted(calls.values()) == [0, 0, want, want], calls
     if _cuobjdump() is None:
-        pytest.skip("cuobjdump not found (the SASS check needs it)")
-    d = SHAPES[name].head_dim
-    want = d // 16 * 8 + 4 * d // 8  # per kernel: S and P V of one key tile, unrolled
-    sass = _sass_by_kernel(workdir / f"tc_{name}.cubin")
+        pytest.skip("cuobjdump not found (the SASS check needs it; the source count passed)")
+    sass = _sass_by_kernel(workdir / f"tc_{name}_{tile}.cubin")
     counts = {k: len(re.findall(r"\bHMMA\.16816\.F32", s)) for k, s in sass.items()}
-    # Each op's PrimFunc: the tensor-core kernel (the plain one) and the SIMT RoPE kernel (no HMMA).
     assert sorted(counts.values()) == [0, 0, want, want], counts
+
+
+def _kernel_bodies(source: str) -> dict:
+    """``{kernel: its definition}`` of a CUDA source (the declarations TVM puts first are skipped)."""
+    out = {}
+    for m in re.finditer(r'extern "C" __global__ void __launch_bounds__\(\d+\) (\w+)\([^)]*\) \{\n', source):
+        out[m.group(1)] = source[m.end():source.index("\n}\n", m.end())]
+    return out

@@ -1,13 +1,17 @@
 """The tensor-core prefill's generated CUDA, run on the CPU (no GPU): TVM's source of the kernel, compiled
-with g++ against ``_cuda_emu.h`` (one CPU thread per CUDA thread, barriers, and the warp-collective
-``shfl_xor`` / ``ldmatrix`` / ``mma.sync`` emulated from the PTX ISA's definitions), checked against the
-float64 reference on ragged and paged batches of odd lengths, causal and not, GQA groups 4 and 3, fp16 and
-bf16, windowed + soft-capped, ragged k / v also unaligned (the element-load path). This checks the kernel's own logic (tiles, entry search, masks, online
-softmax, pipeline order, stores) as TVM lowered it; the GPU run (``tests/gpu/test_prefill_tc_gpu.py``)
-checks the hardware side (timing of ``cp.async``, real MMA rounding). Skips without g++.
+with g++ against ``_cuda_emu.h`` (one CPU thread per CUDA thread, barriers, ``cp.async`` completing as late
+as its waits allow, and the warp-collective ``shfl_xor`` / ``ldmatrix`` / ``mma.sync`` emulated from the PTX
+ISA's definitions), checked against the float64 reference on ragged and paged batches of odd lengths (tile,
+page and 128-row block edges, entries with no keys or no queries), causal and not, fp16 and bf16, windowed +
+soft-capped, ragged k / v also unaligned (the element-load path). Tiles (``TC_TILES``): "tc2" and "tc3" on
+GQA groups 1, 3, 4, 7, 8 and head dims 64 / 128, "tc" on groups 4, 3 and both dims. This checks the kernel's own logic
+(tiles, entry search, masks, online softmax, pipeline order and waits, stores) as TVM lowered it; the GPU
+run (``tests/gpu/test_prefill_tc_gpu.py``) checks the hardware side (real MMA rounding, timing). Skips
+without g++.
 
-The kernel is the ``apply_rope = 0`` one (the PrimFunc's host code picks it); its launch is 128 threads x
-``(max(n // TQ + B, 1), Hkv)`` blocks as TVM's host code launches it.
+The kernel is the ``apply_rope = 0`` one (the PrimFunc's host code picks it); its launch is the tile's threads
+(``__launch_bounds__``) x ``(max(n // TQ + B, 1), Hkv)`` blocks as TVM's host code launches it; the dynamic
+shared memory of the two-stage tiles becomes a static array.
 """
 
 from __future__ import annotations
@@ -27,7 +31,7 @@ from _cuda_support import cuda_source_of
 
 from pagedkv import tir_kernels as tk
 from pagedkv.testing import reference as R
-from pagedkv.tir_kernels.attention_cuda_prefill_tc import TC_ROWS
+from pagedkv.tir_kernels.attention_cuda_prefill_tc import TC_TILES
 
 import tvm
 from tvm.target import Target
@@ -35,53 +39,79 @@ from tvm.target import Target
 SM90 = Target({"kind": "cuda", "arch": "sm_90"}, host="llvm")
 HERE = pathlib.Path(__file__).resolve().parent
 LOG2E = math.log2(math.e)
-#: (queries, keys) per entry: tile edges, more and fewer keys than queries, empty sides.
-ENTRIES = [(1, 1), (17, 17), (65, 65), (70, 130), (20, 6), (5, 0), (0, 3), (64, 64)]
+#: (queries, keys) per entry: tile edges (64 and 128 rows of a block are 64 / G and 128 / G tokens; key tiles of
+#: 64, pages of 16), more and fewer keys than queries, empty sides.
+ENTRIES = [(1, 1), (17, 17), (65, 65), (70, 130), (20, 6), (5, 0), (0, 3), (64, 64), (150, 150), (33, 200)]
 CONFIGS = {
     "8x2x64-f16": tk.KernelConfig(8, 2, 64, 64, "float16"),
     "6x2x64-bf16-w40-cap20": tk.KernelConfig(6, 2, 64, 64, "bfloat16", sliding_window=40, logits_soft_cap=20.0),
     "4x1x128-f16": tk.KernelConfig(4, 1, 128, 128, "float16"),
+    "2x2x128-f16": tk.KernelConfig(2, 2, 128, 128, "float16"),
+    "7x1x128-bf16": tk.KernelConfig(7, 1, 128, 128, "bfloat16"),
+    "8x1x64-bf16": tk.KernelConfig(8, 1, 64, 64, "bfloat16"),
 }
+#: (config, tile) pairs run: every config on "tc2" and "tc3" (GQA groups 1, 3, 4, 7, 8; D 64 and 128; fp16 and
+#: bf16; windowed + capped), the first three on "tc".
+CASES = [(name, "tc") for name in list(CONFIGS)[:3]] + [(name, t) for t in ("tc2", "tc3") for name in CONFIGS]
+#: The unaligned-view (element-load) runs: two configs on "tc", every one on "tc2" and "tc3".
+UNALIGNED = CASES[:2] + CASES[3:]
+#: Bytes of the static array standing in for a kernel's dynamic shared memory.
+DYN_SMEM_BYTES = 256 * 1024
 
 
-def _kernel_source(src: str) -> tuple[str, str, list]:
-    """(kernel name, its definition, [(type, name)] params) of the tensor-core kernel in a module's source."""
-    for m in re.finditer(r'extern "C" __global__ void __launch_bounds__\(\d+\) (\w+)\(([^)]*)\) \{\n', src):
+def _kernel_source(src: str) -> tuple[str, str, list, int]:
+    """(kernel name, its definition, [(type, name)] params, threads a block) of the tensor-core kernel in a
+    module's source."""
+    for m in re.finditer(r'extern "C" __global__ void __launch_bounds__\((\d+)\) (\w+)\(([^)]*)\) \{\n', src):
         end = src.index("\n}\n", m.end())
         # g++ wants the alignment before ``static`` (``__shared__`` is ``static`` in _cuda_emu.h).
         body = re.sub(r"__shared__ (alignas\(\d+\))", r"\1 static", src[m.start():end + 3])
+        # Dynamic shared memory: a static array of DYN_SMEM_BYTES (the kernels' one extern buffer).
+        body = re.sub(r"extern __shared__ __align__\((\d+)\) (\w+) (\w+)\[\];",
+                      lambda d: f"alignas({d.group(1)}) static {d.group(2)} {d.group(3)}[{DYN_SMEM_BYTES} / "
+                                f"sizeof({d.group(2)})];", body)
         if "pagedkv_mma_" in body:
-            params = [tuple(p.replace("__restrict__", "").rsplit(None, 1)) for p in m.group(2).split(", ")]
-            return m.group(1), body, params
+            params = [tuple(p.replace("__restrict__", "").rsplit(None, 1)) for p in m.group(3).split(", ")]
+            return m.group(2), body, params, int(m.group(1))
     raise AssertionError("no tensor-core kernel in the source")
 
 
 @pytest.fixture(scope="module")
 def built(tmp_path_factory):
+    """``get(name, tile, op)``: (library, params) of the config's kernel for ``op`` on ``tile``, built once."""
     if shutil.which("g++") is None:
         pytest.skip("g++ not found")
     out = {}
     workdir = tmp_path_factory.mktemp("emu")
-    for name, cfg in CONFIGS.items():
-        cfg = dataclasses.replace(cfg, paths={"cuda_prefill_kernel": "tc"})
-        for op in ("attn_prefill_ragged", "attn_prefill_paged"):
-            func = tk.build_kernels(cfg, SM90, ops=(op,))[op]
-            with SM90:
-                exe = tvm.compile(tvm.IRModule({f"pagedkv_{op}": func}), target=SM90)
-            kname, body, params = _kernel_source(cuda_source_of(exe))
-            args = []
-            for i, (ty, pname) in enumerate(params):
-                args.append(f"({ty})ptrs[{i}]" if ty.endswith("*") else f"(({ty})nums[{i}])")
-            cpp = workdir / f"{name}-{op}.cpp"
-            cpp.write_text(f'#include "{HERE / "_cuda_emu.h"}"\n{body}\n'
-                           f'extern "C" void run(void** ptrs, double* nums, int gx, int gy) {{\n'
-                           f'  launch(gx, gy, [=]() {{ {kname}({", ".join(args)}); }});\n}}\n')
-            lib = workdir / f"{name}-{op}.so"
-            proc = subprocess.run(["g++", "-O1", "-std=c++20", "-shared", "-fPIC", "-pthread", "-w", "-o", str(lib),
-                                   str(cpp)], capture_output=True, text=True, check=False)
-            assert proc.returncode == 0, proc.stderr[-4000:]
-            out[(name, op)] = (ctypes.CDLL(str(lib)), params)
-    return out
+
+    def get(name, tile, op):
+        if (name, tile, op) not in out:
+            out[(name, tile, op)] = _build(CONFIGS[name], tile, op, workdir / f"{name}-{tile}-{op}")
+        return out[(name, tile, op)]
+
+    return get
+
+
+def _build(cfg, tile, op, stem):
+    cfg = dataclasses.replace(cfg, paths={"cuda_prefill_kernel": tile})
+    func = tk.build_kernels(cfg, SM90, ops=(op,))[op]
+    with SM90:
+        exe = tvm.compile(tvm.IRModule({f"pagedkv_{op}": func}), target=SM90)
+    kname, body, params, threads = _kernel_source(cuda_source_of(exe))
+    assert threads == TC_TILES[tile].threads, (threads, tile)
+    assert ("extern __shared__" in cuda_source_of(exe)) == (TC_TILES[tile].stages == 2)  # tc2: dynamic
+    args = []
+    for i, (ty, pname) in enumerate(params):
+        args.append(f"({ty})ptrs[{i}]" if ty.endswith("*") else f"(({ty})nums[{i}])")
+    cpp = stem.with_suffix(".cpp")
+    cpp.write_text(f'#define PAGEDKV_EMU_THREADS {threads}\n#include "{HERE / "_cuda_emu.h"}"\n{body}\n'
+                   f'extern "C" void run(void** ptrs, double* nums, int gx, int gy) {{\n'
+                   f'  launch(gx, gy, [=]() {{ {kname}({", ".join(args)}); }});\n}}\n')
+    lib = stem.with_suffix(".so")
+    proc = subprocess.run(["g++", "-O1", "-std=c++20", "-shared", "-fPIC", "-pthread", "-w", "-o", str(lib),
+                           str(cpp)], capture_output=True, text=True, check=False)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    return ctypes.CDLL(str(lib)), params
 
 
 def _to_storage(x: torch.Tensor, dtype: str) -> np.ndarray:
@@ -123,19 +153,19 @@ def _misaligned(a: np.ndarray) -> np.ndarray:
 
 @pytest.mark.parametrize("causal", [1, 0])
 @pytest.mark.parametrize("op", ["attn_prefill_ragged", "attn_prefill_paged"])
-@pytest.mark.parametrize("name", list(CONFIGS))
-def test_emulated_kernel_matches_reference(name, op, causal, built):
-    _check(name, op, causal, built, misalign=False)
+@pytest.mark.parametrize("name,tile", CASES, ids=[f"{t}-{n}" for n, t in CASES])
+def test_emulated_kernel_matches_reference(name, tile, op, causal, built):
+    _check(name, tile, op, causal, built, misalign=False)
 
 
-@pytest.mark.parametrize("name", list(CONFIGS)[:2])
-def test_emulated_unaligned_ragged_views(name, built):
-    _check(name, "attn_prefill_ragged", 1, built, misalign=True)
+@pytest.mark.parametrize("name,tile", UNALIGNED, ids=[f"{t}-{n}" for n, t in UNALIGNED])
+def test_emulated_unaligned_ragged_views(name, tile, built):
+    _check(name, tile, "attn_prefill_ragged", 1, built, misalign=True)
 
 
-def _check(name, op, causal, built, misalign):
+def _check(name, tile, op, causal, built, misalign):
     cfg = CONFIGS[name]
-    lib, params = built[(name, op)]
+    lib, params = built(name, tile, op)
     hq, hkv, d, dt = cfg.num_qo_heads, cfg.num_kv_heads, cfg.head_dim, cfg.dtype
     gen = torch.Generator().manual_seed(7 + causal)
     rnd = getattr(torch, dt)
@@ -151,8 +181,9 @@ def _check(name, op, causal, built, misalign):
         arrays["k"] = _to_storage(torch.cat([e[1] for e in ents]), dt)
         arrays["v"] = _to_storage(torch.cat([e[2] for e in ents]), dt)
         arrays["kv_indptr"] = np.cumsum([0] + [e[1].shape[0] for e in ents]).astype(np.int32)
-        if misalign:
+        if misalign:  # q too: "tc3" copies q rows with cp.async when aligned
             arrays["k"], arrays["v"] = _misaligned(arrays["k"]), _misaligned(arrays["v"])
+            arrays["q"] = _misaligned(arrays["q"])
     else:
         counts = [-(-e[1].shape[0] // ps) for e in ents]
         order = np.random.default_rng(3).permutation(sum(counts) + 2)
@@ -169,7 +200,7 @@ def _check(name, op, causal, built, misalign):
             last.append(k.shape[0] - (cnt - 1) * ps if cnt else 0)
         arrays.update(pages=_to_storage(pages, dt), page_indptr=np.cumsum([0] + counts).astype(np.int32),
                       page_values=np.array(values or [0], np.int32), last_page_len=np.array(last, np.int32))
-    tq = TC_ROWS // (hq // hkv)
+    tq = TC_TILES[tile].rows // (hq // hkv)
     _run(lib, params, arrays, {"B": B, "n": n, "causal": causal, "ps": ps, "scale2": sm_scale * LOG2E},
          (max(n // tq + B, 1), hkv))
     o, lse = _from_storage(arrays["o"], dt), torch.from_numpy(arrays["lse"]).double()

@@ -158,3 +158,79 @@ def test_one_warp_tile_equals_matmul(d, dv):
                 row, col = mm.c_frag(lane, i)
                 got[row, dn * 8 + col] = oacc[lane, dn * 4 + i]
     np.testing.assert_allclose(got, o_ref, rtol=1e-10, atol=1e-9)
+
+
+@pytest.mark.parametrize("tile", ["tc2", "tc3"])
+@pytest.mark.parametrize("d,dv", [(128, 128), (64, 64), (64, 128)])
+def test_two_stage_buffer_regions(d, dv, tile):
+    """The two-stage tiles' one dynamic buffer: the K and V tiles of both stages (and Q, when it is in shared
+    memory) are disjoint, fill ``smem_bytes``, and start at multiples of 128 bytes (16-byte aligned rows, and
+    the same banks as the base-0 buffers above)."""
+    tile = tc.TC_TILES[tile]
+    tk = tile.tk
+    regions = []
+    for stage in range(tile.stages):
+        regions += [(tile.k_base(stage, d, dv), tk * (d + tc.TC_PAD)), (tile.v_base(stage, d, dv), tk * (dv + tc.TC_PAD))]
+    if tile.q_in_smem:
+        regions.append((tile.q_base(d, dv), tile.rows * (d + tc.TC_PAD)))
+    assert all(start * 2 % 128 == 0 for start, _ in regions)
+    assert all(a + n == b for (a, n), (b, _) in zip(regions, regions[1:])) and regions[0][0] == 0
+    assert (regions[-1][0] + regions[-1][1]) * 2 == tile.smem_bytes(d, dv)
+    # The largest index the kernel's ldmatrix rows reach (+ 8 elements) stays inside its tile.
+    assert tc.k_ldsm_index(31, tk // 8 - 1, d // 32 - 1, d) + 8 <= tk * (d + tc.TC_PAD)
+    assert tc.v_ldsm_index(31, tk // 16 - 1, dv // 16 - 1, dv) + 8 <= tk * (dv + tc.TC_PAD)
+
+
+@pytest.mark.parametrize("d", [64, 128])
+def test_q_in_shared_memory_fragments(d):
+    """Q in shared memory ("tc3"): the ``ldmatrix.x4`` at ``q_ldsm_index`` gives each lane its A fragment
+    (``a_frag``) of rows ``row0 ..`` x dims ``16 ks ..``, and the one at ``k_ldsm_index_nt2`` the B fragments
+    (``b_frag``: k = dim, n = key) of n tiles ``2 nt2`` and ``2 nt2 + 1`` at k step ``ks``; then the k-step-outer
+    S of two m16 tiles equals Q K^T."""
+    rng = np.random.default_rng(d)
+    tile = tc.TC_TILES["tc3"]
+    rows, tk, stride = 32, tile.tk, d + tc.TC_PAD
+    q, k = rng.standard_normal((rows, d)), rng.standard_normal((tk, d))
+    q_smem, k_smem = np.full(rows * stride, np.nan), np.full(tk * stride, np.nan)
+    for r in range(rows):
+        q_smem[r * stride:r * stride + d] = q[r]
+    for j in range(tk):
+        k_smem[tc.k_store_index(j, 0, d):tc.k_store_index(j, 0, d) + d] = k[j]
+    sacc = np.zeros((2, LANES, tk // 8 * 4))
+    for ks in range(d // 16):
+        afr = []
+        for mt in range(2):
+            regs = ldmatrix_model(q_smem, [tc.q_ldsm_index(ln, 16 * mt, ks, d) for ln in range(LANES)], False)
+            a = regs.reshape(LANES, 8)
+            for ln in range(LANES):
+                for i in range(8):
+                    r, c = mm.a_frag(ln, i)
+                    assert a[ln, i] == q[16 * mt + r, 16 * ks + c]
+            afr.append(a)
+        for nt2 in range(tk // 16):
+            regs = ldmatrix_model(k_smem, [tc.k_ldsm_index_nt2(ln, nt2, ks, d) for ln in range(LANES)], False)
+            for u in (0, 1):
+                b = regs[:, 2 * u:2 * u + 2, :].reshape(LANES, 4)
+                for ln in range(LANES):
+                    for i in range(4):
+                        kk, n = mm.b_frag(ln, i)
+                        assert b[ln, i] == k[8 * (2 * nt2 + u) + n, 16 * ks + kk]
+                for mt in range(2):
+                    nt = 2 * nt2 + u
+                    sacc[mt, :, nt * 4:nt * 4 + 4] = mma_model(afr[mt], b, sacc[mt, :, nt * 4:nt * 4 + 4])
+    s_ref = q @ k.T
+    for mt in range(2):
+        for ln in range(LANES):
+            for nt in range(tk // 8):
+                for i in range(4):
+                    r, c = mm.c_frag(ln, i)
+                    assert sacc[mt, ln, nt * 4 + i] == pytest.approx(s_ref[16 * mt + r, nt * 8 + c])
+
+
+@pytest.mark.parametrize("d", [64, 128])
+def test_q_and_k_nt2_rows_are_aligned_without_bank_conflicts(d):
+    for idx in (lambda ln: tc.q_ldsm_index(ln, 16, 3, d), lambda ln: tc.k_ldsm_index_nt2(ln, 1, 2, d)):
+        for phase in range(4):
+            lanes = range(8 * phase, 8 * phase + 8)
+            assert all(idx(ln) % 8 == 0 for ln in lanes)
+            assert len({(idx(ln) // 2 + w) % 32 for ln in lanes for w in range(4)}) == 32

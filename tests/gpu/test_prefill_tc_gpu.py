@@ -1,6 +1,7 @@
 """The tensor-core CUDA prefill (``tir_kernels.attention_cuda_prefill_tc``, forced with the path switch
-``cuda_prefill_kernel=tc``; the default for the specs it serves) and the SIMT one (forced ``simt``) against the
-float64 reference. Skips cleanly without a CUDA GPU.
+``cuda_prefill_kernel=tc``, the default for the specs it serves, or ``tc2``, its opt-in 128-row two-stage tile
+in dynamic shared memory) and the SIMT one (forced ``simt``) against the float64 reference. Skips cleanly
+without a CUDA GPU.
 
 Shapes ``pagedkv.testing.shapes.PREFILL_TC_SHAPES`` (GQA groups 4, 1, 8, 7, 3; head dims 128 and 64; fp16 and
 bf16; one windowed + soft-capped), ragged and paged, causal and not, over one batch of entries of mixed
@@ -35,6 +36,8 @@ DEVICE = "cuda"
 #: (shape, forced paths) of every kernel library this module loads.
 LIBRARIES = [(s, dict(p)) for s in PREFILL_TC_SHAPES for p in PREFILL_KERNEL_PATHS]
 KERNELS = [p["cuda_prefill_kernel"] for p in PREFILL_KERNEL_PATHS]
+#: The tensor-core tiles among them.
+TC_KERNELS = [k for k in KERNELS if k != "simt"]
 #: (queries, keys) per entry, in one batch.
 ENTRIES = [(1, 1), (17, 17), (63, 63), (64, 64), (65, 65), (200, 200), (1000, 1000), (17, 200), (65, 1000),
            (64, 129), (20, 6), (200, 0), (0, 5), (3, 70)]
@@ -60,7 +63,7 @@ def _misaligned(x: torch.Tensor) -> torch.Tensor:
 
 
 def _run(shape, paged: bool, causal: int, apply_rope: int, gen, misalign: bool = False, kernel: str = "tc"):
-    """Run one prefill over ``ENTRIES``; returns (entries, q_pos, o, lse, sm_scale). ``misalign``: ragged k / v
+    """Run one prefill over ``ENTRIES``; returns (entries, q_pos, o, lse, sm_scale). ``misalign``: ragged q / k / v
     as unaligned views (the kernel's element-load path)."""
     _module, fns = _prefill_fns(shape, kernel)
     dt = getattr(torch, shape.dtype)
@@ -80,8 +83,8 @@ def _run(shape, paged: bool, causal: int, apply_rope: int, gen, misalign: bool =
     else:
         k = torch.cat([e[1] for e in ents]).to(dt).to(DEVICE)
         v = torch.cat([e[2] for e in ents]).to(dt).to(DEVICE)
-        if misalign:
-            k, v = _misaligned(k), _misaligned(v)
+        if misalign:  # q too: "tc3" copies q rows with cp.async when aligned
+            k, v, q = _misaligned(k), _misaligned(v), _misaligned(q)
         _call(fns["attn_prefill_ragged"], q, k, v, q_indptr, _i32(_indptr([len(e[1]) for e in ents])),
               _i32(q_pos), k_pos, o, lse, *tail)
     return ents, q_pos, o, lse, sm_scale
@@ -114,13 +117,15 @@ def test_prefill_tc(shape, paged, causal, kernel, gen):
 
 
 @pytest.mark.parametrize("shape", PREFILL_TC_SHAPES, ids=[s.id for s in PREFILL_TC_SHAPES])
-def test_prefill_tc_library_runs_simt_rope(shape, gen):
+@pytest.mark.parametrize("kernel", TC_KERNELS)
+def test_prefill_tc_library_runs_simt_rope(shape, kernel, gen):
     """``apply_rope = 1``: the tensor-core PrimFunc's SIMT RoPE kernel (the tensor-core one has no RoPE)."""
-    _check(shape, False, 1, 1, gen)
+    _check(shape, False, 1, 1, gen, kernel=kernel)
 
 
+@pytest.mark.parametrize("kernel", TC_KERNELS)
 @pytest.mark.parametrize("causal", [1, 0])
 @pytest.mark.parametrize("shape", PREFILL_TC_SHAPES, ids=[s.id for s in PREFILL_TC_SHAPES])
-def test_prefill_tc_unaligned_views(shape, causal, gen):
+def test_prefill_tc_unaligned_views(shape, causal, kernel, gen):
     """Ragged k / v not 16-byte aligned: the element-load path (a run-time test of the addresses)."""
-    _check(shape, False, causal, 0, gen, misalign=True)
+    _check(shape, False, causal, 0, gen, misalign=True, kernel=kernel)

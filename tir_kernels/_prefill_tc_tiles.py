@@ -1,0 +1,130 @@
+"""The tiles of the tensor-core CUDA prefill (``attention_cuda_prefill_tc``): their configurations
+(``TcTile``, ``TC_TILES``, by value of the path switch ``cuda_prefill_kernel``) and the shared-memory index
+maps of the operands, plain functions of ints or TIR expressions alike (the kernel calls them inside its
+``@T.macro`` s, ``tests/cpu/test_prefill_tc_layout.py`` with ints against a NumPy model of ``ldmatrix`` /
+``mma``).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+#: Warps per block, rows per warp (one m16 tile), keys per tile, shared-memory row padding (elements): the
+#: "tc" tile (``TC_TILES``); ``TC_ROWS`` / ``TC_NT`` are its rows and threads per block.
+TC_WARPS, TC_WROWS, TC_TK, TC_PAD = 4, 16, 64, 8
+TC_ROWS = TC_WARPS * TC_WROWS
+TC_NT = TC_WARPS * 32
+TC_DTYPES = ("float16", "bfloat16")
+TC_MAX_DIM = 128
+#: qk and v head dims served: those run on the H200 (tests/gpu/test_prefill_tc_gpu.py) and in the CPU emulation
+#: of the kernel; the tile code takes multiples of 32 up to TC_MAX_DIM, but 96 spills 4 bytes in the paged kernel.
+TC_HEAD_DIMS = (64, 128)
+#: GQA groups served: the PrimFunc also holds the SIMT RoPE kernel, whose tile takes groups up to 32 rows
+#: (``attention_cuda_prefill._prefill_plan``); the tensor-core tile itself would take 64.
+TC_MAX_GROUP = 32
+#: Shared memory a block may use (bytes): sm_90's 227 KB of dynamic shared memory per block; static shared
+#: memory stops at 48 KB (the one-stage tile stays under it).
+TC_MAX_SMEM, TC_STATIC_SMEM = 227 * 1024, 48 * 1024
+
+
+@dataclasses.dataclass(frozen=True)
+class TcTile:
+    """A configuration of the kernel, named by its value of the path switch ``cuda_prefill_kernel``.
+
+    ``warps`` warps of ``mtiles`` m16 tiles each (rows per block = 16 warps mtiles; with two or more, Q
+    lives in shared memory: ``q_in_smem``); key tiles of ``tk``; ``stages`` K/V buffers: 1 = one K and one
+    V tile in static shared memory, loads overlapped through the two cp.async groups (4 barriers a key
+    tile); 2 = two of each in one dynamic shared-memory buffer, tile kt + 1 loading during all of tile kt
+    (one barrier a key tile; over 48 KB at D 128, which TVM's CUDA launcher allows by raising the function's
+    ``CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES`` when a launch asks for 48 KB or more).
+    """
+
+    name: str
+    warps: int
+    stages: int
+    mtiles: int = 1
+    tk: int = TC_TK
+
+    @property
+    def rows(self) -> int:
+        return self.warps * self.mtiles * TC_WROWS
+
+    @property
+    def q_in_smem(self) -> bool:
+        """Q staged in shared memory (re-read as A fragments each key tile) rather than held in registers:
+        with two m16 tiles a warp the registers go to the accumulators."""
+        return self.mtiles > 1
+
+    @property
+    def threads(self) -> int:
+        return self.warps * 32
+
+    def smem_bytes(self, d: int, dv: int, dtype: str = "float16") -> int:
+        """Shared memory of a block: ``stages`` x (K tile + V tile) (+ the Q rows), rows padded by ``TC_PAD``."""
+        q = self.rows * (d + TC_PAD) if self.q_in_smem else 0
+        return (self.stages * self.tk * (d + dv + 2 * TC_PAD) + q) * (4 if dtype == "float32" else 2)
+
+    def k_base(self, stage, d: int, dv: int):
+        """First element of stage ``stage``'s K tile in the two-stage buffer (int or TIR expression): stages
+        of ``tk`` K rows then ``tk`` V rows, each a multiple of 8 elements (16-byte cp.async / ldmatrix
+        rows stay aligned) and, for D 64 / 128, of 64 (128 bytes: the bank pattern of a stage is that of
+        element 0, as ``tests/cpu/test_prefill_tc_layout.py`` checks)."""
+        return stage * (self.tk * (d + dv + 2 * TC_PAD))
+
+    def v_base(self, stage, d: int, dv: int):
+        """First element of stage ``stage``'s V tile in the two-stage buffer (after its K tile)."""
+        return self.k_base(stage, d, dv) + self.tk * (d + TC_PAD)
+
+    def q_base(self, d: int, dv: int) -> int:
+        """First element of the Q rows (``q_in_smem``: row-major, stride ``d + TC_PAD``), after the stages."""
+        return self.k_base(self.stages, d, dv)
+
+
+#: The tiles, by switch value (module docstring: registers, shared memory, occupancy, expected effect).
+TC_TILES = {"tc": TcTile("tc", TC_WARPS, 1), "tc2": TcTile("tc2", 8, 2), "tc3": TcTile("tc3", 4, 2, mtiles=2, tk=32)}
+
+
+def k_store_index(key, dim, d: int):
+    """Where ``load_kv`` puts element ``dim`` of key ``key`` of the tile in ``Ks`` (row stride ``d + TC_PAD``)."""
+    return key * (d + TC_PAD) + dim
+
+
+def v_store_index(key, dim, dv: int):
+    """Where ``load_kv`` puts element ``dim`` of value ``key`` of the tile in ``Vs`` (row stride ``dv + TC_PAD``)."""
+    return key * (dv + TC_PAD) + dim
+
+
+def k_ldsm_index(lane, nt, ks2, d: int):
+    """The ``Ks`` row this lane addresses in the ``ldmatrix.x4`` of keys ``8 nt ..`` x dims ``32 ks2 ..``:
+    matrix ``lane // 8`` = dims ``32 ks2 + 8 (lane // 8) ..``, row ``lane % 8``. Registers 0, 1 are then the B
+    fragment of k step ``2 ks2``, registers 2, 3 that of ``2 ks2 + 1`` (no transpose: a B fragment's n is
+    the key, its k the dim, and ldmatrix gives lane t row t / 4, columns 2 (t % 4), + 1)."""
+    return (nt * 8 + lane % 8) * (d + TC_PAD) + ks2 * 32 + (lane // 8) * 8
+
+
+def k_ldsm_index_nt2(lane, nt2, ks, d: int):
+    """The ``Ks`` row this lane addresses in the ``ldmatrix.x4`` of keys ``16 nt2 ..`` x dims ``16 ks ..`` (the
+    k-step-outer order of Q in shared memory): matrix ``i = lane // 8`` = keys ``16 nt2 + 8 (i // 2) ..`` x dims
+    ``16 ks + 8 (i % 2) ..``, row ``lane % 8``. Registers 0, 1 are then the B fragment of n tile ``2 nt2`` at k
+    step ``ks``, registers 2, 3 that of ``2 nt2 + 1``."""
+    return (nt2 * 16 + (lane // 16) * 8 + lane % 8) * (d + TC_PAD) + ks * 16 + ((lane // 8) % 2) * 8
+
+
+def q_ldsm_index(lane, row0, ks, d: int):
+    """The Q row (in the ``q_in_smem`` layout) this lane addresses in the ``ldmatrix.x4`` of the A fragment of
+    rows ``row0 ..`` x dims ``16 ks ..``: matrix ``i = lane // 8`` = rows ``row0 + 8 (i % 2) ..`` x dims
+    ``16 ks + 8 (i // 2) ..``, so registers 0..3 are A elements (0, 1), (2, 3), (4, 5), (6, 7) (``a_frag``)."""
+    return (row0 + ((lane // 8) % 2) * 8 + lane % 8) * (d + TC_PAD) + ks * 16 + (lane // 16) * 8
+
+
+def v_ldsm_index(lane, kk, dn2, dv: int):
+    """The ``Vs`` row this lane addresses in the ``ldmatrix.x4.trans`` of keys ``16 kk ..`` x dims
+    ``16 dn2 ..``: matrix ``i = lane // 8`` = keys ``16 kk + 8 (i % 2) ..`` x dims ``16 dn2 + 8 (i // 2) ..``,
+    row ``lane % 8``. Registers 0, 1 are the B fragment of n tile ``2 dn2``, registers 2, 3 that of
+    ``2 dn2 + 1`` (transposed: lane t gets rows = keys 2 (t % 4), + 1 of column = dim t / 4)."""
+    return (kk * 16 + ((lane // 8) % 2) * 8 + lane % 8) * (dv + TC_PAD) + dn2 * 16 + (lane // 16) * 8
+
+
+__all__ = ["TC_DTYPES", "TC_HEAD_DIMS", "TC_MAX_DIM", "TC_MAX_GROUP", "TC_MAX_SMEM", "TC_NT", "TC_PAD", "TC_ROWS",
+           "TC_STATIC_SMEM", "TC_TILES", "TC_TK", "TC_WARPS", "TC_WROWS", "TcTile", "k_ldsm_index", "k_ldsm_index_nt2",
+           "k_store_index", "q_ldsm_index", "v_ldsm_index", "v_store_index"]
