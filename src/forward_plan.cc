@@ -110,9 +110,7 @@ ForwardPlan BuildForwardPlan(const BlockPool& pool, const std::vector<int64_t>& 
   int64_t ps = pool.PageSize();
   bool flat = options.flat;
   plan.is_decode = std::all_of(lengths.begin(), lengths.end(), [](int64_t l) { return l == 1; });
-  bool continuation = options.through_continuations;
-  for (size_t i = 0; i < ids.size() && continuation; ++i) continuation = pool.Get(ids[i]).length > lengths[i];
-  plan.through = plan.is_decode || flat || continuation;
+  plan.through = plan.is_decode || flat;
   std::vector<SeqView> seqs(ids.size());
   int64_t tokens = 0;
   for (int64_t l : lengths) tokens += l;
@@ -128,7 +126,7 @@ ForwardPlan BuildForwardPlan(const BlockPool& pool, const std::vector<int64_t>& 
     ViewPages(pool, &s);
     int64_t length = seq.length;
     int64_t prior = length - lengths[i];
-    s.kv_len = plan.through ? length : prior;
+    s.kv_len = length;  // through; split forwards see `prior` (below, once every prior is known)
     plan.prior_len.push_back(static_cast<int32_t>(prior));
     for (int64_t pos = prior; pos < length; ++pos) {
       plan.q_pos.push_back(static_cast<int32_t>(pos));
@@ -137,6 +135,13 @@ ForwardPlan BuildForwardPlan(const BlockPool& pool, const std::vector<int64_t>& 
     plan.q_indptr.push_back(static_cast<int32_t>(plan.q_pos.size()));
   }
   plan.num_tokens = static_cast<int64_t>(plan.q_pos.size());
+  // A continuation (every sequence held tokens before the forward) is planned through as well.
+  plan.through = plan.through || (options.through_continuations &&
+                                  std::all_of(plan.prior_len.begin(), plan.prior_len.end(),
+                                              [](int32_t p) { return p > 0; }));
+  if (!plan.through) {
+    for (size_t i = 0; i < seqs.size(); ++i) seqs[i].kv_len = plan.prior_len[i];
+  }
   size_t depth = 0;
   for (size_t i = 0; i < seqs.size() && !flat; ++i) {
     if (i > 0) seqs[i].shared = std::max(seqs[i].shared, CommonDepth(seqs[i].chain, seqs[i - 1].chain));
