@@ -33,7 +33,8 @@ DEVICE = "cuda"
 PAGEDKV_BACKENDS = {"pagedkv-fi": ["flashinfer", "tir"], "pagedkv-tir": "tir", "pagedkv-tir-tc": "tir",
                     "pagedkv-tir-tc2": "tir", "pagedkv-tir-tc3": "tir"}
 #: label -> TIR code paths its cache is created under (``pagedkv.backends.tir.forced_paths``): the tensor-core
-#: prefill kernel, opt-in until verified on a GPU (``tir_kernels.attention_cuda_prefill.TC_BY_DEFAULT``).
+#: prefill tiles (``tir_kernels.attention_cuda_prefill.TC_DEFAULT_TILES``: auto is tc3 for whole prompts, tc2 for
+#: the paged op), each forced on its own so that the tiles are compared in every run.
 PAGEDKV_PATHS = {"pagedkv-tir-tc": {"cuda_prefill_kernel": "tc"}, "pagedkv-tir-tc2": {"cuda_prefill_kernel": "tc2"},
                  "pagedkv-tir-tc3": {"cuda_prefill_kernel": "tc3"}}
 _WS_BYTES = 512 << 20  # FlashInfer's own wrappers get a generous float workspace

@@ -1,4 +1,4 @@
-"""One-process GPU attention benchmark: pagedkv (FlashInfer and TIR backends; the TIR one also with its opt-in tensor-core prefill, ``pagedkv-tir-tc``) side by side with FlashInfer
+"""One-process GPU attention benchmark: pagedkv (FlashInfer and TIR backends; the TIR one also with each tensor-core prefill tile forced, ``pagedkv-tir-tc*``) side by side with FlashInfer
 0.7.4's own Python API (every variant), apache-tvm 0.27's own TIR kernels and torch SDPA, against the
 device's ceilings, every output checked against a float32 reference in the same run.
 
@@ -9,8 +9,8 @@ Workloads (``_bench_workloads.workloads``): decode 32/8/128 and 64/8/128 at B x 
 L 1K/8K; fp16 and bf16. Implementations: ``_bench_impls``. Ceilings: device-to-device copy bandwidth
 (decode: KV bytes / time against it) and a bf16 matmul (prefill and MLA: TFLOP/s against it).
 
-Columns: time (median of CUDA-event timings, L2 flushed before each, taken in interleaved rounds over the
-implementations of a workload), TB/s (decode: KV bytes read / time) or
+Columns: time (median of CUDA-event timings, L2 flushed before each, the calls of a workload's
+implementations interleaved one by one in random order: ``time_interleaved``), TB/s (decode: KV bytes read / time) or
 TFLOP/s, ratio to FlashInfer's best variant on that workload (its time / this time: >= 1 is as fast; on the
 chunk over a cache, the variants that read the cached keys from pages: ``_bench_impls.fi_in_best``), ratio
 to the ceiling. A wrong output (relative error >= 1e-2) gets no time, and the run exits non-zero; so does a
@@ -133,21 +133,49 @@ def _error(row: dict, name: str, e: Exception) -> None:
 
 
 def time_interleaved(prepared: list, args, flush) -> None:
-    """Times every runnable implementation of a workload in ``args.rounds`` interleaved rounds of
-    ``args.iters`` calls each, in a fresh order each round (so clock and power drift, and what ran just
-    before, spread over all of them) and records the median of all samples."""
-    samples = {id(row): [] for row, run, _ in prepared if run is not None}
-    for rnd in range(args.rounds):
-        for row, run, _ in random.Random(rnd).sample(prepared, len(prepared)):
-            if id(row) not in samples or "status" in row:
-                continue
-            try:
-                samples[id(row)] += time_samples(run, args.iters, args.warmup, flush)
-            except Exception as e:  # noqa: BLE001
-                _error(row, row["impl"], e)
-    for row, run, _ in prepared:
-        if run is not None and "status" not in row:
+    """Times every runnable implementation of a workload with their calls interleaved: after each one is
+    warmed (``warm``), ``args.rounds`` rounds of ``args.iters`` passes, each pass one CUDA-event sample of
+    every implementation (L2 flushed before each) in a fresh random order, and records the median of each
+    one's samples.
+
+    Why call by call: clocks and power drift over seconds and a kernel runs faster right after a lighter
+    one; timing one implementation's samples as a block (or a block per round) gives every sample of that
+    block the same conditions, so two runs of the same kernels differed by 3-4% (the margin the FlashInfer
+    ratios are judged by). Interleaved per call, every implementation sees the same mix of conditions and
+    predecessors, and its ``rounds * iters`` samples are independent draws."""
+    live = [(row, run) for row, run, _ in prepared if run is not None and "status" not in row]
+    for row, run in live:
+        try:
+            warm(run, args.warmup)
+        except Exception as e:  # noqa: BLE001
+            _error(row, row["impl"], e)
+    live = [(row, run) for row, run in live if "status" not in row]
+    samples = {id(row): [] for row, _ in live}
+    rng = random.Random(0)
+    for _ in range(args.rounds):
+        events = []
+        for _ in range(args.iters):
+            for row, run in rng.sample(live, len(live)):
+                if "status" in row:
+                    continue
+                start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+                flush.zero_()
+                start.record()
+                try:
+                    run()
+                except Exception as e:  # noqa: BLE001
+                    _error(row, row["impl"], e)
+                    continue
+                end.record()
+                events.append((row, start, end))
+        torch.cuda.synchronize()
+        for row, start, end in events:
+            if "status" not in row:
+                samples[id(row)].append(start.elapsed_time(end))
+    for row, _ in live:
+        if "status" not in row:
             row["ms"], row["status"] = statistics.median(samples[id(row)]), "ok"
+            row["samples"] = len(samples[id(row)])
 
 
 def run_workload(w: W.Workload, fi, upstream, args, flush, ceil) -> list[dict]:
@@ -255,8 +283,8 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--bundle", type=Path, default=Path(".gpu-bench"))
     ap.add_argument("--out", type=Path, default=Path("benchmarks/results"))
-    ap.add_argument("--iters", type=int, default=8, help="timed calls per implementation per round")
-    ap.add_argument("--rounds", type=int, default=6, help="interleaved rounds over the implementations")
+    ap.add_argument("--iters", type=int, default=8, help="passes per round (one timed call of each implementation)")
+    ap.add_argument("--rounds", type=int, default=10, help="rounds of --iters passes (a synchronize after each)")
     ap.add_argument("--warmup", type=int, default=3)
     ap.add_argument("--only", default="", help="substring of the workload names to run")
     ap.add_argument("--dtypes", default="float16,bfloat16")

@@ -15,7 +15,8 @@ Decode (``attn_decode_paged``), plain (``apply_rope == 0``): the staged kernel
 allows, else and with "lanes" the lane-group kernel below): one block per (entry, kv head, key split) for the
 whole GQA group (``G / R`` row threads of ``R`` rows x ``L`` lanes x ``NZ`` key groups); key tiles of 16 KB
 of K + V go through shared memory with 16-byte loads, the next tile's loads in flight while the current one
-is scored, so each K/V byte is read from DRAM once per kv head. Split policy: ``STAGED_TARGET_BLOCKS``.
+is scored, so each K/V byte is read from DRAM once per kv head. Split policy: whole waves
+(``_common_cuda.wave_split_count``, ``attention_cuda_decode.STAGED_RESIDENT_BLOCKS``).
 
 Decode, inline RoPE (and plain with ``cuda_decode_kernel=lanes``): the lane-group kernel, one block per
 (entry, kv head, row chunk, key split), 128 threads

@@ -20,6 +20,7 @@ from ._common_cuda import (
     paged_kv_len,
     split_count,
     vec16,
+    wave_split_count,
 )
 from ._decode_rope_cuda import make_rope_stages
 from ._decode_staged_cuda import make_staged_kernel, staged_limits, staged_plan
@@ -78,25 +79,30 @@ def _decode_plan(g: int, d: int, dtype: str):
 
 
 def _split_count(B, nnz, ps, blocks_per_split, var: CudaVariant, forced: int = 0, staged: bool = False):
-    """Key splits per (entry, kv head) of the decode kernel (``split_count`` with the decode constants of the
-    plain kernel in use and the variant's keys per entry; ``forced > 0``: that many, clamped, see
-    ``split_count``)."""
-    target, max_splits = ((STAGED_TARGET_BLOCKS, STAGED_MAX_SPLITS) if staged
-                          else (DECODE_TARGET_BLOCKS, DECODE_MAX_SPLITS))
-    return split_count(B, nnz, ps, blocks_per_split, target_blocks=target,
-                       min_split_keys=DECODE_MIN_SPLIT_KEYS, max_splits=max_splits,
+    """Key splits per (entry, kv head) of the decode kernel (``forced > 0``: that many, clamped, see
+    ``split_count``). The staged kernel's blocks are uniform (one per entry, kv head and split), so its
+    count fills whole waves (``wave_split_count``); the lane-group kernel's comes from ``split_count``
+    (about two blocks per SM). Both read the variant's keys per entry (``decode_avg_keys``)."""
+    if staged:
+        return wave_split_count(B, nnz, ps, blocks_per_split, resident_blocks=STAGED_RESIDENT_BLOCKS,
+                                min_split_keys=DECODE_MIN_SPLIT_KEYS, max_splits=STAGED_MAX_SPLITS,
+                                avg_keys=var.decode_avg_keys, forced=forced)
+    return split_count(B, nnz, ps, blocks_per_split, target_blocks=DECODE_TARGET_BLOCKS,
+                       min_split_keys=DECODE_MIN_SPLIT_KEYS, max_splits=DECODE_MAX_SPLITS,
                        avg_keys=var.decode_avg_keys, forced=forced)
 
 
-#: Split-KV policy of the decode kernel (see ``_split_count``): about two blocks per SM of an H100/H200.
+#: Split-KV policy of the lane-group decode kernel (see ``_split_count``): about two blocks per SM of an
+#: H100/H200.
 DECODE_TARGET_BLOCKS = 264
 DECODE_MIN_SPLIT_KEYS = 256
 DECODE_MAX_SPLITS = 32
-#: ... of the staged kernel (``_decode_staged_cuda``): one wave of three blocks per SM of an H200 (fp16 at
-#: D = 128 and groups 4 / 8 take 160-166 registers: 3 blocks of 128 threads, 48 KB of loads in flight per
-#: SM), so B = 1 at 32K keys (8 kv heads: 48 splits), B = 16 x 4K (S = 3, 384 blocks) and B = 64 (S = 1)
-#: each run as one wave. (``split_count`` rounds the splits up: 396 = 3 x 132 would give B = 16 four.)
-STAGED_TARGET_BLOCKS = 384
+#: ... of the staged kernel (``_decode_staged_cuda``; ``_common_cuda.wave_split_count``): fp16 / bf16 at
+#: D = 128 and groups 4 / 8 take 160-168 registers, so 3 blocks of 128 threads are resident per SM, 396 on
+#: the 132 SMs of an H200 / H100 SXM. 8 kv heads: B = 1 x 32K: S = 49 (392 blocks, one wave); B = 16 x 4K:
+#: S = 3 (384); B = 64: S = 3 (1536 blocks, 3.9 waves, where one wave's fill gave S = 1: 512 blocks, a
+#: second wave of 116); B = 256 x 2K: S = 1 (2048 blocks, 5.2 waves).
+STAGED_RESIDENT_BLOCKS = 3 * 132
 STAGED_MAX_SPLITS = 64
 
 

@@ -28,9 +28,13 @@ from .attention_cuda_prefill_tc import TC_TILES, make_prefill_tc, tc_unserved
 #: Path switch choosing the plain (apply_rope == 0) prefill kernel: "simt" (FP32 FMA), "tc" / "tc2" (tensor
 #: cores, the tiles of ``attention_cuda_prefill_tc.TC_TILES``).
 PREFILL_SWITCH = "cuda_prefill_kernel"
-#: What "auto" picks for specs the tensor-core kernel serves (``tc_unserved`` names what it does not), and its tile.
+#: What "auto" picks for specs the tensor-core kernel serves (``tc_unserved`` names what it does not): per op,
+#: the first tile of ``TC_DEFAULT_TILES`` that serves the spec. Measured on the H200 (fp16 32/8/128, run 8 of
+#: BENCHMARKS.md, ratio to FlashInfer's best): whole prompts (the ragged op) tc3 0.47-0.56 against tc
+#: 0.41-0.43 and tc2 0.44-0.46; a chunk over cached keys (the paged op: continuation prefills, prefix passes)
+#: tc2 0.33 against tc 0.23 and tc3 0.19 (tc3's 32-key tiles walk the page table twice as often).
 TC_BY_DEFAULT = True
-TC_DEFAULT_TILE = "tc"
+TC_DEFAULT_TILES = {ATTN_PREFILL_RAGGED: ("tc3", "tc"), ATTN_PREFILL_PAGED: ("tc2", "tc")}
 
 # ---------------------------------------------------------------------------------------------------
 # prefill (ragged and paged)
@@ -318,7 +322,7 @@ def _make_prefill(op: str, spec, paged: bool):
 def use_tensor_cores(op: str, spec, dv: int) -> str | None:
     """The tensor-core tile (``TC_TILES`` key) of the plain prefill kernel of ``spec``, or None for the SIMT one:
     forced by ``cuda_prefill_kernel`` ("tc" / "tc2" raise for a spec they do not serve, naming why; "simt"
-    never), else ``TC_DEFAULT_TILE`` where ``TC_BY_DEFAULT`` and it serves the spec."""
+    never), else the first of the op's ``TC_DEFAULT_TILES`` that serves the spec, where ``TC_BY_DEFAULT``."""
     choice = forced_path(spec.paths, PREFILL_SWITCH)
     if choice in TC_TILES:
         reason = tc_unserved(spec, dv, choice)
@@ -326,8 +330,8 @@ def use_tensor_cores(op: str, spec, dv: int) -> str | None:
             raise NotImplementedError(f"pagedkv.tir_kernels: {PREFILL_SWITCH}={choice}: the tensor-core CUDA "
                                       f"{op!r} kernel does not serve {reason}")
         return choice
-    if choice == "auto" and TC_BY_DEFAULT and tc_unserved(spec, dv, TC_DEFAULT_TILE) is None:
-        return TC_DEFAULT_TILE
+    if choice == "auto" and TC_BY_DEFAULT:
+        return next((t for t in TC_DEFAULT_TILES[op] if tc_unserved(spec, dv, t) is None), None)
     return None
 
 

@@ -35,9 +35,10 @@ SWITCHES: dict[str, tuple[str, tuple[str, ...]]] = {
                             "stage in static shared memory; tc2 = 128 rows (8 warps), two stages in dynamic shared "
                             "memory; tc3 = 128 rows (4 warps of two m16 tiles, Q in shared memory), two stages of "
                             "32 keys. "
-                            "Inline RoPE always runs the SIMT kernel. auto: the tensor-core kernel (tile "
-                            "tir_kernels.attention_cuda_prefill.TC_DEFAULT_TILE) where it serves the spec "
-                            "(TC_BY_DEFAULT), SIMT elsewhere",
+                            "Inline RoPE always runs the SIMT kernel. auto: the tensor-core kernel where it serves "
+                            "the spec (TC_BY_DEFAULT), in the op's first serving tile of "
+                            "tir_kernels.attention_cuda_prefill.TC_DEFAULT_TILES (ragged: tc3, else tc; paged: "
+                            "tc2, else tc), SIMT elsewhere",
                             ("auto", "simt", "tc", "tc2", "tc3")),
     "cuda_decode_kernel": ("CUDA MHA decode (attn_decode_paged) without inline RoPE: the lane-group kernel "
                            "(lanes) or the shared-memory staged kernel (staged; auto: staged where its limits "

@@ -135,3 +135,48 @@ def test_summary_uses_the_counted_best_and_plots():
     assert "| c | paged-fa3 2.0000 |" in table and "| 1.000 | 0.500 |" in table
     plot = summarize_gpu.text_plot(rows, width=10).splitlines()
     assert plot[2].endswith("##########| 1.000") and plot[3].endswith("#####     | 0.500")
+
+
+def test_interleaved_timing_takes_every_sample_call_by_call(monkeypatch):
+    """``time_interleaved``: each runnable implementation warmed, then ``rounds * iters`` samples each, its
+    calls interleaved with the others' (no implementation runs twice in a row within a pass) in an order that
+    changes; one that raises while timed gets an error status and the others go on."""
+    import argparse
+    import types
+
+    import bench_gpu
+
+    clock, calls = [0.0], []
+
+    class Event:
+        def __init__(self, **_):
+            self.t = None
+
+        def record(self):
+            self.t = clock[0]
+
+        def elapsed_time(self, end):
+            return end.t - self.t
+
+    monkeypatch.setattr(bench_gpu.torch, "cuda", types.SimpleNamespace(Event=Event, synchronize=lambda: None))
+
+    def impl(name, ms, fail_after=None):
+        def run():
+            calls.append(name)
+            if fail_after is not None and calls.count(name) > fail_after:
+                raise RuntimeError("lost")
+            clock[0] += ms
+        return {"workload": "w", "impl": name}, run, None
+
+    prepared = [impl("a", 1.0), impl("b", 2.0), impl("c", 3.0, fail_after=6), ({"impl": "d", "status": "n/a"}, None, None)]
+    args = argparse.Namespace(rounds=3, iters=4, warmup=2)
+    monkeypatch.setattr(bench_gpu, "warm", lambda run, n: [run() for _ in range(n)])
+    bench_gpu.time_interleaved(prepared, args, torch.empty(4))
+    rows = {row["impl"]: row for row, _, _ in prepared}
+    assert rows["a"]["ms"] == 1.0 and rows["a"]["samples"] == 12
+    assert rows["b"]["ms"] == 2.0 and rows["b"]["samples"] == 12
+    assert rows["c"]["status"].startswith("error: RuntimeError") and "ms" not in rows["c"]
+    assert rows["d"] == {"impl": "d", "status": "n/a"}
+    timed = [n for n in calls[6:] if n != "c"]  # after the warm-up calls
+    passes = [tuple(timed[i:i + 2]) for i in range(0, len(timed), 2)]
+    assert all(sorted(p) == ["a", "b"] for p in passes) and len(set(passes)) == 2

@@ -25,6 +25,7 @@ from pagedkv.tir_kernels import _decode_staged_cuda as st
 from pagedkv.tir_kernels.attention_cuda_decode import use_staged
 
 import tvm
+from tvm.script import tirx as T
 from tvm.target import Target
 
 SM90 = Target({"kind": "cuda", "arch": "sm_90"}, host="llvm")
@@ -109,3 +110,41 @@ def test_generated_cuda_uses_vector_loads(hq, hkv, dtype):
     assert re.search(rf"Vst_ptr\[\d+\] = \*\({vec}\*\)\(pages_ptr", body), "V page loads are not 16 bytes"
     assert re.search(rf"\*\({vec}\*\)\(kv_ptr \+ 0\) = Ks_ptr\[", body), "K shared loads are not 16 bytes"
     assert "__shfl_xor_sync" in body and body.count("__syncthreads()") >= 3
+
+
+def _wave_rule(B: int, keys: int, hkv: int = 8) -> int:
+    """``wave_split_count`` for the staged kernel written out in Python."""
+    from pagedkv.tir_kernels._common_cuda import WAVE_BUDGETS
+    from pagedkv.tir_kernels.attention_cuda_decode import DECODE_MIN_SPLIT_KEYS, STAGED_MAX_SPLITS, STAGED_RESIDENT_BLOCKS
+
+    n0, c = B * hkv, STAGED_RESIDENT_BLOCKS
+    k = next(k for f, k in WAVE_BUDGETS if f is None or n0 <= f * c)
+    return max(1, min(k * c // n0, keys // DECODE_MIN_SPLIT_KEYS, STAGED_MAX_SPLITS))
+
+
+def test_staged_split_policy_fills_whole_waves():
+    """The staged kernel's split count (``wave_split_count``, evaluated by TVM on the host) equals the rule
+    written out in Python, and on the benchmark shapes (8 kv heads) it splits a batch just over one wave
+    (B = 64: S = 3, 1536 blocks on 396 slots) while B = 16 x 4K and B = 1 x 32K keep one wave."""
+    import numpy as np
+
+    from pagedkv.tir_kernels.attention_cuda_decode import (DECODE_MIN_SPLIT_KEYS, STAGED_MAX_SPLITS,
+                                                           STAGED_RESIDENT_BLOCKS)
+    from pagedkv.tir_kernels._common_cuda import wave_split_count
+
+    @T.prim_func
+    def splits(B: T.int32, nnz: T.int32, ps: T.int32, out: T.Buffer((1,), "int32")):
+        out[0] = wave_split_count(B, nnz, ps, 8, resident_blocks=STAGED_RESIDENT_BLOCKS,
+                                  min_split_keys=DECODE_MIN_SPLIT_KEYS, max_splits=STAGED_MAX_SPLITS)
+
+    lib = tvm.compile(splits, target="llvm")
+    o = tvm.runtime.tensor(np.zeros(1, "int32"))
+    cases = {(1, 32768): 49, (16, 4096): 3, (64, 4096): 3, (64, 8192): 3, (256, 2048): 1, (128, 1024): 3}
+    rng = np.random.default_rng()
+    extra = {(int(b), int(k)): None for b, k in zip(rng.integers(1, 300, 12), rng.integers(1, 40000, 12))}
+    for (b, keys), want in {**cases, **extra}.items():
+        nnz = -(-b * keys // 16)
+        lib(b, nnz, 16, o)
+        rule = _wave_rule(b, nnz * 16 // b)
+        assert o.numpy()[0] == rule, (b, keys)
+        assert want is None or rule == want, (b, keys, rule)

@@ -1,9 +1,10 @@
 """The tensor-core CUDA prefill (path switch ``cuda_prefill_kernel``) on the build host: no GPU.
 
 - The default where it serves: without the switch and with "auto" the prefill PrimFuncs of an fp16 / bf16 spec
-  are the tensor-core ones (same ``script()`` as "tc", with ``mma.sync`` calls), "simt" gives the FP32 kernel,
-  "tc2" / "tc3" the opt-in 128-row two-stage tiles (``shared.dyn``); a spec it does not serve (float32, a head
-  dim over 128) gets the SIMT kernel under "auto", and any tile forced on it raises naming why.
+  are the tensor-core ones in the op's default tile (same ``script()`` as "tc3" for the ragged op, "tc2" for
+  the paged one, with ``mma.sync`` calls), "simt" gives the FP32 kernel, "tc" the 64-row one-stage tile (no
+  ``shared.dyn``); a spec it does not serve (float32, a head dim over 128) gets the SIMT kernel under "auto",
+  and any tile forced on it raises naming why.
 - ``nvcc --cubin -arch=sm_90a`` compiles the ragged and paged kernels of both tiles without register spills (but for a
   known 20 bytes in the windowed + capped paged kernel at D 64: ``SPILL_BYTES``), and the SASS
   holds the expected HMMA count (``cuobjdump -sass``; skipped when cuobjdump is missing): per kernel and key
@@ -56,7 +57,8 @@ def _script(cfg, op):
 
 def test_switch_is_registered_and_on_by_default():
     assert tk.SWITCHES[SWITCH][1] == ("auto", "simt", *TILES)
-    assert pf.TC_BY_DEFAULT is True and pf.TC_DEFAULT_TILE == "tc"
+    assert pf.TC_BY_DEFAULT is True
+    assert pf.TC_DEFAULT_TILES == {"attn_prefill_ragged": ("tc3", "tc"), "attn_prefill_paged": ("tc2", "tc")}
 
 
 @pytest.mark.parametrize("op", OPS)
@@ -64,11 +66,13 @@ def test_tc_is_the_default_where_it_serves(op):
     cfg = SHAPES["32x8x128-f16"]
     default = _script(cfg, op)
     assert "pagedkv_mma_f16" in default
-    assert _script(_with(cfg, "auto"), op) == default == _script(_with(cfg, "tc"), op)
+    assert _script(_with(cfg, "auto"), op) == default == _script(_with(cfg, pf.TC_DEFAULT_TILES[op][0]), op)
     assert "pagedkv_mma" not in _script(_with(cfg, "simt"), op)
-    for tile in TILES[1:]:  # opt-in: 128 rows, two stages in dynamic shared memory
+    one_stage = _script(_with(cfg, "tc"), op)  # 64 rows, one stage in static shared memory
+    assert "pagedkv_mma_f16" in one_stage and "shared.dyn" not in one_stage
+    for tile in TILES[1:]:  # 128 rows, two stages in dynamic shared memory
         script = _script(_with(cfg, tile), op)
-        assert "pagedkv_mma_f16" in script and "shared.dyn" in script and "shared.dyn" not in default
+        assert "pagedkv_mma_f16" in script and "shared.dyn" in script
     unserved = tk.KernelConfig(4, 4, 64, 64, "float32")
     assert "pagedkv_mma" not in _script(unserved, op)
     assert _script(unserved, op) == _script(_with(unserved, "simt"), op)

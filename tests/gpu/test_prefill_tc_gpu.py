@@ -1,6 +1,6 @@
 """The tensor-core CUDA prefill (``tir_kernels.attention_cuda_prefill_tc``, forced with the path switch
-``cuda_prefill_kernel=tc``, the default for the specs it serves, or ``tc2``, its opt-in 128-row two-stage tile
-in dynamic shared memory) and the SIMT one (forced ``simt``) against the float64 reference. Skips cleanly
+``cuda_prefill_kernel=tc`` (64 rows, one stage), ``tc2`` or ``tc3`` (128 rows, two stages in dynamic shared
+memory; under auto tc3 serves the ragged op and tc2 the paged one where they serve the spec)) and the SIMT one (forced ``simt``) against the float64 reference. Skips cleanly
 without a CUDA GPU.
 
 Shapes ``pagedkv.testing.shapes.PREFILL_TC_SHAPES`` (GQA groups 4, 1, 8, 7, 3; head dims 128 and 64; fp16 and
