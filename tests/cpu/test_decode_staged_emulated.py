@@ -5,7 +5,7 @@ and with the arguments and grids of TVM's own host code (its lowered PrimFunc, e
 the split kernel and the merge kernel run as on a GPU. Checked against the float64 reference
 (``pagedkv.testing.reference``: RoPE at the exact angle, keys at ``k_pos_offset + j``, the query at ``q_pos``).
 
-Cases: GQA groups 1, 4, 7 and 8, head dims 64 and 128, fp16 / bf16 / fp32, one windowed and soft-capped; batches of
+Cases: GQA groups 1, 3, 4, 7 and 8, head dims 64, 96 (padding lanes) and 128, fp16 / bf16 / fp32, one windowed and soft-capped; batches of
 mixed lengths (an empty entry, one key, page edges, a last tile the keys do not fill) with every other entry's
 positions near 30000; split counts forced above 1 (the workspace and merge path) and 1. Fresh random inputs each
 run, NaN-poisoned outputs. Skips without g++.
@@ -42,6 +42,8 @@ CONFIGS = {
     "2x2x128-f16-s1": (tk.KernelConfig(2, 2, 128, 128, "float16"), "1"),
     "7x1x64-f32-w40-cap20-s2": (tk.KernelConfig(7, 1, 64, 64, "float32", sliding_window=40, logits_soft_cap=20.0),
                                 "2"),
+    # 6 of 8 lanes hold dims (the padding lanes' zeros in the dots and the q table reads)
+    "3x1x96-bf16-s3": (tk.KernelConfig(3, 1, 96, 96, "bfloat16"), "3"),
 }
 #: Keys per entry: empty, one, page (16) and tile (32 / 64) edges, a last tile left partly empty, several tiles.
 LENGTHS = [150, 0, 1, 17, 64, 95]
