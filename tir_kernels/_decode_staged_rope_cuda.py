@@ -114,7 +114,7 @@ def make_rope_setup(p: StagedPlan):
                 q_raw[T.truncdiv(i * NT + t, D), T.truncmod(i * NT + t, D)] = q[
                     b, h * G + T.truncdiv(i * NT + t, D), T.truncmod(i * NT + t, D)]
         T.tvm_storage_sync("shared")
-        for i in T.unroll((TK * HALF + NT - 1) // NT):
+        for i in T.serial((TK * HALF + NT - 1) // NT):
             if i * NT + t < TK * HALF:
                 o: T.let[T.int32] = T.truncdiv(i * NT + t, HALF)
                 j: T.let[T.int32] = T.truncmod(i * NT + t, HALF)
