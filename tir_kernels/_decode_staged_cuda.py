@@ -1,5 +1,6 @@
-"""The staged CUDA paged decode kernel (plain, ``apply_rope == 0``): K/V tiles through shared memory, read once
-per block and shared by every q head of the kv head's GQA group.
+"""The staged CUDA paged decode kernel: K/V tiles through shared memory, read once per block and shared by every
+q head of the kv head's GQA group (plain, ``apply_rope == 0``, here; inline RoPE reuses these stages in
+``_decode_staged_rope_cuda``).
 
 Why (H200, 4.25 TB/s copy roof): the lane-group kernel (``_decode_stages_cuda``) keeps ``GC`` q rows per
 thread and splits a group of 8 over two blocks, so group 8 reads each K/V byte twice (0.41x FlashInfer);
@@ -20,8 +21,9 @@ nothing while it computes. Here
 * the ``NZ`` key-group states are merged through shared memory at the end (``store``).
 
 Limits (``staged_limits``): ``head_dim % 16 == 0`` with at most 32 lanes per row, ``G / R * L <= 512``
-threads, 48 KB of static shared memory; dtypes float16 / bfloat16 / float32. Inline RoPE stays on the
-lane-group kernel (its key rotations are per-thread constants of the lane layout).
+threads, 48 KB of static shared memory; dtypes float16 / bfloat16 / float32. Inline RoPE adds its own
+(``_decode_staged_rope_cuda.staged_rope_limits``: two 16-byte vectors per lane, the RoPE tables' shared memory);
+where they refuse, RoPE runs the lane-group kernel.
 """
 
 from __future__ import annotations

@@ -9,17 +9,19 @@ launched by a host-side branch on ``apply_rope``: the inline-RoPE one and a plai
 the RoPE registers. All shared memory is static (< 48 KB; TVM 0.27 fails to merge our ``shared.dyn``
 buffers), and no ``if`` around a barrier depends on the thread.
 
-Decode (``attn_decode_paged``), plain (``apply_rope == 0``): the staged kernel
------------------------------------------------------------------------------
+Decode (``attn_decode_paged``), plain and inline RoPE: the staged kernel
+------------------------------------------------------------------------
 ``_decode_staged_cuda`` (the path switch ``cuda_decode_kernel``: auto = staged wherever ``staged_limits``
-allows, else and with "lanes" the lane-group kernel below): one block per (entry, kv head, key split) for the
-whole GQA group (``G / R`` row threads of ``R`` rows x ``L`` lanes x ``NZ`` key groups); key tiles of 16 KB
-of K + V go through shared memory with 16-byte loads, the next tile's loads in flight while the current one
-is scored, so each K/V byte is read from DRAM once per kv head. Split policy: whole waves
-(``_common_cuda.wave_split_count``, ``attention_cuda_decode.STAGED_RESIDENT_BLOCKS``).
+allows, and for inline RoPE ``staged_rope_limits``, else and with "lanes" the lane-group kernel below): one
+block per (entry, kv head, key split) for the whole GQA group (``G / R`` row threads of ``R`` rows x ``L``
+lanes x ``NZ`` key groups); key tiles of 16 KB of K + V go through shared memory with 16-byte loads, the next
+tile's loads in flight while the current one is scored, so each K/V byte is read from DRAM once per kv head.
+Split policy: whole waves
+(``_common_cuda.wave_split_count``, ``attention_cuda_decode.STAGED_RESIDENT_BLOCKS``). Inline RoPE (``_decode_staged_rope_cuda``): keys rotated in registers
+by their offset in the tile from a per-block cos / sin table, q rotated once per tile into a shared table.
 
-Decode, inline RoPE (and plain with ``cuda_decode_kernel=lanes``): the lane-group kernel, one block per
-(entry, kv head, row chunk, key split), 128 threads
+Decode where the staged limits refuse (and both variants with ``cuda_decode_kernel=lanes``): the lane-group
+kernel, one block per (entry, kv head, row chunk, key split), 128 threads
 -------------------------------------------------------------------------------------------------
 * A *lane group* of ``L`` threads splits the head dim: lane ``tx`` owns ``VEC`` dims (8 fp16 / 4 fp32:
   one 16-byte page load per K or V row); ``L = next_pow2(D / VEC)``, padding lanes hold zeros. Inline

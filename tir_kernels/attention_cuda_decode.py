@@ -24,6 +24,7 @@ from ._common_cuda import (
 )
 from ._decode_rope_cuda import make_rope_stages
 from ._decode_staged_cuda import make_staged_kernel, staged_limits, staged_plan
+from ._decode_staged_rope_cuda import make_staged_rope_kernel, staged_rope_limits
 from ._decode_stages_cuda import (
     DecodePlan,
     make_accumulate,
@@ -106,17 +107,21 @@ STAGED_RESIDENT_BLOCKS = 3 * 132
 STAGED_MAX_SPLITS = 64
 
 
-def use_staged(spec) -> bool:
-    """Whether the plain (no inline RoPE) decode runs the staged kernel: path switch ``cuda_decode_kernel``
-    ("staged", "lanes"; auto: staged wherever ``staged_limits`` allows). A forced "staged" on a shape it
-    does not take raises."""
+def use_staged(spec, rope: bool = False) -> bool:
+    """Whether the plain (``rope=False``) or inline-RoPE decode runs the staged kernel: path switch
+    ``cuda_decode_kernel`` ("lanes": the lane-group kernel for both; "staged": the staged one for both, raising
+    on a shape whose limits refuse either; auto: staged wherever ``staged_limits`` / ``staged_rope_limits``
+    allow, per variant)."""
     choice = forced_path(spec.paths, "cuda_decode_kernel")
     if choice == "lanes":
         return False
-    why = staged_limits(spec.num_qo_heads // spec.num_kv_heads, spec.head_dim, spec.dtype)
-    if choice == "staged" and why:
-        raise NotImplementedError("pagedkv.tir_kernels: cuda_decode_kernel=staged: " + "; ".join(why))
-    return not why
+    g, d, dt = spec.num_qo_heads // spec.num_kv_heads, spec.head_dim, spec.dtype
+    if choice == "staged":
+        for name, why in (("", staged_limits(g, d, dt)), (" (inline RoPE)", staged_rope_limits(g, d, dt))):
+            if why:
+                raise NotImplementedError(f"pagedkv.tir_kernels: cuda_decode_kernel=staged{name}: "
+                                          + "; ".join(why))
+    return not (staged_rope_limits if rope else staged_limits)(g, d, dt)
 
 
 def _make_key_loop(p: DecodePlan, var: CudaVariant, rope: bool):
@@ -224,8 +229,9 @@ def attn_decode_paged_cuda(spec):
     The path switch ``cuda_decode_splits = N > 0`` (``decode_splits``) forces the split count (tests reach
     the direct-write ``S = 1`` path and the workspace + merge path on any shape); clamped to
     ``[1, nnz * ps]``. Automatic: the kernel is the one from before the switch. The switch
-    ``cuda_decode_kernel`` picks the plain kernel (``use_staged``): "lanes" is the lane-group kernel of this
-    module (with its split policy), "staged" the shared-memory one of ``_decode_staged_cuda``.
+    ``cuda_decode_kernel`` picks the kernels (``use_staged``): "lanes" is the lane-group kernel of this
+    module for both variants (with its split policy), "staged" the shared-memory one of ``_decode_staged_cuda``
+    (inline RoPE: ``_decode_staged_rope_cuda``) for both; auto: staged per variant where its limits allow.
     """
     HQ, HKV, D, dtype = spec.num_qo_heads, spec.num_kv_heads, spec.head_dim, spec.dtype
     var = CudaVariant.from_spec(spec)
@@ -233,11 +239,12 @@ def attn_decode_paged_cuda(spec):
     check_head_dim(ATTN_DECODE_PAGED, D)
     plan = DecodePlan(HQ, HKV, D, dtype, *_decode_plan(HQ // HKV, D, dtype))
     merge_splits = make_merge_splits(HQ, D, 128, dtype)
-    # Two kernels: inline RoPE costs registers that the plain kernel does not pay for. The plain one is the
-    # staged kernel where it applies (``use_staged``); the split count then follows its policy (one block
-    # per split and kv head), for the RoPE kernel too (any S is correct for both).
-    staged = use_staged(spec)
-    kernel_rope = _make_kernel(plan, var, True)
+    # Two kernels: inline RoPE costs registers that the plain kernel does not pay for. Each is the staged kernel
+    # where it applies (``use_staged``; RoPE's limits include the plain ones); the split count then follows the
+    # staged policy (one block per split and kv head), for a lane-group RoPE kernel too (any S is correct).
+    staged, staged_rope = use_staged(spec), use_staged(spec, rope=True)
+    kernel_rope = (make_staged_rope_kernel(staged_plan(HQ, HKV, D, dtype), var) if staged_rope
+                   else _make_kernel(plan, var, True))
     kernel_plain = (make_staged_kernel(staged_plan(HQ, HKV, D, dtype), var) if staged
                     else _make_kernel(plan, var, False))
     bps = HKV if staged else HKV * plan.nz

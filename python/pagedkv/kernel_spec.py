@@ -40,9 +40,10 @@ SWITCHES: dict[str, tuple[str, tuple[str, ...]]] = {
                             "tir_kernels.attention_cuda_prefill.TC_DEFAULT_TILES (ragged: tc3, else tc; paged: "
                             "tc2, else tc), SIMT elsewhere",
                             ("auto", "simt", "tc", "tc2", "tc3")),
-    "cuda_decode_kernel": ("CUDA MHA decode (attn_decode_paged) without inline RoPE: the lane-group kernel "
-                           "(lanes) or the shared-memory staged kernel (staged; auto: staged where its limits "
-                           "allow)", ("auto", "lanes", "staged")),
+    "cuda_decode_kernel": ("CUDA MHA decode (attn_decode_paged), plain and inline RoPE: the lane-group kernel "
+                           "for both (lanes) or the shared-memory staged kernel for both (staged; raises where "
+                           "its limits refuse either variant); auto: staged per variant where its limits "
+                           "allow (staged_limits, staged_rope_limits)", ("auto", "lanes", "staged")),
 }
 
 

@@ -1,6 +1,6 @@
-// A CPU stand-in for the CUDA the tensor-core prefill kernel uses, so that TVM's generated kernel source
-// runs on the build host (tests/cpu/test_prefill_tc_emulated.py): one std::thread per CUDA thread of a
-// block, __syncthreads as a block barrier, dynamic shared memory as a static array (the test rewrites the
+// A CPU stand-in for the CUDA the tensor-core prefill kernel and the staged decode kernel use, so that TVM's
+// generated kernel source runs on the build host (tests/cpu/test_prefill_tc_emulated.py,
+// tests/cpu/test_decode_staged_emulated.py): one std::thread per CUDA thread of a block (3-D blocks and grids), __syncthreads as a block barrier, dynamic shared memory as a static array (the test rewrites the
 // kernel's extern declaration), and the warp-collective pieces (shfl_xor, ldmatrix, mma.sync)
 // as exchanges through per-warp slots between warp barriers, computed from the PTX ISA's definitions.
 // cp.async completes at the latest point its wait allows (below).
@@ -51,10 +51,12 @@ inline uint pack2(T16 a, T16 b) {
 inline uint __pack_half2(half a, half b) { return pack2(a, b); }
 inline uint __pack_nv_bfloat162(nv_bfloat16 a, nv_bfloat16 b) { return pack2(a, b); }
 struct uint4 { uint x, y, z, w; };
+struct float4 { float x, y, z, w; };
 inline uint4 make_uint4(uint x, uint y, uint z, uint w) { return uint4{x, y, z, w}; }
 inline float __frcp_rn(float x) { return 1.0f / x; }
 inline float __fdiv_rn(float a, float b) { return a / b; }
 inline float __fmaf_rn(float a, float b, float c) { return std::fma(a, b, c); }
+inline float __fmul_rn(float a, float b) { return a * b; }  // the tests compile without FMA contraction
 inline float max(float a, float b) { return a > b ? a : b; }
 inline float min(float a, float b) { return a < b ? a : b; }
 inline int max(int a, int b) { return a > b ? a : b; }
@@ -62,11 +64,13 @@ inline int min(int a, int b) { return a < b ? a : b; }
 
 struct Dim3 { int x, y, z; };
 thread_local Dim3 threadIdx, blockIdx;
+// Linear thread id in the block (x fastest, then y, z: how CUDA forms warps).
+thread_local int t_linear;
 // Threads of a block: the kernel's __launch_bounds__ (the test defines it before including this file).
 #ifndef PAGEDKV_EMU_THREADS
 #define PAGEDKV_EMU_THREADS 128
 #endif
-constexpr int kThreads = PAGEDKV_EMU_THREADS, kWarps = kThreads / 32;
+constexpr int kThreads = PAGEDKV_EMU_THREADS, kMaxWarps = 32;
 static std::barrier<>* g_block_barrier;
 struct WarpSlots {
   std::barrier<>* bar;
@@ -74,9 +78,9 @@ struct WarpSlots {
   uint a[32][4], b[32][2];
   const void* p[32];
 };
-static WarpSlots g_warps[kWarps];
-inline int lane_id() { return threadIdx.x % 32; }
-inline WarpSlots& my_warp() { return g_warps[threadIdx.x / 32]; }
+static WarpSlots g_warps[kMaxWarps];
+inline int lane_id() { return t_linear % 32; }
+inline WarpSlots& my_warp() { return g_warps[t_linear / 32]; }
 inline void warp_sync() { my_warp().bar->arrive_and_wait(); }
 inline void __syncthreads() { g_block_barrier->arrive_and_wait(); }
 
@@ -168,27 +172,36 @@ inline void pagedkv_cp_async_wait1() { cp_async_wait(1); }
 inline void pagedkv_cp_async_wait0() { cp_async_wait(0); }
 inline int pagedkv_aligned16(const void* p) { return (reinterpret_cast<uintptr_t>(p) & 15u) == 0 ? 1 : 0; }
 
-// Run `body` (the kernel call) for every block of a grid, kThreads CPU threads in lock step.
+// Run `body` (the kernel call) for every block of a grid (gx, gy, gz), the block's bx * by * bz threads (a
+// multiple of 32, at most 1024) as CPU threads in lock step, thread t being threadIdx (t % bx, t / bx % by,
+// t / (bx * by)).
 template <class F>
-void launch(int grid_x, int grid_y, F body) {
-  std::barrier<> block_bar(kThreads);
-  std::vector<std::barrier<>*> warp_bars;
-  for (int w = 0; w < kWarps; ++w) g_warps[w].bar = new std::barrier<>(32);
+void launch3(int grid_x, int grid_y, int grid_z, int bx, int by, int bz, F body) {
+  const int nthreads = bx * by * bz, nwarps = nthreads / 32;
+  std::barrier<> block_bar(nthreads);
+  for (int w = 0; w < nwarps; ++w) g_warps[w].bar = new std::barrier<>(32);
   g_block_barrier = &block_bar;
   std::vector<std::thread> threads;
-  for (int t = 0; t < kThreads; ++t) {
+  for (int t = 0; t < nthreads; ++t) {
     threads.emplace_back([=, &block_bar]() {
-      threadIdx = Dim3{t, 0, 0};
-      for (int by = 0; by < grid_y; ++by) {
-        for (int bx = 0; bx < grid_x; ++bx) {
-          blockIdx = Dim3{bx, by, 0};
-          body();
-          t_groups.assign(1, {});
-          block_bar.arrive_and_wait();  // the block's statics (shared memory) are reused by the next one
+      t_linear = t;
+      threadIdx = Dim3{t % bx, t / bx % by, t / (bx * by)};
+      for (int bz = 0; bz < grid_z; ++bz) {
+        for (int byi = 0; byi < grid_y; ++byi) {
+          for (int bxi = 0; bxi < grid_x; ++bxi) {
+            blockIdx = Dim3{bxi, byi, bz};
+            body();
+            t_groups.assign(1, {});
+            block_bar.arrive_and_wait();  // the block's statics (shared memory) are reused by the next one
+          }
         }
       }
     });
   }
   for (auto& th : threads) th.join();
-  for (int w = 0; w < kWarps; ++w) delete g_warps[w].bar;
+  for (int w = 0; w < nwarps; ++w) delete g_warps[w].bar;
 }
+
+// A 2-D grid of 1-D blocks (the prefill kernels).
+template <class F>
+void launch(int grid_x, int grid_y, F body) { launch3(grid_x, grid_y, 1, kThreads, 1, 1, body); }

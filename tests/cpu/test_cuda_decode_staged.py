@@ -2,14 +2,17 @@
 
 - its plan for every group size, head dim and dtype the kernels serve: whole warps, at most 1024 threads, a
   tile of at most ``TILE_BYTES`` of K + V split evenly over the key groups, lanes covering the head dim;
-- its limits as data (``staged_limits``) and the switch ``cuda_decode_kernel``: auto = staged wherever the
-  limits allow, a forced "staged" on a shape they refuse raises, "lanes" is the lane-group kernel;
-- the generated CUDA: 16-byte page loads (``uint4``) into registers, 16-byte shared loads, one kernel per
-  decode variant (inline RoPE, plain) plus the split merge.
+- its limits as data (``staged_limits``; with inline RoPE ``staged_rope_limits``: also the pair layout and the
+  RoPE tables' shared memory) and the switch ``cuda_decode_kernel``: auto = staged per variant wherever the
+  limits allow, a forced "staged" on a shape either refuses raises, "lanes" is the lane-group kernel for both;
+- the generated CUDA: 16-byte page loads (``uint4``) into registers, 16-byte shared loads, one staged kernel per
+  decode variant (inline RoPE, plain) plus the split merge; the RoPE one with its tables and no sin / cos in
+  the key loop.
 
 nvcc (no spills) runs on the default kernels in ``test_cuda_compile.py`` (groups 4, 7, 3, 8, 4; head dims 128,
 64, 96, 256, 128; every dtype) and on every forced split count in ``test_cuda_paths_compile.py``; the numerical
-check is ``tests/gpu/test_cuda_paths_gpu.py`` and the GPU suite (the staged kernel is the default).
+check is ``tests/cpu/test_decode_staged_emulated.py`` (CPU emulation of the generated CUDA),
+``tests/gpu/test_cuda_paths_gpu.py`` and the GPU suite (the staged kernels are the default).
 """
 
 from __future__ import annotations
@@ -22,6 +25,7 @@ from _cuda_support import cuda_source_of
 
 from pagedkv import tir_kernels as tk
 from pagedkv.tir_kernels import _decode_staged_cuda as st
+from pagedkv.tir_kernels import _decode_staged_rope_cuda as sr
 from pagedkv.tir_kernels.attention_cuda_decode import use_staged
 
 import tvm
@@ -54,6 +58,13 @@ def test_plan_invariants(g, d, dtype):
     assert p.r == (want if p.vec <= 8 else min(want, 2)), p
     # 16-byte vectors: two per lane where the head dim splits so (fewer lanes: fewer shuffles per score)
     assert p.vec * st.itemsize(dtype) == (32 if d % (2 * st.vec16(dtype)) == 0 else 16), p
+    # inline RoPE: a lane's two vectors are the halves of its pairs (dims j and j + D/2); the tables fit
+    assert p.lw == d // 2 and p.vec == 2 * st.vec16(dtype), p
+    why = sr.staged_rope_limits(g, d, dtype)
+    assert why == ([] if (g, d) != (16, 256) else [why[0]]), why
+    if not why:
+        assert sr.rope_smem_bytes(p) <= st.STAGED_MAX_SMEM and sr.pool_floats(p) >= p.nz * p.g * p.d, p
+        assert sr.pool_floats(p) >= p.tk * d + g * d, p  # key table (cos + sin) and rotated-q table
 
 
 def test_limits_are_data_and_forced_staged_raises():
@@ -68,11 +79,27 @@ def test_limits_are_data_and_forced_staged_raises():
         use_staged(dataclasses.replace(big, paths={SWITCH: "staged"}))
 
 
+def test_rope_limits_are_data():
+    # a lane of 4 float32 vectors (D = 512: 32 lanes of 16 elements) does not hold both halves of its pairs
+    assert st.staged_limits(8, 512, "float32") == []
+    why = sr.staged_rope_limits(8, 512, "float32")
+    assert "not two 16-byte vectors" in why[0]
+    assert "shared memory with the RoPE tables" in sr.staged_rope_limits(16, 256, "float16")[0]
+    assert sr.staged_rope_limits(4, 120, "float16") == st.staged_limits(4, 120, "float16")  # the plain ones first
+    cfg = tk.KernelConfig(32, 2, 256, 256, "float16")  # plain staged, RoPE on the lane-group kernel
+    assert use_staged(cfg) and not use_staged(cfg, rope=True)
+    with pytest.raises(NotImplementedError, match=r"cuda_decode_kernel=staged \(inline RoPE\).*RoPE tables"):
+        use_staged(dataclasses.replace(cfg, paths={SWITCH: "staged"}))
+    lanes = dataclasses.replace(cfg, paths={SWITCH: "lanes"})
+    assert not use_staged(lanes) and not use_staged(lanes, rope=True)
+
+
 def test_switch_values():
     assert tk.SWITCHES[SWITCH][1] == ("auto", "lanes", "staged")
     cfg = tk.KernelConfig(8, 2, 64, 64, "float16")
-    assert use_staged(cfg) and use_staged(dataclasses.replace(cfg, paths={SWITCH: "staged"}))
-    assert not use_staged(dataclasses.replace(cfg, paths={SWITCH: "lanes"}))
+    for rope in (False, True):
+        assert use_staged(cfg, rope) and use_staged(dataclasses.replace(cfg, paths={SWITCH: "staged"}), rope)
+        assert not use_staged(dataclasses.replace(cfg, paths={SWITCH: "lanes"}), rope)
 
 
 def _script(cfg, op="attn_decode_paged", **paths):
@@ -102,14 +129,21 @@ def test_generated_cuda_uses_vector_loads(hq, hkv, dtype):
     src = cuda_source_of(exe)
     bodies = re.split(r'extern "C" __global__', src)[1:]
     staged = [b for b in bodies if "Ks_ptr" in b]  # the forward declarations have no body
-    assert len(staged) == 1, "one staged kernel body"
-    body = staged[0]
-    # page reads: 16-byte vectors into the staging registers; shared tile reads: 16-byte vectors
-    vec = "float4" if dtype == "float32" else "uint4"
-    assert re.search(rf"Kst_ptr\[\d+\] = \*\({vec}\*\)\(pages_ptr", body), "K page loads are not 16 bytes"
-    assert re.search(rf"Vst_ptr\[\d+\] = \*\({vec}\*\)\(pages_ptr", body), "V page loads are not 16 bytes"
-    assert re.search(rf"\*\({vec}\*\)\(kv_ptr \+ 0\) = Ks_ptr\[", body), "K shared loads are not 16 bytes"
-    assert "__shfl_xor_sync" in body and body.count("__syncthreads()") >= 3
+    assert len(staged) == 2, "one staged kernel body per decode variant"
+    rope = [b for b in staged if "q_raw_ptr" in b]
+    assert len(rope) == 1, "one staged inline-RoPE kernel"
+    for body in staged:
+        # page reads: 16-byte vectors into the staging registers; shared tile reads: 16-byte vectors
+        vec = "float4" if dtype == "float32" else "uint4"
+        assert re.search(rf"Kst_ptr\[\d+\] = \*\({vec}\*\)\(pages_ptr", body), "K page loads are not 16 bytes"
+        assert re.search(rf"Vst_ptr\[\d+\] = \*\({vec}\*\)\(pages_ptr", body), "V page loads are not 16 bytes"
+        assert re.search(rf"\*\({vec}\*\)\(kv_ptr \+ 0\) = Ks_ptr\[", body), "K shared loads are not 16 bytes"
+        assert "__shfl_xor_sync" in body and body.count("__syncthreads()") >= 3
+    # RoPE: the key rotations as float4 reads of the shared table; sin / cos only outside the key loop's
+    # score (one per pair and tile in the q table, the key table once per block)
+    body = rope[0]
+    assert re.search(r"\*\(float4\*\)\(rc_ptr \+ 0\) = \*\(float4\*\)\(pool_ptr", body), "key table reads"
+    assert body.count("__syncthreads()") >= 5  # setup, two per tile, before the merge, the merge
 
 
 def _wave_rule(B: int, keys: int, hkv: int = 8) -> int:

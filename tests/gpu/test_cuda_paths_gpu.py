@@ -7,10 +7,11 @@ path on every shape. Here:
 
 - the MHA decode kernel, called directly, under every value of ``cuda_decode_splits`` (auto, 1, 2, 3, 8) on
   ``PATH_SHAPES`` (plain, windowed, windowed + capped; 8 and 4 kv heads; GQA groups 4 and 8), and with the
-  lane-group plain kernel forced (``cuda_decode_kernel=lanes``, splits auto, 1, 3; without it the plain kernel
-  is the staged one of ``_decode_staged_cuda``), inline RoPE on and off (the RoPE kernel
-  walks a split in batches of ``NW`` key steps with a rotated-q table per batch, so a split ends mid-batch
-  too), over batches of 20 entries of mixed lengths (empty, shorter than the window, just around it, windows
+  lane-group kernels forced (``cuda_decode_kernel=lanes``, splits auto, 1, 3; without it both variants run the
+  staged kernels of ``_decode_staged_cuda`` / ``_decode_staged_rope_cuda``), inline RoPE on and off (the
+  staged RoPE kernel rotates q per key tile and keys by their tile offset, so a split or an entry ending
+  mid-tile and positions near 100K check its tables; the lane-group one walks a split in batches of ``NW``
+  key steps with a rotated-q table per batch, so a split ends mid-batch too), over batches of 20 entries of mixed lengths (empty, shorter than the window, just around it, windows
   starting past the first key step and mid-page, 3000 keys), every other entry's keys from a position near
   100K (``FAR``; RoPE against the exact float64 angle), longest first and shortest first (a per-batch start or
   state would show in the later entries);
@@ -48,7 +49,8 @@ LENGTHS = [3000, 0, 1, 5, 23, 24, 25, 31, 33, 47, 64, 100, 255, 299, 300, 301, 3
 ORDERS = {"long_first": sorted(LENGTHS, reverse=True), "short_first": sorted(LENGTHS)}
 
 #: Default kernels (plain decode: the staged kernel) under every split value, and the lane-group plain kernel
-#: (``cuda_decode_kernel=lanes``) under ``LANES_SPLITS``; inline RoPE runs the lane-group kernel in both.
+#: (``cuda_decode_kernel=lanes``) under ``LANES_SPLITS``; inline RoPE runs the staged RoPE kernel in the first
+#: (every ``PATH_SHAPES`` shape is within ``staged_rope_limits``) and the lane-group one in the second.
 DECODE_CASES = decode_path_cases()
 MLA_CASES = mla_path_cases()
 SCENARIO_CASES = [(s, {"cuda_decode_splits": v}) for s in PATH_SCENARIO_SHAPES for v in SPLITS if v != "auto"]
