@@ -51,9 +51,9 @@ MASKED_CONFIGS = [shape + opts for shape in [(32, 8, 128, 128, "float16"), (4, 4
                   for opts in [(1024, 0.0), (0, 30.0), (100, 50.0)]]
 MASKED_CONFIGS.append((32, 8, 128, 128, "bfloat16", 100, 50.0))  # both options in bf16
 MASKED_IDS = ["x".join(map(str, c[:5])) + f"-w{c[5]}-cap{c[6]:g}" for c in MASKED_CONFIGS]
-#: (config id, op) -> spill bytes allowed (stores and loads; default 0): the staged inline-RoPE decode kernel
-#: in float32 with a soft cap and no window stops at 96 registers and spills one (ptxas, CUDA 13). float32
-#: decode has no speed target; fp16 / bf16 spill nothing.
+#: (config id, op) -> spill bytes allowed (stores and loads; default 0) in the op's first kernel: the staged
+#: inline-RoPE decode kernel in float32 with a soft cap and no window stops at 96 registers and spills one
+#: (ptxas, CUDA 13). float32 decode has no speed target; fp16 / bf16 spill nothing.
 KNOWN_SPILLS = {("4x4x64x64xfloat32-w0-cap30", "attn_decode_paged"): 4}
 
 
@@ -160,8 +160,9 @@ def test_masked_attention_nvcc_no_spills(key, nvcc_masked_results):
         assert any(name.startswith(f"pagedkv_{op}_kernel") for name in usage), (op, sorted(usage))
     print("\n".join(f"{name}: {regs} registers, spill stores/loads {st}/{ld} bytes"
                     for name, (regs, st, ld) in sorted(usage.items())))
-    allowed = {name: KNOWN_SPILLS.get((MASKED_IDS[MASKED_CONFIGS.index(key)], op), 0)
-                for name in usage for op in ATTN_OPS if name.startswith(f"pagedkv_{op}_kernel")}
+    # the allowance is for the decode op's first kernel (its inline-RoPE variant) only
+    allowed = {f"pagedkv_{op}_kernel": KNOWN_SPILLS.get((MASKED_IDS[MASKED_CONFIGS.index(key)], op), 0)
+               for op in ATTN_OPS}
     spills = {name: u for name, u in usage.items() if max(u[1], u[2]) > allowed.get(name, 0)}
     assert not spills, f"register spills (registers, store, load bytes): {spills}"
 

@@ -128,6 +128,12 @@ def nvcc_forced_results(tmp_path_factory):
     return nvcc_all(NVCC_SHAPES, forced_source, tmp_path_factory.mktemp("cuda_paths"), "paths_")
 
 
+#: shape -> spill bytes (stores and loads) allowed in its staged inline-RoPE decode kernels (the first kernel of
+#: each staged variant; default 0): in float32 with a soft cap ptxas stops them at 96 registers and spills one
+#: (CUDA 13). float32 decode has no speed target; fp16 / bf16 spill nothing. (test_cuda_compile.KNOWN_SPILLS)
+ROPE_SPILLS = {"4x4x64-f32-w100-cap50": 4}
+
+
 @pytest.mark.parametrize("name", NVCC_SHAPES)
 def test_forced_decode_nvcc_no_spills(name, nvcc_forced_results):
     cfg = SHAPES[name]
@@ -141,5 +147,6 @@ def test_forced_decode_nvcc_no_spills(name, nvcc_forced_results):
         kernels = [k for k in usage if re.fullmatch(rf"pagedkv_{op}_{suffix}_kernel(_\d+)?", k)]
         # the attention kernels (MHA: inline RoPE and plain), then the split merge (folded away when S = 1)
         assert len(kernels) >= (1 if cfg.is_mla else 2), (suffix, sorted(usage))
-    spills = {k: u for k, u in usage.items() if u[1] or u[2]}
+    rope = {f"pagedkv_{op}_{suffix}_kernel" for suffix in _variants(cfg) if not suffix.startswith("lanes")}
+    spills = {k: u for k, u in usage.items() if max(u[1], u[2]) > (ROPE_SPILLS.get(name, 0) if k in rope else 0)}
     assert not spills, f"register spills (registers, store, load bytes): {spills}"
