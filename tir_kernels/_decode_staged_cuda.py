@@ -214,12 +214,36 @@ def make_stage_tile(p: StagedPlan):
     return stage_tile
 
 
+def make_score_parts(p: StagedPlan):
+    """``(dot_rows, lane_sum)``, the score's two steps shared by the plain and RoPE key tiles:
+    ``dot_rows(S_, Qr, kf, kk)`` adds this lane's part of row ``r`` . key ``kk`` (``kf``, float32) to
+    ``S_[kk, r]`` for the ``R`` rows; ``lane_sum(S_)`` sums every ``S_[kk, r]`` over the ``L`` lanes of its row
+    (xor shuffles: every lane ends with the full score)."""
+    VEC, KZ, L, SHIFTS, R = p.vec, p.kz, p.l, p.shifts, p.r
+
+    @T.macro
+    def dot_rows(S_, Qr, kf, kk):
+        for r in T.unroll(R):
+            for e in T.unroll(VEC):
+                S_[kk, r] = S_[kk, r] + Qr[r, e] * kf[e]
+
+    @T.macro
+    def lane_sum(S_):
+        for sh in T.unroll(SHIFTS):
+            for kk in T.unroll(KZ):
+                for r in T.unroll(R):
+                    S_[kk, r] = S_[kk, r] + shfl_xor(S_[kk, r], T.shift_right(L, sh + 1))
+
+    return dot_rows, lane_sum
+
+
 def make_score_tile(p: StagedPlan):
     """``score_tile(S_, Qr, Ks, kv, kf, tx, tz)``: ``S_[kk, r]`` = this thread's row ``r`` . tile key
     ``tz*KZ + kk`` (log2 units), summed over the ``L`` lanes (every lane ends with the full score); padding
     lanes add 0. Each key element is read and converted once for the ``R`` rows."""
-    VEC, KZ, L0, L, SHIFTS, R, LW = p.vec, p.kz, p.l0, p.l, p.shifts, p.r, p.lw
+    VEC, KZ, L0, R, LW = p.vec, p.kz, p.l0, p.r, p.lw
     V16 = min(VEC, vec16(p.dtype))
+    dot_rows, lane_sum = make_score_parts(p)
 
     @T.macro
     def score_tile(S_, Qr, Ks, kv, kf, tx, tz):
@@ -232,13 +256,8 @@ def make_score_tile(p: StagedPlan):
                         kv[u * V16 + e] = Ks[tz * KZ + kk, u * LW + tx * V16 + e]
                 for e in T.unroll(VEC):
                     kf[e] = T.Cast("float32", kv[e])
-                for r in T.unroll(R):
-                    for e in T.unroll(VEC):
-                        S_[kk, r] = S_[kk, r] + Qr[r, e] * kf[e]
-        for sh in T.unroll(SHIFTS):
-            for kk in T.unroll(KZ):
-                for r in T.unroll(R):
-                    S_[kk, r] = S_[kk, r] + shfl_xor(S_[kk, r], T.shift_right(L, sh + 1))
+                dot_rows(S_, Qr, kf, kk)
+        lane_sum(S_)
 
     return score_tile
 
@@ -444,5 +463,5 @@ def make_staged_kernel(p: StagedPlan, var):
     return kernel
 
 
-__all__ = ["StagedPlan", "make_accumulate_tile", "make_key_loop", "make_load_q_rows", "make_load_tile", "make_score_tile",
+__all__ = ["StagedPlan", "make_accumulate_tile", "make_key_loop", "make_load_q_rows", "make_load_tile", "make_score_parts", "make_score_tile",
            "make_softmax_tile", "make_stage_tile", "make_staged_kernel", "make_store_rows", "staged_limits", "staged_plan"]

@@ -36,13 +36,14 @@ from __future__ import annotations
 from tvm.script import tirx as T
 
 from ._common import EMPTY_LSE, LOG2E
-from ._common_cuda import itemsize, paged_kv_len, shfl_xor, vec16
+from ._common_cuda import itemsize, paged_kv_len, vec16
 from ._decode_staged_cuda import (
     STAGED_MAX_SMEM,
     StagedPlan,
     _layout,
     make_accumulate_tile,
     make_load_tile,
+    make_score_parts,
     make_softmax_tile,
     make_stage_tile,
     make_store_rows,
@@ -171,8 +172,9 @@ def make_score_tile_rope(p: StagedPlan):
     """``score_tile_rope(S_, Qr, Ks, cs, sn, kv, kf, rc, rs, tx, tz)``: ``score_tile`` of the plain kernel with
     each key rotated by its tile offset ``o = tz*KZ + kk`` first (``R(o)`` from the key table, 16-byte reads of
     ``rc / rs``); q comes rotated for the tile (``load_q_table``)."""
-    VEC, KZ, L0, L, SHIFTS, R, LW = p.vec, p.kz, p.l0, p.l, p.shifts, p.r, p.lw
+    KZ, L0, R, LW = p.kz, p.l0, p.r, p.lw
     V16 = vec16(p.dtype)
+    dot_rows, lane_sum = make_score_parts(p)
 
     @T.macro
     def score_tile_rope(S_, Qr, Ks, cs, sn, kv, kf, rc, rs, tx, tz):
@@ -193,13 +195,8 @@ def make_score_tile_rope(p: StagedPlan):
                     ky: T.let[T.float32] = T.Cast("float32", kv[V16 + e])
                     kf[e] = kx * rc[e] - ky * rs[e]
                     kf[V16 + e] = ky * rc[e] + kx * rs[e]
-                for r in T.unroll(R):
-                    for e in T.unroll(VEC):
-                        S_[kk, r] = S_[kk, r] + Qr[r, e] * kf[e]
-        for sh in T.unroll(SHIFTS):
-            for kk in T.unroll(KZ):
-                for r in T.unroll(R):
-                    S_[kk, r] = S_[kk, r] + shfl_xor(S_[kk, r], T.shift_right(L, sh + 1))
+                dot_rows(S_, Qr, kf, kk)
+        lane_sum(S_)
 
     return score_tile_rope
 
