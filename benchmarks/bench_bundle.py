@@ -30,7 +30,7 @@ def kernel_libraries(out: Path, dtypes) -> list[Path]:
     from pagedkv.backends.tir import forced_paths
     from pagedkv.cache import build_kernel_library, kernel_library_path, kernel_shape
 
-    seen, built = set(), []
+    seen = set()
     for w in W.workloads(dtypes):
         cfg = kernel_shape(impls.pagedkv_config(w))
         for label, backend in impls.PAGEDKV_BACKENDS.items():
@@ -50,8 +50,7 @@ def kernel_libraries(out: Path, dtypes) -> list[Path]:
                     continue
             print(f"[bench-bundle] kernels {path.name} ({w.dtype}, {'MLA' if w.mla else 'MHA'} h{w.hq}, "
                   f"{label}): {path.stat().st_size / 1e6:.2f} MB in {time.perf_counter() - t0:.1f} s", flush=True)
-            built.append(path)
-    return built
+    return sorted(seen)
 
 
 def main(argv=None) -> int:
@@ -61,14 +60,14 @@ def main(argv=None) -> int:
     args = ap.parse_args(argv)
     dtypes = tuple(args.dtypes.split(","))
     from pagedkv._lib import runtime_library_path
-    from pagedkv.apps.gpu_bundle import _runtime_bundle, build_upstream_kernels
+    from pagedkv.apps.gpu_bundle import _runtime_bundle, build_upstream_kernels, prune_kernel_libraries
 
     out: Path = args.out
     (out / "lib").mkdir(parents=True, exist_ok=True)
     _runtime_bundle(out)
     shutil.copy2(runtime_library_path(), out / "lib" / "libpagedkv_runtime.so")
     build_upstream_kernels(out, "sm_90")
-    kernel_libraries(out / "kernels", dtypes)
+    prune_kernel_libraries(out / "kernels", kernel_libraries(out / "kernels", dtypes))
     info = _fi_peer.pack(out / "flashinfer", _fi_peer.peer_specs(dtypes))
     print(f"[bench-bundle] FlashInfer peer: {len(info['modules'])} modules", flush=True)
     total = sum(f.stat().st_size for f in out.rglob("*") if f.is_file())

@@ -170,3 +170,18 @@ print("kernels imported:", "pagedkv.tir_kernels" in sys.modules)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert expected in proc.stdout, proc.stdout
     assert "kernels imported: False" in proc.stdout, proc.stdout
+
+
+def test_bundle_prunes_kernel_libraries_of_old_keys(tmp_path):
+    """A rebuilt bundle keeps the kernel libraries (``.so`` + ``.json``) of this run only: files of keys it
+    did not build are removed, other files are left alone."""
+    from pagedkv.apps.gpu_bundle import prune_kernel_libraries
+
+    for key in ("aaa", "bbb", "ccc"):
+        for ext in (".so", ".json"):
+            (tmp_path / f"kernels-{key}{ext}").write_text(key)
+    (tmp_path / "notes.txt").write_text("not a kernel library")
+    gone = prune_kernel_libraries(tmp_path, [tmp_path / "kernels-aaa.so", tmp_path / "kernels-ccc.so"])
+    assert sorted(p.name for p in gone) == ["kernels-bbb.json", "kernels-bbb.so"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == [
+        "kernels-aaa.json", "kernels-aaa.so", "kernels-ccc.json", "kernels-ccc.so", "notes.txt"]

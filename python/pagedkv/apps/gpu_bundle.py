@@ -72,6 +72,21 @@ def build_kernels(out: Path, libraries, target) -> list[Path]:
     return built
 
 
+def prune_kernel_libraries(kernels: Path, keep) -> list[Path]:
+    """Delete the kernel libraries (``kernels-<key>.so`` + ``.json``) in ``kernels`` that are not in ``keep``
+    (the libraries this run built or found): a rebuilt tree leaves libraries of old keys behind, and the
+    bundle must hold only what its tests and benchmarks load (one carry of the GPU tool is 64 MiB)."""
+    keep = {Path(p).resolve().with_suffix("") for p in keep}
+    gone = []
+    for f in sorted(kernels.glob("kernels-*")):
+        if f.suffix in (".so", ".json") and f.resolve().with_suffix("") not in keep:
+            f.unlink()
+            gone.append(f)
+    if gone:
+        print(f"[pagedkv] removed {len(gone)} stale kernel files of old keys from {kernels}", flush=True)
+    return gone
+
+
 #: The backend priority list of the FlashInfer kernel libraries (the GPU suite asks for the same list).
 FLASHINFER_BACKENDS = ("flashinfer", "tir")
 
@@ -286,8 +301,10 @@ def main(argv: list[str] | None = None) -> int:
     from ..testing.shapes import BENCH_WINDOWED, flashinfer_gpu_shapes
 
     target = {"kind": "cuda", "arch": args.arch}
-    build_kernels(out, tir_kernel_libraries(), target)
-    build_flashinfer_kernels(out, [s.config() for s in flashinfer_gpu_shapes() + [BENCH_WINDOWED]], target)
+    built = build_kernels(out, tir_kernel_libraries(), target)
+    built += build_flashinfer_kernels(out, [s.config() for s in flashinfer_gpu_shapes() + [BENCH_WINDOWED]],
+                                      target)
+    prune_kernel_libraries(out / "kernels", built)
     from ..flashinfer import unavailable_reasons
 
     backends = ["tir"] + ([] if unavailable_reasons() else ["flashinfer"])
