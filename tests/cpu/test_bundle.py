@@ -185,3 +185,22 @@ def test_bundle_prunes_kernel_libraries_of_old_keys(tmp_path):
     assert sorted(p.name for p in gone) == ["kernels-bbb.json", "kernels-bbb.so"]
     assert sorted(p.name for p in tmp_path.iterdir()) == [
         "kernels-aaa.json", "kernels-aaa.so", "kernels-ccc.json", "kernels-ccc.so", "notes.txt"]
+
+
+def test_bundle_builds_kernel_libraries_in_worker_processes(tmp_path):
+    """``build_kernels`` with jobs > 1 (spawned workers): each key once, every library on disk with its op
+    table, in the order of the list; a second call finds them built (the workers' files are the serial
+    build's: same keys)."""
+    from pagedkv.apps.gpu_bundle import build_kernels, tir_library_path
+    from pagedkv.testing.shapes import SHAPES
+
+    a, b = SHAPES[0].config(), SHAPES[-1].config()
+    libs = [(a, {}), (b, {}), (a, {})]
+    built = build_kernels(tmp_path, libs, "llvm", jobs=2)
+    assert built == [tir_library_path(tmp_path / "kernels", c, {}, "llvm") for c in (a, b)]
+    for lib in built:
+        assert lib.stat().st_size > 0
+        assert json.loads(lib.with_suffix(".json").read_text())["entries"]
+    mtimes = [p.stat().st_mtime_ns for p in built]
+    assert build_kernels(tmp_path, libs, "llvm", jobs=1) == built
+    assert [p.stat().st_mtime_ns for p in built] == mtimes

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import shutil
 import sys
 import time
@@ -52,24 +53,54 @@ def tir_library_path(kernels: Path, config, paths: dict, target) -> Path:
         return kernel_library_path(config, kernels, target=target, backend="tir")
 
 
-def build_kernels(out: Path, libraries, target) -> list[Path]:
-    """Build ``(config, forced paths)`` TIR kernel libraries into ``out/kernels`` (each key once)."""
+def _build_one(kernels: Path, cfg, paths: dict, target) -> tuple[Path, float]:
+    """Build one TIR kernel library (in this process or a worker of ``build_kernels``): (path, seconds)."""
     from ..backends.tir import forced_paths
     from ..cache import build_kernel_library
 
+    t0 = time.perf_counter()
+    with forced_paths(paths):
+        path = build_kernel_library(cfg, kernels, target=target, backend="tir")
+    return path, time.perf_counter() - t0
+
+
+def default_jobs() -> int:
+    """Worker processes of a kernel build: ``$PAGEDKV_BUILD_JOBS``, else the host's cores (a library is one
+    TVM compile + one nvcc run, single-threaded, about 20 s at sm_90)."""
+    return max(1, int(os.environ.get("PAGEDKV_BUILD_JOBS") or os.cpu_count() or 1))
+
+
+def build_kernels(out: Path, libraries, target, *, jobs: int = 1) -> list[Path]:
+    """Build ``(config, forced paths)`` TIR kernel libraries into ``out/kernels`` (each key once), in ``jobs``
+    worker processes (spawned: each enables TVM's CUDA codegen for itself) when ``jobs > 1``. Returns the
+    library paths in the order of ``libraries``' first occurrence of each key."""
     todo: dict[Path, tuple] = {}
     for cfg, paths in libraries:
         todo.setdefault(tir_library_path(out / "kernels", cfg, paths, target), (cfg, paths))
-    built = []
-    for i, (cfg, paths) in enumerate(todo.values()):
-        t0 = time.perf_counter()
-        with forced_paths(paths):
-            path = build_kernel_library(cfg, out / "kernels", target=target, backend="tir")
+    items = list(todo.items())
+
+    def report(i: int, path: Path, seconds: float, paths: dict) -> None:
         forced = f" paths {paths}" if paths else ""
-        print(f"[pagedkv] kernels {i + 1}/{len(todo)} {path.name}{forced}: {path.stat().st_size / 1e6:.2f} MB "
-              f"in {time.perf_counter() - t0:.1f} s", flush=True)
-        built.append(path)
-    return built
+        print(f"[pagedkv] kernels {i}/{len(items)} {path.name}{forced}: {path.stat().st_size / 1e6:.2f} MB "
+              f"in {seconds:.1f} s", flush=True)
+
+    if jobs <= 1 or len(items) <= 1:
+        for i, (_, (cfg, paths)) in enumerate(items):
+            report(i + 1, *_build_one(out / "kernels", cfg, paths, target), paths)
+        return [p for p, _ in items]
+    import concurrent.futures as cf
+    import multiprocessing
+
+    with cf.ProcessPoolExecutor(min(jobs, len(items)), mp_context=multiprocessing.get_context("spawn")) as pool:
+        futures = {pool.submit(_build_one, out / "kernels", cfg, paths, target): paths
+                   for _, (cfg, paths) in items}
+        for i, fut in enumerate(cf.as_completed(futures)):
+            path, seconds = fut.result()  # a failed build raises here and cancels the rest
+            report(i + 1, path, seconds, futures[fut])
+    missing = [p.name for p, _ in items if not p.exists()]
+    if missing:
+        raise RuntimeError(f"kernel libraries not built: {missing}")
+    return [p for p, _ in items]
 
 
 def prune_kernel_libraries(kernels: Path, keep) -> list[Path]:
@@ -289,6 +320,8 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("out", type=Path)
     ap.add_argument("--arch", default="sm_90")
+    ap.add_argument("--jobs", type=int, default=default_jobs(),
+                    help="worker processes of the TIR kernel builds (default: $PAGEDKV_BUILD_JOBS or the cores)")
     ap.add_argument("--no-upstream", action="store_true",
                     help="skip apache-tvm's own CUDA kernels (the kernel benchmark's baseline)")
     args = ap.parse_args(argv)
@@ -301,7 +334,7 @@ def main(argv: list[str] | None = None) -> int:
     from ..testing.shapes import BENCH_WINDOWED, flashinfer_gpu_shapes
 
     target = {"kind": "cuda", "arch": args.arch}
-    built = build_kernels(out, tir_kernel_libraries(), target)
+    built = build_kernels(out, tir_kernel_libraries(), target, jobs=args.jobs)
     built += build_flashinfer_kernels(out, [s.config() for s in flashinfer_gpu_shapes() + [BENCH_WINDOWED]],
                                       target)
     prune_kernel_libraries(out / "kernels", built)
