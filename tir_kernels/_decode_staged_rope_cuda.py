@@ -1,5 +1,6 @@
 """Inline RoPE (``apply_rope == 1``) in the staged CUDA paged decode kernel (``_decode_staged_cuda``): the cache
-holds unrotated keys, the kernel rotates q and k on the fly, with no sin / cos in the key loop.
+holds unrotated keys, the kernel rotates q and k on the fly; its key loop scores with the plain kernel's
+``score_tile``, unchanged.
 
 The score of tile key ``o`` (position ``P + o``: ``P = k_pos_offset + t0`` the position of the tile's first key
 ``t0``, ``0 <= o < TK``) is ``<R(q_pos) q, R(P + o) k> = <R(q_pos - P) q, R(o) k>`` (``R(a)`` rotates each pair
@@ -7,25 +8,39 @@ The score of tile key ``o`` (position ``P + o``: ``P = k_pos_offset + t0`` the p
 same identity). So
 
 * ``R(o) k``: ``cos / sin(o * w_j)`` depend on the key's offset in the tile and the pair only, so a table of
-  them (``TK x D/2`` each, float32) is computed once per block (``rope_setup``: each entry once, cooperatively)
-  and ``score_tile_rope`` rotates the key elements in registers before the dot (4 float ops per pair, the
-  cos / sin read as 16-byte shared vectors);
+  them (``TK x D/2`` each, float32) is computed once per block (``rope_setup``: each entry once,
+  cooperatively); each key is rotated **once per block, when its tile is staged** into shared memory
+  (``stage_tile_rope``: the pairs in float32, 16-byte reads of the table, the rotated key rounded once to the
+  storage dtype), so the ``G / R`` row threads that score a key read it rotated and the score, softmax and
+  ``O += P V`` are the plain kernel's (run 9 rotated in the score, per key and row thread: 1.21x / 1.29x of
+  plain at B = 1 x 32K / B = 64 x 4K). Rounding the rotated key to fp16 / bf16 costs one storage rounding,
+  like the cache's own; float32 stays float32;
 * ``R(q_pos - P) q``: the same for every key of a tile, so once per tile for the whole block: ``q_table``
   computes one ``rope_sincos`` per pair (not per thread, not per GQA row) and writes the group's ``G`` rows,
   rotated and scaled by ``sm_scale * log2(e)``, to a shared table, from which each thread loads its ``R`` rows
   (``load_q_table``). It runs between the two barriers the key loop already has per tile (the previous tile's
   readers are done after the first, the table is complete at the second).
 
-Why the staged layout fits: with ``VEC == 2 * V16`` (``LANE_VECTORS = 2`` 16-byte vectors per lane) element
-``u*V16 + e`` of lane ``tx`` is dim ``u*LW + tx*V16 + e`` with ``LW == D/2``, so a thread holds both dims
-``j = tx*V16 + e`` and ``j + D/2`` of each of its pairs: rotating needs no shuffle and the K / V tile loads stay
-those of the plain kernel. Where that does not hold (``staged_rope_limits``) RoPE runs the lane-group kernel.
+Why the layout fits: with ``VEC == 2 * V16`` (``LANE_VECTORS = 2`` 16-byte vectors per lane) element
+``u*V16 + e`` of lane ``tx`` is dim ``u*LW + tx*V16 + e`` with ``LW == D/2``, so the score's lane holds both dims
+``j = tx*V16 + e`` and ``j + D/2`` of its pairs. The tile loads (``load_tile_pairs``) take the same layout per
+chunk (the plain kernel's chunk is ``VEC`` contiguous dims), so the thread that stages a chunk holds both halves
+of its pairs: rotating needs no shuffle, and the ``L0`` chunks of a key still read its whole row in 16-byte
+vectors. Where that does not hold (``staged_rope_limits``) RoPE runs the lane-group kernel.
 
-Shared memory: the key table and the rotated-q table live in one float32 pool that the end-of-loop merge
-(``store_rows``' ``red_o``) reuses (one extra barrier per block); the pair frequencies (``w_hi, w_lo``) and the
-block's unrotated q rows (storage dtype, ``q_raw``) have their own buffers (TVM's barrier planner sees one
-buffer per allocation: a pool read and written in one loop would ask for a barrier inside it). Tables are lane-major (``lane_slot``): the 16-byte
-reads of consecutive lanes are consecutive (no bank conflicts).
+Shared memory: the key table lives in a float32 pool that the end-of-loop merge (``store_rows``' ``red_o``)
+reuses (one extra barrier per block); the rotated-q table (``qtab``), the pair frequencies (``w_hi, w_lo``) and
+the block's unrotated q rows (storage dtype, ``q_raw``) have their own buffers: TVM's barrier planner sees one
+buffer per allocation, and a pool read (the key table, in the stage) and written (the q table) between the same
+two barriers makes it ask for a barrier inside the stage's condition, which it cannot insert (a compile error).
+Tables are lane-major (``lane_slot``): the 16-byte reads of consecutive lanes are consecutive (no bank
+conflicts). The separate ``qtab`` costs ``G x D`` floats: float32 at group 8 x D 256 and 16 x 128 no longer fit
+and run the lane-group kernel (float32 decode has no speed target).
+
+Per thread and tile (fp16, 32 / 8 heads, D = 128: ``TK = 32``, 128 threads, two chunks each) the RoPE work is
+two chunks of 8 pairs (4 float ops each, 4 16-byte table reads per chunk), the q table's load (``R x VEC``
+floats) and, on the threads of one pair each, its ``rope_sincos``; ptxas: 128 registers, no spills (run 9's
+kernel: 168).
 
 Sin / cos are ``_sincos_cuda.rope_sincos`` (exact angle, ~2e-7 from float64 up to |angle| 2^21 rad): on key
 offsets below ``TK`` and on ``q_pos - P``, a relative position.
