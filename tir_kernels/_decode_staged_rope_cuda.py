@@ -1,5 +1,6 @@
 """Inline RoPE (``apply_rope == 1``) in the staged CUDA paged decode kernel (``_decode_staged_cuda``): the cache
-holds unrotated keys, the kernel rotates q and k on the fly, with no sin / cos in the key loop.
+holds unrotated keys, the kernel rotates q and k on the fly; its key loop scores with the plain kernel's
+``score_tile``, unchanged.
 
 The score of tile key ``o`` (position ``P + o``: ``P = k_pos_offset + t0`` the position of the tile's first key
 ``t0``, ``0 <= o < TK``) is ``<R(q_pos) q, R(P + o) k> = <R(q_pos - P) q, R(o) k>`` (``R(a)`` rotates each pair
@@ -7,25 +8,39 @@ The score of tile key ``o`` (position ``P + o``: ``P = k_pos_offset + t0`` the p
 same identity). So
 
 * ``R(o) k``: ``cos / sin(o * w_j)`` depend on the key's offset in the tile and the pair only, so a table of
-  them (``TK x D/2`` each, float32) is computed once per block (``rope_setup``: each entry once, cooperatively)
-  and ``score_tile_rope`` rotates the key elements in registers before the dot (4 float ops per pair, the
-  cos / sin read as 16-byte shared vectors);
+  them (``TK x D/2`` each, float32) is computed once per block (``rope_setup``: each entry once,
+  cooperatively); each key is rotated **once per block, when its tile is staged** into shared memory
+  (``stage_tile_rope``: the pairs in float32, 16-byte reads of the table, the rotated key rounded once to the
+  storage dtype), so the ``G / R`` row threads that score a key read it rotated and the score, softmax and
+  ``O += P V`` are the plain kernel's (run 9 rotated in the score, per key and row thread: 1.21x / 1.29x of
+  plain at B = 1 x 32K / B = 64 x 4K). Rounding the rotated key to fp16 / bf16 costs one storage rounding,
+  like the cache's own; float32 stays float32;
 * ``R(q_pos - P) q``: the same for every key of a tile, so once per tile for the whole block: ``q_table``
   computes one ``rope_sincos`` per pair (not per thread, not per GQA row) and writes the group's ``G`` rows,
   rotated and scaled by ``sm_scale * log2(e)``, to a shared table, from which each thread loads its ``R`` rows
   (``load_q_table``). It runs between the two barriers the key loop already has per tile (the previous tile's
   readers are done after the first, the table is complete at the second).
 
-Why the staged layout fits: with ``VEC == 2 * V16`` (``LANE_VECTORS = 2`` 16-byte vectors per lane) element
-``u*V16 + e`` of lane ``tx`` is dim ``u*LW + tx*V16 + e`` with ``LW == D/2``, so a thread holds both dims
-``j = tx*V16 + e`` and ``j + D/2`` of each of its pairs: rotating needs no shuffle and the K / V tile loads stay
-those of the plain kernel. Where that does not hold (``staged_rope_limits``) RoPE runs the lane-group kernel.
+Why the layout fits: with ``VEC == 2 * V16`` (``LANE_VECTORS = 2`` 16-byte vectors per lane) element
+``u*V16 + e`` of lane ``tx`` is dim ``u*LW + tx*V16 + e`` with ``LW == D/2``, so the score's lane holds both dims
+``j = tx*V16 + e`` and ``j + D/2`` of its pairs. The tile loads (``load_tile_pairs``) take the same layout per
+chunk (the plain kernel's chunk is ``VEC`` contiguous dims), so the thread that stages a chunk holds both halves
+of its pairs: rotating needs no shuffle, and the ``L0`` chunks of a key still read its whole row in 16-byte
+vectors. Where that does not hold (``staged_rope_limits``) RoPE runs the lane-group kernel.
 
-Shared memory: the key table and the rotated-q table live in one float32 pool that the end-of-loop merge
-(``store_rows``' ``red_o``) reuses (one extra barrier per block); the pair frequencies (``w_hi, w_lo``) and the
-block's unrotated q rows (storage dtype, ``q_raw``) have their own buffers (TVM's barrier planner sees one
-buffer per allocation: a pool read and written in one loop would ask for a barrier inside it). Tables are lane-major (``lane_slot``): the 16-byte
-reads of consecutive lanes are consecutive (no bank conflicts).
+Shared memory: the key table lives in a float32 pool that the end-of-loop merge (``store_rows``' ``red_o``)
+reuses (one extra barrier per block); the rotated-q table (``qtab``), the pair frequencies (``w_hi, w_lo``) and
+the block's unrotated q rows (storage dtype, ``q_raw``) have their own buffers: TVM's barrier planner sees one
+buffer per allocation, and a pool read (the key table, in the stage) and written (the q table) between the same
+two barriers makes it ask for a barrier inside the stage's condition, which it cannot insert (a compile error).
+Tables are lane-major (``lane_slot``): the 16-byte reads of consecutive lanes are consecutive (no bank
+conflicts). The separate ``qtab`` costs ``G x D`` floats: float32 at group 8 x D 256 and 16 x 128 no longer fit
+and run the lane-group kernel (float32 decode has no speed target).
+
+Per thread and tile (fp16, 32 / 8 heads, D = 128: ``TK = 32``, 128 threads, two chunks each) the RoPE work is
+two chunks of 8 pairs (4 float ops each, 4 16-byte table reads per chunk), the q table's load (``R x VEC``
+floats) and, on the threads of one pair each, its ``rope_sincos``; ptxas: 128 registers, no spills (run 9's
+kernel: 168).
 
 Sin / cos are ``_sincos_cuda.rope_sincos`` (exact angle, ~2e-7 from float64 up to |angle| 2^21 rad): on key
 offsets below ``TK`` and on ``q_pos - P``, a relative position.
@@ -42,10 +57,8 @@ from ._decode_staged_cuda import (
     StagedPlan,
     _layout,
     make_accumulate_tile,
-    make_load_tile,
-    make_score_parts,
+    make_score_tile,
     make_softmax_tile,
-    make_stage_tile,
     make_store_rows,
     staged_limits,
 )
@@ -54,15 +67,15 @@ from ._sincos_cuda import rope_sincos
 
 def pool_floats(p: StagedPlan) -> int:
     """Floats of the shared pool: the merge's ``red_o`` (``NZ x G x D``) at the end, before that the key table
-    (cos and sin, ``TK x D/2`` each) and the rotated-q table (``G x D``)."""
-    return max(p.nz * p.g * p.d, p.tk * p.d + p.g * p.d)
+    (cos and sin, ``TK x D/2`` each)."""
+    return max(p.nz * p.g * p.d, p.tk * p.d)
 
 
 def rope_smem_bytes(p: StagedPlan) -> int:
-    """Static shared memory of the RoPE kernel: K / V tile, ``red_ml``, the pool, the frequencies ``w_s``
-    (``2 x D/2``) and ``q_raw`` (storage dtype)."""
+    """Static shared memory of the RoPE kernel: K / V tile, ``red_ml``, the pool, the rotated-q table
+    ``qtab`` (``G x D``), the frequencies ``w_s`` (``2 x D/2``) and ``q_raw`` (storage dtype)."""
     isz = itemsize(p.dtype)
-    return 2 * p.tk * p.d * isz + p.nz * p.g * 2 * 4 + (pool_floats(p) + p.d) * 4 + p.g * p.d * isz
+    return 2 * p.tk * p.d * isz + p.nz * p.g * 2 * 4 + (pool_floats(p) + p.g * p.d + p.d) * 4 + p.g * p.d * isz
 
 
 def staged_rope_limits(g: int, d: int, dtype: str) -> list[str]:
@@ -168,46 +181,74 @@ def make_load_q_table(p: StagedPlan):
     return load_q_table
 
 
-def make_score_tile_rope(p: StagedPlan):
-    """``score_tile_rope(S_, Qr, Ks, cs, sn, kv, kf, rc, rs, tx, tz)``: ``score_tile`` of the plain kernel with
-    each key rotated by its tile offset ``o = tz*KZ + kk`` first (``R(o)`` from the key table, 16-byte reads of
-    ``rc / rs``); q comes rotated for the tile (``load_q_table``)."""
-    KZ, L0, R, LW = p.kz, p.l0, p.r, p.lw
+def make_load_tile_pairs(p: StagedPlan):
+    """``load_tile_pairs(Kst, Vst, pages, page_values, pbase, ps, h, t0, k1, t)``: ``load_tile`` of the plain
+    kernel with each chunk in the lane layout: chunk ``c`` of a key holds dims ``u*LW + c*V16 + e`` (``u < 2``),
+    both halves of the pairs ``j = c*V16 + e``, so that ``stage_tile_rope`` rotates them without a shuffle.
+    Lanes ``c .. c + L0`` of a key still read its whole row (two 16-byte reads each)."""
+    L0, NT, TK, C, LW = p.l0, p.nt, p.tk, p.loads, p.lw
     V16 = vec16(p.dtype)
-    dot_rows, lane_sum = make_score_parts(p)
 
     @T.macro
-    def score_tile_rope(S_, Qr, Ks, cs, sn, kv, kf, rc, rs, tx, tz):
-        for kk in T.unroll(KZ):
-            for r in T.unroll(R):
-                S_[kk, r] = T.float32(0)
-            if tx < L0:
+    def load_tile_pairs(Kst, Vst, pages, page_values, pbase, ps, h, t0, k1, t):
+        for i in T.unroll(C):
+            if i * NT + t < TK * L0:
+                jc: T.let[T.int32] = T.min(t0 + T.truncdiv(i * NT + t, L0), k1 - 1)
+                c0: T.let[T.int32] = T.truncmod(i * NT + t, L0) * V16
+                pg: T.let[T.int32] = page_values[pbase + T.truncdiv(jc, ps)]
                 for u in T.unroll(2):
                     for e in T.vectorized(V16):
-                        kv[u * V16 + e] = Ks[tz * KZ + kk, u * LW + tx * V16 + e]
+                        Kst[i, u * V16 + e] = pages[pg, 0, h, T.truncmod(jc, ps), u * LW + c0 + e]
+                for u in T.unroll(2):
+                    for e in T.vectorized(V16):
+                        Vst[i, u * V16 + e] = pages[pg, 1, h, T.truncmod(jc, ps), u * LW + c0 + e]
+
+    return load_tile_pairs
+
+
+def make_stage_tile_rope(p: StagedPlan):
+    """``stage_tile_rope(Ks, Vs, Kst, Vst, cs, sn, kr, rc, rs, t)``: the registers of ``load_tile_pairs`` into
+    the shared tile, each key rotated first by ``R(o)``, ``o`` its offset in the tile: pairs in float32 with the
+    key table's cos / sin (16-byte reads), the rotated key rounded once to the storage dtype (``kr``); values
+    as loaded. Each key of the tile is rotated once per block."""
+    L0, NT, TK, C, LW = p.l0, p.nt, p.tk, p.loads, p.lw
+    V16 = vec16(p.dtype)
+    dtype = p.dtype
+
+    @T.macro
+    def stage_tile_rope(Ks, Vs, Kst, Vst, cs, sn, kr, rc, rs, t):
+        for i in T.unroll(C):
+            if i * NT + t < TK * L0:
+                o: T.let[T.int32] = T.truncdiv(i * NT + t, L0)
+                c: T.let[T.int32] = T.truncmod(i * NT + t, L0)
                 for u in T.unroll(V16 // 4):
                     for e in T.vectorized(4):
-                        rc[u * 4 + e] = cs[tz * KZ + kk, (u * L0 + tx) * 4 + e]
+                        rc[u * 4 + e] = cs[o, (u * L0 + c) * 4 + e]
                     for e in T.vectorized(4):
-                        rs[u * 4 + e] = sn[tz * KZ + kk, (u * L0 + tx) * 4 + e]
+                        rs[u * 4 + e] = sn[o, (u * L0 + c) * 4 + e]
                 for e in T.unroll(V16):
-                    kx: T.let[T.float32] = T.Cast("float32", kv[e])
-                    ky: T.let[T.float32] = T.Cast("float32", kv[V16 + e])
-                    kf[e] = kx * rc[e] - ky * rs[e]
-                    kf[V16 + e] = ky * rc[e] + kx * rs[e]
-                dot_rows(S_, Qr, kf, kk)
-        lane_sum(S_)
+                    kx: T.let[T.float32] = T.Cast("float32", Kst[i, e])
+                    ky: T.let[T.float32] = T.Cast("float32", Kst[i, V16 + e])
+                    kr[e] = T.Cast(dtype, kx * rc[e] - ky * rs[e])
+                    kr[V16 + e] = T.Cast(dtype, ky * rc[e] + kx * rs[e])
+                for u in T.unroll(2):
+                    for e in T.vectorized(V16):
+                        Ks[o, u * LW + c * V16 + e] = kr[u * V16 + e]
+                for u in T.unroll(2):
+                    for e in T.vectorized(V16):
+                        Vs[o, u * LW + c * V16 + e] = Vst[i, u * V16 + e]
 
-    return score_tile_rope
+    return stage_tile_rope
 
 
 def make_rope_key_loop(p: StagedPlan, var):
     """``key_loop(regs, smem, pages, page_values, pbase, ps, h, k0, k1, rel0, sm_scale, t, tx, ty, tz)``: the
-    plain key loop (``_decode_staged_cuda.make_key_loop``) with the tile's rotated-q table written between its
-    two barriers (``rel0 - it*TK``: ``q_pos`` minus the tile's first key position) and keys rotated in
-    ``score_tile_rope``; a last barrier before the store reuses the tables' shared memory."""
+    plain key loop (``_decode_staged_cuda.make_key_loop``) with keys loaded in pairs and rotated as they are
+    staged (``stage_tile_rope``) and the tile's rotated-q table written between the two barriers
+    (``rel0 - it*TK``: ``q_pos`` minus the tile's first key position); the scores are the plain kernel's
+    ``score_tile``. A last barrier before the store reuses the key table's shared memory."""
     TK, KZ, R = p.tk, p.kz, p.r
-    load_tile, stage_tile, score_tile = make_load_tile(p), make_stage_tile(p), make_score_tile_rope(p)
+    load_tile, stage_tile, score_tile = make_load_tile_pairs(p), make_stage_tile_rope(p), make_score_tile(p)
     softmax_tile, accumulate_tile = make_softmax_tile(p, var), make_accumulate_tile(p)
     q_table, load_q_table = make_q_table(p), make_load_q_table(p)
 
@@ -221,16 +262,16 @@ def make_rope_key_loop(p: StagedPlan, var):
         for it in T.serial(tiles):
             # Barriers: the previous tile's readers (K / V, q table) are done; this tile and its q table are in.
             T.tvm_storage_sync("shared")
-            stage_tile(Ks, Vs, Kst, Vst, t)
+            stage_tile(Ks, Vs, Kst, Vst, cs, sn, kv, rc, rs, t)
             q_table(qtab, q_raw, w_s, rel0 - it * TK, sm_scale, t)
             T.tvm_storage_sync("shared")
             if it + 1 < tiles:
                 load_tile(Kst, Vst, pages, page_values, pbase, ps, h, k0 + (it + 1) * TK, k1, t)
             load_q_table(Qr, qtab, ty * R, tx)
-            score_tile(S_, Qr, Ks, cs, sn, kv, kf, rc, rs, tx, tz)
+            score_tile(S_, Qr, Ks, kv, kf, tx, tz)
             softmax_tile(S_, ml, Or, st, k0 + it * TK + tz * KZ, k1)
             accumulate_tile(Or, S_, Vs, kv, kf, tx, tz)
-        T.tvm_storage_sync("shared")  # the store's red_o reuses the tables' pool
+        T.tvm_storage_sync("shared")  # the store's red_o reuses the key table's pool
 
     return key_loop
 
@@ -268,13 +309,12 @@ def make_staged_rope_kernel(p: StagedPlan, var):
                                 q_raw = T.alloc_buffer((G, D), p.dtype, scope="shared")
                                 w_s = T.alloc_buffer((2, HALF), "float32", scope="shared")
                                 red_ml = T.alloc_buffer((NZ, G, 2), "float32", scope="shared")
+                                qtab = T.alloc_buffer((G, D), "float32", scope="shared")
                                 pool = T.alloc_buffer((POOL,), "float32", scope="shared")
                                 red_o = T.decl_buffer((NZ, G, D), "float32", data=pool.data, scope="shared")
                                 cs = T.decl_buffer((TK, HALF), "float32", data=pool.data, scope="shared")
                                 sn = T.decl_buffer((TK, HALF), "float32", data=pool.data, elem_offset=TK * HALF,
                                                    scope="shared")
-                                qtab = T.decl_buffer((G, D), "float32", data=pool.data, elem_offset=TK * D,
-                                                     scope="shared")
                                 if bx < B:
                                     t: T.let[T.int32] = (tz * GT + ty) * L + tx
                                     kvlen: T.let[T.int32] = paged_kv_len(page_indptr, last_page_len, bx, ps)
@@ -297,6 +337,6 @@ def make_staged_rope_kernel(p: StagedPlan, var):
     return kernel
 
 
-__all__ = ["lane_slot", "make_load_q_table", "make_q_table", "make_rope_key_loop", "make_rope_setup",
-           "make_score_tile_rope", "make_staged_rope_kernel", "pool_floats", "rope_smem_bytes",
+__all__ = ["lane_slot", "make_load_q_table", "make_load_tile_pairs", "make_q_table", "make_rope_key_loop",
+           "make_rope_setup", "make_stage_tile_rope", "make_staged_rope_kernel", "pool_floats", "rope_smem_bytes",
            "staged_rope_limits"]

@@ -17,8 +17,10 @@ block per (entry, kv head, key split) for the whole GQA group (``G / R`` row thr
 lanes x ``NZ`` key groups); key tiles of 16 KB of K + V go through shared memory with 16-byte loads, the next
 tile's loads in flight while the current one is scored, so each K/V byte is read from DRAM once per kv head.
 Split policy: whole waves
-(``_common_cuda.wave_split_count``, ``attention_cuda_decode.STAGED_RESIDENT_BLOCKS``). Inline RoPE (``_decode_staged_rope_cuda``): keys rotated in registers
-by their offset in the tile from a per-block cos / sin table, q rotated once per tile into a shared table.
+(``_common_cuda.wave_split_count``, ``attention_cuda_decode.STAGED_RESIDENT_BLOCKS``). Inline RoPE
+(``_decode_staged_rope_cuda``): each key rotated once per block, by its offset in the tile from a per-block cos /
+sin table, as its tile is staged into shared memory; q rotated once per tile into a shared table; the key loop's
+score is the plain kernel's.
 
 Decode where the staged limits refuse (and both variants with ``cuda_decode_kernel=lanes``): the lane-group
 kernel, one block per (entry, kv head, row chunk, key split), 128 threads
