@@ -45,15 +45,16 @@ from ..ops import MLA_ATTN_DECODE_PAGED, shape_values
 from ._abi import abi_prim_func
 from ._common import EMPTY_LSE, LOG2E, MASKED
 from ._common_cuda import decode_splits, make_merge_splits, paged_kv_len, shfl_xor, wave_split_count
-from ._mma_cuda import c_frag, cp_async16, cp_async_commit, cp_async_wait0, ldmatrix_x4, mma_sync
-from ._prefill_tc_tiles import TC_PAD, k_ldsm_index, q_ldsm_index, v_ldsm_index
+from ._mma_cuda import a_frag, c_frag, cp_async16, cp_async_commit, cp_async_wait0, ldmatrix_x4, mma_sync
+from ._prefill_tc_tiles import TC_PAD, k_ldsm_index_nt2, q_ldsm_index, v_ldsm_index
 
 #: auto takes the tensor-core kernel where ``tc_unserved`` is None (else SIMT); False: SIMT unless forced.
 MLA_TC_BY_DEFAULT = True
 #: The path switch and its values.
 SWITCH = "cuda_mla_decode_kernel"
-#: Warps and threads a block, keys a tile, storage dtypes served.
-WARPS, TK = 8, 64
+#: Warps and threads a block, keys a tile, storage dtypes served; the score's warps: DG dim groups x the
+#: rest key groups.
+WARPS, TK, DG = 8, 64, 4
 NT = WARPS * 32
 TC_DTYPES = ("float16", "bfloat16")
 #: Largest latent served: two stages of 64 rows + Q + P for 32 rows stay within 227 KB at 576 (DeepSeek).
@@ -74,9 +75,14 @@ def group_rows(num_heads: int) -> int:
 
 
 def smem_bytes(rows: int, latent_dim: int, dtype: str = "float16") -> int:
-    """Dynamic shared memory of a block (bytes): two tiles, Q and P rows, padded by ``TC_PAD`` elements."""
+    """Dynamic shared memory of a block (bytes): two tiles and the P rows, padded by ``TC_PAD`` elements."""
     del dtype  # both served dtypes are 2 bytes
-    return 2 * (2 * TK * (latent_dim + TC_PAD) + rows * (latent_dim + TC_PAD) + rows * (TK + TC_PAD))
+    return 2 * (2 * TK * (latent_dim + TC_PAD) + rows * (TK + TC_PAD))
+
+
+def static_smem_bytes(rows: int) -> int:
+    """Static shared memory of a block (bytes): the ``DG`` partial scores ``Ss`` and the row state ``St``."""
+    return 4 * rows * (DG * SS + STW)
 
 
 def tc_unserved(spec) -> list[str]:
@@ -113,8 +119,9 @@ def _make_tile_ops(H, DL, DV, rows, dtype):
     KPT = TK // TPR  # keys a softmax thread
     NDN = DV // WARPS // 8  # n8 tiles of O a warp
     ON = NDN * 4
-    Q0 = 2 * TK * LS  # element offset of Q, then P, in the dynamic buffer
-    P0 = Q0 + rows * LS
+    P0 = 2 * TK * LS  # element offset of P in the dynamic buffer
+    KPG = DL // 16 // DG  # k steps of a dim group
+    NSW = TK // (WARPS // DG) // 8  # n8 key tiles of a score warp
 
     @T.macro
     def issue(smem, stage, pages, page_values, pbase, ps, kbase, kend, tid):
@@ -133,37 +140,40 @@ def _make_tile_ops(H, DL, DV, rows, dtype):
         T.evaluate(cp_async_commit())
 
     @T.macro
-    def load_q(smem, q, b, h0, tid):
-        """Q rows (heads ``h0 ..``) into shared memory, unscaled (the scale goes on the fp32 scores)."""
-        xr = T.alloc_buffer((8,), dtype, scope="local")
-        for it in T.serial((rows * CPR + NT - 1) // NT):
-            if it * NT + tid < rows * CPR:
-                r: T.let[T.int32] = T.truncdiv(it * NT + tid, CPR)
-                ch: T.let[T.int32] = T.truncmod(it * NT + tid, CPR)
-                for e in T.unroll(8):
-                    xr[e] = T.if_then_else(h0 + r < H, q[b, T.min(h0 + r, H - 1), ch * 8 + e],
-                                           T.Cast(dtype, T.float32(0)))
-                for e in T.vectorized(8):
-                    smem[Q0 + r * LS + ch * 8 + e] = xr[e]
+    def load_q(qf, q, b, h0, w, lane):
+        """Q in registers: the A fragments of the warp's dim group (k steps ``KPG (w % DG) ..``) of every m16
+        tile, ``qf[(mt KPG + ks) 8 + i]`` = element ``a_frag(lane, i)``; unscaled (the scale goes on the fp32
+        scores), 0 for rows past ``H``."""
+        for mt in T.unroll(MT):
+            for ks in T.unroll(KPG):
+                for i in T.unroll(8):
+                    qf[(mt * KPG + ks) * 8 + i] = T.if_then_else(
+                        h0 + mt * 16 + a_frag(lane, i)[0] < H,
+                        q[b, T.min(h0 + mt * 16 + a_frag(lane, i)[0], H - 1),
+                          (T.truncmod(w, DG) * KPG + ks) * 16 + a_frag(lane, i)[1]], T.Cast(dtype, T.float32(0)))
 
     @T.macro
-    def score(smem, Ss, stage, sacc, afr, bfr, w, lane):
-        """``Ss[row, key]`` = q . latent (fp32) for keys ``8 w ..`` of the tile in ``stage``."""
-        for e in T.unroll(MT * 4):
+    def score(smem, Ss, stage, qf, sacc, bfr, w, lane):
+        """``Ss[dg, row, key]`` = the partial q . latent (fp32) over dim group ``dg = w % DG`` for keys
+        ``TK / (WARPS / DG) * (w // DG) ..`` of the tile in ``stage``: per k step one ``ldmatrix.x4`` gives
+        the B fragments of two n tiles (``k_ldsm_index_nt2``), used by every m16 tile; Q stays in registers,
+        so the tile is the only shared-memory operand."""
+        for e in T.unroll(MT * NSW * 4):
             sacc[e] = T.float32(0)
-        for ks2 in T.unroll(DL // 32):
-            T.evaluate(ldmatrix_x4(T.address_of(bfr[0]),
-                                   T.address_of(smem[stage * TK * LS + k_ldsm_index(lane, w, ks2, DL)]), False))
-            for u in T.unroll(2):
+        for ks in T.unroll(KPG):
+            for j in T.unroll(NSW // 2):
+                T.evaluate(ldmatrix_x4(T.address_of(bfr[0]), T.address_of(smem[
+                    stage * TK * LS + k_ldsm_index_nt2(lane, T.truncdiv(w, DG) * (NSW // 2) + j,
+                                                       T.truncmod(w, DG) * KPG + ks, DL)]), False))
                 for mt in T.unroll(MT):
-                    T.evaluate(ldmatrix_x4(T.address_of(afr[0]),
-                                           T.address_of(smem[Q0 + q_ldsm_index(lane, mt * 16, ks2 * 2 + u, DL)]),
-                                           False))
-                    T.evaluate(mma_sync(dtype, T.address_of(sacc[mt * 4]), T.address_of(afr[0]),
-                                        T.address_of(bfr[u * 2])))
+                    for u in T.unroll(2):
+                        T.evaluate(mma_sync(dtype, T.address_of(sacc[(mt * NSW + j * 2 + u) * 4]),
+                                            T.address_of(qf[(mt * KPG + ks) * 8]), T.address_of(bfr[u * 2])))
         for mt in T.unroll(MT):
-            for i in T.unroll(4):
-                Ss[(mt * 16 + c_frag(lane, i)[0]) * SS + w * 8 + c_frag(lane, i)[1]] = sacc[mt * 4 + i]
+            for nt in T.unroll(NSW):
+                for i in T.unroll(4):
+                    Ss[(T.truncmod(w, DG) * rows + mt * 16 + c_frag(lane, i)[0]) * SS
+                       + (T.truncdiv(w, DG) * NSW + nt) * 8 + c_frag(lane, i)[1]] = sacc[(mt * NSW + nt) * 4 + i]
 
     @T.macro
     def softmax(smem, Ss, St, rs, sv, kbase, kend, scale2, tid):
@@ -172,8 +182,10 @@ def _make_tile_ops(H, DL, DV, rows, dtype):
         sub: T.let[T.int32] = T.truncmod(tid, TPR)
         sv[KPT] = rs[0]
         for e in T.unroll(KPT):
-            sv[e] = T.if_then_else(kbase + sub * KPT + e < kend, Ss[row * SS + sub * KPT + e] * scale2,
-                                   T.float32(MASKED))
+            sv[e] = Ss[row * SS + sub * KPT + e]
+            for dg in T.unroll(1, DG):
+                sv[e] = sv[e] + Ss[(dg * rows + row) * SS + sub * KPT + e]
+            sv[e] = T.if_then_else(kbase + sub * KPT + e < kend, sv[e] * scale2, T.float32(MASKED))
             sv[KPT] = T.max(sv[KPT], sv[e])
         for sh in T.unroll(TPR.bit_length() - 1):
             sv[KPT] = T.max(sv[KPT], shfl_xor(sv[KPT], 1 << sh))
@@ -265,6 +277,7 @@ def mla_attn_decode_paged_tc(spec):
     H, DV, DL, dtype = spec.num_qo_heads, spec.kv_lora_rank, spec.latent_dim, spec.dtype
     rows = group_rows(H)
     MT, NG = rows // 16, (H + rows - 1) // rows
+    KPG, NSW = DL // 16 // DG, TK // (WARPS // DG) // 8
     ON = DV // WARPS // 8 * 4
     KPT = TK * rows // NT
     splits = decode_splits(spec)
@@ -285,11 +298,11 @@ def mla_attn_decode_paged_tc(spec):
                 for sp in T.thread_binding(S, thread="blockIdx.z"):
                     for tid in T.thread_binding(NT, thread="threadIdx.x"):
                         smem = T.alloc_buffer((NE,), dtype, scope="shared.dyn")
-                        Ss = T.alloc_buffer((rows * SS,), "float32", scope="shared")
+                        Ss = T.alloc_buffer((DG * rows * SS,), "float32", scope="shared")
                         St = T.alloc_buffer((rows * STW,), "float32", scope="shared")
-                        sacc = T.alloc_buffer((MT * 4,), "float32", scope="local")
+                        qf = T.alloc_buffer((MT * KPG * 8,), dtype, scope="local")
+                        sacc = T.alloc_buffer((MT * NSW * 4,), "float32", scope="local")
                         oacc = T.alloc_buffer((MT * ON,), "float32", scope="local")
-                        afr = T.alloc_buffer((4,), "uint32", scope="local")
                         pa = T.alloc_buffer((MT * 4,), "uint32", scope="local")
                         bfr = T.alloc_buffer((4,), "uint32", scope="local")
                         rs = T.alloc_buffer((2,), "float32", scope="local")
@@ -299,7 +312,6 @@ def mla_attn_decode_paged_tc(spec):
                         # TVM sizes a local array by the elements it sees indexed; ldmatrix reaches these
                         # through addresses only.
                         for e in T.unroll(4):
-                            afr[e] = T.uint32(0)
                             bfr[e] = T.uint32(0)
                         for e in T.unroll(MT * 4):
                             pa[e] = T.uint32(0)
@@ -314,17 +326,17 @@ def mla_attn_decode_paged_tc(spec):
                         k0: T.let[T.int32] = T.min(sp * chunk, kvlen)
                         k1: T.let[T.int32] = T.min(k0 + chunk, kvlen)
                         pbase: T.let[T.int32] = page_indptr[T.min(bx, T.max(B - 1, 0))]
-                        load_q(smem, q, T.min(bx, T.max(B - 1, 0)), g * rows, tid)
+                        load_q(qf, q, T.min(bx, T.max(B - 1, 0)), g * rows, w, lane)
                         if k1 > k0:
                             issue(smem, 0, pages, page_values, pbase, ps, k0, k1, tid)
                         for kt in T.serial(T.truncdiv(k1 - k0 + TK - 1, TK)):
                             T.evaluate(cp_async_wait0())
-                            # Tile kt (and Q) visible; every warp done with tile kt - 1's stage.
+                            # Tile kt visible; every warp done with tile kt - 1's stage.
                             T.tvm_storage_sync("shared")
                             if k0 + (kt + 1) * TK < k1:
                                 issue(smem, T.truncmod(kt + 1, 2), pages, page_values, pbase, ps, k0 + (kt + 1) * TK,
                                       k1, tid)
-                            score(smem, Ss, T.truncmod(kt, 2), sacc, afr, bfr, w, lane)
+                            score(smem, Ss, T.truncmod(kt, 2), qf, sacc, bfr, w, lane)
                             T.tvm_storage_sync("shared")
                             softmax(smem, Ss, St, rs, sv, k0 + kt * TK, k1, sm_scale * T.float32(LOG2E), tid)
                             T.tvm_storage_sync("shared")
