@@ -16,13 +16,14 @@ Design: one block of 8 warps per (entry, head group, key split):
   2-stage ring in one dynamic shared-memory buffer (rows padded by 8 elements: each 8-lane phase of an
   ``ldmatrix`` hits 32 banks); tile ``kt + 1`` loads during all of tile ``kt``. Keys at or past the split's
   end are zero-filled (never read from the pages, whose tails may hold anything).
-* S = Q K^T over DL: warp ``w`` computes keys ``8 w ..`` of every m16 tile: per two k steps one
-  ``ldmatrix.x4`` of the tile gives the B fragments (``k_ldsm_index``), per k step and m16 tile one of Q (in
-  shared memory, staged once: as A fragments it would take 144 registers). The fp32 fragments go to a
-  static shared array ``Ss``.
-* Online softmax: ``NT / rows`` threads a row, ``TK * rows / NT`` keys each; the row's max over its lanes
-  (shuffles), ``alpha = exp2(m_old - m_new)`` published in ``St``, P in the storage dtype in ``Ps`` (the
-  running max and each lane's partial sum stay in that thread's registers).
+* S = Q K^T over DL, the warps as ``DG = 4`` dim groups x 2 key groups: warp ``w`` holds Q's A fragments of
+  dims ``DL / 4 * (w % 4) ..`` of every m16 tile in registers (36 a tile at 576; all of Q would take 144) and
+  computes the partial scores of keys ``32 (w // 4) ..`` over them, per k step one ``ldmatrix.x4`` of the
+  tile giving the B fragments of two n tiles (``k_ldsm_index_nt2``), used by every m16 tile: the tile is the
+  scores' only shared-memory operand. The fp32 partials go to a static shared array ``Ss[DG, rows, TK]``.
+* Online softmax: ``NT / rows`` threads a row, ``TK * rows / NT`` keys each (the sum of the ``DG`` partial
+  scores); the row's max over its lanes (shuffles), ``alpha = exp2(m_old - m_new)`` published in ``St``, P in
+  the storage dtype in ``Ps`` (the running max and each lane's partial sum stay in that thread's registers).
 * O += P V with V = the first DV columns of the same tile (no second load): warp ``w`` owns dims
   ``DV / 8 * w ..`` of every row (``DV / 16`` fp32 accumulators a lane per m16 tile), rescales them by
   ``alpha``, then per 16 keys one ``ldmatrix.x4`` of P (A) and ``DV / 128`` of the tile (``.trans``, B).
@@ -31,6 +32,11 @@ Design: one block of 8 warps per (entry, head group, key split):
 * Splits: ``S`` key splits an entry from the shapes (``wave_split_count``: blocks of one wave per SM, the
   kernel holds one block an SM); ``cuda_decode_splits`` forces it; ``S > 1``: partial states in a float32
   workspace and ``mla_cuda``'s merge kernel.
+
+Resources (ptxas, sm_90a, DeepSeek 512 + 64, no spills): 16 heads fp16: 159 registers, 151,808 bytes of
+dynamic + 17,664 of static shared memory; 128 heads bf16 / fp16 (32 rows): 253 registers (at the limit: a change
+that adds live values spills; ``tests/cpu/test_mla_tc_compile.py`` checks), 154,112 + 35,328 bytes. One block
+(8 warps) an SM either way.
 
 Limits as data (``tc_unserved``): fp16 / bf16, ``DL % 64 == 0`` and ``DL <= TC_MAX_LATENT`` (shared memory),
 ``DV % 128 == 0`` and ``DV <= DL`` (8 warps of whole ldmatrix.x4.trans column pairs).
@@ -57,7 +63,8 @@ SWITCH = "cuda_mla_decode_kernel"
 WARPS, TK, DG = 8, 64, 4
 NT = WARPS * 32
 TC_DTYPES = ("float16", "bfloat16")
-#: Largest latent served: two stages of 64 rows + Q + P for 32 rows stay within 227 KB at 576 (DeepSeek).
+#: Largest latent served (the one run): two 64-row stages take 150 KB at 576; 32 rows of Q fragments a warp
+#: group already hold 253 registers there.
 TC_MAX_LATENT = 576
 #: Split policy: one block an SM resident (shared memory), an H200's 132 SMs; splits of >= 256 keys.
 RESIDENT_BLOCKS = 132
@@ -114,7 +121,7 @@ def _make_tile_ops(H, DL, DV, rows, dtype):
     """The per-tile macros (load, score, softmax, accumulate) for ``rows`` rows of latent ``DL``."""
     MT, LS, PS = rows // 16, DL + TC_PAD, TK + TC_PAD
     CPR = DL // 8  # 16-byte chunks a latent row
-    NCH = TK * CPR // NT  # chunks a thread a tile
+    CPK = NT // TK  # threads a key row of the tile load
     TPR = NT // rows  # softmax threads a row
     KPT = TK // TPR  # keys a softmax thread
     NDN = DV // WARPS // 8  # n8 tiles of O a warp
@@ -125,18 +132,22 @@ def _make_tile_ops(H, DL, DV, rows, dtype):
 
     @T.macro
     def issue(smem, stage, pages, page_values, pbase, ps, kbase, kend, tid):
-        """Start copying keys ``kbase ..`` into stage ``stage`` (zeros at or past ``kend``); one group."""
-        for it in T.unroll(NCH):
-            key: T.let[T.int32] = T.truncdiv(it * NT + tid, CPR)
-            ch: T.let[T.int32] = T.truncmod(it * NT + tid, CPR)
-            if kbase + key < kend:
+        """Start copying keys ``kbase ..`` into stage ``stage`` (zeros at or past ``kend``); one group. Thread
+        ``tid`` copies key ``tid // CPK``, chunks ``tid % CPK + CPK it``: one page lookup (two divisions by the
+        run-time page size) a thread a tile, and consecutive threads on consecutive 16 bytes of a row."""
+        key: T.let[T.int32] = T.truncdiv(tid, CPK)
+        if kbase + key < kend:
+            pg: T.let[T.int32] = page_values[pbase + T.truncdiv(kbase + key, ps)]
+            off: T.let[T.int32] = T.truncmod(kbase + key, ps)
+            for it in T.unroll(CPR // CPK):
                 T.evaluate(cp_async16(
-                    T.address_of(smem[stage * TK * LS + key * LS + ch * 8]),
-                    T.address_of(pages[page_values[pbase + T.truncdiv(kbase + key, ps)], 0, 0,
-                                       T.truncmod(kbase + key, ps), ch * 8])))
-            else:
+                    T.address_of(smem[stage * TK * LS + key * LS + (it * CPK + T.truncmod(tid, CPK)) * 8]),
+                    T.address_of(pages[pg, 0, 0, off, (it * CPK + T.truncmod(tid, CPK)) * 8])))
+        else:
+            for it in T.unroll(CPR // CPK):
                 for e in T.vectorized(8):
-                    smem[stage * TK * LS + key * LS + ch * 8 + e] = T.Cast(dtype, T.float32(0))
+                    smem[stage * TK * LS + key * LS + (it * CPK + T.truncmod(tid, CPK)) * 8 + e] = T.Cast(
+                        dtype, T.float32(0))
         T.evaluate(cp_async_commit())
 
     @T.macro
