@@ -8,7 +8,7 @@ Why: every query head of a decode token attends to the same latent rows, so a bl
 float32 FMAs run at a few percent of the tensor cores. Semantics are ``mla_cuda``'s (base-2 lse, float32
 accumulation, ``o = 0`` / ``lse = -1e30`` for a row that sees no key, keys at or past the length never read).
 
-Design: one block of 8 warps per (entry, head group, key split):
+Design: one block of 8 warps per (head group, entry, key split) (``blockIdx`` x, y, z):
 
 * A head group is ``rows`` = 16 (``H <= 16``; padding rows past ``H`` compute on zero q and are never
   stored) or 32 heads (two m16 tiles), so ``ceil(H / rows)`` groups an entry.
@@ -280,7 +280,7 @@ def _make_store(H, DV, rows, dtype):
 
 def mla_attn_decode_paged_tc(spec):
     """``pagedkv_mla_attn_decode_paged`` on tensor cores (arguments: ``pagedkv.ops.OP_SPECS``), for a
-    ``KernelSpec`` that ``tc_unserved`` accepts (module docstring). Grid (entry, head group, key split)."""
+    ``KernelSpec`` that ``tc_unserved`` accepts (module docstring). Grid (head group, entry, key split)."""
     reasons = tc_unserved(spec)
     if reasons:
         raise NotImplementedError(f"pagedkv.tir_kernels: the tensor-core CUDA MLA decode does not serve "
@@ -304,8 +304,10 @@ def mla_attn_decode_paged_tc(spec):
                                              min_split_keys=MIN_SPLIT_KEYS, max_splits=MAX_SPLITS, forced=splits)
         ws_o = T.alloc_buffer((T.max(B, 1) * H * S, DV), "float32")
         ws_l = T.alloc_buffer((T.max(B, 1) * H * S,), "float32")
-        for bx in T.thread_binding(T.max(B, 1), thread="blockIdx.x"):
-            for g in T.thread_binding(NG, thread="blockIdx.y"):
+        # Head groups innermost (blockIdx.x): the groups of an entry run side by side and share its latent
+        # rows through L2 (one DRAM read instead of one per group at 128 heads).
+        for bx in T.thread_binding(T.max(B, 1), thread="blockIdx.y"):
+            for g in T.thread_binding(NG, thread="blockIdx.x"):
                 for sp in T.thread_binding(S, thread="blockIdx.z"):
                     for tid in T.thread_binding(NT, thread="threadIdx.x"):
                         smem = T.alloc_buffer((NE,), dtype, scope="shared.dyn")

@@ -8,8 +8,8 @@ with one kv head: key = the latent, value = its first ``kv_lora_rank`` elements,
 
 Cases: 16 heads (one m16 tile), 12 (padding rows) and 40 (two m16 tiles, a second group of 8 heads); a small
 latent (128 + 64: 3 k steps a dim group) and DeepSeek's (512 + 64: 9) at 16 heads, and 128 heads at DeepSeek's
-dims with a short batch; fp16 and bf16; forced splits 1 (direct write) and 3 (workspace + merge, a split past an
-entry's keys); entries of mixed lengths (empty, one key, page and 64-key tile edges, three tiles), pages in
+dims with a short batch; fp16 and bf16; forced splits 1 (direct write), 3 and 8 (workspace + merge, splits past
+an entry's keys); entries of mixed lengths (empty, one key, page and 64-key tile edges, three tiles), pages in
 random order, NaN past every length, NaN-poisoned outputs. Fresh random inputs each run. Skips without g++.
 """
 
@@ -41,6 +41,7 @@ CONFIGS = {
     "h12-r128-bf16-s3": (12, 128, 64, "bfloat16", "3", LENGTHS),
     "h40-r128-f16-s3": (40, 128, 64, "float16", "3", [130, 3, 0]),
     "h16-r512-f16-s3": (16, 512, 64, "float16", "3", [150, 0, 17]),
+    "h16-r128-bf16-s8": (16, 128, 64, "bfloat16", "8", [130, 1, 0]),
     "h128-r512-bf16-s1": (128, 512, 64, "bfloat16", "1", [80, 1]),
 }
 PS = 16
