@@ -483,8 +483,13 @@ def mla_attn_decode_paged_cuda(spec):
 
     One block per (entry, row tile of ``R`` heads, key split); with ``S > 1`` splits a second kernel merges
     the partial states. The path switch ``cuda_decode_splits = N > 0`` (``decode_splits``) forces ``S``
-    (clamped to ``[1, nnz * ps]``); automatic: the kernel from before the switch.
+    (clamped to ``[1, nnz * ps]``); automatic: the kernel from before the switch. The path switch
+    ``cuda_mla_decode_kernel`` (``mla_cuda_tc.use_tc``) hands fp16 / bf16 specs to the tensor-core kernel.
     """
+    from . import mla_cuda_tc  # pylint: disable=import-outside-toplevel
+
+    if mla_cuda_tc.use_tc(spec):  # the path switch cuda_mla_decode_kernel (raises when tc is forced, unserved)
+        return mla_cuda_tc.mla_attn_decode_paged_tc(spec)
     H, DV, DL, dtype = spec.num_qo_heads, spec.kv_lora_rank, spec.latent_dim, spec.dtype
     splits = decode_splits(spec)
     RI = rows_per_thread(MLA_ATTN_DECODE_PAGED, spec.kv_lora_rank, spec.qk_rope_head_dim)

@@ -44,6 +44,12 @@ SWITCHES: dict[str, tuple[str, tuple[str, ...]]] = {
                            "for both (lanes) or the shared-memory staged kernel for both (staged; raises where "
                            "its limits refuse either variant); auto: staged per variant where its limits "
                            "allow (staged_limits, staged_rope_limits)", ("auto", "lanes", "staged")),
+    "cuda_mla_decode_kernel": ("CUDA MLA decode (mla_attn_decode_paged): the SIMT FP32 kernel (simt) or the "
+                               "tensor-core one (tc: mma.sync, 8 warps, 16 / 32 heads a block, 64-key latent tiles "
+                               "in a 2-stage cp.async ring; fp16 / bf16, latent dim a multiple of 64 up to 576, "
+                               "kv_lora_rank a multiple of 128; forcing tc on another spec raises with the "
+                               "reasons of tir_kernels.mla_cuda_tc.tc_unserved); auto: tc where it serves the spec "
+                               "(MLA_TC_BY_DEFAULT), SIMT elsewhere", ("auto", "simt", "tc")),
 }
 
 

@@ -47,10 +47,12 @@ SMEM_LIMIT = 48 * 1024
 
 
 def mla_spec(h: int, rank: int, rope: int, dtype: str):
-    """The ``KernelSpec`` of an MLA configuration (the factories take the spec)."""
+    """The ``KernelSpec`` of an MLA configuration (the factories take the spec), the decode forced to the SIMT
+    kernel (``cuda_mla_decode_kernel=simt``; the tensor-core one, auto for fp16 / bf16: ``test_mla_tc_compile.py``)."""
     from pagedkv.kernel_spec import KernelSpec
 
-    return KernelSpec(h, h, 64, 64, dtype, kv_lora_rank=rank, qk_rope_head_dim=rope)
+    return KernelSpec(h, h, 64, 64, dtype, kv_lora_rank=rank, qk_rope_head_dim=rope,
+                      paths={"cuda_mla_decode_kernel": "simt"})
 
 
 def build_funcs(cfg: tuple) -> dict:

@@ -234,10 +234,22 @@ def decode_path_cases() -> list[tuple[Shape, dict[str, str]]]:
                for v in LANES_SPLITS])
 
 
+#: Split counts under which the path tests also run each MLA decode kernel forced (``cuda_mla_decode_kernel``):
+#: its own policy, the direct-write S = 1 and a merged odd S.
+MLA_KERNEL_SPLITS = ("auto", "1", "3")
+#: (shape, forced kernel) of those runs: the tensor-core kernel on V2-Lite's latent (16 heads, one m16 tile a
+#: block, fp16) and on DeepSeek-V3's 128 heads in bf16 (two m16 tiles a block, four head groups); the SIMT
+#: kernel on V2-Lite (fp16 reaches it only forced while ``mla_cuda_tc.MLA_TC_BY_DEFAULT`` holds).
+MLA_KERNEL_SHAPES = [(MLA_SHAPES[2], "tc"), (MLA_GPU_EXTRA[2], "tc"), (MLA_SHAPES[2], "simt")]
+
+
 def mla_path_cases() -> list[tuple[MLAShape, dict[str, str]]]:
-    """(shape, forced paths) of the MLA decode path tests: every value of ``cuda_decode_splits``."""
-    return [(s, {"cuda_decode_splits": v}) for s in PATH_MLA_SHAPES
-            for v in cuda_path_switches()["cuda_decode_splits"]]
+    """(shape, forced paths) of the MLA decode path tests: every value of ``cuda_decode_splits`` (the default
+    kernels), and ``MLA_KERNEL_SPLITS`` under each forced kernel of ``MLA_KERNEL_SHAPES``."""
+    return ([(s, {"cuda_decode_splits": v}) for s in PATH_MLA_SHAPES
+             for v in cuda_path_switches()["cuda_decode_splits"]]
+            + [(s, {"cuda_mla_decode_kernel": k, "cuda_decode_splits": v}) for s, k in MLA_KERNEL_SHAPES
+               for v in MLA_KERNEL_SPLITS])
 
 
 def gpu_path_libraries() -> list[tuple[KVCacheConfig, dict[str, str]]]:

@@ -1,0 +1,121 @@
+"""The tensor-core CUDA MLA decode (``tir_kernels/mla_cuda_tc.py``) on the build host: no GPU.
+
+(a) ``nvcc --cubin -arch=sm_90a`` compiles TVM's source of ``mla_attn_decode_paged`` (tc forced) for DeepSeek's
+    latent (512 + 64) at 16 heads fp16 (one m16 tile a block) and 128 heads bf16 (two): no register spills, at
+    most 255 registers (256 threads a block), static shared memory within 48 KB and static + dynamic
+    (``smem_bytes``) within sm_90's 227 KB a block; the source holds ``mma.sync`` and the dynamic buffer.
+(b) The path switch ``cuda_mla_decode_kernel``: auto takes tc where ``tc_unserved`` is empty (with
+    ``MLA_TC_BY_DEFAULT``), SIMT elsewhere (fp32, latents it does not take); "simt" forces SIMT; "tc" on a spec it
+    does not serve raises with the reasons.
+
+The numerics: ``test_mla_tc_emulated.py`` (CPU emulation) and ``tests/gpu`` (the path cases of
+``pagedkv.testing.shapes.mla_path_cases``).
+"""
+
+from __future__ import annotations
+
+import functools
+import re
+
+import pytest
+from _cuda_support import cuda_source_of, nvcc_all, ptxas_usage
+
+from pagedkv import tir_kernels as tk
+from pagedkv.tir_kernels import mla_cuda, mla_cuda_tc
+from pagedkv.tir_kernels._common import fast_macro_expansion
+
+import tvm
+from tvm.target import Target
+
+SM90 = Target({"kind": "cuda", "arch": "sm_90"}, host="llvm")
+SWITCH = mla_cuda_tc.SWITCH
+#: (heads, kv_lora_rank, qk_rope_head_dim, dtype)
+CONFIGS = [(16, 512, 64, "float16"), (128, 512, 64, "bfloat16")]
+IDS = ["x".join(map(str, c)) for c in CONFIGS]
+STATIC_SMEM, MAX_SMEM = 48 * 1024, 227 * 1024
+
+
+def spec(h, rank, rope, dtype, value="tc"):
+    return tk.KernelConfig(h, h, 64, 64, dtype, kv_lora_rank=rank, qk_rope_head_dim=rope, paths={SWITCH: value})
+
+
+@functools.cache
+def cuda_source(cfg: tuple) -> str:
+    with fast_macro_expansion():
+        func = mla_cuda.mla_attn_decode_paged_cuda(spec(*cfg))
+    with SM90:
+        exe = tvm.compile(tvm.IRModule({"pagedkv_mla_attn_decode_paged": func}), target=SM90)
+    return cuda_source_of(exe)
+
+
+@pytest.fixture(scope="module")
+def nvcc_results(tmp_path_factory):
+    return nvcc_all(CONFIGS, cuda_source, tmp_path_factory.mktemp("mla_tc"), "mla_tc_")
+
+
+@pytest.mark.parametrize("cfg", CONFIGS, ids=IDS)
+def test_tc_decode_compiles_without_spills(cfg, nvcc_results):
+    src = cuda_source(cfg)
+    assert "mma.sync.aligned.m16n8k16" in src and "extern __shared__" in src and "cp.async.cg" in src
+    rc, log = nvcc_results[cfg]
+    assert rc == 0, f"nvcc failed for {cfg}:\n{log[-4000:]}"
+    usage = ptxas_usage(log)
+    tc = usage["pagedkv_mla_attn_decode_paged_kernel"]
+    assert tc[1:] == (0, 0), f"spills {tc}"
+    assert tc[0] <= 255, tc
+    static = [int(m) for m in re.findall(r"(\d+) bytes smem", log)]
+    h, rank, rope, _ = cfg
+    rows = mla_cuda_tc.group_rows(h)
+    dyn = mla_cuda_tc.smem_bytes(rows, rank + rope)
+    assert max(static) <= mla_cuda_tc.static_smem_bytes(rows) <= STATIC_SMEM, static
+    assert max(static) + dyn <= MAX_SMEM, (static, dyn)
+
+
+def test_block_plan():
+    """16 heads a block up to 16, 32 past; DeepSeek's latent fits two stages for 32 rows."""
+    assert [mla_cuda_tc.group_rows(h) for h in (1, 16, 17, 128)] == [16, 16, 32, 32]
+    assert mla_cuda_tc.static_smem_bytes(32) <= STATIC_SMEM
+    assert mla_cuda_tc.smem_bytes(32, 576) + mla_cuda_tc.static_smem_bytes(32) <= MAX_SMEM
+
+
+def _uses_tc(s) -> bool:
+    with fast_macro_expansion():
+        return "pagedkv_mma_" in mla_cuda.mla_attn_decode_paged_cuda(s).script()
+
+
+def test_switch_is_registered():
+    assert tk.SWITCHES[SWITCH][1] == ("auto", "simt", "tc")
+    assert spec(16, 128, 64, "float16", "auto").paths == ()
+
+
+@pytest.mark.parametrize("value", ["auto", "simt", "tc"])
+def test_switch_picks_the_kernel(value):
+    s = spec(16, 128, 64, "bfloat16", value)
+    assert mla_cuda_tc.tc_unserved(s) == []
+    assert _uses_tc(s) == (value == "tc" or (value == "auto" and mla_cuda_tc.MLA_TC_BY_DEFAULT))
+
+
+@pytest.mark.parametrize("args, reason", [
+    ((4, 64, 32, "float32"), "dtype float32"),
+    ((16, 512, 128, "float16"), "latent dim 640"),
+    ((16, 64, 32, "bfloat16"), "kv_lora_rank 64"),
+])
+def test_unserved_specs_run_simt_or_raise_forced(args, reason):
+    """auto falls back to SIMT where tc does not serve; forcing tc raises, naming every reason."""
+    assert any(reason in r for r in mla_cuda_tc.tc_unserved(spec(*args)))
+    assert not mla_cuda_tc.use_tc(spec(*args, "auto"))
+    with pytest.raises(NotImplementedError, match=f"{SWITCH}=tc.*{reason}"):
+        mla_cuda.mla_attn_decode_paged_cuda(spec(*args, "tc"))
+
+
+def test_forced_tc_lists_every_reason():
+    """DeepSeek's dims in fp32: the dtype alone; a small fp32 latent: dtype, latent and rank."""
+    assert [r.split(" (")[0] for r in mla_cuda_tc.tc_unserved(spec(16, 512, 64, "float32"))] == ["dtype float32"]
+    reasons = mla_cuda_tc.tc_unserved(spec(4, 64, 32, "float32"))
+    assert [r.split(" (")[0] for r in reasons] == ["dtype float32", "latent dim 96", "kv_lora_rank 64"]
+    with pytest.raises(NotImplementedError, match="dtype float32.*; latent dim 96.*; kv_lora_rank 64"):
+        mla_cuda.mla_attn_decode_paged_cuda(spec(4, 64, 32, "float32"))
+
+
+def test_fp32_auto_is_the_simt_kernel():
+    assert not _uses_tc(spec(3, 64, 32, "float32", "auto"))

@@ -1,0 +1,165 @@
+"""The tensor-core MLA decode (``tir_kernels/mla_cuda_tc.py``, ``cuda_mla_decode_kernel=tc``) run on the CPU (no
+GPU): TVM's generated CUDA of ``mla_attn_decode_paged``, compiled with g++ against ``_cuda_emu.h`` (one CPU thread
+per CUDA thread; ``mma.sync`` / ``ldmatrix`` / ``cp.async`` emulated from the PTX ISA), launched in the order and
+with the grids of TVM's own host code (``test_decode_staged_emulated``'s helpers), so the split kernel and the
+merge kernel run as on a GPU. Checked against the float64 reference (``pagedkv.testing.reference.attention``
+with one kv head: key = the latent, value = its first ``kv_lora_rank`` elements, which is what
+``pagedkv.testing.reference_mla`` computes per layer).
+
+Cases: 16 heads (one m16 tile), 12 (padding rows) and 40 (two m16 tiles, a second group of 8 heads); a small
+latent (128 + 64: 3 k steps a dim group) and DeepSeek's (512 + 64: 9) at 16 heads, and 128 heads at DeepSeek's
+dims with a short batch; fp16 and bf16; forced splits 1 (direct write), 3 and 8 (workspace + merge, splits past
+an entry's keys); entries of mixed lengths (empty, one key, page and 64-key tile edges, three tiles), pages in
+random order, NaN past every length, NaN-poisoned outputs. Fresh random inputs each run. Skips without g++.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import dataclasses
+import math
+import re
+import shutil
+import subprocess
+
+import numpy as np
+import pytest
+import torch
+from _cuda_support import cuda_source_of
+from test_decode_staged_emulated import HERE, SM90, _host_main, _kernels, _launches, _storage, _values
+
+from pagedkv import tir_kernels as tk
+from pagedkv.testing import reference as R
+
+import tvm
+
+OP = "mla_attn_decode_paged"
+#: name -> (heads, kv_lora_rank, qk_rope_head_dim, dtype, forced splits, keys per entry).
+LENGTHS = [130, 0, 1, 17, 64]
+CONFIGS = {
+    "h16-r128-f16-s1": (16, 128, 64, "float16", "1", LENGTHS),
+    "h12-r128-bf16-s3": (12, 128, 64, "bfloat16", "3", LENGTHS),
+    "h40-r128-f16-s3": (40, 128, 64, "float16", "3", [130, 3, 0]),
+    "h16-r512-f16-s3": (16, 512, 64, "float16", "3", [150, 0, 17]),
+    "h16-r128-bf16-s8": (16, 128, 64, "bfloat16", "8", [130, 1, 0]),
+    "h128-r512-bf16-s1": (128, 512, 64, "bfloat16", "1", [80, 1]),
+}
+PS = 16
+#: Bytes of the static array standing in for the kernel's dynamic shared memory.
+DYN_SMEM_BYTES = 232 * 1024
+
+
+def _spec(name):
+    h, r, rope, dt, splits, _l = CONFIGS[name]
+    return tk.KernelConfig(h, h, 64, 64, dt, kv_lora_rank=r, qk_rope_head_dim=rope,
+                           paths={"cuda_mla_decode_kernel": "tc", "cuda_decode_splits": splits})
+
+
+@pytest.fixture(scope="module")
+def built(tmp_path_factory):
+    if shutil.which("g++") is None:
+        pytest.skip("g++ not found")
+    out, workdir = {}, tmp_path_factory.mktemp("emu_mla_tc")
+
+    def get(name):
+        if name not in out:
+            out[name] = _build(name, workdir / name)
+        return out[name]
+
+    return get
+
+
+def _build(name, stem):
+    func = tk.build_kernels(_spec(name), SM90, ops=(OP,))[OP]
+    with SM90:
+        exe = tvm.compile(tvm.IRModule({f"pagedkv_{OP}": func}), target=SM90)
+    kernels = _kernels(cuda_source_of(exe))
+    assert sum("pagedkv_mma_" in body for body, _p in kernels.values()) == 1, "one tensor-core kernel"
+    main, launch_params = _host_main(func)
+    runs, bodies = [], []
+    for kname, (body, params) in kernels.items():
+        # Dynamic shared memory: a static array (the kernel's one extern buffer).
+        bodies.append(re.sub(r"extern __shared__ __align__\((\d+)\) (\w+) (\w+)\[\];",
+                             lambda d: f"alignas({d.group(1)}) static {d.group(2)} {d.group(3)}[{DYN_SMEM_BYTES} / "
+                                       f"sizeof({d.group(2)})];", body))
+        args = ", ".join(f"({ty})ptrs[{i}]" if ty.endswith("*") else f"(({ty})nums[{i}])"
+                         for i, (ty, _n) in enumerate(params))
+        runs.append(f'  if (!std::strcmp(name, "{kname}")) launch3(g[0], g[1], g[2], g[3], g[4], g[5], [=]() '
+                    f'{{ {kname}({args}); }});')
+    cpp = stem.with_suffix(".cpp")
+    cpp.write_text(f'#define PAGEDKV_EMU_THREADS 256\n#include "{HERE / "_cuda_emu.h"}"\n' + "\n".join(bodies)
+                   + '\nextern "C" void run(const char* name, void** ptrs, double* nums, int* g) {\n'
+                   + "\n".join(runs) + "\n}\n")
+    lib = stem.with_suffix(".so")
+    proc = subprocess.run(["g++", "-O1", "-std=c++20", "-shared", "-fPIC", "-pthread", "-w", "-o", str(lib),
+                           str(cpp)], capture_output=True, text=True, check=False)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    return ctypes.CDLL(str(lib)), {k: p for k, (_b, p) in kernels.items()}, main, launch_params
+
+
+def _inputs(h, dl, dt, lengths, gen):
+    """Per entry (q [1, H, DL], latents [m, 1, DL]) in the storage dtype's values, and the page arrays."""
+    rnd = getattr(torch, dt)
+    ents = [(torch.randn(1, h, dl, generator=gen).to(rnd).double(),
+             torch.randn(m, 1, dl, generator=gen).to(rnd).double()) for m in lengths]
+    counts = [-(-m // PS) for m in lengths]
+    order = torch.randperm(sum(counts) + 2, generator=gen).tolist()
+    pages = torch.full((len(order), 1, 1, PS, dl), float("nan"), dtype=torch.float64)
+    values, last = [], []
+    for (_q, kv), cnt in zip(ents, counts):
+        ids = [order.pop() for _ in range(cnt)]
+        for i, pg in enumerate(ids):
+            n = min(PS, kv.shape[0] - i * PS)
+            pages[pg, 0, 0, :n] = kv[i * PS:i * PS + n, 0]
+        values += ids
+        last.append(kv.shape[0] - (cnt - 1) * PS if cnt else 0)
+    return ents, pages, np.cumsum([0] + counts).astype(np.int32), np.array(values or [0], np.int32), \
+        np.array(last, np.int32)
+
+
+@pytest.mark.parametrize("name", list(CONFIGS))
+def test_emulated_tc_mla_decode_matches_reference(name, built):
+    lib, params, main, launch_params = built(name)
+    h, r, rope, dt, splits, lengths = CONFIGS[name]
+    dl = r + rope
+    gen = torch.Generator().manual_seed(int(torch.randint(0, 2**31 - 1, (1,))))
+    ents, pages, page_indptr, page_values, last = _inputs(h, dl, dt, lengths, gen)
+    B, sm_scale = len(ents), 1.0 / math.sqrt(192)
+    arrays = {"q": _storage(torch.cat([e[0] for e in ents]), dt), "pages": _storage(pages, dt),
+              "page_indptr": page_indptr, "page_values": page_values, "last_page_len": last,
+              "o": _storage(torch.full((B, h, r), float("nan")), dt), "lse": np.full((B, h), np.nan, np.float32),
+              "ws_o": np.full((B * h * 8, r), np.nan, np.float32), "ws_l": np.full((B * h * 8,), np.nan, np.float32)}
+    env = {"B": B, "_p": pages.shape[0], "ps": PS, "nnz": len(page_values), "sm_scale": sm_scale, "dev_id": 0}
+    launches = _launches(main, env)
+    assert env["S"] == int(splits) and len(launches) == (2 if env["S"] > 1 else 1), (launches, env.get("S"))
+    for kname, args in launches:
+        ps_, n = params[kname], len(params[kname])
+        ptrs, nums = (ctypes.c_void_p * n)(), (ctypes.c_double * n)()
+        for i, (ty, pname) in enumerate(ps_):
+            if ty.endswith("*"):
+                ptrs[i] = arrays[pname.removesuffix("_ptr")].ctypes.data
+            else:
+                assert args[i] is not None, f"{kname}: argument {pname} not evaluated"
+                nums[i] = args[i]
+        dims = dict(zip(launch_params[kname], args[n:]))
+        grid = [int(dims.get(k, 1)) for k in ("blockIdx.x", "blockIdx.y", "blockIdx.z", "threadIdx.x",
+                                              "threadIdx.y", "threadIdx.z")]
+        lib.run(kname.encode(), ptrs, nums, (ctypes.c_int * 6)(*grid))
+    o, lse = _values(arrays["o"], dt), torch.from_numpy(arrays["lse"]).double()
+    for b, (eq, kv) in enumerate(ents):
+        got, gl = o[b:b + 1], lse[b:b + 1]
+        what = f"{name} entry {b} ({kv.shape[0]} keys)"
+        assert not torch.isnan(got).any() and not torch.isnan(gl).any(), f"{what}: NaN left"
+        if kv.shape[0] == 0:
+            assert torch.all(got == 0) and torch.all((gl + 1e30).abs() <= 1e24), f"{what}: empty row"
+            continue
+        ro, rl = R.attention(eq, kv, kv[..., :r], sm_scale, True)
+        rel = ((got - ro).norm() / ro.norm()).item()
+        assert rel < 1e-2, f"{what}: |o - ref| / |ref| = {rel:.3g}"
+        assert torch.allclose(gl, rl, atol=2e-2, rtol=1e-4), f"{what}: lse {gl} vs {rl}"
+
+
+def test_dataclasses_replace_keeps_paths():
+    """The forced paths the cases use reach the kernel spec (a guard on the test itself)."""
+    spec = dataclasses.replace(_spec("h16-r128-f16-s1"))
+    assert dict(spec.paths) == {"cuda_mla_decode_kernel": "tc", "cuda_decode_splits": "1"}

@@ -1,0 +1,368 @@
+"""Tensor-core CUDA MLA decode (``mla_attn_decode_paged``), fp16 / bf16, sm_80+, on ``mma.sync.m16n8k16``
+(``_mma_cuda``); chosen by the path switch ``cuda_mla_decode_kernel`` (``pagedkv.kernel_spec.SWITCHES``): "tc"
+forces it (raising with ``tc_unserved``'s reasons on a spec it does not serve), "simt" the SIMT kernel of
+``mla_cuda``, auto takes it wherever it serves when ``MLA_TC_BY_DEFAULT``.
+
+Why: every query head of a decode token attends to the same latent rows, so a block of 16 or 32 heads does
+``rows x 64 x (DL + DV)`` multiply-adds per 64-key tile it loads: compute-bound, where the SIMT kernel's
+float32 FMAs run at a few percent of the tensor cores. Semantics are ``mla_cuda``'s (base-2 lse, float32
+accumulation, ``o = 0`` / ``lse = -1e30`` for a row that sees no key, keys at or past the length never read).
+
+Design: one block of 8 warps per (head group, entry, key split) (``blockIdx`` x, y, z):
+
+* A head group is ``rows`` = 16 (``H <= 16``; padding rows past ``H`` compute on zero q and are never
+  stored) or 32 heads (two m16 tiles), so ``ceil(H / rows)`` groups an entry.
+* Key tiles of ``TK = 64`` latent rows (all ``DL`` elements), loaded with 16-byte ``cp.async`` into a
+  2-stage ring in one dynamic shared-memory buffer (rows padded by 8 elements: each 8-lane phase of an
+  ``ldmatrix`` hits 32 banks); tile ``kt + 1`` loads during all of tile ``kt``. Keys at or past the split's
+  end are zero-filled (never read from the pages, whose tails may hold anything).
+* S = Q K^T over DL, the warps as ``DG = 4`` dim groups x 2 key groups: warp ``w`` holds Q's A fragments of
+  dims ``DL / 4 * (w % 4) ..`` of every m16 tile in registers (36 a tile at 576; all of Q would take 144) and
+  computes the partial scores of keys ``32 (w // 4) ..`` over them, per k step one ``ldmatrix.x4`` of the
+  tile giving the B fragments of two n tiles (``k_ldsm_index_nt2``), used by every m16 tile: the tile is the
+  scores' only shared-memory operand. The fp32 partials go to a static shared array ``Ss[DG, rows, TK]``.
+* Online softmax: ``NT / rows`` threads a row, ``TK * rows / NT`` keys each (the sum of the ``DG`` partial
+  scores); the row's max over its lanes (shuffles), ``alpha = exp2(m_old - m_new)`` published in ``St``, P in
+  the storage dtype in ``Ps`` (the running max and each lane's partial sum stay in that thread's registers).
+* O += P V with V = the first DV columns of the same tile (no second load): warp ``w`` owns dims
+  ``DV / 8 * w ..`` of every row (``DV / 16`` fp32 accumulators a lane per m16 tile), rescales them by
+  ``alpha``, then per 16 keys one ``ldmatrix.x4`` of P (A) and ``DV / 128`` of the tile (``.trans``, B).
+* Three barriers a tile (tile visible / S complete / P complete); the top one also tells that every warp
+  is done with the stage that tile ``kt + 1`` then overwrites.
+* Splits: ``S`` key splits an entry from the shapes (``wave_split_count``: blocks of one wave per SM, the
+  kernel holds one block an SM); ``cuda_decode_splits`` forces it; ``S > 1``: partial states in a float32
+  workspace and ``mla_cuda``'s merge kernel.
+
+Resources (ptxas, sm_90a, DeepSeek 512 + 64, no spills): 16 heads fp16: 159 registers, 151,808 bytes of
+dynamic + 17,664 of static shared memory; 128 heads bf16 / fp16 (32 rows): 253 registers (at the limit: a change
+that adds live values spills; ``tests/cpu/test_mla_tc_compile.py`` checks), 154,112 + 35,328 bytes. One block
+(8 warps) an SM either way.
+
+Limits as data (``tc_unserved``): fp16 / bf16, ``DL % 64 == 0`` and ``DL <= TC_MAX_LATENT`` (shared memory),
+``DV % 128 == 0`` and ``DV <= DL`` (8 warps of whole ldmatrix.x4.trans column pairs).
+"""
+
+from __future__ import annotations
+
+from tvm.script import tirx as T
+
+from ..kernel_spec import forced as forced_path
+from ..ops import MLA_ATTN_DECODE_PAGED, shape_values
+from ._abi import abi_prim_func
+from ._common import EMPTY_LSE, LOG2E, MASKED
+from ._common_cuda import decode_splits, make_merge_splits, paged_kv_len, shfl_xor, wave_split_count
+from ._mma_cuda import a_frag, c_frag, cp_async16, cp_async_commit, cp_async_wait0, ldmatrix_x4, mma_sync
+from ._prefill_tc_tiles import TC_PAD, k_ldsm_index_nt2, q_ldsm_index, v_ldsm_index
+
+#: auto takes the tensor-core kernel where ``tc_unserved`` is None (else SIMT); False: SIMT unless forced.
+MLA_TC_BY_DEFAULT = True
+#: The path switch and its values.
+SWITCH = "cuda_mla_decode_kernel"
+#: Warps and threads a block, keys a tile, storage dtypes served; the score's warps: DG dim groups x the
+#: rest key groups.
+WARPS, TK, DG = 8, 64, 4
+NT = WARPS * 32
+TC_DTYPES = ("float16", "bfloat16")
+#: Largest latent served (the one run): two 64-row stages take 150 KB at 576; 32 rows of Q fragments a warp
+#: group already hold 253 registers there.
+TC_MAX_LATENT = 576
+#: Split policy: one block an SM resident (shared memory), an H200's 132 SMs; splits of >= 256 keys.
+RESIDENT_BLOCKS = 132
+MIN_SPLIT_KEYS = 256
+MAX_SPLITS = 64
+#: Threads a block of the merge kernel.
+MERGE_NT = 128
+#: fp32 row strides of ``Ss`` (scores) and ``St`` (alpha, m, l per row).
+SS, STW = TK + 4, 4
+
+
+def group_rows(num_heads: int) -> int:
+    """Rows (heads) of a block: one m16 tile up to 16 heads, else two."""
+    return 16 if num_heads <= 16 else 32
+
+
+def smem_bytes(rows: int, latent_dim: int, dtype: str = "float16") -> int:
+    """Dynamic shared memory of a block (bytes): two tiles and the P rows, padded by ``TC_PAD`` elements."""
+    del dtype  # both served dtypes are 2 bytes
+    return 2 * (2 * TK * (latent_dim + TC_PAD) + rows * (TK + TC_PAD))
+
+
+def static_smem_bytes(rows: int) -> int:
+    """Static shared memory of a block (bytes): the ``DG`` partial scores ``Ss`` and the row state ``St``."""
+    return 4 * rows * (DG * SS + STW)
+
+
+def tc_unserved(spec) -> list[str]:
+    """Why the tensor-core MLA decode does not serve ``spec`` (a ``KernelSpec``): [] when it does."""
+    dl, dv, out = spec.latent_dim, spec.kv_lora_rank, []
+    if spec.dtype not in TC_DTYPES:
+        out.append(f"dtype {spec.dtype} (it takes {', '.join(TC_DTYPES)})")
+    if dl % 64 or dl > TC_MAX_LATENT:
+        out.append(f"latent dim {dl} (it takes multiples of 64 up to {TC_MAX_LATENT}: 16-byte chunks, k-step "
+                   f"pairs, two 64-row stages in shared memory)")
+    if dv % 128 or dv > dl:
+        out.append(f"kv_lora_rank {dv} (it takes multiples of 128 up to the latent dim: 8 warps of 16-dim "
+                   f"column pairs)")
+    return out
+
+
+def use_tc(spec) -> bool:
+    """Whether ``mla_attn_decode_paged`` of ``spec`` runs this kernel (``SWITCH``; raises when forced and
+    unserved)."""
+    choice = forced_path(spec.paths, SWITCH)
+    reasons = tc_unserved(spec)
+    if choice == "tc" and reasons:
+        raise NotImplementedError(f"pagedkv.tir_kernels: {SWITCH}=tc: the tensor-core CUDA MLA decode does not "
+                                  f"serve {'; '.join(reasons)}")
+    return choice == "tc" or (choice == "auto" and MLA_TC_BY_DEFAULT and not reasons)
+
+
+def _make_tile_ops(H, DL, DV, rows, dtype):
+    """The per-tile macros (load, score, softmax, accumulate) for ``rows`` rows of latent ``DL``."""
+    MT, LS, PS = rows // 16, DL + TC_PAD, TK + TC_PAD
+    CPR = DL // 8  # 16-byte chunks a latent row
+    CPK = NT // TK  # threads a key row of the tile load
+    TPR = NT // rows  # softmax threads a row
+    KPT = TK // TPR  # keys a softmax thread
+    NDN = DV // WARPS // 8  # n8 tiles of O a warp
+    ON = NDN * 4
+    P0 = 2 * TK * LS  # element offset of P in the dynamic buffer
+    KPG = DL // 16 // DG  # k steps of a dim group
+    NSW = TK // (WARPS // DG) // 8  # n8 key tiles of a score warp
+
+    @T.macro
+    def issue(smem, stage, pages, page_values, pbase, ps, kbase, kend, tid):
+        """Start copying keys ``kbase ..`` into stage ``stage`` (zeros at or past ``kend``); one group. Thread
+        ``tid`` copies key ``tid // CPK``, chunks ``tid % CPK + CPK it``: one page lookup (two divisions by the
+        run-time page size) a thread a tile, and consecutive threads on consecutive 16 bytes of a row."""
+        key: T.let[T.int32] = T.truncdiv(tid, CPK)
+        if kbase + key < kend:
+            pg: T.let[T.int32] = page_values[pbase + T.truncdiv(kbase + key, ps)]
+            off: T.let[T.int32] = T.truncmod(kbase + key, ps)
+            for it in T.unroll(CPR // CPK):
+                T.evaluate(cp_async16(
+                    T.address_of(smem[stage * TK * LS + key * LS + (it * CPK + T.truncmod(tid, CPK)) * 8]),
+                    T.address_of(pages[pg, 0, 0, off, (it * CPK + T.truncmod(tid, CPK)) * 8])))
+        else:
+            for it in T.unroll(CPR // CPK):
+                for e in T.vectorized(8):
+                    smem[stage * TK * LS + key * LS + (it * CPK + T.truncmod(tid, CPK)) * 8 + e] = T.Cast(
+                        dtype, T.float32(0))
+        T.evaluate(cp_async_commit())
+
+    @T.macro
+    def load_q(qf, q, b, h0, w, lane):
+        """Q in registers: the A fragments of the warp's dim group (k steps ``KPG (w % DG) ..``) of every m16
+        tile, ``qf[(mt KPG + ks) 8 + i]`` = element ``a_frag(lane, i)``; unscaled (the scale goes on the fp32
+        scores), 0 for rows past ``H``."""
+        for mt in T.unroll(MT):
+            for ks in T.unroll(KPG):
+                for i in T.unroll(8):
+                    qf[(mt * KPG + ks) * 8 + i] = T.if_then_else(
+                        h0 + mt * 16 + a_frag(lane, i)[0] < H,
+                        q[b, T.min(h0 + mt * 16 + a_frag(lane, i)[0], H - 1),
+                          (T.truncmod(w, DG) * KPG + ks) * 16 + a_frag(lane, i)[1]], T.Cast(dtype, T.float32(0)))
+
+    @T.macro
+    def score(smem, Ss, stage, qf, sacc, bfr, w, lane):
+        """``Ss[dg, row, key]`` = the partial q . latent (fp32) over dim group ``dg = w % DG`` for keys
+        ``TK / (WARPS / DG) * (w // DG) ..`` of the tile in ``stage``: per k step one ``ldmatrix.x4`` gives
+        the B fragments of two n tiles (``k_ldsm_index_nt2``), used by every m16 tile; Q stays in registers,
+        so the tile is the only shared-memory operand."""
+        for e in T.unroll(MT * NSW * 4):
+            sacc[e] = T.float32(0)
+        for ks in T.unroll(KPG):
+            for j in T.unroll(NSW // 2):
+                T.evaluate(ldmatrix_x4(T.address_of(bfr[0]), T.address_of(smem[
+                    stage * TK * LS + k_ldsm_index_nt2(lane, T.truncdiv(w, DG) * (NSW // 2) + j,
+                                                       T.truncmod(w, DG) * KPG + ks, DL)]), False))
+                for mt in T.unroll(MT):
+                    for u in T.unroll(2):
+                        T.evaluate(mma_sync(dtype, T.address_of(sacc[(mt * NSW + j * 2 + u) * 4]),
+                                            T.address_of(qf[(mt * KPG + ks) * 8]), T.address_of(bfr[u * 2])))
+        for mt in T.unroll(MT):
+            for nt in T.unroll(NSW):
+                for i in T.unroll(4):
+                    Ss[(T.truncmod(w, DG) * rows + mt * 16 + c_frag(lane, i)[0]) * SS
+                       + (T.truncdiv(w, DG) * NSW + nt) * 8 + c_frag(lane, i)[1]] = sacc[(mt * NSW + nt) * 4 + i]
+
+    @T.macro
+    def softmax(smem, Ss, St, rs, sv, kbase, kend, scale2, tid):
+        """Row ``tid // TPR``, keys ``KPT * (tid % TPR) ..``: ``rs`` = (running max, this lane's partial sum)."""
+        row: T.let[T.int32] = T.truncdiv(tid, TPR)
+        sub: T.let[T.int32] = T.truncmod(tid, TPR)
+        sv[KPT] = rs[0]
+        for e in T.unroll(KPT):
+            sv[e] = Ss[row * SS + sub * KPT + e]
+            for dg in T.unroll(1, DG):
+                sv[e] = sv[e] + Ss[(dg * rows + row) * SS + sub * KPT + e]
+            sv[e] = T.if_then_else(kbase + sub * KPT + e < kend, sv[e] * scale2, T.float32(MASKED))
+            sv[KPT] = T.max(sv[KPT], sv[e])
+        for sh in T.unroll(TPR.bit_length() - 1):
+            sv[KPT] = T.max(sv[KPT], shfl_xor(sv[KPT], 1 << sh))
+        # alpha: every lane of the row has the same new max, so the partial sums stay consistently scaled.
+        sv[KPT + 1] = T.exp2(rs[0] - sv[KPT])
+        rs[0] = sv[KPT]
+        rs[1] = rs[1] * sv[KPT + 1]
+        for e in T.unroll(KPT):
+            sv[e] = T.exp2(sv[e] - sv[KPT])
+            rs[1] = rs[1] + sv[e]
+            smem[P0 + row * PS + sub * KPT + e] = T.Cast(dtype, sv[e])
+        if sub == 0:
+            St[row * STW] = sv[KPT + 1]
+
+    @T.macro
+    def accumulate(smem, St, stage, oacc, pa, bfr, w, lane):
+        """O (dims ``DV / 8 * w ..``) = alpha O + P V, V the first DV columns of the tile in ``stage``."""
+        for mt in T.unroll(MT):
+            for rr in T.unroll(2):
+                for dn in T.unroll(NDN):
+                    for c in T.unroll(2):
+                        oacc[mt * ON + dn * 4 + rr * 2 + c] = oacc[mt * ON + dn * 4 + rr * 2 + c] * St[
+                            (mt * 16 + c_frag(lane, rr * 2)[0]) * STW]
+        for kk in T.unroll(TK // 16):
+            for mt in T.unroll(MT):
+                T.evaluate(ldmatrix_x4(T.address_of(pa[mt * 4]),
+                                       T.address_of(smem[P0 + q_ldsm_index(lane, mt * 16, kk, TK)]), False))
+            for j in T.unroll(NDN // 2):
+                T.evaluate(ldmatrix_x4(T.address_of(bfr[0]), T.address_of(
+                    smem[stage * TK * LS + v_ldsm_index(lane, kk, w * (NDN // 2) + j, DL)]), True))
+                for mt in T.unroll(MT):
+                    for u in T.unroll(2):
+                        T.evaluate(mma_sync(dtype, T.address_of(oacc[mt * ON + (j * 2 + u) * 4]),
+                                            T.address_of(pa[mt * 4]), T.address_of(bfr[u * 2])))
+
+    return issue, load_q, score, softmax, accumulate
+
+
+def _make_store(H, DV, rows, dtype):
+    """The ``store`` macro: o / lse (``S == 1``) or the split's partial state in the workspace."""
+    MT, NDN, TPR = rows // 16, DV // WARPS // 8, NT // rows
+    ON = NDN * 4
+
+    @T.macro
+    def store_lse(St, rs, lse, ws_l, b, live, h0, S, sp, tid):
+        """The softmax threads: row sums over their lanes; ``St[row]`` = (., m, l); lse of the row."""
+        row: T.let[T.int32] = T.truncdiv(tid, TPR)
+        for sh in T.unroll(TPR.bit_length() - 1):
+            rs[1] = rs[1] + shfl_xor(rs[1], 1 << sh)
+        if T.truncmod(tid, TPR) == 0:
+            St[row * STW + 1] = rs[0]
+            St[row * STW + 2] = rs[1]
+            if live and h0 + row < H:
+                if S == 1:
+                    lse[b, h0 + row] = T.if_then_else(rs[1] > T.float32(0), rs[0] + T.log2(rs[1]),
+                                                      T.float32(EMPTY_LSE))
+                else:
+                    ws_l[(b * H + h0 + row) * S + sp] = T.if_then_else(
+                        rs[1] > T.float32(0), rs[0] + T.log2(rs[1]), T.float32(EMPTY_LSE))
+
+    @T.macro
+    def store_o(St, oacc, o, ws_o, b, h0, S, sp, w, lane):
+        """Each warp its dims of every row: O / l (0 for a row that saw no key)."""
+        for mt in T.unroll(MT):
+            for rr in T.unroll(2):
+                r: T.let[T.int32] = mt * 16 + c_frag(lane, rr * 2)[0]
+                rl: T.let[T.float32] = T.if_then_else(St[r * STW + 2] > T.float32(0),
+                                                      T.float32(1) / St[r * STW + 2], T.float32(0))
+                if h0 + r < H:
+                    for dn in T.unroll(NDN):
+                        for c in T.unroll(2):
+                            if S == 1:
+                                o[b, h0 + r, (w * NDN + dn) * 8 + c_frag(lane, c)[1]] = T.Cast(
+                                    dtype, oacc[mt * ON + dn * 4 + rr * 2 + c] * rl)
+                            else:
+                                ws_o[(b * H + h0 + r) * S + sp, (w * NDN + dn) * 8 + c_frag(lane, c)[1]] = \
+                                    oacc[mt * ON + dn * 4 + rr * 2 + c] * rl
+
+    return store_lse, store_o
+
+
+def mla_attn_decode_paged_tc(spec):
+    """``pagedkv_mla_attn_decode_paged`` on tensor cores (arguments: ``pagedkv.ops.OP_SPECS``), for a
+    ``KernelSpec`` that ``tc_unserved`` accepts (module docstring). Grid (head group, entry, key split)."""
+    reasons = tc_unserved(spec)
+    if reasons:
+        raise NotImplementedError(f"pagedkv.tir_kernels: the tensor-core CUDA MLA decode does not serve "
+                                  f"{'; '.join(reasons)}")
+    H, DV, DL, dtype = spec.num_qo_heads, spec.kv_lora_rank, spec.latent_dim, spec.dtype
+    rows = group_rows(H)
+    MT, NG = rows // 16, (H + rows - 1) // rows
+    KPG, NSW = DL // 16 // DG, TK // (WARPS // DG) // 8
+    ON = DV // WARPS // 8 * 4
+    KPT = TK * rows // NT
+    splits = decode_splits(spec)
+    issue, load_q, score, softmax, accumulate = _make_tile_ops(H, DL, DV, rows, dtype)
+    store_lse, store_o = _make_store(H, DV, rows, dtype)
+    merge_splits = make_merge_splits(H, DV, MERGE_NT, dtype)
+    NE = smem_bytes(rows, DL) // 2
+
+    @T.macro
+    def body(q, pages, page_indptr, page_values, last_page_len, o, lse, sm_scale, dims):
+        B, _p, ps, nnz = dims
+        S: T.let[T.int32] = wave_split_count(B, nnz, ps, NG, resident_blocks=RESIDENT_BLOCKS,
+                                             min_split_keys=MIN_SPLIT_KEYS, max_splits=MAX_SPLITS, forced=splits)
+        ws_o = T.alloc_buffer((T.max(B, 1) * H * S, DV), "float32")
+        ws_l = T.alloc_buffer((T.max(B, 1) * H * S,), "float32")
+        # Head groups innermost (blockIdx.x): the groups of an entry run side by side and share its latent
+        # rows through L2 (one DRAM read instead of one per group at 128 heads).
+        for bx in T.thread_binding(T.max(B, 1), thread="blockIdx.y"):
+            for g in T.thread_binding(NG, thread="blockIdx.x"):
+                for sp in T.thread_binding(S, thread="blockIdx.z"):
+                    for tid in T.thread_binding(NT, thread="threadIdx.x"):
+                        smem = T.alloc_buffer((NE,), dtype, scope="shared.dyn")
+                        Ss = T.alloc_buffer((DG * rows * SS,), "float32", scope="shared")
+                        St = T.alloc_buffer((rows * STW,), "float32", scope="shared")
+                        qf = T.alloc_buffer((MT * KPG * 8,), dtype, scope="local")
+                        sacc = T.alloc_buffer((MT * NSW * 4,), "float32", scope="local")
+                        oacc = T.alloc_buffer((MT * ON,), "float32", scope="local")
+                        pa = T.alloc_buffer((MT * 4,), "uint32", scope="local")
+                        bfr = T.alloc_buffer((4,), "uint32", scope="local")
+                        rs = T.alloc_buffer((2,), "float32", scope="local")
+                        sv = T.alloc_buffer((KPT + 2,), "float32", scope="local")
+                        w: T.let[T.int32] = T.truncdiv(tid, 32)
+                        lane: T.let[T.int32] = T.truncmod(tid, 32)
+                        # TVM sizes a local array by the elements it sees indexed; ldmatrix reaches these
+                        # through addresses only.
+                        for e in T.unroll(4):
+                            bfr[e] = T.uint32(0)
+                        for e in T.unroll(MT * 4):
+                            pa[e] = T.uint32(0)
+                        for e in T.unroll(MT * ON):
+                            oacc[e] = T.float32(0)
+                        rs[0] = T.float32(EMPTY_LSE)
+                        rs[1] = T.float32(0)
+                        # B == 0: one idle block (no keys). This split's keys [k0, k1), tile-aligned chunks.
+                        kvlen: T.let[T.int32] = T.if_then_else(bx < B, paged_kv_len(page_indptr, last_page_len, bx,
+                                                                                      ps), 0)
+                        chunk: T.let[T.int32] = T.truncdiv(T.truncdiv(kvlen + S - 1, S) + TK - 1, TK) * TK
+                        k0: T.let[T.int32] = T.min(sp * chunk, kvlen)
+                        k1: T.let[T.int32] = T.min(k0 + chunk, kvlen)
+                        pbase: T.let[T.int32] = page_indptr[T.min(bx, T.max(B - 1, 0))]
+                        load_q(qf, q, T.min(bx, T.max(B - 1, 0)), g * rows, w, lane)
+                        if k1 > k0:
+                            issue(smem, 0, pages, page_values, pbase, ps, k0, k1, tid)
+                        for kt in T.serial(T.truncdiv(k1 - k0 + TK - 1, TK)):
+                            T.evaluate(cp_async_wait0())
+                            # Tile kt visible; every warp done with tile kt - 1's stage.
+                            T.tvm_storage_sync("shared")
+                            if k0 + (kt + 1) * TK < k1:
+                                issue(smem, T.truncmod(kt + 1, 2), pages, page_values, pbase, ps, k0 + (kt + 1) * TK,
+                                      k1, tid)
+                            score(smem, Ss, T.truncmod(kt, 2), qf, sacc, bfr, w, lane)
+                            T.tvm_storage_sync("shared")
+                            softmax(smem, Ss, St, rs, sv, k0 + kt * TK, k1, sm_scale * T.float32(LOG2E), tid)
+                            T.tvm_storage_sync("shared")
+                            accumulate(smem, St, T.truncmod(kt, 2), oacc, pa, bfr, w, lane)
+                        store_lse(St, rs, lse, ws_l, bx, bx < B, g * rows, S, sp, tid)
+                        T.tvm_storage_sync("shared")
+                        if bx < B:
+                            store_o(St, oacc, o, ws_o, bx, g * rows, S, sp, w, lane)
+        if S > 1:
+            merge_splits(o, lse, B, S, ws_o, ws_l)
+
+    return abi_prim_func(MLA_ATTN_DECODE_PAGED, shape_values(spec), dtype, body, scheduled=True)
+
+
+__all__ = ["MLA_TC_BY_DEFAULT", "SWITCH", "TC_DTYPES", "TC_MAX_LATENT", "group_rows", "mla_attn_decode_paged_tc",
+           "smem_bytes", "tc_unserved", "use_tc"]
