@@ -76,7 +76,7 @@ def _eval(e, env):
         return env.get(e.name) if e.name else 0
     if kind == "Cast":
         v = _eval(e.value, env)
-        return None if v is None else (float(v) if "float" in str(e.dtype) else int(v))
+        return None if v is None else (float(v) if "float" in str(e.ty) else int(v))
     if kind in _BIN:
         a, b = _eval(e.a, env), _eval(e.b, env)
         return None if a is None or b is None else _BIN[kind](a, b)
