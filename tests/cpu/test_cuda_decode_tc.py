@@ -101,10 +101,10 @@ def test_other_ops_ignore_the_tc_value():
 def nvcc_results(tmp_path_factory):
     workdir = tmp_path_factory.mktemp("tcd")
 
-    def source(name):
-        return ops_cuda_source(_with(NVCC[name][0], cuda_decode_kernel="tc"), (OP,), SM90)
+    def source(key):
+        return ops_cuda_source(_with(NVCC[key[0]][0], cuda_decode_kernel="tc"), (OP,), SM90)
 
-    return workdir, nvcc_all(list(NVCC), source, workdir, "tcd_")
+    return workdir, nvcc_all([(name,) for name in NVCC], source, workdir, "tcd_")
 
 
 def _bodies(source: str) -> dict:
@@ -117,7 +117,7 @@ def _bodies(source: str) -> dict:
 @pytest.mark.parametrize("name", list(NVCC))
 def test_tc_nvcc_no_spills_registers_mma(name, nvcc_results):
     workdir, results = nvcc_results
-    rc, log = results[name]
+    rc, log = results[(name,)]
     assert rc == 0, log[-3000:]
     usage = ptxas_usage(log)
     assert usage and all(max(u[1:]) == 0 for u in usage.values()), usage
@@ -127,7 +127,7 @@ def test_tc_nvcc_no_spills_registers_mma(name, nvcc_results):
     assert len(tc_kernels) == 1, list(bodies)
     body = bodies[tc_kernels[0]]
     regs = usage[tc_kernels[0]][0]
-    print(f"{name}: tc kernel {regs} registers")
+    print(f"{name}: tc kernel {regs} registers; all {usage}")
     assert regs <= most, (name, regs)
     # S (D / 16 k steps x 2 n8 tiles) and P V (D / 8 n8 tiles) of a warp's 16 keys, unrolled once
     assert len(re.findall(r"\bpagedkv_mma_b?f16\(", body)) == cfg.head_dim // 4
