@@ -7,6 +7,8 @@ timed call), or raises ``Unavailable`` saying why the implementation does not ap
   decode on CUDA cores and on tensor cores (fa2, fa3), ragged and paged prefill (fa2, fa3), MLA (fa2, fa3);
 - ``pagedkv-tir-tc`` / ``-tc2`` / ``-tc3``: ``pagedkv-tir`` with the tensor-core prefill kernel forced (path
   switch ``cuda_prefill_kernel=tc``, or ``tc2`` / ``tc3``: its 128-row two-stage tiles), on the prefill workloads;
+- ``pagedkv-tir-tcd``: ``pagedkv-tir`` with the tensor-core decode kernel forced (``cuda_decode_kernel=tc``,
+  ``tir_kernels/_decode_tc_cuda.py``), on the plain MHA decode workloads;
 - ``pagedkv-fi`` / ``pagedkv-tir``: a pagedkv cache (``pagedkv.create``) with the FlashInfer backend (TIR
   for what it does not serve) or TIR only; the runtime call a model makes per layer is timed (decode:
   ``cross_attention`` in a decode forward; prefill: ``self_attention`` of fresh tokens, or for a chunk over
@@ -31,12 +33,14 @@ TARGET = {"kind": "cuda", "arch": "sm_90"}
 #: where the benchmark runs (a CPU test of the benchmark's plumbing sets "cpu" and TARGET "llvm")
 DEVICE = "cuda"
 PAGEDKV_BACKENDS = {"pagedkv-fi": ["flashinfer", "tir"], "pagedkv-tir": "tir", "pagedkv-tir-tc": "tir",
-                    "pagedkv-tir-tc2": "tir", "pagedkv-tir-tc3": "tir"}
+                    "pagedkv-tir-tc2": "tir", "pagedkv-tir-tc3": "tir", "pagedkv-tir-tcd": "tir"}
 #: label -> TIR code paths its cache is created under (``pagedkv.backends.tir.forced_paths``): the tensor-core
 #: prefill tiles (``tir_kernels.attention_cuda_prefill.TC_DEFAULT_TILES``: auto is tc3 for whole prompts, tc2 for
 #: the paged op), each forced on its own so that the tiles are compared in every run.
 PAGEDKV_PATHS = {"pagedkv-tir-tc": {"cuda_prefill_kernel": "tc"}, "pagedkv-tir-tc2": {"cuda_prefill_kernel": "tc2"},
-                 "pagedkv-tir-tc3": {"cuda_prefill_kernel": "tc3"}}
+                 "pagedkv-tir-tc3": {"cuda_prefill_kernel": "tc3"}, "pagedkv-tir-tcd": {"cuda_decode_kernel": "tc"}}
+#: The labels of ``PAGEDKV_PATHS`` that time the decode (the others time prefill only).
+DECODE_PATH_LABELS = ("pagedkv-tir-tcd",)
 _WS_BYTES = 512 << 20  # FlashInfer's own wrappers get a generous float workspace
 
 
@@ -73,8 +77,17 @@ def _no_rope(w: Workload, what: str) -> None:
 
 
 def pagedkv_unavailable(label: str, w: Workload) -> str | None:
-    """Why ``label`` has no column on ``w`` (None: it has one). The tensor-core prefill label times MHA
-    prefill only (its decode would time the plain TIR decode again)."""
+    """Why ``label`` has no column on ``w`` (None: it has one). The tensor-core prefill labels time MHA
+    prefill only (their decode would time the plain TIR decode again); the tensor-core decode label times the
+    plain MHA decode only, on the shapes its kernel serves (``tc_decode_limits``)."""
+    if label in DECODE_PATH_LABELS:
+        if w.kind != "decode" or w.rope:
+            return f"{label}: plain MHA decode workloads only (its prefill and inline RoPE are pagedkv-tir's)"
+        from pagedkv.tir_kernels._decode_tc_cuda import tc_decode_limits
+
+        if why := tc_decode_limits(w.hq // HKV, D, w.dtype):
+            return f"{label}: " + "; ".join(why)
+        return None
     if label in PAGEDKV_PATHS and w.kind != "prefill":
         return f"{label}: prefill workloads only (its decode is pagedkv-tir's)"
     return None

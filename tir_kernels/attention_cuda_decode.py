@@ -25,6 +25,7 @@ from ._common_cuda import (
 from ._decode_rope_cuda import make_rope_stages
 from ._decode_staged_cuda import make_staged_kernel, staged_limits, staged_plan
 from ._decode_staged_rope_cuda import make_staged_rope_kernel, staged_rope_limits
+from ._decode_tc_cuda import TCD_RESIDENT_BLOCKS, make_tc_kernel, tc_decode_limits
 from ._decode_stages_cuda import (
     DecodePlan,
     make_accumulate,
@@ -79,13 +80,16 @@ def _decode_plan(g: int, d: int, dtype: str):
     return vec, lanes0, lanes, nw, gc, kpt
 
 
-def _split_count(B, nnz, ps, blocks_per_split, var: CudaVariant, forced: int = 0, staged: bool = False):
+def _split_count(B, nnz, ps, blocks_per_split, var: CudaVariant, forced: int = 0, staged: bool = False,
+                 tc: bool = False):
     """Key splits per (entry, kv head) of the decode kernel (``forced > 0``: that many, clamped, see
-    ``split_count``). The staged kernel's blocks are uniform (one per entry, kv head and split), so its
-    count fills whole waves (``wave_split_count``); the lane-group kernel's comes from ``split_count``
-    (about two blocks per SM). Both read the variant's keys per entry (``decode_avg_keys``)."""
-    if staged:
-        return wave_split_count(B, nnz, ps, blocks_per_split, resident_blocks=STAGED_RESIDENT_BLOCKS,
+    ``split_count``). The staged and tensor-core (``tc``) kernels' blocks are uniform (one per entry, kv head
+    and split), so their count fills whole waves (``wave_split_count``; the tc kernel holds 2 blocks an SM,
+    ``TCD_RESIDENT_BLOCKS``); the lane-group kernel's comes from ``split_count`` (about two blocks per SM).
+    All read the variant's keys per entry (``decode_avg_keys``)."""
+    if staged or tc:
+        return wave_split_count(B, nnz, ps, blocks_per_split,
+                                resident_blocks=TCD_RESIDENT_BLOCKS if tc else STAGED_RESIDENT_BLOCKS,
                                 min_split_keys=DECODE_MIN_SPLIT_KEYS, max_splits=STAGED_MAX_SPLITS,
                                 avg_keys=var.decode_avg_keys, forced=forced)
     return split_count(B, nnz, ps, blocks_per_split, target_blocks=DECODE_TARGET_BLOCKS,
@@ -105,13 +109,29 @@ DECODE_MAX_SPLITS = 32
 #: second wave of 116); B = 256 x 2K: S = 1 (2048 blocks, 5.2 waves).
 STAGED_RESIDENT_BLOCKS = 3 * 132
 STAGED_MAX_SPLITS = 64
+#: Whether auto (``cuda_decode_kernel`` unforced) runs the plain decode on the tensor-core kernel
+#: (``_decode_tc_cuda``) wherever ``tc_decode_limits`` allow; False until measured on the H200.
+TC_DECODE_BY_DEFAULT = False
+
+
+def use_tc(spec) -> bool:
+    """Whether the plain (``apply_rope == 0``) decode runs the tensor-core kernel: ``cuda_decode_kernel=tc``
+    (raising with the reasons where ``tc_decode_limits`` refuse the shape), or auto where
+    ``TC_DECODE_BY_DEFAULT`` and the limits allow. Inline RoPE never does (``use_staged`` picks its kernel)."""
+    choice = forced_path(spec.paths, "cuda_decode_kernel")
+    if choice not in ("tc", "auto"):
+        return False
+    why = tc_decode_limits(spec.num_qo_heads // spec.num_kv_heads, spec.head_dim, spec.dtype)
+    if choice == "tc" and why:
+        raise NotImplementedError("pagedkv.tir_kernels: cuda_decode_kernel=tc: " + "; ".join(why))
+    return (choice == "tc" or TC_DECODE_BY_DEFAULT) and not why
 
 
 def use_staged(spec, rope: bool = False) -> bool:
     """Whether the plain (``rope=False``) or inline-RoPE decode runs the staged kernel: path switch
     ``cuda_decode_kernel`` ("lanes": the lane-group kernel for both; "staged": the staged one for both, raising
     on a shape whose limits refuse either; auto: staged wherever ``staged_limits`` / ``staged_rope_limits``
-    allow, per variant)."""
+    allow, per variant; "tc": the plain variant is ``use_tc``'s, RoPE as auto)."""
     choice = forced_path(spec.paths, "cuda_decode_kernel")
     if choice == "lanes":
         return False
@@ -242,18 +262,24 @@ def attn_decode_paged_cuda(spec):
     # Two kernels: inline RoPE costs registers that the plain kernel does not pay for. Each is the staged kernel
     # where it applies (``use_staged``; RoPE's limits include the plain ones); the split count then follows the
     # staged policy (one block per split and kv head), for a lane-group RoPE kernel too (any S is correct).
-    staged, staged_rope = use_staged(spec), use_staged(spec, rope=True)
+    # The plain kernel may be the tensor-core one (``use_tc``); its split policy then rules (2 blocks an SM).
+    tc = use_tc(spec)
+    staged, staged_rope = use_staged(spec) and not tc, use_staged(spec, rope=True)
     kernel_rope = (make_staged_rope_kernel(staged_plan(HQ, HKV, D, dtype), var) if staged_rope
                    else _make_kernel(plan, var, True))
-    kernel_plain = (make_staged_kernel(staged_plan(HQ, HKV, D, dtype), var) if staged
-                    else _make_kernel(plan, var, False))
-    bps = HKV if staged else HKV * plan.nz
+    if tc:
+        kernel_plain = make_tc_kernel(HQ, HKV, D, dtype, var)
+    elif staged:
+        kernel_plain = make_staged_kernel(staged_plan(HQ, HKV, D, dtype), var)
+    else:
+        kernel_plain = _make_kernel(plan, var, False)
+    bps = HKV if staged or tc else HKV * plan.nz
 
     @T.macro
     def body(q, pages, page_indptr, page_values, last_page_len, k_pos_offset, q_pos, o, lse, apply_rope,
              rope_scale, rope_theta, sm_scale, dims):
         B, _p, ps, nnz = dims
-        S: T.let[T.int32] = _split_count(B, nnz, ps, bps, var, splits, staged)
+        S: T.let[T.int32] = _split_count(B, nnz, ps, bps, var, splits, staged, tc)
         # Split partial states (float32); only touched when S > 1.
         ws_o = T.alloc_buffer((T.max(B, 1) * HQ * S, D), "float32")
         ws_l = T.alloc_buffer((T.max(B, 1) * HQ * S,), "float32")

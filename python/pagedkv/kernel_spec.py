@@ -42,8 +42,12 @@ SWITCHES: dict[str, tuple[str, tuple[str, ...]]] = {
                             ("auto", "simt", "tc", "tc2", "tc3")),
     "cuda_decode_kernel": ("CUDA MHA decode (attn_decode_paged), plain and inline RoPE: the lane-group kernel "
                            "for both (lanes) or the shared-memory staged kernel for both (staged; raises where "
-                           "its limits refuse either variant); auto: staged per variant where its limits "
-                           "allow (staged_limits, staged_rope_limits)", ("auto", "lanes", "staged")),
+                           "its limits refuse either variant); tc: the plain variant on the tensor-core kernel "
+                           "(mma.sync; fp16 / bf16, head dims 64 and 128, GQA groups up to 16: "
+                           "tc_decode_limits; raises elsewhere), inline RoPE as auto; auto: the tensor-core "
+                           "kernel for the plain variant where it serves and TC_DECODE_BY_DEFAULT "
+                           "(tir_kernels.attention_cuda_decode), else staged per variant where its limits "
+                           "allow (staged_limits, staged_rope_limits)", ("auto", "lanes", "staged", "tc")),
     "cuda_mla_decode_kernel": ("CUDA MLA decode (mla_attn_decode_paged): the SIMT FP32 kernel (simt) or the "
                                "tensor-core one (tc: mma.sync, 8 warps, 16 / 32 heads a block, 64-key latent tiles "
                                "in a 2-stage cp.async ring; fp16 / bf16, latent dim a multiple of 64 up to 576, "

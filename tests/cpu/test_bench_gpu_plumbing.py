@@ -72,6 +72,18 @@ def test_rope_workloads_are_tir_only(gen):
             build()
 
 
+def test_tc_decode_column_is_plain_mha_decode_only():
+    """``pagedkv-tir-tcd`` (the tensor-core decode forced) has a column on the plain MHA decode rows only, and
+    on every one of the benchmark's (their shapes are within ``tc_decode_limits``)."""
+    label = "pagedkv-tir-tcd"
+    assert impls.PAGEDKV_PATHS[label] == {"cuda_decode_kernel": "tc"}
+    for w in SMALL:
+        why = impls.pagedkv_unavailable(label, w)
+        assert (why is None) == (w.kind == "decode" and not w.rope), (w.name, why)
+    assert all(impls.pagedkv_unavailable(label, w) is None for w in W.workloads()
+               if w.kind == "decode" and not w.rope)
+
+
 def test_rope_reference_rotates(gen):
     """The RoPE reference is not the plain one (its q and k are rotated)."""
     w = SMALL[2]

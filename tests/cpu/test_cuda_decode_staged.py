@@ -98,7 +98,7 @@ def test_rope_limits_are_data():
 
 
 def test_switch_values():
-    assert tk.SWITCHES[SWITCH][1] == ("auto", "lanes", "staged")
+    assert tk.SWITCHES[SWITCH][1] == ("auto", "lanes", "staged", "tc")  # tc: test_cuda_decode_tc.py
     cfg = tk.KernelConfig(8, 2, 64, 64, "float16")
     for rope in (False, True):
         assert use_staged(cfg, rope) and use_staged(dataclasses.replace(cfg, paths={SWITCH: "staged"}), rope)

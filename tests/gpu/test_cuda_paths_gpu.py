@@ -11,7 +11,9 @@ path on every shape. Here:
   staged kernels of ``_decode_staged_cuda`` / ``_decode_staged_rope_cuda``), inline RoPE on and off (the
   staged RoPE kernel rotates q per key tile and keys by their tile offset, so a split or an entry ending
   mid-tile and positions near 100K check its tables; the lane-group one walks a split in batches of ``NW``
-  key steps with a rotated-q table per batch, so a split ends mid-batch too), over batches of 20 entries of mixed lengths (empty, shorter than the window, just around it, windows
+  key steps with a rotated-q table per batch, so a split ends mid-batch too), and with the tensor-core plain
+  kernel forced (``cuda_decode_kernel=tc``, ``_decode_tc_cuda``) on ``TC_DECODE_SHAPES`` (groups 4, 8 and 16;
+  D 128 / 64; fp16 / bf16; windowed + capped) under splits auto, 1, 3, 8 (the D 64 one auto only), over batches of 20 entries of mixed lengths (empty, shorter than the window, just around it, windows
   starting past the first key step and mid-page, 3000 keys), every other entry's keys from a position near
   100K (``FAR``; RoPE against the exact float64 angle), longest first and shortest first (a per-batch start or
   state would show in the later entries);

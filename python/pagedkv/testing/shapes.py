@@ -224,14 +224,31 @@ PREFILL_KERNEL_PATHS = ({"cuda_prefill_kernel": "tc"}, {"cuda_prefill_kernel": "
 LANES_SPLITS = ("auto", "1", "3")
 
 
+#: Shapes of the tensor-core decode (``cuda_decode_kernel=tc``, ``tir_kernels/_decode_tc_cuda.py``) in the path
+#: tests: group 4 fp16 at D 128 (the Llama-style 32 / 8), group 8 bf16 windowed + soft-capped, and group 16 at
+#: D 64 (a full m16 tile; 3-slot ring of 55 KB). The first two run under every ``TC_DECODE_SPLITS`` value, the
+#: third under auto only: each forced (shape, splits) is a kernel library of about 0.5 MB in the carried bundle,
+#: and these add 9.
+TC_DECODE_SHAPES = [
+    Shape(32, 8, 128, "float16", 16, "none"),
+    Shape(64, 8, 128, "bfloat16", 16, "none", window=300, cap=3.0),
+    Shape(32, 2, 64, "float16", 16, "none"),
+]
+#: Split counts of the tensor-core decode path cases: its policy, the direct-write S = 1, merged 3 and 8.
+TC_DECODE_SPLITS = ("auto", "1", "3", "8")
+
+
 def decode_path_cases() -> list[tuple[Shape, dict[str, str]]]:
     """(shape, forced paths) of the MHA decode path tests: every ``PATH_SHAPES`` shape under every value of
-    ``cuda_decode_splits`` (the default kernels), and under ``LANES_SPLITS`` with ``cuda_decode_kernel=lanes``.
-    Every entry names its split value (``"auto"`` included)."""
+    ``cuda_decode_splits`` (the default kernels), under ``LANES_SPLITS`` with ``cuda_decode_kernel=lanes``, and
+    the ``TC_DECODE_SHAPES`` with ``cuda_decode_kernel=tc`` (the first two under every ``TC_DECODE_SPLITS``
+    value, the last under auto). Every entry names its split value (``"auto"`` included)."""
     splits = cuda_path_switches()["cuda_decode_splits"]
+    tc = [(s, v) for s in TC_DECODE_SHAPES[:2] for v in TC_DECODE_SPLITS] + [(TC_DECODE_SHAPES[2], "auto")]
     return ([(s, {"cuda_decode_splits": v}) for s in PATH_SHAPES for v in splits]
             + [(s, {"cuda_decode_kernel": "lanes", "cuda_decode_splits": v}) for s in PATH_SHAPES
-               for v in LANES_SPLITS])
+               for v in LANES_SPLITS]
+            + [(s, {"cuda_decode_kernel": "tc", "cuda_decode_splits": v}) for s, v in tc])
 
 
 #: Split counts under which the path tests also run each MLA decode kernel forced (``cuda_mla_decode_kernel``):

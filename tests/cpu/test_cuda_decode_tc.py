@@ -1,0 +1,151 @@
+"""The tensor-core CUDA decode kernel (``tir_kernels/_decode_tc_cuda.py``, ``cuda_decode_kernel=tc``) on the build
+host: no GPU.
+
+- its limits as data (``tc_decode_limits``: fp16 / bf16, head dims 64 / 128, GQA groups up to 16) and the switch:
+  forcing tc where the limits refuse raises with the reasons; auto takes it for the plain variant exactly where
+  ``TC_DECODE_BY_DEFAULT`` and the limits allow (then the same TIR as forced); "lanes" / "staged" never; inline
+  RoPE keeps its staged kernel; other ops are unchanged by the switch;
+- the generated CUDA under ``nvcc --cubin -arch=sm_90a``: no spills, the registers that keep 2 blocks (D 128) /
+  3 blocks (D 64) resident, ``D / 4`` MMAs a key tile per warp unrolled, and the dynamic shared memory (the
+  3-slot ring) that the host code launches it with.
+
+The numerical check is ``tests/cpu/test_decode_tc_emulated.py`` (CPU emulation of the generated CUDA) and, on a
+GPU, the path cases ``pagedkv.testing.shapes.TC_DECODE_SHAPES`` in ``tests/gpu/test_cuda_paths_gpu.py``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import re
+
+import pytest
+from _cuda_support import nvcc_all, ops_cuda_source, ptxas_usage
+from _decode_emu import host_main, launches
+
+from pagedkv import tir_kernels as tk
+from pagedkv.tir_kernels import _decode_tc_cuda as tc
+from pagedkv.tir_kernels import attention_cuda_decode as dec
+
+from tvm.target import Target
+
+SM90 = Target({"kind": "cuda", "arch": "sm_90"}, host="llvm")
+SWITCH = "cuda_decode_kernel"
+OP = "attn_decode_paged"
+#: nvcc shapes: name -> (config, most registers of the tc kernel). 2 blocks an SM at D 128 are set by the shared
+#: memory (2 x 104,448 bytes); the register bounds keep the measured counts (139 / ~96) from creeping up.
+NVCC = {
+    "32x8x128-f16": (tk.KernelConfig(32, 8, 128, 128, "float16"), 160),
+    "64x8x128-bf16-w300-cap3": (tk.KernelConfig(64, 8, 128, 128, "bfloat16", sliding_window=300,
+                                                logits_soft_cap=3.0), 168),
+    "32x2x64-f16": (tk.KernelConfig(32, 2, 64, 64, "float16"), 128),
+    "4x4x64-bf16": (tk.KernelConfig(4, 4, 64, 64, "bfloat16"), 128),
+}
+
+
+def _with(cfg, **paths):
+    return dataclasses.replace(cfg, paths=paths)
+
+
+def test_limits_are_data():
+    for g in (1, 4, 7, 8, 16):
+        for d in (64, 128):
+            for dt in ("float16", "bfloat16"):
+                assert tc.tc_decode_limits(g, d, dt) == []
+    assert tc.tc_decode_limits(4, 128, "float32") == ["dtype float32 (the tensor-core decode takes float16, bfloat16)"]
+    assert "head_dim 96" in tc.tc_decode_limits(4, 96, "float16")[0]
+    assert "GQA group 32" in tc.tc_decode_limits(32, 128, "bfloat16")[0]
+    assert len(tc.tc_decode_limits(32, 256, "float32")) == 3
+    assert tc.smem_words(128) * 4 == 104448 and tc.smem_words(64) * 4 == 55296
+
+
+def test_switch_values_and_forced_tc_raises():
+    assert tk.SWITCHES[SWITCH][1] == ("auto", "lanes", "staged", "tc")
+    cfg = tk.KernelConfig(32, 8, 128, 128, "float16")
+    assert dec.use_tc(_with(cfg, cuda_decode_kernel="tc"))
+    assert not dec.use_tc(_with(cfg, cuda_decode_kernel="lanes"))
+    assert not dec.use_tc(_with(cfg, cuda_decode_kernel="staged"))
+    # inline RoPE stays on the staged kernel when the plain one is forced to tc
+    assert dec.use_staged(_with(cfg, cuda_decode_kernel="tc"), rope=True)
+    for bad, why in ((tk.KernelConfig(8, 2, 128, 128, "float32"), "dtype float32"),
+                     (tk.KernelConfig(8, 2, 96, 96, "float16"), "head_dim 96"),
+                     (tk.KernelConfig(64, 2, 128, 128, "float16"), "GQA group 32")):
+        with pytest.raises(NotImplementedError, match=f"cuda_decode_kernel=tc: .*{why}"):
+            dec.use_tc(_with(bad, cuda_decode_kernel="tc"))
+        with pytest.raises(NotImplementedError, match=why):
+            tk.FACTORIES[OP](_with(bad, cuda_decode_kernel="tc"), SM90)
+        assert not dec.use_tc(bad)  # auto: never where refused
+
+
+def test_auto_follows_tc_decode_by_default(monkeypatch):
+    cfg = tk.KernelConfig(16, 2, 64, 64, "bfloat16", sliding_window=40, logits_soft_cap=5.0)
+    assert dec.use_tc(cfg) is dec.TC_DECODE_BY_DEFAULT
+    forced = tk.FACTORIES[OP](_with(cfg, cuda_decode_kernel="tc"), SM90).script()
+    monkeypatch.setattr(dec, "TC_DECODE_BY_DEFAULT", False)
+    assert not dec.use_tc(cfg)
+    assert tk.FACTORIES[OP](cfg, SM90).script() != forced
+    assert tk.FACTORIES[OP](cfg, SM90).script() == tk.FACTORIES[OP](_with(cfg, cuda_decode_kernel="staged"),
+                                                                     SM90).script()
+    monkeypatch.setattr(dec, "TC_DECODE_BY_DEFAULT", True)
+    assert dec.use_tc(cfg) and tk.FACTORIES[OP](cfg, SM90).script() == forced
+    assert not dec.use_tc(tk.KernelConfig(16, 2, 64, 64, "float32"))
+
+
+def test_other_ops_ignore_the_tc_value():
+    cfg = tk.KernelConfig(8, 2, 64, 64, "float16")
+    for op in ("attn_prefill_paged", "attn_prefill_ragged", "merge_state"):
+        assert (tk.FACTORIES[op](_with(cfg, cuda_decode_kernel="tc"), SM90).script()
+                == tk.FACTORIES[op](cfg, SM90).script())
+
+
+@pytest.fixture(scope="module")
+def nvcc_results(tmp_path_factory):
+    workdir = tmp_path_factory.mktemp("tcd")
+
+    def source(key):
+        return ops_cuda_source(_with(NVCC[key[0]][0], cuda_decode_kernel="tc"), (OP,), SM90)
+
+    return workdir, nvcc_all([(name,) for name in NVCC], source, workdir, "tcd_")
+
+
+def _bodies(source: str) -> dict:
+    out = {}
+    for m in re.finditer(r'extern "C" __global__ void __launch_bounds__\(\d+\) (\w+)\([^)]*\) \{\n', source):
+        out[m.group(1)] = source[m.end():source.index("\n}\n", m.end())]
+    return out
+
+
+@pytest.mark.parametrize("name", list(NVCC))
+def test_tc_nvcc_no_spills_registers_mma(name, nvcc_results):
+    workdir, results = nvcc_results
+    rc, log = results[(name,)]
+    assert rc == 0, log[-3000:]
+    usage = ptxas_usage(log)
+    assert usage and all(max(u[1:]) == 0 for u in usage.values()), usage
+    cfg, most = NVCC[name]
+    bodies = _bodies((workdir / f"tcd_{name}.cu").read_text())
+    tc_kernels = [k for k, b in bodies.items() if "tcd_smem" in b]
+    assert len(tc_kernels) == 1, list(bodies)
+    body = bodies[tc_kernels[0]]
+    regs = usage[tc_kernels[0]][0]
+    print(f"{name}: tc kernel {regs} registers; all {usage}")
+    assert regs <= most, (name, regs)
+    # S (D / 16 k steps x 2 n8 tiles) and P V (D / 8 n8 tiles) of a warp's 16 keys, unrolled once
+    assert len(re.findall(r"\bpagedkv_mma_b?f16\(", body)) == cfg.head_dim // 4
+    assert body.count("pagedkv_cp_async16(") == 2 * (tc.TCD_TK * cfg.head_dim // 8) // tc.TCD_NT * 3
+    assert "mma" not in "".join(b for k, b in bodies.items() if k != tc_kernels[0])  # RoPE + merge: SIMT
+
+
+def test_tc_dynamic_shared_memory_launch():
+    """The host code launches the tc kernel with the ring's bytes of dynamic shared memory."""
+    for cfg in (tk.KernelConfig(32, 8, 128, 128, "float16"), tk.KernelConfig(32, 2, 64, 64, "bfloat16")):
+        func = tk.build_kernels(_with(cfg, cuda_decode_kernel="tc"), SM90, ops=(OP,))[OP]
+        main, params = host_main(func)
+        env = {"B": 4, "_p": 64, "ps": 16, "nnz": 32, "apply_rope": 0, "sm_scale": 0.1, "rope_scale": 1.0,
+               "rope_theta": 1e4, "dev_id": 0}
+        dyn = []
+        for kname, args in launches(main, env):
+            names = params[kname]
+            vals = dict(zip(names, args[len(args) - len(names):]))
+            if "tirx.use_dyn_shared_memory" in names:
+                dyn.append(vals["tirx.use_dyn_shared_memory"])
+        assert dyn == [tc.smem_words(cfg.head_dim) * 4], (dyn, params)

@@ -1,0 +1,73 @@
+"""The tensor-core CUDA decode kernel (``tir_kernels/_decode_tc_cuda.py``, ``cuda_decode_kernel=tc``) run on the
+CPU (no GPU): TVM's generated CUDA of ``attn_decode_paged`` on the emulator of ``_decode_emu.py`` (``mma.sync``,
+``ldmatrix`` and ``cp.async`` emulated from the PTX ISA's definitions, copies completing as late as their waits
+allow; launched as TVM's host code launches it, the split and merge kernels as on a GPU), checked against the
+float64 reference.
+
+Cases: GQA groups 1, 4, 7, 8 and 16 (padding rows of the m16 tile, a full tile), head dims 64 / 128, fp16 /
+bf16, one windowed + soft-capped; batches of mixed lengths (an empty entry, one key, fewer keys than a tile,
+page and tile edges, five tiles: the 3-slot ring wraps) with pages in random order and every slot not holding a
+key NaN; split counts forced to 1 (direct write) and 3 (workspace + merge), and the automatic count. Inline RoPE
+(``apply_rope = 1``, the staged RoPE kernel in the same PrimFunc) once. Fresh random inputs each run,
+NaN-poisoned outputs. Skips without g++.
+"""
+
+from __future__ import annotations
+
+import math
+import shutil
+
+import pytest
+import torch
+from _decode_emu import build, check_against_reference, inputs, run_decode
+
+from pagedkv import tir_kernels as tk
+
+#: name -> (config, forced split count or "auto").
+CONFIGS = {
+    "2x2x128-f16-s1": (tk.KernelConfig(2, 2, 128, 128, "float16"), "1"),
+    "4x1x64-bf16-s3": (tk.KernelConfig(4, 1, 64, 64, "bfloat16"), "3"),
+    "7x1x128-f16-s3": (tk.KernelConfig(7, 1, 128, 128, "float16"), "3"),
+    "8x1x128-bf16-s1": (tk.KernelConfig(8, 1, 128, 128, "bfloat16"), "1"),
+    "16x1x64-f16-auto": (tk.KernelConfig(16, 1, 64, 64, "float16"), "auto"),
+    "16x1x128-bf16-s3": (tk.KernelConfig(16, 1, 128, 128, "bfloat16"), "3"),
+    "8x1x64-f16-w90-cap20-s3": (tk.KernelConfig(8, 1, 64, 64, "float16", sliding_window=90, logits_soft_cap=20.0),
+                                "3"),
+}
+CASES = [(name, 0) for name in CONFIGS] + [("8x1x128-bf16-s1", 1)]
+#: Keys per entry: five tiles (the ring wraps at S = 1), empty, one, fewer than a tile, page / tile edges.
+LENGTHS = [300, 0, 1, 17, 64, 129, 63]
+PS = 16
+THETA, SCALE = 10000.0, 1.0
+
+
+@pytest.fixture(scope="module")
+def built(tmp_path_factory):
+    """``get(name)``: the config's compiled kernels (``_decode_emu.Built``), the plain one the tc kernel."""
+    if shutil.which("g++") is None:
+        pytest.skip("g++ not found")
+    out, workdir = {}, tmp_path_factory.mktemp("emu_decode_tc")
+
+    def get(name):
+        if name not in out:
+            cfg, splits = CONFIGS[name]
+            out[name] = build(cfg, {"cuda_decode_kernel": "tc", "cuda_decode_splits": splits}, workdir / name)
+            tc = [k for k, (body, _p) in out[name].kernels.items() if "pagedkv_mma_" in body and "tcd_smem" in body]
+            assert len(tc) == 1, "the plain decode runs the tensor-core kernel"
+        return out[name]
+
+    return get
+
+
+@pytest.mark.parametrize(("name", "apply_rope"), CASES, ids=[f"{n}-{'rope' if r else 'plain'}" for n, r in CASES])
+def test_emulated_tc_decode_matches_reference(name, apply_rope, built):
+    b = built(name)
+    cfg, splits = CONFIGS[name]
+    gen = torch.Generator().manual_seed(int(torch.randint(0, 2**31 - 1, (1,))))
+    ents, pages, page_indptr, page_values, last = inputs(cfg, gen, LENGTHS, PS)
+    sm_scale = 0.9 / math.sqrt(cfg.head_dim)
+    o, lse, env = run_decode(b, cfg, ents, pages, page_indptr, page_values, last, PS, apply_rope, sm_scale,
+                             THETA, SCALE)
+    if splits != "auto":
+        assert env["S"] == int(splits)
+    check_against_reference(name, cfg, ents, o, lse, apply_rope, THETA, SCALE, sm_scale)

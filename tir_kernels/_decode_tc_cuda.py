@@ -1,0 +1,319 @@
+"""The tensor-core CUDA paged decode kernel (plain, ``apply_rope == 0``; fp16 / bf16, head dims 64 / 128, GQA
+groups up to 16): the GQA group's ``G`` q rows, padded to 16, are the A operand of ``mma.sync.m16n8k16``
+(``_mma_cuda``), so one K/V read from shared memory serves the whole group on the tensor cores.
+
+Why (H200): the staged SIMT kernel (``_decode_staged_cuda``) reads each K/V byte once per group too, but its
+dots, conversions and lane shuffles run on the FP32 pipes; at B >= 16 (enough blocks to reach the memory roof)
+it is issue bound, and more so the larger the group (0.44-0.73x FlashInfer at group 8). Here the score and
+``P V`` of a 16-key slice are 2 x D/16 + D/8 MMAs per warp, whatever the group up to 16.
+
+Design, one block per (entry, kv head, key split), 4 warps (``TCD_WARPS``):
+
+* key tiles of ``TCD_TK`` = 64 keys; warp ``w`` takes keys ``16 w ..`` of each tile: ``S = Q K^T`` (16 rows x
+  16 keys: two n8 C fragments), online softmax of its rows (a row's scores are spread over the 4 lanes of a
+  quad), ``O += P V`` with ``P`` rounded to the storage dtype as the A fragment of one k16 step (the C layout
+  of two adjacent n8 tiles equals the A layout);
+* K and V tiles in a 3-slot ring (``TCD_SLOTS``) of dynamic shared memory (``tcd_smem``, 4-byte words; every
+  access is a ``cp.async`` / ``ldmatrix`` address), rows padded by 8 halves so each 8-row phase of an
+  ``ldmatrix`` hits distinct banks; tiles ``it + 1`` and ``it + 2`` are in flight while tile ``it`` computes
+  (one barrier a tile). The loads gather 16-byte chunks through the page table; keys past the split's last
+  key are clamped to it (valid memory, real values, masked to P = 0, so no stale NaN meets a zero);
+* Q (unscaled) is held in registers as A fragments (loaded once); scores scaled by ``sm_scale * log2(e)`` in
+  fp32, capped / masked by ``CudaVariant`` (the window is the split ranges, as in the staged kernel);
+* at the end the 4 warps' row states are merged through the (drained) ring (one barrier) and written as in
+  the staged kernel: ``o`` / ``lse``, or with ``S > 1`` normalized partial states for the merge kernel.
+
+ptxas (sm_90a, no spills; ``tests/cpu/test_cuda_decode_tc.py``): D 128 about 140 registers with 104,448 bytes
+of dynamic shared memory (2 blocks an SM), D 64 about 96 (3 slots of 18,432 bytes... 55,296 bytes).
+"""
+
+from __future__ import annotations
+
+from tvm.script import tirx as T
+
+from ._common import EMPTY_LSE, LOG2E
+from ._common_cuda import paged_kv_len, shfl_xor
+from ._mma_cuda import a_frag, c_frag, cp_async16, cp_async_commit, cp_async_wait0, cp_async_wait1, ldmatrix_x4, mma_sync
+
+#: Warps per block, keys per tile (16 per warp), ring slots, shared row padding (halves).
+TCD_WARPS, TCD_TK, TCD_SLOTS, TCD_PAD = 4, 64, 3, 8
+TCD_NT = TCD_WARPS * 32
+TCD_DTYPES = ("float16", "bfloat16")
+TCD_HEAD_DIMS = (64, 128)
+#: The group's rows fill at most one m16 tile.
+TCD_MAX_GROUP = 16
+#: Blocks resident per SM at D 128 (104,448 bytes of shared memory, ~140 registers x 128 threads), x 132 SMs
+#: of an H200: the split policy's wave (``_common_cuda.wave_split_count``).
+TCD_RESIDENT_BLOCKS = 2 * 132
+
+
+def tc_decode_limits(g: int, d: int, dtype: str) -> list[str]:
+    """Why the tensor-core decode kernel does not take GQA group ``g``, head dim ``d``, ``dtype`` (empty: it
+    does)."""
+    out = []
+    if dtype not in TCD_DTYPES:
+        out.append(f"dtype {dtype} (the tensor-core decode takes {', '.join(TCD_DTYPES)})")
+    if d not in TCD_HEAD_DIMS:
+        out.append(f"head_dim {d} (the tensor-core decode takes {', '.join(map(str, TCD_HEAD_DIMS))})")
+    if g > TCD_MAX_GROUP:
+        out.append(f"GQA group {g} (the tensor-core decode takes groups up to {TCD_MAX_GROUP}: one m16 tile)")
+    return out
+
+
+def smem_words(d: int) -> int:
+    """4-byte words of the ring: ``TCD_SLOTS`` x (K tile + V tile), rows of ``d + TCD_PAD`` halves."""
+    return TCD_SLOTS * TCD_TK * (d + TCD_PAD)
+
+
+def _layout(d: int):
+    """Word offsets (ints or TIR expressions) of the ring: ``(k_base(slot), v_base(slot), row words)``."""
+    rw = (d + TCD_PAD) // 2
+
+    def k_base(slot):
+        return slot * (2 * TCD_TK * rw)
+
+    def v_base(slot):
+        return k_base(slot) + TCD_TK * rw
+
+    return k_base, v_base, rw
+
+
+def make_tc_parts(hkv: int, g: int, d: int, dtype: str, var):
+    """The kernel's stages as macros: ``(load_q, issue_tile, tile_step, store_rows)`` (see their docstrings)."""
+    D, G, HQ = d, g, hkv * g
+    NKS, NDN = D // 16, D // 8
+    PER_ROW = D // 8  # 16-byte chunks of a K / V row
+    LOADS = TCD_TK * PER_ROW // TCD_NT  # chunks of K (and of V) per thread and tile
+    k_base, v_base, RW = _layout(D)
+
+    @T.macro
+    def load_q(qf, q, b, h, lane):
+        """``qf[ks*8 + i]`` = element ``a_frag(lane, i)`` of dims ``16 ks ..`` of the group's rows (row ``r`` =
+        q head ``h*G + r``; rows ``>= G`` are 0), unscaled."""
+        for ks in T.unroll(NKS):
+            for i in T.unroll(8):
+                if a_frag(lane, i)[0] < G:
+                    qf[ks * 8 + i] = q[b, h * G + a_frag(lane, i)[0], ks * 16 + a_frag(lane, i)[1]]
+                else:
+                    qf[ks * 8 + i] = T.Cast(dtype, T.float32(0))
+
+    @T.macro
+    def issue_tile(smem, pages, page_values, pbase, ps, h, t0, k1, slot, tid):
+        """Start the 16-byte copies of the K and V rows of keys ``t0 .. t0 + TK`` into ring slot ``slot``
+        (chunk ``i*NT + tid`` = key ``/ PER_ROW``, chunk ``% PER_ROW``), keys clamped to ``k1 - 1``; the
+        caller commits the group."""
+        for i in T.unroll(LOADS):
+            jc: T.let[T.int32] = T.min(t0 + T.truncdiv(i * TCD_NT + tid, PER_ROW), k1 - 1)
+            pg: T.let[T.int32] = page_values[pbase + T.truncdiv(jc, ps)]
+            T.evaluate(cp_async16(
+                T.address_of(smem[k_base(slot) + T.truncdiv(i * TCD_NT + tid, PER_ROW) * RW
+                                  + T.truncmod(i * TCD_NT + tid, PER_ROW) * 4]),
+                T.address_of(pages[pg, 0, h, T.truncmod(jc, ps), T.truncmod(i * TCD_NT + tid, PER_ROW) * 8])))
+            T.evaluate(cp_async16(
+                T.address_of(smem[v_base(slot) + T.truncdiv(i * TCD_NT + tid, PER_ROW) * RW
+                                  + T.truncmod(i * TCD_NT + tid, PER_ROW) * 4]),
+                T.address_of(pages[pg, 1, h, T.truncmod(jc, ps), T.truncmod(i * TCD_NT + tid, PER_ROW) * 8])))
+
+    @T.macro
+    def score(sacc, qf, bfr, smem, slot, w, lane):
+        """``sacc[nt*4 ..]`` = C fragment of keys ``16 w + 8 nt ..`` of the slot's tile: one ``ldmatrix.x4``
+        gives the B fragments of two k steps (matrix ``lane // 8`` = dims ``32 ks2 + 8 (lane // 8) ..``)."""
+        for e in T.unroll(8):
+            sacc[e] = T.float32(0)
+        for ks2 in T.unroll(NKS // 2):
+            for nt in T.unroll(2):
+                T.evaluate(ldmatrix_x4(T.address_of(bfr[0]), T.address_of(
+                    smem[k_base(slot) + (w * 16 + nt * 8 + lane % 8) * RW + ks2 * 16 + (lane // 8) * 4]), False))
+                for u in T.unroll(2):
+                    T.evaluate(mma_sync(dtype, T.address_of(sacc[nt * 4]), T.address_of(qf[(ks2 * 2 + u) * 8]),
+                                        T.address_of(bfr[u * 2])))
+
+    @T.macro
+    def softmax(sacc, pf, m, lsum, oacc, st, key0, k1, lane, sm_scale):
+        """Online softmax of the lane's rows ``lane // 4`` (``rr`` 0) and ``+ 8`` (``rr`` 1) over the warp's 16
+        keys ``key0 ..`` (``>= k1`` masked): running max ``m`` (quad-uniform), the lane's partial sum ``lsum``,
+        ``oacc`` rescaled; ``pf`` = P in the storage dtype, laid out as the A fragment of ``P V``."""
+        for rr in T.unroll(2):
+            st[0] = m[rr]
+            for nt in T.unroll(2):
+                for c in T.unroll(2):
+                    sacc[nt * 4 + rr * 2 + c] = var.logits(sacc[nt * 4 + rr * 2 + c] * (sm_scale * T.float32(LOG2E)),
+                                                           key0 + nt * 8 + c_frag(lane, c)[1] < k1)
+                    st[0] = T.max(st[0], sacc[nt * 4 + rr * 2 + c])
+            st[0] = T.max(st[0], shfl_xor(st[0], 1))
+            st[0] = T.max(st[0], shfl_xor(st[0], 2))
+            st[1] = T.exp2(m[rr] - st[0])
+            m[rr] = st[0]
+            lsum[rr] = lsum[rr] * st[1]
+            for dn in T.unroll(NDN):
+                for c in T.unroll(2):
+                    oacc[dn * 4 + rr * 2 + c] = oacc[dn * 4 + rr * 2 + c] * st[1]
+            for nt in T.unroll(2):
+                for c in T.unroll(2):
+                    st[2] = T.exp2(sacc[nt * 4 + rr * 2 + c] - st[0])
+                    lsum[rr] = lsum[rr] + st[2]
+                    pf[nt * 4 + rr * 2 + c] = T.Cast(dtype, st[2])
+
+    @T.macro
+    def accumulate(oacc, pf, bfr, smem, slot, w, lane):
+        """``O += P V`` over the warp's 16 keys: per 16 dims one ``ldmatrix.x4.trans`` of the row-major V tile
+        (matrix ``i = lane // 8`` = keys ``16 w + 8 (i % 2) ..`` x dims ``16 dn2 + 8 (i // 2) ..``) gives the B
+        fragments of n tiles ``2 dn2`` and ``2 dn2 + 1``."""
+        for dn2 in T.unroll(NDN // 2):
+            T.evaluate(ldmatrix_x4(T.address_of(bfr[0]), T.address_of(
+                smem[v_base(slot) + (w * 16 + ((lane // 8) % 2) * 8 + lane % 8) * RW + dn2 * 8 + (lane // 16) * 4]),
+                True))
+            for u in T.unroll(2):
+                T.evaluate(mma_sync(dtype, T.address_of(oacc[(dn2 * 2 + u) * 4]), T.address_of(pf[0]),
+                                    T.address_of(bfr[u * 2])))
+
+    @T.macro
+    def tile_step(regs, smem, slot, key0, k1, w, lane, sm_scale):
+        """Scores, softmax and ``P V`` of the warp's 16 keys ``key0 ..`` of the tile in ring slot ``slot``."""
+        qf, bfr, sacc, pf, oacc, m, lsum, st = regs
+        score(sacc, qf, bfr, smem, slot, w, lane)
+        softmax(sacc, pf, m, lsum, oacc, st, key0, k1, lane, sm_scale)
+        accumulate(oacc, pf, bfr, smem, slot, w, lane)
+
+    @T.macro
+    def store_rows(o, lse, ws_o, ws_l, smem, oacc, m, lsum, st, b, h, sp, S, w, lane, tid):
+        """Merge the 4 warps' states of each row through the drained ring (``red_o[w, r, d]`` then
+        ``red_ml[w, r, 0 / 1]`` as words; one barrier) and write rows ``h*G + r``: ``o`` / ``lse`` when
+        ``S == 1``, else split ``sp``'s normalized partial state. A row that saw no key: ``o = 0``, ``lse =
+        -1e30``."""
+        ML0 = TCD_WARPS * 16 * D
+        for rr in T.unroll(2):
+            lsum[rr] = lsum[rr] + shfl_xor(lsum[rr], 1)
+            lsum[rr] = lsum[rr] + shfl_xor(lsum[rr], 2)
+            if lane // 4 + rr * 8 < G:
+                for dn in T.unroll(NDN):
+                    for c in T.unroll(2):
+                        smem[(w * 16 + lane // 4 + rr * 8) * D + dn * 8 + c_frag(lane, c)[1]] = oacc[dn * 4 + rr * 2 + c]
+                if lane % 4 == 0:
+                    smem[ML0 + (w * 16 + lane // 4 + rr * 8) * 2] = m[rr]
+                    smem[ML0 + (w * 16 + lane // 4 + rr * 8) * 2 + 1] = lsum[rr]
+        T.tvm_storage_sync("shared")
+        for idx in T.serial((G * D + TCD_NT - 1) // TCD_NT):
+            if idx * TCD_NT + tid < G * D:
+                gg: T.let[T.int32] = T.truncdiv(idx * TCD_NT + tid, D)
+                dd: T.let[T.int32] = T.truncmod(idx * TCD_NT + tid, D)
+                row: T.let[T.int32] = (b * HQ + h * G + gg) * S + sp
+                st[0] = T.float32(EMPTY_LSE)
+                for ww in T.unroll(TCD_WARPS):
+                    st[0] = T.max(st[0], smem[ML0 + (ww * 16 + gg) * 2])
+                st[1] = T.float32(0)
+                st[2] = T.float32(0)
+                for ww in T.unroll(TCD_WARPS):
+                    st[3] = T.exp2(smem[ML0 + (ww * 16 + gg) * 2] - st[0])
+                    st[1] = st[1] + smem[ML0 + (ww * 16 + gg) * 2 + 1] * st[3]
+                    st[2] = st[2] + smem[(ww * 16 + gg) * D + dd] * st[3]
+                # l >= 1 once any key was seen (its max contributes 2^0); else 0.
+                if S == 1:
+                    if st[1] > T.float32(0):
+                        o[b, h * G + gg, dd] = T.Cast(dtype, st[2] / st[1])
+                        if dd == 0:
+                            lse[b, h * G + gg] = st[0] + T.log2(st[1])
+                    else:
+                        o[b, h * G + gg, dd] = T.Cast(dtype, T.float32(0))
+                        if dd == 0:
+                            lse[b, h * G + gg] = T.float32(EMPTY_LSE)
+                elif st[1] > T.float32(0):
+                    ws_o[row, dd] = st[2] / st[1]
+                    if dd == 0:
+                        ws_l[row] = st[0] + T.log2(st[1])
+                else:
+                    ws_o[row, dd] = T.float32(0)
+                    if dd == 0:
+                        ws_l[row] = T.float32(EMPTY_LSE)
+
+    return load_q, issue_tile, tile_step, store_rows
+
+
+def make_tc_key_loop(hkv: int, g: int, d: int, dtype: str, var):
+    """``key_loop(regs, smem, pages, page_values, pbase, ps, h, k0, k1, w, lane, tid, sm_scale)``: the warp's
+    row states over the split's keys ``[k0, k1)``. Ring: tiles 0 and 1 issued first; at tile ``it`` the wait
+    leaves only tile ``it + 1`` in flight, and the barrier after it both publishes tile ``it`` and tells that
+    every warp is done with tile ``it - 1``, whose slot ``(it + 2) % 3`` then takes tile ``it + 2``. Every
+    step commits a group (empty past the last tile), so the wait counts stay uniform."""
+    _load_q, issue_tile, tile_step, _store = make_tc_parts(hkv, g, d, dtype, var)
+    TK = TCD_TK
+
+    @T.macro
+    def key_loop(regs, smem, pages, page_values, pbase, ps, h, k0, k1, w, lane, tid, sm_scale):
+        tiles: T.let[T.int32] = T.truncdiv(k1 - k0 + TK - 1, TK)
+        for j in T.unroll(2):
+            if j < tiles:
+                issue_tile(smem, pages, page_values, pbase, ps, h, k0 + j * TK, k1, j, tid)
+            T.evaluate(cp_async_commit())
+        for it in T.serial(tiles):
+            T.evaluate(cp_async_wait1())
+            T.tvm_storage_sync("shared")
+            if it + 2 < tiles:
+                issue_tile(smem, pages, page_values, pbase, ps, h, k0 + (it + 2) * TK, k1, T.truncmod(it + 2, 3),
+                           tid)
+            T.evaluate(cp_async_commit())
+            tile_step(regs, smem, T.truncmod(it, 3), k0 + it * TK + w * 16, k1, w, lane, sm_scale)
+        # The ring is reused by the store: every copy landed, every warp done reading.
+        T.evaluate(cp_async_wait0())
+        T.tvm_storage_sync("shared")
+
+    return key_loop
+
+
+def make_tc_kernel(hq: int, hkv: int, d: int, dtype: str, var):
+    """The tensor-core decode kernel as a macro (same arguments as the staged kernel): grid (entry, kv head,
+    split) x 128 threads, the split's key range, the key loop and the store. Raises ``NotImplementedError``
+    naming the limits (``tc_decode_limits``) a shape breaks."""
+    g = hq // hkv
+    why = tc_decode_limits(g, d, dtype)
+    if why:
+        raise NotImplementedError("pagedkv.tir_kernels: the tensor-core CUDA decode kernel: " + "; ".join(why))
+    load_q, _issue, _step, store_rows = make_tc_parts(hkv, g, d, dtype, var)
+    key_loop = make_tc_key_loop(hkv, g, d, dtype, var)
+    TK, NDN, NKS = TCD_TK, d // 8, d // 16
+
+    @T.macro
+    def kernel(q, pages, page_indptr, page_values, last_page_len, k_pos_offset, q_pos, o, lse, B, ps,
+               rope_scale, rope_theta, sm_scale, S, ws_o, ws_l):
+        for bx in T.thread_binding(T.max(B, 1), thread="blockIdx.x"):
+            for h in T.thread_binding(hkv, thread="blockIdx.y"):
+                for sp in T.thread_binding(S, thread="blockIdx.z"):
+                    for tid in T.thread_binding(TCD_NT, thread="threadIdx.x"):
+                        qf = T.alloc_buffer((NKS * 8,), dtype, scope="local")
+                        bfr = T.alloc_buffer((4,), "uint32", scope="local")
+                        sacc = T.alloc_buffer((8,), "float32", scope="local")
+                        pf = T.alloc_buffer((8,), dtype, scope="local")
+                        oacc = T.alloc_buffer((NDN * 4,), "float32", scope="local")
+                        m = T.alloc_buffer((2,), "float32", scope="local")
+                        lsum = T.alloc_buffer((2,), "float32", scope="local")
+                        st = T.alloc_buffer((4,), "float32", scope="local")
+                        # One dynamic buffer of words, named apart from the prefill's ``smem`` (same library).
+                        tcd_smem = T.alloc_buffer((smem_words(d),), "float32", scope="shared.dyn")
+                        w: T.let[T.int32] = T.truncdiv(tid, 32)
+                        lane: T.let[T.int32] = T.truncmod(tid, 32)
+                        # ldmatrix reaches bfr through its address only: without these stores TVM would size
+                        # it by the elements it sees indexed (bfr[0], bfr[2]).
+                        for e in T.unroll(4):
+                            bfr[e] = T.uint32(0)
+                        if bx < B:
+                            kvlen: T.let[T.int32] = paged_kv_len(page_indptr, last_page_len, bx, ps)
+                            # This split's keys: [k0, k1), chunks a multiple of the tile.
+                            chunk: T.let[T.int32] = T.truncdiv(
+                                T.truncdiv(var.decode_span_len(kvlen) + S - 1, S) + TK - 1, TK) * TK
+                            k0: T.let[T.int32] = T.min(var.decode_key(kvlen, sp * chunk), kvlen)
+                            load_q(qf, q, bx, h, lane)
+                            for rr in T.unroll(2):
+                                m[rr] = T.float32(EMPTY_LSE)
+                                lsum[rr] = T.float32(0)
+                            for e in T.unroll(NDN * 4):
+                                oacc[e] = T.float32(0)
+                            key_loop((qf, bfr, sacc, pf, oacc, m, lsum, st), tcd_smem, pages, page_values,
+                                     page_indptr[bx], ps, h, k0, T.min(k0 + chunk, kvlen), w, lane, tid, sm_scale)
+                            store_rows(o, lse, ws_o, ws_l, tcd_smem, oacc, m, lsum, st, bx, h, sp, S, w, lane, tid)
+
+    return kernel
+
+
+__all__ = ["TCD_DTYPES", "TCD_HEAD_DIMS", "TCD_MAX_GROUP", "TCD_NT", "TCD_PAD", "TCD_RESIDENT_BLOCKS", "TCD_SLOTS",
+           "TCD_TK", "TCD_WARPS", "make_tc_kernel", "make_tc_key_loop", "make_tc_parts", "smem_words",
+           "tc_decode_limits"]
