@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import dataclasses
 
+from ..kernel_spec import PATH_ARCHS
+
 #: Warps per block, rows per warp (one m16 tile), keys per tile, shared-memory row padding (elements): the
 #: "tc" tile (``TC_TILES``); ``TC_ROWS`` / ``TC_NT`` are its rows and threads per block.
 TC_WARPS, TC_WROWS, TC_TK, TC_PAD = 4, 16, 64, 8
@@ -92,8 +94,9 @@ class TcTile:
 #: The tiles, by switch value (module docstring: registers, shared memory, occupancy, expected effect).
 TC_TILES = {"tc": TcTile("tc", TC_WARPS, 1), "tc2": TcTile("tc2", 8, 2), "tc3": TcTile("tc3", 4, 2, mtiles=2, tk=32),
             "wg": TcTile("wg", 4, 2, wgmma=True)}
-#: The PTX target a ``wgmma`` tile needs (its instructions exist on sm_90a only).
-WG_ARCH = "sm_90a"
+#: The PTX target a ``wgmma`` tile needs (its instructions exist on sm_90a only; libraries forcing it are built
+#: for it: ``kernel_spec.PATH_ARCHS``).
+WG_ARCH = PATH_ARCHS[("cuda_prefill_kernel", "wg")]
 
 
 def k_store_index(key, dim, d: int):

@@ -49,6 +49,27 @@ SWITCHES: dict[str, tuple[str, tuple[str, ...]]] = {
 }
 
 
+#: Forced path values whose kernels need one CUDA arch (their instructions exist there only): a library holding
+#: them is built for, and looked up under, that arch (``target_for_paths``). (switch, value) -> arch.
+PATH_ARCHS: dict[tuple[str, str], str] = {("cuda_prefill_kernel", "wg"): "sm_90a"}
+
+
+def target_for_paths(paths, target):
+    """``target`` with the CUDA arch its forced ``paths`` need (``PATH_ARCHS``), as a canonical target dict;
+    ``target`` itself when no forced path needs one (or it is not a CUDA target)."""
+    archs = {PATH_ARCHS[p] for p in normalize_paths(paths) if p in PATH_ARCHS}
+    if not archs:
+        return target
+    from .target import canonical
+
+    spec = canonical(target)
+    if spec["kind"] != "cuda":
+        return target
+    if len(archs) > 1:
+        raise ValueError(f"forced paths {dict(normalize_paths(paths))} need different archs {sorted(archs)}")
+    return {**spec, "arch": archs.pop()}
+
+
 def normalize_paths(paths: Mapping[str, str] | Iterable[tuple[str, str]] | None) -> tuple[tuple[str, str], ...]:
     """``paths`` as sorted ``(switch, value)`` pairs without "auto" entries; raises ``ValueError`` naming an
     unknown switch or value."""
@@ -191,4 +212,4 @@ class KernelSpec:
                 for f in fields(self) for v in [getattr(self, f.name)] if f.name != "target_arch" or v}
 
 
-__all__ = ["DTYPES", "KernelSpec", "SWITCHES", "forced", "normalize_paths"]
+__all__ = ["DTYPES", "KernelSpec", "PATH_ARCHS", "SWITCHES", "forced", "normalize_paths", "target_for_paths"]

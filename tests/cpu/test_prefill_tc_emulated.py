@@ -59,11 +59,14 @@ CONFIGS = {
 CASES = [(name, "tc") for name in list(CONFIGS)[:3]] + [(name, t) for t in ("tc2", "tc3") for name in CONFIGS]
 #: The unaligned-view (element-load) runs: two configs on "tc", every one on "tc2" and "tc3".
 UNALIGNED = CASES[:2] + CASES[3:]
-#: "wg": GQA groups 4 (D 64 fp16, D 128 fp16), 3 (D 64 bf16, windowed + capped), 1 (D 128 fp16), 7 (D 128 bf16).
-WG_CASES = [(name, "wg") for name in ("8x2x64-f16", "6x2x64-bf16-w40-cap20", "4x1x128-f16", "2x2x128-f16",
-                                      "7x1x128-bf16")]
-CASES += WG_CASES
-UNALIGNED += WG_CASES[1:3]
+#: "wg" runs (config, op, causal), few (each emulates 128 threads for minutes): GQA groups 4 (D 64 fp16), 1 (D 128
+#: fp16), 7 (D 128 bf16), 3 (D 64 bf16, windowed + capped); ragged and paged, causal and not.
+WG_RUNS = [("8x2x64-f16", "attn_prefill_ragged", 1), ("8x2x64-f16", "attn_prefill_paged", 0),
+           ("2x2x128-f16", "attn_prefill_ragged", 0), ("2x2x128-f16", "attn_prefill_paged", 1),
+           ("7x1x128-bf16", "attn_prefill_ragged", 1), ("7x1x128-bf16", "attn_prefill_paged", 1),
+           ("6x2x64-bf16-w40-cap20", "attn_prefill_paged", 1)]
+#: The "wg" unaligned-view (element-load) run.
+WG_UNALIGNED = ["6x2x64-bf16-w40-cap20"]
 #: Bytes of the static array standing in for a kernel's dynamic shared memory.
 DYN_SMEM_BYTES = 256 * 1024
 
@@ -171,6 +174,16 @@ def test_emulated_kernel_matches_reference(name, tile, op, causal, built):
 @pytest.mark.parametrize("name,tile", UNALIGNED, ids=[f"{t}-{n}" for n, t in UNALIGNED])
 def test_emulated_unaligned_ragged_views(name, tile, built):
     _check(name, tile, "attn_prefill_ragged", 1, built, misalign=True)
+
+
+@pytest.mark.parametrize("name,op,causal", WG_RUNS, ids=[f"wg-{n}-{o.removeprefix('attn_prefill_')}-{c}" for n, o, c in WG_RUNS])
+def test_emulated_wg_kernel_matches_reference(name, op, causal, built):
+    _check(name, "wg", op, causal, built, misalign=False)
+
+
+@pytest.mark.parametrize("name", WG_UNALIGNED)
+def test_emulated_wg_unaligned_ragged_views(name, built):
+    _check(name, "wg", "attn_prefill_ragged", 1, built, misalign=True)
 
 
 def _check(name, tile, op, causal, built, misalign):
