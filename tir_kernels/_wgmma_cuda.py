@@ -27,6 +27,8 @@ from tvm.script import tirx as T
 
 #: B widths (N) generated: key tiles of 64 (S) and value dims 64 / 128 (O).
 WG_NS = (64, 128)
+#: Sizes (32-bit registers) of the A-operand fences generated: P of 64 / 128 keys (16 / 32 registers).
+WG_REG_FENCES = (16, 32)
 _PTX_TYPE = {"float16": "f16", "bfloat16": "bf16"}
 
 
@@ -43,21 +45,28 @@ def _wgmma_fn(n: int, ptx: str, trans: int) -> str:
     outs = ", ".join(f'"+f"(d[{i}])' for i in range(regs))
     return (
         f"__device__ __forceinline__ void pagedkv_wgmma_n{n}_{ptx}_t{trans}(float* d, const void* a, "
-        f"const void* b, unsigned lbo, unsigned sbo) {{\n"
+        f"const void* b, unsigned lbo, unsigned sbo, int scale_d) {{\n"
         f"  const unsigned* A = reinterpret_cast<const unsigned*>(a);\n"
         f"  unsigned long long desc = pagedkv_wg_desc(b, lbo, sbo);\n"
-        # scale-d is a predicate operand: p = 1 (accumulate; the kernels zero D themselves).
+        # scale-d is a predicate operand: p = 0 makes D = A B (the first k step), 1 D += A B.
         f'  asm volatile("{{\\n.reg .pred p;\\nsetp.ne.b32 p, %{regs + 5}, 0;\\n"\n'
         f'               "wgmma.mma_async.sync.aligned.m64n{n}k16.f32.{ptx}.{ptx} {{{dl}}}, '
         f'{{%{regs},%{regs + 1},%{regs + 2},%{regs + 3}}}, %{regs + 4}, p, 1, 1, {trans};\\n}}\\n"\n'
         f"               : {outs}\n"
-        f'               : "r"(A[0]), "r"(A[1]), "r"(A[2]), "r"(A[3]), "l"(desc), "r"(1));\n}}\n')
+        f'               : "r"(A[0]), "r"(A[1]), "r"(A[2]), "r"(A[3]), "l"(desc), "r"(scale_d));\n}}\n')
 
 
 def _acc_fence_fn(n: int) -> str:
     regs = n // 2
     outs = ", ".join(f'"+f"(d[{i}])' for i in range(regs))
     return (f"__device__ __forceinline__ void pagedkv_wg_acc_fence_n{n}(float* d) {{\n"
+            f'  asm volatile("" : {outs} :: "memory");\n}}\n')
+
+
+def _reg_fence_fn(regs: int) -> str:
+    outs = ", ".join(f'"+r"(r[{i}])' for i in range(regs))
+    return (f"__device__ __forceinline__ void pagedkv_wg_reg_fence_{regs}(void* p) {{\n"
+            f"  unsigned* r = reinterpret_cast<unsigned*>(p);\n"
             f'  asm volatile("" : {outs} :: "memory");\n}}\n')
 
 
@@ -83,18 +92,20 @@ __device__ __forceinline__ void pagedkv_proxy_fence() {
   asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
 }
 """ + "".join(_wgmma_fn(n, p, t) for n in WG_NS for p in _PTX_TYPE.values() for t in (0, 1)) + "".join(
-    _acc_fence_fn(n) for n in WG_NS) + "#endif\n"
+    _acc_fence_fn(n) for n in WG_NS) + "".join(_reg_fence_fn(r) for r in WG_REG_FENCES) + "#endif\n"
 
 
-def wgmma(dtype: str, n: int, trans: int, d, a, b, lbo: int, sbo: int):
-    """``d[0 .. n/2) += A B`` for the warpgroup's m64 x n tile, k16: ``d`` and ``a`` addresses of the thread's
+def wgmma(dtype: str, n: int, trans: int, d, a, b, lbo: int, sbo: int, accumulate: bool = True):
+    """``d[0 .. n/2) += A B`` (``accumulate``; else ``= A B``) for the warpgroup's m64 x n tile, k16: ``d`` and
+    ``a`` addresses of the thread's
     D (``n / 2`` floats) and A fragment (8 elements of ``dtype``), ``b`` the shared address of B's first core
     matrix; ``trans`` 0 = K-major B, 1 = MN-major (module docstring); ``lbo`` / ``sbo`` in bytes."""
     if dtype not in _PTX_TYPE or n not in WG_NS:
         raise NotImplementedError(f"pagedkv.tir_kernels: wgmma takes float16 / bfloat16 and N in {WG_NS}, got "
                                   f"{dtype}, {n}")
     return T.cuda.func_call(f"pagedkv_wgmma_n{n}_{_PTX_TYPE[dtype]}_t{trans}", d, a, b, T.uint32(lbo),
-                            T.uint32(sbo), source_code=_SOURCE)
+                            T.uint32(sbo), T.int32(int(accumulate)) if isinstance(accumulate, bool) else T.Cast("int32", accumulate),
+                            source_code=_SOURCE)
 
 
 def wg_fence():
@@ -118,9 +129,18 @@ def proxy_fence():
 
 
 def acc_fence(n: int, d):
-    """Pin the ``n / 2`` accumulators at address ``d`` behind the preceding wait (an empty asm that reads and
-    writes them)."""
+    """Pin the ``n / 2`` accumulators at address ``d`` between the wgmma asm's (an empty volatile asm that
+    reads and writes them): after a wait, their reads cannot move above it; before a ``wg_fence``, their
+    writes (a rescale) cannot sink below it (nvcc does not know that wgmma reads and writes them late)."""
     return T.cuda.func_call(f"pagedkv_wg_acc_fence_n{n}", d, source_code=_SOURCE)
 
 
-__all__ = ["WG_NS", "acc_fence", "core_index", "proxy_fence", "wg_commit", "wg_fence", "wg_wait0", "wgmma"]
+def reg_fence(regs: int, p):
+    """As ``acc_fence`` for ``regs`` 32-bit registers at address ``p`` (an A operand: P written by the softmax
+    must be in its registers before the ``wg_fence``)."""
+    if regs not in WG_REG_FENCES:
+        raise NotImplementedError(f"pagedkv.tir_kernels: reg_fence of {regs} registers (have {WG_REG_FENCES})")
+    return T.cuda.func_call(f"pagedkv_wg_reg_fence_{regs}", p, source_code=_SOURCE)
+
+
+__all__ = ["WG_NS", "WG_REG_FENCES", "reg_fence", "acc_fence", "core_index", "proxy_fence", "wg_commit", "wg_fence", "wg_wait0", "wgmma"]

@@ -182,7 +182,7 @@ inline int pagedkv_aligned16(const void* p) { return (reinterpret_cast<uintptr_t
 // (n%8)*16 + (k%8)*2 + (k/8)*LBO + (n/8)*SBO; (k, n) (trans 1, MN-major) at (k%8)*16 + (n%8)*2 + (n/8)*SBO +
 // (k/8)*LBO. A: warp w's rows 16w.. as mma.m16n8k16's A fragment; D: d[4j + i] = C fragment of columns 8j...
 constexpr int kMaxWgOps = 16;
-struct WgOp { float* d[128]; uint a[128][4]; const char* b; uint64_t desc; int n, trans, bf16; };
+struct WgOp { float* d[128]; uint a[128][4]; const char* b; uint64_t desc; int n, trans, bf16, scale_d; };
 struct WgSlots { std::barrier<>* bar; WgOp ops[kMaxWgOps]; };
 static WgSlots g_wgs[kMaxWarps / 4];
 thread_local int t_wg_ops = 0;  // wgmma's this thread issued since its last wait
@@ -191,13 +191,13 @@ inline uint64_t pagedkv_wg_desc_bits(unsigned lbo, unsigned sbo) {
   return (static_cast<uint64_t>((lbo >> 4) & 0x3FFFu) << 16) | (static_cast<uint64_t>((sbo >> 4) & 0x3FFFu) << 32);
 }
 inline void wgmma_emu(int n, int trans, int bf16, float* d, const void* a, const void* b, unsigned lbo,
-                      unsigned sbo) {
+                      unsigned sbo, int scale_d) {
   WgOp& op = my_wg().ops[t_wg_ops++];
   int t = t_linear % 128;
   op.d[t] = d;
   std::memcpy(op.a[t], a, 16);
   if (t == 0) { op.b = static_cast<const char*>(b); op.desc = pagedkv_wg_desc_bits(lbo, sbo); op.n = n;
-                op.trans = trans; op.bf16 = bf16; }
+                op.trans = trans; op.bf16 = bf16; op.scale_d = scale_d; }
 }
 inline float wg_a(const WgOp& op, int row, int k) {  // A[row][k] from the fragment of the thread holding it
   int w = row / 16, r = row % 16;
@@ -226,7 +226,7 @@ inline void pagedkv_wg_wait0() {
         int row = 16 * w + l / 4 + 8 * (i / 2), col = 8 * j + 2 * (l % 4) + i % 2;
         float acc = 0.f;
         for (int k = 0; k < 16; ++k) acc += wg_a(op, row, k) * wg_b(op, k, col);
-        op.d[t][4 * j + i] += acc;
+        op.d[t][4 * j + i] = (op.scale_d ? op.d[t][4 * j + i] : 0.f) + acc;  // scale-d 0: D = A B
       }
   }
   t_wg_ops = 0;
@@ -234,13 +234,15 @@ inline void pagedkv_wg_wait0() {
 }
 #define PAGEDKV_WGMMA_HELPERS
 #define PAGEDKV_WGMMA_EMU(N, P, BF, TR) \
-  inline void pagedkv_wgmma_n##N##_##P##_t##TR(float* d, const void* a, const void* b, unsigned lbo, unsigned sbo) { \
-    wgmma_emu(N, TR, BF, d, a, b, lbo, sbo); }
+  inline void pagedkv_wgmma_n##N##_##P##_t##TR(float* d, const void* a, const void* b, unsigned lbo, unsigned sbo, \
+                                               int scale_d) { wgmma_emu(N, TR, BF, d, a, b, lbo, sbo, scale_d); }
 PAGEDKV_WGMMA_EMU(64, f16, 0, 0) PAGEDKV_WGMMA_EMU(64, f16, 0, 1) PAGEDKV_WGMMA_EMU(64, bf16, 1, 0)
 PAGEDKV_WGMMA_EMU(64, bf16, 1, 1) PAGEDKV_WGMMA_EMU(128, f16, 0, 0) PAGEDKV_WGMMA_EMU(128, f16, 0, 1)
 PAGEDKV_WGMMA_EMU(128, bf16, 1, 0) PAGEDKV_WGMMA_EMU(128, bf16, 1, 1)
 inline void pagedkv_wg_acc_fence_n64(float*) {}
 inline void pagedkv_wg_acc_fence_n128(float*) {}
+inline void pagedkv_wg_reg_fence_16(void*) {}
+inline void pagedkv_wg_reg_fence_32(void*) {}
 
 // Run `body` (the kernel call) for every block of a grid (gx, gy, gz), the block's bx * by * bz threads (a
 // multiple of 32, at most 1024) as CPU threads in lock step, thread t being threadIdx (t % bx, t / bx % by,

@@ -61,13 +61,14 @@ def test_wg_tile_shared_memory():
 @pytest.fixture(scope="module")
 def nvcc_results(tmp_path_factory):
     workdir = tmp_path_factory.mktemp("wg")
-    return workdir, nvcc_all(list(SHAPES), lambda name: ops_cuda_source(_wg(SHAPES[name]), OPS, SM90A), workdir, "wg_")
+    return workdir, nvcc_all([(name,) for name in SHAPES], lambda key: ops_cuda_source(_wg(SHAPES[key[0]]), OPS, SM90A),
+                             workdir, "wg_")
 
 
 @pytest.mark.parametrize("name", list(SHAPES))
 def test_wg_nvcc_no_spills_and_wgmma(name, nvcc_results):
     workdir, results = nvcc_results
-    rc, log = results[name]
+    rc, log = results[(name,)]
     assert rc == 0, log[-3000:]
     usage = ptxas_usage(log)
     assert usage and all(max(u[1:]) == 0 for u in usage.values()), usage
