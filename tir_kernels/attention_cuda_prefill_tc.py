@@ -54,6 +54,9 @@ tc2     128   256      2       64  1 (Q in regs)   69,632 dyn.    194/190, 136/1
 tc3     128   128      2       32  2 (Q in smem)   69,632 dyn.    249/250, 161/162       2 / 3
 ======  ====  =======  ======  ==  ==============  =============  =====================  =================
 
+"wg" (sm_90a): 64 rows, 128 threads, 2 stages of 64 keys, 65,536 bytes dynamic shared memory at D 128 (no padding);
+ptxas 165 / 163 registers paged / ragged at D 128 (32/8/128 fp16), 126 / 122 at D 64 (12/4/64 bf16, windowed +
+capped), no spills; not yet run on a GPU.
 (D 64: the 8 / 8 / 64 bf16 spec; the windowed + capped D 64 one takes 162/168 (20 bytes spilled), 156/142 and
 206/203.) Every tile runs 8 warps an SM at D 128. Expected effect, not measured (the GPU run decides):
 
