@@ -5,8 +5,10 @@ timed call), or raises ``Unavailable`` saying why the implementation does not ap
 
 - ``fi:*``: FlashInfer 0.7.4 through its own Python wrappers (plan once, run timed), every variant:
   decode on CUDA cores and on tensor cores (fa2, fa3), ragged and paged prefill (fa2, fa3), MLA (fa2, fa3);
-- ``pagedkv-tir-tc`` / ``-tc2`` / ``-tc3``: ``pagedkv-tir`` with the tensor-core prefill kernel forced (path
-  switch ``cuda_prefill_kernel=tc``, or ``tc2`` / ``tc3``: its 128-row two-stage tiles), on the prefill workloads;
+- ``pagedkv-tir-tc`` / ``-tc2`` / ``-tc3`` / ``-wg``: ``pagedkv-tir`` with the tensor-core prefill kernel forced
+  (path switch ``cuda_prefill_kernel=tc``, or ``tc2`` / ``tc3``: its 128-row two-stage tiles, or ``wg``: the
+  wgmma warpgroup tile, whose library is built for sm_90a: ``pagedkv.kernel_spec.target_for_paths``), on the
+  prefill workloads;
 - ``pagedkv-tir-tcd``: ``pagedkv-tir`` with the tensor-core decode kernel forced (``cuda_decode_kernel=tc``,
   ``tir_kernels/_decode_tc_cuda.py``), on the plain MHA decode workloads;
 - ``pagedkv-fi`` / ``pagedkv-tir``: a pagedkv cache (``pagedkv.create``) with the FlashInfer backend (TIR
@@ -33,12 +35,14 @@ TARGET = {"kind": "cuda", "arch": "sm_90"}
 #: where the benchmark runs (a CPU test of the benchmark's plumbing sets "cpu" and TARGET "llvm")
 DEVICE = "cuda"
 PAGEDKV_BACKENDS = {"pagedkv-fi": ["flashinfer", "tir"], "pagedkv-tir": "tir", "pagedkv-tir-tc": "tir",
-                    "pagedkv-tir-tc2": "tir", "pagedkv-tir-tc3": "tir", "pagedkv-tir-tcd": "tir"}
+                    "pagedkv-tir-tc2": "tir", "pagedkv-tir-tc3": "tir", "pagedkv-tir-tcd": "tir",
+                    "pagedkv-tir-wg": "tir"}
 #: label -> TIR code paths its cache is created under (``pagedkv.backends.tir.forced_paths``): the tensor-core
 #: prefill tiles (``tir_kernels.attention_cuda_prefill.TC_DEFAULT_TILES``: auto is tc3 for whole prompts, tc2 for
 #: the paged op), each forced on its own so that the tiles are compared in every run.
 PAGEDKV_PATHS = {"pagedkv-tir-tc": {"cuda_prefill_kernel": "tc"}, "pagedkv-tir-tc2": {"cuda_prefill_kernel": "tc2"},
-                 "pagedkv-tir-tc3": {"cuda_prefill_kernel": "tc3"}, "pagedkv-tir-tcd": {"cuda_decode_kernel": "tc"}}
+                 "pagedkv-tir-tc3": {"cuda_prefill_kernel": "tc3"}, "pagedkv-tir-tcd": {"cuda_decode_kernel": "tc"},
+                 "pagedkv-tir-wg": {"cuda_prefill_kernel": "wg"}}
 #: The labels of ``PAGEDKV_PATHS`` that time the decode (the others time prefill only).
 DECODE_PATH_LABELS = ("pagedkv-tir-tcd",)
 _WS_BYTES = 512 << 20  # FlashInfer's own wrappers get a generous float workspace
@@ -194,13 +198,16 @@ def pagedkv_impl(label: str, w: Workload, x: Inputs):
     import pagedkv
 
     from pagedkv.backends.tir import forced_paths
+    from pagedkv.kernel_spec import target_for_paths
 
     if label != "pagedkv-tir":
         _no_rope(w, label)
     if why := pagedkv_unavailable(label, w):
         raise Unavailable(why)
-    with forced_paths(PAGEDKV_PATHS.get(label, {})):  # the cache's kernel library is chosen here
-        cache = pagedkv.create(pagedkv_config(w), backend=PAGEDKV_BACKENDS[label], target=TARGET, device=DEVICE)
+    paths = PAGEDKV_PATHS.get(label, {})
+    with forced_paths(paths):  # the cache's kernel library is chosen here (its arch: "wg" is sm_90a)
+        cache = pagedkv.create(pagedkv_config(w), backend=PAGEDKV_BACKENDS[label], target=target_for_paths(paths, TARGET),
+                               device=DEVICE)
     scale, o = sm_scale(w), _out(w, x)
     lse = torch.empty(o.shape[0], w.hq, dtype=torch.float32, device=DEVICE)
     if w.kind == "prefill":

@@ -29,6 +29,7 @@ def kernel_libraries(out: Path, dtypes) -> list[Path]:
     are part of its key), each once."""
     from pagedkv.backends.tir import forced_paths
     from pagedkv.cache import build_kernel_library, kernel_library_path, kernel_shape
+    from pagedkv.kernel_spec import target_for_paths
 
     seen = set()
     for w in W.workloads(dtypes):
@@ -37,14 +38,15 @@ def kernel_libraries(out: Path, dtypes) -> list[Path]:
             if impls.pagedkv_unavailable(label, w):
                 continue
             paths = impls.PAGEDKV_PATHS.get(label, {})
+            target = target_for_paths(paths, impls.TARGET)  # the arch a forced path needs ("wg": sm_90a)
             with forced_paths(paths):
-                path = kernel_library_path(cfg, out, target=impls.TARGET, backend=backend)
+                path = kernel_library_path(cfg, out, target=target, backend=backend)
                 if path in seen:
                     continue
                 seen.add(path)
                 t0 = time.perf_counter()
                 try:
-                    build_kernel_library(cfg, out, target=impls.TARGET, backend=backend)
+                    build_kernel_library(cfg, out, target=target, backend=backend)
                 except Exception as e:  # noqa: BLE001 (reported; bench_gpu says the library is missing)
                     print(f"[bench-bundle] FAILED {cfg.to_json()} backend {backend} paths {paths}: {e}", flush=True)
                     continue

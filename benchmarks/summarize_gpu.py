@@ -10,7 +10,8 @@ import math
 import sys
 from pathlib import Path
 
-PEERS = ("pagedkv-fi", "pagedkv-tir", "pagedkv-tir-tc", "pagedkv-tir-tc2", "pagedkv-tir-tc3", "pagedkv-tir-tcd", "upstream", "torch-sdpa")
+PEERS = ("pagedkv-fi", "pagedkv-tir", "pagedkv-tir-tc", "pagedkv-tir-tc2", "pagedkv-tir-tc3", "pagedkv-tir-tcd",
+         "pagedkv-tir-wg", "upstream", "torch-sdpa")
 
 
 def _cell(r) -> str:

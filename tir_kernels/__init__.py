@@ -13,6 +13,8 @@ Example
 
 from __future__ import annotations
 
+import dataclasses
+
 from ..kernel_spec import DTYPES, SWITCHES, KernelSpec, forced, normalize_paths  # the spec, written once
 from ..ops import OPS, OPS_BY_KIND  # the op vocabulary, written once (pagedkv.ops)
 from ._abi import abi_dims, abi_prim_func
@@ -32,8 +34,12 @@ def _check_mla(cfg: KernelConfig, op: str) -> None:
 
 
 def make(op: str, cfg: KernelConfig, target):
-    """PrimFunc ``pagedkv_<op>`` of ``cfg`` for ``target``'s family (``FAMILIES``)."""
+    """PrimFunc ``pagedkv_<op>`` of ``cfg`` for ``target``'s family (``FAMILIES``); a CUDA target's arch
+    reaches the family as ``cfg.target_arch`` (unless the spec already names one)."""
     _check_mla(cfg, op)
+    target = as_target(target)
+    if target.kind.name == "cuda" and not cfg.target_arch:
+        cfg = dataclasses.replace(cfg, target_arch=str(target.attrs.get("arch", "")))
     return dispatch(op, target, {kind: (lambda fam=fam: fam.FACTORIES[op](cfg)) for kind, fam in FAMILIES.items()})
 
 

@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import dataclasses
 
+from ..kernel_spec import PATH_ARCHS
+
 #: Warps per block, rows per warp (one m16 tile), keys per tile, shared-memory row padding (elements): the
 #: "tc" tile (``TC_TILES``); ``TC_ROWS`` / ``TC_NT`` are its rows and threads per block.
 TC_WARPS, TC_WROWS, TC_TK, TC_PAD = 4, 16, 64, 8
@@ -37,6 +39,9 @@ class TcTile:
     tile); 2 = two of each in one dynamic shared-memory buffer, tile kt + 1 loading during all of tile kt
     (one barrier a key tile; over 48 KB at D 128, which TVM's CUDA launcher allows by raising the function's
     ``CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES`` when a launch asks for 48 KB or more).
+    ``wgmma``: one warpgroup (4 warps, Q in registers) computes S and O with ``wgmma`` (sm_90a,
+    ``_wgmma_cuda``) instead of ``mma.sync``; K and V tiles are then stored as core matrices
+    (``_wgmma_cuda.core_index``, no row padding) and need the two-stage buffer.
     """
 
     name: str
@@ -44,6 +49,12 @@ class TcTile:
     stages: int
     mtiles: int = 1
     tk: int = TC_TK
+    wgmma: bool = False
+
+    @property
+    def pad(self) -> int:
+        """Row padding (elements) of the row-major K / V tiles; the core-matrix tiles of ``wgmma`` have none."""
+        return 0 if self.wgmma else TC_PAD
 
     @property
     def rows(self) -> int:
@@ -62,18 +73,18 @@ class TcTile:
     def smem_bytes(self, d: int, dv: int, dtype: str = "float16") -> int:
         """Shared memory of a block: ``stages`` x (K tile + V tile) (+ the Q rows), rows padded by ``TC_PAD``."""
         q = self.rows * (d + TC_PAD) if self.q_in_smem else 0
-        return (self.stages * self.tk * (d + dv + 2 * TC_PAD) + q) * (4 if dtype == "float32" else 2)
+        return (self.stages * self.tk * (d + dv + 2 * self.pad) + q) * (4 if dtype == "float32" else 2)
 
     def k_base(self, stage, d: int, dv: int):
         """First element of stage ``stage``'s K tile in the two-stage buffer (int or TIR expression): stages
         of ``tk`` K rows then ``tk`` V rows, each a multiple of 8 elements (16-byte cp.async / ldmatrix
         rows stay aligned) and, for D 64 / 128, of 64 (128 bytes: the bank pattern of a stage is that of
         element 0, as ``tests/cpu/test_prefill_tc_layout.py`` checks)."""
-        return stage * (self.tk * (d + dv + 2 * TC_PAD))
+        return stage * (self.tk * (d + dv + 2 * self.pad))
 
     def v_base(self, stage, d: int, dv: int):
         """First element of stage ``stage``'s V tile in the two-stage buffer (after its K tile)."""
-        return self.k_base(stage, d, dv) + self.tk * (d + TC_PAD)
+        return self.k_base(stage, d, dv) + self.tk * (d + self.pad)
 
     def q_base(self, d: int, dv: int) -> int:
         """First element of the Q rows (``q_in_smem``: row-major, stride ``d + TC_PAD``), after the stages."""
@@ -81,7 +92,11 @@ class TcTile:
 
 
 #: The tiles, by switch value (module docstring: registers, shared memory, occupancy, expected effect).
-TC_TILES = {"tc": TcTile("tc", TC_WARPS, 1), "tc2": TcTile("tc2", 8, 2), "tc3": TcTile("tc3", 4, 2, mtiles=2, tk=32)}
+TC_TILES = {"tc": TcTile("tc", TC_WARPS, 1), "tc2": TcTile("tc2", 8, 2), "tc3": TcTile("tc3", 4, 2, mtiles=2, tk=32),
+            "wg": TcTile("wg", 4, 2, wgmma=True)}
+#: The PTX target a ``wgmma`` tile needs (its instructions exist on sm_90a only; libraries forcing it are built
+#: for it: ``kernel_spec.PATH_ARCHS``).
+WG_ARCH = PATH_ARCHS[("cuda_prefill_kernel", "wg")]
 
 
 def k_store_index(key, dim, d: int):
@@ -125,6 +140,6 @@ def v_ldsm_index(lane, kk, dn2, dv: int):
     return (kk * 16 + ((lane // 8) % 2) * 8 + lane % 8) * (dv + TC_PAD) + dn2 * 16 + (lane // 16) * 8
 
 
-__all__ = ["TC_DTYPES", "TC_HEAD_DIMS", "TC_MAX_DIM", "TC_MAX_GROUP", "TC_MAX_SMEM", "TC_NT", "TC_PAD", "TC_ROWS",
+__all__ = ["WG_ARCH", "TC_DTYPES", "TC_HEAD_DIMS", "TC_MAX_DIM", "TC_MAX_GROUP", "TC_MAX_SMEM", "TC_NT", "TC_PAD", "TC_ROWS",
            "TC_STATIC_SMEM", "TC_TILES", "TC_TK", "TC_WARPS", "TC_WROWS", "TcTile", "k_ldsm_index", "k_ldsm_index_nt2",
            "k_store_index", "q_ldsm_index", "v_ldsm_index", "v_store_index"]

@@ -33,6 +33,13 @@ Design (FlashAttention-2 style), one block per (query tile, kv head):
   tiles equals the A layout of one k16 step).
 * O += P V: ``tk/16 x DV/8`` MMAs per m16 tile and key tile, the B fragments of two n tiles per
   ``ldmatrix.x4.trans`` of ``Vs``, used by every m16 tile of the warp.
+* "wg" (sm_90a only, forced only): the 64 rows of "tc" as one warpgroup (a warp's m16 tile is its quarter of
+  an m64 tile: the A and D register layouts of ``wgmma`` are ``mma.sync``'s per warp, so Q, the softmax, P
+  and O carry over), two stages of 64-key K / V tiles in dynamic shared memory stored as 8 x 8 core matrices
+  (``_wgmma_cuda.core_index``; 8 consecutive threads fill one with their 16-byte copies), S by ``D/16``
+  ``wgmma`` m64n64k16 (A = Q in registers, B = K, K-major) and O by 4 m64n{DV}k16 (A = P, B = V, trans-b);
+  each group is committed and waited for at once (``fence.proxy.async`` after the copies' wait, before the
+  barrier). ``tools/wgmma_probe.cu`` measured wgmma at 968 TFLOP/s on the H200 against 647 for mma.sync.
 * Causal tiles past the tile's last row are skipped (and, with a window, those before its first window).
 * Grid and entry search as the SIMT kernel: virtual tiles, binary search, idle blocks run zero-trip loops.
 
@@ -47,6 +54,9 @@ tc2     128   256      2       64  1 (Q in regs)   69,632 dyn.    194/190, 136/1
 tc3     128   128      2       32  2 (Q in smem)   69,632 dyn.    249/250, 161/162       2 / 3
 ======  ====  =======  ======  ==  ==============  =============  =====================  =================
 
+"wg" (sm_90a): 64 rows, 128 threads, 2 stages of 64 keys, 65,536 bytes dynamic shared memory at D 128 (no padding);
+ptxas 165 / 163 registers paged / ragged at D 128 (32/8/128 fp16), 126 / 122 at D 64 (12/4/64 bf16, windowed +
+capped), no spills; not yet run on a GPU.
 (D 64: the 8 / 8 / 64 bf16 spec; the windowed + capped D 64 one takes 162/168 (20 bytes spilled), 156/142 and
 206/203.) Every tile runs 8 warps an SM at D 128. Expected effect, not measured (the GPU run decides):
 
@@ -90,6 +100,7 @@ from ._prefill_tc_tiles import (
     TC_TILES,
     TC_TK,
     TC_WROWS,
+    WG_ARCH,
     TcTile,
     k_ldsm_index,
     k_ldsm_index_nt2,
@@ -99,6 +110,7 @@ from ._prefill_tc_tiles import (
     v_store_index,
 )
 from ._variant_cuda import CudaVariant
+from ._wgmma_cuda import acc_fence, core_index, proxy_fence, reg_fence, wg_commit, wg_fence, wg_wait0, wgmma
 
 
 def tc_unserved(spec, dv: int, tile: str = "tc") -> str | None:
@@ -106,6 +118,9 @@ def tc_unserved(spec, dv: int, tile: str = "tc") -> str | None:
     or None when it does. Inline RoPE is not a reason: the PrimFunc runs the SIMT RoPE kernel when
     ``apply_rope == 1``."""
     d, g, cfg = spec.head_dim, spec.group_size, TC_TILES[tile]
+    if cfg.wgmma and spec.target_arch != WG_ARCH:
+        return (f"target arch {spec.target_arch or 'unknown'!r} (tile {tile!r} runs wgmma, which needs "
+                f"{WG_ARCH}: build for Target({{'kind': 'cuda', 'arch': '{WG_ARCH}'}}))")
     if spec.dtype not in TC_DTYPES:
         return f"dtype {spec.dtype} (the tensor-core prefill takes {', '.join(TC_DTYPES)})"
     if d not in TC_HEAD_DIMS or dv not in TC_HEAD_DIMS:
@@ -132,8 +147,10 @@ def make_prefill_tc(op: str, spec, paged: bool, tile: str = "tc"):
     G = spec.group_size
     cfg = TC_TILES[tile]
     MT, QS = cfg.mtiles, cfg.q_in_smem  # m16 tiles a warp; Q in shared memory
-    if QS and cfg.stages != 2:
-        raise NotImplementedError(f"pagedkv.tir_kernels: tile {tile!r}: Q in shared memory needs the two-stage buffer")
+    WG = cfg.wgmma  # wgmma: K / V as core matrices, S and O by the warpgroup (Q in registers)
+    if (QS or WG) and cfg.stages != 2 or (WG and (QS or cfg.warps != 4)):
+        raise NotImplementedError(f"pagedkv.tir_kernels: tile {tile!r}: Q in shared memory and wgmma need the "
+                                  f"two-stage buffer; wgmma one warpgroup with Q in registers")
     TQ = cfg.rows // G
     RV = TQ * G  # row slots holding a (token, head); the rest of the block's rows are padding
     TK, NT = cfg.tk, cfg.threads
@@ -160,6 +177,8 @@ def make_prefill_tc(op: str, spec, paged: bool, tile: str = "tc"):
             return (kvb[0] if c01 == 0 else kvb[1])[kvb[2][b] + key, h, d]
 
     def store_index(key, dim, c01):
+        if WG:
+            return core_index(key, dim, D if c01 == 0 else DV)
         return k_store_index(key, dim, D) if c01 == 0 else v_store_index(key, dim, DV)
 
     def row_ok(r, ti):
@@ -279,25 +298,31 @@ def make_prefill_tc(op: str, spec, paged: bool, tile: str = "tc"):
         that all of a thread's loads are in flight at once."""
         width = 8 if vec else 1
         per_row = dim // width
+        # 16-byte chunks into core matrices (wgmma): consecutive threads take the same chunk of 8 consecutive
+        # keys (one core matrix, 128 contiguous bytes of shared memory), then the next chunk.
+        core = WG and vec
+
+        def at(idx):
+            """(key, first dim) of chunk ``idx`` of the tile."""
+            if core:
+                return (T.truncdiv(idx, 8 * per_row) * 8 + T.truncmod(idx, 8),
+                        T.truncmod(T.truncdiv(idx, 8), per_row) * width)
+            return T.truncdiv(idx, per_row), T.truncmod(idx, per_row) * width
 
         @T.macro
         def load_chunk(dst, base, kvb, ti, kt, h, tid, it):
-            if kt * TK + T.truncdiv(it * NT + tid, per_row) < ti[6]:
+            if kt * TK + at(it * NT + tid)[0] < ti[6]:
                 if vec:
                     T.evaluate(cp_async16(
-                        T.address_of(dst[base + store_index(T.truncdiv(it * NT + tid, per_row),
-                                                     T.truncmod(it * NT + tid, per_row) * 8, c01)]),
-                        T.address_of(kv_elem(kvb, c01, ti[0], kt * TK + T.truncdiv(it * NT + tid, per_row), h,
-                                             T.truncmod(it * NT + tid, per_row) * 8))))
+                        T.address_of(dst[base + store_index(at(it * NT + tid)[0], at(it * NT + tid)[1], c01)]),
+                        T.address_of(kv_elem(kvb, c01, ti[0], kt * TK + at(it * NT + tid)[0], h,
+                                             at(it * NT + tid)[1]))))
                 else:
-                    dst[base + store_index(T.truncdiv(it * NT + tid, per_row), T.truncmod(it * NT + tid, per_row),
-                                           c01)] = \
-                        kv_elem(kvb, c01, ti[0], kt * TK + T.truncdiv(it * NT + tid, per_row), h,
-                                T.truncmod(it * NT + tid, per_row))
+                    dst[base + store_index(at(it * NT + tid)[0], at(it * NT + tid)[1], c01)] = \
+                        kv_elem(kvb, c01, ti[0], kt * TK + at(it * NT + tid)[0], h, at(it * NT + tid)[1])
             else:
                 for e in T.vectorized(width):
-                    dst[base + store_index(T.truncdiv(it * NT + tid, per_row),
-                                           T.truncmod(it * NT + tid, per_row) * width + e, c01)] = \
+                    dst[base + store_index(at(it * NT + tid)[0], at(it * NT + tid)[1] + e, c01)] = \
                         T.Cast(dtype, T.float32(0))
 
         # Element loads: 8 in flight per thread (all of them unrolled would hold 64 registers).
@@ -338,15 +363,48 @@ def make_prefill_tc(op: str, spec, paged: bool, tile: str = "tc"):
         T.evaluate(cp_async_commit())
 
     @T.macro
+    def wg_score(sacc, qf, smem, kb):
+        """S (64 rows x TK keys) by the warpgroup: one wgmma m64n{TK}k16 per k step, A = the warp's Q
+        fragments, B = the K tile (core matrices, K-major: LBO 128 bytes between dim chunks, SBO ``16 D``
+        between 8-key groups; k step ``ks`` starts 2 dim chunks = 128 elements further). The first k step
+        overwrites S (scale-d 0): no zeroing."""
+        T.evaluate(wg_fence())
+        for ks in T.unroll(NKS):
+            T.evaluate(wgmma(dtype, TK, 0, T.address_of(sacc[0]), T.address_of(qf[ks * 8]),
+                             T.address_of(smem[kb + ks * 128]), 128, D * 16, accumulate=ks > 0))
+        T.evaluate(wg_commit())
+        T.evaluate(wg_wait0())
+        T.evaluate(acc_fence(TK, T.address_of(sacc[0])))
+
+    @T.macro
+    def wg_accumulate(oacc, pf, smem, vb):
+        """O += P V by the warpgroup: one wgmma m64n{DV}k16 per 16 keys, A = the warp's P fragments, B = the V
+        tile (core matrices, MN-major, trans-b: LBO ``16 DV`` bytes between 8-key groups, SBO 128 between dim
+        chunks; keys ``16 kk ..`` start 2 key groups = ``16 DV`` elements further). The rescaled O and P are
+        pinned in their registers before the ``wg_fence``."""
+        T.evaluate(acc_fence(DV, T.address_of(oacc[0])))
+        T.evaluate(reg_fence(TK // 4, T.address_of(pf[0])))
+        T.evaluate(wg_fence())
+        for kk in T.unroll(NKK):
+            T.evaluate(wgmma(dtype, DV, 1, T.address_of(oacc[0]), T.address_of(pf[kk * 8]),
+                             T.address_of(smem[vb + kk * 16 * DV]), DV * 16, 128))
+        T.evaluate(wg_commit())
+        T.evaluate(wg_wait0())
+        T.evaluate(acc_fence(DV, T.address_of(oacc[0])))
+
+    @T.macro
     def score(sacc, qf, afr, smem, kb, bfr, w, lane):
         """S (the warp's rows x 64 keys) = Q K^T: C fragment ``mt * 8 + nt`` holds keys ``8 nt ..`` of m16 tile
-        ``mt``. Q in registers (``qf``, one m16 tile): one ``ldmatrix.x4`` gives the B fragments of two k steps
-        (``k_ldsm_index``). Q in shared memory: per k step one ``ldmatrix.x4`` of each m16 tile's A fragment
+        ``mt`` (wgmma: ``wg_score``). Q in registers (``qf``, one m16 tile): one ``ldmatrix.x4`` gives the B
+        fragments of two k steps (``k_ldsm_index``). Q in shared memory: per k step one ``ldmatrix.x4`` of each m16 tile's A fragment
         into ``afr`` (``q_ldsm_index``), and one of the B fragments of two n tiles (``k_ldsm_index_nt2``) used
         by every m16 tile of the warp."""
-        for e in T.unroll(MT * SN):
-            sacc[e] = T.float32(0)
-        if QS:
+        if not WG:
+            for e in T.unroll(MT * SN):
+                sacc[e] = T.float32(0)
+        if WG:
+            wg_score(sacc, qf, smem, kb)
+        elif QS:
             # k step outer: the A fragments of one k step (4 registers a m16 tile) stay live across the keys.
             for ks in T.unroll(NKS):
                 for mt in T.unroll(MT):
@@ -422,17 +480,20 @@ def make_prefill_tc(op: str, spec, paged: bool, tile: str = "tc"):
 
     @T.macro
     def accumulate(oacc, pf, Vs, vb, bfr, lane):
-        """O += P V: k step ``kk`` (keys ``16 kk ..``) x n tiles ``2 dn2``, ``2 dn2 + 1`` (dims ``16 dn2 ..``), their B
+        """O += P V (``wg_accumulate`` for wgmma): k step ``kk`` (keys ``16 kk ..``) x n tiles ``2 dn2``, ``2 dn2 + 1`` (dims ``16 dn2 ..``), their B
         fragments from one ``ldmatrix.x4.trans`` of the row-major ``Vs`` (``v_ldsm_index``), used by every m16
         tile of the warp."""
-        for kk in T.unroll(NKK):
-            for dn2 in T.unroll(NDN // 2):
-                T.evaluate(ldmatrix_x4(T.address_of(bfr[0]), T.address_of(Vs[vb + v_ldsm_index(lane, kk, dn2, DV)]),
-                                       True))
-                for mt in T.unroll(MT):
-                    for u in T.unroll(2):
-                        T.evaluate(mma_sync(dtype, T.address_of(oacc[mt * ON + (dn2 * 2 + u) * 4]),
-                                            T.address_of(pf[mt * SN + kk * 8]), T.address_of(bfr[u * 2])))
+        if WG:
+            wg_accumulate(oacc, pf, Vs, vb)
+        else:
+            for kk in T.unroll(NKK):
+                for dn2 in T.unroll(NDN // 2):
+                    T.evaluate(ldmatrix_x4(T.address_of(bfr[0]),
+                                           T.address_of(Vs[vb + v_ldsm_index(lane, kk, dn2, DV)]), True))
+                    for mt in T.unroll(MT):
+                        for u in T.unroll(2):
+                            T.evaluate(mma_sync(dtype, T.address_of(oacc[mt * ON + (dn2 * 2 + u) * 4]),
+                                                T.address_of(pf[mt * SN + kk * 8]), T.address_of(bfr[u * 2])))
 
     @T.macro
     def store(o, lse, oacc, m, lsum, ti, h, w, lane):
@@ -487,6 +548,8 @@ def make_prefill_tc(op: str, spec, paged: bool, tile: str = "tc"):
         issue_kv(smem, T.truncmod(ti[7], 2), kvb, ti, ti[7], h, tid)
         for kt in T.serial(ti[7], T.truncdiv(ti[6] + TK - 1, TK)):
             T.evaluate(cp_async_wait0())
+            if WG:
+                T.evaluate(proxy_fence())  # this thread's copies (and zero stores) visible to wgmma
             T.tvm_storage_sync("shared")  # tile kt (and Q) visible; stage (kt + 1) % 2 free
             issue_kv(smem, T.truncmod(kt + 1, 2), kvb, ti, kt + 1, h, tid)  # past the last tile: zeros, unread
             score(acc[0], fr[0], fr[1], smem, cfg.k_base(T.truncmod(kt, 2), D, DV), fr[2], w, lane)

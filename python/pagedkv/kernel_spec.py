@@ -34,12 +34,14 @@ SWITCHES: dict[str, tuple[str, tuple[str, ...]]] = {
                             "of its tiles (tir_kernels._prefill_tc_tiles.TC_TILES): tc = 64 rows a block, one K/V "
                             "stage in static shared memory; tc2 = 128 rows (8 warps), two stages in dynamic shared "
                             "memory; tc3 = 128 rows (4 warps of two m16 tiles, Q in shared memory), two stages of "
-                            "32 keys. "
+                            "32 keys; wg = 64 rows (one warpgroup), two stages of 64 keys as core matrices, S and "
+                            "O by wgmma (needs a target arch sm_90a, kernel_spec.KernelSpec.target_arch; forced "
+                            "only, auto never picks it). "
                             "Inline RoPE always runs the SIMT kernel. auto: the tensor-core kernel where it serves "
                             "the spec (TC_BY_DEFAULT), in the op's first serving tile of "
                             "tir_kernels.attention_cuda_prefill.TC_DEFAULT_TILES (ragged: tc3, else tc; paged: "
                             "tc2, else tc), SIMT elsewhere",
-                            ("auto", "simt", "tc", "tc2", "tc3")),
+                            ("auto", "simt", "tc", "tc2", "tc3", "wg")),
     "cuda_decode_kernel": ("CUDA MHA decode (attn_decode_paged), plain and inline RoPE: the lane-group kernel "
                            "for both (lanes) or the shared-memory staged kernel for both (staged; raises where "
                            "its limits refuse either variant); tc: the plain variant on the tensor-core kernel "
@@ -55,6 +57,27 @@ SWITCHES: dict[str, tuple[str, tuple[str, ...]]] = {
                                "reasons of tir_kernels.mla_cuda_tc.tc_unserved); auto: tc where it serves the spec "
                                "(MLA_TC_BY_DEFAULT), SIMT elsewhere", ("auto", "simt", "tc")),
 }
+
+
+#: Forced path values whose kernels need one CUDA arch (their instructions exist there only): a library holding
+#: them is built for, and looked up under, that arch (``target_for_paths``). (switch, value) -> arch.
+PATH_ARCHS: dict[tuple[str, str], str] = {("cuda_prefill_kernel", "wg"): "sm_90a"}
+
+
+def target_for_paths(paths, target):
+    """``target`` with the CUDA arch its forced ``paths`` need (``PATH_ARCHS``), as a canonical target dict;
+    ``target`` itself when no forced path needs one (or it is not a CUDA target)."""
+    archs = {PATH_ARCHS[p] for p in normalize_paths(paths) if p in PATH_ARCHS}
+    if not archs:
+        return target
+    from .target import canonical
+
+    spec = canonical(target)
+    if spec["kind"] != "cuda":
+        return target
+    if len(archs) > 1:
+        raise ValueError(f"forced paths {dict(normalize_paths(paths))} need different archs {sorted(archs)}")
+    return {**spec, "arch": archs.pop()}
 
 
 def normalize_paths(paths: Mapping[str, str] | Iterable[tuple[str, str]] | None) -> tuple[tuple[str, str], ...]:
@@ -117,6 +140,11 @@ class KernelSpec:
         Forced run-time code paths, ``(switch, value)`` pairs of ``_paths.SWITCHES`` (tests use them to
         reach every path on small shapes); empty = every kernel chooses for itself, and the generated code
         is what it is without the field. Accepts a mapping; stored normalized (sorted, no "auto").
+    target_arch : str
+        The CUDA arch the kernels are made for (``"sm_90a"``...), "" = unknown / not CUDA. Filled by
+        ``pagedkv.tir_kernels.make`` from the target (the family factories see only the spec): kernels that
+        need an arch-specific PTX target (the "wg" prefill tile's wgmma needs sm_90a) read it. Not part of
+        ``to_dict`` when "" (the library key's config part is what it was before the field).
     """
 
     num_qo_heads: int
@@ -129,6 +157,7 @@ class KernelSpec:
     sliding_window: int = 0
     logits_soft_cap: float = 0.0
     paths: tuple = ()
+    target_arch: str = ""
 
     def __post_init__(self):
         object.__setattr__(self, "paths", normalize_paths(self.paths))
@@ -190,7 +219,7 @@ class KernelSpec:
     def to_dict(self) -> dict:
         """JSON-able fields (the kernel library key's config part)."""
         return {f.name: (list(map(list, v)) if f.name == "paths" else v)
-                for f in fields(self) for v in [getattr(self, f.name)]}
+                for f in fields(self) for v in [getattr(self, f.name)] if f.name != "target_arch" or v}
 
 
-__all__ = ["DTYPES", "KernelSpec", "SWITCHES", "forced", "normalize_paths"]
+__all__ = ["DTYPES", "KernelSpec", "PATH_ARCHS", "SWITCHES", "forced", "normalize_paths", "target_for_paths"]

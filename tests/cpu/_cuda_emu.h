@@ -2,7 +2,8 @@
 // generated kernel source runs on the build host (tests/cpu/test_prefill_tc_emulated.py,
 // tests/cpu/test_decode_staged_emulated.py): one std::thread per CUDA thread of a block (3-D blocks and grids), __syncthreads as a block barrier, dynamic shared memory as a static array (the test rewrites the
 // kernel's extern declaration), and the warp-collective pieces (shfl_xor, ldmatrix, mma.sync)
-// as exchanges through per-warp slots between warp barriers, computed from the PTX ISA's definitions.
+// as exchanges through per-warp slots between warp barriers, computed from the PTX ISA's definitions;
+// wgmma as a warpgroup collective (below).
 // cp.async completes at the latest point its wait allows (below).
 #include <barrier>
 #include <cmath>
@@ -172,6 +173,77 @@ inline void pagedkv_cp_async_wait1() { cp_async_wait(1); }
 inline void pagedkv_cp_async_wait0() { cp_async_wait(0); }
 inline int pagedkv_aligned16(const void* p) { return (reinterpret_cast<uintptr_t>(p) & 15u) == 0 ? 1 : 0; }
 
+// wgmma.mma_async m64nNk16 (A from registers, B from shared memory through a no-swizzle descriptor), a
+// warpgroup (4 warps, 128 threads) collective. As late as the ISA allows: a wgmma only records the thread's A
+// fragment and D address; wait_group 0 performs every recorded one, reading B from shared memory then (a
+// buffer refilled before the wait, or D read before it, shows). The descriptor is built as on the GPU (LBO
+// bits 16-29, SBO bits 32-45, in 16-byte units) and decoded back; its address field cannot hold a host
+// pointer, so the start address travels beside it. B element (n, k) (trans 0, K-major) at byte
+// (n%8)*16 + (k%8)*2 + (k/8)*LBO + (n/8)*SBO; (k, n) (trans 1, MN-major) at (k%8)*16 + (n%8)*2 + (n/8)*SBO +
+// (k/8)*LBO. A: warp w's rows 16w.. as mma.m16n8k16's A fragment; D: d[4j + i] = C fragment of columns 8j...
+constexpr int kMaxWgOps = 16;
+struct WgOp { float* d[128]; uint a[128][4]; const char* b; uint64_t desc; int n, trans, bf16, scale_d; };
+struct WgSlots { std::barrier<>* bar; WgOp ops[kMaxWgOps]; };
+static WgSlots g_wgs[kMaxWarps / 4];
+thread_local int t_wg_ops = 0;  // wgmma's this thread issued since its last wait
+inline WgSlots& my_wg() { return g_wgs[t_linear / 128]; }
+inline uint64_t pagedkv_wg_desc_bits(unsigned lbo, unsigned sbo) {
+  return (static_cast<uint64_t>((lbo >> 4) & 0x3FFFu) << 16) | (static_cast<uint64_t>((sbo >> 4) & 0x3FFFu) << 32);
+}
+inline void wgmma_emu(int n, int trans, int bf16, float* d, const void* a, const void* b, unsigned lbo,
+                      unsigned sbo, int scale_d) {
+  WgOp& op = my_wg().ops[t_wg_ops++];
+  int t = t_linear % 128;
+  op.d[t] = d;
+  std::memcpy(op.a[t], a, 16);
+  if (t == 0) { op.b = static_cast<const char*>(b); op.desc = pagedkv_wg_desc_bits(lbo, sbo); op.n = n;
+                op.trans = trans; op.bf16 = bf16; op.scale_d = scale_d; }
+}
+inline float wg_a(const WgOp& op, int row, int k) {  // A[row][k] from the fragment of the thread holding it
+  int w = row / 16, r = row % 16;
+  int t = 32 * w + 4 * (r % 8) + (k % 8) / 2, i = (r / 8) * 2 + (k % 2) + 4 * (k / 8);
+  return op.bf16 ? half_of<nv_bfloat16>(op.a[t][i / 2], i % 2) : half_of<half>(op.a[t][i / 2], i % 2);
+}
+inline float wg_b(const WgOp& op, int k, int n) {  // B[k][n] through the descriptor's strides
+  size_t lbo = ((op.desc >> 16) & 0x3FFFu) << 4, sbo = ((op.desc >> 32) & 0x3FFFu) << 4;
+  size_t at = op.trans ? (k % 8) * 16 + (n % 8) * 2 + (n / 8) * sbo + (k / 8) * lbo
+                       : (n % 8) * 16 + (k % 8) * 2 + (k / 8) * lbo + (n / 8) * sbo;
+  uint16_t bits;
+  std::memcpy(&bits, op.b + at, 2);
+  return op.bf16 ? half_of<nv_bfloat16>(bits, 0) : half_of<half>(bits, 0);
+}
+inline void pagedkv_wg_fence() {}
+inline void pagedkv_wg_commit() {}
+inline void pagedkv_proxy_fence() {}
+inline void pagedkv_wg_wait0() {
+  WgSlots& wg = my_wg();
+  wg.bar->arrive_and_wait();  // every thread's A recorded
+  int t = t_linear % 128, w = t / 32, l = t % 32;
+  for (int o = 0; o < t_wg_ops; ++o) {
+    const WgOp& op = wg.ops[o];
+    for (int j = 0; j < op.n / 8; ++j)
+      for (int i = 0; i < 4; ++i) {
+        int row = 16 * w + l / 4 + 8 * (i / 2), col = 8 * j + 2 * (l % 4) + i % 2;
+        float acc = 0.f;
+        for (int k = 0; k < 16; ++k) acc += wg_a(op, row, k) * wg_b(op, k, col);
+        op.d[t][4 * j + i] = (op.scale_d ? op.d[t][4 * j + i] : 0.f) + acc;  // scale-d 0: D = A B
+      }
+  }
+  t_wg_ops = 0;
+  wg.bar->arrive_and_wait();  // slots free for the next group
+}
+#define PAGEDKV_WGMMA_HELPERS
+#define PAGEDKV_WGMMA_EMU(N, P, BF, TR) \
+  inline void pagedkv_wgmma_n##N##_##P##_t##TR(float* d, const void* a, const void* b, unsigned lbo, unsigned sbo, \
+                                               int scale_d) { wgmma_emu(N, TR, BF, d, a, b, lbo, sbo, scale_d); }
+PAGEDKV_WGMMA_EMU(64, f16, 0, 0) PAGEDKV_WGMMA_EMU(64, f16, 0, 1) PAGEDKV_WGMMA_EMU(64, bf16, 1, 0)
+PAGEDKV_WGMMA_EMU(64, bf16, 1, 1) PAGEDKV_WGMMA_EMU(128, f16, 0, 0) PAGEDKV_WGMMA_EMU(128, f16, 0, 1)
+PAGEDKV_WGMMA_EMU(128, bf16, 1, 0) PAGEDKV_WGMMA_EMU(128, bf16, 1, 1)
+inline void pagedkv_wg_acc_fence_n64(float*) {}
+inline void pagedkv_wg_acc_fence_n128(float*) {}
+inline void pagedkv_wg_reg_fence_16(void*) {}
+inline void pagedkv_wg_reg_fence_32(void*) {}
+
 // Run `body` (the kernel call) for every block of a grid (gx, gy, gz), the block's bx * by * bz threads (a
 // multiple of 32, at most 1024) as CPU threads in lock step, thread t being threadIdx (t % bx, t / bx % by,
 // t / (bx * by)).
@@ -180,6 +252,7 @@ void launch3(int grid_x, int grid_y, int grid_z, int bx, int by, int bz, F body)
   const int nthreads = bx * by * bz, nwarps = nthreads / 32;
   std::barrier<> block_bar(nthreads);
   for (int w = 0; w < nwarps; ++w) g_warps[w].bar = new std::barrier<>(32);
+  for (int g = 0; g < nthreads / 128; ++g) g_wgs[g].bar = new std::barrier<>(128);
   g_block_barrier = &block_bar;
   std::vector<std::thread> threads;
   for (int t = 0; t < nthreads; ++t) {
@@ -200,6 +273,7 @@ void launch3(int grid_x, int grid_y, int grid_z, int bx, int by, int bz, F body)
   }
   for (auto& th : threads) th.join();
   for (int w = 0; w < nwarps; ++w) delete g_warps[w].bar;
+  for (int g = 0; g < nthreads / 128; ++g) delete g_wgs[g].bar;
 }
 
 // A 2-D grid of 1-D blocks (the prefill kernels).

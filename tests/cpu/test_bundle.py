@@ -114,10 +114,12 @@ def _lookup_key(config, paths: dict) -> str:
     from pagedkv import target as T
     from pagedkv.backends.tir import forced_paths
     from pagedkv.cache import kernel_library_key, kernel_shape
+    from pagedkv.kernel_spec import target_for_paths
 
+    target = target_for_paths(paths, CUDA)  # as test_prefill_tc_gpu: "wg" looks up an sm_90a library
     with forced_paths(paths):
-        choice = tuple(backends.resolve(config, T.canonical(CUDA), "tir").choice.items())
-        return kernel_library_key(kernel_shape(config), json.loads(T.key(CUDA)), choice)
+        choice = tuple(backends.resolve(config, T.canonical(target), "tir").choice.items())
+        return kernel_library_key(kernel_shape(config), json.loads(T.key(target)), choice)
 
 
 def test_bundle_builds_every_kernel_library_of_the_gpu_suite(tmp_path):

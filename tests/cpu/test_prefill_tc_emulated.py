@@ -4,7 +4,9 @@ as its waits allow, and the warp-collective ``shfl_xor`` / ``ldmatrix`` / ``mma.
 ISA's definitions), checked against the float64 reference on ragged and paged batches of odd lengths (tile,
 page and 128-row block edges, entries with no keys or no queries), causal and not, fp16 and bf16, windowed +
 soft-capped, ragged k / v also unaligned (the element-load path). Tiles (``TC_TILES``): "tc2" and "tc3" on
-GQA groups 1, 3, 4, 7, 8 and head dims 64 / 128, "tc" on groups 4, 3 and both dims. This checks the kernel's own logic
+GQA groups 1, 3, 4, 7, 8 and head dims 64 / 128, "tc" on groups 4, 3 and both dims, "wg" (wgmma, built for
+sm_90a; the emulator's wgmma is a warpgroup collective performed at its wait, B read through the
+descriptor's strides) on groups 1, 3, 4, 7, both dims, fp16 and bf16, windowed + capped once. This checks the kernel's own logic
 (tiles, entry search, masks, online softmax, pipeline order and waits, stores) as TVM lowered it; the GPU
 run (``tests/gpu/test_prefill_tc_gpu.py``) checks the hardware side (real MMA rounding, timing). Skips
 without g++.
@@ -37,6 +39,8 @@ import tvm
 from tvm.target import Target
 
 SM90 = Target({"kind": "cuda", "arch": "sm_90"}, host="llvm")
+#: The wgmma tile's target (its instructions need sm_90a; the tile refuses other archs).
+SM90A = Target({"kind": "cuda", "arch": "sm_90a"}, host="llvm")
 HERE = pathlib.Path(__file__).resolve().parent
 LOG2E = math.log2(math.e)
 #: (queries, keys) per entry: tile edges (64 and 128 rows of a block are 64 / G and 128 / G tokens; key tiles of
@@ -55,6 +59,14 @@ CONFIGS = {
 CASES = [(name, "tc") for name in list(CONFIGS)[:3]] + [(name, t) for t in ("tc2", "tc3") for name in CONFIGS]
 #: The unaligned-view (element-load) runs: two configs on "tc", every one on "tc2" and "tc3".
 UNALIGNED = CASES[:2] + CASES[3:]
+#: "wg" runs (config, op, causal), few (each emulates 128 threads for minutes): GQA groups 4 (D 64 fp16), 1 (D 128
+#: fp16), 7 (D 128 bf16), 3 (D 64 bf16, windowed + capped); ragged and paged, causal and not.
+WG_RUNS = [("8x2x64-f16", "attn_prefill_ragged", 1), ("8x2x64-f16", "attn_prefill_paged", 0),
+           ("2x2x128-f16", "attn_prefill_ragged", 0), ("2x2x128-f16", "attn_prefill_paged", 1),
+           ("7x1x128-bf16", "attn_prefill_ragged", 1), ("7x1x128-bf16", "attn_prefill_paged", 1),
+           ("6x2x64-bf16-w40-cap20", "attn_prefill_paged", 1)]
+#: The "wg" unaligned-view (element-load) run.
+WG_UNALIGNED = ["6x2x64-bf16-w40-cap20"]
 #: Bytes of the static array standing in for a kernel's dynamic shared memory.
 DYN_SMEM_BYTES = 256 * 1024
 
@@ -70,7 +82,7 @@ def _kernel_source(src: str) -> tuple[str, str, list, int]:
         body = re.sub(r"extern __shared__ __align__\((\d+)\) (\w+) (\w+)\[\];",
                       lambda d: f"alignas({d.group(1)}) static {d.group(2)} {d.group(3)}[{DYN_SMEM_BYTES} / "
                                 f"sizeof({d.group(2)})];", body)
-        if "pagedkv_mma_" in body:
+        if "pagedkv_mma_" in body or "pagedkv_wgmma_" in body:
             params = [tuple(p.replace("__restrict__", "").rsplit(None, 1)) for p in m.group(3).split(", ")]
             return m.group(2), body, params, int(m.group(1))
     raise AssertionError("no tensor-core kernel in the source")
@@ -94,9 +106,10 @@ def built(tmp_path_factory):
 
 def _build(cfg, tile, op, stem):
     cfg = dataclasses.replace(cfg, paths={"cuda_prefill_kernel": tile})
-    func = tk.build_kernels(cfg, SM90, ops=(op,))[op]
-    with SM90:
-        exe = tvm.compile(tvm.IRModule({f"pagedkv_{op}": func}), target=SM90)
+    target = SM90A if TC_TILES[tile].wgmma else SM90
+    func = tk.build_kernels(cfg, target, ops=(op,))[op]
+    with target:
+        exe = tvm.compile(tvm.IRModule({f"pagedkv_{op}": func}), target=target)
     kname, body, params, threads = _kernel_source(cuda_source_of(exe))
     assert threads == TC_TILES[tile].threads, (threads, tile)
     assert ("extern __shared__" in cuda_source_of(exe)) == (TC_TILES[tile].stages == 2)  # tc2: dynamic
@@ -161,6 +174,16 @@ def test_emulated_kernel_matches_reference(name, tile, op, causal, built):
 @pytest.mark.parametrize("name,tile", UNALIGNED, ids=[f"{t}-{n}" for n, t in UNALIGNED])
 def test_emulated_unaligned_ragged_views(name, tile, built):
     _check(name, tile, "attn_prefill_ragged", 1, built, misalign=True)
+
+
+@pytest.mark.parametrize("name,op,causal", WG_RUNS, ids=[f"wg-{n}-{o.removeprefix('attn_prefill_')}-{c}" for n, o, c in WG_RUNS])
+def test_emulated_wg_kernel_matches_reference(name, op, causal, built):
+    _check(name, "wg", op, causal, built, misalign=False)
+
+
+@pytest.mark.parametrize("name", WG_UNALIGNED)
+def test_emulated_wg_unaligned_ragged_views(name, built):
+    _check(name, "wg", "attn_prefill_ragged", 1, built, misalign=True)
 
 
 def _check(name, tile, op, causal, built, misalign):

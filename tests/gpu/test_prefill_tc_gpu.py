@@ -1,6 +1,7 @@
 """The tensor-core CUDA prefill (``tir_kernels.attention_cuda_prefill_tc``, forced with the path switch
 ``cuda_prefill_kernel=tc`` (64 rows, one stage), ``tc2`` or ``tc3`` (128 rows, two stages in dynamic shared
-memory; under auto tc3 serves the ragged op and tc2 the paged one where they serve the spec)) and the SIMT one (forced ``simt``) against the float64 reference. Skips cleanly
+memory; under auto tc3 serves the ragged op and tc2 the paged one where they serve the spec), ``wg`` (wgmma, one
+warpgroup of 64 rows; its libraries built for sm_90a)) and the SIMT one (forced ``simt``) against the float64 reference. Skips cleanly
 without a CUDA GPU.
 
 Shapes ``pagedkv.testing.shapes.PREFILL_TC_SHAPES`` (GQA groups 4, 1, 8, 7, 3; head dims 128 and 64; fp16 and
@@ -28,6 +29,7 @@ from test_kernels_masking_gpu import _call, _entries, _i32, _indptr, _pages, _re
 from pagedkv import backends
 from pagedkv.backends.tir import forced_paths
 from pagedkv.cache import _compile_op_table
+from pagedkv.kernel_spec import target_for_paths
 from pagedkv.testing.scenarios import assert_state_close, random_sm_scale
 from pagedkv.testing.shapes import PREFILL_KERNEL_PATHS, PREFILL_TC_SHAPES
 
@@ -47,9 +49,11 @@ ENTRIES = [(1, 1), (17, 17), (63, 63), (64, 64), (65, 65), (200, 200), (1000, 10
 def _prefill_fns(shape, kernel: str):
     """(module, {op: function}) of the shape's op table compiled (or loaded) with the ``kernel`` prefill."""
     cfg = shape.config()
-    with forced_paths({"cuda_prefill_kernel": kernel}):
-        choice = tuple(backends.resolve(cfg, TARGET, "tir").choice.items())
-        module, table = _compile_op_table(cfg, TARGET, choice)
+    paths = {"cuda_prefill_kernel": kernel}
+    target = target_for_paths(paths, TARGET)  # "wg" (wgmma): its library is built for sm_90a
+    with forced_paths(paths):
+        choice = tuple(backends.resolve(cfg, target, "tir").choice.items())
+        module, table = _compile_op_table(cfg, target, choice)
     return module, {entry[0]: entry[-1] for entry in table}
 
 

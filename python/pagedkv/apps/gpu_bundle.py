@@ -45,22 +45,26 @@ def tir_kernel_libraries() -> list[tuple]:
 
 
 def tir_library_path(kernels: Path, config, paths: dict, target) -> Path:
-    """Where the TIR kernel library of ``config`` under forced ``paths`` lies in ``kernels`` (its key)."""
+    """Where the TIR kernel library of ``config`` under forced ``paths`` lies in ``kernels`` (its key), for
+    ``target`` with the arch the paths need (``pagedkv.kernel_spec.target_for_paths``: "wg" is sm_90a)."""
     from ..backends.tir import forced_paths
     from ..cache import kernel_library_path
+    from ..kernel_spec import target_for_paths
 
     with forced_paths(paths):
-        return kernel_library_path(config, kernels, target=target, backend="tir")
+        return kernel_library_path(config, kernels, target=target_for_paths(paths, target), backend="tir")
 
 
 def _build_one(kernels: Path, cfg, paths: dict, target) -> tuple[Path, float]:
-    """Build one TIR kernel library (in this process or a worker of ``build_kernels``): (path, seconds)."""
+    """Build one TIR kernel library (in this process or a worker of ``build_kernels``): (path, seconds); for
+    the arch the paths need, as ``tir_library_path``."""
     from ..backends.tir import forced_paths
     from ..cache import build_kernel_library
+    from ..kernel_spec import target_for_paths
 
     t0 = time.perf_counter()
     with forced_paths(paths):
-        path = build_kernel_library(cfg, kernels, target=target, backend="tir")
+        path = build_kernel_library(cfg, kernels, target=target_for_paths(paths, target), backend="tir")
     return path, time.perf_counter() - t0
 
 

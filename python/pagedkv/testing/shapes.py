@@ -211,11 +211,12 @@ PREFILL_TC_SHAPES = [
 ]
 #: The forced path of the tensor-core prefill tests.
 PREFILL_TC_PATHS = {"cuda_prefill_kernel": "tc"}
-#: Both plain prefill kernels, forced, the tensor-core one in each of its tiles (tc, tc2, tc3): the tests run the
+#: Both plain prefill kernels, forced, the tensor-core one in each of its tiles (tc, tc2, tc3, wg; wg's libraries
+#: are built for and looked up under sm_90a: ``pagedkv.kernel_spec.target_for_paths``): the tests run the
 #: shapes on each (the SIMT one is the default only where the tensor-core kernel does not serve a spec, so the
 #: fp16 / bf16 shapes reach it only forced).
 PREFILL_KERNEL_PATHS = ({"cuda_prefill_kernel": "tc"}, {"cuda_prefill_kernel": "tc2"}, {"cuda_prefill_kernel": "tc3"},
-                        {"cuda_prefill_kernel": "simt"})
+                        {"cuda_prefill_kernel": "wg"}, {"cuda_prefill_kernel": "simt"})
 
 
 #: Split counts under which the path tests also run the lane-group MHA decode kernel

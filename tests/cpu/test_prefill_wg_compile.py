@@ -1,0 +1,86 @@
+"""The wgmma prefill tile ("wg" of the path switch ``cuda_prefill_kernel``) on the build host: no GPU.
+
+- It serves only a target arch of sm_90a (``KernelSpec.target_arch``, filled by ``tir_kernels.make`` from the
+  target): forced for an sm_90 target it raises naming the arch; auto never picks it (``TC_DEFAULT_TILES``).
+- ``nvcc --cubin -arch=sm_90a`` compiles its ragged and paged kernels without register spills, in at most 255
+  registers, with the expected wgmma count: per key tile ``D/16`` m64n64k16 for S and ``TK/16`` m64n{DV}k16 for
+  P V, every one unrolled (in the CUDA source, then as HGMMA in the SASS when cuobjdump is there), and the
+  shared memory of two stages of K and V core matrices.
+
+The numerical checks: ``tests/cpu/test_prefill_tc_emulated.py`` (CPU emulation), ``tests/gpu/test_prefill_tc_gpu.py``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import re
+
+import pytest
+from _cuda_support import nvcc_all, ops_cuda_source, ptxas_usage
+from test_prefill_tc_compile import _cuobjdump, _kernel_bodies, _sass_by_kernel
+
+from pagedkv import tir_kernels as tk
+from pagedkv.tir_kernels import attention_cuda_prefill as pf
+from pagedkv.tir_kernels.attention_cuda_prefill_tc import TC_TILES
+
+from tvm.target import Target
+
+SM90 = Target({"kind": "cuda", "arch": "sm_90"}, host="llvm")
+SM90A = Target({"kind": "cuda", "arch": "sm_90a"}, host="llvm")
+SWITCH = "cuda_prefill_kernel"
+OPS = ("attn_prefill_ragged", "attn_prefill_paged")
+SHAPES = {
+    "32x8x128-f16": tk.KernelConfig(32, 8, 128, 128, "float16"),
+    "12x4x64-bf16-w100-cap30": tk.KernelConfig(12, 4, 64, 64, "bfloat16", sliding_window=100, logits_soft_cap=30.0),
+}
+
+
+def _wg(cfg):
+    return dataclasses.replace(cfg, paths={SWITCH: "wg"})
+
+
+def test_wg_needs_sm90a_and_is_forced_only():
+    cfg = SHAPES["32x8x128-f16"]
+    for op in OPS:
+        with pytest.raises(NotImplementedError, match="sm_90a"):
+            tk.FACTORIES[op](_wg(cfg), SM90)
+    assert "wg" not in sum(pf.TC_DEFAULT_TILES.values(), ())
+    spec = dataclasses.replace(cfg, target_arch="sm_90a")
+    assert pf.use_tensor_cores(OPS[0], spec, 128) == pf.TC_DEFAULT_TILES[OPS[0]][0]  # auto: unchanged on sm_90a
+    assert pf.use_tensor_cores(OPS[0], _wg(spec), 128) == "wg"
+    assert "target_arch" not in cfg.to_dict() and spec.to_dict()["target_arch"] == "sm_90a"
+
+
+def test_wg_tile_shared_memory():
+    t = TC_TILES["wg"]
+    assert (t.rows, t.threads, t.stages, t.tk, t.pad, t.wgmma) == (64, 128, 2, 64, 0, True)
+    assert t.smem_bytes(128, 128) == 2 * 64 * 256 * 2 == 65536
+    assert t.v_base(1, 128, 128) == 64 * 256 + 64 * 128
+
+
+@pytest.fixture(scope="module")
+def nvcc_results(tmp_path_factory):
+    workdir = tmp_path_factory.mktemp("wg")
+    return workdir, nvcc_all([(name,) for name in SHAPES], lambda key: ops_cuda_source(_wg(SHAPES[key[0]]), OPS, SM90A),
+                             workdir, "wg_")
+
+
+@pytest.mark.parametrize("name", list(SHAPES))
+def test_wg_nvcc_no_spills_and_wgmma(name, nvcc_results):
+    workdir, results = nvcc_results
+    rc, log = results[(name,)]
+    assert rc == 0, log[-3000:]
+    usage = ptxas_usage(log)
+    assert usage and all(max(u[1:]) == 0 for u in usage.values()), usage
+    print(name, usage)  # registers, spill stores, spill loads per kernel (the report quotes them)
+    d, t = SHAPES[name].head_dim, TC_TILES["wg"]
+    want = d // 16 + t.tk // 16  # per kernel: S and P V of a key tile, unrolled
+    source = (workdir / f"wg_{name}.cu").read_text()
+    calls = {k: len(re.findall(r"\bpagedkv_wgmma_n\d+_b?f16_t[01]\(", body)) for k, body in _kernel_bodies(source).items()}
+    assert sorted(calls.values()) == [0, 0, want, want], calls
+    assert "mma.sync" not in source.split("#endif")[-1] and "pagedkv_mma_" not in "".join(_kernel_bodies(source).values())
+    if _cuobjdump() is None:
+        pytest.skip("cuobjdump not found (the SASS check needs it; the source count passed)")
+    sass = _sass_by_kernel(workdir / f"wg_{name}.cubin")
+    counts = {k: len(re.findall(r"\bHGMMA\.64x\d+x16\.F32", s)) for k, s in sass.items()}
+    assert sorted(counts.values()) == [0, 0, want, want], counts

@@ -1,0 +1,146 @@
+"""Warpgroup tensor-core pieces of the CUDA kernels (sm_90a): ``wgmma.mma_async`` m64nNk16 with A from
+registers and B from shared memory (no swizzle), fp16 / bf16 in, fp32 accumulate, and the fences around it.
+
+Layouts, as ``tools/wgmma_probe.cu`` checked them on the H200:
+
+* A: warp ``w`` of the warpgroup gives rows ``16 w ..`` in exactly the ``mma.m16n8k16`` A fragment
+  (``_mma_cuda.a_frag``: 4 registers of 2 halves).
+* D (fp32): for each 8-column group ``j``, elements ``4 j .. 4 j + 3`` are the m16n8 C fragment
+  (``_mma_cuda.c_frag``) of the warp's 16 rows: the m16 tile code of ``mma.sync`` carries over unchanged.
+* B: 8 x 8 *core matrices* of 128 contiguous bytes (8 rows of 16 bytes). K-major (``trans`` 0: S = Q K^T,
+  K stored per key): element (n, k) at byte ``(n%8)*16 + (k%8)*2 + (k/8)*LBO + (n/8)*SBO``; MN-major with
+  imm-trans-b 1 (``trans`` 1: O = P V, V stored per key): element (k, n) at ``(k%8)*16 + (n%8)*2 +
+  (n/8)*SBO + (k/8)*LBO``. LBO runs along K, SBO along N in both; ``core_index`` is the element map of a
+  ``[rows][dim]`` tile stored as such (rows in groups of 8, then the dims in 8-element chunks).
+* Descriptor (64 bits): bits 0-13 start address >> 4, 16-29 LBO >> 4, 32-45 SBO >> 4, swizzle bits 0.
+
+Order (PTX ISA "asynchronous warpgroup level matrix multiply-accumulate"): shared-memory writes (cp.async,
+its wait) -> ``fence.proxy.async.shared::cta`` by the writing threads -> barrier -> ``wgmma.fence`` -> the
+wgmma's -> ``commit_group`` -> ``wait_group 0`` before the accumulators are read or the buffer is refilled;
+``acc_fence`` then pins the accumulator registers behind the wait (nvcc does not know that wgmma writes them
+late).
+"""
+
+from __future__ import annotations
+
+from tvm.script import tirx as T
+
+#: B widths (N) generated: key tiles of 64 (S) and value dims 64 / 128 (O).
+WG_NS = (64, 128)
+#: Sizes (32-bit registers) of the A-operand fences generated: P of 64 / 128 keys (16 / 32 registers).
+WG_REG_FENCES = (16, 32)
+_PTX_TYPE = {"float16": "f16", "bfloat16": "bf16"}
+
+
+def core_index(row, dim, d: int):
+    """Element of (``row``, ``dim``) in a ``[rows][d]`` tile stored as core matrices: 8-row groups of
+    ``d * 8`` elements, each ``d / 8`` core matrices of 64 (8 rows x 8 dims, a row's 8 dims contiguous).
+    As wgmma's B, LBO = 128 bytes (K-major: along the dims) / ``d * 16`` bytes (MN-major: along the rows)."""
+    return (row // 8) * (d * 8) + (dim // 8) * 64 + (row % 8) * 8 + dim % 8
+
+
+def _wgmma_fn(n: int, ptx: str, trans: int) -> str:
+    regs = n // 2  # fp32 accumulators of a thread: 64 rows x n over 128 threads
+    dl = ", ".join(f"%{i}" for i in range(regs))
+    outs = ", ".join(f'"+f"(d[{i}])' for i in range(regs))
+    return (
+        f"__device__ __forceinline__ void pagedkv_wgmma_n{n}_{ptx}_t{trans}(float* d, const void* a, "
+        f"const void* b, unsigned lbo, unsigned sbo, int scale_d) {{\n"
+        f"  const unsigned* A = reinterpret_cast<const unsigned*>(a);\n"
+        f"  unsigned long long desc = pagedkv_wg_desc(b, lbo, sbo);\n"
+        # scale-d is a predicate operand: p = 0 makes D = A B (the first k step), 1 D += A B.
+        f'  asm volatile("{{\\n.reg .pred p;\\nsetp.ne.b32 p, %{regs + 5}, 0;\\n"\n'
+        f'               "wgmma.mma_async.sync.aligned.m64n{n}k16.f32.{ptx}.{ptx} {{{dl}}}, '
+        f'{{%{regs},%{regs + 1},%{regs + 2},%{regs + 3}}}, %{regs + 4}, p, 1, 1, {trans};\\n}}\\n"\n'
+        f"               : {outs}\n"
+        f'               : "r"(A[0]), "r"(A[1]), "r"(A[2]), "r"(A[3]), "l"(desc), "r"(scale_d));\n}}\n')
+
+
+def _acc_fence_fn(n: int) -> str:
+    regs = n // 2
+    outs = ", ".join(f'"+f"(d[{i}])' for i in range(regs))
+    return (f"__device__ __forceinline__ void pagedkv_wg_acc_fence_n{n}(float* d) {{\n"
+            f'  asm volatile("" : {outs} :: "memory");\n}}\n')
+
+
+def _reg_fence_fn(regs: int) -> str:
+    outs = ", ".join(f'"+r"(r[{i}])' for i in range(regs))
+    return (f"__device__ __forceinline__ void pagedkv_wg_reg_fence_{regs}(void* p) {{\n"
+            f"  unsigned* r = reinterpret_cast<unsigned*>(p);\n"
+            f'  asm volatile("" : {outs} :: "memory");\n}}\n')
+
+
+_SOURCE = r"""
+#ifndef PAGEDKV_WGMMA_HELPERS
+#define PAGEDKV_WGMMA_HELPERS
+// Shared-memory matrix descriptor, no swizzle, base offset 0 (addresses and strides in 16-byte units).
+__device__ __forceinline__ unsigned long long pagedkv_wg_desc(const void* smem, unsigned lbo, unsigned sbo) {
+  unsigned addr = static_cast<unsigned>(__cvta_generic_to_shared(smem));
+  return static_cast<unsigned long long>((addr >> 4) & 0x3FFFu) |
+         (static_cast<unsigned long long>((lbo >> 4) & 0x3FFFu) << 16) |
+         (static_cast<unsigned long long>((sbo >> 4) & 0x3FFFu) << 32);
+}
+__device__ __forceinline__ void pagedkv_wg_fence() { asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory"); }
+__device__ __forceinline__ void pagedkv_wg_commit() {
+  asm volatile("wgmma.commit_group.sync.aligned;\n" ::: "memory");
+}
+__device__ __forceinline__ void pagedkv_wg_wait0() {
+  asm volatile("wgmma.wait_group.sync.aligned 0;\n" ::: "memory");
+}
+// Generic-proxy writes (cp.async, stores) to shared memory made visible to the async proxy (wgmma's B reads).
+__device__ __forceinline__ void pagedkv_proxy_fence() {
+  asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
+}
+""" + "".join(_wgmma_fn(n, p, t) for n in WG_NS for p in _PTX_TYPE.values() for t in (0, 1)) + "".join(
+    _acc_fence_fn(n) for n in WG_NS) + "".join(_reg_fence_fn(r) for r in WG_REG_FENCES) + "#endif\n"
+
+
+def wgmma(dtype: str, n: int, trans: int, d, a, b, lbo: int, sbo: int, accumulate: bool = True):
+    """``d[0 .. n/2) += A B`` (``accumulate``; else ``= A B``) for the warpgroup's m64 x n tile, k16: ``d`` and
+    ``a`` addresses of the thread's
+    D (``n / 2`` floats) and A fragment (8 elements of ``dtype``), ``b`` the shared address of B's first core
+    matrix; ``trans`` 0 = K-major B, 1 = MN-major (module docstring); ``lbo`` / ``sbo`` in bytes."""
+    if dtype not in _PTX_TYPE or n not in WG_NS:
+        raise NotImplementedError(f"pagedkv.tir_kernels: wgmma takes float16 / bfloat16 and N in {WG_NS}, got "
+                                  f"{dtype}, {n}")
+    return T.cuda.func_call(f"pagedkv_wgmma_n{n}_{_PTX_TYPE[dtype]}_t{trans}", d, a, b, T.uint32(lbo),
+                            T.uint32(sbo), T.int32(int(accumulate)) if isinstance(accumulate, bool) else T.Cast("int32", accumulate),
+                            source_code=_SOURCE)
+
+
+def wg_fence():
+    """``wgmma.fence``: register (accumulator, A) writes before it are seen by the wgmma's after it."""
+    return T.cuda.func_call("pagedkv_wg_fence", source_code=_SOURCE)
+
+
+def wg_commit():
+    """``wgmma.commit_group``: the wgmma's issued since the last commit form one group."""
+    return T.cuda.func_call("pagedkv_wg_commit", source_code=_SOURCE)
+
+
+def wg_wait0():
+    """``wgmma.wait_group 0``: every committed wgmma of the warpgroup is complete."""
+    return T.cuda.func_call("pagedkv_wg_wait0", source_code=_SOURCE)
+
+
+def proxy_fence():
+    """``fence.proxy.async.shared::cta``: this thread's shared-memory writes visible to wgmma (then a barrier)."""
+    return T.cuda.func_call("pagedkv_proxy_fence", source_code=_SOURCE)
+
+
+def acc_fence(n: int, d):
+    """Pin the ``n / 2`` accumulators at address ``d`` between the wgmma asm's (an empty volatile asm that
+    reads and writes them): after a wait, their reads cannot move above it; before a ``wg_fence``, their
+    writes (a rescale) cannot sink below it (nvcc does not know that wgmma reads and writes them late)."""
+    return T.cuda.func_call(f"pagedkv_wg_acc_fence_n{n}", d, source_code=_SOURCE)
+
+
+def reg_fence(regs: int, p):
+    """As ``acc_fence`` for ``regs`` 32-bit registers at address ``p`` (an A operand: P written by the softmax
+    must be in its registers before the ``wg_fence``)."""
+    if regs not in WG_REG_FENCES:
+        raise NotImplementedError(f"pagedkv.tir_kernels: reg_fence of {regs} registers (have {WG_REG_FENCES})")
+    return T.cuda.func_call(f"pagedkv_wg_reg_fence_{regs}", p, source_code=_SOURCE)
+
+
+__all__ = ["WG_NS", "WG_REG_FENCES", "reg_fence", "acc_fence", "core_index", "proxy_fence", "wg_commit", "wg_fence", "wg_wait0", "wgmma"]
