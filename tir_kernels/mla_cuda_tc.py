@@ -55,7 +55,7 @@ from ._mma_cuda import a_frag, c_frag, cp_async16, cp_async_commit, cp_async_wai
 from ._prefill_tc_tiles import TC_PAD, k_ldsm_index_nt2, q_ldsm_index, v_ldsm_index
 
 #: auto takes the tensor-core kernel where ``tc_unserved`` is None (else SIMT); False: SIMT unless forced.
-MLA_TC_BY_DEFAULT = True
+MLA_TC_BY_DEFAULT = False
 #: The path switch and its values.
 SWITCH = "cuda_mla_decode_kernel"
 #: Warps and threads a block, keys a tile, storage dtypes served; the score's warps: DG dim groups x the
