@@ -36,15 +36,18 @@ TARGET = {"kind": "cuda", "arch": "sm_90"}
 DEVICE = "cuda"
 PAGEDKV_BACKENDS = {"pagedkv-fi": ["flashinfer", "tir"], "pagedkv-tir": "tir", "pagedkv-tir-tc": "tir",
                     "pagedkv-tir-tc2": "tir", "pagedkv-tir-tc3": "tir", "pagedkv-tir-tcd": "tir",
-                    "pagedkv-tir-wg": "tir"}
+                    "pagedkv-tir-wg": "tir", "pagedkv-tir-mlatc": "tir"}
 #: label -> TIR code paths its cache is created under (``pagedkv.backends.tir.forced_paths``): the tensor-core
 #: prefill tiles (``tir_kernels.attention_cuda_prefill.TC_DEFAULT_TILES``: auto is tc3 for whole prompts, tc2 for
 #: the paged op), each forced on its own so that the tiles are compared in every run.
 PAGEDKV_PATHS = {"pagedkv-tir-tc": {"cuda_prefill_kernel": "tc"}, "pagedkv-tir-tc2": {"cuda_prefill_kernel": "tc2"},
                  "pagedkv-tir-tc3": {"cuda_prefill_kernel": "tc3"}, "pagedkv-tir-tcd": {"cuda_decode_kernel": "tc"},
-                 "pagedkv-tir-wg": {"cuda_prefill_kernel": "wg"}}
+                 "pagedkv-tir-wg": {"cuda_prefill_kernel": "wg"},
+                 "pagedkv-tir-mlatc": {"cuda_mla_decode_kernel": "tc"}}
 #: The labels of ``PAGEDKV_PATHS`` that time the decode (the others time prefill only).
 DECODE_PATH_LABELS = ("pagedkv-tir-tcd",)
+#: The labels of ``PAGEDKV_PATHS`` that time the MLA decode only.
+MLA_PATH_LABELS = ("pagedkv-tir-mlatc",)
 _WS_BYTES = 512 << 20  # FlashInfer's own wrappers get a generous float workspace
 
 
@@ -83,7 +86,10 @@ def _no_rope(w: Workload, what: str) -> None:
 def pagedkv_unavailable(label: str, w: Workload) -> str | None:
     """Why ``label`` has no column on ``w`` (None: it has one). The tensor-core prefill labels time MHA
     prefill only (their decode would time the plain TIR decode again); the tensor-core decode label times the
-    plain MHA decode only, on the shapes its kernel serves (``tc_decode_limits``)."""
+    plain MHA decode only, on the shapes its kernel serves (``tc_decode_limits``); the tensor-core MLA decode
+    label times the MLA decode only."""
+    if label in MLA_PATH_LABELS:
+        return None if w.mla else f"{label}: MLA decode workloads only"
     if label in DECODE_PATH_LABELS:
         if w.kind != "decode" or w.rope:
             return f"{label}: plain MHA decode workloads only (its prefill and inline RoPE are pagedkv-tir's)"

@@ -258,14 +258,14 @@ def write_plot(rows: list[dict], path: Path) -> None:
 
     names = sorted({r["workload"] for r in rows}, key=[r["workload"] for r in rows].index)
     labels = ["pagedkv-fi", "pagedkv-tir", "pagedkv-tir-tc", "pagedkv-tir-tc2", "pagedkv-tir-tc3", "pagedkv-tir-tcd",
-              "pagedkv-tir-wg", "upstream", "torch-sdpa"]
+              "pagedkv-tir-wg", "pagedkv-tir-mlatc", "upstream", "torch-sdpa"]
     fig, ax = plt.subplots(figsize=(max(10, len(names) * 0.35), 4.5))
     for i, label in enumerate(labels):
         vals = [next((r["vs_fi_best"] for r in rows if r["workload"] == n and r["impl"] == label
                       and "vs_fi_best" in r), 0.0) for n in names]
-        ax.bar([j + 0.1 * i for j in range(len(names))], vals, 0.1, label=label)
+        ax.bar([j + 0.09 * i for j in range(len(names))], vals, 0.09, label=label)
     ax.axhline(1.0, color="k", lw=0.8)
-    ax.set_xticks([j + 0.4 for j in range(len(names))], names, rotation=90, fontsize=6)
+    ax.set_xticks([j + 0.45 for j in range(len(names))], names, rotation=90, fontsize=6)
     ax.set_ylabel("speed vs FlashInfer's best variant")
     ax.legend(fontsize=7)
     fig.tight_layout()

@@ -33,15 +33,15 @@ OP = "attn_decode_paged"
 DYN_SMEM_BYTES = 128 * 1024
 
 
-def kernels_of(src: str) -> dict:
+def kernels_of(src: str, *, dyn_smem_bytes: int = DYN_SMEM_BYTES) -> dict:
     """{name: (definition, [(type, name)] params)} of the ``__global__`` kernels in a module's source (shared
-    arrays made ``static``; a dynamic one becomes a static array of ``DYN_SMEM_BYTES``)."""
+    arrays made ``static``; a dynamic one becomes a static array of ``dyn_smem_bytes``)."""
     out = {}
     for m in re.finditer(r'extern "C" __global__ void __launch_bounds__\(\d+\) (\w+)\(([^)]*)\) \{\n', src):
         end = src.index("\n}\n", m.end())
         body = re.sub(r"__shared__ (alignas\(\d+\))", r"\1 static", src[m.start():end + 3])
         body = re.sub(r"extern __shared__ __align__\((\d+)\) (\w+) (\w+)\[\];",
-                      lambda d: f"alignas({d.group(1)}) static {d.group(2)} {d.group(3)}[{DYN_SMEM_BYTES} / "
+                      lambda d: f"alignas({d.group(1)}) static {d.group(2)} {d.group(3)}[{dyn_smem_bytes} / "
                                 f"sizeof({d.group(2)})];", body)
         params = [tuple(p.replace("__restrict__", "").rsplit(None, 1)) for p in m.group(2).split(", ")]
         out[m.group(1)] = (body, params)

@@ -84,6 +84,16 @@ def test_tc_decode_column_is_plain_mha_decode_only():
                if w.kind == "decode" and not w.rope)
 
 
+def test_mla_tc_column_is_mla_decode_only():
+    """``pagedkv-tir-mlatc`` (the tensor-core MLA decode forced) has a column on every MLA decode row and no
+    other."""
+    label = "pagedkv-tir-mlatc"
+    assert impls.PAGEDKV_PATHS[label] == {"cuda_mla_decode_kernel": "tc"}
+    for w in W.workloads():
+        why = impls.pagedkv_unavailable(label, w)
+        assert (why is None) == w.mla, (w.name, why)
+
+
 def test_rope_reference_rotates(gen):
     """The RoPE reference is not the plain one (its q and k are rotated)."""
     w = SMALL[2]

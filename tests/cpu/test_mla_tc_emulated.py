@@ -18,7 +18,6 @@ from __future__ import annotations
 import ctypes
 import dataclasses
 import math
-import re
 import shutil
 import subprocess
 
@@ -26,7 +25,7 @@ import numpy as np
 import pytest
 import torch
 from _cuda_support import cuda_source_of
-from test_decode_staged_emulated import HERE, SM90, _host_main, _kernels, _launches, _storage, _values
+from _decode_emu import HERE, SM90, host_main, kernels_of, launches, storage, values
 
 from pagedkv import tir_kernels as tk
 from pagedkv.testing import reference as R
@@ -73,15 +72,12 @@ def _build(name, stem):
     func = tk.build_kernels(_spec(name), SM90, ops=(OP,))[OP]
     with SM90:
         exe = tvm.compile(tvm.IRModule({f"pagedkv_{OP}": func}), target=SM90)
-    kernels = _kernels(cuda_source_of(exe))
+    kernels = kernels_of(cuda_source_of(exe), dyn_smem_bytes=DYN_SMEM_BYTES)
     assert sum("pagedkv_mma_" in body for body, _p in kernels.values()) == 1, "one tensor-core kernel"
-    main, launch_params = _host_main(func)
+    main, launch_params = host_main(func)
     runs, bodies = [], []
     for kname, (body, params) in kernels.items():
-        # Dynamic shared memory: a static array (the kernel's one extern buffer).
-        bodies.append(re.sub(r"extern __shared__ __align__\((\d+)\) (\w+) (\w+)\[\];",
-                             lambda d: f"alignas({d.group(1)}) static {d.group(2)} {d.group(3)}[{DYN_SMEM_BYTES} / "
-                                       f"sizeof({d.group(2)})];", body))
+        bodies.append(body)
         args = ", ".join(f"({ty})ptrs[{i}]" if ty.endswith("*") else f"(({ty})nums[{i}])"
                          for i, (ty, _n) in enumerate(params))
         runs.append(f'  if (!std::strcmp(name, "{kname}")) launch3(g[0], g[1], g[2], g[3], g[4], g[5], [=]() '
@@ -125,14 +121,14 @@ def test_emulated_tc_mla_decode_matches_reference(name, built):
     gen = torch.Generator().manual_seed(int(torch.randint(0, 2**31 - 1, (1,))))
     ents, pages, page_indptr, page_values, last = _inputs(h, dl, dt, lengths, gen)
     B, sm_scale = len(ents), 1.0 / math.sqrt(192)
-    arrays = {"q": _storage(torch.cat([e[0] for e in ents]), dt), "pages": _storage(pages, dt),
+    arrays = {"q": storage(torch.cat([e[0] for e in ents]), dt), "pages": storage(pages, dt),
               "page_indptr": page_indptr, "page_values": page_values, "last_page_len": last,
-              "o": _storage(torch.full((B, h, r), float("nan")), dt), "lse": np.full((B, h), np.nan, np.float32),
+              "o": storage(torch.full((B, h, r), float("nan")), dt), "lse": np.full((B, h), np.nan, np.float32),
               "ws_o": np.full((B * h * 8, r), np.nan, np.float32), "ws_l": np.full((B * h * 8,), np.nan, np.float32)}
     env = {"B": B, "_p": pages.shape[0], "ps": PS, "nnz": len(page_values), "sm_scale": sm_scale, "dev_id": 0}
-    launches = _launches(main, env)
-    assert env["S"] == int(splits) and len(launches) == (2 if env["S"] > 1 else 1), (launches, env.get("S"))
-    for kname, args in launches:
+    calls = launches(main, env)
+    assert env["S"] == int(splits) and len(calls) == (2 if env["S"] > 1 else 1), (calls, env.get("S"))
+    for kname, args in calls:
         ps_, n = params[kname], len(params[kname])
         ptrs, nums = (ctypes.c_void_p * n)(), (ctypes.c_double * n)()
         for i, (ty, pname) in enumerate(ps_):
@@ -145,7 +141,7 @@ def test_emulated_tc_mla_decode_matches_reference(name, built):
         grid = [int(dims.get(k, 1)) for k in ("blockIdx.x", "blockIdx.y", "blockIdx.z", "threadIdx.x",
                                               "threadIdx.y", "threadIdx.z")]
         lib.run(kname.encode(), ptrs, nums, (ctypes.c_int * 6)(*grid))
-    o, lse = _values(arrays["o"], dt), torch.from_numpy(arrays["lse"]).double()
+    o, lse = values(arrays["o"], dt), torch.from_numpy(arrays["lse"]).double()
     for b, (eq, kv) in enumerate(ents):
         got, gl = o[b:b + 1], lse[b:b + 1]
         what = f"{name} entry {b} ({kv.shape[0]} keys)"
