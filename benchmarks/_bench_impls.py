@@ -93,7 +93,7 @@ def pagedkv_unavailable(label: str, w: Workload) -> str | None:
     if label in DECODE_PATH_LABELS:
         if w.kind != "decode" or w.rope:
             return f"{label}: plain MHA decode workloads only (its prefill and inline RoPE are pagedkv-tir's)"
-        from pagedkv.tir_kernels._decode_tc_cuda import tc_decode_limits
+        from pagedkv.kernel_spec import tc_decode_limits  # TVM-free: this runs on a runtime-only host
 
         if why := tc_decode_limits(w.hq // HKV, D, w.dtype):
             return f"{label}: " + "; ".join(why)

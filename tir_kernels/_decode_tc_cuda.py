@@ -33,31 +33,16 @@ from tvm.script import tirx as T
 
 from ._common import EMPTY_LSE, LOG2E
 from ._common_cuda import paged_kv_len, shfl_xor
+# The limits are data in the TVM-free kernel spec (a runtime-only process reports them too).
+from ..kernel_spec import TCD_DTYPES, TCD_HEAD_DIMS, TCD_MAX_GROUP, tc_decode_limits  # noqa: F401
 from ._mma_cuda import a_frag, c_frag, cp_async16, cp_async_commit, cp_async_wait0, cp_async_wait1, ldmatrix_x4, mma_sync
 
 #: Warps per block, keys per tile (16 per warp), ring slots, shared row padding (halves).
 TCD_WARPS, TCD_TK, TCD_SLOTS, TCD_PAD = 4, 64, 3, 8
 TCD_NT = TCD_WARPS * 32
-TCD_DTYPES = ("float16", "bfloat16")
-TCD_HEAD_DIMS = (64, 128)
-#: The group's rows fill at most one m16 tile.
-TCD_MAX_GROUP = 16
 #: Blocks resident per SM at D 128 (104,448 bytes of shared memory, ~140 registers x 128 threads), x 132 SMs
 #: of an H200: the split policy's wave (``_common_cuda.wave_split_count``).
 TCD_RESIDENT_BLOCKS = 2 * 132
-
-
-def tc_decode_limits(g: int, d: int, dtype: str) -> list[str]:
-    """Why the tensor-core decode kernel does not take GQA group ``g``, head dim ``d``, ``dtype`` (empty: it
-    does)."""
-    out = []
-    if dtype not in TCD_DTYPES:
-        out.append(f"dtype {dtype} (the tensor-core decode takes {', '.join(TCD_DTYPES)})")
-    if d not in TCD_HEAD_DIMS:
-        out.append(f"head_dim {d} (the tensor-core decode takes {', '.join(map(str, TCD_HEAD_DIMS))})")
-    if g > TCD_MAX_GROUP:
-        out.append(f"GQA group {g} (the tensor-core decode takes groups up to {TCD_MAX_GROUP}: one m16 tile)")
-    return out
 
 
 def smem_words(d: int) -> int:
@@ -231,28 +216,32 @@ def make_tc_parts(hkv: int, g: int, d: int, dtype: str, var):
 
 def make_tc_key_loop(hkv: int, g: int, d: int, dtype: str, var):
     """``key_loop(regs, smem, pages, page_values, pbase, ps, h, k0, k1, w, lane, tid, sm_scale)``: the warp's
-    row states over the split's keys ``[k0, k1)``. Ring: tiles 0 and 1 issued first; at tile ``it`` the wait
-    leaves only tile ``it + 1`` in flight, and the barrier after it both publishes tile ``it`` and tells that
-    every warp is done with tile ``it - 1``, whose slot ``(it + 2) % 3`` then takes tile ``it + 2``. Every
+    row states over the split's keys ``[k0, k1)``. Ring of ``TCD_SLOTS`` (2 or 3) slots: tiles ``0 ..
+    TCD_SLOTS - 2`` issued first; at tile ``it`` the wait leaves only the ``TCD_SLOTS - 2`` newer tiles in
+    flight, and the barrier after it both publishes tile ``it`` and tells that every warp is done with tile
+    ``it - 1``, whose slot ``(it + TCD_SLOTS - 1) % TCD_SLOTS`` then takes tile ``it + TCD_SLOTS - 1``. Every
     step commits a group (empty past the last tile), so the wait counts stay uniform."""
     _load_q, issue_tile, tile_step, _store = make_tc_parts(hkv, g, d, dtype, var)
-    TK = TCD_TK
+    TK, NS = TCD_TK, TCD_SLOTS
+    if NS not in (2, 3):
+        raise ValueError(f"pagedkv.tir_kernels: the tensor-core decode ring takes 2 or 3 slots, not {NS}")
+    wait_newer = cp_async_wait1 if NS == 3 else cp_async_wait0
 
     @T.macro
     def key_loop(regs, smem, pages, page_values, pbase, ps, h, k0, k1, w, lane, tid, sm_scale):
         tiles: T.let[T.int32] = T.truncdiv(k1 - k0 + TK - 1, TK)
-        for j in T.unroll(2):
+        for j in T.unroll(NS - 1):
             if j < tiles:
                 issue_tile(smem, pages, page_values, pbase, ps, h, k0 + j * TK, k1, j, tid)
             T.evaluate(cp_async_commit())
         for it in T.serial(tiles):
-            T.evaluate(cp_async_wait1())
+            T.evaluate(wait_newer())
             T.tvm_storage_sync("shared")
-            if it + 2 < tiles:
-                issue_tile(smem, pages, page_values, pbase, ps, h, k0 + (it + 2) * TK, k1, T.truncmod(it + 2, 3),
-                           tid)
+            if it + NS - 1 < tiles:
+                issue_tile(smem, pages, page_values, pbase, ps, h, k0 + (it + NS - 1) * TK, k1,
+                           T.truncmod(it + NS - 1, NS), tid)
             T.evaluate(cp_async_commit())
-            tile_step(regs, smem, T.truncmod(it, 3), k0 + it * TK + w * 16, k1, w, lane, sm_scale)
+            tile_step(regs, smem, T.truncmod(it, NS), k0 + it * TK + w * 16, k1, w, lane, sm_scale)
         # The ring is reused by the store: every copy landed, every warp done reading.
         T.evaluate(cp_async_wait0())
         T.tvm_storage_sync("shared")

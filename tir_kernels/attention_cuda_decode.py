@@ -110,8 +110,9 @@ DECODE_MAX_SPLITS = 32
 STAGED_RESIDENT_BLOCKS = 3 * 132
 STAGED_MAX_SPLITS = 64
 #: Whether auto (``cuda_decode_kernel`` unforced) runs the plain decode on the tensor-core kernel
-#: (``_decode_tc_cuda``) wherever ``tc_decode_limits`` allow; False until measured on the H200.
-TC_DECODE_BY_DEFAULT = False
+#: (``_decode_tc_cuda``) wherever ``tc_decode_limits`` allow. True since its H200 run (BENCHMARKS.md, run 10):
+#: 1.07-1.19x the staged kernel at group 4 and 1.3-1.8x at group 8, every output checked.
+TC_DECODE_BY_DEFAULT = True
 
 
 def use_tc(spec) -> bool:

@@ -1,4 +1,4 @@
-"""``python3 tools/sass_counts.py DIR...``: per kernel function of every ``*.so`` under DIR, how many tensor-core
+"""``python3 tools/sass_counts.py DIR_OR_LIB...``: per kernel function of every ``*.so`` under DIR (or named), how many tensor-core
 instructions its SASS holds (HMMA: ``mma.sync``; HGMMA: ``wgmma``), from ``cuobjdump -sass`` (a CUDA toolkit
 tool; the GPU host has it, the build host does not). TVM embeds a kernel library's device code as a CUDA
 fatbin inside its own module blob, where cuobjdump does not look, so each fatbin is cut out first (its header
@@ -59,7 +59,7 @@ def main(argv: list[str]) -> int:
         return 1
     summary = {}
     for d in argv:
-        for lib in sorted(Path(d).rglob("*.so")):
+        for lib in [Path(d)] if Path(d).is_file() else sorted(Path(d).rglob("*.so")):
             c = counts(lib, tool)
             for f, n in sorted(c.items()):
                 print(f"{lib.name} {f} {n['HMMA']} {n['HGMMA']}")

@@ -59,6 +59,26 @@ SWITCHES: dict[str, tuple[str, tuple[str, ...]]] = {
 }
 
 
+#: The tensor-core MHA decode's limits (``tir_kernels._decode_tc_cuda``), as data: here, TVM-free, so that a
+#: runtime-only process (the GPU benchmark) asks them too. The group's rows fill at most one m16 tile.
+TCD_DTYPES = ("float16", "bfloat16")
+TCD_HEAD_DIMS = (64, 128)
+TCD_MAX_GROUP = 16
+
+
+def tc_decode_limits(g: int, d: int, dtype: str) -> list[str]:
+    """Why the tensor-core decode kernel does not take GQA group ``g``, head dim ``d``, ``dtype`` (empty: it
+    does)."""
+    out = []
+    if dtype not in TCD_DTYPES:
+        out.append(f"dtype {dtype} (the tensor-core decode takes {', '.join(TCD_DTYPES)})")
+    if d not in TCD_HEAD_DIMS:
+        out.append(f"head_dim {d} (the tensor-core decode takes {', '.join(map(str, TCD_HEAD_DIMS))})")
+    if g > TCD_MAX_GROUP:
+        out.append(f"GQA group {g} (the tensor-core decode takes groups up to {TCD_MAX_GROUP}: one m16 tile)")
+    return out
+
+
 #: Forced path values whose kernels need one CUDA arch (their instructions exist there only): a library holding
 #: them is built for, and looked up under, that arch (``target_for_paths``). (switch, value) -> arch.
 PATH_ARCHS: dict[tuple[str, str], str] = {("cuda_prefill_kernel", "wg"): "sm_90a"}
@@ -222,4 +242,5 @@ class KernelSpec:
                 for f in fields(self) for v in [getattr(self, f.name)] if f.name != "target_arch" or v}
 
 
-__all__ = ["DTYPES", "KernelSpec", "PATH_ARCHS", "SWITCHES", "forced", "normalize_paths", "target_for_paths"]
+__all__ = ["DTYPES", "KernelSpec", "PATH_ARCHS", "SWITCHES", "forced", "normalize_paths", "target_for_paths",
+           "tc_decode_limits"]

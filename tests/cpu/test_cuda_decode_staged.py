@@ -12,7 +12,8 @@
 nvcc (no spills) runs on the default kernels in ``test_cuda_compile.py`` (groups 4, 7, 3, 8, 4; head dims 128,
 64, 96, 256, 128; every dtype) and on every forced split count in ``test_cuda_paths_compile.py``; the numerical
 check is ``tests/cpu/test_decode_staged_emulated.py`` (CPU emulation of the generated CUDA),
-``tests/gpu/test_cuda_paths_gpu.py`` and the GPU suite (the staged kernels are the default).
+``tests/gpu/test_cuda_paths_gpu.py`` (``cuda_decode_kernel=staged``) and the GPU suite (the staged kernels are the default for
+float32 and inline RoPE; the plain fp16 / bf16 decode runs the tensor-core kernel where it serves).
 """
 
 from __future__ import annotations
@@ -137,7 +138,8 @@ def _key_loop(body: str) -> str:
 
 @pytest.mark.parametrize("hq,hkv,dtype", [(32, 8, "float16"), (64, 8, "bfloat16"), (16, 4, "float32")])
 def test_generated_cuda_uses_vector_loads(hq, hkv, dtype):
-    cfg = tk.KernelConfig(hq, hkv, 128, 128, dtype)
+    # staged forced: auto runs the plain fp16 / bf16 decode on the tensor-core kernel
+    cfg = tk.KernelConfig(hq, hkv, 128, 128, dtype, paths={SWITCH: "staged"})
     with SM90:
         exe = tvm.compile(tvm.IRModule({"main": tk.FACTORIES["attn_decode_paged"](cfg, SM90)}), target=SM90)
     src = cuda_source_of(exe)

@@ -6,14 +6,16 @@ tested where a test's shapes happen to select it; forcing it (``pagedkv.backends
 path on every shape. Here:
 
 - the MHA decode kernel, called directly, under every value of ``cuda_decode_splits`` (auto, 1, 2, 3, 8) on
-  ``PATH_SHAPES`` (plain, windowed, windowed + capped; 8 and 4 kv heads; GQA groups 4 and 8), and with the
-  lane-group kernels forced (``cuda_decode_kernel=lanes``, splits auto, 1, 3; without it both variants run the
-  staged kernels of ``_decode_staged_cuda`` / ``_decode_staged_rope_cuda``), inline RoPE on and off (the
-  staged RoPE kernel rotates q per key tile and keys by their tile offset, so a split or an entry ending
-  mid-tile and positions near 100K check its tables; the lane-group one walks a split in batches of ``NW``
-  key steps with a rotated-q table per batch, so a split ends mid-batch too), and with the tensor-core plain
-  kernel forced (``cuda_decode_kernel=tc``, ``_decode_tc_cuda``) on ``TC_DECODE_SHAPES`` (groups 4, 8 and 16;
-  D 128 / 64; fp16 / bf16; windowed + capped) under splits auto, 1, 3, 8 (the D 64 one auto only), over batches of 20 entries of mixed lengths (empty, shorter than the window, just around it, windows
+  ``PATH_SHAPES`` (plain, windowed, windowed + capped; 8 and 4 kv heads; GQA groups 4 and 8; auto runs the
+  plain fp16 decode on the tensor-core kernel of ``_decode_tc_cuda``, fp32 and inline RoPE on the staged
+  kernels of ``_decode_staged_cuda`` / ``_decode_staged_rope_cuda``), with the lane-group kernels forced
+  (``cuda_decode_kernel=lanes``, splits auto, 1, 3) and, on the fp16 shapes, the staged ones
+  (``cuda_decode_kernel=staged``, the same splits), inline RoPE on and off (the staged RoPE kernel rotates q
+  per key tile and keys by their tile offset, so a split or an entry ending mid-tile and positions near 100K
+  check its tables; the lane-group one walks a split in batches of ``NW`` key steps with a rotated-q table per
+  batch, so a split ends mid-batch too), and with the tensor-core plain kernel forced
+  (``cuda_decode_kernel=tc``) on ``TC_DECODE_SHAPES`` (group 8 bf16 windowed + capped under splits auto, 1, 3,
+  8; group 16 at D 64 under auto), over batches of 20 entries of mixed lengths (empty, shorter than the window, just around it, windows
   starting past the first key step and mid-page, 3000 keys), every other entry's keys from a position near
   100K (``FAR``; RoPE against the exact float64 angle), longest first and shortest first (a per-batch start or
   state would show in the later entries);
@@ -50,9 +52,10 @@ SPLITS = list(cuda_path_switches()["cuda_decode_splits"])
 LENGTHS = [3000, 0, 1, 5, 23, 24, 25, 31, 33, 47, 64, 100, 255, 299, 300, 301, 333, 700, 1500, 17]
 ORDERS = {"long_first": sorted(LENGTHS, reverse=True), "short_first": sorted(LENGTHS)}
 
-#: Default kernels (plain decode: the staged kernel) under every split value, and the lane-group plain kernel
-#: (``cuda_decode_kernel=lanes``) under ``LANES_SPLITS``; inline RoPE runs the staged RoPE kernel in the first
-#: (every ``PATH_SHAPES`` shape is within ``staged_rope_limits``) and the lane-group one in the second.
+#: Default kernels (plain decode: the tensor-core kernel in fp16, the staged one in fp32) under every split
+#: value, and the lane-group and staged plain kernels forced (``cuda_decode_kernel=lanes`` / ``staged``) under
+#: ``LANES_SPLITS``; inline RoPE runs the staged RoPE kernel in the first and with ``staged`` (every
+#: ``PATH_SHAPES`` shape is within ``staged_rope_limits``), and the lane-group one with ``lanes``.
 DECODE_CASES = decode_path_cases()
 MLA_CASES = mla_path_cases()
 SCENARIO_CASES = [(s, {"cuda_decode_splits": v}) for s in PATH_SCENARIO_SHAPES for v in SPLITS if v != "auto"]

@@ -219,19 +219,19 @@ PREFILL_KERNEL_PATHS = ({"cuda_prefill_kernel": "tc"}, {"cuda_prefill_kernel": "
                         {"cuda_prefill_kernel": "wg"}, {"cuda_prefill_kernel": "simt"})
 
 
-#: Split counts under which the path tests also run the lane-group MHA decode kernel
-#: (``cuda_decode_kernel=lanes``; the default plain kernel is the staged one): its own policy, the direct-write
-#: S = 1 and a merged odd S.
+#: Split counts under which the path tests also run the lane-group and the staged MHA decode kernels forced
+#: (``cuda_decode_kernel=lanes`` / ``staged``; auto runs the plain decode on the tensor-core kernel where it
+#: serves, the staged one elsewhere and for inline RoPE): their own policy, the direct-write S = 1 and a
+#: merged odd S.
 LANES_SPLITS = ("auto", "1", "3")
 
 
-#: Shapes of the tensor-core decode (``cuda_decode_kernel=tc``, ``tir_kernels/_decode_tc_cuda.py``) in the path
-#: tests: group 4 fp16 at D 128 (the Llama-style 32 / 8), group 8 bf16 windowed + soft-capped, and group 16 at
-#: D 64 (a full m16 tile; 3-slot ring of 55 KB). The first two run under every ``TC_DECODE_SPLITS`` value, the
-#: third under auto only: each forced (shape, splits) is a kernel library of about 0.5 MB in the carried bundle,
-#: and these add 9.
+#: Shapes of the tensor-core decode forced (``cuda_decode_kernel=tc``, ``tir_kernels/_decode_tc_cuda.py``) in
+#: the path tests, beside the fp16 ``PATH_SHAPES`` that auto runs on it: group 8 bf16 windowed + soft-capped
+#: and group 16 at D 64 (a full m16 tile; 3-slot ring of 55 KB). The first runs under every ``TC_DECODE_SPLITS``
+#: value, the second under auto only: each forced (shape, splits) is a kernel library of about 0.5 MB in the
+#: carried bundle.
 TC_DECODE_SHAPES = [
-    Shape(32, 8, 128, "float16", 16, "none"),
     Shape(64, 8, 128, "bfloat16", 16, "none", window=300, cap=3.0),
     Shape(32, 2, 64, "float16", 16, "none"),
 ]
@@ -241,24 +241,27 @@ TC_DECODE_SPLITS = ("auto", "1", "3", "8")
 
 def decode_path_cases() -> list[tuple[Shape, dict[str, str]]]:
     """(shape, forced paths) of the MHA decode path tests: every ``PATH_SHAPES`` shape under every value of
-    ``cuda_decode_splits`` (the default kernels), under ``LANES_SPLITS`` with ``cuda_decode_kernel=lanes``, and
-    the ``TC_DECODE_SHAPES`` with ``cuda_decode_kernel=tc`` (the first two under every ``TC_DECODE_SPLITS``
-    value, the last under auto). Every entry names its split value (``"auto"`` included)."""
+    ``cuda_decode_splits`` (the default kernels), under ``LANES_SPLITS`` with ``cuda_decode_kernel=lanes`` and
+    (the fp16 shapes, whose plain decode auto runs on the tensor cores) ``staged``, and the
+    ``TC_DECODE_SHAPES`` with ``cuda_decode_kernel=tc`` (the first under every ``TC_DECODE_SPLITS`` value, the
+    last under auto). Every entry names its split value (``"auto"`` included)."""
     splits = cuda_path_switches()["cuda_decode_splits"]
-    tc = [(s, v) for s in TC_DECODE_SHAPES[:2] for v in TC_DECODE_SPLITS] + [(TC_DECODE_SHAPES[2], "auto")]
+    tc = [(TC_DECODE_SHAPES[0], v) for v in TC_DECODE_SPLITS] + [(TC_DECODE_SHAPES[1], "auto")]
+    staged = [s for s in PATH_SHAPES if s.dtype != "float32"]
     return ([(s, {"cuda_decode_splits": v}) for s in PATH_SHAPES for v in splits]
-            + [(s, {"cuda_decode_kernel": "lanes", "cuda_decode_splits": v}) for s in PATH_SHAPES
-               for v in LANES_SPLITS]
+            + [(s, {"cuda_decode_kernel": k, "cuda_decode_splits": v}) for k, shapes in
+               (("lanes", PATH_SHAPES), ("staged", staged)) for s in shapes for v in LANES_SPLITS]
             + [(s, {"cuda_decode_kernel": "tc", "cuda_decode_splits": v}) for s, v in tc])
 
 
 #: Split counts under which the path tests also run each MLA decode kernel forced (``cuda_mla_decode_kernel``):
 #: its own policy, the direct-write S = 1 and a merged odd S.
 MLA_KERNEL_SPLITS = ("auto", "1", "3")
-#: (shape, forced kernel) of those runs: the tensor-core kernel on V2-Lite's latent (16 heads, one m16 tile a
-#: block, fp16) and on DeepSeek-V3's 128 heads in bf16 (two m16 tiles a block, four head groups); the SIMT
-#: kernel on V2-Lite (fp16 reaches it only forced while ``mla_cuda_tc.MLA_TC_BY_DEFAULT`` holds).
-MLA_KERNEL_SHAPES = [(MLA_SHAPES[2], "tc"), (MLA_GPU_EXTRA[2], "tc"), (MLA_SHAPES[2], "simt")]
+#: (shape, forced kernel) of those runs: the tensor-core kernel on DeepSeek-V3's 128 heads in bf16 (two m16
+#: tiles a block, four head groups; V2-Lite's latent, 16 heads in fp16, runs it by default under every split
+#: value above) and the SIMT kernel on V2-Lite (auto takes the tensor cores there since
+#: ``mla_cuda_tc.MLA_TC_BY_DEFAULT``: SIMT only forced).
+MLA_KERNEL_SHAPES = [(MLA_GPU_EXTRA[2], "tc"), (MLA_SHAPES[2], "simt")]
 
 
 def mla_path_cases() -> list[tuple[MLAShape, dict[str, str]]]:
