@@ -84,6 +84,20 @@ def test_tc_decode_column_is_plain_mha_decode_only():
                if w.kind == "decode" and not w.rope)
 
 
+def test_columns_are_decided_without_the_kernels():
+    """Which column a workload has is decided without ``pagedkv.tir_kernels`` (TVMScript), which the GPU host's
+    runtime-only TVM cannot import: the first H200 run of ``pagedkv-tir-tcd`` failed every row on that import."""
+    import subprocess
+
+    code = ("import sys; sys.modules['pagedkv.tir_kernels'] = None; sys.path.insert(0, 'benchmarks'); "
+            "import _bench_impls as impls, _bench_workloads as W; "
+            "n = sum(impls.pagedkv_unavailable(label, w) is None for w in W.workloads() "
+            "for label in impls.PAGEDKV_BACKENDS); print(n)")
+    out = subprocess.run([sys.executable, "-c", code], cwd=Path(__file__).resolve().parents[2],
+                         capture_output=True, text=True, check=True)
+    assert int(out.stdout.split()[-1]) > 0
+
+
 def test_mla_tc_column_is_mla_decode_only():
     """``pagedkv-tir-mlatc`` (the tensor-core MLA decode forced) has a column on every MLA decode row and no
     other."""
