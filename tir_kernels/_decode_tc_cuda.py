@@ -1,5 +1,5 @@
-"""The tensor-core CUDA paged decode kernel (plain, ``apply_rope == 0``; fp16 / bf16, head dims 64 / 128, GQA
-groups up to 16): the GQA group's ``G`` q rows, padded to 16, are the A operand of ``mma.sync.m16n8k16``
+"""The tensor-core CUDA paged decode kernel (plain and, with ``_decode_tc_rope_cuda``, inline RoPE; fp16 /
+bf16, head dims 64 / 128, GQA groups up to 16): the GQA group's ``G`` q rows, padded to 16, are the A operand of ``mma.sync.m16n8k16``
 (``_mma_cuda``), so one K/V read from shared memory serves the whole group on the tensor cores.
 
 Why (H200): the staged SIMT kernel (``_decode_staged_cuda``) reads each K/V byte once per group too, but its
@@ -35,6 +35,7 @@ from ._common import EMPTY_LSE, LOG2E
 from ._common_cuda import paged_kv_len, shfl_xor
 # The limits are data in the TVM-free kernel spec (a runtime-only process reports them too).
 from ..kernel_spec import TCD_DTYPES, TCD_HEAD_DIMS, TCD_MAX_GROUP, tc_decode_limits  # noqa: F401
+from ._decode_tc_rope_cuda import make_tc_rope_parts, rope_words
 from ._mma_cuda import a_frag, c_frag, cp_async16, cp_async_commit, cp_async_wait0, cp_async_wait1, ldmatrix_x4, mma_sync
 
 #: Warps per block, keys per tile (16 per warp), ring slots, shared row padding (halves).
@@ -45,9 +46,10 @@ TCD_NT = TCD_WARPS * 32
 TCD_RESIDENT_BLOCKS = 2 * 132
 
 
-def smem_words(d: int) -> int:
-    """4-byte words of the ring: ``TCD_SLOTS`` x (K tile + V tile), rows of ``d + TCD_PAD`` halves."""
-    return TCD_SLOTS * TCD_TK * (d + TCD_PAD)
+def smem_words(d: int, rope: bool = False) -> int:
+    """4-byte words of the ring: ``TCD_SLOTS`` x (K tile + V tile), rows of ``d + TCD_PAD`` halves; with
+    ``rope``, the RoPE tables after it (``_decode_tc_rope_cuda.rope_words``)."""
+    return TCD_SLOTS * TCD_TK * (d + TCD_PAD) + (rope_words(d, TCD_WARPS) if rope else 0)
 
 
 def _layout(d: int):
@@ -155,7 +157,7 @@ def make_tc_parts(hkv: int, g: int, d: int, dtype: str, var):
     @T.macro
     def tile_step(regs, smem, slot, key0, k1, w, lane, sm_scale):
         """Scores, softmax and ``P V`` of the warp's 16 keys ``key0 ..`` of the tile in ring slot ``slot``."""
-        qf, bfr, sacc, pf, oacc, m, lsum, st = regs
+        qf, bfr, sacc, pf, oacc, m, lsum, st = regs[:8]
         score(sacc, qf, bfr, smem, slot, w, lane)
         softmax(sacc, pf, m, lsum, oacc, st, key0, k1, lane, sm_scale)
         accumulate(oacc, pf, bfr, smem, slot, w, lane)
@@ -214,9 +216,10 @@ def make_tc_parts(hkv: int, g: int, d: int, dtype: str, var):
     return load_q, issue_tile, tile_step, store_rows
 
 
-def make_tc_key_loop(hkv: int, g: int, d: int, dtype: str, var):
+def make_tc_key_loop(hkv: int, g: int, d: int, dtype: str, var, rotate_keys=None):
     """``key_loop(regs, smem, pages, page_values, pbase, ps, h, k0, k1, w, lane, tid, sm_scale)``: the warp's
-    row states over the split's keys ``[k0, k1)``. Ring of ``TCD_SLOTS`` (2 or 3) slots: tiles ``0 ..
+    row states over the split's keys ``[k0, k1)``; with ``rotate_keys`` (inline RoPE, ``_decode_tc_rope_cuda``)
+    each warp rotates its keys of a tile in place before scoring them. Ring of ``TCD_SLOTS`` (2 or 3) slots: tiles ``0 ..
     TCD_SLOTS - 2`` issued first; at tile ``it`` the wait leaves only the ``TCD_SLOTS - 2`` newer tiles in
     flight, and the barrier after it both publishes tile ``it`` and tells that every warp is done with tile
     ``it - 1``, whose slot ``(it + TCD_SLOTS - 1) % TCD_SLOTS`` then takes tile ``it + TCD_SLOTS - 1``. Every
@@ -241,6 +244,9 @@ def make_tc_key_loop(hkv: int, g: int, d: int, dtype: str, var):
                 issue_tile(smem, pages, page_values, pbase, ps, h, k0 + (it + NS - 1) * TK, k1,
                            T.truncmod(it + NS - 1, NS), tid)
             T.evaluate(cp_async_commit())
+            if rotate_keys is not None:
+                # Key k0 + t at relative position t (q was rotated by q_pos - k_pos_offset - k0).
+                rotate_keys(smem, T.truncmod(it, NS), it * TK + w * 16, w, lane, regs[8], regs[9])
             tile_step(regs, smem, T.truncmod(it, NS), k0 + it * TK + w * 16, k1, w, lane, sm_scale)
         # The ring is reused by the store: every copy landed, every warp done reading.
         T.evaluate(cp_async_wait0())
@@ -249,16 +255,20 @@ def make_tc_key_loop(hkv: int, g: int, d: int, dtype: str, var):
     return key_loop
 
 
-def make_tc_kernel(hq: int, hkv: int, d: int, dtype: str, var):
+def make_tc_kernel(hq: int, hkv: int, d: int, dtype: str, var, *, rope: bool = False):
     """The tensor-core decode kernel as a macro (same arguments as the staged kernel): grid (entry, kv head,
-    split) x 128 threads, the split's key range, the key loop and the store. Raises ``NotImplementedError``
-    naming the limits (``tc_decode_limits``) a shape breaks."""
+    split) x 128 threads, the split's key range, the key loop and the store; ``rope``: the inline-RoPE kernel
+    (``_decode_tc_rope_cuda``). Raises ``NotImplementedError`` naming the limits (``tc_decode_limits``) a
+    shape breaks."""
     g = hq // hkv
     why = tc_decode_limits(g, d, dtype)
     if why:
         raise NotImplementedError("pagedkv.tir_kernels: the tensor-core CUDA decode kernel: " + "; ".join(why))
     load_q, _issue, _step, store_rows = make_tc_parts(hkv, g, d, dtype, var)
-    key_loop = make_tc_key_loop(hkv, g, d, dtype, var)
+    k_base, _v_base, rw = _layout(d)
+    rope_setup, load_q_rope, rotate_keys = make_tc_rope_parts(
+        d, g, dtype, table0=smem_words(d), nt=TCD_NT, k_row=lambda slot, row: k_base(slot) + row * rw)
+    key_loop = make_tc_key_loop(hkv, g, d, dtype, var, rotate_keys if rope else None)
     TK, NDN, NKS = TCD_TK, d // 8, d // 16
 
     @T.macro
@@ -276,8 +286,10 @@ def make_tc_kernel(hq: int, hkv: int, d: int, dtype: str, var):
                         m = T.alloc_buffer((2,), "float32", scope="local")
                         lsum = T.alloc_buffer((2,), "float32", scope="local")
                         st = T.alloc_buffer((4,), "float32", scope="local")
+                        rc = T.alloc_buffer((1,), "float32", scope="local")  # RoPE cos / sin
+                        rs = T.alloc_buffer((1,), "float32", scope="local")
                         # One dynamic buffer of words, named apart from the prefill's ``smem`` (same library).
-                        tcd_smem = T.alloc_buffer((smem_words(d),), "float32", scope="shared.dyn")
+                        tcd_smem = T.alloc_buffer((smem_words(d, rope),), "float32", scope="shared.dyn")
                         w: T.let[T.int32] = T.truncdiv(tid, 32)
                         lane: T.let[T.int32] = T.truncmod(tid, 32)
                         # ldmatrix reaches bfr through its address only: without these stores TVM would size
@@ -290,13 +302,17 @@ def make_tc_kernel(hq: int, hkv: int, d: int, dtype: str, var):
                             chunk: T.let[T.int32] = T.truncdiv(
                                 T.truncdiv(var.decode_span_len(kvlen) + S - 1, S) + TK - 1, TK) * TK
                             k0: T.let[T.int32] = T.min(var.decode_key(kvlen, sp * chunk), kvlen)
-                            load_q(qf, q, bx, h, lane)
+                            if rope:
+                                rope_setup(tcd_smem, rc, rs, rope_theta, rope_scale, tid)
+                                load_q_rope(qf, q, bx, h, lane, q_pos[bx] - k_pos_offset[bx] - k0, tcd_smem, rc, rs)
+                            else:
+                                load_q(qf, q, bx, h, lane)
                             for rr in T.unroll(2):
                                 m[rr] = T.float32(EMPTY_LSE)
                                 lsum[rr] = T.float32(0)
                             for e in T.unroll(NDN * 4):
                                 oacc[e] = T.float32(0)
-                            key_loop((qf, bfr, sacc, pf, oacc, m, lsum, st), tcd_smem, pages, page_values,
+                            key_loop((qf, bfr, sacc, pf, oacc, m, lsum, st, rc, rs), tcd_smem, pages, page_values,
                                      page_indptr[bx], ps, h, k0, T.min(k0 + chunk, kvlen), w, lane, tid, sm_scale)
                             store_rows(o, lse, ws_o, ws_l, tcd_smem, oacc, m, lsum, st, bx, h, sp, S, w, lane, tid)
 

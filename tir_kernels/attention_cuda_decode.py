@@ -113,19 +113,21 @@ STAGED_MAX_SPLITS = 64
 #: (``_decode_tc_cuda``) wherever ``tc_decode_limits`` allow. True since its H200 run (BENCHMARKS.md, run 10):
 #: 1.07-1.19x the staged kernel at group 4 and 1.3-1.8x at group 8, every output checked.
 TC_DECODE_BY_DEFAULT = True
+#: ... and the inline-RoPE decode (``_decode_tc_rope_cuda``: keys rotated in shared memory once per block).
+TC_ROPE_BY_DEFAULT = True
 
 
-def use_tc(spec) -> bool:
-    """Whether the plain (``apply_rope == 0``) decode runs the tensor-core kernel: ``cuda_decode_kernel=tc``
-    (raising with the reasons where ``tc_decode_limits`` refuse the shape), or auto where
-    ``TC_DECODE_BY_DEFAULT`` and the limits allow. Inline RoPE never does (``use_staged`` picks its kernel)."""
+def use_tc(spec, rope: bool = False) -> bool:
+    """Whether the plain (``rope=False``) or inline-RoPE decode runs the tensor-core kernel:
+    ``cuda_decode_kernel=tc`` (raising with the reasons where ``tc_decode_limits`` refuse the shape), or auto
+    where ``TC_DECODE_BY_DEFAULT`` (``TC_ROPE_BY_DEFAULT``) and the limits allow."""
     choice = forced_path(spec.paths, "cuda_decode_kernel")
     if choice not in ("tc", "auto"):
         return False
     why = tc_decode_limits(spec.num_qo_heads // spec.num_kv_heads, spec.head_dim, spec.dtype)
     if choice == "tc" and why:
         raise NotImplementedError("pagedkv.tir_kernels: cuda_decode_kernel=tc: " + "; ".join(why))
-    return (choice == "tc" or TC_DECODE_BY_DEFAULT) and not why
+    return (choice == "tc" or (TC_ROPE_BY_DEFAULT if rope else TC_DECODE_BY_DEFAULT)) and not why
 
 
 def use_staged(spec, rope: bool = False) -> bool:
@@ -264,10 +266,14 @@ def attn_decode_paged_cuda(spec):
     # where it applies (``use_staged``; RoPE's limits include the plain ones); the split count then follows the
     # staged policy (one block per split and kv head), for a lane-group RoPE kernel too (any S is correct).
     # The plain kernel may be the tensor-core one (``use_tc``); its split policy then rules (2 blocks an SM).
-    tc = use_tc(spec)
-    staged, staged_rope = use_staged(spec) and not tc, use_staged(spec, rope=True)
-    kernel_rope = (make_staged_rope_kernel(staged_plan(HQ, HKV, D, dtype), var) if staged_rope
-                   else _make_kernel(plan, var, True))
+    tc, tc_rope = use_tc(spec), use_tc(spec, rope=True)
+    staged, staged_rope = use_staged(spec) and not tc, use_staged(spec, rope=True) and not tc_rope
+    if tc_rope:
+        kernel_rope = make_tc_kernel(HQ, HKV, D, dtype, var, rope=True)
+    elif staged_rope:
+        kernel_rope = make_staged_rope_kernel(staged_plan(HQ, HKV, D, dtype), var)
+    else:
+        kernel_rope = _make_kernel(plan, var, True)
     if tc:
         kernel_plain = make_tc_kernel(HQ, HKV, D, dtype, var)
     elif staged:

@@ -44,10 +44,11 @@ SWITCHES: dict[str, tuple[str, tuple[str, ...]]] = {
                             ("auto", "simt", "tc", "tc2", "tc3", "wg")),
     "cuda_decode_kernel": ("CUDA MHA decode (attn_decode_paged), plain and inline RoPE: the lane-group kernel "
                            "for both (lanes) or the shared-memory staged kernel for both (staged; raises where "
-                           "its limits refuse either variant); tc: the plain variant on the tensor-core kernel "
+                           "its limits refuse either variant); tc: both variants on the tensor-core kernel "
                            "(mma.sync; fp16 / bf16, head dims 64 and 128, GQA groups up to 16: "
-                           "tc_decode_limits; raises elsewhere), inline RoPE as auto; auto: the tensor-core "
-                           "kernel for the plain variant where it serves and TC_DECODE_BY_DEFAULT "
+                           "tc_decode_limits; raises elsewhere; inline RoPE rotates the keys in shared "
+                           "memory); auto: the tensor-core kernel for the plain and the inline-RoPE variant "
+                           "where it serves and TC_DECODE_BY_DEFAULT / TC_ROPE_BY_DEFAULT "
                            "(tir_kernels.attention_cuda_decode), else staged per variant where its limits "
                            "allow (staged_limits, staged_rope_limits)", ("auto", "lanes", "staged", "tc")),
     "cuda_mla_decode_kernel": ("CUDA MLA decode (mla_attn_decode_paged): the SIMT FP32 kernel (simt) or the "
@@ -76,6 +77,26 @@ def tc_decode_limits(g: int, d: int, dtype: str) -> list[str]:
         out.append(f"head_dim {d} (the tensor-core decode takes {', '.join(map(str, TCD_HEAD_DIMS))})")
     if g > TCD_MAX_GROUP:
         out.append(f"GQA group {g} (the tensor-core decode takes groups up to {TCD_MAX_GROUP}: one m16 tile)")
+    return out
+
+
+#: What the wgmma prefill tile ("wg", forced only) serves beyond the tensor-core prefill's limits: the head dim
+#: and the GQA groups of its H200 runs that matched the reference. At head dim 64 with groups 3 and 7 (64 rows
+#: not a multiple of the group: a padding row) its outputs were wrong (relative error 0.07-0.37, H200,
+#: 2026-12-04), cause not found; those shapes are refused, not run.
+WG_PREFILL_HEAD_DIMS = (128,)
+WG_PREFILL_ROWS = 64
+
+
+def wg_prefill_limits(g: int, d: int, dv: int) -> list[str]:
+    """Why the wgmma prefill tile does not take GQA group ``g`` with head dims ``d`` / ``dv`` (empty: it does)."""
+    out = []
+    if d not in WG_PREFILL_HEAD_DIMS or dv not in WG_PREFILL_HEAD_DIMS:
+        out.append(f"head dims {d}/{dv} (the wgmma prefill tile takes {WG_PREFILL_HEAD_DIMS}: head dim 64 gave "
+                   "wrong results on the H200)")
+    if WG_PREFILL_ROWS % g:
+        out.append(f"GQA group {g} (the wgmma prefill tile takes groups dividing its {WG_PREFILL_ROWS} rows: "
+                   "groups 3 and 7 gave wrong results on the H200)")
     return out
 
 

@@ -84,6 +84,7 @@ inline int lane_id() { return t_linear % 32; }
 inline WarpSlots& my_warp() { return g_warps[t_linear / 32]; }
 inline void warp_sync() { my_warp().bar->arrive_and_wait(); }
 inline void __syncthreads() { g_block_barrier->arrive_and_wait(); }
+inline void __syncwarp(unsigned = 0xFFFFFFFFu) { warp_sync(); }
 
 inline float __shfl_xor_sync(uint, float v, int mask, int) {
   WarpSlots& w = my_warp();

@@ -48,6 +48,17 @@ def kernels_of(src: str, *, dyn_smem_bytes: int = DYN_SMEM_BYTES) -> dict:
     return out
 
 
+def device_helpers(src: str) -> str:
+    """The guarded ``__device__`` helper blocks of a module's source (``#ifndef PAGEDKV_X ... #endif``), each
+    once: included after ``_cuda_emu.h``, whose emulations define the guards of the PTX ones (mma, ldmatrix,
+    cp.async, wgmma), they add the portable ones (the RoPE rotation, the warp barrier) as the GPU compiles
+    them."""
+    blocks = {}
+    for m in re.finditer(r"#ifndef (PAGEDKV_\w+)\n#define \1\n.*?#endif\n", src, re.S):
+        blocks.setdefault(m.group(1), m.group(0))
+    return "".join(blocks.values())
+
+
 def host_main(func):
     """The host PrimFunc of ``func`` after TVM's lowering (its kernel launches) and {kernel: launch params}."""
     mod = tvm.IRModule({"main": func.with_attr("target", SM90)})
@@ -133,7 +144,8 @@ def build(cfg, paths: dict, stem: pathlib.Path) -> Built:
     func = tk.build_kernels(cfg, SM90, ops=(OP,))[OP]
     with SM90:
         exe = tvm.compile(tvm.IRModule({f"pagedkv_{OP}": func}), target=SM90)
-    kernels = kernels_of(cuda_source_of(exe))
+    src = cuda_source_of(exe)
+    kernels = kernels_of(src)
     main, launch_params = host_main(func)
     runs = []
     for kname, (_body, params) in kernels.items():
@@ -142,7 +154,8 @@ def build(cfg, paths: dict, stem: pathlib.Path) -> Built:
         runs.append(f'  if (!std::strcmp(name, "{kname}")) launch3(g[0], g[1], g[2], g[3], g[4], g[5], [=]() '
                     f'{{ {kname}({args}); }});')
     cpp = stem.with_suffix(".cpp")
-    cpp.write_text(f'#include "{HERE / "_cuda_emu.h"}"\n' + "\n".join(b for b, _p in kernels.values())
+    cpp.write_text(f'#include "{HERE / "_cuda_emu.h"}"\n' + device_helpers(src)
+                   + "\n".join(b for b, _p in kernels.values())
                    + '\nextern "C" void run(const char* name, void** ptrs, double* nums, int* g) {\n'
                    + "\n".join(runs) + "\n}\n")
     lib = stem.with_suffix(".so")

@@ -8,8 +8,9 @@ Cases: GQA groups 1, 4, 7, 8 and 16 (padding rows of the m16 tile, a full tile),
 bf16, one windowed + soft-capped; batches of mixed lengths (an empty entry, one key, fewer keys than a tile,
 page and tile edges, five tiles: the 3-slot ring wraps) with pages in random order and every slot not holding a
 key NaN; split counts forced to 1 (direct write) and 3 (workspace + merge), and the automatic count. Inline RoPE
-(``apply_rope = 1``, the staged RoPE kernel in the same PrimFunc) once. Fresh random inputs each run,
-NaN-poisoned outputs. Skips without g++.
+(``apply_rope = 1``: the tensor-core RoPE kernel of ``_decode_tc_rope_cuda`` in the same PrimFunc, keys rotated in
+shared memory) on groups 1, 4, 7, 8 and 16, both head dims and dtypes, windowed + capped, every other entry's positions
+near 30,000 (``k_pos_offset``). Fresh random inputs each run, NaN-poisoned outputs. Skips without g++.
 """
 
 from __future__ import annotations
@@ -34,7 +35,7 @@ CONFIGS = {
     "8x1x64-f16-w90-cap20-s3": (tk.KernelConfig(8, 1, 64, 64, "float16", sliding_window=90, logits_soft_cap=20.0),
                                 "3"),
 }
-CASES = [(name, 0) for name in CONFIGS] + [("8x1x128-bf16-s1", 1)]
+CASES = [(name, 0) for name in CONFIGS] + [(name, 1) for name in CONFIGS]
 #: Keys per entry: five tiles (the ring wraps at S = 1), empty, one, fewer than a tile, page / tile edges.
 LENGTHS = [300, 0, 1, 17, 64, 129, 63]
 PS = 16
@@ -53,7 +54,8 @@ def built(tmp_path_factory):
             cfg, splits = CONFIGS[name]
             out[name] = build(cfg, {"cuda_decode_kernel": "tc", "cuda_decode_splits": splits}, workdir / name)
             tc = [k for k, (body, _p) in out[name].kernels.items() if "pagedkv_mma_" in body and "tcd_smem" in body]
-            assert len(tc) == 1, "the plain decode runs the tensor-core kernel"
+            assert len(tc) == 2, "the plain and the inline-RoPE decode run the tensor-core kernel"
+            assert sum("pagedkv_rope_rot8_" in out[name].kernels[k][0] for k in tc) == 1
         return out[name]
 
     return get

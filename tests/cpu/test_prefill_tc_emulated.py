@@ -6,7 +6,7 @@ page and 128-row block edges, entries with no keys or no queries), causal and no
 soft-capped, ragged k / v also unaligned (the element-load path). Tiles (``TC_TILES``): "tc2" and "tc3" on
 GQA groups 1, 3, 4, 7, 8 and head dims 64 / 128, "tc" on groups 4, 3 and both dims, "wg" (wgmma, built for
 sm_90a; the emulator's wgmma is a warpgroup collective performed at its wait, B read through the
-descriptor's strides) on groups 1, 3, 4, 7, both dims, fp16 and bf16, windowed + capped once. This checks the kernel's own logic
+descriptor's strides) on what it serves (head dim 128, groups 1, 4, 8), fp16 and bf16, windowed + capped once. This checks the kernel's own logic
 (tiles, entry search, masks, online softmax, pipeline order and waits, stores) as TVM lowered it; the GPU
 run (``tests/gpu/test_prefill_tc_gpu.py``) checks the hardware side (real MMA rounding, timing). Skips
 without g++.
@@ -54,19 +54,23 @@ CONFIGS = {
     "7x1x128-bf16": tk.KernelConfig(7, 1, 128, 128, "bfloat16"),
     "8x1x64-bf16": tk.KernelConfig(8, 1, 64, 64, "bfloat16"),
 }
+#: Configs of the "wg" runs only (windowed + capped at D 128, which the tile serves).
+WG_CONFIGS = {
+    "16x2x128-bf16-w40-cap20": tk.KernelConfig(16, 2, 128, 128, "bfloat16", sliding_window=40, logits_soft_cap=20.0),
+}
 #: (config, tile) pairs run: every config on "tc2" and "tc3" (GQA groups 1, 3, 4, 7, 8; D 64 and 128; fp16 and
 #: bf16; windowed + capped), the first three on "tc".
 CASES = [(name, "tc") for name in list(CONFIGS)[:3]] + [(name, t) for t in ("tc2", "tc3") for name in CONFIGS]
 #: The unaligned-view (element-load) runs: two configs on "tc", every one on "tc2" and "tc3".
 UNALIGNED = CASES[:2] + CASES[3:]
-#: "wg" runs (config, op, causal), few (each emulates 128 threads for minutes): GQA groups 4 (D 64 fp16), 1 (D 128
-#: fp16), 7 (D 128 bf16), 3 (D 64 bf16, windowed + capped); ragged and paged, causal and not.
-WG_RUNS = [("8x2x64-f16", "attn_prefill_ragged", 1), ("8x2x64-f16", "attn_prefill_paged", 0),
+#: "wg" runs (config, op, causal), few (each emulates 128 threads for minutes), on what the tile serves
+#: (``kernel_spec.wg_prefill_limits``: D 128, groups dividing 64): GQA groups 4 (fp16), 1 (fp16), 8 (bf16,
+#: windowed + capped); ragged and paged, causal and not.
+WG_RUNS = [("4x1x128-f16", "attn_prefill_ragged", 1), ("4x1x128-f16", "attn_prefill_paged", 0),
            ("2x2x128-f16", "attn_prefill_ragged", 0), ("2x2x128-f16", "attn_prefill_paged", 1),
-           ("7x1x128-bf16", "attn_prefill_ragged", 1), ("7x1x128-bf16", "attn_prefill_paged", 1),
-           ("6x2x64-bf16-w40-cap20", "attn_prefill_paged", 1)]
+           ("16x2x128-bf16-w40-cap20", "attn_prefill_ragged", 1), ("16x2x128-bf16-w40-cap20", "attn_prefill_paged", 1)]
 #: The "wg" unaligned-view (element-load) run.
-WG_UNALIGNED = ["6x2x64-bf16-w40-cap20"]
+WG_UNALIGNED = ["16x2x128-bf16-w40-cap20"]
 #: Bytes of the static array standing in for a kernel's dynamic shared memory.
 DYN_SMEM_BYTES = 256 * 1024
 
@@ -98,7 +102,7 @@ def built(tmp_path_factory):
 
     def get(name, tile, op):
         if (name, tile, op) not in out:
-            out[(name, tile, op)] = _build(CONFIGS[name], tile, op, workdir / f"{name}-{tile}-{op}")
+            out[(name, tile, op)] = _build({**CONFIGS, **WG_CONFIGS}[name], tile, op, workdir / f"{name}-{tile}-{op}")
         return out[(name, tile, op)]
 
     return get
@@ -187,7 +191,7 @@ def test_emulated_wg_unaligned_ragged_views(name, built):
 
 
 def _check(name, tile, op, causal, built, misalign):
-    cfg = CONFIGS[name]
+    cfg = {**CONFIGS, **WG_CONFIGS}[name]
     lib, params = built(name, tile, op)
     hq, hkv, d, dt = cfg.num_qo_heads, cfg.num_kv_heads, cfg.head_dim, cfg.dtype
     gen = torch.Generator().manual_seed(7 + causal)

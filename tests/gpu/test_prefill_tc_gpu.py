@@ -31,12 +31,13 @@ from pagedkv.backends.tir import forced_paths
 from pagedkv.cache import _compile_op_table
 from pagedkv.kernel_spec import target_for_paths
 from pagedkv.testing.scenarios import assert_state_close, random_sm_scale
-from pagedkv.testing.shapes import PREFILL_KERNEL_PATHS, PREFILL_TC_SHAPES
+from pagedkv.testing.shapes import PREFILL_KERNEL_PATHS, PREFILL_TC_SHAPES, prefill_kernel_refusal
 
 TARGET = {"kind": "cuda", "arch": "sm_90"}
 DEVICE = "cuda"
 #: (shape, forced paths) of every kernel library this module loads.
-LIBRARIES = [(s, dict(p)) for s in PREFILL_TC_SHAPES for p in PREFILL_KERNEL_PATHS]
+LIBRARIES = [(s, dict(p)) for s in PREFILL_TC_SHAPES for p in PREFILL_KERNEL_PATHS
+             if not prefill_kernel_refusal(s, p["cuda_prefill_kernel"])]
 KERNELS = [p["cuda_prefill_kernel"] for p in PREFILL_KERNEL_PATHS]
 #: The tensor-core tiles among them.
 TC_KERNELS = [k for k in KERNELS if k != "simt"]
@@ -95,6 +96,8 @@ def _run(shape, paged: bool, causal: int, apply_rope: int, gen, misalign: bool =
 
 
 def _check(shape, paged, causal, apply_rope, gen, misalign=False, kernel="tc"):
+    if why := prefill_kernel_refusal(shape, kernel):
+        pytest.skip(f"tile {kernel!r} refuses {shape.id}: {why}")
     ents, q_pos, o, lse, sm_scale = _run(shape, paged, causal, apply_rope, gen, misalign, kernel)
     row = 0
     for (eq, ek, ev, off), (nq, nk) in zip(ents, ENTRIES):

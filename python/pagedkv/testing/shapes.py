@@ -14,6 +14,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from ..config import KVCacheConfig
+from ..kernel_spec import wg_prefill_limits
 
 
 #: Short dtype names of the test ids.
@@ -280,4 +281,14 @@ def gpu_path_libraries() -> list[tuple[KVCacheConfig, dict[str, str]]]:
     ``pagedkv.apps.gpu_bundle`` prebuilds exactly these beside ``gpu_configs``."""
     return ([(s.config(), {k: v for k, v in paths.items() if v != "auto"})
              for s, paths in decode_path_cases() + mla_path_cases()]
-            + [(s.config(), dict(p)) for s in PREFILL_TC_SHAPES for p in PREFILL_KERNEL_PATHS])
+            + [(s.config(), dict(p)) for s in PREFILL_TC_SHAPES for p in PREFILL_KERNEL_PATHS
+               if not prefill_kernel_refusal(s, p["cuda_prefill_kernel"])])
+
+
+def prefill_kernel_refusal(shape: Shape, kernel: str) -> str:
+    """Why the forced prefill tile ``kernel`` refuses ``shape`` beyond the tensor-core prefill's limits (TVM-free:
+    ``kernel_spec.wg_prefill_limits`` for "wg"); empty when it serves it. The tests skip such pairs with it and
+    the bundle builds no library for them."""
+    if kernel != "wg":
+        return ""
+    return "; ".join(wg_prefill_limits(shape.hq // shape.hkv, shape.d, shape.d))
