@@ -80,24 +80,20 @@ def tc_decode_limits(g: int, d: int, dtype: str) -> list[str]:
     return out
 
 
-#: What the wgmma prefill tile ("wg", forced only) serves beyond the tensor-core prefill's limits: the head dim
-#: and the GQA groups of its H200 runs that matched the reference. At head dim 64 with groups 3 and 7 (64 rows
-#: not a multiple of the group: a padding row) its outputs were wrong (relative error 0.07-0.37, H200,
-#: 2026-12-04), cause not found; those shapes are refused, not run.
+#: What the wgmma prefill tile ("wg", forced only) serves beyond the tensor-core prefill's limits: the head dim of
+#: its H200 runs that matched the reference. At head dim 64 its outputs were wrong (relative error 0.07-0.37 at
+#: GQA groups 3, 4 and 7; head dim 128 at groups 1, 3, 4 and 8 right; H200, 2026-12-04): the only wgmma form
+#: that head dim adds is P V as m64n64k16 with a transposed (MN-major) B; cause not found. Refused, not run.
 WG_PREFILL_HEAD_DIMS = (128,)
-WG_PREFILL_ROWS = 64
 
 
 def wg_prefill_limits(g: int, d: int, dv: int) -> list[str]:
-    """Why the wgmma prefill tile does not take GQA group ``g`` with head dims ``d`` / ``dv`` (empty: it does)."""
-    out = []
+    """Why the wgmma prefill tile does not take GQA group ``g`` with head dims ``d`` / ``dv`` (empty: it does;
+    the group is the tensor-core prefill's to limit)."""
     if d not in WG_PREFILL_HEAD_DIMS or dv not in WG_PREFILL_HEAD_DIMS:
-        out.append(f"head dims {d}/{dv} (the wgmma prefill tile takes {WG_PREFILL_HEAD_DIMS}: head dim 64 gave "
-                   "wrong results on the H200)")
-    if WG_PREFILL_ROWS % g:
-        out.append(f"GQA group {g} (the wgmma prefill tile takes groups dividing its {WG_PREFILL_ROWS} rows: "
-                   "groups 3 and 7 gave wrong results on the H200)")
-    return out
+        return [f"head dims {d}/{dv} (the wgmma prefill tile takes {WG_PREFILL_HEAD_DIMS}: head dim 64 gave wrong "
+                "results on the H200)"]
+    return []
 
 
 #: Forced path values whose kernels need one CUDA arch (their instructions exist there only): a library holding

@@ -6,7 +6,7 @@ page and 128-row block edges, entries with no keys or no queries), causal and no
 soft-capped, ragged k / v also unaligned (the element-load path). Tiles (``TC_TILES``): "tc2" and "tc3" on
 GQA groups 1, 3, 4, 7, 8 and head dims 64 / 128, "tc" on groups 4, 3 and both dims, "wg" (wgmma, built for
 sm_90a; the emulator's wgmma is a warpgroup collective performed at its wait, B read through the
-descriptor's strides) on what it serves (head dim 128, groups 1, 4, 8), fp16 and bf16, windowed + capped once. This checks the kernel's own logic
+descriptor's strides) on what it serves (head dim 128, groups 1, 7, 8), fp16 and bf16, windowed + capped once. This checks the kernel's own logic
 (tiles, entry search, masks, online softmax, pipeline order and waits, stores) as TVM lowered it; the GPU
 run (``tests/gpu/test_prefill_tc_gpu.py``) checks the hardware side (real MMA rounding, timing). Skips
 without g++.
@@ -64,9 +64,9 @@ CASES = [(name, "tc") for name in list(CONFIGS)[:3]] + [(name, t) for t in ("tc2
 #: The unaligned-view (element-load) runs: two configs on "tc", every one on "tc2" and "tc3".
 UNALIGNED = CASES[:2] + CASES[3:]
 #: "wg" runs (config, op, causal), few (each emulates 128 threads for minutes), on what the tile serves
-#: (``kernel_spec.wg_prefill_limits``: D 128, groups dividing 64): GQA groups 4 (fp16), 1 (fp16), 8 (bf16,
-#: windowed + capped); ragged and paged, causal and not.
-WG_RUNS = [("4x1x128-f16", "attn_prefill_ragged", 1), ("4x1x128-f16", "attn_prefill_paged", 0),
+#: (``kernel_spec.wg_prefill_limits``: D 128): GQA groups 7 (bf16), 1 (fp16), 8 (bf16, windowed + capped);
+#: ragged and paged, causal and not.
+WG_RUNS = [("7x1x128-bf16", "attn_prefill_ragged", 1), ("7x1x128-bf16", "attn_prefill_paged", 0),
            ("2x2x128-f16", "attn_prefill_ragged", 0), ("2x2x128-f16", "attn_prefill_paged", 1),
            ("16x2x128-bf16-w40-cap20", "attn_prefill_ragged", 1), ("16x2x128-bf16-w40-cap20", "attn_prefill_paged", 1)]
 #: The "wg" unaligned-view (element-load) run.

@@ -1,7 +1,7 @@
 """The wgmma prefill tile ("wg" of the path switch ``cuda_prefill_kernel``) on the build host: no GPU.
 
-- It serves head dim 128 and GQA groups dividing its 64 rows only (``kernel_spec.wg_prefill_limits``: head dim
-  64 at groups 3 and 7 gave wrong outputs on the H200); forcing it elsewhere raises naming the limit.
+- It serves head dim 128 only (``kernel_spec.wg_prefill_limits``: head dim 64 gave wrong outputs on the H200 at
+  GQA groups 3, 4 and 7); forcing it elsewhere raises naming the limit.
 - It serves only a target arch of sm_90a (``KernelSpec.target_arch``, filled by ``tir_kernels.make`` from the
   target): forced for an sm_90 target it raises naming the arch; auto never picks it (``TC_DEFAULT_TILES``).
 - ``nvcc --cubin -arch=sm_90a`` compiles its ragged and paged kernels without register spills, in at most 255
@@ -54,20 +54,16 @@ def test_wg_needs_sm90a_and_is_forced_only():
     assert "target_arch" not in cfg.to_dict() and spec.to_dict()["target_arch"] == "sm_90a"
 
 
-@pytest.mark.parametrize(("cfg", "why"), [
-    (tk.KernelConfig(12, 4, 64, 64, "bfloat16"), "head dims 64/64"),
-    (tk.KernelConfig(21, 3, 64, 64, "float16"), "GQA group 7"),
-    (tk.KernelConfig(24, 8, 128, 128, "float16"), "GQA group 3"),
-], ids=["d64", "g7", "g3"])
-def test_wg_refuses_what_failed_on_the_gpu(cfg, why):
+@pytest.mark.parametrize("cfg", [tk.KernelConfig(12, 4, 64, 64, "bfloat16"), tk.KernelConfig(16, 4, 64, 64, "float16"),
+                                 tk.KernelConfig(21, 3, 64, 64, "float16")], ids=["g3", "g4", "g7"])
+def test_wg_refuses_head_dim_64(cfg):
     from pagedkv.kernel_spec import wg_prefill_limits
 
-    assert any(why in w for w in wg_prefill_limits(cfg.num_qo_heads // cfg.num_kv_heads, cfg.head_dim,
-                                                   cfg.head_dim))
+    assert "head dims 64/64" in wg_prefill_limits(cfg.num_qo_heads // cfg.num_kv_heads, 64, 64)[0]
     for op in OPS:
-        with pytest.raises(NotImplementedError, match=why):
+        with pytest.raises(NotImplementedError, match="head dims 64/64"):
             tk.FACTORIES[op](_wg(cfg), SM90A)
-    assert wg_prefill_limits(4, 128, 128) == [] and wg_prefill_limits(8, 128, 128) == []
+    assert all(wg_prefill_limits(g, 128, 128) == [] for g in (1, 3, 4, 7, 8))
 
 
 def test_wg_tile_shared_memory():
