@@ -157,7 +157,7 @@ def make_tc_parts(hkv: int, g: int, d: int, dtype: str, var):
     @T.macro
     def tile_step(regs, smem, slot, key0, k1, w, lane, sm_scale):
         """Scores, softmax and ``P V`` of the warp's 16 keys ``key0 ..`` of the tile in ring slot ``slot``."""
-        qf, bfr, sacc, pf, oacc, m, lsum, st = regs[0], regs[1], regs[2], regs[3], regs[4], regs[5], regs[6], regs[7]
+        qf, bfr, sacc, pf, oacc, m, lsum, st = regs[:8]
         score(sacc, qf, bfr, smem, slot, w, lane)
         softmax(sacc, pf, m, lsum, oacc, st, key0, k1, lane, sm_scale)
         accumulate(oacc, pf, bfr, smem, slot, w, lane)
@@ -216,16 +216,14 @@ def make_tc_parts(hkv: int, g: int, d: int, dtype: str, var):
     return load_q, issue_tile, tile_step, store_rows
 
 
-def make_tc_key_loop(hkv: int, g: int, d: int, dtype: str, var, rope_parts=None):
+def make_tc_key_loop(hkv: int, g: int, d: int, dtype: str, var, rotate_keys=None):
     """``key_loop(regs, smem, pages, page_values, pbase, ps, h, k0, k1, w, lane, tid, sm_scale)``: the warp's
-    row states over the split's keys ``[k0, k1)``. Ring of ``TCD_SLOTS`` (2 or 3) slots: tiles ``0 ..
+    row states over the split's keys ``[k0, k1)``; with ``rotate_keys`` (inline RoPE, ``_decode_tc_rope_cuda``)
+    each warp rotates its keys of a tile in place before scoring them. Ring of ``TCD_SLOTS`` (2 or 3) slots: tiles ``0 ..
     TCD_SLOTS - 2`` issued first; at tile ``it`` the wait leaves only the ``TCD_SLOTS - 2`` newer tiles in
     flight, and the barrier after it both publishes tile ``it`` and tells that every warp is done with tile
     ``it - 1``, whose slot ``(it + TCD_SLOTS - 1) % TCD_SLOTS`` then takes tile ``it + TCD_SLOTS - 1``. Every
-    step commits a group (empty past the last tile), so the wait counts stay uniform. ``rope_parts``
-    (``(rotate_base, rotate_rows)``, inline RoPE): ``make_tc_rope_key_loop``."""
-    if rope_parts is not None:
-        return make_tc_rope_key_loop(hkv, g, d, dtype, var, rope_parts)
+    step commits a group (empty past the last tile), so the wait counts stay uniform."""
     _load_q, issue_tile, tile_step, _store = make_tc_parts(hkv, g, d, dtype, var)
     TK, NS = TCD_TK, TCD_SLOTS
     if NS not in (2, 3):
@@ -246,50 +244,11 @@ def make_tc_key_loop(hkv: int, g: int, d: int, dtype: str, var, rope_parts=None)
                 issue_tile(smem, pages, page_values, pbase, ps, h, k0 + (it + NS - 1) * TK, k1,
                            T.truncmod(it + NS - 1, NS), tid)
             T.evaluate(cp_async_commit())
+            if rotate_keys is not None:
+                # Key k0 + t at relative position t (q was rotated by q_pos - k_pos_offset - k0).
+                rotate_keys(smem, T.truncmod(it, NS), it * TK + w * 16, w, lane, regs[8], regs[9])
             tile_step(regs, smem, T.truncmod(it, NS), k0 + it * TK + w * 16, k1, w, lane, sm_scale)
         # The ring is reused by the store: every copy landed, every warp done reading.
-        T.evaluate(cp_async_wait0())
-        T.tvm_storage_sync("shared")
-
-    return key_loop
-
-
-def make_tc_rope_key_loop(hkv: int, g: int, d: int, dtype: str, var, rope_parts):
-    """The key loop of the inline-RoPE kernel (3 slots): tile ``it + 1`` is rotated while tile ``it`` computes.
-    Each warp rotates its own 16 keys of a tile (``_decode_tc_rope_cuda``), which only it scores. At tile
-    ``it`` the wait is for every issued tile (``it + 1`` landed), the barrier publishes it and the rotated tile
-    ``it`` and frees the slot of ``it - 1`` for ``it + 2``; then the warp's base angles of tile ``it + 1`` (a
-    warp barrier), the scores, softmax and ``P V`` of tile ``it``, and the rotation of tile ``it + 1``'s keys:
-    independent work in one basic block (no branch: past the last tile it rotates a slot nobody reads), which
-    the compiler interleaves. One tile (``it + 2``) is in flight during a tile's work instead of two. Key
-    ``k0 + t`` at relative position ``t`` (q was rotated by ``q_pos - k_pos_offset - k0``)."""
-    _load_q, issue_tile, tile_step, _store = make_tc_parts(hkv, g, d, dtype, var)
-    rotate_base, rotate_rows = rope_parts
-    TK, NS = TCD_TK, TCD_SLOTS
-    if NS != 3:
-        raise ValueError(f"pagedkv.tir_kernels: the tensor-core RoPE decode needs a 3-slot ring, not {NS}")
-
-    @T.macro
-    def key_loop(regs, smem, pages, page_values, pbase, ps, h, k0, k1, w, lane, tid, sm_scale):
-        tiles: T.let[T.int32] = T.truncdiv(k1 - k0 + TK - 1, TK)
-        for j in T.unroll(NS - 1):
-            if j < tiles:
-                issue_tile(smem, pages, page_values, pbase, ps, h, k0 + j * TK, k1, j, tid)
-            T.evaluate(cp_async_commit())
-        T.evaluate(cp_async_wait1())
-        T.tvm_storage_sync("shared")  # tile 0 (and the RoPE tables) visible
-        rotate_base(smem, w * 16, w, lane, regs[8], regs[9])
-        rotate_rows(smem, 0, w, lane)
-        for it in T.serial(tiles):
-            T.evaluate(cp_async_wait0())
-            T.tvm_storage_sync("shared")
-            if it + NS - 1 < tiles:
-                issue_tile(smem, pages, page_values, pbase, ps, h, k0 + (it + NS - 1) * TK, k1,
-                           T.truncmod(it + NS - 1, NS), tid)
-            T.evaluate(cp_async_commit())
-            rotate_base(smem, (it + 1) * TK + w * 16, w, lane, regs[8], regs[9])
-            tile_step(regs, smem, T.truncmod(it, NS), k0 + it * TK + w * 16, k1, w, lane, sm_scale)
-            rotate_rows(smem, T.truncmod(it + 1, NS), w, lane)
         T.evaluate(cp_async_wait0())
         T.tvm_storage_sync("shared")
 
@@ -307,9 +266,9 @@ def make_tc_kernel(hq: int, hkv: int, d: int, dtype: str, var, *, rope: bool = F
         raise NotImplementedError("pagedkv.tir_kernels: the tensor-core CUDA decode kernel: " + "; ".join(why))
     load_q, _issue, _step, store_rows = make_tc_parts(hkv, g, d, dtype, var)
     k_base, _v_base, rw = _layout(d)
-    rope_setup, load_q_rope, rotate_base, rotate_rows = make_tc_rope_parts(
+    rope_setup, load_q_rope, rotate_keys = make_tc_rope_parts(
         d, g, dtype, table0=smem_words(d), nt=TCD_NT, k_row=lambda slot, row: k_base(slot) + row * rw)
-    key_loop = make_tc_key_loop(hkv, g, d, dtype, var, (rotate_base, rotate_rows) if rope else None)
+    key_loop = make_tc_key_loop(hkv, g, d, dtype, var, rotate_keys if rope else None)
     TK, NDN, NKS = TCD_TK, d // 8, d // 16
 
     @T.macro

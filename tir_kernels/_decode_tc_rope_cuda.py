@@ -93,7 +93,7 @@ def rope_words(d: int, warps: int) -> int:
 
 
 def make_tc_rope_parts(d: int, g: int, dtype: str, *, table0: int, nt: int, k_row):
-    """``(rope_setup, load_q_rope, rotate_base, rotate_rows)`` of a tc decode kernel with ``nt`` threads, head dim ``d``,
+    """``(rope_setup, load_q_rope, rotate_keys)`` of a tc decode kernel with ``nt`` threads, head dim ``d``,
     group ``g``: the tables start at word ``table0`` of the kernel's dynamic buffer; ``k_row(slot, row)`` is
     the word offset of K row ``row`` of ring slot ``slot``."""
     HALF, NKS = d // 2, d // 16
@@ -143,20 +143,16 @@ def make_tc_rope_parts(d: int, g: int, dtype: str, *, table0: int, nt: int, k_ro
                     qf[(ks + NKS // 2) * 8 + i] = T.Cast(dtype, T.float32(0))
 
     @T.macro
-    def rotate_base(smem, base, w, lane, rc, rs):
-        """Warp ``w``'s base angles ``base * w_j`` (``cos``, ``sin``) into its table, then a warp barrier."""
+    def rotate_keys(smem, slot, base, w, lane, rc, rs):
+        """Warp ``w``'s 16 keys of the tile in ``slot`` (rows ``16 w ..``) rotated in place by ``R(base + r)``:
+        the warp's base angles into its table, a warp barrier, ``JOBS`` 8-pair chunks a lane, a warp barrier
+        (the rotated rows visible to the warp's ``ldmatrix``)."""
         for i in T.unroll((HALF + 31) // 32):
             if i * 32 + lane < HALF:
                 rope_sincos(rc, rs, 0, base, smem[W_HI + i * 32 + lane], smem[W_LO + i * 32 + lane])
                 T.evaluate(st_f32(T.address_of(smem[BASE + w * 2 * HALF + i * 32 + lane]), rc[0]))
                 T.evaluate(st_f32(T.address_of(smem[BASE + w * 2 * HALF + HALF + i * 32 + lane]), rs[0]))
         T.evaluate(syncwarp())
-
-    @T.macro
-    def rotate_rows(smem, slot, w, lane):
-        """Warp ``w``'s 16 keys (rows ``16 w ..``) of the tile in ``slot`` rotated in place by ``R(base + r)``
-        (``base`` the one of the last ``rotate_base``): ``JOBS`` 8-pair chunks a lane. The caller orders the
-        rotated rows before their reader (a warp or block barrier)."""
         for u in T.unroll(JOBS):
             T.evaluate(T.cuda.func_call(
                 rot8,
@@ -171,8 +167,9 @@ def make_tc_rope_parts(d: int, g: int, dtype: str, *, table0: int, nt: int, k_ro
                 T.address_of(smem[OFF_S + T.truncdiv(u * 32 + lane, CHUNKS) * HALF
                                   + T.truncmod(u * 32 + lane, CHUNKS) * 8]),
                 source_code=rot8_src))
+        T.evaluate(syncwarp())
 
-    return rope_setup, load_q_rope, rotate_base, rotate_rows
+    return rope_setup, load_q_rope, rotate_keys
 
 
 __all__ = ["WARP_KEYS", "make_tc_rope_parts", "rope_words", "st_f32", "syncwarp"]
