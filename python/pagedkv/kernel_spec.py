@@ -82,8 +82,8 @@ def tc_decode_limits(g: int, d: int, dtype: str) -> list[str]:
 
 #: What the wgmma prefill tile ("wg", forced only) serves beyond the tensor-core prefill's limits: the head dim of
 #: its H200 runs that matched the reference. At head dim 64 its outputs were wrong (relative error 0.07-0.37 at
-#: GQA groups 3, 4 and 7; head dim 128 at groups 1, 3, 4 and 8 right; H200, 2026-12-04): the only wgmma form
-#: that head dim adds is P V as m64n64k16 with a transposed (MN-major) B; cause not found. Refused, not run.
+#: GQA groups 3, 4 and 7; head dim 128 at groups 1, 3, 4 and 8 right; H200, 2026-12-04). Not the operand
+#: layouts (``tools/wgmma_probe.cu`` checked them at these strides); cause not found. Refused, not run.
 WG_PREFILL_HEAD_DIMS = (128,)
 
 
