@@ -62,7 +62,7 @@ from ._decode_staged_cuda import (
     make_store_rows,
     staged_limits,
 )
-from ._sincos_cuda import rope_sincos
+from ._sincos_cuda import rope_freq64_exp2, rope_freq_split, rope_sincos
 
 
 def pool_floats(p: StagedPlan) -> int:
@@ -117,12 +117,9 @@ def make_rope_setup(p: StagedPlan):
         wl = T.alloc_buffer((1,), "float32", scope="local")
         for i in T.unroll((HALF + NT - 1) // NT):
             if i * NT + t < HALF:
-                # w_j = scale / theta^(2j/D) in float64 as exp2 / log2 (inlined; the float64 pow of
-                # ``rope_freq`` is a call whose ABI spills registers here); 1e-16 off: far below its float pair
-                w64: T.let[T.float64] = T.Cast("float64", rope_scale) * T.exp2(
-                    T.log2(T.Cast("float64", rope_theta)) * (T.Cast("float64", -2 * (i * NT + t)) / T.float64(D)))
-                w_s[0, i * NT + t] = T.Cast("float32", w64)
-                w_s[1, i * NT + t] = T.Cast("float32", w64 - T.Cast("float64", T.Cast("float32", w64)))
+                w64: T.let[T.float64] = rope_freq64_exp2(i * NT + t, rope_theta, rope_scale, D)
+                w_s[0, i * NT + t] = rope_freq_split(w64)[0]
+                w_s[1, i * NT + t] = rope_freq_split(w64)[1]
         for i in T.unroll((G * D + NT - 1) // NT):
             if i * NT + t < G * D:
                 q_raw[T.truncdiv(i * NT + t, D), T.truncmod(i * NT + t, D)] = q[

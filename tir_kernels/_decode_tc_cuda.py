@@ -265,10 +265,12 @@ def make_tc_kernel(hq: int, hkv: int, d: int, dtype: str, var, *, rope: bool = F
     if why:
         raise NotImplementedError("pagedkv.tir_kernels: the tensor-core CUDA decode kernel: " + "; ".join(why))
     load_q, _issue, _step, store_rows = make_tc_parts(hkv, g, d, dtype, var)
-    k_base, _v_base, rw = _layout(d)
-    rope_setup, load_q_rope, rotate_keys = make_tc_rope_parts(
-        d, g, dtype, table0=smem_words(d), nt=TCD_NT, k_row=lambda slot, row: k_base(slot) + row * rw)
-    key_loop = make_tc_key_loop(hkv, g, d, dtype, var, rotate_keys if rope else None)
+    rope_setup = load_q_rope = rotate_keys = None
+    if rope:
+        k_base, _v_base, rw = _layout(d)
+        rope_setup, load_q_rope, rotate_keys = make_tc_rope_parts(
+            d, g, dtype, table0=smem_words(d), nt=TCD_NT, k_row=lambda slot, row: k_base(slot) + row * rw)
+    key_loop = make_tc_key_loop(hkv, g, d, dtype, var, rotate_keys)
     TK, NDN, NKS = TCD_TK, d // 8, d // 16
 
     @T.macro

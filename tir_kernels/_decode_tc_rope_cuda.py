@@ -27,7 +27,8 @@ from __future__ import annotations
 
 from tvm.script import tirx as T
 
-from ._sincos_cuda import rope_sincos
+from ._mma_cuda import a_frag
+from ._sincos_cuda import rope_freq64_exp2, rope_freq_split, rope_sincos
 
 #: Keys a warp scores per tile (its rows of the offset table).
 WARP_KEYS = 16
@@ -104,7 +105,6 @@ def make_tc_rope_parts(d: int, g: int, dtype: str, *, table0: int, nt: int, k_ro
     JOBS = WARP_KEYS * CHUNKS // 32  # chunks a lane rotates per tile
     rot8 = "pagedkv_rope_rot8_" + ("f16" if dtype == "float16" else "bf16")
     rot8_src = _rot8_source(dtype)
-    from ._mma_cuda import a_frag
 
     @T.macro
     def rope_setup(smem, rc, rs, rope_theta, rope_scale, tid):
@@ -112,11 +112,9 @@ def make_tc_rope_parts(d: int, g: int, dtype: str, *, table0: int, nt: int, k_ro
         ``cos / sin(r * w_j)`` (each entry once); the key loop's first barrier publishes the table."""
         for i in T.unroll((HALF + nt - 1) // nt):
             if i * nt + tid < HALF:
-                w64: T.let[T.float64] = T.Cast("float64", rope_scale) * T.exp2(
-                    T.log2(T.Cast("float64", rope_theta)) * (T.Cast("float64", -2 * (i * nt + tid)) / T.float64(d)))
-                T.evaluate(st_f32(T.address_of(smem[W_HI + i * nt + tid]), T.Cast("float32", w64)))
-                T.evaluate(st_f32(T.address_of(smem[W_LO + i * nt + tid]),
-                                  T.Cast("float32", w64 - T.Cast("float64", T.Cast("float32", w64)))))
+                w64: T.let[T.float64] = rope_freq64_exp2(i * nt + tid, rope_theta, rope_scale, d)
+                T.evaluate(st_f32(T.address_of(smem[W_HI + i * nt + tid]), rope_freq_split(w64)[0]))
+                T.evaluate(st_f32(T.address_of(smem[W_LO + i * nt + tid]), rope_freq_split(w64)[1]))
         T.tvm_storage_sync("shared")
         for i in T.serial((WARP_KEYS * HALF + nt - 1) // nt):
             if i * nt + tid < WARP_KEYS * HALF:

@@ -53,6 +53,19 @@ def rope_freq64(i, rope_theta, rope_scale, head_dim: int):
     return T.Cast("float64", rope_scale) / T.pow(T.Cast("float64", rope_theta), expo)
 
 
+def rope_freq64_exp2(i, rope_theta, rope_scale, head_dim: int):
+    """``rope_freq64`` as ``scale * exp2(log2(theta) * -2i / D)`` in float64, inlined (the float64 ``pow`` of
+    ``rope_freq64`` is a call whose ABI spills registers in the decode kernels); 1e-16 off: far below its
+    float32 pair."""
+    return T.Cast("float64", rope_scale) * T.exp2(
+        T.log2(T.Cast("float64", rope_theta)) * (T.Cast("float64", -2 * i) / T.float64(head_dim)))
+
+
+def rope_freq_split(w64):
+    """(``w_hi``, ``w_lo``): the float64 frequency ``w64`` as a float32 pair (48 significant bits)."""
+    return T.Cast("float32", w64), T.Cast("float32", w64 - T.Cast("float64", T.Cast("float32", w64)))
+
+
 @T.macro
 def rope_freq(w_hi, w_lo, idx, i, rope_theta, rope_scale, head_dim):
     """``w_hi[idx] + w_lo[idx]`` = frequency ``w_i`` (``rope_freq64``) as a float32 pair."""

@@ -124,8 +124,8 @@ def tc_unserved(spec, dv: int, tile: str = "tc") -> str | None:
                 f"{WG_ARCH}: build for Target({{'kind': 'cuda', 'arch': '{WG_ARCH}'}}))")
     if spec.dtype not in TC_DTYPES:
         return f"dtype {spec.dtype} (the tensor-core prefill takes {', '.join(TC_DTYPES)})"
-    if cfg.wgmma and wg_prefill_limits(g, d, dv):
-        return "; ".join(wg_prefill_limits(g, d, dv))
+    if cfg.wgmma and (why := wg_prefill_limits(d, dv)):
+        return "; ".join(why)
     if d not in TC_HEAD_DIMS or dv not in TC_HEAD_DIMS:
         return (f"head dims {d}/{dv} (the tensor-core prefill takes qk and v dims in {TC_HEAD_DIMS}: the ones run "
                 f"on the H200; 96 compiles but spills, others are untested)")

@@ -87,9 +87,9 @@ def tc_decode_limits(g: int, d: int, dtype: str) -> list[str]:
 WG_PREFILL_HEAD_DIMS = (128,)
 
 
-def wg_prefill_limits(g: int, d: int, dv: int) -> list[str]:
-    """Why the wgmma prefill tile does not take GQA group ``g`` with head dims ``d`` / ``dv`` (empty: it does;
-    the group is the tensor-core prefill's to limit)."""
+def wg_prefill_limits(d: int, dv: int) -> list[str]:
+    """Why the wgmma prefill tile does not take head dims ``d`` / ``dv`` beyond the tensor-core prefill's limits
+    (empty: it does)."""
     if d not in WG_PREFILL_HEAD_DIMS or dv not in WG_PREFILL_HEAD_DIMS:
         return [f"head dims {d}/{dv} (the wgmma prefill tile takes {WG_PREFILL_HEAD_DIMS}: head dim 64 gave wrong "
                 "results on the H200)"]

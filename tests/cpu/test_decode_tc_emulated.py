@@ -73,3 +73,26 @@ def test_emulated_tc_decode_matches_reference(name, apply_rope, built):
     if splits != "auto":
         assert env["S"] == int(splits)
     check_against_reference(name, cfg, ents, o, lse, apply_rope, THETA, SCALE, sm_scale)
+
+
+@pytest.mark.parametrize("apply_rope", [0, 1], ids=["plain", "rope"])
+def test_emulated_tc_decode_two_slot_ring(apply_rope, tmp_path, monkeypatch):
+    """The ring's other size (``TCD_SLOTS = 2``: one tile in flight, ``wait_group 0``), which the default (3)
+    never builds: plain and RoPE, splits 1 (the ring wraps over 300 keys) and 3."""
+    if shutil.which("g++") is None:
+        pytest.skip("g++ not found")
+    from pagedkv.tir_kernels import _decode_tc_cuda as tcd
+
+    monkeypatch.setattr(tcd, "TCD_SLOTS", 2)
+    for splits in ("1", "3"):
+        cfg = tk.KernelConfig(8, 2, 128, 128, "float16")
+        b = build(cfg, {"cuda_decode_kernel": "tc", "cuda_decode_splits": splits}, tmp_path / f"s{splits}")
+        tc = [body for body, _p in b.kernels.values() if "tcd_smem" in body]
+        assert len(tc) == 2 and not any("pagedkv_cp_async_wait1(" in body for body in tc)  # no 3-slot wait
+        gen = torch.Generator().manual_seed(int(torch.randint(0, 2**31 - 1, (1,))))
+        ents, pages, page_indptr, page_values, last = inputs(cfg, gen, LENGTHS, PS)
+        sm_scale = 0.9 / math.sqrt(cfg.head_dim)
+        o, lse, env = run_decode(b, cfg, ents, pages, page_indptr, page_values, last, PS, apply_rope, sm_scale,
+                                 THETA, SCALE)
+        assert env["S"] == int(splits)
+        check_against_reference(f"slots2-s{splits}", cfg, ents, o, lse, apply_rope, THETA, SCALE, sm_scale)

@@ -58,6 +58,7 @@ CONFIGS = {
 WG_CONFIGS = {
     "16x2x128-bf16-w40-cap20": tk.KernelConfig(16, 2, 128, 128, "bfloat16", sliding_window=40, logits_soft_cap=20.0),
 }
+ALL_CONFIGS = {**CONFIGS, **WG_CONFIGS}
 #: (config, tile) pairs run: every config on "tc2" and "tc3" (GQA groups 1, 3, 4, 7, 8; D 64 and 128; fp16 and
 #: bf16; windowed + capped), the first three on "tc".
 CASES = [(name, "tc") for name in list(CONFIGS)[:3]] + [(name, t) for t in ("tc2", "tc3") for name in CONFIGS]
@@ -102,7 +103,7 @@ def built(tmp_path_factory):
 
     def get(name, tile, op):
         if (name, tile, op) not in out:
-            out[(name, tile, op)] = _build({**CONFIGS, **WG_CONFIGS}[name], tile, op, workdir / f"{name}-{tile}-{op}")
+            out[(name, tile, op)] = _build(ALL_CONFIGS[name], tile, op, workdir / f"{name}-{tile}-{op}")
         return out[(name, tile, op)]
 
     return get
@@ -191,7 +192,7 @@ def test_emulated_wg_unaligned_ragged_views(name, built):
 
 
 def _check(name, tile, op, causal, built, misalign):
-    cfg = {**CONFIGS, **WG_CONFIGS}[name]
+    cfg = ALL_CONFIGS[name]
     lib, params = built(name, tile, op)
     hq, hkv, d, dt = cfg.num_qo_heads, cfg.num_kv_heads, cfg.head_dim, cfg.dtype
     gen = torch.Generator().manual_seed(7 + causal)

@@ -23,7 +23,7 @@ from test_prefill_tc_compile import _cuobjdump, _kernel_bodies, _sass_by_kernel
 
 from pagedkv import tir_kernels as tk
 from pagedkv.tir_kernels import attention_cuda_prefill as pf
-from pagedkv.tir_kernels.attention_cuda_prefill_tc import TC_TILES
+from pagedkv.tir_kernels.attention_cuda_prefill_tc import TC_TILES, tc_unserved
 
 from tvm.target import Target
 
@@ -59,11 +59,14 @@ def test_wg_needs_sm90a_and_is_forced_only():
 def test_wg_refuses_head_dim_64(cfg):
     from pagedkv.kernel_spec import wg_prefill_limits
 
-    assert "head dims 64/64" in wg_prefill_limits(cfg.num_qo_heads // cfg.num_kv_heads, 64, 64)[0]
+    assert "head dims 64/64" in wg_prefill_limits(64, 64)[0]
     for op in OPS:
         with pytest.raises(NotImplementedError, match="head dims 64/64"):
             tk.FACTORIES[op](_wg(cfg), SM90A)
-    assert all(wg_prefill_limits(g, 128, 128) == [] for g in (1, 3, 4, 7, 8))
+    assert wg_prefill_limits(128, 128) == []
+    for g in (1, 3, 4, 7, 8):  # head dim 128 at every group the tensor-core prefill takes
+        assert tc_unserved(tk.KernelConfig(8 * g, 8, 128, 128, "float16", target_arch="sm_90a"), 128,
+                              "wg") is None
 
 
 def test_wg_tile_shared_memory():

@@ -291,4 +291,4 @@ def prefill_kernel_refusal(shape: Shape, kernel: str) -> str:
     the bundle builds no library for them."""
     if kernel != "wg":
         return ""
-    return "; ".join(wg_prefill_limits(shape.hq // shape.hkv, shape.d, shape.d))
+    return "; ".join(wg_prefill_limits(shape.d, shape.d))
