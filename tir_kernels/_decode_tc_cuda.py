@@ -35,7 +35,7 @@ from ._common import EMPTY_LSE, LOG2E
 from ._common_cuda import paged_kv_len, shfl_xor
 # The limits are data in the TVM-free kernel spec (a runtime-only process reports them too).
 from ..kernel_spec import TCD_DTYPES, TCD_HEAD_DIMS, TCD_MAX_GROUP, tc_decode_limits  # noqa: F401
-from ._decode_tc_rope_cuda import make_tc_rope_parts, rope_words
+from ._decode_tc_rope_cuda import ANG_WORDS, make_tc_rope_parts, rope_words
 from ._mma_cuda import a_frag, c_frag, cp_async16, cp_async_commit, cp_async_wait0, cp_async_wait1, ldmatrix_x4, mma_sync
 
 #: Warps per block, keys per tile (16 per warp), ring slots, shared row padding (halves).
@@ -48,8 +48,8 @@ TCD_RESIDENT_BLOCKS = 2 * 132
 
 def smem_words(d: int, rope: bool = False) -> int:
     """4-byte words of the ring: ``TCD_SLOTS`` x (K tile + V tile), rows of ``d + TCD_PAD`` halves; with
-    ``rope``, the RoPE tables after it (``_decode_tc_rope_cuda.rope_words``)."""
-    return TCD_SLOTS * TCD_TK * (d + TCD_PAD) + (rope_words(d, TCD_WARPS) if rope else 0)
+    ``rope``, the RoPE frequencies after it (``_decode_tc_rope_cuda.rope_words``)."""
+    return TCD_SLOTS * TCD_TK * (d + TCD_PAD) + (rope_words(d) if rope else 0)
 
 
 def _layout(d: int):
@@ -217,7 +217,9 @@ def make_tc_parts(hkv: int, g: int, d: int, dtype: str, var):
 
 
 def make_tc_key_loop(hkv: int, g: int, d: int, dtype: str, var, rotate_keys=None):
-    """``key_loop(regs, smem, pages, page_values, pbase, ps, h, k0, k1, w, lane, tid, sm_scale)``: the warp's
+    """``(issue_first, key_loop)``: ``issue_first(smem, pages, page_values, pbase, ps, h, k0, k1, tid)`` starts
+    the copies of the split's first tiles (the kernel calls it before loading q, so they overlap);
+    ``key_loop(regs, smem, pages, page_values, pbase, ps, h, k0, k1, w, lane, tid, sm_scale)``: the warp's
     row states over the split's keys ``[k0, k1)``; with ``rotate_keys`` (inline RoPE, ``_decode_tc_rope_cuda``)
     each warp rotates its keys of a tile in place before scoring them. Ring of ``TCD_SLOTS`` (2 or 3) slots: tiles ``0 ..
     TCD_SLOTS - 2`` issued first; at tile ``it`` the wait leaves only the ``TCD_SLOTS - 2`` newer tiles in
@@ -231,12 +233,15 @@ def make_tc_key_loop(hkv: int, g: int, d: int, dtype: str, var, rotate_keys=None
     wait_newer = cp_async_wait1 if NS == 3 else cp_async_wait0
 
     @T.macro
-    def key_loop(regs, smem, pages, page_values, pbase, ps, h, k0, k1, w, lane, tid, sm_scale):
-        tiles: T.let[T.int32] = T.truncdiv(k1 - k0 + TK - 1, TK)
+    def issue_first(smem, pages, page_values, pbase, ps, h, k0, k1, tid):
         for j in T.unroll(NS - 1):
-            if j < tiles:
+            if j < T.truncdiv(k1 - k0 + TK - 1, TK):
                 issue_tile(smem, pages, page_values, pbase, ps, h, k0 + j * TK, k1, j, tid)
             T.evaluate(cp_async_commit())
+
+    @T.macro
+    def key_loop(regs, smem, pages, page_values, pbase, ps, h, k0, k1, w, lane, tid, sm_scale):
+        tiles: T.let[T.int32] = T.truncdiv(k1 - k0 + TK - 1, TK)
         for it in T.serial(tiles):
             T.evaluate(wait_newer())
             T.tvm_storage_sync("shared")
@@ -246,13 +251,13 @@ def make_tc_key_loop(hkv: int, g: int, d: int, dtype: str, var, rotate_keys=None
             T.evaluate(cp_async_commit())
             if rotate_keys is not None:
                 # Key k0 + t at relative position t (q was rotated by q_pos - k_pos_offset - k0).
-                rotate_keys(smem, T.truncmod(it, NS), it * TK + w * 16, w, lane, regs[8], regs[9])
+                rotate_keys(smem, T.truncmod(it, NS), it, w, lane, regs[8], regs[9], regs[10])
             tile_step(regs, smem, T.truncmod(it, NS), k0 + it * TK + w * 16, k1, w, lane, sm_scale)
         # The ring is reused by the store: every copy landed, every warp done reading.
         T.evaluate(cp_async_wait0())
         T.tvm_storage_sync("shared")
 
-    return key_loop
+    return issue_first, key_loop
 
 
 def make_tc_kernel(hq: int, hkv: int, d: int, dtype: str, var, *, rope: bool = False):
@@ -269,8 +274,9 @@ def make_tc_kernel(hq: int, hkv: int, d: int, dtype: str, var, *, rope: bool = F
     if rope:
         k_base, _v_base, rw = _layout(d)
         rope_setup, load_q_rope, rotate_keys = make_tc_rope_parts(
-            d, g, dtype, table0=smem_words(d), nt=TCD_NT, k_row=lambda slot, row: k_base(slot) + row * rw)
-    key_loop = make_tc_key_loop(hkv, g, d, dtype, var, rotate_keys)
+            d, g, dtype, table0=smem_words(d), nt=TCD_NT, tk=TCD_TK, k_row=lambda slot, row: k_base(slot) + row * rw,
+            row_words=rw)
+    issue_first, key_loop = make_tc_key_loop(hkv, g, d, dtype, var, rotate_keys)
     TK, NDN, NKS = TCD_TK, d // 8, d // 16
 
     @T.macro
@@ -290,6 +296,9 @@ def make_tc_kernel(hq: int, hkv: int, d: int, dtype: str, var, *, rope: bool = F
                         st = T.alloc_buffer((4,), "float32", scope="local")
                         rc = T.alloc_buffer((1,), "float32", scope="local")  # RoPE cos / sin
                         rs = T.alloc_buffer((1,), "float32", scope="local")
+                        # A lane's RoPE angles (base, tile step, row step: _decode_tc_rope_cuda).
+                        angc = T.alloc_buffer((ANG_WORDS if rope else 1,), "float32", scope="local")
+                        angs = T.alloc_buffer((ANG_WORDS if rope else 1,), "float32", scope="local")
                         # One dynamic buffer of words, named apart from the prefill's ``smem`` (same library).
                         tcd_smem = T.alloc_buffer((smem_words(d, rope),), "float32", scope="shared.dyn")
                         w: T.let[T.int32] = T.truncdiv(tid, 32)
@@ -304,8 +313,11 @@ def make_tc_kernel(hq: int, hkv: int, d: int, dtype: str, var, *, rope: bool = F
                             chunk: T.let[T.int32] = T.truncdiv(
                                 T.truncdiv(var.decode_span_len(kvlen) + S - 1, S) + TK - 1, TK) * TK
                             k0: T.let[T.int32] = T.min(var.decode_key(kvlen, sp * chunk), kvlen)
+                            k1: T.let[T.int32] = T.min(k0 + chunk, kvlen)
+                            # The first tiles' copies start before q is loaded (and the RoPE setup runs).
+                            issue_first(tcd_smem, pages, page_values, page_indptr[bx], ps, h, k0, k1, tid)
                             if rope:
-                                rope_setup(tcd_smem, rc, rs, rope_theta, rope_scale, tid)
+                                rope_setup(tcd_smem, angc, angs, rope_theta, rope_scale, tid, lane)
                                 load_q_rope(qf, q, bx, h, lane, q_pos[bx] - k_pos_offset[bx] - k0, tcd_smem, rc, rs)
                             else:
                                 load_q(qf, q, bx, h, lane)
@@ -314,8 +326,8 @@ def make_tc_kernel(hq: int, hkv: int, d: int, dtype: str, var, *, rope: bool = F
                                 lsum[rr] = T.float32(0)
                             for e in T.unroll(NDN * 4):
                                 oacc[e] = T.float32(0)
-                            key_loop((qf, bfr, sacc, pf, oacc, m, lsum, st, rc, rs), tcd_smem, pages, page_values,
-                                     page_indptr[bx], ps, h, k0, T.min(k0 + chunk, kvlen), w, lane, tid, sm_scale)
+                            key_loop((qf, bfr, sacc, pf, oacc, m, lsum, st, angc, angs, rc), tcd_smem, pages,
+                                     page_values, page_indptr[bx], ps, h, k0, k1, w, lane, tid, sm_scale)
                             store_rows(o, lse, ws_o, ws_l, tcd_smem, oacc, m, lsum, st, bx, h, sp, S, w, lane, tid)
 
     return kernel

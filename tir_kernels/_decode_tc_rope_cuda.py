@@ -7,20 +7,26 @@ as in ``_decode_staged_rope_cuda``): q by ``R(q_pos - k_pos_offset - k0)`` when 
 (``load_q_rope``: lane ``l`` holds dims ``j`` and ``j + D/2`` of its rows in k steps ``ks`` and ``ks + D/32``,
 so a pair never leaves its lane), key ``k0 + t`` by ``R(t)``.
 
-Per tile (``rotate_keys``), warp ``w`` rotates the 16 keys it scores (``t = it*TK + 16 w + r``, ``r < 16``:
-no other warp reads them, so a warp barrier orders it): ``cos / sin`` of ``t * w_j`` by angle addition of the
-warp's base ``(it*TK + 16 w) * w_j`` (``D/2`` ``rope_sincos`` a warp and tile, two a lane at D 128) and a table
-of ``r * w_j`` (``16 x D/2``, computed once per block by ``rope_setup``); each lane then rotates chunks of 8
-pairs (a 16-byte read of each half row, float32 arithmetic, one rounding to the storage dtype, like the
-cache's own) with ``pagedkv_rope_rot8_*``. Table writes go through an opaque store (``st_f32``) so TVM's
-barrier planner sees none: every ordering here is an explicit block or warp barrier.
+Per tile (``rotate_keys``), warp ``w`` rotates the 16 keys it scores (``t = it*TK + 16 w + r``, ``r < 16``: no
+other warp reads them, so a warp barrier orders it). The work is fixed per lane: lane ``l`` owns the pairs
+``8 c .. 8 c + 7`` (``c = l % C``, ``C = D/16`` 8-pair chunks a half row) of keys ``r = l // C + u * 32/C``,
+``u < C/2``, so its cos / sin live in registers, never in shared memory:
 
-Shared memory (float32 words after the ring, ``rope_words``): the pair frequencies ``w_hi, w_lo`` (``2 x D/2``),
-the offset table (``2 x 16 x D/2``) and each warp's base angles (``4 x 2 x D/2``): 10,752 bytes at D 128
-(115,200 in all with the ring: still two blocks an SM on an H200), 5,376 at D 64.
+* ``base`` = cos / sin of ``(it*TK + 16 w + l // C) * w_j`` for its 8 pairs: exact (``rope_sincos``) every
+  ``ANCHOR_TILES`` tiles, else the previous tile's rotated by the tile step ``TK * w_j`` (one float32 rotation
+  a pair: the drift between anchors stays below 1e-5 rad, far under a storage-dtype rounding);
+* the key ``u`` of its chunks: ``base`` rotated ``u`` times by the row step ``32/C * w_j``;
+* the rotation helper (``pagedkv_rope_rotl_*``, generated per dtype and layout) loads the lane's ``C/2`` chunk
+  pairs (16-byte reads of each half row) first, then rotates them in float32 and rounds once to the storage
+  dtype, like the cache's own rotation, then stores them.
 
-Sin / cos are ``_sincos_cuda.rope_sincos`` (float64-reference accuracy) on the base and the offsets; the angle
-sum adds about 2 float32 roundings.
+The tile and row steps are ``rope_sincos`` of the lane's 8 pairs once per block (``rope_setup``), after the
+pair frequencies (float64 formula kept as a float32 pair ``w_hi, w_lo``, the only RoPE table in shared memory:
+``2 x D/2`` words after the ring, 512 bytes at D 128).
+
+Why this layout (H200, run 11): the first tc RoPE kernel read per-pair cos / sin tables from shared memory
+(four float32 words a pair, 16 KB a warp and tile against the tile's own 8 KB) and took 1.38x the plain
+kernel's time at B = 64, latency-bound with 8 warps an SM.
 """
 
 from __future__ import annotations
@@ -30,40 +36,74 @@ from tvm.script import tirx as T
 from ._mma_cuda import a_frag
 from ._sincos_cuda import rope_freq64_exp2, rope_freq_split, rope_sincos
 
-#: Keys a warp scores per tile (its rows of the offset table).
+#: Keys a warp scores per tile.
 WARP_KEYS = 16
+#: Tiles between a lane's exact base angles (module docstring); tests set it small to reach both paths.
+ANCHOR_TILES = 32
+#: fp16 keys rotated in packed half2 arithmetic (``__hfma2``: a third of the float32 path's instructions, about
+#: three fp16 roundings a rotated element instead of one); False: float32, one rounding (an experiment's switch).
+PACKED_F16 = False
+#: Slots of a lane's angle registers (``angc`` / ``angs``): the base, the tile step, the row step (8 pairs each).
+ANG_WORDS = 24
 _CTYPE = {"float16": ("half", "__half2float", "__float2half_rn"),
           "bfloat16": ("nv_bfloat16", "__bfloat162float", "__float2bfloat16_rn")}
 
 
-def _rot8_source(dtype: str) -> str:
+def _rotate_chunk(dtype: str, packed: bool) -> str:
+    """CUDA statements rotating the chunk pair ``x[8], y[8]`` (storage dtype) by ``c[8], s[8]`` (float32)."""
     ctype, to_f, from_f = _CTYPE[dtype]
-    name = "f16" if dtype == "float16" else "bf16"
-    return (f"#ifndef PAGEDKV_ROPE_ROT8_{name.upper()}\n#define PAGEDKV_ROPE_ROT8_{name.upper()}\n"
-            # Rotate pairs (lo[e], hi[e]), e < 8 (two 16-byte half rows in shared memory), by the angle
-            # base_e + off_e given the (cos, sin) of each: angle addition, then the rotation, in float32.
-            f"__device__ __forceinline__ void pagedkv_rope_rot8_{name}(void* lo, void* hi, const float* bc, "
-            "const float* bs, const float* oc, const float* os) {\n"
-            f"  {ctype} x[8], y[8];\n"
-            "  uint4 ul = *reinterpret_cast<const uint4*>(lo), uh = *reinterpret_cast<const uint4*>(hi);\n"
-            "  memcpy(x, &ul, 16);\n  memcpy(y, &uh, 16);\n"
-            "  float c[8], s[8], d[8], t[8];\n"
-            "  for (int i = 0; i < 2; ++i) {\n"
-            "    float4 a = reinterpret_cast<const float4*>(bc)[i], b = reinterpret_cast<const float4*>(bs)[i];\n"
-            "    float4 e = reinterpret_cast<const float4*>(oc)[i], f = reinterpret_cast<const float4*>(os)[i];\n"
-            "    c[4 * i] = a.x; c[4 * i + 1] = a.y; c[4 * i + 2] = a.z; c[4 * i + 3] = a.w;\n"
-            "    s[4 * i] = b.x; s[4 * i + 1] = b.y; s[4 * i + 2] = b.z; s[4 * i + 3] = b.w;\n"
-            "    d[4 * i] = e.x; d[4 * i + 1] = e.y; d[4 * i + 2] = e.z; d[4 * i + 3] = e.w;\n"
-            "    t[4 * i] = f.x; t[4 * i + 1] = f.y; t[4 * i + 2] = f.z; t[4 * i + 3] = f.w;\n"
-            "  }\n"
-            "  for (int e = 0; e < 8; ++e) {\n"
-            "    float cs = c[e] * d[e] - s[e] * t[e], sn = s[e] * d[e] + c[e] * t[e];\n"
-            f"    float xf = {to_f}(x[e]), yf = {to_f}(y[e]);\n"
-            f"    x[e] = {from_f}(xf * cs - yf * sn);\n"
-            f"    y[e] = {from_f}(yf * cs + xf * sn);\n"
-            "  }\n"
-            "  memcpy(&ul, x, 16);\n  memcpy(&uh, y, 16);\n"
-            "  *reinterpret_cast<uint4*>(lo) = ul;\n  *reinterpret_cast<uint4*>(hi) = uh;\n}\n#endif\n")
+    scalar = ("    for (int e = 0; e < 8; ++e) {\n"
+              f"      float xf = {to_f}(x[e]), yf = {to_f}(y[e]);\n"
+              f"      x[e] = {from_f}(xf * c[e] - yf * s[e]);\n      y[e] = {from_f}(yf * c[e] + xf * s[e]);\n    }}\n")
+    if not packed:
+        return scalar
+    # x c - y s and y c + x s on half2 pairs (HMUL2 then HFMA2, each rounded to fp16); the emulator (no
+    # __CUDA_ARCH__) takes the same roundings element by element.
+    return ("#ifdef __CUDA_ARCH__\n"
+            "    for (int e = 0; e < 8; e += 2) {\n"
+            "      __half2 C = __floats2half2_rn(c[e], c[e + 1]), S = __floats2half2_rn(s[e], s[e + 1]);\n"
+            "      __half2 X = __halves2half2(x[e], x[e + 1]), Y = __halves2half2(y[e], y[e + 1]);\n"
+            "      __half2 XN = __hfma2(X, C, __hneg2(__hmul2(Y, S))), YN = __hfma2(Y, C, __hmul2(X, S));\n"
+            "      x[e] = __low2half(XN); x[e + 1] = __high2half(XN); y[e] = __low2half(YN); y[e + 1] = __high2half(YN);\n"
+            "    }\n#else\n"
+            "    for (int e = 0; e < 8; ++e) {\n"
+            "      float ch = __half2float(__float2half_rn(c[e])), sh = __half2float(__float2half_rn(s[e]));\n"
+            "      float ys = __half2float(__float2half_rn(__half2float(y[e]) * sh));\n"
+            "      float xs = __half2float(__float2half_rn(__half2float(x[e]) * sh));\n"
+            "      float xf = __half2float(x[e]), yf = __half2float(y[e]);\n"
+            "      x[e] = __float2half_rn(fmaf(xf, ch, -ys));\n      y[e] = __float2half_rn(fmaf(yf, ch, xs));\n"
+            "    }\n#endif  // __CUDA_ARCH__ (labelled: a helper block ends at the first bare #endif)\n")
+
+
+def rot_helper(dtype: str, jobs: int, step_words: int, hi_words: int, *, packed: bool = False) -> tuple[str, str]:
+    """(name, CUDA source) of the lane rotation helper: ``name(row, bc, bs, uc, us)`` rotates ``jobs`` chunk
+    pairs (8 pairs of halves: ``row + u * step_words`` and ``+ hi_words`` 4-byte words), chunk ``u`` by the
+    angles ``(bc, bs)`` rotated ``u`` times by ``(uc, us)``; ``packed`` (fp16 only): in half2 arithmetic."""
+    ctype = _CTYPE[dtype][0]
+    packed = packed and dtype == "float16"
+    name = (f"pagedkv_rope_rotl_{'f16' if dtype == 'float16' else 'bf16'}_j{jobs}_r{step_words}_h{hi_words}"
+            + ("_p" if packed else ""))
+    guard = name.upper()
+    src = (f"#ifndef {guard}\n#define {guard}\n"
+           f"__device__ __forceinline__ void {name}(void* row, const float* bc, const float* bs, const float* uc, "
+           "const float* us) {\n"
+           f"  float* w = static_cast<float*>(row);\n  uint4 lo[{jobs}], hi[{jobs}];\n"
+           # Every load first (independent), then the arithmetic, then the stores.
+           f"  for (int u = 0; u < {jobs}; ++u) {{\n"
+           f"    lo[u] = *reinterpret_cast<const uint4*>(w + u * {step_words});\n"
+           f"    hi[u] = *reinterpret_cast<const uint4*>(w + u * {step_words} + {hi_words});\n  }}\n"
+           "  float c[8], s[8];\n  for (int e = 0; e < 8; ++e) { c[e] = bc[e]; s[e] = bs[e]; }\n"
+           f"  for (int u = 0; u < {jobs}; ++u) {{\n"
+           "    if (u > 0) {\n      for (int e = 0; e < 8; ++e) {\n"
+           "        float t = c[e] * uc[e] - s[e] * us[e];\n        s[e] = s[e] * uc[e] + c[e] * us[e];\n"
+           "        c[e] = t;\n      }\n    }\n"
+           f"    {ctype} x[8], y[8];\n    memcpy(x, &lo[u], 16);\n    memcpy(y, &hi[u], 16);\n"
+           + _rotate_chunk(dtype, packed) +
+           "    memcpy(&lo[u], x, 16);\n    memcpy(&hi[u], y, 16);\n  }\n"
+           f"  for (int u = 0; u < {jobs}; ++u) {{\n"
+           f"    *reinterpret_cast<uint4*>(w + u * {step_words}) = lo[u];\n"
+           f"    *reinterpret_cast<uint4*>(w + u * {step_words} + {hi_words}) = hi[u];\n  }}\n}}\n#endif\n")
+    return name, src
 
 
 _SYNC_SOURCE = r"""
@@ -87,41 +127,38 @@ def st_f32(addr, value):
     return T.cuda.func_call("pagedkv_st_f32", addr, value, source_code=_SYNC_SOURCE)
 
 
-def rope_words(d: int, warps: int) -> int:
-    """float32 words of the RoPE tables after the ring (module docstring)."""
-    half = d // 2
-    return 2 * half + 2 * WARP_KEYS * half + warps * 2 * half
+def rope_words(d: int) -> int:
+    """float32 words of the RoPE table after the ring: the pair frequencies ``w_hi, w_lo``."""
+    return d
 
 
-def make_tc_rope_parts(d: int, g: int, dtype: str, *, table0: int, nt: int, k_row):
-    """``(rope_setup, load_q_rope, rotate_keys)`` of a tc decode kernel with ``nt`` threads, head dim ``d``,
-    group ``g``: the tables start at word ``table0`` of the kernel's dynamic buffer; ``k_row(slot, row)`` is
-    the word offset of K row ``row`` of ring slot ``slot``."""
+def make_tc_rope_parts(d: int, g: int, dtype: str, *, table0: int, nt: int, tk: int, k_row, row_words: int):
+    """``(rope_setup, load_q_rope, rotate_keys)`` of a tc decode kernel with ``nt`` threads, head dim ``d``
+    (64 or 128), group ``g``: the frequencies start at word ``table0`` of the kernel's dynamic buffer;
+    ``k_row(slot, row)`` is the word offset of K row ``row`` of ring slot ``slot``, rows ``row_words`` apart."""
     HALF, NKS = d // 2, d // 16
     W_HI, W_LO = table0, table0 + HALF
-    OFF_C, OFF_S = table0 + 2 * HALF, table0 + 2 * HALF + WARP_KEYS * HALF
-    BASE = table0 + 2 * HALF + 2 * WARP_KEYS * HALF
-    CHUNKS = HALF // 8  # 8-pair chunks of a key
-    JOBS = WARP_KEYS * CHUNKS // 32  # chunks a lane rotates per tile
-    rot8 = "pagedkv_rope_rot8_" + ("f16" if dtype == "float16" else "bf16")
-    rot8_src = _rot8_source(dtype)
+    CHUNKS = HALF // 8  # 8-pair chunks of a half row
+    if 32 % CHUNKS:
+        raise NotImplementedError(f"pagedkv.tir_kernels: tc RoPE lanes need D/16 to divide 32 (head dim {d})")
+    JOBS, ROWSTEP = WARP_KEYS * CHUNKS // 32, 32 // CHUNKS  # a lane's chunks, the key rows between them
+    rot, rot_src = rot_helper(dtype, JOBS, ROWSTEP * row_words, HALF // 2, packed=PACKED_F16)
 
     @T.macro
-    def rope_setup(smem, rc, rs, rope_theta, rope_scale, tid):
-        """Pair frequencies (float64 formula, kept as a float32 pair), a barrier, the offset table
-        ``cos / sin(r * w_j)`` (each entry once); the key loop's first barrier publishes the table."""
+    def rope_setup(smem, angc, angs, rope_theta, rope_scale, tid, lane):
+        """Pair frequencies (float64 formula, kept as a float32 pair), a barrier, the lane's tile and row steps
+        (``angc / angs[8 ..]``, ``[16 ..]``) for its 8 pairs."""
         for i in T.unroll((HALF + nt - 1) // nt):
             if i * nt + tid < HALF:
                 w64: T.let[T.float64] = rope_freq64_exp2(i * nt + tid, rope_theta, rope_scale, d)
                 T.evaluate(st_f32(T.address_of(smem[W_HI + i * nt + tid]), rope_freq_split(w64)[0]))
                 T.evaluate(st_f32(T.address_of(smem[W_LO + i * nt + tid]), rope_freq_split(w64)[1]))
         T.tvm_storage_sync("shared")
-        for i in T.serial((WARP_KEYS * HALF + nt - 1) // nt):
-            if i * nt + tid < WARP_KEYS * HALF:
-                rope_sincos(rc, rs, 0, T.truncdiv(i * nt + tid, HALF), smem[W_HI + T.truncmod(i * nt + tid, HALF)],
-                            smem[W_LO + T.truncmod(i * nt + tid, HALF)])
-                T.evaluate(st_f32(T.address_of(smem[OFF_C + i * nt + tid]), rc[0]))
-                T.evaluate(st_f32(T.address_of(smem[OFF_S + i * nt + tid]), rs[0]))
+        for e in T.unroll(8):
+            rope_sincos(angc, angs, 8 + e, tk, smem[W_HI + T.truncmod(lane, CHUNKS) * 8 + e],
+                        smem[W_LO + T.truncmod(lane, CHUNKS) * 8 + e])
+            rope_sincos(angc, angs, 16 + e, ROWSTEP, smem[W_HI + T.truncmod(lane, CHUNKS) * 8 + e],
+                        smem[W_LO + T.truncmod(lane, CHUNKS) * 8 + e])
 
     @T.macro
     def load_q_rope(qf, q, b, h, lane, rel, smem, rc, rs):
@@ -141,33 +178,27 @@ def make_tc_rope_parts(d: int, g: int, dtype: str, *, table0: int, nt: int, k_ro
                     qf[(ks + NKS // 2) * 8 + i] = T.Cast(dtype, T.float32(0))
 
     @T.macro
-    def rotate_keys(smem, slot, base, w, lane, rc, rs):
-        """Warp ``w``'s 16 keys of the tile in ``slot`` (rows ``16 w ..``) rotated in place by ``R(base + r)``:
-        the warp's base angles into its table, a warp barrier, ``JOBS`` 8-pair chunks a lane, a warp barrier
-        (the rotated rows visible to the warp's ``ldmatrix``)."""
-        for i in T.unroll((HALF + 31) // 32):
-            if i * 32 + lane < HALF:
-                rope_sincos(rc, rs, 0, base, smem[W_HI + i * 32 + lane], smem[W_LO + i * 32 + lane])
-                T.evaluate(st_f32(T.address_of(smem[BASE + w * 2 * HALF + i * 32 + lane]), rc[0]))
-                T.evaluate(st_f32(T.address_of(smem[BASE + w * 2 * HALF + HALF + i * 32 + lane]), rs[0]))
-        T.evaluate(syncwarp())
-        for u in T.unroll(JOBS):
-            T.evaluate(T.cuda.func_call(
-                rot8,
-                T.address_of(smem[k_row(slot, w * WARP_KEYS + T.truncdiv(u * 32 + lane, CHUNKS))
-                                  + T.truncmod(u * 32 + lane, CHUNKS) * 4]),
-                T.address_of(smem[k_row(slot, w * WARP_KEYS + T.truncdiv(u * 32 + lane, CHUNKS))
-                                  + HALF // 2 + T.truncmod(u * 32 + lane, CHUNKS) * 4]),
-                T.address_of(smem[BASE + w * 2 * HALF + T.truncmod(u * 32 + lane, CHUNKS) * 8]),
-                T.address_of(smem[BASE + w * 2 * HALF + HALF + T.truncmod(u * 32 + lane, CHUNKS) * 8]),
-                T.address_of(smem[OFF_C + T.truncdiv(u * 32 + lane, CHUNKS) * HALF
-                                  + T.truncmod(u * 32 + lane, CHUNKS) * 8]),
-                T.address_of(smem[OFF_S + T.truncdiv(u * 32 + lane, CHUNKS) * HALF
-                                  + T.truncmod(u * 32 + lane, CHUNKS) * 8]),
-                source_code=rot8_src))
+    def rotate_keys(smem, slot, it, w, lane, angc, angs, rc):
+        """Warp ``w``'s 16 keys of tile ``it`` (in ``slot``, rows ``16 w ..``) rotated in place: the lane's base
+        angles (exact at an anchor tile, else stepped), its chunks, a warp barrier (the rotated rows visible to
+        the warp's ``ldmatrix``)."""
+        if T.truncmod(it, ANCHOR_TILES) == 0:
+            for e in T.unroll(8):
+                rope_sincos(angc, angs, e, it * tk + w * WARP_KEYS + T.truncdiv(lane, CHUNKS),
+                            smem[W_HI + T.truncmod(lane, CHUNKS) * 8 + e], smem[W_LO + T.truncmod(lane, CHUNKS) * 8 + e])
+        else:
+            for e in T.unroll(8):
+                rc[0] = angc[e] * angc[8 + e] - angs[e] * angs[8 + e]
+                angs[e] = angs[e] * angc[8 + e] + angc[e] * angs[8 + e]
+                angc[e] = rc[0]
+        T.evaluate(T.cuda.func_call(
+            rot, T.address_of(smem[k_row(slot, w * WARP_KEYS + T.truncdiv(lane, CHUNKS)) + T.truncmod(lane, CHUNKS) * 4]),
+            T.address_of(angc[0]), T.address_of(angs[0]), T.address_of(angc[16]), T.address_of(angs[16]),
+            source_code=rot_src))
         T.evaluate(syncwarp())
 
     return rope_setup, load_q_rope, rotate_keys
 
 
-__all__ = ["WARP_KEYS", "make_tc_rope_parts", "rope_words", "st_f32", "syncwarp"]
+__all__ = ["ANCHOR_TILES", "ANG_WORDS", "PACKED_F16", "WARP_KEYS", "make_tc_rope_parts", "rope_words", "rot_helper", "st_f32",
+           "syncwarp"]

@@ -370,13 +370,16 @@ def make_prefill_tc(op: str, spec, paged: bool, tile: str = "tc"):
         """S (64 rows x TK keys) by the warpgroup: one wgmma m64n{TK}k16 per k step, A = the warp's Q
         fragments, B = the K tile (core matrices, K-major: LBO 128 bytes between dim chunks, SBO ``16 D``
         between 8-key groups; k step ``ks`` starts 2 dim chunks = 128 elements further). The first k step
-        overwrites S (scale-d 0): no zeroing."""
+        overwrites S (scale-d 0): no zeroing. Q's registers are pinned from before the ``wg_fence`` to after
+        the wait (the wgmma's read them asynchronously)."""
+        T.evaluate(reg_fence(NKS * 4, T.address_of(qf[0])))
         T.evaluate(wg_fence())
         for ks in T.unroll(NKS):
             T.evaluate(wgmma(dtype, TK, 0, T.address_of(sacc[0]), T.address_of(qf[ks * 8]),
                              T.address_of(smem[kb + ks * 128]), 128, D * 16, accumulate=ks > 0))
         T.evaluate(wg_commit())
         T.evaluate(wg_wait0())
+        T.evaluate(reg_fence(NKS * 4, T.address_of(qf[0])))
         T.evaluate(acc_fence(TK, T.address_of(sacc[0])))
 
     @T.macro

@@ -55,7 +55,7 @@ def built(tmp_path_factory):
             out[name] = build(cfg, {"cuda_decode_kernel": "tc", "cuda_decode_splits": splits}, workdir / name)
             tc = [k for k, (body, _p) in out[name].kernels.items() if "pagedkv_mma_" in body and "tcd_smem" in body]
             assert len(tc) == 2, "the plain and the inline-RoPE decode run the tensor-core kernel"
-            assert sum("pagedkv_rope_rot8_" in out[name].kernels[k][0] for k in tc) == 1
+            assert sum("pagedkv_rope_rotl_" in out[name].kernels[k][0] for k in tc) == 1
         return out[name]
 
     return get
@@ -96,3 +96,44 @@ def test_emulated_tc_decode_two_slot_ring(apply_rope, tmp_path, monkeypatch):
                                  THETA, SCALE)
         assert env["S"] == int(splits)
         check_against_reference(f"slots2-s{splits}", cfg, ents, o, lse, apply_rope, THETA, SCALE, sm_scale)
+
+
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
+def test_emulated_tc_rope_anchor_every_other_tile(dtype, tmp_path, monkeypatch):
+    """The RoPE kernel's base angles re-anchored (exact ``rope_sincos``) every 2 tiles instead of every
+    ``ANCHOR_TILES``: anchors after stepped tiles (tiles 2, 4 of 300 keys at S = 1), both head dims' lane
+    layouts (8 and 4 chunks a half row), positions near 30,000 on every other entry."""
+    if shutil.which("g++") is None:
+        pytest.skip("g++ not found")
+    from pagedkv.tir_kernels import _decode_tc_rope_cuda as tcr
+
+    monkeypatch.setattr(tcr, "ANCHOR_TILES", 2)
+    for d, splits in ((128, "1"), (64, "1"), (64, "3")):
+        cfg = tk.KernelConfig(8, 2, d, d, dtype)
+        b = build(cfg, {"cuda_decode_kernel": "tc", "cuda_decode_splits": splits}, tmp_path / f"d{d}s{splits}")
+        gen = torch.Generator().manual_seed(int(torch.randint(0, 2**31 - 1, (1,))))
+        ents, pages, page_indptr, page_values, last = inputs(cfg, gen, LENGTHS, PS)
+        sm_scale = 0.9 / math.sqrt(cfg.head_dim)
+        o, lse, env = run_decode(b, cfg, ents, pages, page_indptr, page_values, last, PS, 1, sm_scale, THETA, SCALE)
+        assert env["S"] == int(splits)
+        check_against_reference(f"anchor2-d{d}-s{splits}", cfg, ents, o, lse, 1, THETA, SCALE, sm_scale)
+
+
+def test_emulated_tc_rope_packed_f16(tmp_path, monkeypatch):
+    """The fp16 RoPE rotation in packed half2 arithmetic (``PACKED_F16``, an experiment's switch; the emulator
+    takes its fp16 roundings element by element): both head dims, splits 1 and 3, positions near 30,000."""
+    if shutil.which("g++") is None:
+        pytest.skip("g++ not found")
+    from pagedkv.tir_kernels import _decode_tc_rope_cuda as tcr
+
+    monkeypatch.setattr(tcr, "PACKED_F16", True)
+    for d, splits in ((128, "1"), (64, "3")):
+        cfg = tk.KernelConfig(8, 2, d, d, "float16")
+        b = build(cfg, {"cuda_decode_kernel": "tc", "cuda_decode_splits": splits}, tmp_path / f"d{d}s{splits}")
+        assert any("_p(" in body for body, _p in b.kernels.values())
+        gen = torch.Generator().manual_seed(int(torch.randint(0, 2**31 - 1, (1,))))
+        ents, pages, page_indptr, page_values, last = inputs(cfg, gen, LENGTHS, PS)
+        sm_scale = 0.9 / math.sqrt(cfg.head_dim)
+        o, lse, env = run_decode(b, cfg, ents, pages, page_indptr, page_values, last, PS, 1, sm_scale, THETA, SCALE)
+        assert env["S"] == int(splits)
+        check_against_reference(f"packed-d{d}-s{splits}", cfg, ents, o, lse, 1, THETA, SCALE, sm_scale)
