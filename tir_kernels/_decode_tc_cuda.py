@@ -15,16 +15,20 @@ Design, one block per (entry, kv head, key split), 4 warps (``TCD_WARPS``):
   of two adjacent n8 tiles equals the A layout);
 * K and V tiles in a 3-slot ring (``TCD_SLOTS``) of dynamic shared memory (``tcd_smem``, 4-byte words; every
   access is a ``cp.async`` / ``ldmatrix`` address), rows padded by 8 halves so each 8-row phase of an
-  ``ldmatrix`` hits distinct banks; tiles ``it + 1`` and ``it + 2`` are in flight while tile ``it`` computes
-  (one barrier a tile). The loads gather 16-byte chunks through the page table; keys past the split's last
-  key are clamped to it (valid memory, real values, masked to P = 0, so no stale NaN meets a zero);
+  ``ldmatrix`` hits distinct banks; tiles ``it + 1`` and ``it + 2`` are in flight while tile ``it`` computes.
+  The plain kernel's block copies whole tiles behind one block barrier a tile; the RoPE kernel's warps each
+  copy and wait for their own 16 rows behind a warp barrier (``TCD_WARP_RING``: a warp's rotation then
+  never waits for another's). The first tiles' copies start before q is loaded. The loads gather 16-byte
+  chunks through the page table (the entry's first page slot held in a register); keys past the split's
+  last key are clamped to it (valid memory, real values, masked to P = 0, so no stale NaN meets a zero);
 * Q (unscaled) is held in registers as A fragments (loaded once); scores scaled by ``sm_scale * log2(e)`` in
   fp32, capped / masked by ``CudaVariant`` (the window is the split ranges, as in the staged kernel);
 * at the end the 4 warps' row states are merged through the (drained) ring (one barrier) and written as in
   the staged kernel: ``o`` / ``lse``, or with ``S > 1`` normalized partial states for the merge kernel.
 
-ptxas (sm_90a, no spills; ``tests/cpu/test_cuda_decode_tc.py``): D 128 about 140 registers with 104,448 bytes
-of dynamic shared memory (2 blocks an SM), D 64 about 96 (3 slots of 18,432 bytes... 55,296 bytes).
+ptxas (sm_90a, no spills, no stack; ``tests/cpu/test_cuda_decode_tc.py``): D 128 about 140 registers with
+104,448 bytes of dynamic shared memory (2 blocks an SM; the RoPE kernel about 215 registers and 512 bytes more),
+D 64 about 90 (3 slots of 18,432 bytes... 55,296 bytes).
 """
 
 from __future__ import annotations
@@ -35,7 +39,7 @@ from ._common import EMPTY_LSE, LOG2E
 from ._common_cuda import paged_kv_len, shfl_xor
 # The limits are data in the TVM-free kernel spec (a runtime-only process reports them too).
 from ..kernel_spec import TCD_DTYPES, TCD_HEAD_DIMS, TCD_MAX_GROUP, tc_decode_limits  # noqa: F401
-from ._decode_tc_rope_cuda import ANG_WORDS, make_tc_rope_parts, rope_words
+from ._decode_tc_rope_cuda import ANG_WORDS, make_tc_rope_parts, rope_words, syncwarp
 from ._mma_cuda import a_frag, c_frag, cp_async16, cp_async_commit, cp_async_wait0, cp_async_wait1, ldmatrix_x4, mma_sync
 
 #: Warps per block, keys per tile (16 per warp), ring slots, shared row padding (halves).
@@ -44,6 +48,11 @@ TCD_NT = TCD_WARPS * 32
 #: Blocks resident per SM at D 128 (104,448 bytes of shared memory, ~140 registers x 128 threads), x 132 SMs
 #: of an H200: the split policy's wave (``_common_cuda.wave_split_count``).
 TCD_RESIDENT_BLOCKS = 2 * 132
+#: Who copies a tile, by kernel ("plain", "rope"): True, each warp the 16 keys it scores (its rows of the ring),
+#: waiting for them alone (a warp barrier a tile); False, the block the whole tile behind one block barrier a
+#: tile. H200, 32/8/128 fp16, three A/B pairs in one run: the RoPE kernel 1.05-1.06x the plain one's time at
+#: B=64 L=4K per warp against 1.08-1.11x per block; the plain kernel 0.6% slower per warp at B=64.
+TCD_WARP_RING = {"plain": False, "rope": True}
 
 
 def smem_words(d: int, rope: bool = False) -> int:
@@ -65,13 +74,21 @@ def _layout(d: int):
     return k_base, v_base, rw
 
 
-def make_tc_parts(hkv: int, g: int, d: int, dtype: str, var):
-    """The kernel's stages as macros: ``(load_q, issue_tile, tile_step, store_rows)`` (see their docstrings)."""
+def make_tc_parts(hkv: int, g: int, d: int, dtype: str, var, *, warp_ring: bool = False):
+    """The kernel's stages as macros: ``(load_q, issue_tile, tile_step, store_rows)`` (see their docstrings);
+    ``warp_ring``: each warp copies its own rows of a tile (``TCD_WARP_RING``)."""
     D, G, HQ = d, g, hkv * g
     NKS, NDN = D // 16, D // 8
     PER_ROW = D // 8  # 16-byte chunks of a K / V row
     LOADS = TCD_TK * PER_ROW // TCD_NT  # chunks of K (and of V) per thread and tile
     k_base, v_base, RW = _layout(D)
+    # The row of thread tid's i-th chunk of a tile (its column is tid % PER_ROW either way: 32 and NT are
+    # multiples of PER_ROW; a warp's 16 rows are LOADS chunks a lane, as the tile is a thread's).
+
+    def load_row(i, tid):
+        if warp_ring:
+            return T.truncdiv(tid, 32) * 16 + T.truncdiv(i * 32 + T.truncmod(tid, 32), PER_ROW)
+        return T.truncdiv(i * TCD_NT + tid, PER_ROW)
 
     @T.macro
     def load_q(qf, q, b, h, lane):
@@ -86,20 +103,19 @@ def make_tc_parts(hkv: int, g: int, d: int, dtype: str, var):
 
     @T.macro
     def issue_tile(smem, pages, page_values, pbase, ps, h, t0, k1, slot, tid):
-        """Start the 16-byte copies of the K and V rows of keys ``t0 .. t0 + TK`` into ring slot ``slot``
-        (chunk ``i*NT + tid`` = key ``/ PER_ROW``, chunk ``% PER_ROW``), keys clamped to ``k1 - 1``; the
-        caller commits the group."""
+        """Start the 16-byte copies of the K and V rows of the tile of keys ``t0 .. t0 + TK`` into ring slot
+        ``slot``, keys clamped to ``k1 - 1``; the caller commits the group. ``warp_ring``: thread ``tid``'s
+        warp ``w`` copies its rows ``16 w ..`` (chunk ``i*32 + lane`` of them), else the block copies the
+        tile (chunk ``i*NT + tid``); a chunk's row is ``/ PER_ROW``, its column ``% PER_ROW``."""
         for i in T.unroll(LOADS):
-            jc: T.let[T.int32] = T.min(t0 + T.truncdiv(i * TCD_NT + tid, PER_ROW), k1 - 1)
+            jc: T.let[T.int32] = T.min(t0 + load_row(i, tid), k1 - 1)
             pg: T.let[T.int32] = page_values[pbase + T.truncdiv(jc, ps)]
             T.evaluate(cp_async16(
-                T.address_of(smem[k_base(slot) + T.truncdiv(i * TCD_NT + tid, PER_ROW) * RW
-                                  + T.truncmod(i * TCD_NT + tid, PER_ROW) * 4]),
-                T.address_of(pages[pg, 0, h, T.truncmod(jc, ps), T.truncmod(i * TCD_NT + tid, PER_ROW) * 8])))
+                T.address_of(smem[k_base(slot) + load_row(i, tid) * RW + T.truncmod(tid, PER_ROW) * 4]),
+                T.address_of(pages[pg, 0, h, T.truncmod(jc, ps), T.truncmod(tid, PER_ROW) * 8])))
             T.evaluate(cp_async16(
-                T.address_of(smem[v_base(slot) + T.truncdiv(i * TCD_NT + tid, PER_ROW) * RW
-                                  + T.truncmod(i * TCD_NT + tid, PER_ROW) * 4]),
-                T.address_of(pages[pg, 1, h, T.truncmod(jc, ps), T.truncmod(i * TCD_NT + tid, PER_ROW) * 8])))
+                T.address_of(smem[v_base(slot) + load_row(i, tid) * RW + T.truncmod(tid, PER_ROW) * 4]),
+                T.address_of(pages[pg, 1, h, T.truncmod(jc, ps), T.truncmod(tid, PER_ROW) * 8])))
 
     @T.macro
     def score(sacc, qf, bfr, smem, slot, w, lane):
@@ -226,7 +242,8 @@ def make_tc_key_loop(hkv: int, g: int, d: int, dtype: str, var, rotate_keys=None
     flight, and the barrier after it both publishes tile ``it`` and tells that every warp is done with tile
     ``it - 1``, whose slot ``(it + TCD_SLOTS - 1) % TCD_SLOTS`` then takes tile ``it + TCD_SLOTS - 1``. Every
     step commits a group (empty past the last tile), so the wait counts stay uniform."""
-    _load_q, issue_tile, tile_step, _store = make_tc_parts(hkv, g, d, dtype, var)
+    warp_ring = TCD_WARP_RING["plain" if rotate_keys is None else "rope"]
+    _load_q, issue_tile, tile_step, _store = make_tc_parts(hkv, g, d, dtype, var, warp_ring=warp_ring)
     TK, NS = TCD_TK, TCD_SLOTS
     if NS not in (2, 3):
         raise ValueError(f"pagedkv.tir_kernels: the tensor-core decode ring takes 2 or 3 slots, not {NS}")
@@ -240,11 +257,18 @@ def make_tc_key_loop(hkv: int, g: int, d: int, dtype: str, var, rotate_keys=None
             T.evaluate(cp_async_commit())
 
     @T.macro
+    def tile_barrier():
+        if warp_ring:
+            T.evaluate(syncwarp())
+        else:
+            T.tvm_storage_sync("shared")
+
+    @T.macro
     def key_loop(regs, smem, pages, page_values, pbase, ps, h, k0, k1, w, lane, tid, sm_scale):
         tiles: T.let[T.int32] = T.truncdiv(k1 - k0 + TK - 1, TK)
         for it in T.serial(tiles):
             T.evaluate(wait_newer())
-            T.tvm_storage_sync("shared")
+            tile_barrier()
             if it + NS - 1 < tiles:
                 issue_tile(smem, pages, page_values, pbase, ps, h, k0 + (it + NS - 1) * TK, k1,
                            T.truncmod(it + NS - 1, NS), tid)
@@ -296,6 +320,7 @@ def make_tc_kernel(hq: int, hkv: int, d: int, dtype: str, var, *, rope: bool = F
                         st = T.alloc_buffer((4,), "float32", scope="local")
                         rc = T.alloc_buffer((1,), "float32", scope="local")  # RoPE cos / sin
                         rs = T.alloc_buffer((1,), "float32", scope="local")
+                        pbuf = T.alloc_buffer((1,), "int32", scope="local")  # the entry's first page slot
                         # A lane's RoPE angles (base, tile step, row step: _decode_tc_rope_cuda).
                         angc = T.alloc_buffer((ANG_WORDS if rope else 1,), "float32", scope="local")
                         angs = T.alloc_buffer((ANG_WORDS if rope else 1,), "float32", scope="local")
@@ -314,8 +339,11 @@ def make_tc_kernel(hq: int, hkv: int, d: int, dtype: str, var, *, rope: bool = F
                                 T.truncdiv(var.decode_span_len(kvlen) + S - 1, S) + TK - 1, TK) * TK
                             k0: T.let[T.int32] = T.min(var.decode_key(kvlen, sp * chunk), kvlen)
                             k1: T.let[T.int32] = T.min(k0 + chunk, kvlen)
+                            # In a register (a let of a load is inlined by TVM, and the copies' asm clobbers
+                            # memory: the load would be redone for every chunk).
+                            pbuf[0] = page_indptr[bx]
                             # The first tiles' copies start before q is loaded (and the RoPE setup runs).
-                            issue_first(tcd_smem, pages, page_values, page_indptr[bx], ps, h, k0, k1, tid)
+                            issue_first(tcd_smem, pages, page_values, pbuf[0], ps, h, k0, k1, tid)
                             if rope:
                                 rope_setup(tcd_smem, angc, angs, rope_theta, rope_scale, tid, lane)
                                 load_q_rope(qf, q, bx, h, lane, q_pos[bx] - k_pos_offset[bx] - k0, tcd_smem, rc, rs)
@@ -327,7 +355,7 @@ def make_tc_kernel(hq: int, hkv: int, d: int, dtype: str, var, *, rope: bool = F
                             for e in T.unroll(NDN * 4):
                                 oacc[e] = T.float32(0)
                             key_loop((qf, bfr, sacc, pf, oacc, m, lsum, st, angc, angs, rc), tcd_smem, pages,
-                                     page_values, page_indptr[bx], ps, h, k0, k1, w, lane, tid, sm_scale)
+                                     page_values, pbuf[0], ps, h, k0, k1, w, lane, tid, sm_scale)
                             store_rows(o, lse, ws_o, ws_l, tcd_smem, oacc, m, lsum, st, bx, h, sp, S, w, lane, tid)
 
     return kernel

@@ -16,17 +16,20 @@ other warp reads them, so a warp barrier orders it). The work is fixed per lane:
   ``ANCHOR_TILES`` tiles, else the previous tile's rotated by the tile step ``TK * w_j`` (one float32 rotation
   a pair: the drift between anchors stays below 1e-5 rad, far under a storage-dtype rounding);
 * the key ``u`` of its chunks: ``base`` rotated ``u`` times by the row step ``32/C * w_j``;
-* the rotation helper (``pagedkv_rope_rotl_*``, generated per dtype and layout) loads the lane's ``C/2`` chunk
-  pairs (16-byte reads of each half row) first, then rotates them in float32 and rounds once to the storage
-  dtype, like the cache's own rotation, then stores them.
+* the rotation helper (``pagedkv_rope_rotl_*``, generated per dtype and layout, every loop unrolled) loads the
+  lane's ``C/2`` chunk pairs (16-byte reads of each half row) first, then rotates them, then stores them:
+  bf16 in float32 with one rounding to the storage dtype, like the cache's own rotation; fp16 in packed
+  half2 arithmetic (``PACKED_F16``: the angles in float32, ``x c - y s`` by ``__hmul2`` + ``__hfma2``).
 
 The tile and row steps are ``rope_sincos`` of the lane's 8 pairs once per block (``rope_setup``), after the
 pair frequencies (float64 formula kept as a float32 pair ``w_hi, w_lo``, the only RoPE table in shared memory:
 ``2 x D/2`` words after the ring, 512 bytes at D 128).
 
-Why this layout (H200, run 11): the first tc RoPE kernel read per-pair cos / sin tables from shared memory
+Why this layout (H200): the first tc RoPE kernel (run 11) read per-pair cos / sin tables from shared memory
 (four float32 words a pair, 16 KB a warp and tile against the tile's own 8 KB) and took 1.38x the plain
-kernel's time at B = 64, latency-bound with 8 warps an SM.
+kernel's time at B = 64, latency-bound with 8 warps an SM. This one takes 1.05-1.06x there (1.12-1.15x with
+the float32 fp16 rotation, 1.6-2x while a rolled loop left the chunks in local memory) and 1.03-1.04x at
+B = 1 L = 32K (BENCHMARKS.md, run 12).
 """
 
 from __future__ import annotations
@@ -41,8 +44,10 @@ WARP_KEYS = 16
 #: Tiles between a lane's exact base angles (module docstring); tests set it small to reach both paths.
 ANCHOR_TILES = 32
 #: fp16 keys rotated in packed half2 arithmetic (``__hfma2``: a third of the float32 path's instructions, about
-#: three fp16 roundings a rotated element instead of one); False: float32, one rounding (an experiment's switch).
-PACKED_F16 = False
+#: three fp16 roundings a rotated element instead of one); False: float32 and one rounding, as bf16 always is.
+#: H200, 32/8/128 fp16, three A/B pairs in one run: RoPE / plain decode 1.04 (B=1 L=32K) and 1.07-1.10 (B=64
+#: L=4K) against float32's 1.04-1.05 and 1.12-1.15; relative error 4.7e-4 against 4.1e-4.
+PACKED_F16 = True
 #: Slots of a lane's angle registers (``angc`` / ``angs``): the base, the tile step, the row step (8 pairs each).
 ANG_WORDS = 24
 _CTYPE = {"float16": ("half", "__half2float", "__float2half_rn"),
@@ -52,7 +57,7 @@ _CTYPE = {"float16": ("half", "__half2float", "__float2half_rn"),
 def _rotate_chunk(dtype: str, packed: bool) -> str:
     """CUDA statements rotating the chunk pair ``x[8], y[8]`` (storage dtype) by ``c[8], s[8]`` (float32)."""
     ctype, to_f, from_f = _CTYPE[dtype]
-    scalar = ("    for (int e = 0; e < 8; ++e) {\n"
+    scalar = ("    #pragma unroll\n    for (int e = 0; e < 8; ++e) {\n"
               f"      float xf = {to_f}(x[e]), yf = {to_f}(y[e]);\n"
               f"      x[e] = {from_f}(xf * c[e] - yf * s[e]);\n      y[e] = {from_f}(yf * c[e] + xf * s[e]);\n    }}\n")
     if not packed:
@@ -60,13 +65,13 @@ def _rotate_chunk(dtype: str, packed: bool) -> str:
     # x c - y s and y c + x s on half2 pairs (HMUL2 then HFMA2, each rounded to fp16); the emulator (no
     # __CUDA_ARCH__) takes the same roundings element by element.
     return ("#ifdef __CUDA_ARCH__\n"
-            "    for (int e = 0; e < 8; e += 2) {\n"
+            "    #pragma unroll\n    for (int e = 0; e < 8; e += 2) {\n"
             "      __half2 C = __floats2half2_rn(c[e], c[e + 1]), S = __floats2half2_rn(s[e], s[e + 1]);\n"
             "      __half2 X = __halves2half2(x[e], x[e + 1]), Y = __halves2half2(y[e], y[e + 1]);\n"
             "      __half2 XN = __hfma2(X, C, __hneg2(__hmul2(Y, S))), YN = __hfma2(Y, C, __hmul2(X, S));\n"
             "      x[e] = __low2half(XN); x[e + 1] = __high2half(XN); y[e] = __low2half(YN); y[e + 1] = __high2half(YN);\n"
             "    }\n#else\n"
-            "    for (int e = 0; e < 8; ++e) {\n"
+            "    #pragma unroll\n    for (int e = 0; e < 8; ++e) {\n"
             "      float ch = __half2float(__float2half_rn(c[e])), sh = __half2float(__float2half_rn(s[e]));\n"
             "      float ys = __half2float(__float2half_rn(__half2float(y[e]) * sh));\n"
             "      float xs = __half2float(__float2half_rn(__half2float(x[e]) * sh));\n"
@@ -88,19 +93,20 @@ def rot_helper(dtype: str, jobs: int, step_words: int, hi_words: int, *, packed:
            f"__device__ __forceinline__ void {name}(void* row, const float* bc, const float* bs, const float* uc, "
            "const float* us) {\n"
            f"  float* w = static_cast<float*>(row);\n  uint4 lo[{jobs}], hi[{jobs}];\n"
-           # Every load first (independent), then the arithmetic, then the stores.
-           f"  for (int u = 0; u < {jobs}; ++u) {{\n"
+           # Every load first (independent), then the arithmetic, then the stores; every loop unrolled (a
+           # rolled one keeps lo / hi in local memory: 128 bytes of stack, 1.6-2x the kernel's time on the H200).
+           f"  #pragma unroll\n  for (int u = 0; u < {jobs}; ++u) {{\n"
            f"    lo[u] = *reinterpret_cast<const uint4*>(w + u * {step_words});\n"
            f"    hi[u] = *reinterpret_cast<const uint4*>(w + u * {step_words} + {hi_words});\n  }}\n"
-           "  float c[8], s[8];\n  for (int e = 0; e < 8; ++e) { c[e] = bc[e]; s[e] = bs[e]; }\n"
-           f"  for (int u = 0; u < {jobs}; ++u) {{\n"
-           "    if (u > 0) {\n      for (int e = 0; e < 8; ++e) {\n"
+           "  float c[8], s[8];\n  #pragma unroll\n  for (int e = 0; e < 8; ++e) { c[e] = bc[e]; s[e] = bs[e]; }\n"
+           f"  #pragma unroll\n  for (int u = 0; u < {jobs}; ++u) {{\n"
+           "    if (u > 0) {\n      #pragma unroll\n      for (int e = 0; e < 8; ++e) {\n"
            "        float t = c[e] * uc[e] - s[e] * us[e];\n        s[e] = s[e] * uc[e] + c[e] * us[e];\n"
            "        c[e] = t;\n      }\n    }\n"
            f"    {ctype} x[8], y[8];\n    memcpy(x, &lo[u], 16);\n    memcpy(y, &hi[u], 16);\n"
            + _rotate_chunk(dtype, packed) +
            "    memcpy(&lo[u], x, 16);\n    memcpy(&hi[u], y, 16);\n  }\n"
-           f"  for (int u = 0; u < {jobs}; ++u) {{\n"
+           f"  #pragma unroll\n  for (int u = 0; u < {jobs}; ++u) {{\n"
            f"    *reinterpret_cast<uint4*>(w + u * {step_words}) = lo[u];\n"
            f"    *reinterpret_cast<uint4*>(w + u * {step_words} + {hi_words}) = hi[u];\n  }}\n}}\n#endif\n")
     return name, src

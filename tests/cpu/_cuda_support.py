@@ -69,6 +69,18 @@ def nvcc_all(configs, source, workdir: pathlib.Path, prefix: str = "") -> dict:
         return {cfg: fut.result() for cfg, fut in futures.items()}
 
 
+def stack_frames(log: str) -> dict:
+    """``{kernel: stack frame bytes}`` from an ``-Xptxas -v`` log (local arrays ptxas could not keep in
+    registers live there: a rolled loop over a register array is enough)."""
+    out, name = {}, None
+    for line in log.splitlines():
+        if m := re.search(r"Compiling entry function '(\w+)'", line):
+            name = m.group(1)
+        elif (m := re.search(r"(\d+) bytes stack frame", line)) and name is not None:
+            out[name] = int(m.group(1))
+    return out
+
+
 def ptxas_usage(log: str) -> dict:
     """``{kernel: (registers, spill store bytes, spill load bytes)}`` from an ``-Xptxas -v`` log."""
     usage, name, spills = {}, None, (0, 0)

@@ -20,7 +20,7 @@ import dataclasses
 import re
 
 import pytest
-from _cuda_support import nvcc_all, ops_cuda_source, ptxas_usage
+from _cuda_support import nvcc_all, ops_cuda_source, ptxas_usage, stack_frames
 from _decode_emu import host_main, launches
 
 from pagedkv import tir_kernels as tk
@@ -44,9 +44,10 @@ NVCC = {
 
 
 #: Registers the RoPE kernel may take beyond the plain bound: a lane's angles live in registers (48 floats:
-#: base, tile step, row step) and its chunks are loaded before they are rotated; measured 204 at 32/8/128 fp16
-#: against the plain 141. Two blocks an SM (set by shared memory) leave 255 a thread.
-ROPE_REGS = 64
+#: base, tile step, row step) and its chunks are loaded before they are rotated; measured 213 (packed fp16) and
+#: 227 (float32 rotation) at 32/8/128 fp16 against the plain 141. Two blocks an SM (set by shared memory) leave
+#: 255 a thread.
+ROPE_REGS = 72
 
 
 def _with(cfg, **paths):
@@ -135,6 +136,7 @@ def test_tc_nvcc_no_spills_registers_mma(name, nvcc_results):
     assert rc == 0, log[-3000:]
     usage = ptxas_usage(log)
     assert usage and all(max(u[1:]) == 0 for u in usage.values()), usage
+    assert not any(stack_frames(log).values()), stack_frames(log)  # no local arrays left in memory
     cfg, most = NVCC[name]
     bodies = _bodies((workdir / f"tcd_{name}.cu").read_text())
     tc_kernels = [k for k, b in bodies.items() if "tcd_smem" in b]
@@ -148,7 +150,7 @@ def test_tc_nvcc_no_spills_registers_mma(name, nvcc_results):
         assert len(re.findall(r"\bpagedkv_mma_b?f16\(", body)) == cfg.head_dim // 4
         assert body.count("pagedkv_cp_async16(") == 2 * (tc.TCD_TK * cfg.head_dim // 8) // tc.TCD_NT * 3
         # RoPE: one rotation call a tile (a lane's D/32 chunks of its warp's 16 keys)
-        assert len(re.findall(r"\bpagedkv_rope_rotl_b?f16_j\d+_r\d+_h\d+\(", body)) == (1 if rope else 0)
+        assert len(re.findall(r"\bpagedkv_rope_rotl_b?f16_j\d+_r\d+_h\d+(_p)?\(", body)) == (1 if rope else 0)
     assert sum("pagedkv_rope_rotl_" in bodies[k] for k in tc_kernels) == 1
     assert "mma" not in "".join(b for k, b in bodies.items() if k not in tc_kernels)  # merge: SIMT
 
@@ -170,18 +172,24 @@ def test_tc_dynamic_shared_memory_launch():
             assert dyn == [tc.smem_words(cfg.head_dim, rope=bool(rope)) * 4], (rope, dyn, params)
 
 
-def test_tc_rope_packed_f16_nvcc(tmp_path, monkeypatch):
-    """The packed-half2 fp16 rotation (``PACKED_F16``, an experiment's switch) compiles for sm_90a without
-    spills and within the RoPE register bound."""
+@pytest.mark.parametrize("switch", ["float32_rotation", "rings_inverted"])
+def test_tc_switches_nvcc(switch, tmp_path, monkeypatch):
+    """The kernel's non-default build switches (``PACKED_F16 = False``: fp16 keys rotated in float32;
+    ``TCD_WARP_RING`` inverted: per-warp copies in the plain kernel, block-wide in the RoPE one) compile for
+    sm_90a without spills or stack, within the register bounds."""
     from pagedkv.tir_kernels import _decode_tc_rope_cuda as tcr
 
-    monkeypatch.setattr(tcr, "PACKED_F16", True)
+    if switch == "float32_rotation":
+        monkeypatch.setattr(tcr, "PACKED_F16", False)
+    else:
+        monkeypatch.setattr(tc, "TCD_WARP_RING", {"plain": True, "rope": False})
     cfg, most = NVCC["32x8x128-f16"]
     src = ops_cuda_source(_with(cfg, cuda_decode_kernel="tc"), (OP,), SM90)
-    assert "__hfma2(" in src
-    rc, log = nvcc_all([("packed",)], lambda key: src, tmp_path, "tcdp_")[("packed",)]
+    assert ("__hfma2(" in src) == (switch != "float32_rotation")
+    rc, log = nvcc_all([(switch,)], lambda key: src, tmp_path, "tcdsw_")[(switch,)]
     assert rc == 0, log[-3000:]
     usage = ptxas_usage(log)
     assert usage and all(max(u[1:]) == 0 for u in usage.values()), usage
+    assert not any(stack_frames(log).values()), stack_frames(log)
     assert max(u[0] for u in usage.values()) <= most + ROPE_REGS, usage
-    print("packed f16 RoPE:", usage)
+    print(switch, usage)

@@ -119,21 +119,33 @@ def test_emulated_tc_rope_anchor_every_other_tile(dtype, tmp_path, monkeypatch):
         check_against_reference(f"anchor2-d{d}-s{splits}", cfg, ents, o, lse, 1, THETA, SCALE, sm_scale)
 
 
-def test_emulated_tc_rope_packed_f16(tmp_path, monkeypatch):
-    """The fp16 RoPE rotation in packed half2 arithmetic (``PACKED_F16``, an experiment's switch; the emulator
-    takes its fp16 roundings element by element): both head dims, splits 1 and 3, positions near 30,000."""
+@pytest.mark.parametrize("switch", ["float32_rotation", "rings_inverted"])
+def test_emulated_tc_decode_switches(switch, tmp_path, monkeypatch):
+    """The kernel's other build switches, which the defaults never build: ``PACKED_F16 = False`` (fp16 keys
+    rotated in float32, as bf16 always is) and ``TCD_WARP_RING`` inverted (the plain kernel's warps copy their
+    own rows behind a warp barrier, the RoPE kernel's block whole tiles behind a block barrier); plain and
+    RoPE, both head dims, splits 1 and 3, positions near 30,000."""
     if shutil.which("g++") is None:
         pytest.skip("g++ not found")
+    from pagedkv.tir_kernels import _decode_tc_cuda as tcd
     from pagedkv.tir_kernels import _decode_tc_rope_cuda as tcr
 
-    monkeypatch.setattr(tcr, "PACKED_F16", True)
+    if switch == "float32_rotation":
+        monkeypatch.setattr(tcr, "PACKED_F16", False)
+    else:
+        monkeypatch.setattr(tcd, "TCD_WARP_RING", {"plain": True, "rope": False})
     for d, splits in ((128, "1"), (64, "3")):
         cfg = tk.KernelConfig(8, 2, d, d, "float16")
         b = build(cfg, {"cuda_decode_kernel": "tc", "cuda_decode_splits": splits}, tmp_path / f"d{d}s{splits}")
-        assert any("_p(" in body for body, _p in b.kernels.values())
+        bodies = [body for body, _p in b.kernels.values() if "tcd_smem" in body]
+        assert any("pagedkv_rope_rotl_" in body for body in bodies)
+        assert not any("_p(" in body for body in bodies) if switch == "float32_rotation" else True
         gen = torch.Generator().manual_seed(int(torch.randint(0, 2**31 - 1, (1,))))
         ents, pages, page_indptr, page_values, last = inputs(cfg, gen, LENGTHS, PS)
         sm_scale = 0.9 / math.sqrt(cfg.head_dim)
-        o, lse, env = run_decode(b, cfg, ents, pages, page_indptr, page_values, last, PS, 1, sm_scale, THETA, SCALE)
-        assert env["S"] == int(splits)
-        check_against_reference(f"packed-d{d}-s{splits}", cfg, ents, o, lse, 1, THETA, SCALE, sm_scale)
+        for rope in (0, 1):
+            o, lse, env = run_decode(b, cfg, ents, pages, page_indptr, page_values, last, PS, rope, sm_scale,
+                                     THETA, SCALE)
+            assert env["S"] == int(splits)
+            check_against_reference(f"{switch}-d{d}-s{splits}-rope{rope}", cfg, ents, o, lse, rope, THETA, SCALE,
+                                    sm_scale)
