@@ -19,16 +19,18 @@ Design, one block per (entry, kv head, key split), 4 warps (``TCD_WARPS``):
   The plain kernel's block copies whole tiles behind one block barrier a tile; the RoPE kernel's warps each
   copy and wait for their own 16 rows behind a warp barrier (``TCD_WARP_RING``: a warp's rotation then
   never waits for another's). The first tiles' copies start before q is loaded. The loads gather 16-byte
-  chunks through the page table (the entry's first page slot held in a register); keys past the split's
-  last key are clamped to it (valid memory, real values, masked to P = 0, so no stale NaN meets a zero);
+  chunks through the page table (the entry's first page slot held in a register; a step looks up the pages
+  of the tile the next step copies at D 128, ``TCD_LOOKUP_AHEAD``, so those loads are in flight while a
+  tile computes: 1-1.5% at B = 16-64 on the H200); keys past the split's last key are clamped to it (valid
+  memory, real values, masked to P = 0, so no stale NaN meets a zero);
 * Q (unscaled) is held in registers as A fragments (loaded once); scores scaled by ``sm_scale * log2(e)`` in
   fp32, capped / masked by ``CudaVariant`` (the window is the split ranges, as in the staged kernel);
 * at the end the 4 warps' row states are merged through the (drained) ring (one barrier) and written as in
   the staged kernel: ``o`` / ``lse``, or with ``S > 1`` normalized partial states for the merge kernel.
 
-ptxas (sm_90a, no spills, no stack; ``tests/cpu/test_cuda_decode_tc.py``): D 128 about 140 registers with
-104,448 bytes of dynamic shared memory (2 blocks an SM; the RoPE kernel about 215 registers and 512 bytes more),
-D 64 about 90 (3 slots of 18,432 bytes... 55,296 bytes).
+ptxas (sm_90a, no spills, no stack; ``tests/cpu/test_cuda_decode_tc.py``): D 128 about 160 registers with
+104,448 bytes of dynamic shared memory (2 blocks an SM; the RoPE kernel about 230 registers and 512 bytes more),
+D 64 about 100 (3 slots of 18,432 bytes... 55,296 bytes).
 """
 
 from __future__ import annotations
@@ -53,6 +55,10 @@ TCD_RESIDENT_BLOCKS = 2 * 132
 #: tile. H200, 32/8/128 fp16, three A/B pairs in one run: the RoPE kernel 1.05-1.06x the plain one's time at
 #: B=64 L=4K per warp against 1.08-1.11x per block; the plain kernel 0.6% slower per warp at B=64.
 TCD_WARP_RING = {"plain": False, "rope": True}
+#: By head dim: the page-table lookups of the tile a loop step copies are made one step earlier (their loads
+#: in flight while a tile computes; H200, D 128: 1-1.5% at B = 16-64); False: right before its copies, on
+#: the step's critical path (D 64: with the 8 registers it takes, ptxas spills 4 bytes at bf16 group 1).
+TCD_LOOKUP_AHEAD = {64: False, 128: True}
 
 
 def smem_words(d: int, rope: bool = False) -> int:
@@ -102,20 +108,27 @@ def make_tc_parts(hkv: int, g: int, d: int, dtype: str, var, *, warp_ring: bool 
                     qf[ks * 8 + i] = T.Cast(dtype, T.float32(0))
 
     @T.macro
-    def issue_tile(smem, pages, page_values, pbase, ps, h, t0, k1, slot, tid):
-        """Start the 16-byte copies of the K and V rows of the tile of keys ``t0 .. t0 + TK`` into ring slot
-        ``slot``, keys clamped to ``k1 - 1``; the caller commits the group. ``warp_ring``: thread ``tid``'s
-        warp ``w`` copies its rows ``16 w ..`` (chunk ``i*32 + lane`` of them), else the block copies the
-        tile (chunk ``i*NT + tid``); a chunk's row is ``/ PER_ROW``, its column ``% PER_ROW``."""
+    def lookup_tile(pgs, page_values, pbase, ps, t0, k1, tid):
+        """``pgs[i]``, ``pgs[LOADS + i]``: the page and the slot in it of thread ``tid``'s ``i``-th row of the
+        tile of keys ``t0 .. t0 + TK`` (keys clamped to ``k1 - 1``). ``warp_ring``: thread ``tid``'s warp
+        ``w`` copies its rows ``16 w ..`` (chunk ``i*32 + lane`` of them), else the block copies the tile
+        (chunk ``i*NT + tid``); a chunk's row is ``/ PER_ROW``, its column ``% PER_ROW``."""
         for i in T.unroll(LOADS):
             jc: T.let[T.int32] = T.min(t0 + load_row(i, tid), k1 - 1)
-            pg: T.let[T.int32] = page_values[pbase + T.truncdiv(jc, ps)]
+            pgs[i] = page_values[pbase + T.truncdiv(jc, ps)]
+            pgs[LOADS + i] = T.truncmod(jc, ps)
+
+    @T.macro
+    def issue_tile(smem, pages, pgs, h, slot, tid):
+        """Start the 16-byte copies of the K and V rows that ``lookup_tile`` located into ring slot ``slot``;
+        the caller commits the group."""
+        for i in T.unroll(LOADS):
             T.evaluate(cp_async16(
                 T.address_of(smem[k_base(slot) + load_row(i, tid) * RW + T.truncmod(tid, PER_ROW) * 4]),
-                T.address_of(pages[pg, 0, h, T.truncmod(jc, ps), T.truncmod(tid, PER_ROW) * 8])))
+                T.address_of(pages[pgs[i], 0, h, pgs[LOADS + i], T.truncmod(tid, PER_ROW) * 8])))
             T.evaluate(cp_async16(
                 T.address_of(smem[v_base(slot) + load_row(i, tid) * RW + T.truncmod(tid, PER_ROW) * 4]),
-                T.address_of(pages[pg, 1, h, T.truncmod(jc, ps), T.truncmod(tid, PER_ROW) * 8])))
+                T.address_of(pages[pgs[i], 1, h, pgs[LOADS + i], T.truncmod(tid, PER_ROW) * 8])))
 
     @T.macro
     def score(sacc, qf, bfr, smem, slot, w, lane):
@@ -229,7 +242,7 @@ def make_tc_parts(hkv: int, g: int, d: int, dtype: str, var, *, warp_ring: bool 
                     if dd == 0:
                         ws_l[row] = T.float32(EMPTY_LSE)
 
-    return load_q, issue_tile, tile_step, store_rows
+    return load_q, (lookup_tile, issue_tile), tile_step, store_rows
 
 
 def make_tc_key_loop(hkv: int, g: int, d: int, dtype: str, var, rotate_keys=None):
@@ -243,18 +256,24 @@ def make_tc_key_loop(hkv: int, g: int, d: int, dtype: str, var, rotate_keys=None
     ``it - 1``, whose slot ``(it + TCD_SLOTS - 1) % TCD_SLOTS`` then takes tile ``it + TCD_SLOTS - 1``. Every
     step commits a group (empty past the last tile), so the wait counts stay uniform."""
     warp_ring = TCD_WARP_RING["plain" if rotate_keys is None else "rope"]
-    _load_q, issue_tile, tile_step, _store = make_tc_parts(hkv, g, d, dtype, var, warp_ring=warp_ring)
+    ahead = TCD_LOOKUP_AHEAD[d]
+    _load_q, (lookup_tile, issue_tile), tile_step, _store = make_tc_parts(hkv, g, d, dtype, var,
+                                                                           warp_ring=warp_ring)
     TK, NS = TCD_TK, TCD_SLOTS
     if NS not in (2, 3):
         raise ValueError(f"pagedkv.tir_kernels: the tensor-core decode ring takes 2 or 3 slots, not {NS}")
     wait_newer = cp_async_wait1 if NS == 3 else cp_async_wait0
 
     @T.macro
-    def issue_first(smem, pages, page_values, pbase, ps, h, k0, k1, tid):
+    def issue_first(pgs, smem, pages, page_values, pbase, ps, h, k0, k1, tid):
         for j in T.unroll(NS - 1):
             if j < T.truncdiv(k1 - k0 + TK - 1, TK):
-                issue_tile(smem, pages, page_values, pbase, ps, h, k0 + j * TK, k1, j, tid)
+                lookup_tile(pgs, page_values, pbase, ps, k0 + j * TK, k1, tid)
+                issue_tile(smem, pages, pgs, h, j, tid)
             T.evaluate(cp_async_commit())
+        if ahead:
+            if NS - 1 < T.truncdiv(k1 - k0 + TK - 1, TK):
+                lookup_tile(pgs, page_values, pbase, ps, k0 + (NS - 1) * TK, k1, tid)
 
     @T.macro
     def tile_barrier():
@@ -270,8 +289,14 @@ def make_tc_key_loop(hkv: int, g: int, d: int, dtype: str, var, rotate_keys=None
             T.evaluate(wait_newer())
             tile_barrier()
             if it + NS - 1 < tiles:
-                issue_tile(smem, pages, page_values, pbase, ps, h, k0 + (it + NS - 1) * TK, k1,
-                           T.truncmod(it + NS - 1, NS), tid)
+                if ahead:
+                    issue_tile(smem, pages, regs[11], h, T.truncmod(it + NS - 1, NS), tid)
+                    # The next tile's pages load while this one computes.
+                    if it + NS < tiles:
+                        lookup_tile(regs[11], page_values, pbase, ps, k0 + (it + NS) * TK, k1, tid)
+                else:
+                    lookup_tile(regs[11], page_values, pbase, ps, k0 + (it + NS - 1) * TK, k1, tid)
+                    issue_tile(smem, pages, regs[11], h, T.truncmod(it + NS - 1, NS), tid)
             T.evaluate(cp_async_commit())
             if rotate_keys is not None:
                 # Key k0 + t at relative position t (q was rotated by q_pos - k_pos_offset - k0).
@@ -321,6 +346,8 @@ def make_tc_kernel(hq: int, hkv: int, d: int, dtype: str, var, *, rope: bool = F
                         rc = T.alloc_buffer((1,), "float32", scope="local")  # RoPE cos / sin
                         rs = T.alloc_buffer((1,), "float32", scope="local")
                         pbuf = T.alloc_buffer((1,), "int32", scope="local")  # the entry's first page slot
+                        # Pages and in-page slots of a thread's rows of the next tile copied (lookup_tile).
+                        pgs = T.alloc_buffer((2 * (TCD_TK * d // 8 // TCD_NT),), "int32", scope="local")
                         # A lane's RoPE angles (base, tile step, row step: _decode_tc_rope_cuda).
                         angc = T.alloc_buffer((ANG_WORDS if rope else 1,), "float32", scope="local")
                         angs = T.alloc_buffer((ANG_WORDS if rope else 1,), "float32", scope="local")
@@ -343,7 +370,7 @@ def make_tc_kernel(hq: int, hkv: int, d: int, dtype: str, var, *, rope: bool = F
                             # memory: the load would be redone for every chunk).
                             pbuf[0] = page_indptr[bx]
                             # The first tiles' copies start before q is loaded (and the RoPE setup runs).
-                            issue_first(tcd_smem, pages, page_values, pbuf[0], ps, h, k0, k1, tid)
+                            issue_first(pgs, tcd_smem, pages, page_values, pbuf[0], ps, h, k0, k1, tid)
                             if rope:
                                 rope_setup(tcd_smem, angc, angs, rope_theta, rope_scale, tid, lane)
                                 load_q_rope(qf, q, bx, h, lane, q_pos[bx] - k_pos_offset[bx] - k0, tcd_smem, rc, rs)
@@ -354,7 +381,7 @@ def make_tc_kernel(hq: int, hkv: int, d: int, dtype: str, var, *, rope: bool = F
                                 lsum[rr] = T.float32(0)
                             for e in T.unroll(NDN * 4):
                                 oacc[e] = T.float32(0)
-                            key_loop((qf, bfr, sacc, pf, oacc, m, lsum, st, angc, angs, rc), tcd_smem, pages,
+                            key_loop((qf, bfr, sacc, pf, oacc, m, lsum, st, angc, angs, rc, pgs), tcd_smem, pages,
                                      page_values, pbuf[0], ps, h, k0, k1, w, lane, tid, sm_scale)
                             store_rows(o, lse, ws_o, ws_l, tcd_smem, oacc, m, lsum, st, bx, h, sp, S, w, lane, tid)
 

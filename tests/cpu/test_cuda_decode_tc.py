@@ -44,10 +44,11 @@ NVCC = {
 
 
 #: Registers the RoPE kernel may take beyond the plain bound: a lane's angles live in registers (48 floats:
-#: base, tile step, row step) and its chunks are loaded before they are rotated; measured 213 (packed fp16) and
-#: 227 (float32 rotation) at 32/8/128 fp16 against the plain 141. Two blocks an SM (set by shared memory) leave
+#: base, tile step, row step) and its chunks are loaded before they are rotated; measured 229 (packed fp16) and
+#: 239 (float32 rotation) at 32/8/128 fp16 against the plain 160 (both with the next tile's page lookups in 16
+#: registers). Two blocks an SM (set by shared memory) leave
 #: 255 a thread.
-ROPE_REGS = 72
+ROPE_REGS = 80
 
 
 def _with(cfg, **paths):
@@ -172,17 +173,20 @@ def test_tc_dynamic_shared_memory_launch():
             assert dyn == [tc.smem_words(cfg.head_dim, rope=bool(rope)) * 4], (rope, dyn, params)
 
 
-@pytest.mark.parametrize("switch", ["float32_rotation", "rings_inverted"])
+@pytest.mark.parametrize("switch", ["float32_rotation", "rings_inverted", "lookup_inverted"])
 def test_tc_switches_nvcc(switch, tmp_path, monkeypatch):
     """The kernel's non-default build switches (``PACKED_F16 = False``: fp16 keys rotated in float32;
-    ``TCD_WARP_RING`` inverted: per-warp copies in the plain kernel, block-wide in the RoPE one) compile for
-    sm_90a without spills or stack, within the register bounds."""
+    ``TCD_WARP_RING`` inverted: per-warp copies in the plain kernel, block-wide in the RoPE one;
+    ``TCD_LOOKUP_AHEAD`` inverted: D 128's page lookups right before their copies) compile for sm_90a
+    without spills or stack, within the register bounds."""
     from pagedkv.tir_kernels import _decode_tc_rope_cuda as tcr
 
     if switch == "float32_rotation":
         monkeypatch.setattr(tcr, "PACKED_F16", False)
-    else:
+    elif switch == "rings_inverted":
         monkeypatch.setattr(tc, "TCD_WARP_RING", {"plain": True, "rope": False})
+    else:
+        monkeypatch.setattr(tc, "TCD_LOOKUP_AHEAD", {64: True, 128: False})
     cfg, most = NVCC["32x8x128-f16"]
     src = ops_cuda_source(_with(cfg, cuda_decode_kernel="tc"), (OP,), SM90)
     assert ("__hfma2(" in src) == (switch != "float32_rotation")

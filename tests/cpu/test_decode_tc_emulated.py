@@ -119,12 +119,13 @@ def test_emulated_tc_rope_anchor_every_other_tile(dtype, tmp_path, monkeypatch):
         check_against_reference(f"anchor2-d{d}-s{splits}", cfg, ents, o, lse, 1, THETA, SCALE, sm_scale)
 
 
-@pytest.mark.parametrize("switch", ["float32_rotation", "rings_inverted"])
+@pytest.mark.parametrize("switch", ["float32_rotation", "rings_inverted", "lookup_inverted"])
 def test_emulated_tc_decode_switches(switch, tmp_path, monkeypatch):
     """The kernel's other build switches, which the defaults never build: ``PACKED_F16 = False`` (fp16 keys
     rotated in float32, as bf16 always is) and ``TCD_WARP_RING`` inverted (the plain kernel's warps copy their
-    own rows behind a warp barrier, the RoPE kernel's block whole tiles behind a block barrier); plain and
-    RoPE, both head dims, splits 1 and 3, positions near 30,000."""
+    own rows behind a warp barrier, the RoPE kernel's block whole tiles behind a block barrier) and
+    ``TCD_LOOKUP_AHEAD`` inverted (D 128's page lookups right before their copies, D 64's a step early);
+    plain and RoPE, both head dims, splits 1 and 3, positions near 30,000."""
     if shutil.which("g++") is None:
         pytest.skip("g++ not found")
     from pagedkv.tir_kernels import _decode_tc_cuda as tcd
@@ -132,8 +133,10 @@ def test_emulated_tc_decode_switches(switch, tmp_path, monkeypatch):
 
     if switch == "float32_rotation":
         monkeypatch.setattr(tcr, "PACKED_F16", False)
-    else:
+    elif switch == "rings_inverted":
         monkeypatch.setattr(tcd, "TCD_WARP_RING", {"plain": True, "rope": False})
+    else:
+        monkeypatch.setattr(tcd, "TCD_LOOKUP_AHEAD", {64: True, 128: False})
     for d, splits in ((128, "1"), (64, "3")):
         cfg = tk.KernelConfig(8, 2, d, d, "float16")
         b = build(cfg, {"cuda_decode_kernel": "tc", "cuda_decode_splits": splits}, tmp_path / f"d{d}s{splits}")
