@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import ctypes
 import dataclasses
+import importlib
 import math
 import pathlib
 import re
@@ -46,6 +47,21 @@ def kernels_of(src: str, *, dyn_smem_bytes: int = DYN_SMEM_BYTES) -> dict:
         params = [tuple(p.replace("__restrict__", "").rsplit(None, 1)) for p in m.group(2).split(", ")]
         out[m.group(1)] = (body, params)
     return out
+
+
+#: The tensor-core decode's non-default build switches (tests build each once): name -> (module of
+#: ``pagedkv.tir_kernels``, attribute, value).
+TC_SWITCHES = {
+    "float32_rotation": ("_decode_tc_rope_cuda", "PACKED_F16", False),
+    "rings_inverted": ("_decode_tc_cuda", "TCD_WARP_RING", {"plain": True, "rope": False}),
+    "lookup_inverted": ("_decode_tc_cuda", "TCD_LOOKUP_AHEAD", {64: True, 128: False}),
+}
+
+
+def set_tc_switch(monkeypatch, switch: str) -> None:
+    """Flip one of ``TC_SWITCHES`` for the test (kernels built afterwards see it)."""
+    module, attr, value = TC_SWITCHES[switch]
+    monkeypatch.setattr(importlib.import_module(f"pagedkv.tir_kernels.{module}"), attr, value)
 
 
 def device_helpers(src: str) -> str:

@@ -21,7 +21,7 @@ import re
 
 import pytest
 from _cuda_support import nvcc_all, ops_cuda_source, ptxas_usage, stack_frames
-from _decode_emu import host_main, launches
+from _decode_emu import TC_SWITCHES, host_main, launches, set_tc_switch
 
 from pagedkv import tir_kernels as tk
 from pagedkv.tir_kernels import _decode_tc_cuda as tc
@@ -173,20 +173,13 @@ def test_tc_dynamic_shared_memory_launch():
             assert dyn == [tc.smem_words(cfg.head_dim, rope=bool(rope)) * 4], (rope, dyn, params)
 
 
-@pytest.mark.parametrize("switch", ["float32_rotation", "rings_inverted", "lookup_inverted"])
+@pytest.mark.parametrize("switch", list(TC_SWITCHES))
 def test_tc_switches_nvcc(switch, tmp_path, monkeypatch):
     """The kernel's non-default build switches (``PACKED_F16 = False``: fp16 keys rotated in float32;
     ``TCD_WARP_RING`` inverted: per-warp copies in the plain kernel, block-wide in the RoPE one;
     ``TCD_LOOKUP_AHEAD`` inverted: D 128's page lookups right before their copies) compile for sm_90a
     without spills or stack, within the register bounds."""
-    from pagedkv.tir_kernels import _decode_tc_rope_cuda as tcr
-
-    if switch == "float32_rotation":
-        monkeypatch.setattr(tcr, "PACKED_F16", False)
-    elif switch == "rings_inverted":
-        monkeypatch.setattr(tc, "TCD_WARP_RING", {"plain": True, "rope": False})
-    else:
-        monkeypatch.setattr(tc, "TCD_LOOKUP_AHEAD", {64: True, 128: False})
+    set_tc_switch(monkeypatch, switch)
     cfg, most = NVCC["32x8x128-f16"]
     src = ops_cuda_source(_with(cfg, cuda_decode_kernel="tc"), (OP,), SM90)
     assert ("__hfma2(" in src) == (switch != "float32_rotation")

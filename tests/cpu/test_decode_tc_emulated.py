@@ -20,7 +20,7 @@ import shutil
 
 import pytest
 import torch
-from _decode_emu import build, check_against_reference, inputs, run_decode
+from _decode_emu import TC_SWITCHES, build, check_against_reference, inputs, run_decode, set_tc_switch
 
 from pagedkv import tir_kernels as tk
 
@@ -119,7 +119,7 @@ def test_emulated_tc_rope_anchor_every_other_tile(dtype, tmp_path, monkeypatch):
         check_against_reference(f"anchor2-d{d}-s{splits}", cfg, ents, o, lse, 1, THETA, SCALE, sm_scale)
 
 
-@pytest.mark.parametrize("switch", ["float32_rotation", "rings_inverted", "lookup_inverted"])
+@pytest.mark.parametrize("switch", list(TC_SWITCHES))
 def test_emulated_tc_decode_switches(switch, tmp_path, monkeypatch):
     """The kernel's other build switches, which the defaults never build: ``PACKED_F16 = False`` (fp16 keys
     rotated in float32, as bf16 always is) and ``TCD_WARP_RING`` inverted (the plain kernel's warps copy their
@@ -128,15 +128,7 @@ def test_emulated_tc_decode_switches(switch, tmp_path, monkeypatch):
     plain and RoPE, both head dims, splits 1 and 3, positions near 30,000."""
     if shutil.which("g++") is None:
         pytest.skip("g++ not found")
-    from pagedkv.tir_kernels import _decode_tc_cuda as tcd
-    from pagedkv.tir_kernels import _decode_tc_rope_cuda as tcr
-
-    if switch == "float32_rotation":
-        monkeypatch.setattr(tcr, "PACKED_F16", False)
-    elif switch == "rings_inverted":
-        monkeypatch.setattr(tcd, "TCD_WARP_RING", {"plain": True, "rope": False})
-    else:
-        monkeypatch.setattr(tcd, "TCD_LOOKUP_AHEAD", {64: True, 128: False})
+    set_tc_switch(monkeypatch, switch)
     for d, splits in ((128, "1"), (64, "3")):
         cfg = tk.KernelConfig(8, 2, d, d, "float16")
         b = build(cfg, {"cuda_decode_kernel": "tc", "cuda_decode_splits": splits}, tmp_path / f"d{d}s{splits}")
