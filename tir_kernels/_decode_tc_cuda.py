@@ -50,6 +50,11 @@ TCD_NT = TCD_WARPS * 32
 #: Blocks resident per SM at D 128 (104,448 bytes of shared memory, ~140 registers x 128 threads), x 132 SMs
 #: of an H200: the split policy's wave (``_common_cuda.wave_split_count``).
 TCD_RESIDENT_BLOCKS = 2 * 132
+
+
+def tile_loads(d: int) -> int:
+    """16-byte chunks of K (and of V) a thread copies per tile (``lookup_tile`` keeps a page and a slot each)."""
+    return TCD_TK * (d // 8) // TCD_NT
 #: Who copies a tile, by kernel ("plain", "rope"): True, each warp the 16 keys it scores (its rows of the ring),
 #: waiting for them alone (a warp barrier a tile); False, the block the whole tile behind one block barrier a
 #: tile. H200, 32/8/128 fp16, three A/B pairs in one run: the RoPE kernel 1.05-1.06x the plain one's time at
@@ -86,7 +91,7 @@ def make_tc_parts(hkv: int, g: int, d: int, dtype: str, var, *, warp_ring: bool 
     D, G, HQ = d, g, hkv * g
     NKS, NDN = D // 16, D // 8
     PER_ROW = D // 8  # 16-byte chunks of a K / V row
-    LOADS = TCD_TK * PER_ROW // TCD_NT  # chunks of K (and of V) per thread and tile
+    LOADS = tile_loads(D)
     k_base, v_base, RW = _layout(D)
     # The row of thread tid's i-th chunk of a tile (its column is tid % PER_ROW either way: 32 and NT are
     # multiples of PER_ROW; a warp's 16 rows are LOADS chunks a lane, as the tile is a thread's).
@@ -246,14 +251,16 @@ def make_tc_parts(hkv: int, g: int, d: int, dtype: str, var, *, warp_ring: bool 
 
 
 def make_tc_key_loop(hkv: int, g: int, d: int, dtype: str, var, rotate_keys=None):
-    """``(issue_first, key_loop)``: ``issue_first(smem, pages, page_values, pbase, ps, h, k0, k1, tid)`` starts
-    the copies of the split's first tiles (the kernel calls it before loading q, so they overlap);
+    """``(issue_first, key_loop)``: ``issue_first(pgs, smem, pages, page_values, pbase, ps, h, k0, k1, tid)``
+    starts the copies of the split's first tiles (the kernel calls it before loading q, so they overlap) and,
+    with ``TCD_LOOKUP_AHEAD``, looks up the pages of the loop's first copy into ``pgs`` (``regs[11]``);
     ``key_loop(regs, smem, pages, page_values, pbase, ps, h, k0, k1, w, lane, tid, sm_scale)``: the warp's
     row states over the split's keys ``[k0, k1)``; with ``rotate_keys`` (inline RoPE, ``_decode_tc_rope_cuda``)
     each warp rotates its keys of a tile in place before scoring them. Ring of ``TCD_SLOTS`` (2 or 3) slots: tiles ``0 ..
     TCD_SLOTS - 2`` issued first; at tile ``it`` the wait leaves only the ``TCD_SLOTS - 2`` newer tiles in
-    flight, and the barrier after it both publishes tile ``it`` and tells that every warp is done with tile
-    ``it - 1``, whose slot ``(it + TCD_SLOTS - 1) % TCD_SLOTS`` then takes tile ``it + TCD_SLOTS - 1``. Every
+    flight, and the barrier after it (the block's, or the warp's with ``TCD_WARP_RING``, each warp then
+    copying and reading only its own rows) both publishes tile ``it`` and tells that every warp is done with
+    tile ``it - 1``, whose slot ``(it + TCD_SLOTS - 1) % TCD_SLOTS`` then takes tile ``it + TCD_SLOTS - 1``. Every
     step commits a group (empty past the last tile), so the wait counts stay uniform."""
     warp_ring = TCD_WARP_RING["plain" if rotate_keys is None else "rope"]
     ahead = TCD_LOOKUP_AHEAD[d]
@@ -347,7 +354,7 @@ def make_tc_kernel(hq: int, hkv: int, d: int, dtype: str, var, *, rope: bool = F
                         rs = T.alloc_buffer((1,), "float32", scope="local")
                         pbuf = T.alloc_buffer((1,), "int32", scope="local")  # the entry's first page slot
                         # Pages and in-page slots of a thread's rows of the next tile copied (lookup_tile).
-                        pgs = T.alloc_buffer((2 * (TCD_TK * d // 8 // TCD_NT),), "int32", scope="local")
+                        pgs = T.alloc_buffer((2 * tile_loads(d),), "int32", scope="local")
                         # A lane's RoPE angles (base, tile step, row step: _decode_tc_rope_cuda).
                         angc = T.alloc_buffer((ANG_WORDS if rope else 1,), "float32", scope="local")
                         angs = T.alloc_buffer((ANG_WORDS if rope else 1,), "float32", scope="local")
