@@ -12,15 +12,18 @@ Design: one block of 8 warps per (head group, entry, key split) (``blockIdx`` x,
 
 * A head group is ``rows`` = 16 (``H <= 16``; padding rows past ``H`` compute on zero q and are never
   stored) or 32 heads (two m16 tiles), so ``ceil(H / rows)`` groups an entry.
-* Key tiles of ``TK = 64`` latent rows (all ``DL`` elements), loaded with 16-byte ``cp.async`` into a
-  2-stage ring in one dynamic shared-memory buffer (rows padded by 8 elements: each 8-lane phase of an
-  ``ldmatrix`` hits 32 banks); tile ``kt + 1`` loads during all of tile ``kt``. Keys at or past the split's
-  end are zero-filled (never read from the pages, whose tails may hold anything).
+* Key tiles of ``TK`` latent rows (all ``DL`` elements), loaded with 16-byte ``cp.async`` into a ring of
+  ``NS`` stages in one dynamic shared-memory buffer (rows padded by 8 elements: each 8-lane phase of an
+  ``ldmatrix`` hits 32 banks); tiles ``kt + 1 .. kt + NS - 1`` load during tile ``kt`` (one copy group a
+  tile). ``TILE_PLANS`` by block rows: 16 rows (memory-bound) 4 stages of 32 keys, three tiles (112 KB) in
+  flight an SM (H200, 16 heads: 1.05-1.09x the speed of 2 x 64 at 1K keys; 5 stages gained nothing); 32
+  rows (compute-bound, registers at the limit) 2 stages of 64. Keys at or past the split's end are
+  zero-filled (never read from the pages, whose tails may hold anything).
 * S = Q K^T over DL, the warps as ``DG = 4`` dim groups x 2 key groups: warp ``w`` holds Q's A fragments of
   dims ``DL / 4 * (w % 4) ..`` of every m16 tile in registers (36 a tile at 576; all of Q would take 144) and
   computes the partial scores of keys ``32 (w // 4) ..`` over them, per k step one ``ldmatrix.x4`` of the
   tile giving the B fragments of two n tiles (``k_ldsm_index_nt2``), used by every m16 tile: the tile is the
-  scores' only shared-memory operand. The fp32 partials go to a static shared array ``Ss[DG, rows, TK]``.
+  scores' only shared-memory operand. The fp32 partials go to a static shared array ``Ss[DG, rows, TK + 4]``.
 * Online softmax: ``NT / rows`` threads a row, ``TK * rows / NT`` keys each (the sum of the ``DG`` partial
   scores); the row's max over its lanes (shuffles), ``alpha = exp2(m_old - m_new)`` published in ``St``, P in
   the storage dtype in ``Ps`` (the running max and each lane's partial sum stay in that thread's registers).
@@ -28,21 +31,23 @@ Design: one block of 8 warps per (head group, entry, key split) (``blockIdx`` x,
   ``DV / 8 * w ..`` of every row (``DV / 16`` fp32 accumulators a lane per m16 tile), rescales them by
   ``alpha``, then per 16 keys one ``ldmatrix.x4`` of P (A) and ``DV / 128`` of the tile (``.trans``, B).
 * Three barriers a tile (tile visible / S complete / P complete); the top one also tells that every warp
-  is done with the stage that tile ``kt + 1`` then overwrites.
+  is done with the stage that tile ``kt + NS - 1`` then overwrites.
 * Splits: ``S`` key splits an entry from the shapes (``wave_split_count``: blocks of one wave per SM, the
   kernel holds one block an SM); ``cuda_decode_splits`` forces it; ``S > 1``: partial states in a float32
   workspace and ``mla_cuda``'s merge kernel.
 
-Resources (ptxas, sm_90a, DeepSeek 512 + 64, no spills): 16 heads fp16: 159 registers, 151,808 bytes of
-dynamic + 17,664 of static shared memory; 128 heads bf16 / fp16 (32 rows): 253 registers (at the limit: a change
-that adds live values spills; ``tests/cpu/test_mla_tc_compile.py`` checks), 154,112 + 35,328 bytes. One block
-(8 warps) an SM either way.
+Resources (ptxas, sm_90a, DeepSeek 512 + 64, no spills, no stack): 16 heads fp16: 125 registers, 150,784
+bytes of dynamic + 9,472 of static shared memory; 128 heads bf16 / fp16 (32 rows): 248 registers (near the
+limit: a change that adds live values spills; ``tests/cpu/test_mla_tc_compile.py`` checks), 154,112 + 35,328
+bytes. One block (8 warps) an SM either way.
 
 Limits as data (``tc_unserved``): fp16 / bf16, ``DL % 64 == 0`` and ``DL <= TC_MAX_LATENT`` (shared memory),
 ``DV % 128 == 0`` and ``DV <= DL`` (8 warps of whole ldmatrix.x4.trans column pairs).
 """
 
 from __future__ import annotations
+
+import dataclasses
 
 from tvm.script import tirx as T
 
@@ -51,7 +56,7 @@ from ..ops import MLA_ATTN_DECODE_PAGED, shape_values
 from ._abi import abi_prim_func
 from ._common import EMPTY_LSE, LOG2E, MASKED
 from ._common_cuda import decode_splits, make_merge_splits, paged_kv_len, shfl_xor, wave_split_count
-from ._mma_cuda import a_frag, c_frag, cp_async16, cp_async_commit, cp_async_wait0, ldmatrix_x4, mma_sync
+from ._mma_cuda import a_frag, c_frag, cp_async16, cp_async_commit, cp_async_wait, ldmatrix_x4, mma_sync
 from ._prefill_tc_tiles import TC_PAD, k_ldsm_index_nt2, q_ldsm_index, v_ldsm_index
 
 #: auto takes the tensor-core kernel where ``tc_unserved`` is None (else SIMT); False: SIMT unless forced. True
@@ -59,13 +64,12 @@ from ._prefill_tc_tiles import TC_PAD, k_ldsm_index_nt2, q_ldsm_index, v_ldsm_in
 MLA_TC_BY_DEFAULT = True
 #: The path switch and its values.
 SWITCH = "cuda_mla_decode_kernel"
-#: Warps and threads a block, keys a tile, storage dtypes served; the score's warps: DG dim groups x the
-#: rest key groups.
-WARPS, TK, DG = 8, 64, 4
+#: Warps and threads a block, storage dtypes served; the score's warps: DG dim groups x the rest key groups.
+WARPS, DG = 8, 4
 NT = WARPS * 32
 TC_DTYPES = ("float16", "bfloat16")
-#: Largest latent served (the one run): two 64-row stages take 150 KB at 576; 32 rows of Q fragments a warp
-#: group already hold 253 registers there.
+#: Largest latent served (the one run): either ring (``TILE_PLANS``) takes 150 KB at 576; 32 rows of Q
+#: fragments a warp group already hold 248 registers there.
 TC_MAX_LATENT = 576
 #: Split policy: one block an SM resident (shared memory), an H200's 132 SMs; splits of >= 256 keys.
 RESIDENT_BLOCKS = 132
@@ -73,8 +77,24 @@ MIN_SPLIT_KEYS = 256
 MAX_SPLITS = 64
 #: Threads a block of the merge kernel.
 MERGE_NT = 128
-#: fp32 row strides of ``Ss`` (scores) and ``St`` (alpha, m, l per row).
-SS, STW = TK + 4, 4
+#: fp32 row stride of ``St`` (alpha, m, l per row); ``Ss`` (scores) rows are ``keys + 4`` floats.
+STW = 4
+
+
+@dataclasses.dataclass(frozen=True)
+class TilePlan:
+    """The key ring of a block: ``keys`` latent rows a tile (a multiple of 32: two key groups of whole n16
+    pairs), ``stages`` tiles in the ring (``stages - 1`` in flight while one computes)."""
+
+    keys: int
+    stages: int
+
+
+#: By block rows. 32 rows (17+ heads) are compute-bound and at the register limit: 64-key tiles, two stages.
+#: 16 rows are memory-bound (16 x 64 x (512 + 576) x 2 flops a 74 KB tile), and two 64-key stages keep at
+#: most one tile (74 KB) in flight an SM while a tile computes; four 32-key stages keep three (112 KB) in the
+#: same shared memory.
+TILE_PLANS = {16: TilePlan(keys=32, stages=4), 32: TilePlan(keys=64, stages=2)}
 
 
 def group_rows(num_heads: int) -> int:
@@ -83,14 +103,16 @@ def group_rows(num_heads: int) -> int:
 
 
 def smem_bytes(rows: int, latent_dim: int, dtype: str = "float16") -> int:
-    """Dynamic shared memory of a block (bytes): two tiles and the P rows, padded by ``TC_PAD`` elements."""
+    """Dynamic shared memory of a block (bytes): the ring's tiles (``TILE_PLANS``) and the P rows, padded by
+    ``TC_PAD`` elements."""
     del dtype  # both served dtypes are 2 bytes
-    return 2 * (2 * TK * (latent_dim + TC_PAD) + rows * (TK + TC_PAD))
+    plan = TILE_PLANS[rows]
+    return 2 * (plan.stages * plan.keys * (latent_dim + TC_PAD) + rows * (plan.keys + TC_PAD))
 
 
 def static_smem_bytes(rows: int) -> int:
     """Static shared memory of a block (bytes): the ``DG`` partial scores ``Ss`` and the row state ``St``."""
-    return 4 * rows * (DG * SS + STW)
+    return 4 * rows * (DG * (TILE_PLANS[rows].keys + 4) + STW)
 
 
 def tc_unserved(spec) -> list[str]:
@@ -100,7 +122,7 @@ def tc_unserved(spec) -> list[str]:
         out.append(f"dtype {spec.dtype} (it takes {', '.join(TC_DTYPES)})")
     if dl % 64 or dl > TC_MAX_LATENT:
         out.append(f"latent dim {dl} (it takes multiples of 64 up to {TC_MAX_LATENT}: 16-byte chunks, k-step "
-                   f"pairs, two 64-row stages in shared memory)")
+                   f"pairs, the ring's stages in shared memory)")
     if dv % 128 or dv > dl:
         out.append(f"kv_lora_rank {dv} (it takes multiples of 128 up to the latent dim: 8 warps of 16-dim "
                    f"column pairs)")
@@ -120,20 +142,22 @@ def use_tc(spec) -> bool:
 
 def _make_tile_ops(H, DL, DV, rows, dtype):
     """The per-tile macros (load, score, softmax, accumulate) for ``rows`` rows of latent ``DL``."""
-    MT, LS, PS = rows // 16, DL + TC_PAD, TK + TC_PAD
+    TK, NS = TILE_PLANS[rows].keys, TILE_PLANS[rows].stages
+    MT, LS, PS, SS = rows // 16, DL + TC_PAD, TK + TC_PAD, TK + 4
     CPR = DL // 8  # 16-byte chunks a latent row
     CPK = NT // TK  # threads a key row of the tile load
     TPR = NT // rows  # softmax threads a row
     KPT = TK // TPR  # keys a softmax thread
     NDN = DV // WARPS // 8  # n8 tiles of O a warp
     ON = NDN * 4
-    P0 = 2 * TK * LS  # element offset of P in the dynamic buffer
+    P0 = NS * TK * LS  # element offset of P in the dynamic buffer
     KPG = DL // 16 // DG  # k steps of a dim group
     NSW = TK // (WARPS // DG) // 8  # n8 key tiles of a score warp
 
     @T.macro
     def issue(smem, stage, pages, page_values, pbase, ps, kbase, kend, tid):
-        """Start copying keys ``kbase ..`` into stage ``stage`` (zeros at or past ``kend``); one group. Thread
+        """Start copying keys ``kbase ..`` into stage ``stage`` (zeros at or past ``kend``); the caller commits the
+        group. Thread
         ``tid`` copies key ``tid // CPK``, chunks ``tid % CPK + CPK it``: one page lookup (two divisions by the
         run-time page size) a thread a tile, and consecutive threads on consecutive 16 bytes of a row."""
         key: T.let[T.int32] = T.truncdiv(tid, CPK)
@@ -149,7 +173,6 @@ def _make_tile_ops(H, DL, DV, rows, dtype):
                 for e in T.vectorized(8):
                     smem[stage * TK * LS + key * LS + (it * CPK + T.truncmod(tid, CPK)) * 8 + e] = T.Cast(
                         dtype, T.float32(0))
-        T.evaluate(cp_async_commit())
 
     @T.macro
     def load_q(qf, q, b, h0, w, lane):
@@ -289,6 +312,7 @@ def mla_attn_decode_paged_tc(spec):
     H, DV, DL, dtype = spec.num_qo_heads, spec.kv_lora_rank, spec.latent_dim, spec.dtype
     rows = group_rows(H)
     MT, NG = rows // 16, (H + rows - 1) // rows
+    TK, NS = TILE_PLANS[rows].keys, TILE_PLANS[rows].stages
     KPG, NSW = DL // 16 // DG, TK // (WARPS // DG) // 8
     ON = DV // WARPS // 8 * 4
     KPT = TK * rows // NT
@@ -312,7 +336,7 @@ def mla_attn_decode_paged_tc(spec):
                 for sp in T.thread_binding(S, thread="blockIdx.z"):
                     for tid in T.thread_binding(NT, thread="threadIdx.x"):
                         smem = T.alloc_buffer((NE,), dtype, scope="shared.dyn")
-                        Ss = T.alloc_buffer((DG * rows * SS,), "float32", scope="shared")
+                        Ss = T.alloc_buffer((DG * rows * (TK + 4),), "float32", scope="shared")
                         St = T.alloc_buffer((rows * STW,), "float32", scope="shared")
                         qf = T.alloc_buffer((MT * KPG * 8,), dtype, scope="local")
                         sacc = T.alloc_buffer((MT * NSW * 4,), "float32", scope="local")
@@ -341,20 +365,26 @@ def mla_attn_decode_paged_tc(spec):
                         k1: T.let[T.int32] = T.min(k0 + chunk, kvlen)
                         pbase: T.let[T.int32] = page_indptr[T.min(bx, T.max(B - 1, 0))]
                         load_q(qf, q, T.min(bx, T.max(B - 1, 0)), g * rows, w, lane)
-                        if k1 > k0:
-                            issue(smem, 0, pages, page_values, pbase, ps, k0, k1, tid)
+                        # One copy group a tile, empty past the split's keys, so that waiting for all but the
+                        # newest NS - 2 groups always means tile kt.
+                        for s in T.unroll(NS - 1):
+                            if k0 + s * TK < k1:
+                                issue(smem, s, pages, page_values, pbase, ps, k0 + s * TK, k1, tid)
+                            T.evaluate(cp_async_commit())
                         for kt in T.serial(T.truncdiv(k1 - k0 + TK - 1, TK)):
-                            T.evaluate(cp_async_wait0())
-                            # Tile kt visible; every warp done with tile kt - 1's stage.
+                            T.evaluate(cp_async_wait(NS - 2))
+                            # Tile kt visible; every warp done with tile kt - 1's stage, which tile
+                            # kt + NS - 1 takes.
                             T.tvm_storage_sync("shared")
-                            if k0 + (kt + 1) * TK < k1:
-                                issue(smem, T.truncmod(kt + 1, 2), pages, page_values, pbase, ps, k0 + (kt + 1) * TK,
-                                      k1, tid)
-                            score(smem, Ss, T.truncmod(kt, 2), qf, sacc, bfr, w, lane)
+                            if k0 + (kt + NS - 1) * TK < k1:
+                                issue(smem, T.truncmod(kt + NS - 1, NS), pages, page_values, pbase, ps,
+                                      k0 + (kt + NS - 1) * TK, k1, tid)
+                            T.evaluate(cp_async_commit())
+                            score(smem, Ss, T.truncmod(kt, NS), qf, sacc, bfr, w, lane)
                             T.tvm_storage_sync("shared")
                             softmax(smem, Ss, St, rs, sv, k0 + kt * TK, k1, sm_scale * T.float32(LOG2E), tid)
                             T.tvm_storage_sync("shared")
-                            accumulate(smem, St, T.truncmod(kt, 2), oacc, pa, bfr, w, lane)
+                            accumulate(smem, St, T.truncmod(kt, NS), oacc, pa, bfr, w, lane)
                         store_lse(St, rs, lse, ws_l, bx, bx < B, g * rows, S, sp, tid)
                         T.tvm_storage_sync("shared")
                         if bx < B:
@@ -365,5 +395,5 @@ def mla_attn_decode_paged_tc(spec):
     return abi_prim_func(MLA_ATTN_DECODE_PAGED, shape_values(spec), dtype, body, scheduled=True)
 
 
-__all__ = ["MLA_TC_BY_DEFAULT", "SWITCH", "TC_DTYPES", "TC_MAX_LATENT", "group_rows", "mla_attn_decode_paged_tc",
-           "smem_bytes", "tc_unserved", "use_tc"]
+__all__ = ["MLA_TC_BY_DEFAULT", "SWITCH", "TC_DTYPES", "TC_MAX_LATENT", "TILE_PLANS", "TilePlan", "group_rows",
+           "mla_attn_decode_paged_tc", "smem_bytes", "tc_unserved", "use_tc"]

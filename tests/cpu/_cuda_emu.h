@@ -161,6 +161,9 @@ inline void pagedkv_ldsm_x4_trans(void* dst, const void* smem) { ldsm_emu(dst, s
 struct CpAsync { void* dst; const void* src; };
 thread_local std::vector<std::vector<CpAsync>> t_groups(1);
 inline void pagedkv_cp_async16(void* smem, const void* gmem) { t_groups.back().push_back({smem, gmem}); }
+// The L2 prefetch hint changes nothing a thread can observe.
+inline void pagedkv_cp_async16_pf128(void* smem, const void* gmem) { pagedkv_cp_async16(smem, gmem); }
+inline void pagedkv_cp_async16_pf256(void* smem, const void* gmem) { pagedkv_cp_async16(smem, gmem); }
 inline void pagedkv_cp_async_commit() { t_groups.emplace_back(); }
 inline void cp_async_wait(size_t newest_left) {
   size_t closed = t_groups.size() - 1;  // the last entry is the open (uncommitted) group
@@ -172,6 +175,8 @@ inline void cp_async_wait(size_t newest_left) {
 }
 inline void pagedkv_cp_async_wait1() { cp_async_wait(1); }
 inline void pagedkv_cp_async_wait0() { cp_async_wait(0); }
+inline void pagedkv_cp_async_wait2() { cp_async_wait(2); }
+inline void pagedkv_cp_async_wait3() { cp_async_wait(3); }
 inline int pagedkv_aligned16(const void* p) { return (reinterpret_cast<uintptr_t>(p) & 15u) == 0 ? 1 : 0; }
 
 // wgmma.mma_async m64nNk16 (A from registers, B from shared memory through a no-swizzle descriptor), a

@@ -55,6 +55,7 @@ TC_SWITCHES = {
     "float32_rotation": ("_decode_tc_rope_cuda", "PACKED_F16", False),
     "rings_inverted": ("_decode_tc_cuda", "TCD_WARP_RING", {"plain": True, "rope": False}),
     "lookup_inverted": ("_decode_tc_cuda", "TCD_LOOKUP_AHEAD", {64: True, 128: False}),
+    "no_l2_prefetch": ("_mma_cuda", "CP_ASYNC_L2_PREFETCH", None),
 }
 
 

@@ -25,6 +25,7 @@ from _decode_emu import TC_SWITCHES, host_main, launches, set_tc_switch
 
 from pagedkv import tir_kernels as tk
 from pagedkv.tir_kernels import _decode_tc_cuda as tc
+from pagedkv.tir_kernels import _mma_cuda as mma_cuda
 from pagedkv.tir_kernels import attention_cuda_decode as dec
 
 from tvm.target import Target
@@ -149,7 +150,11 @@ def test_tc_nvcc_no_spills_registers_mma(name, nvcc_results):
         assert regs <= most + (ROPE_REGS if rope else 0), (name, k, regs)
         # S (D / 16 k steps x 2 n8 tiles) and P V (D / 8 n8 tiles) of a warp's 16 keys, unrolled once
         assert len(re.findall(r"\bpagedkv_mma_b?f16\(", body)) == cfg.head_dim // 4
-        assert body.count("pagedkv_cp_async16(") == 2 * (tc.TCD_TK * cfg.head_dim // 8) // tc.TCD_NT * 3
+        # every 16-byte copy with the L2 prefetch hint of CP_ASYNC_L2_PREFETCH, none without
+        pf = mma_cuda.CP_ASYNC_L2_PREFETCH
+        copy = "pagedkv_cp_async16(" if pf is None else f"pagedkv_cp_async16_pf{pf}("
+        assert body.count(copy) == 2 * (tc.TCD_TK * cfg.head_dim // 8) // tc.TCD_NT * 3
+        assert len(re.findall(r"\bpagedkv_cp_async16(_pf\d+)?\(", body)) == body.count(copy)
         # RoPE: one rotation call a tile (a lane's D/32 chunks of its warp's 16 keys)
         assert len(re.findall(r"\bpagedkv_rope_rotl_b?f16_j\d+_r\d+_h\d+(_p)?\(", body)) == (1 if rope else 0)
     assert sum("pagedkv_rope_rotl_" in bodies[k] for k in tc_kernels) == 1
@@ -177,12 +182,14 @@ def test_tc_dynamic_shared_memory_launch():
 def test_tc_switches_nvcc(switch, tmp_path, monkeypatch):
     """The kernel's non-default build switches (``PACKED_F16 = False``: fp16 keys rotated in float32;
     ``TCD_WARP_RING`` inverted: per-warp copies in the plain kernel, block-wide in the RoPE one;
-    ``TCD_LOOKUP_AHEAD`` inverted: D 128's page lookups right before their copies) compile for sm_90a
-    without spills or stack, within the register bounds."""
+    ``TCD_LOOKUP_AHEAD`` inverted: D 128's page lookups right before their copies; ``CP_ASYNC_L2_PREFETCH =
+    None``: copies without the L2 prefetch hint) compile for sm_90a without spills or stack, within the
+    register bounds."""
     set_tc_switch(monkeypatch, switch)
     cfg, most = NVCC["32x8x128-f16"]
     src = ops_cuda_source(_with(cfg, cuda_decode_kernel="tc"), (OP,), SM90)
     assert ("__hfma2(" in src) == (switch != "float32_rotation")
+    assert ("pagedkv_cp_async16_pf128((" in src) == (switch != "no_l2_prefetch")
     rc, log = nvcc_all([(switch,)], lambda key: src, tmp_path, "tcdsw_")[(switch,)]
     assert rc == 0, log[-3000:]
     usage = ptxas_usage(log)

@@ -124,7 +124,8 @@ def test_emulated_tc_decode_switches(switch, tmp_path, monkeypatch):
     """The kernel's other build switches, which the defaults never build: ``PACKED_F16 = False`` (fp16 keys
     rotated in float32, as bf16 always is) and ``TCD_WARP_RING`` inverted (the plain kernel's warps copy their
     own rows behind a warp barrier, the RoPE kernel's block whole tiles behind a block barrier) and
-    ``TCD_LOOKUP_AHEAD`` inverted (D 128's page lookups right before their copies, D 64's a step early);
+    ``TCD_LOOKUP_AHEAD`` inverted (D 128's page lookups right before their copies, D 64's a step early) and
+    ``CP_ASYNC_L2_PREFETCH = None`` (copies without the L2 prefetch hint);
     plain and RoPE, both head dims, splits 1 and 3, positions near 30,000."""
     if shutil.which("g++") is None:
         pytest.skip("g++ not found")

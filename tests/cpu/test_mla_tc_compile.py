@@ -18,7 +18,7 @@ import functools
 import re
 
 import pytest
-from _cuda_support import cuda_source_of, nvcc_all, ptxas_usage
+from _cuda_support import cuda_source_of, nvcc_all, ptxas_usage, stack_frames
 
 from pagedkv import tir_kernels as tk
 from pagedkv.tir_kernels import mla_cuda, mla_cuda_tc
@@ -63,6 +63,8 @@ def test_tc_decode_compiles_without_spills(cfg, nvcc_results):
     tc = usage["pagedkv_mla_attn_decode_paged_kernel"]
     assert tc[1:] == (0, 0), f"spills {tc}"
     assert tc[0] <= 255, tc
+    assert not any(stack_frames(log).values()), stack_frames(log)  # no local arrays left in memory
+    print(cfg, usage)
     static = [int(m) for m in re.findall(r"(\d+) bytes smem", log)]
     h, rank, rope, _ = cfg
     rows = mla_cuda_tc.group_rows(h)
