@@ -148,8 +148,8 @@ def split_count(B, nnz, ps, blocks_per_split, *, target_blocks: int, min_split_k
 #: ``wave_split_count``'s block budget: up to ``n0 <= f * resident_blocks`` blocks at ``S = 1``, at most ``k``
 #: waves' worth of blocks (the last entry has no bound).
 WAVE_BUDGETS = ((0.5, 1), (2, 4), (None, 8))
-#: ``wave_split_count`` keeps ``S = 1`` when ``S = 1``'s own waves are at least this full (``n0 >= 0.9 *
-#: ceil(n0 / resident) * resident``, one wave or more): splitting then adds blocks and a merge, not occupancy.
+#: ``wave_split_count`` keeps ``S = 1`` past one wave when ``S = 1``'s own waves are at least this full
+#: (``n0 >= 0.9 * ceil(n0 / resident) * resident``): splitting then adds blocks and a merge, not occupancy.
 FULL_WAVES = (9, 10)
 
 
@@ -160,7 +160,7 @@ def wave_split_count(B, nnz, ps, blocks_per_split, *, resident_blocks: int, min_
     of ``resident_blocks``, ``k`` from ``n0 = B * blocks_per_split`` (``WAVE_BUDGETS``: one wave while ``n0 <=
     resident / 2``, four up to ``n0 <= 2 * resident``, eight past that), each split at least
     ``min_split_keys`` keys of an average entry (``avg_keys`` as in ``split_count``), ``1 <= S <=
-    max_splits``; but ``S = 1`` when its own waves (one or more) are ``FULL_WAVES`` full. ``forced``: as
+    max_splits``; but ``S = 1`` past one wave whose own waves are ``FULL_WAVES`` full. ``forced``: as
     ``split_count``.
 
     Why: ``split_count`` fills one wave and stops splitting past it, so a batch just over one wave runs a
@@ -182,13 +182,14 @@ def wave_split_count(B, nnz, ps, blocks_per_split, *, resident_blocks: int, min_
     if avg_keys is not None:
         keys = avg_keys(keys)
     ladder = T.max(1, T.min(T.min(T.truncdiv(budget, n0), T.truncdiv(keys, min_split_keys)), max_splits))
-    # S = 1's waves nearly full: its time is ceil(n0 / R) block times, and any S that fills the waves better
-    # must double them and pay a merge (H200: B = 64 x 8 kv heads on 264 slots of the tc kernel, S = 1 2-3%
-    # faster than the ladder's S = 2; one wave, B = 32 / 33 x 8 kv heads, S = 1 3.4-4% faster than S = 4;
-    # the MLA decode at 16 heads, B = 128 on 132 slots, S = 1 1.46x faster at 1K keys, 1.07x at 8K). An
-    # arithmetic select, not a Select (see above).
-    full = T.Cast("int32", FULL_WAVES[1] * n0 >= FULL_WAVES[0] * resident_blocks
-                  * T.truncdiv(n0 + resident_blocks - 1, resident_blocks))
+    # Past one wave, S = 1's waves nearly full: its time is ceil(n0 / R) block times, and any S that fills
+    # the waves better must double them and pay a merge (H200, B = 64 x 8 kv heads on 264 slots of the tc
+    # kernel: S = 1 2-3% faster than the ladder's S = 2). An arithmetic select, not a Select (see above).
+    # Not for a single wave: S = 1 there was 3.4-4% faster on equal lengths (B = 32 / 33 x 4K) and 1.46x at
+    # MLA 16 heads B = 128 x 1K, but 1.93x slower on the skewed batch (32 entries of 128 .. 16K keys: its
+    # longest entry alone in one block); the host sees only the total of the lengths, not their spread.
+    full = T.Cast("int32", T.And(n0 > resident_blocks, FULL_WAVES[1] * n0 >= FULL_WAVES[0] * resident_blocks
+                                 * T.truncdiv(n0 + resident_blocks - 1, resident_blocks)))
     return ladder - (ladder - 1) * full
 
 
