@@ -81,15 +81,11 @@ __device__ __forceinline__ void pagedkv_cp_async16(void* smem, const void* gmem)
   unsigned a = static_cast<unsigned>(__cvta_generic_to_shared(smem));
   asm volatile("cp.async.cg.shared.global [%0], [%1], 16;\n" :: "r"(a), "l"(gmem));
 }
-// The same with an L2 prefetch hint: a miss fills the whole naturally aligned 128 (256) bytes around the
-// chunk from DRAM at once (``CP_ASYNC_L2_PREFETCH``).
+// The same with an L2 prefetch hint: a miss fills the whole naturally aligned 128 bytes around the chunk
+// from DRAM at once (``CP_ASYNC_L2_PREFETCH``).
 __device__ __forceinline__ void pagedkv_cp_async16_pf128(void* smem, const void* gmem) {
   unsigned a = static_cast<unsigned>(__cvta_generic_to_shared(smem));
   asm volatile("cp.async.cg.shared.global.L2::128B [%0], [%1], 16;\n" :: "r"(a), "l"(gmem));
-}
-__device__ __forceinline__ void pagedkv_cp_async16_pf256(void* smem, const void* gmem) {
-  unsigned a = static_cast<unsigned>(__cvta_generic_to_shared(smem));
-  asm volatile("cp.async.cg.shared.global.L2::256B [%0], [%1], 16;\n" :: "r"(a), "l"(gmem));
 }
 __device__ __forceinline__ void pagedkv_cp_async_commit() {
   asm volatile("cp.async.commit_group;\n" ::);
@@ -133,9 +129,10 @@ def ldmatrix_x4(dst, src, trans: bool):
     return T.cuda.func_call(name, dst, src, source_code=_SOURCE)
 
 
-#: L2 prefetch size (bytes) the 16-byte copies ask for: None (no hint), 128 or 256. 128 since its H200 A/B (two
+#: L2 prefetch size (bytes) the 16-byte copies ask for: None (no hint) or 128. 128 since its H200 A/B (two
 #: interleaved rounds, every output checked): tc decode 32/8 fp16 at B = 64-256 1.022-1.025x faster (DRAM
-#: throughput 84.6% -> 86.3% in ncu), 64/8 1.017-1.023x, MLA decode at 16 heads 1.02-1.04x; 256 gained nothing.
+#: throughput 84.6% -> 86.3% in ncu), 64/8 1.017-1.023x, MLA decode at 16 heads 1.02-1.04x; a 256-byte
+#: prefetch gained nothing (BENCHMARKS.md, run 13 experiments).
 CP_ASYNC_L2_PREFETCH = 128
 
 
@@ -143,6 +140,8 @@ def cp_async16(dst, src):
     """``cp.async.cg.shared.global`` of 16 bytes from address ``src`` (global) to ``dst`` (shared), with the
     L2 prefetch hint ``CP_ASYNC_L2_PREFETCH``."""
     pf = CP_ASYNC_L2_PREFETCH
+    if pf not in (None, 128):
+        raise ValueError(f"pagedkv.tir_kernels: CP_ASYNC_L2_PREFETCH is None or 128, got {pf!r}")
     name = "pagedkv_cp_async16" if pf is None else f"pagedkv_cp_async16_pf{pf}"
     return T.cuda.func_call(name, dst, src, source_code=_SOURCE)
 

@@ -156,10 +156,10 @@ def _make_tile_ops(H, DL, DV, rows, dtype):
 
     @T.macro
     def issue(smem, stage, pages, page_values, pbase, ps, kbase, kend, tid):
-        """Start copying keys ``kbase ..`` into stage ``stage`` (zeros at or past ``kend``); the caller commits the
-        group. Thread
-        ``tid`` copies key ``tid // CPK``, chunks ``tid % CPK + CPK it``: one page lookup (two divisions by the
-        run-time page size) a thread a tile, and consecutive threads on consecutive 16 bytes of a row."""
+        """Start copying keys ``kbase ..`` into stage ``stage`` (zeros at or past ``kend``); the caller commits
+        the group. Thread ``tid`` copies key ``tid // CPK``, chunks ``tid % CPK + CPK it``: one page lookup (two
+        divisions by the run-time page size) a thread a tile, and consecutive threads on consecutive 16 bytes
+        of a row."""
         key: T.let[T.int32] = T.truncdiv(tid, CPK)
         if kbase + key < kend:
             pg: T.let[T.int32] = page_values[pbase + T.truncdiv(kbase + key, ps)]

@@ -163,7 +163,6 @@ thread_local std::vector<std::vector<CpAsync>> t_groups(1);
 inline void pagedkv_cp_async16(void* smem, const void* gmem) { t_groups.back().push_back({smem, gmem}); }
 // The L2 prefetch hint changes nothing a thread can observe.
 inline void pagedkv_cp_async16_pf128(void* smem, const void* gmem) { pagedkv_cp_async16(smem, gmem); }
-inline void pagedkv_cp_async16_pf256(void* smem, const void* gmem) { pagedkv_cp_async16(smem, gmem); }
 inline void pagedkv_cp_async_commit() { t_groups.emplace_back(); }
 inline void cp_async_wait(size_t newest_left) {
   size_t closed = t_groups.size() - 1;  // the last entry is the open (uncommitted) group
