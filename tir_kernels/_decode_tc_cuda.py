@@ -42,7 +42,7 @@ from ._common_cuda import paged_kv_len, shfl_xor
 # The limits are data in the TVM-free kernel spec (a runtime-only process reports them too).
 from ..kernel_spec import TCD_DTYPES, TCD_HEAD_DIMS, TCD_MAX_GROUP, tc_decode_limits  # noqa: F401
 from ._decode_tc_rope_cuda import ANG_WORDS, make_tc_rope_parts, rope_words, syncwarp
-from ._mma_cuda import a_frag, c_frag, cp_async16, cp_async_commit, cp_async_wait0, cp_async_wait1, ldmatrix_x4, mma_sync
+from ._mma_cuda import a_frag, c_frag, cp_async16, cp_async_commit, cp_async_wait, ldmatrix_x4, mma_sync
 
 #: Warps per block, keys per tile (16 per warp), ring slots, shared row padding (halves).
 TCD_WARPS, TCD_TK, TCD_SLOTS, TCD_PAD = 4, 64, 3, 8
@@ -51,10 +51,6 @@ TCD_NT = TCD_WARPS * 32
 #: of an H200: the split policy's wave (``_common_cuda.wave_split_count``).
 TCD_RESIDENT_BLOCKS = 2 * 132
 
-
-def tile_loads(d: int) -> int:
-    """16-byte chunks of K (and of V) a thread copies per tile (``lookup_tile`` keeps a page and a slot each)."""
-    return TCD_TK * (d // 8) // TCD_NT
 #: Who copies a tile, by kernel ("plain", "rope"): True, each warp the 16 keys it scores (its rows of the ring),
 #: waiting for them alone (a warp barrier a tile); False, the block the whole tile behind one block barrier a
 #: tile. H200, 32/8/128 fp16, three A/B pairs in one run: the RoPE kernel 1.05-1.06x the plain one's time at
@@ -64,6 +60,11 @@ TCD_WARP_RING = {"plain": False, "rope": True}
 #: in flight while a tile computes; H200, D 128: 1-1.5% at B = 16-64); False: right before its copies, on
 #: the step's critical path (D 64: with the 8 registers it takes, ptxas spills 4 bytes at bf16 group 1).
 TCD_LOOKUP_AHEAD = {64: False, 128: True}
+
+
+def tile_loads(d: int) -> int:
+    """16-byte chunks of K (and of V) a thread copies per tile (``lookup_tile`` keeps a page and a slot each)."""
+    return TCD_TK * (d // 8) // TCD_NT
 
 
 def smem_words(d: int, rope: bool = False) -> int:
@@ -269,7 +270,6 @@ def make_tc_key_loop(hkv: int, g: int, d: int, dtype: str, var, rotate_keys=None
     TK, NS = TCD_TK, TCD_SLOTS
     if NS not in (2, 3):
         raise ValueError(f"pagedkv.tir_kernels: the tensor-core decode ring takes 2 or 3 slots, not {NS}")
-    wait_newer = cp_async_wait1 if NS == 3 else cp_async_wait0
 
     @T.macro
     def issue_first(pgs, smem, pages, page_values, pbase, ps, h, k0, k1, tid):
@@ -293,7 +293,7 @@ def make_tc_key_loop(hkv: int, g: int, d: int, dtype: str, var, rotate_keys=None
     def key_loop(regs, smem, pages, page_values, pbase, ps, h, k0, k1, w, lane, tid, sm_scale):
         tiles: T.let[T.int32] = T.truncdiv(k1 - k0 + TK - 1, TK)
         for it in T.serial(tiles):
-            T.evaluate(wait_newer())
+            T.evaluate(cp_async_wait(NS - 2))
             tile_barrier()
             if it + NS - 1 < tiles:
                 if ahead:
@@ -310,7 +310,7 @@ def make_tc_key_loop(hkv: int, g: int, d: int, dtype: str, var, rotate_keys=None
                 rotate_keys(smem, T.truncmod(it, NS), it, w, lane, regs[8], regs[9], regs[10])
             tile_step(regs, smem, T.truncmod(it, NS), k0 + it * TK + w * 16, k1, w, lane, sm_scale)
         # The ring is reused by the store: every copy landed, every warp done reading.
-        T.evaluate(cp_async_wait0())
+        T.evaluate(cp_async_wait(0))
         T.tvm_storage_sync("shared")
 
     return issue_first, key_loop

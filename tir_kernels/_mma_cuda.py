@@ -99,12 +99,9 @@ __device__ __forceinline__ void pagedkv_cp_async_wait1() {
 __device__ __forceinline__ void pagedkv_cp_async_wait0() {
   asm volatile("cp.async.wait_group 0;\n" ::: "memory");
 }
-// Wait until at most two (three) committed groups of this thread are still in flight (deeper rings).
+// Wait until at most two committed groups of this thread are still in flight (a 4-stage ring).
 __device__ __forceinline__ void pagedkv_cp_async_wait2() {
   asm volatile("cp.async.wait_group 2;\n" ::: "memory");
-}
-__device__ __forceinline__ void pagedkv_cp_async_wait3() {
-  asm volatile("cp.async.wait_group 3;\n" ::: "memory");
 }
 // Whether an address is 16-byte aligned (1) or not (0).
 __device__ __forceinline__ int pagedkv_aligned16(const void* p) {
@@ -151,22 +148,11 @@ def cp_async_commit():
     return T.cuda.func_call("pagedkv_cp_async_commit", source_code=_SOURCE)
 
 
-def cp_async_wait1():
-    """``cp.async.wait_group 1``: all but this thread's newest group are complete (then a barrier makes every
-    thread's copies visible to the block)."""
-    return T.cuda.func_call("pagedkv_cp_async_wait1", source_code=_SOURCE)
-
-
-def cp_async_wait0():
-    """``cp.async.wait_group 0``: all of this thread's groups are complete (then a barrier as for ``wait1``)."""
-    return T.cuda.func_call("pagedkv_cp_async_wait0", source_code=_SOURCE)
-
-
 def cp_async_wait(newest_left: int):
-    """``cp.async.wait_group newest_left`` (0 .. 3): all but this thread's newest ``newest_left`` groups are
-    complete (then a barrier as for ``wait1``)."""
-    if not 0 <= newest_left <= 3:
-        raise ValueError(f"pagedkv.tir_kernels: cp.async.wait_group {newest_left}: the helpers take 0 .. 3")
+    """``cp.async.wait_group newest_left`` (0 .. 2): all but this thread's newest ``newest_left`` groups are
+    complete (then a barrier makes every thread's copies visible to the block)."""
+    if not 0 <= newest_left <= 2:
+        raise ValueError(f"pagedkv.tir_kernels: cp.async.wait_group {newest_left}: the helpers take 0 .. 2")
     return T.cuda.func_call(f"pagedkv_cp_async_wait{newest_left}", source_code=_SOURCE)
 
 
@@ -183,5 +169,5 @@ def ldmatrix_elem(lane, reg, half, trans: bool):
     return lane // 4, (lane % 4) * 2 + half
 
 
-__all__ = ["a_frag", "aligned16", "b_frag", "c_frag", "cp_async16", "cp_async_commit", "cp_async_wait0", "cp_async_wait1",
+__all__ = ["a_frag", "aligned16", "b_frag", "c_frag", "cp_async16", "cp_async_commit", "cp_async_wait",
            "ldmatrix_elem", "ldmatrix_x4", "mma_sync"]

@@ -84,8 +84,7 @@ from ._mma_cuda import (
     c_frag,
     cp_async16,
     cp_async_commit,
-    cp_async_wait0,
-    cp_async_wait1,
+    cp_async_wait,
     ldmatrix_x4,
     mma_sync,
 )
@@ -533,14 +532,14 @@ def make_prefill_tc(op: str, spec, paged: bool, tile: str = "tc"):
         issue(Ks, 0, kvb, ti, ti[7], h, tid, 0)
         issue(Vs, 0, kvb, ti, ti[7], h, tid, 1)
         for kt in T.serial(ti[7], T.truncdiv(ti[6] + TK - 1, TK)):
-            T.evaluate(cp_async_wait1())
+            T.evaluate(cp_async_wait(1))
             T.tvm_storage_sync("shared")  # K kt visible to every warp
             score(acc[0], fr[0], fr[1], Ks, 0, fr[2], w, lane)
             T.tvm_storage_sync("shared")  # every warp is done with Ks
             issue(Ks, 0, kvb, ti, kt + 1, h, tid, 0)  # past the last tile: zeros, never read
             softmax(acc[0], acc[1], rows[0], rows[1], acc[2], rows[2], rows[3], rows[4], ti, kt, lane, causal,
                     sm_scale)
-            T.evaluate(cp_async_wait1())
+            T.evaluate(cp_async_wait(1))
             T.tvm_storage_sync("shared")  # V kt visible
             accumulate(acc[2], acc[1], Vs, 0, fr[2], lane)
             T.tvm_storage_sync("shared")  # every warp is done with Vs
@@ -553,7 +552,7 @@ def make_prefill_tc(op: str, spec, paged: bool, tile: str = "tc"):
         the whole of tile kt (scores, softmax, P V). Arguments as ``tiles_one_stage``."""
         issue_kv(smem, T.truncmod(ti[7], 2), kvb, ti, ti[7], h, tid)
         for kt in T.serial(ti[7], T.truncdiv(ti[6] + TK - 1, TK)):
-            T.evaluate(cp_async_wait0())
+            T.evaluate(cp_async_wait(0))
             if WG:
                 T.evaluate(proxy_fence())  # this thread's copies (and zero stores) visible to wgmma
             T.tvm_storage_sync("shared")  # tile kt (and Q) visible; stage (kt + 1) % 2 free

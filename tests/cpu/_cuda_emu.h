@@ -175,7 +175,6 @@ inline void cp_async_wait(size_t newest_left) {
 inline void pagedkv_cp_async_wait1() { cp_async_wait(1); }
 inline void pagedkv_cp_async_wait0() { cp_async_wait(0); }
 inline void pagedkv_cp_async_wait2() { cp_async_wait(2); }
-inline void pagedkv_cp_async_wait3() { cp_async_wait(3); }
 inline int pagedkv_aligned16(const void* p) { return (reinterpret_cast<uintptr_t>(p) & 15u) == 0 ? 1 : 0; }
 
 // wgmma.mma_async m64nNk16 (A from registers, B from shared memory through a no-swizzle descriptor), a

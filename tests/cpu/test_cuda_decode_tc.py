@@ -200,10 +200,10 @@ def test_tc_switches_nvcc(switch, tmp_path, monkeypatch):
 
 
 def test_copy_helpers_reject_values_they_have_no_ptx_for(monkeypatch):
-    """An L2 prefetch size other than None / 128, or a wait depth past 3, raises instead of naming a helper
+    """An L2 prefetch size other than None / 128, or a wait depth past 2, raises instead of naming a helper
     the CUDA source does not define (nvcc would fail far from the cause)."""
     monkeypatch.setattr(mma_cuda, "CP_ASYNC_L2_PREFETCH", 256)
     with pytest.raises(ValueError, match="CP_ASYNC_L2_PREFETCH"):
         mma_cuda.cp_async16(0, 0)
-    with pytest.raises(ValueError, match="wait_group 4"):
-        mma_cuda.cp_async_wait(4)
+    with pytest.raises(ValueError, match="wait_group 3"):
+        mma_cuda.cp_async_wait(3)
