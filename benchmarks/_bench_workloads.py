@@ -24,6 +24,9 @@ TORCH_DTYPES = {"float16": torch.float16, "bfloat16": torch.bfloat16}
 SHORT = {"float16": "f16", "bfloat16": "bf16"}
 #: the skewed decode batch: 128 ... 16K tokens, four sequences of each power of two
 SKEW = tuple(128 << (i % 8) for i in range(32))
+#: ... twice as many: past one wave of the tc decode at 8 kv heads (512 blocks on 264 slots), where the split
+#: rule needs the runtime's max_kv_len to tell it from a balanced batch
+SKEW64 = SKEW * 2
 
 
 @dataclass(frozen=True)
@@ -89,11 +92,12 @@ def workloads(dtypes=("float16", "bfloat16")) -> list[Workload]:
     out = []
     for dt in dtypes:
         for hq in (32, 64):
-            for b, n in ((1, 32768), (16, 4096), (64, 4096), (64, 8192), (256, 2048)):
+            for b, n in ((1, 32768), (16, 4096), (32, 4096), (64, 4096), (64, 8192), (256, 2048)):
                 out.append(Workload("decode", dt, hq, (n,) * b))
                 if dt == "float16" and hq == 32 and (b, n) in ROPE_SHAPES:
                     out.append(Workload("decode", dt, hq, (n,) * b, rope=True))
             out.append(Workload("decode", dt, hq, SKEW, label="skew128-16K"))
+            out.append(Workload("decode", dt, hq, SKEW64, label="skew64x128-16K"))
         for b, q, cached in ((1, 4096, 0), (16, 1024, 0), (1, 16384, 0), (1, 512, 4096)):
             out.append(Workload("prefill", dt, 32, (cached,) * b, qlen=q))
         for h in (128, 16):

@@ -59,6 +59,15 @@ def _lookup(load, lib_path: Path, symbols: dict[str, str]) -> dict:
     return out
 
 
+def _as_op_functions(funcs: dict, heads: dict) -> dict:
+    """Each loaded function as the runtime's adapter calls it (``op_function``: ABI arguments, then the facts
+    its adapter kind adds, e.g. ``max_kv_len``); ``heads``: op -> the op-table strings after the tag."""
+    from pagedkv.testing.op_calls import op_function
+
+    return {op: fn if op.startswith("_") or isinstance(fn, Exception) else
+            op_function([op, "", *heads.get(op, []), fn]) for op, fn in funcs.items()}
+
+
 def load_functions(bundle: Path) -> tuple[dict, dict]:
     """({"ours": {op: fn|exc}, "upstream": {op: fn|exc}}, info about where they came from)."""
     from pagedkv.runtime import load_library
@@ -68,8 +77,9 @@ def load_functions(bundle: Path) -> tuple[dict, dict]:
         lib, how = find_our_library(bundle / "kernels")
         entries = json.loads(lib.with_suffix(".json").read_text())["entries"]
         symbols = {op: names[0] for op, _tag, names, *_ in entries if op in ATTN_OPS}
+        heads = {op: (rest[0] if rest else []) for op, _tag, _names, *rest in entries}
         info["ours"] = {"library": str(lib), "found_by": how, "symbols": symbols}
-        funcs["ours"] = _lookup(load_library, lib, symbols)
+        funcs["ours"] = _as_op_functions(_lookup(load_library, lib, symbols), heads)
         for op in ATTN_OPS:
             funcs["ours"].setdefault(op, KeyError(f"{op} is not in {lib.name}'s op table"))
     except Exception as e:  # noqa: BLE001
@@ -79,8 +89,8 @@ def load_functions(bundle: Path) -> tuple[dict, dict]:
         meta = json.loads(lib.with_suffix(".json").read_text())
         symbols = {op: f"upstream_{op}" for op in ATTN_OPS}
         info["upstream"] = {"library": str(lib), "tvm_version": meta.get("tvm_version"), "symbols": symbols}
-        funcs["upstream"] = _lookup(load_library, lib, {op: meta["functions"][s]["symbol"]
-                                                       for op, s in symbols.items()})
+        funcs["upstream"] = _as_op_functions(_lookup(load_library, lib, {op: meta["functions"][s]["symbol"]
+                                                                         for op, s in symbols.items()}), {})
     except Exception as e:  # noqa: BLE001
         funcs["upstream"] = {op: e for op in ATTN_OPS}
     return funcs, info

@@ -2,8 +2,8 @@
 0.7.4's own Python API (every variant), apache-tvm 0.27's own TIR kernels and torch SDPA, against the
 device's ceilings, every output checked against a float32 reference in the same run.
 
-Workloads (``_bench_workloads.workloads``): decode 32/8/128 and 64/8/128 at B x L = 1x32K, 16x4K, 64x4K,
-64x8K, 256x2K and a skewed batch (128 ... 16K), and inline-RoPE twins of 32/8/128 fp16 at 64x4K and 1x32K
+Workloads (``_bench_workloads.workloads``): decode 32/8/128 and 64/8/128 at B x L = 1x32K, 16x4K, 32x4K, 64x4K,
+64x8K, 256x2K and two skewed batches (32 and 64 entries of 128 ... 16K), and inline-RoPE twins of 32/8/128 fp16 at 64x4K and 1x32K
 (TIR backend only; the time ratio inline / plain is printed after the table); causal prefill (ragged and paged peers) at 1x4K, 16x1K,
 1x16K and a 512-token chunk over 4K cached; MLA decode (DeepSeek latent) at 128 and 16 heads, B 64/128 x
 L 1K/8K; fp16 and bf16. Implementations: ``_bench_impls``. Ceilings: device-to-device copy bandwidth

@@ -86,13 +86,14 @@ def paged_kv(ctx: Ctx, batch: int, length: int) -> dict:
             "k": kv[:, 0].contiguous(), "v": kv[:, 1].contiguous()}
 
 
-def kernel_impl(ctx: Ctx, who: str, op: str, tensors: list, scalars: tuple, out: torch.Tensor):
-    """A runner calling ``ctx.funcs[who][op]`` with prebuilt FFI arguments, returning ``out`` (rows)."""
+def kernel_impl(ctx: Ctx, who: str, op: str, tensors: list, scalars: tuple, out: torch.Tensor, **facts):
+    """A runner calling ``ctx.funcs[who][op]`` with prebuilt FFI arguments, returning ``out`` (rows);
+    ``facts``: what the runtime would add for the function's adapter kind (``max_kv_len``)."""
     fn = ctx.funcs.get(who, {}).get(op, KeyError(f"{who}: no function for {op}"))
     if isinstance(fn, Exception):
         return fn
     args = [ctx.ffi(t) for t in tensors] + list(scalars)
-    return lambda: (fn(*args), out)[1]
+    return lambda: (fn(*args, **facts), out)[1]
 
 
 def sdpa_impl(q4, k4, v4, causal: bool):
@@ -131,7 +132,7 @@ def case_decode(ctx: Ctx, batch: int, length: int):
         lse = torch.zeros(batch, HQ, dtype=torch.float32, device=ctx.device)
         impls[who] = kernel_impl(ctx, who, "attn_decode_paged",
                                  [q, kv["pages"], kv["indptr"], kv["values"], kv["last"], zero, zero, o, lse],
-                                 (0, 1.0, 1e4, SM_SCALE), o)
+                                 (0, 1.0, 1e4, SM_SCALE), o, max_kv_len=length)
     return nbytes, 0.0, (q.unsqueeze(2), kv["k"], kv["v"], False), impls
 
 

@@ -1,11 +1,15 @@
-// The adapter registry and the "direct" adapter (one function per op, called with the kernel ABI unchanged).
+// The adapter registry, the "direct" adapter (one function per op, called with the kernel ABI unchanged) and
+// "direct_max_kv_len" (the same, then a launch-shape hint the runtime knows on the host).
 #include "backend.h"
 
 #include <tvm/ffi/error.h>
 #include <tvm/ffi/string.h>
 
+#include <algorithm>
+#include <map>
 #include <sstream>
 #include <string_view>
+#include <vector>
 #include <utility>
 
 #include "ops.h"
@@ -26,17 +30,85 @@ class DirectAdapter : public OpAdapter {
   ffi::Function func_;
 };
 
-std::unique_ptr<OpAdapter> MakeDirectAdapter(const std::string& op, const ffi::Array<ffi::Any>& funcs) {
+// The one function of an entry of adapter `kind` ("direct" or "direct_max_kv_len").
+ffi::Function OneFunction(const std::string& op, const ffi::Array<ffi::Any>& funcs, const char* kind) {
   if (funcs.size() != 1) {
-    TVM_FFI_THROW(ValueError) << "pagedkv op table: adapter 'direct' takes exactly one function for op '" << op
-                              << "', got " << funcs.size();
+    TVM_FFI_THROW(ValueError) << "pagedkv op table: adapter '" << kind << "' takes exactly one function for op '"
+                              << op << "', got " << funcs.size();
   }
   auto func = funcs[0].as<ffi::Function>();
   if (!func.has_value()) {
-    TVM_FFI_THROW(ValueError) << "pagedkv op table: op '" << op << "' (adapter 'direct') needs a function, got "
-                              << funcs[0].GetTypeKey();
+    TVM_FFI_THROW(ValueError) << "pagedkv op table: op '" << op << "' (adapter '" << kind
+                              << "') needs a function, got " << funcs[0].GetTypeKey();
   }
-  return std::make_unique<DirectAdapter>(*func);
+  return *func;
+}
+
+std::unique_ptr<OpAdapter> MakeDirectAdapter(const std::string& op, const ffi::Array<ffi::Any>& funcs) {
+  return std::make_unique<DirectAdapter>(OneFunction(op, funcs, "direct"));
+}
+
+// "direct_max_kv_len": the one function follows the kernel ABI followed by max_kv_len (int32), the most keys
+// any entry of the call's pass reads from pages (python/pagedkv/ops.py ADAPTER_ARGS). Kernels use it for their
+// launch shape only (a split-KV count that does not leave the longest entry alone in one block), so any value
+// is correct; a CUDA-graph decode passes 0 (unknown): its replays reuse the captured arguments.
+class DirectMaxKvLenAdapter : public OpAdapter {
+ public:
+  DirectMaxKvLenAdapter(std::string op, ffi::Function func, int page_indptr_arg)
+      : op_(std::move(op)), func_(std::move(func)), page_indptr_arg_(page_indptr_arg) {}
+
+  void BeginForward(const ForwardInfo& info) final {
+    longest_.clear();
+    for (const ForwardInfo::Pass& p : info.passes) {
+      int32_t longest = 0;
+      if (!info.cuda_graph) {
+        for (int32_t n : PagedKvLens(*p.host, info.config->page_size)) longest = std::max(longest, n);
+      }
+      longest_[ViewKey(p.page_indptr)] = longest;
+    }
+  }
+  void EndForward() final { longest_.clear(); }
+
+  void Run(ffi::PackedArgs args) final {
+    if (args.size() <= page_indptr_arg_) {
+      TVM_FFI_THROW(InternalError) << "pagedkv: op '" << op_ << "' called with " << args.size() << " arguments";
+    }
+    auto it = longest_.find(ViewKey(args[page_indptr_arg_]));
+    if (it == longest_.end()) {
+      TVM_FFI_THROW(RuntimeError) << "pagedkv: op '" << op_ << "' (adapter 'direct_max_kv_len') called for a pass "
+                                  << "that begin_forward did not see";
+    }
+    std::vector<ffi::AnyView> packed(args.data(), args.data() + args.size());
+    packed.push_back(ffi::AnyView(it->second));
+    ffi::Any rv;
+    func_.CallPacked(ffi::PackedArgs(packed.data(), static_cast<int32_t>(packed.size())), &rv);
+  }
+
+ private:
+  std::string op_;
+  ffi::Function func_;
+  int page_indptr_arg_;
+  std::map<uint64_t, int32_t> longest_;
+};
+
+// The position of op's page_indptr argument (src/ops.h), or -1 when it has none.
+int PageIndptrArg(const std::string& op) {
+  for (const ops::OpInfo& info : ops::kOpInfo) {
+    if (op != info.name) continue;
+    for (int i = 0; i < info.num_args; ++i) {
+      if (std::string_view(info.arg_names[i]) == "page_indptr") return i;
+    }
+  }
+  return -1;
+}
+
+std::unique_ptr<OpAdapter> MakeDirectMaxKvLenAdapter(const std::string& op, const ffi::Array<ffi::Any>& funcs) {
+  int arg = PageIndptrArg(op);
+  if (arg < 0) {
+    TVM_FFI_THROW(ValueError) << "pagedkv op table: adapter 'direct_max_kv_len' serves ops with a page_indptr "
+                              << "argument, not '" << op << "'";
+  }
+  return std::make_unique<DirectMaxKvLenAdapter>(op, OneFunction(op, funcs, ops::kDirectMaxKVLen), arg);
 }
 
 constexpr std::string_view kAdapterPrefix = "adapter=";
@@ -57,7 +129,10 @@ std::pair<std::string, size_t> AdapterOf(const ffi::Array<ffi::Any>& entry, cons
 
 }  // namespace
 
-BackendRegistry::BackendRegistry() { factories_["direct"] = MakeDirectAdapter; }
+BackendRegistry::BackendRegistry() {
+  factories_["direct"] = MakeDirectAdapter;
+  factories_[ops::kDirectMaxKVLen] = MakeDirectMaxKvLenAdapter;
+}
 
 BackendRegistry& BackendRegistry::Global() {
   static BackendRegistry registry;

@@ -128,22 +128,6 @@ inline bool IsCompact(const DLTensor& t) {
   return true;
 }
 
-inline uint64_t ViewKey(ffi::AnyView v) {
-  const DLTensor* d = v.cast<DLTensor*>();
-  return reinterpret_cast<uint64_t>(d->data) + d->byte_offset;
-}
-inline uint64_t ViewKey(const ffi::Tensor& t) { return ViewKey(ffi::AnyView(t)); }
-
-// Keys of each entry of a paged pass: 0 for an empty entry, else (pages - 1) * page_size + last_page_len.
-inline std::vector<int32_t> PagedKvLens(const PassPlan& p, int64_t page_size) {
-  std::vector<int32_t> out(p.num_entries());
-  for (int64_t e = 0; e < p.num_entries(); ++e) {
-    int32_t pages = p.page_indptr[e + 1] - p.page_indptr[e];
-    out[e] = pages == 0 ? 0 : static_cast<int32_t>((pages - 1) * page_size + p.last_page_len[e]);
-  }
-  return out;
-}
-
 // Loads cudaMemcpyAsync from the libcudart the FlashInfer objects are linked against (already loaded).
 using MemcpyAsyncFn = int (*)(void*, const void*, size_t, int, void*);
 inline MemcpyAsyncFn CudaMemcpyAsync() {

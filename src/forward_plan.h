@@ -29,6 +29,16 @@ struct PassPlan {
   bool causal = false;
 };
 
+// Keys of each entry of a paged pass: 0 for an empty entry, else (pages - 1) * page_size + last_page_len.
+inline std::vector<int32_t> PagedKvLens(const PassPlan& p, int64_t page_size) {
+  std::vector<int32_t> out(p.num_entries());
+  for (int64_t e = 0; e < p.num_entries(); ++e) {
+    int32_t pages = p.page_indptr[e + 1] - p.page_indptr[e];
+    out[e] = pages == 0 ? 0 : static_cast<int32_t>((pages - 1) * page_size + p.last_page_len[e]);
+  }
+  return out;
+}
+
 struct ForwardPlan {
   bool is_decode = false;              // every append length is 1
   // The passes read the new tokens too (appended before attention), so self_attention covers no key:

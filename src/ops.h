@@ -52,6 +52,9 @@ inline bool Contains(const std::array<const char*, N>& ops, std::string_view nam
 
 inline bool IsKnownOp(std::string_view name) { return Contains(kAllOps, name); }
 
+// Runtime adapter kinds that call an op's one function with arguments after its ABI (ADAPTER_ARGS).
+inline constexpr const char* kDirectMaxKVLen = "direct_max_kv_len";  // then max_kv_len
+
 // pagedkv_split_rotary: split fused qkv into q, k, v; optionally apply RoPE to q and k at the query positions
 struct SplitRotary {
   static constexpr const char* kName = kSplitRotary;

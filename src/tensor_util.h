@@ -51,6 +51,14 @@ size_t NumBytes(const std::vector<int64_t>& shape, DLDataType dtype);
 // `count` elements of `dtype` all set to a quiet NaN (for poisoning).
 std::vector<uint8_t> NaNBytes(DLDataType dtype, size_t count);
 
+// Identity of a tensor view (data + byte offset): how an adapter's Run finds the pass begin_forward saw, by
+// the index tensor it is given.
+inline uint64_t ViewKey(tvm::ffi::AnyView v) {
+  const DLTensor* d = v.cast<DLTensor*>();
+  return reinterpret_cast<uint64_t>(d->data) + d->byte_offset;
+}
+inline uint64_t ViewKey(const tvm::ffi::Tensor& t) { return ViewKey(tvm::ffi::AnyView(t)); }
+
 }  // namespace pagedkv
 
 #endif  // PAGEDKV_TENSOR_UTIL_H_

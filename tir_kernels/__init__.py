@@ -17,7 +17,7 @@ import dataclasses
 
 from ..kernel_spec import DTYPES, SWITCHES, KernelSpec, forced, normalize_paths  # the spec, written once
 from ..ops import OPS, OPS_BY_KIND  # the op vocabulary, written once (pagedkv.ops)
-from ._abi import abi_dims, abi_prim_func
+from ._abi import abi_dims, abi_prim_func, adapter_of
 from ._common import as_target, dispatch, host_target
 from . import family_cpu, family_cuda
 
@@ -89,5 +89,5 @@ def build_kernels(cfg: KernelConfig, target, ops=None) -> dict:
     return {op: FACTORIES[op](cfg, target) for op in OPS if op in wanted}
 
 
-__all__ = ["OPS", "OPS_BY_KIND", "FAMILIES", "KernelConfig", "KernelSpec", "make", "abi_dims", "abi_prim_func", "SWITCHES", "forced", "normalize_paths", "FACTORIES", "build_kernels", "host_target", "make_empty_rows"] + [
+__all__ = ["OPS", "OPS_BY_KIND", "FAMILIES", "KernelConfig", "KernelSpec", "make", "abi_dims", "abi_prim_func", "adapter_of", "SWITCHES", "forced", "normalize_paths", "FACTORIES", "build_kernels", "host_target", "make_empty_rows"] + [
     f"make_{op}" for op in OPS]

@@ -3,7 +3,9 @@
 its own argument list.
 
 The body is called as ``body(*args, dims)``: ``args`` are the op's arguments in ABI order (buffers for
-tensors, typed scalars), ``dims`` the tuple of its run-time shape variables in ``abi_dims(op)`` order (e.g.
+tensors, typed scalars), then those its runtime adapter kind adds (``pagedkv.ops.call_args``: e.g.
+``max_kv_len`` of ``direct_max_kv_len``; the PrimFunc's attribute ``pagedkv.adapter`` names the kind, and the
+TIR backend puts it in the op table), ``dims`` the tuple of its run-time shape variables in ``abi_dims(op)`` order (e.g.
 ``("b", "p", "ps", "nnz")`` for ``attn_decode_paged``). Every tensor but ``pages`` is matched with a
 symbolic ``elem_offset`` (the runtime passes views into one index buffer); ``pages`` never has one.
 """
@@ -17,7 +19,7 @@ from typing import Any, Mapping
 from tvm.script import from_source
 from tvm.script import tirx as T
 
-from ..ops import SPECS
+from ..ops import SPECS, call_args
 
 _SCALAR = {"int32": "T.int32", "int64": "T.int64", "float32": "T.float32"}
 
@@ -43,10 +45,10 @@ def _dim(sym: str, shape: Mapping[str, int]) -> str:
 
 
 @functools.lru_cache(maxsize=None)
-def _header(op: str, shape_items: tuple, dtype: str, scheduled: bool, symbol: str) -> str:
-    spec, shape = SPECS[op], dict(shape_items)
+def _header(op: str, shape_items: tuple, dtype: str, scheduled: bool, symbol: str, adapter: str) -> str:
+    args, shape = call_args(op, adapter), dict(shape_items)
     params, lines = [], []
-    for a in spec.args:
+    for a in args:
         if a.is_tensor:
             params.append(f"{a.name}_h: T.handle")
             dt = dtype if a.dtype == "cache" else a.dtype
@@ -55,18 +57,18 @@ def _header(op: str, shape_items: tuple, dtype: str, scheduled: bool, symbol: st
             lines.append(f"    {a.name} = T.match_buffer({a.name}_h, ({dims},), \"{dt}\"{offset})")
         else:
             params.append(f"{a.name}: {_SCALAR[a.dtype]}")
-    attrs = f'"global_symbol": "{symbol}", "tirx.noalias": True' + (', "tirx.is_scheduled": True'
-                                                                          if scheduled else "")
+    attrs = f'"global_symbol": "{symbol}", "tirx.noalias": True, "pagedkv.adapter": "{adapter}"' + (
+        ', "tirx.is_scheduled": True' if scheduled else "")
     dims = abi_dims(op)
     head = [f"def {op}({', '.join(params)}):", f"    T.func_attr({{{attrs}}})"]
     if dims:
         head.append(f"    {', '.join(dims)} = " + ", ".join("T.int32()" for _ in dims))
-    call = ", ".join([a.name for a in spec.args] + [f"({', '.join(dims)}{',' if len(dims) == 1 else ''})"])
+    call = ", ".join([a.name for a in args] + [f"({', '.join(dims)}{',' if len(dims) == 1 else ''})"])
     return "\n".join(["@T.prim_func", *head, *lines, f"    body({call})", ""])
 
 
 def abi_prim_func(op: str, shape: Mapping[str, int], dtype: str, body: Any, *, scheduled: bool = False,
-                  symbol: str | None = None):
+                  symbol: str | None = None, adapter: str = "direct"):
     """The PrimFunc (global symbol ``symbol``, default ``pagedkv_<op>``) whose parameters are the op table's and whose body is ``body``.
 
     Parameters
@@ -84,9 +86,18 @@ def abi_prim_func(op: str, shape: Mapping[str, int], dtype: str, body: Any, *, s
         Mark the function ``tirx.is_scheduled`` (CUDA kernels that bind their own threads).
     symbol : str, optional
         Another backend's name for its function (its ``OpBuild.prim_funcs`` name must be the same).
+    adapter : str
+        The runtime adapter kind that calls it (``pagedkv.ops.ADAPTER_ARGS``): its arguments follow the op's,
+        and the body receives them after the op's (before ``dims``).
     """
-    src = _header(op, tuple(sorted(shape.items())), dtype, scheduled, symbol or SPECS[op].symbol)
+    src = _header(op, tuple(sorted(shape.items())), dtype, scheduled, symbol or SPECS[op].symbol, adapter)
     return from_source(src, extra_vars={"T": T, "body": body})
 
 
-__all__ = ["abi_dims", "abi_prim_func"]
+def adapter_of(func) -> str:
+    """The runtime adapter kind a PrimFunc of ``abi_prim_func`` is called through (its ``pagedkv.adapter``)."""
+    attrs = func.attrs or {}
+    return str(attrs["pagedkv.adapter"]) if "pagedkv.adapter" in attrs else "direct"
+
+
+__all__ = ["abi_dims", "abi_prim_func", "adapter_of"]

@@ -148,20 +148,25 @@ def split_count(B, nnz, ps, blocks_per_split, *, target_blocks: int, min_split_k
 #: ``wave_split_count``'s block budget: up to ``n0 <= f * resident_blocks`` blocks at ``S = 1``, at most ``k``
 #: waves' worth of blocks (the last entry has no bound).
 WAVE_BUDGETS = ((0.5, 1), (2, 4), (None, 8))
-#: ``wave_split_count`` keeps ``S = 1`` past one wave when ``S = 1``'s own waves are at least this full
-#: (``n0 >= 0.9 * ceil(n0 / resident) * resident``): splitting then adds blocks and a merge, not occupancy.
+#: ``wave_split_count`` keeps ``S = 1`` when ``S = 1``'s own waves are at least this full (``n0 >= 0.9 *
+#: ceil(n0 / resident) * resident``): splitting then adds blocks and a merge, not occupancy.
 FULL_WAVES = (9, 10)
+#: ... and for a single such wave only when the batch is known to be balanced: its longest entry has at most
+#: this many times the average keys (``max_keys * 4 <= 5 * average``).
+BALANCED = (5, 4)
 
 
 def wave_split_count(B, nnz, ps, blocks_per_split, *, resident_blocks: int, min_split_keys: int, max_splits: int,
-                     avg_keys=None, forced: int = 0):
+                     avg_keys=None, forced: int = 0, max_keys=None):
     """Key splits per (entry, block) of a split-KV decode kernel whose blocks all take about as long (one per
     entry, kv head and split), from shapes only (host side): the most splits whose blocks fit in ``k`` waves
     of ``resident_blocks``, ``k`` from ``n0 = B * blocks_per_split`` (``WAVE_BUDGETS``: one wave while ``n0 <=
     resident / 2``, four up to ``n0 <= 2 * resident``, eight past that), each split at least
     ``min_split_keys`` keys of an average entry (``avg_keys`` as in ``split_count``), ``1 <= S <=
-    max_splits``; but ``S = 1`` past one wave whose own waves are ``FULL_WAVES`` full. ``forced``: as
-    ``split_count``.
+    max_splits``; but ``S = 1`` when ``S = 1``'s own waves are ``FULL_WAVES`` full and the batch is balanced,
+    or past one wave when its spread is not known. ``max_keys``: the longest entry's keys (the runtime's
+    ``max_kv_len``; ``None`` or 0: not known). Balanced: ``max_keys <= 5/4`` of the average keys
+    (``BALANCED``). ``forced``: as ``split_count``.
 
     Why: ``split_count`` fills one wave and stops splitting past it, so a batch just over one wave runs a
     second, nearly empty one (B = 64 at 8 kv heads: 512 blocks on 396 resident slots of an H200, 65% of the
@@ -182,15 +187,21 @@ def wave_split_count(B, nnz, ps, blocks_per_split, *, resident_blocks: int, min_
     if avg_keys is not None:
         keys = avg_keys(keys)
     ladder = T.max(1, T.min(T.min(T.truncdiv(budget, n0), T.truncdiv(keys, min_split_keys)), max_splits))
-    # Past one wave, S = 1's waves nearly full: its time is ceil(n0 / R) block times, and any S that fills
-    # the waves better must double them and pay a merge (H200, B = 64 x 8 kv heads on 264 slots of the tc
-    # kernel: S = 1 2-3% faster than the ladder's S = 2). An arithmetic select, not a Select (see above).
-    # Not for a single wave: S = 1 there was 3.4-4% faster on equal lengths (B = 32 / 33 x 4K) and 1.46x at
-    # MLA 16 heads B = 128 x 1K, but 1.93x slower on the skewed batch (32 entries of 128 .. 16K keys: its
-    # longest entry alone in one block); the host sees only the total of the lengths, not their spread.
-    full = T.Cast("int32", T.And(n0 > resident_blocks, FULL_WAVES[1] * n0 >= FULL_WAVES[0] * resident_blocks
-                                 * T.truncdiv(n0 + resident_blocks - 1, resident_blocks)))
-    return ladder - (ladder - 1) * full
+    # S = 1's waves nearly full: its time is ceil(n0 / R) block times, and any S that fills the waves better
+    # must double them and pay a merge (H200, B = 64 x 8 kv heads on 264 slots of the tc kernel: S = 1 2-3%
+    # faster than the ladder's S = 2). An arithmetic select, not a Select (see above). But S = 1 leaves each
+    # entry in one block, so the longest entry sets the time: a single wave takes it only when the batch is
+    # known to be balanced (equal lengths, B = 32 / 33 x 4K: 3.4-4% faster; MLA 16 heads B = 128 x 1K: 1.46x;
+    # the skewed batch, 32 entries of 128 .. 16K keys: 1.93x slower), past one wave unless known to be skewed.
+    full = T.Cast("int32", FULL_WAVES[1] * n0 >= FULL_WAVES[0] * resident_blocks
+                  * T.truncdiv(n0 + resident_blocks - 1, resident_blocks))
+    if max_keys is None:
+        return ladder - (ladder - 1) * full * T.Cast("int32", n0 > resident_blocks)
+    known = T.Cast("int32", max_keys > 0)
+    balanced = known * T.Cast("int32", BALANCED[1] * max_keys <= BALANCED[0] * T.truncdiv(nnz * ps, T.max(B, 1)))
+    # balanced, or past one wave and not known: a 0/1 sum (the two cannot both hold)
+    take = balanced + (1 - known) * T.Cast("int32", n0 > resident_blocks)
+    return ladder - (ladder - 1) * full * take
 
 
 def make_merge_splits(num_heads: int, dv: int, threads: int, dtype: str):

@@ -81,17 +81,18 @@ def _decode_plan(g: int, d: int, dtype: str):
 
 
 def _split_count(B, nnz, ps, blocks_per_split, var: CudaVariant, forced: int = 0, staged: bool = False,
-                 tc: bool = False):
+                 tc: bool = False, max_keys=None):
     """Key splits per (entry, kv head) of the decode kernel (``forced > 0``: that many, clamped, see
     ``split_count``). The staged and tensor-core (``tc``) kernels' blocks are uniform (one per entry, kv head
     and split), so their count fills whole waves (``wave_split_count``; the tc kernel holds 2 blocks an SM,
     ``TCD_RESIDENT_BLOCKS``); the lane-group kernel's comes from ``split_count`` (about two blocks per SM).
-    All read the variant's keys per entry (``decode_avg_keys``)."""
+    All read the variant's keys per entry (``decode_avg_keys``); ``max_keys`` (the runtime's ``max_kv_len``)
+    lets the staged and tc kernels take ``S = 1`` for a single full wave of a balanced batch."""
     if staged or tc:
         return wave_split_count(B, nnz, ps, blocks_per_split,
                                 resident_blocks=TCD_RESIDENT_BLOCKS if tc else STAGED_RESIDENT_BLOCKS,
                                 min_split_keys=DECODE_MIN_SPLIT_KEYS, max_splits=STAGED_MAX_SPLITS,
-                                avg_keys=var.decode_avg_keys, forced=forced)
+                                avg_keys=var.decode_avg_keys, forced=forced, max_keys=max_keys)
     return split_count(B, nnz, ps, blocks_per_split, target_blocks=DECODE_TARGET_BLOCKS,
                        min_split_keys=DECODE_MIN_SPLIT_KEYS, max_splits=DECODE_MAX_SPLITS,
                        avg_keys=var.decode_avg_keys, forced=forced)
@@ -284,9 +285,9 @@ def attn_decode_paged_cuda(spec):
 
     @T.macro
     def body(q, pages, page_indptr, page_values, last_page_len, k_pos_offset, q_pos, o, lse, apply_rope,
-             rope_scale, rope_theta, sm_scale, dims):
+             rope_scale, rope_theta, sm_scale, max_kv_len, dims):
         B, _p, ps, nnz = dims
-        S: T.let[T.int32] = _split_count(B, nnz, ps, bps, var, splits, staged, tc)
+        S: T.let[T.int32] = _split_count(B, nnz, ps, bps, var, splits, staged, tc, max_kv_len)
         # Split partial states (float32); only touched when S > 1.
         ws_o = T.alloc_buffer((T.max(B, 1) * HQ * S, D), "float32")
         ws_l = T.alloc_buffer((T.max(B, 1) * HQ * S,), "float32")
@@ -299,4 +300,5 @@ def attn_decode_paged_cuda(spec):
         if S > 1:
             merge_splits(o, lse, B, S, ws_o, ws_l)
 
-    return abi_prim_func(ATTN_DECODE_PAGED, shape_values(spec), dtype, body, scheduled=True)
+    return abi_prim_func(ATTN_DECODE_PAGED, shape_values(spec), dtype, body, scheduled=True,
+                         adapter="direct_max_kv_len")

@@ -32,8 +32,8 @@ Design: one block of 8 warps per (head group, entry, key split) (``blockIdx`` x,
   ``alpha``, then per 16 keys one ``ldmatrix.x4`` of P (A) and ``DV / 128`` of the tile (``.trans``, B).
 * Three barriers a tile (tile visible / S complete / P complete); the top one also tells that every warp
   is done with the stage that tile ``kt + NS - 1`` then overwrites.
-* Splits: ``S`` key splits an entry from the shapes (``wave_split_count``: blocks of one wave per SM, the
-  kernel holds one block an SM); ``cuda_decode_splits`` forces it; ``S > 1``: partial states in a float32
+* Splits: ``S`` key splits an entry from the shapes and the runtime's ``max_kv_len`` (``wave_split_count``:
+  blocks of one wave per SM, the kernel holds one block an SM); ``cuda_decode_splits`` forces it; ``S > 1``: partial states in a float32
   workspace and ``mla_cuda``'s merge kernel.
 
 Resources (ptxas, sm_90a, DeepSeek 512 + 64, no spills, no stack): 16 heads fp16: 125 registers, 150,784
@@ -323,10 +323,11 @@ def mla_attn_decode_paged_tc(spec):
     NE = smem_bytes(rows, DL) // 2
 
     @T.macro
-    def body(q, pages, page_indptr, page_values, last_page_len, o, lse, sm_scale, dims):
+    def body(q, pages, page_indptr, page_values, last_page_len, o, lse, sm_scale, max_kv_len, dims):
         B, _p, ps, nnz = dims
         S: T.let[T.int32] = wave_split_count(B, nnz, ps, NG, resident_blocks=RESIDENT_BLOCKS,
-                                             min_split_keys=MIN_SPLIT_KEYS, max_splits=MAX_SPLITS, forced=splits)
+                                             min_split_keys=MIN_SPLIT_KEYS, max_splits=MAX_SPLITS, forced=splits,
+                                             max_keys=max_kv_len)
         ws_o = T.alloc_buffer((T.max(B, 1) * H * S, DV), "float32")
         ws_l = T.alloc_buffer((T.max(B, 1) * H * S,), "float32")
         # Head groups innermost (blockIdx.x): the groups of an entry run side by side and share its latent
@@ -392,7 +393,8 @@ def mla_attn_decode_paged_tc(spec):
         if S > 1:
             merge_splits(o, lse, B, S, ws_o, ws_l)
 
-    return abi_prim_func(MLA_ATTN_DECODE_PAGED, shape_values(spec), dtype, body, scheduled=True)
+    return abi_prim_func(MLA_ATTN_DECODE_PAGED, shape_values(spec), dtype, body, scheduled=True,
+                         adapter="direct_max_kv_len")
 
 
 __all__ = ["MLA_TC_BY_DEFAULT", "SWITCH", "TC_DTYPES", "TC_MAX_LATENT", "TILE_PLANS", "TilePlan", "group_rows",

@@ -7,7 +7,7 @@ from __future__ import annotations
 import argparse
 import re
 
-from .ops import LAYER_KINDS, OP_SPECS, OPS_BY_KIND, REQUIRED_BY_KIND, Arg, OpSpec
+from .ops import ADAPTER_ARGS, LAYER_KINDS, OP_SPECS, OPS_BY_KIND, REQUIRED_BY_KIND, Arg, OpSpec
 
 _ACRONYMS = {"kv": "KV", "mla": "MLA", "mha": "MHA"}
 
@@ -67,7 +67,10 @@ def cpp_header() -> str:
               "template <size_t N>",
               "inline bool Contains(const std::array<const char*, N>& ops, std::string_view name) {",
               "  for (const char* op : ops) {", "    if (name == op) return true;", "  }", "  return false;", "}", "",
-              "inline bool IsKnownOp(std::string_view name) { return Contains(kAllOps, name); }", ""]
+              "inline bool IsKnownOp(std::string_view name) { return Contains(kAllOps, name); }", "",
+              "// Runtime adapter kinds that call an op's one function with arguments after its ABI (ADAPTER_ARGS).",
+              *(f'inline constexpr const char* k{camel(k)} = "{k}";  // then {", ".join(a.name for a in args)}'
+                for k, args in ADAPTER_ARGS.items() if args), ""]
     for spec in OP_SPECS:
         lines += _op_struct(spec)
     lines += ["// Every op's name and argument names, for the runtime's `pagedkv.op_vocabulary` (tests compare it",

@@ -136,6 +136,27 @@ OP_SPECS: tuple[OpSpec, ...] = (
 #: op name -> its spec.
 SPECS: dict[str, OpSpec] = {s.name: s for s in OP_SPECS}
 
+#: Runtime adapter kinds that call an op's one function with its ABI arguments followed by facts the runtime
+#: knows on the host (``src/backend.cc``), by kind: the extra arguments, in call order. ``direct_max_kv_len``:
+#: ``max_kv_len``, the most keys any entry of the call's pass reads from pages (``page_indptr`` names the
+#: pass; 0 = not known, as in a CUDA-graph decode, whose replays reuse the captured value). A kernel may use
+#: it only to choose its launch shape (e.g. a split-KV count), never for what it computes: any value gives
+#: the same result. Kinds and their arguments are frozen like op ABIs; another fact is another kind.
+ADAPTER_ARGS: dict[str, tuple[Arg, ...]] = {"direct": (), "direct_max_kv_len": (Arg("max_kv_len", "int32"),)}
+#: The ops ``direct_max_kv_len`` serves: those with a ``page_indptr`` argument (how it finds the call's pass).
+PASS_BOUND_OPS: tuple[str, ...] = tuple(s.name for s in OP_SPECS if any(a.name == "page_indptr" for a in s.args))
+
+
+def call_args(op: str, adapter: str = "direct") -> tuple[Arg, ...]:
+    """The arguments a function of ``op`` served through runtime adapter kind ``adapter`` (a key of
+    ``ADAPTER_ARGS``) is called with: the op's ABI arguments, then the adapter's."""
+    if adapter not in ADAPTER_ARGS:
+        raise ValueError(f"adapter kind {adapter!r} adds no known arguments; known: {', '.join(ADAPTER_ARGS)}")
+    if adapter == "direct_max_kv_len" and op not in PASS_BOUND_OPS:
+        raise ValueError(f"adapter 'direct_max_kv_len' serves ops with a page_indptr ({', '.join(PASS_BOUND_OPS)}), "
+                         f"not {op!r}")
+    return SPECS[op].args + ADAPTER_ARGS[adapter]
+
 #: Every op, in the order the Relax constructor emits them.
 OPS: tuple[str, ...] = tuple(s.name for s in OP_SPECS)
 

@@ -220,9 +220,10 @@ def inputs(cfg, gen, lengths, ps: int):
 
 
 def run_decode(built: Built, cfg, ents, pages, page_indptr, page_values, last, ps: int, apply_rope: int,
-               sm_scale: float, theta: float, scale: float, max_splits: int = 64):
+               sm_scale: float, theta: float, scale: float, max_splits: int = 64, max_kv_len: int | None = None):
     """Launch the host's kernels on NaN-poisoned outputs / workspace; ``(o, lse, env)`` (float64 tensors, the
-    host's evaluated variables)."""
+    host's evaluated variables). ``max_kv_len``: the runtime's launch hint (default: the longest entry, as the
+    runtime passes it; 0 = unknown)."""
     hq, d, dt = cfg.num_qo_heads, cfg.head_dim, cfg.dtype
     B = len(ents)
     q_pos = [off + k.shape[0] - 1 for _q, k, _v, off in ents]
@@ -234,7 +235,8 @@ def run_decode(built: Built, cfg, ents, pages, page_indptr, page_values, last, p
               "ws_o": np.full((B * hq * max_splits, d), np.nan, np.float32),
               "ws_l": np.full((B * hq * max_splits,), np.nan, np.float32)}
     env = {"B": B, "_p": pages.shape[0], "ps": ps, "nnz": len(page_values), "apply_rope": apply_rope,
-           "sm_scale": sm_scale, "rope_scale": scale, "rope_theta": theta, "dev_id": 0}
+           "sm_scale": sm_scale, "rope_scale": scale, "rope_theta": theta, "dev_id": 0,
+           "max_kv_len": max(e[1].shape[0] for e in ents) if max_kv_len is None else max_kv_len}
     runs = launches(built.main, env)
     assert env["S"] <= max_splits, env["S"]
     assert len(runs) == (2 if env["S"] > 1 else 1), (runs, env.get("S"))

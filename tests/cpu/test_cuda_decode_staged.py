@@ -170,14 +170,16 @@ def test_generated_cuda_uses_vector_loads(hq, hkv, dtype):
     assert body.count("__syncthreads()") >= 5  # setup, two per tile, before the merge, the merge
 
 
-def _wave_rule(B: int, keys: int, hkv: int = 8) -> int:
-    """``wave_split_count`` for the staged kernel written out in Python."""
-    from pagedkv.tir_kernels._common_cuda import FULL_WAVES, WAVE_BUDGETS
+def _wave_rule(B: int, keys: int, hkv: int = 8, max_keys: int = 0) -> int:
+    """``wave_split_count`` for the staged kernel written out in Python (``max_keys`` 0: not known)."""
+    from pagedkv.tir_kernels._common_cuda import BALANCED, FULL_WAVES, WAVE_BUDGETS
     from pagedkv.tir_kernels.attention_cuda_decode import DECODE_MIN_SPLIT_KEYS, STAGED_MAX_SPLITS, STAGED_RESIDENT_BLOCKS
 
     n0, c = B * hkv, STAGED_RESIDENT_BLOCKS
-    if n0 > c and n0 * FULL_WAVES[1] >= FULL_WAVES[0] * c * -(-n0 // c):
-        return 1  # S = 1's own waves nearly full
+    full = n0 * FULL_WAVES[1] >= FULL_WAVES[0] * c * -(-n0 // c)  # S = 1's own waves nearly full
+    balanced = max_keys > 0 and BALANCED[1] * max_keys <= BALANCED[0] * keys
+    if full and (balanced or (max_keys == 0 and n0 > c)):
+        return 1
     k = next(k for f, k in WAVE_BUDGETS if f is None or n0 <= f * c)
     return max(1, min(k * c // n0, keys // DECODE_MIN_SPLIT_KEYS, STAGED_MAX_SPLITS))
 
@@ -185,7 +187,9 @@ def _wave_rule(B: int, keys: int, hkv: int = 8) -> int:
 def test_staged_split_policy_fills_whole_waves():
     """The staged kernel's split count (``wave_split_count``, evaluated by TVM on the host) equals the rule
     written out in Python, and on the benchmark shapes (8 kv heads) it splits a batch just over one wave
-    (B = 64: S = 3, 1536 blocks on 396 slots) while B = 16 x 4K and B = 1 x 32K keep one wave."""
+    (B = 64: S = 3, 1536 blocks on 396 slots) while B = 16 x 4K and B = 1 x 32K keep one wave. With the
+    longest entry known (the runtime's ``max_kv_len``): a balanced batch in one full wave keeps S = 1, a
+    skewed one past one wave is split (its longest entry would set the time)."""
     import numpy as np
 
     from pagedkv.tir_kernels.attention_cuda_decode import (DECODE_MIN_SPLIT_KEYS, STAGED_MAX_SPLITS,
@@ -193,20 +197,25 @@ def test_staged_split_policy_fills_whole_waves():
     from pagedkv.tir_kernels._common_cuda import wave_split_count
 
     @T.prim_func
-    def splits(B: T.int32, nnz: T.int32, ps: T.int32, out: T.Buffer((1,), "int32")):
+    def splits(B: T.int32, nnz: T.int32, ps: T.int32, mx: T.int32, out: T.Buffer((1,), "int32")):
         out[0] = wave_split_count(B, nnz, ps, 8, resident_blocks=STAGED_RESIDENT_BLOCKS,
-                                  min_split_keys=DECODE_MIN_SPLIT_KEYS, max_splits=STAGED_MAX_SPLITS)
+                                  min_split_keys=DECODE_MIN_SPLIT_KEYS, max_splits=STAGED_MAX_SPLITS, max_keys=mx)
 
     lib = tvm.compile(splits, target="llvm")
     o = tvm.runtime.tensor(np.zeros(1, "int32"))
-    cases = {(1, 32768): 49, (16, 4096): 3, (64, 4096): 3, (64, 8192): 3, (256, 2048): 1, (128, 1024): 3,
-             (90, 4096): 1, (80, 4096): 2,  # 720 blocks: 2 waves 91% full (S = 1); 640: 81%
-             (48, 4096): 4}  # 384 blocks: one wave 97% full, split all the same (lengths unknown)
+    unknown = {(1, 32768): 49, (16, 4096): 3, (64, 4096): 3, (64, 8192): 3, (256, 2048): 1, (128, 1024): 3,
+               (90, 4096): 1, (80, 4096): 2,  # 720 blocks: 2 waves 91% full (S = 1); 640: 81%
+               (48, 4096): 4}  # 384 blocks: one wave 97% full, split all the same (lengths unknown)
+    balanced = {(48, 4096): 1, (90, 4096): 1, (16, 4096): 3, (64, 4096): 3}  # longest = average
+    skewed = {(48, 4096): 4, (90, 4096): 2, (99, 4096): 2}  # longest = 4 x average
     rng = np.random.default_rng()
     extra = {(int(b), int(k)): None for b, k in zip(rng.integers(1, 300, 12), rng.integers(1, 40000, 12))}
-    for (b, keys), want in {**cases, **extra}.items():
-        nnz = -(-b * keys // 16)
-        lib(b, nnz, 16, o)
-        rule = _wave_rule(b, nnz * 16 // b)
-        assert o.numpy()[0] == rule, (b, keys)
-        assert want is None or rule == want, (b, keys, rule)
+    for factor, table in ((0, {**unknown, **extra}), (1, {**balanced, **extra}), (4, {**skewed, **extra}),
+                          (1.3, extra)):
+        for (b, keys), want in table.items():
+            nnz = -(-b * keys // 16)
+            mx = int(factor * keys)
+            lib(b, nnz, 16, mx, o)
+            rule = _wave_rule(b, nnz * 16 // b, max_keys=mx)
+            assert o.numpy()[0] == rule, (b, keys, mx)
+            assert want is None or rule == want, (b, keys, mx, rule)

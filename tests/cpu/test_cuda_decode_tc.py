@@ -168,7 +168,7 @@ def test_tc_dynamic_shared_memory_launch():
         main, params = host_main(func)
         for rope in (0, 1):
             env = {"B": 4, "_p": 64, "ps": 16, "nnz": 32, "apply_rope": rope, "sm_scale": 0.1, "rope_scale": 1.0,
-                   "rope_theta": 1e4, "dev_id": 0}
+                   "rope_theta": 1e4, "max_kv_len": 100, "dev_id": 0}
             dyn = []
             for kname, args in launches(main, env):
                 names = params[kname]

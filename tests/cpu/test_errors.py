@@ -304,6 +304,15 @@ def test_create_unknown_adapter_kind(table):
         _create(CFG.to_json(), table)
 
 
+def test_create_max_kv_len_adapter_needs_a_page_table(table):
+    # direct_max_kv_len finds a call's pass by its page_indptr: an op without one is refused, naming both
+    i = next(i for i, e in enumerate(table) if e[0] == "split_rotary")
+    table[i][2] = "adapter=direct_max_kv_len"
+    with pytest.raises(Exception, match="adapter 'direct_max_kv_len' serves ops with a page_indptr argument, "
+                                        "not 'split_rotary'"):
+        _create(CFG.to_json(), table)
+
+
 def test_create_any_backend_tag_with_a_known_adapter(table):
     # the tag is the backend's name (reported by op_backends); how the runtime calls it is the adapter kind,
     # so a backend whose functions follow the kernel ABI needs no C++

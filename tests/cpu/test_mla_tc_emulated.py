@@ -125,7 +125,8 @@ def test_emulated_tc_mla_decode_matches_reference(name, built):
               "page_indptr": page_indptr, "page_values": page_values, "last_page_len": last,
               "o": storage(torch.full((B, h, r), float("nan")), dt), "lse": np.full((B, h), np.nan, np.float32),
               "ws_o": np.full((B * h * 8, r), np.nan, np.float32), "ws_l": np.full((B * h * 8,), np.nan, np.float32)}
-    env = {"B": B, "_p": pages.shape[0], "ps": PS, "nnz": len(page_values), "sm_scale": sm_scale, "dev_id": 0}
+    env = {"B": B, "_p": pages.shape[0], "ps": PS, "nnz": len(page_values), "sm_scale": sm_scale,
+           "max_kv_len": max(lengths), "dev_id": 0}
     calls = launches(main, env)
     assert env["S"] == int(splits) and len(calls) == (2 if env["S"] > 1 else 1), (calls, env.get("S"))
     for kname, args in calls:

@@ -106,7 +106,7 @@ def _check_shape(op: str, arg, param, values, runtime_vars: dict) -> None:
 def test_prim_funcs_match_the_table(name, target):
     from tvm.tirx.buffer import is_buffer_var
 
-    from pagedkv.tir_kernels import build_kernels
+    from pagedkv.tir_kernels import adapter_of, build_kernels
 
     cfg = _kernel_configs()[name]
     values = ops.shape_values(cfg)
@@ -118,9 +118,11 @@ def test_prim_funcs_match_the_table(name, target):
         spec = ops.SPECS[op]
         assert func.attrs["global_symbol"] == spec.symbol
         params = list(func.params)
-        assert [str(p.name) for p in params] == [a.name for a in spec.args], op
+        # the op's arguments, then those of the runtime adapter kind the function declares
+        args = ops.call_args(op, adapter_of(func))
+        assert [str(p.name) for p in params] == [a.name for a in args], op
         runtime_vars: dict[str, str] = {}
-        for arg, param in zip(spec.args, params):
+        for arg, param in zip(args, params):
             assert is_buffer_var(param) == arg.is_tensor, f"{op}.{arg.name}"
             want_dtype = cfg.dtype if arg.dtype == "cache" else arg.dtype
             got = str(param.dtype) if arg.is_tensor else str(param.ty)

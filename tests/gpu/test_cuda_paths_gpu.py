@@ -40,6 +40,7 @@ from test_kernels_masking_gpu import _call, _entries, _i32, _indptr, _pages, _re
 from pagedkv import backends
 from pagedkv.backends.tir import forced_paths
 from pagedkv.cache import _compile_op_table
+from pagedkv.testing.op_calls import op_function
 from pagedkv.testing import reference as R
 from pagedkv.testing.scenarios import SCENARIOS, ScenarioRunner, assert_state_close, random_sm_scale
 from pagedkv.testing.shapes import PATH_SCENARIO_SHAPES, cuda_path_switches, decode_path_cases, mla_path_cases
@@ -81,16 +82,14 @@ def _kernels(shape, paths_items: tuple):
 
 def _decode_fn(shape, paths: dict, op: str):
     module, table = _kernels(shape, tuple(sorted(paths.items())))
-    return module, next(entry[-1] for entry in table if entry[0] == op)
+    return module, op_function(next(entry for entry in table if entry[0] == op))
 
 
-@pytest.mark.parametrize("order", list(ORDERS))
-@pytest.mark.parametrize("apply_rope", [0, 1])
-@pytest.mark.parametrize("case", DECODE_CASES, ids=[_id(c) for c in DECODE_CASES])
-def test_decode_forced_splits(case, apply_rope, order, gen):
+def _check_decode(case, lengths, apply_rope, gen, label, max_kv_len):
+    """``case``'s attn_decode_paged on one entry per length (NaN-poisoned outputs) against the float64
+    reference; ``max_kv_len``: the runtime's launch hint given to the kernel."""
     shape, paths = case
     _module, fn = _decode_fn(shape, paths, "attn_decode_paged")
-    lengths = ORDERS[order]
     dt = getattr(torch, shape.dtype)
     sm_scale = random_sm_scale(gen, shape.d)
     ents = _entries(shape, [(1, m) for m in lengths], gen, far=True)
@@ -100,12 +99,20 @@ def test_decode_forced_splits(case, apply_rope, order, gen):
     o = torch.full((len(ents), shape.hq, shape.d), float("nan"), dtype=dt, device=DEVICE)
     lse = torch.full((len(ents), shape.hq), float("nan"), dtype=torch.float32, device=DEVICE)
     _call(fn, q, pages, page_indptr, page_values, last, _i32([e[3] for e in ents]), _i32(q_pos), o, lse,
-          apply_rope, float(shape.scale), float(shape.theta), sm_scale)
+          apply_rope, float(shape.scale), float(shape.theta), sm_scale, max_kv_len=max_kv_len)
     for b, ((eq, ek, ev, off), m) in enumerate(zip(ents, lengths)):
         ro, rl = _reference(shape, eq, ek, ev, [q_pos[b]], [off + j for j in range(m)], sm_scale, True,
                             apply_rope, exact=True)
         assert_state_close(o[b:b + 1], lse[b:b + 1], ro, rl, shape.dtype,
-                           f"{_id(case)} {order} entry {b} ({m} keys from position {off}) rope={apply_rope}")
+                           f"{label} entry {b} ({m} keys from position {off}) rope={apply_rope}")
+
+
+@pytest.mark.parametrize("order", list(ORDERS))
+@pytest.mark.parametrize("apply_rope", [0, 1])
+@pytest.mark.parametrize("case", DECODE_CASES, ids=[_id(c) for c in DECODE_CASES])
+def test_decode_forced_splits(case, apply_rope, order, gen):
+    lengths = ORDERS[order]
+    _check_decode(case, lengths, apply_rope, gen, f"{_id(case)} {order}", max(lengths))
 
 
 def _mla_pages(shape, latents, gen):
@@ -126,12 +133,10 @@ def _mla_pages(shape, latents, gen):
     return pages.to(DEVICE), _i32(_indptr(counts)), _i32(values or [0]), _i32(last)
 
 
-@pytest.mark.parametrize("order", list(ORDERS))
-@pytest.mark.parametrize("case", MLA_CASES, ids=[_id(c) for c in MLA_CASES])
-def test_mla_decode_forced_splits(case, order, gen):
+def _check_mla_decode(case, lengths, gen, label, max_kv_len):
+    """``case``'s mla_attn_decode_paged on one entry per length against the float64 reference."""
     shape, paths = case
     _module, fn = _decode_fn(shape, paths, "mla_attn_decode_paged")
-    lengths = ORDERS[order]
     dt = getattr(torch, shape.dtype)
     dl, r = shape.r + shape.rope, shape.r
     sm_scale = random_sm_scale(gen, shape.d)
@@ -140,11 +145,45 @@ def test_mla_decode_forced_splits(case, order, gen):
     pages, page_indptr, page_values, last = _mla_pages(shape, lat, gen)
     o = torch.full((len(lengths), shape.h, r), float("nan"), dtype=dt, device=DEVICE)
     lse = torch.full((len(lengths), shape.h), float("nan"), dtype=torch.float32, device=DEVICE)
-    _call(fn, torch.cat(qs).to(dt).to(DEVICE), pages, page_indptr, page_values, last, o, lse, sm_scale)
+    _call(fn, torch.cat(qs).to(dt).to(DEVICE), pages, page_indptr, page_values, last, o, lse, sm_scale,
+          max_kv_len=max_kv_len)
     for b, (q, x, m) in enumerate(zip(qs, lat, lengths)):
         ro, rl = R.attention(q, x[:, None, :], x[:, None, :r], sm_scale, True)
-        assert_state_close(o[b:b + 1], lse[b:b + 1], ro, rl, shape.dtype,
-                           f"{_id(case)} {order} entry {b} ({m} keys)")
+        assert_state_close(o[b:b + 1], lse[b:b + 1], ro, rl, shape.dtype, f"{label} entry {b} ({m} keys)")
+
+
+@pytest.mark.parametrize("order", list(ORDERS))
+@pytest.mark.parametrize("case", MLA_CASES, ids=[_id(c) for c in MLA_CASES])
+def test_mla_decode_forced_splits(case, order, gen):
+    lengths = ORDERS[order]
+    _check_mla_decode(case, lengths, gen, f"{_id(case)} {order}", max(lengths))
+
+
+#: ``max_kv_len`` values the split-hint tests give the kernels: the true longest entry, unknown (0, a CUDA-graph
+#: decode), a short one (the batch looks balanced: S = 1) and a huge one (skewed: split).
+HINTS = {"longest": None, "unknown": 0, "one": 1, "huge": 1 << 30}
+
+
+@pytest.mark.parametrize("hint", list(HINTS))
+def test_decode_split_hint_any_value(hint, gen):
+    """The runtime's ``max_kv_len`` picks the split count only (``wave_split_count``): a batch of one full
+    wave (32 entries x 8 kv heads = 256 blocks of the tc kernel's 264 slots; 512-767 keys, so the ladder
+    splits in 2) runs S = 1 when the hint says balanced and S = 2 otherwise; every value gives the reference."""
+    case = next(c for c in DECODE_CASES if c[0].hkv == 8 and c[0].dtype == "float16" and c[0].window == 0
+                and c[1] == {"cuda_decode_splits": "auto"})
+    lengths = [512 + int(x) for x in torch.randint(0, 256, (32,), generator=gen)]
+    mx = max(lengths) if HINTS[hint] is None else HINTS[hint]
+    _check_decode(case, lengths, 0, gen, f"hint={hint}", mx)
+
+
+@pytest.mark.parametrize("hint", list(HINTS))
+def test_mla_decode_split_hint_any_value(hint, gen):
+    """As above for the MLA tensor-core decode (16 heads: one block an entry, 132 slots): 128 entries of
+    512-767 keys, one full wave: S = 1 when balanced, else the ladder's 2."""
+    case = next(c for c in MLA_CASES if c[0].h == 16 and c[1] == {"cuda_decode_splits": "auto"})
+    lengths = [512 + int(x) for x in torch.randint(0, 256, (128,), generator=gen)]
+    mx = max(lengths) if HINTS[hint] is None else HINTS[hint]
+    _check_mla_decode(case, lengths, gen, f"hint={hint}", mx)
 
 
 @pytest.mark.parametrize("scenario", list(SCENARIOS))

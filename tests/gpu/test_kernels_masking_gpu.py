@@ -20,6 +20,7 @@ import torch
 
 from pagedkv import backends
 from pagedkv.cache import _compile_op_table, _to_ffi
+from pagedkv.testing.op_calls import op_function
 from pagedkv.testing import reference as R
 from pagedkv.testing.scenarios import assert_state_close, random_sm_scale
 from pagedkv.testing.shapes import BENCH_WINDOWED, Shape, gpu_shapes
@@ -43,11 +44,12 @@ def attention_kernels(shape: Shape):
     cfg = shape.config()
     choice = tuple(backends.resolve(cfg, TARGET, "tir").choice.items())
     module, table = _compile_op_table(cfg, TARGET, choice)
-    return module, {entry[0]: entry[-1] for entry in table if entry[0] in ATTN_OPS}
+    return module, {entry[0]: op_function(entry) for entry in table if entry[0] in ATTN_OPS}
 
 
-def _call(fn, *args):
-    fn(*[_to_ffi(a) if isinstance(a, torch.Tensor) else a for a in args])
+def _call(fn, *args, **facts):
+    """``fn`` (an ``op_function``) on ``args`` as tvm-ffi tensors; ``facts``: the runtime's (``max_kv_len``)."""
+    fn(*[_to_ffi(a) if isinstance(a, torch.Tensor) else a for a in args], **facts)
     if DEVICE == "cuda":
         torch.cuda.synchronize()
 
@@ -173,7 +175,7 @@ def test_decode_masking(shape, apply_rope, gen):
     o = torch.full((len(DECODE), shape.hq, shape.d), float("nan"), dtype=dt, device=DEVICE)
     lse = torch.full((len(DECODE), shape.hq), float("nan"), dtype=torch.float32, device=DEVICE)
     _call(fns["attn_decode_paged"], q, pages, page_indptr, page_values, last, _i32([e[3] for e in ents]),
-          _i32(q_pos), o, lse, apply_rope, float(shape.scale), float(shape.theta), sm_scale)
+          _i32(q_pos), o, lse, apply_rope, float(shape.scale), float(shape.theta), sm_scale, max_kv_len=max(DECODE))
     for b, ((eq, ek, ev, off), m) in enumerate(zip(ents, DECODE)):
         ro, rl = _reference(shape, eq, ek, ev, [q_pos[b]], [off + j for j in range(m)], sm_scale, True,
                             apply_rope, exact=True)

@@ -10,8 +10,9 @@ from ..target import kind as target_kind  # noqa: F401 (re-exported: backends.ta
 
 #: Runtime adapter kinds (src/backend.cc): how the runtime calls an op's functions. ``direct``: the one function
 #: follows the op's kernel ABI (src/ops.h) and is called with it unchanged (any backend whose functions do
-#: needs no C++); ``flashinfer``: plan once per forward, run per layer (src/flashinfer_adapter.cc).
-ADAPTERS = ("direct", "flashinfer")
+#: needs no C++); ``direct_max_kv_len``: the same, then the longest entry's keys of the call's pass
+#: (``pagedkv.ops.ADAPTER_ARGS``); ``flashinfer``: plan once per forward, run per layer (src/flashinfer_adapter.cc).
+ADAPTERS = ("direct", "direct_max_kv_len", "flashinfer")
 
 
 @dataclass(frozen=True)

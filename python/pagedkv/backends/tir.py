@@ -146,5 +146,8 @@ class TIRBackend(Backend):
         return {"paths": [list(p) for p in paths]} if paths else None
 
     def build(self, op: str, config: KVCacheConfig, target: Any) -> OpBuild:
+        from ..tir_kernels import adapter_of
+
         func = _all_kernels(kernel_config(config), _target.key(target))[op]
-        return OpBuild(op=op, backend=self.tag, prim_funcs=((f"pagedkv_{op}", func),))
+        # The kernel says how the runtime calls it (direct, or direct_max_kv_len: a launch-shape hint after the ABI).
+        return OpBuild(op=op, backend=self.tag, prim_funcs=((f"pagedkv_{op}", func),), adapter=adapter_of(func))
