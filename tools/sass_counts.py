@@ -1,6 +1,7 @@
 """``python3 tools/sass_counts.py DIR_OR_LIB...``: per kernel function of every ``*.so`` under DIR (or named), how many tensor-core
 instructions its SASS holds (HMMA: ``mma.sync``; HGMMA: ``wgmma``), from ``cuobjdump -sass`` (a CUDA toolkit
-tool; the GPU host has it, the build host does not). TVM embeds a kernel library's device code as a CUDA
+tool; the GPU host has it; on the build host, from PyPI's ``nvidia-cuda-cuobjdump`` and ``nvidia-cuda-nvdisasm``
+wheels, which it calls: ``pip download --no-deps`` both, unzip, put their ``nvidia/cu13/bin`` on ``PATH``). TVM embeds a kernel library's device code as a CUDA
 fatbin inside its own module blob, where cuobjdump does not look, so each fatbin is cut out first (its header
 gives the size). Prints ``file function HMMA HGMMA`` lines, functions without either left out, and a JSON
 summary as the last line."""

@@ -35,13 +35,14 @@ def on_cpu(monkeypatch):
 
 def test_workload_table():
     ws = W.workloads()
-    assert len({w.name for w in ws}) == len(ws) == 50
+    assert len({w.name for w in ws}) == len(ws) == 58
     assert {w.kind for w in ws} == {"decode", "prefill", "mla_decode"}
     pairs = [(a.name, b.name) for a, b in W.rope_pairs(ws)]
     assert pairs == [("decode-h32-f16-B1xL32768", "decode-h32-f16-B1xL32768-rope"),
                      ("decode-h32-f16-B64xL4096", "decode-h32-f16-B64xL4096-rope")]
-    skew = next(w for w in ws if "skew" in w.name)
-    assert min(skew.lens) == 128 and max(skew.lens) == 16384
+    skews = [w for w in ws if "skew" in w.name]
+    assert sorted({w.batch for w in skews}) == [32, 64]
+    assert all(min(w.lens) == 128 and max(w.lens) == 16384 for w in skews)
     chunk = next(w for w in ws if w.kind == "prefill" and w.lens[0])
     assert chunk.keys == [4096 + 512]
     assert chunk.flops() == 4.0 * 32 * 128 * (512 * 4096 + 512 * 513 // 2)
