@@ -61,12 +61,15 @@ ffi::Function FuncArg(const std::string& op, const ffi::Array<ffi::Any>& funcs, 
 }
 
 // attn_decode_paged on two modules ("decode|prefill_fa2"): per forward, the CUDA-core decode kernel when the
-// decode passes are skewed (their longest entry has at least kSkew times the mean keys), else the tensor-core
-// path (the prefill kernel). Measured on the H200 at GQA group 4 (python/pagedkv/backends/flashinfer.py):
-// tensor cores win on uniform batches, the CUDA-core kernel on a skewed one.
+// decode passes are skewed (their longest entry has at least kSkew times the mean keys) and small (at most
+// kMaxCudaCoreRows entries x kv heads), else the tensor-core path (the prefill kernel). Measured on the H200
+// at GQA group 4 (python/pagedkv/backends/flashinfer.py; BENCHMARKS.md run 14): tensor cores win on uniform
+// batches; on 128 ... 16K keys the CUDA-core kernel wins with 32 entries x 8 kv heads (1.34x) and loses with
+// 64 x 8 (1.22x slower).
 class ChooseDecodeAdapter : public OpAdapter {
  public:
   static constexpr double kSkew = 2.0;
+  static constexpr int64_t kMaxCudaCoreRows = 256;
   ChooseDecodeAdapter(std::unique_ptr<OpAdapter> cuda_cores, std::unique_ptr<OpAdapter> tensor_cores)
       : cuda_cores_(std::move(cuda_cores)), tensor_cores_(std::move(tensor_cores)) {}
 
@@ -98,6 +101,7 @@ class ChooseDecodeAdapter : public OpAdapter {
         longest = std::max<int64_t>(longest, n);
       }
     }
+    if (entries * info.config->num_kv_heads > kMaxCudaCoreRows) return false;
     return entries > 1 && static_cast<double>(longest) * entries >= kSkew * static_cast<double>(keys);
   }
 

@@ -291,6 +291,19 @@ def test_decode_kernel_chosen_per_forward(empty_rows):
     assert not fake.offsets
 
 
+def test_decode_kernel_choice_skewed_and_large(empty_rows):
+    """A skewed decode of more than 256 entries x kv heads (``kMaxCudaCoreRows``) stays on tensor cores, where
+    the CUDA-core kernel lost on the H200 (64 x 8 of 128 ... 16K keys); 4 x 64 = 256 still takes CUDA cores."""
+    cfg = MHA_CFG.replace(num_qo_heads=256, num_kv_heads=64, max_batch_size=6)
+    cache, fake = make_cache(cfg, empty_rows, MHA_KINDS["choose"])
+    _prefill_each(cache, cfg, {0: 22, 1: 2, 2: 2, 3: 2, 4: 2})
+    for ids, kernel in (([0, 1, 2, 3], "decode"), ([0, 1, 2, 3, 4], "prefill_fa2")):
+        fake.calls.clear()
+        _step(cache, cfg, ids, [1] * len(ids), 0.125)  # the longest has >= 2x the mean keys both times
+        other = "prefill_fa2" if kernel == "decode" else "decode"
+        assert fake.count(f"{kernel}.plan") == 1 and fake.count(f"{other}.plan") == 0, (ids, fake.calls[:3])
+
+
 @pytest.mark.parametrize("kind", MLA_KINDS)
 @pytest.mark.parametrize("scenario", list(SCENARIOS))
 def test_mla_scenarios_through_the_adapters(empty_rows, kind, scenario, gen):

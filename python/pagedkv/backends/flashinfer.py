@@ -9,7 +9,8 @@ Ops and the module each runs on by default (``module_kind``; chosen by measureme
                            paged prefill kernel with one query row per entry, as its own decode wrapper
                            does with ``use_tensor_cores=True``); groups 4 and 6: ``decode|prefill_fa2``
                            (both linked; the runtime takes the CUDA-core kernel for a forward whose
-                           longest sequence is at least twice the mean, tensor cores otherwise);
+                           longest sequence is at least twice the mean and whose entries x kv heads
+                           are at most 256, tensor cores otherwise);
                            smaller groups: ``decode`` (the CUDA-core decode kernel)
 ``attn_prefill_ragged``    ``prefill_fa3`` on sm_90 (Hopper), else ``prefill_fa2`` (causal)
 ``attn_prefill_paged``     ``prefill_fa3`` on sm_90, else ``prefill_fa2`` (non-causal passes, and the
