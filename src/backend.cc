@@ -6,10 +6,10 @@
 #include <tvm/ffi/string.h>
 
 #include <algorithm>
+#include <array>
 #include <map>
 #include <sstream>
 #include <string_view>
-#include <vector>
 #include <utility>
 
 #include "ops.h"
@@ -78,10 +78,16 @@ class DirectMaxKvLenAdapter : public OpAdapter {
       TVM_FFI_THROW(RuntimeError) << "pagedkv: op '" << op_ << "' (adapter 'direct_max_kv_len') called for a pass "
                                   << "that begin_forward did not see";
     }
-    std::vector<ffi::AnyView> packed(args.data(), args.data() + args.size());
-    packed.push_back(ffi::AnyView(it->second));
+    // On the stack: this runs once per layer of every decode step (no allocation on the host's hot path).
+    constexpr int kMaxArgs = 32;
+    if (args.size() >= kMaxArgs) {
+      TVM_FFI_THROW(InternalError) << "pagedkv: op '" << op_ << "' has more than " << kMaxArgs - 1 << " arguments";
+    }
+    std::array<ffi::AnyView, kMaxArgs> packed;
+    std::copy(args.data(), args.data() + args.size(), packed.begin());
+    packed[args.size()] = ffi::AnyView(it->second);
     ffi::Any rv;
-    func_.CallPacked(ffi::PackedArgs(packed.data(), static_cast<int32_t>(packed.size())), &rv);
+    func_.CallPacked(ffi::PackedArgs(packed.data(), args.size() + 1), &rv);
   }
 
  private:
