@@ -102,6 +102,60 @@ def group_rows(num_heads: int) -> int:
     return 16 if num_heads <= 16 else 32
 
 
+@dataclasses.dataclass(frozen=True)
+class BlockShape:
+    """A block's work for ``heads`` heads of latent ``latent`` (Q and K rows) and ``dv`` value dims, every
+    derived constant in one place: the macros and the kernel read them from here."""
+
+    heads: int
+    latent: int
+    dv: int
+    dtype: str
+
+    @property
+    def rows(self) -> int:
+        return group_rows(self.heads)
+
+    @property
+    def groups(self) -> int:
+        """Head groups an entry (blocks along ``blockIdx.x``)."""
+        return (self.heads + self.rows - 1) // self.rows
+
+    @property
+    def plan(self) -> TilePlan:
+        return TILE_PLANS[self.rows]
+
+    @property
+    def mtiles(self) -> int:
+        """m16 tiles a block."""
+        return self.rows // 16
+
+    @property
+    def ksteps(self) -> int:
+        """k steps of a score warp's dim group (``KPG``)."""
+        return self.latent // 16 // DG
+
+    @property
+    def score_ntiles(self) -> int:
+        """n8 key tiles of a score warp (``NSW``)."""
+        return self.plan.keys // (WARPS // DG) // 8
+
+    @property
+    def out_ntiles(self) -> int:
+        """n8 tiles of O a warp (``NDN``)."""
+        return self.dv // WARPS // 8
+
+    @property
+    def softmax_threads(self) -> int:
+        """Softmax threads a row (``TPR``)."""
+        return NT // self.rows
+
+    @property
+    def softmax_keys(self) -> int:
+        """Keys a softmax thread (``KPT``)."""
+        return self.plan.keys // self.softmax_threads
+
+
 def smem_bytes(rows: int, latent_dim: int, dtype: str = "float16") -> int:
     """Dynamic shared memory of a block (bytes): the ring's tiles (``TILE_PLANS``) and the P rows, padded by
     ``TC_PAD`` elements."""
@@ -140,19 +194,16 @@ def use_tc(spec) -> bool:
     return choice == "tc" or (choice == "auto" and MLA_TC_BY_DEFAULT and not reasons)
 
 
-def _make_tile_ops(H, DL, DV, rows, dtype):
-    """The per-tile macros (load, score, softmax, accumulate) for ``rows`` rows of latent ``DL``."""
-    TK, NS = TILE_PLANS[rows].keys, TILE_PLANS[rows].stages
-    MT, LS, PS, SS = rows // 16, DL + TC_PAD, TK + TC_PAD, TK + 4
+def _make_tile_ops(bs: BlockShape):
+    """The per-tile macros (load, score, softmax, accumulate) of block shape ``bs``."""
+    H, DL, rows, dtype = bs.heads, bs.latent, bs.rows, bs.dtype
+    TK, NS, MT, KPG, NSW = bs.plan.keys, bs.plan.stages, bs.mtiles, bs.ksteps, bs.score_ntiles
+    TPR, KPT, NDN = bs.softmax_threads, bs.softmax_keys, bs.out_ntiles
+    ON = NDN * 4
+    LS, PS, SS = DL + TC_PAD, TK + TC_PAD, TK + 4
     CPR = DL // 8  # 16-byte chunks a latent row
     CPK = NT // TK  # threads a key row of the tile load
-    TPR = NT // rows  # softmax threads a row
-    KPT = TK // TPR  # keys a softmax thread
-    NDN = DV // WARPS // 8  # n8 tiles of O a warp
-    ON = NDN * 4
     P0 = NS * TK * LS  # element offset of P in the dynamic buffer
-    KPG = DL // 16 // DG  # k steps of a dim group
-    NSW = TK // (WARPS // DG) // 8  # n8 key tiles of a score warp
 
     @T.macro
     def issue(smem, stage, pages, page_values, pbase, ps, kbase, kend, tid):
@@ -259,9 +310,10 @@ def _make_tile_ops(H, DL, DV, rows, dtype):
     return issue, load_q, score, softmax, accumulate
 
 
-def _make_store(H, DV, rows, dtype):
+def _make_store(bs: BlockShape):
     """The ``store`` macro: o / lse (``S == 1``) or the split's partial state in the workspace."""
-    MT, NDN, TPR = rows // 16, DV // WARPS // 8, NT // rows
+    H, dtype = bs.heads, bs.dtype
+    MT, NDN, TPR = bs.mtiles, bs.out_ntiles, bs.softmax_threads
     ON = NDN * 4
 
     @T.macro
@@ -309,16 +361,13 @@ def mla_attn_decode_paged_tc(spec):
     if reasons:
         raise NotImplementedError(f"pagedkv.tir_kernels: the tensor-core CUDA MLA decode does not serve "
                                   f"{'; '.join(reasons)}")
-    H, DV, DL, dtype = spec.num_qo_heads, spec.kv_lora_rank, spec.latent_dim, spec.dtype
-    rows = group_rows(H)
-    MT, NG = rows // 16, (H + rows - 1) // rows
-    TK, NS = TILE_PLANS[rows].keys, TILE_PLANS[rows].stages
-    KPG, NSW = DL // 16 // DG, TK // (WARPS // DG) // 8
-    ON = DV // WARPS // 8 * 4
-    KPT = TK * rows // NT
+    bs = BlockShape(spec.num_qo_heads, spec.latent_dim, spec.kv_lora_rank, spec.dtype)
+    H, DV, DL, dtype, rows = bs.heads, bs.dv, bs.latent, bs.dtype, bs.rows
+    MT, NG, TK, NS = bs.mtiles, bs.groups, bs.plan.keys, bs.plan.stages
+    KPG, NSW, ON, KPT = bs.ksteps, bs.score_ntiles, bs.out_ntiles * 4, bs.softmax_keys
     splits = decode_splits(spec)
-    issue, load_q, score, softmax, accumulate = _make_tile_ops(H, DL, DV, rows, dtype)
-    store_lse, store_o = _make_store(H, DV, rows, dtype)
+    issue, load_q, score, softmax, accumulate = _make_tile_ops(bs)
+    store_lse, store_o = _make_store(bs)
     merge_splits = make_merge_splits(H, DV, MERGE_NT, dtype)
     NE = smem_bytes(rows, DL) // 2
 
@@ -397,5 +446,5 @@ def mla_attn_decode_paged_tc(spec):
                          adapter="direct_max_kv_len")
 
 
-__all__ = ["MLA_TC_BY_DEFAULT", "SWITCH", "TC_DTYPES", "TC_MAX_LATENT", "TILE_PLANS", "TilePlan", "group_rows",
+__all__ = ["BlockShape", "MLA_TC_BY_DEFAULT", "SWITCH", "TC_DTYPES", "TC_MAX_LATENT", "TILE_PLANS", "TilePlan", "group_rows",
            "mla_attn_decode_paged_tc", "smem_bytes", "tc_unserved", "use_tc"]
