@@ -35,6 +35,8 @@ D 64 about 100 (3 slots of 18,432 bytes... 55,296 bytes).
 
 from __future__ import annotations
 
+from typing import Any, NamedTuple
+
 from tvm.script import tirx as T
 
 from ._common import EMPTY_LSE, LOG2E
@@ -60,6 +62,25 @@ TCD_WARP_RING = {"plain": False, "rope": True}
 #: in flight while a tile computes; H200, D 128: 1-1.5% at B = 16-64); False: right before its copies, on
 #: the step's critical path (D 64: with the 8 registers it takes, ptxas spills 4 bytes at bf16 group 1).
 TCD_LOOKUP_AHEAD = {64: False, 128: True}
+
+
+class TcRegs(NamedTuple):
+    """A thread's local arrays, handed to the key loop by name: Q's A fragments, a B fragment, the scores,
+    P, O's accumulators, the rows' max / sum, scratch; the RoPE angles (cos, sin) and rotation scratch; the
+    pages and in-page slots of the next tile's copies (``lookup_tile``)."""
+
+    qf: Any
+    bfr: Any
+    sacc: Any
+    pf: Any
+    oacc: Any
+    m: Any
+    lsum: Any
+    st: Any
+    angc: Any
+    angs: Any
+    rc: Any
+    pgs: Any
 
 
 def tile_loads(d: int) -> int:
@@ -192,7 +213,7 @@ def make_tc_parts(hkv: int, g: int, d: int, dtype: str, var, *, warp_ring: bool 
     @T.macro
     def tile_step(regs, smem, slot, key0, k1, w, lane, sm_scale):
         """Scores, softmax and ``P V`` of the warp's 16 keys ``key0 ..`` of the tile in ring slot ``slot``."""
-        qf, bfr, sacc, pf, oacc, m, lsum, st = regs[:8]
+        qf, bfr, sacc, pf, oacc, m, lsum, st = regs[:8]  # TcRegs' first eight
         score(sacc, qf, bfr, smem, slot, w, lane)
         softmax(sacc, pf, m, lsum, oacc, st, key0, k1, lane, sm_scale)
         accumulate(oacc, pf, bfr, smem, slot, w, lane)
@@ -254,7 +275,7 @@ def make_tc_parts(hkv: int, g: int, d: int, dtype: str, var, *, warp_ring: bool 
 def make_tc_key_loop(hkv: int, g: int, d: int, dtype: str, var, rotate_keys=None):
     """``(issue_first, key_loop)``: ``issue_first(pgs, smem, pages, page_values, pbase, ps, h, k0, k1, tid)``
     starts the copies of the split's first tiles (the kernel calls it before loading q, so they overlap) and,
-    with ``TCD_LOOKUP_AHEAD``, looks up the pages of the loop's first copy into ``pgs`` (``regs[11]``);
+    with ``TCD_LOOKUP_AHEAD``, looks up the pages of the loop's first copy into ``pgs`` (``TcRegs.pgs``);
     ``key_loop(regs, smem, pages, page_values, pbase, ps, h, k0, k1, w, lane, tid, sm_scale)``: the warp's
     row states over the split's keys ``[k0, k1)``; with ``rotate_keys`` (inline RoPE, ``_decode_tc_rope_cuda``)
     each warp rotates its keys of a tile in place before scoring them. Ring of ``TCD_SLOTS`` (2 or 3) slots: tiles ``0 ..
@@ -297,17 +318,17 @@ def make_tc_key_loop(hkv: int, g: int, d: int, dtype: str, var, rotate_keys=None
             tile_barrier()
             if it + NS - 1 < tiles:
                 if ahead:
-                    issue_tile(smem, pages, regs[11], h, T.truncmod(it + NS - 1, NS), tid)
+                    issue_tile(smem, pages, regs.pgs, h, T.truncmod(it + NS - 1, NS), tid)
                     # The next tile's pages load while this one computes.
                     if it + NS < tiles:
-                        lookup_tile(regs[11], page_values, pbase, ps, k0 + (it + NS) * TK, k1, tid)
+                        lookup_tile(regs.pgs, page_values, pbase, ps, k0 + (it + NS) * TK, k1, tid)
                 else:
-                    lookup_tile(regs[11], page_values, pbase, ps, k0 + (it + NS - 1) * TK, k1, tid)
-                    issue_tile(smem, pages, regs[11], h, T.truncmod(it + NS - 1, NS), tid)
+                    lookup_tile(regs.pgs, page_values, pbase, ps, k0 + (it + NS - 1) * TK, k1, tid)
+                    issue_tile(smem, pages, regs.pgs, h, T.truncmod(it + NS - 1, NS), tid)
             T.evaluate(cp_async_commit())
             if rotate_keys is not None:
                 # Key k0 + t at relative position t (q was rotated by q_pos - k_pos_offset - k0).
-                rotate_keys(smem, T.truncmod(it, NS), it, w, lane, regs[8], regs[9], regs[10])
+                rotate_keys(smem, T.truncmod(it, NS), it, w, lane, regs.angc, regs.angs, regs.rc)
             tile_step(regs, smem, T.truncmod(it, NS), k0 + it * TK + w * 16, k1, w, lane, sm_scale)
         # The ring is reused by the store: every copy landed, every warp done reading.
         T.evaluate(cp_async_wait(0))
@@ -388,8 +409,8 @@ def make_tc_kernel(hq: int, hkv: int, d: int, dtype: str, var, *, rope: bool = F
                                 lsum[rr] = T.float32(0)
                             for e in T.unroll(NDN * 4):
                                 oacc[e] = T.float32(0)
-                            key_loop((qf, bfr, sacc, pf, oacc, m, lsum, st, angc, angs, rc, pgs), tcd_smem, pages,
-                                     page_values, pbuf[0], ps, h, k0, k1, w, lane, tid, sm_scale)
+                            key_loop(TcRegs(qf, bfr, sacc, pf, oacc, m, lsum, st, angc, angs, rc, pgs), tcd_smem,
+                                     pages, page_values, pbuf[0], ps, h, k0, k1, w, lane, tid, sm_scale)
                             store_rows(o, lse, ws_o, ws_l, tcd_smem, oacc, m, lsum, st, bx, h, sp, S, w, lane, tid)
 
     return kernel
