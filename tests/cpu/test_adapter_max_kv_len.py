@@ -54,8 +54,12 @@ class ProbeBackend(Backend):
 
 @pytest.fixture(scope="module")
 def probe_cache():
-    backends.register_backend(ProbeBackend.tag, f"{__name__}:ProbeBackend", priority=-10, replace=True)
-    return pagedkv.create(CFG, backend={ops.ATTN_DECODE_PAGED: ProbeBackend.tag, "*": "tir"}, poison=True)
+    # registered into a copy of the registry, restored afterwards: later tests see only the real backends
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(backends, "_REGISTRY", dict(backends._REGISTRY))
+        mp.setattr(backends, "_INSTANCES", dict(backends._INSTANCES))
+        backends.register_backend(ProbeBackend.tag, f"{__name__}:ProbeBackend", priority=-10, replace=True)
+        yield pagedkv.create(CFG, backend={ops.ATTN_DECODE_PAGED: ProbeBackend.tag, "*": "tir"}, poison=True)
 
 
 def test_probe_declares_the_adapter():
