@@ -60,11 +60,7 @@ class DirectMaxKvLenAdapter : public OpAdapter {
   void BeginForward(const ForwardInfo& info) final {
     longest_.clear();
     for (const ForwardInfo::Pass& p : info.passes) {
-      int32_t longest = 0;
-      if (!info.cuda_graph) {
-        for (int32_t n : PagedKvLens(*p.host, info.config->page_size)) longest = std::max(longest, n);
-      }
-      longest_[ViewKey(p.page_indptr)] = longest;
+      longest_[ViewKey(p.page_indptr)] = info.cuda_graph ? 0 : LongestKvLen(*p.host, info.config->page_size);
     }
   }
   void EndForward() final { longest_.clear(); }

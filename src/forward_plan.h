@@ -3,6 +3,7 @@
 #ifndef PAGEDKV_FORWARD_PLAN_H_
 #define PAGEDKV_FORWARD_PLAN_H_
 
+#include <algorithm>
 #include <cstdint>
 #include <vector>
 
@@ -29,13 +30,23 @@ struct PassPlan {
   bool causal = false;
 };
 
-// Keys of each entry of a paged pass: 0 for an empty entry, else (pages - 1) * page_size + last_page_len.
+// Keys entry `e` of a paged pass reads: 0 when empty, else (pages - 1) * page_size + last_page_len.
+inline int32_t EntryKvLen(const PassPlan& p, int64_t e, int64_t page_size) {
+  int32_t pages = p.page_indptr[e + 1] - p.page_indptr[e];
+  return pages == 0 ? 0 : static_cast<int32_t>((pages - 1) * page_size + p.last_page_len[e]);
+}
+
+// Keys of each entry of a paged pass (EntryKvLen).
 inline std::vector<int32_t> PagedKvLens(const PassPlan& p, int64_t page_size) {
   std::vector<int32_t> out(p.num_entries());
-  for (int64_t e = 0; e < p.num_entries(); ++e) {
-    int32_t pages = p.page_indptr[e + 1] - p.page_indptr[e];
-    out[e] = pages == 0 ? 0 : static_cast<int32_t>((pages - 1) * page_size + p.last_page_len[e]);
-  }
+  for (int64_t e = 0; e < p.num_entries(); ++e) out[e] = EntryKvLen(p, e, page_size);
+  return out;
+}
+
+// The most keys any entry of a paged pass reads (no vector: the max_kv_len adapter's per-forward work).
+inline int32_t LongestKvLen(const PassPlan& p, int64_t page_size) {
+  int32_t out = 0;
+  for (int64_t e = 0; e < p.num_entries(); ++e) out = std::max(out, EntryKvLen(p, e, page_size));
   return out;
 }
 

@@ -183,9 +183,8 @@ def wave_split_count(B, nnz, ps, blocks_per_split, *, resident_blocks: int, min_
     budget = T.int32(WAVE_BUDGETS[0][1] * resident_blocks)
     for (f, k), (_, k_next) in zip(WAVE_BUDGETS, WAVE_BUDGETS[1:]):
         budget = budget + T.Cast("int32", n0 > int(f * resident_blocks)) * ((k_next - k) * resident_blocks)
-    keys = T.truncdiv(nnz * ps, T.max(B, 1))
-    if avg_keys is not None:
-        keys = avg_keys(keys)
+    raw_keys = T.truncdiv(nnz * ps, T.max(B, 1))  # an entry's average keys (whole pages)
+    keys = raw_keys if avg_keys is None else avg_keys(raw_keys)
     ladder = T.max(1, T.min(T.min(T.truncdiv(budget, n0), T.truncdiv(keys, min_split_keys)), max_splits))
     # S = 1's waves nearly full: its time is ceil(n0 / R) block times, and any S that fills the waves better
     # must double them and pay a merge (H200, B = 64 x 8 kv heads on 264 slots of the tc kernel: S = 1 2-3%
@@ -198,7 +197,7 @@ def wave_split_count(B, nnz, ps, blocks_per_split, *, resident_blocks: int, min_
     if max_keys is None:
         return ladder - (ladder - 1) * full * T.Cast("int32", n0 > resident_blocks)
     known = T.Cast("int32", max_keys > 0)
-    balanced = known * T.Cast("int32", BALANCED[1] * max_keys <= BALANCED[0] * T.truncdiv(nnz * ps, T.max(B, 1)))
+    balanced = known * T.Cast("int32", BALANCED[1] * max_keys <= BALANCED[0] * raw_keys)
     # balanced, or past one wave and not known: a 0/1 sum (the two cannot both hold)
     take = balanced + (1 - known) * T.Cast("int32", n0 > resident_blocks)
     return ladder - (ladder - 1) * full * take
