@@ -257,13 +257,13 @@ def write_plot(rows: list[dict], path: Path) -> None:
     import matplotlib.pyplot as plt
 
     names = sorted({r["workload"] for r in rows}, key=[r["workload"] for r in rows].index)
-    labels = ["pagedkv-fi", "pagedkv-tir", "pagedkv-tir-tc", "pagedkv-tir-tc2", "pagedkv-tir-tc3", "pagedkv-tir-tcd",
-              "pagedkv-tir-wg", "pagedkv-tir-mlatc", "upstream", "torch-sdpa"]
+    labels = [*impls.PAGEDKV_BACKENDS, "upstream", "torch-sdpa"]
+    width = 0.9 / len(labels)
     fig, ax = plt.subplots(figsize=(max(10, len(names) * 0.35), 4.5))
     for i, label in enumerate(labels):
         vals = [next((r["vs_fi_best"] for r in rows if r["workload"] == n and r["impl"] == label
                       and "vs_fi_best" in r), 0.0) for n in names]
-        ax.bar([j + 0.09 * i for j in range(len(names))], vals, 0.09, label=label)
+        ax.bar([j + width * i for j in range(len(names))], vals, width, label=label)
     ax.axhline(1.0, color="k", lw=0.8)
     ax.set_xticks([j + 0.45 for j in range(len(names))], names, rotation=90, fontsize=6)
     ax.set_ylabel("speed vs FlashInfer's best variant")

@@ -39,9 +39,13 @@ class TcTile:
     tile); 2 = two of each in one dynamic shared-memory buffer, tile kt + 1 loading during all of tile kt
     (one barrier a key tile; over 48 KB at D 128, which TVM's CUDA launcher allows by raising the function's
     ``CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES`` when a launch asks for 48 KB or more).
-    ``wgmma``: one warpgroup (4 warps, Q in registers) computes S and O with ``wgmma`` (sm_90a,
+    ``wgmma``: each warpgroup (4 warps, 64 rows, Q in registers) computes S and O with ``wgmma`` (sm_90a,
     ``_wgmma_cuda``) instead of ``mma.sync``; K and V tiles are then stored as core matrices
-    (``_wgmma_cuda.core_index``, no row padding) and need the two-stage buffer.
+    (``_wgmma_cuda.core_index``, no row padding) in a multi-stage buffer; with 8 warps two warpgroups share
+    each K / V tile (128 rows: half the K / V bytes a row). ``overlap`` (wgmma, 3 stages): a warpgroup issues
+    S of tile kt and P V of tile kt - 1 as two groups and runs the softmax of kt while P V runs (the O
+    rescale waits for it); V of tile kt - 1 is still read during tile kt, so tile kt + 1 loads into a third
+    stage.
     """
 
     name: str
@@ -50,6 +54,7 @@ class TcTile:
     mtiles: int = 1
     tk: int = TC_TK
     wgmma: bool = False
+    overlap: bool = False
 
     @property
     def pad(self) -> int:
@@ -71,19 +76,19 @@ class TcTile:
         return self.warps * 32
 
     def smem_bytes(self, d: int, dv: int, dtype: str = "float16") -> int:
-        """Shared memory of a block: ``stages`` x (K tile + V tile) (+ the Q rows), rows padded by ``TC_PAD``."""
+        """Shared memory of a block: ``stages`` x (K tile + V tile) (+ the Q rows), rows padded by ``pad``."""
         q = self.rows * (d + TC_PAD) if self.q_in_smem else 0
         return (self.stages * self.tk * (d + dv + 2 * self.pad) + q) * (4 if dtype == "float32" else 2)
 
     def k_base(self, stage, d: int, dv: int):
-        """First element of stage ``stage``'s K tile in the two-stage buffer (int or TIR expression): stages
+        """First element of stage ``stage``'s K tile in the stage buffer (int or TIR expression): stages
         of ``tk`` K rows then ``tk`` V rows, each a multiple of 8 elements (16-byte cp.async / ldmatrix
         rows stay aligned) and, for D 64 / 128, of 64 (128 bytes: the bank pattern of a stage is that of
         element 0, as ``tests/cpu/test_prefill_tc_layout.py`` checks)."""
         return stage * (self.tk * (d + dv + 2 * self.pad))
 
     def v_base(self, stage, d: int, dv: int):
-        """First element of stage ``stage``'s V tile in the two-stage buffer (after its K tile)."""
+        """First element of stage ``stage``'s V tile in the stage buffer (after its K tile)."""
         return self.k_base(stage, d, dv) + self.tk * (d + self.pad)
 
     def q_base(self, d: int, dv: int) -> int:
@@ -93,7 +98,8 @@ class TcTile:
 
 #: The tiles, by switch value (module docstring: registers, shared memory, occupancy, expected effect).
 TC_TILES = {"tc": TcTile("tc", TC_WARPS, 1), "tc2": TcTile("tc2", 8, 2), "tc3": TcTile("tc3", 4, 2, mtiles=2, tk=32),
-            "wg": TcTile("wg", 4, 2, wgmma=True)}
+            "wg": TcTile("wg", 4, 2, wgmma=True), "wg2": TcTile("wg2", 8, 2, wgmma=True),
+            "wg2o": TcTile("wg2o", 8, 3, wgmma=True, overlap=True)}
 #: The PTX target a ``wgmma`` tile needs (its instructions exist on sm_90a only; libraries forcing it are built
 #: for it: ``kernel_spec.PATH_ARCHS``).
 WG_ARCH = PATH_ARCHS[("cuda_prefill_kernel", "wg")]

@@ -87,6 +87,9 @@ __device__ __forceinline__ void pagedkv_wg_commit() {
 __device__ __forceinline__ void pagedkv_wg_wait0() {
   asm volatile("wgmma.wait_group.sync.aligned 0;\n" ::: "memory");
 }
+__device__ __forceinline__ void pagedkv_wg_wait1() {
+  asm volatile("wgmma.wait_group.sync.aligned 1;\n" ::: "memory");
+}
 // Generic-proxy writes (cp.async, stores) to shared memory made visible to the async proxy (wgmma's B reads).
 __device__ __forceinline__ void pagedkv_proxy_fence() {
   asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
@@ -123,6 +126,12 @@ def wg_wait0():
     return T.cuda.func_call("pagedkv_wg_wait0", source_code=_SOURCE)
 
 
+def wg_wait1():
+    """``wgmma.wait_group 1``: every committed wgmma group but the newest is complete (groups complete in
+    commit order)."""
+    return T.cuda.func_call("pagedkv_wg_wait1", source_code=_SOURCE)
+
+
 def proxy_fence():
     """``fence.proxy.async.shared::cta``: this thread's shared-memory writes visible to wgmma (then a barrier)."""
     return T.cuda.func_call("pagedkv_proxy_fence", source_code=_SOURCE)
@@ -143,4 +152,5 @@ def reg_fence(regs: int, p):
     return T.cuda.func_call(f"pagedkv_wg_reg_fence_{regs}", p, source_code=_SOURCE)
 
 
-__all__ = ["WG_NS", "WG_REG_FENCES", "reg_fence", "acc_fence", "core_index", "proxy_fence", "wg_commit", "wg_fence", "wg_wait0", "wgmma"]
+__all__ = ["WG_NS", "WG_REG_FENCES", "reg_fence", "acc_fence", "core_index", "proxy_fence", "wg_commit", "wg_fence", "wg_wait0", "wg_wait1",
+           "wgmma"]

@@ -40,6 +40,13 @@ Design (FlashAttention-2 style), one block per (query tile, kv head):
   ``wgmma`` m64n64k16 (A = Q in registers, B = K, K-major) and O by 4 m64n{DV}k16 (A = P, B = V, trans-b);
   each group is committed and waited for at once (``fence.proxy.async`` after the copies' wait, before the
   barrier). ``tools/wgmma_probe.cu`` measured wgmma at 968 TFLOP/s on the H200 against 647 for mma.sync.
+* "wg2" (sm_90a, forced only): "wg" with 8 warps, two warpgroups (rows 0-63, 64-127) sharing each K / V tile:
+  each tile fetched from L2 serves 128 rows, as in "tc2" (at 64 rows a block, a 64-key tile's 32 KB from L2
+  take about as long as its wgmma's at peak).
+* "wg2o" (sm_90a, forced only): "wg2" with three stages and two wgmma groups in flight per warpgroup: at tile
+  kt it issues S of kt, then P V of kt - 1 (P kept in ``pfo``), waits for S alone (``wait_group 1``), runs
+  the softmax of kt while P V runs, then waits for P V and applies O's factor (``rescale_o``); the first
+  tile's S and the last tile's P V run outside the loop (``tiles_overlap``).
 * Causal tiles past the tile's last row are skipped (and, with a window, those before its first window).
 * Grid and entry search as the SIMT kernel: virtual tiles, binary search, idle blocks run zero-trip loops.
 
@@ -56,7 +63,8 @@ tc3     128   128      2       32  2 (Q in smem)   69,632 dyn.    249/250, 161/1
 
 "wg" (sm_90a): 64 rows, 128 threads, 2 stages of 64 keys, 65,536 bytes dynamic shared memory at D 128 (no padding);
 ptxas 165 / 163 registers paged / ragged at D 128 (32/8/128 fp16), 126 / 122 at D 64 (12/4/64 bf16, windowed +
-capped), no spills; not yet run on a GPU.
+capped), no spills. "wg2" / "wg2o": 128 rows, 256 threads, 2 / 3 stages (65,536 / 98,304 bytes at D 128); ptxas
+166 / 170 registers (ragged, 32/8/128 fp16), one block an SM; not yet run on a GPU.
 (D 64: the 8 / 8 / 64 bf16 spec; the windowed + capped D 64 one takes 162/168 (20 bytes spilled), 156/142 and
 206/203.) Every tile runs 8 warps an SM at D 128. Expected effect, not measured (the GPU run decides):
 
@@ -110,7 +118,7 @@ from ._prefill_tc_tiles import (
     v_store_index,
 )
 from ._variant_cuda import CudaVariant
-from ._wgmma_cuda import acc_fence, core_index, proxy_fence, reg_fence, wg_commit, wg_fence, wg_wait0, wgmma
+from ._wgmma_cuda import acc_fence, core_index, proxy_fence, reg_fence, wg_commit, wg_fence, wg_wait0, wg_wait1, wgmma
 
 
 def tc_unserved(spec, dv: int, tile: str = "tc") -> str | None:
@@ -149,10 +157,12 @@ def make_prefill_tc(op: str, spec, paged: bool, tile: str = "tc"):
     G = spec.group_size
     cfg = TC_TILES[tile]
     MT, QS = cfg.mtiles, cfg.q_in_smem  # m16 tiles a warp; Q in shared memory
-    WG = cfg.wgmma  # wgmma: K / V as core matrices, S and O by the warpgroup (Q in registers)
-    if (QS or WG) and cfg.stages != 2 or (WG and (QS or cfg.warps != 4)):
-        raise NotImplementedError(f"pagedkv.tir_kernels: tile {tile!r}: Q in shared memory and wgmma need the "
-                                  f"two-stage buffer; wgmma one warpgroup with Q in registers")
+    WG = cfg.wgmma  # wgmma: K / V as core matrices, S and O by each warpgroup (Q in registers)
+    OV = cfg.overlap  # wgmma: P V of tile kt - 1 runs during the softmax of tile kt (three stages)
+    if (QS and cfg.stages != 2) or (WG and (QS or cfg.warps % 4 or cfg.stages != (3 if OV else 2))) or (OV and not WG):
+        raise NotImplementedError(f"pagedkv.tir_kernels: tile {tile!r}: Q in shared memory needs the two-stage "
+                                  f"buffer; wgmma whole warpgroups with Q in registers and two stages (three to "
+                                  f"overlap); overlap needs wgmma")
     TQ = cfg.rows // G
     RV = TQ * G  # row slots holding a (token, head); the rest of the block's rows are padding
     TK, NT = cfg.tk, cfg.threads
@@ -365,28 +375,39 @@ def make_prefill_tc(op: str, spec, paged: bool, tile: str = "tc"):
         T.evaluate(cp_async_commit())
 
     @T.macro
-    def wg_score(sacc, qf, smem, kb):
-        """S (64 rows x TK keys) by the warpgroup: one wgmma m64n{TK}k16 per k step, A = the warp's Q
-        fragments, B = the K tile (core matrices, K-major: LBO 128 bytes between dim chunks, SBO ``16 D``
-        between 8-key groups; k step ``ks`` starts 2 dim chunks = 128 elements further). The first k step
-        overwrites S (scale-d 0): no zeroing. Q's registers are pinned from before the ``wg_fence`` to after
-        the wait (the wgmma's read them asynchronously)."""
+    def wg_score_issue(sacc, qf, smem, kb):
+        """Issue S (the warpgroup's 64 rows x TK keys) as one wgmma group: one m64n{TK}k16 per k step, A = the
+        warp's Q fragments, B = the K tile (core matrices, K-major: LBO 128 bytes between dim chunks, SBO
+        ``16 D`` between 8-key groups; k step ``ks`` starts 2 dim chunks = 128 elements further). The first k
+        step overwrites S (scale-d 0): no zeroing. Q's registers are pinned from before the ``wg_fence`` to
+        after the wait (``wg_score_done``: the wgmma's read them asynchronously)."""
         T.evaluate(reg_fence(NKS * 4, T.address_of(qf[0])))
         T.evaluate(wg_fence())
         for ks in T.unroll(NKS):
             T.evaluate(wgmma(dtype, TK, 0, T.address_of(sacc[0]), T.address_of(qf[ks * 8]),
                              T.address_of(smem[kb + ks * 128]), 128, D * 16, accumulate=ks > 0))
         T.evaluate(wg_commit())
-        T.evaluate(wg_wait0())
+
+    @T.macro
+    def wg_score_done(sacc, qf):
+        """After the wait that completes S: Q and S pinned behind it."""
         T.evaluate(reg_fence(NKS * 4, T.address_of(qf[0])))
         T.evaluate(acc_fence(TK, T.address_of(sacc[0])))
 
     @T.macro
-    def wg_accumulate(oacc, pf, smem, vb):
-        """O += P V by the warpgroup: one wgmma m64n{DV}k16 per 16 keys, A = the warp's P fragments, B = the V
-        tile (core matrices, MN-major, trans-b: LBO ``16 DV`` bytes between 8-key groups, SBO 128 between dim
-        chunks; keys ``16 kk ..`` start 2 key groups = ``16 DV`` elements further). The rescaled O and P are
-        pinned in their registers before the ``wg_fence``."""
+    def wg_score(sacc, qf, smem, kb):
+        """S by the warpgroup, waited for at once."""
+        wg_score_issue(sacc, qf, smem, kb)
+        T.evaluate(wg_wait0())
+        wg_score_done(sacc, qf)
+
+    @T.macro
+    def wg_pv_issue(oacc, pf, smem, vb):
+        """Issue O += P V as one wgmma group: one m64n{DV}k16 per 16 keys, A = the warp's P fragments, B = the
+        V tile (core matrices, MN-major, trans-b: LBO ``16 DV`` bytes between 8-key groups, SBO 128 between
+        dim chunks; keys ``16 kk ..`` start 2 key groups = ``16 DV`` elements further). The rescaled O and P
+        are pinned in their registers before the ``wg_fence``; O is pinned again after the wait
+        (``wg_pv_done``)."""
         T.evaluate(acc_fence(DV, T.address_of(oacc[0])))
         T.evaluate(reg_fence(TK // 4, T.address_of(pf[0])))
         T.evaluate(wg_fence())
@@ -394,8 +415,19 @@ def make_prefill_tc(op: str, spec, paged: bool, tile: str = "tc"):
             T.evaluate(wgmma(dtype, DV, 1, T.address_of(oacc[0]), T.address_of(pf[kk * 8]),
                              T.address_of(smem[vb + kk * 16 * DV]), DV * 16, 128))
         T.evaluate(wg_commit())
-        T.evaluate(wg_wait0())
+
+    @T.macro
+    def wg_pv_done(oacc, pf):
+        """After the wait that completes P V: O and P pinned behind it (P is rewritten next)."""
         T.evaluate(acc_fence(DV, T.address_of(oacc[0])))
+        T.evaluate(reg_fence(TK // 4, T.address_of(pf[0])))
+
+    @T.macro
+    def wg_accumulate(oacc, pf, smem, vb):
+        """O += P V by the warpgroup, waited for at once."""
+        wg_pv_issue(oacc, pf, smem, vb)
+        T.evaluate(wg_wait0())
+        wg_pv_done(oacc, pf)
 
     @T.macro
     def score(sacc, qf, afr, smem, kb, bfr, w, lane):
@@ -452,36 +484,56 @@ def make_prefill_tc(op: str, spec, paged: bool, tile: str = "tc"):
 
     scores_masked, scores_visible = mask_scores(True), mask_scores(False)
 
-    @T.macro
-    def softmax(sacc, pf, m, lsum, oacc, lim, mx, st, ti, kt, lane, causal, sm_scale):
-        """Online softmax of the lane's rows (m16 tile ``mt``, ``rr``: C elements 2rr, 2rr + 1 of its
-        fragments); a row's scores are spread over the 4 lanes of a quad. ``pf`` = P in the storage dtype,
-        already laid out as the A fragments of P V (``pf[mt * SN + 8 kk + i]`` = C element ``i % 4`` of
-        fragment ``2 kk + i // 4``)."""
-        for mt in T.unroll(MT):
-            if WIN:
-                scores_masked(sacc, mx, m, lim, ti, kt, lane, causal, sm_scale, mt)
-            else:
-                # Without a window a row sees keys < lim: a tile below both rows' bounds needs no mask (the
-                # branch is per lane, with no shuffle inside; padding rows have lim 0, so they take the mask).
-                if (kt + 1) * TK <= T.min(lim[mt * 2], lim[mt * 2 + 1]):
-                    scores_visible(sacc, mx, m, lim, ti, kt, lane, causal, sm_scale, mt)
-                else:
+    def online_softmax(defer: bool):
+        """The online-softmax macro; ``defer``: each row's O rescale factor goes to ``fac`` (``rescale_o``
+        applies it once a P V in flight is complete) instead of being applied to ``oacc`` at once."""
+
+        @T.macro
+        def softmax(sacc, pf, m, lsum, oacc, fac, lim, mx, st, ti, kt, lane, causal, sm_scale):
+            """Online softmax of the lane's rows (m16 tile ``mt``, ``rr``: C elements 2rr, 2rr + 1 of its
+            fragments); a row's scores are spread over the 4 lanes of a quad. ``pf`` = P in the storage dtype,
+            already laid out as the A fragments of P V (``pf[mt * SN + 8 kk + i]`` = C element ``i % 4`` of
+            fragment ``2 kk + i // 4``)."""
+            for mt in T.unroll(MT):
+                if WIN:
                     scores_masked(sacc, mx, m, lim, ti, kt, lane, causal, sm_scale, mt)
+                else:
+                    # Without a window a row sees keys < lim: a tile below both rows' bounds needs no mask (the
+                    # branch is per lane, with no shuffle inside; padding rows have lim 0, so they take the mask).
+                    if (kt + 1) * TK <= T.min(lim[mt * 2], lim[mt * 2 + 1]):
+                        scores_visible(sacc, mx, m, lim, ti, kt, lane, causal, sm_scale, mt)
+                    else:
+                        scores_masked(sacc, mx, m, lim, ti, kt, lane, causal, sm_scale, mt)
+                for rr in T.unroll(2):
+                    st[0] = T.max(mx[mt * 2 + rr], shfl_xor(mx[mt * 2 + rr], 1))
+                    st[0] = T.max(st[0], shfl_xor(st[0], 2))
+                    st[1] = T.exp2(m[mt * 2 + rr] - st[0])
+                    m[mt * 2 + rr] = st[0]
+                    lsum[mt * 2 + rr] = lsum[mt * 2 + rr] * st[1]
+                    if defer:
+                        fac[mt * 2 + rr] = st[1]
+                    else:
+                        for dn in T.unroll(NDN):
+                            for c in T.unroll(2):
+                                oacc[mt * ON + dn * 4 + rr * 2 + c] = oacc[mt * ON + dn * 4 + rr * 2 + c] * st[1]
+                    for nt in T.unroll(NSN):
+                        for c in T.unroll(2):
+                            st[2] = T.exp2(sacc[mt * SN + nt * 4 + rr * 2 + c] - st[0])
+                            lsum[mt * 2 + rr] = lsum[mt * 2 + rr] + st[2]
+                            pf[mt * SN + nt * 4 + rr * 2 + c] = T.Cast(dtype, st[2])
+
+        return softmax
+
+    softmax_now, softmax_deferred = online_softmax(False), online_softmax(True)
+
+    @T.macro
+    def rescale_o(oacc, fac):
+        """O of the lane's rows times their deferred factors (``online_softmax(True)``)."""
+        for mt in T.unroll(MT):
             for rr in T.unroll(2):
-                st[0] = T.max(mx[mt * 2 + rr], shfl_xor(mx[mt * 2 + rr], 1))
-                st[0] = T.max(st[0], shfl_xor(st[0], 2))
-                st[1] = T.exp2(m[mt * 2 + rr] - st[0])
-                m[mt * 2 + rr] = st[0]
-                lsum[mt * 2 + rr] = lsum[mt * 2 + rr] * st[1]
                 for dn in T.unroll(NDN):
                     for c in T.unroll(2):
-                        oacc[mt * ON + dn * 4 + rr * 2 + c] = oacc[mt * ON + dn * 4 + rr * 2 + c] * st[1]
-                for nt in T.unroll(NSN):
-                    for c in T.unroll(2):
-                        st[2] = T.exp2(sacc[mt * SN + nt * 4 + rr * 2 + c] - st[0])
-                        lsum[mt * 2 + rr] = lsum[mt * 2 + rr] + st[2]
-                        pf[mt * SN + nt * 4 + rr * 2 + c] = T.Cast(dtype, st[2])
+                        oacc[mt * ON + dn * 4 + rr * 2 + c] = oacc[mt * ON + dn * 4 + rr * 2 + c] * fac[mt * 2 + rr]
 
     @T.macro
     def accumulate(oacc, pf, Vs, vb, bfr, lane):
@@ -528,7 +580,7 @@ def make_prefill_tc(op: str, spec, paged: bool, tile: str = "tc"):
         """One buffer per operand, software-pipelined: K of tile kt + 1 loads during the softmax and P V of tile
         kt, V of kt + 1 during the scores of kt + 1. In flight at each wait: {K kt, V kt} at the top, {V kt,
         K kt + 1} before P V (wait_group 1 = the older is done). ``fr`` = (qf, afr, bfr), ``acc`` = (sacc,
-        pf, oacc), ``rows`` = (m, lsum, lim, mx, st): the kernel's register arrays."""
+        pf, oacc, pfo), ``rows`` = (m, lsum, lim, mx, st, fac): the kernel's register arrays."""
         issue(Ks, 0, kvb, ti, ti[7], h, tid, 0)
         issue(Vs, 0, kvb, ti, ti[7], h, tid, 1)
         for kt in T.serial(ti[7], T.truncdiv(ti[6] + TK - 1, TK)):
@@ -537,13 +589,55 @@ def make_prefill_tc(op: str, spec, paged: bool, tile: str = "tc"):
             score(acc[0], fr[0], fr[1], Ks, 0, fr[2], w, lane)
             T.tvm_storage_sync("shared")  # every warp is done with Ks
             issue(Ks, 0, kvb, ti, kt + 1, h, tid, 0)  # past the last tile: zeros, never read
-            softmax(acc[0], acc[1], rows[0], rows[1], acc[2], rows[2], rows[3], rows[4], ti, kt, lane, causal,
-                    sm_scale)
+            softmax_now(acc[0], acc[1], rows[0], rows[1], acc[2], rows[5], rows[2], rows[3], rows[4], ti, kt, lane,
+                        causal, sm_scale)
             T.evaluate(cp_async_wait(1))
             T.tvm_storage_sync("shared")  # V kt visible
             accumulate(acc[2], acc[1], Vs, 0, fr[2], lane)
             T.tvm_storage_sync("shared")  # every warp is done with Vs
             issue(Vs, 0, kvb, ti, kt + 1, h, tid, 1)
+
+    @T.macro
+    def next_tile(smem, ti, kvb, h, tid, kt):
+        """Multi-stage top of key tile ``kt`` (in stage ``kt % stages``): wait for its copies, one barrier that
+        both publishes it (and Q) and tells that every warp is done with the stage of tile ``kt + 1 - stages``,
+        which then takes tile kt + 1 (past the last tile: zeros, never read)."""
+        T.evaluate(cp_async_wait(0))
+        if WG:
+            T.evaluate(proxy_fence())  # this thread's copies (and zero stores) visible to wgmma
+        T.tvm_storage_sync("shared")
+        issue_kv(smem, T.truncmod(kt + 1, cfg.stages), kvb, ti, kt + 1, h, tid)
+
+    @T.macro
+    def tiles_overlap(smem, fr, acc, rows, ti, kvb, h, tid, causal, sm_scale):
+        """Three stages, each warpgroup two wgmma groups in flight (``overlap``): at tile kt it issues S of kt,
+        then P V of kt - 1 (P of kt - 1 kept in ``pfo``), waits for S alone (wait_group 1), runs the softmax of
+        kt (O's factor deferred) while P V runs, then waits for P V and rescales O. V of kt - 1 is read
+        during tile kt, so tile kt + 1 loads into the third stage. The first tile has no P V before it, the
+        last one's runs after the loop (each loop runs 0 or 1 times). Arguments as ``tiles_one_stage``."""
+        issue_kv(smem, T.truncmod(ti[7], 3), kvb, ti, ti[7], h, tid)
+        for kt in T.serial(ti[7], T.min(ti[7] + 1, T.truncdiv(ti[6] + TK - 1, TK))):
+            next_tile(smem, ti, kvb, h, tid, kt)
+            wg_score(acc[0], fr[0], smem, cfg.k_base(T.truncmod(kt, 3), D, DV))
+            softmax_deferred(acc[0], acc[1], rows[0], rows[1], acc[2], rows[5], rows[2], rows[3], rows[4], ti, kt,
+                             T.truncmod(tid, 32), causal, sm_scale)  # O is 0: its factor is not applied
+            for e in T.unroll(SN):
+                acc[3][e] = acc[1][e]
+        for kt in T.serial(ti[7] + 1, T.truncdiv(ti[6] + TK - 1, TK)):
+            next_tile(smem, ti, kvb, h, tid, kt)
+            wg_score_issue(acc[0], fr[0], smem, cfg.k_base(T.truncmod(kt, 3), D, DV))
+            wg_pv_issue(acc[2], acc[3], smem, cfg.v_base(T.truncmod(kt - 1, 3), D, DV))
+            T.evaluate(wg_wait1())
+            wg_score_done(acc[0], fr[0])
+            softmax_deferred(acc[0], acc[1], rows[0], rows[1], acc[2], rows[5], rows[2], rows[3], rows[4], ti, kt,
+                             T.truncmod(tid, 32), causal, sm_scale)
+            T.evaluate(wg_wait0())
+            wg_pv_done(acc[2], acc[3])
+            rescale_o(acc[2], rows[5])
+            for e in T.unroll(SN):
+                acc[3][e] = acc[1][e]
+        for kt in T.serial(T.max(ti[7], T.truncdiv(ti[6] + TK - 1, TK) - 1), T.truncdiv(ti[6] + TK - 1, TK)):
+            wg_accumulate(acc[2], acc[3], smem, cfg.v_base(T.truncmod(kt, 3), D, DV))
 
     @T.macro
     def tiles_two_stage(smem, fr, acc, rows, ti, kvb, h, tid, w, lane, causal, sm_scale):
@@ -552,14 +646,10 @@ def make_prefill_tc(op: str, spec, paged: bool, tile: str = "tc"):
         the whole of tile kt (scores, softmax, P V). Arguments as ``tiles_one_stage``."""
         issue_kv(smem, T.truncmod(ti[7], 2), kvb, ti, ti[7], h, tid)
         for kt in T.serial(ti[7], T.truncdiv(ti[6] + TK - 1, TK)):
-            T.evaluate(cp_async_wait(0))
-            if WG:
-                T.evaluate(proxy_fence())  # this thread's copies (and zero stores) visible to wgmma
-            T.tvm_storage_sync("shared")  # tile kt (and Q) visible; stage (kt + 1) % 2 free
-            issue_kv(smem, T.truncmod(kt + 1, 2), kvb, ti, kt + 1, h, tid)  # past the last tile: zeros, unread
+            next_tile(smem, ti, kvb, h, tid, kt)
             score(acc[0], fr[0], fr[1], smem, cfg.k_base(T.truncmod(kt, 2), D, DV), fr[2], w, lane)
-            softmax(acc[0], acc[1], rows[0], rows[1], acc[2], rows[2], rows[3], rows[4], ti, kt, lane, causal,
-                    sm_scale)
+            softmax_now(acc[0], acc[1], rows[0], rows[1], acc[2], rows[5], rows[2], rows[3], rows[4], ti, kt, lane,
+                        causal, sm_scale)
             accumulate(acc[2], acc[1], smem, cfg.v_base(T.truncmod(kt, 2), D, DV), fr[2], lane)
 
     @T.macro
@@ -573,6 +663,9 @@ def make_prefill_tc(op: str, spec, paged: bool, tile: str = "tc"):
                     afr = T.alloc_buffer((MT * 4 if QS else 1,), "uint32", scope="local")
                     sacc = T.alloc_buffer((MT * SN,), "float32", scope="local")
                     pf = T.alloc_buffer((MT * SN,), dtype, scope="local")
+                    # overlap: P of the previous key tile (its P V in flight) and each row's deferred O factor
+                    pfo = T.alloc_buffer((SN if OV else 1,), dtype, scope="local")
+                    fac = T.alloc_buffer((2 if OV else 1,), "float32", scope="local")
                     # Two B fragments (ldmatrix.x4), 4 x 32 bits.
                     bfr = T.alloc_buffer((4,), "uint32", scope="local")
                     oacc = T.alloc_buffer((MT * ON,), "float32", scope="local")
@@ -598,15 +691,19 @@ def make_prefill_tc(op: str, spec, paged: bool, tile: str = "tc"):
                     if cfg.stages == 1:
                         Ks = T.alloc_buffer((TK * KS,), dtype, scope="shared")
                         Vs = T.alloc_buffer((TK * VS,), dtype, scope="shared")
-                        tiles_one_stage(Ks, Vs, (qf, afr, bfr), (sacc, pf, oacc), (m, lsum, lim, mx, st), ti, kvb,
-                                        h, tid, w, lane, causal, sm_scale)
+                        tiles_one_stage(Ks, Vs, (qf, afr, bfr), (sacc, pf, oacc, pfo), (m, lsum, lim, mx, st, fac), ti,
+                                        kvb, h, tid, w, lane, causal, sm_scale)
                     else:
                         # One dynamic buffer (TVM 0.27 fails to merge several shared.dyn buffers here).
                         smem = T.alloc_buffer((cfg.smem_bytes(D, DV) // 2,), dtype, scope="shared.dyn")
                         if QS:
                             load_q_smem(smem, q, ti, h, tid)
-                        tiles_two_stage(smem, (qf, afr, bfr), (sacc, pf, oacc), (m, lsum, lim, mx, st), ti, kvb, h,
-                                        tid, w, lane, causal, sm_scale)
+                        if OV:
+                            tiles_overlap(smem, (qf, afr, bfr), (sacc, pf, oacc, pfo), (m, lsum, lim, mx, st, fac), ti,
+                                          kvb, h, tid, causal, sm_scale)
+                        else:
+                            tiles_two_stage(smem, (qf, afr, bfr), (sacc, pf, oacc, pfo), (m, lsum, lim, mx, st, fac),
+                                            ti, kvb, h, tid, w, lane, causal, sm_scale)
                     store(o, lse, oacc, m, lsum, ti, h, w, lane)
 
     return kernel

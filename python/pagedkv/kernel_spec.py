@@ -35,13 +35,15 @@ SWITCHES: dict[str, tuple[str, tuple[str, ...]]] = {
                             "stage in static shared memory; tc2 = 128 rows (8 warps), two stages in dynamic shared "
                             "memory; tc3 = 128 rows (4 warps of two m16 tiles, Q in shared memory), two stages of "
                             "32 keys; wg = 64 rows (one warpgroup), two stages of 64 keys as core matrices, S and "
-                            "O by wgmma (needs a target arch sm_90a, kernel_spec.KernelSpec.target_arch; forced "
-                            "only, auto never picks it). "
+                            "O by wgmma; wg2 = 128 rows (two warpgroups sharing each K/V tile), the same stages; "
+                            "wg2o = wg2 with three stages, each warpgroup's softmax of tile kt overlapping its P V "
+                            "of tile kt - 1 (the wg tiles need a target arch sm_90a, "
+                            "kernel_spec.KernelSpec.target_arch; forced only, auto never picks them). "
                             "Inline RoPE always runs the SIMT kernel. auto: the tensor-core kernel where it serves "
                             "the spec (TC_BY_DEFAULT), in the op's first serving tile of "
                             "tir_kernels.attention_cuda_prefill.TC_DEFAULT_TILES (ragged: tc3, else tc; paged: "
                             "tc2, else tc), SIMT elsewhere",
-                            ("auto", "simt", "tc", "tc2", "tc3", "wg")),
+                            ("auto", "simt", "tc", "tc2", "tc3", "wg", "wg2", "wg2o")),
     "cuda_decode_kernel": ("CUDA MHA decode (attn_decode_paged), plain and inline RoPE: the lane-group kernel "
                            "for both (lanes) or the shared-memory staged kernel for both (staged; raises where "
                            "its limits refuse either variant); tc: both variants on the tensor-core kernel "
@@ -80,7 +82,7 @@ def tc_decode_limits(g: int, d: int, dtype: str) -> list[str]:
     return out
 
 
-#: What the wgmma prefill tile ("wg", forced only) serves beyond the tensor-core prefill's limits: the head dim of
+#: What the wgmma prefill tiles ("wg", "wg2", "wg2o", forced only) serve beyond the tensor-core prefill's limits: the head dim of
 #: its H200 runs that matched the reference. At head dim 64 its outputs were wrong (relative error 0.07-0.37 at
 #: GQA groups 3, 4 and 7; head dim 128 at groups 1, 3, 4 and 8 right; H200, 2026-12-04). Not the operand
 #: layouts (``tools/wgmma_probe.cu`` checked them at these strides); cause not found. Refused, not run.
@@ -98,7 +100,9 @@ def wg_prefill_limits(d: int, dv: int) -> list[str]:
 
 #: Forced path values whose kernels need one CUDA arch (their instructions exist there only): a library holding
 #: them is built for, and looked up under, that arch (``target_for_paths``). (switch, value) -> arch.
-PATH_ARCHS: dict[tuple[str, str], str] = {("cuda_prefill_kernel", "wg"): "sm_90a"}
+#: The wgmma prefill tiles (``tir_kernels._prefill_tc_tiles.TC_TILES`` with ``wgmma``).
+WG_PREFILL_TILES = ("wg", "wg2", "wg2o")
+PATH_ARCHS: dict[tuple[str, str], str] = {("cuda_prefill_kernel", t): "sm_90a" for t in WG_PREFILL_TILES}
 
 
 def target_for_paths(paths, target):
@@ -259,5 +263,5 @@ class KernelSpec:
                 for f in fields(self) for v in [getattr(self, f.name)] if f.name != "target_arch" or v}
 
 
-__all__ = ["DTYPES", "KernelSpec", "PATH_ARCHS", "SWITCHES", "forced", "normalize_paths", "target_for_paths",
+__all__ = ["DTYPES", "KernelSpec", "PATH_ARCHS", "SWITCHES", "WG_PREFILL_TILES", "forced", "normalize_paths", "target_for_paths",
            "tc_decode_limits"]

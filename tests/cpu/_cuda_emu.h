@@ -179,8 +179,8 @@ inline int pagedkv_aligned16(const void* p) { return (reinterpret_cast<uintptr_t
 
 // wgmma.mma_async m64nNk16 (A from registers, B from shared memory through a no-swizzle descriptor), a
 // warpgroup (4 warps, 128 threads) collective. As late as the ISA allows: a wgmma only records the thread's A
-// fragment and D address; wait_group 0 performs every recorded one, reading B from shared memory then (a
-// buffer refilled before the wait, or D read before it, shows). The descriptor is built as on the GPU (LBO
+// fragment and D address; wait_group N performs every group committed before the newest N, reading B from
+// shared memory then (a buffer refilled before the wait, or D read before it, shows). The descriptor is built as on the GPU (LBO
 // bits 16-29, SBO bits 32-45, in 16-byte units) and decoded back; its address field cannot hold a host
 // pointer, so the start address travels beside it. B element (n, k) (trans 0, K-major) at byte
 // (n%8)*16 + (k%8)*2 + (k/8)*LBO + (n/8)*SBO; (k, n) (trans 1, MN-major) at (k%8)*16 + (n%8)*2 + (n/8)*SBO +
@@ -189,7 +189,8 @@ constexpr int kMaxWgOps = 16;
 struct WgOp { float* d[128]; uint a[128][4]; const char* b; uint64_t desc; int n, trans, bf16, scale_d; };
 struct WgSlots { std::barrier<>* bar; WgOp ops[kMaxWgOps]; };
 static WgSlots g_wgs[kMaxWarps / 4];
-thread_local int t_wg_ops = 0;  // wgmma's this thread issued since its last wait
+thread_local int t_wg_ops = 0;  // wgmma's this thread issued and not yet performed
+thread_local int t_wg_ends[kMaxWgOps], t_wg_groups = 0;  // t_wg_ops at each commit not yet waited for
 inline WgSlots& my_wg() { return g_wgs[t_linear / 128]; }
 inline uint64_t pagedkv_wg_desc_bits(unsigned lbo, unsigned sbo) {
   return (static_cast<uint64_t>((lbo >> 4) & 0x3FFFu) << 16) | (static_cast<uint64_t>((sbo >> 4) & 0x3FFFu) << 32);
@@ -217,13 +218,16 @@ inline float wg_b(const WgOp& op, int k, int n) {  // B[k][n] through the descri
   return op.bf16 ? half_of<nv_bfloat16>(bits, 0) : half_of<half>(bits, 0);
 }
 inline void pagedkv_wg_fence() {}
-inline void pagedkv_wg_commit() {}
+inline void pagedkv_wg_commit() { t_wg_ends[t_wg_groups++] = t_wg_ops; }
 inline void pagedkv_proxy_fence() {}
-inline void pagedkv_wg_wait0() {
+// wait_group `pending`: perform the wgmma's of every committed group but the newest `pending` (in issue order),
+// then move the rest to the front of the slots.
+inline void wg_wait(int pending) {
   WgSlots& wg = my_wg();
   wg.bar->arrive_and_wait();  // every thread's A recorded
   int t = t_linear % 128, w = t / 32, l = t % 32;
-  for (int o = 0; o < t_wg_ops; ++o) {
+  int done = t_wg_groups > pending ? t_wg_ends[t_wg_groups - pending - 1] : 0;
+  for (int o = 0; o < done; ++o) {
     const WgOp& op = wg.ops[o];
     for (int j = 0; j < op.n / 8; ++j)
       for (int i = 0; i < 4; ++i) {
@@ -233,9 +237,23 @@ inline void pagedkv_wg_wait0() {
         op.d[t][4 * j + i] = (op.scale_d ? op.d[t][4 * j + i] : 0.f) + acc;  // scale-d 0: D = A B
       }
   }
-  t_wg_ops = 0;
-  wg.bar->arrive_and_wait();  // slots free for the next group
+  wg.bar->arrive_and_wait();  // every thread done reading the performed slots
+  for (int o = done; o < t_wg_ops; ++o) {
+    WgOp& to = wg.ops[o - done];
+    const WgOp& from = wg.ops[o];
+    to.d[t] = from.d[t];
+    std::memcpy(to.a[t], from.a[t], 16);
+    if (t == 0) { to.b = from.b; to.desc = from.desc; to.n = from.n; to.trans = from.trans; to.bf16 = from.bf16;
+                  to.scale_d = from.scale_d; }
+  }
+  int left = t_wg_groups > pending ? pending : t_wg_groups;
+  for (int g = 0; g < left; ++g) t_wg_ends[g] = t_wg_ends[t_wg_groups - left + g] - done;
+  t_wg_groups = left;
+  t_wg_ops -= done;
+  wg.bar->arrive_and_wait();  // slots settled for the next issue
 }
+inline void pagedkv_wg_wait0() { wg_wait(0); }
+inline void pagedkv_wg_wait1() { wg_wait(1); }
 #define PAGEDKV_WGMMA_HELPERS
 #define PAGEDKV_WGMMA_EMU(N, P, BF, TR) \
   inline void pagedkv_wgmma_n##N##_##P##_t##TR(float* d, const void* a, const void* b, unsigned lbo, unsigned sbo, \

@@ -56,7 +56,7 @@ def _script(cfg, op):
 
 
 def test_switch_is_registered_and_on_by_default():
-    assert tk.SWITCHES[SWITCH][1] == ("auto", "simt", *TILES, "wg")  # wg: test_prefill_wg_compile.py (sm_90a)
+    assert tk.SWITCHES[SWITCH][1] == ("auto", "simt", *TILES, "wg", "wg2", "wg2o")  # test_prefill_wg_compile.py
     assert pf.TC_BY_DEFAULT is True
     assert pf.TC_DEFAULT_TILES == {"attn_prefill_ragged": ("tc3", "tc"), "attn_prefill_paged": ("tc2", "tc")}
 

@@ -1,4 +1,5 @@
-"""The wgmma prefill tile ("wg" of the path switch ``cuda_prefill_kernel``) on the build host: no GPU.
+"""The wgmma prefill tiles ("wg", "wg2", "wg2o" of the path switch ``cuda_prefill_kernel``) on the build host: no
+GPU.
 
 - It serves head dim 128 only (``kernel_spec.wg_prefill_limits``: head dim 64 gave wrong outputs on the H200 at
   GQA groups 3, 4 and 7); forcing it elsewhere raises naming the limit.
@@ -6,8 +7,10 @@
   target): forced for an sm_90 target it raises naming the arch; auto never picks it (``TC_DEFAULT_TILES``).
 - ``nvcc --cubin -arch=sm_90a`` compiles its ragged and paged kernels without register spills, in at most 255
   registers, with the expected wgmma count: per key tile ``D/16`` m64n64k16 for S and ``TK/16`` m64n{DV}k16 for
-  P V, every one unrolled (in the CUDA source, then as HGMMA in the SASS when cuobjdump is there), and the
-  shared memory of two stages of K and V core matrices.
+  P V, every one unrolled (in the CUDA source, then as HGMMA in the SASS when cuobjdump is there); "wg2o" has
+  each twice (its first tile's S and its last tile's P V are outside the loop) and, in the SASS, a
+  ``wait_group 1`` (the softmax overlapping P V). The shared memory: two stages of K and V core matrices
+  (three for "wg2o").
 
 The numerical checks: ``tests/cpu/test_prefill_tc_emulated.py`` (CPU emulation), ``tests/gpu/test_prefill_tc_gpu.py``.
 """
@@ -38,8 +41,11 @@ SHAPES = {
 }
 
 
-def _wg(cfg):
-    return dataclasses.replace(cfg, paths={SWITCH: "wg"})
+WG_TILES = ("wg", "wg2", "wg2o")
+
+
+def _wg(cfg, tile="wg"):
+    return dataclasses.replace(cfg, paths={SWITCH: tile})
 
 
 def test_wg_needs_sm90a_and_is_forced_only():
@@ -47,7 +53,7 @@ def test_wg_needs_sm90a_and_is_forced_only():
     for op in OPS:
         with pytest.raises(NotImplementedError, match="sm_90a"):
             tk.FACTORIES[op](_wg(cfg), SM90)
-    assert "wg" not in sum(pf.TC_DEFAULT_TILES.values(), ())
+    assert not set(WG_TILES) & set(sum(pf.TC_DEFAULT_TILES.values(), ()))
     spec = dataclasses.replace(cfg, target_arch="sm_90a")
     assert pf.use_tensor_cores(OPS[0], spec, 128) == pf.TC_DEFAULT_TILES[OPS[0]][0]  # auto: unchanged on sm_90a
     assert pf.use_tensor_cores(OPS[0], _wg(spec), 128) == "wg"
@@ -71,34 +77,44 @@ def test_wg_refuses_head_dim_64(cfg):
 
 def test_wg_tile_shared_memory():
     t = TC_TILES["wg"]
-    assert (t.rows, t.threads, t.stages, t.tk, t.pad, t.wgmma) == (64, 128, 2, 64, 0, True)
+    assert (t.rows, t.threads, t.stages, t.tk, t.pad, t.wgmma, t.overlap) == (64, 128, 2, 64, 0, True, False)
     assert t.smem_bytes(128, 128) == 2 * 64 * 256 * 2 == 65536
     assert t.v_base(1, 128, 128) == 64 * 256 + 64 * 128
+    t2, t2o = TC_TILES["wg2"], TC_TILES["wg2o"]
+    assert (t2.rows, t2.threads, t2.stages, t2.overlap) == (128, 256, 2, False)
+    assert (t2o.rows, t2o.threads, t2o.stages, t2o.overlap) == (128, 256, 3, True)
+    assert t2o.smem_bytes(128, 128) == 3 * 64 * 256 * 2 and t2o.k_base(2, 128, 128) == 2 * 64 * 256
+    for tile in WG_TILES:
+        with pytest.raises(NotImplementedError, match="sm_90a"):
+            tk.FACTORIES[OPS[1]](_wg(SHAPES["32x8x128-f16"], tile), SM90)
 
 
 @pytest.fixture(scope="module")
 def nvcc_results(tmp_path_factory):
     workdir = tmp_path_factory.mktemp("wg")
-    return workdir, nvcc_all([(name,) for name in SHAPES], lambda key: ops_cuda_source(_wg(SHAPES[key[0]]), OPS, SM90A),
-                             workdir, "wg_")
+    return workdir, nvcc_all([(name, tile) for name in SHAPES for tile in WG_TILES],
+                             lambda key: ops_cuda_source(_wg(SHAPES[key[0]], key[1]), OPS, SM90A), workdir, "wg_")
 
 
+@pytest.mark.parametrize("tile", WG_TILES)
 @pytest.mark.parametrize("name", list(SHAPES))
-def test_wg_nvcc_no_spills_and_wgmma(name, nvcc_results):
+def test_wg_nvcc_no_spills_and_wgmma(name, tile, nvcc_results):
     workdir, results = nvcc_results
-    rc, log = results[(name,)]
+    rc, log = results[(name, tile)]
     assert rc == 0, log[-3000:]
     usage = ptxas_usage(log)
     assert usage and all(max(u[1:]) == 0 for u in usage.values()), usage
     print(name, usage)  # registers, spill stores, spill loads per kernel (the report quotes them)
-    d, t = SHAPES[name].head_dim, TC_TILES["wg"]
-    want = d // 16 + t.tk // 16  # per kernel: S and P V of a key tile, unrolled
-    source = (workdir / f"wg_{name}.cu").read_text()
+    d, t = SHAPES[name].head_dim, TC_TILES[tile]
+    want = (d // 16 + t.tk // 16) * (2 if t.overlap else 1)  # per kernel: S and P V of a key tile, unrolled
+    source = (workdir / f"wg_{name}_{tile}.cu").read_text()
     calls = {k: len(re.findall(r"\bpagedkv_wgmma_n\d+_b?f16_t[01]\(", body)) for k, body in _kernel_bodies(source).items()}
     assert sorted(calls.values()) == [0, 0, want, want], calls
     assert "mma.sync" not in source.split("#endif")[-1] and "pagedkv_mma_" not in "".join(_kernel_bodies(source).values())
     if _cuobjdump() is None:
         pytest.skip("cuobjdump not found (the SASS check needs it; the source count passed)")
-    sass = _sass_by_kernel(workdir / f"wg_{name}.cubin")
+    sass = _sass_by_kernel(workdir / f"wg_{name}_{tile}.cubin")
     counts = {k: len(re.findall(r"\bHGMMA\.64x\d+x16\.F32", s)) for k, s in sass.items()}
     assert sorted(counts.values()) == [0, 0, want, want], counts
+    waits = {k: set(re.findall(r"WARPGROUP\.DEPBAR\.LE gsb0, (0x\d)", s)) for k, s in sass.items() if "HGMMA" in s}
+    assert all(w == ({"0x0", "0x1"} if t.overlap else {"0x0"}) for w in waits.values()), waits

@@ -14,7 +14,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from ..config import KVCacheConfig
-from ..kernel_spec import wg_prefill_limits
+from ..kernel_spec import WG_PREFILL_TILES, wg_prefill_limits
 
 
 #: Short dtype names of the test ids.
@@ -217,7 +217,8 @@ PREFILL_TC_PATHS = {"cuda_prefill_kernel": "tc"}
 #: shapes on each (the SIMT one is the default only where the tensor-core kernel does not serve a spec, so the
 #: fp16 / bf16 shapes reach it only forced).
 PREFILL_KERNEL_PATHS = ({"cuda_prefill_kernel": "tc"}, {"cuda_prefill_kernel": "tc2"}, {"cuda_prefill_kernel": "tc3"},
-                        {"cuda_prefill_kernel": "wg"}, {"cuda_prefill_kernel": "simt"})
+                        {"cuda_prefill_kernel": "wg"}, {"cuda_prefill_kernel": "wg2"}, {"cuda_prefill_kernel": "wg2o"},
+                        {"cuda_prefill_kernel": "simt"})
 
 
 #: Split counts under which the path tests also run the lane-group and the staged MHA decode kernels forced
@@ -289,6 +290,6 @@ def prefill_kernel_refusal(shape: Shape, kernel: str) -> str:
     """Why the forced prefill tile ``kernel`` refuses ``shape`` beyond the tensor-core prefill's limits (TVM-free:
     ``kernel_spec.wg_prefill_limits`` for "wg"); empty when it serves it. The tests skip such pairs with it and
     the bundle builds no library for them."""
-    if kernel != "wg":
+    if kernel not in WG_PREFILL_TILES:
         return ""
     return "; ".join(wg_prefill_limits(shape.d, shape.d))
