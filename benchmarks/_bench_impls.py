@@ -36,7 +36,7 @@ TARGET = {"kind": "cuda", "arch": "sm_90"}
 DEVICE = "cuda"
 PAGEDKV_BACKENDS = {"pagedkv-fi": ["flashinfer", "tir"], "pagedkv-tir": "tir", "pagedkv-tir-tc": "tir",
                     "pagedkv-tir-tc2": "tir", "pagedkv-tir-tc3": "tir", "pagedkv-tir-tcd": "tir",
-                    "pagedkv-tir-wg": "tir", "pagedkv-tir-wg2": "tir", "pagedkv-tir-wg2o": "tir",
+                    "pagedkv-tir-wg": "tir", "pagedkv-tir-wg2": "tir", "pagedkv-tir-wg2o": "tir", "pagedkv-tir-wg2k": "tir",
                     "pagedkv-tir-mlatc": "tir"}
 #: label -> TIR code paths its cache is created under (``pagedkv.backends.tir.forced_paths``): the tensor-core
 #: prefill tiles (``tir_kernels.attention_cuda_prefill.TC_DEFAULT_TILES``: auto is tc3 for whole prompts, tc2 for
@@ -44,7 +44,7 @@ PAGEDKV_BACKENDS = {"pagedkv-fi": ["flashinfer", "tir"], "pagedkv-tir": "tir", "
 PAGEDKV_PATHS = {"pagedkv-tir-tc": {"cuda_prefill_kernel": "tc"}, "pagedkv-tir-tc2": {"cuda_prefill_kernel": "tc2"},
                  "pagedkv-tir-tc3": {"cuda_prefill_kernel": "tc3"}, "pagedkv-tir-tcd": {"cuda_decode_kernel": "tc"},
                  "pagedkv-tir-wg": {"cuda_prefill_kernel": "wg"}, "pagedkv-tir-wg2": {"cuda_prefill_kernel": "wg2"},
-                 "pagedkv-tir-wg2o": {"cuda_prefill_kernel": "wg2o"},
+                 "pagedkv-tir-wg2o": {"cuda_prefill_kernel": "wg2o"}, "pagedkv-tir-wg2k": {"cuda_prefill_kernel": "wg2k"},
                  "pagedkv-tir-mlatc": {"cuda_mla_decode_kernel": "tc"}}
 #: The labels of ``PAGEDKV_PATHS`` that time the decode (the others time prefill only).
 DECODE_PATH_LABELS = ("pagedkv-tir-tcd",)

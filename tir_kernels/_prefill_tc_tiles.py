@@ -99,7 +99,8 @@ class TcTile:
 #: The tiles, by switch value (module docstring: registers, shared memory, occupancy, expected effect).
 TC_TILES = {"tc": TcTile("tc", TC_WARPS, 1), "tc2": TcTile("tc2", 8, 2), "tc3": TcTile("tc3", 4, 2, mtiles=2, tk=32),
             "wg": TcTile("wg", 4, 2, wgmma=True), "wg2": TcTile("wg2", 8, 2, wgmma=True),
-            "wg2o": TcTile("wg2o", 8, 3, wgmma=True, overlap=True)}
+            "wg2o": TcTile("wg2o", 8, 3, wgmma=True, overlap=True),
+            "wg2k": TcTile("wg2k", 8, 3, tk=128, wgmma=True, overlap=True)}
 #: The PTX target a ``wgmma`` tile needs (its instructions exist on sm_90a only; libraries forcing it are built
 #: for it: ``kernel_spec.PATH_ARCHS``).
 WG_ARCH = PATH_ARCHS[("cuda_prefill_kernel", "wg")]

@@ -47,6 +47,8 @@ Design (FlashAttention-2 style), one block per (query tile, kv head):
   kt it issues S of kt, then P V of kt - 1 (P kept in ``pfo``), waits for S alone (``wait_group 1``), runs
   the softmax of kt while P V runs, then waits for P V and applies O's factor (``rescale_o``); the first
   tile's S and the last tile's P V run outside the loop (``tiles_overlap``).
+* "wg2k" (sm_90a, forced only): "wg2o" with 128-key tiles (S by m64n128k16: half the loop trips, barriers
+  and O rescales per key).
 * Causal tiles past the tile's last row are skipped (and, with a window, those before its first window).
 * Grid and entry search as the SIMT kernel: virtual tiles, binary search, idle blocks run zero-trip loops.
 
@@ -64,7 +66,8 @@ tc3     128   128      2       32  2 (Q in smem)   69,632 dyn.    249/250, 161/1
 "wg" (sm_90a): 64 rows, 128 threads, 2 stages of 64 keys, 65,536 bytes dynamic shared memory at D 128 (no padding);
 ptxas 165 / 163 registers paged / ragged at D 128 (32/8/128 fp16), 126 / 122 at D 64 (12/4/64 bf16, windowed +
 capped), no spills. "wg2" / "wg2o": 128 rows, 256 threads, 2 / 3 stages (65,536 / 98,304 bytes at D 128); ptxas
-166 / 170 registers (ragged, 32/8/128 fp16), one block an SM; not yet run on a GPU.
+166 / 170 registers (ragged, 32/8/128 fp16), one block an SM; "wg2k" 196,608 bytes and 222 registers. Not yet
+run on a GPU.
 (D 64: the 8 / 8 / 64 bf16 spec; the windowed + capped D 64 one takes 162/168 (20 bytes spilled), 156/142 and
 206/203.) Every tile runs 8 warps an SM at D 128. Expected effect, not measured (the GPU run decides):
 

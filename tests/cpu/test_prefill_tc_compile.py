@@ -27,6 +27,7 @@ import pytest
 from _cuda_support import nvcc_all, ops_cuda_source, ptxas_usage
 
 from pagedkv import tir_kernels as tk
+from pagedkv.kernel_spec import WG_PREFILL_TILES
 from pagedkv.tir_kernels import attention_cuda_prefill as pf
 from pagedkv.tir_kernels.attention_cuda_prefill_tc import TC_TILES
 
@@ -56,7 +57,7 @@ def _script(cfg, op):
 
 
 def test_switch_is_registered_and_on_by_default():
-    assert tk.SWITCHES[SWITCH][1] == ("auto", "simt", *TILES, "wg", "wg2", "wg2o")  # test_prefill_wg_compile.py
+    assert tk.SWITCHES[SWITCH][1] == ("auto", "simt", *TILES, *WG_PREFILL_TILES)  # test_prefill_wg_compile.py
     assert pf.TC_BY_DEFAULT is True
     assert pf.TC_DEFAULT_TILES == {"attn_prefill_ragged": ("tc3", "tc"), "attn_prefill_paged": ("tc2", "tc")}
 

@@ -1,5 +1,5 @@
-"""The wgmma prefill tiles ("wg", "wg2", "wg2o" of the path switch ``cuda_prefill_kernel``) on the build host: no
-GPU.
+"""The wgmma prefill tiles ("wg", "wg2", "wg2o", "wg2k" of the path switch ``cuda_prefill_kernel``) on the build
+host: no GPU.
 
 - It serves head dim 128 only (``kernel_spec.wg_prefill_limits``: head dim 64 gave wrong outputs on the H200 at
   GQA groups 3, 4 and 7); forcing it elsewhere raises naming the limit.
@@ -7,10 +7,10 @@ GPU.
   target): forced for an sm_90 target it raises naming the arch; auto never picks it (``TC_DEFAULT_TILES``).
 - ``nvcc --cubin -arch=sm_90a`` compiles its ragged and paged kernels without register spills, in at most 255
   registers, with the expected wgmma count: per key tile ``D/16`` m64n64k16 for S and ``TK/16`` m64n{DV}k16 for
-  P V, every one unrolled (in the CUDA source, then as HGMMA in the SASS when cuobjdump is there); "wg2o" has
-  each twice (its first tile's S and its last tile's P V are outside the loop) and, in the SASS, a
+  P V, every one unrolled (in the CUDA source, then as HGMMA in the SASS when cuobjdump is there); "wg2o" and
+  "wg2k" have each twice (its first tile's S and its last tile's P V are outside the loop) and, in the SASS, a
   ``wait_group 1`` (the softmax overlapping P V). The shared memory: two stages of K and V core matrices
-  (three for "wg2o").
+  (three for the overlapping tiles).
 
 The numerical checks: ``tests/cpu/test_prefill_tc_emulated.py`` (CPU emulation), ``tests/gpu/test_prefill_tc_gpu.py``.
 """
@@ -25,6 +25,7 @@ from _cuda_support import nvcc_all, ops_cuda_source, ptxas_usage
 from test_prefill_tc_compile import _cuobjdump, _kernel_bodies, _sass_by_kernel
 
 from pagedkv import tir_kernels as tk
+from pagedkv.kernel_spec import WG_PREFILL_TILES
 from pagedkv.tir_kernels import attention_cuda_prefill as pf
 from pagedkv.tir_kernels.attention_cuda_prefill_tc import TC_TILES, tc_unserved
 
@@ -41,7 +42,7 @@ SHAPES = {
 }
 
 
-WG_TILES = ("wg", "wg2", "wg2o")
+WG_TILES = WG_PREFILL_TILES
 
 
 def _wg(cfg, tile="wg"):
@@ -84,6 +85,7 @@ def test_wg_tile_shared_memory():
     assert (t2.rows, t2.threads, t2.stages, t2.overlap) == (128, 256, 2, False)
     assert (t2o.rows, t2o.threads, t2o.stages, t2o.overlap) == (128, 256, 3, True)
     assert t2o.smem_bytes(128, 128) == 3 * 64 * 256 * 2 and t2o.k_base(2, 128, 128) == 2 * 64 * 256
+    assert TC_TILES["wg2k"].smem_bytes(128, 128) == 3 * 128 * 256 * 2 <= 227 * 1024
     for tile in WG_TILES:
         with pytest.raises(NotImplementedError, match="sm_90a"):
             tk.FACTORIES[OPS[1]](_wg(SHAPES["32x8x128-f16"], tile), SM90)
