@@ -12,7 +12,7 @@ from pathlib import Path
 
 PEERS = ("pagedkv-fi", "pagedkv-tir", "pagedkv-tir-tc", "pagedkv-tir-tc2", "pagedkv-tir-tc3", "pagedkv-tir-tcd",
          "pagedkv-tir-wg", "pagedkv-tir-wg2", "pagedkv-tir-wg2o", "pagedkv-tir-wg2k",
-         "pagedkv-tir-mlatc", "upstream", "torch-sdpa")
+         "pagedkv-tir-mlatc", "pagedkv-tir-mlawg", "upstream", "torch-sdpa")
 
 
 def _cell(r) -> str:

@@ -25,10 +25,11 @@ from __future__ import annotations
 
 from tvm.script import tirx as T
 
-#: B widths (N) generated: key tiles of 64 (S) and value dims 64 / 128 (O).
-WG_NS = (64, 128)
-#: Sizes (32-bit registers) of the A-operand fences generated: P of 64 / 128 keys (16 / 32 registers).
-WG_REG_FENCES = (16, 32)
+#: B widths (N) generated: key tiles of 32 / 64 / 128 (S) and value dims 64 / 128 / 256 (O; 256: half of MLA's 512).
+WG_NS = (32, 64, 128, 256)
+#: Sizes (32-bit registers) of the A-operand fences generated: P of 64 / 128 keys (16 / 32 registers); others are
+#: fenced in runs of 8 (``reg_fence``).
+WG_REG_FENCES = (8, 16, 32)
 _PTX_TYPE = {"float16": "f16", "bfloat16": "bf16"}
 
 
@@ -70,6 +71,13 @@ def _reg_fence_fn(regs: int) -> str:
             f'  asm volatile("" : {outs} :: "memory");\n}}\n')
 
 
+# Runs of 8 registers (the loop is unrolled: ``runs`` is a constant at every call).
+_REG_RUNS = """__device__ __forceinline__ void pagedkv_wg_reg_fence_runs(void* p, int runs) {
+#pragma unroll
+  for (int i = 0; i < runs; ++i) pagedkv_wg_reg_fence_8(reinterpret_cast<unsigned*>(p) + 8 * i);
+}
+"""
+
 _SOURCE = r"""
 #ifndef PAGEDKV_WGMMA_HELPERS
 #define PAGEDKV_WGMMA_HELPERS
@@ -95,7 +103,7 @@ __device__ __forceinline__ void pagedkv_proxy_fence() {
   asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
 }
 """ + "".join(_wgmma_fn(n, p, t) for n in WG_NS for p in _PTX_TYPE.values() for t in (0, 1)) + "".join(
-    _acc_fence_fn(n) for n in WG_NS) + "".join(_reg_fence_fn(r) for r in WG_REG_FENCES) + "#endif\n"
+    _acc_fence_fn(n) for n in WG_NS) + "".join(_reg_fence_fn(r) for r in WG_REG_FENCES) + _REG_RUNS + "#endif\n"
 
 
 def wgmma(dtype: str, n: int, trans: int, d, a, b, lbo: int, sbo: int, accumulate: bool = True):
@@ -146,10 +154,14 @@ def acc_fence(n: int, d):
 
 def reg_fence(regs: int, p):
     """As ``acc_fence`` for ``regs`` 32-bit registers at address ``p`` (an A operand: P written by the softmax
-    must be in its registers before the ``wg_fence``)."""
-    if regs not in WG_REG_FENCES:
-        raise NotImplementedError(f"pagedkv.tir_kernels: reg_fence of {regs} registers (have {WG_REG_FENCES})")
-    return T.cuda.func_call(f"pagedkv_wg_reg_fence_{regs}", p, source_code=_SOURCE)
+    must be in its registers before the ``wg_fence``). A size not in ``WG_REG_FENCES`` (a multiple of 8) is
+    fenced in runs of 8 registers: one statement, evaluated by the caller with ``T.evaluate``."""
+    if regs in WG_REG_FENCES:
+        return T.cuda.func_call(f"pagedkv_wg_reg_fence_{regs}", p, source_code=_SOURCE)
+    if regs % 8:
+        raise NotImplementedError(f"pagedkv.tir_kernels: reg_fence of {regs} registers (sizes {WG_REG_FENCES} "
+                                  f"or multiples of 8)")
+    return T.cuda.func_call("pagedkv_wg_reg_fence_runs", p, T.int32(regs // 8), source_code=_SOURCE)
 
 
 __all__ = ["WG_NS", "WG_REG_FENCES", "reg_fence", "acc_fence", "core_index", "proxy_fence", "wg_commit", "wg_fence", "wg_wait0", "wg_wait1",

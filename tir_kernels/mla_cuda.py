@@ -55,6 +55,7 @@ from ._common import EMPTY_LSE, LOG2E, MASKED
 from ..ops import MLA_APPEND_KV, MLA_ATTN_DECODE_PAGED, MLA_ATTN_PREFILL_PAGED, MLA_GATHER_KV, shape_values
 from ._abi import abi_prim_func
 from ._common_cuda import ceildiv, decode_splits, make_merge_splits, paged_kv_len, shfl_xor, split_count, vec16
+from ..kernel_spec import forced as forced_path
 
 #: Threads per attention block: TY row groups x TX lanes (a half warp per row group).
 TY, TX = 8, 16
@@ -484,10 +485,13 @@ def mla_attn_decode_paged_cuda(spec):
     One block per (entry, row tile of ``R`` heads, key split); with ``S > 1`` splits a second kernel merges
     the partial states. The path switch ``cuda_decode_splits = N > 0`` (``decode_splits``) forces ``S``
     (clamped to ``[1, nnz * ps]``); automatic: the kernel from before the switch. The path switch
-    ``cuda_mla_decode_kernel`` (``mla_cuda_tc.use_tc``) hands fp16 / bf16 specs to the tensor-core kernel.
+    ``cuda_mla_decode_kernel`` (``mla_cuda_tc.use_tc``) hands fp16 / bf16 specs to the tensor-core kernel; its
+    value "wg" forces the wgmma one (``mla_cuda_wg``).
     """
-    from . import mla_cuda_tc  # pylint: disable=import-outside-toplevel
+    from . import mla_cuda_tc, mla_cuda_wg  # pylint: disable=import-outside-toplevel
 
+    if forced_path(spec.paths, mla_cuda_wg.SWITCH) == mla_cuda_wg.VALUE:  # raises naming what it does not serve
+        return mla_cuda_wg.mla_attn_decode_paged_wg(spec)
     if mla_cuda_tc.use_tc(spec):  # the path switch cuda_mla_decode_kernel (raises when tc is forced, unserved)
         return mla_cuda_tc.mla_attn_decode_paged_tc(spec)
     H, DV, DL, dtype = spec.num_qo_heads, spec.kv_lora_rank, spec.latent_dim, spec.dtype

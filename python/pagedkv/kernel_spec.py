@@ -57,8 +57,10 @@ SWITCHES: dict[str, tuple[str, tuple[str, ...]]] = {
                                "tensor-core one (tc: mma.sync, 8 warps, 16 / 32 heads a block, 64-key latent tiles "
                                "in a 2-stage cp.async ring; fp16 / bf16, latent dim a multiple of 64 up to 576, "
                                "kv_lora_rank a multiple of 128; forcing tc on another spec raises with the "
-                               "reasons of tir_kernels.mla_cuda_tc.tc_unserved); auto: tc where it serves the spec "
-                               "(MLA_TC_BY_DEFAULT), SIMT elsewhere", ("auto", "simt", "tc")),
+                               "reasons of tir_kernels.mla_cuda_tc.tc_unserved); wg: wgmma, two warpgroups, 64 heads "
+                               "a block, the scores split over the latent dims and O over the value dims (sm_90a; "
+                               "tir_kernels.mla_cuda_wg.wg_unserved; forced only); auto: tc where it serves the spec "
+                               "(MLA_TC_BY_DEFAULT), SIMT elsewhere", ("auto", "simt", "tc", "wg")),
 }
 
 
@@ -102,7 +104,8 @@ def wg_prefill_limits(d: int, dv: int) -> list[str]:
 #: them is built for, and looked up under, that arch (``target_for_paths``). (switch, value) -> arch.
 #: The wgmma prefill tiles (``tir_kernels._prefill_tc_tiles.TC_TILES`` with ``wgmma``).
 WG_PREFILL_TILES = ("wg", "wg2", "wg2o", "wg2k")
-PATH_ARCHS: dict[tuple[str, str], str] = {("cuda_prefill_kernel", t): "sm_90a" for t in WG_PREFILL_TILES}
+PATH_ARCHS: dict[tuple[str, str], str] = {**{("cuda_prefill_kernel", t): "sm_90a" for t in WG_PREFILL_TILES},
+                                          ("cuda_mla_decode_kernel", "wg"): "sm_90a"}
 
 
 def target_for_paths(paths, target):

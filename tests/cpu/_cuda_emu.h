@@ -8,6 +8,7 @@
 #include <barrier>
 #include <cmath>
 #include <cstdint>
+#include <cstdlib>
 #include <cstring>
 #include <thread>
 #include <vector>
@@ -185,7 +186,7 @@ inline int pagedkv_aligned16(const void* p) { return (reinterpret_cast<uintptr_t
 // pointer, so the start address travels beside it. B element (n, k) (trans 0, K-major) at byte
 // (n%8)*16 + (k%8)*2 + (k/8)*LBO + (n/8)*SBO; (k, n) (trans 1, MN-major) at (k%8)*16 + (n%8)*2 + (n/8)*SBO +
 // (k/8)*LBO. A: warp w's rows 16w.. as mma.m16n8k16's A fragment; D: d[4j + i] = C fragment of columns 8j...
-constexpr int kMaxWgOps = 16;
+constexpr int kMaxWgOps = 32;  // wgmma's in flight a thread (MLA: 18 for S at latent 576)
 struct WgOp { float* d[128]; uint a[128][4]; const char* b; uint64_t desc; int n, trans, bf16, scale_d; };
 struct WgSlots { std::barrier<>* bar; WgOp ops[kMaxWgOps]; };
 static WgSlots g_wgs[kMaxWarps / 4];
@@ -197,6 +198,7 @@ inline uint64_t pagedkv_wg_desc_bits(unsigned lbo, unsigned sbo) {
 }
 inline void wgmma_emu(int n, int trans, int bf16, float* d, const void* a, const void* b, unsigned lbo,
                       unsigned sbo, int scale_d) {
+  if (t_wg_ops == kMaxWgOps) std::abort();  // more wgmma's in flight than the emulator holds
   WgOp& op = my_wg().ops[t_wg_ops++];
   int t = t_linear % 128;
   op.d[t] = d;
@@ -258,13 +260,14 @@ inline void pagedkv_wg_wait1() { wg_wait(1); }
 #define PAGEDKV_WGMMA_EMU(N, P, BF, TR) \
   inline void pagedkv_wgmma_n##N##_##P##_t##TR(float* d, const void* a, const void* b, unsigned lbo, unsigned sbo, \
                                                int scale_d) { wgmma_emu(N, TR, BF, d, a, b, lbo, sbo, scale_d); }
-PAGEDKV_WGMMA_EMU(64, f16, 0, 0) PAGEDKV_WGMMA_EMU(64, f16, 0, 1) PAGEDKV_WGMMA_EMU(64, bf16, 1, 0)
-PAGEDKV_WGMMA_EMU(64, bf16, 1, 1) PAGEDKV_WGMMA_EMU(128, f16, 0, 0) PAGEDKV_WGMMA_EMU(128, f16, 0, 1)
-PAGEDKV_WGMMA_EMU(128, bf16, 1, 0) PAGEDKV_WGMMA_EMU(128, bf16, 1, 1)
-inline void pagedkv_wg_acc_fence_n64(float*) {}
-inline void pagedkv_wg_acc_fence_n128(float*) {}
+#define PAGEDKV_WGMMA_EMU_N(N) \
+  PAGEDKV_WGMMA_EMU(N, f16, 0, 0) PAGEDKV_WGMMA_EMU(N, f16, 0, 1) PAGEDKV_WGMMA_EMU(N, bf16, 1, 0) \
+  PAGEDKV_WGMMA_EMU(N, bf16, 1, 1) inline void pagedkv_wg_acc_fence_n##N(float*) {}
+PAGEDKV_WGMMA_EMU_N(32) PAGEDKV_WGMMA_EMU_N(64) PAGEDKV_WGMMA_EMU_N(128) PAGEDKV_WGMMA_EMU_N(256)
+inline void pagedkv_wg_reg_fence_8(void*) {}
 inline void pagedkv_wg_reg_fence_16(void*) {}
 inline void pagedkv_wg_reg_fence_32(void*) {}
+inline void pagedkv_wg_reg_fence_runs(void*, int) {}
 
 // Run `body` (the kernel call) for every block of a grid (gx, gy, gz), the block's bx * by * bz threads (a
 // multiple of 32, at most 1024) as CPU threads in lock step, thread t being threadIdx (t % bx, t / bx % by,

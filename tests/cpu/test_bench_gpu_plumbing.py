@@ -99,11 +99,11 @@ def test_columns_are_decided_without_the_kernels():
     assert int(out.stdout.split()[-1]) > 0
 
 
-def test_mla_tc_column_is_mla_decode_only():
-    """``pagedkv-tir-mlatc`` (the tensor-core MLA decode forced) has a column on every MLA decode row and no
-    other."""
-    label = "pagedkv-tir-mlatc"
-    assert impls.PAGEDKV_PATHS[label] == {"cuda_mla_decode_kernel": "tc"}
+@pytest.mark.parametrize("label,kernel", [("pagedkv-tir-mlatc", "tc"), ("pagedkv-tir-mlawg", "wg")])
+def test_mla_tc_column_is_mla_decode_only(label, kernel):
+    """``pagedkv-tir-mlatc`` / ``-mlawg`` (the tensor-core / wgmma MLA decode forced) have a column on every MLA
+    decode row and no other."""
+    assert impls.PAGEDKV_PATHS[label] == {"cuda_mla_decode_kernel": kernel}
     for w in W.workloads():
         why = impls.pagedkv_unavailable(label, w)
         assert (why is None) == w.mla, (w.name, why)

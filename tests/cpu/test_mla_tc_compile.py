@@ -8,12 +8,16 @@
     ``MLA_TC_BY_DEFAULT``), SIMT elsewhere (fp32, latents it does not take); "simt" forces SIMT; "tc" on a spec it
     does not serve raises with the reasons.
 
+(c) The wgmma kernel (``mla_cuda_wg``, forced ``wg``, sm_90a): the same resource checks and its wgmma count; a
+    target other than sm_90a, and specs it does not serve, raise naming every reason.
+
 The numerics: ``test_mla_tc_emulated.py`` (CPU emulation) and ``tests/gpu`` (the path cases of
 ``pagedkv.testing.shapes.mla_path_cases``).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import re
 
@@ -21,7 +25,7 @@ import pytest
 from _cuda_support import cuda_source_of, nvcc_all, ptxas_usage, stack_frames
 
 from pagedkv import tir_kernels as tk
-from pagedkv.tir_kernels import mla_cuda, mla_cuda_tc
+from pagedkv.tir_kernels import mla_cuda, mla_cuda_tc, mla_cuda_wg
 from pagedkv.tir_kernels._common import fast_macro_expansion
 
 import tvm
@@ -86,7 +90,7 @@ def _uses_tc(s) -> bool:
 
 
 def test_switch_is_registered():
-    assert tk.SWITCHES[SWITCH][1] == ("auto", "simt", "tc")
+    assert tk.SWITCHES[SWITCH][1] == ("auto", "simt", "tc", "wg")  # wg: below (sm_90a)
     assert spec(16, 128, 64, "float16", "auto").paths == ()
 
 
@@ -121,3 +125,47 @@ def test_forced_tc_lists_every_reason():
 
 def test_fp32_auto_is_the_simt_kernel():
     assert not _uses_tc(spec(3, 64, 32, "float32", "auto"))
+
+
+# The wgmma kernel (``mla_cuda_wg``, ``cuda_mla_decode_kernel=wg``): sm_90a only, forced only.
+SM90A = Target({"kind": "cuda", "arch": "sm_90a"}, host="llvm")
+#: (heads, kv_lora_rank, qk_rope_head_dim, dtype): DeepSeek-V3 (two head groups; O 2 x 256 dims, 128
+#: accumulators a thread) and V2-Lite's 16 heads (48 padding rows).
+WG_CONFIGS = [(128, 512, 64, "float16"), (16, 512, 64, "bfloat16")]
+
+
+@functools.cache
+def wg_cuda_source(cfg: tuple) -> str:
+    with fast_macro_expansion():
+        func = mla_cuda.mla_attn_decode_paged_cuda(dataclasses.replace(spec(*cfg, "wg"), target_arch="sm_90a"))
+    with SM90A:
+        exe = tvm.compile(tvm.IRModule({"pagedkv_mla_attn_decode_paged": func}), target=SM90A)
+    return cuda_source_of(exe)
+
+
+@pytest.mark.parametrize("cfg", WG_CONFIGS, ids=["x".join(map(str, c)) for c in WG_CONFIGS])
+def test_wg_decode_compiles_without_spills(cfg, tmp_path):
+    """No spills in at most 255 registers (256 threads), static + dynamic shared memory within 227 KB, and per
+    tile ``DL / 32`` wgmma m64n32k16 (S, A = Q) and ``TK / 16`` m64n{DV/2}k16 (P V) in the source."""
+    src = wg_cuda_source(cfg)
+    rc, log = nvcc_all([cfg], wg_cuda_source, tmp_path, "mla_wg_")[cfg]
+    assert rc == 0, log[-4000:]
+    usage = ptxas_usage(log)["pagedkv_mla_attn_decode_paged_kernel"]
+    assert usage[1:] == (0, 0) and usage[0] <= 255, usage
+    assert not any(stack_frames(log).values()), stack_frames(log)
+    print(cfg, usage)
+    h, rank, rope, _ = cfg
+    static = max(int(m) for m in re.findall(r"(\d+) bytes smem", log))
+    assert static + mla_cuda_wg.smem_bytes(rank + rope) <= MAX_SMEM, static
+    body = src.split("#endif")[-1]
+    assert len(re.findall(r"pagedkv_wgmma_n32_b?f16_t0\(", body)) == (rank + rope) // 32
+    assert len(re.findall(rf"pagedkv_wgmma_n{rank // 2}_b?f16_t1\(", body)) == mla_cuda_wg.TK // 16
+
+
+def test_wg_needs_sm90a_and_names_every_reason():
+    with pytest.raises(NotImplementedError, match=f"{SWITCH}=wg.*target arch"):
+        mla_cuda.mla_attn_decode_paged_cuda(spec(128, 512, 64, "float16", "wg"))
+    reasons = mla_cuda_wg.wg_unserved(dataclasses.replace(spec(4, 96, 16, "float32", "wg"), target_arch="sm_90a"))
+    assert [r.split(" (")[0] for r in reasons] == ["dtype float32", "latent dim 112", "kv_lora_rank 96"]
+    assert mla_cuda_wg.wg_unserved(dataclasses.replace(spec(128, 512, 64, "bfloat16", "wg"),
+                                                       target_arch="sm_90a")) == []

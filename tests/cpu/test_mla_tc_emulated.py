@@ -1,5 +1,5 @@
-"""The tensor-core MLA decode (``tir_kernels/mla_cuda_tc.py``, ``cuda_mla_decode_kernel=tc``) run on the CPU (no
-GPU): TVM's generated CUDA of ``mla_attn_decode_paged``, compiled with g++ against ``_cuda_emu.h`` (one CPU thread
+"""The tensor-core MLA decodes (``tir_kernels/mla_cuda_tc.py``, ``cuda_mla_decode_kernel=tc``, and the wgmma one,
+``mla_cuda_wg.py``, ``=wg``, built for sm_90a: ``WG_CONFIGS``) run on the CPU (no GPU): TVM's generated CUDA of ``mla_attn_decode_paged``, compiled with g++ against ``_cuda_emu.h`` (one CPU thread
 per CUDA thread; ``mma.sync`` / ``ldmatrix`` / ``cp.async`` emulated from the PTX ISA), launched in the order and
 with the grids of TVM's own host code (``test_decode_staged_emulated``'s helpers), so the split kernel and the
 merge kernel run as on a GPU. Checked against the float64 reference (``pagedkv.testing.reference.attention``
@@ -31,8 +31,10 @@ from pagedkv import tir_kernels as tk
 from pagedkv.testing import reference as R
 
 import tvm
+from tvm.target import Target
 
 OP = "mla_attn_decode_paged"
+SM90A = Target({"kind": "cuda", "arch": "sm_90a"}, host="llvm")
 #: name -> (heads, kv_lora_rank, qk_rope_head_dim, dtype, forced splits, keys per entry).
 LENGTHS = [130, 0, 1, 17, 64]
 CONFIGS = {
@@ -43,15 +45,25 @@ CONFIGS = {
     "h16-r128-bf16-s8": (16, 128, 64, "bfloat16", "8", [130, 1, 0]),
     "h128-r512-bf16-s1": (128, 512, 64, "bfloat16", "1", [80, 1]),
 }
+#: The wgmma kernel (``cuda_mla_decode_kernel=wg``, built for sm_90a): 64 heads a block (128 = two groups; 40:
+#: padding rows), value dims split over two warpgroups (512 / 256 / 128: wgmma widths 256 / 128 / 64), 32-key
+#: tiles in a 4-stage ring (lengths past four tiles: the ring wraps).
+WG_CONFIGS = {
+    "h128-r512-bf16-s1": (128, 512, 64, "bfloat16", "1", [300, 1, 0]),
+    "h40-r256-f16-s3": (40, 256, 64, "float16", "3", [130, 0, 17, 200]),
+    "h64-r128-f16-s8": (64, 128, 64, "float16", "8", [130, 1, 0]),
+    "h16-r512-f16-s1": (16, 512, 64, "float16", "1", [150, 33]),
+}
+CASES = [(n, "tc") for n in CONFIGS] + [(n, "wg") for n in WG_CONFIGS]
 PS = 16
 #: Bytes of the static array standing in for the kernel's dynamic shared memory.
 DYN_SMEM_BYTES = 232 * 1024
 
 
-def _spec(name):
-    h, r, rope, dt, splits, _l = CONFIGS[name]
+def _spec(name, kernel="tc"):
+    h, r, rope, dt, splits, _l = (CONFIGS if kernel == "tc" else WG_CONFIGS)[name]
     return tk.KernelConfig(h, h, 64, 64, dt, kv_lora_rank=r, qk_rope_head_dim=rope,
-                           paths={"cuda_mla_decode_kernel": "tc", "cuda_decode_splits": splits})
+                           paths={"cuda_mla_decode_kernel": kernel, "cuda_decode_splits": splits})
 
 
 @pytest.fixture(scope="module")
@@ -60,20 +72,22 @@ def built(tmp_path_factory):
         pytest.skip("g++ not found")
     out, workdir = {}, tmp_path_factory.mktemp("emu_mla_tc")
 
-    def get(name):
-        if name not in out:
-            out[name] = _build(name, workdir / name)
-        return out[name]
+    def get(name, kernel):
+        if (name, kernel) not in out:
+            out[(name, kernel)] = _build(name, kernel, workdir / f"{name}-{kernel}")
+        return out[(name, kernel)]
 
     return get
 
 
-def _build(name, stem):
-    func = tk.build_kernels(_spec(name), SM90, ops=(OP,))[OP]
-    with SM90:
-        exe = tvm.compile(tvm.IRModule({f"pagedkv_{OP}": func}), target=SM90)
+def _build(name, kernel, stem):
+    target = SM90A if kernel == "wg" else SM90
+    func = tk.build_kernels(_spec(name, kernel), target, ops=(OP,))[OP]
+    with target:
+        exe = tvm.compile(tvm.IRModule({f"pagedkv_{OP}": func}), target=target)
     kernels = kernels_of(cuda_source_of(exe), dyn_smem_bytes=DYN_SMEM_BYTES)
-    assert sum("pagedkv_mma_" in body for body, _p in kernels.values()) == 1, "one tensor-core kernel"
+    mark = "pagedkv_wgmma_" if kernel == "wg" else "pagedkv_mma_"
+    assert sum(mark in body for body, _p in kernels.values()) == 1, "one tensor-core kernel"
     main, launch_params = host_main(func)
     runs, bodies = [], []
     for kname, (body, params) in kernels.items():
@@ -113,10 +127,10 @@ def _inputs(h, dl, dt, lengths, gen):
         np.array(last, np.int32)
 
 
-@pytest.mark.parametrize("name", list(CONFIGS))
-def test_emulated_tc_mla_decode_matches_reference(name, built):
-    lib, params, main, launch_params = built(name)
-    h, r, rope, dt, splits, lengths = CONFIGS[name]
+@pytest.mark.parametrize("name,kernel", CASES, ids=[f"{k}-{n}" for n, k in CASES])
+def test_emulated_tc_mla_decode_matches_reference(name, kernel, built):
+    lib, params, main, launch_params = built(name, kernel)
+    h, r, rope, dt, splits, lengths = (CONFIGS if kernel == "tc" else WG_CONFIGS)[name]
     dl = r + rope
     gen = torch.Generator().manual_seed(int(torch.randint(0, 2**31 - 1, (1,))))
     ents, pages, page_indptr, page_values, last = _inputs(h, dl, dt, lengths, gen)

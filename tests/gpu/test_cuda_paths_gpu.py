@@ -40,6 +40,7 @@ from test_kernels_masking_gpu import _call, _entries, _i32, _indptr, _pages, _re
 from pagedkv import backends
 from pagedkv.backends.tir import forced_paths
 from pagedkv.cache import _compile_op_table
+from pagedkv.kernel_spec import target_for_paths
 from pagedkv.testing.op_calls import op_function
 from pagedkv.testing import reference as R
 from pagedkv.testing.scenarios import SCENARIOS, ScenarioRunner, assert_state_close, random_sm_scale
@@ -75,9 +76,10 @@ def _id(case) -> str:
 def _kernels(shape, paths_items: tuple):
     """(module, {op: function}) of ``shape``'s op table compiled (or loaded) under the forced paths."""
     cfg = shape.config()
+    target = target_for_paths(dict(paths_items), TARGET)  # the MLA "wg" kernel's library is built for sm_90a
     with forced_paths(dict(paths_items)):
-        choice = tuple(backends.resolve(cfg, TARGET, "tir").choice.items())
-        return _compile_op_table(cfg, TARGET, choice)
+        choice = tuple(backends.resolve(cfg, target, "tir").choice.items())
+        return _compile_op_table(cfg, target, choice)
 
 
 def _decode_fn(shape, paths: dict, op: str):

@@ -1,0 +1,289 @@
+"""Warpgroup tensor-core CUDA MLA decode (``mla_attn_decode_paged``), fp16 / bf16, sm_90a, on ``wgmma``
+(``_wgmma_cuda``); forced with the path switch ``cuda_mla_decode_kernel=wg`` (auto never picks it until an H200
+run has timed it). Semantics are ``mla_cuda``'s (base-2 lse, float32 accumulation, ``o = 0`` / ``lse = -1e30``
+for a row that sees no key, keys at or past the length never read).
+
+Why: at 128 heads the decode is compute-bound, and the ``mma.sync`` kernel (``mla_cuda_tc``) holds 32 heads a
+block at its register limit, re-reading every latent tile from L2 once per 32 heads. A warpgroup's
+``wgmma`` takes 64 heads as one m64 tile, its B operand straight from shared memory.
+
+Design: one block of two warpgroups (256 threads) per (64-head group, entry, key split):
+
+* Key tiles of ``TK = 32`` latent rows (all ``DL`` elements) in a ring of ``NS = 4`` stages of dynamic
+  shared memory, stored as 8 x 8 core matrices (``_wgmma_cuda.core_index``), loaded with 16-byte
+  ``cp.async``: thread ``t`` copies key ``t % 8 + 8 (t // 64)`` (one page lookup a tile), chunks
+  ``(t // 8) % 8 + 8 it``, so 8 consecutive threads fill one core matrix (128 contiguous bytes).
+* S = Q K^T split over the latent dims: warpgroup ``g`` holds Q's A fragments of dims ``DL / 2 * g ..`` in
+  registers (72 at DeepSeek's 576) and computes the partial scores of all 64 rows x 32 keys with
+  ``DL / 32`` wgmma m64n32k16 (B = the tile, K-major). The two partials meet in a static shared array
+  ``Ss`` (thread ``t`` of each warpgroup holds the same fragment positions); each warpgroup adds the other's,
+  so both hold the same full S (float addition commutes: bit-identical).
+* Online softmax in registers on both warpgroups (a row's scores in the 4 lanes of a quad), identical on
+  each: P in the storage dtype is the A fragment of P V (as in the prefill kernels).
+* O += P V split over the value dims: warpgroup ``g`` owns dims ``DV / 2 * g ..`` (``DV / 4`` fp32
+  accumulators a thread: 128 at 512), ``TK / 16`` wgmma m64n{DV/2}k16 (A = P, B = the tile's first ``DV``
+  columns, MN-major).
+* Two barriers a tile: the top one (tile visible, after ``fence.proxy.async``; the stage that tile
+  ``kt + NS - 1`` takes is free) and the one publishing the partial scores.
+* Splits: as ``mla_cuda_tc`` (``wave_split_count``, one block an SM; the runtime's ``max_kv_len``);
+  ``S > 1``: partial states in a float32 workspace and ``mla_cuda``'s merge kernel.
+
+Limits as data (``wg_unserved``): target arch sm_90a, fp16 / bf16, ``DL % 64 == 0`` and ``DL <= 576``,
+``DV / 2`` a wgmma width (``WG_NS``: DV 128, 256 or 512).
+"""
+
+from __future__ import annotations
+
+from tvm.script import tirx as T
+
+from ..kernel_spec import PATH_ARCHS
+from ..ops import MLA_ATTN_DECODE_PAGED, shape_values
+from ._abi import abi_prim_func
+from ._common import EMPTY_LSE, LOG2E, MASKED
+from ._common_cuda import decode_splits, make_merge_splits, paged_kv_len, shfl_xor, wave_split_count
+from ._mma_cuda import a_frag, c_frag, cp_async16, cp_async_commit, cp_async_wait
+from ._wgmma_cuda import WG_NS, acc_fence, core_index, proxy_fence, reg_fence, wg_commit, wg_fence, wg_wait0, wgmma
+
+#: The path switch and the value that forces this kernel; the arch its instructions need.
+SWITCH, VALUE = "cuda_mla_decode_kernel", "wg"
+WG_ARCH = PATH_ARCHS[(SWITCH, VALUE)]
+#: Heads a block (one m64 tile), threads (two warpgroups), keys a tile, ring stages.
+ROWS, NT, TK, NS = 64, 256, 32, 4
+WG_DTYPES = ("float16", "bfloat16")
+WG_MAX_LATENT = 576
+#: Split policy: as ``mla_cuda_tc`` (one block an SM).
+RESIDENT_BLOCKS, MIN_SPLIT_KEYS, MAX_SPLITS = 132, 256, 64
+MERGE_NT = 128
+
+
+def wg_unserved(spec) -> list[str]:
+    """Why this kernel does not serve ``spec`` (a ``KernelSpec``): [] when it does."""
+    dl, dv, out = spec.latent_dim, spec.kv_lora_rank, []
+    if spec.target_arch != WG_ARCH:
+        out.append(f"target arch {spec.target_arch or 'unknown'!r} (wgmma needs {WG_ARCH}: build for "
+                   f"Target({{'kind': 'cuda', 'arch': '{WG_ARCH}'}}))")
+    if spec.dtype not in WG_DTYPES:
+        out.append(f"dtype {spec.dtype} (it takes {', '.join(WG_DTYPES)})")
+    if dl % 64 or dl > WG_MAX_LATENT:
+        out.append(f"latent dim {dl} (it takes multiples of 64 up to {WG_MAX_LATENT}: 8 threads a key row of "
+                   f"whole core matrices, two warpgroups of whole k steps, the ring in shared memory)")
+    if dv % 16 or dv // 2 not in WG_NS or dv > dl:
+        out.append(f"kv_lora_rank {dv} (it takes 2 x a wgmma width of {WG_NS}, up to the latent dim)")
+    return out
+
+
+def smem_bytes(latent_dim: int) -> int:
+    """Dynamic shared memory of a block (bytes): the ring's ``NS`` tiles of ``TK`` latent rows."""
+    return 2 * NS * TK * latent_dim
+
+
+def _make_tile_ops(H: int, DL: int, DV: int, dtype: str):
+    """The per-tile macros (load, Q, score, softmax, accumulate) of ``H`` heads, latent ``DL``, value dims
+    ``DV``."""
+    KH, DVH = DL // 2, DV // 2  # each warpgroup's score dims and value dims
+    NKS, NSN, NKK, NDN = KH // 16, TK // 8, TK // 16, DVH // 8
+    SN, ON = NSN * 4, NDN * 4  # S and O accumulators a thread
+    CPR = DL // 8  # 16-byte chunks a latent row
+
+    @T.macro
+    def issue(smem, stage, pages, page_values, pbase, ps, kbase, kend, tid):
+        """Start copying keys ``kbase ..`` into stage ``stage`` (zeros at or past ``kend``); the caller commits."""
+        key: T.let[T.int32] = T.truncmod(tid, 8) + 8 * T.truncdiv(tid, 64)
+        if kbase + key < kend:
+            pg: T.let[T.int32] = page_values[pbase + T.truncdiv(kbase + key, ps)]
+            off: T.let[T.int32] = T.truncmod(kbase + key, ps)
+            for it in T.unroll(CPR // 8):
+                T.evaluate(cp_async16(
+                    T.address_of(smem[stage * TK * DL + core_index(key, (T.truncmod(T.truncdiv(tid, 8), 8)
+                                                                         + 8 * it) * 8, DL)]),
+                    T.address_of(pages[pg, 0, 0, off, (T.truncmod(T.truncdiv(tid, 8), 8) + 8 * it) * 8])))
+        else:
+            for it in T.unroll(CPR // 8):
+                for e in T.vectorized(8):
+                    smem[stage * TK * DL + core_index(key, (T.truncmod(T.truncdiv(tid, 8), 8) + 8 * it) * 8, DL)
+                         + e] = T.Cast(dtype, T.float32(0))
+
+    @T.macro
+    def load_q(qf, q, b, h0, wg, w, lane):
+        """Q's A fragments of the warpgroup's dims, rows ``16 (w % 4) ..`` of the m64 tile; 0 past ``H``."""
+        for ks in T.unroll(NKS):
+            for i in T.unroll(8):
+                qf[ks * 8 + i] = T.if_then_else(
+                    h0 + T.truncmod(w, 4) * 16 + a_frag(lane, i)[0] < H,
+                    q[b, T.min(h0 + T.truncmod(w, 4) * 16 + a_frag(lane, i)[0], H - 1),
+                      wg * KH + ks * 16 + a_frag(lane, i)[1]], T.Cast(dtype, T.float32(0)))
+
+    @T.macro
+    def score(smem, Ss, kb, qf, sacc, wg, t):
+        """Full S of the tile at ``kb`` in ``sacc``: this warpgroup's partial by wgmma, the other's through
+        ``Ss[e, g, t]`` (consecutive threads on consecutive words). Ends after a barrier both passed."""
+        T.evaluate(reg_fence(NKS * 4, T.address_of(qf[0])))
+        T.evaluate(wg_fence())
+        for ks in T.unroll(NKS):
+            T.evaluate(wgmma(dtype, TK, 0, T.address_of(sacc[0]), T.address_of(qf[ks * 8]),
+                             T.address_of(smem[kb + wg * KH * 8 + ks * 128]), 128, DL * 16, accumulate=ks > 0))
+        T.evaluate(wg_commit())
+        T.evaluate(wg_wait0())
+        T.evaluate(reg_fence(NKS * 4, T.address_of(qf[0])))
+        T.evaluate(acc_fence(TK, T.address_of(sacc[0])))
+        for e in T.unroll(SN):
+            Ss[(e * 2 + wg) * 128 + t] = sacc[e]
+        T.tvm_storage_sync("shared")
+        for e in T.unroll(SN):
+            sacc[e] = sacc[e] + Ss[(e * 2 + 1 - wg) * 128 + t]
+
+    @T.macro
+    def softmax(sacc, pf, m, lsum, oacc, st, kbase, kend, scale2, lane):
+        """Online softmax of the thread's rows (C rows ``lane / 4`` and + 8): scaled to log2 units, keys at or
+        past ``kend`` masked; O rescaled; P in the storage dtype as the A fragments of P V."""
+        for rr in T.unroll(2):
+            st[0] = m[rr]
+            for nt in T.unroll(NSN):
+                for c in T.unroll(2):
+                    sacc[nt * 4 + rr * 2 + c] = T.if_then_else(
+                        kbase + nt * 8 + c_frag(lane, c)[1] < kend, sacc[nt * 4 + rr * 2 + c] * scale2,
+                        T.float32(MASKED))
+                    st[0] = T.max(st[0], sacc[nt * 4 + rr * 2 + c])
+            st[0] = T.max(st[0], shfl_xor(st[0], 1))
+            st[0] = T.max(st[0], shfl_xor(st[0], 2))
+            st[1] = T.exp2(m[rr] - st[0])
+            m[rr] = st[0]
+            lsum[rr] = lsum[rr] * st[1]
+            for dn in T.unroll(NDN):
+                for c in T.unroll(2):
+                    oacc[dn * 4 + rr * 2 + c] = oacc[dn * 4 + rr * 2 + c] * st[1]
+            for nt in T.unroll(NSN):
+                for c in T.unroll(2):
+                    st[2] = T.exp2(sacc[nt * 4 + rr * 2 + c] - st[0])
+                    lsum[rr] = lsum[rr] + st[2]
+                    pf[nt * 4 + rr * 2 + c] = T.Cast(dtype, st[2])
+
+    @T.macro
+    def accumulate(smem, kb, oacc, pf, wg):
+        """O (the warpgroup's value dims) += P V, V the first DV columns of the tile at ``kb`` (MN-major)."""
+        T.evaluate(acc_fence(DVH, T.address_of(oacc[0])))
+        T.evaluate(reg_fence(TK // 4, T.address_of(pf[0])))
+        T.evaluate(wg_fence())
+        for kk in T.unroll(NKK):
+            T.evaluate(wgmma(dtype, DVH, 1, T.address_of(oacc[0]), T.address_of(pf[kk * 8]),
+                             T.address_of(smem[kb + kk * 16 * DL + wg * DVH * 8]), DL * 16, 128))
+        T.evaluate(wg_commit())
+        T.evaluate(wg_wait0())
+        T.evaluate(acc_fence(DVH, T.address_of(oacc[0])))
+        T.evaluate(reg_fence(TK // 4, T.address_of(pf[0])))
+
+    return issue, load_q, score, softmax, accumulate, SN, ON, NKS
+
+
+def _make_store(H: int, DV: int, dtype: str):
+    """The ``store`` macro: o / lse (``S == 1``) or the split's partial state in the workspace."""
+    DVH = DV // 2
+    NDN = DVH // 8
+
+    @T.macro
+    def store(oacc, m, lsum, o, lse, ws_o, ws_l, b, live, h0, S, sp, wg, w, lane):
+        for rr in T.unroll(2):
+            lsum[rr] = lsum[rr] + shfl_xor(lsum[rr], 1)
+            lsum[rr] = lsum[rr] + shfl_xor(lsum[rr], 2)
+        for rr in T.unroll(2):
+            r: T.let[T.int32] = T.truncmod(w, 4) * 16 + c_frag(lane, rr * 2)[0]
+            rl: T.let[T.float32] = T.if_then_else(lsum[rr] > T.float32(0), T.float32(1) / lsum[rr], T.float32(0))
+            lv: T.let[T.float32] = T.if_then_else(lsum[rr] > T.float32(0), m[rr] + T.log2(lsum[rr]),
+                                                  T.float32(EMPTY_LSE))
+            if live and h0 + r < H:
+                if wg == 0 and T.truncmod(lane, 4) == 0:
+                    if S == 1:
+                        lse[b, h0 + r] = lv
+                    else:
+                        ws_l[(b * H + h0 + r) * S + sp] = lv
+                for dn in T.unroll(NDN):
+                    for c in T.unroll(2):
+                        if S == 1:
+                            o[b, h0 + r, wg * DVH + dn * 8 + c_frag(lane, c)[1]] = T.Cast(
+                                dtype, oacc[dn * 4 + rr * 2 + c] * rl)
+                        else:
+                            ws_o[(b * H + h0 + r) * S + sp, wg * DVH + dn * 8 + c_frag(lane, c)[1]] = \
+                                oacc[dn * 4 + rr * 2 + c] * rl
+
+    return store
+
+
+def mla_attn_decode_paged_wg(spec):
+    """``pagedkv_mla_attn_decode_paged`` on warpgroup tensor cores (arguments: ``pagedkv.ops.OP_SPECS``), for a
+    ``KernelSpec`` that ``wg_unserved`` accepts (module docstring). Grid (head group, entry, key split)."""
+    reasons = wg_unserved(spec)
+    if reasons:
+        raise NotImplementedError(f"pagedkv.tir_kernels: {SWITCH}={VALUE}: the wgmma CUDA MLA decode does not "
+                                  f"serve {'; '.join(reasons)}")
+    H, DV, DL, dtype = spec.num_qo_heads, spec.kv_lora_rank, spec.latent_dim, spec.dtype
+    NG = (H + ROWS - 1) // ROWS
+    splits = decode_splits(spec)
+    issue, load_q, score, softmax, accumulate, SN, ON, NKS = _make_tile_ops(H, DL, DV, dtype)
+    store = _make_store(H, DV, dtype)
+    merge_splits = make_merge_splits(H, DV, MERGE_NT, dtype)
+
+    @T.macro
+    def body(q, pages, page_indptr, page_values, last_page_len, o, lse, sm_scale, max_kv_len, dims):
+        B, _p, ps, nnz = dims
+        S: T.let[T.int32] = wave_split_count(B, nnz, ps, NG, resident_blocks=RESIDENT_BLOCKS,
+                                             min_split_keys=MIN_SPLIT_KEYS, max_splits=MAX_SPLITS, forced=splits,
+                                             max_keys=max_kv_len)
+        ws_o = T.alloc_buffer((T.max(B, 1) * H * S, DV), "float32")
+        ws_l = T.alloc_buffer((T.max(B, 1) * H * S,), "float32")
+        for bx in T.thread_binding(T.max(B, 1), thread="blockIdx.y"):
+            for g in T.thread_binding(NG, thread="blockIdx.x"):
+                for sp in T.thread_binding(S, thread="blockIdx.z"):
+                    for tid in T.thread_binding(NT, thread="threadIdx.x"):
+                        smem = T.alloc_buffer((smem_bytes(DL) // 2,), dtype, scope="shared.dyn")
+                        Ss = T.alloc_buffer((SN * 2 * 128,), "float32", scope="shared")
+                        qf = T.alloc_buffer((NKS * 8,), dtype, scope="local")
+                        sacc = T.alloc_buffer((SN,), "float32", scope="local")
+                        pf = T.alloc_buffer((SN,), dtype, scope="local")
+                        oacc = T.alloc_buffer((ON,), "float32", scope="local")
+                        m = T.alloc_buffer((2,), "float32", scope="local")
+                        lsum = T.alloc_buffer((2,), "float32", scope="local")
+                        st = T.alloc_buffer((3,), "float32", scope="local")
+                        wg: T.let[T.int32] = T.truncdiv(tid, 128)
+                        w: T.let[T.int32] = T.truncdiv(tid, 32)
+                        lane: T.let[T.int32] = T.truncmod(tid, 32)
+                        for e in T.unroll(ON):
+                            oacc[e] = T.float32(0)
+                        for rr in T.unroll(2):
+                            m[rr] = T.float32(EMPTY_LSE)
+                            lsum[rr] = T.float32(0)
+                        kvlen: T.let[T.int32] = T.if_then_else(bx < B, paged_kv_len(page_indptr, last_page_len, bx,
+                                                                                      ps), 0)
+                        chunk: T.let[T.int32] = T.truncdiv(T.truncdiv(kvlen + S - 1, S) + TK - 1, TK) * TK
+                        k0: T.let[T.int32] = T.min(sp * chunk, kvlen)
+                        k1: T.let[T.int32] = T.min(k0 + chunk, kvlen)
+                        pbase: T.let[T.int32] = page_indptr[T.min(bx, T.max(B - 1, 0))]
+                        load_q(qf, q, T.min(bx, T.max(B - 1, 0)), g * ROWS, wg, w, lane)
+                        # One copy group a tile (empty past the split's keys): waiting for all but the newest
+                        # NS - 2 groups always means tile kt.
+                        for s in T.unroll(NS - 1):
+                            if k0 + s * TK < k1:
+                                issue(smem, s, pages, page_values, pbase, ps, k0 + s * TK, k1, tid)
+                            T.evaluate(cp_async_commit())
+                        for kt in T.serial(T.truncdiv(k1 - k0 + TK - 1, TK)):
+                            T.evaluate(cp_async_wait(NS - 2))
+                            T.evaluate(proxy_fence())  # this thread's copies and zero stores visible to wgmma
+                            # Tile kt visible; every warp done with tile kt - 1 (its stage and Ss).
+                            T.tvm_storage_sync("shared")
+                            if k0 + (kt + NS - 1) * TK < k1:
+                                issue(smem, T.truncmod(kt + NS - 1, NS), pages, page_values, pbase, ps,
+                                      k0 + (kt + NS - 1) * TK, k1, tid)
+                            T.evaluate(cp_async_commit())
+                            score(smem, Ss, T.truncmod(kt, NS) * TK * DL, qf, sacc, wg, T.truncmod(tid, 128))
+                            softmax(sacc, pf, m, lsum, oacc, st, k0 + kt * TK, k1, sm_scale * T.float32(LOG2E),
+                                    lane)
+                            accumulate(smem, T.truncmod(kt, NS) * TK * DL, oacc, pf, wg)
+                        store(oacc, m, lsum, o, lse, ws_o, ws_l, bx, bx < B, g * ROWS, S, sp, wg, w, lane)
+        if S > 1:
+            merge_splits(o, lse, B, S, ws_o, ws_l)
+
+    return abi_prim_func(MLA_ATTN_DECODE_PAGED, shape_values(spec), dtype, body, scheduled=True,
+                         adapter="direct_max_kv_len")
+
+
+__all__ = ["NS", "NT", "ROWS", "SWITCH", "TK", "VALUE", "WG_DTYPES", "WG_MAX_LATENT", "mla_attn_decode_paged_wg",
+           "smem_bytes", "wg_unserved"]
