@@ -135,7 +135,8 @@ def _make_tile_ops(H: int, DL: int, DV: int, dtype: str):
     @T.macro
     def softmax(sacc, pf, m, lsum, oacc, st, kbase, kend, scale2, lane):
         """Online softmax of the thread's rows (C rows ``lane / 4`` and + 8): scaled to log2 units, keys at or
-        past ``kend`` masked; O rescaled; P in the storage dtype as the A fragments of P V."""
+        past ``kend`` masked; O rescaled where the row's max moved; P in the storage dtype as the A fragments of
+        P V."""
         for rr in T.unroll(2):
             st[0] = m[rr]
             for nt in T.unroll(NSN):
@@ -149,9 +150,11 @@ def _make_tile_ops(H: int, DL: int, DV: int, dtype: str):
             st[1] = T.exp2(m[rr] - st[0])
             m[rr] = st[0]
             lsum[rr] = lsum[rr] * st[1]
-            for dn in T.unroll(NDN):
-                for c in T.unroll(2):
-                    oacc[dn * 4 + rr * 2 + c] = oacc[dn * 4 + rr * 2 + c] * st[1]
+            # The row's max unchanged (alpha exactly 1, most tiles once it settles): skip DV / 4 multiplies.
+            if st[1] < T.float32(1):
+                for dn in T.unroll(NDN):
+                    for c in T.unroll(2):
+                        oacc[dn * 4 + rr * 2 + c] = oacc[dn * 4 + rr * 2 + c] * st[1]
             for nt in T.unroll(NSN):
                 for c in T.unroll(2):
                     st[2] = T.exp2(sacc[nt * 4 + rr * 2 + c] - st[0])
