@@ -143,7 +143,10 @@ SPECS: dict[str, OpSpec] = {s.name: s for s in OP_SPECS}
 #: it only to choose its launch shape (e.g. a split-KV count), never for what it computes: any value gives
 #: the same result. Kinds and their arguments are frozen like op ABIs; another fact is another kind.
 ADAPTER_ARGS: dict[str, tuple[Arg, ...]] = {"direct": (), "direct_max_kv_len": (Arg("max_kv_len", "int32"),)}
-#: The ops ``direct_max_kv_len`` serves: those with a ``page_indptr`` argument (how it finds the call's pass).
+#: Adapter kinds whose arguments describe the call's pass, which the runtime finds by the call's ``page_indptr``
+#: view: they serve ``PASS_BOUND_OPS`` only.
+PASS_BOUND_ADAPTERS: frozenset[str] = frozenset({"direct_max_kv_len"})
+#: The ops a pass-bound adapter serves: those with a ``page_indptr`` argument.
 PASS_BOUND_OPS: tuple[str, ...] = tuple(s.name for s in OP_SPECS if any(a.name == "page_indptr" for a in s.args))
 
 
@@ -152,8 +155,8 @@ def call_args(op: str, adapter: str = "direct") -> tuple[Arg, ...]:
     ``ADAPTER_ARGS``) is called with: the op's ABI arguments, then the adapter's."""
     if adapter not in ADAPTER_ARGS:
         raise ValueError(f"adapter kind {adapter!r} adds no known arguments; known: {', '.join(ADAPTER_ARGS)}")
-    if adapter == "direct_max_kv_len" and op not in PASS_BOUND_OPS:
-        raise ValueError(f"adapter 'direct_max_kv_len' serves ops with a page_indptr ({', '.join(PASS_BOUND_OPS)}), "
+    if adapter in PASS_BOUND_ADAPTERS and op not in PASS_BOUND_OPS:
+        raise ValueError(f"adapter {adapter!r} serves ops with a page_indptr ({', '.join(PASS_BOUND_OPS)}), "
                          f"not {op!r}")
     return SPECS[op].args + ADAPTER_ARGS[adapter]
 
