@@ -23,6 +23,8 @@ late).
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 from tvm.script import tirx as T
 
 #: B widths (N) generated: key tiles of 32 / 64 / 128 (S) and value dims 64 / 128 / 256 (O; 256: half of MLA's 512).
@@ -164,5 +166,74 @@ def reg_fence(regs: int, p):
     return T.cuda.func_call("pagedkv_wg_reg_fence_runs", p, T.int32(regs // 8), source_code=_SOURCE)
 
 
-__all__ = ["WG_NS", "WG_REG_FENCES", "reg_fence", "acc_fence", "core_index", "proxy_fence", "wg_commit", "wg_fence", "wg_wait0", "wg_wait1",
+class WgGemms(NamedTuple):
+    """The two GEMMs of attention on a warpgroup's m64 tile, as macros (``wg_attention_gemms``): ``*_issue``
+    starts one wgmma group, ``*_done`` pins its registers after the wait that completes it, the plain ones
+    issue, wait (``wait_group 0``) and pin."""
+
+    score_issue: object
+    score_done: object
+    score: object
+    pv_issue: object
+    pv_done: object
+    accumulate: object
+
+
+def wg_attention_gemms(dtype: str, *, s_steps: int, tk: int, k_row: int, dv: int, v_row: int) -> WgGemms:
+    """S (64 rows x ``tk`` keys) = Q K^T over ``s_steps`` k16 steps and O (64 rows x ``dv``) += P V over ``tk / 16``.
+
+    ``score*(sacc, qf, smem, kb)``: A = the warp's Q fragments ``qf[8 ks ..]`` (registers), B = a K tile of core
+    matrices (``core_index``) with rows of ``k_row`` elements from element ``kb``, K-major: LBO 128 bytes between
+    dim chunks, SBO ``16 k_row`` between 8-key groups, k step ``ks`` 2 dim chunks = 128 elements further. The
+    first step overwrites S (scale-d 0): no zeroing. ``pv*(oacc, pf, smem, vb)``: A = P's fragments ``pf[8 kk ..]``
+    (keys ``16 kk ..``), B = a V tile with rows of ``v_row`` elements from ``vb``, MN-major (trans-b): LBO
+    ``16 v_row`` bytes between 8-key groups, SBO 128 between dim chunks. Registers the wgmma's read or write
+    late are pinned before the ``wg_fence`` and after the wait."""
+    q_regs, p_regs = s_steps * 4, tk // 4
+
+    @T.macro
+    def score_issue(sacc, qf, smem, kb):
+        T.evaluate(reg_fence(q_regs, T.address_of(qf[0])))
+        T.evaluate(wg_fence())
+        for ks in T.unroll(s_steps):
+            T.evaluate(wgmma(dtype, tk, 0, T.address_of(sacc[0]), T.address_of(qf[ks * 8]),
+                             T.address_of(smem[kb + ks * 128]), 128, k_row * 16, accumulate=ks > 0))
+        T.evaluate(wg_commit())
+
+    @T.macro
+    def score_done(sacc, qf):
+        T.evaluate(reg_fence(q_regs, T.address_of(qf[0])))
+        T.evaluate(acc_fence(tk, T.address_of(sacc[0])))
+
+    @T.macro
+    def score(sacc, qf, smem, kb):
+        score_issue(sacc, qf, smem, kb)
+        T.evaluate(wg_wait0())
+        score_done(sacc, qf)
+
+    @T.macro
+    def pv_issue(oacc, pf, smem, vb):
+        T.evaluate(acc_fence(dv, T.address_of(oacc[0])))
+        T.evaluate(reg_fence(p_regs, T.address_of(pf[0])))
+        T.evaluate(wg_fence())
+        for kk in T.unroll(tk // 16):
+            T.evaluate(wgmma(dtype, dv, 1, T.address_of(oacc[0]), T.address_of(pf[kk * 8]),
+                             T.address_of(smem[vb + kk * 16 * v_row]), v_row * 16, 128))
+        T.evaluate(wg_commit())
+
+    @T.macro
+    def pv_done(oacc, pf):
+        T.evaluate(acc_fence(dv, T.address_of(oacc[0])))
+        T.evaluate(reg_fence(p_regs, T.address_of(pf[0])))
+
+    @T.macro
+    def accumulate(oacc, pf, smem, vb):
+        pv_issue(oacc, pf, smem, vb)
+        T.evaluate(wg_wait0())
+        pv_done(oacc, pf)
+
+    return WgGemms(score_issue, score_done, score, pv_issue, pv_done, accumulate)
+
+
+__all__ = ["WG_NS", "WG_REG_FENCES", "WgGemms", "wg_attention_gemms", "reg_fence", "acc_fence", "core_index", "proxy_fence", "wg_commit", "wg_fence", "wg_wait0", "wg_wait1",
            "wgmma"]

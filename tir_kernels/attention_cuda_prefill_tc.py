@@ -121,7 +121,7 @@ from ._prefill_tc_tiles import (
     v_store_index,
 )
 from ._variant_cuda import CudaVariant
-from ._wgmma_cuda import acc_fence, core_index, proxy_fence, reg_fence, wg_commit, wg_fence, wg_wait0, wg_wait1, wgmma
+from ._wgmma_cuda import core_index, proxy_fence, wg_attention_gemms, wg_wait0, wg_wait1
 
 
 def tc_unserved(spec, dv: int, tile: str = "tc") -> str | None:
@@ -377,65 +377,13 @@ def make_prefill_tc(op: str, spec, paged: bool, tile: str = "tc"):
             load_elem[1](smem, cfg.v_base(stage, D, DV), kvb, ti, kt, h, tid)
         T.evaluate(cp_async_commit())
 
-    @T.macro
-    def wg_score_issue(sacc, qf, smem, kb):
-        """Issue S (the warpgroup's 64 rows x TK keys) as one wgmma group: one m64n{TK}k16 per k step, A = the
-        warp's Q fragments, B = the K tile (core matrices, K-major: LBO 128 bytes between dim chunks, SBO
-        ``16 D`` between 8-key groups; k step ``ks`` starts 2 dim chunks = 128 elements further). The first k
-        step overwrites S (scale-d 0): no zeroing. Q's registers are pinned from before the ``wg_fence`` to
-        after the wait (``wg_score_done``: the wgmma's read them asynchronously)."""
-        T.evaluate(reg_fence(NKS * 4, T.address_of(qf[0])))
-        T.evaluate(wg_fence())
-        for ks in T.unroll(NKS):
-            T.evaluate(wgmma(dtype, TK, 0, T.address_of(sacc[0]), T.address_of(qf[ks * 8]),
-                             T.address_of(smem[kb + ks * 128]), 128, D * 16, accumulate=ks > 0))
-        T.evaluate(wg_commit())
-
-    @T.macro
-    def wg_score_done(sacc, qf):
-        """After the wait that completes S: Q and S pinned behind it."""
-        T.evaluate(reg_fence(NKS * 4, T.address_of(qf[0])))
-        T.evaluate(acc_fence(TK, T.address_of(sacc[0])))
-
-    @T.macro
-    def wg_score(sacc, qf, smem, kb):
-        """S by the warpgroup, waited for at once."""
-        wg_score_issue(sacc, qf, smem, kb)
-        T.evaluate(wg_wait0())
-        wg_score_done(sacc, qf)
-
-    @T.macro
-    def wg_pv_issue(oacc, pf, smem, vb):
-        """Issue O += P V as one wgmma group: one m64n{DV}k16 per 16 keys, A = the warp's P fragments, B = the
-        V tile (core matrices, MN-major, trans-b: LBO ``16 DV`` bytes between 8-key groups, SBO 128 between
-        dim chunks; keys ``16 kk ..`` start 2 key groups = ``16 DV`` elements further). The rescaled O and P
-        are pinned in their registers before the ``wg_fence``; O is pinned again after the wait
-        (``wg_pv_done``)."""
-        T.evaluate(acc_fence(DV, T.address_of(oacc[0])))
-        T.evaluate(reg_fence(TK // 4, T.address_of(pf[0])))
-        T.evaluate(wg_fence())
-        for kk in T.unroll(NKK):
-            T.evaluate(wgmma(dtype, DV, 1, T.address_of(oacc[0]), T.address_of(pf[kk * 8]),
-                             T.address_of(smem[vb + kk * 16 * DV]), DV * 16, 128))
-        T.evaluate(wg_commit())
-
-    @T.macro
-    def wg_pv_done(oacc, pf):
-        """After the wait that completes P V: O and P pinned behind it (P is rewritten next)."""
-        T.evaluate(acc_fence(DV, T.address_of(oacc[0])))
-        T.evaluate(reg_fence(TK // 4, T.address_of(pf[0])))
-
-    @T.macro
-    def wg_accumulate(oacc, pf, smem, vb):
-        """O += P V by the warpgroup, waited for at once."""
-        wg_pv_issue(oacc, pf, smem, vb)
-        T.evaluate(wg_wait0())
-        wg_pv_done(oacc, pf)
+    # wgmma (``WG``): S and O += P V on the warpgroup's m64 tile, K / V tiles of D / DV-element rows.
+    wgg = wg_attention_gemms(dtype, s_steps=NKS, tk=TK, k_row=D, dv=DV, v_row=DV) if WG else None
 
     @T.macro
     def score(sacc, qf, afr, smem, kb, bfr, w, lane):
         """S (the warp's rows x 64 keys) = Q K^T: C fragment ``mt * 8 + nt`` holds keys ``8 nt ..`` of m16 tile
-        ``mt`` (wgmma: ``wg_score``). Q in registers (``qf``, one m16 tile): one ``ldmatrix.x4`` gives the B
+        ``mt`` (wgmma: ``WgGemms.score``). Q in registers (``qf``, one m16 tile): one ``ldmatrix.x4`` gives the B
         fragments of two k steps (``k_ldsm_index``). Q in shared memory: per k step one ``ldmatrix.x4`` of each m16 tile's A fragment
         into ``afr`` (``q_ldsm_index``), and one of the B fragments of two n tiles (``k_ldsm_index_nt2``) used
         by every m16 tile of the warp."""
@@ -443,7 +391,7 @@ def make_prefill_tc(op: str, spec, paged: bool, tile: str = "tc"):
             for e in T.unroll(MT * SN):
                 sacc[e] = T.float32(0)
         if WG:
-            wg_score(sacc, qf, smem, kb)
+            wgg.score(sacc, qf, smem, kb)
         elif QS:
             # k step outer: the A fragments of one k step (4 registers a m16 tile) stay live across the keys.
             for ks in T.unroll(NKS):
@@ -540,11 +488,11 @@ def make_prefill_tc(op: str, spec, paged: bool, tile: str = "tc"):
 
     @T.macro
     def accumulate(oacc, pf, Vs, vb, bfr, lane):
-        """O += P V (``wg_accumulate`` for wgmma): k step ``kk`` (keys ``16 kk ..``) x n tiles ``2 dn2``, ``2 dn2 + 1`` (dims ``16 dn2 ..``), their B
+        """O += P V (``WgGemms.accumulate`` for wgmma): k step ``kk`` (keys ``16 kk ..``) x n tiles ``2 dn2``, ``2 dn2 + 1`` (dims ``16 dn2 ..``), their B
         fragments from one ``ldmatrix.x4.trans`` of the row-major ``Vs`` (``v_ldsm_index``), used by every m16
         tile of the warp."""
         if WG:
-            wg_accumulate(oacc, pf, Vs, vb)
+            wgg.accumulate(oacc, pf, Vs, vb)
         else:
             for kk in T.unroll(NKK):
                 for dn2 in T.unroll(NDN // 2):
@@ -621,26 +569,26 @@ def make_prefill_tc(op: str, spec, paged: bool, tile: str = "tc"):
         issue_kv(smem, T.truncmod(ti[7], 3), kvb, ti, ti[7], h, tid)
         for kt in T.serial(ti[7], T.min(ti[7] + 1, T.truncdiv(ti[6] + TK - 1, TK))):
             next_tile(smem, ti, kvb, h, tid, kt)
-            wg_score(acc[0], fr[0], smem, cfg.k_base(T.truncmod(kt, 3), D, DV))
+            wgg.score(acc[0], fr[0], smem, cfg.k_base(T.truncmod(kt, 3), D, DV))
             softmax_deferred(acc[0], acc[1], rows[0], rows[1], acc[2], rows[5], rows[2], rows[3], rows[4], ti, kt,
                              T.truncmod(tid, 32), causal, sm_scale)  # O is 0: its factor is not applied
             for e in T.unroll(SN):
                 acc[3][e] = acc[1][e]
         for kt in T.serial(ti[7] + 1, T.truncdiv(ti[6] + TK - 1, TK)):
             next_tile(smem, ti, kvb, h, tid, kt)
-            wg_score_issue(acc[0], fr[0], smem, cfg.k_base(T.truncmod(kt, 3), D, DV))
-            wg_pv_issue(acc[2], acc[3], smem, cfg.v_base(T.truncmod(kt - 1, 3), D, DV))
+            wgg.score_issue(acc[0], fr[0], smem, cfg.k_base(T.truncmod(kt, 3), D, DV))
+            wgg.pv_issue(acc[2], acc[3], smem, cfg.v_base(T.truncmod(kt - 1, 3), D, DV))
             T.evaluate(wg_wait1())
-            wg_score_done(acc[0], fr[0])
+            wgg.score_done(acc[0], fr[0])
             softmax_deferred(acc[0], acc[1], rows[0], rows[1], acc[2], rows[5], rows[2], rows[3], rows[4], ti, kt,
                              T.truncmod(tid, 32), causal, sm_scale)
             T.evaluate(wg_wait0())
-            wg_pv_done(acc[2], acc[3])
+            wgg.pv_done(acc[2], acc[3])
             rescale_o(acc[2], rows[5])
             for e in T.unroll(SN):
                 acc[3][e] = acc[1][e]
         for kt in T.serial(T.max(ti[7], T.truncdiv(ti[6] + TK - 1, TK) - 1), T.truncdiv(ti[6] + TK - 1, TK)):
-            wg_accumulate(acc[2], acc[3], smem, cfg.v_base(T.truncmod(kt, 3), D, DV))
+            wgg.accumulate(acc[2], acc[3], smem, cfg.v_base(T.truncmod(kt, 3), D, DV))
 
     @T.macro
     def tiles_two_stage(smem, fr, acc, rows, ti, kvb, h, tid, w, lane, causal, sm_scale):

@@ -42,7 +42,7 @@ from ._abi import abi_prim_func
 from ._common import EMPTY_LSE, LOG2E, MASKED
 from ._common_cuda import decode_splits, make_merge_splits, paged_kv_len, shfl_xor, wave_split_count
 from ._mma_cuda import a_frag, c_frag, cp_async16, cp_async_commit, cp_async_wait
-from ._wgmma_cuda import WG_NS, acc_fence, core_index, proxy_fence, reg_fence, wg_commit, wg_fence, wg_wait0, wgmma
+from ._wgmma_cuda import WG_NS, core_index, proxy_fence, wg_attention_gemms
 
 #: The path switch and the value that forces this kernel; the arch its instructions need.
 SWITCH, VALUE = "cuda_mla_decode_kernel", "wg"
@@ -81,7 +81,7 @@ def _make_tile_ops(H: int, DL: int, DV: int, dtype: str):
     """The per-tile macros (load, Q, score, softmax, accumulate) of ``H`` heads, latent ``DL``, value dims
     ``DV``."""
     KH, DVH = DL // 2, DV // 2  # each warpgroup's score dims and value dims
-    NKS, NSN, NKK, NDN = KH // 16, TK // 8, TK // 16, DVH // 8
+    NKS, NSN, NDN = KH // 16, TK // 8, DVH // 8
     SN, ON = NSN * 4, NDN * 4  # S and O accumulators a thread
     CPR = DL // 8  # 16-byte chunks a latent row
 
@@ -113,19 +113,15 @@ def _make_tile_ops(H: int, DL: int, DV: int, dtype: str):
                     q[b, T.min(h0 + T.truncmod(w, 4) * 16 + a_frag(lane, i)[0], H - 1),
                       wg * KH + ks * 16 + a_frag(lane, i)[1]], T.Cast(dtype, T.float32(0)))
 
+    # S over the warpgroup's KH latent dims, O over its DVH value dims; the tile's rows are DL elements.
+    wgg = wg_attention_gemms(dtype, s_steps=NKS, tk=TK, k_row=DL, dv=DVH, v_row=DL)
+
     @T.macro
     def score(smem, Ss, kb, qf, sacc, wg, t):
-        """Full S of the tile at ``kb`` in ``sacc``: this warpgroup's partial by wgmma, the other's through
-        ``Ss[e, g, t]`` (consecutive threads on consecutive words). Ends after a barrier both passed."""
-        T.evaluate(reg_fence(NKS * 4, T.address_of(qf[0])))
-        T.evaluate(wg_fence())
-        for ks in T.unroll(NKS):
-            T.evaluate(wgmma(dtype, TK, 0, T.address_of(sacc[0]), T.address_of(qf[ks * 8]),
-                             T.address_of(smem[kb + wg * KH * 8 + ks * 128]), 128, DL * 16, accumulate=ks > 0))
-        T.evaluate(wg_commit())
-        T.evaluate(wg_wait0())
-        T.evaluate(reg_fence(NKS * 4, T.address_of(qf[0])))
-        T.evaluate(acc_fence(TK, T.address_of(sacc[0])))
+        """Full S of the tile at ``kb`` in ``sacc``: this warpgroup's partial by wgmma (its dims start ``KH / 8``
+        core matrices in), the other's through ``Ss[e, g, t]`` (consecutive threads on consecutive words).
+        Ends after a barrier both passed."""
+        wgg.score(sacc, qf, smem, kb + wg * KH * 8)
         for e in T.unroll(SN):
             Ss[(e * 2 + wg) * 128 + t] = sacc[e]
         T.tvm_storage_sync("shared")
@@ -164,16 +160,7 @@ def _make_tile_ops(H: int, DL: int, DV: int, dtype: str):
     @T.macro
     def accumulate(smem, kb, oacc, pf, wg):
         """O (the warpgroup's value dims) += P V, V the first DV columns of the tile at ``kb`` (MN-major)."""
-        T.evaluate(acc_fence(DVH, T.address_of(oacc[0])))
-        T.evaluate(reg_fence(TK // 4, T.address_of(pf[0])))
-        T.evaluate(wg_fence())
-        for kk in T.unroll(NKK):
-            T.evaluate(wgmma(dtype, DVH, 1, T.address_of(oacc[0]), T.address_of(pf[kk * 8]),
-                             T.address_of(smem[kb + kk * 16 * DL + wg * DVH * 8]), DL * 16, 128))
-        T.evaluate(wg_commit())
-        T.evaluate(wg_wait0())
-        T.evaluate(acc_fence(DVH, T.address_of(oacc[0])))
-        T.evaluate(reg_fence(TK // 4, T.address_of(pf[0])))
+        wgg.accumulate(oacc, pf, smem, kb + wg * DVH * 8)
 
     return issue, load_q, score, softmax, accumulate, SN, ON, NKS
 
