@@ -100,6 +100,12 @@ __device__ __forceinline__ void pagedkv_wg_wait0() {
 __device__ __forceinline__ void pagedkv_wg_wait1() {
   asm volatile("wgmma.wait_group.sync.aligned 1;\n" ::: "memory");
 }
+// A shared-memory store that ptxas keeps before the next wgmma wait (it does not move memory operations across
+// one): the arithmetic that ``v`` depends on then runs before the wait too (ptxas otherwise schedules register-only
+// work that no wgmma register depends on after it).
+__device__ __forceinline__ void pagedkv_store_before_wait(void* p, float v) {
+  asm volatile("st.shared.f32 [%0], %1;\n" :: "r"(static_cast<unsigned>(__cvta_generic_to_shared(p))), "f"(v) : "memory");
+}
 // Generic-proxy writes (cp.async, stores) to shared memory made visible to the async proxy (wgmma's B reads).
 __device__ __forceinline__ void pagedkv_proxy_fence() {
   asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
@@ -140,6 +146,13 @@ def wg_wait1():
     """``wgmma.wait_group 1``: every committed wgmma group but the newest is complete (groups complete in
     commit order)."""
     return T.cuda.func_call("pagedkv_wg_wait1", source_code=_SOURCE)
+
+
+def store_before_wait(p, v):
+    """Store float32 ``v`` to the shared scratch word at address ``p`` (never read) so that the work ``v`` depends
+    on runs before the next ``wg_wait0`` / ``wg_wait1`` in the SASS: the overlap of a softmax with a wgmma group
+    in flight (``tests/cpu/test_prefill_wg_compile.py`` checks the MUFU.EX2 between the waits)."""
+    return T.cuda.func_call("pagedkv_store_before_wait", p, v, source_code=_SOURCE)
 
 
 def proxy_fence():
@@ -235,5 +248,5 @@ def wg_attention_gemms(dtype: str, *, s_steps: int, tk: int, k_row: int, dv: int
     return WgGemms(score_issue, score_done, score, pv_issue, pv_done, accumulate)
 
 
-__all__ = ["WG_NS", "WG_REG_FENCES", "WgGemms", "wg_attention_gemms", "reg_fence", "acc_fence", "core_index", "proxy_fence", "wg_commit", "wg_fence", "wg_wait0", "wg_wait1",
+__all__ = ["WG_NS", "WG_REG_FENCES", "WgGemms", "store_before_wait", "wg_attention_gemms", "reg_fence", "acc_fence", "core_index", "proxy_fence", "wg_commit", "wg_fence", "wg_wait0", "wg_wait1",
            "wgmma"]

@@ -66,8 +66,10 @@ tc3     128   128      2       32  2 (Q in smem)   69,632 dyn.    249/250, 161/1
 "wg" (sm_90a): 64 rows, 128 threads, 2 stages of 64 keys, 65,536 bytes dynamic shared memory at D 128 (no padding);
 ptxas 165 / 163 registers paged / ragged at D 128 (32/8/128 fp16), 126 / 122 at D 64 (12/4/64 bf16, windowed +
 capped), no spills. "wg2" / "wg2o": 128 rows, 256 threads, 2 / 3 stages (65,536 / 98,304 bytes at D 128); ptxas
-166 / 170 registers (ragged, 32/8/128 fp16), one block an SM; "wg2k" 196,608 bytes and 222 registers. Not yet
-run on a GPU.
+166 / 171 registers (ragged, 32/8/128 fp16), one block an SM; "wg2k" 196,608 bytes and 225 registers. Not yet
+run on a GPU. ptxas moves register-only work below a wgmma wait that nothing it depends on needs: "wg2o" /
+"wg2k" store the row sums (which depend on every exp) to a shared scratch word before the P V wait
+(``store_before_wait``), which keeps the softmax in the overlap window.
 (D 64: the 8 / 8 / 64 bf16 spec; the windowed + capped D 64 one takes 162/168 (20 bytes spilled), 156/142 and
 206/203.) Every tile runs 8 warps an SM at D 128. Expected effect, not measured (the GPU run decides):
 
@@ -121,7 +123,7 @@ from ._prefill_tc_tiles import (
     v_store_index,
 )
 from ._variant_cuda import CudaVariant
-from ._wgmma_cuda import core_index, proxy_fence, wg_attention_gemms, wg_wait0, wg_wait1
+from ._wgmma_cuda import core_index, proxy_fence, store_before_wait, wg_attention_gemms, wg_wait0, wg_wait1
 
 
 def tc_unserved(spec, dv: int, tile: str = "tc") -> str | None:
@@ -560,12 +562,13 @@ def make_prefill_tc(op: str, spec, paged: bool, tile: str = "tc"):
         issue_kv(smem, T.truncmod(kt + 1, cfg.stages), kvb, ti, kt + 1, h, tid)
 
     @T.macro
-    def tiles_overlap(smem, fr, acc, rows, ti, kvb, h, tid, causal, sm_scale):
+    def tiles_overlap(smem, scratch, fr, acc, rows, ti, kvb, h, tid, causal, sm_scale):
         """Three stages, each warpgroup two wgmma groups in flight (``overlap``): at tile kt it issues S of kt,
         then P V of kt - 1 (P of kt - 1 kept in ``pfo``), waits for S alone (wait_group 1), runs the softmax of
         kt (O's factor deferred) while P V runs, then waits for P V and rescales O. V of kt - 1 is read
         during tile kt, so tile kt + 1 loads into the third stage. The first tile has no P V before it, the
-        last one's runs after the loop (each loop runs 0 or 1 times). Arguments as ``tiles_one_stage``."""
+        last one's runs after the loop (each loop runs 0 or 1 times). ``scratch``: a shared word
+        (``store_before_wait``); other arguments as ``tiles_one_stage``."""
         issue_kv(smem, T.truncmod(ti[7], 3), kvb, ti, ti[7], h, tid)
         for kt in T.serial(ti[7], T.min(ti[7] + 1, T.truncdiv(ti[6] + TK - 1, TK))):
             next_tile(smem, ti, kvb, h, tid, kt)
@@ -582,6 +585,9 @@ def make_prefill_tc(op: str, spec, paged: bool, tile: str = "tc"):
             wgg.score_done(acc[0], fr[0])
             softmax_deferred(acc[0], acc[1], rows[0], rows[1], acc[2], rows[5], rows[2], rows[3], rows[4], ti, kt,
                              T.truncmod(tid, 32), causal, sm_scale)
+            # The row sums depend on every exp of the softmax: ptxas keeps them before the wait (else the exps
+            # sink below it and P V runs alone).
+            T.evaluate(store_before_wait(T.address_of(scratch[0]), rows[1][0] + rows[1][1]))
             T.evaluate(wg_wait0())
             wgg.pv_done(acc[2], acc[3])
             rescale_o(acc[2], rows[5])
@@ -650,8 +656,9 @@ def make_prefill_tc(op: str, spec, paged: bool, tile: str = "tc"):
                         if QS:
                             load_q_smem(smem, q, ti, h, tid)
                         if OV:
-                            tiles_overlap(smem, (qf, afr, bfr), (sacc, pf, oacc, pfo), (m, lsum, lim, mx, st, fac), ti,
-                                          kvb, h, tid, causal, sm_scale)
+                            scratch = T.alloc_buffer((1,), "float32", scope="shared")
+                            tiles_overlap(smem, scratch, (qf, afr, bfr), (sacc, pf, oacc, pfo),
+                                          (m, lsum, lim, mx, st, fac), ti, kvb, h, tid, causal, sm_scale)
                         else:
                             tiles_two_stage(smem, (qf, afr, bfr), (sacc, pf, oacc, pfo), (m, lsum, lim, mx, st, fac),
                                             ti, kvb, h, tid, w, lane, causal, sm_scale)

@@ -222,6 +222,7 @@ inline float wg_b(const WgOp& op, int k, int n) {  // B[k][n] through the descri
 inline void pagedkv_wg_fence() {}
 inline void pagedkv_wg_commit() { t_wg_ends[t_wg_groups++] = t_wg_ops; }
 inline void pagedkv_proxy_fence() {}
+inline void pagedkv_store_before_wait(void* p, float v) { *static_cast<float*>(p) = v; }
 // wait_group `pending`: perform the wgmma's of every committed group but the newest `pending` (in issue order),
 // then move the rest to the front of the slots.
 inline void wg_wait(int pending) {

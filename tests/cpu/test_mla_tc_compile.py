@@ -150,6 +150,7 @@ def test_wg_decode_compiles_without_spills(cfg, tmp_path):
     src = wg_cuda_source(cfg)
     rc, log = nvcc_all([cfg], wg_cuda_source, tmp_path, "mla_wg_")[cfg]
     assert rc == 0, log[-4000:]
+    assert "instructions are serialized" not in log and "warpgroup.wait is injected" not in log, log[-3000:]
     usage = ptxas_usage(log)["pagedkv_mla_attn_decode_paged_kernel"]
     assert usage[1:] == (0, 0) and usage[0] <= 255, usage
     assert not any(stack_frames(log).values()), stack_frames(log)
