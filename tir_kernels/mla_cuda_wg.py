@@ -9,7 +9,7 @@ block at its register limit, re-reading every latent tile from L2 once per 32 he
 
 Design: one block of two warpgroups (256 threads) per (64-head group, entry, key split):
 
-* Key tiles of ``TK = 32`` latent rows (all ``DL`` elements) in a ring of ``NS = 4`` stages of dynamic
+* Key tiles of ``TK = 32`` latent rows (all ``DL`` elements) in a ring of ``NS = 5`` stages of dynamic
   shared memory, stored as 8 x 8 core matrices (``_wgmma_cuda.core_index``), loaded with 16-byte
   ``cp.async``: thread ``t`` copies key ``t % 8 + 8 (t // 64)`` (one page lookup a tile), chunks
   ``(t // 8) % 8 + 8 it``, so 8 consecutive threads fill one core matrix (128 contiguous bytes).
@@ -22,11 +22,15 @@ Design: one block of two warpgroups (256 threads) per (64-head group, entry, key
   each: P in the storage dtype is the A fragment of P V (as in the prefill kernels).
 * O += P V split over the value dims: warpgroup ``g`` owns dims ``DV / 2 * g ..`` (``DV / 4`` fp32
   accumulators a thread: 128 at 512), ``TK / 16`` wgmma m64n{DV/2}k16 (A = P, B = the tile's first ``DV``
-  columns, MN-major).
+  columns, MN-major), issued and left in flight: the next tile's score waits for it (the tile switch, its
+  barrier and copies, and the next S's issue run meanwhile), so ``AHEAD = NS - 2`` tiles load ahead.
 * Two barriers a tile: the top one (tile visible, after ``fence.proxy.async``; the stage that tile
-  ``kt + NS - 1`` takes is free) and the one publishing the partial scores.
+  ``kt + AHEAD`` takes is free) and the one publishing the partial scores.
 * Splits: as ``mla_cuda_tc`` (``wave_split_count``, one block an SM; the runtime's ``max_kv_len``);
   ``S > 1``: partial states in a float32 workspace and ``mla_cuda``'s merge kernel.
+
+Resources (ptxas, sm_90a, DeepSeek 512 + 64, no spills, no stack): 252 registers (128 heads fp16), 184,320 bytes
+of dynamic + 16,384 of static shared memory; one block an SM. Not yet run on a GPU.
 
 Limits as data (``wg_unserved``): target arch sm_90a, fp16 / bf16, ``DL % 64 == 0`` and ``DL <= 576``,
 ``DV / 2`` a wgmma width (``WG_NS``: DV 128, 256 or 512).
@@ -42,13 +46,16 @@ from ._abi import abi_prim_func
 from ._common import EMPTY_LSE, LOG2E, MASKED
 from ._common_cuda import decode_splits, make_merge_splits, paged_kv_len, shfl_xor, wave_split_count
 from ._mma_cuda import a_frag, c_frag, cp_async16, cp_async_commit, cp_async_wait
-from ._wgmma_cuda import WG_NS, core_index, proxy_fence, wg_attention_gemms
+from ._wgmma_cuda import WG_NS, core_index, proxy_fence, wg_attention_gemms, wg_wait0
 
 #: The path switch and the value that forces this kernel; the arch its instructions need.
 SWITCH, VALUE = "cuda_mla_decode_kernel", "wg"
 WG_ARCH = PATH_ARCHS[(SWITCH, VALUE)]
 #: Heads a block (one m64 tile), threads (two warpgroups), keys a tile, ring stages.
-ROWS, NT, TK, NS = 64, 256, 32, 4
+ROWS, NT, TK, NS = 64, 256, 32, 5
+#: Tiles loading while one computes: P V of tile kt is waited for in tile kt + 1, so its stage can be refilled
+#: from tile kt + 2 on (by tile kt + NS).
+AHEAD = NS - 2
 WG_DTYPES = ("float16", "bfloat16")
 WG_MAX_LATENT = 576
 #: Split policy: as ``mla_cuda_tc`` (one block an SM).
@@ -117,11 +124,12 @@ def _make_tile_ops(H: int, DL: int, DV: int, dtype: str):
     wgg = wg_attention_gemms(dtype, s_steps=NKS, tk=TK, k_row=DL, dv=DVH, v_row=DL)
 
     @T.macro
-    def score(smem, Ss, kb, qf, sacc, wg, t):
+    def score(smem, Ss, kb, qf, sacc, oacc, pf, wg, t):
         """Full S of the tile at ``kb`` in ``sacc``: this warpgroup's partial by wgmma (its dims start ``KH / 8``
         core matrices in), the other's through ``Ss[e, g, t]`` (consecutive threads on consecutive words).
         Ends after a barrier both passed."""
         wgg.score(sacc, qf, smem, kb + wg * KH * 8)
+        wgg.pv_done(oacc, pf)  # the wait also completed the previous tile's P V
         for e in T.unroll(SN):
             Ss[(e * 2 + wg) * 128 + t] = sacc[e]
         T.tvm_storage_sync("shared")
@@ -159,10 +167,17 @@ def _make_tile_ops(H: int, DL: int, DV: int, dtype: str):
 
     @T.macro
     def accumulate(smem, kb, oacc, pf, wg):
-        """O (the warpgroup's value dims) += P V, V the first DV columns of the tile at ``kb`` (MN-major)."""
-        wgg.accumulate(oacc, pf, smem, kb + wg * DVH * 8)
+        """Issue O (the warpgroup's value dims) += P V, V the first DV columns of the tile at ``kb`` (MN-major);
+        waited for by the next tile's score (it runs during the tile switch) or by ``finish``."""
+        wgg.pv_issue(oacc, pf, smem, kb + wg * DVH * 8)
 
-    return issue, load_q, score, softmax, accumulate, SN, ON, NKS
+    @T.macro
+    def finish(oacc, pf):
+        """The last P V complete before O is stored."""
+        T.evaluate(wg_wait0())
+        wgg.pv_done(oacc, pf)
+
+    return issue, load_q, score, softmax, accumulate, finish, SN, ON, NKS
 
 
 def _make_store(H: int, DV: int, dtype: str):
@@ -208,7 +223,7 @@ def mla_attn_decode_paged_wg(spec):
     H, DV, DL, dtype = spec.num_qo_heads, spec.kv_lora_rank, spec.latent_dim, spec.dtype
     NG = (H + ROWS - 1) // ROWS
     splits = decode_splits(spec)
-    issue, load_q, score, softmax, accumulate, SN, ON, NKS = _make_tile_ops(H, DL, DV, dtype)
+    issue, load_q, score, softmax, accumulate, finish, SN, ON, NKS = _make_tile_ops(H, DL, DV, dtype)
     store = _make_store(H, DV, dtype)
     merge_splits = make_merge_splits(H, DV, MERGE_NT, dtype)
 
@@ -249,24 +264,27 @@ def mla_attn_decode_paged_wg(spec):
                         pbase: T.let[T.int32] = page_indptr[T.min(bx, T.max(B - 1, 0))]
                         load_q(qf, q, T.min(bx, T.max(B - 1, 0)), g * ROWS, wg, w, lane)
                         # One copy group a tile (empty past the split's keys): waiting for all but the newest
-                        # NS - 2 groups always means tile kt.
-                        for s in T.unroll(NS - 1):
+                        # AHEAD - 1 groups always means tile kt.
+                        for s in T.unroll(AHEAD):
                             if k0 + s * TK < k1:
                                 issue(smem, s, pages, page_values, pbase, ps, k0 + s * TK, k1, tid)
                             T.evaluate(cp_async_commit())
                         for kt in T.serial(T.truncdiv(k1 - k0 + TK - 1, TK)):
-                            T.evaluate(cp_async_wait(NS - 2))
+                            T.evaluate(cp_async_wait(AHEAD - 1))
                             T.evaluate(proxy_fence())  # this thread's copies and zero stores visible to wgmma
-                            # Tile kt visible; every warp done with tile kt - 1 (its stage and Ss).
+                            # Tile kt visible; every warp done with Ss and, P V of tile kt - 2 waited for, with
+                            # that tile's stage, which tile kt + AHEAD takes.
                             T.tvm_storage_sync("shared")
-                            if k0 + (kt + NS - 1) * TK < k1:
-                                issue(smem, T.truncmod(kt + NS - 1, NS), pages, page_values, pbase, ps,
-                                      k0 + (kt + NS - 1) * TK, k1, tid)
+                            if k0 + (kt + AHEAD) * TK < k1:
+                                issue(smem, T.truncmod(kt + AHEAD, NS), pages, page_values, pbase, ps,
+                                      k0 + (kt + AHEAD) * TK, k1, tid)
                             T.evaluate(cp_async_commit())
-                            score(smem, Ss, T.truncmod(kt, NS) * TK * DL, qf, sacc, wg, T.truncmod(tid, 128))
+                            score(smem, Ss, T.truncmod(kt, NS) * TK * DL, qf, sacc, oacc, pf, wg,
+                                  T.truncmod(tid, 128))
                             softmax(sacc, pf, m, lsum, oacc, st, k0 + kt * TK, k1, sm_scale * T.float32(LOG2E),
                                     lane)
                             accumulate(smem, T.truncmod(kt, NS) * TK * DL, oacc, pf, wg)
+                        finish(oacc, pf)
                         store(oacc, m, lsum, o, lse, ws_o, ws_l, bx, bx < B, g * ROWS, S, sp, wg, w, lane)
         if S > 1:
             merge_splits(o, lse, B, S, ws_o, ws_l)
@@ -275,5 +293,5 @@ def mla_attn_decode_paged_wg(spec):
                          adapter="direct_max_kv_len")
 
 
-__all__ = ["NS", "NT", "ROWS", "SWITCH", "TK", "VALUE", "WG_DTYPES", "WG_MAX_LATENT", "mla_attn_decode_paged_wg",
+__all__ = ["AHEAD", "NS", "NT", "ROWS", "SWITCH", "TK", "VALUE", "WG_DTYPES", "WG_MAX_LATENT", "mla_attn_decode_paged_wg",
            "smem_bytes", "wg_unserved"]
