@@ -178,11 +178,13 @@ def test_decode_split_hint_any_value(hint, gen):
     _check_decode(case, lengths, 0, gen, f"hint={hint}", mx)
 
 
+@pytest.mark.parametrize("kernel", ["auto", "wg"])
 @pytest.mark.parametrize("hint", list(HINTS))
-def test_mla_decode_split_hint_any_value(hint, gen):
-    """As above for the MLA tensor-core decode (16 heads: one block an entry, 132 slots): 128 entries of
-    512-767 keys, one full wave: S = 1 when balanced, else the ladder's 2."""
-    case = next(c for c in MLA_CASES if c[0].h == 16 and c[1] == {"cuda_decode_splits": "auto"})
+def test_mla_decode_split_hint_any_value(hint, kernel, gen):
+    """As above for the MLA tensor-core decodes (auto: the mma.sync one; wg: wgmma; 16 heads: one block an entry,
+    132 slots): 128 entries of 512-767 keys, one full wave: S = 1 when balanced, else the ladder's 2."""
+    paths = {"cuda_decode_splits": "auto"} | ({} if kernel == "auto" else {"cuda_mla_decode_kernel": kernel})
+    case = next(c for c in MLA_CASES if c[0].h == 16 and c[1] == paths)
     lengths = [512 + int(x) for x in torch.randint(0, 256, (128,), generator=gen)]
     mx = max(lengths) if HINTS[hint] is None else HINTS[hint]
     _check_mla_decode(case, lengths, gen, f"hint={hint}", mx)
