@@ -46,6 +46,8 @@ from ._abi import abi_prim_func
 from ._common import EMPTY_LSE, LOG2E, MASKED
 from ._common_cuda import decode_splits, make_merge_splits, paged_kv_len, shfl_xor, wave_split_count
 from ._mma_cuda import a_frag, c_frag, cp_async16, cp_async_commit, cp_async_wait
+# Split policy and merge kernel: mla_cuda_tc's (one block an SM either way).
+from .mla_cuda_tc import MAX_SPLITS, MERGE_NT, MIN_SPLIT_KEYS, RESIDENT_BLOCKS
 from ._wgmma_cuda import WG_NS, core_index, proxy_fence, wg_attention_gemms, wg_wait0
 
 #: The path switch and the value that forces this kernel; the arch its instructions need.
@@ -58,9 +60,6 @@ ROWS, NT, TK, NS = 64, 256, 32, 5
 AHEAD = NS - 2
 WG_DTYPES = ("float16", "bfloat16")
 WG_MAX_LATENT = 576
-#: Split policy: as ``mla_cuda_tc`` (one block an SM).
-RESIDENT_BLOCKS, MIN_SPLIT_KEYS, MAX_SPLITS = 132, 256, 64
-MERGE_NT = 128
 
 
 def wg_unserved(spec) -> list[str]:
