@@ -37,6 +37,7 @@ DEVICE = "cuda"
 PAGEDKV_BACKENDS = {"pagedkv-fi": ["flashinfer", "tir"], "pagedkv-tir": "tir", "pagedkv-tir-tc": "tir",
                     "pagedkv-tir-tc2": "tir", "pagedkv-tir-tc3": "tir", "pagedkv-tir-tcd": "tir",
                     "pagedkv-tir-wg": "tir", "pagedkv-tir-wg2": "tir", "pagedkv-tir-wg2o": "tir", "pagedkv-tir-wg2k": "tir",
+                    "pagedkv-tir-wg2p": "tir",
                     "pagedkv-tir-mlatc": "tir", "pagedkv-tir-mlawg": "tir"}
 #: label -> TIR code paths its cache is created under (``pagedkv.backends.tir.forced_paths``): the tensor-core
 #: prefill tiles (``tir_kernels.attention_cuda_prefill.TC_DEFAULT_TILES``: auto is tc3 for whole prompts, tc2 for
@@ -45,6 +46,7 @@ PAGEDKV_PATHS = {"pagedkv-tir-tc": {"cuda_prefill_kernel": "tc"}, "pagedkv-tir-t
                  "pagedkv-tir-tc3": {"cuda_prefill_kernel": "tc3"}, "pagedkv-tir-tcd": {"cuda_decode_kernel": "tc"},
                  "pagedkv-tir-wg": {"cuda_prefill_kernel": "wg"}, "pagedkv-tir-wg2": {"cuda_prefill_kernel": "wg2"},
                  "pagedkv-tir-wg2o": {"cuda_prefill_kernel": "wg2o"}, "pagedkv-tir-wg2k": {"cuda_prefill_kernel": "wg2k"},
+                 "pagedkv-tir-wg2p": {"cuda_prefill_kernel": "wg2p"},
                  "pagedkv-tir-mlatc": {"cuda_mla_decode_kernel": "tc"},
                  "pagedkv-tir-mlawg": {"cuda_mla_decode_kernel": "wg"}}
 #: The labels of ``PAGEDKV_PATHS`` that time the decode (the others time prefill only).

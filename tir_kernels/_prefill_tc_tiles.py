@@ -45,7 +45,9 @@ class TcTile:
     each K / V tile (128 rows: half the K / V bytes a row). ``overlap`` (wgmma, 3 stages): a warpgroup issues
     S of tile kt and P V of tile kt - 1 as two groups and runs the softmax of kt while P V runs (the O
     rescale waits for it); V of tile kt - 1 is still read during tile kt, so tile kt + 1 loads into a third
-    stage.
+    stage. ``pingpong`` (overlap, two warpgroups, 4 stages): no block barrier; each warpgroup signals the other
+    through named barriers when its copies of a tile have landed, and the two take turns issuing their wgmma
+    groups, so one's softmax runs under the other's GEMMs (``_prefill_wg_pipelines``).
     """
 
     name: str
@@ -55,6 +57,7 @@ class TcTile:
     tk: int = TC_TK
     wgmma: bool = False
     overlap: bool = False
+    pingpong: bool = False
 
     @property
     def pad(self) -> int:
@@ -100,7 +103,8 @@ class TcTile:
 TC_TILES = {"tc": TcTile("tc", TC_WARPS, 1), "tc2": TcTile("tc2", 8, 2), "tc3": TcTile("tc3", 4, 2, mtiles=2, tk=32),
             "wg": TcTile("wg", 4, 2, wgmma=True), "wg2": TcTile("wg2", 8, 2, wgmma=True),
             "wg2o": TcTile("wg2o", 8, 3, wgmma=True, overlap=True),
-            "wg2k": TcTile("wg2k", 8, 3, tk=128, wgmma=True, overlap=True)}
+            "wg2k": TcTile("wg2k", 8, 3, tk=128, wgmma=True, overlap=True),
+            "wg2p": TcTile("wg2p", 8, 4, wgmma=True, overlap=True, pingpong=True)}
 #: The PTX target a ``wgmma`` tile needs (its instructions exist on sm_90a only; libraries forcing it are built
 #: for it: ``kernel_spec.PATH_ARCHS``).
 WG_ARCH = PATH_ARCHS[("cuda_prefill_kernel", "wg")]

@@ -110,6 +110,14 @@ __device__ __forceinline__ void pagedkv_store_before_wait(void* p, float v) {
 __device__ __forceinline__ void pagedkv_proxy_fence() {
   asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
 }
+// Named barriers 1..15 of the block (0 is __syncthreads): bar.sync waits for the phase that its arrival joins to
+// complete (n threads, a multiple of 32, counting bar.arrive's); bar.arrive only counts.
+__device__ __forceinline__ void pagedkv_bar_sync(int id, int n) {
+  asm volatile("bar.sync %0, %1;\n" :: "r"(id), "r"(n) : "memory");
+}
+__device__ __forceinline__ void pagedkv_bar_arrive(int id, int n) {
+  asm volatile("bar.arrive %0, %1;\n" :: "r"(id), "r"(n) : "memory");
+}
 """ + "".join(_wgmma_fn(n, p, t) for n in WG_NS for p in _PTX_TYPE.values() for t in (0, 1)) + "".join(
     _acc_fence_fn(n) for n in WG_NS) + "".join(_reg_fence_fn(r) for r in WG_REG_FENCES) + _REG_RUNS + "#endif\n"
 
@@ -158,6 +166,17 @@ def store_before_wait(p, v):
 def proxy_fence():
     """``fence.proxy.async.shared::cta``: this thread's shared-memory writes visible to wgmma (then a barrier)."""
     return T.cuda.func_call("pagedkv_proxy_fence", source_code=_SOURCE)
+
+
+def bar_sync(bar_id, n: int):
+    """``bar.sync bar_id, n``: wait until ``n`` threads (this one included; ``bar_arrive`` s count) reached
+    named barrier ``bar_id`` (1..15, a run-time value allowed) in the current phase."""
+    return T.cuda.func_call("pagedkv_bar_sync", T.Cast("int32", bar_id), T.int32(n), source_code=_SOURCE)
+
+
+def bar_arrive(bar_id, n: int):
+    """``bar.arrive bar_id, n``: count this thread in the phase of named barrier ``bar_id`` without waiting."""
+    return T.cuda.func_call("pagedkv_bar_arrive", T.Cast("int32", bar_id), T.int32(n), source_code=_SOURCE)
 
 
 def acc_fence(n: int, d):
@@ -248,5 +267,5 @@ def wg_attention_gemms(dtype: str, *, s_steps: int, tk: int, k_row: int, dv: int
     return WgGemms(score_issue, score_done, score, pv_issue, pv_done, accumulate)
 
 
-__all__ = ["WG_NS", "WG_REG_FENCES", "WgGemms", "store_before_wait", "wg_attention_gemms", "reg_fence", "acc_fence", "core_index", "proxy_fence", "wg_commit", "wg_fence", "wg_wait0", "wg_wait1",
+__all__ = ["WG_NS", "WG_REG_FENCES", "WgGemms", "bar_arrive", "bar_sync", "store_before_wait", "wg_attention_gemms", "reg_fence", "acc_fence", "core_index", "proxy_fence", "wg_commit", "wg_fence", "wg_wait0", "wg_wait1",
            "wgmma"]

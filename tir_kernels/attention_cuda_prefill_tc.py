@@ -122,8 +122,9 @@ from ._prefill_tc_tiles import (
     v_ldsm_index,
     v_store_index,
 )
+from ._prefill_wg_pipelines import TileMacros, make_overlap, make_pingpong
 from ._variant_cuda import CudaVariant
-from ._wgmma_cuda import core_index, proxy_fence, store_before_wait, wg_attention_gemms, wg_wait0, wg_wait1
+from ._wgmma_cuda import core_index, proxy_fence, wg_attention_gemms
 
 
 def tc_unserved(spec, dv: int, tile: str = "tc") -> str | None:
@@ -164,7 +165,7 @@ def make_prefill_tc(op: str, spec, paged: bool, tile: str = "tc"):
     MT, QS = cfg.mtiles, cfg.q_in_smem  # m16 tiles a warp; Q in shared memory
     WG = cfg.wgmma  # wgmma: K / V as core matrices, S and O by each warpgroup (Q in registers)
     OV = cfg.overlap  # wgmma: P V of tile kt - 1 runs during the softmax of tile kt (three stages)
-    if (QS and cfg.stages != 2) or (WG and (QS or cfg.warps % 4 or cfg.stages != (3 if OV else 2))) or (OV and not WG):
+    if (QS and cfg.stages != 2) or (WG and (QS or cfg.warps % 4 or cfg.stages != (4 if cfg.pingpong else 3 if OV else 2))) or (OV and not WG):
         raise NotImplementedError(f"pagedkv.tir_kernels: tile {tile!r}: Q in shared memory needs the two-stage "
                                   f"buffer; wgmma whole warpgroups with Q in registers and two stages (three to "
                                   f"overlap); overlap needs wgmma")
@@ -561,40 +562,9 @@ def make_prefill_tc(op: str, spec, paged: bool, tile: str = "tc"):
         T.tvm_storage_sync("shared")
         issue_kv(smem, T.truncmod(kt + 1, cfg.stages), kvb, ti, kt + 1, h, tid)
 
-    @T.macro
-    def tiles_overlap(smem, scratch, fr, acc, rows, ti, kvb, h, tid, causal, sm_scale):
-        """Three stages, each warpgroup two wgmma groups in flight (``overlap``): at tile kt it issues S of kt,
-        then P V of kt - 1 (P of kt - 1 kept in ``pfo``), waits for S alone (wait_group 1), runs the softmax of
-        kt (O's factor deferred) while P V runs, then waits for P V and rescales O. V of kt - 1 is read
-        during tile kt, so tile kt + 1 loads into the third stage. The first tile has no P V before it, the
-        last one's runs after the loop (each loop runs 0 or 1 times). ``scratch``: a shared word
-        (``store_before_wait``); other arguments as ``tiles_one_stage``."""
-        issue_kv(smem, T.truncmod(ti[7], 3), kvb, ti, ti[7], h, tid)
-        for kt in T.serial(ti[7], T.min(ti[7] + 1, T.truncdiv(ti[6] + TK - 1, TK))):
-            next_tile(smem, ti, kvb, h, tid, kt)
-            wgg.score(acc[0], fr[0], smem, cfg.k_base(T.truncmod(kt, 3), D, DV))
-            softmax_deferred(acc[0], acc[1], rows[0], rows[1], acc[2], rows[5], rows[2], rows[3], rows[4], ti, kt,
-                             T.truncmod(tid, 32), causal, sm_scale)  # O is 0: its factor is not applied
-            for e in T.unroll(SN):
-                acc[3][e] = acc[1][e]
-        for kt in T.serial(ti[7] + 1, T.truncdiv(ti[6] + TK - 1, TK)):
-            next_tile(smem, ti, kvb, h, tid, kt)
-            wgg.score_issue(acc[0], fr[0], smem, cfg.k_base(T.truncmod(kt, 3), D, DV))
-            wgg.pv_issue(acc[2], acc[3], smem, cfg.v_base(T.truncmod(kt - 1, 3), D, DV))
-            T.evaluate(wg_wait1())
-            wgg.score_done(acc[0], fr[0])
-            softmax_deferred(acc[0], acc[1], rows[0], rows[1], acc[2], rows[5], rows[2], rows[3], rows[4], ti, kt,
-                             T.truncmod(tid, 32), causal, sm_scale)
-            # The row sums depend on every exp of the softmax: ptxas keeps them before the wait (else the exps
-            # sink below it and P V runs alone).
-            T.evaluate(store_before_wait(T.address_of(scratch[0]), rows[1][0] + rows[1][1]))
-            T.evaluate(wg_wait0())
-            wgg.pv_done(acc[2], acc[3])
-            rescale_o(acc[2], rows[5])
-            for e in T.unroll(SN):
-                acc[3][e] = acc[1][e]
-        for kt in T.serial(T.max(ti[7], T.truncdiv(ti[6] + TK - 1, TK) - 1), T.truncdiv(ti[6] + TK - 1, TK)):
-            wgg.accumulate(acc[2], acc[3], smem, cfg.v_base(T.truncmod(kt, 3), D, DV))
+    if OV:  # wgmma groups in flight across the softmax (_prefill_wg_pipelines)
+        macros = TileMacros(issue_kv, next_tile, softmax_deferred, rescale_o, wgg)
+        tiles_overlap = (make_pingpong if cfg.pingpong else make_overlap)(cfg, D, DV, SN, macros)
 
     @T.macro
     def tiles_two_stage(smem, fr, acc, rows, ti, kvb, h, tid, w, lane, causal, sm_scale):

@@ -37,13 +37,15 @@ SWITCHES: dict[str, tuple[str, tuple[str, ...]]] = {
                             "32 keys; wg = 64 rows (one warpgroup), two stages of 64 keys as core matrices, S and "
                             "O by wgmma; wg2 = 128 rows (two warpgroups sharing each K/V tile), the same stages; "
                             "wg2o = wg2 with three stages, each warpgroup's softmax of tile kt overlapping its P V "
-                            "of tile kt - 1; wg2k = wg2o with 128-key tiles (the wg tiles need a target arch sm_90a, "
+                            "of tile kt - 1; wg2k = wg2o with 128-key tiles; wg2p = wg2o with four stages, no block "
+                            "barrier: the warpgroups signal landed tiles and take turns issuing their wgmma's "
+                            "through named barriers (the wg tiles need a target arch sm_90a, "
                             "kernel_spec.KernelSpec.target_arch; forced only, auto never picks them). "
                             "Inline RoPE always runs the SIMT kernel. auto: the tensor-core kernel where it serves "
                             "the spec (TC_BY_DEFAULT), in the op's first serving tile of "
                             "tir_kernels.attention_cuda_prefill.TC_DEFAULT_TILES (ragged: tc3, else tc; paged: "
                             "tc2, else tc), SIMT elsewhere",
-                            ("auto", "simt", "tc", "tc2", "tc3", "wg", "wg2", "wg2o", "wg2k")),
+                            ("auto", "simt", "tc", "tc2", "tc3", "wg", "wg2", "wg2o", "wg2k", "wg2p")),
     "cuda_decode_kernel": ("CUDA MHA decode (attn_decode_paged), plain and inline RoPE: the lane-group kernel "
                            "for both (lanes) or the shared-memory staged kernel for both (staged; raises where "
                            "its limits refuse either variant); tc: both variants on the tensor-core kernel "
@@ -103,7 +105,7 @@ def wg_prefill_limits(d: int, dv: int) -> list[str]:
 #: Forced path values whose kernels need one CUDA arch (their instructions exist there only): a library holding
 #: them is built for, and looked up under, that arch (``target_for_paths``). (switch, value) -> arch.
 #: The wgmma prefill tiles (``tir_kernels._prefill_tc_tiles.TC_TILES`` with ``wgmma``).
-WG_PREFILL_TILES = ("wg", "wg2", "wg2o", "wg2k")
+WG_PREFILL_TILES = ("wg", "wg2", "wg2o", "wg2k", "wg2p")
 PATH_ARCHS: dict[tuple[str, str], str] = {**{("cuda_prefill_kernel", t): "sm_90a" for t in WG_PREFILL_TILES},
                                           ("cuda_mla_decode_kernel", "wg"): "sm_90a"}
 

@@ -6,10 +6,14 @@
 // wgmma as a warpgroup collective (below).
 // cp.async completes at the latest point its wait allows (below).
 #include <barrier>
+#include <chrono>
 #include <cmath>
+#include <condition_variable>
 #include <cstdint>
 #include <cstdlib>
 #include <cstring>
+#include <cstdio>
+#include <mutex>
 #include <thread>
 #include <vector>
 
@@ -86,6 +90,30 @@ inline WarpSlots& my_warp() { return g_warps[t_linear / 32]; }
 inline void warp_sync() { my_warp().bar->arrive_and_wait(); }
 inline void __syncthreads() { g_block_barrier->arrive_and_wait(); }
 inline void __syncwarp(unsigned = 0xFFFFFFFFu) { warp_sync(); }
+
+// Named barriers (bar.sync / bar.arrive id, n; ids 1..15, id 0 is __syncthreads): a phase completes when n
+// threads have arrived, counting those that wait (bar.sync) and those that only arrive (bar.arrive). A wait
+// that outlasts 120 s (a count that never fills: arrivals and waits out of balance) aborts; a block that ends
+// with a barrier partly arrived aborts too (launch3).
+struct NamedBar { std::mutex mu; std::condition_variable cv; int count = 0; long phase = 0; };
+static NamedBar g_named[16];
+inline long named_arrive(int id, int n) {
+  NamedBar& b = g_named[id];
+  std::unique_lock<std::mutex> lk(b.mu);
+  long ph = b.phase;
+  if (++b.count == n) { b.count = 0; ++b.phase; b.cv.notify_all(); }
+  return ph;
+}
+inline void pagedkv_bar_arrive(int id, int n) { named_arrive(id, n); }
+inline void pagedkv_bar_sync(int id, int n) {
+  long ph = named_arrive(id, n);
+  NamedBar& b = g_named[id];
+  std::unique_lock<std::mutex> lk(b.mu);
+  if (!b.cv.wait_for(lk, std::chrono::seconds(120), [&] { return b.phase != ph; })) {
+    std::fprintf(stderr, "named barrier %d (count %d of %d) never completed\n", id, b.count, n);
+    std::abort();
+  }
+}
 
 inline float __shfl_xor_sync(uint, float v, int mask, int) {
   WarpSlots& w = my_warp();
@@ -292,6 +320,10 @@ void launch3(int grid_x, int grid_y, int grid_z, int bx, int by, int bz, F body)
             body();
             t_groups.assign(1, {});
             block_bar.arrive_and_wait();  // the block's statics (shared memory) are reused by the next one
+            if (t == 0)  // every thread of the block is past its body: no named barrier may be partly arrived
+              for (int id = 1; id < 16; ++id)
+                if (g_named[id].count) { std::fprintf(stderr, "named barrier %d left with %d arrivals\n", id, g_named[id].count); std::abort(); }
+            block_bar.arrive_and_wait();
           }
         }
       }

@@ -72,12 +72,14 @@ UNALIGNED = CASES[:2] + CASES[3:]
 WG_RUNS = [("7x1x128-bf16", "attn_prefill_ragged", 1), ("7x1x128-bf16", "attn_prefill_paged", 0),
            ("2x2x128-f16", "attn_prefill_ragged", 0), ("2x2x128-f16", "attn_prefill_paged", 1),
            ("16x2x128-bf16-w40-cap20", "attn_prefill_ragged", 1), ("16x2x128-bf16-w40-cap20", "attn_prefill_paged", 1)]
-#: The same runs on "wg2o" (two warpgroups, P V overlapping the softmax: the waits' order matters), half of
-#: them on "wg2" (two warpgroups of "wg"'s pipeline) and the other half on "wg2k" ("wg2o" with 128-key tiles).
-WG_TILE_RUNS = ([("wg", *r) for r in WG_RUNS] + [("wg2o", *r) for r in WG_RUNS]
+#: The same runs on "wg2o" (two warpgroups, P V overlapping the softmax: the waits' order matters) and "wg2p"
+#: ("wg2o" without block barriers: named-barrier signals and turns between the warpgroups), half of them on "wg2"
+#: (two warpgroups of "wg"'s pipeline) and the other half on "wg2k" ("wg2o" with 128-key tiles).
+WG_TILE_RUNS = ([("wg", *r) for r in WG_RUNS] + [("wg2o", *r) for r in WG_RUNS] + [("wg2p", *r) for r in WG_RUNS]
                 + [("wg2", *r) for r in WG_RUNS[1::2]] + [("wg2k", *r) for r in WG_RUNS[::2]])
 #: The wgmma tiles' unaligned-view (element-load) runs.
-WG_UNALIGNED = [("wg", "16x2x128-bf16-w40-cap20"), ("wg2o", "7x1x128-bf16"), ("wg2k", "2x2x128-f16")]
+WG_UNALIGNED = [("wg", "16x2x128-bf16-w40-cap20"), ("wg2o", "7x1x128-bf16"), ("wg2k", "2x2x128-f16"),
+                ("wg2p", "16x2x128-bf16-w40-cap20")]
 #: Bytes of the static array standing in for a kernel's dynamic shared memory.
 DYN_SMEM_BYTES = 256 * 1024
 

@@ -1,4 +1,4 @@
-"""The wgmma prefill tiles ("wg", "wg2", "wg2o", "wg2k" of the path switch ``cuda_prefill_kernel``) on the build
+"""The wgmma prefill tiles ("wg", "wg2", "wg2o", "wg2k", "wg2p" of the path switch ``cuda_prefill_kernel``) on the build
 host: no GPU.
 
 - It serves head dim 128 only (``kernel_spec.wg_prefill_limits``: head dim 64 gave wrong outputs on the H200 at
@@ -7,11 +7,11 @@ host: no GPU.
   target): forced for an sm_90 target it raises naming the arch; auto never picks it (``TC_DEFAULT_TILES``).
 - ``nvcc --cubin -arch=sm_90a`` compiles its ragged and paged kernels without register spills, in at most 255
   registers, with the expected wgmma count: per key tile ``D/16`` m64n64k16 for S and ``TK/16`` m64n{DV}k16 for
-  P V, every one unrolled (in the CUDA source, then as HGMMA in the SASS when cuobjdump is there); "wg2o" and
-  "wg2k" have each twice (its first tile's S and its last tile's P V are outside the loop) and, in the SASS, a
+  P V, every one unrolled (in the CUDA source, then as HGMMA in the SASS when cuobjdump is there); "wg2o",
+  "wg2k" and "wg2p" have each twice (its first tile's S and its last tile's P V are outside the loop) and, in the SASS, a
   ``wait_group 1`` with the softmax's exps (MUFU.EX2) before the next wait (P V in flight meanwhile). ptxas
-  reports no serialized wgmma. The shared memory: two stages of K and V core matrices
-  (three for the overlapping tiles).
+  reports no serialized wgmma. "wg2p" has no block barrier, named barriers instead. The shared memory: two
+  stages of K and V core matrices (three for the overlapping tiles, four for "wg2p").
 
 The numerical checks: ``tests/cpu/test_prefill_tc_emulated.py`` (CPU emulation), ``tests/gpu/test_prefill_tc_gpu.py``.
 """
@@ -87,6 +87,9 @@ def test_wg_tile_shared_memory():
     assert (t2o.rows, t2o.threads, t2o.stages, t2o.overlap) == (128, 256, 3, True)
     assert t2o.smem_bytes(128, 128) == 3 * 64 * 256 * 2 and t2o.k_base(2, 128, 128) == 2 * 64 * 256
     assert TC_TILES["wg2k"].smem_bytes(128, 128) == 3 * 128 * 256 * 2 <= 227 * 1024
+    t2p = TC_TILES["wg2p"]
+    assert (t2p.rows, t2p.threads, t2p.stages, t2p.tk, t2p.overlap, t2p.pingpong) == (128, 256, 4, 64, True, True)
+    assert t2p.smem_bytes(128, 128) == 4 * 64 * 256 * 2 <= 227 * 1024
     for tile in WG_TILES:
         with pytest.raises(NotImplementedError, match="sm_90a"):
             tk.FACTORIES[OPS[1]](_wg(SHAPES["32x8x128-f16"], tile), SM90)
@@ -115,6 +118,10 @@ def test_wg_nvcc_no_spills_and_wgmma(name, tile, nvcc_results):
     calls = {k: len(re.findall(r"\bpagedkv_wgmma_n\d+_b?f16_t[01]\(", body)) for k, body in _kernel_bodies(source).items()}
     assert sorted(calls.values()) == [0, 0, want, want], calls
     assert "mma.sync" not in source.split("#endif")[-1] and "pagedkv_mma_" not in "".join(_kernel_bodies(source).values())
+    for body in _kernel_bodies(source).values():
+        if "pagedkv_wgmma_" in body:  # ping-pong: named barriers between the warpgroups, no block barrier
+            assert ("__syncthreads" in body) != t.pingpong, tile
+            assert ("pagedkv_bar_sync(" in body and "pagedkv_bar_arrive(" in body) == t.pingpong, tile
     if _cuobjdump() is None:
         pytest.skip("cuobjdump not found (the SASS check needs it; the source count passed)")
     sass = _sass_by_kernel(workdir / f"wg_{name}_{tile}.cubin")

@@ -218,7 +218,8 @@ PREFILL_TC_PATHS = {"cuda_prefill_kernel": "tc"}
 #: fp16 / bf16 shapes reach it only forced).
 PREFILL_KERNEL_PATHS = ({"cuda_prefill_kernel": "tc"}, {"cuda_prefill_kernel": "tc2"}, {"cuda_prefill_kernel": "tc3"},
                         {"cuda_prefill_kernel": "wg"}, {"cuda_prefill_kernel": "wg2"}, {"cuda_prefill_kernel": "wg2o"},
-                        {"cuda_prefill_kernel": "wg2k"}, {"cuda_prefill_kernel": "simt"})
+                        {"cuda_prefill_kernel": "wg2k"}, {"cuda_prefill_kernel": "wg2p"},
+                        {"cuda_prefill_kernel": "simt"})
 
 
 #: Split counts under which the path tests also run the lane-group and the staged MHA decode kernels forced
