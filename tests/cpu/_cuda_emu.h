@@ -3,7 +3,7 @@
 // tests/cpu/test_decode_staged_emulated.py): one std::thread per CUDA thread of a block (3-D blocks and grids), __syncthreads as a block barrier, dynamic shared memory as a static array (the test rewrites the
 // kernel's extern declaration), and the warp-collective pieces (shfl_xor, ldmatrix, mma.sync)
 // as exchanges through per-warp slots between warp barriers, computed from the PTX ISA's definitions;
-// wgmma as a warpgroup collective (below).
+// wgmma as a warpgroup collective (below); named barriers (bar.sync / bar.arrive) by phase counts.
 // cp.async completes at the latest point its wait allows (below).
 #include <barrier>
 #include <chrono>

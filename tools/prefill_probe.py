@@ -1,0 +1,198 @@
+#!/usr/bin/env python3
+"""Time tensor-core prefill tiles alone on the GPU host, and variants of them with one stage left out.
+
+The runtime path (``make bench-gpu``) needs the whole bundle; this probe needs only nvcc and PyTorch there. On the
+build host, ``gen`` writes TVM's CUDA source of the ragged prefill kernel (32 q / 8 kv heads, head dim 128, fp16)
+for each tile, with a C launcher appended; ``TILE@VARIANT[+VARIANT]`` edits the kernel body first, for timing only
+(the outputs are then wrong and not checked):
+
+* ``noexp``: the softmax's ``exp2f`` calls become the identity (what the special-function unit costs);
+* ``noload``: the K / V ``cp.async`` copies do nothing (what the copies cost);
+* ``nosync``: the kernel's ``__syncthreads`` are gone (what the block barrier's lockstep costs).
+
+On the GPU host, ``build`` compiles each source into a shared library (sm_90a) and ``run`` times each on causal
+ragged prefills (CUDA events), checks the plain tiles against PyTorch's float32 attention and times PyTorch's
+fp16 SDPA beside them. Profile one tile with ``ncu ... python3 tools/prefill_probe.py run DIR TILE --iters 1``.
+
+    python tools/prefill_probe.py gen .gpu-var/probe wg2 wg2@noexp wg2p tc3      # build host (TVM)
+    python3 tools/prefill_probe.py build .gpu-var/probe                           # GPU host (nvcc)
+    python3 tools/prefill_probe.py run .gpu-var/probe wg2,wg2@noexp,wg2p,tc3      # GPU host (PyTorch)
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+HQ, HKV, D = 32, 8, 128
+OP = "attn_prefill_ragged"
+#: Pointer parameters of the kernel by name (the launcher's argument order).
+POINTERS = ("q", "k", "v", "q_indptr", "kv_indptr", "o", "lse")
+EDITS = {"noexp": (("exp2f(", "("),),
+         "noload": (("pagedkv_cp_async16_pf128(", "pk_noop("), ("pagedkv_cp_async16(", "pk_noop(")),
+         "nosync": (("__syncthreads();", ";"),)}
+
+
+def file_stem(tile: str) -> str:
+    return tile.replace("@", "__").replace("+", "-")
+
+
+def _tensor_core_kernel(src: str):
+    """(start, end, threads, name, [(type, name)]) of the tensor-core kernel's definition in a module source."""
+    for m in re.finditer(r'extern "C" __global__ void __launch_bounds__\((\d+)\) (\w+)\(([^)]*)\) \{\n', src):
+        end = src.index("\n}\n", m.end())
+        if "pagedkv_mma_" in src[m.start():end] or "pagedkv_wgmma_" in src[m.start():end]:
+            params = [tuple(p.replace("__restrict__", "").rsplit(None, 1)) for p in m.group(3).split(", ")]
+            return m.start(), end, int(m.group(1)), m.group(2), params
+    raise SystemExit("no tensor-core kernel in the source")
+
+
+def _launcher(name: str, threads: int, smem: int, params) -> str:
+    args = []
+    for ty, pname in params:
+        if ty.endswith("*"):
+            args.append(f"({ty})P[{POINTERS.index(pname.removesuffix('_ptr'))}]")
+        elif pname in ("B", "causal", "n"):
+            args.append(pname)
+        elif re.fullmatch(r"v(_\d+)?", pname):
+            args.append("0")  # element offsets: every view starts at its buffer
+        elif ty == "float":
+            args.append("scale2")  # sm_scale * log2(e), hoisted by TVM
+        else:
+            raise SystemExit(f"unknown kernel parameter {ty} {pname}")
+    return (f'\nextern "C" int pk_launch(void** P, int B, int causal, float scale2, int n, int gx, int gy) {{\n'
+            f"  cudaFuncSetAttribute({name}, cudaFuncAttributeMaxDynamicSharedMemorySize, {max(smem, 1)});\n"
+            f"  {name}<<<dim3(gx, gy), dim3({threads}), {smem}>>>({', '.join(args)});\n"
+            f"  return (int)cudaGetLastError();\n}}\n")
+
+
+def gen(out: Path, tiles: list[str]) -> None:
+    import tvm
+    from tvm.target import Target
+
+    from pagedkv import tir_kernels as tk
+    from pagedkv.tir_kernels.attention_cuda_prefill_tc import TC_TILES
+
+    out.mkdir(parents=True, exist_ok=True)
+    meta = {}
+    for tile in tiles:
+        base, *variants = tile.split("@")
+        cfg = tk.KernelConfig(HQ, HKV, D, D, "float16", paths={"cuda_prefill_kernel": base})
+        target = Target({"kind": "cuda", "arch": "sm_90a" if TC_TILES[base].wgmma else "sm_90"}, host="llvm")
+        func = tk.build_kernels(cfg, target, ops=(OP,))[OP]
+        with target:
+            exe = tvm.compile(tvm.IRModule({f"pagedkv_{OP}": func}), target=target)
+        src = next(s for m in exe.mod.imports for s in [m.inspect_source()] if "__global__" in s)
+        start, end, threads, name, params = _tensor_core_kernel(src)
+        body = src[start:end]
+        for v in "+".join(variants).split("+") if variants else ():
+            for a, b in EDITS[v]:
+                body = body.replace(a, b)
+        t = TC_TILES[base]
+        smem = t.smem_bytes(D, D) if t.stages > 1 else 0
+        src = ("__device__ __forceinline__ void pk_noop(void*, const void*) {}\n" + src[:start] + body + src[end:]
+               + _launcher(name, threads, smem, params))
+        (out / f"{file_stem(tile)}.cu").write_text(src)
+        meta[tile] = {"threads": threads, "smem": smem, "tq": t.rows // (HQ // HKV), "sm_arch": target.arch}
+        print(tile, meta[tile])
+    (out / "meta.json").write_text(json.dumps(meta, indent=1))
+
+
+def build(d: Path, jobs: int) -> None:
+    cmds = [["nvcc", "-O3", "-std=c++17", "-shared", "-Xcompiler", "-fPIC", "-w", "-lineinfo",
+             "-gencode=arch=compute_90a,code=sm_90a", "-o", str(cu.with_suffix(".so")), str(cu)]
+            for cu in sorted(d.glob("*.cu"))]
+    for i in range(0, len(cmds), jobs):
+        procs = [subprocess.Popen(c) for c in cmds[i:i + jobs]]
+        if any(p.wait() for p in procs):
+            raise SystemExit("nvcc failed")
+
+
+def run(d: Path, tiles: list[str], iters: int, shapes: list[tuple[int, int]]) -> int:
+    import ctypes
+    import os
+
+    import torch
+
+    meta = json.loads((d / "meta.json").read_text())
+    torch.manual_seed(int.from_bytes(os.urandom(4), "little"))
+    bad = 0
+
+    def timeit(fn):
+        fn()
+        torch.cuda.synchronize()
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        for _ in range(iters):
+            fn()
+        b.record()
+        torch.cuda.synchronize()
+        return a.elapsed_time(b) / iters
+
+    for nb, sl in shapes:
+        n, sm = nb * sl, 1 / math.sqrt(D)
+        q, k, v = (torch.randn(n, h, D, device="cuda", dtype=torch.float16) for h in (HQ, HKV, HKV))
+        ind = torch.arange(0, n + 1, sl, dtype=torch.int32, device="cuda")
+        flop = 4 * HQ * D * nb * sl * (sl + 1) / 2
+        qb, kb, vb = (x.view(nb, sl, -1, D).transpose(1, 2) for x in (q, k, v))
+        ref = torch.nn.functional.scaled_dot_product_attention(qb.float(), kb.float(), vb.float(), is_causal=True,
+                                                               scale=sm, enable_gqa=True).transpose(1, 2).reshape(n, HQ, D)
+        if iters > 1:
+            t = timeit(lambda: torch.nn.functional.scaled_dot_product_attention(qb, kb, vb, is_causal=True, scale=sm,
+                                                                                enable_gqa=True))
+            print(f"{nb}x{sl} torch-sdpa-f16 {t:.4f} ms {flop / t / 1e9:.0f} TFLOP/s", flush=True)
+        for tile in tiles:
+            lib = ctypes.CDLL(str(d / f"{file_stem(tile)}.so"))
+            o = torch.full_like(q, float("nan"))
+            lse = torch.full((n, HQ), float("nan"), device="cuda")
+            ptrs = (ctypes.c_void_p * len(POINTERS))(*(x.data_ptr() for x in (q, k, v, ind, ind, o, lse)))
+            gx = max(n // meta[tile]["tq"] + nb, 1)
+
+            def launch():
+                rc = lib.pk_launch(ptrs, nb, 1, ctypes.c_float(sm * math.log2(math.e)), n, gx, HKV)
+                if rc:
+                    raise SystemExit(f"{tile}: launch error {rc}")
+
+            launch()
+            torch.cuda.synchronize()
+            rel = ((o.float() - ref).norm() / ref.norm()).item()
+            ok = "@" in tile or rel < 1e-2  # NaN fails the comparison
+            bad += not ok
+            t = timeit(launch) if iters > 1 and ok else float("nan")
+            print(f"{nb}x{sl} {tile} {t:.4f} ms {flop / t / 1e9:.0f} TFLOP/s rel {rel:.2e} "
+                  f"{'ok' if ok else 'WRONG'}", flush=True)
+    return 1 if bad else 0
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    sub = ap.add_subparsers(dest="cmd", required=True)
+    g = sub.add_parser("gen")
+    g.add_argument("out", type=Path)
+    g.add_argument("tiles", nargs="+")
+    b = sub.add_parser("build")
+    b.add_argument("dir", type=Path)
+    b.add_argument("--jobs", type=int, default=16)
+    r = sub.add_parser("run")
+    r.add_argument("dir", type=Path)
+    r.add_argument("tiles", help="comma-separated")
+    r.add_argument("--iters", type=int, default=20)
+    r.add_argument("--shapes", default="1x4096,16x1024,1x16384", help="BxL,... (causal, q len = kv len)")
+    a = ap.parse_args(argv)
+    if a.cmd == "gen":
+        gen(a.out, a.tiles)
+    elif a.cmd == "build":
+        build(a.dir, a.jobs)
+    else:
+        return run(a.dir, a.tiles.split(","), a.iters,
+                   [tuple(int(x) for x in s.split("x")) for s in a.shapes.split(",")])
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
