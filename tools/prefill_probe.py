@@ -104,7 +104,9 @@ def gen(out: Path, tiles: list[str]) -> None:
 
 
 def build(d: Path, jobs: int) -> None:
-    cmds = [["nvcc", "-O3", "-std=c++17", "-shared", "-Xcompiler", "-fPIC", "-w", "-lineinfo",
+    # TVM 0.27's own nvcc flags (tvm.support.nvcc.compile_cuda): fast math, ptxas register-usage level 10.
+    cmds = [["nvcc", "-O3", "-std=c++17", "-shared", "-Xcompiler", "-fPIC", "-w", "-lineinfo", "--use_fast_math",
+             "--expt-relaxed-constexpr", "--ptxas-options=--register-usage-level=10",
              "-gencode=arch=compute_90a,code=sm_90a", "-o", str(cu.with_suffix(".so")), str(cu)]
             for cu in sorted(d.glob("*.cu"))]
     for i in range(0, len(cmds), jobs):
