@@ -51,11 +51,42 @@ class TileMacros(NamedTuple):
     wgg: object
 
 
+def steady_step(cfg, d: int, dv: int, sn: int, m: TileMacros):
+    """The two halves of a steady-state key tile kt, shared by both loops: ``issue(smem, fr, acc, kt)`` starts S
+    of kt and P V of kt - 1 (two wgmma groups); ``finish(scratch, fr, acc, rows, ti, tid, kt, causal,
+    sm_scale)`` waits for S, runs the softmax while P V runs, waits for P V, rescales O and keeps P for the next
+    tile. The ping-pong loop passes its turn between the two."""
+    ns = cfg.stages
+
+    @T.macro
+    def issue(smem, fr, acc, kt):
+        m.wgg.score_issue(acc[0], fr[0], smem, cfg.k_base(T.truncmod(kt, ns), d, dv))
+        m.wgg.pv_issue(acc[2], acc[3], smem, cfg.v_base(T.truncmod(kt - 1, ns), d, dv))
+
+    @T.macro
+    def finish(scratch, fr, acc, rows, ti, tid, kt, causal, sm_scale):
+        T.evaluate(wg_wait1())
+        m.wgg.score_done(acc[0], fr[0])
+        m.softmax(acc[0], acc[1], rows[0], rows[1], acc[2], rows[5], rows[2], rows[3], rows[4], ti, kt,
+                  T.truncmod(tid, 32), causal, sm_scale)
+        # The row sums depend on every exp of the softmax: ptxas keeps them before the wait (else the exps sink
+        # below it and P V runs alone).
+        T.evaluate(store_before_wait(T.address_of(scratch[0]), rows[1][0] + rows[1][1]))
+        T.evaluate(wg_wait0())
+        m.wgg.pv_done(acc[2], acc[3])
+        m.rescale_o(acc[2], rows[5])
+        for e in T.unroll(sn):
+            acc[3][e] = acc[1][e]
+
+    return issue, finish
+
+
 def make_overlap(cfg, d: int, dv: int, sn: int, m: TileMacros):
     """The "wg2o" / "wg2k" loop (three stages, one block barrier a tile): ``overlap(smem, scratch, fr, acc,
     rows, ti, kvb, h, tid, causal, sm_scale)``, ``fr`` = (qf, afr, bfr), ``acc`` = (sacc, pf, oacc, pfo),
     ``rows`` = (m, lsum, lim, mx, st, fac); ``scratch`` a shared word (``store_before_wait``)."""
     tk, ns = cfg.tk, cfg.stages
+    issue, finish = steady_step(cfg, d, dv, sn, m)
 
     @T.macro
     def overlap(smem, scratch, fr, acc, rows, ti, kvb, h, tid, causal, sm_scale):
@@ -69,20 +100,8 @@ def make_overlap(cfg, d: int, dv: int, sn: int, m: TileMacros):
                 acc[3][e] = acc[1][e]
         for kt in T.serial(ti[7] + 1, T.truncdiv(ti[6] + tk - 1, tk)):
             m.next_tile(smem, ti, kvb, h, tid, kt)
-            m.wgg.score_issue(acc[0], fr[0], smem, cfg.k_base(T.truncmod(kt, ns), d, dv))
-            m.wgg.pv_issue(acc[2], acc[3], smem, cfg.v_base(T.truncmod(kt - 1, ns), d, dv))
-            T.evaluate(wg_wait1())
-            m.wgg.score_done(acc[0], fr[0])
-            m.softmax(acc[0], acc[1], rows[0], rows[1], acc[2], rows[5], rows[2], rows[3], rows[4], ti, kt,
-                      T.truncmod(tid, 32), causal, sm_scale)
-            # The row sums depend on every exp of the softmax: ptxas keeps them before the wait (else the exps
-            # sink below it and P V runs alone).
-            T.evaluate(store_before_wait(T.address_of(scratch[0]), rows[1][0] + rows[1][1]))
-            T.evaluate(wg_wait0())
-            m.wgg.pv_done(acc[2], acc[3])
-            m.rescale_o(acc[2], rows[5])
-            for e in T.unroll(sn):
-                acc[3][e] = acc[1][e]
+            issue(smem, fr, acc, kt)
+            finish(scratch, fr, acc, rows, ti, tid, kt, causal, sm_scale)
         for kt in T.serial(T.max(ti[7], T.truncdiv(ti[6] + tk - 1, tk) - 1), T.truncdiv(ti[6] + tk - 1, tk)):
             m.wgg.accumulate(acc[2], acc[3], smem, cfg.v_base(T.truncmod(kt, ns), d, dv))
 
@@ -96,6 +115,8 @@ def make_pingpong(cfg, d: int, dv: int, sn: int, m: TileMacros):
     if ns != 4 or cfg.warps != 8:
         raise NotImplementedError(f"pagedkv.tir_kernels: the ping-pong loop takes 2 warpgroups and 4 stages, "
                                   f"tile {cfg.name!r} has {cfg.warps} warps and {cfg.stages} stages")
+
+    issue, finish = steady_step(cfg, d, dv, sn, m)
 
     def end_of(ti):
         return T.truncdiv(ti[6] + tk - 1, tk)
@@ -143,19 +164,9 @@ def make_pingpong(cfg, d: int, dv: int, sn: int, m: TileMacros):
             landed(ti, tid, kt + 1)
         for kt in T.serial(ti[7] + 1, end_of(ti)):
             top(smem, ti, kvb, h, tid, kt)
-            m.wgg.score_issue(acc[0], fr[0], smem, cfg.k_base(T.truncmod(kt, ns), d, dv))
-            m.wgg.pv_issue(acc[2], acc[3], smem, cfg.v_base(T.truncmod(kt - 1, ns), d, dv))
+            issue(smem, fr, acc, kt)
             pass_turn(ti, tid, kt)
-            T.evaluate(wg_wait1())
-            m.wgg.score_done(acc[0], fr[0])
-            m.softmax(acc[0], acc[1], rows[0], rows[1], acc[2], rows[5], rows[2], rows[3], rows[4], ti, kt,
-                      T.truncmod(tid, 32), causal, sm_scale)
-            T.evaluate(store_before_wait(T.address_of(scratch[0]), rows[1][0] + rows[1][1]))
-            T.evaluate(wg_wait0())
-            m.wgg.pv_done(acc[2], acc[3])
-            m.rescale_o(acc[2], rows[5])
-            for e in T.unroll(sn):
-                acc[3][e] = acc[1][e]
+            finish(scratch, fr, acc, rows, ti, tid, kt, causal, sm_scale)
             landed(ti, tid, kt + 1)
         for kt in T.serial(T.max(ti[7], end_of(ti) - 1), end_of(ti)):
             m.wgg.accumulate(acc[2], acc[3], smem, cfg.v_base(T.truncmod(kt, ns), d, dv))
