@@ -90,13 +90,12 @@ from tvm.script import tirx as T
 from ..kernel_spec import wg_prefill_limits
 from ..ops import shape_values
 from ._common import EMPTY_LSE, LOG2E
-from ._common_cuda import paged_kv_len, shfl_xor
+from ._common_cuda import shfl_xor
 from ._mma_cuda import (
     a_frag,
     aligned16,
     c_frag,
     cp_async16,
-    cp_async_commit,
     cp_async_wait,
     ldmatrix_x4,
     mma_sync,
@@ -122,6 +121,7 @@ from ._prefill_tc_tiles import (
     v_ldsm_index,
     v_store_index,
 )
+from ._prefill_tc_copy import make_kv_copies
 from ._prefill_wg_pipelines import TileMacros, make_overlap, make_pingpong
 from ._variant_cuda import CudaVariant
 from ._wgmma_cuda import core_index, proxy_fence, wg_attention_gemms
@@ -180,24 +180,14 @@ def make_prefill_tc(op: str, spec, paged: bool, tile: str = "tc"):
         """First row of m16 tile ``mt`` of warp ``w``."""
         return (w * MT + mt) * TC_WROWS
 
-    if paged:
-        def kv_len_of(kvb, b):
-            return paged_kv_len(kvb[2], kvb[4], b, kvb[3])
-
-        def kv_elem(kvb, c01, b, key, h, d):
-            pages, page_values, page_indptr, ps = kvb[0], kvb[1], kvb[2], kvb[3]
-            return pages[page_values[page_indptr[b] + T.truncdiv(key, ps)], c01, h, T.truncmod(key, ps), d]
-    else:
-        def kv_len_of(kvb, b):
-            return kvb[2][b + 1] - kvb[2][b]
-
-        def kv_elem(kvb, c01, b, key, h, d):
-            return (kvb[0] if c01 == 0 else kvb[1])[kvb[2][b] + key, h, d]
-
     def store_index(key, dim, c01):
         if WG:
             return core_index(key, dim, D if c01 == 0 else DV)
         return k_store_index(key, dim, D) if c01 == 0 else v_store_index(key, dim, DV)
+
+    copies = make_kv_copies(tk=TK, threads=NT, dims=(D, DV), dtype=dtype, paged=paged, core=WG,
+                            store_index=store_index)
+    issue = copies.issue
 
     def row_ok(r, ti):
         """Row slot ``r`` holds a token of the tile (``ti[3]`` = tokens in the tile)."""
@@ -206,8 +196,9 @@ def make_prefill_tc(op: str, spec, paged: bool, tile: str = "tc"):
     @T.macro
     def locate(ti, q_indptr, kvb, B, vt, causal):
         """Tile info ``ti``: 0 entry b, 1 qlen, 2 qt0 (first token of the tile in the entry), 3 tokens, 4 first
-        token row of q, 5 kvlen, 6 keys any row sees, 7 first key tile. Entry b: the last one whose first
-        virtual tile ``q_indptr[b] // TQ + b`` is <= vt (the SIMT kernel's grid)."""
+        token row of q, 5 kvlen, 6 keys any row sees, 7 first key tile (``copies.prepare`` sets the slots from
+        ``_prefill_tc_copy.TI_KV0`` on). Entry b: the last one whose first virtual tile ``q_indptr[b] // TQ + b``
+        is <= vt (the SIMT kernel's grid)."""
         ti[0] = 0
         ti[1] = B
         while ti[1] - ti[0] > 1:
@@ -222,7 +213,7 @@ def make_prefill_tc(op: str, spec, paged: bool, tile: str = "tc"):
         ti[2] = (T.truncdiv(ti[1] + TQ - 1, TQ) - 1 - ti[2]) * TQ
         ti[3] = T.if_then_else(ti[5] > 0, T.min(TQ, ti[1] - ti[2]), 0)
         ti[4] = q_indptr[ti[0]] + ti[2]
-        ti[5] = T.if_then_else(ti[5] > 0, kv_len_of(kvb, ti[0]), 0)
+        ti[5] = T.if_then_else(ti[5] > 0, copies.kv_len(kvb, ti[0]), 0)
         ti[6] = T.if_then_else(causal > 0, T.max(T.min(ti[5], ti[5] - ti[1] + ti[2] + ti[3]), 0), ti[5])
         ti[7] = var.first_tile(ti[5], ti[1], ti[2], ti[6], TK) if WIN else 0
 
@@ -300,85 +291,10 @@ def make_prefill_tc(op: str, spec, paged: bool, tile: str = "tc"):
         for e in T.unroll(MT * ON):
             oacc[e] = T.float32(0)
 
-    def aligned(kvb):
-        """16-byte global loads are safe: pages always (no element offset, rows of D elements, an allocation's
-        base), ragged k / v when their first elements' addresses are (rows of ``Hkv * D`` elements keep it;
-        the test is on the address, as a view may put its offset in the pointer or in ``elem_offset``)."""
-        if paged:
-            return True
-        return T.And(aligned16(T.address_of(kvb[0][0, 0, 0])) == 1, aligned16(T.address_of(kvb[1][0, 0, 0])) == 1)
-
-    def rows_loader(c01: int, dim: int, vec: bool):
-        """The macro loading tile ``kt`` of K (``c01`` 0, into ``Ks``) or V (1, ``Vs``): row-major, ``dim``
-        elements a key, zeros past the keys any row sees (a masked P = 0 must never meet stale data). ``vec``:
-        16-byte ``cp.async`` chunks (completed by the caller's wait + barrier), else element loads through
-        registers; consecutive threads take consecutive chunks of a row (coalesced), the loop is unrolled so
-        that all of a thread's loads are in flight at once."""
-        width = 8 if vec else 1
-        per_row = dim // width
-        # 16-byte chunks into core matrices (wgmma): consecutive threads take the same chunk of 8 consecutive
-        # keys (one core matrix, 128 contiguous bytes of shared memory), then the next chunk.
-        core = WG and vec
-
-        def at(idx):
-            """(key, first dim) of chunk ``idx`` of the tile."""
-            if core:
-                return (T.truncdiv(idx, 8 * per_row) * 8 + T.truncmod(idx, 8),
-                        T.truncmod(T.truncdiv(idx, 8), per_row) * width)
-            return T.truncdiv(idx, per_row), T.truncmod(idx, per_row) * width
-
-        @T.macro
-        def load_chunk(dst, base, kvb, ti, kt, h, tid, it):
-            if kt * TK + at(it * NT + tid)[0] < ti[6]:
-                if vec:
-                    T.evaluate(cp_async16(
-                        T.address_of(dst[base + store_index(at(it * NT + tid)[0], at(it * NT + tid)[1], c01)]),
-                        T.address_of(kv_elem(kvb, c01, ti[0], kt * TK + at(it * NT + tid)[0], h,
-                                             at(it * NT + tid)[1]))))
-                else:
-                    dst[base + store_index(at(it * NT + tid)[0], at(it * NT + tid)[1], c01)] = \
-                        kv_elem(kvb, c01, ti[0], kt * TK + at(it * NT + tid)[0], h, at(it * NT + tid)[1])
-            else:
-                for e in T.vectorized(width):
-                    dst[base + store_index(at(it * NT + tid)[0], at(it * NT + tid)[1] + e, c01)] = \
-                        T.Cast(dtype, T.float32(0))
-
-        # Element loads: 8 in flight per thread (all of them unrolled would hold 64 registers).
-        outer, inner = (1, TK * per_row // NT) if vec else (TK * per_row // NT // 8, 8)
-
-        @T.macro
-        def load(dst, base, kvb, ti, kt, h, tid):
-            for it0 in T.serial(outer):
-                for it1 in T.unroll(inner):
-                    load_chunk(dst, base, kvb, ti, kt, h, tid, it0 * inner + it1)
-
-        return load
-
-    load_vec, load_elem = (rows_loader(0, D, True), rows_loader(1, DV, True)), (rows_loader(0, D, False),
-                                                                                   rows_loader(1, DV, False))
-
-    @T.macro
-    def issue(dst, base, kvb, ti, kt, h, tid, c01: int):
-        """Start loading tile ``kt`` of K (``c01`` 0) or V (1) into ``dst`` from element ``base`` and commit it
-        as one cp.async group (element loads, for unaligned ragged views, complete at once; the group is
-        then empty)."""
-        if aligned(kvb):
-            load_vec[c01](dst, base, kvb, ti, kt, h, tid)
-        else:
-            load_elem[c01](dst, base, kvb, ti, kt, h, tid)
-        T.evaluate(cp_async_commit())
-
     @T.macro
     def issue_kv(smem, stage, kvb, ti, kt, h, tid):
-        """Two stages: start loading K and V of tile ``kt`` into stage ``stage`` as one cp.async group (both
-        are needed by the same wait: one group is one wait_group 0)."""
-        if aligned(kvb):
-            load_vec[0](smem, cfg.k_base(stage, D, DV), kvb, ti, kt, h, tid)
-            load_vec[1](smem, cfg.v_base(stage, D, DV), kvb, ti, kt, h, tid)
-        else:
-            load_elem[0](smem, cfg.k_base(stage, D, DV), kvb, ti, kt, h, tid)
-            load_elem[1](smem, cfg.v_base(stage, D, DV), kvb, ti, kt, h, tid)
-        T.evaluate(cp_async_commit())
+        """Multi-stage: K and V of tile ``kt`` into stage ``stage``, one cp.async group."""
+        copies.issue_kv(smem, cfg.k_base(stage, D, DV), cfg.v_base(stage, D, DV), kvb, ti, kt, h, tid)
 
     # wgmma (``WG``): S and O += P V on the warpgroup's m64 tile, K / V tiles of D / DV-element rows.
     wgg = wg_attention_gemms(dtype, s_steps=NKS, tk=TK, k_row=D, dv=DV, v_row=DV) if WG else None
@@ -584,7 +500,7 @@ def make_prefill_tc(op: str, spec, paged: bool, tile: str = "tc"):
         for vt in T.thread_binding(T.max(n // TQ + B, 1), thread="blockIdx.x"):
             for h in T.thread_binding(HKV, thread="blockIdx.y"):
                 for tid in T.thread_binding(NT, thread="threadIdx.x"):
-                    ti = T.alloc_buffer((8,), "int32", scope="local")
+                    ti = T.alloc_buffer((copies.ti_slots,), "int32", scope="local")
                     # A fragments: Q in registers (qf), or per k step from shared memory (afr, 32 bits).
                     qf = T.alloc_buffer((1 if QS else NKS * 8,), dtype, scope="local")
                     afr = T.alloc_buffer((MT * 4 if QS else 1,), "uint32", scope="local")
@@ -612,6 +528,7 @@ def make_prefill_tc(op: str, spec, paged: bool, tile: str = "tc"):
                         for e in T.unroll(MT * 4):
                             afr[e] = T.uint32(0)
                     locate(ti, q_indptr, kvb, B, vt, causal)
+                    copies.prepare(ti, kvb, tid)
                     if not QS:
                         load_q(qf, q, ti, h, w, lane)
                     init_rows(lim, m, lsum, oacc, ti, w, lane, causal)

@@ -15,6 +15,7 @@ ragged prefills (CUDA events), checks the plain tiles against PyTorch's float32 
 fp16 SDPA beside them. Profile one tile with ``ncu ... python3 tools/prefill_probe.py run DIR TILE --iters 1``.
 
     python tools/prefill_probe.py gen .gpu-var/probe wg2 wg2@noexp wg2p tc3      # build host (TVM)
+    PYTHONPATH=$OLD/python python tools/prefill_probe.py gen .gpu-var/probe --prefix base- wg2p   # a baseline
     python3 tools/prefill_probe.py build .gpu-var/probe                           # GPU host (nvcc)
     python3 tools/prefill_probe.py run .gpu-var/probe wg2,wg2@noexp,wg2p,tc3      # GPU host (PyTorch)
 """
@@ -71,7 +72,7 @@ def _launcher(name: str, threads: int, smem: int, params) -> str:
             f"  return (int)cudaGetLastError();\n}}\n")
 
 
-def gen(out: Path, tiles: list[str]) -> None:
+def gen(out: Path, tiles: list[str], prefix: str = "") -> None:
     import tvm
     from tvm.target import Target
 
@@ -79,7 +80,7 @@ def gen(out: Path, tiles: list[str]) -> None:
     from pagedkv.tir_kernels.attention_cuda_prefill_tc import TC_TILES
 
     out.mkdir(parents=True, exist_ok=True)
-    meta = {}
+    meta = json.loads((out / "meta.json").read_text()) if (out / "meta.json").exists() else {}
     for tile in tiles:
         base, *variants = tile.split("@")
         cfg = tk.KernelConfig(HQ, HKV, D, D, "float16", paths={"cuda_prefill_kernel": base})
@@ -97,9 +98,9 @@ def gen(out: Path, tiles: list[str]) -> None:
         smem = t.smem_bytes(D, D) if t.stages > 1 else 0
         src = ("__device__ __forceinline__ void pk_noop(void*, const void*) {}\n" + src[:start] + body + src[end:]
                + _launcher(name, threads, smem, params))
-        (out / f"{file_stem(tile)}.cu").write_text(src)
-        meta[tile] = {"threads": threads, "smem": smem, "tq": t.rows // (HQ // HKV), "sm_arch": target.arch}
-        print(tile, meta[tile])
+        (out / f"{file_stem(prefix + tile)}.cu").write_text(src)
+        meta[prefix + tile] = {"threads": threads, "smem": smem, "tq": t.rows // (HQ // HKV), "sm_arch": target.arch}
+        print(prefix + tile, meta[prefix + tile])
     (out / "meta.json").write_text(json.dumps(meta, indent=1))
 
 
@@ -177,6 +178,8 @@ def main(argv=None) -> int:
     g = sub.add_parser("gen")
     g.add_argument("out", type=Path)
     g.add_argument("tiles", nargs="+")
+    g.add_argument("--prefix", default="", help="name the outputs PREFIX + tile (e.g. a baseline built from an "
+                                                 "older checkout with PYTHONPATH=it/python)")
     b = sub.add_parser("build")
     b.add_argument("dir", type=Path)
     b.add_argument("--jobs", type=int, default=16)
@@ -187,7 +190,7 @@ def main(argv=None) -> int:
     r.add_argument("--shapes", default="1x4096,16x1024,1x16384", help="BxL,... (causal, q len = kv len)")
     a = ap.parse_args(argv)
     if a.cmd == "gen":
-        gen(a.out, a.tiles)
+        gen(a.out, a.tiles, a.prefix)
     elif a.cmd == "build":
         build(a.dir, a.jobs)
     else:

@@ -2,15 +2,15 @@
 with g++ against ``_cuda_emu.h`` (one CPU thread per CUDA thread, barriers, ``cp.async`` completing as late
 as its waits allow, and the warp-collective ``shfl_xor`` / ``ldmatrix`` / ``mma.sync`` emulated from the PTX
 ISA's definitions), checked against the float64 reference on ragged and paged batches of odd lengths (tile,
-page and 128-row block edges, entries with no keys or no queries), causal and not, fp16 and bf16, windowed +
-soft-capped, ragged k / v also unaligned (the element-load path). Tiles (``TC_TILES``): "tc2" and "tc3" on
-GQA groups 1, 3, 4, 7, 8 and head dims 64 / 128, "tc" on groups 4, 3 and both dims, the wgmma tiles "wg",
-"wg2", "wg2o", "wg2k" (built for sm_90a; the emulator's wgmma is a warpgroup collective performed at the
-``wait_group`` that completes its group, B read through the descriptor's strides then) on what they serve (head
-dim 128, groups 1, 7, 8), fp16 and bf16, windowed + capped. Fresh random inputs each run (the messages name the
-seed). This checks the kernel's own logic
-(tiles, entry search, masks, online softmax, pipeline order and waits, stores) as TVM lowered it; the GPU
-run (``tests/gpu/test_prefill_tc_gpu.py``) checks the hardware side (real MMA rounding, timing). Skips
+page and 128-row block edges, entries with no keys or no queries; pages of 16, 24, 40 and 5 keys), causal and
+not, fp16 and bf16, windowed + soft-capped, ragged k / v also unaligned (the element-load path). Tiles
+(``TC_TILES``): "tc2" and "tc3" on GQA groups 1, 3, 4, 7, 8 and head dims 64 / 128, "tc" on groups 4, 3 and
+both dims, the wgmma tiles "wg", "wg2", "wg2o", "wg2k", "wg2p" (built for sm_90a; the emulator's wgmma is a
+warpgroup collective performed at the ``wait_group`` that completes its group, B read through the descriptor's
+strides then) on what they serve (head dim 128, groups 1, 7, 8), fp16 and bf16, windowed + capped. Fresh random
+inputs each run (the messages name the seed). This checks the kernel's own logic (tiles, entry search, masks,
+online softmax, pipeline order and waits, K / V copies: full tiles and the last one, stores) as TVM lowered it;
+the GPU run (``tests/gpu/test_prefill_tc_gpu.py``) checks the hardware side (real MMA rounding, timing). Skips
 without g++.
 
 The kernel is the ``apply_rope = 0`` one (the PrimFunc's host code picks it); its launch is the tile's threads
@@ -46,7 +46,7 @@ SM90A = Target({"kind": "cuda", "arch": "sm_90a"}, host="llvm")
 HERE = pathlib.Path(__file__).resolve().parent
 LOG2E = math.log2(math.e)
 #: (queries, keys) per entry: tile edges (64 and 128 rows of a block are 64 / G and 128 / G tokens; key tiles of
-#: 64, pages of 16), more and fewer keys than queries, empty sides.
+#: 64, pages of PAGE_SIZES), more and fewer keys than queries, empty sides.
 ENTRIES = [(1, 1), (17, 17), (65, 65), (70, 130), (20, 6), (5, 0), (0, 3), (64, 64), (150, 150), (33, 200)]
 CONFIGS = {
     "8x2x64-f16": tk.KernelConfig(8, 2, 64, 64, "float16"),
@@ -61,6 +61,10 @@ WG_CONFIGS = {
     "16x2x128-bf16-w40-cap20": tk.KernelConfig(16, 2, 128, 128, "bfloat16", sliding_window=40, logits_soft_cap=20.0),
 }
 ALL_CONFIGS = {**CONFIGS, **WG_CONFIGS}
+#: Page size of each config's paged runs: 16 divides the 64-key tiles, the others do not (24, 40, 5: a chunk's
+#: page offset wraps past the page end, the carry of ``_prefill_tc_copy``'s one-division-a-tile page lookup).
+PAGE_SIZES = {"8x2x64-f16": 16, "6x2x64-bf16-w40-cap20": 24, "4x1x128-f16": 5, "2x2x128-f16": 16,
+              "7x1x128-bf16": 40, "8x1x64-bf16": 16, "16x2x128-bf16-w40-cap20": 24}
 #: (config, tile) pairs run: every config on "tc2" and "tc3" (GQA groups 1, 3, 4, 7, 8; D 64 and 128; fp16 and
 #: bf16; windowed + capped), the first three on "tc".
 CASES = [(name, "tc") for name in list(CONFIGS)[:3]] + [(name, t) for t in ("tc2", "tc3") for name in CONFIGS]
@@ -209,7 +213,7 @@ def _check(name, tile, op, causal, built, misalign):
     rnd = getattr(torch, dt)
     ents = [tuple(torch.randn(r, h, d, generator=gen).to(rnd).double() for r, h in ((nq, hq), (nk, hkv), (nk, hkv)))
             for nq, nk in ENTRIES]
-    n, B, ps = sum(e[0].shape[0] for e in ents), len(ents), 16
+    n, B, ps = sum(e[0].shape[0] for e in ents), len(ents), PAGE_SIZES[name]
     sm_scale = 0.8 / math.sqrt(d)
     q = torch.cat([e[0] for e in ents])
     arrays = {"q": _to_storage(q, dt), "q_indptr": np.cumsum([0] + [e[0].shape[0] for e in ents]).astype(np.int32),

@@ -1,0 +1,210 @@
+"""K / V tile copies of the tensor-core CUDA prefill (``attention_cuda_prefill_tc``): global memory -> a stage
+of shared memory, one ``cp.async`` group per call.
+
+Each thread copies ``NIT`` 16-byte chunks of a K (or V) tile; chunk ``it`` of thread ``tid`` is key
+``key0(tid) + KSTEP it`` of the tile, dims ``dim0(tid) ..`` (``_Chunks``: consecutive threads on consecutive
+chunks of a row, or, for wgmma's core matrices, on the same chunk of 8 consecutive keys). What varies from tile
+to tile is then one term, so the copies of a tile cost a handful of integer instructions a chunk:
+
+* the entry's first K / V row (ragged: ``kv_indptr[b]``; paged: ``page_indptr[b]``) is read once a block into
+  the tile info ``ti[TI_KV0]``, not once a chunk (every barrier's memory clobber made nvcc reload it);
+* paged: key ``kt TK + c`` (``c`` = the chunk's key in the tile) is in page slot ``(kt TK) // ps + c // ps``
+  plus one when the remainders overflow ``ps``: one division a tile (``kt TK`` by ``ps``, a run-time value),
+  the chunks' own quotients and remainders being loop invariants nvcc keeps out of the key loop;
+* a tile whose keys are all below the block's bound (every tile but the last) copies without a per-chunk test;
+  the last one tests each chunk and writes zeros past the keys any row sees (a masked P = 0 must never meet
+  stale data, and a tile past the last one is all zeros, never read).
+
+Ragged k / v views that do not start at a 16-byte aligned address (a block-uniform run-time test) take element
+loads through registers instead, 8 in flight a thread (slower, same results); pages always take the 16-byte path.
+"""
+
+from __future__ import annotations
+
+import operator
+from typing import NamedTuple
+
+from tvm.script import tirx as T
+
+from ._common_cuda import paged_kv_len
+from ._mma_cuda import aligned16, cp_async16, cp_async_commit
+
+#: Slot of the tile info ``ti`` (``attention_cuda_prefill_tc``'s ``locate``) holding the entry's first K / V row
+#: (ragged) or first page slot (paged); paged, the next ones hold the thread's chunk keys' quotients and
+#: remainders by the page size (``KvCopies.ti_slots`` in all).
+TI_KV0 = 8
+
+
+class _Chunks:
+    """Which 16-byte (``width`` 8) or 2-byte (``width`` 1) chunk of a ``tk`` x ``dim`` tile a thread copies:
+    ``at(idx)`` = (key, first dim) of chunk ``idx`` (``idx = it * threads + tid``); ``core``: wgmma's core
+    matrices (consecutive threads on the same chunk of 8 consecutive keys: 128 contiguous bytes of shared
+    memory), else row-major (consecutive threads on consecutive chunks of a key)."""
+
+    def __init__(self, tk: int, dim: int, threads: int, width: int, core: bool):
+        self.per_row, self.width, self.core, self.threads = dim // width, width, core, threads
+        self.count = tk * self.per_row // threads  # chunks a thread
+        # The fast path's premise: chunk it of any thread is chunk 0 of it, KSTEP keys further, same dims.
+        self.kstep = self.at(threads, operator.floordiv, operator.mod)[0]
+        self.uniform = all(self.at(it * threads + t, operator.floordiv, operator.mod)
+                           == (self.at(t, operator.floordiv, operator.mod)[0] + it * self.kstep,
+                               self.at(t, operator.floordiv, operator.mod)[1])
+                           for it in range(self.count) for t in range(threads))
+
+    def at(self, idx, div=T.truncdiv, mod=T.truncmod):
+        if self.core:
+            return div(idx, 8 * self.per_row) * 8 + mod(idx, 8), mod(div(idx, 8), self.per_row) * self.width
+        return div(idx, self.per_row), mod(idx, self.per_row) * self.width
+
+
+class KvCopies(NamedTuple):
+    """The copies of a kernel: ``ti_slots`` (the tile info's size), ``kv_len(kvb, b)`` (keys of entry b),
+    ``prepare(ti, kvb, tid)`` (once a block, entry ``ti[0]`` located: the slots from ``TI_KV0`` on),
+    ``issue(dst, base, kvb, ti, kt, h, tid, c01)`` (tile kt of K (``c01`` 0) or V (1) into ``dst`` from element
+    ``base``, one cp.async group) and ``issue_kv(smem, base_k, base_v, kvb, ti, kt, h, tid)`` (K and V of tile kt
+    into one stage, one group: one ``wait_group 0`` covers both)."""
+
+    ti_slots: int
+    kv_len: object
+    prepare: object
+    issue: object
+    issue_kv: object
+
+
+def make_kv_copies(*, tk: int, threads: int, dims: tuple[int, int], dtype: str, paged: bool, core: bool,
+                   store_index) -> KvCopies:
+    """The copies of K / V tiles of ``tk`` keys by ``threads`` threads; ``dims`` = (qk, v) head dims; ``core``:
+    shared memory in wgmma's core matrices; ``store_index(key, dim, c01)`` = element of (key, dim) in a stage's
+    K (``c01`` 0) or V (1) tile."""
+    chunks = (_Chunks(tk, dims[0], threads, 8, core), _Chunks(tk, dims[1], threads, 8, core))
+    for ch in chunks:
+        if not ch.uniform:
+            raise NotImplementedError(f"pagedkv.tir_kernels: {threads} threads do not split {tk}-key tiles into "
+                                      f"16-byte chunks a fixed key step apart")
+    nit = chunks[0].count
+    if paged:
+        if dims[0] != dims[1]:
+            raise NotImplementedError("pagedkv.tir_kernels: paged K and V tiles have the same head dim")
+        # ti[TI_KV0 + 1 + it], ti[TI_KV0 + 1 + nit + it]: the chunk's key in the tile (c) // ps and % ps
+        ti_slots = TI_KV0 + 1 + 2 * nit
+
+        def kv_len(kvb, b):
+            return paged_kv_len(kvb[2], kvb[4], b, kvb[3])
+
+        @T.macro
+        def prepare(ti, kvb, tid):
+            ti[TI_KV0] = kvb[2][ti[0]]
+            for it in T.unroll(nit):
+                ti[TI_KV0 + 1 + it] = T.truncdiv(chunks[0].at(tid)[0] + it * chunks[0].kstep, kvb[3])
+                ti[TI_KV0 + 1 + nit + it] = T.truncmod(chunks[0].at(tid)[0] + it * chunks[0].kstep, kvb[3])
+
+        def elem(kvb, c01, ti, key, h, d):
+            """Element (``key`` of the entry, head h, dim d) through the page table."""
+            return kvb[0][kvb[1][ti[TI_KV0] + T.truncdiv(key, kvb[3])], c01, h, T.truncmod(key, kvb[3]), d]
+
+        def tile_elem(kvb, c01, ti, kt, it, tid, h):
+            """First element of chunk ``it`` of thread ``tid`` in tile ``kt``: its key ``kt tk + c`` is in page slot
+            ``(kt tk) // ps + c // ps`` (+ 1 when the remainders reach ``ps``); one division a tile."""
+            ps = kvb[3]
+            r = T.truncmod(kt * tk, ps) + ti[TI_KV0 + 1 + nit + it]
+            up = T.if_then_else(r >= ps, 1, 0)
+            return kvb[0][kvb[1][ti[TI_KV0] + T.truncdiv(kt * tk, ps) + ti[TI_KV0 + 1 + it] + up], c01, h,
+                          r - up * ps, chunks[c01].at(tid)[1]]
+    else:
+        ti_slots = TI_KV0 + 1
+
+        def kv_len(kvb, b):
+            return kvb[2][b + 1] - kvb[2][b]
+
+        @T.macro
+        def prepare(ti, kvb, tid):
+            ti[TI_KV0] = kvb[2][ti[0]]
+
+        def elem(kvb, c01, ti, key, h, d):
+            return (kvb[0] if c01 == 0 else kvb[1])[ti[TI_KV0] + key, h, d]
+
+        def tile_elem(kvb, c01, ti, kt, it, tid, h):
+            ch = chunks[c01]
+            return elem(kvb, c01, ti, kt * tk + ch.at(tid)[0] + it * ch.kstep, h, ch.at(tid)[1])
+
+    def aligned(kvb):
+        """16-byte global loads are safe: pages always (no element offset, rows of D elements, an allocation's
+        base), ragged k / v when their first elements' addresses are (rows of ``Hkv * D`` elements keep it;
+        the test is on the address, as a view may put its offset in the pointer or in ``elem_offset``)."""
+        if paged:
+            return True
+        return T.And(aligned16(T.address_of(kvb[0][0, 0, 0])) == 1, aligned16(T.address_of(kvb[1][0, 0, 0])) == 1)
+
+    def vec_loader(c01: int):
+        """16-byte ``cp.async`` copies of tile ``kt`` of K (``c01`` 0) or V (1); completed by the caller's wait
+        (+ barrier). Every chunk of a thread unrolled: all in flight at once."""
+        ch = chunks[c01]
+
+        @T.macro
+        def copy(dst, base, kvb, ti, kt, h, tid, it):
+            T.evaluate(cp_async16(
+                T.address_of(dst[base + store_index(ch.at(tid)[0] + it * ch.kstep, ch.at(tid)[1], c01)]),
+                T.address_of(tile_elem(kvb, c01, ti, kt, it, tid, h))))
+
+        @T.macro
+        def load(dst, base, kvb, ti, kt, h, tid):
+            if (kt + 1) * tk <= ti[6]:
+                for it in T.unroll(ch.count):
+                    copy(dst, base, kvb, ti, kt, h, tid, it)
+            else:
+                for it in T.unroll(ch.count):
+                    if kt * tk + ch.at(tid)[0] + it * ch.kstep < ti[6]:
+                        copy(dst, base, kvb, ti, kt, h, tid, it)
+                    else:
+                        for e in T.vectorized(8):
+                            dst[base + store_index(ch.at(tid)[0] + it * ch.kstep, ch.at(tid)[1] + e, c01)] = \
+                                T.Cast(dtype, T.float32(0))
+
+        return load
+
+    def elem_loader(c01: int, dim: int):
+        """Element loads through registers (ragged views not 16-byte aligned), 8 in flight a thread (all of them
+        unrolled would hold 64 registers), zeros past the keys any row sees."""
+        ch = _Chunks(tk, dim, threads, 1, False)
+
+        @T.macro
+        def load(dst, base, kvb, ti, kt, h, tid):
+            for it0 in T.serial(ch.count // 8):
+                for it1 in T.unroll(8):
+                    if kt * tk + ch.at((it0 * 8 + it1) * threads + tid)[0] < ti[6]:
+                        dst[base + store_index(ch.at((it0 * 8 + it1) * threads + tid)[0],
+                                               ch.at((it0 * 8 + it1) * threads + tid)[1], c01)] = \
+                            elem(kvb, c01, ti, kt * tk + ch.at((it0 * 8 + it1) * threads + tid)[0], h,
+                                 ch.at((it0 * 8 + it1) * threads + tid)[1])
+                    else:
+                        dst[base + store_index(ch.at((it0 * 8 + it1) * threads + tid)[0],
+                                               ch.at((it0 * 8 + it1) * threads + tid)[1], c01)] = \
+                            T.Cast(dtype, T.float32(0))
+
+        return load
+
+    load_vec = (vec_loader(0), vec_loader(1))
+    load_elem = (elem_loader(0, dims[0]), elem_loader(1, dims[1]))
+
+    @T.macro
+    def issue(dst, base, kvb, ti, kt, h, tid, c01: int):
+        if aligned(kvb):
+            load_vec[c01](dst, base, kvb, ti, kt, h, tid)
+        else:
+            load_elem[c01](dst, base, kvb, ti, kt, h, tid)
+        T.evaluate(cp_async_commit())
+
+    @T.macro
+    def issue_kv(smem, base_k, base_v, kvb, ti, kt, h, tid):
+        if aligned(kvb):
+            load_vec[0](smem, base_k, kvb, ti, kt, h, tid)
+            load_vec[1](smem, base_v, kvb, ti, kt, h, tid)
+        else:
+            load_elem[0](smem, base_k, kvb, ti, kt, h, tid)
+            load_elem[1](smem, base_v, kvb, ti, kt, h, tid)
+        T.evaluate(cp_async_commit())
+
+    return KvCopies(ti_slots, kv_len, prepare, issue, issue_kv)
+
+
+__all__ = ["TI_KV0", "KvCopies", "make_kv_copies"]
