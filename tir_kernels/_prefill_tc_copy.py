@@ -8,9 +8,11 @@ to tile is then one term, so the copies of a tile cost a handful of integer inst
 
 * the entry's first K / V row (ragged: ``kv_indptr[b]``; paged: ``page_indptr[b]``) is read once a block into
   the tile info ``ti[TI_KV0]``, not once a chunk (every barrier's memory clobber made nvcc reload it);
-* paged: key ``kt TK + c`` (``c`` = the chunk's key in the tile) is in page slot ``(kt TK) // ps + c // ps``
-  plus one when the remainders overflow ``ps``: one division a tile (``kt TK`` by ``ps``, a run-time value),
-  the chunks' own quotients and remainders being loop invariants nvcc keeps out of the key loop;
+* paged: a cursor (page slot, offset in the page) of the thread's first chunk of the tile takes one division
+  by ``ps`` (a run-time value) a tile; each next chunk, ``KSTEP`` keys on, adds ``KSTEP``'s quotient and
+  remainder (read once a block) and carries one page when the offset reaches ``ps``: no division, two loop
+  invariants in registers (a quotient and remainder per chunk, kept instead, spilled the 128-key tile);
+* K and V chunks at the same keys (same head dims) are copied by one loop: one page lookup serves both;
 * a tile whose keys are all below the block's bound (every tile but the last) copies without a per-chunk test;
   the last one tests each chunk and writes zeros past the keys any row sees (a masked P = 0 must never meet
   stale data, and a tile past the last one is all zeros, never read).
@@ -30,8 +32,8 @@ from ._common_cuda import paged_kv_len
 from ._mma_cuda import aligned16, cp_async16, cp_async_commit
 
 #: Slot of the tile info ``ti`` (``attention_cuda_prefill_tc``'s ``locate``) holding the entry's first K / V row
-#: (ragged) or first page slot (paged); paged, the next ones hold the thread's chunk keys' quotients and
-#: remainders by the page size (``KvCopies.ti_slots`` in all).
+#: (ragged) or first page slot (paged); paged, the next ones hold ``KSTEP // ps``, ``KSTEP % ps`` and the
+#: cursor (``KvCopies.ti_slots`` in all).
 TI_KV0 = 8
 
 
@@ -81,12 +83,10 @@ def make_kv_copies(*, tk: int, threads: int, dims: tuple[int, int], dtype: str, 
         if not ch.uniform:
             raise NotImplementedError(f"pagedkv.tir_kernels: {threads} threads do not split {tk}-key tiles into "
                                       f"16-byte chunks a fixed key step apart")
-    nit = chunks[0].count
     if paged:
         if dims[0] != dims[1]:
             raise NotImplementedError("pagedkv.tir_kernels: paged K and V tiles have the same head dim")
-        # ti[TI_KV0 + 1 + it], ti[TI_KV0 + 1 + nit + it]: the chunk's key in the tile (c) // ps and % ps
-        ti_slots = TI_KV0 + 1 + 2 * nit
+        ti_slots = TI_KV0 + 5
 
         def kv_len(kvb, b):
             return paged_kv_len(kvb[2], kvb[4], b, kvb[3])
@@ -94,24 +94,34 @@ def make_kv_copies(*, tk: int, threads: int, dims: tuple[int, int], dtype: str, 
         @T.macro
         def prepare(ti, kvb, tid):
             ti[TI_KV0] = kvb[2][ti[0]]
-            for it in T.unroll(nit):
-                ti[TI_KV0 + 1 + it] = T.truncdiv(chunks[0].at(tid)[0] + it * chunks[0].kstep, kvb[3])
-                ti[TI_KV0 + 1 + nit + it] = T.truncmod(chunks[0].at(tid)[0] + it * chunks[0].kstep, kvb[3])
+            ti[TI_KV0 + 1] = T.truncdiv(chunks[0].kstep, kvb[3])
+            ti[TI_KV0 + 2] = T.truncmod(chunks[0].kstep, kvb[3])
+
+        @T.macro
+        def cursor(ti, kvb, kt, tid):
+            """Page slot (past the entry's first) and offset of the thread's chunk 0 of tile ``kt``."""
+            ti[TI_KV0 + 3] = T.truncdiv(kt * tk + chunks[0].at(tid)[0], kvb[3])
+            ti[TI_KV0 + 4] = T.truncmod(kt * tk + chunks[0].at(tid)[0], kvb[3])
+
+        @T.macro
+        def advance(ti, kvb):
+            """The cursor ``kstep`` keys on (to the thread's next chunk): no division."""
+            ti[TI_KV0 + 4] = ti[TI_KV0 + 4] + ti[TI_KV0 + 2]
+            ti[TI_KV0 + 3] = ti[TI_KV0 + 3] + ti[TI_KV0 + 1]
+            if ti[TI_KV0 + 4] >= kvb[3]:
+                ti[TI_KV0 + 4] = ti[TI_KV0 + 4] - kvb[3]
+                ti[TI_KV0 + 3] = ti[TI_KV0 + 3] + 1
 
         def elem(kvb, c01, ti, key, h, d):
             """Element (``key`` of the entry, head h, dim d) through the page table."""
             return kvb[0][kvb[1][ti[TI_KV0] + T.truncdiv(key, kvb[3])], c01, h, T.truncmod(key, kvb[3]), d]
 
         def tile_elem(kvb, c01, ti, kt, it, tid, h):
-            """First element of chunk ``it`` of thread ``tid`` in tile ``kt``: its key ``kt tk + c`` is in page slot
-            ``(kt tk) // ps + c // ps`` (+ 1 when the remainders reach ``ps``); one division a tile."""
-            ps = kvb[3]
-            r = T.truncmod(kt * tk, ps) + ti[TI_KV0 + 1 + nit + it]
-            up = T.if_then_else(r >= ps, 1, 0)
-            return kvb[0][kvb[1][ti[TI_KV0] + T.truncdiv(kt * tk, ps) + ti[TI_KV0 + 1 + it] + up], c01, h,
-                          r - up * ps, chunks[c01].at(tid)[1]]
+            """First element of the thread's chunk at the cursor (``cursor`` / ``advance``)."""
+            return kvb[0][kvb[1][ti[TI_KV0] + ti[TI_KV0 + 3]], c01, h, ti[TI_KV0 + 4], chunks[c01].at(tid)[1]]
     else:
         ti_slots = TI_KV0 + 1
+        cursor = advance = None
 
         def kv_len(kvb, b):
             return kvb[2][b + 1] - kvb[2][b]
@@ -135,30 +145,55 @@ def make_kv_copies(*, tk: int, threads: int, dims: tuple[int, int], dtype: str, 
             return True
         return T.And(aligned16(T.address_of(kvb[0][0, 0, 0])) == 1, aligned16(T.address_of(kvb[1][0, 0, 0])) == 1)
 
-    def vec_loader(c01: int):
-        """16-byte ``cp.async`` copies of tile ``kt`` of K (``c01`` 0) or V (1); completed by the caller's wait
-        (+ barrier). Every chunk of a thread unrolled: all in flight at once."""
-        ch = chunks[c01]
+    # K and V chunks of a thread at the same keys (same head dims): one loop copies both.
+    same_keys = all(chunks[0].at(t, operator.floordiv, operator.mod)[0]
+                    == chunks[1].at(t, operator.floordiv, operator.mod)[0] for t in range(threads)) and \
+        chunks[0].kstep == chunks[1].kstep and chunks[0].count == chunks[1].count
+
+    def vec_loader(ops: tuple[int, ...]):
+        """16-byte ``cp.async`` copies of tile ``kt`` of K (``ops`` (0,)), V ((1,)) or both ((0, 1): chunks at the
+        same keys), ``bases`` = their first elements in ``dst``; completed by the caller's wait (+ barrier).
+        Every chunk of a thread unrolled: all in flight at once."""
+        ch = chunks[ops[0]]
 
         @T.macro
-        def copy(dst, base, kvb, ti, kt, h, tid, it):
+        def copy(dst, bases, kvb, ti, kt, h, tid, it):
             T.evaluate(cp_async16(
-                T.address_of(dst[base + store_index(ch.at(tid)[0] + it * ch.kstep, ch.at(tid)[1], c01)]),
-                T.address_of(tile_elem(kvb, c01, ti, kt, it, tid, h))))
+                T.address_of(dst[bases[0] + store_index(ch.at(tid)[0] + it * ch.kstep, ch.at(tid)[1], ops[0])]),
+                T.address_of(tile_elem(kvb, ops[0], ti, kt, it, tid, h))))
+            if len(ops) == 2:
+                T.evaluate(cp_async16(
+                    T.address_of(dst[bases[1] + store_index(ch.at(tid)[0] + it * ch.kstep, chunks[1].at(tid)[1],
+                                                            1)]),
+                    T.address_of(tile_elem(kvb, 1, ti, kt, it, tid, h))))
 
         @T.macro
-        def load(dst, base, kvb, ti, kt, h, tid):
+        def zero(dst, bases, tid, it):
+            for e in T.vectorized(8):
+                dst[bases[0] + store_index(ch.at(tid)[0] + it * ch.kstep, ch.at(tid)[1] + e, ops[0])] = \
+                    T.Cast(dtype, T.float32(0))
+            if len(ops) == 2:
+                for e in T.vectorized(8):
+                    dst[bases[1] + store_index(ch.at(tid)[0] + it * ch.kstep, chunks[1].at(tid)[1] + e, 1)] = \
+                        T.Cast(dtype, T.float32(0))
+
+        @T.macro
+        def load(dst, bases, kvb, ti, kt, h, tid):
+            if paged:
+                cursor(ti, kvb, kt, tid)
             if (kt + 1) * tk <= ti[6]:
                 for it in T.unroll(ch.count):
-                    copy(dst, base, kvb, ti, kt, h, tid, it)
+                    copy(dst, bases, kvb, ti, kt, h, tid, it)
+                    if paged:
+                        advance(ti, kvb)
             else:
                 for it in T.unroll(ch.count):
                     if kt * tk + ch.at(tid)[0] + it * ch.kstep < ti[6]:
-                        copy(dst, base, kvb, ti, kt, h, tid, it)
+                        copy(dst, bases, kvb, ti, kt, h, tid, it)
                     else:
-                        for e in T.vectorized(8):
-                            dst[base + store_index(ch.at(tid)[0] + it * ch.kstep, ch.at(tid)[1] + e, c01)] = \
-                                T.Cast(dtype, T.float32(0))
+                        zero(dst, bases, tid, it)
+                    if paged:
+                        advance(ti, kvb)
 
         return load
 
@@ -183,13 +218,14 @@ def make_kv_copies(*, tk: int, threads: int, dims: tuple[int, int], dtype: str, 
 
         return load
 
-    load_vec = (vec_loader(0), vec_loader(1))
+    load_vec = (vec_loader((0,)), vec_loader((1,)))
+    load_pair = vec_loader((0, 1)) if same_keys else None
     load_elem = (elem_loader(0, dims[0]), elem_loader(1, dims[1]))
 
     @T.macro
     def issue(dst, base, kvb, ti, kt, h, tid, c01: int):
         if aligned(kvb):
-            load_vec[c01](dst, base, kvb, ti, kt, h, tid)
+            load_vec[c01](dst, (base,), kvb, ti, kt, h, tid)
         else:
             load_elem[c01](dst, base, kvb, ti, kt, h, tid)
         T.evaluate(cp_async_commit())
@@ -197,8 +233,11 @@ def make_kv_copies(*, tk: int, threads: int, dims: tuple[int, int], dtype: str, 
     @T.macro
     def issue_kv(smem, base_k, base_v, kvb, ti, kt, h, tid):
         if aligned(kvb):
-            load_vec[0](smem, base_k, kvb, ti, kt, h, tid)
-            load_vec[1](smem, base_v, kvb, ti, kt, h, tid)
+            if same_keys:
+                load_pair(smem, (base_k, base_v), kvb, ti, kt, h, tid)
+            else:
+                load_vec[0](smem, (base_k,), kvb, ti, kt, h, tid)
+                load_vec[1](smem, (base_v,), kvb, ti, kt, h, tid)
         else:
             load_elem[0](smem, base_k, kvb, ti, kt, h, tid)
             load_elem[1](smem, base_v, kvb, ti, kt, h, tid)

@@ -29,9 +29,8 @@ from tvm.script import tirx as T
 
 #: B widths (N) generated: key tiles of 32 / 64 / 128 (S) and value dims 64 / 128 / 256 (O; 256: half of MLA's 512).
 WG_NS = (32, 64, 128, 256)
-#: Sizes (32-bit registers) of the A-operand fences generated: P of 64 / 128 keys (16 / 32 registers); others are
-#: fenced in runs of 8 (``reg_fence``).
-WG_REG_FENCES = (8, 16, 32)
+#: Registers an A-operand fence pins at once (``reg_fence``: a multiple of 8 registers as consecutive runs of 8).
+WG_REG_RUN = 8
 _PTX_TYPE = {"float16": "f16", "bfloat16": "bf16"}
 
 
@@ -48,9 +47,9 @@ def _wgmma_fn(n: int, ptx: str, trans: int) -> str:
     outs = ", ".join(f'"+f"(d[{i}])' for i in range(regs))
     return (
         f"__device__ __forceinline__ void pagedkv_wgmma_n{n}_{ptx}_t{trans}(float* d, const void* a, "
-        f"const void* b, unsigned lbo, unsigned sbo, int scale_d) {{\n"
+        f"const void* b, unsigned off, unsigned lbo, unsigned sbo, int scale_d) {{\n"
         f"  const unsigned* A = reinterpret_cast<const unsigned*>(a);\n"
-        f"  unsigned long long desc = pagedkv_wg_desc(b, lbo, sbo);\n"
+        f"  unsigned long long desc = pagedkv_wg_desc(b, off, lbo, sbo);\n"
         # scale-d is a predicate operand: p = 0 makes D = A B (the first k step), 1 D += A B.
         f'  asm volatile("{{\\n.reg .pred p;\\nsetp.ne.b32 p, %{regs + 5}, 0;\\n"\n'
         f'               "wgmma.mma_async.sync.aligned.m64n{n}k16.f32.{ptx}.{ptx} {{{dl}}}, '
@@ -66,29 +65,28 @@ def _acc_fence_fn(n: int) -> str:
             f'  asm volatile("" : {outs} :: "memory");\n}}\n')
 
 
-def _reg_fence_fn(regs: int) -> str:
-    outs = ", ".join(f'"+r"(r[{i}])' for i in range(regs))
-    return (f"__device__ __forceinline__ void pagedkv_wg_reg_fence_{regs}(void* p) {{\n"
-            f"  unsigned* r = reinterpret_cast<unsigned*>(p);\n"
-            f'  asm volatile("" : {outs} :: "memory");\n}}\n')
-
-
-# Runs of 8 registers (the loop is unrolled: ``runs`` is a constant at every call).
-_REG_RUNS = """__device__ __forceinline__ void pagedkv_wg_reg_fence_runs(void* p, int runs) {
+# One empty asm pinning 8 registers; a fence of 8 k registers is k of them in a row (``runs`` is a constant at
+# every call: the loop unrolls).
+_REG_FENCE = """__device__ __forceinline__ void pagedkv_wg_reg_fence(void* p, int runs) {
+  unsigned* r = reinterpret_cast<unsigned*>(p);
 #pragma unroll
-  for (int i = 0; i < runs; ++i) pagedkv_wg_reg_fence_8(reinterpret_cast<unsigned*>(p) + 8 * i);
+  for (int i = 0; i < runs; ++i, r += 8)
+    asm volatile("" : "+r"(r[0]), "+r"(r[1]), "+r"(r[2]), "+r"(r[3]), "+r"(r[4]), "+r"(r[5]), "+r"(r[6]),
+                 "+r"(r[7]) :: "memory");
 }
 """
 
 _SOURCE = r"""
 #ifndef PAGEDKV_WGMMA_HELPERS
 #define PAGEDKV_WGMMA_HELPERS
-// Shared-memory matrix descriptor, no swizzle, base offset 0 (addresses and strides in 16-byte units).
-__device__ __forceinline__ unsigned long long pagedkv_wg_desc(const void* smem, unsigned lbo, unsigned sbo) {
-  unsigned addr = static_cast<unsigned>(__cvta_generic_to_shared(smem));
-  return static_cast<unsigned long long>((addr >> 4) & 0x3FFFu) |
-         (static_cast<unsigned long long>((lbo >> 4) & 0x3FFFu) << 16) |
-         (static_cast<unsigned long long>((sbo >> 4) & 0x3FFFu) << 32);
+// Shared-memory matrix descriptor of B at byte ``off`` past ``base`` (16-byte aligned), no swizzle, base offset 0
+// (addresses and strides in 16-byte units). Shared addresses stay below 2^18, so the start address fits its 14 bits
+// and adding the offset's units never carries into LBO: the low word is one add a wgmma past the base's (which
+// nvcc computes once for all the wgmma's of a tile).
+__device__ __forceinline__ unsigned long long pagedkv_wg_desc(const void* base, unsigned off, unsigned lbo,
+                                                              unsigned sbo) {
+  unsigned lo = (static_cast<unsigned>(__cvta_generic_to_shared(base)) >> 4) + ((lbo >> 4) << 16) + (off >> 4);
+  return static_cast<unsigned long long>(lo) | (static_cast<unsigned long long>((sbo >> 4) & 0x3FFFu) << 32);
 }
 __device__ __forceinline__ void pagedkv_wg_fence() { asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory"); }
 __device__ __forceinline__ void pagedkv_wg_commit() {
@@ -119,18 +117,21 @@ __device__ __forceinline__ void pagedkv_bar_arrive(int id, int n) {
   asm volatile("bar.arrive %0, %1;\n" :: "r"(id), "r"(n) : "memory");
 }
 """ + "".join(_wgmma_fn(n, p, t) for n in WG_NS for p in _PTX_TYPE.values() for t in (0, 1)) + "".join(
-    _acc_fence_fn(n) for n in WG_NS) + "".join(_reg_fence_fn(r) for r in WG_REG_FENCES) + _REG_RUNS + "#endif\n"
+    _acc_fence_fn(n) for n in WG_NS) + _REG_FENCE + "#endif\n"
 
 
-def wgmma(dtype: str, n: int, trans: int, d, a, b, lbo: int, sbo: int, accumulate: bool = True):
+def wgmma(dtype: str, n: int, trans: int, d, a, b, off: int, lbo: int, sbo: int, accumulate: bool = True):
     """``d[0 .. n/2) += A B`` (``accumulate``; else ``= A B``) for the warpgroup's m64 x n tile, k16: ``d`` and
-    ``a`` addresses of the thread's
-    D (``n / 2`` floats) and A fragment (8 elements of ``dtype``), ``b`` the shared address of B's first core
-    matrix; ``trans`` 0 = K-major B, 1 = MN-major (module docstring); ``lbo`` / ``sbo`` in bytes."""
+    ``a`` addresses of the thread's D (``n / 2`` floats) and A fragment (8 elements of ``dtype``); B's first core
+    matrix ``off`` bytes (a multiple of 16) past shared address ``b`` (16-byte aligned: a tile's base, the same for
+    all the wgmma's of the tile); ``trans`` 0 = K-major B, 1 = MN-major (module docstring); ``lbo`` / ``sbo`` in
+    bytes."""
+    if isinstance(off, int) and off % 16:
+        raise ValueError(f"pagedkv.tir_kernels: wgmma B offset {off} is not a multiple of 16 bytes")
     if dtype not in _PTX_TYPE or n not in WG_NS:
         raise NotImplementedError(f"pagedkv.tir_kernels: wgmma takes float16 / bfloat16 and N in {WG_NS}, got "
                                   f"{dtype}, {n}")
-    return T.cuda.func_call(f"pagedkv_wgmma_n{n}_{_PTX_TYPE[dtype]}_t{trans}", d, a, b, T.uint32(lbo),
+    return T.cuda.func_call(f"pagedkv_wgmma_n{n}_{_PTX_TYPE[dtype]}_t{trans}", d, a, b, T.Cast("uint32", off), T.uint32(lbo),
                             T.uint32(sbo), T.int32(int(accumulate)) if isinstance(accumulate, bool) else T.Cast("int32", accumulate),
                             source_code=_SOURCE)
 
@@ -188,14 +189,10 @@ def acc_fence(n: int, d):
 
 def reg_fence(regs: int, p):
     """As ``acc_fence`` for ``regs`` 32-bit registers at address ``p`` (an A operand: P written by the softmax
-    must be in its registers before the ``wg_fence``). A size not in ``WG_REG_FENCES`` (a multiple of 8) is
-    fenced in runs of 8 registers: one statement, evaluated by the caller with ``T.evaluate``."""
-    if regs in WG_REG_FENCES:
-        return T.cuda.func_call(f"pagedkv_wg_reg_fence_{regs}", p, source_code=_SOURCE)
-    if regs % 8:
-        raise NotImplementedError(f"pagedkv.tir_kernels: reg_fence of {regs} registers (sizes {WG_REG_FENCES} "
-                                  f"or multiples of 8)")
-    return T.cuda.func_call("pagedkv_wg_reg_fence_runs", p, T.int32(regs // 8), source_code=_SOURCE)
+    must be in its registers before the ``wg_fence``), a multiple of ``WG_REG_RUN``."""
+    if regs % WG_REG_RUN:
+        raise NotImplementedError(f"pagedkv.tir_kernels: reg_fence of {regs} registers (a multiple of {WG_REG_RUN})")
+    return T.cuda.func_call("pagedkv_wg_reg_fence", p, T.int32(regs // WG_REG_RUN), source_code=_SOURCE)
 
 
 class WgGemms(NamedTuple):
@@ -229,7 +226,7 @@ def wg_attention_gemms(dtype: str, *, s_steps: int, tk: int, k_row: int, dv: int
         T.evaluate(wg_fence())
         for ks in T.unroll(s_steps):
             T.evaluate(wgmma(dtype, tk, 0, T.address_of(sacc[0]), T.address_of(qf[ks * 8]),
-                             T.address_of(smem[kb + ks * 128]), 128, k_row * 16, accumulate=ks > 0))
+                             T.address_of(smem[kb]), ks * 128 * 2, 128, k_row * 16, accumulate=ks > 0))
         T.evaluate(wg_commit())
 
     @T.macro
@@ -250,7 +247,7 @@ def wg_attention_gemms(dtype: str, *, s_steps: int, tk: int, k_row: int, dv: int
         T.evaluate(wg_fence())
         for kk in T.unroll(tk // 16):
             T.evaluate(wgmma(dtype, dv, 1, T.address_of(oacc[0]), T.address_of(pf[kk * 8]),
-                             T.address_of(smem[vb + kk * 16 * v_row]), v_row * 16, 128))
+                             T.address_of(smem[vb]), kk * 16 * v_row * 2, v_row * 16, 128))
         T.evaluate(wg_commit())
 
     @T.macro
@@ -267,5 +264,5 @@ def wg_attention_gemms(dtype: str, *, s_steps: int, tk: int, k_row: int, dv: int
     return WgGemms(score_issue, score_done, score, pv_issue, pv_done, accumulate)
 
 
-__all__ = ["WG_NS", "WG_REG_FENCES", "WgGemms", "bar_arrive", "bar_sync", "store_before_wait", "wg_attention_gemms", "reg_fence", "acc_fence", "core_index", "proxy_fence", "wg_commit", "wg_fence", "wg_wait0", "wg_wait1",
+__all__ = ["WG_NS", "WG_REG_RUN", "WgGemms", "bar_arrive", "bar_sync", "store_before_wait", "wg_attention_gemms", "reg_fence", "acc_fence", "core_index", "proxy_fence", "wg_commit", "wg_fence", "wg_wait0", "wg_wait1",
            "wgmma"]

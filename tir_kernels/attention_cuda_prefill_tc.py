@@ -382,7 +382,7 @@ def make_prefill_tc(op: str, spec, paged: bool, tile: str = "tc"):
                     lsum[mt * 2 + rr] = lsum[mt * 2 + rr] * st[1]
                     if defer:
                         fac[mt * 2 + rr] = st[1]
-                    else:
+                    elif st[1] != T.float32(1):  # the max moved (else O times 1: skipped, same bits)
                         for dn in T.unroll(NDN):
                             for c in T.unroll(2):
                                 oacc[mt * ON + dn * 4 + rr * 2 + c] = oacc[mt * ON + dn * 4 + rr * 2 + c] * st[1]
@@ -398,12 +398,14 @@ def make_prefill_tc(op: str, spec, paged: bool, tile: str = "tc"):
 
     @T.macro
     def rescale_o(oacc, fac):
-        """O of the lane's rows times their deferred factors (``online_softmax(True)``)."""
+        """O of the lane's rows times their deferred factors (``online_softmax(True)``); a row whose max did not
+        move (factor 1, most rows after the first key tiles) skips its multiplies."""
         for mt in T.unroll(MT):
             for rr in T.unroll(2):
-                for dn in T.unroll(NDN):
-                    for c in T.unroll(2):
-                        oacc[mt * ON + dn * 4 + rr * 2 + c] = oacc[mt * ON + dn * 4 + rr * 2 + c] * fac[mt * 2 + rr]
+                if fac[mt * 2 + rr] != T.float32(1):
+                    for dn in T.unroll(NDN):
+                        for c in T.unroll(2):
+                            oacc[mt * ON + dn * 4 + rr * 2 + c] = oacc[mt * ON + dn * 4 + rr * 2 + c] * fac[mt * 2 + rr]
 
     @T.macro
     def accumulate(oacc, pf, Vs, vb, bfr, lane):

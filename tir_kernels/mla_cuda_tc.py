@@ -55,7 +55,8 @@ from ..kernel_spec import forced as forced_path
 from ..ops import MLA_ATTN_DECODE_PAGED, shape_values
 from ._abi import abi_prim_func
 from ._common import EMPTY_LSE, LOG2E, MASKED
-from ._common_cuda import decode_splits, make_merge_splits, paged_kv_len, shfl_xor, wave_split_count
+from ._common_cuda import decode_splits, shfl_xor
+from ._mla_frame_cuda import make_split_frame
 from ._mma_cuda import a_frag, c_frag, cp_async16, cp_async_commit, cp_async_wait, ldmatrix_x4, mma_sync
 from ._prefill_tc_tiles import TC_PAD, k_ldsm_index_nt2, q_ldsm_index, v_ldsm_index
 
@@ -71,12 +72,6 @@ TC_DTYPES = ("float16", "bfloat16")
 #: Largest latent served (the one run): either ring (``TILE_PLANS``) takes 150 KB at 576; 32 rows of Q
 #: fragments a warp group already hold 248 registers there.
 TC_MAX_LATENT = 576
-#: Split policy: one block an SM resident (shared memory), an H200's 132 SMs; splits of >= 256 keys.
-RESIDENT_BLOCKS = 132
-MIN_SPLIT_KEYS = 256
-MAX_SPLITS = 64
-#: Threads a block of the merge kernel.
-MERGE_NT = 128
 #: fp32 row stride of ``St`` (alpha, m, l per row); ``Ss`` (scores) rows are ``keys + 4`` floats.
 STW = 4
 
@@ -365,83 +360,65 @@ def mla_attn_decode_paged_tc(spec):
     H, DV, DL, dtype, rows = bs.heads, bs.dv, bs.latent, bs.dtype, bs.rows
     MT, NG, TK, NS = bs.mtiles, bs.groups, bs.plan.keys, bs.plan.stages
     KPG, NSW, ON, KPT = bs.ksteps, bs.score_ntiles, bs.out_ntiles * 4, bs.softmax_keys
-    splits = decode_splits(spec)
     issue, load_q, score, softmax, accumulate = _make_tile_ops(bs)
     store_lse, store_o = _make_store(bs)
-    merge_splits = make_merge_splits(H, DV, MERGE_NT, dtype)
     NE = smem_bytes(rows, DL) // 2
 
     @T.macro
-    def body(q, pages, page_indptr, page_values, last_page_len, o, lse, sm_scale, max_kv_len, dims):
-        B, _p, ps, nnz = dims
-        S: T.let[T.int32] = wave_split_count(B, nnz, ps, NG, resident_blocks=RESIDENT_BLOCKS,
-                                             min_split_keys=MIN_SPLIT_KEYS, max_splits=MAX_SPLITS, forced=splits,
-                                             max_keys=max_kv_len)
-        ws_o = T.alloc_buffer((T.max(B, 1) * H * S, DV), "float32")
-        ws_l = T.alloc_buffer((T.max(B, 1) * H * S,), "float32")
-        # Head groups innermost (blockIdx.x): the groups of an entry run side by side and share its latent
-        # rows through L2 (one DRAM read instead of one per group at 128 heads).
-        for bx in T.thread_binding(T.max(B, 1), thread="blockIdx.y"):
-            for g in T.thread_binding(NG, thread="blockIdx.x"):
-                for sp in T.thread_binding(S, thread="blockIdx.z"):
-                    for tid in T.thread_binding(NT, thread="threadIdx.x"):
-                        smem = T.alloc_buffer((NE,), dtype, scope="shared.dyn")
-                        Ss = T.alloc_buffer((DG * rows * (TK + 4),), "float32", scope="shared")
-                        St = T.alloc_buffer((rows * STW,), "float32", scope="shared")
-                        qf = T.alloc_buffer((MT * KPG * 8,), dtype, scope="local")
-                        sacc = T.alloc_buffer((MT * NSW * 4,), "float32", scope="local")
-                        oacc = T.alloc_buffer((MT * ON,), "float32", scope="local")
-                        pa = T.alloc_buffer((MT * 4,), "uint32", scope="local")
-                        bfr = T.alloc_buffer((4,), "uint32", scope="local")
-                        rs = T.alloc_buffer((2,), "float32", scope="local")
-                        sv = T.alloc_buffer((KPT + 2,), "float32", scope="local")
-                        w: T.let[T.int32] = T.truncdiv(tid, 32)
-                        lane: T.let[T.int32] = T.truncmod(tid, 32)
-                        # TVM sizes a local array by the elements it sees indexed; ldmatrix reaches these
-                        # through addresses only.
-                        for e in T.unroll(4):
-                            bfr[e] = T.uint32(0)
-                        for e in T.unroll(MT * 4):
-                            pa[e] = T.uint32(0)
-                        for e in T.unroll(MT * ON):
-                            oacc[e] = T.float32(0)
-                        rs[0] = T.float32(EMPTY_LSE)
-                        rs[1] = T.float32(0)
-                        # B == 0: one idle block (no keys). This split's keys [k0, k1), tile-aligned chunks.
-                        kvlen: T.let[T.int32] = T.if_then_else(bx < B, paged_kv_len(page_indptr, last_page_len, bx,
-                                                                                      ps), 0)
-                        chunk: T.let[T.int32] = T.truncdiv(T.truncdiv(kvlen + S - 1, S) + TK - 1, TK) * TK
-                        k0: T.let[T.int32] = T.min(sp * chunk, kvlen)
-                        k1: T.let[T.int32] = T.min(k0 + chunk, kvlen)
-                        pbase: T.let[T.int32] = page_indptr[T.min(bx, T.max(B - 1, 0))]
-                        load_q(qf, q, T.min(bx, T.max(B - 1, 0)), g * rows, w, lane)
-                        # One copy group a tile, empty past the split's keys, so that waiting for all but the
-                        # newest NS - 2 groups always means tile kt.
-                        for s in T.unroll(NS - 1):
-                            if k0 + s * TK < k1:
-                                issue(smem, s, pages, page_values, pbase, ps, k0 + s * TK, k1, tid)
-                            T.evaluate(cp_async_commit())
-                        for kt in T.serial(T.truncdiv(k1 - k0 + TK - 1, TK)):
-                            T.evaluate(cp_async_wait(NS - 2))
-                            # Tile kt visible; every warp done with tile kt - 1's stage, which tile
-                            # kt + NS - 1 takes.
-                            T.tvm_storage_sync("shared")
-                            if k0 + (kt + NS - 1) * TK < k1:
-                                issue(smem, T.truncmod(kt + NS - 1, NS), pages, page_values, pbase, ps,
-                                      k0 + (kt + NS - 1) * TK, k1, tid)
-                            T.evaluate(cp_async_commit())
-                            score(smem, Ss, T.truncmod(kt, NS), qf, sacc, bfr, w, lane)
-                            T.tvm_storage_sync("shared")
-                            softmax(smem, Ss, St, rs, sv, k0 + kt * TK, k1, sm_scale * T.float32(LOG2E), tid)
-                            T.tvm_storage_sync("shared")
-                            accumulate(smem, St, T.truncmod(kt, NS), oacc, pa, bfr, w, lane)
-                        store_lse(St, rs, lse, ws_l, bx, bx < B, g * rows, S, sp, tid)
-                        T.tvm_storage_sync("shared")
-                        if bx < B:
-                            store_o(St, oacc, o, ws_o, bx, g * rows, S, sp, w, lane)
-        if S > 1:
-            merge_splits(o, lse, B, S, ws_o, ws_l)
+    def block(q, pages, page_values, o, lse, ws, sm_scale, ps, at, n, keys):
+        """A block's work (``_mla_frame_cuda.make_split_frame``): keys ``[k0, k1)`` of entry ``bx`` for head
+        group ``g``, as split ``sp`` of ``S``."""
+        bx, g, sp, tid = at
+        B, S = n
+        k0, k1, pbase = keys
+        smem = T.alloc_buffer((NE,), dtype, scope="shared.dyn")
+        Ss = T.alloc_buffer((DG * rows * (TK + 4),), "float32", scope="shared")
+        St = T.alloc_buffer((rows * STW,), "float32", scope="shared")
+        qf = T.alloc_buffer((MT * KPG * 8,), dtype, scope="local")
+        sacc = T.alloc_buffer((MT * NSW * 4,), "float32", scope="local")
+        oacc = T.alloc_buffer((MT * ON,), "float32", scope="local")
+        pa = T.alloc_buffer((MT * 4,), "uint32", scope="local")
+        bfr = T.alloc_buffer((4,), "uint32", scope="local")
+        rs = T.alloc_buffer((2,), "float32", scope="local")
+        sv = T.alloc_buffer((KPT + 2,), "float32", scope="local")
+        w: T.let[T.int32] = T.truncdiv(tid, 32)
+        lane: T.let[T.int32] = T.truncmod(tid, 32)
+        # TVM sizes a local array by the elements it sees indexed; ldmatrix reaches these through addresses only.
+        for e in T.unroll(4):
+            bfr[e] = T.uint32(0)
+        for e in T.unroll(MT * 4):
+            pa[e] = T.uint32(0)
+        for e in T.unroll(MT * ON):
+            oacc[e] = T.float32(0)
+        rs[0] = T.float32(EMPTY_LSE)
+        rs[1] = T.float32(0)
+        load_q(qf, q, T.min(bx, T.max(B - 1, 0)), g * rows, w, lane)
+        # One copy group a tile, empty past the split's keys, so that waiting for all but the newest NS - 2
+        # groups always means tile kt.
+        for s in T.unroll(NS - 1):
+            if k0 + s * TK < k1:
+                issue(smem, s, pages, page_values, pbase, ps, k0 + s * TK, k1, tid)
+            T.evaluate(cp_async_commit())
+        for kt in T.serial(T.truncdiv(k1 - k0 + TK - 1, TK)):
+            T.evaluate(cp_async_wait(NS - 2))
+            # Tile kt visible; every warp done with tile kt - 1's stage, which tile kt + NS - 1 takes.
+            T.tvm_storage_sync("shared")
+            if k0 + (kt + NS - 1) * TK < k1:
+                issue(smem, T.truncmod(kt + NS - 1, NS), pages, page_values, pbase, ps, k0 + (kt + NS - 1) * TK, k1,
+                      tid)
+            T.evaluate(cp_async_commit())
+            score(smem, Ss, T.truncmod(kt, NS), qf, sacc, bfr, w, lane)
+            T.tvm_storage_sync("shared")
+            softmax(smem, Ss, St, rs, sv, k0 + kt * TK, k1, sm_scale * T.float32(LOG2E), tid)
+            T.tvm_storage_sync("shared")
+            accumulate(smem, St, T.truncmod(kt, NS), oacc, pa, bfr, w, lane)
+        store_lse(St, rs, lse, ws[1], bx, bx < B, g * rows, S, sp, tid)
+        T.tvm_storage_sync("shared")
+        if bx < B:
+            store_o(St, oacc, o, ws[0], bx, g * rows, S, sp, w, lane)
 
+    body = make_split_frame(heads=H, dv=DV, groups=NG, threads=NT, tk=TK, dtype=dtype, splits=decode_splits(spec),
+                            block=block)
     return abi_prim_func(MLA_ATTN_DECODE_PAGED, shape_values(spec), dtype, body, scheduled=True,
                          adapter="direct_max_kv_len")
 

@@ -44,10 +44,9 @@ from ..kernel_spec import PATH_ARCHS
 from ..ops import MLA_ATTN_DECODE_PAGED, shape_values
 from ._abi import abi_prim_func
 from ._common import EMPTY_LSE, LOG2E, MASKED
-from ._common_cuda import decode_splits, make_merge_splits, paged_kv_len, shfl_xor, wave_split_count
+from ._common_cuda import decode_splits, shfl_xor
+from ._mla_frame_cuda import make_split_frame
 from ._mma_cuda import a_frag, c_frag, cp_async16, cp_async_commit, cp_async_wait
-# Split policy and merge kernel: mla_cuda_tc's (one block an SM either way).
-from .mla_cuda_tc import MAX_SPLITS, MERGE_NT, MIN_SPLIT_KEYS, RESIDENT_BLOCKS
 from ._wgmma_cuda import WG_NS, core_index, proxy_fence, wg_attention_gemms, wg_wait0
 
 #: The path switch and the value that forces this kernel; the arch its instructions need.
@@ -221,73 +220,58 @@ def mla_attn_decode_paged_wg(spec):
                                   f"serve {'; '.join(reasons)}")
     H, DV, DL, dtype = spec.num_qo_heads, spec.kv_lora_rank, spec.latent_dim, spec.dtype
     NG = (H + ROWS - 1) // ROWS
-    splits = decode_splits(spec)
     issue, load_q, score, softmax, accumulate, finish, SN, ON, NKS = _make_tile_ops(H, DL, DV, dtype)
     store = _make_store(H, DV, dtype)
-    merge_splits = make_merge_splits(H, DV, MERGE_NT, dtype)
 
     @T.macro
-    def body(q, pages, page_indptr, page_values, last_page_len, o, lse, sm_scale, max_kv_len, dims):
-        B, _p, ps, nnz = dims
-        S: T.let[T.int32] = wave_split_count(B, nnz, ps, NG, resident_blocks=RESIDENT_BLOCKS,
-                                             min_split_keys=MIN_SPLIT_KEYS, max_splits=MAX_SPLITS, forced=splits,
-                                             max_keys=max_kv_len)
-        ws_o = T.alloc_buffer((T.max(B, 1) * H * S, DV), "float32")
-        ws_l = T.alloc_buffer((T.max(B, 1) * H * S,), "float32")
-        for bx in T.thread_binding(T.max(B, 1), thread="blockIdx.y"):
-            for g in T.thread_binding(NG, thread="blockIdx.x"):
-                for sp in T.thread_binding(S, thread="blockIdx.z"):
-                    for tid in T.thread_binding(NT, thread="threadIdx.x"):
-                        smem = T.alloc_buffer((smem_bytes(DL) // 2,), dtype, scope="shared.dyn")
-                        Ss = T.alloc_buffer((SN * 2 * 128,), "float32", scope="shared")
-                        qf = T.alloc_buffer((NKS * 8,), dtype, scope="local")
-                        sacc = T.alloc_buffer((SN,), "float32", scope="local")
-                        pf = T.alloc_buffer((SN,), dtype, scope="local")
-                        oacc = T.alloc_buffer((ON,), "float32", scope="local")
-                        m = T.alloc_buffer((2,), "float32", scope="local")
-                        lsum = T.alloc_buffer((2,), "float32", scope="local")
-                        st = T.alloc_buffer((3,), "float32", scope="local")
-                        wg: T.let[T.int32] = T.truncdiv(tid, 128)
-                        w: T.let[T.int32] = T.truncdiv(tid, 32)
-                        lane: T.let[T.int32] = T.truncmod(tid, 32)
-                        for e in T.unroll(ON):
-                            oacc[e] = T.float32(0)
-                        for rr in T.unroll(2):
-                            m[rr] = T.float32(EMPTY_LSE)
-                            lsum[rr] = T.float32(0)
-                        kvlen: T.let[T.int32] = T.if_then_else(bx < B, paged_kv_len(page_indptr, last_page_len, bx,
-                                                                                      ps), 0)
-                        chunk: T.let[T.int32] = T.truncdiv(T.truncdiv(kvlen + S - 1, S) + TK - 1, TK) * TK
-                        k0: T.let[T.int32] = T.min(sp * chunk, kvlen)
-                        k1: T.let[T.int32] = T.min(k0 + chunk, kvlen)
-                        pbase: T.let[T.int32] = page_indptr[T.min(bx, T.max(B - 1, 0))]
-                        load_q(qf, q, T.min(bx, T.max(B - 1, 0)), g * ROWS, wg, w, lane)
-                        # One copy group a tile (empty past the split's keys): waiting for all but the newest
-                        # AHEAD - 1 groups always means tile kt.
-                        for s in T.unroll(AHEAD):
-                            if k0 + s * TK < k1:
-                                issue(smem, s, pages, page_values, pbase, ps, k0 + s * TK, k1, tid)
-                            T.evaluate(cp_async_commit())
-                        for kt in T.serial(T.truncdiv(k1 - k0 + TK - 1, TK)):
-                            T.evaluate(cp_async_wait(AHEAD - 1))
-                            T.evaluate(proxy_fence())  # this thread's copies and zero stores visible to wgmma
-                            # Tile kt visible; every warp done with Ss and, P V of tile kt - 2 waited for, with
-                            # that tile's stage, which tile kt + AHEAD takes.
-                            T.tvm_storage_sync("shared")
-                            if k0 + (kt + AHEAD) * TK < k1:
-                                issue(smem, T.truncmod(kt + AHEAD, NS), pages, page_values, pbase, ps,
-                                      k0 + (kt + AHEAD) * TK, k1, tid)
-                            T.evaluate(cp_async_commit())
-                            score(smem, Ss, T.truncmod(kt, NS) * TK * DL, qf, sacc, oacc, pf, wg,
-                                  T.truncmod(tid, 128))
-                            softmax(sacc, pf, m, lsum, oacc, st, k0 + kt * TK, k1, sm_scale * T.float32(LOG2E),
-                                    lane)
-                            accumulate(smem, T.truncmod(kt, NS) * TK * DL, oacc, pf, wg)
-                        finish(oacc, pf)
-                        store(oacc, m, lsum, o, lse, ws_o, ws_l, bx, bx < B, g * ROWS, S, sp, wg, w, lane)
-        if S > 1:
-            merge_splits(o, lse, B, S, ws_o, ws_l)
+    def block(q, pages, page_values, o, lse, ws, sm_scale, ps, at, n, keys):
+        """A block's work (``_mla_frame_cuda.make_split_frame``): keys ``[k0, k1)`` of entry ``bx`` for head
+        group ``g``, as split ``sp`` of ``S``."""
+        bx, g, sp, tid = at
+        B, S = n
+        k0, k1, pbase = keys
+        smem = T.alloc_buffer((smem_bytes(DL) // 2,), dtype, scope="shared.dyn")
+        Ss = T.alloc_buffer((SN * 2 * 128,), "float32", scope="shared")
+        qf = T.alloc_buffer((NKS * 8,), dtype, scope="local")
+        sacc = T.alloc_buffer((SN,), "float32", scope="local")
+        pf = T.alloc_buffer((SN,), dtype, scope="local")
+        oacc = T.alloc_buffer((ON,), "float32", scope="local")
+        m = T.alloc_buffer((2,), "float32", scope="local")
+        lsum = T.alloc_buffer((2,), "float32", scope="local")
+        st = T.alloc_buffer((3,), "float32", scope="local")
+        wg: T.let[T.int32] = T.truncdiv(tid, 128)
+        w: T.let[T.int32] = T.truncdiv(tid, 32)
+        lane: T.let[T.int32] = T.truncmod(tid, 32)
+        for e in T.unroll(ON):
+            oacc[e] = T.float32(0)
+        for rr in T.unroll(2):
+            m[rr] = T.float32(EMPTY_LSE)
+            lsum[rr] = T.float32(0)
+        load_q(qf, q, T.min(bx, T.max(B - 1, 0)), g * ROWS, wg, w, lane)
+        # One copy group a tile (empty past the split's keys): waiting for all but the newest AHEAD - 1 groups
+        # always means tile kt.
+        for s in T.unroll(AHEAD):
+            if k0 + s * TK < k1:
+                issue(smem, s, pages, page_values, pbase, ps, k0 + s * TK, k1, tid)
+            T.evaluate(cp_async_commit())
+        for kt in T.serial(T.truncdiv(k1 - k0 + TK - 1, TK)):
+            T.evaluate(cp_async_wait(AHEAD - 1))
+            T.evaluate(proxy_fence())  # this thread's copies and zero stores visible to wgmma
+            # Tile kt visible; every warp done with Ss and, P V of tile kt - 2 waited for, with that tile's stage,
+            # which tile kt + AHEAD takes.
+            T.tvm_storage_sync("shared")
+            if k0 + (kt + AHEAD) * TK < k1:
+                issue(smem, T.truncmod(kt + AHEAD, NS), pages, page_values, pbase, ps, k0 + (kt + AHEAD) * TK, k1,
+                      tid)
+            T.evaluate(cp_async_commit())
+            score(smem, Ss, T.truncmod(kt, NS) * TK * DL, qf, sacc, oacc, pf, wg, T.truncmod(tid, 128))
+            softmax(sacc, pf, m, lsum, oacc, st, k0 + kt * TK, k1, sm_scale * T.float32(LOG2E), lane)
+            accumulate(smem, T.truncmod(kt, NS) * TK * DL, oacc, pf, wg)
+        finish(oacc, pf)
+        store(oacc, m, lsum, o, lse, ws[0], ws[1], bx, bx < B, g * ROWS, S, sp, wg, w, lane)
 
+    body = make_split_frame(heads=H, dv=DV, groups=NG, threads=NT, tk=TK, dtype=dtype, splits=decode_splits(spec),
+                            block=block)
     return abi_prim_func(MLA_ATTN_DECODE_PAGED, shape_values(spec), dtype, body, scheduled=True,
                          adapter="direct_max_kv_len")
 

@@ -287,16 +287,14 @@ inline void pagedkv_wg_wait0() { wg_wait(0); }
 inline void pagedkv_wg_wait1() { wg_wait(1); }
 #define PAGEDKV_WGMMA_HELPERS
 #define PAGEDKV_WGMMA_EMU(N, P, BF, TR) \
-  inline void pagedkv_wgmma_n##N##_##P##_t##TR(float* d, const void* a, const void* b, unsigned lbo, unsigned sbo, \
-                                               int scale_d) { wgmma_emu(N, TR, BF, d, a, b, lbo, sbo, scale_d); }
+  inline void pagedkv_wgmma_n##N##_##P##_t##TR(float* d, const void* a, const void* b, unsigned off, unsigned lbo, \
+                                               unsigned sbo, int scale_d) { \
+    wgmma_emu(N, TR, BF, d, a, static_cast<const char*>(b) + off, lbo, sbo, scale_d); }
 #define PAGEDKV_WGMMA_EMU_N(N) \
   PAGEDKV_WGMMA_EMU(N, f16, 0, 0) PAGEDKV_WGMMA_EMU(N, f16, 0, 1) PAGEDKV_WGMMA_EMU(N, bf16, 1, 0) \
   PAGEDKV_WGMMA_EMU(N, bf16, 1, 1) inline void pagedkv_wg_acc_fence_n##N(float*) {}
 PAGEDKV_WGMMA_EMU_N(32) PAGEDKV_WGMMA_EMU_N(64) PAGEDKV_WGMMA_EMU_N(128) PAGEDKV_WGMMA_EMU_N(256)
-inline void pagedkv_wg_reg_fence_8(void*) {}
-inline void pagedkv_wg_reg_fence_16(void*) {}
-inline void pagedkv_wg_reg_fence_32(void*) {}
-inline void pagedkv_wg_reg_fence_runs(void*, int) {}
+inline void pagedkv_wg_reg_fence(void*, int) {}
 
 // Run `body` (the kernel call) for every block of a grid (gx, gy, gz), the block's bx * by * bz threads (a
 // multiple of 32, at most 1024) as CPU threads in lock step, thread t being threadIdx (t % bx, t / bx % by,
