@@ -1,20 +1,24 @@
 // A CPU stand-in for the CUDA the tensor-core prefill kernel and the staged decode kernel use, so that TVM's
 // generated kernel source runs on the build host (tests/cpu/test_prefill_tc_emulated.py,
-// tests/cpu/test_decode_staged_emulated.py): one std::thread per CUDA thread of a block (3-D blocks and grids), __syncthreads as a block barrier, dynamic shared memory as a static array (the test rewrites the
-// kernel's extern declaration), and the warp-collective pieces (shfl_xor, ldmatrix, mma.sync)
-// as exchanges through per-warp slots between warp barriers, computed from the PTX ISA's definitions;
-// wgmma as a warpgroup collective (below); named barriers (bar.sync / bar.arrive) by phase counts.
-// cp.async completes at the latest point its wait allows (below).
-#include <barrier>
+// tests/cpu/test_decode_staged_emulated.py, tests/cpu/test_mla_tc_emulated.py): one fiber per CUDA thread of a
+// block (3-D blocks and grids; all of a block's fibers on one OS thread, switched only where a thread waits),
+// __syncthreads as a block barrier, dynamic shared memory as a static array (the test rewrites the kernel's extern
+// declaration), and the warp-collective pieces (shfl_xor, ldmatrix, mma.sync) as exchanges through per-warp
+// slots between warp barriers, computed from the PTX ISA's definitions; wgmma as a warpgroup collective (below);
+// named barriers (bar.sync / bar.arrive) by phase counts. cp.async completes at the latest point its wait allows
+// (below). A block whose threads all wait on barriers that can no longer complete (arrivals and waits out of
+// balance) aborts naming them.
+#undef _FORTIFY_SOURCE  // _longjmp between fiber stacks (glibc's checked longjmp refuses other stacks)
 #include <chrono>
+#include <csetjmp>
 #include <cmath>
-#include <condition_variable>
 #include <cstdint>
 #include <cstdlib>
 #include <cstring>
 #include <cstdio>
-#include <mutex>
-#include <thread>
+#include <functional>
+#include <ucontext.h>
+#include <utility>
 #include <vector>
 
 #define __global__
@@ -69,17 +73,61 @@ inline int max(int a, int b) { return a > b ? a : b; }
 inline int min(int a, int b) { return a < b ? a : b; }
 
 struct Dim3 { int x, y, z; };
-thread_local Dim3 threadIdx, blockIdx;
-// Linear thread id in the block (x fastest, then y, z: how CUDA forms warps).
-thread_local int t_linear;
 // Threads of a block: the kernel's __launch_bounds__ (the test defines it before including this file).
 #ifndef PAGEDKV_EMU_THREADS
 #define PAGEDKV_EMU_THREADS 128
 #endif
 constexpr int kThreads = PAGEDKV_EMU_THREADS, kMaxWarps = 32;
-static std::barrier<>* g_block_barrier;
+constexpr int kMaxWgOps = 32;  // wgmma's in flight a thread (MLA: 18 for S at latent 576)
+struct CpAsync { void* dst; const void* src; };
+
+// A CUDA thread: its context, stack and per-thread state (what thread_local held with one OS thread each).
+struct Fiber {
+  jmp_buf jb;
+  ucontext_t uc;
+  std::vector<char> stack;
+  Dim3 tidx;
+  int linear = 0;
+  bool started = false, done = false;
+  std::vector<std::vector<CpAsync>> groups = std::vector<std::vector<CpAsync>>(1);  // cp.async groups
+  int wg_ops = 0, wg_ends[kMaxWgOps] = {}, wg_groups = 0;  // wgmma's in flight, commit marks
+};
+static Fiber* g_cur;           // the fiber running
+static jmp_buf g_sched;        // the scheduler (launch3)
+static long g_moves;           // arrivals, passed waits and finished fibers: progress, for deadlock detection
+static const char* g_wait_what = "";  // what the fibers last blocked on (the deadlock message)
+static Dim3 blockIdx;
+#define threadIdx (g_cur->tidx)
+// Linear thread id in the block (x fastest, then y, z: how CUDA forms warps).
+#define t_linear (g_cur->linear)
+#define t_groups (g_cur->groups)
+#define t_wg_ops (g_cur->wg_ops)
+#define t_wg_ends (g_cur->wg_ends)
+#define t_wg_groups (g_cur->wg_groups)
+inline void emu_yield() {
+  if (!_setjmp(g_cur->jb)) _longjmp(g_sched, 1);
+}
+template <class P>
+inline void emu_wait(P done, const char* what) {
+  while (!done()) { g_wait_what = what; emu_yield(); }
+  ++g_moves;
+}
+// A barrier of n fibers (the interface of std::barrier's arrive_and_wait).
+struct FBar {
+  int n, count = 0;
+  long phase = 0;
+  const char* what;
+  FBar(int n, const char* what) : n(n), what(what) {}
+  void arrive_and_wait() {
+    long ph = phase;
+    ++g_moves;
+    if (++count == n) { count = 0; ++phase; return; }
+    emu_wait([&] { return phase != ph; }, what);
+  }
+};
+static FBar* g_block_barrier;
 struct WarpSlots {
-  std::barrier<>* bar;
+  FBar* bar;
   float f[32];
   uint a[32][4], b[32][2];
   const void* p[32];
@@ -92,27 +140,22 @@ inline void __syncthreads() { g_block_barrier->arrive_and_wait(); }
 inline void __syncwarp(unsigned = 0xFFFFFFFFu) { warp_sync(); }
 
 // Named barriers (bar.sync / bar.arrive id, n; ids 1..15, id 0 is __syncthreads): a phase completes when n
-// threads have arrived, counting those that wait (bar.sync) and those that only arrive (bar.arrive). A wait
-// that outlasts 120 s (a count that never fills: arrivals and waits out of balance) aborts; a block that ends
-// with a barrier partly arrived aborts too (launch3).
-struct NamedBar { std::mutex mu; std::condition_variable cv; int count = 0; long phase = 0; };
+// threads have arrived, counting those that wait (bar.sync) and those that only arrive (bar.arrive). A block that
+// ends with a barrier partly arrived aborts (launch3), as does one whose waits can no longer complete.
+struct NamedBar { int count = 0; long phase = 0; };
 static NamedBar g_named[16];
 inline long named_arrive(int id, int n) {
   NamedBar& b = g_named[id];
-  std::unique_lock<std::mutex> lk(b.mu);
   long ph = b.phase;
-  if (++b.count == n) { b.count = 0; ++b.phase; b.cv.notify_all(); }
+  ++g_moves;
+  if (++b.count == n) { b.count = 0; ++b.phase; }
   return ph;
 }
 inline void pagedkv_bar_arrive(int id, int n) { named_arrive(id, n); }
 inline void pagedkv_bar_sync(int id, int n) {
   long ph = named_arrive(id, n);
   NamedBar& b = g_named[id];
-  std::unique_lock<std::mutex> lk(b.mu);
-  if (!b.cv.wait_for(lk, std::chrono::seconds(120), [&] { return b.phase != ph; })) {
-    std::fprintf(stderr, "named barrier %d (count %d of %d) never completed\n", id, b.count, n);
-    std::abort();
-  }
+  emu_wait([&] { return b.phase != ph; }, "a named barrier (bar.sync)");
 }
 
 inline float __shfl_xor_sync(uint, float v, int mask, int) {
@@ -142,22 +185,19 @@ inline void mma_emu(float* d, const void* a, const void* b) {
   std::memcpy(w.a[l], a, 16);
   std::memcpy(w.b[l], b, 8);
   warp_sync();
-  float A[16][16], B[16][8];
-  for (int t = 0; t < 32; ++t) {
-    int g = t / 4, q = t % 4;
-    for (int i = 0; i < 8; ++i) {
-      int row = (i == 0 || i == 1 || i == 4 || i == 5) ? g : g + 8;
-      A[row][2 * q + (i & 1) + (i >= 4 ? 8 : 0)] = half_of<T16>(w.a[t][i / 2], i & 1);
-    }
-    for (int i = 0; i < 4; ++i) B[2 * q + (i & 1) + (i >= 2 ? 8 : 0)][g] = half_of<T16>(w.b[t][i / 2], i & 1);
-  }
-  warp_sync();
+  // The lane's outputs straight from the fragments: A (row, k) is element (k & 1) + 2 (row >= 8) + 4 (k >= 8) of
+  // lane 4 (row % 8) + (k % 8) / 2; B (k, n) element (k & 1) + 2 (k >= 8) of lane 4 n + (k % 8) / 2.
   for (int i = 0; i < 4; ++i) {
     int row = l / 4 + (i >= 2 ? 8 : 0), col = 2 * (l % 4) + (i & 1);
     float acc = 0.f;
-    for (int k = 0; k < 16; ++k) acc += A[row][k] * B[k][col];
+    for (int k = 0; k < 16; ++k) {
+      int ia = (k & 1) + (row >= 8 ? 2 : 0) + (k >= 8 ? 4 : 0), ib = (k & 1) + (k >= 8 ? 2 : 0);
+      acc += half_of<T16>(w.a[4 * (row % 8) + (k % 8) / 2][ia / 2], ia & 1) *
+             half_of<T16>(w.b[4 * col + (k % 8) / 2][ib / 2], ib & 1);
+    }
     d[i] += acc;
   }
+  warp_sync();
 }
 
 // ldmatrix.m8n8.x4[.trans].b16: lane 8 i + r addresses row r of matrix i; register i of lane l = elements
@@ -187,8 +227,6 @@ inline void pagedkv_ldsm_x4_trans(void* dst, const void* smem) { ldsm_emu(dst, s
 // cp.async completes as late as the ISA allows: a copy is queued in its thread's open group, commit closes
 // the group, wait_group N performs every group but the newest N (so a wait placed too late, or a buffer
 // read before its wait, reads stale data); copies still queued when a block ends are dropped.
-struct CpAsync { void* dst; const void* src; };
-thread_local std::vector<std::vector<CpAsync>> t_groups(1);
 inline void pagedkv_cp_async16(void* smem, const void* gmem) { t_groups.back().push_back({smem, gmem}); }
 // The L2 prefetch hint changes nothing a thread can observe.
 inline void pagedkv_cp_async16_pf128(void* smem, const void* gmem) { pagedkv_cp_async16(smem, gmem); }
@@ -214,12 +252,11 @@ inline int pagedkv_aligned16(const void* p) { return (reinterpret_cast<uintptr_t
 // pointer, so the start address travels beside it. B element (n, k) (trans 0, K-major) at byte
 // (n%8)*16 + (k%8)*2 + (k/8)*LBO + (n/8)*SBO; (k, n) (trans 1, MN-major) at (k%8)*16 + (n%8)*2 + (n/8)*SBO +
 // (k/8)*LBO. A: warp w's rows 16w.. as mma.m16n8k16's A fragment; D: d[4j + i] = C fragment of columns 8j...
-constexpr int kMaxWgOps = 32;  // wgmma's in flight a thread (MLA: 18 for S at latent 576)
 struct WgOp { float* d[128]; uint a[128][4]; const char* b; uint64_t desc; int n, trans, bf16, scale_d; };
-struct WgSlots { std::barrier<>* bar; WgOp ops[kMaxWgOps]; };
+struct WgSlots { FBar* bar; WgOp ops[kMaxWgOps]; };
 static WgSlots g_wgs[kMaxWarps / 4];
-thread_local int t_wg_ops = 0;  // wgmma's this thread issued and not yet performed
-thread_local int t_wg_ends[kMaxWgOps], t_wg_groups = 0;  // t_wg_ops at each commit not yet waited for
+// t_wg_ops (Fiber::wg_ops): wgmma's this thread issued and not yet performed; t_wg_ends: t_wg_ops at each commit
+// not yet waited for.
 inline WgSlots& my_wg() { return g_wgs[t_linear / 128]; }
 inline uint64_t pagedkv_wg_desc_bits(unsigned lbo, unsigned sbo) {
   return (static_cast<uint64_t>((lbo >> 4) & 0x3FFFu) << 16) | (static_cast<uint64_t>((sbo >> 4) & 0x3FFFu) << 32);
@@ -299,35 +336,106 @@ inline void pagedkv_wg_reg_fence(void*, int) {}
 // Run `body` (the kernel call) for every block of a grid (gx, gy, gz), the block's bx * by * bz threads (a
 // multiple of 32, at most 1024) as CPU threads in lock step, thread t being threadIdx (t % bx, t / bx % by,
 // t / (bx * by)).
+// The body of the fibers of the block running (a fiber starts in fiber_main through makecontext).
+static std::function<void()> g_body;
+static void fiber_main() {
+  g_body();
+  g_cur->done = true;
+  ++g_moves;
+  _longjmp(g_sched, 1);
+}
+constexpr size_t kFiberStack = 256 * 1024;
+
+// Runs the fibers of one block until all are done; each runs until it waits (or ends). The order is random, and
+// in a round a fiber is left waiting with probability 1/4 (a slow thread), so that a missing wait or barrier
+// shows as stale data whatever the order the threads happen to reach it in; a round that moves nothing runs
+// every fiber, and one that still moves nothing is a deadlock.
+// The schedule's seed: $PAGEDKV_EMU_SEED, else the clock (printed at each launch: a failure shows it).
+static uint64_t g_rng = 0;
+inline void emu_seed() {
+  const char* env = std::getenv("PAGEDKV_EMU_SEED");
+  uint64_t seed = env ? std::strtoull(env, nullptr, 10)
+                      : static_cast<uint64_t>(std::chrono::steady_clock::now().time_since_epoch().count());
+  std::fprintf(stderr, "emulator schedule seed %llu (PAGEDKV_EMU_SEED)\n", static_cast<unsigned long long>(seed));
+  g_rng = seed * 0x9E3779B97F4A7C15ull | 1;
+}
+inline uint32_t emu_rand() {
+  g_rng ^= g_rng << 13;
+  g_rng ^= g_rng >> 7;
+  g_rng ^= g_rng << 17;
+  return static_cast<uint32_t>(g_rng >> 11);
+}
+inline void run_block(std::vector<Fiber>& fibers) {
+  const int n = static_cast<int>(fibers.size());
+  std::vector<int> order(n);
+  for (int i = 0; i < n; ++i) order[i] = i;
+  int live = n;
+  bool stalled = false;
+  while (live > 0) {
+    long before = g_moves;
+    for (int i = n - 1; i > 0; --i) std::swap(order[i], order[emu_rand() % (i + 1)]);
+    for (int i : order) {
+      Fiber& f = fibers[i];
+      if (f.done || (!stalled && emu_rand() % 4 == 0)) continue;
+      g_cur = &f;
+      if (!_setjmp(g_sched)) {
+        if (!f.started) { f.started = true; setcontext(&f.uc); }
+        _longjmp(f.jb, 1);
+      }
+      if (f.done) --live;
+    }
+    if (live > 0 && g_moves == before) {
+      if (stalled) {
+        std::fprintf(stderr, "deadlock: every live thread waits on %s that cannot complete\n", g_wait_what);
+        std::abort();
+      }
+      stalled = true;
+    } else {
+      stalled = false;
+    }
+  }
+}
+
+// Blocks of bx x by x bz threads (a multiple of 32, at most 1024), one after another, each thread a fiber: thread
+// t is threadIdx (t % bx, t / bx % by, t / (bx * by)).
 template <class F>
 void launch3(int grid_x, int grid_y, int grid_z, int bx, int by, int bz, F body) {
   const int nthreads = bx * by * bz, nwarps = nthreads / 32;
-  std::barrier<> block_bar(nthreads);
-  for (int w = 0; w < nwarps; ++w) g_warps[w].bar = new std::barrier<>(32);
-  for (int g = 0; g < nthreads / 128; ++g) g_wgs[g].bar = new std::barrier<>(128);
+  FBar block_bar(nthreads, "__syncthreads");
+  for (int w = 0; w < nwarps; ++w) g_warps[w].bar = new FBar(32, "a warp collective");
+  for (int g = 0; g < nthreads / 128; ++g) g_wgs[g].bar = new FBar(128, "a warpgroup collective (wgmma wait)");
   g_block_barrier = &block_bar;
-  std::vector<std::thread> threads;
+  g_body = body;
+  emu_seed();
+  std::vector<Fiber> fibers(nthreads);
   for (int t = 0; t < nthreads; ++t) {
-    threads.emplace_back([=, &block_bar]() {
-      t_linear = t;
-      threadIdx = Dim3{t % bx, t / bx % by, t / (bx * by)};
-      for (int bz = 0; bz < grid_z; ++bz) {
-        for (int byi = 0; byi < grid_y; ++byi) {
-          for (int bxi = 0; bxi < grid_x; ++bxi) {
-            blockIdx = Dim3{bxi, byi, bz};
-            body();
-            t_groups.assign(1, {});
-            block_bar.arrive_and_wait();  // the block's statics (shared memory) are reused by the next one
-            if (t == 0)  // every thread of the block is past its body: no named barrier may be partly arrived
-              for (int id = 1; id < 16; ++id)
-                if (g_named[id].count) { std::fprintf(stderr, "named barrier %d left with %d arrivals\n", id, g_named[id].count); std::abort(); }
-            block_bar.arrive_and_wait();
-          }
-        }
-      }
-    });
+    fibers[t].stack.resize(kFiberStack);
+    fibers[t].linear = t;
+    fibers[t].tidx = Dim3{t % bx, t / bx % by, t / (bx * by)};
   }
-  for (auto& th : threads) th.join();
+  for (int bzi = 0; bzi < grid_z; ++bzi) {
+    for (int byi = 0; byi < grid_y; ++byi) {
+      for (int bxi = 0; bxi < grid_x; ++bxi) {
+        blockIdx = Dim3{bxi, byi, bzi};
+        for (Fiber& f : fibers) {  // copies still queued when a block ends are dropped
+          f.started = f.done = false;
+          f.groups.assign(1, {});
+          f.wg_ops = f.wg_groups = 0;
+          getcontext(&f.uc);
+          f.uc.uc_stack.ss_sp = f.stack.data();
+          f.uc.uc_stack.ss_size = f.stack.size();
+          f.uc.uc_link = nullptr;
+          makecontext(&f.uc, fiber_main, 0);
+        }
+        run_block(fibers);
+        for (int id = 1; id < 16; ++id)  // every thread is past its body: no named barrier may be partly arrived
+          if (g_named[id].count) {
+            std::fprintf(stderr, "named barrier %d left with %d arrivals\n", id, g_named[id].count);
+            std::abort();
+          }
+      }
+    }
+  }
   for (int w = 0; w < nwarps; ++w) delete g_warps[w].bar;
   for (int g = 0; g < nthreads / 128; ++g) delete g_wgs[g].bar;
 }

@@ -1,11 +1,10 @@
 """The CPU emulation harness of the CUDA decode kernels (``test_decode_staged_emulated.py``,
 ``test_decode_tc_emulated.py``): TVM's generated CUDA of ``attn_decode_paged`` compiled with g++ against
-``_cuda_emu.h`` (one CPU thread per CUDA thread, barriers, warp shuffles, ``cp.async`` / ``ldmatrix`` /
-``mma.sync``), launched in the order and with the arguments and grids of TVM's own host code (its lowered
-PrimFunc, evaluated here for the batch), so the split kernel and the merge kernel run as on a GPU; inputs
-(random, NaN-poisoned pages past each entry's keys and unused pages) and the check against the float64
-reference (``pagedkv.testing.reference``).
-"""
+``_cuda_emu.h`` (one fiber per CUDA thread, run in a random order between waits; barriers, warp shuffles,
+``cp.async`` / ``ldmatrix`` / ``mma.sync``), launched in the order and with the arguments and grids of TVM's own
+host code (its lowered PrimFunc, evaluated here for the batch), so the split kernel and the merge kernel run as on a
+GPU; inputs (random, NaN-poisoned pages past each entry's keys and unused pages) and the check against the float64
+reference (``pagedkv.testing.reference``)."""
 
 from __future__ import annotations
 

@@ -1,16 +1,17 @@
 """The tensor-core MLA decodes (``tir_kernels/mla_cuda_tc.py``, ``cuda_mla_decode_kernel=tc``, and the wgmma one,
-``mla_cuda_wg.py``, ``=wg``, built for sm_90a: ``WG_CONFIGS``) run on the CPU (no GPU): TVM's generated CUDA of ``mla_attn_decode_paged``, compiled with g++ against ``_cuda_emu.h`` (one CPU thread
-per CUDA thread; ``mma.sync`` / ``ldmatrix`` / ``cp.async`` emulated from the PTX ISA), launched in the order and
-with the grids of TVM's own host code (``test_decode_staged_emulated``'s helpers), so the split kernel and the
-merge kernel run as on a GPU. Checked against the float64 reference (``pagedkv.testing.reference.attention``
-with one kv head: key = the latent, value = its first ``kv_lora_rank`` elements, which is what
+``mla_cuda_wg.py``, ``=wg``, built for sm_90a: ``WG_CONFIGS``) run on the CPU (no GPU): TVM's generated CUDA of
+``mla_attn_decode_paged``, compiled with g++ against ``_cuda_emu.h`` (one fiber per CUDA thread, run in a random
+order between waits; ``mma.sync`` / ``ldmatrix`` / ``cp.async`` emulated from the PTX ISA), launched in the order
+and with the grids of TVM's own host code (``test_decode_staged_emulated``'s helpers), so the split kernel and the
+merge kernel run as on a GPU. Checked against the float64 reference (``pagedkv.testing.reference.attention`` with
+one kv head: key = the latent, value = its first ``kv_lora_rank`` elements, which is what
 ``pagedkv.testing.reference_mla`` computes per layer).
 
-Cases: 16 heads (one m16 tile), 12 (padding rows) and 40 (two m16 tiles, a second group of 8 heads); a small
-latent (128 + 64: 3 k steps a dim group) and DeepSeek's (512 + 64: 9) at 16 heads, and 128 heads at DeepSeek's
-dims with a short batch; fp16 and bf16; forced splits 1 (direct write), 3 and 8 (workspace + merge, splits past
-an entry's keys); entries of mixed lengths (empty, one key, page and 64-key tile edges, three tiles), pages in
-random order, NaN past every length, NaN-poisoned outputs. Fresh random inputs each run. Skips without g++.
+Cases: 16 heads (one m16 tile), 12 (padding rows) and 40 (two m16 tiles, a second group of 8 heads); a small latent
+(128 + 64: 3 k steps a dim group) and DeepSeek's (512 + 64: 9) at 16 heads, and 128 heads at DeepSeek's dims with a
+short batch; fp16 and bf16; forced splits 1 (direct write), 3 and 8 (workspace + merge, splits past an entry's
+keys); entries of mixed lengths (empty, one key, page and 64-key tile edges, three tiles), pages in random order,
+NaN past every length, NaN-poisoned outputs. Fresh random inputs each run. Skips without g++.
 """
 
 from __future__ import annotations

@@ -1,17 +1,16 @@
-"""The tensor-core prefill's generated CUDA, run on the CPU (no GPU): TVM's source of the kernel, compiled
-with g++ against ``_cuda_emu.h`` (one CPU thread per CUDA thread, barriers, ``cp.async`` completing as late
-as its waits allow, and the warp-collective ``shfl_xor`` / ``ldmatrix`` / ``mma.sync`` emulated from the PTX
-ISA's definitions), checked against the float64 reference on ragged and paged batches of odd lengths (tile,
-page and 128-row block edges, entries with no keys or no queries; pages of 16, 24, 40 and 5 keys), causal and
+"""The tensor-core prefill's generated CUDA, run on the CPU (no GPU): TVM's source of the kernel, compiled with g++
+against ``_cuda_emu.h`` (one fiber per CUDA thread, run in a random order between waits; barriers, ``cp.async``
+completing as late as its waits allow, and the warp-collective ``shfl_xor`` / ``ldmatrix`` / ``mma.sync`` emulated
+from the PTX ISA's definitions), checked against the float64 reference on ragged and paged batches of odd lengths
+(tile, page and 128-row block edges, entries with no keys or no queries; pages of 16, 24, 40 and 5 keys), causal and
 not, fp16 and bf16, windowed + soft-capped, ragged k / v also unaligned (the element-load path). Tiles
-(``TC_TILES``): "tc2" and "tc3" on GQA groups 1, 3, 4, 7, 8 and head dims 64 / 128, "tc" on groups 4, 3 and
-both dims, the wgmma tiles "wg", "wg2", "wg2o", "wg2k", "wg2p" (built for sm_90a; the emulator's wgmma is a
-warpgroup collective performed at the ``wait_group`` that completes its group, B read through the descriptor's
-strides then) on what they serve (head dim 128, groups 1, 7, 8), fp16 and bf16, windowed + capped. Fresh random
-inputs each run (the messages name the seed). This checks the kernel's own logic (tiles, entry search, masks,
-online softmax, pipeline order and waits, K / V copies: full tiles and the last one, stores) as TVM lowered it;
-the GPU run (``tests/gpu/test_prefill_tc_gpu.py``) checks the hardware side (real MMA rounding, timing). Skips
-without g++.
+(``TC_TILES``): "tc2" and "tc3" on GQA groups 1, 3, 4, 7, 8 and head dims 64 / 128, "tc" on groups 4, 3 and both
+dims, the wgmma tiles "wg", "wg2", "wg2o", "wg2k", "wg2p" (built for sm_90a; the emulator's wgmma is a warpgroup
+collective performed at the ``wait_group`` that completes its group, B read through the descriptor's strides then)
+on what they serve (head dim 128, groups 1, 7, 8), fp16 and bf16, windowed + capped. Fresh random inputs each run
+(the messages name the seed). This checks the kernel's own logic (tiles, entry search, masks, online softmax,
+pipeline order and waits, K / V copies: full tiles and the last one, stores) as TVM lowered it; the GPU run
+(``tests/gpu/test_prefill_tc_gpu.py``) checks the hardware side (real MMA rounding, timing). Skips without g++.
 
 The kernel is the ``apply_rope = 0`` one (the PrimFunc's host code picks it); its launch is the tile's threads
 (``__launch_bounds__``) x ``(max(n // TQ + B, 1), Hkv)`` blocks as TVM's host code launches it; the dynamic
