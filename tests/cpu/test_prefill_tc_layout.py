@@ -6,8 +6,9 @@ The kernel (``tir_kernels.attention_cuda_prefill_tc``) builds its operands with 
 files, the model below (written from the PTX ISA's fragment tables, not from those helpers) executes the
 MMAs, a model of ``ldmatrix`` (also from the ISA) loads the B fragments from the kernel's shared-memory
 layout at the addresses the kernel's lanes give, and one warp's S = Q K^T and O = P V must equal plain
-matmuls. Also: the ldmatrix rows are 16-byte aligned and hit 32 distinct banks per 8-lane phase, and the 4
-lanes sharing a row are a quad (``shfl_xor`` 1 and 2 reach all of them).
+matmuls. Also: the ldmatrix rows are 16-byte aligned and hit 32 distinct banks per 8-lane phase, the 4
+lanes sharing a row are a quad (``shfl_xor`` 1 and 2 reach all of them), and the K / V copies' chunks
+(``_prefill_tc_copy``) cover each tile once, a fixed key step apart.
 """
 
 from __future__ import annotations
@@ -234,3 +235,30 @@ def test_q_and_k_nt2_rows_are_aligned_without_bank_conflicts(d):
             lanes = range(8 * phase, 8 * phase + 8)
             assert all(idx(ln) % 8 == 0 for ln in lanes)
             assert len({(idx(ln) // 2 + w) % 32 for ln in lanes for w in range(4)}) == 32
+
+
+@pytest.mark.parametrize("tile", sorted(tc.TC_TILES))
+@pytest.mark.parametrize("d", [64, 128])
+def test_copy_chunks_cover_each_tile_once(tile, d):
+    """``_prefill_tc_copy``'s 16-byte chunks of a K / V tile: every (key, 8-element dim chunk) of the ``tk`` x ``d``
+    tile exactly once over the block's threads, and chunk ``it`` of a thread ``KSTEP it`` keys past its chunk 0
+    at the same dims (the premise of the copy loop that steps one cursor from chunk to chunk); with wgmma's core
+    matrices, 8 consecutive threads fill one core matrix (128 contiguous bytes)."""
+    import operator
+
+    from pagedkv.tir_kernels._prefill_tc_copy import _Chunks
+    from pagedkv.tir_kernels._wgmma_cuda import core_index
+
+    cfg = tc.TC_TILES[tile]
+    ch = _Chunks(cfg.tk, d, cfg.threads, 8, cfg.wgmma)
+    assert ch.uniform and ch.count * cfg.threads * 8 == cfg.tk * d
+    seen = set()
+    for t in range(cfg.threads):
+        key0, dim0 = ch.at(t, operator.floordiv, operator.mod)
+        for it in range(ch.count):
+            seen.add((key0 + it * ch.kstep, dim0))
+    assert seen == {(k, c) for k in range(cfg.tk) for c in range(0, d, 8)}
+    if cfg.wgmma:
+        for t0 in range(0, cfg.threads, 8):
+            starts = [core_index(*ch.at(t, operator.floordiv, operator.mod), d) for t in range(t0, t0 + 8)]
+            assert starts == list(range(starts[0], starts[0] + 64, 8)) and starts[0] % 64 == 0
