@@ -70,8 +70,8 @@ registers (ragged / paged, 32/8/128 fp16), one block an SM; "wg2k" 196,608 bytes
 windowed + capped bf16, no spills). The D 128 numbers are those of the copies of ``_prefill_tc_copy``
 (2026-12-05); the D 64 ones (table and below) are older (``test_prefill_tc_compile.py`` /
 ``test_prefill_wg_compile.py`` hold the spill limits). ptxas moves register-only work below a wgmma wait that
-nothing it depends on needs: "wg2o" / "wg2k" store the row sums (which depend on every exp) to a shared scratch word before the P V wait
-(``store_before_wait``), which keeps the softmax in the overlap window.
+nothing it depends on needs: "wg2o" / "wg2k" store the row sums (which depend on every exp) to a shared scratch
+word before the P V wait (``store_before_wait``), which keeps the softmax in the overlap window.
 (D 64: the 8 / 8 / 64 bf16 spec; the windowed + capped D 64 one takes 162/168 (20 bytes spilled), 156/142 and
 206/203.) Every tile runs 8 warps an SM at D 128. Expected effect, not measured (the GPU run decides):
 
