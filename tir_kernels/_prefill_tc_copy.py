@@ -92,12 +92,6 @@ def make_kv_copies(*, tk: int, threads: int, dims: tuple[int, int], dtype: str, 
             return paged_kv_len(kvb[2], kvb[4], b, kvb[3])
 
         @T.macro
-        def prepare(ti, kvb, tid):
-            ti[TI_KV0] = kvb[2][ti[0]]
-            ti[TI_KV0 + 1] = T.truncdiv(chunks[0].kstep, kvb[3])
-            ti[TI_KV0 + 2] = T.truncmod(chunks[0].kstep, kvb[3])
-
-        @T.macro
         def cursor(ti, kvb, kt, tid):
             """Page slot (past the entry's first) and offset of the thread's chunk 0 of tile ``kt``."""
             ti[TI_KV0 + 3] = T.truncdiv(kt * tk + chunks[0].at(tid)[0], kvb[3])
@@ -126,16 +120,19 @@ def make_kv_copies(*, tk: int, threads: int, dims: tuple[int, int], dtype: str, 
         def kv_len(kvb, b):
             return kvb[2][b + 1] - kvb[2][b]
 
-        @T.macro
-        def prepare(ti, kvb, tid):
-            ti[TI_KV0] = kvb[2][ti[0]]
-
         def elem(kvb, c01, ti, key, h, d):
             return (kvb[0] if c01 == 0 else kvb[1])[ti[TI_KV0] + key, h, d]
 
         def tile_elem(kvb, c01, ti, kt, it, tid, h):
             ch = chunks[c01]
             return elem(kvb, c01, ti, kt * tk + ch.at(tid)[0] + it * ch.kstep, h, ch.at(tid)[1])
+
+    @T.macro
+    def prepare(ti, kvb, tid):
+        ti[TI_KV0] = kvb[2][ti[0]]  # ragged: kv_indptr[b]; paged: page_indptr[b]
+        if paged:  # the cursor's step: KSTEP keys as (page slots, offset)
+            ti[TI_KV0 + 1] = T.truncdiv(chunks[0].kstep, kvb[3])
+            ti[TI_KV0 + 2] = T.truncmod(chunks[0].kstep, kvb[3])
 
     def aligned(kvb):
         """16-byte global loads are safe: pages always (no element offset, rows of D elements, an allocation's
