@@ -218,13 +218,17 @@ def make_tc_parts(hkv: int, g: int, d: int, dtype: str, var, *, warp_ring: bool 
         softmax(sacc, pf, m, lsum, oacc, st, key0, k1, lane, sm_scale)
         accumulate(oacc, pf, bfr, smem, slot, w, lane)
 
+    # The rows' (m, l) words follow the warps' o rows. A Python constant outside the macro: assigned inside it,
+    # it becomes a TIR Bind, and one such Bind per kernel made s_tir.CompactBufferAllocation take ~60 s on a
+    # PrimFunc holding two of these kernels (0.6 s each alone).
+    ML0 = TCD_WARPS * 16 * D
+
     @T.macro
     def store_rows(o, lse, ws_o, ws_l, smem, oacc, m, lsum, st, b, h, sp, S, w, lane, tid):
         """Merge the 4 warps' states of each row through the drained ring (``red_o[w, r, d]`` then
         ``red_ml[w, r, 0 / 1]`` as words; one barrier) and write rows ``h*G + r``: ``o`` / ``lse`` when
         ``S == 1``, else split ``sp``'s normalized partial state. A row that saw no key: ``o = 0``, ``lse =
         -1e30``."""
-        ML0 = TCD_WARPS * 16 * D
         for rr in T.unroll(2):
             lsum[rr] = lsum[rr] + shfl_xor(lsum[rr], 1)
             lsum[rr] = lsum[rr] + shfl_xor(lsum[rr], 2)
