@@ -3,7 +3,8 @@ against ``_cuda_emu.h`` (one fiber per CUDA thread, run in a random order betwee
 completing as late as its waits allow, and the warp-collective ``shfl_xor`` / ``ldmatrix`` / ``mma.sync`` emulated
 from the PTX ISA's definitions), checked against the float64 reference on ragged and paged batches of odd lengths
 (tile, page and 128-row block edges, entries with no keys or no queries; pages of 16, 24, 40 and 5 keys), causal and
-not, fp16 and bf16, windowed + soft-capped, ragged k / v also unaligned (the element-load path). Tiles
+not, fp16 and bf16, windowed + soft-capped, ragged k / v also unaligned (the element-load path), ragged with a value
+head dim other than the qk one (128 / 64, 64 / 128: separate K and V copy loops). Tiles
 (``TC_TILES``): "tc2" and "tc3" on GQA groups 1, 3, 4, 7, 8 and head dims 64 / 128, "tc" on groups 4, 3 and both
 dims, the wgmma tiles "wg", "wg2", "wg2o", "wg2k", "wg2p" (built for sm_90a; the emulator's wgmma is a warpgroup
 collective performed at the ``wait_group`` that completes its group, B read through the descriptor's strides then)
@@ -55,11 +56,18 @@ CONFIGS = {
     "7x1x128-bf16": tk.KernelConfig(7, 1, 128, 128, "bfloat16"),
     "8x1x64-bf16": tk.KernelConfig(8, 1, 64, 64, "bfloat16"),
 }
+#: Ragged-only configs with a value head dim other than the qk one (``attn_prefill_ragged`` alone takes
+#: ``Dv != D``): K and V tiles are copied by separate loops (``_prefill_tc_copy``'s pair loop needs the same dims).
+DV_CONFIGS = {
+    "4x2x128v64-f16": tk.KernelConfig(4, 2, 128, 64, "float16"),
+    "3x1x64v128-bf16-w40-cap20": tk.KernelConfig(3, 1, 64, 128, "bfloat16", sliding_window=40,
+                                                 logits_soft_cap=20.0),
+}
 #: Configs of the "wg" runs only (windowed + capped at D 128, which the tile serves).
 WG_CONFIGS = {
     "16x2x128-bf16-w40-cap20": tk.KernelConfig(16, 2, 128, 128, "bfloat16", sliding_window=40, logits_soft_cap=20.0),
 }
-ALL_CONFIGS = {**CONFIGS, **WG_CONFIGS}
+ALL_CONFIGS = {**CONFIGS, **DV_CONFIGS, **WG_CONFIGS}
 #: Page size of each config's paged runs: 16 divides the 64-key tiles, the others do not (24, 40, 5: a chunk's
 #: page offset wraps past the page end, the carry of ``_prefill_tc_copy``'s one-division-a-tile page lookup).
 PAGE_SIZES = {"8x2x64-f16": 16, "6x2x64-bf16-w40-cap20": 24, "4x1x128-f16": 5, "2x2x128-f16": 16,
@@ -69,6 +77,8 @@ PAGE_SIZES = {"8x2x64-f16": 16, "6x2x64-bf16-w40-cap20": 24, "4x1x128-f16": 5, "
 CASES = [(name, "tc") for name in list(CONFIGS)[:3]] + [(name, t) for t in ("tc2", "tc3") for name in CONFIGS]
 #: The unaligned-view (element-load) runs: two configs on "tc", every one on "tc2" and "tc3".
 UNALIGNED = CASES[:2] + CASES[3:]
+#: The ``Dv != D`` runs (ragged): both configs on every mma.sync tile.
+DV_CASES = [(name, t) for t in ("tc", "tc2", "tc3") for name in DV_CONFIGS]
 #: "wg" runs (config, op, causal), few (each emulates 128 threads for minutes), on what the tile serves
 #: (``kernel_spec.wg_prefill_limits``: D 128): GQA groups 7 (bf16), 1 (fp16), 8 (bf16, windowed + capped);
 #: ragged and paged, causal and not.
@@ -192,6 +202,17 @@ def test_emulated_unaligned_ragged_views(name, tile, built):
     _check(name, tile, "attn_prefill_ragged", 1, built, misalign=True)
 
 
+@pytest.mark.parametrize("causal", [1, 0])
+@pytest.mark.parametrize("name,tile", DV_CASES, ids=[f"{t}-{n}" for n, t in DV_CASES])
+def test_emulated_value_dim_differs(name, tile, causal, built):
+    _check(name, tile, "attn_prefill_ragged", causal, built, misalign=False)
+
+
+@pytest.mark.parametrize("name,tile", DV_CASES, ids=[f"{t}-{n}" for n, t in DV_CASES])
+def test_emulated_value_dim_differs_unaligned(name, tile, built):
+    _check(name, tile, "attn_prefill_ragged", 1, built, misalign=True)
+
+
 @pytest.mark.parametrize("tile,name,op,causal", WG_TILE_RUNS,
                          ids=[f"{t}-{n}-{o.removeprefix('attn_prefill_')}-{c}" for t, n, o, c in WG_TILE_RUNS])
 def test_emulated_wg_kernel_matches_reference(tile, name, op, causal, built):
@@ -207,16 +228,17 @@ def _check(name, tile, op, causal, built, misalign):
     cfg = ALL_CONFIGS[name]
     lib, params = built(name, tile, op)
     hq, hkv, d, dt = cfg.num_qo_heads, cfg.num_kv_heads, cfg.head_dim, cfg.dtype
+    dv = cfg.v_head_dim or d
     seed = int(torch.randint(0, 2**31 - 1, (1,)))  # fresh inputs each run; the failure messages name the seed
     gen = torch.Generator().manual_seed(seed)
     rnd = getattr(torch, dt)
-    ents = [tuple(torch.randn(r, h, d, generator=gen).to(rnd).double() for r, h in ((nq, hq), (nk, hkv), (nk, hkv)))
-            for nq, nk in ENTRIES]
-    n, B, ps = sum(e[0].shape[0] for e in ents), len(ents), PAGE_SIZES[name]
+    ents = [tuple(torch.randn(r, h, dim, generator=gen).to(rnd).double()
+                  for r, h, dim in ((nq, hq, d), (nk, hkv, d), (nk, hkv, dv))) for nq, nk in ENTRIES]
+    n, B, ps = sum(e[0].shape[0] for e in ents), len(ents), PAGE_SIZES.get(name, 0)  # ragged-only configs: no pages
     sm_scale = 0.8 / math.sqrt(d)
     q = torch.cat([e[0] for e in ents])
     arrays = {"q": _to_storage(q, dt), "q_indptr": np.cumsum([0] + [e[0].shape[0] for e in ents]).astype(np.int32),
-              "o": np.full((n, hq, d), np.nan, np.float16) if dt == "float16" else np.full((n, hq, d), -1, np.int16),
+              "o": np.full((n, hq, dv), np.nan, np.float16) if dt == "float16" else np.full((n, hq, dv), -1, np.int16),
               "lse": np.full((n, hq), np.nan, np.float32)}
     if op == "attn_prefill_ragged":
         arrays["k"] = _to_storage(torch.cat([e[1] for e in ents]), dt)
