@@ -44,7 +44,8 @@ from ._common_cuda import paged_kv_len, shfl_xor
 # The limits are data in the TVM-free kernel spec (a runtime-only process reports them too).
 from ..kernel_spec import TCD_DTYPES, TCD_HEAD_DIMS, TCD_MAX_GROUP, tc_decode_limits  # noqa: F401
 from ._decode_tc_rope_cuda import ANG_WORDS, make_tc_rope_parts, rope_words, syncwarp
-from ._mma_cuda import a_frag, c_frag, cp_async16, cp_async_commit, cp_async_wait, ldmatrix_x4, mma_sync
+from ._mma_cuda import (a_frag, c_frag, cp_async16, cp_async_commit, cp_async_wait, keep_extent, ldmatrix_x4,
+                        mma_sync)
 
 #: Warps per block, keys per tile (16 per warp), ring slots, shared row padding (halves).
 TCD_WARPS, TCD_TK, TCD_SLOTS, TCD_PAD = 4, 64, 3, 8
@@ -385,6 +386,7 @@ def make_tc_kernel(hq: int, hkv: int, d: int, dtype: str, var, *, rope: bool = F
                         angs = T.alloc_buffer((ANG_WORDS if rope else 1,), "float32", scope="local")
                         # One dynamic buffer of words, named apart from the prefill's ``smem`` (same library).
                         tcd_smem = T.alloc_buffer((smem_words(d, rope),), "float32", scope="shared.dyn")
+                        keep_extent(tcd_smem, smem_words(d, rope))  # the launch's bytes: every cp.async chunk whole
                         w: T.let[T.int32] = T.truncdiv(tid, 32)
                         lane: T.let[T.int32] = T.truncmod(tid, 32)
                         # ldmatrix reaches bfr through its address only: without these stores TVM would size

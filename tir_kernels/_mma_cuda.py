@@ -143,6 +143,18 @@ def cp_async16(dst, src):
     return T.cuda.func_call(name, dst, src, source_code=_SOURCE)
 
 
+@T.macro
+def keep_extent(buf, n: int):
+    """Keep shared buffer ``buf`` at its declared ``n`` elements through ``s_tir.CompactBufferAllocation``.
+
+    The pass sizes a buffer by the elements it sees indexed, but a ``cp.async`` / ``ldmatrix`` / wgmma operand
+    reached through ``T.address_of(buf[i])`` spans 16 bytes or more from ``i``: when the indices are simple
+    enough for the pass to bound, it cut the tail of the last such chunk (and the row padding after it), so the
+    launch gave less dynamic shared memory than the kernel writes. A read of the last element, evaluated and
+    dropped, bounds the analysis at ``n``; ``RemoveNoOp`` removes it (no code)."""
+    T.evaluate(buf[n - 1])
+
+
 def cp_async_commit():
     """``cp.async.commit_group``: the copies issued since the last commit form one group."""
     return T.cuda.func_call("pagedkv_cp_async_commit", source_code=_SOURCE)
@@ -170,4 +182,5 @@ def ldmatrix_elem(lane, reg, half, trans: bool):
 
 
 __all__ = ["a_frag", "aligned16", "b_frag", "c_frag", "cp_async16", "cp_async_commit", "cp_async_wait",
+           "keep_extent",
            "ldmatrix_elem", "ldmatrix_x4", "mma_sync"]

@@ -99,6 +99,7 @@ from ._mma_cuda import (
     c_frag,
     cp_async16,
     cp_async_wait,
+    keep_extent,
     ldmatrix_x4,
     mma_sync,
 )
@@ -539,11 +540,14 @@ def make_prefill_tc(op: str, spec, paged: bool, tile: str = "tc"):
                     if cfg.stages == 1:
                         Ks = T.alloc_buffer((TK * KS,), dtype, scope="shared")
                         Vs = T.alloc_buffer((TK * VS,), dtype, scope="shared")
+                        keep_extent(Ks, TK * KS)  # declared sizes: chunks are reached through addresses
+                        keep_extent(Vs, TK * VS)
                         tiles_one_stage(Ks, Vs, (qf, afr, bfr), (sacc, pf, oacc, pfo), (m, lsum, lim, mx, st, fac), ti,
                                         kvb, h, tid, w, lane, causal, sm_scale)
                     else:
                         # One dynamic buffer (TVM 0.27 fails to merge several shared.dyn buffers here).
                         smem = T.alloc_buffer((cfg.smem_bytes(D, DV) // 2,), dtype, scope="shared.dyn")
+                        keep_extent(smem, cfg.smem_bytes(D, DV) // 2)  # the launch's bytes (chunks: addresses)
                         if QS:
                             load_q_smem(smem, q, ti, h, tid)
                         if OV:

@@ -57,7 +57,8 @@ from ._abi import abi_prim_func
 from ._common import EMPTY_LSE, LOG2E, MASKED
 from ._common_cuda import decode_splits, shfl_xor
 from ._mla_frame_cuda import make_split_frame
-from ._mma_cuda import a_frag, c_frag, cp_async16, cp_async_commit, cp_async_wait, ldmatrix_x4, mma_sync
+from ._mma_cuda import (a_frag, c_frag, cp_async16, cp_async_commit, cp_async_wait, keep_extent, ldmatrix_x4,
+                        mma_sync)
 from ._prefill_tc_tiles import TC_PAD, k_ldsm_index_nt2, q_ldsm_index, v_ldsm_index
 
 #: auto takes the tensor-core kernel where ``tc_unserved`` is None (else SIMT); False: SIMT unless forced. True
@@ -372,6 +373,7 @@ def mla_attn_decode_paged_tc(spec):
         B, S = n
         k0, k1, pbase = keys
         smem = T.alloc_buffer((NE,), dtype, scope="shared.dyn")
+        keep_extent(smem, NE)  # its launch bytes: every cp.async / ldmatrix chunk whole
         Ss = T.alloc_buffer((DG * rows * (TK + 4),), "float32", scope="shared")
         St = T.alloc_buffer((rows * STW,), "float32", scope="shared")
         qf = T.alloc_buffer((MT * KPG * 8,), dtype, scope="local")

@@ -46,7 +46,7 @@ from ._abi import abi_prim_func
 from ._common import EMPTY_LSE, LOG2E, MASKED
 from ._common_cuda import decode_splits, shfl_xor
 from ._mla_frame_cuda import make_split_frame
-from ._mma_cuda import a_frag, c_frag, cp_async16, cp_async_commit, cp_async_wait
+from ._mma_cuda import a_frag, c_frag, cp_async16, cp_async_commit, cp_async_wait, keep_extent
 from ._wgmma_cuda import WG_NS, core_index, proxy_fence, wg_attention_gemms, wg_wait0
 
 #: The path switch and the value that forces this kernel; the arch its instructions need.
@@ -231,6 +231,7 @@ def mla_attn_decode_paged_wg(spec):
         B, S = n
         k0, k1, pbase = keys
         smem = T.alloc_buffer((smem_bytes(DL) // 2,), dtype, scope="shared.dyn")
+        keep_extent(smem, smem_bytes(DL) // 2)  # its launch bytes: every cp.async / wgmma chunk whole
         Ss = T.alloc_buffer((SN * 2 * 128,), "float32", scope="shared")
         qf = T.alloc_buffer((NKS * 8,), dtype, scope="local")
         sacc = T.alloc_buffer((SN,), "float32", scope="local")

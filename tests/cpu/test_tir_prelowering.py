@@ -1,0 +1,96 @@
+"""What TVM's early lowering makes of the CUDA kernels (build host, no GPU, no codegen).
+
+- No kernel binds a constant to a TIR variable. A Python value assigned inside a ``@T.macro`` (``ML0 = 4 * 16 * D``) is parsed into a mutable TIR variable: a
+``name: T.int32 = 4096`` declaration in the script, a one-element local array in the CUDA source. nvcc folds it
+away, but TVM's ``s_tir.CompactBufferAllocation`` does not: one such declaration in each of the two tensor-core
+decode kernels of a PrimFunc made that pass take ~60 s of the PrimFunc's 63 s lowering (0.6 s for either kernel
+alone), in every build of the op. A constant belongs outside the macro (a closure value, substituted as a literal).
+- ``s_tir.CompactBufferAllocation`` leaves every shared buffer at its declared size. The pass sizes a buffer by the
+  elements it sees indexed; a ``cp.async`` / ``ldmatrix`` / wgmma chunk reached through ``T.address_of(buf[i])``
+  spans 16 bytes from ``i``, so where it could bound the indices it cut the last chunk's tail: the MLA tc decode's
+  dynamic buffer lost 16 bytes, and with the constant above folded the tc decode's lost 28
+  (``_mma_cuda.keep_extent`` now pins each).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import re
+
+import pytest
+
+import tvm
+from tvm import s_tir
+
+from pagedkv import tir_kernels as tk
+from pagedkv.kernel_spec import WG_PREFILL_TILES
+from pagedkv.tir_kernels.attention_cuda_prefill_tc import TC_TILES
+from tvm.target import Target
+
+SM90 = Target({"kind": "cuda", "arch": "sm_90"}, host="llvm")
+SM90A = Target({"kind": "cuda", "arch": "sm_90a"}, host="llvm")
+#: TVM's passes before CompactBufferAllocation in its default pipeline (``s_tir`` part).
+EARLY = tvm.transform.Sequential([
+    s_tir.transform.CanonicalizeLoop(), s_tir.transform.LowerCrossThreadReduction(), s_tir.transform.LowerInitBlock(),
+    s_tir.transform.PlanAndUpdateBufferAllocationLocation(), s_tir.transform.ConvertBlocksToOpaque(),
+    s_tir.transform.LiftThreadBinding(), s_tir.transform.ManifestSharedMemoryLocalStage()])
+#: A shared buffer's allocation as the script prints it: (name, shape, dtype or "").
+SHARED_ALLOC = re.compile(r'(\w+) = T\.alloc_buffer\((\([^)]*\))(?:, "(\w+)")?, scope="shared(?:\.dyn)?"')
+#: A scalar declaration bound to a literal, as ``PrimFunc.script()`` prints it.
+CONST_DECL = re.compile(r"^\s+(\w+): T\.\w+ = (-?[\d.]+)$", re.M)
+
+#: (id, config, paths, target): every decode kernel choice (plain and windowed + capped), every prefill tile at a
+#: head dim it serves, both tensor-core MLA decodes.
+CASES = (
+    [(f"decode-{k}", tk.KernelConfig(8, 1, 64, 64, "bfloat16", sliding_window=90, logits_soft_cap=20.0),
+      {"cuda_decode_kernel": k}, SM90) for k in ("tc", "staged", "lanes")]
+    + [(f"prefill-{t}", tk.KernelConfig(32, 8, 128, 128, "float16"), {"cuda_prefill_kernel": t},
+        SM90A if t in WG_PREFILL_TILES else SM90) for t in TC_TILES]
+    + [(f"decode-tc-{dt}", tk.KernelConfig(32, 8, 128, 128, dt), {"cuda_decode_kernel": "tc"}, SM90)
+       for dt in ("float16", "bfloat16")]
+    + [(f"prefill-{t}-d64", tk.KernelConfig(8, 2, 64, 64, "bfloat16"), {"cuda_prefill_kernel": t}, SM90)
+       for t in TC_TILES if t not in WG_PREFILL_TILES]
+    + [(f"mla-{k}-{h}", tk.KernelConfig(h, h, 64, 64, "float16", kv_lora_rank=512, qk_rope_head_dim=64),
+        {"cuda_mla_decode_kernel": k}, SM90A if k == "wg" else SM90) for k in ("tc", "wg") for h in (16, 128)]
+)
+IDS = [c[0] for c in CASES]
+
+
+@pytest.fixture(scope="module")
+def kernels():
+    """``get(i)``: {op: PrimFunc} of ``CASES[i]``, built once."""
+    cache = {}
+
+    def get(i):
+        if i not in cache:
+            _id, cfg, paths, target = CASES[i]
+            cache[i] = tk.build_kernels(dataclasses.replace(cfg, paths=paths), target)
+        return cache[i]
+
+    return get
+
+
+@pytest.mark.parametrize("i", range(len(CASES)), ids=IDS)
+def test_no_constant_bound_to_a_tir_variable(i, kernels):
+    found = {}
+    for op, func in kernels(i).items():
+        for name, value in CONST_DECL.findall(func.script()):
+            found.setdefault(op, set()).add(f"{name} = {value}")
+    assert not found, f"constants bound to TIR variables (move them out of the macro): {found}"
+
+
+@pytest.mark.parametrize("i", range(len(CASES)), ids=IDS)
+def test_shared_buffers_keep_their_declared_size(i, kernels):
+    target = CASES[i][3]
+    changed = {}
+    for op, func in kernels(i).items():
+        declared = sorted(SHARED_ALLOC.findall(func.script()))
+        if not declared:
+            continue
+        with target:
+            mod = EARLY(tvm.IRModule({"main": func.with_attr("global_symbol", "main")}))
+            mod = s_tir.transform.CompactBufferAllocation()(mod)
+        after = sorted(SHARED_ALLOC.findall(mod["main"].script()))
+        if after != declared:
+            changed[op] = (declared, after)
+    assert not changed, f"shared buffers resized by CompactBufferAllocation (pin them with keep_extent): {changed}"
