@@ -33,7 +33,7 @@ from dataclasses import dataclass
 from tvm.script import tirx as T
 
 from ._common import EMPTY_LSE, LOG2E
-from ._common_cuda import WARP, itemsize, next_pow2, paged_kv_len, shfl_xor, vec16
+from ._common_cuda import WARP, itemsize, next_pow2, opaque_i32, paged_kv_len, shfl_xor, vec16
 
 #: Bytes of K + V per block tile (the loads each block keeps in flight while it computes).
 TILE_BYTES = 16384
@@ -449,15 +449,16 @@ def make_staged_kernel(p: StagedPlan, var):
                                 red_o = T.alloc_buffer((NZ, G, D), "float32", scope="shared")
                                 if bx < B:
                                     kvlen: T.let[T.int32] = paged_kv_len(page_indptr, last_page_len, bx, ps)
+                                    Sk: T.let[T.int32] = opaque_i32(S)  # the split count, opaque in the kernel
                                     # This split's keys: [k0, k1), chunks a multiple of the tile.
                                     chunk: T.let[T.int32] = T.truncdiv(
-                                        T.truncdiv(var.decode_span_len(kvlen) + S - 1, S) + TK - 1, TK) * TK
+                                        T.truncdiv(var.decode_span_len(kvlen) + Sk - 1, Sk) + TK - 1, TK) * TK
                                     k0: T.let[T.int32] = T.min(var.decode_key(kvlen, sp * chunk), kvlen)
                                     load_q_rows(Qr, Or, ml, q, bx, h * G + ty * R, sm_scale, tx)
                                     key_loop((Qr, Or, ml, S_, st, Kst, Vst, kv, kf), (Ks, Vs), pages,
                                              page_values, page_indptr[bx], ps, h, k0, T.min(k0 + chunk, kvlen),
                                              (tz * GT + ty) * L + tx, tx, tz)
-                                    store_rows(o, lse, ws_o, ws_l, red_ml, red_o, ml, Or, bx, h, sp, S, tx, ty,
+                                    store_rows(o, lse, ws_o, ws_l, red_ml, red_o, ml, Or, bx, h, sp, Sk, tx, ty,
                                                tz)
 
     return kernel

@@ -51,7 +51,7 @@ from __future__ import annotations
 from tvm.script import tirx as T
 
 from ._common import EMPTY_LSE, LOG2E
-from ._common_cuda import itemsize, paged_kv_len, vec16
+from ._common_cuda import itemsize, opaque_i32, paged_kv_len, vec16
 from ._decode_staged_cuda import (
     STAGED_MAX_SMEM,
     StagedPlan,
@@ -315,8 +315,9 @@ def make_staged_rope_kernel(p: StagedPlan, var):
                                 if bx < B:
                                     t: T.let[T.int32] = (tz * GT + ty) * L + tx
                                     kvlen: T.let[T.int32] = paged_kv_len(page_indptr, last_page_len, bx, ps)
+                                    Sk: T.let[T.int32] = opaque_i32(S)  # the split count, opaque in the kernel
                                     chunk: T.let[T.int32] = T.truncdiv(
-                                        T.truncdiv(var.decode_span_len(kvlen) + S - 1, S) + TK - 1, TK) * TK
+                                        T.truncdiv(var.decode_span_len(kvlen) + Sk - 1, Sk) + TK - 1, TK) * TK
                                     k0: T.let[T.int32] = T.min(var.decode_key(kvlen, sp * chunk), kvlen)
                                     for r in T.unroll(R):
                                         for e in T.unroll(VEC):
@@ -328,7 +329,7 @@ def make_staged_rope_kernel(p: StagedPlan, var):
                                              (Ks, Vs, cs, sn, qtab, w_s, q_raw), pages, page_values,
                                              page_indptr[bx], ps, h, k0, T.min(k0 + chunk, kvlen),
                                              q_pos[bx] - k_pos_offset[bx] - k0, sm_scale, t, tx, ty, tz)
-                                    store_rows(o, lse, ws_o, ws_l, red_ml, red_o, ml, Or, bx, h, sp, S, tx, ty,
+                                    store_rows(o, lse, ws_o, ws_l, red_ml, red_o, ml, Or, bx, h, sp, Sk, tx, ty,
                                                tz)
 
     return kernel

@@ -40,7 +40,7 @@ from typing import Any, NamedTuple
 from tvm.script import tirx as T
 
 from ._common import EMPTY_LSE, LOG2E
-from ._common_cuda import paged_kv_len, shfl_xor
+from ._common_cuda import opaque_i32, paged_kv_len, shfl_xor
 # The limits are data in the TVM-free kernel spec (a runtime-only process reports them too).
 from ..kernel_spec import TCD_DTYPES, TCD_HEAD_DIMS, TCD_MAX_GROUP, tc_decode_limits  # noqa: F401
 from ._decode_tc_rope_cuda import ANG_WORDS, make_tc_rope_parts, rope_words, syncwarp
@@ -395,9 +395,10 @@ def make_tc_kernel(hq: int, hkv: int, d: int, dtype: str, var, *, rope: bool = F
                             bfr[e] = T.uint32(0)
                         if bx < B:
                             kvlen: T.let[T.int32] = paged_kv_len(page_indptr, last_page_len, bx, ps)
+                            Sk: T.let[T.int32] = opaque_i32(S)  # the split count, opaque inside the kernel
                             # This split's keys: [k0, k1), chunks a multiple of the tile.
                             chunk: T.let[T.int32] = T.truncdiv(
-                                T.truncdiv(var.decode_span_len(kvlen) + S - 1, S) + TK - 1, TK) * TK
+                                T.truncdiv(var.decode_span_len(kvlen) + Sk - 1, Sk) + TK - 1, TK) * TK
                             k0: T.let[T.int32] = T.min(var.decode_key(kvlen, sp * chunk), kvlen)
                             k1: T.let[T.int32] = T.min(k0 + chunk, kvlen)
                             # In a register (a let of a load is inlined by TVM, and the copies' asm clobbers
@@ -417,7 +418,7 @@ def make_tc_kernel(hq: int, hkv: int, d: int, dtype: str, var, *, rope: bool = F
                                 oacc[e] = T.float32(0)
                             key_loop(TcRegs(qf, bfr, sacc, pf, oacc, m, lsum, st, angc, angs, rc, pgs), tcd_smem,
                                      pages, page_values, pbuf[0], ps, h, k0, k1, w, lane, tid, sm_scale)
-                            store_rows(o, lse, ws_o, ws_l, tcd_smem, oacc, m, lsum, st, bx, h, sp, S, w, lane, tid)
+                            store_rows(o, lse, ws_o, ws_l, tcd_smem, oacc, m, lsum, st, bx, h, sp, Sk, w, lane, tid)
 
     return kernel
 

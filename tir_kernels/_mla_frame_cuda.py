@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from tvm.script import tirx as T
 
-from ._common_cuda import make_merge_splits, paged_kv_len, wave_split_count
+from ._common_cuda import make_merge_splits, opaque_i32, paged_kv_len, wave_split_count
 
 #: Split policy: blocks resident at once (one an SM of an H200), keys a split at least, splits at most.
 RESIDENT_BLOCKS = 132
@@ -44,11 +44,12 @@ def make_split_frame(*, heads: int, dv: int, groups: int, threads: int, tk: int,
                     for tid in T.thread_binding(threads, thread="threadIdx.x"):
                         kvlen: T.let[T.int32] = T.if_then_else(bx < B, paged_kv_len(page_indptr, last_page_len, bx,
                                                                                       ps), 0)
-                        chunk: T.let[T.int32] = T.truncdiv(T.truncdiv(kvlen + S - 1, S) + tk - 1, tk) * tk
+                        Sk: T.let[T.int32] = opaque_i32(S)  # the split count, opaque in the kernel
+                        chunk: T.let[T.int32] = T.truncdiv(T.truncdiv(kvlen + Sk - 1, Sk) + tk - 1, tk) * tk
                         k0: T.let[T.int32] = T.min(sp * chunk, kvlen)
                         k1: T.let[T.int32] = T.min(k0 + chunk, kvlen)
                         pbase: T.let[T.int32] = page_indptr[T.min(bx, T.max(B - 1, 0))]
-                        block(q, pages, page_values, o, lse, (ws_o, ws_l), sm_scale, ps, (bx, g, sp, tid), (B, S),
+                        block(q, pages, page_values, o, lse, (ws_o, ws_l), sm_scale, ps, (bx, g, sp, tid), (B, Sk),
                               (k0, k1, pbase))
         if S > 1:
             merge_splits(o, lse, B, S, ws_o, ws_l)

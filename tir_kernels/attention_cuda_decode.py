@@ -17,6 +17,7 @@ from ._common_cuda import (
     itemsize,
     make_merge_splits,
     next_pow2,
+    opaque_i32,
     paged_kv_len,
     split_count,
     vec16,
@@ -225,17 +226,18 @@ def _make_kernel(p: DecodePlan, var: CudaVariant, rope: bool):
                             red_o = T.alloc_buffer((NW, GC, p.lanes_width if rope else p.d), "float32",
                                                    scope="shared")
                             if bx < B:
-                                gz: T.let[T.int32] = T.truncdiv(zs, S)
-                                sp: T.let[T.int32] = T.truncmod(zs, S)
+                                Sk: T.let[T.int32] = opaque_i32(S)  # the split count, opaque in the kernel
+                                gz: T.let[T.int32] = T.truncdiv(zs, Sk)
+                                sp: T.let[T.int32] = T.truncmod(zs, Sk)
                                 kvlen: T.let[T.int32] = paged_kv_len(page_indptr, last_page_len, bx, ps)
                                 # This split's keys: [k0, k1), chunks a multiple of the block step.
                                 chunk: T.let[T.int32] = T.truncdiv(
-                                    T.truncdiv(var.decode_span_len(kvlen) + S - 1, S) + TKB - 1, TKB) * TKB
+                                    T.truncdiv(var.decode_span_len(kvlen) + Sk - 1, Sk) + TKB - 1, TKB) * TKB
                                 k0: T.let[T.int32] = T.min(var.decode_key(kvlen, sp * chunk), kvlen)
                                 key_loop((Qr, Kr, Vr, S_, Oc, Os, m, lsum, Orr, st), (w_s, q_raw, red_o), q, pages,
                                          page_indptr, page_values, k_pos_offset, q_pos, bx, h, h * p.g + gz * GC,
                                          k0, T.min(k0 + chunk, kvlen), ps, rope_scale, rope_theta, sm_scale, tx, ty)
-                                store(o, lse, ws_o, ws_l, red_ml, red_o, m, lsum, Orr, bx, h, gz, sp, S, tx, ty)
+                                store(o, lse, ws_o, ws_l, red_ml, red_o, m, lsum, Orr, bx, h, gz, sp, Sk, tx, ty)
 
     return kernel
 

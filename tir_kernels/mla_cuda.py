@@ -54,7 +54,8 @@ from tvm.script import tirx as T
 from ._common import EMPTY_LSE, LOG2E, MASKED
 from ..ops import MLA_APPEND_KV, MLA_ATTN_DECODE_PAGED, MLA_ATTN_PREFILL_PAGED, MLA_GATHER_KV, shape_values
 from ._abi import abi_prim_func
-from ._common_cuda import ceildiv, decode_splits, make_merge_splits, paged_kv_len, shfl_xor, split_count, vec16
+from ._common_cuda import (ceildiv, decode_splits, make_merge_splits, opaque_i32, paged_kv_len, shfl_xor, split_count,
+                           vec16)
 from ..kernel_spec import forced as forced_path
 
 #: Threads per attention block: TY row groups x TX lanes (a half warp per row group).
@@ -518,11 +519,12 @@ def mla_attn_decode_paged_cuda(spec):
                         kvlen: T.let[T.int32] = T.if_then_else(
                             bx < B, paged_kv_len(page_indptr, last_page_len, bx, ps), 0)
                         # This split's keys: [k0, k1), chunks a multiple of the key tile.
-                        chunk: T.let[T.int32] = T.truncdiv(T.truncdiv(kvlen + S - 1, S) + TK - 1, TK) * TK
+                        Sk: T.let[T.int32] = opaque_i32(S)  # the split count, opaque in the kernel
+                        chunk: T.let[T.int32] = T.truncdiv(T.truncdiv(kvlen + Sk - 1, Sk) + TK - 1, TK) * TK
                         k0: T.let[T.int32] = T.min(sp * chunk, kvlen)
                         row_tile(q, o, lse, ws_o, ws_l, pages, page_values, page_indptr[bx], ps, bx, ry * R,
                                  T.if_then_else(bx < B, T.min(R, H - ry * R), 0), 1, kvlen, 0, k0,
-                                 T.min(k0 + chunk, kvlen), S, sp, sm_scale, tid)
+                                 T.min(k0 + chunk, kvlen), Sk, sp, sm_scale, tid)
         if S > 1:
             merge_splits(o, lse, B, S, ws_o, ws_l)
 

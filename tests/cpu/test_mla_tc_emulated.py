@@ -19,6 +19,7 @@ from __future__ import annotations
 import ctypes
 import dataclasses
 import math
+import re
 import shutil
 import subprocess
 
@@ -26,7 +27,7 @@ import numpy as np
 import pytest
 import torch
 from _cuda_support import cuda_source_of
-from _decode_emu import HERE, SM90, host_main, kernels_of, launches, storage, values
+from _decode_emu import HERE, SM90, device_helpers, host_main, kernels_of, launches, storage, values
 
 from pagedkv import tir_kernels as tk
 from pagedkv.testing import reference as R
@@ -86,7 +87,8 @@ def _build(name, kernel, stem):
     func = tk.build_kernels(_spec(name, kernel), target, ops=(OP,))[OP]
     with target:
         exe = tvm.compile(tvm.IRModule({f"pagedkv_{OP}": func}), target=target)
-    kernels = kernels_of(cuda_source_of(exe), dyn_smem_bytes=DYN_SMEM_BYTES)
+    src = cuda_source_of(exe)
+    kernels = kernels_of(src, dyn_smem_bytes=DYN_SMEM_BYTES)
     mark = "pagedkv_wgmma_" if kernel == "wg" else "pagedkv_mma_"
     assert sum(mark in body for body, _p in kernels.values()) == 1, "one tensor-core kernel"
     main, launch_params = host_main(func)
@@ -98,7 +100,8 @@ def _build(name, kernel, stem):
         runs.append(f'  if (!std::strcmp(name, "{kname}")) launch3(g[0], g[1], g[2], g[3], g[4], g[5], [=]() '
                     f'{{ {kname}({args}); }});')
     cpp = stem.with_suffix(".cpp")
-    cpp.write_text(f'#define PAGEDKV_EMU_THREADS 256\n#include "{HERE / "_cuda_emu.h"}"\n' + "\n".join(bodies)
+    cpp.write_text(f'#define PAGEDKV_EMU_THREADS 256\n#include "{HERE / "_cuda_emu.h"}"\n' + device_helpers(src)
+                   + "\n".join(bodies)
                    + '\nextern "C" void run(const char* name, void** ptrs, double* nums, int* g) {\n'
                    + "\n".join(runs) + "\n}\n")
     lib = stem.with_suffix(".so")
@@ -149,7 +152,7 @@ def test_emulated_tc_mla_decode_matches_reference(name, kernel, built):
         ptrs, nums = (ctypes.c_void_p * n)(), (ctypes.c_double * n)()
         for i, (ty, pname) in enumerate(ps_):
             if ty.endswith("*"):
-                ptrs[i] = arrays[pname.removesuffix("_ptr")].ctypes.data
+                ptrs[i] = arrays[re.sub(r"_ptr(_\d+)?$", "", pname)].ctypes.data  # TVM may suffix a name
             else:
                 assert args[i] is not None, f"{kname}: argument {pname} not evaluated"
                 nums[i] = args[i]
