@@ -174,12 +174,14 @@ def wave_split_count(B, nnz, ps, blocks_per_split, *, resident_blocks: int, min_
     ``S`` (``waves(S) * (keys / S + 64)``, +64 for the merge kernel, B = 1 .. 512 x 256 .. 32K keys) this rule
     is 5% over on average, within 5.5% on the benchmark shapes; ``split_count`` is 18% over (44-47% at B = 64).
     A rule and not that search: TVM's simplifier substitutes the split count's host expression at every use
-    of ``S`` in the kernels, and a min over candidate costs there takes minutes to compile."""
+    of ``S`` (the kernels now see it through ``opaque_i32``, but the grid extent, the workspace and the merge
+    launch still do), and a min over candidate costs there took minutes to compile."""
     if forced:
         return T.max(1, T.min(T.int32(forced), nnz * ps))
     n0 = T.max(B * blocks_per_split, 1)
     # k * resident_blocks as a sum of steps, k_0 + sum (k_i+1 - k_i) [n0 > f_i * resident]: a Select chain
-    # here triples the kernel's compile time (the simplifier splits cases at every use of S).
+    # here tripled the kernel's compile time (the simplifier split cases at every use of S; measured before
+    # opaque_i32).
     budget = T.int32(WAVE_BUDGETS[0][1] * resident_blocks)
     for (f, k), (_, k_next) in zip(WAVE_BUDGETS, WAVE_BUDGETS[1:]):
         budget = budget + T.Cast("int32", n0 > int(f * resident_blocks)) * ((k_next - k) * resident_blocks)
