@@ -56,7 +56,6 @@ from ..ops import MLA_APPEND_KV, MLA_ATTN_DECODE_PAGED, MLA_ATTN_PREFILL_PAGED, 
 from ._abi import abi_prim_func
 from ._common_cuda import (ceildiv, decode_splits, make_merge_splits, opaque_i32, paged_kv_len, shfl_xor, split_count,
                            vec16)
-from ..kernel_spec import forced as forced_path
 
 #: Threads per attention block: TY row groups x TX lanes (a half warp per row group).
 TY, TX = 8, 16
@@ -487,11 +486,12 @@ def mla_attn_decode_paged_cuda(spec):
     the partial states. The path switch ``cuda_decode_splits = N > 0`` (``decode_splits``) forces ``S``
     (clamped to ``[1, nnz * ps]``); automatic: the kernel from before the switch. The path switch
     ``cuda_mla_decode_kernel`` (``mla_cuda_tc.use_tc``) hands fp16 / bf16 specs to the tensor-core kernel; its
-    value "wg" forces the wgmma one (``mla_cuda_wg``).
+    value "wg" forces the wgmma one (``mla_cuda_wg``), which auto takes on sm_90a at 64 heads or more
+    (``mla_cuda_wg.use_wg``).
     """
     from . import mla_cuda_tc, mla_cuda_wg  # pylint: disable=import-outside-toplevel
 
-    if forced_path(spec.paths, mla_cuda_wg.SWITCH) == mla_cuda_wg.VALUE:  # raises naming what it does not serve
+    if mla_cuda_wg.use_wg(spec):  # forced (raises naming what it does not serve), or auto on sm_90a, >= 64 heads
         return mla_cuda_wg.mla_attn_decode_paged_wg(spec)
     if mla_cuda_tc.use_tc(spec):  # the path switch cuda_mla_decode_kernel (raises when tc is forced, unserved)
         return mla_cuda_tc.mla_attn_decode_paged_tc(spec)

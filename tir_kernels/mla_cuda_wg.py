@@ -1,6 +1,6 @@
 """Warpgroup tensor-core CUDA MLA decode (``mla_attn_decode_paged``), fp16 / bf16, sm_90a, on ``wgmma``
-(``_wgmma_cuda``); forced with the path switch ``cuda_mla_decode_kernel=wg`` (auto never picks it until an H200
-run has timed it). Semantics are ``mla_cuda``'s (base-2 lse, float32 accumulation, ``o = 0`` / ``lse = -1e30``
+(``_wgmma_cuda``); forced with the path switch ``cuda_mla_decode_kernel=wg``, and auto's choice (``use_wg``) on
+sm_90a for specs of at least ``WG_AUTO_MIN_HEADS`` heads. Semantics are ``mla_cuda``'s (base-2 lse, float32 accumulation, ``o = 0`` / ``lse = -1e30``
 for a row that sees no key, keys at or past the length never read).
 
 Why: at 128 heads the decode is compute-bound, and the ``mma.sync`` kernel (``mla_cuda_tc``) holds 32 heads a
@@ -30,7 +30,7 @@ Design: one block of two warpgroups (256 threads) per (64-head group, entry, key
   ``S > 1``: partial states in a float32 workspace and ``mla_cuda``'s merge kernel.
 
 Resources (ptxas, sm_90a, DeepSeek 512 + 64, no spills, no stack): 252 registers (128 heads fp16), 184,320 bytes
-of dynamic + 16,384 of static shared memory; one block an SM. Not yet run on a GPU.
+of dynamic + 16,384 of static shared memory; one block an SM. H200: runs 15-17 (BENCHMARKS.md), GPU suite.
 
 Limits as data (``wg_unserved``): target arch sm_90a, fp16 / bf16, ``DL % 64 == 0`` and ``DL <= 576``,
 ``DV / 2`` a wgmma width (``WG_NS``: DV 128, 256 or 512).
@@ -41,6 +41,7 @@ from __future__ import annotations
 from tvm.script import tirx as T
 
 from ..kernel_spec import PATH_ARCHS
+from ..kernel_spec import forced as forced_path
 from ..ops import MLA_ATTN_DECODE_PAGED, shape_values
 from ._abi import abi_prim_func
 from ._common import EMPTY_LSE, LOG2E, MASKED
@@ -59,6 +60,11 @@ ROWS, NT, TK, NS = 64, 256, 32, 5
 AHEAD = NS - 2
 WG_DTYPES = ("float16", "bfloat16")
 WG_MAX_LATENT = 576
+#: auto takes this kernel over ``mla_cuda_tc``'s where it serves the spec (sm_90a builds) and the spec has at
+#: least this many heads, whole m64 tiles: at 128 heads it ran 1.30-1.52x the mma.sync kernel (H200, run 17:
+#: 0.43-0.45 of FlashInfer's fa3 against 0.29-0.33), at 16 heads (a quarter-full tile) 0.55-0.62x of it. 64
+#: heads, one full tile, is not measured.
+WG_AUTO_MIN_HEADS = 64
 
 
 def wg_unserved(spec) -> list[str]:
@@ -75,6 +81,15 @@ def wg_unserved(spec) -> list[str]:
     if dv % 16 or dv // 2 not in WG_NS or dv > dl:
         out.append(f"kv_lora_rank {dv} (it takes 2 x a wgmma width of {WG_NS}, up to the latent dim)")
     return out
+
+
+def use_wg(spec) -> bool:
+    """Whether ``mla_attn_decode_paged`` of ``spec`` runs this kernel: forced (``SWITCH`` = "wg"; the kernel
+    raises with ``wg_unserved``'s reasons where it does not serve), or auto where it serves and the spec has
+    ``WG_AUTO_MIN_HEADS`` heads or more."""
+    choice = forced_path(spec.paths, SWITCH)
+    return choice == VALUE or (choice == "auto" and spec.num_qo_heads >= WG_AUTO_MIN_HEADS
+                               and not wg_unserved(spec))
 
 
 def smem_bytes(latent_dim: int) -> int:

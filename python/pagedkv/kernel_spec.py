@@ -61,7 +61,8 @@ SWITCHES: dict[str, tuple[str, tuple[str, ...]]] = {
                                "kv_lora_rank a multiple of 128; forcing tc on another spec raises with the "
                                "reasons of tir_kernels.mla_cuda_tc.tc_unserved); wg: wgmma, two warpgroups, 64 heads "
                                "a block, the scores split over the latent dims and O over the value dims (sm_90a; "
-                               "tir_kernels.mla_cuda_wg.wg_unserved; forced only); auto: tc where it serves the spec "
+                               "tir_kernels.mla_cuda_wg.wg_unserved); auto: wg where it serves the spec (sm_90a) with "
+                               "at least WG_AUTO_MIN_HEADS (64) heads, else tc where it serves the spec "
                                "(MLA_TC_BY_DEFAULT), SIMT elsewhere", ("auto", "simt", "tc", "wg")),
 }
 

@@ -127,7 +127,7 @@ def test_fp32_auto_is_the_simt_kernel():
     assert not _uses_tc(spec(3, 64, 32, "float32", "auto"))
 
 
-# The wgmma kernel (``mla_cuda_wg``, ``cuda_mla_decode_kernel=wg``): sm_90a only, forced only.
+# The wgmma kernel (``mla_cuda_wg``, ``cuda_mla_decode_kernel=wg``): sm_90a only; auto at 64+ heads there.
 SM90A = Target({"kind": "cuda", "arch": "sm_90a"}, host="llvm")
 #: (heads, kv_lora_rank, qk_rope_head_dim, dtype): DeepSeek-V3 (two head groups; O 2 x 256 dims, 128
 #: accumulators a thread) and V2-Lite's 16 heads (48 padding rows).
@@ -170,3 +170,21 @@ def test_wg_needs_sm90a_and_names_every_reason():
     assert [r.split(" (")[0] for r in reasons] == ["dtype float32", "latent dim 112", "kv_lora_rank 96"]
     assert mla_cuda_wg.wg_unserved(dataclasses.replace(spec(128, 512, 64, "bfloat16", "wg"),
                                                        target_arch="sm_90a")) == []
+
+
+def _kernel_of(s) -> str:
+    with fast_macro_expansion():
+        script = mla_cuda.mla_attn_decode_paged_cuda(s).script()
+    return "wg" if "pagedkv_wgmma_" in script else "tc" if "pagedkv_mma_" in script else "simt"
+
+
+@pytest.mark.parametrize("heads, arch, dtype, want", [
+    (128, "sm_90a", "float16", "wg"), (64, "sm_90a", "bfloat16", "wg"), (32, "sm_90a", "float16", "tc"),
+    (16, "sm_90a", "bfloat16", "tc"), (128, "sm_90", "float16", "tc"), (128, "sm_90a", "float32", "simt")])
+def test_auto_picks_wg_on_sm90a_from_64_heads(heads, arch, dtype, want):
+    """auto: the wgmma kernel where it serves the spec (sm_90a, fp16 / bf16) with at least WG_AUTO_MIN_HEADS heads
+    (whole m64 tiles), the mma.sync kernel below that or on sm_90, SIMT for fp32."""
+    assert mla_cuda_wg.WG_AUTO_MIN_HEADS == 64
+    s = dataclasses.replace(spec(heads, 512, 64, dtype, "auto"), target_arch=arch)
+    assert mla_cuda_wg.use_wg(s) == (want == "wg")
+    assert _kernel_of(s) == want
