@@ -1,7 +1,7 @@
 """Warpgroup tensor-core CUDA MLA decode (``mla_attn_decode_paged``), fp16 / bf16, sm_90a, on ``wgmma``
 (``_wgmma_cuda``); forced with the path switch ``cuda_mla_decode_kernel=wg``, and auto's choice (``use_wg``) on
-sm_90a for specs of at least ``WG_AUTO_MIN_HEADS`` heads. Semantics are ``mla_cuda``'s (base-2 lse, float32 accumulation, ``o = 0`` / ``lse = -1e30``
-for a row that sees no key, keys at or past the length never read).
+sm_90a for specs of at least ``WG_AUTO_MIN_HEADS`` heads. Semantics are ``mla_cuda``'s (base-2 lse, float32
+accumulation, ``o = 0`` / ``lse = -1e30`` for a row that sees no key, keys at or past the length never read).
 
 Why: at 128 heads the decode is compute-bound, and the ``mma.sync`` kernel (``mla_cuda_tc``) holds 32 heads a
 block at its register limit, re-reading every latent tile from L2 once per 32 heads. A warpgroup's
