@@ -7,8 +7,8 @@ timed call), or raises ``Unavailable`` saying why the implementation does not ap
   decode on CUDA cores and on tensor cores (fa2, fa3), ragged and paged prefill (fa2, fa3), MLA (fa2, fa3);
 - ``pagedkv-tir-tc`` / ``-tc2`` / ``-tc3`` / ``-wg``: ``pagedkv-tir`` with the tensor-core prefill kernel forced
   (path switch ``cuda_prefill_kernel=tc``, or ``tc2`` / ``tc3``: its 128-row two-stage tiles, or ``wg``: the
-  wgmma warpgroup tile, whose library is built for sm_90a: ``pagedkv.kernel_spec.target_for_paths``), on the
-  prefill workloads;
+  wgmma warpgroup tile), on the prefill workloads; every TIR column's library is built for sm_90a (``TIR_ARCH``:
+  auto takes the wgmma kernels there);
 - ``pagedkv-tir-tcd``: ``pagedkv-tir`` with the tensor-core decode kernel forced (``cuda_decode_kernel=tc``,
   ``tir_kernels/_decode_tc_cuda.py``), on the plain MHA decode workloads;
 - ``pagedkv-fi`` / ``pagedkv-tir``: a pagedkv cache (``pagedkv.create``) with the FlashInfer backend (TIR
@@ -32,6 +32,10 @@ from _bench_workloads import (D, HKV, MLA_PS, MLA_R, MLA_ROPE, PS, ROPE_SCALE, R
                               Workload, sm_scale)
 
 TARGET = {"kind": "cuda", "arch": "sm_90"}
+#: The arch of the TIR columns' libraries on a CUDA target: the H200's whole instruction set, so that auto takes the
+#: wgmma kernels (the prefill's wg2p, the MLA decode's at 64+ heads) as a user building for Hopper gets them. The
+#: FlashInfer columns keep ``TARGET`` (the backend takes fa3 for sm_90).
+TIR_ARCH = "sm_90a"
 #: where the benchmark runs (a CPU test of the benchmark's plumbing sets "cpu" and TARGET "llvm")
 DEVICE = "cuda"
 PAGEDKV_BACKENDS = {"pagedkv-fi": ["flashinfer", "tir"], "pagedkv-tir": "tir", "pagedkv-tir-tc": "tir",
@@ -86,6 +90,17 @@ def fi_in_best(variant: str, w: Workload) -> bool:
 def _no_rope(w: Workload, what: str) -> None:
     if w.rope:
         raise Unavailable(f"{what}: no inline RoPE column (pagedkv-tir only)")
+
+
+def cache_target(label: str):
+    """The target of ``label``'s cache: ``TARGET``, on CUDA with ``TIR_ARCH`` for the TIR backend, and the arch its
+    forced paths need (``pagedkv.kernel_spec.target_for_paths``)."""
+    from pagedkv.kernel_spec import target_for_paths
+
+    base = TARGET
+    if PAGEDKV_BACKENDS[label] == "tir" and isinstance(TARGET, dict) and TARGET.get("kind") == "cuda":
+        base = {**TARGET, "arch": TIR_ARCH}
+    return target_for_paths(PAGEDKV_PATHS.get(label, {}), base)
 
 
 def pagedkv_unavailable(label: str, w: Workload) -> str | None:
@@ -209,15 +224,14 @@ def pagedkv_impl(label: str, w: Workload, x: Inputs):
     import pagedkv
 
     from pagedkv.backends.tir import forced_paths
-    from pagedkv.kernel_spec import target_for_paths
 
     if label != "pagedkv-tir":
         _no_rope(w, label)
     if why := pagedkv_unavailable(label, w):
         raise Unavailable(why)
     paths = PAGEDKV_PATHS.get(label, {})
-    with forced_paths(paths):  # the cache's kernel library is chosen here (its arch: "wg" is sm_90a)
-        cache = pagedkv.create(pagedkv_config(w), backend=PAGEDKV_BACKENDS[label], target=target_for_paths(paths, TARGET),
+    with forced_paths(paths):  # the cache's kernel library is chosen here
+        cache = pagedkv.create(pagedkv_config(w), backend=PAGEDKV_BACKENDS[label], target=cache_target(label),
                                device=DEVICE)
     scale, o = sm_scale(w), _out(w, x)
     lse = torch.empty(o.shape[0], w.hq, dtype=torch.float32, device=DEVICE)

@@ -29,7 +29,6 @@ def kernel_libraries(out: Path, dtypes) -> list[Path]:
     are part of its key), each once."""
     from pagedkv.backends.tir import forced_paths
     from pagedkv.cache import build_kernel_library, kernel_library_path, kernel_shape
-    from pagedkv.kernel_spec import target_for_paths
 
     seen = set()
     for w in W.workloads(dtypes):
@@ -38,7 +37,7 @@ def kernel_libraries(out: Path, dtypes) -> list[Path]:
             if impls.pagedkv_unavailable(label, w):
                 continue
             paths = impls.PAGEDKV_PATHS.get(label, {})
-            target = target_for_paths(paths, impls.TARGET)  # the arch a forced path needs ("wg": sm_90a)
+            target = impls.cache_target(label)  # TIR: sm_90a; FlashInfer: sm_90
             with forced_paths(paths):
                 path = kernel_library_path(cfg, out, target=target, backend=backend)
                 if path in seen:

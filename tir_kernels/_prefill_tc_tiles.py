@@ -10,6 +10,7 @@ from __future__ import annotations
 import dataclasses
 
 from ..kernel_spec import PATH_ARCHS
+from ._wgmma_cuda import WG_CORE_PAD, CoreLayout
 
 #: Warps per block, rows per warp (one m16 tile), keys per tile, shared-memory row padding (elements): the
 #: "tc" tile (``TC_TILES``); ``TC_ROWS`` / ``TC_NT`` are its rows and threads per block.
@@ -41,7 +42,7 @@ class TcTile:
     ``CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES`` when a launch asks for 48 KB or more).
     ``wgmma``: each warpgroup (4 warps, 64 rows, Q in registers) computes S and O with ``wgmma`` (sm_90a,
     ``_wgmma_cuda``) instead of ``mma.sync``; K and V tiles are then stored as core matrices
-    (``_wgmma_cuda.core_index``, no row padding) in a multi-stage buffer; with 8 warps two warpgroups share
+    (``core_layout``: ``core_pad`` elements after each, row-major copies) in a multi-stage buffer; with 8 warps two warpgroups share
     each K / V tile (128 rows: half the K / V bytes a row). ``overlap`` (wgmma, 3 stages): a warpgroup issues
     S of tile kt and P V of tile kt - 1 as two groups and runs the softmax of kt while P V runs (the O
     rescale waits for it); V of tile kt - 1 is still read during tile kt, so tile kt + 1 loads into a third
@@ -58,11 +59,16 @@ class TcTile:
     wgmma: bool = False
     overlap: bool = False
     pingpong: bool = False
+    core_pad: int = WG_CORE_PAD
 
-    @property
-    def pad(self) -> int:
-        """Row padding (elements) of the row-major K / V tiles; the core-matrix tiles of ``wgmma`` have none."""
-        return 0 if self.wgmma else TC_PAD
+    def core_layout(self, d: int) -> CoreLayout:
+        """The core-matrix layout of a ``wgmma`` tile's K / V rows of ``d`` elements."""
+        return CoreLayout(d, self.core_pad)
+
+    def row_elems(self, d: int) -> int:
+        """Shared-memory elements a K / V row of ``d`` elements takes: ``d + TC_PAD`` (row-major), the core
+        layout's share of a row (``wgmma``)."""
+        return self.core_layout(d).elems(8) // 8 if self.wgmma else d + TC_PAD
 
     @property
     def rows(self) -> int:
@@ -79,20 +85,20 @@ class TcTile:
         return self.warps * 32
 
     def smem_bytes(self, d: int, dv: int, dtype: str = "float16") -> int:
-        """Shared memory of a block: ``stages`` x (K tile + V tile) (+ the Q rows), rows padded by ``pad``."""
+        """Shared memory of a block: ``stages`` x (K tile + V tile) (+ the Q rows), rows of ``row_elems``."""
         q = self.rows * (d + TC_PAD) if self.q_in_smem else 0
-        return (self.stages * self.tk * (d + dv + 2 * self.pad) + q) * (4 if dtype == "float32" else 2)
+        return (self.stages * self.tk * (self.row_elems(d) + self.row_elems(dv)) + q) * (4 if dtype == "float32" else 2)
 
     def k_base(self, stage, d: int, dv: int):
         """First element of stage ``stage``'s K tile in the stage buffer (int or TIR expression): stages
         of ``tk`` K rows then ``tk`` V rows, each a multiple of 8 elements (16-byte cp.async / ldmatrix
         rows stay aligned) and, for D 64 / 128, of 64 (128 bytes: the bank pattern of a stage is that of
         element 0, as ``tests/cpu/test_prefill_tc_layout.py`` checks)."""
-        return stage * (self.tk * (d + dv + 2 * self.pad))
+        return stage * (self.tk * (self.row_elems(d) + self.row_elems(dv)))
 
     def v_base(self, stage, d: int, dv: int):
         """First element of stage ``stage``'s V tile in the stage buffer (after its K tile)."""
-        return self.k_base(stage, d, dv) + self.tk * (d + self.pad)
+        return self.k_base(stage, d, dv) + self.tk * self.row_elems(d)
 
     def q_base(self, d: int, dv: int) -> int:
         """First element of the Q rows (``q_in_smem``: row-major, stride ``d + TC_PAD``), after the stages."""
@@ -103,7 +109,8 @@ class TcTile:
 TC_TILES = {"tc": TcTile("tc", TC_WARPS, 1), "tc2": TcTile("tc2", 8, 2), "tc3": TcTile("tc3", 4, 2, mtiles=2, tk=32),
             "wg": TcTile("wg", 4, 2, wgmma=True), "wg2": TcTile("wg2", 8, 2, wgmma=True),
             "wg2o": TcTile("wg2o", 8, 3, wgmma=True, overlap=True),
-            "wg2k": TcTile("wg2k", 8, 3, tk=128, wgmma=True, overlap=True),
+            # Packed core matrices (8 keys a copy group): row-major copies spill 4 bytes (bf16, windowed + capped).
+            "wg2k": TcTile("wg2k", 8, 3, tk=128, wgmma=True, overlap=True, core_pad=0),
             "wg2p": TcTile("wg2p", 8, 4, wgmma=True, overlap=True, pingpong=True)}
 #: The PTX target a ``wgmma`` tile needs (its instructions exist on sm_90a only; libraries forcing it are built
 #: for it: ``kernel_spec.PATH_ARCHS``).

@@ -10,7 +10,7 @@ Layouts, as ``tools/wgmma_probe.cu`` checked them on the H200:
 * B: 8 x 8 *core matrices* of 128 contiguous bytes (8 rows of 16 bytes). K-major (``trans`` 0: S = Q K^T,
   K stored per key): element (n, k) at byte ``(n%8)*16 + (k%8)*2 + (k/8)*LBO + (n/8)*SBO``; MN-major with
   imm-trans-b 1 (``trans`` 1: O = P V, V stored per key): element (k, n) at ``(k%8)*16 + (n%8)*2 +
-  (n/8)*SBO + (k/8)*LBO``. LBO runs along K, SBO along N in both; ``core_index`` is the element map of a
+  (n/8)*SBO + (k/8)*LBO``. LBO runs along K, SBO along N in both; ``CoreLayout`` is the element map of a
   ``[rows][dim]`` tile stored as such (rows in groups of 8, then the dims in 8-element chunks).
 * Descriptor (64 bits): bits 0-13 start address >> 4, 16-29 LBO >> 4, 32-45 SBO >> 4, swizzle bits 0.
 
@@ -23,6 +23,7 @@ late).
 
 from __future__ import annotations
 
+import dataclasses
 from typing import NamedTuple
 
 from tvm.script import tirx as T
@@ -34,11 +35,46 @@ WG_REG_RUN = 8
 _PTX_TYPE = {"float16": "f16", "bfloat16": "bf16"}
 
 
+#: Elements after each core matrix in the kernels' K / V tiles (``CoreLayout.pad``): 8 (a 144-byte stride) makes
+#: row-major 16-byte copies (8 threads on 128 contiguous bytes of a global row) free of shared-memory bank
+#: conflicts; packed core matrices (0) need 8 threads on 8 keys' same dims instead, which reads half-used L2
+#: sectors (BENCHMARKS.md run 17).
+WG_CORE_PAD = 8
+
+
+@dataclasses.dataclass(frozen=True)
+class CoreLayout:
+    """A ``[rows][d]`` tile (2-byte elements) stored as wgmma core matrices: 8-row groups, each ``d / 8`` core
+    matrices of 64 elements (8 rows x 8 dims, a row's 8 dims contiguous), core matrices ``chunk = 64 + pad``
+    elements apart along the dims. ``pad`` 8 (a 144-byte stride) puts the 8 dim chunks of one row in 8 different
+    16-byte bank groups, so 8 threads copying 128 contiguous bytes of a global row write shared memory without
+    a bank conflict; ``pad`` 0 packs the core matrices (then 8 threads should fill one core matrix: 8 rows)."""
+
+    d: int
+    pad: int = 0
+
+    @property
+    def chunk(self) -> int:
+        """Elements between core matrices adjacent along the dims (wgmma's K-major LBO / MN-major SBO)."""
+        return 64 + self.pad
+
+    @property
+    def group(self) -> int:
+        """Elements between 8-row groups (K-major SBO / MN-major LBO)."""
+        return self.d // 8 * self.chunk
+
+    def index(self, row, dim):
+        """Element of (``row``, ``dim``) (ints or TIR expressions)."""
+        return (row // 8) * self.group + (dim // 8) * self.chunk + (row % 8) * 8 + dim % 8
+
+    def elems(self, rows: int) -> int:
+        """Elements of ``rows`` rows (a multiple of 8)."""
+        return rows // 8 * self.group
+
+
 def core_index(row, dim, d: int):
-    """Element of (``row``, ``dim``) in a ``[rows][d]`` tile stored as core matrices: 8-row groups of
-    ``d * 8`` elements, each ``d / 8`` core matrices of 64 (8 rows x 8 dims, a row's 8 dims contiguous).
-    As wgmma's B, LBO = 128 bytes (K-major: along the dims) / ``d * 16`` bytes (MN-major: along the rows)."""
-    return (row // 8) * (d * 8) + (dim // 8) * 64 + (row % 8) * 8 + dim % 8
+    """Element of (``row``, ``dim``) in a ``[rows][d]`` tile of packed core matrices (``CoreLayout(d)``)."""
+    return CoreLayout(d).index(row, dim)
 
 
 def _wgmma_fn(n: int, ptx: str, trans: int) -> str:
@@ -208,16 +244,17 @@ class WgGemms(NamedTuple):
     accumulate: object
 
 
-def wg_attention_gemms(dtype: str, *, s_steps: int, tk: int, k_row: int, dv: int, v_row: int) -> WgGemms:
+def wg_attention_gemms(dtype: str, *, s_steps: int, tk: int, k_lay: CoreLayout, dv: int,
+                       v_lay: CoreLayout) -> WgGemms:
     """S (64 rows x ``tk`` keys) = Q K^T over ``s_steps`` k16 steps and O (64 rows x ``dv``) += P V over ``tk / 16``.
 
-    ``score*(sacc, qf, smem, kb)``: A = the warp's Q fragments ``qf[8 ks ..]`` (registers), B = a K tile of core
-    matrices (``core_index``) with rows of ``k_row`` elements from element ``kb``, K-major: LBO 128 bytes between
-    dim chunks, SBO ``16 k_row`` between 8-key groups, k step ``ks`` 2 dim chunks = 128 elements further. The
-    first step overwrites S (scale-d 0): no zeroing. ``pv*(oacc, pf, smem, vb)``: A = P's fragments ``pf[8 kk ..]``
-    (keys ``16 kk ..``), B = a V tile with rows of ``v_row`` elements from ``vb``, MN-major (trans-b): LBO
-    ``16 v_row`` bytes between 8-key groups, SBO 128 between dim chunks. Registers the wgmma's read or write
-    late are pinned before the ``wg_fence`` and after the wait."""
+    ``score*(sacc, qf, smem, kb)``: A = the warp's Q fragments ``qf[8 ks ..]`` (registers), B = a K tile stored
+    as ``k_lay`` from element ``kb``, K-major: LBO = ``k_lay.chunk`` between dim chunks, SBO = ``k_lay.group``
+    between 8-key groups, k step ``ks`` 2 dim chunks further. The first step overwrites S (scale-d 0): no
+    zeroing. ``pv*(oacc, pf, smem, vb)``: A = P's fragments ``pf[8 kk ..]`` (keys ``16 kk ..``), B = a V tile
+    stored as ``v_lay`` from ``vb``, MN-major (trans-b): LBO = ``v_lay.group`` between 8-key groups, SBO =
+    ``v_lay.chunk`` between dim chunks. Registers the wgmma's read or write late are pinned before the
+    ``wg_fence`` and after the wait."""
     q_regs, p_regs = s_steps * 4, tk // 4
 
     @T.macro
@@ -226,7 +263,8 @@ def wg_attention_gemms(dtype: str, *, s_steps: int, tk: int, k_row: int, dv: int
         T.evaluate(wg_fence())
         for ks in T.unroll(s_steps):
             T.evaluate(wgmma(dtype, tk, 0, T.address_of(sacc[0]), T.address_of(qf[ks * 8]),
-                             T.address_of(smem[kb]), ks * 128 * 2, 128, k_row * 16, accumulate=ks > 0))
+                             T.address_of(smem[kb]), ks * 4 * k_lay.chunk, 2 * k_lay.chunk, 2 * k_lay.group,
+                             accumulate=ks > 0))
         T.evaluate(wg_commit())
 
     @T.macro
@@ -247,7 +285,7 @@ def wg_attention_gemms(dtype: str, *, s_steps: int, tk: int, k_row: int, dv: int
         T.evaluate(wg_fence())
         for kk in T.unroll(tk // 16):
             T.evaluate(wgmma(dtype, dv, 1, T.address_of(oacc[0]), T.address_of(pf[kk * 8]),
-                             T.address_of(smem[vb]), kk * 16 * v_row * 2, v_row * 16, 128))
+                             T.address_of(smem[vb]), kk * 4 * v_lay.group, 2 * v_lay.group, 2 * v_lay.chunk))
         T.evaluate(wg_commit())
 
     @T.macro
@@ -264,5 +302,5 @@ def wg_attention_gemms(dtype: str, *, s_steps: int, tk: int, k_row: int, dv: int
     return WgGemms(score_issue, score_done, score, pv_issue, pv_done, accumulate)
 
 
-__all__ = ["WG_NS", "WG_REG_RUN", "WgGemms", "bar_arrive", "bar_sync", "store_before_wait", "wg_attention_gemms", "reg_fence", "acc_fence", "core_index", "proxy_fence", "wg_commit", "wg_fence", "wg_wait0", "wg_wait1",
+__all__ = ["WG_CORE_PAD", "WG_NS", "WG_REG_RUN", "CoreLayout", "WgGemms", "bar_arrive", "bar_sync", "store_before_wait", "wg_attention_gemms", "reg_fence", "acc_fence", "core_index", "proxy_fence", "wg_commit", "wg_fence", "wg_wait0", "wg_wait1",
            "wgmma"]

@@ -1,8 +1,9 @@
 """Tensor-core CUDA prefill (``attn_prefill_ragged`` / ``attn_prefill_paged``), fp16 / bf16, sm_80+: the
 plain (``apply_rope == 0``) kernel on ``mma.sync.m16n8k16`` (``_mma_cuda``), in one of the tiles ``TC_TILES``,
 picked by the path switch ``cuda_prefill_kernel`` (``pagedkv.kernel_spec.SWITCHES``); auto takes per op the
-first tile of ``attention_cuda_prefill.TC_DEFAULT_TILES`` that serves the spec (tc3 for the ragged op, tc2 for
-the paged one, each falling back to tc); ``tc_unserved`` says which specs a tile serves.
+first tile of ``attention_cuda_prefill.TC_DEFAULT_TILES`` that serves the spec (on sm_90a builds the wgmma tile
+wg2p, else tc3 for the ragged op and tc2 for the paged one, each falling back to tc); ``tc_unserved`` says which
+specs a tile serves.
 
 Same ABI and semantics as the SIMT kernel (``attention_cuda.py``): base-2 LSE, bottom-right causal, sliding
 window and soft cap through ``CudaVariant``, empty rows ``o = 0`` / ``lse = -1e30``, sm_scale an argument.
@@ -36,7 +37,8 @@ Design (FlashAttention-2 style), one block per (query tile, kv head):
 * "wg" (sm_90a only, forced only): the 64 rows of "tc" as one warpgroup (a warp's m16 tile is its quarter of
   an m64 tile: the A and D register layouts of ``wgmma`` are ``mma.sync``'s per warp, so Q, the softmax, P
   and O carry over), two stages of 64-key K / V tiles in dynamic shared memory stored as 8 x 8 core matrices
-  (``_wgmma_cuda.core_index``; 8 consecutive threads fill one with their 16-byte copies), S by ``D/16``
+  (``_wgmma_cuda.CoreLayout``, 16 bytes of padding after each: 8 consecutive threads copy 128 contiguous bytes
+  of a key row into 8 different bank groups), S by ``D/16``
   ``wgmma`` m64n64k16 (A = Q in registers, B = K, K-major) and O by 4 m64n{DV}k16 (A = P, B = V, trans-b);
   each group is committed and waited for at once (``fence.proxy.async`` after the copies' wait, before the
   barrier). ``tools/wgmma_probe.cu`` measured wgmma at 968 TFLOP/s on the H200 against 647 for mma.sync.
@@ -63,10 +65,10 @@ tc2     128   256      2       64  1 (Q in regs)   69,632 dyn.    210/180, 136/1
 tc3     128   128      2       32  2 (Q in smem)   69,632 dyn.    230/230, 161/162       2 / 3
 ======  ====  =======  ======  ==  ==============  =============  =====================  =================
 
-"wg" (sm_90a): 64 rows, 128 threads, 2 stages of 64 keys, 65,536 bytes dynamic shared memory at D 128 (no padding);
+"wg" (sm_90a): 64 rows, 128 threads, 2 stages of 64 keys, 73,728 bytes dynamic shared memory at D 128 (padded core matrices);
 ptxas 166 / 166 registers ragged / paged at D 128 (32/8/128 fp16), no spills. "wg2" / "wg2o" / "wg2p": 128 rows,
-256 threads, 2 / 3 / 4 stages (65,536 / 98,304 / 131,072 bytes at D 128); ptxas 211 / 170, 192 / 178 and 192 / 173
-registers (ragged / paged, 32/8/128 fp16), one block an SM; "wg2k" 196,608 bytes and 222 / 222 registers (254 / 255
+256 threads, 2 / 3 / 4 stages (73,728 / 110,592 / 147,456 bytes at D 128); ptxas 213 / 174, 208 / 176 and 206 / 181
+registers (ragged / paged, 32/8/128 fp16), one block an SM; "wg2k" 221,184 bytes and 222 / 222 registers (254 / 255
 windowed + capped bf16, no spills). The D 128 numbers are those of the copies of ``_prefill_tc_copy``
 (2026-12-05); the D 64 ones (table and below) are older (``test_prefill_tc_compile.py`` /
 ``test_prefill_wg_compile.py`` hold the spill limits). ptxas moves register-only work below a wgmma wait that
@@ -127,7 +129,7 @@ from ._prefill_tc_tiles import (
 from ._prefill_tc_copy import make_kv_copies
 from ._prefill_wg_pipelines import TileMacros, make_overlap, make_pingpong
 from ._variant_cuda import CudaVariant
-from ._wgmma_cuda import core_index, proxy_fence, wg_attention_gemms
+from ._wgmma_cuda import proxy_fence, wg_attention_gemms
 
 
 def tc_unserved(spec, dv: int, tile: str = "tc") -> str | None:
@@ -183,13 +185,16 @@ def make_prefill_tc(op: str, spec, paged: bool, tile: str = "tc"):
         """First row of m16 tile ``mt`` of warp ``w``."""
         return (w * MT + mt) * TC_WROWS
 
+    KL, VL = cfg.core_layout(D), cfg.core_layout(DV)  # wgmma: K / V tiles as core matrices
+
     def store_index(key, dim, c01):
         if WG:
-            return core_index(key, dim, D if c01 == 0 else DV)
+            return (KL if c01 == 0 else VL).index(key, dim)
         return k_store_index(key, dim, D) if c01 == 0 else v_store_index(key, dim, DV)
 
-    copies = make_kv_copies(tk=TK, threads=NT, dims=(D, DV), dtype=dtype, paged=paged, core=WG,
-                            store_index=store_index)
+    # Packed core matrices: 8 threads fill one (8 keys) to avoid bank conflicts; padded ones take row-major copies.
+    copies = make_kv_copies(tk=TK, threads=NT, dims=(D, DV), dtype=dtype, paged=paged,
+                            core=WG and not cfg.core_pad, store_index=store_index)
     issue = copies.issue
 
     def row_ok(r, ti):
@@ -300,7 +305,7 @@ def make_prefill_tc(op: str, spec, paged: bool, tile: str = "tc"):
         copies.issue_kv(smem, cfg.k_base(stage, D, DV), cfg.v_base(stage, D, DV), kvb, ti, kt, h, tid)
 
     # wgmma (``WG``): S and O += P V on the warpgroup's m64 tile, K / V tiles of D / DV-element rows.
-    wgg = wg_attention_gemms(dtype, s_steps=NKS, tk=TK, k_row=D, dv=DV, v_row=DV) if WG else None
+    wgg = wg_attention_gemms(dtype, s_steps=NKS, tk=TK, k_lay=KL, dv=DV, v_lay=VL) if WG else None
 
     @T.macro
     def score(sacc, qf, afr, smem, kb, bfr, w, lane):

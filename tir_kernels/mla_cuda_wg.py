@@ -10,9 +10,10 @@ block at its register limit, re-reading every latent tile from L2 once per 32 he
 Design: one block of two warpgroups (256 threads) per (64-head group, entry, key split):
 
 * Key tiles of ``TK = 32`` latent rows (all ``DL`` elements) in a ring of ``NS = 5`` stages of dynamic
-  shared memory, stored as 8 x 8 core matrices (``_wgmma_cuda.core_index``), loaded with 16-byte
-  ``cp.async``: thread ``t`` copies key ``t % 8 + 8 (t // 64)`` (one page lookup a tile), chunks
-  ``(t // 8) % 8 + 8 it``, so 8 consecutive threads fill one core matrix (128 contiguous bytes).
+  shared memory, stored as 8 x 8 core matrices with 16 bytes of padding after each (``tile_layout``), loaded
+  with 16-byte ``cp.async``: thread ``t`` copies key ``t // 8`` (one page lookup a tile), chunks ``t % 8 + 8 it``,
+  so 8 consecutive threads read 128 contiguous bytes of a latent row (whole L2 sectors) and write them to 8
+  different shared-memory bank groups.
 * S = Q K^T split over the latent dims: warpgroup ``g`` holds Q's A fragments of dims ``DL / 2 * g ..`` in
   registers (72 at DeepSeek's 576) and computes the partial scores of all 64 rows x 32 keys with
   ``DL / 32`` wgmma m64n32k16 (B = the tile, K-major). The two partials meet in a static shared array
@@ -29,7 +30,7 @@ Design: one block of two warpgroups (256 threads) per (64-head group, entry, key
 * Splits: as ``mla_cuda_tc`` (``wave_split_count``, one block an SM; the runtime's ``max_kv_len``);
   ``S > 1``: partial states in a float32 workspace and ``mla_cuda``'s merge kernel.
 
-Resources (ptxas, sm_90a, DeepSeek 512 + 64, no spills, no stack): 252 registers (128 heads fp16), 184,320 bytes
+Resources (ptxas, sm_90a, DeepSeek 512 + 64, no spills, no stack): 252 registers (128 heads fp16), 207,360 bytes
 of dynamic + 16,384 of static shared memory; one block an SM. H200: runs 15-17 (BENCHMARKS.md), GPU suite.
 
 Limits as data (``wg_unserved``): target arch sm_90a, fp16 / bf16, ``DL % 64 == 0`` and ``DL <= 576``,
@@ -48,7 +49,7 @@ from ._common import EMPTY_LSE, LOG2E, MASKED
 from ._common_cuda import decode_splits, shfl_xor
 from ._mla_frame_cuda import make_split_frame
 from ._mma_cuda import a_frag, c_frag, cp_async16, cp_async_commit, cp_async_wait, keep_extent
-from ._wgmma_cuda import WG_NS, core_index, proxy_fence, wg_attention_gemms, wg_wait0
+from ._wgmma_cuda import WG_CORE_PAD, WG_NS, CoreLayout, proxy_fence, wg_attention_gemms, wg_wait0
 
 #: The path switch and the value that forces this kernel; the arch its instructions need.
 SWITCH, VALUE = "cuda_mla_decode_kernel", "wg"
@@ -92,9 +93,15 @@ def use_wg(spec) -> bool:
                                and not wg_unserved(spec))
 
 
+def tile_layout(latent_dim: int) -> CoreLayout:
+    """A ring stage's ``TK`` latent rows: core matrices padded by ``WG_CORE_PAD`` (row-major copies without
+    bank conflicts)."""
+    return CoreLayout(latent_dim, WG_CORE_PAD)
+
+
 def smem_bytes(latent_dim: int) -> int:
     """Dynamic shared memory of a block (bytes): the ring's ``NS`` tiles of ``TK`` latent rows."""
-    return 2 * NS * TK * latent_dim
+    return 2 * NS * tile_layout(latent_dim).elems(TK)
 
 
 def _make_tile_ops(H: int, DL: int, DV: int, dtype: str):
@@ -104,24 +111,26 @@ def _make_tile_ops(H: int, DL: int, DV: int, dtype: str):
     NKS, NSN, NDN = KH // 16, TK // 8, DVH // 8
     SN, ON = NSN * 4, NDN * 4  # S and O accumulators a thread
     CPR = DL // 8  # 16-byte chunks a latent row
+    LAY = tile_layout(DL)
 
     @T.macro
     def issue(smem, stage, pages, page_values, pbase, ps, kbase, kend, tid):
         """Start copying keys ``kbase ..`` into stage ``stage`` (zeros at or past ``kend``); the caller commits."""
-        key: T.let[T.int32] = T.truncmod(tid, 8) + 8 * T.truncdiv(tid, 64)
+        # 8 consecutive threads on 128 contiguous bytes of one key row: whole L2 sectors, and (padded core
+        # matrices) 8 different bank groups of shared memory.
+        key: T.let[T.int32] = T.truncdiv(tid, 8)
         if kbase + key < kend:
             pg: T.let[T.int32] = page_values[pbase + T.truncdiv(kbase + key, ps)]
             off: T.let[T.int32] = T.truncmod(kbase + key, ps)
             for it in T.unroll(CPR // 8):
                 T.evaluate(cp_async16(
-                    T.address_of(smem[stage * TK * DL + core_index(key, (T.truncmod(T.truncdiv(tid, 8), 8)
-                                                                         + 8 * it) * 8, DL)]),
-                    T.address_of(pages[pg, 0, 0, off, (T.truncmod(T.truncdiv(tid, 8), 8) + 8 * it) * 8])))
+                    T.address_of(smem[stage * LAY.elems(TK) + LAY.index(key, (T.truncmod(tid, 8) + 8 * it) * 8)]),
+                    T.address_of(pages[pg, 0, 0, off, (T.truncmod(tid, 8) + 8 * it) * 8])))
         else:
             for it in T.unroll(CPR // 8):
                 for e in T.vectorized(8):
-                    smem[stage * TK * DL + core_index(key, (T.truncmod(T.truncdiv(tid, 8), 8) + 8 * it) * 8, DL)
-                         + e] = T.Cast(dtype, T.float32(0))
+                    smem[stage * LAY.elems(TK) + LAY.index(key, (T.truncmod(tid, 8) + 8 * it) * 8) + e] = \
+                        T.Cast(dtype, T.float32(0))
 
     @T.macro
     def load_q(qf, q, b, h0, wg, w, lane):
@@ -134,14 +143,14 @@ def _make_tile_ops(H: int, DL: int, DV: int, dtype: str):
                       wg * KH + ks * 16 + a_frag(lane, i)[1]], T.Cast(dtype, T.float32(0)))
 
     # S over the warpgroup's KH latent dims, O over its DVH value dims; the tile's rows are DL elements.
-    wgg = wg_attention_gemms(dtype, s_steps=NKS, tk=TK, k_row=DL, dv=DVH, v_row=DL)
+    wgg = wg_attention_gemms(dtype, s_steps=NKS, tk=TK, k_lay=LAY, dv=DVH, v_lay=LAY)
 
     @T.macro
     def score(smem, Ss, kb, qf, sacc, oacc, pf, wg, t):
         """Full S of the tile at ``kb`` in ``sacc``: this warpgroup's partial by wgmma (its dims start ``KH / 8``
         core matrices in), the other's through ``Ss[e, g, t]`` (consecutive threads on consecutive words).
         Ends after a barrier both passed."""
-        wgg.score(sacc, qf, smem, kb + wg * KH * 8)
+        wgg.score(sacc, qf, smem, kb + LAY.index(0, wg * KH))
         wgg.pv_done(oacc, pf)  # the wait also completed the previous tile's P V
         for e in T.unroll(SN):
             Ss[(e * 2 + wg) * 128 + t] = sacc[e]
@@ -182,7 +191,7 @@ def _make_tile_ops(H: int, DL: int, DV: int, dtype: str):
     def accumulate(smem, kb, oacc, pf, wg):
         """Issue O (the warpgroup's value dims) += P V, V the first DV columns of the tile at ``kb`` (MN-major);
         waited for by the next tile's score (it runs during the tile switch) or by ``finish``."""
-        wgg.pv_issue(oacc, pf, smem, kb + wg * DVH * 8)
+        wgg.pv_issue(oacc, pf, smem, kb + LAY.index(0, wg * DVH))
 
     @T.macro
     def finish(oacc, pf):
@@ -237,6 +246,7 @@ def mla_attn_decode_paged_wg(spec):
     NG = (H + ROWS - 1) // ROWS
     issue, load_q, score, softmax, accumulate, finish, SN, ON, NKS = _make_tile_ops(H, DL, DV, dtype)
     store = _make_store(H, DV, dtype)
+    TILE = tile_layout(DL).elems(TK)  # elements a ring stage
 
     @T.macro
     def block(q, pages, page_values, o, lse, ws, sm_scale, ps, at, n, keys):
@@ -280,9 +290,9 @@ def mla_attn_decode_paged_wg(spec):
                 issue(smem, T.truncmod(kt + AHEAD, NS), pages, page_values, pbase, ps, k0 + (kt + AHEAD) * TK, k1,
                       tid)
             T.evaluate(cp_async_commit())
-            score(smem, Ss, T.truncmod(kt, NS) * TK * DL, qf, sacc, oacc, pf, wg, T.truncmod(tid, 128))
+            score(smem, Ss, T.truncmod(kt, NS) * TILE, qf, sacc, oacc, pf, wg, T.truncmod(tid, 128))
             softmax(sacc, pf, m, lsum, oacc, st, k0 + kt * TK, k1, sm_scale * T.float32(LOG2E), lane)
-            accumulate(smem, T.truncmod(kt, NS) * TK * DL, oacc, pf, wg)
+            accumulate(smem, T.truncmod(kt, NS) * TILE, oacc, pf, wg)
         finish(oacc, pf)
         store(oacc, m, lsum, o, lse, ws[0], ws[1], bx, bx < B, g * ROWS, S, sp, wg, w, lane)
 

@@ -242,15 +242,16 @@ def test_q_and_k_nt2_rows_are_aligned_without_bank_conflicts(d):
 def test_copy_chunks_cover_each_tile_once(tile, d):
     """``_prefill_tc_copy``'s 16-byte chunks of a K / V tile: every (key, 8-element dim chunk) of the ``tk`` x ``d``
     tile exactly once over the block's threads, and chunk ``it`` of a thread ``KSTEP it`` keys past its chunk 0
-    at the same dims (the premise of the copy loop that steps one cursor from chunk to chunk); with wgmma's core
-    matrices, 8 consecutive threads fill one core matrix (128 contiguous bytes)."""
+    at the same dims (the premise of the copy loop that steps one cursor from chunk to chunk). Each 8 consecutive
+    threads (one shared-memory wavefront of 16-byte stores) write 8 different 16-byte bank groups, and, unless
+    the core matrices are packed, read 128 contiguous bytes of one global row."""
     import operator
 
     from pagedkv.tir_kernels._prefill_tc_copy import _Chunks
-    from pagedkv.tir_kernels._wgmma_cuda import core_index
 
     cfg = tc.TC_TILES[tile]
-    ch = _Chunks(cfg.tk, d, cfg.threads, 8, cfg.wgmma)
+    packed = cfg.wgmma and not cfg.core_pad
+    ch = _Chunks(cfg.tk, d, cfg.threads, 8, packed)
     assert ch.uniform and ch.count * cfg.threads * 8 == cfg.tk * d
     seen = set()
     for t in range(cfg.threads):
@@ -258,7 +259,15 @@ def test_copy_chunks_cover_each_tile_once(tile, d):
         for it in range(ch.count):
             seen.add((key0 + it * ch.kstep, dim0))
     assert seen == {(k, c) for k in range(cfg.tk) for c in range(0, d, 8)}
-    if cfg.wgmma:
+
+    def store(key, dim):
+        return cfg.core_layout(d).index(key, dim) if cfg.wgmma else tc.k_store_index(key, dim, d)
+
+    for it in range(ch.count):
         for t0 in range(0, cfg.threads, 8):
-            starts = [core_index(*ch.at(t, operator.floordiv, operator.mod), d) for t in range(t0, t0 + 8)]
-            assert starts == list(range(starts[0], starts[0] + 64, 8)) and starts[0] % 64 == 0
+            at = [ch.at(t, operator.floordiv, operator.mod) for t in range(t0, t0 + 8)]
+            at = [(k + it * ch.kstep, c) for k, c in at]
+            assert all(store(k, c) % 8 == 0 for k, c in at)
+            assert len({store(k, c) // 8 % 8 for k, c in at}) == 8, (tile, d, t0, at)
+            if not packed:
+                assert {k for k, _ in at} == {at[0][0]} and [c for _, c in at] == list(range(at[0][1], at[0][1] + 64, 8))

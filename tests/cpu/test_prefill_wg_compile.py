@@ -4,7 +4,7 @@ host: no GPU.
 - It serves head dim 128 only (``kernel_spec.wg_prefill_limits``: head dim 64 gave wrong outputs on the H200 at
   GQA groups 3, 4 and 7); forcing it elsewhere raises naming the limit.
 - It serves only a target arch of sm_90a (``KernelSpec.target_arch``, filled by ``tir_kernels.make`` from the
-  target): forced for an sm_90 target it raises naming the arch; auto never picks it (``TC_DEFAULT_TILES``).
+  target): forced for an sm_90 target it raises naming the arch; auto takes "wg2p" on sm_90a (``TC_DEFAULT_TILES``).
 - ``nvcc --cubin -arch=sm_90a`` compiles its ragged and paged kernels without register spills, in at most 255
   registers, with the expected wgmma count: per key tile ``D/16`` m64n64k16 for S and ``TK/16`` m64n{DV}k16 for
   P V, every one unrolled (in the CUDA source, then as HGMMA in the SASS when cuobjdump is there); "wg2o",
@@ -50,14 +50,18 @@ def _wg(cfg, tile="wg"):
     return dataclasses.replace(cfg, paths={SWITCH: tile})
 
 
-def test_wg_needs_sm90a_and_is_forced_only():
+def test_wg_needs_sm90a_and_auto_takes_wg2p_there():
     cfg = SHAPES["32x8x128-f16"]
     for op in OPS:
         with pytest.raises(NotImplementedError, match="sm_90a"):
             tk.FACTORIES[op](_wg(cfg), SM90)
-    assert not set(WG_TILES) & set(sum(pf.TC_DEFAULT_TILES.values(), ()))
     spec = dataclasses.replace(cfg, target_arch="sm_90a")
-    assert pf.use_tensor_cores(OPS[0], spec, 128) == pf.TC_DEFAULT_TILES[OPS[0]][0]  # auto: unchanged on sm_90a
+    for op, fallback in zip(OPS, ("tc3", "tc2")):
+        assert pf.TC_DEFAULT_TILES[op][:2] == ("wg2p", fallback)
+        assert pf.use_tensor_cores(op, spec, 128) == "wg2p"  # auto on sm_90a
+        assert pf.use_tensor_cores(op, cfg, 128) == fallback  # auto on sm_90 (no wgmma)
+        spec64 = dataclasses.replace(tk.KernelConfig(32, 8, 64, 64, "float16"), target_arch="sm_90a")
+        assert pf.use_tensor_cores(op, spec64, 64) == fallback  # wg2p takes head dim 128 only
     assert pf.use_tensor_cores(OPS[0], _wg(spec), 128) == "wg"
     assert "target_arch" not in cfg.to_dict() and spec.to_dict()["target_arch"] == "sm_90a"
 
@@ -78,18 +82,20 @@ def test_wg_refuses_head_dim_64(cfg):
 
 
 def test_wg_tile_shared_memory():
+    # Core matrices padded by 8 elements: a 128-element row takes 144 (a 64-key tile 18,432 elements).
     t = TC_TILES["wg"]
-    assert (t.rows, t.threads, t.stages, t.tk, t.pad, t.wgmma, t.overlap) == (64, 128, 2, 64, 0, True, False)
-    assert t.smem_bytes(128, 128) == 2 * 64 * 256 * 2 == 65536
-    assert t.v_base(1, 128, 128) == 64 * 256 + 64 * 128
+    assert (t.rows, t.threads, t.stages, t.tk, t.core_pad, t.wgmma, t.overlap) == (64, 128, 2, 64, 8, True, False)
+    assert t.row_elems(128) == 144 and t.row_elems(64) == 72
+    assert t.smem_bytes(128, 128) == 2 * 64 * 288 * 2 == 73728
+    assert t.v_base(1, 128, 128) == 64 * 288 + 64 * 144
     t2, t2o = TC_TILES["wg2"], TC_TILES["wg2o"]
     assert (t2.rows, t2.threads, t2.stages, t2.overlap) == (128, 256, 2, False)
     assert (t2o.rows, t2o.threads, t2o.stages, t2o.overlap) == (128, 256, 3, True)
-    assert t2o.smem_bytes(128, 128) == 3 * 64 * 256 * 2 and t2o.k_base(2, 128, 128) == 2 * 64 * 256
-    assert TC_TILES["wg2k"].smem_bytes(128, 128) == 3 * 128 * 256 * 2 <= 227 * 1024
+    assert t2o.smem_bytes(128, 128) == 3 * 64 * 288 * 2 and t2o.k_base(2, 128, 128) == 2 * 64 * 288
+    assert TC_TILES["wg2k"].core_pad == 0 and TC_TILES["wg2k"].smem_bytes(128, 128) == 3 * 128 * 256 * 2
     t2p = TC_TILES["wg2p"]
     assert (t2p.rows, t2p.threads, t2p.stages, t2p.tk, t2p.overlap, t2p.pingpong) == (128, 256, 4, 64, True, True)
-    assert t2p.smem_bytes(128, 128) == 4 * 64 * 256 * 2 <= 227 * 1024
+    assert t2p.smem_bytes(128, 128) == 4 * 64 * 288 * 2 <= 227 * 1024
     for tile in WG_TILES:
         with pytest.raises(NotImplementedError, match="sm_90a"):
             tk.FACTORIES[OPS[1]](_wg(SHAPES["32x8x128-f16"], tile), SM90)
@@ -111,7 +117,7 @@ def test_wg_nvcc_no_spills_and_wgmma(name, tile, nvcc_results):
     usage = ptxas_usage(log)
     assert usage and all(max(u[1:]) == 0 for u in usage.values()), usage
     assert "instructions are serialized" not in log and "warpgroup.wait is injected" not in log, log[-3000:]
-    print(name, usage)  # registers, spill stores, spill loads per kernel (the report quotes them)
+    print(name, tile, usage)  # registers, spill stores, spill loads per kernel (the report quotes them)
     d, t = SHAPES[name].head_dim, TC_TILES[tile]
     want = (d // 16 + t.tk // 16) * (2 if t.overlap else 1)  # per kernel: S and P V of a key tile, unrolled
     source = (workdir / f"wg_{name}_{tile}.cu").read_text()
