@@ -8,7 +8,7 @@ timed call), or raises ``Unavailable`` saying why the implementation does not ap
 - ``pagedkv-tir-tc`` / ``-tc2`` / ``-tc3`` / ``-wg``: ``pagedkv-tir`` with the tensor-core prefill kernel forced
   (path switch ``cuda_prefill_kernel=tc``, or ``tc2`` / ``tc3``: its 128-row two-stage tiles, or ``wg``: the
   wgmma warpgroup tile), on the prefill workloads; every TIR column's library is built for sm_90a (``TIR_ARCH``:
-  auto takes the wgmma kernels there);
+  auto takes the wgmma MLA decode there);
 - ``pagedkv-tir-tcd``: ``pagedkv-tir`` with the tensor-core decode kernel forced (``cuda_decode_kernel=tc``,
   ``tir_kernels/_decode_tc_cuda.py``), on the plain MHA decode workloads;
 - ``pagedkv-fi`` / ``pagedkv-tir``: a pagedkv cache (``pagedkv.create``) with the FlashInfer backend (TIR
@@ -32,8 +32,8 @@ from _bench_workloads import (D, HKV, MLA_PS, MLA_R, MLA_ROPE, PS, ROPE_SCALE, R
                               Workload, sm_scale)
 
 TARGET = {"kind": "cuda", "arch": "sm_90"}
-#: The arch of the TIR columns' libraries on a CUDA target: the H200's whole instruction set, so that auto takes the
-#: wgmma kernels (the prefill's wg2p, the MLA decode's at 64+ heads) as a user building for Hopper gets them. The
+#: The arch of the TIR columns' libraries on a CUDA target: Hopper's whole instruction set, so that auto takes the
+#: wgmma kernels where it does (the MLA decode at 64+ heads) as a user building for Hopper gets them. The
 #: FlashInfer columns keep ``TARGET`` (the backend takes fa3 for sm_90).
 TIR_ARCH = "sm_90a"
 #: where the benchmark runs (a CPU test of the benchmark's plumbing sets "cpu" and TARGET "llvm")

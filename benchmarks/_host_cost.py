@@ -37,7 +37,7 @@ def begin_forward_split(batch: int, length: int, steps: int) -> dict:
     out = {}
     for label in ("pagedkv-tir", "pagedkv-fi"):
         cache = pagedkv.create(_config(batch, length, layers=1), backend=impls.PAGEDKV_BACKENDS[label],
-                               target=impls.TARGET, device=impls.DEVICE)
+                               target=impls.cache_target(label), device=impls.DEVICE)
         for b in range(batch):
             cache.add_sequence(b)
         impls.reserve(cache, {b: length for b in range(batch)})

@@ -32,11 +32,9 @@ PREFILL_SWITCH = "cuda_prefill_kernel"
 #: the first tile of ``TC_DEFAULT_TILES`` that serves the spec. Measured on the H200 (fp16 32/8/128, run 8 of
 #: BENCHMARKS.md, ratio to FlashInfer's best): whole prompts (the ragged op) tc3 0.47-0.56 against tc
 #: 0.41-0.43 and tc2 0.44-0.46; a chunk over cached keys (the paged op: continuation prefills, prefix passes)
-#: tc2 0.33 against tc 0.23 and tc3 0.19 (tc3's 32-key tiles walk the page table twice as often). On sm_90a
-#: builds both start with the wgmma tile wg2p (head dim 128; run 17, packed core matrices: 0.38-0.47 against
-#: tc3's 0.44-0.46 and tc2's paged 0.46; its padded core matrices and coalesced copies came after).
+#: tc2 0.33 against tc 0.23 and tc3 0.19 (tc3's 32-key tiles walk the page table twice as often).
 TC_BY_DEFAULT = True
-TC_DEFAULT_TILES = {ATTN_PREFILL_RAGGED: ("wg2p", "tc3", "tc"), ATTN_PREFILL_PAGED: ("wg2p", "tc2", "tc")}
+TC_DEFAULT_TILES = {ATTN_PREFILL_RAGGED: ("tc3", "tc"), ATTN_PREFILL_PAGED: ("tc2", "tc")}
 
 # ---------------------------------------------------------------------------------------------------
 # prefill (ragged and paged)

@@ -40,11 +40,11 @@ SWITCHES: dict[str, tuple[str, tuple[str, ...]]] = {
                             "of tile kt - 1; wg2k = wg2o with 128-key tiles; wg2p = wg2o with four stages, no block "
                             "barrier: the warpgroups signal landed tiles and take turns issuing their wgmma's "
                             "through named barriers (the wg tiles need a target arch sm_90a, "
-                            "kernel_spec.KernelSpec.target_arch; auto takes wg2p on sm_90a). "
+                            "kernel_spec.KernelSpec.target_arch; forced only, auto never picks them). "
                             "Inline RoPE always runs the SIMT kernel. auto: the tensor-core kernel where it serves "
                             "the spec (TC_BY_DEFAULT), in the op's first serving tile of "
-                            "tir_kernels.attention_cuda_prefill.TC_DEFAULT_TILES (sm_90a: wg2p; then ragged: tc3, "
-                            "else tc; paged: tc2, else tc), SIMT elsewhere",
+                            "tir_kernels.attention_cuda_prefill.TC_DEFAULT_TILES (ragged: tc3, else tc; paged: "
+                            "tc2, else tc), SIMT elsewhere",
                             ("auto", "simt", "tc", "tc2", "tc3", "wg", "wg2", "wg2o", "wg2k", "wg2p")),
     "cuda_decode_kernel": ("CUDA MHA decode (attn_decode_paged), plain and inline RoPE: the lane-group kernel "
                            "for both (lanes) or the shared-memory staged kernel for both (staged; raises where "
@@ -87,7 +87,7 @@ def tc_decode_limits(g: int, d: int, dtype: str) -> list[str]:
     return out
 
 
-#: What the wgmma prefill tiles ("wg" .. "wg2p"; auto takes wg2p on sm_90a) serve beyond the tensor-core prefill's limits: the head dim of
+#: What the wgmma prefill tiles ("wg", "wg2", "wg2o", forced only) serve beyond the tensor-core prefill's limits: the head dim of
 #: its H200 runs that matched the reference. At head dim 64 its outputs were wrong (relative error 0.07-0.37 at
 #: GQA groups 3, 4 and 7; head dim 128 at groups 1, 3, 4 and 8 right; H200, 2026-12-04). Not the operand
 #: layouts (``tools/wgmma_probe.cu`` checked them at these strides); cause not found. Refused, not run.

@@ -217,3 +217,17 @@ def test_interleaved_timing_takes_every_sample_call_by_call(monkeypatch):
     timed = [n for n in calls[6:] if n != "c"]  # after the warm-up calls
     passes = [tuple(timed[i:i + 2]) for i in range(0, len(timed), 2)]
     assert all(sorted(p) == ["a", "b"] for p in passes) and len(set(passes)) == 2
+
+
+def test_cache_targets_on_cuda(monkeypatch):
+    """On a CUDA target every TIR column (auto and forced tiles) builds for ``TIR_ARCH`` and the FlashInfer columns
+    for ``TARGET``; the host-cost rows take the same targets (their libraries are the bundle's)."""
+    import inspect
+
+    import _host_cost
+
+    monkeypatch.setattr(impls, "TARGET", {"kind": "cuda", "arch": "sm_90"})
+    for label, backend in impls.PAGEDKV_BACKENDS.items():
+        want = impls.TIR_ARCH if backend == "tir" else "sm_90"
+        assert impls.cache_target(label)["arch"] == want, label
+    assert "impls.TARGET" not in inspect.getsource(_host_cost.begin_forward_split)

@@ -59,8 +59,7 @@ def _script(cfg, op):
 def test_switch_is_registered_and_on_by_default():
     assert tk.SWITCHES[SWITCH][1] == ("auto", "simt", *TILES, *WG_PREFILL_TILES)  # test_prefill_wg_compile.py
     assert pf.TC_BY_DEFAULT is True
-    assert pf.TC_DEFAULT_TILES == {"attn_prefill_ragged": ("wg2p", "tc3", "tc"),
-                                   "attn_prefill_paged": ("wg2p", "tc2", "tc")}
+    assert pf.TC_DEFAULT_TILES == {"attn_prefill_ragged": ("tc3", "tc"), "attn_prefill_paged": ("tc2", "tc")}
 
 
 @pytest.mark.parametrize("op", OPS)
@@ -68,8 +67,7 @@ def test_tc_is_the_default_where_it_serves(op):
     cfg = SHAPES["32x8x128-f16"]
     default = _script(cfg, op)
     assert "pagedkv_mma_f16" in default
-    # sm_90 (no wgmma): the op's first tile past wg2p.
-    assert _script(_with(cfg, "auto"), op) == default == _script(_with(cfg, pf.TC_DEFAULT_TILES[op][1]), op)
+    assert _script(_with(cfg, "auto"), op) == default == _script(_with(cfg, pf.TC_DEFAULT_TILES[op][0]), op)
     assert "pagedkv_mma" not in _script(_with(cfg, "simt"), op)
     one_stage = _script(_with(cfg, "tc"), op)  # 64 rows, one stage in static shared memory
     assert "pagedkv_mma_f16" in one_stage and "shared.dyn" not in one_stage

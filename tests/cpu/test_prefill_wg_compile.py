@@ -4,7 +4,7 @@ host: no GPU.
 - It serves head dim 128 only (``kernel_spec.wg_prefill_limits``: head dim 64 gave wrong outputs on the H200 at
   GQA groups 3, 4 and 7); forcing it elsewhere raises naming the limit.
 - It serves only a target arch of sm_90a (``KernelSpec.target_arch``, filled by ``tir_kernels.make`` from the
-  target): forced for an sm_90 target it raises naming the arch; auto takes "wg2p" on sm_90a (``TC_DEFAULT_TILES``).
+  target): forced for an sm_90 target it raises naming the arch; auto never picks it (``TC_DEFAULT_TILES``).
 - ``nvcc --cubin -arch=sm_90a`` compiles its ragged and paged kernels without register spills, in at most 255
   registers, with the expected wgmma count: per key tile ``D/16`` m64n64k16 for S and ``TK/16`` m64n{DV}k16 for
   P V, every one unrolled (in the CUDA source, then as HGMMA in the SASS when cuobjdump is there); "wg2o",
@@ -50,18 +50,14 @@ def _wg(cfg, tile="wg"):
     return dataclasses.replace(cfg, paths={SWITCH: tile})
 
 
-def test_wg_needs_sm90a_and_auto_takes_wg2p_there():
+def test_wg_needs_sm90a_and_is_forced_only():
     cfg = SHAPES["32x8x128-f16"]
     for op in OPS:
         with pytest.raises(NotImplementedError, match="sm_90a"):
             tk.FACTORIES[op](_wg(cfg), SM90)
+    assert not set(WG_TILES) & set(sum(pf.TC_DEFAULT_TILES.values(), ()))
     spec = dataclasses.replace(cfg, target_arch="sm_90a")
-    for op, fallback in zip(OPS, ("tc3", "tc2")):
-        assert pf.TC_DEFAULT_TILES[op][:2] == ("wg2p", fallback)
-        assert pf.use_tensor_cores(op, spec, 128) == "wg2p"  # auto on sm_90a
-        assert pf.use_tensor_cores(op, cfg, 128) == fallback  # auto on sm_90 (no wgmma)
-        spec64 = dataclasses.replace(tk.KernelConfig(32, 8, 64, 64, "float16"), target_arch="sm_90a")
-        assert pf.use_tensor_cores(op, spec64, 64) == fallback  # wg2p takes head dim 128 only
+    assert pf.use_tensor_cores(OPS[0], spec, 128) == pf.TC_DEFAULT_TILES[OPS[0]][0]  # auto: unchanged on sm_90a
     assert pf.use_tensor_cores(OPS[0], _wg(spec), 128) == "wg"
     assert "target_arch" not in cfg.to_dict() and spec.to_dict()["target_arch"] == "sm_90a"
 
