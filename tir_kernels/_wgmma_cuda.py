@@ -38,7 +38,7 @@ _PTX_TYPE = {"float16": "f16", "bfloat16": "bf16"}
 #: Elements after each core matrix in the kernels' K / V tiles (``CoreLayout.pad``): 8 (a 144-byte stride) makes
 #: row-major 16-byte copies (8 threads on 128 contiguous bytes of a global row) free of shared-memory bank
 #: conflicts; packed core matrices (0) need 8 threads on 8 keys' same dims instead, which reads half-used L2
-#: sectors (BENCHMARKS.md run 17).
+#: sectors. The padded layout made the wgmma prefill 1-4% faster (BENCHMARKS.md run 18 probe, H100).
 WG_CORE_PAD = 8
 
 
@@ -70,11 +70,6 @@ class CoreLayout:
     def elems(self, rows: int) -> int:
         """Elements of ``rows`` rows (a multiple of 8)."""
         return rows // 8 * self.group
-
-
-def core_index(row, dim, d: int):
-    """Element of (``row``, ``dim``) in a ``[rows][d]`` tile of packed core matrices (``CoreLayout(d)``)."""
-    return CoreLayout(d).index(row, dim)
 
 
 def _wgmma_fn(n: int, ptx: str, trans: int) -> str:
@@ -302,5 +297,5 @@ def wg_attention_gemms(dtype: str, *, s_steps: int, tk: int, k_lay: CoreLayout, 
     return WgGemms(score_issue, score_done, score, pv_issue, pv_done, accumulate)
 
 
-__all__ = ["WG_CORE_PAD", "WG_NS", "WG_REG_RUN", "CoreLayout", "WgGemms", "bar_arrive", "bar_sync", "store_before_wait", "wg_attention_gemms", "reg_fence", "acc_fence", "core_index", "proxy_fence", "wg_commit", "wg_fence", "wg_wait0", "wg_wait1",
+__all__ = ["WG_CORE_PAD", "WG_NS", "WG_REG_RUN", "CoreLayout", "WgGemms", "bar_arrive", "bar_sync", "store_before_wait", "wg_attention_gemms", "reg_fence", "acc_fence", "proxy_fence", "wg_commit", "wg_fence", "wg_wait0", "wg_wait1",
            "wgmma"]
