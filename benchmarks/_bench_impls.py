@@ -5,10 +5,10 @@ timed call), or raises ``Unavailable`` saying why the implementation does not ap
 
 - ``fi:*``: FlashInfer 0.7.4 through its own Python wrappers (plan once, run timed), every variant:
   decode on CUDA cores and on tensor cores (fa2, fa3), ragged and paged prefill (fa2, fa3), MLA (fa2, fa3);
-- ``pagedkv-tir-tc`` / ``-tc2`` / ``-tc3`` / ``-wg``: ``pagedkv-tir`` with the tensor-core prefill kernel forced
-  (path switch ``cuda_prefill_kernel=tc``, or ``tc2`` / ``tc3``: its 128-row two-stage tiles, or ``wg``: the
-  wgmma warpgroup tile), on the prefill workloads; every TIR column's library is built for sm_90a (``TIR_ARCH``:
-  auto takes the wgmma MLA decode there);
+- ``pagedkv-tir-tc`` / ``-tc2`` / ``-tc3`` / ``-tc4`` / ``-wg``: ``pagedkv-tir`` with the tensor-core prefill kernel
+  forced (path switch ``cuda_prefill_kernel=tc``, or ``tc2`` / ``tc3``: its 128-row two-stage tiles, ``tc4``: the
+  256-row one, or ``wg``: the wgmma warpgroup tile), on the prefill workloads; every TIR column's library is
+  built for sm_90a (``TIR_ARCH``: auto takes the wgmma MLA decode there);
 - ``pagedkv-tir-tcd``: ``pagedkv-tir`` with the tensor-core decode kernel forced (``cuda_decode_kernel=tc``,
   ``tir_kernels/_decode_tc_cuda.py``), on the plain MHA decode workloads;
 - ``pagedkv-fi`` / ``pagedkv-tir``: a pagedkv cache (``pagedkv.create``) with the FlashInfer backend (TIR
@@ -39,7 +39,7 @@ TIR_ARCH = "sm_90a"
 #: where the benchmark runs (a CPU test of the benchmark's plumbing sets "cpu" and TARGET "llvm")
 DEVICE = "cuda"
 PAGEDKV_BACKENDS = {"pagedkv-fi": ["flashinfer", "tir"], "pagedkv-tir": "tir", "pagedkv-tir-tc": "tir",
-                    "pagedkv-tir-tc2": "tir", "pagedkv-tir-tc3": "tir", "pagedkv-tir-tcd": "tir",
+                    "pagedkv-tir-tc2": "tir", "pagedkv-tir-tc3": "tir", "pagedkv-tir-tc4": "tir", "pagedkv-tir-tcd": "tir",
                     "pagedkv-tir-wg": "tir", "pagedkv-tir-wg2": "tir", "pagedkv-tir-wg2o": "tir", "pagedkv-tir-wg2k": "tir",
                     "pagedkv-tir-wg2p": "tir",
                     "pagedkv-tir-mlatc": "tir", "pagedkv-tir-mlawg": "tir"}
@@ -47,7 +47,8 @@ PAGEDKV_BACKENDS = {"pagedkv-fi": ["flashinfer", "tir"], "pagedkv-tir": "tir", "
 #: prefill tiles (``tir_kernels.attention_cuda_prefill.TC_DEFAULT_TILES``: auto is tc3 for whole prompts, tc2 for
 #: the paged op), each forced on its own so that the tiles are compared in every run.
 PAGEDKV_PATHS = {"pagedkv-tir-tc": {"cuda_prefill_kernel": "tc"}, "pagedkv-tir-tc2": {"cuda_prefill_kernel": "tc2"},
-                 "pagedkv-tir-tc3": {"cuda_prefill_kernel": "tc3"}, "pagedkv-tir-tcd": {"cuda_decode_kernel": "tc"},
+                 "pagedkv-tir-tc3": {"cuda_prefill_kernel": "tc3"},
+                 "pagedkv-tir-tc4": {"cuda_prefill_kernel": "tc4"}, "pagedkv-tir-tcd": {"cuda_decode_kernel": "tc"},
                  "pagedkv-tir-wg": {"cuda_prefill_kernel": "wg"}, "pagedkv-tir-wg2": {"cuda_prefill_kernel": "wg2"},
                  "pagedkv-tir-wg2o": {"cuda_prefill_kernel": "wg2o"}, "pagedkv-tir-wg2k": {"cuda_prefill_kernel": "wg2k"},
                  "pagedkv-tir-wg2p": {"cuda_prefill_kernel": "wg2p"},

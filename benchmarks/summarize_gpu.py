@@ -10,8 +10,8 @@ import math
 import sys
 from pathlib import Path
 
-PEERS = ("pagedkv-fi", "pagedkv-tir", "pagedkv-tir-tc", "pagedkv-tir-tc2", "pagedkv-tir-tc3", "pagedkv-tir-tcd",
-         "pagedkv-tir-wg", "pagedkv-tir-wg2", "pagedkv-tir-wg2o", "pagedkv-tir-wg2k", "pagedkv-tir-wg2p",
+PEERS = ("pagedkv-fi", "pagedkv-tir", "pagedkv-tir-tc", "pagedkv-tir-tc2", "pagedkv-tir-tc3", "pagedkv-tir-tc4",
+         "pagedkv-tir-tcd", "pagedkv-tir-wg", "pagedkv-tir-wg2", "pagedkv-tir-wg2o", "pagedkv-tir-wg2k", "pagedkv-tir-wg2p",
          "pagedkv-tir-mlatc", "pagedkv-tir-mlawg", "upstream", "torch-sdpa")
 
 

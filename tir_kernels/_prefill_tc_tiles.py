@@ -107,6 +107,7 @@ class TcTile:
 
 #: The tiles, by switch value (module docstring: registers, shared memory, occupancy, expected effect).
 TC_TILES = {"tc": TcTile("tc", TC_WARPS, 1), "tc2": TcTile("tc2", 8, 2), "tc3": TcTile("tc3", 4, 2, mtiles=2, tk=32),
+            "tc4": TcTile("tc4", 8, 2, mtiles=2, tk=32),
             "wg": TcTile("wg", 4, 2, wgmma=True), "wg2": TcTile("wg2", 8, 2, wgmma=True),
             "wg2o": TcTile("wg2o", 8, 3, wgmma=True, overlap=True),
             # Packed core matrices (8 keys a copy group): row-major copies spill 4 bytes (bf16, windowed + capped).

@@ -62,6 +62,7 @@ tile    rows  threads  stages  tk  m16 tiles/warp  shared (D 128)  registers D 1
 tc      64    128      1       64  1 (Q in regs)   34,816 static  176/208, 130/137       2 / 3
 tc2     128   256      2       64  1 (Q in regs)   69,632 dyn.    210/180, 136/155       1 / 1
 tc3     128   128      2       32  2 (Q in smem)   69,632 dyn.    230/230, 161/162       2 / 3
+tc4     256   256      2       32  2 (Q in smem)   104,448 dyn.   229/233, 164/161       1 / 1
 ======  ====  =======  ======  ==  ==============  =============  =====================  =================
 
 "wg" (sm_90a): 64 rows, 128 threads, 2 stages of 64 keys, 73,728 bytes dynamic shared memory at D 128 (padded core matrices);
@@ -84,6 +85,10 @@ word before the P V wait (``store_before_wait``), which keeps the softmax in the
   both m16 tiles of a warp: with Q re-read each key tile, 24 KB of ldmatrix traffic per 128 MMAs of a warp
   (192 bytes an MMA, vs 256 for "tc" / "tc2"), the lever if the kernel is bound by shared-memory bandwidth;
   the price is 32-key tiles (twice the softmax rescales of O and the barriers per key) to fit 255 registers.
+* "tc4" vs "tc3": the same warps at 8 a block (256 rows, 104,448 bytes of shared memory at D 128; ptxas 229 /
+  233 registers ragged / paged at 32/8/128 fp16, 239 / 237 windowed + capped bf16, 164 / 161 at D 64 windowed
+  + capped bf16 (the table's D 64 entry), no spills; one block an SM): each K / V tile fetched from L2 serves twice the rows. The lever if the L2 bounds the copies, as ncu
+  says of "wg2p" (BENCHMARKS.md run 18: L2 91% busy); 64-key tiles at 8 or 4 warps spill (windowed + capped).
 """
 
 from __future__ import annotations

@@ -34,7 +34,7 @@ SWITCHES: dict[str, tuple[str, tuple[str, ...]]] = {
                             "of its tiles (tir_kernels._prefill_tc_tiles.TC_TILES): tc = 64 rows a block, one K/V "
                             "stage in static shared memory; tc2 = 128 rows (8 warps), two stages in dynamic shared "
                             "memory; tc3 = 128 rows (4 warps of two m16 tiles, Q in shared memory), two stages of "
-                            "32 keys; wg = 64 rows (one warpgroup), two stages of 64 keys as core matrices, S and "
+                            "32 keys; tc4 = tc3 with 8 warps (256 rows: each K/V tile fetched serves twice the rows); wg = 64 rows (one warpgroup), two stages of 64 keys as core matrices, S and "
                             "O by wgmma; wg2 = 128 rows (two warpgroups sharing each K/V tile), the same stages; "
                             "wg2o = wg2 with three stages, each warpgroup's softmax of tile kt overlapping its P V "
                             "of tile kt - 1; wg2k = wg2o with 128-key tiles; wg2p = wg2o with four stages, no block "
@@ -45,7 +45,7 @@ SWITCHES: dict[str, tuple[str, tuple[str, ...]]] = {
                             "the spec (TC_BY_DEFAULT), in the op's first serving tile of "
                             "tir_kernels.attention_cuda_prefill.TC_DEFAULT_TILES (ragged: tc3, else tc; paged: "
                             "tc2, else tc), SIMT elsewhere",
-                            ("auto", "simt", "tc", "tc2", "tc3", "wg", "wg2", "wg2o", "wg2k", "wg2p")),
+                            ("auto", "simt", "tc", "tc2", "tc3", "tc4", "wg", "wg2", "wg2o", "wg2k", "wg2p")),
     "cuda_decode_kernel": ("CUDA MHA decode (attn_decode_paged), plain and inline RoPE: the lane-group kernel "
                            "for both (lanes) or the shared-memory staged kernel for both (staged; raises where "
                            "its limits refuse either variant); tc: both variants on the tensor-core kernel "

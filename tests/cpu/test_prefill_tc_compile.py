@@ -37,7 +37,7 @@ SM90 = Target({"kind": "cuda", "arch": "sm_90"}, host="llvm")
 SWITCH = "cuda_prefill_kernel"
 OPS = ("attn_prefill_ragged", "attn_prefill_paged")
 #: The tensor-core tiles (switch values), "tc" the default one.
-TILES = ("tc", "tc2", "tc3")
+TILES = ("tc", "tc2", "tc3", "tc4")
 SHAPES = {
     "32x8x128-f16": tk.KernelConfig(32, 8, 128, 128, "float16"),
     "12x4x64-bf16-w100-cap30": tk.KernelConfig(12, 4, 64, 64, "bfloat16", sliding_window=100, logits_soft_cap=30.0),
@@ -98,6 +98,8 @@ def test_tile_shared_memory():
     assert tiles["tc2"].smem_bytes(64, 64) == 36864
     assert (tiles["tc3"].rows, tiles["tc3"].threads, tiles["tc3"].stages, tiles["tc3"].tk) == (128, 128, 2, 32)
     assert tiles["tc3"].smem_bytes(128, 128) == 2 * 32 * 272 * 2 + 128 * 136 * 2 == 69632
+    assert (tiles["tc4"].rows, tiles["tc4"].threads, tiles["tc4"].stages, tiles["tc4"].tk) == (256, 256, 2, 32)
+    assert tiles["tc4"].smem_bytes(128, 128) == 2 * 32 * 272 * 2 + 256 * 136 * 2 == 104448
 
 
 def _source(key):

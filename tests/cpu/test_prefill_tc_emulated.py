@@ -73,10 +73,13 @@ ALL_CONFIGS = {**CONFIGS, **DV_CONFIGS, **WG_CONFIGS}
 PAGE_SIZES = {"8x2x64-f16": 16, "6x2x64-bf16-w40-cap20": 24, "4x1x128-f16": 5, "2x2x128-f16": 16,
               "7x1x128-bf16": 40, "8x1x64-bf16": 16, "16x2x128-bf16-w40-cap20": 24}
 #: (config, tile) pairs run: every config on "tc2" and "tc3" (GQA groups 1, 3, 4, 7, 8; D 64 and 128; fp16 and
-#: bf16; windowed + capped), the first three on "tc".
-CASES = [(name, "tc") for name in list(CONFIGS)[:3]] + [(name, t) for t in ("tc2", "tc3") for name in CONFIGS]
-#: The unaligned-view (element-load) runs: two configs on "tc", every one on "tc2" and "tc3".
-UNALIGNED = CASES[:2] + CASES[3:]
+#: bf16; windowed + capped), the first three on "tc", three on "tc4" (tc3's code at 8 warps: GQA 3 windowed +
+#: capped bf16 D 64, 4 fp16 D 128, 7 bf16 D 128).
+TC4_CONFIGS = ("6x2x64-bf16-w40-cap20", "4x1x128-f16", "7x1x128-bf16")
+CASES = ([(name, "tc") for name in list(CONFIGS)[:3]] + [(name, t) for t in ("tc2", "tc3") for name in CONFIGS]
+         + [(name, "tc4") for name in TC4_CONFIGS])
+#: The unaligned-view (element-load) runs: two configs on "tc", every one on "tc2" and "tc3", one on "tc4".
+UNALIGNED = CASES[:2] + [c for c in CASES[3:] if c[1] != "tc4"] + [("7x1x128-bf16", "tc4")]
 #: The ``Dv != D`` runs (ragged): both configs on every mma.sync tile.
 DV_CASES = [(name, t) for t in ("tc", "tc2", "tc3") for name in DV_CONFIGS]
 #: "wg" runs (config, op, causal), few (each emulates 128 threads for minutes), on what the tile serves

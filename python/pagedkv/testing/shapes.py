@@ -217,6 +217,7 @@ PREFILL_TC_PATHS = {"cuda_prefill_kernel": "tc"}
 #: shapes on each (the SIMT one is the default only where the tensor-core kernel does not serve a spec, so the
 #: fp16 / bf16 shapes reach it only forced).
 PREFILL_KERNEL_PATHS = ({"cuda_prefill_kernel": "tc"}, {"cuda_prefill_kernel": "tc2"}, {"cuda_prefill_kernel": "tc3"},
+                        {"cuda_prefill_kernel": "tc4"},
                         {"cuda_prefill_kernel": "wg"}, {"cuda_prefill_kernel": "wg2"}, {"cuda_prefill_kernel": "wg2o"},
                         {"cuda_prefill_kernel": "wg2k"}, {"cuda_prefill_kernel": "wg2p"},
                         {"cuda_prefill_kernel": "simt"})
