@@ -28,6 +28,8 @@ from __future__ import annotations
 
 import torch
 
+from pagedkv.kernel_spec import SWITCHES
+
 from _bench_workloads import (D, HKV, MLA_PS, MLA_R, MLA_ROPE, PS, ROPE_SCALE, ROPE_THETA, TORCH_DTYPES, Inputs,
                               Workload, sm_scale)
 
@@ -38,22 +40,18 @@ TARGET = {"kind": "cuda", "arch": "sm_90"}
 TIR_ARCH = "sm_90a"
 #: where the benchmark runs (a CPU test of the benchmark's plumbing sets "cpu" and TARGET "llvm")
 DEVICE = "cuda"
-PAGEDKV_BACKENDS = {"pagedkv-fi": ["flashinfer", "tir"], "pagedkv-tir": "tir", "pagedkv-tir-tc": "tir",
-                    "pagedkv-tir-tc2": "tir", "pagedkv-tir-tc3": "tir", "pagedkv-tir-tc4": "tir", "pagedkv-tir-tcd": "tir",
-                    "pagedkv-tir-wg": "tir", "pagedkv-tir-wg2": "tir", "pagedkv-tir-wg2o": "tir", "pagedkv-tir-wg2k": "tir",
-                    "pagedkv-tir-wg2p": "tir",
-                    "pagedkv-tir-mlatc": "tir", "pagedkv-tir-mlawg": "tir"}
+#: The tensor-core prefill tiles: every value of the path switch but auto and simt (``TC_TILES``' names; the
+#: switch lives in ``pagedkv.kernel_spec``, which imports no TVM: the GPU host has the runtime only).
+PREFILL_TILES = tuple(v for v in SWITCHES["cuda_prefill_kernel"][1] if v not in ("auto", "simt"))
 #: label -> TIR code paths its cache is created under (``pagedkv.backends.tir.forced_paths``): the tensor-core
 #: prefill tiles (``tir_kernels.attention_cuda_prefill.TC_DEFAULT_TILES``: auto is tc3 for whole prompts, tc2 for
-#: the paged op), each forced on its own so that the tiles are compared in every run.
-PAGEDKV_PATHS = {"pagedkv-tir-tc": {"cuda_prefill_kernel": "tc"}, "pagedkv-tir-tc2": {"cuda_prefill_kernel": "tc2"},
-                 "pagedkv-tir-tc3": {"cuda_prefill_kernel": "tc3"},
-                 "pagedkv-tir-tc4": {"cuda_prefill_kernel": "tc4"}, "pagedkv-tir-tcd": {"cuda_decode_kernel": "tc"},
-                 "pagedkv-tir-wg": {"cuda_prefill_kernel": "wg"}, "pagedkv-tir-wg2": {"cuda_prefill_kernel": "wg2"},
-                 "pagedkv-tir-wg2o": {"cuda_prefill_kernel": "wg2o"}, "pagedkv-tir-wg2k": {"cuda_prefill_kernel": "wg2k"},
-                 "pagedkv-tir-wg2p": {"cuda_prefill_kernel": "wg2p"},
+#: the paged op), each forced on its own so that the tiles are compared in every run; the tensor-core decode;
+#: the two tensor-core MLA decodes.
+PAGEDKV_PATHS = {**{f"pagedkv-tir-{t}": {"cuda_prefill_kernel": t} for t in PREFILL_TILES},
+                 "pagedkv-tir-tcd": {"cuda_decode_kernel": "tc"},
                  "pagedkv-tir-mlatc": {"cuda_mla_decode_kernel": "tc"},
                  "pagedkv-tir-mlawg": {"cuda_mla_decode_kernel": "wg"}}
+PAGEDKV_BACKENDS = {"pagedkv-fi": ["flashinfer", "tir"], "pagedkv-tir": "tir", **dict.fromkeys(PAGEDKV_PATHS, "tir")}
 #: The labels of ``PAGEDKV_PATHS`` that time the decode (the others time prefill only).
 DECODE_PATH_LABELS = ("pagedkv-tir-tcd",)
 #: The labels of ``PAGEDKV_PATHS`` that time the MLA decode only.

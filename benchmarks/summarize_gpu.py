@@ -10,9 +10,11 @@ import math
 import sys
 from pathlib import Path
 
-PEERS = ("pagedkv-fi", "pagedkv-tir", "pagedkv-tir-tc", "pagedkv-tir-tc2", "pagedkv-tir-tc3", "pagedkv-tir-tc4",
-         "pagedkv-tir-tcd", "pagedkv-tir-wg", "pagedkv-tir-wg2", "pagedkv-tir-wg2o", "pagedkv-tir-wg2k", "pagedkv-tir-wg2p",
-         "pagedkv-tir-mlatc", "pagedkv-tir-mlawg", "upstream", "torch-sdpa")
+
+
+def peers(rows: list[dict]) -> list[str]:
+    """The columns: every implementation the run timed but FlashInfer's own variants, in the run's order."""
+    return list(dict.fromkeys(r["impl"] for r in rows if not r["impl"].startswith("fi:")))
 
 
 def _cell(r) -> str:
@@ -50,16 +52,16 @@ def text_plot(rows: list[dict], labels=("pagedkv-fi", "pagedkv-tir"), width: int
 
 
 def workload_table(rows: list[dict]) -> str:
-    by = _by_workload(rows)
-    out = ["| workload | FI best (ms) | rate | " + " | ".join(PEERS) + " |",
-           "|---|---|---|" + "---|" * len(PEERS)]
+    by, cols = _by_workload(rows), peers(rows)
+    out = ["| workload | FI best (ms) | rate | " + " | ".join(cols) + " |",
+           "|---|---|---|" + "---|" * len(cols)]
     for name, impls in by.items():
         best = fi_best(impls)
         if best is None:
             continue
         rate = f"{best['TBps']:.2f} TB/s" if "TBps" in best else f"{best['TFLOPs']:.0f} TFLOP/s"
         out.append(f"| {name} | {best['impl'][3:]} {best['ms']:.4f} | {rate} | "
-                   + " | ".join(_cell(impls.get(p)) for p in PEERS) + " |")
+                   + " | ".join(_cell(impls.get(p)) for p in cols) + " |")
     return "\n".join(out)
 
 
