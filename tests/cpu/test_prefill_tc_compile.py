@@ -36,8 +36,8 @@ from tvm.target import Target
 SM90 = Target({"kind": "cuda", "arch": "sm_90"}, host="llvm")
 SWITCH = "cuda_prefill_kernel"
 OPS = ("attn_prefill_ragged", "attn_prefill_paged")
-#: The tensor-core tiles (switch values), "tc" the default one.
-TILES = ("tc", "tc2", "tc3", "tc4")
+#: The mma.sync tiles (switch values; the wgmma ones: ``test_prefill_wg_compile.py``).
+TILES = tuple(t for t, cfg in TC_TILES.items() if not cfg.wgmma)
 SHAPES = {
     "32x8x128-f16": tk.KernelConfig(32, 8, 128, 128, "float16"),
     "12x4x64-bf16-w100-cap30": tk.KernelConfig(12, 4, 64, 64, "bfloat16", sliding_window=100, logits_soft_cap=30.0),

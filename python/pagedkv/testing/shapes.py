@@ -14,7 +14,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from ..config import KVCacheConfig
-from ..kernel_spec import WG_PREFILL_TILES, wg_prefill_limits
+from ..kernel_spec import SWITCHES, WG_PREFILL_TILES, wg_prefill_limits
 
 
 #: Short dtype names of the test ids.
@@ -212,15 +212,11 @@ PREFILL_TC_SHAPES = [
 ]
 #: The forced path of the tensor-core prefill tests.
 PREFILL_TC_PATHS = {"cuda_prefill_kernel": "tc"}
-#: Both plain prefill kernels, forced, the tensor-core one in each of its tiles (tc, tc2, tc3, wg; wg's libraries
-#: are built for and looked up under sm_90a: ``pagedkv.kernel_spec.target_for_paths``): the tests run the
+#: Both plain prefill kernels, forced, the tensor-core one in each of its tiles (every value of the path switch but
+#: auto; the wg tiles' libraries are built for and looked up under sm_90a: ``kernel_spec.target_for_paths``): the tests run the
 #: shapes on each (the SIMT one is the default only where the tensor-core kernel does not serve a spec, so the
 #: fp16 / bf16 shapes reach it only forced).
-PREFILL_KERNEL_PATHS = ({"cuda_prefill_kernel": "tc"}, {"cuda_prefill_kernel": "tc2"}, {"cuda_prefill_kernel": "tc3"},
-                        {"cuda_prefill_kernel": "tc4"},
-                        {"cuda_prefill_kernel": "wg"}, {"cuda_prefill_kernel": "wg2"}, {"cuda_prefill_kernel": "wg2o"},
-                        {"cuda_prefill_kernel": "wg2k"}, {"cuda_prefill_kernel": "wg2p"},
-                        {"cuda_prefill_kernel": "simt"})
+PREFILL_KERNEL_PATHS = tuple({"cuda_prefill_kernel": v} for v in SWITCHES["cuda_prefill_kernel"][1] if v != "auto")
 
 
 #: Split counts under which the path tests also run the lane-group and the staged MHA decode kernels forced
