@@ -11,7 +11,6 @@ import sys
 from pathlib import Path
 
 
-
 def peers(rows: list[dict]) -> list[str]:
     """The columns: every implementation the run timed but FlashInfer's own variants, in the run's order."""
     return list(dict.fromkeys(r["impl"] for r in rows if not r["impl"].startswith("fi:")))
