@@ -10,7 +10,8 @@ from __future__ import annotations
 import dataclasses
 
 from ..kernel_spec import PATH_ARCHS
-from ._wgmma_cuda import WG_CORE_PAD, CoreLayout
+from ._tma_cuda import MBAR_BYTES, SW128_ALIGN
+from ._wgmma_cuda import WG_CORE_PAD, CoreLayout, Sw128Layout
 
 #: Warps per block, rows per warp (one m16 tile), keys per tile, shared-memory row padding (elements): the
 #: "tc" tile (``TC_TILES``); ``TC_ROWS`` / ``TC_NT`` are its rows and threads per block.
@@ -42,7 +43,7 @@ class TcTile:
     ``CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES`` when a launch asks for 48 KB or more).
     ``wgmma``: each warpgroup (4 warps, 64 rows, Q in registers) computes S and O with ``wgmma`` (sm_90a,
     ``_wgmma_cuda``) instead of ``mma.sync``; K and V tiles are then stored as core matrices
-    (``core_layout``: ``core_pad`` elements after each, row-major copies) in a multi-stage buffer; with 8 warps two warpgroups share
+    (``kv_layout``: ``core_pad`` elements after each, row-major copies; ``tma``: 128-byte swizzled rows that the TMA copies) in a multi-stage buffer; with 8 warps two warpgroups share
     each K / V tile (128 rows: half the K / V bytes a row). ``overlap`` (wgmma, 3 stages): a warpgroup issues
     S of tile kt and P V of tile kt - 1 as two groups and runs the softmax of kt while P V runs (the O
     rescale waits for it); V of tile kt - 1 is still read during tile kt, so tile kt + 1 loads into a third
@@ -60,15 +61,17 @@ class TcTile:
     overlap: bool = False
     pingpong: bool = False
     core_pad: int = WG_CORE_PAD
+    tma: bool = False
 
-    def core_layout(self, d: int) -> CoreLayout:
-        """The core-matrix layout of a ``wgmma`` tile's K / V rows of ``d`` elements."""
-        return CoreLayout(d, self.core_pad)
+    def kv_layout(self, d: int) -> CoreLayout | Sw128Layout:
+        """The layout of a ``wgmma`` tile's K / V rows of ``d`` elements: core matrices (``core_pad``), or with
+        ``tma`` the 128-byte swizzle that the TMA writes."""
+        return Sw128Layout(d, self.tk) if self.tma else CoreLayout(d, self.core_pad)
 
     def row_elems(self, d: int) -> int:
-        """Shared-memory elements a K / V row of ``d`` elements takes: ``d + TC_PAD`` (row-major), the core
+        """Shared-memory elements a K / V row of ``d`` elements takes: ``d + TC_PAD`` (row-major), the
         layout's share of a row (``wgmma``)."""
-        return self.core_layout(d).elems(8) // 8 if self.wgmma else d + TC_PAD
+        return self.kv_layout(d).elems(8) // 8 if self.wgmma else d + TC_PAD
 
     @property
     def rows(self) -> int:
@@ -84,10 +87,18 @@ class TcTile:
     def threads(self) -> int:
         return self.warps * 32
 
+    @property
+    def ahead(self) -> int:
+        """Key tiles loading ahead of the one computed: all other stages but one still read (``overlap``: P V
+        of the tile before runs during this one)."""
+        return self.stages - (2 if self.overlap else 1)
+
     def smem_bytes(self, d: int, dv: int, dtype: str = "float16") -> int:
         """Shared memory of a block: ``stages`` x (K tile + V tile) (+ the Q rows), rows of ``row_elems``."""
         q = self.rows * (d + TC_PAD) if self.q_in_smem else 0
-        return (self.stages * self.tk * (self.row_elems(d) + self.row_elems(dv)) + q) * (4 if dtype == "float32" else 2)
+        # tma: the stages start at the buffer's first 1024-byte boundary; one mbarrier a stage after them.
+        tma = SW128_ALIGN + self.stages * MBAR_BYTES if self.tma else 0
+        return (self.stages * self.tk * (self.row_elems(d) + self.row_elems(dv)) + q) * (4 if dtype == "float32" else 2) + tma
 
     def k_base(self, stage, d: int, dv: int):
         """First element of stage ``stage``'s K tile in the stage buffer (int or TIR expression): stages
@@ -104,6 +115,10 @@ class TcTile:
         """First element of the Q rows (``q_in_smem``: row-major, stride ``d + TC_PAD``), after the stages."""
         return self.k_base(self.stages, d, dv)
 
+    def bar_base(self, d: int, dv: int, stage=0):
+        """``tma``: element (2-byte) of stage ``stage``'s mbarrier, after the stages (8-byte aligned)."""
+        return self.k_base(self.stages, d, dv) + stage * (MBAR_BYTES // 2)
+
 
 #: The tiles, by switch value (module docstring: registers, shared memory, occupancy, expected effect).
 TC_TILES = {"tc": TcTile("tc", TC_WARPS, 1), "tc2": TcTile("tc2", 8, 2), "tc3": TcTile("tc3", 4, 2, mtiles=2, tk=32),
@@ -112,7 +127,9 @@ TC_TILES = {"tc": TcTile("tc", TC_WARPS, 1), "tc2": TcTile("tc2", 8, 2), "tc3": 
             "wg2o": TcTile("wg2o", 8, 3, wgmma=True, overlap=True),
             # Packed core matrices (8 keys a copy group): row-major copies spill 4 bytes (bf16, windowed + capped).
             "wg2k": TcTile("wg2k", 8, 3, tk=128, wgmma=True, overlap=True, core_pad=0),
-            "wg2p": TcTile("wg2p", 8, 4, wgmma=True, overlap=True, pingpong=True)}
+            "wg2p": TcTile("wg2p", 8, 4, wgmma=True, overlap=True, pingpong=True),
+            # wg2o with TMA copies (one thread a block issues them; 128-byte swizzled tiles): ragged only.
+            "wg2t": TcTile("wg2t", 8, 4, wgmma=True, overlap=True, tma=True)}
 #: The PTX target a ``wgmma`` tile needs (its instructions exist on sm_90a only; libraries forcing it are built
 #: for it: ``kernel_spec.PATH_ARCHS``).
 WG_ARCH = PATH_ARCHS[("cuda_prefill_kernel", "wg")]

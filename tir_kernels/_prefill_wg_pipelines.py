@@ -90,7 +90,8 @@ def make_overlap(cfg, d: int, dv: int, sn: int, m: TileMacros):
 
     @T.macro
     def overlap(smem, scratch, fr, acc, rows, ti, kvb, h, tid, causal, sm_scale):
-        m.issue_kv(smem, T.truncmod(ti[7], ns), kvb, ti, ti[7], h, tid)
+        for j in T.unroll(cfg.ahead):  # the first tiles (next_tile loads cfg.ahead tiles ahead)
+            m.issue_kv(smem, T.truncmod(ti[7] + j, ns), kvb, ti, ti[7] + j, h, tid)
         for kt in T.serial(ti[7], T.min(ti[7] + 1, T.truncdiv(ti[6] + tk - 1, tk))):
             m.next_tile(smem, ti, kvb, h, tid, kt)
             m.wgg.score(acc[0], fr[0], smem, cfg.k_base(T.truncmod(kt, ns), d, dv))

@@ -71,6 +71,46 @@ class CoreLayout:
         """Elements of ``rows`` rows (a multiple of 8)."""
         return rows // 8 * self.group
 
+    def k_major(self, ks: int) -> tuple[int, int, int]:
+        """(offset, LBO, SBO) in bytes of k step ``ks`` (dims ``16 ks ..``) of a K-major B: 2 dim chunks a step."""
+        return ks * 4 * self.chunk, 2 * self.chunk, 2 * self.group
+
+    def mn_major(self, kk: int) -> tuple[int, int, int]:
+        """(offset, LBO, SBO) in bytes of k step ``kk`` (rows ``16 kk ..``) of an MN-major B (rows = K)."""
+        return kk * 4 * self.group, 2 * self.group, 2 * self.chunk
+
+    swizzle = 0  # the descriptor's layout type: no swizzle
+
+
+@dataclasses.dataclass(frozen=True)
+class Sw128Layout:
+    """A ``[rows][d]`` tile (2-byte elements) in the 128-byte swizzle that TMA writes and wgmma reads
+    (``CU_TENSOR_MAP_SWIZZLE_128B``, descriptor layout type 1): ``d / 64`` column blocks of ``rows`` rows of 128
+    bytes (64 elements), block after block; the 16-byte chunk ``c`` of row ``r`` is stored at chunk ``c ^ (r %
+    8)`` of the row, i.e. shared address bits 4-6 XOR bits 7-9 (each block starts 1024-byte aligned).
+
+    Descriptors (PTX ISA / CUTLASS's canonical GMMA layouts): K-major (S = Q K^T, rows = keys): SBO 1024 bytes
+    between 8-row groups, LBO unused (1), k step ``ks`` = ``32 (ks % 4)`` bytes into its column block's rows
+    (the swizzle is applied to the address the wgmma forms); MN-major (O = P V, rows = keys = K): SBO 1024
+    bytes between 8-key groups, LBO = one column block (64 dims) to the next, k step ``kk`` 16 rows on."""
+
+    d: int
+    rows: int
+    swizzle = 1
+
+    def index(self, row, dim):
+        """Element of (``row``, ``dim``) (ints or TIR expressions)."""
+        return ((dim // 64) * self.rows + row) * 64 + (((dim % 64) // 8) ^ (row % 8)) * 8 + dim % 8
+
+    def elems(self, rows: int) -> int:
+        return rows * self.d
+
+    def k_major(self, ks: int) -> tuple[int, int, int]:
+        return (ks * 16 // 64) * self.rows * 128 + (ks * 16 % 64) * 2, 16, 1024
+
+    def mn_major(self, kk: int) -> tuple[int, int, int]:
+        return kk * 16 * 128, self.rows * 128, 1024
+
 
 def _wgmma_fn(n: int, ptx: str, trans: int) -> str:
     regs = n // 2  # fp32 accumulators of a thread: 64 rows x n over 128 threads
@@ -78,9 +118,9 @@ def _wgmma_fn(n: int, ptx: str, trans: int) -> str:
     outs = ", ".join(f'"+f"(d[{i}])' for i in range(regs))
     return (
         f"__device__ __forceinline__ void pagedkv_wgmma_n{n}_{ptx}_t{trans}(float* d, const void* a, "
-        f"const void* b, unsigned off, unsigned lbo, unsigned sbo, int scale_d) {{\n"
+        f"const void* b, unsigned off, unsigned lbo, unsigned sbo, int scale_d, int swz) {{\n"
         f"  const unsigned* A = reinterpret_cast<const unsigned*>(a);\n"
-        f"  unsigned long long desc = pagedkv_wg_desc(b, off, lbo, sbo);\n"
+        f"  unsigned long long desc = pagedkv_wg_desc(b, off, lbo, sbo) | (static_cast<unsigned long long>(swz) << 62);\n"
         # scale-d is a predicate operand: p = 0 makes D = A B (the first k step), 1 D += A B.
         f'  asm volatile("{{\\n.reg .pred p;\\nsetp.ne.b32 p, %{regs + 5}, 0;\\n"\n'
         f'               "wgmma.mma_async.sync.aligned.m64n{n}k16.f32.{ptx}.{ptx} {{{dl}}}, '
@@ -151,12 +191,13 @@ __device__ __forceinline__ void pagedkv_bar_arrive(int id, int n) {
     _acc_fence_fn(n) for n in WG_NS) + _REG_FENCE + "#endif\n"
 
 
-def wgmma(dtype: str, n: int, trans: int, d, a, b, off: int, lbo: int, sbo: int, accumulate: bool = True):
+def wgmma(dtype: str, n: int, trans: int, d, a, b, off: int, lbo: int, sbo: int, accumulate: bool = True,
+          swizzle: int = 0):
     """``d[0 .. n/2) += A B`` (``accumulate``; else ``= A B``) for the warpgroup's m64 x n tile, k16: ``d`` and
     ``a`` addresses of the thread's D (``n / 2`` floats) and A fragment (8 elements of ``dtype``); B's first core
     matrix ``off`` bytes (a multiple of 16) past shared address ``b`` (16-byte aligned: a tile's base, the same for
     all the wgmma's of the tile); ``trans`` 0 = K-major B, 1 = MN-major (module docstring); ``lbo`` / ``sbo`` in
-    bytes."""
+    bytes; ``swizzle`` the descriptor's layout type (0 none: ``CoreLayout``, 1 128-byte: ``Sw128Layout``)."""
     if isinstance(off, int) and off % 16:
         raise ValueError(f"pagedkv.tir_kernels: wgmma B offset {off} is not a multiple of 16 bytes")
     if dtype not in _PTX_TYPE or n not in WG_NS:
@@ -164,7 +205,7 @@ def wgmma(dtype: str, n: int, trans: int, d, a, b, off: int, lbo: int, sbo: int,
                                   f"{dtype}, {n}")
     return T.cuda.func_call(f"pagedkv_wgmma_n{n}_{_PTX_TYPE[dtype]}_t{trans}", d, a, b, T.Cast("uint32", off), T.uint32(lbo),
                             T.uint32(sbo), T.int32(int(accumulate)) if isinstance(accumulate, bool) else T.Cast("int32", accumulate),
-                            source_code=_SOURCE)
+                            T.int32(swizzle), source_code=_SOURCE)
 
 
 def wg_fence():
@@ -239,16 +280,14 @@ class WgGemms(NamedTuple):
     accumulate: object
 
 
-def wg_attention_gemms(dtype: str, *, s_steps: int, tk: int, k_lay: CoreLayout, dv: int,
-                       v_lay: CoreLayout) -> WgGemms:
+def wg_attention_gemms(dtype: str, *, s_steps: int, tk: int, k_lay, dv: int, v_lay) -> WgGemms:
     """S (64 rows x ``tk`` keys) = Q K^T over ``s_steps`` k16 steps and O (64 rows x ``dv``) += P V over ``tk / 16``.
 
     ``score*(sacc, qf, smem, kb)``: A = the warp's Q fragments ``qf[8 ks ..]`` (registers), B = a K tile stored
-    as ``k_lay`` from element ``kb``, K-major: LBO = ``k_lay.chunk`` between dim chunks, SBO = ``k_lay.group``
-    between 8-key groups, k step ``ks`` 2 dim chunks further. The first step overwrites S (scale-d 0): no
+    as ``k_lay`` (``CoreLayout`` or ``Sw128Layout``: its ``k_major`` gives each step's offset, LBO and SBO)
+    from element ``kb``, K-major. The first step overwrites S (scale-d 0): no
     zeroing. ``pv*(oacc, pf, smem, vb)``: A = P's fragments ``pf[8 kk ..]`` (keys ``16 kk ..``), B = a V tile
-    stored as ``v_lay`` from ``vb``, MN-major (trans-b): LBO = ``v_lay.group`` between 8-key groups, SBO =
-    ``v_lay.chunk`` between dim chunks. Registers the wgmma's read or write late are pinned before the
+    stored as ``v_lay`` from ``vb``, MN-major (trans-b, ``v_lay.mn_major``). Registers the wgmma's read or write late are pinned before the
     ``wg_fence`` and after the wait."""
     q_regs, p_regs = s_steps * 4, tk // 4
 
@@ -258,8 +297,7 @@ def wg_attention_gemms(dtype: str, *, s_steps: int, tk: int, k_lay: CoreLayout, 
         T.evaluate(wg_fence())
         for ks in T.unroll(s_steps):
             T.evaluate(wgmma(dtype, tk, 0, T.address_of(sacc[0]), T.address_of(qf[ks * 8]),
-                             T.address_of(smem[kb]), ks * 4 * k_lay.chunk, 2 * k_lay.chunk, 2 * k_lay.group,
-                             accumulate=ks > 0))
+                             T.address_of(smem[kb]), *k_lay.k_major(ks), accumulate=ks > 0, swizzle=k_lay.swizzle))
         T.evaluate(wg_commit())
 
     @T.macro
@@ -280,7 +318,7 @@ def wg_attention_gemms(dtype: str, *, s_steps: int, tk: int, k_lay: CoreLayout, 
         T.evaluate(wg_fence())
         for kk in T.unroll(tk // 16):
             T.evaluate(wgmma(dtype, dv, 1, T.address_of(oacc[0]), T.address_of(pf[kk * 8]),
-                             T.address_of(smem[vb]), kk * 4 * v_lay.group, 2 * v_lay.group, 2 * v_lay.chunk))
+                             T.address_of(smem[vb]), *v_lay.mn_major(kk), swizzle=v_lay.swizzle))
         T.evaluate(wg_commit())
 
     @T.macro
@@ -297,5 +335,5 @@ def wg_attention_gemms(dtype: str, *, s_steps: int, tk: int, k_lay: CoreLayout, 
     return WgGemms(score_issue, score_done, score, pv_issue, pv_done, accumulate)
 
 
-__all__ = ["WG_CORE_PAD", "WG_NS", "WG_REG_RUN", "CoreLayout", "WgGemms", "bar_arrive", "bar_sync", "store_before_wait", "wg_attention_gemms", "reg_fence", "acc_fence", "proxy_fence", "wg_commit", "wg_fence", "wg_wait0", "wg_wait1",
+__all__ = ["WG_CORE_PAD", "WG_NS", "WG_REG_RUN", "CoreLayout", "Sw128Layout", "WgGemms", "bar_arrive", "bar_sync", "store_before_wait", "wg_attention_gemms", "reg_fence", "acc_fence", "proxy_fence", "wg_commit", "wg_fence", "wg_wait0", "wg_wait1",
            "wgmma"]

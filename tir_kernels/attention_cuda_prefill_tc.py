@@ -130,22 +130,26 @@ from ._prefill_tc_tiles import (
     v_ldsm_index,
     v_store_index,
 )
-from ._prefill_tc_copy import make_kv_copies
+from ._prefill_tc_copy import TI_KV0, make_kv_copies
+from ._tma_cuda import TensorMap3, mbar_expect_tx, mbar_init, mbar_wait, sw128_pad, tma_load3
 from ._prefill_wg_pipelines import TileMacros, make_overlap, make_pingpong
 from ._variant_cuda import CudaVariant
 from ._wgmma_cuda import proxy_fence, wg_attention_gemms
 
 
-def tc_unserved(spec, dv: int, tile: str = "tc") -> str | None:
-    """Why the tensor-core prefill tile ``tile`` (``TC_TILES``) does not serve ``spec`` (value head dim ``dv``),
-    or None when it does. Inline RoPE is not a reason: the PrimFunc runs the SIMT RoPE kernel when
-    ``apply_rope == 1``."""
+def tc_unserved(spec, dv: int, tile: str = "tc", *, paged: bool = False) -> str | None:
+    """Why the tensor-core prefill tile ``tile`` (``TC_TILES``) does not serve ``spec`` (value head dim ``dv``)
+    for the paged op (``paged``) or the ragged one, or None when it does. Inline RoPE is not a reason: the
+    PrimFunc runs the SIMT RoPE kernel when ``apply_rope == 1``."""
     d, g, cfg = spec.head_dim, spec.group_size, TC_TILES[tile]
     if cfg.wgmma and spec.target_arch != WG_ARCH:
         return (f"target arch {spec.target_arch or 'unknown'!r} (tile {tile!r} runs wgmma, which needs "
                 f"{WG_ARCH}: build for Target({{'kind': 'cuda', 'arch': '{WG_ARCH}'}}))")
     if spec.dtype not in TC_DTYPES:
         return f"dtype {spec.dtype} (the tensor-core prefill takes {', '.join(TC_DTYPES)})"
+    if cfg.tma and paged:
+        return (f"attn_prefill_paged (tile {tile!r} copies K / V with TMA boxes of a ragged [tokens, heads, dim] "
+                f"tensor; page-table gathers are not written for it)")
     if cfg.wgmma and (why := wg_prefill_limits(d, dv)):
         return "; ".join(why)
     if d not in TC_HEAD_DIMS or dv not in TC_HEAD_DIMS:
@@ -159,12 +163,19 @@ def tc_unserved(spec, dv: int, tile: str = "tc") -> str | None:
     return None
 
 
+def tma_maps(spec, tile: str) -> dict[str, tuple[str, TensorMap3]]:
+    """A ``tma`` tile's tensor-map kernel parameters (ragged op): name -> (the tensor it maps, its map)."""
+    d, dv, cfg = spec.head_dim, shape_values(spec)["Dv"], TC_TILES[tile]
+    return {"kmap": ("k", TensorMap3(spec.num_kv_heads, d, cfg.tk)),
+            "vmap": ("v", TensorMap3(spec.num_kv_heads, dv, cfg.tk))}
+
+
 def make_prefill_tc(op: str, spec, paged: bool, tile: str = "tc"):
     """The plain tensor-core kernel macro of a prefill PrimFunc (``paged`` selects the K/V source, ``tile`` the
     configuration of ``TC_TILES``), called as ``kernel(q, q_indptr, o, lse, kvb, B, n, causal, sm_scale)``."""
     D, dtype, HKV = spec.head_dim, spec.dtype, spec.num_kv_heads
     DV = D if paged else shape_values(spec)["Dv"]
-    reason = tc_unserved(spec, DV, tile)
+    reason = tc_unserved(spec, DV, tile, paged=paged)
     if reason:
         raise NotImplementedError(f"pagedkv.tir_kernels: the tensor-core CUDA {op!r} kernel does not serve {reason}")
     var = CudaVariant.from_spec(spec)
@@ -174,7 +185,8 @@ def make_prefill_tc(op: str, spec, paged: bool, tile: str = "tc"):
     MT, QS = cfg.mtiles, cfg.q_in_smem  # m16 tiles a warp; Q in shared memory
     WG = cfg.wgmma  # wgmma: K / V as core matrices, S and O by each warpgroup (Q in registers)
     OV = cfg.overlap  # wgmma: P V of tile kt - 1 runs during the softmax of tile kt (three stages)
-    if (QS and cfg.stages != 2) or (WG and (QS or cfg.warps % 4 or cfg.stages != (4 if cfg.pingpong else 3 if OV else 2))) or (OV and not WG):
+    TMA = cfg.tma  # K / V tiles by TMA (one thread, mbarrier per stage), 128-byte swizzled
+    if (QS and cfg.stages != 2) or (WG and (QS or cfg.warps % 4 or cfg.stages != (4 if cfg.pingpong or TMA else 3 if OV else 2))) or (OV and not WG) or (TMA and not OV):
         raise NotImplementedError(f"pagedkv.tir_kernels: tile {tile!r}: Q in shared memory needs the two-stage "
                                   f"buffer; wgmma whole warpgroups with Q in registers and two stages (three to "
                                   f"overlap); overlap needs wgmma")
@@ -189,7 +201,7 @@ def make_prefill_tc(op: str, spec, paged: bool, tile: str = "tc"):
         """First row of m16 tile ``mt`` of warp ``w``."""
         return (w * MT + mt) * TC_WROWS
 
-    KL, VL = cfg.core_layout(D), cfg.core_layout(DV)  # wgmma: K / V tiles as core matrices
+    KL, VL = cfg.kv_layout(D), cfg.kv_layout(DV)  # wgmma: K / V tiles as core matrices (tma: swizzled)
 
     def store_index(key, dim, c01):
         if WG:
@@ -305,8 +317,23 @@ def make_prefill_tc(op: str, spec, paged: bool, tile: str = "tc"):
 
     @T.macro
     def issue_kv(smem, stage, kvb, ti, kt, h, tid):
-        """Multi-stage: K and V of tile ``kt`` into stage ``stage``, one cp.async group."""
-        copies.issue_kv(smem, cfg.k_base(stage, D, DV), cfg.v_base(stage, D, DV), kvb, ti, kt, h, tid)
+        """Multi-stage: K and V of tile ``kt`` into stage ``stage``, one cp.async group; ``TMA`` (``kvb`` =
+        (k, v, kv_indptr, k map, v map)): thread 0 arms the stage's mbarrier and issues one box a 64-dim column
+        block of K and of V, none past the last tile (rows past the entry's keys are the next entry's or, past
+        k / v, zeros: finite, under a mask or P = 0)."""
+        if TMA:
+            if T.And(tid == 0, kt < T.truncdiv(ti[6] + TK - 1, TK)):
+                T.evaluate(mbar_expect_tx(T.address_of(smem[cfg.bar_base(D, DV, stage)]), TK * (D + DV) * 2))
+                for c in T.unroll(D // 64):
+                    T.evaluate(tma_load3(T.address_of(smem[cfg.k_base(stage, D, DV) + c * TK * 64]),
+                                         T.address_of(smem[cfg.bar_base(D, DV, stage)]), kvb[3], c * 64, h,
+                                         ti[TI_KV0] + kt * TK))
+                for c in T.unroll(DV // 64):
+                    T.evaluate(tma_load3(T.address_of(smem[cfg.v_base(stage, D, DV) + c * TK * 64]),
+                                         T.address_of(smem[cfg.bar_base(D, DV, stage)]), kvb[4], c * 64, h,
+                                         ti[TI_KV0] + kt * TK))
+        else:
+            copies.issue_kv(smem, cfg.k_base(stage, D, DV), cfg.v_base(stage, D, DV), kvb, ti, kt, h, tid)
 
     # wgmma (``WG``): S and O += P V on the warpgroup's m64 tile, K / V tiles of D / DV-element rows.
     wgg = wg_attention_gemms(dtype, s_steps=NKS, tk=TK, k_lay=KL, dv=DV, v_lay=VL) if WG else None
@@ -482,19 +509,52 @@ def make_prefill_tc(op: str, spec, paged: bool, tile: str = "tc"):
             issue(Vs, 0, kvb, ti, kt + 1, h, tid, 1)
 
     @T.macro
+    def zero_v_tail(smem, ti, kt, tid):
+        """``TMA``: zeros over the V rows of tile ``kt`` past the keys any row sees (a TMA box copies whatever
+        follows the entry: the next entry's keys, or a buffer's unused rows, which may hold NaN; P = 0 there
+        must not meet them), made visible to wgmma (the caller's barrier follows)."""
+        for it in T.unroll(TK * DV // 8 // NT):
+            if kt * TK + T.truncdiv(it * NT + tid, DV // 8) >= ti[6]:
+                for e in T.vectorized(8):
+                    smem[cfg.v_base(T.truncmod(kt, cfg.stages), D, DV)
+                         + VL.index(T.truncdiv(it * NT + tid, DV // 8), T.truncmod(it * NT + tid, DV // 8) * 8 + e)] = \
+                        T.Cast(dtype, T.float32(0))
+        T.evaluate(proxy_fence())
+
+    @T.macro
     def next_tile(smem, ti, kvb, h, tid, kt):
         """Multi-stage top of key tile ``kt`` (in stage ``kt % stages``): wait for its copies, one barrier that
-        both publishes it (and Q) and tells that every warp is done with the stage of tile ``kt + 1 - stages``,
-        which then takes tile kt + 1 (past the last tile: zeros, never read)."""
-        T.evaluate(cp_async_wait(0))
-        if WG:
-            T.evaluate(proxy_fence())  # this thread's copies (and zero stores) visible to wgmma
+        both publishes it (and Q) and tells that every warp is done with the stage of tile ``kt + ahead -
+        stages``, which then takes tile kt + ``ahead`` (past the last tile: zeros, never read). ``TMA``: the
+        wait is on the stage's mbarrier, for its fill number ``(kt - first tile) // stages`` (parity)."""
+        if TMA:
+            T.evaluate(mbar_wait(T.address_of(smem[cfg.bar_base(D, DV, T.truncmod(kt, cfg.stages))]),
+                                 T.truncmod(T.truncdiv(kt - ti[7], cfg.stages), 2)))
+            if (kt + 1) * TK > ti[6]:
+                zero_v_tail(smem, ti, kt, tid)
+        else:
+            T.evaluate(cp_async_wait(0))
+            if WG:
+                T.evaluate(proxy_fence())  # this thread's copies (and zero stores) visible to wgmma
         T.tvm_storage_sync("shared")
-        issue_kv(smem, T.truncmod(kt + 1, cfg.stages), kvb, ti, kt + 1, h, tid)
+        issue_kv(smem, T.truncmod(kt + cfg.ahead, cfg.stages), kvb, ti, kt + cfg.ahead, h, tid)
 
     if OV:  # wgmma groups in flight across the softmax (_prefill_wg_pipelines)
         macros = TileMacros(issue_kv, next_tile, softmax_deferred, rescale_o, wgg)
         tiles_overlap = (make_pingpong if cfg.pingpong else make_overlap)(cfg, D, DV, SN, macros)
+
+    @T.macro
+    def tiles_tma(smem_all, scratch, fr, acc, rows, ti, kvb, h, tid, causal, sm_scale):
+        """``TMA``: the overlap loop on a view of the stage buffer from its first 1024-byte boundary (the
+        swizzle's period: ``cfg.smem_bytes`` has the slack), after thread 0 armed one mbarrier a stage (the
+        barrier: before any thread waits on them)."""
+        smem = T.decl_buffer((cfg.smem_bytes(D, DV) // 2,), dtype, data=smem_all.data,
+                             elem_offset=sw128_pad(T.address_of(smem_all[0]), 2), scope="shared.dyn")
+        if tid == 0:
+            for st_ in T.unroll(cfg.stages):
+                T.evaluate(mbar_init(T.address_of(smem[cfg.bar_base(D, DV, st_)]), 1))
+        T.tvm_storage_sync("shared")
+        tiles_overlap(smem, scratch, fr, acc, rows, ti, kvb, h, tid, causal, sm_scale)
 
     @T.macro
     def tiles_two_stage(smem, fr, acc, rows, ti, kvb, h, tid, w, lane, causal, sm_scale):
@@ -510,7 +570,7 @@ def make_prefill_tc(op: str, spec, paged: bool, tile: str = "tc"):
             accumulate(acc[2], acc[1], smem, cfg.v_base(T.truncmod(kt, 2), D, DV), fr[2], lane)
 
     @T.macro
-    def kernel(q, q_indptr, o, lse, kvb, B, n, causal, sm_scale):
+    def blocks(q, q_indptr, o, lse, kvb, B, n, causal, sm_scale):
         for vt in T.thread_binding(T.max(n // TQ + B, 1), thread="blockIdx.x"):
             for h in T.thread_binding(HKV, thread="blockIdx.y"):
                 for tid in T.thread_binding(NT, thread="threadIdx.x"):
@@ -561,16 +621,39 @@ def make_prefill_tc(op: str, spec, paged: bool, tile: str = "tc"):
                             load_q_smem(smem, q, ti, h, tid)
                         if OV:
                             scratch = T.alloc_buffer((1,), "float32", scope="shared")
-                            tiles_overlap(smem, scratch, (qf, afr, bfr), (sacc, pf, oacc, pfo),
+                            if TMA:
+                                tiles_tma(smem, scratch, (qf, afr, bfr), (sacc, pf, oacc, pfo),
                                           (m, lsum, lim, mx, st, fac), ti, kvb, h, tid, causal, sm_scale)
+                            else:
+                                tiles_overlap(smem, scratch, (qf, afr, bfr), (sacc, pf, oacc, pfo),
+                                              (m, lsum, lim, mx, st, fac), ti, kvb, h, tid, causal, sm_scale)
                         else:
                             tiles_two_stage(smem, (qf, afr, bfr), (sacc, pf, oacc, pfo), (m, lsum, lim, mx, st, fac),
                                             ti, kvb, h, tid, w, lane, causal, sm_scale)
                     store(o, lse, oacc, m, lsum, ti, h, w, lane)
 
+    KMAP, VMAP = (tma_maps(spec, tile)[p][1] for p in ("kmap", "vmap")) if TMA else (None, None)
+    ALIGN_MSG = f"pagedkv: prefill tile {tile!r} (TMA) needs k and v views starting 16-byte aligned"
+
+    @T.macro
+    def kernel(q, q_indptr, o, lse, kvb, B, n, causal, sm_scale):
+        if TMA:
+            # Host code: the tensor maps of k and v, encoded at each call (the driver checks the addresses'
+            # 16-byte alignment; a view's element offset is checked here first, with the tile's name).
+            assert T.And(T.truncmod(kvb[0].elem_offset, 8) == 0, T.truncmod(kvb[1].elem_offset, 8) == 0), ALIGN_MSG
+            kmap: T.let[T.handle("tensormap")] = T.tvm_stack_alloca("tensormap", 1)
+            T.call_packed("runtime.cuTensorMapEncodeTiled", kmap, dtype, 3, T.address_of(kvb[0][0, 0, 0]),
+                          *KMAP.encode_args(kvb[0].shape[0]))
+            vmap: T.let[T.handle("tensormap")] = T.tvm_stack_alloca("tensormap", 1)
+            T.call_packed("runtime.cuTensorMapEncodeTiled", vmap, dtype, 3, T.address_of(kvb[1][0, 0, 0]),
+                          *VMAP.encode_args(kvb[1].shape[0]))
+            blocks(q, q_indptr, o, lse, (kvb[0], kvb[1], kvb[2], kmap, vmap), B, n, causal, sm_scale)
+        else:
+            blocks(q, q_indptr, o, lse, kvb, B, n, causal, sm_scale)
+
     return kernel
 
 
-__all__ = ["TC_DTYPES", "TC_HEAD_DIMS", "TC_MAX_DIM", "TC_MAX_GROUP", "TC_PAD", "TC_ROWS", "TC_TILES", "TC_TK", "TcTile",
+__all__ = ["tma_maps", "TC_DTYPES", "TC_HEAD_DIMS", "TC_MAX_DIM", "TC_MAX_GROUP", "TC_PAD", "TC_ROWS", "TC_TILES", "TC_TK", "TcTile",
            "k_ldsm_index", "k_ldsm_index_nt2", "k_store_index", "make_prefill_tc", "q_ldsm_index", "tc_unserved",
            "v_ldsm_index", "v_store_index"]

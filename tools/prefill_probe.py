@@ -53,10 +53,37 @@ def _tensor_core_kernel(src: str):
     raise SystemExit("no tensor-core kernel in the source")
 
 
-def _launcher(name: str, threads: int, smem: int, params) -> str:
-    args = []
+def _encode_map(var: str, tensor: str, tmap) -> str:
+    """C code encoding the kernel's tensor map ``var`` of ragged ``tensor`` (``P[...]``, n rows) as the PrimFunc's
+    host code does (``TensorMap3.encode_args``), through the driver's ``cuTensorMapEncodeTiled``."""
+    a = tmap.encode_args("(cuuint64_t)n")
+    return (f"  CUtensorMap {var};\n  {{ cuuint64_t dims[3] = {{{a[0]}, {a[1]}, {a[2]}}}; cuuint64_t str[2] = {{{a[3]}, "
+            f"{a[4]}}};\n    cuuint32_t box[3] = {{{a[5]}, {a[6]}, {a[7]}}}, es[3] = {{{a[8]}, {a[9]}, {a[10]}}};\n"
+            f"    int r = pk_encode()(&{var}, CU_TENSOR_MAP_DATA_TYPE_FLOAT16, 3, P[{POINTERS.index(tensor)}], dims, str, "
+            f"box, es, (CUtensorMapInterleave){a[11]}, (CUtensorMapSwizzle){a[12]}, (CUtensorMapL2promotion){a[13]}, "
+            f"(CUtensorMapFloatOOBfill){a[14]});\n    if (r) return 1000 + r; }}\n")
+
+
+#: The driver's cuTensorMapEncodeTiled, looked up once (no -lcuda at build time).
+_ENCODE = """#include <cuda.h>
+#include <dlfcn.h>
+typedef CUresult (*pk_encode_fn)(CUtensorMap*, CUtensorMapDataType, cuuint32_t, void*, const cuuint64_t*,
+                                 const cuuint64_t*, const cuuint32_t*, const cuuint32_t*, CUtensorMapInterleave,
+                                 CUtensorMapSwizzle, CUtensorMapL2promotion, CUtensorMapFloatOOBfill);
+static pk_encode_fn pk_encode() {
+  static pk_encode_fn f = (pk_encode_fn)dlsym(dlopen("libcuda.so.1", RTLD_NOW), "cuTensorMapEncodeTiled");
+  return f;
+}
+"""
+
+
+def _launcher(name: str, threads: int, smem: int, params, maps=None) -> str:
+    args, encode = [], ""
     for ty, pname in params:
-        if ty.endswith("*"):
+        if "CUtensorMap" in ty:
+            encode += _encode_map(pname, *maps[pname])
+            args.append(pname)
+        elif ty.endswith("*"):
             args.append(f"({ty})P[{POINTERS.index(pname.removesuffix('_ptr'))}]")
         elif pname in ("B", "causal", "n"):
             args.append(pname)
@@ -66,7 +93,9 @@ def _launcher(name: str, threads: int, smem: int, params) -> str:
             args.append("scale2")  # sm_scale * log2(e), hoisted by TVM
         else:
             raise SystemExit(f"unknown kernel parameter {ty} {pname}")
-    return (f'\nextern "C" int pk_launch(void** P, int B, int causal, float scale2, int n, int gx, int gy) {{\n'
+    return ((_ENCODE if encode else "") +
+            '\nextern "C" int pk_launch(void** P, int B, int causal, float scale2, int n, int gx, int gy) {\n'
+            + encode +
             f"  cudaFuncSetAttribute({name}, cudaFuncAttributeMaxDynamicSharedMemorySize, {max(smem, 1)});\n"
             f"  {name}<<<dim3(gx, gy), dim3({threads}), {smem}>>>({', '.join(args)});\n"
             f"  return (int)cudaGetLastError();\n}}\n")
@@ -77,7 +106,7 @@ def gen(out: Path, tiles: list[str], prefix: str = "") -> None:
     from tvm.target import Target
 
     from pagedkv import tir_kernels as tk
-    from pagedkv.tir_kernels.attention_cuda_prefill_tc import TC_TILES
+    from pagedkv.tir_kernels.attention_cuda_prefill_tc import TC_TILES, tma_maps
 
     out.mkdir(parents=True, exist_ok=True)
     meta = json.loads((out / "meta.json").read_text()) if (out / "meta.json").exists() else {}
@@ -96,8 +125,9 @@ def gen(out: Path, tiles: list[str], prefix: str = "") -> None:
                 body = body.replace(a, b)
         t = TC_TILES[base]
         smem = t.smem_bytes(D, D) if t.stages > 1 else 0
+        maps = tma_maps(cfg, base) if TC_TILES[base].tma else None
         src = ("__device__ __forceinline__ void pk_noop(void*, const void*) {}\n" + src[:start] + body + src[end:]
-               + _launcher(name, threads, smem, params))
+               + _launcher(name, threads, smem, params, maps))
         (out / f"{file_stem(prefix + tile)}.cu").write_text(src)
         meta[prefix + tile] = {"threads": threads, "smem": smem, "tq": t.rows // (HQ // HKV), "sm_arch": target.arch}
         print(prefix + tile, meta[prefix + tile])
@@ -108,7 +138,7 @@ def build(d: Path, jobs: int) -> None:
     # TVM 0.27's own nvcc flags (tvm.support.nvcc.compile_cuda): fast math, ptxas register-usage level 10.
     cmds = [["nvcc", "-O3", "-std=c++17", "-shared", "-Xcompiler", "-fPIC", "-w", "-lineinfo", "--use_fast_math",
              "--expt-relaxed-constexpr", "--ptxas-options=--register-usage-level=10",
-             "-gencode=arch=compute_90a,code=sm_90a", "-o", str(cu.with_suffix(".so")), str(cu)]
+             "-gencode=arch=compute_90a,code=sm_90a", "-o", str(cu.with_suffix(".so")), str(cu), "-ldl"]
             for cu in sorted(d.glob("*.cu"))]
     for i in range(0, len(cmds), jobs):
         procs = [subprocess.Popen(c) for c in cmds[i:i + jobs]]

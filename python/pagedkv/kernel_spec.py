@@ -39,13 +39,15 @@ SWITCHES: dict[str, tuple[str, tuple[str, ...]]] = {
                             "wg2o = wg2 with three stages, each warpgroup's softmax of tile kt overlapping its P V "
                             "of tile kt - 1; wg2k = wg2o with 128-key tiles; wg2p = wg2o with four stages, no block "
                             "barrier: the warpgroups signal landed tiles and take turns issuing their wgmma's "
-                            "through named barriers (the wg tiles need a target arch sm_90a, "
+                            "through named barriers; wg2t = wg2o whose K/V tiles one thread copies with TMA (128-byte "
+                            "swizzled, mbarrier-signalled; attn_prefill_ragged only, k / v 16-byte aligned) "
+                            "(the wg tiles need a target arch sm_90a, "
                             "kernel_spec.KernelSpec.target_arch; forced only, auto never picks them). "
                             "Inline RoPE always runs the SIMT kernel. auto: the tensor-core kernel where it serves "
                             "the spec (TC_BY_DEFAULT), in the op's first serving tile of "
                             "tir_kernels.attention_cuda_prefill.TC_DEFAULT_TILES (ragged: tc3, else tc; paged: "
                             "tc2, else tc), SIMT elsewhere",
-                            ("auto", "simt", "tc", "tc2", "tc3", "tc4", "wg", "wg2", "wg2o", "wg2k", "wg2p")),
+                            ("auto", "simt", "tc", "tc2", "tc3", "tc4", "wg", "wg2", "wg2o", "wg2k", "wg2p", "wg2t")),
     "cuda_decode_kernel": ("CUDA MHA decode (attn_decode_paged), plain and inline RoPE: the lane-group kernel "
                            "for both (lanes) or the shared-memory staged kernel for both (staged; raises where "
                            "its limits refuse either variant); tc: both variants on the tensor-core kernel "
@@ -106,7 +108,7 @@ def wg_prefill_limits(d: int, dv: int) -> list[str]:
 #: Forced path values whose kernels need one CUDA arch (their instructions exist there only): a library holding
 #: them is built for, and looked up under, that arch (``target_for_paths``). (switch, value) -> arch.
 #: The wgmma prefill tiles (``tir_kernels._prefill_tc_tiles.TC_TILES`` with ``wgmma``).
-WG_PREFILL_TILES = ("wg", "wg2", "wg2o", "wg2k", "wg2p")
+WG_PREFILL_TILES = ("wg", "wg2", "wg2o", "wg2k", "wg2p", "wg2t")
 PATH_ARCHS: dict[tuple[str, str], str] = {**{("cuda_prefill_kernel", t): "sm_90a" for t in WG_PREFILL_TILES},
                                           ("cuda_mla_decode_kernel", "wg"): "sm_90a"}
 

@@ -17,6 +17,7 @@
 #include <cstring>
 #include <cstdio>
 #include <functional>
+#include <map>
 #include <ucontext.h>
 #include <utility>
 #include <vector>
@@ -252,7 +253,7 @@ inline int pagedkv_aligned16(const void* p) { return (reinterpret_cast<uintptr_t
 // pointer, so the start address travels beside it. B element (n, k) (trans 0, K-major) at byte
 // (n%8)*16 + (k%8)*2 + (k/8)*LBO + (n/8)*SBO; (k, n) (trans 1, MN-major) at (k%8)*16 + (n%8)*2 + (n/8)*SBO +
 // (k/8)*LBO. A: warp w's rows 16w.. as mma.m16n8k16's A fragment; D: d[4j + i] = C fragment of columns 8j...
-struct WgOp { float* d[128]; uint a[128][4]; const char* b; uint64_t desc; int n, trans, bf16, scale_d; };
+struct WgOp { float* d[128]; uint a[128][4]; const char* b; uint64_t desc; int n, trans, bf16, scale_d, swz; };
 struct WgSlots { FBar* bar; WgOp ops[kMaxWgOps]; };
 static WgSlots g_wgs[kMaxWarps / 4];
 // t_wg_ops (Fiber::wg_ops): wgmma's this thread issued and not yet performed; t_wg_ends: t_wg_ops at each commit
@@ -262,26 +263,40 @@ inline uint64_t pagedkv_wg_desc_bits(unsigned lbo, unsigned sbo) {
   return (static_cast<uint64_t>((lbo >> 4) & 0x3FFFu) << 16) | (static_cast<uint64_t>((sbo >> 4) & 0x3FFFu) << 32);
 }
 inline void wgmma_emu(int n, int trans, int bf16, float* d, const void* a, const void* b, unsigned lbo,
-                      unsigned sbo, int scale_d) {
+                      unsigned sbo, int scale_d, int swz) {
   if (t_wg_ops == kMaxWgOps) std::abort();  // more wgmma's in flight than the emulator holds
   WgOp& op = my_wg().ops[t_wg_ops++];
   int t = t_linear % 128;
   op.d[t] = d;
   std::memcpy(op.a[t], a, 16);
   if (t == 0) { op.b = static_cast<const char*>(b); op.desc = pagedkv_wg_desc_bits(lbo, sbo); op.n = n;
-                op.trans = trans; op.bf16 = bf16; op.scale_d = scale_d; }
+                op.trans = trans; op.bf16 = bf16; op.scale_d = scale_d; op.swz = swz; }
 }
 inline float wg_a(const WgOp& op, int row, int k) {  // A[row][k] from the fragment of the thread holding it
   int w = row / 16, r = row % 16;
   int t = 32 * w + 4 * (r % 8) + (k % 8) / 2, i = (r / 8) * 2 + (k % 2) + 4 * (k / 8);
   return op.bf16 ? half_of<nv_bfloat16>(op.a[t][i / 2], i % 2) : half_of<half>(op.a[t][i / 2], i % 2);
 }
+// 128-byte swizzle (layout type 1): the 16-byte chunk bits 4-6 of the address the wgmma forms XOR its bits 7-9
+// (on absolute shared addresses: the emulator's are host addresses, which the kernels align the same way);
+// K-major: (n, k) at (n/8)*SBO + (n%8)*128 + k*2, LBO unused; MN-major: (k, n) at (n/64)*LBO + (k/8)*SBO +
+// (k%8)*128 + (n%64)*2.
 inline float wg_b(const WgOp& op, int k, int n) {  // B[k][n] through the descriptor's strides
   size_t lbo = ((op.desc >> 16) & 0x3FFFu) << 4, sbo = ((op.desc >> 32) & 0x3FFFu) << 4;
-  size_t at = op.trans ? (k % 8) * 16 + (n % 8) * 2 + (n / 8) * sbo + (k / 8) * lbo
-                       : (n % 8) * 16 + (k % 8) * 2 + (k / 8) * lbo + (n / 8) * sbo;
+  const char* p;
+  if (op.swz == 1) {
+    size_t at = op.trans ? (n / 64) * lbo + (k / 8) * sbo + (k % 8) * 128 + (n % 64) * 2
+                         : (n / 8) * sbo + (n % 8) * 128 + k * 2;
+    uintptr_t addr = reinterpret_cast<uintptr_t>(op.b) + at;
+    p = reinterpret_cast<const char*>(addr ^ (((addr >> 7) & 7u) << 4));
+  } else {
+    if (op.swz != 0) std::abort();  // only no swizzle and 128-byte swizzle are emulated
+    size_t at = op.trans ? (k % 8) * 16 + (n % 8) * 2 + (n / 8) * sbo + (k / 8) * lbo
+                         : (n % 8) * 16 + (k % 8) * 2 + (k / 8) * lbo + (n / 8) * sbo;
+    p = op.b + at;
+  }
   uint16_t bits;
-  std::memcpy(&bits, op.b + at, 2);
+  std::memcpy(&bits, p, 2);
   return op.bf16 ? half_of<nv_bfloat16>(bits, 0) : half_of<half>(bits, 0);
 }
 inline void pagedkv_wg_fence() {}
@@ -312,7 +327,7 @@ inline void wg_wait(int pending) {
     to.d[t] = from.d[t];
     std::memcpy(to.a[t], from.a[t], 16);
     if (t == 0) { to.b = from.b; to.desc = from.desc; to.n = from.n; to.trans = from.trans; to.bf16 = from.bf16;
-                  to.scale_d = from.scale_d; }
+                  to.scale_d = from.scale_d; to.swz = from.swz; }
   }
   int left = t_wg_groups > pending ? pending : t_wg_groups;
   for (int g = 0; g < left; ++g) t_wg_ends[g] = t_wg_ends[t_wg_groups - left + g] - done;
@@ -325,13 +340,97 @@ inline void pagedkv_wg_wait1() { wg_wait(1); }
 #define PAGEDKV_WGMMA_HELPERS
 #define PAGEDKV_WGMMA_EMU(N, P, BF, TR) \
   inline void pagedkv_wgmma_n##N##_##P##_t##TR(float* d, const void* a, const void* b, unsigned off, unsigned lbo, \
-                                               unsigned sbo, int scale_d) { \
-    wgmma_emu(N, TR, BF, d, a, static_cast<const char*>(b) + off, lbo, sbo, scale_d); }
+                                               unsigned sbo, int scale_d, int swz) { \
+    wgmma_emu(N, TR, BF, d, a, static_cast<const char*>(b) + off, lbo, sbo, scale_d, swz); }
 #define PAGEDKV_WGMMA_EMU_N(N) \
   PAGEDKV_WGMMA_EMU(N, f16, 0, 0) PAGEDKV_WGMMA_EMU(N, f16, 0, 1) PAGEDKV_WGMMA_EMU(N, bf16, 1, 0) \
   PAGEDKV_WGMMA_EMU(N, bf16, 1, 1) inline void pagedkv_wg_acc_fence_n##N(float*) {}
 PAGEDKV_WGMMA_EMU_N(32) PAGEDKV_WGMMA_EMU_N(64) PAGEDKV_WGMMA_EMU_N(128) PAGEDKV_WGMMA_EMU_N(256)
 inline void pagedkv_wg_reg_fence(void*, int) {}
+
+// TMA and mbarriers (tir_kernels/_tma_cuda.py). A tensor map is the struct the test's launcher fills from the
+// kernel's encode arguments (on the GPU the host code encodes a CUtensorMap). A box copy is queued on its
+// mbarrier and lands when a thread waits on the phase after its arrivals are in (as late as the ISA allows: a
+// stage read before its wait shows stale data), the 128-byte swizzle applied to the shared addresses and zeros
+// past the tensor's dims; its bytes then count down the expected transaction bytes, which must reach 0 exactly.
+// A block may not end with copies queued or a phase partly arrived.
+#define __grid_constant__
+struct CUtensorMap { const char* base; int rank, elem_bytes, swizzle; uint64_t dims[5], strides[5]; uint32_t box[5]; };
+struct TmaCopy { char* dst; const CUtensorMap* map; int c[5]; };
+struct MBar { int count = 0, arrived = 0; long completed = 0, tx = 0; std::vector<TmaCopy> copies; };
+static std::map<uintptr_t, MBar> g_mbars;  // by address, cleared at each block
+#define PAGEDKV_TMA_HELPERS
+inline unsigned pagedkv_smem_addr(const void* p) { return static_cast<unsigned>(reinterpret_cast<uintptr_t>(p)); }
+inline int pagedkv_sw128_pad(const void* p, int elem_bytes) {
+  return static_cast<int>((1024u - (reinterpret_cast<uintptr_t>(p) & 1023u)) & 1023u) / elem_bytes;
+}
+inline MBar& mbar_at(void* bar) {
+  auto it = g_mbars.find(reinterpret_cast<uintptr_t>(bar));
+  if (it == g_mbars.end()) { std::fprintf(stderr, "mbarrier used before its init\n"); std::abort(); }
+  return it->second;
+}
+inline void pagedkv_mbar_init(void* bar, int count) { g_mbars[reinterpret_cast<uintptr_t>(bar)] = MBar{count}; }
+inline void pagedkv_mbar_expect_tx(void* bar, int bytes) {
+  MBar& b = mbar_at(bar);
+  b.tx += bytes;
+  if (++b.arrived > b.count) { std::fprintf(stderr, "mbarrier: more arrivals than its count\n"); std::abort(); }
+  ++g_moves;
+}
+inline void tma_land(const TmaCopy& c) {
+  const CUtensorMap& m = *c.map;
+  uint32_t n = 1;
+  for (int r = 0; r < m.rank; ++r) n *= m.box[r];
+  for (uint32_t lin = 0; lin < n; ++lin) {
+    uint32_t rest = lin;
+    bool inside = true;
+    const char* src = m.base;
+    for (int r = 0; r < m.rank; ++r) {
+      int64_t at = static_cast<int64_t>(c.c[r]) + rest % m.box[r];
+      rest /= m.box[r];
+      inside = inside && at >= 0 && static_cast<uint64_t>(at) < m.dims[r];
+      src += at * static_cast<int64_t>(m.strides[r]);
+    }
+    uintptr_t addr = reinterpret_cast<uintptr_t>(c.dst) + static_cast<uintptr_t>(lin) * m.elem_bytes;
+    if (m.swizzle == 3) addr ^= ((addr >> 7) & 7u) << 4;
+    else if (m.swizzle != 0) std::abort();  // only no swizzle and 128-byte swizzle are emulated
+    if (inside) std::memcpy(reinterpret_cast<void*>(addr), src, m.elem_bytes);
+    else std::memset(reinterpret_cast<void*>(addr), 0, m.elem_bytes);
+  }
+}
+inline void pagedkv_tma_load3(void* dst, void* bar, unsigned long long map, int c0, int c1, int c2) {
+  const CUtensorMap* m = reinterpret_cast<const CUtensorMap*>(map);
+  if (m->rank != 3) std::abort();
+  mbar_at(bar).copies.push_back(TmaCopy{static_cast<char*>(dst), m, {c0, c1, c2, 0, 0}});
+}
+inline void pagedkv_mbar_wait(void* bar, int parity) {
+  MBar& b = mbar_at(bar);
+  emu_wait([&] {
+    if ((b.completed & 1) != parity) return true;  // the phase of this parity is complete
+    if (b.arrived < b.count) return false;
+    for (const TmaCopy& c : b.copies) {
+      const CUtensorMap& m = *c.map;
+      long bytes = m.elem_bytes;
+      for (int r = 0; r < m.rank; ++r) bytes *= m.box[r];
+      tma_land(c);
+      b.tx -= bytes;
+    }
+    b.copies.clear();
+    if (b.tx < 0) { std::fprintf(stderr, "mbarrier: copies landed more bytes than expected\n"); std::abort(); }
+    if (b.tx > 0) return false;  // expected bytes that no copy brings: waits forever (a deadlock)
+    b.arrived = 0;
+    ++b.completed;
+    return true;
+  }, "an mbarrier (TMA copies)");
+}
+inline void mbars_end_of_block() {
+  for (auto& [addr, b] : g_mbars)
+    if (!b.copies.empty() || b.arrived) {
+      std::fprintf(stderr, "block ended with an mbarrier phase armed (%d arrivals, %zu copies queued)\n",
+                   b.arrived, b.copies.size());
+      std::abort();
+    }
+  g_mbars.clear();
+}
 
 // Run `body` (the kernel call) for every block of a grid (gx, gy, gz), the block's bx * by * bz threads (a
 // multiple of 32, at most 1024) as CPU threads in lock step, thread t being threadIdx (t % bx, t / bx % by,
@@ -428,6 +527,7 @@ void launch3(int grid_x, int grid_y, int grid_z, int bx, int by, int bz, F body)
           makecontext(&f.uc, fiber_main, 0);
         }
         run_block(fibers);
+        mbars_end_of_block();
         for (int id = 1; id < 16; ++id)  // every thread is past its body: no named barrier may be partly arrived
           if (g_named[id].count) {
             std::fprintf(stderr, "named barrier %d left with %d arrivals\n", id, g_named[id].count);

@@ -35,7 +35,7 @@ from _cuda_support import cuda_source_of
 
 from pagedkv import tir_kernels as tk
 from pagedkv.testing import reference as R
-from pagedkv.tir_kernels.attention_cuda_prefill_tc import TC_TILES
+from pagedkv.tir_kernels.attention_cuda_prefill_tc import TC_TILES, tma_maps
 
 import tvm
 from tvm.target import Target
@@ -92,10 +92,13 @@ WG_RUNS = [("7x1x128-bf16", "attn_prefill_ragged", 1), ("7x1x128-bf16", "attn_pr
 #: ("wg2o" without block barriers: named-barrier signals and turns between the warpgroups), half of them on "wg2"
 #: (two warpgroups of "wg"'s pipeline) and the other half on "wg2k" ("wg2o" with 128-key tiles).
 WG_TILE_RUNS = ([("wg", *r) for r in WG_RUNS] + [("wg2o", *r) for r in WG_RUNS] + [("wg2p", *r) for r in WG_RUNS]
-                + [("wg2", *r) for r in WG_RUNS[1::2]] + [("wg2k", *r) for r in WG_RUNS[::2]])
+                + [("wg2", *r) for r in WG_RUNS[1::2]] + [("wg2k", *r) for r in WG_RUNS[::2]]
+                + [("wg2t", *r) for r in WG_RUNS if r[1] == "attn_prefill_ragged"])
 #: The wgmma tiles' unaligned-view (element-load) runs.
 WG_UNALIGNED = [("wg", "16x2x128-bf16-w40-cap20"), ("wg2o", "7x1x128-bf16"), ("wg2k", "2x2x128-f16"),
                 ("wg2p", "16x2x128-bf16-w40-cap20")]
+#: NaN rows after the last entry's keys in ragged k / v (TMA boxes read past an entry's end).
+TAIL_ROWS = 70
 #: Bytes of the static array standing in for a kernel's dynamic shared memory.
 DYN_SMEM_BYTES = 256 * 1024
 
@@ -144,7 +147,10 @@ def _build(cfg, tile, op, stem):
     assert ("extern __shared__" in cuda_source_of(exe)) == (TC_TILES[tile].stages >= 2)  # tc2: dynamic
     args = []
     for i, (ty, pname) in enumerate(params):
-        args.append(f"({ty})ptrs[{i}]" if ty.endswith("*") else f"(({ty})nums[{i}])")
+        if "CUtensorMap" in ty:  # a TMA tile's tensor map: the struct _tensor_map fills, by value
+            args.append(f"*(const CUtensorMap*)ptrs[{i}]")
+        else:
+            args.append(f"({ty})ptrs[{i}]" if ty.endswith("*") else f"(({ty})nums[{i}])")
     cpp = stem.with_suffix(".cpp")
     cpp.write_text(f'#define PAGEDKV_EMU_THREADS {threads}\n#include "{HERE / "_cuda_emu.h"}"\n{body}\n'
                    f'extern "C" void run(void** ptrs, double* nums, int gx, int gy) {{\n'
@@ -167,11 +173,38 @@ def _from_storage(a: np.ndarray, dtype: str) -> torch.Tensor:
     return (t if dtype == "float16" else t.view(torch.bfloat16)).double()
 
 
-def _run(lib, params, arrays: dict, scalars: dict, grid):
+class _TensorMap(ctypes.Structure):
+    """``_cuda_emu.h``'s ``CUtensorMap``: what the emulated TMA copies read."""
+
+    _fields_ = [("base", ctypes.c_void_p), ("rank", ctypes.c_int), ("elem_bytes", ctypes.c_int),
+                ("swizzle", ctypes.c_int), ("dims", ctypes.c_uint64 * 5), ("strides", ctypes.c_uint64 * 5),
+                ("box", ctypes.c_uint32 * 5)]
+
+
+def _tensor_map(array: np.ndarray, tmap) -> _TensorMap:
+    """The emulator's tensor map of ``array`` from the map's own encode arguments (what the host code passes
+    to ``cuTensorMapEncodeTiled`` on the GPU): dims, byte strides of dims 1.., box, element strides, options."""
+    args = tmap.encode_args(array.shape[0])
+    rank = 3
+    dims, strides, box, estr = args[:rank], args[rank:2 * rank - 1], args[2 * rank - 1:3 * rank - 1], \
+        args[3 * rank - 1:4 * rank - 1]
+    assert estr == [1] * rank and args[4 * rank - 1] == 0 and array.itemsize == 2
+    m = _TensorMap(array.ctypes.data, rank, array.itemsize, args[4 * rank])
+    for r in range(rank):
+        m.dims[r], m.strides[r], m.box[r] = dims[r], ([array.itemsize] + strides)[r], box[r]
+    return m
+
+
+def _run(lib, params, arrays: dict, scalars: dict, grid, maps=None):
     ptrs = (ctypes.c_void_p * len(params))()
     nums = (ctypes.c_double * len(params))()
+    keep = []
     for i, (ty, pname) in enumerate(params):
-        if ty.endswith("*"):
+        if "CUtensorMap" in ty:
+            tensor, tmap = maps[pname]
+            keep.append(_tensor_map(arrays[tensor], tmap))
+            ptrs[i] = ctypes.addressof(keep[-1])
+        elif ty.endswith("*"):
             ptrs[i] = arrays[pname.removesuffix("_ptr")].ctypes.data
         elif pname in scalars:
             nums[i] = scalars[pname]
@@ -244,8 +277,10 @@ def _check(name, tile, op, causal, built, misalign):
               "o": np.full((n, hq, dv), np.nan, np.float16) if dt == "float16" else np.full((n, hq, dv), -1, np.int16),
               "lse": np.full((n, hq), np.nan, np.float32)}
     if op == "attn_prefill_ragged":
-        arrays["k"] = _to_storage(torch.cat([e[1] for e in ents]), dt)
-        arrays["v"] = _to_storage(torch.cat([e[2] for e in ents]), dt)
+        # Rows past the last entry's keys (a buffer larger than the batch), NaN: a kernel must not use them.
+        tail = [torch.full((TAIL_ROWS, hkv, dim), float("nan"), dtype=torch.float64) for dim in (d, dv)]
+        arrays["k"] = _to_storage(torch.cat([e[1] for e in ents] + tail[:1]), dt)
+        arrays["v"] = _to_storage(torch.cat([e[2] for e in ents] + tail[1:]), dt)
         arrays["kv_indptr"] = np.cumsum([0] + [e[1].shape[0] for e in ents]).astype(np.int32)
         if misalign:  # q too: "tc3" copies q rows with cp.async when aligned
             arrays["k"], arrays["v"] = _misaligned(arrays["k"]), _misaligned(arrays["v"])
@@ -267,8 +302,9 @@ def _check(name, tile, op, causal, built, misalign):
         arrays.update(pages=_to_storage(pages, dt), page_indptr=np.cumsum([0] + counts).astype(np.int32),
                       page_values=np.array(values or [0], np.int32), last_page_len=np.array(last, np.int32))
     tq = TC_TILES[tile].rows // (hq // hkv)
+    maps = tma_maps(dataclasses.replace(cfg, target_arch="sm_90a"), tile) if TC_TILES[tile].tma else None
     _run(lib, params, arrays, {"B": B, "n": n, "causal": causal, "ps": ps, "scale2": sm_scale * LOG2E},
-         (max(n // tq + B, 1), hkv))
+         (max(n // tq + B, 1), hkv), maps)
     o, lse = _from_storage(arrays["o"], dt), torch.from_numpy(arrays["lse"]).double()
     row = 0
     for (eq, ek, ev), (nq, nk) in zip(ents, ENTRIES):

@@ -1,0 +1,120 @@
+"""TMA (the tensor memory accelerator's bulk tensor copies) and mbarrier pieces of the CUDA kernels (sm_90a).
+
+A tensor map (``CUtensorMap``, 128 bytes) describes a global tensor and the box one copy moves. The PrimFunc's
+host code encodes it at each call (``TensorMap3.encode``: TVM's ``runtime.cuTensorMapEncodeTiled``, the CUDA
+driver's ``cuTensorMapEncodeTiled``) and passes it by value (TVM emits the kernel parameter as
+``const __grid_constant__ CUtensorMap``). In the kernel one thread arms a stage's mbarrier with the bytes to come
+(``mbar_expect_tx``) and issues the copies (``tma_load3``); they land in shared memory asynchronously and count
+their bytes on the mbarrier, whose phase then completes; every reader waits for that phase (``mbar_wait``,
+parity = how many times the stage was filled before, mod 2). Copies write through the async proxy, which
+``wgmma`` reads too: no proxy fence between them.
+
+Order at start: ``mbar_init`` by one thread, then a block barrier before any other thread waits on it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+from tvm.script import tirx as T
+
+#: ``CUtensorMapSwizzle``: 128-byte swizzle (``_wgmma_cuda.Sw128Layout``).
+SWIZZLE_128B = 3
+#: ``CUtensorMapL2promotion``: 128-byte L2 promotion.
+L2_PROMOTION_128B = 2
+#: Bytes of one mbarrier (a shared ``uint64``).
+MBAR_BYTES = 8
+#: Alignment of a 128-byte-swizzled box in shared memory (the swizzle repeats every 1024 bytes).
+SW128_ALIGN = 1024
+
+_SOURCE = r"""
+#ifndef PAGEDKV_TMA_HELPERS
+#define PAGEDKV_TMA_HELPERS
+__device__ __forceinline__ unsigned pagedkv_smem_addr(const void* p) {
+  return static_cast<unsigned>(__cvta_generic_to_shared(p));
+}
+// mbarrier of `count` arrivals; the init made visible to the async proxy (the TMA's complete_tx).
+__device__ __forceinline__ void pagedkv_mbar_init(void* bar, int count) {
+  asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;\n" :: "r"(pagedkv_smem_addr(bar)), "r"(count) : "memory");
+  asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
+}
+// One arrival that also expects `bytes` more transaction bytes (the copies issued next) in the current phase.
+__device__ __forceinline__ void pagedkv_mbar_expect_tx(void* bar, int bytes) {
+  asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;\n" :: "r"(pagedkv_smem_addr(bar)),
+               "r"(bytes) : "memory");
+}
+// Wait until the phase of parity `parity` completed (try_wait suspends a while in hardware between polls).
+__device__ __forceinline__ void pagedkv_mbar_wait(void* bar, int parity) {
+  asm volatile("{\n.reg .pred done;\nPAGEDKV_MBAR_WAIT:\n"
+               "mbarrier.try_wait.parity.shared::cta.b64 done, [%0], %1;\n@!done bra PAGEDKV_MBAR_WAIT;\n}\n"
+               :: "r"(pagedkv_smem_addr(bar)), "r"(parity) : "memory");
+}
+// A box of a rank-3 tensor map at coordinates (c0, c1, c2) (innermost first) into shared memory at dst, its
+// bytes counted on the mbarrier bar.
+__device__ __forceinline__ void pagedkv_tma_load3(void* dst, void* bar, unsigned long long map, int c0, int c1,
+                                                  int c2) {
+  asm volatile("cp.async.bulk.tensor.3d.shared::cluster.global.tile.mbarrier::complete_tx::bytes"
+               " [%0], [%1, {%2, %3, %4}], [%5];\n"
+               :: "r"(pagedkv_smem_addr(dst)), "l"(map), "r"(c0), "r"(c1), "r"(c2), "r"(pagedkv_smem_addr(bar))
+               : "memory");
+}
+// Elements of `elem_bytes` from p to the next 1024-byte aligned shared address.
+__device__ __forceinline__ int pagedkv_sw128_pad(const void* p, int elem_bytes) {
+  return static_cast<int>((1024u - (pagedkv_smem_addr(p) & 1023u)) & 1023u) / elem_bytes;
+}
+#endif
+"""
+
+
+def mbar_init(bar, count: int):
+    """``mbarrier.init`` of the shared ``uint64`` at address ``bar`` for ``count`` arrivals a phase."""
+    return T.cuda.func_call("pagedkv_mbar_init", bar, T.int32(count), source_code=_SOURCE)
+
+
+def mbar_expect_tx(bar, nbytes: int):
+    """Arrive on ``bar`` expecting ``nbytes`` transaction bytes (the copies this thread issues next)."""
+    return T.cuda.func_call("pagedkv_mbar_expect_tx", bar, T.int32(nbytes), source_code=_SOURCE)
+
+
+def mbar_wait(bar, parity):
+    """Wait for the completion of ``bar``'s phase of parity ``parity`` (0 / 1)."""
+    return T.cuda.func_call("pagedkv_mbar_wait", bar, T.Cast("int32", parity), source_code=_SOURCE)
+
+
+def tma_load3(dst, bar, tmap, c0, c1, c2):
+    """The box of tensor map ``tmap`` (the kernel's ``CUtensorMap`` parameter) at (c0, c1, c2) into shared memory
+    at ``dst`` (1024-byte aligned for the 128-byte swizzle), counted on mbarrier ``bar``."""
+    return T.cuda.func_call("pagedkv_tma_load3", dst, bar, T.address_of(tmap), T.Cast("int32", c0),
+                            T.Cast("int32", c1), T.Cast("int32", c2), source_code=_SOURCE)
+
+
+def sw128_pad(p, elem_bytes: int):
+    """Elements (of ``elem_bytes``) from shared address ``p`` to the next 1024-byte boundary (int32)."""
+    return T.cuda.func_call("pagedkv_sw128_pad", p, T.int32(elem_bytes), source_code=_SOURCE, return_type="int32")
+
+
+@dataclasses.dataclass(frozen=True)
+class TensorMap3:
+    """The tensor map of a ``[rows][heads][d]`` tensor of 2-byte elements (rows of ``heads * d`` elements, as
+    ragged k / v), read as boxes of ``box_rows`` rows x 64 dims of one head in the 128-byte swizzle: the box
+    at (``dim0``, ``head``, ``row0``) lands as ``box_rows`` rows of 128 bytes (``Sw128Layout``'s column block).
+    Dims innermost first: (d, heads, rows); rows past ``rows`` read as zeros."""
+
+    heads: int
+    d: int
+    box_rows: int
+
+    def encode_args(self, rows) -> list:
+        """The arguments of ``cuTensorMapEncodeTiled`` after the data pointer, as TVM's packed
+        ``runtime.cuTensorMapEncodeTiled`` takes them: dims, byte strides of dims 1.., box, element strides,
+        then interleave, swizzle, L2 promotion, out-of-bound fill (zeros)."""
+        return [self.d, self.heads, rows, self.d * 2, self.heads * self.d * 2, 64, 1, self.box_rows, 1, 1, 1,
+                0, SWIZZLE_128B, L2_PROMOTION_128B, 0]
+
+    @property
+    def box_bytes(self) -> int:
+        return self.box_rows * 128
+
+
+__all__ = ["L2_PROMOTION_128B", "MBAR_BYTES", "SW128_ALIGN", "SWIZZLE_128B", "TensorMap3", "mbar_expect_tx",
+           "mbar_init", "mbar_wait", "sw128_pad", "tma_load3"]
