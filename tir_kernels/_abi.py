@@ -16,6 +16,7 @@ import functools
 import re
 from typing import Any, Mapping
 
+import tvm
 from tvm.script import from_source
 from tvm.script import tirx as T
 
@@ -45,7 +46,8 @@ def _dim(sym: str, shape: Mapping[str, int]) -> str:
 
 
 @functools.lru_cache(maxsize=None)
-def _header(op: str, shape_items: tuple, dtype: str, scheduled: bool, symbol: str, adapter: str) -> str:
+def _header(op: str, shape_items: tuple, dtype: str, scheduled: bool, symbol: str, adapter: str,
+            any_align: tuple = ()) -> str:
     args, shape = call_args(op, adapter), dict(shape_items)
     params, lines = [], []
     for a in args:
@@ -54,6 +56,8 @@ def _header(op: str, shape_items: tuple, dtype: str, scheduled: bool, symbol: st
             dt = dtype if a.dtype == "cache" else a.dtype
             dims = ", ".join(_dim(s, shape) for s in a.shape)
             offset = "" if a.name == "pages" else ", elem_offset=T.int32()"
+            if a.name in any_align:  # the data pointer itself may sit anywhere (element-aligned)
+                offset += f", align={tvm.DataType(dt).bits // 8}"
             lines.append(f"    {a.name} = T.match_buffer({a.name}_h, ({dims},), \"{dt}\"{offset})")
         else:
             params.append(f"{a.name}: {_SCALAR[a.dtype]}")
@@ -68,7 +72,7 @@ def _header(op: str, shape_items: tuple, dtype: str, scheduled: bool, symbol: st
 
 
 def abi_prim_func(op: str, shape: Mapping[str, int], dtype: str, body: Any, *, scheduled: bool = False,
-                  symbol: str | None = None, adapter: str = "direct"):
+                  symbol: str | None = None, adapter: str = "direct", any_align: tuple[str, ...] = ()):
     """The PrimFunc (global symbol ``symbol``, default ``pagedkv_<op>``) whose parameters are the op table's and whose body is ``body``.
 
     Parameters
@@ -89,8 +93,13 @@ def abi_prim_func(op: str, shape: Mapping[str, int], dtype: str, body: Any, *, s
     adapter : str
         The runtime adapter kind that calls it (``pagedkv.ops.ADAPTER_ARGS``): its arguments follow the op's,
         and the body receives them after the op's (before ``dims``).
+    any_align : tuple of str
+        Tensor arguments declared element-aligned instead of TVM's default 64 bytes (the calling convention is
+        the same): host code that tests their addresses (``_tma_cuda.host_aligned16``) must not have the test
+        folded away by that assumption (callers do pass views, e.g. torch slices, whose data pointers are not).
     """
-    src = _header(op, tuple(sorted(shape.items())), dtype, scheduled, symbol or SPECS[op].symbol, adapter)
+    src = _header(op, tuple(sorted(shape.items())), dtype, scheduled, symbol or SPECS[op].symbol, adapter,
+                  tuple(any_align))
     return from_source(src, extra_vars={"T": T, "body": body})
 
 

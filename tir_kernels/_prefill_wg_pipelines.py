@@ -82,7 +82,8 @@ def steady_step(cfg, d: int, dv: int, sn: int, m: TileMacros):
 
 
 def make_overlap(cfg, d: int, dv: int, sn: int, m: TileMacros):
-    """The "wg2o" / "wg2k" loop (three stages, one block barrier a tile): ``overlap(smem, scratch, fr, acc,
+    """The "wg2o" / "wg2k" loop (three stages, one block barrier a tile; "wg2t": four, ``cfg.ahead`` tiles
+    loading ahead, which ``m.next_tile`` keeps): ``overlap(smem, scratch, fr, acc,
     rows, ti, kvb, h, tid, causal, sm_scale)``, ``fr`` = (qf, afr, bfr), ``acc`` = (sacc, pf, oacc, pfo),
     ``rows`` = (m, lsum, lim, mx, st, fac); ``scratch`` a shared word (``store_before_wait``)."""
     tk, ns = cfg.tk, cfg.stages

@@ -93,6 +93,13 @@ def sw128_pad(p, elem_bytes: int):
     return T.cuda.func_call("pagedkv_sw128_pad", p, T.int32(elem_bytes), source_code=_SOURCE, return_type="int32")
 
 
+def host_aligned16(ptr):
+    """Host code: ``ptr`` (a buffer element's address) is 16-byte aligned, as a tensor map's global address must be
+    (``llvm.ptrmask`` keeps its low 4 bits: null iff aligned). The buffer must be declared element-aligned
+    (``_abi.abi_prim_func(any_align=...)``), else LLVM folds the test with TVM's default 64-byte assumption."""
+    return T.isnullptr(T.call_llvm_pure_intrin("handle", "llvm.ptrmask", ptr, T.int64(15)))
+
+
 @dataclasses.dataclass(frozen=True)
 class TensorMap3:
     """The tensor map of a ``[rows][heads][d]`` tensor of 2-byte elements (rows of ``heads * d`` elements, as
@@ -116,5 +123,5 @@ class TensorMap3:
         return self.box_rows * 128
 
 
-__all__ = ["L2_PROMOTION_128B", "MBAR_BYTES", "SW128_ALIGN", "SWIZZLE_128B", "TensorMap3", "mbar_expect_tx",
+__all__ = ["host_aligned16", "L2_PROMOTION_128B", "MBAR_BYTES", "SW128_ALIGN", "SWIZZLE_128B", "TensorMap3", "mbar_expect_tx",
            "mbar_init", "mbar_wait", "sw128_pad", "tma_load3"]

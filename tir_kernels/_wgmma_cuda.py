@@ -12,7 +12,10 @@ Layouts, as ``tools/wgmma_probe.cu`` checked them on the H200:
   imm-trans-b 1 (``trans`` 1: O = P V, V stored per key): element (k, n) at ``(k%8)*16 + (n%8)*2 +
   (n/8)*SBO + (k/8)*LBO``. LBO runs along K, SBO along N in both; ``CoreLayout`` is the element map of a
   ``[rows][dim]`` tile stored as such (rows in groups of 8, then the dims in 8-element chunks).
-* Descriptor (64 bits): bits 0-13 start address >> 4, 16-29 LBO >> 4, 32-45 SBO >> 4, swizzle bits 0.
+* Descriptor (64 bits): bits 0-13 start address >> 4, 16-29 LBO >> 4, 32-45 SBO >> 4, bits 62-63 the layout
+  type: 0 = no swizzle (``CoreLayout``), 1 = 128-byte swizzle (``Sw128Layout``: the tiles TMA writes; checked
+  on the H200 by the "wg2t" prefill tile, 2026-12-05). A layout gives each k step's offset, LBO and SBO
+  (``k_major`` / ``mn_major``), so the GEMM macros take either.
 
 Order (PTX ISA "asynchronous warpgroup level matrix multiply-accumulate"): shared-memory writes (cp.async,
 its wait) -> ``fence.proxy.async.shared::cta`` by the writing threads -> barrier -> ``wgmma.fence`` -> the

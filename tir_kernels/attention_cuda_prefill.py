@@ -7,9 +7,11 @@ from __future__ import annotations
 
 from tvm.script import tirx as T
 
+from ..kernel_spec import TMA_PREFILL_TILES
 from ..kernel_spec import forced as forced_path
 from ..ops import ATTN_PREFILL_PAGED, ATTN_PREFILL_RAGGED, shape_values
 from ._abi import abi_prim_func
+from ._tma_cuda import host_aligned16
 from ._common import EMPTY_LSE, LOG2E
 from ._common_cuda import (
     ceildiv,
@@ -33,8 +35,10 @@ PREFILL_SWITCH = "cuda_prefill_kernel"
 #: BENCHMARKS.md, ratio to FlashInfer's best): whole prompts (the ragged op) tc3 0.47-0.56 against tc
 #: 0.41-0.43 and tc2 0.44-0.46; a chunk over cached keys (the paged op: continuation prefills, prefix passes)
 #: tc2 0.33 against tc 0.23 and tc3 0.19 (tc3's 32-key tiles walk the page table twice as often).
+#: On sm_90a builds the ragged op takes wg2t (TMA copies; probe of 2026-12-05, H200: 0.341 / 0.581 / 4.75 ms
+#: at 1x4K / 16x1K / 1x16K against tc3's 0.571 / 0.654 / 7.14), which serves head dim 128 only.
 TC_BY_DEFAULT = True
-TC_DEFAULT_TILES = {ATTN_PREFILL_RAGGED: ("tc3", "tc"), ATTN_PREFILL_PAGED: ("tc2", "tc")}
+TC_DEFAULT_TILES = {ATTN_PREFILL_RAGGED: ("wg2t", "tc3", "tc"), ATTN_PREFILL_PAGED: ("tc2", "tc")}
 
 # ---------------------------------------------------------------------------------------------------
 # prefill (ragged and paged)
@@ -322,10 +326,12 @@ def _make_prefill(op: str, spec, paged: bool):
 def use_tensor_cores(op: str, spec, dv: int) -> str | None:
     """The tensor-core tile (``TC_TILES`` key) of the plain prefill kernel of ``spec``, or None for the SIMT one:
     forced by ``cuda_prefill_kernel`` ("tc" / "tc2" raise for a spec they do not serve, naming why; "simt"
-    never), else the first of the op's ``TC_DEFAULT_TILES`` that serves the spec, where ``TC_BY_DEFAULT``."""
+    never; a TMA tile, ``kernel_spec.TMA_PREFILL_TILES``, applies to the ragged op only), else the first of the op's ``TC_DEFAULT_TILES`` that serves the spec, where ``TC_BY_DEFAULT``."""
     choice = forced_path(spec.paths, PREFILL_SWITCH)
+    if choice in TMA_PREFILL_TILES and op == ATTN_PREFILL_PAGED:
+        choice = "auto"  # a TMA tile is the ragged op's alone; the paged op keeps its own choice (switch text)
     if choice in TC_TILES:
-        reason = tc_unserved(spec, dv, choice)
+        reason = tc_unserved(spec, dv, choice, paged=op == ATTN_PREFILL_PAGED)
         if reason:
             raise NotImplementedError(f"pagedkv.tir_kernels: {PREFILL_SWITCH}={choice}: the tensor-core CUDA "
                                       f"{op!r} kernel does not serve {reason}")
@@ -343,8 +349,11 @@ def attn_prefill_ragged_cuda(spec):
     """
     tile = use_tensor_cores(ATTN_PREFILL_RAGGED, spec, shape_values(spec)["Dv"])
     TC = tile is not None  # a bool: parse-time ``if``
+    # A TMA tile needs 16-byte aligned k / v (a tensor map's address): other views take its fallback tile.
+    TMA = TC and TC_TILES[tile].tma
     kernel_rope, kernel_plain = _make_prefill(ATTN_PREFILL_RAGGED, spec, paged=False)
     kernel_tc = make_prefill_tc(ATTN_PREFILL_RAGGED, spec, paged=False, tile=tile) if TC else None
+    kernel_fb = make_prefill_tc(ATTN_PREFILL_RAGGED, spec, paged=False, tile=TC_TILES[tile].fallback) if TMA else None
 
     @T.macro
     def body(q, k, v, q_indptr, kv_indptr, q_pos, k_pos_offset, o, lse, causal, apply_rope, rope_scale,
@@ -356,13 +365,19 @@ def attn_prefill_ragged_cuda(spec):
             kernel_rope(q, q_indptr, q_pos, k_pos_offset, o, lse, (k, v, kv_indptr), B, n, causal,
                         rope_scale, rope_theta, sm_scale)
         else:
-            if TC:
+            if TMA:
+                if T.And(host_aligned16(T.address_of(k[0, 0, 0])), host_aligned16(T.address_of(v[0, 0, 0]))):
+                    kernel_tc(q, q_indptr, o, lse, (k, v, kv_indptr), B, n, causal, sm_scale)
+                else:
+                    kernel_fb(q, q_indptr, o, lse, (k, v, kv_indptr), B, n, causal, sm_scale)
+            elif TC:
                 kernel_tc(q, q_indptr, o, lse, (k, v, kv_indptr), B, n, causal, sm_scale)
             else:
                 kernel_plain(q, q_indptr, q_pos, k_pos_offset, o, lse, (k, v, kv_indptr), B, n, causal,
                              rope_scale, rope_theta, sm_scale)
 
-    return abi_prim_func(ATTN_PREFILL_RAGGED, shape_values(spec), spec.dtype, body, scheduled=True)
+    return abi_prim_func(ATTN_PREFILL_RAGGED, shape_values(spec), spec.dtype, body, scheduled=True,
+                         any_align=("k", "v") if TMA else ())
 
 
 def attn_prefill_paged_cuda(spec):

@@ -1,8 +1,9 @@
 """Tensor-core CUDA prefill (``attn_prefill_ragged`` / ``attn_prefill_paged``), fp16 / bf16, sm_80+: the
 plain (``apply_rope == 0``) kernel on ``mma.sync.m16n8k16`` (``_mma_cuda``), in one of the tiles ``TC_TILES``,
 picked by the path switch ``cuda_prefill_kernel`` (``pagedkv.kernel_spec.SWITCHES``); auto takes per op the
-first tile of ``attention_cuda_prefill.TC_DEFAULT_TILES`` that serves the spec (tc3 for the ragged op, tc2 for
-the paged one, each falling back to tc); ``tc_unserved`` says which specs a tile serves.
+first tile of ``attention_cuda_prefill.TC_DEFAULT_TILES`` that serves the spec (the ragged op: wg2t on sm_90a at
+head dim 128, else tc3; the paged op tc2; each falling back to tc); ``tc_unserved`` says which specs a tile
+serves.
 
 Same ABI and semantics as the SIMT kernel (``attention_cuda.py``): base-2 LSE, bottom-right causal, sliding
 window and soft cap through ``CudaVariant``, empty rows ``o = 0`` / ``lse = -1e30``, sm_scale an argument.
@@ -50,6 +51,19 @@ Design (FlashAttention-2 style), one block per (query tile, kv head):
   tile's S and the last tile's P V run outside the loop (``tiles_overlap``).
 * "wg2k" (sm_90a, forced only): "wg2o" with 128-key tiles (S by m64n128k16: half the loop trips, barriers
   and O rescales per key).
+* "wg2t" (sm_90a, the ragged op; auto there at head dim 128): "wg2o" with four stages loading two tiles ahead,
+  whose K / V tiles thread 0 copies with TMA (``_tma_cuda``): per tile it arms the stage's mbarrier with the
+  tile's bytes and issues one box (64 keys x 64 dims of one head) per 64-dim column block of K and of V, none
+  past the last tile; the tiles land 128-byte swizzled (``_wgmma_cuda.Sw128Layout``, wgmma descriptors of
+  layout type 1, stages from the buffer's first 1024-byte boundary) and every thread waits on the stage's
+  mbarrier (parity = the stage's fill count) instead of its own copies; the block barrier still tells that
+  every warp is done with the stage refilled next. The PrimFunc's host code encodes the two tensor maps
+  (``runtime.cuTensorMapEncodeTiled``) at each call when k and v start 16-byte aligned, and runs
+  ``TcTile.fallback`` ("tc3") otherwise. A box reads past its entry (the next entry's keys, or the buffer's
+  unused rows, which may hold anything): V rows past the keys any row sees are zeroed before the P V that
+  reads them. Probe (H200, 32/8/128 fp16, 2026-12-05): 0.341 / 0.581 / 4.75 ms at 1x4K / 16x1K / 1x16K
+  against tc3's 0.571 / 0.654 / 7.14 and wg2p's 0.540 / 0.798 / 7.46; ptxas 170 registers (189 windowed +
+  capped bf16), no spills: the copies' address arithmetic is gone.
 * Causal tiles past the tile's last row are skipped (and, with a window, those before its first window).
 * Grid and entry search as the SIMT kernel: virtual tiles, binary search, idle blocks run zero-trip loops.
 
@@ -68,7 +82,7 @@ tc4     256   256      2       32  2 (Q in smem)   104,448 dyn.   229/233, 164/1
 "wg" (sm_90a): 64 rows, 128 threads, 2 stages of 64 keys, 73,728 bytes dynamic shared memory at D 128 (padded core matrices);
 ptxas 166 / 166 registers ragged / paged at D 128 (32/8/128 fp16), no spills. "wg2" / "wg2o" / "wg2p": 128 rows,
 256 threads, 2 / 3 / 4 stages (73,728 / 110,592 / 147,456 bytes at D 128); ptxas 213 / 174, 208 / 176 and 206 / 181
-registers (ragged / paged, 32/8/128 fp16), one block an SM; "wg2k" 221,184 bytes and 222 / 222 registers (254 / 255
+registers (ragged / paged, 32/8/128 fp16), one block an SM; "wg2t" 132,128 bytes; "wg2k" 221,184 bytes and 222 / 222 registers (254 / 255
 windowed + capped bf16, no spills). The D 128 numbers are those of the copies of ``_prefill_tc_copy``
 (2026-12-05); the D 64 ones (table and below) are older (``test_prefill_tc_compile.py`` /
 ``test_prefill_wg_compile.py`` hold the spill limits). ptxas moves register-only work below a wgmma wait that
@@ -633,14 +647,11 @@ def make_prefill_tc(op: str, spec, paged: bool, tile: str = "tc"):
                     store(o, lse, oacc, m, lsum, ti, h, w, lane)
 
     KMAP, VMAP = (tma_maps(spec, tile)[p][1] for p in ("kmap", "vmap")) if TMA else (None, None)
-    ALIGN_MSG = f"pagedkv: prefill tile {tile!r} (TMA) needs k and v views starting 16-byte aligned"
 
     @T.macro
     def kernel(q, q_indptr, o, lse, kvb, B, n, causal, sm_scale):
         if TMA:
-            # Host code: the tensor maps of k and v, encoded at each call (the driver checks the addresses'
-            # 16-byte alignment; a view's element offset is checked here first, with the tile's name).
-            assert T.And(T.truncmod(kvb[0].elem_offset, 8) == 0, T.truncmod(kvb[1].elem_offset, 8) == 0), ALIGN_MSG
+            # Host code: the tensor maps of k and v (16-byte aligned: the PrimFunc tested it), at each call.
             kmap: T.let[T.handle("tensormap")] = T.tvm_stack_alloca("tensormap", 1)
             T.call_packed("runtime.cuTensorMapEncodeTiled", kmap, dtype, 3, T.address_of(kvb[0][0, 0, 0]),
                           *KMAP.encode_args(kvb[0].shape[0]))

@@ -39,13 +39,15 @@ SWITCHES: dict[str, tuple[str, tuple[str, ...]]] = {
                             "wg2o = wg2 with three stages, each warpgroup's softmax of tile kt overlapping its P V "
                             "of tile kt - 1; wg2k = wg2o with 128-key tiles; wg2p = wg2o with four stages, no block "
                             "barrier: the warpgroups signal landed tiles and take turns issuing their wgmma's "
-                            "through named barriers; wg2t = wg2o whose K/V tiles one thread copies with TMA (128-byte "
-                            "swizzled, mbarrier-signalled; attn_prefill_ragged only, k / v 16-byte aligned) "
-                            "(the wg tiles need a target arch sm_90a, "
-                            "kernel_spec.KernelSpec.target_arch; forced only, auto never picks them). "
+                            "through named barriers; wg2t = wg2o with four stages whose K/V tiles one thread copies with "
+                            "TMA (128-byte swizzled, one mbarrier a stage), for attn_prefill_ragged only "
+                            "(attn_prefill_paged keeps its auto tile), and k / v not 16-byte aligned run tc3 "
+                            "(the PrimFunc tests the addresses) (the wg tiles need a target arch sm_90a, "
+                            "kernel_spec.KernelSpec.target_arch; forced only but wg2t, which auto takes for the ragged op "
+                            "on sm_90a). "
                             "Inline RoPE always runs the SIMT kernel. auto: the tensor-core kernel where it serves "
                             "the spec (TC_BY_DEFAULT), in the op's first serving tile of "
-                            "tir_kernels.attention_cuda_prefill.TC_DEFAULT_TILES (ragged: tc3, else tc; paged: "
+                            "tir_kernels.attention_cuda_prefill.TC_DEFAULT_TILES (ragged: wg2t on sm_90a at head dim 128, else tc3, else tc; paged: "
                             "tc2, else tc), SIMT elsewhere",
                             ("auto", "simt", "tc", "tc2", "tc3", "tc4", "wg", "wg2", "wg2o", "wg2k", "wg2p", "wg2t")),
     "cuda_decode_kernel": ("CUDA MHA decode (attn_decode_paged), plain and inline RoPE: the lane-group kernel "
@@ -109,6 +111,9 @@ def wg_prefill_limits(d: int, dv: int) -> list[str]:
 #: them is built for, and looked up under, that arch (``target_for_paths``). (switch, value) -> arch.
 #: The wgmma prefill tiles (``tir_kernels._prefill_tc_tiles.TC_TILES`` with ``wgmma``).
 WG_PREFILL_TILES = ("wg", "wg2", "wg2o", "wg2k", "wg2p", "wg2t")
+#: The wgmma tiles whose K / V tiles are TMA boxes of a ragged [tokens, heads, dim] tensor (``TcTile.tma``): forcing
+#: one chooses attn_prefill_ragged's kernel; attn_prefill_paged keeps its auto choice.
+TMA_PREFILL_TILES = ("wg2t",)
 PATH_ARCHS: dict[tuple[str, str], str] = {**{("cuda_prefill_kernel", t): "sm_90a" for t in WG_PREFILL_TILES},
                                           ("cuda_mla_decode_kernel", "wg"): "sm_90a"}
 
@@ -271,5 +276,5 @@ class KernelSpec:
                 for f in fields(self) for v in [getattr(self, f.name)] if f.name != "target_arch" or v}
 
 
-__all__ = ["DTYPES", "KernelSpec", "PATH_ARCHS", "SWITCHES", "WG_PREFILL_TILES", "forced", "normalize_paths", "target_for_paths",
+__all__ = ["DTYPES", "KernelSpec", "PATH_ARCHS", "SWITCHES", "TMA_PREFILL_TILES", "WG_PREFILL_TILES", "forced", "normalize_paths", "target_for_paths",
            "tc_decode_limits"]

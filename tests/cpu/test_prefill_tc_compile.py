@@ -59,7 +59,7 @@ def _script(cfg, op):
 def test_switch_is_registered_and_on_by_default():
     assert tk.SWITCHES[SWITCH][1] == ("auto", "simt", *TILES, *WG_PREFILL_TILES)  # test_prefill_wg_compile.py
     assert pf.TC_BY_DEFAULT is True
-    assert pf.TC_DEFAULT_TILES == {"attn_prefill_ragged": ("tc3", "tc"), "attn_prefill_paged": ("tc2", "tc")}
+    assert pf.TC_DEFAULT_TILES == {"attn_prefill_ragged": ("wg2t", "tc3", "tc"), "attn_prefill_paged": ("tc2", "tc")}
 
 
 @pytest.mark.parametrize("op", OPS)
@@ -67,7 +67,8 @@ def test_tc_is_the_default_where_it_serves(op):
     cfg = SHAPES["32x8x128-f16"]
     default = _script(cfg, op)
     assert "pagedkv_mma_f16" in default
-    assert _script(_with(cfg, "auto"), op) == default == _script(_with(cfg, pf.TC_DEFAULT_TILES[op][0]), op)
+    first = next(t for t in pf.TC_DEFAULT_TILES[op] if t not in WG_PREFILL_TILES)  # sm_90: no wgmma tile
+    assert _script(_with(cfg, "auto"), op) == default == _script(_with(cfg, first), op)
     assert "pagedkv_mma" not in _script(_with(cfg, "simt"), op)
     one_stage = _script(_with(cfg, "tc"), op)  # 64 rows, one stage in static shared memory
     assert "pagedkv_mma_f16" in one_stage and "shared.dyn" not in one_stage

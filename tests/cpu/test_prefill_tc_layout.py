@@ -271,3 +271,32 @@ def test_copy_chunks_cover_each_tile_once(tile, d):
             assert len({store(k, c) // 8 % 8 for k, c in at}) == 8, (tile, d, t0, at)
             if not packed:
                 assert {k for k, _ in at} == {at[0][0]} and [c for _, c in at] == list(range(at[0][1], at[0][1] + 64, 8))
+
+
+@pytest.mark.parametrize("d,rows", [(128, 64), (64, 64), (128, 128)])
+def test_sw128_layout_matches_its_descriptors(d, rows):
+    """``_wgmma_cuda.Sw128Layout`` (the tiles TMA writes with ``CU_TENSOR_MAP_SWIZZLE_128B``: rows of 128 bytes,
+    chunk ``c`` of row ``r`` at ``c ^ (r % 8)``) against the address a 128-byte-swizzle wgmma descriptor forms
+    (PTX ISA; the emulator's ``wg_b``): K-major B (n, k) at ``(n/8) SBO + (n%8) 128 + 2k`` past the step's
+    offset, MN-major B (k, n) at ``(n/64) LBO + (k/8) SBO + (k%8) 128 + 2 (n%64)``, then address bits 4-6 XOR
+    bits 7-9 (the tile starts 1024-byte aligned). Every element once; every step's operand where the layout
+    put it."""
+    from pagedkv.tir_kernels._wgmma_cuda import Sw128Layout
+
+    lay = Sw128Layout(d, rows)
+    assert sorted(lay.index(r, c) for r in range(rows) for c in range(d)) == list(range(rows * d))
+
+    def swz(addr):
+        return addr ^ (((addr >> 7) & 7) << 4)
+
+    for ks in range(d // 16):  # S = Q K^T: B = K tile, rows = keys (n), dims = k
+        off, _lbo, sbo = lay.k_major(ks)
+        for n in range(rows):
+            for k in range(16):
+                assert swz(off + (n // 8) * sbo + (n % 8) * 128 + 2 * k) == 2 * lay.index(n, 16 * ks + k)
+    for kk in range(rows // 16):  # O += P V: B = V tile, rows = keys (k), dims = n
+        off, lbo, sbo = lay.mn_major(kk)
+        for k in range(16):
+            for n in range(d):
+                assert swz(off + (n // 64) * lbo + (k // 8) * sbo + (k % 8) * 128 + 2 * (n % 64)) == \
+                    2 * lay.index(16 * kk + k, n)

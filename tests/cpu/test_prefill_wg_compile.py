@@ -30,6 +30,7 @@ from pagedkv.kernel_spec import WG_PREFILL_TILES
 from pagedkv.tir_kernels import attention_cuda_prefill as pf
 from pagedkv.tir_kernels.attention_cuda_prefill_tc import TC_TILES, tc_unserved
 
+import tvm
 from tvm.target import Target
 
 SM90 = Target({"kind": "cuda", "arch": "sm_90"}, host="llvm")
@@ -50,14 +51,20 @@ def _wg(cfg, tile="wg"):
     return dataclasses.replace(cfg, paths={SWITCH: tile})
 
 
-def test_wg_needs_sm90a_and_is_forced_only():
+def test_wg_needs_sm90a_and_auto_takes_only_wg2t():
+    """Forced wgmma tiles raise for sm_90 naming the arch; auto takes one wgmma tile, wg2t, for the ragged op on
+    sm_90a at head dim 128 (tc3 on sm_90 or at head dim 64; the paged op keeps tc2)."""
     cfg = SHAPES["32x8x128-f16"]
     for op in OPS:
         with pytest.raises(NotImplementedError, match="sm_90a"):
             tk.FACTORIES[op](_wg(cfg), SM90)
-    assert not set(WG_TILES) & set(sum(pf.TC_DEFAULT_TILES.values(), ()))
+    assert set(WG_TILES) & set(sum(pf.TC_DEFAULT_TILES.values(), ())) == {"wg2t"}
     spec = dataclasses.replace(cfg, target_arch="sm_90a")
-    assert pf.use_tensor_cores(OPS[0], spec, 128) == pf.TC_DEFAULT_TILES[OPS[0]][0]  # auto: unchanged on sm_90a
+    assert pf.use_tensor_cores(OPS[0], spec, 128) == "wg2t"
+    assert pf.use_tensor_cores(OPS[1], spec, 128) == "tc2"
+    assert pf.use_tensor_cores(OPS[0], cfg, 128) == "tc3"  # no target arch (sm_90): no wgmma
+    d64 = dataclasses.replace(tk.KernelConfig(16, 4, 64, 64, "float16"), target_arch="sm_90a")
+    assert pf.use_tensor_cores(OPS[0], d64, 64) == "tc3"
     assert pf.use_tensor_cores(OPS[0], _wg(spec), 128) == "wg"
     assert "target_arch" not in cfg.to_dict() and spec.to_dict()["target_arch"] == "sm_90a"
 
@@ -92,9 +99,13 @@ def test_wg_tile_shared_memory():
     t2p = TC_TILES["wg2p"]
     assert (t2p.rows, t2p.threads, t2p.stages, t2p.tk, t2p.overlap, t2p.pingpong) == (128, 256, 4, 64, True, True)
     assert t2p.smem_bytes(128, 128) == 4 * 64 * 288 * 2 <= 227 * 1024
+    t2t = TC_TILES["wg2t"]  # 128-byte swizzled rows (no padding), 1024 bytes of alignment slack, 4 mbarriers
+    assert (t2t.stages, t2t.ahead, t2t.tma, t2t.row_elems(128)) == (4, 2, True, 128)
+    assert t2t.smem_bytes(128, 128) == 4 * 64 * 256 * 2 + 1024 + 4 * 8 <= 227 * 1024
+    assert t2t.bar_base(128, 128, 1) == 4 * 64 * 256 + 4
     for tile in WG_TILES:
         with pytest.raises(NotImplementedError, match="sm_90a"):
-            tk.FACTORIES[OPS[1]](_wg(SHAPES["32x8x128-f16"], tile), SM90)
+            tk.FACTORIES[OPS[0]](_wg(SHAPES["32x8x128-f16"], tile), SM90)
 
 
 @pytest.fixture(scope="module")
@@ -125,9 +136,14 @@ def test_wg_nvcc_no_spills_and_wgmma(name, tile, nvcc_results):
     source = (workdir / f"wg_{name}_{tile}.cu").read_text()
     calls = {k: len(re.findall(r"\bpagedkv_wgmma_n\d+_b?f16_t[01]\(", body)) for k, body in _kernel_bodies(source).items()}
     n_ops = len(_ops(tile))
-    assert sorted(calls.values()) == [0] * n_ops + [want] * n_ops, calls
-    assert "mma.sync" not in source.split("#endif")[-1] and "pagedkv_mma_" not in "".join(_kernel_bodies(source).values())
-    for body in _kernel_bodies(source).values():
+    # Per op: the SIMT RoPE kernel, the tile's kernel, and a TMA tile's fallback (mma.sync, unaligned k / v).
+    others = n_ops * (2 if t.fallback else 1)
+    assert sorted(calls.values()) == [0] * others + [want] * n_ops, calls
+    bodies = _kernel_bodies(source).values()
+    # mma.sync only in a TMA tile's fallback kernel, which has no wgmma
+    assert all("pagedkv_wgmma_" not in b for b in bodies if "pagedkv_mma_" in b)
+    assert sum("pagedkv_mma_" in b for b in bodies) == (n_ops if t.fallback else 0)
+    for body in bodies:
         if "pagedkv_wgmma_" in body:  # ping-pong: named barriers between the warpgroups, no block barrier
             assert ("__syncthreads" in body) != t.pingpong, tile
             assert ("pagedkv_bar_sync(" in body and "pagedkv_bar_arrive(" in body) == t.pingpong, tile
@@ -135,7 +151,7 @@ def test_wg_nvcc_no_spills_and_wgmma(name, tile, nvcc_results):
         pytest.skip("cuobjdump not found (the SASS check needs it; the source count passed)")
     sass = _sass_by_kernel(workdir / f"wg_{name}_{tile}.cubin")
     counts = {k: len(re.findall(r"\bHGMMA\.64x\d+x16\.F32", s)) for k, s in sass.items()}
-    assert sorted(counts.values()) == [0] * n_ops + [want] * n_ops, counts
+    assert sorted(counts.values()) == [0] * others + [want] * n_ops, counts
     waits = {k: set(re.findall(r"WARPGROUP\.DEPBAR\.LE gsb0, (0x\d)", s)) for k, s in sass.items() if "HGMMA" in s}
     assert all(w == ({"0x0", "0x1"} if t.overlap else {"0x0"}) for w in waits.values()), waits
     if t.overlap:  # the softmax's exps run while P V is in flight: between wait_group 1 and the next wait
@@ -143,3 +159,53 @@ def test_wg_nvcc_no_spills_and_wgmma(name, tile, nvcc_results):
             if "HGMMA" in s:
                 window = s.split("DEPBAR.LE gsb0, 0x1")[1].split("DEPBAR.LE gsb0, 0x0")[0]
                 assert window.count("MUFU.EX2") >= t.tk // 2, (k, window.count("MUFU.EX2"))
+
+
+def test_tma_tiles_are_declared_once():
+    """``kernel_spec.TMA_PREFILL_TILES`` (TVM-free: the GPU tests' skips) lists exactly the ``tma`` tiles; each has a
+    non-TMA fallback that serves every spec the tile does (mma.sync: head dims 64 and 128)."""
+    from pagedkv.kernel_spec import TMA_PREFILL_TILES
+
+    assert TMA_PREFILL_TILES == tuple(t for t, c in TC_TILES.items() if c.tma)
+    for t in TMA_PREFILL_TILES:
+        fb = TC_TILES[TC_TILES[t].fallback]
+        assert not fb.tma and not fb.wgmma and TC_TILES[t].overlap and TC_TILES[t].stages == 4
+
+
+def test_tma_ragged_primfunc_tests_alignment_and_paged_keeps_auto():
+    """The ragged PrimFunc of a TMA tile: k / v declared element-aligned (the host's address test is not folded
+    by TVM's 64-byte assumption), two ``llvm.ptrmask`` tests, two tensor maps encoded in the TMA branch, the
+    fallback kernel in the other; forcing the tile leaves the paged op's kernel as auto's."""
+    spec = dataclasses.replace(SHAPES["32x8x128-f16"], target_arch="sm_90a")
+    script = tk.FACTORIES[OPS[0]](_wg(spec, "wg2t"), SM90A).script()
+    assert script.count("llvm.ptrmask") == 2 and script.count('"runtime.cuTensorMapEncodeTiled"') == 2
+    assert re.search(r'\bk: T\.Buffer\([^)]*\), "float16", align=2', script)
+    assert re.search(r'\bv: T\.Buffer\([^)]*\), "float16", align=2', script)
+    assert "pagedkv_mma_f16" in script and "pagedkv_wgmma_" in script  # fallback and TMA kernels
+    paged = tk.FACTORIES[OPS[1]]
+    assert paged(_wg(spec, "wg2t"), SM90A).script() == paged(spec, SM90A).script()
+    assert "align=2" not in tk.FACTORIES[OPS[0]](_wg(spec, "wg2o"), SM90A).script()
+
+
+def test_host_aligned16_on_element_aligned_views():
+    """``_tma_cuda.host_aligned16`` in host (LLVM) code: 16-byte aligned torch views pass, others do not, on a
+    buffer declared element-aligned as the TMA tile's k / v are."""
+    import torch
+    from tvm.script import tirx as T
+
+    from pagedkv.tir_kernels._tma_cuda import host_aligned16
+
+    @T.prim_func
+    def probe(a_h: T.handle, r_h: T.handle, n: T.int32):
+        a = T.match_buffer(a_h, (n,), "float16", elem_offset=T.int32(), align=2)
+        r = T.match_buffer(r_h, (1,), "int32")
+        if host_aligned16(T.address_of(a[0])):
+            r[0] = 1
+        else:
+            r[0] = 0
+
+    mod = tvm.compile(tvm.IRModule({"main": probe}), target="llvm")
+    buf, res = torch.randn(64).half(), torch.full((1,), -1, dtype=torch.int32)
+    for off in (0, 1, 3, 8, 9, 16):
+        mod(buf[off:off + 16], res, 16)
+        assert int(res[0]) == int(buf[off:].data_ptr() % 16 == 0), off
