@@ -62,8 +62,6 @@ class TcTile:
     pingpong: bool = False
     core_pad: int = WG_CORE_PAD
     tma: bool = False
-    #: tma: the tile run instead where k / v do not start 16-byte aligned (the PrimFunc's host code tests it).
-    fallback: str | None = None
 
     def kv_layout(self, d: int) -> CoreLayout | Sw128Layout:
         """The layout of a ``wgmma`` tile's K / V rows of ``d`` elements: core matrices (``core_pad``), or with
@@ -131,7 +129,7 @@ TC_TILES = {"tc": TcTile("tc", TC_WARPS, 1), "tc2": TcTile("tc2", 8, 2), "tc3": 
             "wg2k": TcTile("wg2k", 8, 3, tk=128, wgmma=True, overlap=True, core_pad=0),
             "wg2p": TcTile("wg2p", 8, 4, wgmma=True, overlap=True, pingpong=True),
             # wg2o with TMA copies (one thread a block issues them; 128-byte swizzled tiles): ragged only.
-            "wg2t": TcTile("wg2t", 8, 4, wgmma=True, overlap=True, tma=True, fallback="tc3")}
+            "wg2t": TcTile("wg2t", 8, 4, wgmma=True, overlap=True, tma=True)}
 #: The PTX target a ``wgmma`` tile needs (its instructions exist on sm_90a only; libraries forcing it are built
 #: for it: ``kernel_spec.PATH_ARCHS``).
 WG_ARCH = PATH_ARCHS[("cuda_prefill_kernel", "wg")]

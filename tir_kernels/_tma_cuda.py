@@ -58,6 +58,14 @@ __device__ __forceinline__ void pagedkv_tma_load3(void* dst, void* bar, unsigned
                :: "r"(pagedkv_smem_addr(dst)), "l"(map), "r"(c0), "r"(c1), "r"(c2), "r"(pagedkv_smem_addr(bar))
                : "memory");
 }
+// The same for a rank-5 tensor map (c0..c4).
+__device__ __forceinline__ void pagedkv_tma_load5(void* dst, void* bar, unsigned long long map, int c0, int c1,
+                                                  int c2, int c3, int c4) {
+  asm volatile("cp.async.bulk.tensor.5d.shared::cluster.global.tile.mbarrier::complete_tx::bytes"
+               " [%0], [%1, {%2, %3, %4, %5, %6}], [%7];\n"
+               :: "r"(pagedkv_smem_addr(dst)), "l"(map), "r"(c0), "r"(c1), "r"(c2), "r"(c3), "r"(c4),
+                  "r"(pagedkv_smem_addr(bar)) : "memory");
+}
 // Elements of `elem_bytes` from p to the next 1024-byte aligned shared address.
 __device__ __forceinline__ int pagedkv_sw128_pad(const void* p, int elem_bytes) {
   return static_cast<int>((1024u - (pagedkv_smem_addr(p) & 1023u)) & 1023u) / elem_bytes;
@@ -88,6 +96,14 @@ def tma_load3(dst, bar, tmap, c0, c1, c2):
                             T.Cast("int32", c1), T.Cast("int32", c2), source_code=_SOURCE)
 
 
+def tma_load5(dst, bar, tmap, *coords):
+    """``tma_load3`` for a rank-5 tensor map (coordinates innermost first)."""
+    if len(coords) != 5:
+        raise ValueError(f"pagedkv.tir_kernels: tma_load5 takes 5 coordinates, got {len(coords)}")
+    return T.cuda.func_call("pagedkv_tma_load5", dst, bar, T.address_of(tmap), *(T.Cast("int32", c) for c in coords),
+                            source_code=_SOURCE)
+
+
 def sw128_pad(p, elem_bytes: int):
     """Elements (of ``elem_bytes``) from shared address ``p`` to the next 1024-byte boundary (int32)."""
     return T.cuda.func_call("pagedkv_sw128_pad", p, T.int32(elem_bytes), source_code=_SOURCE, return_type="int32")
@@ -100,6 +116,13 @@ def host_aligned16(ptr):
     return T.isnullptr(T.call_llvm_pure_intrin("handle", "llvm.ptrmask", ptr, T.int64(15)))
 
 
+def _encode(dims: list, strides: list, box: list) -> list:
+    """The arguments of ``cuTensorMapEncodeTiled`` after the data pointer, as TVM's packed
+    ``runtime.cuTensorMapEncodeTiled`` takes them (2-byte elements): dims, byte strides of dims 1.., box, element
+    strides 1, then interleave none, 128-byte swizzle, 128-byte L2 promotion, zeros out of bounds."""
+    return [*dims, *strides, *box, *([1] * len(dims)), 0, SWIZZLE_128B, L2_PROMOTION_128B, 0]
+
+
 @dataclasses.dataclass(frozen=True)
 class TensorMap3:
     """The tensor map of a ``[rows][heads][d]`` tensor of 2-byte elements (rows of ``heads * d`` elements, as
@@ -110,18 +133,30 @@ class TensorMap3:
     heads: int
     d: int
     box_rows: int
+    rank = 3
 
-    def encode_args(self, rows) -> list:
-        """The arguments of ``cuTensorMapEncodeTiled`` after the data pointer, as TVM's packed
-        ``runtime.cuTensorMapEncodeTiled`` takes them: dims, byte strides of dims 1.., box, element strides,
-        then interleave, swizzle, L2 promotion, out-of-bound fill (zeros)."""
-        return [self.d, self.heads, rows, self.d * 2, self.heads * self.d * 2, 64, 1, self.box_rows, 1, 1, 1,
-                0, SWIZZLE_128B, L2_PROMOTION_128B, 0]
-
-    @property
-    def box_bytes(self) -> int:
-        return self.box_rows * 128
+    def encode_args(self, shape) -> list:
+        """``_encode``'s arguments for a tensor of shape ``shape`` (ints or TIR expressions)."""
+        return _encode([self.d, self.heads, shape[0]], [self.d * 2, self.heads * self.d * 2], [64, 1, self.box_rows])
 
 
-__all__ = ["host_aligned16", "L2_PROMOTION_128B", "MBAR_BYTES", "SW128_ALIGN", "SWIZZLE_128B", "TensorMap3", "mbar_expect_tx",
-           "mbar_init", "mbar_wait", "sw128_pad", "tma_load3"]
+@dataclasses.dataclass(frozen=True)
+class PagedTensorMap:
+    """The tensor map of a page pool ``[pages][2][heads][ps][d]`` (K then V of each page; 2-byte elements), read as
+    boxes of 8 rows (keys of one page: ``ps`` a multiple of 8) x 64 dims of one head of K or V, 128-byte
+    swizzled (1024 bytes, one swizzle period). Dims innermost first: (d, ps, heads, 2, pages); the box at
+    (``dim0``, ``row``, ``head``, ``kv``, ``page``)."""
+
+    heads: int
+    d: int
+    rank = 5
+    box_rows = 8
+
+    def encode_args(self, shape) -> list:
+        ps, d, hk = shape[3], self.d, self.heads
+        return _encode([d, ps, hk, 2, shape[0]], [d * 2, ps * d * 2, hk * ps * d * 2, 2 * hk * ps * d * 2],
+                       [64, self.box_rows, 1, 1, 1])
+
+
+__all__ = ["host_aligned16", "L2_PROMOTION_128B", "MBAR_BYTES", "PagedTensorMap", "SW128_ALIGN", "SWIZZLE_128B", "TensorMap3",
+           "mbar_expect_tx", "mbar_init", "mbar_wait", "sw128_pad", "tma_load3", "tma_load5"]

@@ -7,7 +7,6 @@ from __future__ import annotations
 
 from tvm.script import tirx as T
 
-from ..kernel_spec import TMA_PREFILL_TILES
 from ..kernel_spec import forced as forced_path
 from ..ops import ATTN_PREFILL_PAGED, ATTN_PREFILL_RAGGED, shape_values
 from ._abi import abi_prim_func
@@ -326,10 +325,8 @@ def _make_prefill(op: str, spec, paged: bool):
 def use_tensor_cores(op: str, spec, dv: int) -> str | None:
     """The tensor-core tile (``TC_TILES`` key) of the plain prefill kernel of ``spec``, or None for the SIMT one:
     forced by ``cuda_prefill_kernel`` ("tc" / "tc2" raise for a spec they do not serve, naming why; "simt"
-    never; a TMA tile, ``kernel_spec.TMA_PREFILL_TILES``, applies to the ragged op only), else the first of the op's ``TC_DEFAULT_TILES`` that serves the spec, where ``TC_BY_DEFAULT``."""
+    never), else the first of the op's ``TC_DEFAULT_TILES`` that serves the spec, where ``TC_BY_DEFAULT``."""
     choice = forced_path(spec.paths, PREFILL_SWITCH)
-    if choice in TMA_PREFILL_TILES and op == ATTN_PREFILL_PAGED:
-        choice = "auto"  # a TMA tile is the ragged op's alone; the paged op keeps its own choice (switch text)
     if choice in TC_TILES:
         reason = tc_unserved(spec, dv, choice, paged=op == ATTN_PREFILL_PAGED)
         if reason:
@@ -341,19 +338,26 @@ def use_tensor_cores(op: str, spec, dv: int) -> str | None:
     return None
 
 
+def tma_fallback(op: str, spec, dv: int) -> str:
+    """The tile a TMA tile's PrimFunc runs where TMA cannot read the operands (k / v, or the pages, not 16-byte
+    aligned; pages of a size not a multiple of 8): the op's first non-TMA default tile that serves the spec."""
+    return next(t for t in TC_DEFAULT_TILES[op] if not TC_TILES[t].tma and tc_unserved(spec, dv, t) is None)
+
+
 def attn_prefill_ragged_cuda(spec):
     """``pagedkv_attn_prefill_ragged`` for CUDA (arguments: ``pagedkv.ops.OP_SPECS``), for a ``KernelSpec``.
 
     The mask and logits rules (causal, sliding window, soft cap) are ``CudaVariant.from_spec(spec)``'s; a
     window also skips the key tiles below the query tile's first window start.
     """
-    tile = use_tensor_cores(ATTN_PREFILL_RAGGED, spec, shape_values(spec)["Dv"])
+    dv = shape_values(spec)["Dv"]
+    tile = use_tensor_cores(ATTN_PREFILL_RAGGED, spec, dv)
     TC = tile is not None  # a bool: parse-time ``if``
     # A TMA tile needs 16-byte aligned k / v (a tensor map's address): other views take its fallback tile.
     TMA = TC and TC_TILES[tile].tma
     kernel_rope, kernel_plain = _make_prefill(ATTN_PREFILL_RAGGED, spec, paged=False)
     kernel_tc = make_prefill_tc(ATTN_PREFILL_RAGGED, spec, paged=False, tile=tile) if TC else None
-    kernel_fb = make_prefill_tc(ATTN_PREFILL_RAGGED, spec, paged=False, tile=TC_TILES[tile].fallback) if TMA else None
+    kernel_fb = make_prefill_tc(ATTN_PREFILL_RAGGED, spec, paged=False, tile=tma_fallback(ATTN_PREFILL_RAGGED, spec, dv)) if TMA else None
 
     @T.macro
     def body(q, k, v, q_indptr, kv_indptr, q_pos, k_pos_offset, o, lse, causal, apply_rope, rope_scale,
@@ -385,8 +389,11 @@ def attn_prefill_paged_cuda(spec):
     mask and logits rules as ``attn_prefill_ragged_cuda``."""
     tile = use_tensor_cores(ATTN_PREFILL_PAGED, spec, spec.head_dim)
     TC = tile is not None
+    TMA = TC and TC_TILES[tile].tma  # boxes of 8 keys of a page: pages 16-byte aligned, ps a multiple of 8
     kernel_rope, kernel_plain = _make_prefill(ATTN_PREFILL_PAGED, spec, paged=True)
     kernel_tc = make_prefill_tc(ATTN_PREFILL_PAGED, spec, paged=True, tile=tile) if TC else None
+    kernel_fb = make_prefill_tc(ATTN_PREFILL_PAGED, spec, paged=True,
+                                tile=tma_fallback(ATTN_PREFILL_PAGED, spec, spec.head_dim)) if TMA else None
 
     @T.macro
     def body(q, q_indptr, pages, page_indptr, page_values, last_page_len, k_pos_offset, q_pos, o, lse, causal,
@@ -397,7 +404,14 @@ def attn_prefill_paged_cuda(spec):
                         (pages, page_values, page_indptr, ps, last_page_len), B, n, causal,
                         rope_scale, rope_theta, sm_scale)
         else:
-            if TC:
+            if TMA:
+                if T.And(T.truncmod(ps, 8) == 0, host_aligned16(T.address_of(pages[0, 0, 0, 0, 0]))):
+                    kernel_tc(q, q_indptr, o, lse, (pages, page_values, page_indptr, ps, last_page_len), B, n,
+                              causal, sm_scale)
+                else:
+                    kernel_fb(q, q_indptr, o, lse, (pages, page_values, page_indptr, ps, last_page_len), B, n,
+                              causal, sm_scale)
+            elif TC:
                 kernel_tc(q, q_indptr, o, lse, (pages, page_values, page_indptr, ps, last_page_len), B, n,
                           causal, sm_scale)
             else:
@@ -405,4 +419,5 @@ def attn_prefill_paged_cuda(spec):
                              (pages, page_values, page_indptr, ps, last_page_len), B, n, causal,
                              rope_scale, rope_theta, sm_scale)
 
-    return abi_prim_func(ATTN_PREFILL_PAGED, shape_values(spec), spec.dtype, body, scheduled=True)
+    return abi_prim_func(ATTN_PREFILL_PAGED, shape_values(spec), spec.dtype, body, scheduled=True,
+                         any_align=("pages",) if TMA else ())

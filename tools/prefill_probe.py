@@ -87,8 +87,8 @@ def _launcher(name: str, threads: int, smem: int, params, maps=None) -> str:
             args.append(f"({ty})P[{POINTERS.index(pname.removesuffix('_ptr'))}]")
         elif pname in ("B", "causal", "n"):
             args.append(pname)
-        elif re.fullmatch(r"v(_\d+)?", pname):
-            args.append("0")  # element offsets: every view starts at its buffer
+        elif re.fullmatch(r"v(_\d+)?", pname) or (ty == "int" and re.fullmatch(r"cse_v\d+", pname)):
+            args.append("0")  # element offsets: every view starts at its buffer; cse_v*: unused launch values
         elif ty == "float":
             args.append("scale2")  # sm_scale * log2(e), hoisted by TVM
         else:

@@ -40,9 +40,9 @@ SWITCHES: dict[str, tuple[str, tuple[str, ...]]] = {
                             "of tile kt - 1; wg2k = wg2o with 128-key tiles; wg2p = wg2o with four stages, no block "
                             "barrier: the warpgroups signal landed tiles and take turns issuing their wgmma's "
                             "through named barriers; wg2t = wg2o with four stages whose K/V tiles one thread copies with "
-                            "TMA (128-byte swizzled, one mbarrier a stage), for attn_prefill_ragged only "
-                            "(attn_prefill_paged keeps its auto tile), and k / v not 16-byte aligned run tc3 "
-                            "(the PrimFunc tests the addresses) (the wg tiles need a target arch sm_90a, "
+                            "TMA (128-byte swizzled, one mbarrier a stage; paged: boxes of 8 keys of a page), where k / v "
+                            "(the pages) start 16-byte aligned and pages hold a multiple of 8 keys, else the op's "
+                            "tc3 / tc2 (the PrimFunc tests them) (the wg tiles need a target arch sm_90a, "
                             "kernel_spec.KernelSpec.target_arch; forced only but wg2t, which auto takes for the ragged op "
                             "on sm_90a). "
                             "Inline RoPE always runs the SIMT kernel. auto: the tensor-core kernel where it serves "
@@ -111,8 +111,8 @@ def wg_prefill_limits(d: int, dv: int) -> list[str]:
 #: them is built for, and looked up under, that arch (``target_for_paths``). (switch, value) -> arch.
 #: The wgmma prefill tiles (``tir_kernels._prefill_tc_tiles.TC_TILES`` with ``wgmma``).
 WG_PREFILL_TILES = ("wg", "wg2", "wg2o", "wg2k", "wg2p", "wg2t")
-#: The wgmma tiles whose K / V tiles are TMA boxes of a ragged [tokens, heads, dim] tensor (``TcTile.tma``): forcing
-#: one chooses attn_prefill_ragged's kernel; attn_prefill_paged keeps its auto choice.
+#: The wgmma tiles whose K / V tiles are TMA boxes (``TcTile.tma``): their PrimFuncs also hold the op's first
+#: non-TMA default tile, run where TMA cannot read the operands (not 16-byte aligned; pages not a multiple of 8).
 TMA_PREFILL_TILES = ("wg2t",)
 PATH_ARCHS: dict[tuple[str, str], str] = {**{("cuda_prefill_kernel", t): "sm_90a" for t in WG_PREFILL_TILES},
                                           ("cuda_mla_decode_kernel", "wg"): "sm_90a"}

@@ -402,6 +402,11 @@ inline void pagedkv_tma_load3(void* dst, void* bar, unsigned long long map, int 
   if (m->rank != 3) std::abort();
   mbar_at(bar).copies.push_back(TmaCopy{static_cast<char*>(dst), m, {c0, c1, c2, 0, 0}});
 }
+inline void pagedkv_tma_load5(void* dst, void* bar, unsigned long long map, int c0, int c1, int c2, int c3, int c4) {
+  const CUtensorMap* m = reinterpret_cast<const CUtensorMap*>(map);
+  if (m->rank != 5) std::abort();
+  mbar_at(bar).copies.push_back(TmaCopy{static_cast<char*>(dst), m, {c0, c1, c2, c3, c4}});
+}
 inline void pagedkv_mbar_wait(void* bar, int parity) {
   MBar& b = mbar_at(bar);
   emu_wait([&] {

@@ -93,7 +93,7 @@ WG_RUNS = [("7x1x128-bf16", "attn_prefill_ragged", 1), ("7x1x128-bf16", "attn_pr
 #: (two warpgroups of "wg"'s pipeline) and the other half on "wg2k" ("wg2o" with 128-key tiles).
 WG_TILE_RUNS = ([("wg", *r) for r in WG_RUNS] + [("wg2o", *r) for r in WG_RUNS] + [("wg2p", *r) for r in WG_RUNS]
                 + [("wg2", *r) for r in WG_RUNS[1::2]] + [("wg2k", *r) for r in WG_RUNS[::2]]
-                + [("wg2t", *r) for r in WG_RUNS if r[1] == "attn_prefill_ragged"])
+                + [("wg2t", *r) for r in WG_RUNS])
 #: The wgmma tiles' unaligned-view (element-load) runs.
 WG_UNALIGNED = [("wg", "16x2x128-bf16-w40-cap20"), ("wg2o", "7x1x128-bf16"), ("wg2k", "2x2x128-f16"),
                 ("wg2p", "16x2x128-bf16-w40-cap20")]
@@ -146,9 +146,12 @@ def _build(cfg, tile, op, stem):
     assert threads == TC_TILES[tile].threads, (threads, tile)
     assert ("extern __shared__" in cuda_source_of(exe)) == (TC_TILES[tile].stages >= 2)  # tc2: dynamic
     args = []
+    sig_end = body.index(") {\n")
     for i, (ty, pname) in enumerate(params):
         if "CUtensorMap" in ty:  # a TMA tile's tensor map: the struct _tensor_map fills, by value
             args.append(f"*(const CUtensorMap*)ptrs[{i}]")
+        elif not re.search(rf"\b{pname}\b", body[sig_end:]):
+            args.append("0")  # a value the host code computes for the launch only (e.g. a grid size)
         else:
             args.append(f"({ty})ptrs[{i}]" if ty.endswith("*") else f"(({ty})nums[{i}])")
     cpp = stem.with_suffix(".cpp")
@@ -184,8 +187,8 @@ class _TensorMap(ctypes.Structure):
 def _tensor_map(array: np.ndarray, tmap) -> _TensorMap:
     """The emulator's tensor map of ``array`` from the map's own encode arguments (what the host code passes
     to ``cuTensorMapEncodeTiled`` on the GPU): dims, byte strides of dims 1.., box, element strides, options."""
-    args = tmap.encode_args(array.shape[0])
-    rank = 3
+    args = tmap.encode_args(array.shape)
+    rank = tmap.rank
     dims, strides, box, estr = args[:rank], args[rank:2 * rank - 1], args[2 * rank - 1:3 * rank - 1], \
         args[3 * rank - 1:4 * rank - 1]
     assert estr == [1] * rank and args[4 * rank - 1] == 0 and array.itemsize == 2
@@ -208,8 +211,8 @@ def _run(lib, params, arrays: dict, scalars: dict, grid, maps=None):
             ptrs[i] = arrays[pname.removesuffix("_ptr")].ctypes.data
         elif pname in scalars:
             nums[i] = scalars[pname]
-        elif re.fullmatch(r"v(_\d+)?", pname):
-            nums[i] = 0  # element offsets: every view starts at its buffer
+        elif re.fullmatch(r"v(_\d+)?", pname) or (ty == "int" and re.fullmatch(r"cse_v\d+", pname)):
+            nums[i] = 0  # element offsets: every view starts at its buffer; int cse_v*: launch-only, unused
         elif ty == "float":
             nums[i] = scalars["scale2"]  # the one float: sm_scale * log2(e), hoisted by TVM
         else:
@@ -302,7 +305,8 @@ def _check(name, tile, op, causal, built, misalign):
         arrays.update(pages=_to_storage(pages, dt), page_indptr=np.cumsum([0] + counts).astype(np.int32),
                       page_values=np.array(values or [0], np.int32), last_page_len=np.array(last, np.int32))
     tq = TC_TILES[tile].rows // (hq // hkv)
-    maps = tma_maps(dataclasses.replace(cfg, target_arch="sm_90a"), tile) if TC_TILES[tile].tma else None
+    maps = (tma_maps(dataclasses.replace(cfg, target_arch="sm_90a"), tile, op == "attn_prefill_paged")
+            if TC_TILES[tile].tma else None)
     _run(lib, params, arrays, {"B": B, "n": n, "causal": causal, "ps": ps, "scale2": sm_scale * LOG2E},
          (max(n // tq + B, 1), hkv), maps)
     o, lse = _from_storage(arrays["o"], dt), torch.from_numpy(arrays["lse"]).double()

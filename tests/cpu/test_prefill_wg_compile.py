@@ -117,8 +117,8 @@ def nvcc_results(tmp_path_factory):
 
 
 def _ops(tile):
-    """The ops a wgmma tile serves: both prefill ops, the TMA tile the ragged one."""
-    return OPS[:1] if TC_TILES[tile].tma else OPS
+    """The ops a wgmma tile serves: both prefill ops."""
+    return OPS
 
 
 @pytest.mark.parametrize("tile", WG_TILES)
@@ -136,13 +136,14 @@ def test_wg_nvcc_no_spills_and_wgmma(name, tile, nvcc_results):
     source = (workdir / f"wg_{name}_{tile}.cu").read_text()
     calls = {k: len(re.findall(r"\bpagedkv_wgmma_n\d+_b?f16_t[01]\(", body)) for k, body in _kernel_bodies(source).items()}
     n_ops = len(_ops(tile))
-    # Per op: the SIMT RoPE kernel, the tile's kernel, and a TMA tile's fallback (mma.sync, unaligned k / v).
-    others = n_ops * (2 if t.fallback else 1)
+    # Per op: the SIMT RoPE kernel, the tile's kernel, and a TMA tile's fallback (mma.sync: operands TMA cannot
+    # read).
+    others = n_ops * (2 if t.tma else 1)
     assert sorted(calls.values()) == [0] * others + [want] * n_ops, calls
     bodies = _kernel_bodies(source).values()
     # mma.sync only in a TMA tile's fallback kernel, which has no wgmma
     assert all("pagedkv_wgmma_" not in b for b in bodies if "pagedkv_mma_" in b)
-    assert sum("pagedkv_mma_" in b for b in bodies) == (n_ops if t.fallback else 0)
+    assert sum("pagedkv_mma_" in b for b in bodies) == (n_ops if t.tma else 0)
     for body in bodies:
         if "pagedkv_wgmma_" in body:  # ping-pong: named barriers between the warpgroups, no block barrier
             assert ("__syncthreads" in body) != t.pingpong, tile
@@ -162,28 +163,30 @@ def test_wg_nvcc_no_spills_and_wgmma(name, tile, nvcc_results):
 
 
 def test_tma_tiles_are_declared_once():
-    """``kernel_spec.TMA_PREFILL_TILES`` (TVM-free: the GPU tests' skips) lists exactly the ``tma`` tiles; each has a
-    non-TMA fallback that serves every spec the tile does (mma.sync: head dims 64 and 128)."""
+    """``kernel_spec.TMA_PREFILL_TILES`` (TVM-free) lists exactly the ``tma`` tiles; each op's fallback tile is its
+    first non-TMA default (mma.sync: it serves head dims 64 and 128, so every spec the TMA tile does)."""
     from pagedkv.kernel_spec import TMA_PREFILL_TILES
 
     assert TMA_PREFILL_TILES == tuple(t for t, c in TC_TILES.items() if c.tma)
-    for t in TMA_PREFILL_TILES:
-        fb = TC_TILES[TC_TILES[t].fallback]
-        assert not fb.tma and not fb.wgmma and TC_TILES[t].overlap and TC_TILES[t].stages == 4
-
-
-def test_tma_ragged_primfunc_tests_alignment_and_paged_keeps_auto():
-    """The ragged PrimFunc of a TMA tile: k / v declared element-aligned (the host's address test is not folded
-    by TVM's 64-byte assumption), two ``llvm.ptrmask`` tests, two tensor maps encoded in the TMA branch, the
-    fallback kernel in the other; forcing the tile leaves the paged op's kernel as auto's."""
     spec = dataclasses.replace(SHAPES["32x8x128-f16"], target_arch="sm_90a")
-    script = tk.FACTORIES[OPS[0]](_wg(spec, "wg2t"), SM90A).script()
-    assert script.count("llvm.ptrmask") == 2 and script.count('"runtime.cuTensorMapEncodeTiled"') == 2
-    assert re.search(r'\bk: T\.Buffer\([^)]*\), "float16", align=2', script)
-    assert re.search(r'\bv: T\.Buffer\([^)]*\), "float16", align=2', script)
-    assert "pagedkv_mma_f16" in script and "pagedkv_wgmma_" in script  # fallback and TMA kernels
-    paged = tk.FACTORIES[OPS[1]]
-    assert paged(_wg(spec, "wg2t"), SM90A).script() == paged(spec, SM90A).script()
+    assert [pf.tma_fallback(op, spec, 128) for op in OPS] == ["tc3", "tc2"]
+    for t in TMA_PREFILL_TILES:
+        assert TC_TILES[t].overlap and TC_TILES[t].stages == 4 and TC_TILES[t].tk == 64
+
+
+def test_tma_primfuncs_test_their_operands_for_tma():
+    """The PrimFuncs of a TMA tile: the tensors TMA reads declared element-aligned (the host's address tests are
+    not folded by TVM's 64-byte assumption), their addresses tested with ``llvm.ptrmask`` (paged: and the page
+    size, a multiple of 8), the tensor maps encoded in the TMA branch, the fallback kernel in the other."""
+    spec = _wg(dataclasses.replace(SHAPES["32x8x128-f16"], target_arch="sm_90a"), "wg2t")
+    ragged, paged = (tk.FACTORIES[op](spec, SM90A).script() for op in OPS)
+    assert ragged.count("llvm.ptrmask") == 2 and ragged.count('"runtime.cuTensorMapEncodeTiled"') == 2
+    for name in ("k", "v"):
+        assert re.search(rf'\b{name}: T\.Buffer\([^)]*\), "float16", align=2', ragged)
+    assert paged.count("llvm.ptrmask") == 1 and paged.count('"runtime.cuTensorMapEncodeTiled"') == 1
+    assert re.search(r'\bpages: T\.Buffer\([^)]*\), "float16", align=2', paged) and "T.truncmod(ps, 8) == 0" in paged
+    for script in (ragged, paged):
+        assert "pagedkv_mma_f16" in script and "pagedkv_wgmma_" in script  # fallback and TMA kernels
     assert "align=2" not in tk.FACTORIES[OPS[0]](_wg(spec, "wg2o"), SM90A).script()
 
 

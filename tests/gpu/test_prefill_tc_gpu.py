@@ -96,7 +96,7 @@ def _run(shape, paged: bool, causal: int, apply_rope: int, gen, misalign: bool =
 
 
 def _check(shape, paged, causal, apply_rope, gen, misalign=False, kernel="tc"):
-    if why := prefill_kernel_refusal(shape, kernel, paged=paged):
+    if why := prefill_kernel_refusal(shape, kernel):
         pytest.skip(f"tile {kernel!r} refuses {shape.id}: {why}")
     ents, q_pos, o, lse, sm_scale = _run(shape, paged, causal, apply_rope, gen, misalign, kernel)
     row = 0

@@ -14,7 +14,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from ..config import KVCacheConfig
-from ..kernel_spec import SWITCHES, TMA_PREFILL_TILES, WG_PREFILL_TILES, wg_prefill_limits
+from ..kernel_spec import SWITCHES, WG_PREFILL_TILES, wg_prefill_limits
 
 
 #: Short dtype names of the test ids.
@@ -285,12 +285,10 @@ def gpu_path_libraries() -> list[tuple[KVCacheConfig, dict[str, str]]]:
                if not prefill_kernel_refusal(s, p["cuda_prefill_kernel"])])
 
 
-def prefill_kernel_refusal(shape: Shape, kernel: str, *, paged: bool = False) -> str:
+def prefill_kernel_refusal(shape: Shape, kernel: str) -> str:
     """Why the forced prefill tile ``kernel`` refuses ``shape`` beyond the tensor-core prefill's limits (TVM-free:
     ``kernel_spec.wg_prefill_limits`` for "wg"); empty when it serves it. The tests skip such pairs with it and
     the bundle builds no library for them."""
-    if paged and kernel in TMA_PREFILL_TILES:
-        return "a TMA tile serves attn_prefill_ragged only (forced, the paged op keeps its auto tile)"
     if kernel not in WG_PREFILL_TILES:
         return ""
     return "; ".join(wg_prefill_limits(shape.d, shape.d))
