@@ -20,6 +20,7 @@ every library named in ``LIBRARIES``.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 
 import pytest
@@ -29,7 +30,7 @@ from test_kernels_masking_gpu import _call, _entries, _i32, _indptr, _pages, _re
 from pagedkv import backends
 from pagedkv.backends.tir import forced_paths
 from pagedkv.cache import _compile_op_table
-from pagedkv.kernel_spec import target_for_paths
+from pagedkv.kernel_spec import TMA_PREFILL_TILES, target_for_paths
 from pagedkv.testing.scenarios import assert_state_close, random_sm_scale
 from pagedkv.testing.shapes import PREFILL_KERNEL_PATHS, PREFILL_TC_SHAPES, prefill_kernel_refusal
 
@@ -67,9 +68,11 @@ def _misaligned(x: torch.Tensor) -> torch.Tensor:
     return view
 
 
-def _run(shape, paged: bool, causal: int, apply_rope: int, gen, misalign: bool = False, kernel: str = "tc"):
+def _run(shape, paged: bool, causal: int, apply_rope: int, gen, misalign: bool = False, kernel: str = "tc",
+         ps: int | None = None):
     """Run one prefill over ``ENTRIES``; returns (entries, q_pos, o, lse, sm_scale). ``misalign``: ragged q / k / v
-    as unaligned views (the kernel's element-load path)."""
+    as unaligned views (the kernel's element-load path); ``ps``: pages of that many keys instead of the shape's
+    (the kernels take the page size from the pool: the same library)."""
     _module, fns = _prefill_fns(shape, kernel)
     dt = getattr(torch, shape.dtype)
     sm_scale = random_sm_scale(gen, shape.d)
@@ -82,7 +85,8 @@ def _run(shape, paged: bool, causal: int, apply_rope: int, gen, misalign: bool =
     q_indptr, k_pos = _i32(_indptr([len(e[0]) for e in ents])), _i32([e[3] for e in ents])
     tail = (causal, apply_rope, float(shape.scale), float(shape.theta), sm_scale)
     if paged:
-        pages, page_indptr, page_values, last = _pages(shape, [e[1] for e in ents], [e[2] for e in ents], gen)
+        pages, page_indptr, page_values, last = _pages(dataclasses.replace(shape, ps=ps or shape.ps),
+                                                       [e[1] for e in ents], [e[2] for e in ents], gen)
         _call(fns["attn_prefill_paged"], q, q_indptr, pages, page_indptr, page_values, last, k_pos,
               _i32(q_pos), o, lse, *tail)
     else:
@@ -95,10 +99,10 @@ def _run(shape, paged: bool, causal: int, apply_rope: int, gen, misalign: bool =
     return ents, q_pos, o, lse, sm_scale
 
 
-def _check(shape, paged, causal, apply_rope, gen, misalign=False, kernel="tc"):
+def _check(shape, paged, causal, apply_rope, gen, misalign=False, kernel="tc", ps=None):
     if why := prefill_kernel_refusal(shape, kernel):
         pytest.skip(f"tile {kernel!r} refuses {shape.id}: {why}")
-    ents, q_pos, o, lse, sm_scale = _run(shape, paged, causal, apply_rope, gen, misalign, kernel)
+    ents, q_pos, o, lse, sm_scale = _run(shape, paged, causal, apply_rope, gen, misalign, kernel, ps)
     row = 0
     for (eq, ek, ev, off), (nq, nk) in zip(ents, ENTRIES):
         if nq:
@@ -136,3 +140,12 @@ def test_prefill_tc_library_runs_simt_rope(shape, kernel, gen):
 def test_prefill_tc_unaligned_views(shape, causal, kernel, gen):
     """Ragged k / v not 16-byte aligned: the element-load path (a run-time test of the addresses)."""
     _check(shape, False, causal, 0, gen, misalign=True, kernel=kernel)
+
+
+@pytest.mark.parametrize("kernel", TMA_PREFILL_TILES)
+@pytest.mark.parametrize("causal", [1, 0])
+@pytest.mark.parametrize("shape", PREFILL_TC_SHAPES[:3], ids=[s.id for s in PREFILL_TC_SHAPES[:3]])
+def test_prefill_tma_tile_pages_not_a_multiple_of_8(shape, causal, kernel, gen):
+    """Pages of 12 keys: a TMA tile's paged PrimFunc runs its fallback (tc2; boxes of 8 keys would straddle pages),
+    the other branch of the host code's test (pages of 16, the shapes' own, take the TMA kernel)."""
+    _check(shape, True, causal, 0, gen, kernel=kernel, ps=12)
