@@ -52,22 +52,14 @@ Design (FlashAttention-2 style), one block per (query tile, kv head):
 * "wg2k" (sm_90a, forced only): "wg2o" with 128-key tiles (S by m64n128k16: half the loop trips, barriers
   and O rescales per key).
 * "wg2t" (sm_90a; auto there for the ragged op at head dim 128): "wg2o" with four stages loading two tiles ahead,
-  whose K / V tiles thread 0 copies with TMA (``_tma_cuda``): per tile it arms the stage's mbarrier with the
-  tile's bytes and issues one box (64 keys x 64 dims of one head) per 64-dim column block of K and of V, none
-  past the last tile; the tiles land 128-byte swizzled (``_wgmma_cuda.Sw128Layout``, wgmma descriptors of
-  layout type 1, stages from the buffer's first 1024-byte boundary) and every thread waits on the stage's
-  mbarrier (parity = the stage's fill count) instead of its own copies; the block barrier still tells that
-  every warp is done with the stage refilled next. The PrimFunc's host code encodes the two tensor maps
-  (``runtime.cuTensorMapEncodeTiled``) at each call when k and v start 16-byte aligned, and runs the op's
-  first non-TMA default tile (``attention_cuda_prefill.tma_fallback``: "tc3") otherwise. A box reads past its
-  entry (the next entry's keys, or the buffer's unused rows, which may hold anything): V rows past the keys
-  any row sees are zeroed before the P V that reads them. Paged (``tma_paged``): one tensor map of the page
-  pool (``PagedTensorMap``), a box = 8 keys of one page x 64 dims of K or V, the 32 boxes of a tile issued by
-  the 32 lanes of warp 0 (each looks up its page), none for 8-key groups at or past the entry's keys (their
-  page slots may lie past the entry's), so the mbarrier expects the others' bytes; the host code runs it when
-  the pages start 16-byte aligned and hold a multiple of 8 keys, else "tc2". Probe (H200, 32/8/128 fp16, 2026-12-05): 0.341 / 0.581 / 4.75 ms at 1x4K / 16x1K / 1x16K
-  against tc3's 0.571 / 0.654 / 7.14 and wg2p's 0.540 / 0.798 / 7.46; ptxas 170 registers (189 windowed +
-  capped bf16), no spills: the copies' address arithmetic is gone.
+  whose K / V tiles arrive by TMA (``_prefill_tma``: one thread's boxes a tile, ragged; warp 0's lanes, paged),
+  128-byte swizzled (``_wgmma_cuda.Sw128Layout``, stages from the buffer's first 1024-byte boundary); every
+  thread waits on the stage's mbarrier instead of its own copies, and the block barrier still tells that every
+  warp is done with the stage refilled next. The PrimFunc's host code encodes the tensor maps at each call
+  where TMA can read the operands (16-byte aligned; pages of a multiple of 8 keys) and runs the op's first
+  non-TMA default tile (``attention_cuda_prefill.tma_fallback``) otherwise. Probe (H200, 32/8/128 fp16,
+  2026-12-05): 0.341 / 0.581 / 4.75 ms at 1x4K / 16x1K / 1x16K against tc3's 0.571 / 0.654 / 7.14; ptxas 170
+  registers (ragged) / 175 (paged), no spills: the copies' address arithmetic is gone.
 * Causal tiles past the tile's last row are skipped (and, with a window, those before its first window).
 * Grid and entry search as the SIMT kernel: virtual tiles, binary search, idle blocks run zero-trip loops.
 
@@ -148,8 +140,9 @@ from ._prefill_tc_tiles import (
     v_ldsm_index,
     v_store_index,
 )
-from ._prefill_tc_copy import TI_KV0, make_kv_copies
-from ._tma_cuda import PagedTensorMap, TensorMap3, mbar_expect_tx, mbar_init, mbar_wait, sw128_pad, tma_load3, tma_load5
+from ._prefill_tc_copy import make_kv_copies
+from ._prefill_tma import make_tma, tma_maps
+from ._tma_cuda import mbar_init, sw128_pad
 from ._prefill_wg_pipelines import TileMacros, make_overlap, make_pingpong
 from ._variant_cuda import CudaVariant
 from ._wgmma_cuda import proxy_fence, wg_attention_gemms
@@ -178,17 +171,6 @@ def tc_unserved(spec, dv: int, tile: str = "tc", *, paged: bool = False) -> str 
     return None
 
 
-def tma_maps(spec, tile: str, paged: bool = False) -> dict:
-    """A ``tma`` tile's tensor-map kernel parameters: name -> (the tensor it maps, its map: ``encode_args(shape)``
-    gives the encoding of that tensor's map). Ragged: one map of k and one of v (a box = a column block of a
-    tile); paged: one of the page pool (a box = 8 keys of a page, K or V)."""
-    d, dv, cfg = spec.head_dim, shape_values(spec)["Dv"], TC_TILES[tile]
-    if paged:
-        return {"pmap": ("pages", PagedTensorMap(spec.num_kv_heads, d))}
-    return {"kmap": ("k", TensorMap3(spec.num_kv_heads, d, cfg.tk)),
-            "vmap": ("v", TensorMap3(spec.num_kv_heads, dv, cfg.tk))}
-
-
 def make_prefill_tc(op: str, spec, paged: bool, tile: str = "tc"):
     """The plain tensor-core kernel macro of a prefill PrimFunc (``paged`` selects the K/V source, ``tile`` the
     configuration of ``TC_TILES``), called as ``kernel(q, q_indptr, o, lse, kvb, B, n, causal, sm_scale)``."""
@@ -206,9 +188,6 @@ def make_prefill_tc(op: str, spec, paged: bool, tile: str = "tc"):
     OV = cfg.overlap  # wgmma: P V of tile kt - 1 runs during the softmax of tile kt (three stages)
     TMA = cfg.tma  # K / V tiles by TMA (one thread, mbarrier per stage), 128-byte swizzled
     TMA_PAGED = TMA and paged  # boxes of 8 keys of a page (a warp's lanes issue a tile's 32 boxes)
-    if TMA_PAGED and (D != 128 or cfg.tk != 64):
-        raise NotImplementedError(f"pagedkv.tir_kernels: tile {tile!r} pages K / V with 32 boxes a tile: head dim "
-                                  f"128 and 64-key tiles, not {D} / {cfg.tk}")
     if (QS and cfg.stages != 2) or (WG and (QS or cfg.warps % 4 or cfg.stages != (4 if cfg.pingpong or TMA else 3 if OV else 2))) or (OV and not WG) or (TMA and not OV):
         raise NotImplementedError(f"pagedkv.tir_kernels: tile {tile!r}: Q in shared memory needs the two-stage "
                                   f"buffer; wgmma whole warpgroups with Q in registers and two stages (three to "
@@ -225,6 +204,7 @@ def make_prefill_tc(op: str, spec, paged: bool, tile: str = "tc"):
         return (w * MT + mt) * TC_WROWS
 
     KL, VL = cfg.kv_layout(D), cfg.kv_layout(DV)  # wgmma: K / V tiles as core matrices (tma: swizzled)
+    tma = make_tma(cfg, spec, tile, d=D, dv=DV, dtype=dtype, paged=paged, vl=VL, threads=NT) if TMA else None
 
     def store_index(key, dim, c01):
         if WG:
@@ -338,46 +318,12 @@ def make_prefill_tc(op: str, spec, paged: bool, tile: str = "tc"):
         for e in T.unroll(MT * ON):
             oacc[e] = T.float32(0)
 
-    PG = TK // 8  # paged TMA: 8-key groups a tile (one box each per column block, of K and of V)
-
-    @T.macro
-    def tma_paged(smem, stage, kvb, ti, kt, h, tid):
-        """``TMA``, paged (``kvb`` = (pages, page_values, page_indptr, ps, last_page_len, pool map); ``ps`` a
-        multiple of 8): lane ``tid`` of warp 0 copies one box, 8 keys of group ``tid // 4`` (one page each),
-        64 dims of column block ``tid // 2 % 2`` of K (``tid % 2`` 0) or V; groups from the entry's key count on
-        are not read (their page slots may lie past the entry's pages): lane 0 arms the stage's mbarrier with
-        the bytes of the others (rows past the keys in a read group come from the page: V ones are zeroed)."""
-        if kt * TK + T.truncdiv(tid, 4) * 8 < ti[5]:
-            T.evaluate(tma_load5(
-                T.address_of(smem[T.if_then_else(tid % 2 == 0, cfg.k_base(stage, D, DV), cfg.v_base(stage, D, DV))
-                                  + (T.truncmod(T.truncdiv(tid, 2), 2) * TK + T.truncdiv(tid, 4) * 8) * 64]),
-                T.address_of(smem[cfg.bar_base(D, DV, stage)]), kvb[5], T.truncmod(T.truncdiv(tid, 2), 2) * 64,
-                T.truncmod(kt * TK + T.truncdiv(tid, 4) * 8, kvb[3]), h, tid % 2,
-                kvb[1][ti[TI_KV0] + T.truncdiv(kt * TK + T.truncdiv(tid, 4) * 8, kvb[3])]))
-        if tid == 0:
-            T.evaluate(mbar_expect_tx(T.address_of(smem[cfg.bar_base(D, DV, stage)]),
-                                      T.min(T.truncdiv(ti[5] - kt * TK + 7, 8), PG) * 8 * (D + DV) * 2))
-
     @T.macro
     def issue_kv(smem, stage, kvb, ti, kt, h, tid):
-        """Multi-stage: K and V of tile ``kt`` into stage ``stage``, one cp.async group; ``TMA`` (``kvb`` =
-        (k, v, kv_indptr, k map, v map)): thread 0 arms the stage's mbarrier and issues one box a 64-dim column
-        block of K and of V, none past the last tile (rows past the entry's keys are the next entry's or, past
-        k / v, zeros: finite, under a mask or P = 0)."""
-        if TMA_PAGED:
-            if T.And(tid < 32, kt < T.truncdiv(ti[6] + TK - 1, TK)):
-                tma_paged(smem, stage, kvb, ti, kt, h, tid)
-        elif TMA:
-            if T.And(tid == 0, kt < T.truncdiv(ti[6] + TK - 1, TK)):
-                T.evaluate(mbar_expect_tx(T.address_of(smem[cfg.bar_base(D, DV, stage)]), TK * (D + DV) * 2))
-                for c in T.unroll(D // 64):
-                    T.evaluate(tma_load3(T.address_of(smem[cfg.k_base(stage, D, DV) + c * TK * 64]),
-                                         T.address_of(smem[cfg.bar_base(D, DV, stage)]), kvb[3], c * 64, h,
-                                         ti[TI_KV0] + kt * TK))
-                for c in T.unroll(DV // 64):
-                    T.evaluate(tma_load3(T.address_of(smem[cfg.v_base(stage, D, DV) + c * TK * 64]),
-                                         T.address_of(smem[cfg.bar_base(D, DV, stage)]), kvb[4], c * 64, h,
-                                         ti[TI_KV0] + kt * TK))
+        """Multi-stage: K and V of tile ``kt`` into stage ``stage``, one cp.async group; ``TMA``: its boxes
+        (``_prefill_tma``)."""
+        if TMA:
+            tma.issue(smem, stage, kvb, ti, kt, h, tid)
         else:
             copies.issue_kv(smem, cfg.k_base(stage, D, DV), cfg.v_base(stage, D, DV), kvb, ti, kt, h, tid)
 
@@ -555,29 +501,13 @@ def make_prefill_tc(op: str, spec, paged: bool, tile: str = "tc"):
             issue(Vs, 0, kvb, ti, kt + 1, h, tid, 1)
 
     @T.macro
-    def zero_v_tail(smem, ti, kt, tid):
-        """``TMA``: zeros over the V rows of tile ``kt`` past the keys any row sees (a TMA box copies whatever
-        follows the entry: the next entry's keys, or a buffer's unused rows, which may hold NaN; P = 0 there
-        must not meet them), made visible to wgmma (the caller's barrier follows)."""
-        for it in T.unroll(TK * DV // 8 // NT):
-            if kt * TK + T.truncdiv(it * NT + tid, DV // 8) >= ti[6]:
-                for e in T.vectorized(8):
-                    smem[cfg.v_base(T.truncmod(kt, cfg.stages), D, DV)
-                         + VL.index(T.truncdiv(it * NT + tid, DV // 8), T.truncmod(it * NT + tid, DV // 8) * 8 + e)] = \
-                        T.Cast(dtype, T.float32(0))
-        T.evaluate(proxy_fence())
-
-    @T.macro
     def next_tile(smem, ti, kvb, h, tid, kt):
         """Multi-stage top of key tile ``kt`` (in stage ``kt % stages``): wait for its copies, one barrier that
         both publishes it (and Q) and tells that every warp is done with the stage of tile ``kt + ahead -
         stages``, which then takes tile kt + ``ahead`` (past the last tile: zeros, never read). ``TMA``: the
         wait is on the stage's mbarrier, for its fill number ``(kt - first tile) // stages`` (parity)."""
         if TMA:
-            T.evaluate(mbar_wait(T.address_of(smem[cfg.bar_base(D, DV, T.truncmod(kt, cfg.stages))]),
-                                 T.truncmod(T.truncdiv(kt - ti[7], cfg.stages), 2)))
-            if (kt + 1) * TK > ti[6]:
-                zero_v_tail(smem, ti, kt, tid)
+            tma.wait(smem, ti, kt, tid)
         else:
             T.evaluate(cp_async_wait(0))
             if WG:
@@ -678,7 +608,7 @@ def make_prefill_tc(op: str, spec, paged: bool, tile: str = "tc"):
                                             ti, kvb, h, tid, w, lane, causal, sm_scale)
                     store(o, lse, oacc, m, lsum, ti, h, w, lane)
 
-    MAPS = tma_maps(spec, tile, paged) if TMA else {}
+    MAPS = tma.maps if TMA else {}
 
     @T.macro
     def kernel(q, q_indptr, o, lse, kvb, B, n, causal, sm_scale):

@@ -1,0 +1,113 @@
+"""K / V tiles by TMA for the tensor-core CUDA prefill (``attention_cuda_prefill_tc``'s ``TcTile.tma`` tiles,
+"wg2t"): the tensor maps, the boxes of a key tile, the wait for one and the V rows zeroed after it.
+
+A stage's K / V tiles land 128-byte swizzled (``_wgmma_cuda.Sw128Layout``) at the stage's bases of a view of the
+kernel's buffer that starts at its first 1024-byte boundary; stage ``s``'s mbarrier sits at ``cfg.bar_base(s)``.
+
+* Ragged: one tensor map of k and one of v (``TensorMap3``); thread 0 arms the stage's mbarrier with the tile's
+  bytes and issues one box (64 keys x 64 dims of one head) per column block of K and of V.
+* Paged: one tensor map of the page pool (``PagedTensorMap``); a box = 8 keys of one page x 64 dims of K or V
+  (pages of a multiple of 8 keys, which the PrimFunc's host code tests); the 32 boxes of a 64-key tile are issued
+  by the 32 lanes of warp 0, each looking up its page, none for 8-key groups at or past the entry's keys (their
+  page slots may lie past the entry's): lane 0 arms the mbarrier with the others' bytes.
+* No box past the last tile; every thread waits on the stage's mbarrier for its fill number ``(kt - first tile)
+  // stages`` (parity). A box reads past its entry (the next entry's keys, the rest of a page, or a buffer's
+  unused rows, which may hold NaN): V rows past the keys any row sees are zeroed after the wait (K ones are
+  masked by the variant's select).
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+from tvm.script import tirx as T
+
+from ..ops import shape_values
+from ._prefill_tc_copy import TI_KV0
+from ._prefill_tc_tiles import TC_TILES
+from ._tma_cuda import PagedTensorMap, TensorMap3, mbar_expect_tx, mbar_wait, tma_load3, tma_load5
+from ._wgmma_cuda import proxy_fence
+
+
+def tma_maps(spec, tile: str, paged: bool = False) -> dict:
+    """A ``tma`` tile's tensor-map kernel parameters: name -> (the tensor it maps, its map: ``encode_args(shape)``
+    gives the encoding of that tensor's map). Ragged: one map of k and one of v (a box = a column block of a
+    tile); paged: one of the page pool (a box = 8 keys of a page, K or V)."""
+    d, dv, cfg = spec.head_dim, shape_values(spec)["Dv"], TC_TILES[tile]
+    if paged:
+        return {"pmap": ("pages", PagedTensorMap(spec.num_kv_heads, d))}
+    return {"kmap": ("k", TensorMap3(spec.num_kv_heads, d, cfg.tk)),
+            "vmap": ("v", TensorMap3(spec.num_kv_heads, dv, cfg.tk))}
+
+
+class TmaMacros(NamedTuple):
+    """``issue(smem, stage, kvb, ti, kt, h, tid)``: tile kt's boxes into a stage (``kvb`` ends with the tensor
+    maps); ``wait(smem, ti, kt, tid)``: tile kt landed, its V rows past the keys any row sees zeroed (the caller's
+    barrier publishes them); ``maps``: ``tma_maps`` of the tile and op (the host code encodes them)."""
+
+    issue: object
+    wait: object
+    maps: dict
+
+
+def make_tma(cfg, spec, tile: str, *, d: int, dv: int, dtype: str, paged: bool, vl, threads: int) -> TmaMacros:
+    """The TMA macros of tile ``cfg`` (``TcTile.tma``), head dims ``d`` / ``dv``, V tiles stored as ``vl``."""
+    tk, ns = cfg.tk, cfg.stages
+    if paged and (d != 128 or tk != 64):
+        raise NotImplementedError(f"pagedkv.tir_kernels: tile {tile!r} pages K / V with 32 boxes a tile: head dim "
+                                  f"128 and 64-key tiles, not {d} / {tk}")
+    pg = tk // 8  # paged: 8-key groups a tile (one box each per column block, of K and of V)
+
+    def bar(smem, stage):
+        return T.address_of(smem[cfg.bar_base(d, dv, stage)])
+
+    @T.macro
+    def issue_paged(smem, stage, kvb, ti, kt, h, tid):
+        """Lane ``tid`` of warp 0: one box, 8 keys of group ``tid // 4`` (one page each), 64 dims of column block
+        ``tid // 2 % 2`` of K (``tid % 2`` 0) or V (``kvb`` = (pages, page_values, page_indptr, ps,
+        last_page_len, pool map))."""
+        if kt * tk + T.truncdiv(tid, 4) * 8 < ti[5]:
+            T.evaluate(tma_load5(
+                T.address_of(smem[T.if_then_else(tid % 2 == 0, cfg.k_base(stage, d, dv), cfg.v_base(stage, d, dv))
+                                  + (T.truncmod(T.truncdiv(tid, 2), 2) * tk + T.truncdiv(tid, 4) * 8) * 64]),
+                bar(smem, stage), kvb[5], T.truncmod(T.truncdiv(tid, 2), 2) * 64,
+                T.truncmod(kt * tk + T.truncdiv(tid, 4) * 8, kvb[3]), h, tid % 2,
+                kvb[1][ti[TI_KV0] + T.truncdiv(kt * tk + T.truncdiv(tid, 4) * 8, kvb[3])]))
+        if tid == 0:
+            T.evaluate(mbar_expect_tx(bar(smem, stage), T.min(T.truncdiv(ti[5] - kt * tk + 7, 8), pg) * 8 * (d + dv) * 2))
+
+    @T.macro
+    def issue(smem, stage, kvb, ti, kt, h, tid):
+        if paged:
+            if T.And(tid < 32, kt < T.truncdiv(ti[6] + tk - 1, tk)):
+                issue_paged(smem, stage, kvb, ti, kt, h, tid)
+        else:  # kvb = (k, v, kv_indptr, k map, v map)
+            if T.And(tid == 0, kt < T.truncdiv(ti[6] + tk - 1, tk)):
+                T.evaluate(mbar_expect_tx(bar(smem, stage), tk * (d + dv) * 2))
+                for c in T.unroll(d // 64):
+                    T.evaluate(tma_load3(T.address_of(smem[cfg.k_base(stage, d, dv) + c * tk * 64]), bar(smem, stage),
+                                         kvb[3], c * 64, h, ti[TI_KV0] + kt * tk))
+                for c in T.unroll(dv // 64):
+                    T.evaluate(tma_load3(T.address_of(smem[cfg.v_base(stage, d, dv) + c * tk * 64]), bar(smem, stage),
+                                         kvb[4], c * 64, h, ti[TI_KV0] + kt * tk))
+
+    @T.macro
+    def zero_v_tail(smem, ti, kt, tid):
+        for it in T.unroll(tk * dv // 8 // threads):
+            if kt * tk + T.truncdiv(it * threads + tid, dv // 8) >= ti[6]:
+                for e in T.vectorized(8):
+                    smem[cfg.v_base(T.truncmod(kt, ns), d, dv)
+                         + vl.index(T.truncdiv(it * threads + tid, dv // 8), T.truncmod(it * threads + tid, dv // 8) * 8 + e)] = \
+                        T.Cast(dtype, T.float32(0))
+        T.evaluate(proxy_fence())
+
+    @T.macro
+    def wait(smem, ti, kt, tid):
+        T.evaluate(mbar_wait(bar(smem, T.truncmod(kt, ns)), T.truncmod(T.truncdiv(kt - ti[7], ns), 2)))
+        if (kt + 1) * tk > ti[6]:
+            zero_v_tail(smem, ti, kt, tid)
+
+    return TmaMacros(issue, wait, tma_maps(spec, tile, paged))
+
+
+__all__ = ["TmaMacros", "make_tma", "tma_maps"]
