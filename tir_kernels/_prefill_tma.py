@@ -25,7 +25,8 @@ from tvm.script import tirx as T
 from ..ops import shape_values
 from ._prefill_tc_copy import TI_KV0
 from ._prefill_tc_tiles import TC_TILES
-from ._tma_cuda import PagedTensorMap, TensorMap3, mbar_expect_tx, mbar_wait, tma_load3, tma_load5
+from ._tma_cuda import (PagedTensorMap, TensorMap3, mbar_expect_tx, mbar_init, mbar_wait, sw128_pad, tma_load3,
+                        tma_load5)
 from ._wgmma_cuda import proxy_fence
 
 
@@ -43,11 +44,14 @@ def tma_maps(spec, tile: str, paged: bool = False) -> dict:
 class TmaMacros(NamedTuple):
     """``issue(smem, stage, kvb, ti, kt, h, tid)``: tile kt's boxes into a stage (``kvb`` ends with the tensor
     maps); ``wait(smem, ti, kt, tid)``: tile kt landed, its V rows past the keys any row sees zeroed (the caller's
-    barrier publishes them); ``maps``: ``tma_maps`` of the tile and op (the host code encodes them)."""
+    barrier publishes them); ``maps``: ``tma_maps`` of the tile and op (the host code encodes them);
+    ``tiles(loop)``: the macro running ``loop(smem, *args)`` (the key-tile loop) on the stage view (``smem``,
+    from the kernel's buffer's first 1024-byte boundary) once thread 0 armed one mbarrier a stage."""
 
     issue: object
     wait: object
     maps: dict
+    tiles: object
 
 
 def make_tma(cfg, spec, tile: str, *, d: int, dv: int, dtype: str, paged: bool, vl, threads: int) -> TmaMacros:
@@ -77,6 +81,12 @@ def make_tma(cfg, spec, tile: str, *, d: int, dv: int, dtype: str, paged: bool, 
             T.evaluate(mbar_expect_tx(bar(smem, stage), T.min(T.truncdiv(ti[5] - kt * tk + 7, 8), pg) * 8 * (d + dv) * 2))
 
     @T.macro
+    def column_boxes(smem, stage, base, tmap, blocks, row0, h):
+        """Ragged: ``blocks`` boxes of map ``tmap`` (a tile's keys from ``row0``, 64 dims each) to ``base``."""
+        for c in T.unroll(blocks):
+            T.evaluate(tma_load3(T.address_of(smem[base + c * tk * 64]), bar(smem, stage), tmap, c * 64, h, row0))
+
+    @T.macro
     def issue(smem, stage, kvb, ti, kt, h, tid):
         if paged:
             if T.And(tid < 32, kt < T.truncdiv(ti[6] + tk - 1, tk)):
@@ -84,12 +94,8 @@ def make_tma(cfg, spec, tile: str, *, d: int, dv: int, dtype: str, paged: bool, 
         else:  # kvb = (k, v, kv_indptr, k map, v map)
             if T.And(tid == 0, kt < T.truncdiv(ti[6] + tk - 1, tk)):
                 T.evaluate(mbar_expect_tx(bar(smem, stage), tk * (d + dv) * 2))
-                for c in T.unroll(d // 64):
-                    T.evaluate(tma_load3(T.address_of(smem[cfg.k_base(stage, d, dv) + c * tk * 64]), bar(smem, stage),
-                                         kvb[3], c * 64, h, ti[TI_KV0] + kt * tk))
-                for c in T.unroll(dv // 64):
-                    T.evaluate(tma_load3(T.address_of(smem[cfg.v_base(stage, d, dv) + c * tk * 64]), bar(smem, stage),
-                                         kvb[4], c * 64, h, ti[TI_KV0] + kt * tk))
+                column_boxes(smem, stage, cfg.k_base(stage, d, dv), kvb[3], d // 64, ti[TI_KV0] + kt * tk, h)
+                column_boxes(smem, stage, cfg.v_base(stage, d, dv), kvb[4], dv // 64, ti[TI_KV0] + kt * tk, h)
 
     @T.macro
     def zero_v_tail(smem, ti, kt, tid):
@@ -107,7 +113,22 @@ def make_tma(cfg, spec, tile: str, *, d: int, dv: int, dtype: str, paged: bool, 
         if (kt + 1) * tk > ti[6]:
             zero_v_tail(smem, ti, kt, tid)
 
-    return TmaMacros(issue, wait, tma_maps(spec, tile, paged))
+    def tiles(loop):
+        @T.macro
+        def run(smem_all, scratch, fr, acc, rows, ti, kvb, h, tid, causal, sm_scale):
+            """The swizzle repeats every 1024 bytes (``cfg.smem_bytes`` has the slack); the barrier: every
+            mbarrier armed before any thread waits on one."""
+            smem = T.decl_buffer((cfg.smem_bytes(d, dv) // 2,), dtype, data=smem_all.data,
+                                 elem_offset=sw128_pad(T.address_of(smem_all[0]), 2), scope="shared.dyn")
+            if tid == 0:
+                for st_ in T.unroll(ns):
+                    T.evaluate(mbar_init(T.address_of(smem[cfg.bar_base(d, dv, st_)]), 1))
+            T.tvm_storage_sync("shared")
+            loop(smem, scratch, fr, acc, rows, ti, kvb, h, tid, causal, sm_scale)
+
+        return run
+
+    return TmaMacros(issue, wait, tma_maps(spec, tile, paged), tiles)
 
 
 __all__ = ["TmaMacros", "make_tma", "tma_maps"]

@@ -15,6 +15,7 @@ Order at start: ``mbar_init`` by one thread, then a block barrier before any oth
 from __future__ import annotations
 
 import dataclasses
+from typing import NamedTuple
 
 from tvm.script import tirx as T
 
@@ -123,6 +124,31 @@ def _encode(dims: list, strides: list, box: list) -> list:
     return [*dims, *strides, *box, *([1] * len(dims)), 0, SWIZZLE_128B, L2_PROMOTION_128B, 0]
 
 
+class EncodeArgs(NamedTuple):
+    """``encode_args``' list by field (``decode_args``): what a launcher outside TVM (the CPU emulator, the probe)
+    passes to its own ``cuTensorMapEncodeTiled``. ``strides`` are the byte strides of dims 1.. (dim 0's is the
+    element size)."""
+
+    dims: list
+    strides: list
+    box: list
+    elem_strides: list
+    interleave: int
+    swizzle: int
+    l2_promotion: int
+    oob_fill: int
+
+
+def decode_args(rank: int, args: list) -> EncodeArgs:
+    """``encode_args(shape)`` of a rank-``rank`` map (``_encode``'s order) by field."""
+    if len(args) != 4 * rank + 3:
+        raise ValueError(f"pagedkv.tir_kernels: a rank-{rank} tensor map takes {4 * rank + 3} encode arguments, "
+                         f"got {len(args)}")
+    r = rank
+    return EncodeArgs(list(args[:r]), list(args[r:2 * r - 1]), list(args[2 * r - 1:3 * r - 1]),
+                      list(args[3 * r - 1:4 * r - 1]), *args[4 * r - 1:])
+
+
 @dataclasses.dataclass(frozen=True)
 class TensorMap3:
     """The tensor map of a ``[rows][heads][d]`` tensor of 2-byte elements (rows of ``heads * d`` elements, as
@@ -158,5 +184,5 @@ class PagedTensorMap:
                        [64, self.box_rows, 1, 1, 1])
 
 
-__all__ = ["host_aligned16", "L2_PROMOTION_128B", "MBAR_BYTES", "PagedTensorMap", "SW128_ALIGN", "SWIZZLE_128B", "TensorMap3",
+__all__ = ["EncodeArgs", "decode_args", "host_aligned16", "L2_PROMOTION_128B", "MBAR_BYTES", "PagedTensorMap", "SW128_ALIGN", "SWIZZLE_128B", "TensorMap3",
            "mbar_expect_tx", "mbar_init", "mbar_wait", "sw128_pad", "tma_load3", "tma_load5"]

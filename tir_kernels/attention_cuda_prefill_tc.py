@@ -142,7 +142,6 @@ from ._prefill_tc_tiles import (
 )
 from ._prefill_tc_copy import make_kv_copies
 from ._prefill_tma import make_tma, tma_maps
-from ._tma_cuda import mbar_init, sw128_pad
 from ._prefill_wg_pipelines import TileMacros, make_overlap, make_pingpong
 from ._variant_cuda import CudaVariant
 from ._wgmma_cuda import proxy_fence, wg_attention_gemms
@@ -518,19 +517,7 @@ def make_prefill_tc(op: str, spec, paged: bool, tile: str = "tc"):
     if OV:  # wgmma groups in flight across the softmax (_prefill_wg_pipelines)
         macros = TileMacros(issue_kv, next_tile, softmax_deferred, rescale_o, wgg)
         tiles_overlap = (make_pingpong if cfg.pingpong else make_overlap)(cfg, D, DV, SN, macros)
-
-    @T.macro
-    def tiles_tma(smem_all, scratch, fr, acc, rows, ti, kvb, h, tid, causal, sm_scale):
-        """``TMA``: the overlap loop on a view of the stage buffer from its first 1024-byte boundary (the
-        swizzle's period: ``cfg.smem_bytes`` has the slack), after thread 0 armed one mbarrier a stage (the
-        barrier: before any thread waits on them)."""
-        smem = T.decl_buffer((cfg.smem_bytes(D, DV) // 2,), dtype, data=smem_all.data,
-                             elem_offset=sw128_pad(T.address_of(smem_all[0]), 2), scope="shared.dyn")
-        if tid == 0:
-            for st_ in T.unroll(cfg.stages):
-                T.evaluate(mbar_init(T.address_of(smem[cfg.bar_base(D, DV, st_)]), 1))
-        T.tvm_storage_sync("shared")
-        tiles_overlap(smem, scratch, fr, acc, rows, ti, kvb, h, tid, causal, sm_scale)
+        tiles_tma = tma.tiles(tiles_overlap) if TMA else None  # the loop on the swizzle-aligned view
 
     @T.macro
     def tiles_two_stage(smem, fr, acc, rows, ti, kvb, h, tid, w, lane, causal, sm_scale):

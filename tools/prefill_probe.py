@@ -44,24 +44,31 @@ def file_stem(tile: str) -> str:
 
 
 def _tensor_core_kernel(src: str):
-    """(start, end, threads, name, [(type, name)]) of the tensor-core kernel's definition in a module source."""
-    for m in re.finditer(r'extern "C" __global__ void __launch_bounds__\((\d+)\) (\w+)\(([^)]*)\) \{\n', src):
-        end = src.index("\n}\n", m.end())
-        if "pagedkv_mma_" in src[m.start():end] or "pagedkv_wgmma_" in src[m.start():end]:
-            params = [tuple(p.replace("__restrict__", "").rsplit(None, 1)) for p in m.group(3).split(", ")]
-            return m.start(), end, int(m.group(1)), m.group(2), params
+    """The tensor-core kernel of a module source (``pagedkv.testing.cuda_source.KernelDef``)."""
+    from pagedkv.testing.cuda_source import kernel_defs
+
+    for k in kernel_defs(src):
+        if "pagedkv_mma_" in k.text(src) or "pagedkv_wgmma_" in k.text(src):
+            return k
     raise SystemExit("no tensor-core kernel in the source")
 
 
 def _encode_map(var: str, tensor: str, tmap) -> str:
     """C code encoding the kernel's tensor map ``var`` of ragged ``tensor`` (``P[...]``, n rows) as the PrimFunc's
-    host code does (``TensorMap3.encode_args``), through the driver's ``cuTensorMapEncodeTiled``."""
-    a = tmap.encode_args("(cuuint64_t)n")
-    return (f"  CUtensorMap {var};\n  {{ cuuint64_t dims[3] = {{{a[0]}, {a[1]}, {a[2]}}}; cuuint64_t str[2] = {{{a[3]}, "
-            f"{a[4]}}};\n    cuuint32_t box[3] = {{{a[5]}, {a[6]}, {a[7]}}}, es[3] = {{{a[8]}, {a[9]}, {a[10]}}};\n"
-            f"    int r = pk_encode()(&{var}, CU_TENSOR_MAP_DATA_TYPE_FLOAT16, 3, P[{POINTERS.index(tensor)}], dims, str, "
-            f"box, es, (CUtensorMapInterleave){a[11]}, (CUtensorMapSwizzle){a[12]}, (CUtensorMapL2promotion){a[13]}, "
-            f"(CUtensorMapFloatOOBfill){a[14]});\n    if (r) return 1000 + r; }}\n")
+    host code does (``tmap.encode_args``), through the driver's ``cuTensorMapEncodeTiled``."""
+    from pagedkv.tir_kernels._tma_cuda import decode_args
+
+    r, a = tmap.rank, decode_args(tmap.rank, tmap.encode_args(["(cuuint64_t)n"]))
+
+    def arr(xs):
+        return "{" + ", ".join(map(str, xs)) + "}"
+
+    return (f"  CUtensorMap {var};\n  {{ cuuint64_t dims[{r}] = {arr(a.dims)}; cuuint64_t str[{r - 1}] = "
+            f"{arr(a.strides)};\n    cuuint32_t box[{r}] = {arr(a.box)}, es[{r}] = {arr(a.elem_strides)};\n"
+            f"    int r = pk_encode()(&{var}, CU_TENSOR_MAP_DATA_TYPE_FLOAT16, {r}, P[{POINTERS.index(tensor)}], dims, "
+            f"str, box, es, (CUtensorMapInterleave){a.interleave}, (CUtensorMapSwizzle){a.swizzle}, "
+            f"(CUtensorMapL2promotion){a.l2_promotion}, (CUtensorMapFloatOOBfill){a.oob_fill});\n"
+            f"    if (r) return 1000 + r; }}\n")
 
 
 #: The driver's cuTensorMapEncodeTiled, looked up once (no -lcuda at build time).
@@ -77,18 +84,21 @@ static pk_encode_fn pk_encode() {
 """
 
 
-def _launcher(name: str, threads: int, smem: int, params, maps=None) -> str:
+def _launcher(name: str, threads: int, smem: int, params, unused, maps=None) -> str:
+    """``pk_launch``: the kernel's arguments by parameter name; 0 for those its body never reads (``unused``)."""
     args, encode = [], ""
-    for ty, pname in params:
-        if "CUtensorMap" in ty:
+    for i, (ty, pname) in enumerate(params):
+        if i in unused:
+            args.append("0")  # a value TVM's host code computes for the launch only (int cse_v*)
+        elif "CUtensorMap" in ty:
             encode += _encode_map(pname, *maps[pname])
             args.append(pname)
         elif ty.endswith("*"):
             args.append(f"({ty})P[{POINTERS.index(pname.removesuffix('_ptr'))}]")
         elif pname in ("B", "causal", "n"):
             args.append(pname)
-        elif re.fullmatch(r"v(_\d+)?", pname) or (ty == "int" and re.fullmatch(r"cse_v\d+", pname)):
-            args.append("0")  # element offsets: every view starts at its buffer; cse_v*: unused launch values
+        elif re.fullmatch(r"v(_\d+)?", pname):
+            args.append("0")  # element offsets: every view starts at its buffer
         elif ty == "float":
             args.append("scale2")  # sm_scale * log2(e), hoisted by TVM
         else:
@@ -118,7 +128,11 @@ def gen(out: Path, tiles: list[str], prefix: str = "") -> None:
         with target:
             exe = tvm.compile(tvm.IRModule({f"pagedkv_{OP}": func}), target=target)
         src = next(s for m in exe.mod.imports for s in [m.inspect_source()] if "__global__" in s)
-        start, end, threads, name, params = _tensor_core_kernel(src)
+        from pagedkv.testing.cuda_source import unused_params
+
+        kdef = _tensor_core_kernel(src)
+        start, end, threads, name, params = kdef.start, kdef.end, kdef.threads, kdef.name, kdef.params
+        unused = unused_params(kdef, src)
         body = src[start:end]
         for v in "+".join(variants).split("+") if variants else ():
             for a, b in EDITS[v]:
@@ -127,7 +141,7 @@ def gen(out: Path, tiles: list[str], prefix: str = "") -> None:
         smem = t.smem_bytes(D, D) if t.stages > 1 else 0
         maps = tma_maps(cfg, base) if TC_TILES[base].tma else None
         src = ("__device__ __forceinline__ void pk_noop(void*, const void*) {}\n" + src[:start] + body + src[end:]
-               + _launcher(name, threads, smem, params, maps))
+               + _launcher(name, threads, smem, params, unused, maps))
         (out / f"{file_stem(prefix + tile)}.cu").write_text(src)
         meta[prefix + tile] = {"threads": threads, "smem": smem, "tq": t.rows // (HQ // HKV), "sm_arch": target.arch}
         print(prefix + tile, meta[prefix + tile])

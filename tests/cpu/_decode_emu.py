@@ -22,6 +22,7 @@ from _cuda_support import cuda_source_of
 
 from pagedkv import tir_kernels as tk
 from pagedkv.testing import reference as R
+from pagedkv.testing.cuda_source import kernel_defs, static_shared
 
 import tvm
 from tvm.target import Target
@@ -36,16 +37,7 @@ DYN_SMEM_BYTES = 128 * 1024
 def kernels_of(src: str, *, dyn_smem_bytes: int = DYN_SMEM_BYTES) -> dict:
     """{name: (definition, [(type, name)] params)} of the ``__global__`` kernels in a module's source (shared
     arrays made ``static``; a dynamic one becomes a static array of ``dyn_smem_bytes``)."""
-    out = {}
-    for m in re.finditer(r'extern "C" __global__ void __launch_bounds__\(\d+\) (\w+)\(([^)]*)\) \{\n', src):
-        end = src.index("\n}\n", m.end())
-        body = re.sub(r"__shared__ (alignas\(\d+\))", r"\1 static", src[m.start():end + 3])
-        body = re.sub(r"extern __shared__ __align__\((\d+)\) (\w+) (\w+)\[\];",
-                      lambda d: f"alignas({d.group(1)}) static {d.group(2)} {d.group(3)}[{dyn_smem_bytes} / "
-                                f"sizeof({d.group(2)})];", body)
-        params = [tuple(p.replace("__restrict__", "").rsplit(None, 1)) for p in m.group(2).split(", ")]
-        out[m.group(1)] = (body, params)
-    return out
+    return {k.name: (static_shared(k.text(src), dyn_smem_bytes), k.params) for k in kernel_defs(src)}
 
 
 #: The tensor-core decode's non-default build switches (tests build each once): name -> (module of

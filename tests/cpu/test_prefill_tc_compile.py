@@ -28,6 +28,7 @@ from _cuda_support import nvcc_all, ops_cuda_source, ptxas_usage
 
 from pagedkv import tir_kernels as tk
 from pagedkv.kernel_spec import WG_PREFILL_TILES
+from pagedkv.testing.cuda_source import kernel_defs
 from pagedkv.tir_kernels import attention_cuda_prefill as pf
 from pagedkv.tir_kernels.attention_cuda_prefill_tc import TC_TILES
 
@@ -152,8 +153,5 @@ def test_tc_nvcc_no_spills_and_hmma(name, tile, nvcc_results):
 
 
 def _kernel_bodies(source: str) -> dict:
-    """``{kernel: its definition}`` of a CUDA source (the declarations TVM puts first are skipped)."""
-    out = {}
-    for m in re.finditer(r'extern "C" __global__ void __launch_bounds__\(\d+\) (\w+)\([^)]*\) \{\n', source):
-        out[m.group(1)] = source[m.end():source.index("\n}\n", m.end())]
-    return out
+    """``{kernel: its statements}`` of a CUDA source (the declarations TVM puts first are skipped)."""
+    return {k.name: k.body(source) for k in kernel_defs(source)}

@@ -35,6 +35,8 @@ from _cuda_support import cuda_source_of
 
 from pagedkv import tir_kernels as tk
 from pagedkv.testing import reference as R
+from pagedkv.testing.cuda_source import kernel_defs, static_shared, unused_params
+from pagedkv.tir_kernels._tma_cuda import decode_args
 from pagedkv.tir_kernels.attention_cuda_prefill_tc import TC_TILES, tma_maps
 
 import tvm
@@ -103,26 +105,20 @@ TAIL_ROWS = 70
 DYN_SMEM_BYTES = 256 * 1024
 
 
-def _kernel_source(src: str) -> tuple[str, str, list, int]:
-    """(kernel name, its definition, [(type, name)] params, threads a block) of the tensor-core kernel in a
-    module's source."""
-    for m in re.finditer(r'extern "C" __global__ void __launch_bounds__\((\d+)\) (\w+)\(([^)]*)\) \{\n', src):
-        end = src.index("\n}\n", m.end())
-        # g++ wants the alignment before ``static`` (``__shared__`` is ``static`` in _cuda_emu.h).
-        body = re.sub(r"__shared__ (alignas\(\d+\))", r"\1 static", src[m.start():end + 3])
-        # Dynamic shared memory: a static array of DYN_SMEM_BYTES (the kernels' one extern buffer).
-        body = re.sub(r"extern __shared__ __align__\((\d+)\) (\w+) (\w+)\[\];",
-                      lambda d: f"alignas({d.group(1)}) static {d.group(2)} {d.group(3)}[{DYN_SMEM_BYTES} / "
-                                f"sizeof({d.group(2)})];", body)
+def _kernel_source(src: str) -> tuple[str, str, list, int, frozenset]:
+    """(kernel name, its definition for g++, [(type, name)] params, threads a block, unused param indices) of
+    the tensor-core kernel in a module's source."""
+    for k in kernel_defs(src):
+        body = static_shared(k.text(src), DYN_SMEM_BYTES)
         if "pagedkv_mma_" in body or "pagedkv_wgmma_" in body:
-            params = [tuple(p.replace("__restrict__", "").rsplit(None, 1)) for p in m.group(3).split(", ")]
-            return m.group(2), body, params, int(m.group(1))
+            return k.name, body, k.params, k.threads, unused_params(k, src)
     raise AssertionError("no tensor-core kernel in the source")
 
 
 @pytest.fixture(scope="module")
 def built(tmp_path_factory):
-    """``get(name, tile, op)``: (library, params) of the config's kernel for ``op`` on ``tile``, built once."""
+    """``get(name, tile, op)``: (library, params, unused param indices) of the config's kernel for ``op`` on
+    ``tile``, built once."""
     if shutil.which("g++") is None:
         pytest.skip("g++ not found")
     out = {}
@@ -142,15 +138,14 @@ def _build(cfg, tile, op, stem):
     func = tk.build_kernels(cfg, target, ops=(op,))[op]
     with target:
         exe = tvm.compile(tvm.IRModule({f"pagedkv_{op}": func}), target=target)
-    kname, body, params, threads = _kernel_source(cuda_source_of(exe))
+    kname, body, params, threads, unused = _kernel_source(cuda_source_of(exe))
     assert threads == TC_TILES[tile].threads, (threads, tile)
     assert ("extern __shared__" in cuda_source_of(exe)) == (TC_TILES[tile].stages >= 2)  # tc2: dynamic
     args = []
-    sig_end = body.index(") {\n")
     for i, (ty, pname) in enumerate(params):
         if "CUtensorMap" in ty:  # a TMA tile's tensor map: the struct _tensor_map fills, by value
             args.append(f"*(const CUtensorMap*)ptrs[{i}]")
-        elif not re.search(rf"\b{pname}\b", body[sig_end:]):
+        elif i in unused:
             args.append("0")  # a value the host code computes for the launch only (e.g. a grid size)
         else:
             args.append(f"({ty})ptrs[{i}]" if ty.endswith("*") else f"(({ty})nums[{i}])")
@@ -162,7 +157,7 @@ def _build(cfg, tile, op, stem):
     proc = subprocess.run(["g++", "-O1", "-std=c++20", "-shared", "-fPIC", "-pthread", "-w", "-o", str(lib),
                            str(cpp)], capture_output=True, text=True, check=False)
     assert proc.returncode == 0, proc.stderr[-4000:]
-    return ctypes.CDLL(str(lib)), params
+    return ctypes.CDLL(str(lib)), params, unused
 
 
 def _to_storage(x: torch.Tensor, dtype: str) -> np.ndarray:
@@ -187,18 +182,16 @@ class _TensorMap(ctypes.Structure):
 def _tensor_map(array: np.ndarray, tmap) -> _TensorMap:
     """The emulator's tensor map of ``array`` from the map's own encode arguments (what the host code passes
     to ``cuTensorMapEncodeTiled`` on the GPU): dims, byte strides of dims 1.., box, element strides, options."""
-    args = tmap.encode_args(array.shape)
-    rank = tmap.rank
-    dims, strides, box, estr = args[:rank], args[rank:2 * rank - 1], args[2 * rank - 1:3 * rank - 1], \
-        args[3 * rank - 1:4 * rank - 1]
-    assert estr == [1] * rank and args[4 * rank - 1] == 0 and array.itemsize == 2
-    m = _TensorMap(array.ctypes.data, rank, array.itemsize, args[4 * rank])
-    for r in range(rank):
-        m.dims[r], m.strides[r], m.box[r] = dims[r], ([array.itemsize] + strides)[r], box[r]
+    a = decode_args(tmap.rank, tmap.encode_args(array.shape))
+    assert a.elem_strides == [1] * tmap.rank and a.interleave == 0 and a.oob_fill == 0 and array.itemsize == 2
+    m = _TensorMap(array.ctypes.data, tmap.rank, array.itemsize, a.swizzle)
+    for r in range(tmap.rank):
+        m.dims[r], m.strides[r], m.box[r] = a.dims[r], ([array.itemsize] + a.strides)[r], a.box[r]
     return m
 
 
-def _run(lib, params, arrays: dict, scalars: dict, grid, maps=None):
+def _run(built, arrays: dict, scalars: dict, grid, maps=None):
+    lib, params, unused = built
     ptrs = (ctypes.c_void_p * len(params))()
     nums = (ctypes.c_double * len(params))()
     keep = []
@@ -207,12 +200,14 @@ def _run(lib, params, arrays: dict, scalars: dict, grid, maps=None):
             tensor, tmap = maps[pname]
             keep.append(_tensor_map(arrays[tensor], tmap))
             ptrs[i] = ctypes.addressof(keep[-1])
+        elif i in unused:
+            continue  # passed as 0 by the launcher (_build)
         elif ty.endswith("*"):
             ptrs[i] = arrays[pname.removesuffix("_ptr")].ctypes.data
         elif pname in scalars:
             nums[i] = scalars[pname]
-        elif re.fullmatch(r"v(_\d+)?", pname) or (ty == "int" and re.fullmatch(r"cse_v\d+", pname)):
-            nums[i] = 0  # element offsets: every view starts at its buffer; int cse_v*: launch-only, unused
+        elif re.fullmatch(r"v(_\d+)?", pname):
+            nums[i] = 0  # element offsets: every view starts at its buffer
         elif ty == "float":
             nums[i] = scalars["scale2"]  # the one float: sm_scale * log2(e), hoisted by TVM
         else:
@@ -265,7 +260,7 @@ def test_emulated_wg_unaligned_ragged_views(tile, name, built):
 
 def _check(name, tile, op, causal, built, misalign):
     cfg = ALL_CONFIGS[name]
-    lib, params = built(name, tile, op)
+    kernel = built(name, tile, op)
     hq, hkv, d, dt = cfg.num_qo_heads, cfg.num_kv_heads, cfg.head_dim, cfg.dtype
     dv = cfg.v_head_dim or d
     seed = int(torch.randint(0, 2**31 - 1, (1,)))  # fresh inputs each run; the failure messages name the seed
@@ -307,7 +302,7 @@ def _check(name, tile, op, causal, built, misalign):
     tq = TC_TILES[tile].rows // (hq // hkv)
     maps = (tma_maps(dataclasses.replace(cfg, target_arch="sm_90a"), tile, op == "attn_prefill_paged")
             if TC_TILES[tile].tma else None)
-    _run(lib, params, arrays, {"B": B, "n": n, "causal": causal, "ps": ps, "scale2": sm_scale * LOG2E},
+    _run(kernel, arrays, {"B": B, "n": n, "causal": causal, "ps": ps, "scale2": sm_scale * LOG2E},
          (max(n // tq + B, 1), hkv), maps)
     o, lse = _from_storage(arrays["o"], dt), torch.from_numpy(arrays["lse"]).double()
     row = 0
