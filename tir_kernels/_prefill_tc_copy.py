@@ -61,7 +61,8 @@ class _Chunks:
 
 class KvCopies(NamedTuple):
     """The copies of a kernel: ``ti_slots`` (the tile info's size), ``kv_len(kvb, b)`` (keys of entry b),
-    ``prepare(ti, kvb, tid)`` (once a block, entry ``ti[0]`` located: the slots from ``TI_KV0`` on),
+    ``prepare(ti, kvb, tid, cursor)`` (once a block, entry ``ti[0]`` located: the slots from ``TI_KV0`` on;
+    ``cursor`` False: a kernel that does not issue these copies, none of the paged cursor's),
     ``issue(dst, base, kvb, ti, kt, h, tid, c01)`` (tile kt of K (``c01`` 0) or V (1) into ``dst`` from element
     ``base``, one cp.async group) and ``issue_kv(smem, base_k, base_v, kvb, ti, kt, h, tid)`` (K and V of tile kt
     into one stage, one group: one ``wait_group 0`` covers both)."""
@@ -128,9 +129,9 @@ def make_kv_copies(*, tk: int, threads: int, dims: tuple[int, int], dtype: str, 
             return elem(kvb, c01, ti, kt * tk + ch.at(tid)[0] + it * ch.kstep, h, ch.at(tid)[1])
 
     @T.macro
-    def prepare(ti, kvb, tid):
+    def prepare(ti, kvb, tid, cursor):
         ti[TI_KV0] = kvb[2][ti[0]]  # ragged: kv_indptr[b]; paged: page_indptr[b]
-        if paged:  # the cursor's step: KSTEP keys as (page slots, offset)
+        if paged and cursor:  # the cursor's step: KSTEP keys as (page slots, offset)
             ti[TI_KV0 + 1] = T.truncdiv(chunks[0].kstep, kvb[3])
             ti[TI_KV0 + 2] = T.truncmod(chunks[0].kstep, kvb[3])
 

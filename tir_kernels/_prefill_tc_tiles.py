@@ -129,7 +129,10 @@ TC_TILES = {"tc": TcTile("tc", TC_WARPS, 1), "tc2": TcTile("tc2", 8, 2), "tc3": 
             "wg2k": TcTile("wg2k", 8, 3, tk=128, wgmma=True, overlap=True, core_pad=0),
             "wg2p": TcTile("wg2p", 8, 4, wgmma=True, overlap=True, pingpong=True),
             # wg2o with TMA copies (one thread a block issues them; 128-byte swizzled tiles): ragged only.
-            "wg2t": TcTile("wg2t", 8, 4, wgmma=True, overlap=True, tma=True)}
+            "wg2t": TcTile("wg2t", 8, 4, wgmma=True, overlap=True, tma=True),
+            # wg2t's loop on one warpgroup, three stages (1 tile ahead): 97 KB, so two blocks share an SM and
+            # one's softmax, prologue and stores run under the other's GEMMs.
+            "wg1t": TcTile("wg1t", 4, 3, wgmma=True, overlap=True, tma=True)}
 #: The PTX target a ``wgmma`` tile needs (its instructions exist on sm_90a only; libraries forcing it are built
 #: for it: ``kernel_spec.PATH_ARCHS``).
 WG_ARCH = PATH_ARCHS[("cuda_prefill_kernel", "wg")]

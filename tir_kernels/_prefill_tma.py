@@ -8,8 +8,9 @@ kernel's buffer that starts at its first 1024-byte boundary; stage ``s``'s mbarr
   bytes and issues one box (64 keys x 64 dims of one head) per column block of K and of V.
 * Paged: one tensor map of the page pool (``PagedTensorMap``); a box = 8 keys of one page x 64 dims of K or V
   (pages of a multiple of 8 keys, which the PrimFunc's host code tests); the 32 boxes of a 64-key tile are issued
-  by the 32 lanes of warp 0, each looking up its page, none for 8-key groups at or past the entry's keys (their
-  page slots may lie past the entry's): lane 0 arms the mbarrier with the others' bytes.
+  by the 32 lanes of warp 0, each with its page looked up when the previous tile was issued (``TI_NEXT_PAGE``),
+  none for 8-key groups at or past the entry's keys (their page slots may lie past the entry's): lane 0 arms the
+  mbarrier with the others' bytes.
 * No box past the last tile; every thread waits on the stage's mbarrier for its fill number ``(kt - first tile)
   // stages`` (parity). A box reads past its entry (the next entry's keys, the rest of a page, or a buffer's
   unused rows, which may hold NaN): V rows past the keys any row sees are zeroed after the wait (K ones are
@@ -28,6 +29,11 @@ from ._prefill_tc_tiles import TC_TILES
 from ._tma_cuda import (PagedTensorMap, TensorMap3, mbar_expect_tx, mbar_init, mbar_wait, sw128_pad, tma_load3,
                         tma_load5)
 from ._wgmma_cuda import proxy_fence
+
+
+#: Paged: the tile-info slot holding the page of a lane's box of the next tile (the cp.async copies' cursor slot:
+#: a TMA tile has no cursor).
+TI_NEXT_PAGE = TI_KV0 + 3
 
 
 def tma_maps(spec, tile: str, paged: bool = False) -> dict:
@@ -65,18 +71,30 @@ def make_tma(cfg, spec, tile: str, *, d: int, dv: int, dtype: str, paged: bool, 
     def bar(smem, stage):
         return T.address_of(smem[cfg.bar_base(d, dv, stage)])
 
+    def group_key(kt, tid):
+        """Paged: the first key (in the entry) of lane ``tid``'s 8-key group of tile ``kt``."""
+        return kt * tk + T.truncdiv(tid, 4) * 8
+
+    @T.macro
+    def look_up(ti, kvb, kt, tid):
+        """Paged: the page of lane ``tid``'s group of tile ``kt`` into ``ti[TI_NEXT_PAGE]`` (none past the entry's
+        keys: its page slots end there). Loaded a tile before its box is issued: the load's latency is not on
+        warp 0's path to its own GEMMs."""
+        if group_key(kt, tid) < ti[5]:
+            ti[TI_NEXT_PAGE] = kvb[1][ti[TI_KV0] + T.truncdiv(group_key(kt, tid), kvb[3])]
+
     @T.macro
     def issue_paged(smem, stage, kvb, ti, kt, h, tid):
-        """Lane ``tid`` of warp 0: one box, 8 keys of group ``tid // 4`` (one page each), 64 dims of column block
-        ``tid // 2 % 2`` of K (``tid % 2`` 0) or V (``kvb`` = (pages, page_values, page_indptr, ps,
-        last_page_len, pool map))."""
-        if kt * tk + T.truncdiv(tid, 4) * 8 < ti[5]:
+        """Lane ``tid`` of warp 0: one box, 8 keys of group ``tid // 4`` (one page each, looked up at the previous
+        tile's issue or, for the first tile, by ``tiles``), 64 dims of column block ``tid // 2 % 2`` of K
+        (``tid % 2`` 0) or V (``kvb`` = (pages, page_values, page_indptr, ps, last_page_len, pool map))."""
+        if group_key(kt, tid) < ti[5]:
             T.evaluate(tma_load5(
                 T.address_of(smem[T.if_then_else(tid % 2 == 0, cfg.k_base(stage, d, dv), cfg.v_base(stage, d, dv))
                                   + (T.truncmod(T.truncdiv(tid, 2), 2) * tk + T.truncdiv(tid, 4) * 8) * 64]),
                 bar(smem, stage), kvb[5], T.truncmod(T.truncdiv(tid, 2), 2) * 64,
-                T.truncmod(kt * tk + T.truncdiv(tid, 4) * 8, kvb[3]), h, tid % 2,
-                kvb[1][ti[TI_KV0] + T.truncdiv(kt * tk + T.truncdiv(tid, 4) * 8, kvb[3])]))
+                T.truncmod(group_key(kt, tid), kvb[3]), h, tid % 2, ti[TI_NEXT_PAGE]))
+        look_up(ti, kvb, kt + 1, tid)
         if tid == 0:
             T.evaluate(mbar_expect_tx(bar(smem, stage), T.min(T.truncdiv(ti[5] - kt * tk + 7, 8), pg) * 8 * (d + dv) * 2))
 
@@ -120,6 +138,9 @@ def make_tma(cfg, spec, tile: str, *, d: int, dv: int, dtype: str, paged: bool, 
             mbarrier armed before any thread waits on one."""
             smem = T.decl_buffer((cfg.smem_bytes(d, dv) // 2,), dtype, data=smem_all.data,
                                  elem_offset=sw128_pad(T.address_of(smem_all[0]), 2), scope="shared.dyn")
+            if paged:
+                if tid < 32:
+                    look_up(ti, kvb, ti[7], tid)  # the first tile's pages (issue_paged looks up the next ones)
             if tid == 0:
                 for st_ in T.unroll(ns):
                     T.evaluate(mbar_init(T.address_of(smem[cfg.bar_base(d, dv, st_)]), 1))

@@ -60,6 +60,10 @@ Design (FlashAttention-2 style), one block per (query tile, kv head):
   non-TMA default tile (``attention_cuda_prefill.tma_fallback``) otherwise. Probe (H200, 32/8/128 fp16,
   2026-12-05): 0.341 / 0.581 / 4.75 ms at 1x4K / 16x1K / 1x16K against tc3's 0.571 / 0.654 / 7.14; ptxas 170
   registers (ragged) / 175 (paged), no spills: the copies' address arithmetic is gone.
+* "wg1t" (sm_90a, forced only; not yet timed): "wg2t"'s loop on one warpgroup (64 rows) with three stages
+  loading one tile ahead: 97 KB of shared memory, so two blocks share an SM and one block's softmax, entry
+  search, first copies and stores can run under the other's GEMMs (wg2t: one block an SM, whose fixed costs
+  nothing hides: 16 x 1K ran at 0.52 of fa3 against 0.72 at 1 x 4K). Each K / V tile serves half wg2t's rows.
 * Causal tiles past the tile's last row are skipped (and, with a window, those before its first window).
 * Grid and entry search as the SIMT kernel: virtual tiles, binary search, idle blocks run zero-trip loops.
 
@@ -187,10 +191,12 @@ def make_prefill_tc(op: str, spec, paged: bool, tile: str = "tc"):
     OV = cfg.overlap  # wgmma: P V of tile kt - 1 runs during the softmax of tile kt (three stages)
     TMA = cfg.tma  # K / V tiles by TMA (one thread, mbarrier per stage), 128-byte swizzled
     TMA_PAGED = TMA and paged  # boxes of 8 keys of a page (a warp's lanes issue a tile's 32 boxes)
-    if (QS and cfg.stages != 2) or (WG and (QS or cfg.warps % 4 or cfg.stages != (4 if cfg.pingpong or TMA else 3 if OV else 2))) or (OV and not WG) or (TMA and not OV):
+    wg_stages = (4,) if cfg.pingpong else (3, 4) if TMA else (3,) if OV else (2,)
+    if (QS and cfg.stages != 2) or (WG and (QS or cfg.warps % 4 or cfg.stages not in wg_stages)) or (OV and not WG) or (TMA and not OV):
         raise NotImplementedError(f"pagedkv.tir_kernels: tile {tile!r}: Q in shared memory needs the two-stage "
                                   f"buffer; wgmma whole warpgroups with Q in registers and two stages (three to "
-                                  f"overlap); overlap needs wgmma")
+                                  f"overlap, three or four with TMA, four to ping-pong); overlap needs wgmma, TMA "
+                                  f"overlap")
     TQ = cfg.rows // G
     RV = TQ * G  # row slots holding a (token, head); the rest of the block's rows are padding
     TK, NT = cfg.tk, cfg.threads
@@ -565,7 +571,7 @@ def make_prefill_tc(op: str, spec, paged: bool, tile: str = "tc"):
                         for e in T.unroll(MT * 4):
                             afr[e] = T.uint32(0)
                     locate(ti, q_indptr, kvb, B, vt, causal)
-                    copies.prepare(ti, kvb, tid)
+                    copies.prepare(ti, kvb, tid, not TMA)  # TMA tiles: no cp.async cursor
                     if not QS:
                         load_q(qf, q, ti, h, w, lane)
                     init_rows(lim, m, lsum, oacc, ti, w, lane, causal)

@@ -128,12 +128,12 @@ def gen(out: Path, tiles: list[str], prefix: str = "") -> None:
         with target:
             exe = tvm.compile(tvm.IRModule({f"pagedkv_{OP}": func}), target=target)
         src = next(s for m in exe.mod.imports for s in [m.inspect_source()] if "__global__" in s)
-        from pagedkv.testing.cuda_source import unused_params
+        from pagedkv.testing.cuda_source import hide_params, unused_params
 
         kdef = _tensor_core_kernel(src)
         start, end, threads, name, params = kdef.start, kdef.end, kdef.threads, kdef.name, kdef.params
         unused = unused_params(kdef, src)
-        body = src[start:end]
+        body = hide_params(src[start:end], kdef, unused)  # nvcc fails if the kernel read one
         for v in "+".join(variants).split("+") if variants else ():
             for a, b in EDITS[v]:
                 body = body.replace(a, b)

@@ -42,14 +42,16 @@ SWITCHES: dict[str, tuple[str, tuple[str, ...]]] = {
                             "through named barriers; wg2t = wg2o with four stages whose K/V tiles one thread copies with "
                             "TMA (128-byte swizzled, one mbarrier a stage; paged: boxes of 8 keys of a page), where k / v "
                             "(the pages) start 16-byte aligned and pages hold a multiple of 8 keys, else the op's "
-                            "tc3 / tc2 (the PrimFunc tests them) (the wg tiles need a target arch sm_90a, "
+                            "tc3 / tc2 (the PrimFunc tests them); wg1t = wg2t on one warpgroup (64 rows) with three "
+                            "stages, two blocks an SM (the wg tiles need a target arch sm_90a, "
                             "kernel_spec.KernelSpec.target_arch; forced only but wg2t, which auto takes for the ragged op "
                             "on sm_90a). "
                             "Inline RoPE always runs the SIMT kernel. auto: the tensor-core kernel where it serves "
                             "the spec (TC_BY_DEFAULT), in the op's first serving tile of "
                             "tir_kernels.attention_cuda_prefill.TC_DEFAULT_TILES (ragged: wg2t on sm_90a at head dim 128, else tc3, else tc; paged: "
                             "tc2, else tc), SIMT elsewhere",
-                            ("auto", "simt", "tc", "tc2", "tc3", "tc4", "wg", "wg2", "wg2o", "wg2k", "wg2p", "wg2t")),
+                            ("auto", "simt", "tc", "tc2", "tc3", "tc4", "wg", "wg2", "wg2o", "wg2k", "wg2p", "wg2t",
+                             "wg1t")),
     "cuda_decode_kernel": ("CUDA MHA decode (attn_decode_paged), plain and inline RoPE: the lane-group kernel "
                            "for both (lanes) or the shared-memory staged kernel for both (staged; raises where "
                            "its limits refuse either variant); tc: both variants on the tensor-core kernel "
@@ -110,10 +112,10 @@ def wg_prefill_limits(d: int, dv: int) -> list[str]:
 #: Forced path values whose kernels need one CUDA arch (their instructions exist there only): a library holding
 #: them is built for, and looked up under, that arch (``target_for_paths``). (switch, value) -> arch.
 #: The wgmma prefill tiles (``tir_kernels._prefill_tc_tiles.TC_TILES`` with ``wgmma``).
-WG_PREFILL_TILES = ("wg", "wg2", "wg2o", "wg2k", "wg2p", "wg2t")
+WG_PREFILL_TILES = ("wg", "wg2", "wg2o", "wg2k", "wg2p", "wg2t", "wg1t")
 #: The wgmma tiles whose K / V tiles are TMA boxes (``TcTile.tma``): their PrimFuncs also hold the op's first
 #: non-TMA default tile, run where TMA cannot read the operands (not 16-byte aligned; pages not a multiple of 8).
-TMA_PREFILL_TILES = ("wg2t",)
+TMA_PREFILL_TILES = ("wg2t", "wg1t")
 PATH_ARCHS: dict[tuple[str, str], str] = {**{("cuda_prefill_kernel", t): "sm_90a" for t in WG_PREFILL_TILES},
                                           ("cuda_mla_decode_kernel", "wg"): "sm_90a"}
 

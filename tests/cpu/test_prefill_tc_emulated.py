@@ -35,7 +35,7 @@ from _cuda_support import cuda_source_of
 
 from pagedkv import tir_kernels as tk
 from pagedkv.testing import reference as R
-from pagedkv.testing.cuda_source import kernel_defs, static_shared, unused_params
+from pagedkv.testing.cuda_source import hide_params, kernel_defs, static_shared, unused_params
 from pagedkv.tir_kernels._tma_cuda import decode_args
 from pagedkv.tir_kernels.attention_cuda_prefill_tc import TC_TILES, tma_maps
 
@@ -95,7 +95,8 @@ WG_RUNS = [("7x1x128-bf16", "attn_prefill_ragged", 1), ("7x1x128-bf16", "attn_pr
 #: (two warpgroups of "wg"'s pipeline) and the other half on "wg2k" ("wg2o" with 128-key tiles).
 WG_TILE_RUNS = ([("wg", *r) for r in WG_RUNS] + [("wg2o", *r) for r in WG_RUNS] + [("wg2p", *r) for r in WG_RUNS]
                 + [("wg2", *r) for r in WG_RUNS[1::2]] + [("wg2k", *r) for r in WG_RUNS[::2]]
-                + [("wg2t", *r) for r in WG_RUNS])
+                + [("wg2t", *r) for r in WG_RUNS]
+                + [("wg1t", *r) for r in (WG_RUNS[0], WG_RUNS[3], WG_RUNS[5])])  # wg2t's code on 3 stages
 #: The wgmma tiles' unaligned-view (element-load) runs.
 WG_UNALIGNED = [("wg", "16x2x128-bf16-w40-cap20"), ("wg2o", "7x1x128-bf16"), ("wg2k", "2x2x128-f16"),
                 ("wg2p", "16x2x128-bf16-w40-cap20")]
@@ -109,9 +110,10 @@ def _kernel_source(src: str) -> tuple[str, str, list, int, frozenset]:
     """(kernel name, its definition for g++, [(type, name)] params, threads a block, unused param indices) of
     the tensor-core kernel in a module's source."""
     for k in kernel_defs(src):
-        body = static_shared(k.text(src), DYN_SMEM_BYTES)
-        if "pagedkv_mma_" in body or "pagedkv_wgmma_" in body:
-            return k.name, body, k.params, k.threads, unused_params(k, src)
+        if "pagedkv_mma_" in k.text(src) or "pagedkv_wgmma_" in k.text(src):
+            unused = unused_params(k, src)
+            return k.name, static_shared(hide_params(k.text(src), k, unused), DYN_SMEM_BYTES), k.params, k.threads, \
+                unused
     raise AssertionError("no tensor-core kernel in the source")
 
 

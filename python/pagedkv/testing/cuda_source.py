@@ -44,10 +44,22 @@ def kernel_defs(src: str) -> list[KernelDef]:
 
 
 def unused_params(kernel: KernelDef, src: str) -> frozenset:
-    """Indices of the parameters the kernel's body never names: values TVM's host code computes for the launch
-    only. A launcher outside TVM passes 0 for these, and only these."""
+    """Indices of the parameters the kernel does not read: those its body never names, and TVM's host-side CSE
+    values (``int cse_v*``), whose names the device code's own CSE may reuse for locals. A launcher outside TVM
+    passes 0 for these, and only these, after ``hide_params``: it renames them in the signature, so a body that
+    did read one no longer compiles."""
     body = kernel.body(src)
-    return frozenset(i for i, (_ty, name) in enumerate(kernel.params) if not re.search(rf"\b{name}\b", body))
+    return frozenset(i for i, (ty, name) in enumerate(kernel.params)
+                     if not re.search(rf"\b{name}\b", body) or (ty == "int" and re.fullmatch(r"cse_v\d+", name)))
+
+
+def hide_params(text: str, kernel: KernelDef, indices) -> str:
+    """``kernel``'s definition ``text`` with the parameters ``indices`` renamed (``NAME_unread``) in its
+    signature only."""
+    head, rest = text.split(") {\n", 1)
+    for i in indices:
+        head = re.sub(rf"\b{kernel.params[i][1]}\b", f"{kernel.params[i][1]}_unread", head)
+    return head + ") {\n" + rest
 
 
 def static_shared(text: str, dyn_smem_bytes: int) -> str:
@@ -59,4 +71,4 @@ def static_shared(text: str, dyn_smem_bytes: int) -> str:
                             f"sizeof({d.group(2)})];", text)
 
 
-__all__ = ["KernelDef", "kernel_defs", "static_shared", "unused_params"]
+__all__ = ["KernelDef", "hide_params", "kernel_defs", "static_shared", "unused_params"]
