@@ -11,7 +11,8 @@ Design: one block of two warpgroups (256 threads) per (64-head group, entry, key
 
 * Key tiles of ``TK = 32`` latent rows (all ``DL`` elements) in a ring of ``NS = 5`` stages of dynamic
   shared memory, stored as 8 x 8 core matrices with 16 bytes of padding after each (``tile_layout``), loaded
-  with 16-byte ``cp.async``: thread ``t`` copies key ``t // 8`` (one page lookup a tile), chunks ``t % 8 + 8 it``,
+  with 16-byte ``cp.async``: thread ``t`` copies key ``t // 8`` (its page looked up when the previous tile was issued: the
+  load's latency off the warp's path to its GEMMs), chunks ``t % 8 + 8 it``,
   so 8 consecutive threads read 128 contiguous bytes of a latent row (whole L2 sectors) and write them to 8
   different shared-memory bank groups.
 * S = Q K^T split over the latent dims: warpgroup ``g`` holds Q's A fragments of dims ``DL / 2 * g ..`` in
@@ -30,7 +31,8 @@ Design: one block of two warpgroups (256 threads) per (64-head group, entry, key
 * Splits: as ``mla_cuda_tc`` (``wave_split_count``, one block an SM; the runtime's ``max_kv_len``);
   ``S > 1``: partial states in a float32 workspace and ``mla_cuda``'s merge kernel.
 
-Resources (ptxas, sm_90a, DeepSeek 512 + 64, no spills, no stack): 252 registers (128 heads fp16), 207,360 bytes
+Resources (ptxas, sm_90a, DeepSeek 512 + 64, no spills, no stack): 254 registers (128 heads fp16; 255 at 16
+heads bf16), 207,360 bytes
 of dynamic + 16,384 of static shared memory; one block an SM. H200: runs 15-17 (BENCHMARKS.md), GPU suite.
 
 Limits as data (``wg_unserved``): target arch sm_90a, fp16 / bf16, ``DL % 64 == 0`` and ``DL <= 576``,
@@ -114,23 +116,33 @@ def _make_tile_ops(H: int, DL: int, DV: int, dtype: str):
     LAY = tile_layout(DL)
 
     @T.macro
-    def issue(smem, stage, pages, page_values, pbase, ps, kbase, kend, tid):
-        """Start copying keys ``kbase ..`` into stage ``stage`` (zeros at or past ``kend``); the caller commits."""
+    def look_up(pg, page_values, pbase, ps, kbase, kend, tid):
+        """The page of this thread's key (``tid // 8``) of the tile at ``kbase`` into ``pg[0]`` (none at or past
+        ``kend``: the entry's page slots end there). ``issue`` looks up the next tile's after its copies: the
+        load's latency then passes during a tile, not on the warp's path to its GEMMs."""
+        if kbase + T.truncdiv(tid, 8) < kend:
+            pg[0] = page_values[pbase + T.truncdiv(kbase + T.truncdiv(tid, 8), ps)]
+
+    @T.macro
+    def issue(smem, stage, pages, page_values, pbase, ps, kbase, kend, pg, tid):
+        """Start copying keys ``kbase ..`` into stage ``stage`` (zeros at or past ``kend``), the key's page in
+        ``pg[0]`` (``look_up``: tiles are issued in order, the first looked up by the caller); the caller
+        commits."""
         # 8 consecutive threads on 128 contiguous bytes of one key row: whole L2 sectors, and (padded core
         # matrices) 8 different bank groups of shared memory.
         key: T.let[T.int32] = T.truncdiv(tid, 8)
         if kbase + key < kend:
-            pg: T.let[T.int32] = page_values[pbase + T.truncdiv(kbase + key, ps)]
             off: T.let[T.int32] = T.truncmod(kbase + key, ps)
             for it in T.unroll(CPR // 8):
                 T.evaluate(cp_async16(
                     T.address_of(smem[stage * LAY.elems(TK) + LAY.index(key, (T.truncmod(tid, 8) + 8 * it) * 8)]),
-                    T.address_of(pages[pg, 0, 0, off, (T.truncmod(tid, 8) + 8 * it) * 8])))
+                    T.address_of(pages[pg[0], 0, 0, off, (T.truncmod(tid, 8) + 8 * it) * 8])))
         else:
             for it in T.unroll(CPR // 8):
                 for e in T.vectorized(8):
                     smem[stage * LAY.elems(TK) + LAY.index(key, (T.truncmod(tid, 8) + 8 * it) * 8) + e] = \
                         T.Cast(dtype, T.float32(0))
+        look_up(pg, page_values, pbase, ps, kbase + TK, kend, tid)
 
     @T.macro
     def load_q(qf, q, b, h0, wg, w, lane):
@@ -199,7 +211,7 @@ def _make_tile_ops(H: int, DL: int, DV: int, dtype: str):
         T.evaluate(wg_wait0())
         wgg.pv_done(oacc, pf)
 
-    return issue, load_q, score, softmax, accumulate, finish, SN, ON, NKS
+    return look_up, issue, load_q, score, softmax, accumulate, finish, SN, ON, NKS
 
 
 def _make_store(H: int, DV: int, dtype: str):
@@ -244,7 +256,7 @@ def mla_attn_decode_paged_wg(spec):
                                   f"serve {'; '.join(reasons)}")
     H, DV, DL, dtype = spec.num_qo_heads, spec.kv_lora_rank, spec.latent_dim, spec.dtype
     NG = (H + ROWS - 1) // ROWS
-    issue, load_q, score, softmax, accumulate, finish, SN, ON, NKS = _make_tile_ops(H, DL, DV, dtype)
+    look_up, issue, load_q, score, softmax, accumulate, finish, SN, ON, NKS = _make_tile_ops(H, DL, DV, dtype)
     store = _make_store(H, DV, dtype)
     TILE = tile_layout(DL).elems(TK)  # elements a ring stage
 
@@ -265,6 +277,7 @@ def mla_attn_decode_paged_wg(spec):
         m = T.alloc_buffer((2,), "float32", scope="local")
         lsum = T.alloc_buffer((2,), "float32", scope="local")
         st = T.alloc_buffer((3,), "float32", scope="local")
+        pg = T.alloc_buffer((1,), "int32", scope="local")  # the page of the thread's key of the next tile issued
         wg: T.let[T.int32] = T.truncdiv(tid, 128)
         w: T.let[T.int32] = T.truncdiv(tid, 32)
         lane: T.let[T.int32] = T.truncmod(tid, 32)
@@ -273,12 +286,13 @@ def mla_attn_decode_paged_wg(spec):
         for rr in T.unroll(2):
             m[rr] = T.float32(EMPTY_LSE)
             lsum[rr] = T.float32(0)
+        look_up(pg, page_values, pbase, ps, k0, k1, tid)
         load_q(qf, q, T.min(bx, T.max(B - 1, 0)), g * ROWS, wg, w, lane)
         # One copy group a tile (empty past the split's keys): waiting for all but the newest AHEAD - 1 groups
         # always means tile kt.
         for s in T.unroll(AHEAD):
             if k0 + s * TK < k1:
-                issue(smem, s, pages, page_values, pbase, ps, k0 + s * TK, k1, tid)
+                issue(smem, s, pages, page_values, pbase, ps, k0 + s * TK, k1, pg, tid)
             T.evaluate(cp_async_commit())
         for kt in T.serial(T.truncdiv(k1 - k0 + TK - 1, TK)):
             T.evaluate(cp_async_wait(AHEAD - 1))
@@ -288,7 +302,7 @@ def mla_attn_decode_paged_wg(spec):
             T.tvm_storage_sync("shared")
             if k0 + (kt + AHEAD) * TK < k1:
                 issue(smem, T.truncmod(kt + AHEAD, NS), pages, page_values, pbase, ps, k0 + (kt + AHEAD) * TK, k1,
-                      tid)
+                      pg, tid)
             T.evaluate(cp_async_commit())
             score(smem, Ss, T.truncmod(kt, NS) * TILE, qf, sacc, oacc, pf, wg, T.truncmod(tid, 128))
             softmax(sacc, pf, m, lsum, oacc, st, k0 + kt * TK, k1, sm_scale * T.float32(LOG2E), lane)
