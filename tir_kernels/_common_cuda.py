@@ -58,6 +58,17 @@ def shfl_xor(value, offset):
     return T.call_extern("float32", "__shfl_xor_sync", T.uint32(0xFFFFFFFF), value, offset, WARP)
 
 
+def ballot(pred):
+    """``__ballot_sync(full mask, pred)`` (uint32: bit l = lane l's predicate): every lane of the warp must
+    execute it."""
+    return T.call_extern("uint32", "__ballot_sync", T.uint32(0xFFFFFFFF), T.Cast("int32", pred))
+
+
+def popc(x):
+    """``__popc``: the set bits of a uint32 (int32)."""
+    return T.call_extern("int32", "__popc", x)
+
+
 def fdiv_rn(a, b):
     """IEEE round-to-nearest float32 division (``a / b`` is approximate under ``--use_fast_math``)."""
     return T.call_extern("float32", "__fdiv_rn", a, b)

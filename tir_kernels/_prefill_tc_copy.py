@@ -11,7 +11,11 @@ to tile is then one term, so the copies of a tile cost a handful of integer inst
 * paged: a cursor (page slot, offset in the page) of the thread's first chunk of the tile takes one division
   by ``ps`` (a run-time value) a tile; each next chunk, ``KSTEP`` keys on, adds ``KSTEP``'s quotient and
   remainder (read once a block) and carries one page when the offset reaches ``ps``: no division, two loop
-  invariants in registers (a quotient and remainder per chunk, kept instead, spilled the 128-key tile);
+  invariants in registers (a quotient and remainder per chunk, kept instead, spilled the 128-key tile); the
+  pages of a tile's chunks are looked up when the tile before is issued (``look_ahead``, where a thread copies
+  at most ``PAGE_LOOKAHEAD_MAX`` chunks a tile at head dim 128), so that no warp waits for them between the
+  block barrier and its GEMMs (the copies of a tile would: ptxas issues a tile's lookups together, then its
+  copies);
 * K and V chunks at the same keys (same head dims) are copied by one loop: one page lookup serves both;
 * a tile whose keys are all below the block's bound (every tile but the last) copies without a per-chunk test;
   the last one tests each chunk and writes zeros past the keys any row sees (a masked P = 0 must never meet
@@ -35,6 +39,14 @@ from ._mma_cuda import aligned16, cp_async16, cp_async_commit
 #: (ragged) or first page slot (paged); paged, the next ones hold ``KSTEP // ps``, ``KSTEP % ps`` and the
 #: cursor (``KvCopies.ti_slots`` in all).
 TI_KV0 = 8
+#: Paged: the pages of a thread's chunks of the next tile, looked up when a tile is issued (``look_ahead``), sit
+#: in the tile info from ``TI_PAGE0`` where a thread copies at most ``PAGE_LOOKAHEAD_MAX`` chunks a tile (one
+#: register each for the block's life) and the head dim is at least ``PAGE_LOOKAHEAD_MIN_DIM``; elsewhere each
+#: tile looks its pages up as it copies. At head dim 64 the registers tipped ptxas (TVM's register-usage level
+#: 10) into capping tc2's paged kernel (12 q / 4 kv heads, bf16, windowed + capped) at 128 registers (two blocks
+#: an SM) with 20 bytes of spills.
+TI_PAGE0 = TI_KV0 + 5
+PAGE_LOOKAHEAD_MAX, PAGE_LOOKAHEAD_MIN_DIM = 4, 128
 
 
 class _Chunks:
@@ -87,7 +99,8 @@ def make_kv_copies(*, tk: int, threads: int, dims: tuple[int, int], dtype: str, 
     if paged:
         if dims[0] != dims[1]:
             raise NotImplementedError("pagedkv.tir_kernels: paged K and V tiles have the same head dim")
-        ti_slots = TI_KV0 + 5
+        ahead = chunks[0].count <= PAGE_LOOKAHEAD_MAX and dims[0] >= PAGE_LOOKAHEAD_MIN_DIM
+        ti_slots = TI_PAGE0 + (chunks[0].count if ahead else 0)
 
         def kv_len(kvb, b):
             return paged_kv_len(kvb[2], kvb[4], b, kvb[3])
@@ -111,12 +124,27 @@ def make_kv_copies(*, tk: int, threads: int, dims: tuple[int, int], dtype: str, 
             """Element (``key`` of the entry, head h, dim d) through the page table."""
             return kvb[0][kvb[1][ti[TI_KV0] + T.truncdiv(key, kvb[3])], c01, h, T.truncmod(key, kvb[3]), d]
 
+        @T.macro
+        def look_ahead(ti, kvb, kt, tid):
+            """The pages of the thread's chunks of tile ``kt`` into ``ti[TI_PAGE0 + it]`` (none for keys at or past
+            the entry's: its page slots end there). Run when the tile before is issued (and by ``prepare`` for
+            the first): the loads' latency passes during a tile, not between the block barrier and the warp's
+            GEMMs, where the copies of a tile would otherwise wait for them."""
+            cursor(ti, kvb, kt, tid)
+            for it in T.unroll(chunks[0].count):
+                if kt * tk + chunks[0].at(tid)[0] + it * chunks[0].kstep < ti[5]:
+                    ti[TI_PAGE0 + it] = kvb[1][ti[TI_KV0] + ti[TI_KV0 + 3]]
+                advance(ti, kvb)
+
         def tile_elem(kvb, c01, ti, kt, it, tid, h):
-            """First element of the thread's chunk at the cursor (``cursor`` / ``advance``)."""
-            return kvb[0][kvb[1][ti[TI_KV0] + ti[TI_KV0 + 3]], c01, h, ti[TI_KV0 + 4], chunks[c01].at(tid)[1]]
+            """First element of the thread's chunk ``it`` at the cursor (``cursor`` / ``advance``), its page looked
+            up ahead (``look_ahead``) or now."""
+            page = ti[TI_PAGE0 + it] if ahead else kvb[1][ti[TI_KV0] + ti[TI_KV0 + 3]]
+            return kvb[0][page, c01, h, ti[TI_KV0 + 4], chunks[c01].at(tid)[1]]
     else:
         ti_slots = TI_KV0 + 1
-        cursor = advance = None
+        cursor = advance = look_ahead = None
+        ahead = False
 
         def kv_len(kvb, b):
             return kvb[2][b + 1] - kvb[2][b]
@@ -134,6 +162,8 @@ def make_kv_copies(*, tk: int, threads: int, dims: tuple[int, int], dtype: str, 
         if paged and cursor:  # the cursor's step: KSTEP keys as (page slots, offset)
             ti[TI_KV0 + 1] = T.truncdiv(chunks[0].kstep, kvb[3])
             ti[TI_KV0 + 2] = T.truncmod(chunks[0].kstep, kvb[3])
+            if ahead:
+                look_ahead(ti, kvb, ti[7], tid)  # the first tile's pages
 
     def aligned(kvb):
         """16-byte global loads are safe: pages always (no element offset, rows of D elements, an allocation's
@@ -192,6 +222,8 @@ def make_kv_copies(*, tk: int, threads: int, dims: tuple[int, int], dtype: str, 
                         zero(dst, bases, tid, it)
                     if paged:
                         advance(ti, kvb)
+            if ahead and ops[-1] == 1:  # the tile's last copies (V, or K and V): the next tile's pages
+                look_ahead(ti, kvb, kt + 1, tid)
 
         return load
 
@@ -244,4 +276,4 @@ def make_kv_copies(*, tk: int, threads: int, dims: tuple[int, int], dtype: str, 
     return KvCopies(ti_slots, kv_len, prepare, issue, issue_kv)
 
 
-__all__ = ["TI_KV0", "KvCopies", "make_kv_copies"]
+__all__ = ["PAGE_LOOKAHEAD_MAX", "PAGE_LOOKAHEAD_MIN_DIM", "TI_KV0", "TI_PAGE0", "KvCopies", "make_kv_copies"]

@@ -65,7 +65,8 @@ Design (FlashAttention-2 style), one block per (query tile, kv head):
   search, first copies and stores can run under the other's GEMMs (wg2t: one block an SM, whose fixed costs
   nothing hides: 16 x 1K ran at 0.52 of fa3 against 0.72 at 1 x 4K). Each K / V tile serves half wg2t's rows.
 * Causal tiles past the tile's last row are skipped (and, with a window, those before its first window).
-* Grid and entry search as the SIMT kernel: virtual tiles, binary search, idle blocks run zero-trip loops.
+* Grid as the SIMT kernel (virtual tiles, idle blocks run zero-trip loops); each warp finds the entry in rounds
+  of 32 probes, one a lane (``locate``: one round up to 32 entries, where a binary search waits for log2 B loads).
 
 The tiles (ptxas, sm_90a, no spills; registers ragged / paged; blocks an SM from registers (64K) and shared
 memory (228 KB), H200):
@@ -112,7 +113,7 @@ from tvm.script import tirx as T
 from ..kernel_spec import wg_prefill_limits
 from ..ops import shape_values
 from ._common import EMPTY_LSE, LOG2E
-from ._common_cuda import shfl_xor
+from ._common_cuda import ballot, popc, shfl_xor
 from ._mma_cuda import (
     a_frag,
     aligned16,
@@ -226,18 +227,23 @@ def make_prefill_tc(op: str, spec, paged: bool, tile: str = "tc"):
         return T.And(r < RV, T.truncdiv(r, G) < ti[3])
 
     @T.macro
-    def locate(ti, q_indptr, kvb, B, vt, causal):
+    def locate(ti, q_indptr, kvb, B, vt, causal, lane):
         """Tile info ``ti``: 0 entry b, 1 qlen, 2 qt0 (first token of the tile in the entry), 3 tokens, 4 first
         token row of q, 5 kvlen, 6 keys any row sees, 7 first key tile (``copies.prepare`` sets the slots from
         ``_prefill_tc_copy.TI_KV0`` on). Entry b: the last one whose first virtual tile ``q_indptr[b] // TQ + b``
-        is <= vt (the SIMT kernel's grid)."""
+        is <= vt (the SIMT kernel's grid), found by each warp in rounds of 32 probes (``ti[2]`` apart), one lane
+        each, all loads in flight at once: one round up to 32 entries, two up to 1024 (a binary search waits for
+        one dependent load a halving)."""
         ti[0] = 0
-        ti[1] = B
+        ti[1] = B  # the entry is in [ti[0], ti[1])
         while ti[1] - ti[0] > 1:
-            if T.truncdiv(q_indptr[T.truncdiv(ti[0] + ti[1], 2)], TQ) + T.truncdiv(ti[0] + ti[1], 2) <= vt:
-                ti[0] = T.truncdiv(ti[0] + ti[1], 2)
-            else:
-                ti[1] = T.truncdiv(ti[0] + ti[1], 2)
+            ti[2] = T.truncdiv(ti[1] - ti[0] + 31, 32)
+            # Probes at or below vt: a prefix of the lanes (the first virtual tiles grow with b), lane 0 always.
+            ti[3] = popc(ballot(T.if_then_else(
+                ti[0] + lane * ti[2] < ti[1],
+                T.truncdiv(q_indptr[T.min(ti[0] + lane * ti[2], B)], TQ) + ti[0] + lane * ti[2] <= vt, False)))
+            ti[0] = ti[0] + (ti[3] - 1) * ti[2]
+            ti[1] = T.min(ti[0] + ti[2], ti[1])
         ti[1] = T.if_then_else(B > 0, q_indptr[T.min(ti[0] + 1, B)] - q_indptr[ti[0]], 0)
         ti[2] = vt - (T.truncdiv(q_indptr[ti[0]], TQ) + ti[0])  # tile of the entry (temporarily)
         ti[5] = T.if_then_else(T.And(ti[2] >= 0, ti[2] < T.truncdiv(ti[1] + TQ - 1, TQ)), 1, 0)  # active
@@ -570,7 +576,7 @@ def make_prefill_tc(op: str, spec, paged: bool, tile: str = "tc"):
                     if QS:
                         for e in T.unroll(MT * 4):
                             afr[e] = T.uint32(0)
-                    locate(ti, q_indptr, kvb, B, vt, causal)
+                    locate(ti, q_indptr, kvb, B, vt, causal, lane)
                     copies.prepare(ti, kvb, tid, not TMA)  # TMA tiles: no cp.async cursor
                     if not QS:
                         load_q(qf, q, ti, h, w, lane)

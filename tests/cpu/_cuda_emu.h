@@ -168,6 +168,18 @@ inline float __shfl_xor_sync(uint, float v, int mask, int) {
   return r;
 }
 
+// __ballot_sync: bit l set where lane l's predicate is non-zero (every lane of the warp must call it).
+inline uint __ballot_sync(uint, int pred) {
+  WarpSlots& w = my_warp();
+  w.a[lane_id()][0] = pred != 0;
+  warp_sync();
+  uint r = 0;
+  for (int l = 0; l < 32; ++l) r |= (w.a[l][0] ? 1u : 0u) << l;
+  warp_sync();
+  return r;
+}
+inline int __popc(uint x) { return __builtin_popcount(x); }
+
 // 16-bit element h (0: low) of a register, as float.
 template <class T16>
 inline float half_of(uint r, int h) {

@@ -233,6 +233,15 @@ def test_emulated_kernel_matches_reference(name, tile, op, causal, built):
     _check(name, tile, op, causal, built, misalign=False)
 
 
+#: 45 entries (new tokens, keys), empty ones included: the kernels' entry search takes two rounds of 32 probes.
+MANY_ENTRIES = [(i % 6, i % 6 + i % 4) for i in range(45)]
+
+
+@pytest.mark.parametrize("op", ["attn_prefill_ragged", "attn_prefill_paged"])
+def test_emulated_entry_search_past_32_entries(op, built):
+    _check("8x2x64-f16", "tc3", op, 1, built, misalign=False, entries=MANY_ENTRIES)
+
+
 @pytest.mark.parametrize("name,tile", UNALIGNED, ids=[f"{t}-{n}" for n, t in UNALIGNED])
 def test_emulated_unaligned_ragged_views(name, tile, built):
     _check(name, tile, "attn_prefill_ragged", 1, built, misalign=True)
@@ -260,7 +269,8 @@ def test_emulated_wg_unaligned_ragged_views(tile, name, built):
     _check(name, tile, "attn_prefill_ragged", 1, built, misalign=True)
 
 
-def _check(name, tile, op, causal, built, misalign):
+def _check(name, tile, op, causal, built, misalign, entries=None):
+    entries = entries or ENTRIES
     cfg = ALL_CONFIGS[name]
     kernel = built(name, tile, op)
     hq, hkv, d, dt = cfg.num_qo_heads, cfg.num_kv_heads, cfg.head_dim, cfg.dtype
@@ -269,7 +279,7 @@ def _check(name, tile, op, causal, built, misalign):
     gen = torch.Generator().manual_seed(seed)
     rnd = getattr(torch, dt)
     ents = [tuple(torch.randn(r, h, dim, generator=gen).to(rnd).double()
-                  for r, h, dim in ((nq, hq, d), (nk, hkv, d), (nk, hkv, dv))) for nq, nk in ENTRIES]
+                  for r, h, dim in ((nq, hq, d), (nk, hkv, d), (nk, hkv, dv))) for nq, nk in entries]
     n, B, ps = sum(e[0].shape[0] for e in ents), len(ents), PAGE_SIZES.get(name, 0)  # ragged-only configs: no pages
     sm_scale = 0.8 / math.sqrt(d)
     q = torch.cat([e[0] for e in ents])
@@ -308,7 +318,7 @@ def _check(name, tile, op, causal, built, misalign):
          (max(n // tq + B, 1), hkv), maps)
     o, lse = _from_storage(arrays["o"], dt), torch.from_numpy(arrays["lse"]).double()
     row = 0
-    for (eq, ek, ev), (nq, nk) in zip(ents, ENTRIES):
+    for (eq, ek, ev), (nq, nk) in zip(ents, entries):
         if nq:
             ro, rl = R.attention(eq, ek, ev, sm_scale, bool(causal), sliding_window=cfg.sliding_window,
                                  logits_soft_cap=cfg.logits_soft_cap)
