@@ -43,16 +43,6 @@ def file_stem(tile: str) -> str:
     return tile.replace("@", "__").replace("+", "-")
 
 
-def _tensor_core_kernel(src: str):
-    """The tensor-core kernel of a module source (``pagedkv.testing.cuda_source.KernelDef``)."""
-    from pagedkv.testing.cuda_source import kernel_defs
-
-    for k in kernel_defs(src):
-        if "pagedkv_mma_" in k.text(src) or "pagedkv_wgmma_" in k.text(src):
-            return k
-    raise SystemExit("no tensor-core kernel in the source")
-
-
 def _encode_map(var: str, tensor: str, tmap) -> str:
     """C code encoding the kernel's tensor map ``var`` of ragged ``tensor`` (``P[...]``, n rows) as the PrimFunc's
     host code does (``tmap.encode_args``), through the driver's ``cuTensorMapEncodeTiled``."""
@@ -128,9 +118,9 @@ def gen(out: Path, tiles: list[str], prefix: str = "") -> None:
         with target:
             exe = tvm.compile(tvm.IRModule({f"pagedkv_{OP}": func}), target=target)
         src = next(s for m in exe.mod.imports for s in [m.inspect_source()] if "__global__" in s)
-        from pagedkv.testing.cuda_source import hide_params, unused_params
+        from pagedkv.testing.cuda_source import hide_params, tensor_core_kernel, unused_params
 
-        kdef = _tensor_core_kernel(src)
+        kdef = tensor_core_kernel(src)
         start, end, threads, name, params = kdef.start, kdef.end, kdef.threads, kdef.name, kdef.params
         unused = unused_params(kdef, src)
         body = hide_params(src[start:end], kdef, unused)  # nvcc fails if the kernel read one

@@ -35,7 +35,7 @@ from _cuda_support import cuda_source_of
 
 from pagedkv import tir_kernels as tk
 from pagedkv.testing import reference as R
-from pagedkv.testing.cuda_source import hide_params, kernel_defs, static_shared, unused_params
+from pagedkv.testing.cuda_source import hide_params, static_shared, tensor_core_kernel, unused_params
 from pagedkv.tir_kernels._tma_cuda import decode_args
 from pagedkv.tir_kernels.attention_cuda_prefill_tc import TC_TILES, tma_maps
 
@@ -114,12 +114,9 @@ DYN_SMEM_BYTES = 256 * 1024
 def _kernel_source(src: str) -> tuple[str, str, list, int, frozenset]:
     """(kernel name, its definition for g++, [(type, name)] params, threads a block, unused param indices) of
     the tensor-core kernel in a module's source."""
-    for k in kernel_defs(src):
-        if "pagedkv_mma_" in k.text(src) or "pagedkv_wgmma_" in k.text(src):
-            unused = unused_params(k, src)
-            return k.name, static_shared(hide_params(k.text(src), k, unused), DYN_SMEM_BYTES), k.params, k.threads, \
-                unused
-    raise AssertionError("no tensor-core kernel in the source")
+    k = tensor_core_kernel(src)
+    unused = unused_params(k, src)
+    return k.name, static_shared(hide_params(k.text(src), k, unused), DYN_SMEM_BYTES), k.params, k.threads, unused
 
 
 @pytest.fixture(scope="module")
@@ -238,13 +235,15 @@ def test_emulated_kernel_matches_reference(name, tile, op, causal, built):
     _check(name, tile, op, causal, built, misalign=False)
 
 
-#: 45 entries (new tokens, keys), empty ones included: the kernels' entry search takes two rounds of 32 probes.
-MANY_ENTRIES = [(i % 6, i % 6 + i % 4) for i in range(45)]
+#: 45 entries (new tokens, keys), empty ones included: the kernels' entry search takes two rounds of 32 probes;
+#: one entry: none (``ENTRIES``' 10 take one).
+SEARCH_ENTRIES = {"45": [(i % 6, i % 6 + i % 4) for i in range(45)], "1": [(37, 80)]}
 
 
 @pytest.mark.parametrize("op", ["attn_prefill_ragged", "attn_prefill_paged"])
-def test_emulated_entry_search_past_32_entries(op, built):
-    _check("8x2x64-f16", "tc3", op, 1, built, misalign=False, entries=MANY_ENTRIES)
+@pytest.mark.parametrize("entries", list(SEARCH_ENTRIES))
+def test_emulated_entry_search_rounds(entries, op, built):
+    _check("8x2x64-f16", "tc3", op, 1, built, misalign=False, entries=SEARCH_ENTRIES[entries])
 
 
 @pytest.mark.parametrize("name,tile", UNALIGNED, ids=[f"{t}-{n}" for n, t in UNALIGNED])

@@ -43,6 +43,15 @@ def kernel_defs(src: str) -> list[KernelDef]:
     return out
 
 
+def tensor_core_kernel(src: str) -> KernelDef:
+    """The module's tensor-core kernel (the one calling ``pagedkv_mma_*`` or ``pagedkv_wgmma_*``: the prefill
+    PrimFuncs also hold a SIMT RoPE kernel)."""
+    for k in kernel_defs(src):
+        if "pagedkv_mma_" in k.text(src) or "pagedkv_wgmma_" in k.text(src):
+            return k
+    raise ValueError("no tensor-core kernel in the source")
+
+
 def unused_params(kernel: KernelDef, src: str) -> frozenset:
     """Indices of the parameters the kernel does not read: those its body never names, and TVM's host-side CSE
     values (``int cse_v*``), whose names the device code's own CSE may reuse for locals. A launcher outside TVM
@@ -71,4 +80,4 @@ def static_shared(text: str, dyn_smem_bytes: int) -> str:
                             f"sizeof({d.group(2)})];", text)
 
 
-__all__ = ["KernelDef", "hide_params", "kernel_defs", "static_shared", "unused_params"]
+__all__ = ["KernelDef", "hide_params", "kernel_defs", "static_shared", "tensor_core_kernel", "unused_params"]
