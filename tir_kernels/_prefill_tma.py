@@ -7,10 +7,13 @@ kernel's buffer that starts at its first 1024-byte boundary; stage ``s``'s mbarr
 * Ragged: one tensor map of k and one of v (``TensorMap3``); thread 0 arms the stage's mbarrier with the tile's
   bytes and issues one box (64 keys x 64 dims of one head) per column block of K and of V.
 * Paged: one tensor map of the page pool (``PagedTensorMap``); a box = 8 keys of one page x 64 dims of K or V
-  (pages of a multiple of 8 keys, which the PrimFunc's host code tests); the 32 boxes of a 64-key tile are issued
-  by the 32 lanes of warp 0, each with its page looked up when the previous tile was issued (``TI_NEXT_PAGE``),
-  none for 8-key groups at or past the entry's keys (their page slots may lie past the entry's): lane 0 arms the
-  mbarrier with the others' bytes.
+  (pages of a multiple of 8 keys, which the PrimFunc's host code tests); the 32 boxes of a 64-key tile (8 key
+  groups x K / V x 2 column blocks) are issued by lane 0 of every warp, ``8 / warps`` groups each, with their
+  pages looked up when the previous tile was issued (``TI_NEXT_PAGE ..``), none for groups at or past the
+  entry's keys (their page slots may lie past the entry's); thread 0 arms the mbarrier with all the bytes. Why
+  spread: a TMA load takes warp-uniform operands, so 32 lanes of one warp with 32 boxes ran as a 32-trip
+  ``ELECT`` / ``R2UR`` loop in SASS, every tile, on warp 0's path to its own GEMMs (wg2t paged ran a key tile
+  2.4x slower than ragged, run 21).
 * No box past the last tile; every thread waits on the stage's mbarrier for its fill number ``(kt - first tile)
   // stages`` (parity). A box reads past its entry (the next entry's keys, the rest of a page, or a buffer's
   unused rows, which may hold NaN): V rows past the keys any row sees are zeroed after the wait (K ones are
@@ -31,9 +34,10 @@ from ._tma_cuda import (PagedTensorMap, TensorMap3, mbar_expect_tx, mbar_init, m
 from ._wgmma_cuda import proxy_fence
 
 
-#: Paged: the tile-info slot holding the page of a lane's box of the next tile (the cp.async copies' cursor slot:
-#: a TMA tile has no cursor).
+#: Paged: the first tile-info slot holding the pages of an issuing thread's key groups of the next tile (the
+#: cp.async copies' cursor slots: a TMA tile has no cursor); ``MAX_GROUPS_A_WARP`` slots.
 TI_NEXT_PAGE = TI_KV0 + 3
+MAX_GROUPS_A_WARP = 2
 
 
 def tma_maps(spec, tile: str, paged: bool = False) -> dict:
@@ -67,36 +71,41 @@ def make_tma(cfg, spec, tile: str, *, d: int, dv: int, dtype: str, paged: bool, 
         raise NotImplementedError(f"pagedkv.tir_kernels: tile {tile!r} pages K / V with 32 boxes a tile: head dim "
                                   f"128 and 64-key tiles, not {d} / {tk}")
     pg = tk // 8  # paged: 8-key groups a tile (one box each per column block, of K and of V)
+    gpw = pg // (threads // 32)  # paged: groups a warp issues
+    if paged and (gpw * (threads // 32) != pg or gpw > MAX_GROUPS_A_WARP):
+        raise NotImplementedError(f"pagedkv.tir_kernels: tile {tile!r}: {threads // 32} warps cannot share the {pg} "
+                                  f"key groups of a tile, at most {MAX_GROUPS_A_WARP} a warp")
 
     def bar(smem, stage):
         return T.address_of(smem[cfg.bar_base(d, dv, stage)])
 
-    def group_key(kt, tid):
-        """Paged: the first key (in the entry) of lane ``tid``'s 8-key group of tile ``kt``."""
-        return kt * tk + T.truncdiv(tid, 4) * 8
+    def group_key(kt, tid, i):
+        """Paged: the first key (in the entry) of the ``i``-th 8-key group of tile ``kt`` that thread ``tid``'s
+        warp issues."""
+        return kt * tk + (T.truncdiv(tid, 32) * gpw + i) * 8
 
     @T.macro
     def look_up(ti, kvb, kt, tid):
-        """Paged: the page of lane ``tid``'s group of tile ``kt`` into ``ti[TI_NEXT_PAGE]`` (none past the entry's
-        keys: its page slots end there). Loaded a tile before its box is issued: the load's latency is not on
-        warp 0's path to its own GEMMs."""
-        if group_key(kt, tid) < ti[5]:
-            ti[TI_NEXT_PAGE] = kvb[1][ti[TI_KV0] + T.truncdiv(group_key(kt, tid), kvb[3])]
+        """Paged: the pages of the issuing thread's groups of tile ``kt`` into ``ti[TI_NEXT_PAGE + i]`` (none past
+        the entry's keys: its page slots end there). Loaded a tile before their boxes are issued: the loads'
+        latency is not on the warp's path to its GEMMs."""
+        for i in T.unroll(gpw):
+            if group_key(kt, tid, i) < ti[5]:
+                ti[TI_NEXT_PAGE + i] = kvb[1][ti[TI_KV0] + T.truncdiv(group_key(kt, tid, i), kvb[3])]
 
     @T.macro
     def issue_paged(smem, stage, kvb, ti, kt, h, tid):
-        """Lane ``tid`` of warp 0: one box, 8 keys of group ``tid // 4`` (one page each, looked up at the previous
-        tile's issue or, for the first tile, by ``tiles``), 64 dims of column block ``tid // 2 % 2`` of K
-        (``tid % 2`` 0) or V (``kvb`` = (pages, page_values, page_indptr, ps, last_page_len, pool map))."""
-        if group_key(kt, tid) < ti[5]:
-            T.evaluate(tma_load5(
-                T.address_of(smem[T.if_then_else(tid % 2 == 0, cfg.k_base(stage, d, dv), cfg.v_base(stage, d, dv))
-                                  + (T.truncmod(T.truncdiv(tid, 2), 2) * tk + T.truncdiv(tid, 4) * 8) * 64]),
-                bar(smem, stage), kvb[5], T.truncmod(T.truncdiv(tid, 2), 2) * 64,
-                T.truncmod(group_key(kt, tid), kvb[3]), h, tid % 2, ti[TI_NEXT_PAGE]))
+        """Lane 0 of each warp: the 4 boxes (K / V x column block) of each of its groups (``kvb`` = (pages,
+        page_values, page_indptr, ps, last_page_len, pool map)), then its pages of the next tile."""
+        for i in T.unroll(gpw):
+            if group_key(kt, tid, i) < ti[5]:
+                for b in T.unroll(4):  # b // 2: K (0) or V (1); b % 2: column block
+                    T.evaluate(tma_load5(
+                        T.address_of(smem[(cfg.k_base(stage, d, dv) if b // 2 == 0 else cfg.v_base(stage, d, dv))
+                                          + ((b % 2) * tk + (T.truncdiv(tid, 32) * gpw + i) * 8) * 64]),
+                        bar(smem, stage), kvb[5], (b % 2) * 64, T.truncmod(group_key(kt, tid, i), kvb[3]), h,
+                        b // 2, ti[TI_NEXT_PAGE + i]))
         look_up(ti, kvb, kt + 1, tid)
-        if tid == 0:
-            T.evaluate(mbar_expect_tx(bar(smem, stage), T.min(T.truncdiv(ti[5] - kt * tk + 7, 8), pg) * 8 * (d + dv) * 2))
 
     @T.macro
     def column_boxes(smem, stage, base, tmap, blocks, row0, h):
@@ -107,7 +116,10 @@ def make_tma(cfg, spec, tile: str, *, d: int, dv: int, dtype: str, paged: bool, 
     @T.macro
     def issue(smem, stage, kvb, ti, kt, h, tid):
         if paged:
-            if T.And(tid < 32, kt < T.truncdiv(ti[6] + tk - 1, tk)):
+            if T.And(tid == 0, kt < T.truncdiv(ti[6] + tk - 1, tk)):
+                T.evaluate(mbar_expect_tx(bar(smem, stage),
+                                          T.min(T.truncdiv(ti[5] - kt * tk + 7, 8), pg) * 8 * (d + dv) * 2))
+            if T.And(T.truncmod(tid, 32) == 0, kt < T.truncdiv(ti[6] + tk - 1, tk)):
                 issue_paged(smem, stage, kvb, ti, kt, h, tid)
         else:  # kvb = (k, v, kv_indptr, k map, v map)
             if T.And(tid == 0, kt < T.truncdiv(ti[6] + tk - 1, tk)):
@@ -139,7 +151,7 @@ def make_tma(cfg, spec, tile: str, *, d: int, dv: int, dtype: str, paged: bool, 
             smem = T.decl_buffer((cfg.smem_bytes(d, dv) // 2,), dtype, data=smem_all.data,
                                  elem_offset=sw128_pad(T.address_of(smem_all[0]), 2), scope="shared.dyn")
             if paged:
-                if tid < 32:
+                if T.truncmod(tid, 32) == 0:
                     look_up(ti, kvb, ti[7], tid)  # the first tile's pages (issue_paged looks up the next ones)
             if tid == 0:
                 for st_ in T.unroll(ns):

@@ -34,10 +34,11 @@ PREFILL_SWITCH = "cuda_prefill_kernel"
 #: BENCHMARKS.md, ratio to FlashInfer's best): whole prompts (the ragged op) tc3 0.47-0.56 against tc
 #: 0.41-0.43 and tc2 0.44-0.46; a chunk over cached keys (the paged op: continuation prefills, prefix passes)
 #: tc2 0.33 against tc 0.23 and tc3 0.19 (tc3's 32-key tiles walk the page table twice as often).
-#: On sm_90a builds the ragged op takes wg2t (TMA copies; probe of 2026-12-05, H200: 0.341 / 0.581 / 4.75 ms
-#: at 1x4K / 16x1K / 1x16K against tc3's 0.571 / 0.654 / 7.14), which serves head dim 128 only.
+#: On sm_90a builds the ragged op takes wg1t (TMA copies, 64 rows, two blocks an SM; run 21 of BENCHMARKS.md,
+#: H100, ratio to fa3: 0.708 / 0.564 / 0.709 at 1x4K / 16x1K / 1x16K against wg2t's 0.693 / 0.516 / 0.720 and
+#: tc3's 0.431 / 0.466 / 0.445), which serves head dim 128 only.
 TC_BY_DEFAULT = True
-TC_DEFAULT_TILES = {ATTN_PREFILL_RAGGED: ("wg2t", "tc3", "tc"), ATTN_PREFILL_PAGED: ("tc2", "tc")}
+TC_DEFAULT_TILES = {ATTN_PREFILL_RAGGED: ("wg1t", "tc3", "tc"), ATTN_PREFILL_PAGED: ("tc2", "tc")}
 
 # ---------------------------------------------------------------------------------------------------
 # prefill (ragged and paged)

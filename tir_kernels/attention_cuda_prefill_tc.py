@@ -1,7 +1,7 @@
 """Tensor-core CUDA prefill (``attn_prefill_ragged`` / ``attn_prefill_paged``), fp16 / bf16, sm_80+: the
 plain (``apply_rope == 0``) kernel on ``mma.sync.m16n8k16`` (``_mma_cuda``), in one of the tiles ``TC_TILES``,
 picked by the path switch ``cuda_prefill_kernel`` (``pagedkv.kernel_spec.SWITCHES``); auto takes per op the
-first tile of ``attention_cuda_prefill.TC_DEFAULT_TILES`` that serves the spec (the ragged op: wg2t on sm_90a at
+first tile of ``attention_cuda_prefill.TC_DEFAULT_TILES`` that serves the spec (the ragged op: wg1t on sm_90a at
 head dim 128, else tc3; the paged op tc2; each falling back to tc); ``tc_unserved`` says which specs a tile
 serves.
 
@@ -51,7 +51,7 @@ Design (FlashAttention-2 style), one block per (query tile, kv head):
   tile's S and the last tile's P V run outside the loop (``tiles_overlap``).
 * "wg2k" (sm_90a, forced only): "wg2o" with 128-key tiles (S by m64n128k16: half the loop trips, barriers
   and O rescales per key).
-* "wg2t" (sm_90a; auto there for the ragged op at head dim 128): "wg2o" with four stages loading two tiles ahead,
+* "wg2t" (sm_90a, forced only): "wg2o" with four stages loading two tiles ahead,
   whose K / V tiles arrive by TMA (``_prefill_tma``: one thread's boxes a tile, ragged; warp 0's lanes, paged),
   128-byte swizzled (``_wgmma_cuda.Sw128Layout``, stages from the buffer's first 1024-byte boundary); every
   thread waits on the stage's mbarrier instead of its own copies, and the block barrier still tells that every
@@ -60,10 +60,11 @@ Design (FlashAttention-2 style), one block per (query tile, kv head):
   non-TMA default tile (``attention_cuda_prefill.tma_fallback``) otherwise. Probe (H200, 32/8/128 fp16,
   2026-12-05): 0.341 / 0.581 / 4.75 ms at 1x4K / 16x1K / 1x16K against tc3's 0.571 / 0.654 / 7.14; ptxas 170
   registers (ragged) / 175 (paged), no spills: the copies' address arithmetic is gone.
-* "wg1t" (sm_90a, forced only; not yet timed): "wg2t"'s loop on one warpgroup (64 rows) with three stages
-  loading one tile ahead: 97 KB of shared memory, so two blocks share an SM and one block's softmax, entry
-  search, first copies and stores can run under the other's GEMMs (wg2t: one block an SM, whose fixed costs
-  nothing hides: 16 x 1K ran at 0.52 of fa3 against 0.72 at 1 x 4K). Each K / V tile serves half wg2t's rows.
+* "wg1t" (sm_90a; auto there for the ragged op at head dim 128): "wg2t"'s loop on one warpgroup (64 rows)
+  with three stages loading one tile ahead: 97 KB of shared memory, so two blocks share an SM and one block's
+  softmax, entry search, first copies and stores can run under the other's GEMMs (wg2t: one block an SM, whose
+  fixed costs nothing hides). Each K / V tile serves half wg2t's rows. Run 21 (H100, ratio to fa3): 0.708 /
+  0.564 / 0.709 at 1x4K / 16x1K / 1x16K against wg2t's 0.693 / 0.516 / 0.720.
 * Causal tiles past the tile's last row are skipped (and, with a window, those before its first window).
 * Grid as the SIMT kernel (virtual tiles, idle blocks run zero-trip loops); each warp finds the entry in rounds
   of 32 probes, one a lane (``locate``: one round up to 32 entries, where a binary search waits for log2 B loads).

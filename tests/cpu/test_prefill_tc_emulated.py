@@ -93,15 +93,16 @@ WG_RUNS = [("7x1x128-bf16", "attn_prefill_ragged", 1), ("7x1x128-bf16", "attn_pr
 #: Halves of them, each with both ops: ``CAUSAL_HALF`` (every run causal) and ``MIXED_HALF`` (non-causal ragged
 #: and paged, windowed + capped causal).
 CAUSAL_HALF, MIXED_HALF = [WG_RUNS[i] for i in (0, 3, 5)], [WG_RUNS[i] for i in (1, 2, 4)]
-#: All of them on "wg" and "wg2t" (auto's ragged tile on sm_90a); halves on "wg2o" (two warpgroups, P V
-#: overlapping the softmax: the waits' order matters; wg2t runs its loop), "wg2p" ("wg2o" without block barriers:
-#: named-barrier signals and turns between the warpgroups), "wg2" (two warpgroups of "wg"'s pipeline), "wg2k"
-#: ("wg2o" with 128-key tiles) and "wg1t" (wg2t's code on one warpgroup, 3 stages). The forced-only tiles that
-#: wg2t superseded run halves to keep CI's time (2026-12-05: 44:51 for the suite on the 2-core host).
-WG_TILE_RUNS = ([("wg", *r) for r in WG_RUNS] + [("wg2t", *r) for r in WG_RUNS]
+#: All of them on "wg" and "wg1t" (auto's ragged tile on sm_90a: one warpgroup, 3 stages, TMA, paged boxes from
+#: two groups a warp); halves on "wg2t" (wg1t's code on two warpgroups, 4 stages; paged: one group a warp),
+#: "wg2o" (two warpgroups, P V overlapping the softmax: the waits' order matters; wg2t runs its loop), "wg2p"
+#: ("wg2o" without block barriers: named-barrier signals and turns between the warpgroups), "wg2" (two
+#: warpgroups of "wg"'s pipeline) and "wg2k" ("wg2o" with 128-key tiles). The forced-only tiles run halves to
+#: keep CI's time (2026-12-05: 44:51 for the suite on the 2-core host).
+WG_TILE_RUNS = ([("wg", *r) for r in WG_RUNS] + [("wg1t", *r) for r in WG_RUNS]
                 + [("wg2o", *r) for r in MIXED_HALF] + [("wg2p", *r) for r in CAUSAL_HALF]
                 + [("wg2", *r) for r in WG_RUNS[1::2]] + [("wg2k", *r) for r in WG_RUNS[::2]]
-                + [("wg1t", *r) for r in CAUSAL_HALF])
+                + [("wg2t", *r) for r in MIXED_HALF])
 #: The wgmma tiles' unaligned-view (element-load) runs.
 WG_UNALIGNED = [("wg", "16x2x128-bf16-w40-cap20"), ("wg2o", "7x1x128-bf16"), ("wg2k", "2x2x128-f16"),
                 ("wg2p", "16x2x128-bf16-w40-cap20")]
