@@ -467,28 +467,85 @@ def make_prefill_tc(op: str, spec, paged: bool, tile: str = "tc"):
                             T.evaluate(mma_sync(dtype, T.address_of(oacc[mt * ON + (dn2 * 2 + u) * 4]),
                                                 T.address_of(pf[mt * SN + kk * 8]), T.address_of(bfr[u * 2])))
 
+    # Multi-stage tiles stage O in the stage buffer (row-major, stride VS) and copy it out row by row: consecutive
+    # threads write consecutive 16 bytes (or, o not 16-byte aligned, elements) of a token's G rows, which lie
+    # together in o. From the fragments, a warp's store touched 8 rows x 8 bytes: 8 sectors for 64 bytes, and
+    # 64 two-byte stores a thread (wg1t's SASS, 2026-12-06).
+    if cfg.stages > 1 and cfg.rows * VS > (cfg.bar_base(D, DV) if cfg.tma else cfg.smem_bytes(D, DV) // 2):
+        raise ValueError(f"pagedkv.tir_kernels: tile {cfg.name!r}: O's {cfg.rows} x {VS} staging elements do not "
+                         f"fit its stages")
+
+    def o_row(r):
+        """Token row in o and head of block row ``r``."""
+        return T.truncdiv(r, G), T.truncmod(r, G)
+
+    def o_value(oacc, lsum, mt, rr, dn, c):
+        return T.Cast(dtype, T.if_then_else(lsum[mt * 2 + rr] > T.float32(0),
+                                            oacc[mt * ON + dn * 4 + rr * 2 + c] / lsum[mt * 2 + rr], T.float32(0)))
+
     @T.macro
-    def store(o, lse, oacc, m, lsum, ti, h, w, lane):
-        """Row sums over the quad, then o = O / sum and lse = m + log2(sum) (base 2); a row that saw no key
-        (sum 0) writes the empty state."""
+    def store_lse(lse, m, lsum, ti, h, w, lane):
+        """Row sums over the quad, then lse = m + log2(sum) (base 2) from the quad's first lane; a row that saw
+        no key (sum 0) writes the empty state."""
         for j in T.unroll(MT * 2):
             lsum[j] = lsum[j] + shfl_xor(lsum[j], 1)
             lsum[j] = lsum[j] + shfl_xor(lsum[j], 2)
         for mt in T.unroll(MT):
             for rr in T.unroll(2):
+                if T.And(row_ok(wrow(w, mt) + c_frag(lane, 2 * rr)[0], ti), lane % 4 == 0):
+                    lse[ti[4] + o_row(wrow(w, mt) + c_frag(lane, 2 * rr)[0])[0],
+                        h * G + o_row(wrow(w, mt) + c_frag(lane, 2 * rr)[0])[1]] = T.if_then_else(
+                            lsum[mt * 2 + rr] > T.float32(0), m[mt * 2 + rr] + T.log2(lsum[mt * 2 + rr]),
+                            T.float32(EMPTY_LSE))
+
+    def o_copier(width: int):
+        """The macro copying the staged O rows out, ``width`` elements a copy (8: 16 bytes)."""
+        per_row = DV // width
+
+        @T.macro
+        def copy_out(smem, o, ti, h, tid):
+            for it in T.unroll(cfg.rows * per_row // NT):
+                if row_ok(T.truncdiv(it * NT + tid, per_row), ti):
+                    for e in T.vectorized(width):
+                        o[ti[4] + o_row(T.truncdiv(it * NT + tid, per_row))[0],
+                          h * G + o_row(T.truncdiv(it * NT + tid, per_row))[1],
+                          T.truncmod(it * NT + tid, per_row) * width + e] = \
+                            smem[T.truncdiv(it * NT + tid, per_row) * VS + T.truncmod(it * NT + tid, per_row) * width + e]
+        return copy_out
+
+    o_out_vec, o_out_elem = o_copier(8), o_copier(1)
+
+    @T.macro
+    def store_staged(smem, o, lse, oacc, m, lsum, ti, h, tid, w, lane):
+        """``store`` through the stage buffer: after a barrier (every warp done with the stages), each lane's
+        O / sum into the staged rows, a barrier, then the rows out (``o_copier``)."""
+        store_lse(lse, m, lsum, ti, h, w, lane)
+        T.tvm_storage_sync("shared")
+        for mt in T.unroll(MT):
+            for rr in T.unroll(2):
+                for dn in T.unroll(NDN):
+                    for c in T.unroll(2):
+                        smem[(wrow(w, mt) + c_frag(lane, 2 * rr)[0]) * VS + dn * 8 + c_frag(lane, c)[1]] = \
+                            o_value(oacc, lsum, mt, rr, dn, c)
+        T.tvm_storage_sync("shared")
+        if aligned16(T.address_of(o[0, 0, 0])) == 1:
+            o_out_vec(smem, o, ti, h, tid)
+        else:
+            o_out_elem(smem, o, ti, h, tid)
+
+    @T.macro
+    def store(o, lse, oacc, m, lsum, ti, h, w, lane):
+        """The one-stage tile: o = O / sum from each lane's fragments (a row that saw no key: 0), and
+        ``store_lse``."""
+        store_lse(lse, m, lsum, ti, h, w, lane)
+        for mt in T.unroll(MT):
+            for rr in T.unroll(2):
                 if row_ok(wrow(w, mt) + c_frag(lane, 2 * rr)[0], ti):
                     for dn in T.unroll(NDN):
                         for c in T.unroll(2):
-                            o[ti[4] + T.truncdiv(wrow(w, mt) + c_frag(lane, 2 * rr)[0], G),
-                              h * G + T.truncmod(wrow(w, mt) + c_frag(lane, 2 * rr)[0], G),
-                              dn * 8 + c_frag(lane, c)[1]] = T.Cast(dtype, T.if_then_else(
-                                  lsum[mt * 2 + rr] > T.float32(0),
-                                  oacc[mt * ON + dn * 4 + rr * 2 + c] / lsum[mt * 2 + rr], T.float32(0)))
-                    if lane % 4 == 0:
-                        lse[ti[4] + T.truncdiv(wrow(w, mt) + c_frag(lane, 2 * rr)[0], G),
-                            h * G + T.truncmod(wrow(w, mt) + c_frag(lane, 2 * rr)[0], G)] = T.if_then_else(
-                                lsum[mt * 2 + rr] > T.float32(0), m[mt * 2 + rr] + T.log2(lsum[mt * 2 + rr]),
-                                T.float32(EMPTY_LSE))
+                            o[ti[4] + o_row(wrow(w, mt) + c_frag(lane, 2 * rr)[0])[0],
+                              h * G + o_row(wrow(w, mt) + c_frag(lane, 2 * rr)[0])[1],
+                              dn * 8 + c_frag(lane, c)[1]] = o_value(oacc, lsum, mt, rr, dn, c)
 
     @T.macro
     def tiles_one_stage(Ks, Vs, fr, acc, rows, ti, kvb, h, tid, w, lane, causal, sm_scale):
@@ -606,7 +663,9 @@ def make_prefill_tc(op: str, spec, paged: bool, tile: str = "tc"):
                         else:
                             tiles_two_stage(smem, (qf, afr, bfr), (sacc, pf, oacc, pfo), (m, lsum, lim, mx, st, fac),
                                             ti, kvb, h, tid, w, lane, causal, sm_scale)
-                    store(o, lse, oacc, m, lsum, ti, h, w, lane)
+                        store_staged(smem, o, lse, oacc, m, lsum, ti, h, tid, w, lane)
+                    if cfg.stages == 1:
+                        store(o, lse, oacc, m, lsum, ti, h, w, lane)
 
     MAPS = tma.maps if TMA else {}
 

@@ -297,9 +297,9 @@ def _check(name, tile, op, causal, built, misalign, entries=None):
         arrays["k"] = _to_storage(torch.cat([e[1] for e in ents] + tail[:1]), dt)
         arrays["v"] = _to_storage(torch.cat([e[2] for e in ents] + tail[1:]), dt)
         arrays["kv_indptr"] = np.cumsum([0] + [e[1].shape[0] for e in ents]).astype(np.int32)
-        if misalign:  # q too: "tc3" copies q rows with cp.async when aligned
+        if misalign:  # q and o too: "tc3" copies q rows with cp.async, multi-stage tiles o rows, when aligned
             arrays["k"], arrays["v"] = _misaligned(arrays["k"]), _misaligned(arrays["v"])
-            arrays["q"] = _misaligned(arrays["q"])
+            arrays["q"], arrays["o"] = _misaligned(arrays["q"]), _misaligned(arrays["o"])
     else:
         counts = [-(-e[1].shape[0] // ps) for e in ents]
         order = np.random.default_rng(seed).permutation(sum(counts) + 2)
