@@ -36,9 +36,10 @@ PREFILL_SWITCH = "cuda_prefill_kernel"
 #: tc2 0.33 against tc 0.23 and tc3 0.19 (tc3's 32-key tiles walk the page table twice as often).
 #: On sm_90a builds the ragged op takes wg1t (TMA copies, 64 rows, two blocks an SM; run 21 of BENCHMARKS.md,
 #: H100, ratio to fa3: 0.708 / 0.564 / 0.709 at 1x4K / 16x1K / 1x16K against wg2t's 0.693 / 0.516 / 0.720 and
-#: tc3's 0.431 / 0.466 / 0.445), which serves head dim 128 only.
+#: tc3's 0.431 / 0.466 / 0.445), which serves head dim 128 only; the paged op takes wg2t there (run 22, H100:
+#: 0.634 of fa3 at 512 over 4K against tc2's 0.480, once each warp issued its own TMA boxes).
 TC_BY_DEFAULT = True
-TC_DEFAULT_TILES = {ATTN_PREFILL_RAGGED: ("wg1t", "tc3", "tc"), ATTN_PREFILL_PAGED: ("tc2", "tc")}
+TC_DEFAULT_TILES = {ATTN_PREFILL_RAGGED: ("wg1t", "tc3", "tc"), ATTN_PREFILL_PAGED: ("wg2t", "tc2", "tc")}
 
 # ---------------------------------------------------------------------------------------------------
 # prefill (ragged and paged)

@@ -2,7 +2,7 @@
 plain (``apply_rope == 0``) kernel on ``mma.sync.m16n8k16`` (``_mma_cuda``), in one of the tiles ``TC_TILES``,
 picked by the path switch ``cuda_prefill_kernel`` (``pagedkv.kernel_spec.SWITCHES``); auto takes per op the
 first tile of ``attention_cuda_prefill.TC_DEFAULT_TILES`` that serves the spec (the ragged op: wg1t on sm_90a at
-head dim 128, else tc3; the paged op tc2; each falling back to tc); ``tc_unserved`` says which specs a tile
+head dim 128, else tc3; the paged op wg2t there, else tc2; each falling back to tc); ``tc_unserved`` says which specs a tile
 serves.
 
 Same ABI and semantics as the SIMT kernel (``attention_cuda.py``): base-2 LSE, bottom-right causal, sliding
@@ -51,7 +51,7 @@ Design (FlashAttention-2 style), one block per (query tile, kv head):
   tile's S and the last tile's P V run outside the loop (``tiles_overlap``).
 * "wg2k" (sm_90a, forced only): "wg2o" with 128-key tiles (S by m64n128k16: half the loop trips, barriers
   and O rescales per key).
-* "wg2t" (sm_90a, forced only): "wg2o" with four stages loading two tiles ahead,
+* "wg2t" (sm_90a; auto there for the paged op at head dim 128): "wg2o" with four stages loading two tiles ahead,
   whose K / V tiles arrive by TMA (``_prefill_tma``: one thread's boxes a tile, ragged; warp 0's lanes, paged),
   128-byte swizzled (``_wgmma_cuda.Sw128Layout``, stages from the buffer's first 1024-byte boundary); every
   thread waits on the stage's mbarrier instead of its own copies, and the block barrier still tells that every
@@ -65,6 +65,9 @@ Design (FlashAttention-2 style), one block per (query tile, kv head):
   softmax, entry search, first copies and stores can run under the other's GEMMs (wg2t: one block an SM, whose
   fixed costs nothing hides). Each K / V tile serves half wg2t's rows. Run 21 (H100, ratio to fa3): 0.708 /
   0.564 / 0.709 at 1x4K / 16x1K / 1x16K against wg2t's 0.693 / 0.516 / 0.720.
+* O leaves through the stage buffer (multi-stage tiles): each lane's O / sum into row-major staged rows, then
+  consecutive threads copy consecutive 16 bytes of a token's G rows (element copies where o is not 16-byte
+  aligned); "tc" stores its fragments directly.
 * Causal tiles past the tile's last row are skipped (and, with a window, those before its first window).
 * Grid as the SIMT kernel (virtual tiles, idle blocks run zero-trip loops); each warp finds the entry in rounds
   of 32 probes, one a lane (``locate``: one round up to 32 entries, where a binary search waits for log2 B loads).

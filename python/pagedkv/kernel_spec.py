@@ -44,12 +44,12 @@ SWITCHES: dict[str, tuple[str, tuple[str, ...]]] = {
                             "(the pages) start 16-byte aligned and pages hold a multiple of 8 keys, else the op's "
                             "tc3 / tc2 (the PrimFunc tests them); wg1t = wg2t on one warpgroup (64 rows) with three "
                             "stages, two blocks an SM (the wg tiles need a target arch sm_90a, "
-                            "kernel_spec.KernelSpec.target_arch; forced only but wg1t, which auto takes for the ragged op "
-                            "on sm_90a). "
+                            "kernel_spec.KernelSpec.target_arch; forced only but wg1t and wg2t, which auto takes for the "
+                            "ragged and the paged op on sm_90a). "
                             "Inline RoPE always runs the SIMT kernel. auto: the tensor-core kernel where it serves "
                             "the spec (TC_BY_DEFAULT), in the op's first serving tile of "
                             "tir_kernels.attention_cuda_prefill.TC_DEFAULT_TILES (ragged: wg1t on sm_90a at head dim 128, else tc3, else tc; paged: "
-                            "tc2, else tc), SIMT elsewhere",
+                            "wg2t on sm_90a at head dim 128, else tc2, else tc), SIMT elsewhere",
                             ("auto", "simt", "tc", "tc2", "tc3", "tc4", "wg", "wg2", "wg2o", "wg2k", "wg2p", "wg2t",
                              "wg1t")),
     "cuda_decode_kernel": ("CUDA MHA decode (attn_decode_paged), plain and inline RoPE: the lane-group kernel "

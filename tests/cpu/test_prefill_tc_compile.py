@@ -60,7 +60,7 @@ def _script(cfg, op):
 def test_switch_is_registered_and_on_by_default():
     assert tk.SWITCHES[SWITCH][1] == ("auto", "simt", *TILES, *WG_PREFILL_TILES)  # test_prefill_wg_compile.py
     assert pf.TC_BY_DEFAULT is True
-    assert pf.TC_DEFAULT_TILES == {"attn_prefill_ragged": ("wg1t", "tc3", "tc"), "attn_prefill_paged": ("tc2", "tc")}
+    assert pf.TC_DEFAULT_TILES == {"attn_prefill_ragged": ("wg1t", "tc3", "tc"), "attn_prefill_paged": ("wg2t", "tc2", "tc")}
 
 
 @pytest.mark.parametrize("op", OPS)

@@ -94,7 +94,8 @@ WG_RUNS = [("7x1x128-bf16", "attn_prefill_ragged", 1), ("7x1x128-bf16", "attn_pr
 #: and paged, windowed + capped causal).
 CAUSAL_HALF, MIXED_HALF = [WG_RUNS[i] for i in (0, 3, 5)], [WG_RUNS[i] for i in (1, 2, 4)]
 #: All of them on "wg" and "wg1t" (auto's ragged tile on sm_90a: one warpgroup, 3 stages, TMA, paged boxes from
-#: two groups a warp); halves on "wg2t" (wg1t's code on two warpgroups, 4 stages; paged: one group a warp),
+#: two groups a warp); the paged ones and one ragged on "wg2t" (auto's paged tile on sm_90a: wg1t's code on two
+#: warpgroups, 4 stages, paged boxes from one group a warp); halves on
 #: "wg2o" (two warpgroups, P V overlapping the softmax: the waits' order matters; wg2t runs its loop), "wg2p"
 #: ("wg2o" without block barriers: named-barrier signals and turns between the warpgroups), "wg2" (two
 #: warpgroups of "wg"'s pipeline) and "wg2k" ("wg2o" with 128-key tiles). The forced-only tiles run halves to
@@ -102,7 +103,7 @@ CAUSAL_HALF, MIXED_HALF = [WG_RUNS[i] for i in (0, 3, 5)], [WG_RUNS[i] for i in 
 WG_TILE_RUNS = ([("wg", *r) for r in WG_RUNS] + [("wg1t", *r) for r in WG_RUNS]
                 + [("wg2o", *r) for r in MIXED_HALF] + [("wg2p", *r) for r in CAUSAL_HALF]
                 + [("wg2", *r) for r in WG_RUNS[1::2]] + [("wg2k", *r) for r in WG_RUNS[::2]]
-                + [("wg2t", *r) for r in MIXED_HALF])
+                + [("wg2t", *r) for r in WG_RUNS if r[1] == "attn_prefill_paged" or r == WG_RUNS[2]])
 #: The wgmma tiles' unaligned-view (element-load) runs.
 WG_UNALIGNED = [("wg", "16x2x128-bf16-w40-cap20"), ("wg2o", "7x1x128-bf16"), ("wg2k", "2x2x128-f16"),
                 ("wg2p", "16x2x128-bf16-w40-cap20")]

@@ -51,20 +51,22 @@ def _wg(cfg, tile="wg"):
     return dataclasses.replace(cfg, paths={SWITCH: tile})
 
 
-def test_wg_needs_sm90a_and_auto_takes_only_wg1t():
-    """Forced wgmma tiles raise for sm_90 naming the arch; auto takes one wgmma tile, wg1t, for the ragged op on
-    sm_90a at head dim 128 (tc3 on sm_90 or at head dim 64; the paged op keeps tc2)."""
+def test_wg_needs_sm90a_and_auto_takes_the_tma_tiles():
+    """Forced wgmma tiles raise for sm_90 naming the arch; auto takes the TMA tiles, wg1t for the ragged op and
+    wg2t for the paged one, on sm_90a at head dim 128 (on sm_90 or at head dim 64: tc3 ragged, tc2 paged)."""
     cfg = SHAPES["32x8x128-f16"]
     for op in OPS:
         with pytest.raises(NotImplementedError, match="sm_90a"):
             tk.FACTORIES[op](_wg(cfg), SM90)
-    assert set(WG_TILES) & set(sum(pf.TC_DEFAULT_TILES.values(), ())) == {"wg1t"}
+    assert set(WG_TILES) & set(sum(pf.TC_DEFAULT_TILES.values(), ())) == {"wg1t", "wg2t"}
     spec = dataclasses.replace(cfg, target_arch="sm_90a")
     assert pf.use_tensor_cores(OPS[0], spec, 128) == "wg1t"
-    assert pf.use_tensor_cores(OPS[1], spec, 128) == "tc2"
+    assert pf.use_tensor_cores(OPS[1], spec, 128) == "wg2t"
+    assert pf.use_tensor_cores(OPS[1], cfg, 128) == "tc2"  # sm_90: the paged op's first mma.sync tile
     assert pf.use_tensor_cores(OPS[0], cfg, 128) == "tc3"  # no target arch (sm_90): no wgmma
     d64 = dataclasses.replace(tk.KernelConfig(16, 4, 64, 64, "float16"), target_arch="sm_90a")
     assert pf.use_tensor_cores(OPS[0], d64, 64) == "tc3"
+    assert pf.use_tensor_cores(OPS[1], d64, 64) == "tc2"
     assert pf.use_tensor_cores(OPS[0], _wg(spec), 128) == "wg"
     assert "target_arch" not in cfg.to_dict() and spec.to_dict()["target_arch"] == "sm_90a"
 

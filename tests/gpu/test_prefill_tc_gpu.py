@@ -1,6 +1,6 @@
 """The tensor-core CUDA prefill (``tir_kernels.attention_cuda_prefill_tc``, forced with the path switch
 ``cuda_prefill_kernel=tc`` (64 rows, one stage), ``tc2`` or ``tc3`` (128 rows, two stages in dynamic shared
-memory; under auto tc3 serves the ragged op and tc2 the paged one where they serve the spec), ``wg`` (wgmma, one
+memory; under auto, without wgmma, tc3 serves the ragged op and tc2 the paged one where they serve the spec), ``wg`` (wgmma, one
 warpgroup of 64 rows; its libraries built for sm_90a)) and the SIMT one (forced ``simt``) against the float64 reference. Skips cleanly
 without a CUDA GPU.
 
