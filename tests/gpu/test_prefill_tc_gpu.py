@@ -5,7 +5,7 @@ warpgroup of 64 rows; its libraries built for sm_90a)) and the SIMT one (forced 
 without a CUDA GPU.
 
 Shapes ``pagedkv.testing.shapes.PREFILL_TC_SHAPES`` (GQA groups 4, 1, 8, 7, 3; head dims 128 and 64; fp16 and
-bf16; one windowed + soft-capped), ragged and paged, causal and not, over one batch of entries of mixed
+bf16; two windowed + soft-capped, at head dims 64 and 128), ragged and paged, causal and not, over one batch of entries of mixed
 lengths: not multiples of the 64-row / 64-key tiles (1, 17, 63, 64, 65, 200, 1000), more keys than queries
 (bottom-right causal), fewer (rows that see no key), no keys, no queries; outputs NaN-poisoned, fresh random
 inputs per test. Besides ``assert_state_close`` (the suite's rule) each entry's ``|o - ref| / |ref|`` must be

@@ -201,14 +201,16 @@ def cuda_path_switches() -> dict[str, tuple[str, ...]]:
 
 
 #: Shapes of the tensor-core prefill tests (``tests/gpu/test_prefill_tc_gpu.py``, path switch
-#: ``cuda_prefill_kernel=tc``): GQA groups 4, 1, 8, 7 and 3; head dims 128 and 64; fp16 and bf16; the last one
-#: windowed and soft-capped (the variant hooks inside the MMA tiles).
+#: ``cuda_prefill_kernel=tc``): GQA groups 4, 1, 8, 7 and 3; head dims 128 and 64; fp16 and bf16; the last two
+#: windowed and soft-capped (the variant hooks inside the MMA tiles), at head dim 64 and at 128 (the wgmma tiles,
+#: auto's on sm_90a, serve only 128).
 PREFILL_TC_SHAPES = [
     Shape(32, 8, 128, "float16", 16, "none"),
     Shape(8, 8, 128, "bfloat16", 16, "none"),
     Shape(64, 8, 128, "bfloat16", 16, "none"),
     Shape(21, 3, 64, "float16", 8, "none"),
     Shape(12, 4, 64, "bfloat16", 8, "none", window=100, cap=30.0),
+    Shape(28, 4, 128, "bfloat16", 8, "none", window=100, cap=30.0),
 ]
 #: The forced path of the tensor-core prefill tests.
 PREFILL_TC_PATHS = {"cuda_prefill_kernel": "tc"}
