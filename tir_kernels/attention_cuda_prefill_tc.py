@@ -67,7 +67,7 @@ Design (FlashAttention-2 style), one block per (query tile, kv head):
   0.564 / 0.709 at 1x4K / 16x1K / 1x16K against wg2t's 0.693 / 0.516 / 0.720.
 * O leaves through the stage buffer (multi-stage tiles): each lane's O / sum into row-major staged rows, then
   consecutive threads copy consecutive 16 bytes of a token's G rows (element copies where o is not 16-byte
-  aligned); "tc" stores its fragments directly.
+  aligned); "tc", "wg2p" (no block barrier) and "wg2k" (at its register limit) store their fragments directly.
 * Causal tiles past the tile's last row are skipped (and, with a window, those before its first window).
 * Grid as the SIMT kernel (virtual tiles, idle blocks run zero-trip loops); each warp finds the entry in rounds
   of 32 probes, one a lane (``locate``: one round up to 32 entries, where a binary search waits for log2 B loads).
@@ -470,11 +470,14 @@ def make_prefill_tc(op: str, spec, paged: bool, tile: str = "tc"):
                             T.evaluate(mma_sync(dtype, T.address_of(oacc[mt * ON + (dn2 * 2 + u) * 4]),
                                                 T.address_of(pf[mt * SN + kk * 8]), T.address_of(bfr[u * 2])))
 
-    # Multi-stage tiles stage O in the stage buffer (row-major, stride VS) and copy it out row by row: consecutive
-    # threads write consecutive 16 bytes (or, o not 16-byte aligned, elements) of a token's G rows, which lie
-    # together in o. From the fragments, a warp's store touched 8 rows x 8 bytes: 8 sectors for 64 bytes, and
+    # Multi-stage tiles (STAGE_O) stage O in the stage buffer (row-major, stride VS) and copy it out row by row:
+    # consecutive threads write consecutive 16 bytes (or, o not 16-byte aligned, elements) of a token's G rows,
+    # which lie together in o. From the fragments, a warp's store touched 8 rows x 8 bytes: 8 sectors for 64 bytes, and
     # 64 two-byte stores a thread (wg1t's SASS, 2026-12-06).
-    if cfg.stages > 1 and cfg.rows * VS > (cfg.bar_base(D, DV) if cfg.tma else cfg.smem_bytes(D, DV) // 2):
+    # Not "wg2p" (no block barrier) nor "wg2k" (128-key tiles: its windowed + capped bf16 paged kernel spilled 8
+    # bytes at 255 registers): both store their fragments directly, as "tc" does.
+    STAGE_O = cfg.stages > 1 and not cfg.pingpong and TK <= 64
+    if STAGE_O and cfg.rows * VS > (cfg.bar_base(D, DV) if cfg.tma else cfg.smem_bytes(D, DV) // 2):
         raise ValueError(f"pagedkv.tir_kernels: tile {cfg.name!r}: O's {cfg.rows} x {VS} staging elements do not "
                          f"fit its stages")
 
@@ -666,8 +669,9 @@ def make_prefill_tc(op: str, spec, paged: bool, tile: str = "tc"):
                         else:
                             tiles_two_stage(smem, (qf, afr, bfr), (sacc, pf, oacc, pfo), (m, lsum, lim, mx, st, fac),
                                             ti, kvb, h, tid, w, lane, causal, sm_scale)
-                        store_staged(smem, o, lse, oacc, m, lsum, ti, h, tid, w, lane)
-                    if cfg.stages == 1:
+                        if STAGE_O:
+                            store_staged(smem, o, lse, oacc, m, lsum, ti, h, tid, w, lane)
+                    if not STAGE_O:
                         store(o, lse, oacc, m, lsum, ti, h, w, lane)
 
     MAPS = tma.maps if TMA else {}
