@@ -184,5 +184,20 @@ class PagedTensorMap:
                        [64, self.box_rows, 1, 1, 1])
 
 
-__all__ = ["EncodeArgs", "decode_args", "host_aligned16", "L2_PROMOTION_128B", "MBAR_BYTES", "PagedTensorMap", "SW128_ALIGN", "SWIZZLE_128B", "TensorMap3",
+@dataclasses.dataclass(frozen=True)
+class LatentPageMap:
+    """The tensor map of an MLA page pool ``[pages][1][1][ps][dl]`` (a page's latent rows; 2-byte elements), read as
+    boxes of 8 rows (keys of one page: ``ps`` a multiple of 8) x 64 dims, 128-byte swizzled (1024 bytes, one
+    swizzle period). Dims innermost first: (dl, ps, pages); the box at (``dim0``, ``row``, ``page``)."""
+
+    dl: int
+    rank = 3
+    box_rows = 8
+
+    def encode_args(self, shape) -> list:
+        ps, dl = shape[3], self.dl
+        return _encode([dl, ps, shape[0]], [dl * 2, ps * dl * 2], [64, self.box_rows, 1])
+
+
+__all__ = ["EncodeArgs", "LatentPageMap", "decode_args", "host_aligned16", "L2_PROMOTION_128B", "MBAR_BYTES", "PagedTensorMap", "SW128_ALIGN", "SWIZZLE_128B", "TensorMap3",
            "mbar_expect_tx", "mbar_init", "mbar_wait", "sw128_pad", "tma_load3", "tma_load5"]

@@ -487,10 +487,12 @@ def mla_attn_decode_paged_cuda(spec):
     (clamped to ``[1, nnz * ps]``); automatic: the kernel from before the switch. The path switch
     ``cuda_mla_decode_kernel`` (``mla_cuda_tc.use_tc``) hands fp16 / bf16 specs to the tensor-core kernel; its
     value "wg" forces the wgmma one (``mla_cuda_wg``), which auto takes on sm_90a at 64 heads or more
-    (``mla_cuda_wg.use_wg``).
+    (``mla_cuda_wg.use_wg``); "wgt" forces its TMA variant (``mla_cuda_wgt``).
     """
-    from . import mla_cuda_tc, mla_cuda_wg  # pylint: disable=import-outside-toplevel
+    from . import mla_cuda_tc, mla_cuda_wg, mla_cuda_wgt  # pylint: disable=import-outside-toplevel
 
+    if mla_cuda_wgt.use_wgt(spec):  # forced "wgt" (raises naming what it does not serve), or auto (WGT_BY_DEFAULT)
+        return mla_cuda_wgt.mla_attn_decode_paged_wgt(spec)
     if mla_cuda_wg.use_wg(spec):  # forced (raises naming what it does not serve), or auto on sm_90a, >= 64 heads
         return mla_cuda_wg.mla_attn_decode_paged_wg(spec)
     if mla_cuda_tc.use_tc(spec):  # the path switch cuda_mla_decode_kernel (raises when tc is forced, unserved)

@@ -254,6 +254,13 @@ def mla_attn_decode_paged_wg(spec):
     if reasons:
         raise NotImplementedError(f"pagedkv.tir_kernels: {SWITCH}={VALUE}: the wgmma CUDA MLA decode does not "
                                   f"serve {'; '.join(reasons)}")
+    return abi_prim_func(MLA_ATTN_DECODE_PAGED, shape_values(spec), spec.dtype, make_wg_body(spec), scheduled=True,
+                         adapter="direct_max_kv_len")
+
+
+def make_wg_body(spec):
+    """The PrimFunc body macro of this kernel (``_mla_frame_cuda.make_split_frame``'s, arguments as
+    ``abi_prim_func`` passes them), for a spec ``wg_unserved`` accepts: also the fallback of ``mla_cuda_wgt``."""
     H, DV, DL, dtype = spec.num_qo_heads, spec.kv_lora_rank, spec.latent_dim, spec.dtype
     NG = (H + ROWS - 1) // ROWS
     look_up, issue, load_q, score, softmax, accumulate, finish, SN, ON, NKS = _make_tile_ops(H, DL, DV, dtype)
@@ -310,11 +317,9 @@ def mla_attn_decode_paged_wg(spec):
         finish(oacc, pf)
         store(oacc, m, lsum, o, lse, ws[0], ws[1], bx, bx < B, g * ROWS, S, sp, wg, w, lane)
 
-    body = make_split_frame(heads=H, dv=DV, groups=NG, threads=NT, tk=TK, dtype=dtype, splits=decode_splits(spec),
+    return make_split_frame(heads=H, dv=DV, groups=NG, threads=NT, tk=TK, dtype=dtype, splits=decode_splits(spec),
                             block=block)
-    return abi_prim_func(MLA_ATTN_DECODE_PAGED, shape_values(spec), dtype, body, scheduled=True,
-                         adapter="direct_max_kv_len")
 
 
-__all__ = ["AHEAD", "NS", "NT", "ROWS", "SWITCH", "TK", "VALUE", "WG_DTYPES", "WG_MAX_LATENT", "mla_attn_decode_paged_wg",
-           "smem_bytes", "wg_unserved"]
+__all__ = ["AHEAD", "NS", "NT", "ROWS", "SWITCH", "TK", "VALUE", "WG_DTYPES", "WG_MAX_LATENT", "make_wg_body",
+           "mla_attn_decode_paged_wg", "smem_bytes", "wg_unserved"]

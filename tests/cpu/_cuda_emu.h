@@ -360,6 +360,16 @@ inline void pagedkv_wg_wait1() { wg_wait(1); }
 PAGEDKV_WGMMA_EMU_N(32) PAGEDKV_WGMMA_EMU_N(64) PAGEDKV_WGMMA_EMU_N(128) PAGEDKV_WGMMA_EMU_N(256)
 inline void pagedkv_wg_reg_fence(void*, int) {}
 
+// Shared-memory accesses kept opaque to TVM's barrier planner (tir_kernels/mla_cuda_wgt.py): plain accesses here.
+#define PAGEDKV_SHARED_OPAQUE
+inline void pagedkv_st_shared_f32(void* p, float v) { std::memcpy(p, &v, 4); }
+inline float pagedkv_ld_shared_f32(const void* p) {
+  float v;
+  std::memcpy(&v, p, 4);
+  return v;
+}
+inline void pagedkv_st_shared_zero16(void* p) { std::memset(p, 0, 16); }
+
 // TMA and mbarriers (tir_kernels/_tma_cuda.py). A tensor map is the struct the test's launcher fills from the
 // kernel's encode arguments (on the GPU the host code encodes a CUtensorMap). A box copy is queued on its
 // mbarrier and lands when a thread waits on the phase after its arrivals are in (as late as the ISA allows: a

@@ -23,6 +23,7 @@ from _cuda_support import cuda_source_of
 from pagedkv import tir_kernels as tk
 from pagedkv.testing import reference as R
 from pagedkv.testing.cuda_source import kernel_defs, static_shared
+from pagedkv.tir_kernels._tma_cuda import decode_args
 
 import tvm
 from tvm.target import Target
@@ -38,6 +39,25 @@ def kernels_of(src: str, *, dyn_smem_bytes: int = DYN_SMEM_BYTES) -> dict:
     """{name: (definition, [(type, name)] params)} of the ``__global__`` kernels in a module's source (shared
     arrays made ``static``; a dynamic one becomes a static array of ``dyn_smem_bytes``)."""
     return {k.name: (static_shared(k.text(src), dyn_smem_bytes), k.params) for k in kernel_defs(src)}
+
+
+class TensorMapEmu(ctypes.Structure):
+    """``_cuda_emu.h``'s ``CUtensorMap``: what the emulated TMA copies read."""
+
+    _fields_ = [("base", ctypes.c_void_p), ("rank", ctypes.c_int), ("elem_bytes", ctypes.c_int),
+                ("swizzle", ctypes.c_int), ("dims", ctypes.c_uint64 * 5), ("strides", ctypes.c_uint64 * 5),
+                ("box", ctypes.c_uint32 * 5)]
+
+
+def tensor_map(array: np.ndarray, tmap) -> TensorMapEmu:
+    """The emulator's tensor map of ``array`` from the map's own encode arguments (what the host code passes
+    to ``cuTensorMapEncodeTiled`` on the GPU): dims, byte strides of dims 1.., box, element strides, options."""
+    a = decode_args(tmap.rank, tmap.encode_args(array.shape))
+    assert a.elem_strides == [1] * tmap.rank and a.interleave == 0 and a.oob_fill == 0 and array.itemsize == 2
+    m = TensorMapEmu(array.ctypes.data, tmap.rank, array.itemsize, a.swizzle)
+    for r in range(tmap.rank):
+        m.dims[r], m.strides[r], m.box[r] = a.dims[r], ([array.itemsize] + a.strides)[r], a.box[r]
+    return m
 
 
 #: The tensor-core decode's non-default build switches (tests build each once): name -> (module of
@@ -99,6 +119,8 @@ def _eval(e, env):
     if kind in _BIN:
         a, b = _eval(e.a, env), _eval(e.b, env)
         return None if a is None or b is None else _BIN[kind](a, b)
+    if kind == "Call" and "isnullptr" in str(e.op) and "llvm.ptrmask" in str(e.args[0]):
+        return env.get("aligned16")  # _tma_cuda.host_aligned16 (a TMA kernel's operand test): what the test says
     if kind == "Not":
         v = _eval(e.a, env)
         return None if v is None else not v

@@ -8,8 +8,9 @@
     ``MLA_TC_BY_DEFAULT``), SIMT elsewhere (fp32, latents it does not take); "simt" forces SIMT; "tc" on a spec it
     does not serve raises with the reasons.
 
-(c) The wgmma kernel (``mla_cuda_wg``, forced ``wg``, sm_90a): the same resource checks and its wgmma count; a
-    target other than sm_90a, and specs it does not serve, raise naming every reason.
+(c) The wgmma kernels (``mla_cuda_wg``, forced ``wg``, and its TMA variant ``mla_cuda_wgt``, forced ``wgt``,
+    sm_90a): the same resource checks and their wgmma counts; a target other than sm_90a, and specs they do not
+    serve, raise naming every reason.
 
 The numerics: ``test_mla_tc_emulated.py`` (CPU emulation) and ``tests/gpu`` (the path cases of
 ``pagedkv.testing.shapes.mla_path_cases``).
@@ -25,7 +26,7 @@ import pytest
 from _cuda_support import cuda_source_of, nvcc_all, ptxas_usage, stack_frames
 
 from pagedkv import tir_kernels as tk
-from pagedkv.tir_kernels import mla_cuda, mla_cuda_tc, mla_cuda_wg
+from pagedkv.tir_kernels import mla_cuda, mla_cuda_tc, mla_cuda_wg, mla_cuda_wgt
 from pagedkv.tir_kernels._common import fast_macro_expansion
 
 import tvm
@@ -90,7 +91,7 @@ def _uses_tc(s) -> bool:
 
 
 def test_switch_is_registered():
-    assert tk.SWITCHES[SWITCH][1] == ("auto", "simt", "tc", "wg")  # wg: below (sm_90a)
+    assert tk.SWITCHES[SWITCH][1] == ("auto", "simt", "tc", "wg", "wgt")  # wg, wgt: below (sm_90a)
     assert spec(16, 128, 64, "float16", "auto").paths == ()
 
 
@@ -134,38 +135,50 @@ SM90A = Target({"kind": "cuda", "arch": "sm_90a"}, host="llvm")
 WG_CONFIGS = [(128, 512, 64, "float16"), (16, 512, 64, "bfloat16")]
 
 
+#: The wgmma kernels: wg, and wgt (TMA latent tiles), whose PrimFunc also holds wg's kernel (its fallback).
+WG_KERNELS = {"wg": (mla_cuda_wg.smem_bytes, 1), "wgt": (mla_cuda_wgt.smem_bytes, 2)}
+WG_CASES = [(k, c) for k in WG_KERNELS for c in WG_CONFIGS]
+
+
 @functools.cache
-def wg_cuda_source(cfg: tuple) -> str:
+def wg_cuda_source(case: tuple) -> str:
+    kernel, cfg = case
     with fast_macro_expansion():
-        func = mla_cuda.mla_attn_decode_paged_cuda(dataclasses.replace(spec(*cfg, "wg"), target_arch="sm_90a"))
+        func = mla_cuda.mla_attn_decode_paged_cuda(dataclasses.replace(spec(*cfg, kernel), target_arch="sm_90a"))
     with SM90A:
         exe = tvm.compile(tvm.IRModule({"pagedkv_mla_attn_decode_paged": func}), target=SM90A)
     return cuda_source_of(exe)
 
 
-@pytest.mark.parametrize("cfg", WG_CONFIGS, ids=["x".join(map(str, c)) for c in WG_CONFIGS])
-def test_wg_decode_compiles_without_spills(cfg, tmp_path):
+@pytest.mark.parametrize("case", WG_CASES, ids=[k + "-" + "x".join(map(str, c)) for k, c in WG_CASES])
+def test_wg_decode_compiles_without_spills(case, tmp_path):
     """No spills in at most 255 registers (256 threads), static + dynamic shared memory within 227 KB, and per
-    tile ``DL / 32`` wgmma m64n32k16 (S, A = Q) and ``TK / 16`` m64n{DV/2}k16 (P V) in the source."""
-    src = wg_cuda_source(cfg)
-    rc, log = nvcc_all([cfg], wg_cuda_source, tmp_path, "mla_wg_")[cfg]
+    tile ``DL / 32`` wgmma m64n32k16 (S, A = Q) and ``TK / 16`` m64n{DV/2}k16 (P V) in the source, in each
+    wgmma kernel of the PrimFunc (wgt: its own and wg's)."""
+    kernel, cfg = case
+    smem_bytes, kernels = WG_KERNELS[kernel]
+    src = wg_cuda_source(case)
+    rc, log = nvcc_all([case], wg_cuda_source, tmp_path, "mla_wg_")[case]
     assert rc == 0, log[-4000:]
     assert "instructions are serialized" not in log and "warpgroup.wait is injected" not in log, log[-3000:]
-    usage = ptxas_usage(log)["pagedkv_mla_attn_decode_paged_kernel"]
-    assert usage[1:] == (0, 0) and usage[0] <= 255, usage
+    usage = ptxas_usage(log)
+    for name, (regs, *spills) in usage.items():
+        assert spills == [0, 0] and regs <= 255, (name, regs, spills)
     assert not any(stack_frames(log).values()), stack_frames(log)
-    print(cfg, usage)
+    print(case, usage)
     h, rank, rope, _ = cfg
     static = max(int(m) for m in re.findall(r"(\d+) bytes smem", log))
-    assert static + mla_cuda_wg.smem_bytes(rank + rope) <= MAX_SMEM, static
+    assert static + smem_bytes(rank + rope) <= MAX_SMEM, static
     body = src.split("#endif")[-1]
-    assert len(re.findall(r"pagedkv_wgmma_n32_b?f16_t0\(", body)) == (rank + rope) // 32
-    assert len(re.findall(rf"pagedkv_wgmma_n{rank // 2}_b?f16_t1\(", body)) == mla_cuda_wg.TK // 16
+    assert len(re.findall(r"pagedkv_wgmma_n32_b?f16_t0\(", body)) == (rank + rope) // 32 * kernels
+    assert len(re.findall(rf"pagedkv_wgmma_n{rank // 2}_b?f16_t1\(", body)) == mla_cuda_wg.TK // 16 * kernels
+    assert ("CUtensorMap" in body) == (kernel == "wgt")
 
 
-def test_wg_needs_sm90a_and_names_every_reason():
-    with pytest.raises(NotImplementedError, match=f"{SWITCH}=wg.*target arch"):
-        mla_cuda.mla_attn_decode_paged_cuda(spec(128, 512, 64, "float16", "wg"))
+@pytest.mark.parametrize("kernel", ["wg", "wgt"])
+def test_wg_needs_sm90a_and_names_every_reason(kernel):
+    with pytest.raises(NotImplementedError, match=f"{SWITCH}={kernel}: .*target arch"):
+        mla_cuda.mla_attn_decode_paged_cuda(spec(128, 512, 64, "float16", kernel))
     reasons = mla_cuda_wg.wg_unserved(dataclasses.replace(spec(4, 96, 16, "float32", "wg"), target_arch="sm_90a"))
     assert [r.split(" (")[0] for r in reasons] == ["dtype float32", "latent dim 112", "kv_lora_rank 96"]
     assert mla_cuda_wg.wg_unserved(dataclasses.replace(spec(128, 512, 64, "bfloat16", "wg"),

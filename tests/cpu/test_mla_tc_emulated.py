@@ -27,10 +27,11 @@ import numpy as np
 import pytest
 import torch
 from _cuda_support import cuda_source_of
-from _decode_emu import HERE, SM90, device_helpers, host_main, kernels_of, launches, storage, values
+from _decode_emu import HERE, SM90, device_helpers, host_main, kernels_of, launches, storage, tensor_map, values
 
 from pagedkv import tir_kernels as tk
 from pagedkv.testing import reference as R
+from pagedkv.tir_kernels._tma_cuda import LatentPageMap
 
 import tvm
 from tvm.target import Target
@@ -56,7 +57,11 @@ WG_CONFIGS = {
     "h64-r128-f16-s8": (64, 128, 64, "float16", "8", [130, 1, 0]),
     "h16-r512-f16-s1": (16, 512, 64, "float16", "1", [150, 33]),
 }
-CASES = [(n, "tc") for n in CONFIGS] + [(n, "wg") for n in WG_CONFIGS]
+#: The TMA variant (``=wgt``) on the same configs, and once with the pool's address reported unaligned: its
+#: PrimFunc's host code then runs the wg kernel (``wgt/unaligned``).
+CASES = ([(n, "tc") for n in CONFIGS] + [(n, "wg") for n in WG_CONFIGS] + [(n, "wgt") for n in WG_CONFIGS]
+         + [("h40-r256-f16-s3", "wgt/unaligned")])
+WG_KERNELS = ("wg", "wgt", "wgt/unaligned")
 PS = 16
 #: Bytes of the static array standing in for the kernel's dynamic shared memory.
 DYN_SMEM_BYTES = 232 * 1024
@@ -65,7 +70,7 @@ DYN_SMEM_BYTES = 232 * 1024
 def _spec(name, kernel="tc"):
     h, r, rope, dt, splits, _l = (CONFIGS if kernel == "tc" else WG_CONFIGS)[name]
     return tk.KernelConfig(h, h, 64, 64, dt, kv_lora_rank=r, qk_rope_head_dim=rope,
-                           paths={"cuda_mla_decode_kernel": kernel, "cuda_decode_splits": splits})
+                           paths={"cuda_mla_decode_kernel": kernel.split("/")[0], "cuda_decode_splits": splits})
 
 
 @pytest.fixture(scope="module")
@@ -75,6 +80,7 @@ def built(tmp_path_factory):
     out, workdir = {}, tmp_path_factory.mktemp("emu_mla_tc")
 
     def get(name, kernel):
+        kernel = kernel.split("/")[0]  # one build serves the aligned and the unaligned run
         if (name, kernel) not in out:
             out[(name, kernel)] = _build(name, kernel, workdir / f"{name}-{kernel}")
         return out[(name, kernel)]
@@ -83,19 +89,21 @@ def built(tmp_path_factory):
 
 
 def _build(name, kernel, stem):
-    target = SM90A if kernel == "wg" else SM90
+    target = SM90A if kernel in WG_KERNELS else SM90
     func = tk.build_kernels(_spec(name, kernel), target, ops=(OP,))[OP]
     with target:
         exe = tvm.compile(tvm.IRModule({f"pagedkv_{OP}": func}), target=target)
     src = cuda_source_of(exe)
     kernels = kernels_of(src, dyn_smem_bytes=DYN_SMEM_BYTES)
-    mark = "pagedkv_wgmma_" if kernel == "wg" else "pagedkv_mma_"
-    assert sum(mark in body for body, _p in kernels.values()) == 1, "one tensor-core kernel"
+    mark = "pagedkv_wgmma_" if kernel in WG_KERNELS else "pagedkv_mma_"
+    # wgt: the TMA kernel and the wg kernel its host code falls back to.
+    assert sum(mark in body for body, _p in kernels.values()) == (2 if kernel == "wgt" else 1), "tensor-core kernels"
     main, launch_params = host_main(func)
     runs, bodies = [], []
     for kname, (body, params) in kernels.items():
         bodies.append(body)
-        args = ", ".join(f"({ty})ptrs[{i}]" if ty.endswith("*") else f"(({ty})nums[{i}])"
+        args = ", ".join(f"*(const CUtensorMap*)ptrs[{i}]" if "CUtensorMap" in ty  # by value, as the host passes it
+                         else f"({ty})ptrs[{i}]" if ty.endswith("*") else f"(({ty})nums[{i}])"
                          for i, (ty, _n) in enumerate(params))
         runs.append(f'  if (!std::strcmp(name, "{kname}")) launch3(g[0], g[1], g[2], g[3], g[4], g[5], [=]() '
                     f'{{ {kname}({args}); }});')
@@ -144,14 +152,19 @@ def test_emulated_tc_mla_decode_matches_reference(name, kernel, built):
               "o": storage(torch.full((B, h, r), float("nan")), dt), "lse": np.full((B, h), np.nan, np.float32),
               "ws_o": np.full((B * h * 8, r), np.nan, np.float32), "ws_l": np.full((B * h * 8,), np.nan, np.float32)}
     env = {"B": B, "_p": pages.shape[0], "ps": PS, "nnz": len(page_values), "sm_scale": sm_scale,
-           "max_kv_len": max(lengths), "dev_id": 0}
+           "max_kv_len": max(lengths), "dev_id": 0, "aligned16": kernel == "wgt"}
     calls = launches(main, env)
     assert env["S"] == int(splits) and len(calls) == (2 if env["S"] > 1 else 1), (calls, env.get("S"))
+    keep = []
     for kname, args in calls:
         ps_, n = params[kname], len(params[kname])
         ptrs, nums = (ctypes.c_void_p * n)(), (ctypes.c_double * n)()
+        assert any("CUtensorMap" in ty for ty, _p in ps_) == (kernel == "wgt" and kname == calls[0][0]), kname
         for i, (ty, pname) in enumerate(ps_):
-            if ty.endswith("*"):
+            if "CUtensorMap" in ty:
+                keep.append(tensor_map(arrays["pages"], LatentPageMap(r + rope)))
+                ptrs[i] = ctypes.addressof(keep[-1])
+            elif ty.endswith("*"):
                 ptrs[i] = arrays[re.sub(r"_ptr(_\d+)?$", "", pname)].ctypes.data  # TVM may suffix a name
             else:
                 assert args[i] is not None, f"{kname}: argument {pname} not evaluated"

@@ -32,11 +32,11 @@ import numpy as np
 import pytest
 import torch
 from _cuda_support import cuda_source_of
+from _decode_emu import tensor_map
 
 from pagedkv import tir_kernels as tk
 from pagedkv.testing import reference as R
 from pagedkv.testing.cuda_source import hide_params, static_shared, tensor_core_kernel, unused_params
-from pagedkv.tir_kernels._tma_cuda import decode_args
 from pagedkv.tir_kernels.attention_cuda_prefill_tc import TC_TILES, tma_maps
 
 import tvm
@@ -149,7 +149,7 @@ def _build(cfg, tile, op, stem):
     assert ("extern __shared__" in cuda_source_of(exe)) == (TC_TILES[tile].stages >= 2)  # tc2: dynamic
     args = []
     for i, (ty, pname) in enumerate(params):
-        if "CUtensorMap" in ty:  # a TMA tile's tensor map: the struct _tensor_map fills, by value
+        if "CUtensorMap" in ty:  # a TMA tile's tensor map: the struct _decode_emu.tensor_map fills, by value
             args.append(f"*(const CUtensorMap*)ptrs[{i}]")
         elif i in unused:
             args.append("0")  # a value the host code computes for the launch only (e.g. a grid size)
@@ -177,25 +177,6 @@ def _from_storage(a: np.ndarray, dtype: str) -> torch.Tensor:
     return (t if dtype == "float16" else t.view(torch.bfloat16)).double()
 
 
-class _TensorMap(ctypes.Structure):
-    """``_cuda_emu.h``'s ``CUtensorMap``: what the emulated TMA copies read."""
-
-    _fields_ = [("base", ctypes.c_void_p), ("rank", ctypes.c_int), ("elem_bytes", ctypes.c_int),
-                ("swizzle", ctypes.c_int), ("dims", ctypes.c_uint64 * 5), ("strides", ctypes.c_uint64 * 5),
-                ("box", ctypes.c_uint32 * 5)]
-
-
-def _tensor_map(array: np.ndarray, tmap) -> _TensorMap:
-    """The emulator's tensor map of ``array`` from the map's own encode arguments (what the host code passes
-    to ``cuTensorMapEncodeTiled`` on the GPU): dims, byte strides of dims 1.., box, element strides, options."""
-    a = decode_args(tmap.rank, tmap.encode_args(array.shape))
-    assert a.elem_strides == [1] * tmap.rank and a.interleave == 0 and a.oob_fill == 0 and array.itemsize == 2
-    m = _TensorMap(array.ctypes.data, tmap.rank, array.itemsize, a.swizzle)
-    for r in range(tmap.rank):
-        m.dims[r], m.strides[r], m.box[r] = a.dims[r], ([array.itemsize] + a.strides)[r], a.box[r]
-    return m
-
-
 def _run(built, arrays: dict, scalars: dict, grid, maps=None):
     lib, params, unused = built
     ptrs = (ctypes.c_void_p * len(params))()
@@ -204,7 +185,7 @@ def _run(built, arrays: dict, scalars: dict, grid, maps=None):
     for i, (ty, pname) in enumerate(params):
         if "CUtensorMap" in ty:
             tensor, tmap = maps[pname]
-            keep.append(_tensor_map(arrays[tensor], tmap))
+            keep.append(tensor_map(arrays[tensor], tmap))
             ptrs[i] = ctypes.addressof(keep[-1])
         elif i in unused:
             continue  # passed as 0 by the launcher (_build)

@@ -40,7 +40,7 @@ SHARED_ALLOC = re.compile(r'(\w+) = T\.alloc_buffer\((\([^)]*\))(?:, "(\w+)")?, 
 CONST_DECL = re.compile(r"^\s+(\w+): T\.\w+ = (-?[\d.]+)$", re.M)
 
 #: (id, config, paths, target): every decode kernel choice (plain and windowed + capped), every prefill tile at a
-#: head dim it serves, both tensor-core MLA decodes.
+#: head dim it serves, the tensor-core MLA decodes.
 CASES = (
     [(f"decode-{k}", tk.KernelConfig(8, 1, 64, 64, "bfloat16", sliding_window=90, logits_soft_cap=20.0),
       {"cuda_decode_kernel": k}, SM90) for k in ("tc", "staged", "lanes")]
@@ -51,7 +51,7 @@ CASES = (
     + [(f"prefill-{t}-d64", tk.KernelConfig(8, 2, 64, 64, "bfloat16"), {"cuda_prefill_kernel": t}, SM90)
        for t in TC_TILES if t not in WG_PREFILL_TILES]
     + [(f"mla-{k}-{h}", tk.KernelConfig(h, h, 64, 64, "float16", kv_lora_rank=512, qk_rope_head_dim=64),
-        {"cuda_mla_decode_kernel": k}, SM90A if k == "wg" else SM90) for k in ("tc", "wg") for h in (16, 128)]
+        {"cuda_mla_decode_kernel": k}, SM90A if k != "tc" else SM90) for k in ("tc", "wg", "wgt") for h in (16, 128)]
 )
 IDS = [c[0] for c in CASES]
 
