@@ -46,18 +46,17 @@ PREFILL_TILES = tuple(v for v in SWITCHES["cuda_prefill_kernel"][1] if v not in 
 #: label -> TIR code paths its cache is created under (``pagedkv.backends.tir.forced_paths``): the tensor-core
 #: prefill tiles (``tir_kernels.attention_cuda_prefill.TC_DEFAULT_TILES``: auto is tc3 for whole prompts, tc2 for
 #: the paged op), each forced on its own so that the tiles are compared in every run; the tensor-core decode;
-#: the tensor-core MLA decodes (mma.sync, wgmma, wgmma with TMA tiles, and with P V deferred a tile).
+#: the tensor-core MLA decodes (mma.sync, wgmma, wgmma with TMA tiles).
 PAGEDKV_PATHS = {**{f"pagedkv-tir-{t}": {"cuda_prefill_kernel": t} for t in PREFILL_TILES},
                  "pagedkv-tir-tcd": {"cuda_decode_kernel": "tc"},
                  "pagedkv-tir-mlatc": {"cuda_mla_decode_kernel": "tc"},
                  "pagedkv-tir-mlawg": {"cuda_mla_decode_kernel": "wg"},
-                 "pagedkv-tir-mlawgt": {"cuda_mla_decode_kernel": "wgt"},
-                 "pagedkv-tir-mlawgtd": {"cuda_mla_decode_kernel": "wgtd"}}
+                 "pagedkv-tir-mlawgt": {"cuda_mla_decode_kernel": "wgt"}}
 PAGEDKV_BACKENDS = {"pagedkv-fi": ["flashinfer", "tir"], "pagedkv-tir": "tir", **dict.fromkeys(PAGEDKV_PATHS, "tir")}
 #: The labels of ``PAGEDKV_PATHS`` that time the decode (the others time prefill only).
 DECODE_PATH_LABELS = ("pagedkv-tir-tcd",)
 #: The labels of ``PAGEDKV_PATHS`` that time the MLA decode only.
-MLA_PATH_LABELS = ("pagedkv-tir-mlatc", "pagedkv-tir-mlawg", "pagedkv-tir-mlawgt", "pagedkv-tir-mlawgtd")
+MLA_PATH_LABELS = ("pagedkv-tir-mlatc", "pagedkv-tir-mlawg", "pagedkv-tir-mlawgt")
 _WS_BYTES = 512 << 20  # FlashInfer's own wrappers get a generous float workspace
 
 

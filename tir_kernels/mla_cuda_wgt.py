@@ -39,10 +39,10 @@ from ..kernel_spec import forced as forced_path
 from ..ops import MLA_ATTN_DECODE_PAGED, shape_values
 from . import mla_cuda_wg as wgk
 from ._abi import abi_prim_func
-from ._common import EMPTY_LSE, LOG2E, MASKED
-from ._common_cuda import decode_splits, shfl_xor
+from ._common import EMPTY_LSE, LOG2E
+from ._common_cuda import decode_splits
 from ._mla_frame_cuda import make_split_frame
-from ._mma_cuda import c_frag, keep_extent
+from ._mma_cuda import keep_extent
 from ._tma_cuda import (MBAR_BYTES, SW128_ALIGN, LatentPageMap, host_aligned16, mbar_expect_tx, mbar_init, mbar_wait,
                         sw128_pad, tma_load3)
 from ._wgmma_cuda import Sw128Layout, proxy_fence, reg_fence, wg_attention_gemms, wg_commit, wg_fence, wg_wait0, wgmma
@@ -60,17 +60,6 @@ __device__ __forceinline__ float pagedkv_ld_shared_f32(const void* p) {
   asm volatile("ld.shared.f32 %0, [%1];\n" : "=f"(v) : "r"(static_cast<unsigned>(__cvta_generic_to_shared(p))) : "memory");
   return v;
 }
-// 16 bytes of registers (4 words at r: a fragment array nvcc keeps in registers once inlined) to / from shared p.
-__device__ __forceinline__ void pagedkv_st_shared_v4(void* p, const void* r) {
-  const unsigned* u = reinterpret_cast<const unsigned*>(r);
-  asm volatile("st.shared.v4.b32 [%0], {%1, %2, %3, %4};\n" :: "r"(static_cast<unsigned>(__cvta_generic_to_shared(p))),
-               "r"(u[0]), "r"(u[1]), "r"(u[2]), "r"(u[3]) : "memory");
-}
-__device__ __forceinline__ void pagedkv_ld_shared_v4(void* r, const void* p) {
-  unsigned* u = reinterpret_cast<unsigned*>(r);
-  asm volatile("ld.shared.v4.b32 {%0, %1, %2, %3}, [%4];\n" : "=r"(u[0]), "=r"(u[1]), "=r"(u[2]), "=r"(u[3])
-               : "r"(static_cast<unsigned>(__cvta_generic_to_shared(p))) : "memory");
-}
 __device__ __forceinline__ void pagedkv_st_shared_zero16(void* p) {
   asm volatile("st.shared.v4.b32 [%0], {%1, %1, %1, %1};\n" :: "r"(static_cast<unsigned>(__cvta_generic_to_shared(p))),
                "r"(0) : "memory");
@@ -87,34 +76,19 @@ def _ld_f32(p):
     return T.cuda.func_call("pagedkv_ld_shared_f32", p, source_code=_SOURCE, return_type="float32")
 
 
-def _st_v4(p, r):
-    return T.cuda.func_call("pagedkv_st_shared_v4", p, r, source_code=_SOURCE)
-
-
-def _ld_v4(r, p):
-    return T.cuda.func_call("pagedkv_ld_shared_v4", r, p, source_code=_SOURCE)
-
-
 def _zero16(p):
     return T.cuda.func_call("pagedkv_st_shared_zero16", p, source_code=_SOURCE)
 
 
 SWITCH, VALUE = "cuda_mla_decode_kernel", "wgt"
-#: The value of this kernel with P V deferred one tile (``_make_block(deferred=True)``, module docstring).
-VALUE_DEFERRED = "wgtd"
 #: Heads a block, threads, keys a tile and ring stages; tiles loading while one computes.
 ROWS, NT, TK, NS = wgk.ROWS, wgk.NT, 32, 5
 AHEAD = NS - 1
-#: Deferred: P V of tile kt is issued in tile kt + 1 and waited for in tile kt + 2, so a tile's stage frees a
-#: tile later.
-AHEAD_DEFERRED = NS - 2
 #: 8-key box groups a tile (one box each per column block); the warps of a group split its column blocks.
 GROUPS = TK // 8
 WARPS_A_GROUP = NT // 32 // GROUPS
 #: auto takes this kernel where ``mla_cuda_wg``'s auto rule takes that one.
 WGT_BY_DEFAULT = False
-#: auto's pipeline of this kernel: P V deferred a tile (True) or issued after the tile's softmax.
-WGT_DEFERRED_BY_DEFAULT = False
 
 
 def wgt_unserved(spec) -> list[str]:
@@ -126,14 +100,7 @@ def use_wgt(spec) -> bool:
     """Whether ``mla_attn_decode_paged`` of ``spec`` runs this kernel: forced (raises with ``wgt_unserved``'s
     reasons where it does not serve), or auto (``WGT_BY_DEFAULT``) where ``mla_cuda_wg``'s auto rule holds."""
     choice = forced_path(spec.paths, SWITCH)
-    return choice in (VALUE, VALUE_DEFERRED) or (WGT_BY_DEFAULT and choice == "auto" and wgk.use_wg(spec))
-
-
-def deferred(spec) -> bool:
-    """Whether this kernel of ``spec`` defers P V a tile (forced ``VALUE_DEFERRED``, or auto with
-    ``WGT_DEFERRED_BY_DEFAULT``)."""
-    choice = forced_path(spec.paths, SWITCH)
-    return choice == VALUE_DEFERRED or (choice == "auto" and WGT_DEFERRED_BY_DEFAULT)
+    return choice == VALUE or (WGT_BY_DEFAULT and choice == "auto" and wgk.use_wg(spec))
 
 
 def smem_bytes(latent_dim: int) -> int:
@@ -190,9 +157,9 @@ def _make_tma_ops(H: int, DL: int, DV: int, dtype: str):
         T.evaluate(proxy_fence())
 
     @T.macro
-    def score(smem, kb, qf, sacc, oacc, pf, wg):
-        """This warpgroup's partial S of the tile at ``kb`` (k steps ``wg * NKS ..``); the wait also completes
-        the P V in flight."""
+    def score(smem, Ss, kb, qf, sacc, oacc, pf, wg, t, buf):
+        """This warpgroup's partial S of the tile at ``kb`` (k steps ``wg * NKS ..``), P V of the previous tile
+        completed by the same wait, the partial published in ``Ss`` half ``buf``; ends after the block barrier."""
         T.evaluate(reg_fence(NKS * 4, T.address_of(qf[0])))
         T.evaluate(wg_fence())
         for ks in T.unroll(NKS):
@@ -202,12 +169,9 @@ def _make_tma_ops(H: int, DL: int, DV: int, dtype: str):
         T.evaluate(wg_wait0())
         wgg.score_done(sacc, qf)
         wgg.pv_done(oacc, pf)
-
-    @T.macro
-    def publish(Ss, sacc, wg, t, buf):
-        """The partial S into ``Ss`` half ``buf`` (the caller's barrier publishes it)."""
         for e in T.unroll(SN):
             T.evaluate(_st_f32(T.address_of(Ss[((buf * SN + e) * 2 + wg) * 128 + t]), sacc[e]))
+        T.tvm_storage_sync("shared")
 
     @T.macro
     def add_partner(Ss, sacc, wg, t, buf):
@@ -220,14 +184,14 @@ def _make_tma_ops(H: int, DL: int, DV: int, dtype: str):
         """Issue O (the warpgroup's value dims: column blocks ``wg * DVH / 64 ..``) += P V; left in flight."""
         wgg.pv_issue(oacc, pf, smem, kb + wg * (DVH // 64) * TK * 64)
 
-    return bar, look_up, issue, zero_tail, score, publish, add_partner, accumulate
+    return bar, look_up, issue, zero_tail, score, add_partner, accumulate
 
 
 def _make_block(H: int, DL: int, DV: int, dtype: str):
     """The per-thread block macro of ``make_split_frame`` (``pages`` = (pool, its tensor map))."""
     _l, _i, load_q, _s, softmax, _a, finish, SN, ON, NKS = wgk._make_tile_ops(H, DL, DV, dtype)  # noqa: SLF001
     store = wgk._make_store(H, DV, dtype)  # noqa: SLF001
-    bar, look_up, issue, zero_tail, score, publish, add_partner, accumulate = _make_tma_ops(H, DL, DV, dtype)
+    bar, look_up, issue, zero_tail, score, add_partner, accumulate = _make_tma_ops(H, DL, DV, dtype)
     TILE, SMEM = TK * DL, smem_bytes(DL) // 2
 
     @T.macro
@@ -272,9 +236,7 @@ def _make_block(H: int, DL: int, DV: int, dtype: str):
             T.evaluate(mbar_wait(bar(smem, T.truncmod(kt, NS)), T.truncmod(T.truncdiv(kt, NS), 2)))
             if k0 + (kt + 1) * TK > k1:
                 zero_tail(smem, T.truncmod(kt, NS), k0 + kt * TK, k1, tid)
-            score(smem, T.truncmod(kt, NS) * TILE, qf, sacc, oacc, pf, wg)
-            publish(Ss, sacc, wg, T.truncmod(tid, 128), T.truncmod(kt, 2))
-            T.tvm_storage_sync("shared")
+            score(smem, Ss, T.truncmod(kt, NS) * TILE, qf, sacc, oacc, pf, wg, T.truncmod(tid, 128), T.truncmod(kt, 2))
             # Past the barrier: tile kt - 1's stage is free (both warpgroups waited for its P V).
             if k0 + (kt + AHEAD) * TK < k1:
                 issue(smem, T.truncmod(kt + AHEAD, NS), pages[1], page_values, pbase, ps, k0 + (kt + AHEAD) * TK, k1,
@@ -288,172 +250,17 @@ def _make_block(H: int, DL: int, DV: int, dtype: str):
     return block
 
 
-def _make_deferred_ops(H: int, DL: int, DV: int, dtype: str):
-    """The deferred pipeline's macros: the softmax of this warpgroup's key half, the P exchange, O's rescale."""
-    NSN, NDN = TK // 8, DV // 2 // 8
-
-    @T.macro
-    def softmax_half(sacc, ph, m, lsum, Al, st, kbase, kend, scale2, tid, lane):
-        """Online softmax of the thread's rows over the tile at ``kbase`` (max over all ``TK`` keys, alike on both
-        warpgroups; keys at or past ``kend`` masked), the exps of this warpgroup's key half only (n-tiles ``2 wg``,
-        ``2 wg + 1``: the A fragment of k step ``wg``) into ``ph``, their sum into ``lsum`` (a partial: the
-        warpgroups' sums meet at the end); ``Al[2 tid + rr]`` = the rescale O takes before this tile's P V (in
-        shared memory: no register is left for it across the next tile's GEMMs)."""
-        for rr in T.unroll(2):
-            st[0] = m[rr]
-            for nt in T.unroll(NSN):
-                for c in T.unroll(2):
-                    sacc[nt * 4 + rr * 2 + c] = T.if_then_else(
-                        kbase + nt * 8 + c_frag(lane, c)[1] < kend, sacc[nt * 4 + rr * 2 + c] * scale2,
-                        T.float32(MASKED))
-                    st[0] = T.max(st[0], sacc[nt * 4 + rr * 2 + c])
-            st[0] = T.max(st[0], shfl_xor(st[0], 1))
-            st[0] = T.max(st[0], shfl_xor(st[0], 2))
-            st[1] = T.exp2(m[rr] - st[0])
-            T.evaluate(_st_f32(T.address_of(Al[tid * 2 + rr]), st[1]))
-            m[rr] = st[0]
-            lsum[rr] = lsum[rr] * st[1]
-            for j in T.unroll(2):
-                for c in T.unroll(2):
-                    # Static register indices on both sides of the select (a runtime index would put sacc in memory).
-                    st[2] = T.exp2(T.if_then_else(tid < 128, sacc[j * 4 + rr * 2 + c],
-                                                  sacc[(2 + j) * 4 + rr * 2 + c]) - st[0])
-                    lsum[rr] = lsum[rr] + st[2]
-                    ph[j * 4 + rr * 2 + c] = T.Cast(dtype, st[2])
-
-    @T.macro
-    def publish_p(Ps, ph, wg, t, buf):
-        """This warpgroup's P half (16 bytes a thread) into ``Ps`` half ``buf`` as k step ``wg``."""
-        T.evaluate(_st_v4(T.address_of(Ps[((buf * 2 + wg) * 128 + t) * 4]), T.address_of(ph[0])))
-
-    @T.macro
-    def gather_p(Ps, pf, t, buf):
-        """Both k steps of P (the A fragments of P V) from ``Ps`` half ``buf``."""
-        for kk in T.unroll(2):
-            T.evaluate(_ld_v4(T.address_of(pf[kk * 8]), T.address_of(Ps[((buf * 2 + kk) * 128 + t) * 4])))
-
-    @T.macro
-    def rescale_o(oacc, Al, st, tid):
-        """O *= the row's rescale ``Al[2 tid + rr]`` (skipped where the max did not move: exactly 1)."""
-        for rr in T.unroll(2):
-            st[1] = _ld_f32(T.address_of(Al[tid * 2 + rr]))
-            if st[1] < T.float32(1):
-                for dn in T.unroll(NDN):
-                    for c in T.unroll(2):
-                        oacc[dn * 4 + rr * 2 + c] = oacc[dn * 4 + rr * 2 + c] * st[1]
-
-    return softmax_half, publish_p, gather_p, rescale_o
-
-
-def _make_block_deferred(H: int, DL: int, DV: int, dtype: str):
-    """``_make_block`` with P V deferred a tile (module docstring, "Deferred")."""
-    _l, _i, load_q, _s, _sm, _a, _f, SN, ON, NKS = wgk._make_tile_ops(H, DL, DV, dtype)  # noqa: SLF001
-    store = wgk._make_store(H, DV, dtype)  # noqa: SLF001
-    bar, look_up, issue, zero_tail, score, publish, add_partner, accumulate = _make_tma_ops(H, DL, DV, dtype)
-    softmax_half, publish_p, gather_p, rescale_o = _make_deferred_ops(H, DL, DV, dtype)
-    wgg = wg_attention_gemms(dtype, s_steps=NKS, tk=TK, k_lay=Sw128Layout(DL, TK), dv=DV // 2,
-                             v_lay=Sw128Layout(DL, TK))
-    TILE, SMEM = TK * DL, smem_bytes(DL) // 2
-
-    @T.macro
-    def tail(smem, Ss, Ps, Al, pf, oacc, lsum, st, nt, wg, t):
-        """After the last tile: its P V (its P halves, published by the loop, met at one more barrier), the
-        warpgroups' row sums added."""
-        T.evaluate(wg_wait0())
-        wgg.pv_done(oacc, pf)
-        for rr in T.unroll(2):
-            T.evaluate(_st_f32(T.address_of(Ss[((T.truncmod(nt, 2) * SN + rr) * 2 + wg) * 128 + t]), lsum[rr]))
-        T.tvm_storage_sync("shared")
-        if nt > 0:
-            gather_p(Ps, pf, t, T.truncmod(nt, 2))
-            rescale_o(oacc, Al, st, wg * 128 + t)
-            accumulate(smem, T.truncmod(nt - 1, NS) * TILE, oacc, pf, wg)
-            T.evaluate(wg_wait0())
-            wgg.pv_done(oacc, pf)
-        for rr in T.unroll(2):
-            lsum[rr] = lsum[rr] + _ld_f32(T.address_of(Ss[((T.truncmod(nt, 2) * SN + rr) * 2 + 1 - wg) * 128 + t]))
-
-    @T.macro
-    def block(q, pages, page_values, o, lse, ws, sm_scale, ps, at, n, keys):
-        bx, g, sp, tid = at
-        B, S = n
-        k0, k1, pbase = keys
-        smem_all = T.alloc_buffer((SMEM,), dtype, scope="shared.dyn")
-        keep_extent(smem_all, SMEM)
-        smem = T.decl_buffer((SMEM,), dtype, data=smem_all.data, elem_offset=sw128_pad(T.address_of(smem_all[0]), 2),
-                             scope="shared.dyn")
-        Ss = T.alloc_buffer((2 * SN * 2 * 128,), "float32", scope="shared")
-        keep_extent(Ss, 2 * SN * 2 * 128)
-        Ps = T.alloc_buffer((2 * 2 * 128 * 4,), "uint32", scope="shared")  # [tile parity][k step][thread][word]
-        keep_extent(Ps, 2 * 2 * 128 * 4)
-        qf = T.alloc_buffer((NKS * 8,), dtype, scope="local")
-        sacc = T.alloc_buffer((SN,), "float32", scope="local")
-        pf = T.alloc_buffer((SN,), dtype, scope="local")
-        ph = T.alloc_buffer((8,), dtype, scope="local")
-        oacc = T.alloc_buffer((ON,), "float32", scope="local")
-        m = T.alloc_buffer((2,), "float32", scope="local")
-        lsum = T.alloc_buffer((2,), "float32", scope="local")
-        Al = T.alloc_buffer((NT * 2,), "float32", scope="shared")  # each thread's rows' O rescale
-        keep_extent(Al, NT * 2)
-        st = T.alloc_buffer((3,), "float32", scope="local")
-        pg = T.alloc_buffer((1,), "int32", scope="local")
-        wg: T.let[T.int32] = T.truncdiv(tid, 128)
-        w: T.let[T.int32] = T.truncdiv(tid, 32)
-        lane: T.let[T.int32] = T.truncmod(tid, 32)
-        nt: T.let[T.int32] = T.truncdiv(k1 - k0 + TK - 1, TK)
-        for e in T.unroll(ON):
-            oacc[e] = T.float32(0)
-        for rr in T.unroll(2):
-            m[rr] = T.float32(EMPTY_LSE)
-            lsum[rr] = T.float32(0)
-        if lane == 0:
-            look_up(pg, page_values, pbase, ps, k0, k1, tid)
-        if tid == 0:
-            for s in T.unroll(NS):
-                T.evaluate(mbar_init(bar(smem, s), 1))
-        load_q(qf, q, T.min(bx, T.max(B - 1, 0)), g * ROWS, wg, w, lane)
-        T.tvm_storage_sync("shared")
-        for s in T.unroll(AHEAD_DEFERRED):
-            if k0 + s * TK < k1:
-                issue(smem, s, pages[1], page_values, pbase, ps, k0 + s * TK, k1, pg, tid)
-        for kt in T.serial(nt):
-            T.evaluate(mbar_wait(bar(smem, T.truncmod(kt, NS)), T.truncmod(T.truncdiv(kt, NS), 2)))
-            if k0 + (kt + 1) * TK > k1:
-                zero_tail(smem, T.truncmod(kt, NS), k0 + kt * TK, k1, tid)
-            score(smem, T.truncmod(kt, NS) * TILE, qf, sacc, oacc, pf, wg)  # completes P V of tile kt - 2
-            publish(Ss, sacc, wg, T.truncmod(tid, 128), T.truncmod(kt, 2))
-            T.tvm_storage_sync("shared")
-            # Past the barrier: tile kt - 2's stage is free.
-            if k0 + (kt + AHEAD_DEFERRED) * TK < k1:
-                issue(smem, T.truncmod(kt + AHEAD_DEFERRED, NS), pages[1], page_values, pbase, ps,
-                      k0 + (kt + AHEAD_DEFERRED) * TK, k1, pg, tid)
-            add_partner(Ss, sacc, wg, T.truncmod(tid, 128), T.truncmod(kt, 2))
-            if kt > 0:  # P V of tile kt - 1, in flight through this tile's softmax
-                gather_p(Ps, pf, T.truncmod(tid, 128), T.truncmod(kt, 2))
-                rescale_o(oacc, Al, st, tid)
-                accumulate(smem, T.truncmod(kt - 1, NS) * TILE, oacc, pf, wg)
-            softmax_half(sacc, ph, m, lsum, Al, st, k0 + kt * TK, k1, sm_scale * T.float32(LOG2E), tid, lane)
-            # For tile kt + 1's barrier (the partner read this half of Ps before it arrived at this tile's).
-            publish_p(Ps, ph, wg, T.truncmod(tid, 128), T.truncmod(kt + 1, 2))
-        tail(smem, Ss, Ps, Al, pf, oacc, lsum, st, nt, wg, T.truncmod(tid, 128))
-        store(oacc, m, lsum, o, lse, ws[0], ws[1], bx, bx < B, g * ROWS, S, sp, wg, w, lane)
-
-    return block
-
-
 def mla_attn_decode_paged_wgt(spec):
     """``pagedkv_mla_attn_decode_paged`` on warpgroup tensor cores with TMA latent tiles (arguments:
     ``pagedkv.ops.OP_SPECS``), for a ``KernelSpec`` that ``wgt_unserved`` accepts (module docstring); the host code
     runs ``mla_cuda_wg``'s kernel where TMA cannot read the pool."""
     reasons = wgt_unserved(spec)
     if reasons:
-        raise NotImplementedError(f"pagedkv.tir_kernels: {SWITCH}={forced_path(spec.paths, SWITCH)}: the TMA wgmma "
-                                  f"CUDA MLA decode does not "
+        raise NotImplementedError(f"pagedkv.tir_kernels: {SWITCH}={VALUE}: the TMA wgmma CUDA MLA decode does not "
                                   f"serve {'; '.join(reasons)}")
     H, DV, DL, dtype = spec.num_qo_heads, spec.kv_lora_rank, spec.latent_dim, spec.dtype
     frame = make_split_frame(heads=H, dv=DV, groups=(H + ROWS - 1) // ROWS, threads=NT, tk=TK, dtype=dtype,
-                             splits=decode_splits(spec),
-                             block=(_make_block_deferred if deferred(spec) else _make_block)(H, DL, DV, dtype))
+                             splits=decode_splits(spec), block=_make_block(H, DL, DV, dtype))
     fallback = wgk.make_wg_body(spec)
     pmap_of = LatentPageMap(DL)
 
@@ -473,5 +280,5 @@ def mla_attn_decode_paged_wgt(spec):
                          adapter="direct_max_kv_len", any_align=("pages",))
 
 
-__all__ = ["AHEAD", "AHEAD_DEFERRED", "NS", "NT", "ROWS", "SWITCH", "TK", "VALUE", "VALUE_DEFERRED", "WGT_BY_DEFAULT",
-           "WGT_DEFERRED_BY_DEFAULT", "deferred", "mla_attn_decode_paged_wgt", "smem_bytes", "use_wgt", "wgt_unserved"]
+__all__ = ["AHEAD", "NS", "NT", "ROWS", "SWITCH", "TK", "VALUE", "WGT_BY_DEFAULT", "mla_attn_decode_paged_wgt",
+           "smem_bytes", "use_wgt", "wgt_unserved"]

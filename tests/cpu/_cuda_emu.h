@@ -369,8 +369,6 @@ inline float pagedkv_ld_shared_f32(const void* p) {
   return v;
 }
 inline void pagedkv_st_shared_zero16(void* p) { std::memset(p, 0, 16); }
-inline void pagedkv_st_shared_v4(void* p, const void* r) { std::memcpy(p, r, 16); }
-inline void pagedkv_ld_shared_v4(void* r, const void* p) { std::memcpy(r, p, 16); }
 
 // TMA and mbarriers (tir_kernels/_tma_cuda.py). A tensor map is the struct the test's launcher fills from the
 // kernel's encode arguments (on the GPU the host code encodes a CUtensorMap). A box copy is queued on its

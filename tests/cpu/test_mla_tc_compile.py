@@ -91,7 +91,7 @@ def _uses_tc(s) -> bool:
 
 
 def test_switch_is_registered():
-    assert tk.SWITCHES[SWITCH][1] == ("auto", "simt", "tc", "wg", "wgt", "wgtd")  # wg*: below (sm_90a)
+    assert tk.SWITCHES[SWITCH][1] == ("auto", "simt", "tc", "wg", "wgt")  # wg, wgt: below (sm_90a)
     assert spec(16, 128, 64, "float16", "auto").paths == ()
 
 
@@ -135,12 +135,8 @@ SM90A = Target({"kind": "cuda", "arch": "sm_90a"}, host="llvm")
 WG_CONFIGS = [(128, 512, 64, "float16"), (16, 512, 64, "bfloat16")]
 
 
-#: The wgmma kernels: wg, and wgt / wgtd (TMA latent tiles; P V deferred a tile), whose PrimFuncs also hold wg's
-#: kernel (their fallback).
-#: kernel -> (its dynamic shared memory, its PrimFunc's wgmma kernels, P V issue sites of them all: wgtd issues
-#: the last tile's P V after its loop).
-WG_KERNELS = {"wg": (mla_cuda_wg.smem_bytes, 1, 1), "wgt": (mla_cuda_wgt.smem_bytes, 2, 2),
-              "wgtd": (mla_cuda_wgt.smem_bytes, 2, 3)}
+#: The wgmma kernels: wg, and wgt (TMA latent tiles), whose PrimFunc also holds wg's kernel (its fallback).
+WG_KERNELS = {"wg": (mla_cuda_wg.smem_bytes, 1), "wgt": (mla_cuda_wgt.smem_bytes, 2)}
 WG_CASES = [(k, c) for k in WG_KERNELS for c in WG_CONFIGS]
 
 
@@ -160,7 +156,7 @@ def test_wg_decode_compiles_without_spills(case, tmp_path):
     tile ``DL / 32`` wgmma m64n32k16 (S, A = Q) and ``TK / 16`` m64n{DV/2}k16 (P V) in the source, in each
     wgmma kernel of the PrimFunc (wgt: its own and wg's)."""
     kernel, cfg = case
-    smem_bytes, kernels, pv_sites = WG_KERNELS[kernel]
+    smem_bytes, kernels = WG_KERNELS[kernel]
     src = wg_cuda_source(case)
     rc, log = nvcc_all([case], wg_cuda_source, tmp_path, "mla_wg_")[case]
     assert rc == 0, log[-4000:]
@@ -175,11 +171,11 @@ def test_wg_decode_compiles_without_spills(case, tmp_path):
     assert static + smem_bytes(rank + rope) <= MAX_SMEM, static
     body = src.split("#endif")[-1]
     assert len(re.findall(r"pagedkv_wgmma_n32_b?f16_t0\(", body)) == (rank + rope) // 32 * kernels
-    assert len(re.findall(rf"pagedkv_wgmma_n{rank // 2}_b?f16_t1\(", body)) == mla_cuda_wg.TK // 16 * pv_sites
-    assert ("CUtensorMap" in body) == (kernel != "wg")
+    assert len(re.findall(rf"pagedkv_wgmma_n{rank // 2}_b?f16_t1\(", body)) == mla_cuda_wg.TK // 16 * kernels
+    assert ("CUtensorMap" in body) == (kernel == "wgt")
 
 
-@pytest.mark.parametrize("kernel", ["wg", "wgt", "wgtd"])
+@pytest.mark.parametrize("kernel", ["wg", "wgt"])
 def test_wg_needs_sm90a_and_names_every_reason(kernel):
     with pytest.raises(NotImplementedError, match=f"{SWITCH}={kernel}: .*target arch"):
         mla_cuda.mla_attn_decode_paged_cuda(spec(128, 512, 64, "float16", kernel))
