@@ -487,7 +487,8 @@ def mla_attn_decode_paged_cuda(spec):
     (clamped to ``[1, nnz * ps]``); automatic: the kernel from before the switch. The path switch
     ``cuda_mla_decode_kernel`` (``mla_cuda_tc.use_tc``) hands fp16 / bf16 specs to the tensor-core kernel; its
     value "wg" forces the wgmma one (``mla_cuda_wg``), which auto takes on sm_90a at 64 heads or more
-    (``mla_cuda_wg.use_wg``); "wgt" forces its TMA variant (``mla_cuda_wgt``).
+    (``mla_cuda_wg.use_wg``); "wgt" forces its TMA variant (``mla_cuda_wgt``), which auto takes there instead
+    (``WGT_BY_DEFAULT``; its PrimFunc runs wg's kernel where TMA cannot read the pages).
     """
     from . import mla_cuda_tc, mla_cuda_wg, mla_cuda_wgt  # pylint: disable=import-outside-toplevel
 

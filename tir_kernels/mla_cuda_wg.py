@@ -63,7 +63,8 @@ ROWS, NT, TK, NS = 64, 256, 32, 5
 AHEAD = NS - 2
 WG_DTYPES = ("float16", "bfloat16")
 WG_MAX_LATENT = 576
-#: auto takes this kernel over ``mla_cuda_tc``'s where it serves the spec (sm_90a builds) and the spec has at
+#: auto takes this kernel (its TMA variant ``mla_cuda_wgt`` with ``WGT_BY_DEFAULT``, its PrimFunc holding this one
+#: as the fallback) over ``mla_cuda_tc``'s where it serves the spec (sm_90a builds) and the spec has at
 #: least this many heads, whole m64 tiles: at 128 heads it ran 1.30-1.52x the mma.sync kernel (H200, run 17:
 #: 0.43-0.45 of FlashInfer's fa3 against 0.29-0.33), at 16 heads (a quarter-full tile) 0.55-0.62x of it. 64
 #: heads, one full tile, is not measured.
