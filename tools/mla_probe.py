@@ -24,13 +24,13 @@ events), checks the plain kernels against a float32 PyTorch reference and prints
 
 from __future__ import annotations
 
-import argparse
 import json
 import math
 import re
-import subprocess
 import sys
 from pathlib import Path
+
+from prefill_probe import build, parse, time_calls  # the same nvcc build (TVM's flags), command line, timing
 
 H, R, ROPE, PS = 128, 512, 64, 64
 DL = R + ROPE
@@ -106,7 +106,7 @@ def gen(out: Path, names: list[str], prefix: str = "") -> None:
     sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests" / "cpu"))
     import tvm
     from _decode_emu import host_main, launches  # the emulated tests' host-code evaluation
-    from prefill_probe import _ENCODE  # noqa: PLC2701 (the driver's encode, looked up once)
+    from prefill_probe import _ENCODE  # the driver's encode, looked up once
     from tvm.target import Target
 
     from pagedkv import tir_kernels as tk
@@ -141,17 +141,6 @@ def gen(out: Path, names: list[str], prefix: str = "") -> None:
         meta[prefix + name] = {"splits": splits}
         print(prefix + name, meta[prefix + name], flush=True)
     (out / "meta.json").write_text(json.dumps(meta, indent=1))
-
-
-def build(d: Path, jobs: int) -> None:
-    cmds = [["nvcc", "-O3", "-std=c++17", "-shared", "-Xcompiler", "-fPIC", "-w", "-lineinfo", "--use_fast_math",
-             "--expt-relaxed-constexpr", "--ptxas-options=--register-usage-level=10",
-             "-gencode=arch=compute_90a,code=sm_90a", "-o", str(cu.with_suffix(".so")), str(cu), "-ldl"]
-            for cu in sorted(d.glob("*.cu"))]
-    for i in range(0, len(cmds), jobs):
-        procs = [subprocess.Popen(c) for c in cmds[i:i + jobs]]
-        if any(p.wait() for p in procs):
-            raise SystemExit("nvcc failed")
 
 
 def run(d: Path, names: list[str], iters: int) -> int:
@@ -197,42 +186,20 @@ def run(d: Path, names: list[str], iters: int) -> int:
             rel = ((o.float() - ref).norm() / ref.norm()).item()
             ok = "@" in name or rel < 1e-2  # NaN fails the comparison
             bad += not ok
-            t = float("nan")
-            if iters > 1 and ok:
-                a, z = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-                a.record()
-                for _ in range(iters):
-                    launch()
-                z.record()
-                torch.cuda.synchronize()
-                t = a.elapsed_time(z) / iters
+            t = time_calls(launch, iters) if iters > 1 and ok else float("nan")
             print(f"B{b}xL{n} {name:24s} S={sp} {t:.4f} ms {flop / t / 1e9:.0f} TFLOP/s rel {rel:.2e} "
                   f"{'ok' if ok else 'WRONG'}", flush=True)
     return 1 if bad else 0
 
 
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    sub = ap.add_subparsers(dest="cmd", required=True)
-    g = sub.add_parser("gen")
-    g.add_argument("out", type=Path)
-    g.add_argument("names", nargs="+")
-    g.add_argument("--prefix", default="", help="name the outputs PREFIX + name (e.g. a variant built from another "
-                                                 "checkout with PYTHONPATH=it/python)")
-    b = sub.add_parser("build")
-    b.add_argument("dir", type=Path)
-    b.add_argument("--jobs", type=int, default=16)
-    r = sub.add_parser("run")
-    r.add_argument("dir", type=Path)
-    r.add_argument("names", help="comma-separated")
-    r.add_argument("--iters", type=int, default=20)
-    a = ap.parse_args(argv)
+    a = parse(argv, __doc__, "kernel")
     if a.cmd == "gen":
-        gen(a.out, a.names, a.prefix)
+        gen(a.out, a.items, a.prefix)
     elif a.cmd == "build":
         build(a.dir, a.jobs)
     else:
-        return run(a.dir, a.names.split(","), a.iters)
+        return run(a.dir, a.items, a.iters)
     return 0
 
 

@@ -150,6 +150,21 @@ def build(d: Path, jobs: int) -> None:
             raise SystemExit("nvcc failed")
 
 
+def time_calls(fn, iters: int) -> float:
+    """Milliseconds a call of ``fn`` (CUDA events over ``iters`` calls after one untimed call)."""
+    import torch
+
+    fn()
+    torch.cuda.synchronize()
+    a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    a.record()
+    for _ in range(iters):
+        fn()
+    b.record()
+    torch.cuda.synchronize()
+    return a.elapsed_time(b) / iters
+
+
 def run(d: Path, tiles: list[str], iters: int, shapes: list[tuple[int, int]]) -> int:
     import ctypes
     import os
@@ -161,15 +176,7 @@ def run(d: Path, tiles: list[str], iters: int, shapes: list[tuple[int, int]]) ->
     bad = 0
 
     def timeit(fn):
-        fn()
-        torch.cuda.synchronize()
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        for _ in range(iters):
-            fn()
-        b.record()
-        torch.cuda.synchronize()
-        return a.elapsed_time(b) / iters
+        return time_calls(fn, iters)
 
     for nb, sl in shapes:
         n, sm = nb * sl, 1 / math.sqrt(D)
@@ -206,30 +213,40 @@ def run(d: Path, tiles: list[str], iters: int, shapes: list[tuple[int, int]]) ->
     return 1 if bad else 0
 
 
-def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+def parse(argv, doc: str, item: str, run_args=()):
+    """The probes' command line: ``gen OUT ITEM... [--prefix P]``, ``build DIR [--jobs N]``, ``run DIR ITEMS
+    [--iters N]`` plus ``run_args`` ((flag, kwargs) pairs) on ``run``; ``ITEMS`` comes back as a list."""
+    ap = argparse.ArgumentParser(description=doc.split("\n")[0])
     sub = ap.add_subparsers(dest="cmd", required=True)
     g = sub.add_parser("gen")
     g.add_argument("out", type=Path)
-    g.add_argument("tiles", nargs="+")
-    g.add_argument("--prefix", default="", help="name the outputs PREFIX + tile (e.g. a baseline built from an "
-                                                 "older checkout with PYTHONPATH=it/python)")
+    g.add_argument("items", nargs="+", metavar=item)
+    g.add_argument("--prefix", default="", help=f"name the outputs PREFIX + {item} (e.g. a baseline built from "
+                                                 "another checkout with PYTHONPATH=it/python)")
     b = sub.add_parser("build")
     b.add_argument("dir", type=Path)
     b.add_argument("--jobs", type=int, default=16)
     r = sub.add_parser("run")
     r.add_argument("dir", type=Path)
-    r.add_argument("tiles", help="comma-separated")
+    r.add_argument("items", help="comma-separated", metavar=item)
     r.add_argument("--iters", type=int, default=20)
-    r.add_argument("--shapes", default="1x4096,16x1024,1x16384", help="BxL,... (causal, q len = kv len)")
+    for flag, kw in run_args:
+        r.add_argument(flag, **kw)
     a = ap.parse_args(argv)
+    if a.cmd == "run":
+        a.items = a.items.split(",")
+    return a
+
+
+def main(argv=None) -> int:
+    a = parse(argv, __doc__, "tile", [("--shapes", {"default": "1x4096,16x1024,1x16384",
+                                                     "help": "BxL,... (causal, q len = kv len)"})])
     if a.cmd == "gen":
-        gen(a.out, a.tiles, a.prefix)
+        gen(a.out, a.items, a.prefix)
     elif a.cmd == "build":
         build(a.dir, a.jobs)
     else:
-        return run(a.dir, a.tiles.split(","), a.iters,
-                   [tuple(int(x) for x in s.split("x")) for s in a.shapes.split(",")])
+        return run(a.dir, a.items, a.iters, [tuple(int(x) for x in s.split("x")) for s in a.shapes.split(",")])
     return 0
 
 
