@@ -215,6 +215,21 @@ def _make_tile_ops(H: int, DL: int, DV: int, dtype: str):
     return look_up, issue, load_q, score, softmax, accumulate, finish, SN, ON, NKS
 
 
+def make_init(ON: int):
+    """The ``init`` macro of a block's running state: O's ``ON`` accumulators zero, the rows' max at
+    ``EMPTY_LSE`` and their sums zero (this kernel's and ``mla_cuda_wgt``'s)."""
+
+    @T.macro
+    def init(oacc, m, lsum):
+        for e in T.unroll(ON):
+            oacc[e] = T.float32(0)
+        for rr in T.unroll(2):
+            m[rr] = T.float32(EMPTY_LSE)
+            lsum[rr] = T.float32(0)
+
+    return init
+
+
 def _make_store(H: int, DV: int, dtype: str):
     """The ``store`` macro: o / lse (``S == 1``) or the split's partial state in the workspace."""
     DVH = DV // 2
@@ -265,7 +280,7 @@ def make_wg_body(spec):
     H, DV, DL, dtype = spec.num_qo_heads, spec.kv_lora_rank, spec.latent_dim, spec.dtype
     NG = (H + ROWS - 1) // ROWS
     look_up, issue, load_q, score, softmax, accumulate, finish, SN, ON, NKS = _make_tile_ops(H, DL, DV, dtype)
-    store = _make_store(H, DV, dtype)
+    store, init = _make_store(H, DV, dtype), make_init(ON)
     TILE = tile_layout(DL).elems(TK)  # elements a ring stage
 
     @T.macro
@@ -289,11 +304,7 @@ def make_wg_body(spec):
         wg: T.let[T.int32] = T.truncdiv(tid, 128)
         w: T.let[T.int32] = T.truncdiv(tid, 32)
         lane: T.let[T.int32] = T.truncmod(tid, 32)
-        for e in T.unroll(ON):
-            oacc[e] = T.float32(0)
-        for rr in T.unroll(2):
-            m[rr] = T.float32(EMPTY_LSE)
-            lsum[rr] = T.float32(0)
+        init(oacc, m, lsum)
         look_up(pg, page_values, pbase, ps, k0, k1, tid)
         load_q(qf, q, T.min(bx, T.max(B - 1, 0)), g * ROWS, wg, w, lane)
         # One copy group a tile (empty past the split's keys): waiting for all but the newest AHEAD - 1 groups
@@ -322,5 +333,5 @@ def make_wg_body(spec):
                             block=block)
 
 
-__all__ = ["AHEAD", "NS", "NT", "ROWS", "SWITCH", "TK", "VALUE", "WG_DTYPES", "WG_MAX_LATENT", "make_wg_body",
+__all__ = ["AHEAD", "NS", "NT", "ROWS", "SWITCH", "TK", "VALUE", "WG_DTYPES", "WG_MAX_LATENT", "make_init", "make_wg_body",
            "mla_attn_decode_paged_wg", "smem_bytes", "wg_unserved"]

@@ -41,7 +41,7 @@ from ..kernel_spec import forced as forced_path
 from ..ops import MLA_ATTN_DECODE_PAGED, shape_values
 from . import mla_cuda_wg as wgk
 from ._abi import abi_prim_func
-from ._common import EMPTY_LSE, LOG2E
+from ._common import LOG2E
 from ._common_cuda import decode_splits
 from ._mla_frame_cuda import make_split_frame
 from ._mma_cuda import keep_extent
@@ -193,7 +193,7 @@ def _make_tma_ops(H: int, DL: int, DV: int, dtype: str):
 def _make_block(H: int, DL: int, DV: int, dtype: str):
     """The per-thread block macro of ``make_split_frame`` (``pages`` = (pool, its tensor map))."""
     _l, _i, load_q, _s, softmax, _a, finish, SN, ON, NKS = wgk._make_tile_ops(H, DL, DV, dtype)  # noqa: SLF001
-    store = wgk._make_store(H, DV, dtype)  # noqa: SLF001
+    store, init = wgk._make_store(H, DV, dtype), wgk.make_init(ON)  # noqa: SLF001
     bar, look_up, issue, zero_tail, score, add_partner, accumulate = _make_tma_ops(H, DL, DV, dtype)
     TILE, SMEM = TK * DL, smem_bytes(DL) // 2
 
@@ -220,11 +220,7 @@ def _make_block(H: int, DL: int, DV: int, dtype: str):
         wg: T.let[T.int32] = T.truncdiv(tid, 128)
         w: T.let[T.int32] = T.truncdiv(tid, 32)
         lane: T.let[T.int32] = T.truncmod(tid, 32)
-        for e in T.unroll(ON):
-            oacc[e] = T.float32(0)
-        for rr in T.unroll(2):
-            m[rr] = T.float32(EMPTY_LSE)
-            lsum[rr] = T.float32(0)
+        init(oacc, m, lsum)
         if lane == 0:
             look_up(pg, page_values, pbase, ps, k0, k1, tid)
         if tid == 0:
