@@ -44,6 +44,10 @@ __device__ __forceinline__ void pagedkv_mbar_expect_tx(void* bar, int bytes) {
   asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;\n" :: "r"(pagedkv_smem_addr(bar)),
                "r"(bytes) : "memory");
 }
+// A plain arrival (a consumer done with a stage: an "empty" barrier's count).
+__device__ __forceinline__ void pagedkv_mbar_arrive(void* bar) {
+  asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];\n" :: "r"(pagedkv_smem_addr(bar)) : "memory");
+}
 // Wait until the phase of parity `parity` completed (try_wait suspends a while in hardware between polls).
 __device__ __forceinline__ void pagedkv_mbar_wait(void* bar, int parity) {
   asm volatile("{\n.reg .pred done;\nPAGEDKV_MBAR_WAIT:\n"
@@ -83,6 +87,11 @@ def mbar_init(bar, count: int):
 def mbar_expect_tx(bar, nbytes: int):
     """Arrive on ``bar`` expecting ``nbytes`` transaction bytes (the copies this thread issues next)."""
     return T.cuda.func_call("pagedkv_mbar_expect_tx", bar, T.int32(nbytes), source_code=_SOURCE)
+
+
+def mbar_arrive(bar):
+    """Arrive on ``bar`` (no transaction bytes)."""
+    return T.cuda.func_call("pagedkv_mbar_arrive", bar, source_code=_SOURCE)
 
 
 def mbar_wait(bar, parity):
@@ -200,4 +209,4 @@ class LatentPageMap:
 
 
 __all__ = ["EncodeArgs", "LatentPageMap", "decode_args", "host_aligned16", "L2_PROMOTION_128B", "MBAR_BYTES", "PagedTensorMap", "SW128_ALIGN", "SWIZZLE_128B", "TensorMap3",
-           "mbar_expect_tx", "mbar_init", "mbar_wait", "sw128_pad", "tma_load3", "tma_load5"]
+           "mbar_arrive", "mbar_expect_tx", "mbar_init", "mbar_wait", "sw128_pad", "tma_load3", "tma_load5"]

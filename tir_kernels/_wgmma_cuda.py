@@ -132,6 +132,24 @@ def _wgmma_fn(n: int, ptx: str, trans: int) -> str:
         f'               : "r"(A[0]), "r"(A[1]), "r"(A[2]), "r"(A[3]), "l"(desc), "r"(scale_d));\n}}\n')
 
 
+def _wgmma_ss_fn(n: int, ptx: str, trans: int) -> str:
+    """The same with A from shared memory too (a K-major descriptor: ``imm-trans-a`` 0)."""
+    regs = n // 2
+    dl = ", ".join(f"%{i}" for i in range(regs))
+    outs = ", ".join(f'"+f"(d[{i}])' for i in range(regs))
+    return (
+        f"__device__ __forceinline__ void pagedkv_wgmma_ss_n{n}_{ptx}_t{trans}(float* d, const void* a, "
+        f"unsigned a_off, unsigned a_lbo, unsigned a_sbo, int a_swz, const void* b, unsigned off, unsigned lbo, "
+        f"unsigned sbo, int swz, int scale_d) {{\n"
+        f"  unsigned long long da = pagedkv_wg_desc(a, a_off, a_lbo, a_sbo) | (static_cast<unsigned long long>(a_swz) << 62);\n"
+        f"  unsigned long long db = pagedkv_wg_desc(b, off, lbo, sbo) | (static_cast<unsigned long long>(swz) << 62);\n"
+        f'  asm volatile("{{\\n.reg .pred p;\\nsetp.ne.b32 p, %{regs + 2}, 0;\\n"\n'
+        f'               "wgmma.mma_async.sync.aligned.m64n{n}k16.f32.{ptx}.{ptx} {{{dl}}}, '
+        f'%{regs}, %{regs + 1}, p, 1, 1, 0, {trans};\\n}}\\n"\n'
+        f"               : {outs}\n"
+        f'               : "l"(da), "l"(db), "r"(scale_d));\n}}\n')
+
+
 def _acc_fence_fn(n: int) -> str:
     regs = n // 2
     outs = ", ".join(f'"+f"(d[{i}])' for i in range(regs))
@@ -190,8 +208,56 @@ __device__ __forceinline__ void pagedkv_bar_sync(int id, int n) {
 __device__ __forceinline__ void pagedkv_bar_arrive(int id, int n) {
   asm volatile("bar.arrive %0, %1;\n" :: "r"(id), "r"(n) : "memory");
 }
-""" + "".join(_wgmma_fn(n, p, t) for n in WG_NS for p in _PTX_TYPE.values() for t in (0, 1)) + "".join(
+""" + "".join(_wgmma_fn(n, p, t) + _wgmma_ss_fn(n, p, t) for n in WG_NS for p in _PTX_TYPE.values()
+            for t in (0, 1)) + "".join(
     _acc_fence_fn(n) for n in WG_NS) + _REG_FENCE + "#endif\n"
+
+
+_OPAQUE_SOURCE = r"""
+#ifndef PAGEDKV_SHARED_OPAQUE
+#define PAGEDKV_SHARED_OPAQUE
+// Shared-memory accesses that TVM's barrier planner does not see (the kernels using them order them with their own
+// barriers); volatile, so nvcc keeps their order among the barriers.
+__device__ __forceinline__ void pagedkv_st_shared_f32(void* p, float v) {
+  asm volatile("st.shared.f32 [%0], %1;\n" :: "r"(static_cast<unsigned>(__cvta_generic_to_shared(p))), "f"(v) : "memory");
+}
+__device__ __forceinline__ float pagedkv_ld_shared_f32(const void* p) {
+  float v;
+  asm volatile("ld.shared.f32 %0, [%1];\n" : "=f"(v) : "r"(static_cast<unsigned>(__cvta_generic_to_shared(p))) : "memory");
+  return v;
+}
+__device__ __forceinline__ void pagedkv_st_shared_zero16(void* p) {
+  asm volatile("st.shared.v4.b32 [%0], {%1, %1, %1, %1};\n" :: "r"(static_cast<unsigned>(__cvta_generic_to_shared(p))),
+               "r"(0) : "memory");
+}
+// The 4 bytes at src (two 16-bit elements of a register array) to shared memory at p.
+__device__ __forceinline__ void pagedkv_st_shared_b32(void* p, const void* src) {
+  asm volatile("st.shared.b32 [%0], %1;\n" :: "r"(static_cast<unsigned>(__cvta_generic_to_shared(p))),
+               "r"(*reinterpret_cast<const unsigned*>(src)) : "memory");
+}
+#endif
+"""
+
+
+def st_shared_f32(p, v):
+    """Store float32 ``v`` at shared address ``p``, unseen by TVM's barrier planner (``_OPAQUE_SOURCE``)."""
+    return T.cuda.func_call("pagedkv_st_shared_f32", p, v, source_code=_OPAQUE_SOURCE)
+
+
+def ld_shared_f32(p):
+    """Load the float32 at shared address ``p``, unseen by TVM's barrier planner."""
+    return T.cuda.func_call("pagedkv_ld_shared_f32", p, source_code=_OPAQUE_SOURCE, return_type="float32")
+
+
+def st_shared_zero16(p):
+    """Zero the 16 bytes at shared address ``p``, unseen by TVM's barrier planner."""
+    return T.cuda.func_call("pagedkv_st_shared_zero16", p, source_code=_OPAQUE_SOURCE)
+
+
+def st_shared_b32(p, src):
+    """Store the 4 bytes at ``src`` (two 16-bit elements of a local array) at shared address ``p``, unseen by
+    TVM's barrier planner."""
+    return T.cuda.func_call("pagedkv_st_shared_b32", p, src, source_code=_OPAQUE_SOURCE)
 
 
 def wgmma(dtype: str, n: int, trans: int, d, a, b, off: int, lbo: int, sbo: int, accumulate: bool = True,
@@ -209,6 +275,25 @@ def wgmma(dtype: str, n: int, trans: int, d, a, b, off: int, lbo: int, sbo: int,
     return T.cuda.func_call(f"pagedkv_wgmma_n{n}_{_PTX_TYPE[dtype]}_t{trans}", d, a, b, T.Cast("uint32", off), T.uint32(lbo),
                             T.uint32(sbo), T.int32(int(accumulate)) if isinstance(accumulate, bool) else T.Cast("int32", accumulate),
                             T.int32(swizzle), source_code=_SOURCE)
+
+
+def wgmma_ss(dtype: str, n: int, trans: int, d, a, a_desc: tuple, b, b_desc: tuple, accumulate: bool = True):
+    """``wgmma`` with A (64 rows x k16) from shared memory as well: ``a`` / ``b`` shared base addresses (16-byte
+    aligned), ``a_desc`` / ``b_desc`` = (offset, LBO, SBO, swizzle) in bytes as a layout's ``k_major`` /
+    ``mn_major`` give them plus its ``swizzle``; A is K-major (rows = M, as ``CoreLayout`` / ``Sw128Layout``
+    store ``[rows][k]``)."""
+    for off in (a_desc[0], b_desc[0]):
+        if isinstance(off, int) and off % 16:
+            raise ValueError(f"pagedkv.tir_kernels: wgmma operand offset {off} is not a multiple of 16 bytes")
+    if dtype not in _PTX_TYPE or n not in WG_NS:
+        raise NotImplementedError(f"pagedkv.tir_kernels: wgmma takes float16 / bfloat16 and N in {WG_NS}, got "
+                                  f"{dtype}, {n}")
+    (ao, al, asb, asw), (bo, bl, bsb, bsw) = a_desc, b_desc
+    return T.cuda.func_call(f"pagedkv_wgmma_ss_n{n}_{_PTX_TYPE[dtype]}_t{trans}", d, a, T.Cast("uint32", ao),
+                            T.uint32(al), T.uint32(asb), T.int32(asw), b, T.Cast("uint32", bo), T.uint32(bl),
+                            T.uint32(bsb), T.int32(bsw),
+                            T.int32(int(accumulate)) if isinstance(accumulate, bool) else T.Cast("int32", accumulate),
+                            source_code=_SOURCE)
 
 
 def wg_fence():
@@ -339,4 +424,4 @@ def wg_attention_gemms(dtype: str, *, s_steps: int, tk: int, k_lay, dv: int, v_l
 
 
 __all__ = ["WG_CORE_PAD", "WG_NS", "WG_REG_RUN", "CoreLayout", "Sw128Layout", "WgGemms", "bar_arrive", "bar_sync", "store_before_wait", "wg_attention_gemms", "reg_fence", "acc_fence", "proxy_fence", "wg_commit", "wg_fence", "wg_wait0", "wg_wait1",
-           "wgmma"]
+           "wgmma", "wgmma_ss", "ld_shared_f32", "st_shared_b32", "st_shared_f32", "st_shared_zero16"]

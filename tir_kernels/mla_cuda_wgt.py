@@ -47,39 +47,10 @@ from ._mla_frame_cuda import make_split_frame
 from ._mma_cuda import keep_extent
 from ._tma_cuda import (MBAR_BYTES, SW128_ALIGN, LatentPageMap, host_aligned16, mbar_expect_tx, mbar_init, mbar_wait,
                         sw128_pad, tma_load3)
-from ._wgmma_cuda import Sw128Layout, proxy_fence, reg_fence, wg_attention_gemms, wg_commit, wg_fence, wg_wait0, wgmma
+from ._wgmma_cuda import (Sw128Layout, ld_shared_f32, proxy_fence, reg_fence, st_shared_f32, st_shared_zero16,
+                          wg_attention_gemms, wg_commit, wg_fence, wg_wait0, wgmma)
 
-_SOURCE = r"""
-#ifndef PAGEDKV_SHARED_OPAQUE
-#define PAGEDKV_SHARED_OPAQUE
-// Shared-memory accesses that TVM's barrier planner does not see (this kernel orders them itself: its one barrier
-// a tile and the tile parity of the exchange buffer); volatile, so nvcc keeps their order among the barriers.
-__device__ __forceinline__ void pagedkv_st_shared_f32(void* p, float v) {
-  asm volatile("st.shared.f32 [%0], %1;\n" :: "r"(static_cast<unsigned>(__cvta_generic_to_shared(p))), "f"(v) : "memory");
-}
-__device__ __forceinline__ float pagedkv_ld_shared_f32(const void* p) {
-  float v;
-  asm volatile("ld.shared.f32 %0, [%1];\n" : "=f"(v) : "r"(static_cast<unsigned>(__cvta_generic_to_shared(p))) : "memory");
-  return v;
-}
-__device__ __forceinline__ void pagedkv_st_shared_zero16(void* p) {
-  asm volatile("st.shared.v4.b32 [%0], {%1, %1, %1, %1};\n" :: "r"(static_cast<unsigned>(__cvta_generic_to_shared(p))),
-               "r"(0) : "memory");
-}
-#endif
-"""
-
-
-def _st_f32(p, v):
-    return T.cuda.func_call("pagedkv_st_shared_f32", p, v, source_code=_SOURCE)
-
-
-def _ld_f32(p):
-    return T.cuda.func_call("pagedkv_ld_shared_f32", p, source_code=_SOURCE, return_type="float32")
-
-
-def _zero16(p):
-    return T.cuda.func_call("pagedkv_st_shared_zero16", p, source_code=_SOURCE)
+_st_f32, _ld_f32, _zero16 = st_shared_f32, ld_shared_f32, st_shared_zero16
 
 
 SWITCH, VALUE = "cuda_mla_decode_kernel", "wgt"

@@ -69,10 +69,12 @@ SWITCHES: dict[str, tuple[str, tuple[str, ...]]] = {
                                "a block, the scores split over the latent dims and O over the value dims (sm_90a; "
                                "tir_kernels.mla_cuda_wg.wg_unserved); wgt: wg with its latent tiles brought by TMA (sm_90a; "
                                "tir_kernels.mla_cuda_wgt; where TMA cannot read the pages, not 16-byte aligned or "
-                               "pages not a multiple of 8 keys, its PrimFunc runs wg); auto: wgt (WGT_BY_DEFAULT) or "
+                               "pages not a multiple of 8 keys, its PrimFunc runs wg); wgq: Q in shared memory, one warpgroup "
+                               "scoring 64-key tiles whole and one doing P V and the TMA issue (sm_90a; "
+                               "tir_kernels.mla_cuda_wgq; the same fallback to wg); auto: wgt (WGT_BY_DEFAULT) or "
                                "wg where it serves the spec (sm_90a) with "
                                "at least WG_AUTO_MIN_HEADS (64) heads, else tc where it serves the spec "
-                               "(MLA_TC_BY_DEFAULT), SIMT elsewhere", ("auto", "simt", "tc", "wg", "wgt")),
+                               "(MLA_TC_BY_DEFAULT), SIMT elsewhere", ("auto", "simt", "tc", "wg", "wgt", "wgq")),
 }
 
 
@@ -121,7 +123,8 @@ WG_PREFILL_TILES = ("wg", "wg2", "wg2o", "wg2k", "wg2p", "wg2t", "wg1t")
 TMA_PREFILL_TILES = ("wg2t", "wg1t")
 PATH_ARCHS: dict[tuple[str, str], str] = {**{("cuda_prefill_kernel", t): "sm_90a" for t in WG_PREFILL_TILES},
                                           ("cuda_mla_decode_kernel", "wg"): "sm_90a",
-                                          ("cuda_mla_decode_kernel", "wgt"): "sm_90a"}
+                                          ("cuda_mla_decode_kernel", "wgt"): "sm_90a",
+                                          ("cuda_mla_decode_kernel", "wgq"): "sm_90a"}
 
 
 def target_for_paths(paths, target):

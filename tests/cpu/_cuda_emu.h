@@ -79,7 +79,7 @@ struct Dim3 { int x, y, z; };
 #define PAGEDKV_EMU_THREADS 128
 #endif
 constexpr int kThreads = PAGEDKV_EMU_THREADS, kMaxWarps = 32;
-constexpr int kMaxWgOps = 32;  // wgmma's in flight a thread (MLA: 18 for S at latent 576)
+constexpr int kMaxWgOps = 64;  // wgmma's in flight a thread (MLA wgq: 36 for S at latent 576 + P V's)
 struct CpAsync { void* dst; const void* src; };
 
 // A CUDA thread: its context, stack and per-thread state (what thread_local held with one OS thread each).
@@ -265,7 +265,9 @@ inline int pagedkv_aligned16(const void* p) { return (reinterpret_cast<uintptr_t
 // pointer, so the start address travels beside it. B element (n, k) (trans 0, K-major) at byte
 // (n%8)*16 + (k%8)*2 + (k/8)*LBO + (n/8)*SBO; (k, n) (trans 1, MN-major) at (k%8)*16 + (n%8)*2 + (n/8)*SBO +
 // (k/8)*LBO. A: warp w's rows 16w.. as mma.m16n8k16's A fragment; D: d[4j + i] = C fragment of columns 8j...
-struct WgOp { float* d[128]; uint a[128][4]; const char* b; uint64_t desc; int n, trans, bf16, scale_d, swz; };
+// SS form (pagedkv_wgmma_ss_*): A too from shared memory, K-major through its own descriptor (a_sm not null).
+struct WgOp { float* d[128]; uint a[128][4]; const char* b; uint64_t desc; int n, trans, bf16, scale_d, swz;
+              const char* a_sm; uint64_t a_desc; int a_swz; };
 struct WgSlots { FBar* bar; WgOp ops[kMaxWgOps]; };
 static WgSlots g_wgs[kMaxWarps / 4];
 // t_wg_ops (Fiber::wg_ops): wgmma's this thread issued and not yet performed; t_wg_ends: t_wg_ops at each commit
@@ -282,9 +284,31 @@ inline void wgmma_emu(int n, int trans, int bf16, float* d, const void* a, const
   op.d[t] = d;
   std::memcpy(op.a[t], a, 16);
   if (t == 0) { op.b = static_cast<const char*>(b); op.desc = pagedkv_wg_desc_bits(lbo, sbo); op.n = n;
-                op.trans = trans; op.bf16 = bf16; op.scale_d = scale_d; op.swz = swz; }
+                op.trans = trans; op.bf16 = bf16; op.scale_d = scale_d; op.swz = swz; op.a_sm = nullptr; }
+}
+inline void wgmma_ss_emu(int n, int trans, int bf16, float* d, const void* a, unsigned a_lbo, unsigned a_sbo,
+                         int a_swz, const void* b, unsigned lbo, unsigned sbo, int swz, int scale_d) {
+  wgmma_emu(n, trans, bf16, d, a, b, lbo, sbo, scale_d, swz);  // A's 16 bytes copied from shared: not used
+  WgOp& op = my_wg().ops[t_wg_ops - 1];
+  if (t_linear % 128 == 0) { op.a_sm = static_cast<const char*>(a); op.a_desc = pagedkv_wg_desc_bits(a_lbo, a_sbo);
+                             op.a_swz = a_swz; }
+}
+// Element (row, k) of a K-major operand at `base` (B: row = n) through descriptor strides; swizzle as below.
+inline const char* wg_kmajor(const char* base, uint64_t desc, int swz, int row, int k) {
+  size_t lbo = ((desc >> 16) & 0x3FFFu) << 4, sbo = ((desc >> 32) & 0x3FFFu) << 4;
+  if (swz == 1) {
+    uintptr_t addr = reinterpret_cast<uintptr_t>(base) + (row / 8) * sbo + (row % 8) * 128 + k * 2;
+    return reinterpret_cast<const char*>(addr ^ (((addr >> 7) & 7u) << 4));
+  }
+  if (swz != 0) std::abort();  // only no swizzle and 128-byte swizzle are emulated
+  return base + (row % 8) * 16 + (k % 8) * 2 + (k / 8) * lbo + (row / 8) * sbo;
 }
 inline float wg_a(const WgOp& op, int row, int k) {  // A[row][k] from the fragment of the thread holding it
+  if (op.a_sm) {  // SS: from shared memory at the wait (as late as the ISA allows)
+    uint16_t bits;
+    std::memcpy(&bits, wg_kmajor(op.a_sm, op.a_desc, op.a_swz, row, k), 2);
+    return op.bf16 ? half_of<nv_bfloat16>(bits, 0) : half_of<half>(bits, 0);
+  }
   int w = row / 16, r = row % 16;
   int t = 32 * w + 4 * (r % 8) + (k % 8) / 2, i = (r / 8) * 2 + (k % 2) + 4 * (k / 8);
   return op.bf16 ? half_of<nv_bfloat16>(op.a[t][i / 2], i % 2) : half_of<half>(op.a[t][i / 2], i % 2);
@@ -339,7 +363,8 @@ inline void wg_wait(int pending) {
     to.d[t] = from.d[t];
     std::memcpy(to.a[t], from.a[t], 16);
     if (t == 0) { to.b = from.b; to.desc = from.desc; to.n = from.n; to.trans = from.trans; to.bf16 = from.bf16;
-                  to.scale_d = from.scale_d; to.swz = from.swz; }
+                  to.scale_d = from.scale_d; to.swz = from.swz; to.a_sm = from.a_sm; to.a_desc = from.a_desc;
+                  to.a_swz = from.a_swz; }
   }
   int left = t_wg_groups > pending ? pending : t_wg_groups;
   for (int g = 0; g < left; ++g) t_wg_ends[g] = t_wg_ends[t_wg_groups - left + g] - done;
@@ -354,13 +379,21 @@ inline void pagedkv_wg_wait1() { wg_wait(1); }
   inline void pagedkv_wgmma_n##N##_##P##_t##TR(float* d, const void* a, const void* b, unsigned off, unsigned lbo, \
                                                unsigned sbo, int scale_d, int swz) { \
     wgmma_emu(N, TR, BF, d, a, static_cast<const char*>(b) + off, lbo, sbo, scale_d, swz); }
+#define PAGEDKV_WGMMA_SS_EMU(N, P, BF, TR) \
+  inline void pagedkv_wgmma_ss_n##N##_##P##_t##TR(float* d, const void* a, unsigned a_off, unsigned a_lbo, \
+                                                  unsigned a_sbo, int a_swz, const void* b, unsigned off, \
+                                                  unsigned lbo, unsigned sbo, int swz, int scale_d) { \
+    wgmma_ss_emu(N, TR, BF, d, static_cast<const char*>(a) + a_off, a_lbo, a_sbo, a_swz, \
+                 static_cast<const char*>(b) + off, lbo, sbo, swz, scale_d); }
 #define PAGEDKV_WGMMA_EMU_N(N) \
   PAGEDKV_WGMMA_EMU(N, f16, 0, 0) PAGEDKV_WGMMA_EMU(N, f16, 0, 1) PAGEDKV_WGMMA_EMU(N, bf16, 1, 0) \
-  PAGEDKV_WGMMA_EMU(N, bf16, 1, 1) inline void pagedkv_wg_acc_fence_n##N(float*) {}
+  PAGEDKV_WGMMA_EMU(N, bf16, 1, 1) PAGEDKV_WGMMA_SS_EMU(N, f16, 0, 0) PAGEDKV_WGMMA_SS_EMU(N, f16, 0, 1) \
+  PAGEDKV_WGMMA_SS_EMU(N, bf16, 1, 0) PAGEDKV_WGMMA_SS_EMU(N, bf16, 1, 1) \
+  inline void pagedkv_wg_acc_fence_n##N(float*) {}
 PAGEDKV_WGMMA_EMU_N(32) PAGEDKV_WGMMA_EMU_N(64) PAGEDKV_WGMMA_EMU_N(128) PAGEDKV_WGMMA_EMU_N(256)
 inline void pagedkv_wg_reg_fence(void*, int) {}
 
-// Shared-memory accesses kept opaque to TVM's barrier planner (tir_kernels/mla_cuda_wgt.py): plain accesses here.
+// Shared-memory accesses kept opaque to TVM's barrier planner (tir_kernels/_wgmma_cuda.py): plain accesses here.
 #define PAGEDKV_SHARED_OPAQUE
 inline void pagedkv_st_shared_f32(void* p, float v) { std::memcpy(p, &v, 4); }
 inline float pagedkv_ld_shared_f32(const void* p) {
@@ -369,6 +402,7 @@ inline float pagedkv_ld_shared_f32(const void* p) {
   return v;
 }
 inline void pagedkv_st_shared_zero16(void* p) { std::memset(p, 0, 16); }
+inline void pagedkv_st_shared_b32(void* p, const void* src) { std::memcpy(p, src, 4); }
 
 // TMA and mbarriers (tir_kernels/_tma_cuda.py). A tensor map is the struct the test's launcher fills from the
 // kernel's encode arguments (on the GPU the host code encodes a CUtensorMap). A box copy is queued on its
@@ -396,6 +430,13 @@ inline void pagedkv_mbar_expect_tx(void* bar, int bytes) {
   MBar& b = mbar_at(bar);
   b.tx += bytes;
   if (++b.arrived > b.count) { std::fprintf(stderr, "mbarrier: more arrivals than its count\n"); std::abort(); }
+  ++g_moves;
+}
+// A plain arrival (no transaction bytes): a phase without copies completes with its last arrival.
+inline void pagedkv_mbar_arrive(void* bar) {
+  MBar& b = mbar_at(bar);
+  if (++b.arrived > b.count) { std::fprintf(stderr, "mbarrier: more arrivals than its count\n"); std::abort(); }
+  if (b.arrived == b.count && b.copies.empty() && b.tx == 0) { b.arrived = 0; ++b.completed; }
   ++g_moves;
 }
 inline void tma_land(const TmaCopy& c) {

@@ -57,11 +57,13 @@ WG_CONFIGS = {
     "h64-r128-f16-s8": (64, 128, 64, "float16", "8", [130, 1, 0]),
     "h16-r512-f16-s1": (16, 512, 64, "float16", "1", [150, 33]),
 }
-#: The TMA variant (``=wgt``) on the same configs, and once with the pool's address reported unaligned: its
-#: PrimFunc's host code then runs the wg kernel (``wgt/unaligned``).
-CASES = ([(n, "tc") for n in CONFIGS] + [(n, "wg") for n in WG_CONFIGS] + [(n, "wgt") for n in WG_CONFIGS]
-         + [("h40-r256-f16-s3", "wgt/unaligned")])
-WG_KERNELS = ("wg", "wgt", "wgt/unaligned")
+#: The TMA kernels (``=wgt``, and ``=wgq``: Q in shared memory, 64-key tiles in 2 stages at 576, 4 below) on the
+#: same configs, and once each with the pool's address reported unaligned: the PrimFunc's host code then runs the
+#: wg kernel (``wgt/unaligned``).
+TMA_KERNELS = ("wgt", "wgq")
+CASES = ([(n, "tc") for n in CONFIGS] + [(n, k) for k in ("wg", *TMA_KERNELS) for n in WG_CONFIGS]
+         + [("h40-r256-f16-s3", f"{k}/unaligned") for k in TMA_KERNELS])
+WG_KERNELS = ("wg", *TMA_KERNELS, *(f"{k}/unaligned" for k in TMA_KERNELS))
 PS = 16
 #: Bytes of the static array standing in for the kernel's dynamic shared memory.
 DYN_SMEM_BYTES = 232 * 1024
@@ -96,8 +98,9 @@ def _build(name, kernel, stem):
     src = cuda_source_of(exe)
     kernels = kernels_of(src, dyn_smem_bytes=DYN_SMEM_BYTES)
     mark = "pagedkv_wgmma_" if kernel in WG_KERNELS else "pagedkv_mma_"
-    # wgt: the TMA kernel and the wg kernel its host code falls back to.
-    assert sum(mark in body for body, _p in kernels.values()) == (2 if kernel == "wgt" else 1), "tensor-core kernels"
+    # wgt / wgq: the TMA kernel and the wg kernel its host code falls back to.
+    assert sum(mark in body for body, _p in kernels.values()) == (2 if kernel in TMA_KERNELS else 1), \
+        "tensor-core kernels"
     main, launch_params = host_main(func)
     runs, bodies = [], []
     for kname, (body, params) in kernels.items():
@@ -152,14 +155,14 @@ def test_emulated_tc_mla_decode_matches_reference(name, kernel, built):
               "o": storage(torch.full((B, h, r), float("nan")), dt), "lse": np.full((B, h), np.nan, np.float32),
               "ws_o": np.full((B * h * 8, r), np.nan, np.float32), "ws_l": np.full((B * h * 8,), np.nan, np.float32)}
     env = {"B": B, "_p": pages.shape[0], "ps": PS, "nnz": len(page_values), "sm_scale": sm_scale,
-           "max_kv_len": max(lengths), "dev_id": 0, "aligned16": kernel == "wgt"}
+           "max_kv_len": max(lengths), "dev_id": 0, "aligned16": kernel in TMA_KERNELS}
     calls = launches(main, env)
     assert env["S"] == int(splits) and len(calls) == (2 if env["S"] > 1 else 1), (calls, env.get("S"))
     keep = []
     for kname, args in calls:
         ps_, n = params[kname], len(params[kname])
         ptrs, nums = (ctypes.c_void_p * n)(), (ctypes.c_double * n)()
-        assert any("CUtensorMap" in ty for ty, _p in ps_) == (kernel == "wgt" and kname == calls[0][0]), kname
+        assert any("CUtensorMap" in ty for ty, _p in ps_) == (kernel in TMA_KERNELS and kname == calls[0][0]), kname
         for i, (ty, pname) in enumerate(ps_):
             if "CUtensorMap" in ty:
                 keep.append(tensor_map(arrays["pages"], LatentPageMap(r + rope)))

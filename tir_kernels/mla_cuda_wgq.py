@@ -1,0 +1,416 @@
+"""The wgmma CUDA MLA decode (``mla_attn_decode_paged``) with Q in shared memory and the warpgroups in two roles,
+fp16 / bf16, sm_90a; forced with the path switch ``cuda_mla_decode_kernel=wgq``.
+
+Why: ``mla_cuda_wgt`` holds Q's A fragments in registers (72 a thread at DeepSeek's 576), so each warpgroup can
+only take half of the latent dims; both then wait for each other's partial scores every tile, and run the same
+softmax. Its tile is a serial chain (S, exchange, softmax, P V) in lockstep; the MLA probe found the tensor cores
+idle most of it (BENCHMARKS.md run 23). Here Q lives in shared memory (read by the S wgmma's through a
+descriptor), which frees the registers for a whole tile's S in one warpgroup:
+
+* **Warpgroup 1, the score warpgroup**: S = Q K^T of all 64 rows x ``TK`` keys over all ``DL`` dims (``DL / 16``
+  wgmma's, both operands in shared memory), the mask and online softmax on full rows (no exchange), P into the
+  shared buffer ``P`` with the rows' rescale factors, then O[:, DV/2 ..] += P V from its registers (P V left in
+  flight: the next tile's ``wait_group 1`` completes it while that tile's S runs).
+* **Warpgroup 0, the value warpgroup**: lane 0 of its warps issues the TMA boxes of the ring (off the score
+  warpgroup's path), then per tile: waits for P, rescales its O half, O[:, .. DV/2] += P V with P from shared
+  memory, and frees ``P`` and the stage.
+* Synchronization: mbarriers ``full[s]`` (the TMA's bytes) and ``empty[s]`` (8 arrivals: each warp's lane 0 once its
+  reads of the stage are complete), named barriers ``BAR_P`` (P and the factors written), ``BAR_PFREE`` (warpgroup 0's
+  P V done with ``P``), ``BAR_FIN`` (the rows' max and sum handed to warpgroup 0 for the store) and ``BAR_TAIL``
+  (warpgroup 1 alone: the tail's zeroed V rows visible to its own P V). The buffers warpgroup 1 writes for
+  warpgroup 0 are reached through the opaque shared accessors (``_wgmma_cuda.st_shared_f32`` ...), so TVM's
+  barrier planner adds no ``__syncthreads`` to the loop.
+* Shared memory (``smem_bytes``): Q (64 x ``DL``, 128-byte swizzle), ``NS`` stages of ``TK`` keys (as
+  ``mla_cuda_wgt``'s boxes, 8 keys of one page x 64 dims), P (64 x ``TK``, core matrices), the factors, the
+  mbarriers: 2 stages of 64 keys at DeepSeek's 576 (225 KB of the 227 KB a block may have).
+* As in ``mla_cuda_wgt``: V rows at or past the split's end are zeroed before P V (a box brings whole 8-key groups;
+  a group past the end is not issued), and where TMA cannot read the pool the PrimFunc's host code runs
+  ``mla_cuda_wg``'s kernel (``make_wg_body``).
+
+Limits as data: ``mla_cuda_wg.wg_unserved``'s (the same 64-head block and latent limits); ``wgq_unserved`` names
+this value.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+from tvm.script import tirx as T
+
+from ..kernel_spec import forced as forced_path
+from ..ops import MLA_ATTN_DECODE_PAGED, shape_values
+from . import mla_cuda_wg as wgk
+from ._abi import abi_prim_func
+from ._common import LOG2E, MASKED
+from ._common_cuda import decode_splits, shfl_xor
+from ._mla_frame_cuda import make_split_frame
+from ._mma_cuda import c_frag, cp_async16, cp_async_commit, cp_async_wait, keep_extent
+from ._tma_cuda import (MBAR_BYTES, SW128_ALIGN, LatentPageMap, host_aligned16, mbar_arrive, mbar_expect_tx,
+                        mbar_init, mbar_wait, sw128_pad, tma_load3)
+from ._wgmma_cuda import (CoreLayout, Sw128Layout, acc_fence, bar_arrive, bar_sync, ld_shared_f32, proxy_fence,
+                          st_shared_b32, st_shared_f32, st_shared_zero16, wg_attention_gemms, wg_commit, wg_fence,
+                          wg_wait0, wg_wait1, wgmma_ss)
+
+SWITCH, VALUE = "cuda_mla_decode_kernel", "wgq"
+#: Heads a block (one m64 tile), threads (two warpgroups), keys a tile.
+ROWS, NT, TK = wgk.ROWS, wgk.NT, 64
+#: Dynamic shared memory a block may have on sm_90 (227 KB), and the most ring stages used.
+SMEM_LIMIT, MAX_STAGES = 232448, 4
+#: Named barriers (0 is ``__syncthreads``).
+BAR_P, BAR_PFREE, BAR_FIN, BAR_TAIL = 1, 2, 3, 4
+#: Warps of the value warpgroup issuing boxes (lane 0 each): warp ``w`` takes key groups ``w, w + 4, ..``.
+ISSUERS = 4
+
+
+def stages(latent_dim: int, tk: int) -> int:
+    """Ring stages that fit beside Q, P, the factors and the mbarriers (at most ``MAX_STAGES``)."""
+    fixed = 2 * (ROWS * latent_dim + ROWS * tk + 2 * ROWS) + 2 * MAX_STAGES * MBAR_BYTES + SW128_ALIGN
+    return min(MAX_STAGES, (SMEM_LIMIT - fixed) // (2 * tk * latent_dim))
+
+
+def smem_bytes(latent_dim: int, tk: int | None = None) -> int:
+    """Dynamic shared memory of a block (bytes): Q, the ring, P, the factors, the mbarriers and the slack to a
+    1024-byte boundary."""
+    tk = tk or TK
+    ns = stages(latent_dim, tk)
+    return 2 * (ROWS * latent_dim + ns * tk * latent_dim + ROWS * tk + 2 * ROWS) + 2 * ns * MBAR_BYTES + SW128_ALIGN
+
+
+def wgq_unserved(spec) -> list[str]:
+    """Why this kernel does not serve ``spec``: ``mla_cuda_wg.wg_unserved``'s reasons, and too little shared memory
+    for two stages."""
+    out = wgk.wg_unserved(spec)
+    if not out and stages(spec.latent_dim, TK) < 2:
+        out.append(f"latent dim {spec.latent_dim} (Q and two stages of {TK} keys do not fit {SMEM_LIMIT} bytes)")
+    return out
+
+
+def use_wgq(spec) -> bool:
+    """Whether ``mla_attn_decode_paged`` of ``spec`` runs this kernel: forced (raises with ``wgq_unserved``'s
+    reasons where it does not serve)."""
+    return forced_path(spec.paths, SWITCH) == VALUE
+
+
+class _Smem:
+    """Element offsets (of the 2-byte dtype) of a block's regions past the 1024-byte boundary."""
+
+    def __init__(self, dl: int, tk: int):
+        self.ns, self.tile = stages(dl, tk), tk * dl
+        self.ring = ROWS * dl
+        self.p = self.ring + self.ns * self.tile
+        self.alpha = self.p + ROWS * tk
+        self.mbar = self.alpha + 2 * ROWS
+        self.total = (smem_bytes(dl, tk)) // 2
+
+    def stage(self, s):
+        return self.ring + s * self.tile
+
+
+def _make_softmax(dtype: str, tk: int):
+    """The score warpgroup's online softmax of a tile (``mla_cuda_wg``'s rules: log2 units, keys at or past
+    ``kend`` masked, ``EMPTY_LSE`` start), the rows' factors in ``al`` (O is rescaled by ``rescale``)."""
+    NSN = tk // 8
+
+    @T.macro
+    def softmax(sacc, pf, m, lsum, al, st, kbase, kend, scale2, lane):
+        for rr in T.unroll(2):
+            st[0] = m[rr]
+            for nt in T.unroll(NSN):
+                for c in T.unroll(2):
+                    sacc[nt * 4 + rr * 2 + c] = T.if_then_else(
+                        kbase + nt * 8 + c_frag(lane, c)[1] < kend, sacc[nt * 4 + rr * 2 + c] * scale2,
+                        T.float32(MASKED))
+                    st[0] = T.max(st[0], sacc[nt * 4 + rr * 2 + c])
+            st[0] = T.max(st[0], shfl_xor(st[0], 1))
+            st[0] = T.max(st[0], shfl_xor(st[0], 2))
+            al[rr] = T.exp2(m[rr] - st[0])
+            m[rr] = st[0]
+            lsum[rr] = lsum[rr] * al[rr]
+            for nt in T.unroll(NSN):
+                for c in T.unroll(2):
+                    st[1] = T.exp2(sacc[nt * 4 + rr * 2 + c] - st[0])
+                    lsum[rr] = lsum[rr] + st[1]
+                    pf[nt * 4 + rr * 2 + c] = T.Cast(dtype, st[1])
+
+    return softmax
+
+
+def _make_ops(DL: int, DV: int, dtype: str, tk: int):
+    """The tile macros of both roles."""
+    L = _Smem(DL, tk)
+    NKS, DVH, NCB, GROUPS = DL // 16, DV // 2, DL // 64, tk // 8
+    GPW, NDN = GROUPS // ISSUERS, DV // 2 // 8
+    LAY, QLAY, PLAY = Sw128Layout(DL, tk), Sw128Layout(DL, ROWS), CoreLayout(tk)
+    wgg = wg_attention_gemms(dtype, s_steps=NKS, tk=tk, k_lay=LAY, dv=DVH, v_lay=LAY)
+
+    def full(smem, s):
+        return T.address_of(smem[L.mbar + s * (MBAR_BYTES // 2)])
+
+    def empty(smem, s):
+        return T.address_of(smem[L.mbar + (L.ns + s) * (MBAR_BYTES // 2)])
+
+    @T.macro
+    def look_up(pg, page_values, pbase, ps, kbase, kend, w):
+        """An issuing lane (warp ``w``): the pages of its key groups of the tile at ``kbase`` into ``pg``."""
+        for j in T.unroll(GPW):
+            if kbase + (w + ISSUERS * j) * 8 < kend:
+                pg[j] = page_values[pbase + T.truncdiv(kbase + (w + ISSUERS * j) * 8, ps)]
+
+    @T.macro
+    def issue(smem, s, pmap, page_values, pbase, ps, kbase, kend, pg, w):
+        """An issuing lane: its boxes of the tile at ``kbase`` into stage ``s`` (thread 0 arms ``full[s]`` with the
+        tile's bytes first), then its pages of the next tile."""
+        if w == 0:
+            T.evaluate(mbar_expect_tx(full(smem, s), T.min(T.truncdiv(kend - kbase + 7, 8), GROUPS) * 8 * DL * 2))
+        for j in T.unroll(GPW):
+            if kbase + (w + ISSUERS * j) * 8 < kend:
+                for cb in T.unroll(NCB):
+                    T.evaluate(tma_load3(
+                        T.address_of(smem[L.stage(s) + (cb * tk + (w + ISSUERS * j) * 8) * 64]), full(smem, s), pmap,
+                        cb * 64, T.truncmod(kbase + (w + ISSUERS * j) * 8, ps), pg[j]))
+        look_up(pg, page_values, pbase, ps, kbase + tk, kend, w)
+
+    @T.macro
+    def load_q(smem, q, b, h0, H, tid):
+        """Q's 64 rows (0 past ``H``) into shared memory, 128-byte swizzled (16-byte ``cp.async``, complete on
+        return)."""
+        for it in T.serial((ROWS * DL // 8 + NT - 1) // NT):
+            if it * NT + tid < ROWS * DL // 8:
+                row: T.let[T.int32] = T.truncdiv(it * NT + tid, DL // 8)
+                col: T.let[T.int32] = T.truncmod(it * NT + tid, DL // 8) * 8
+                if h0 + row < H:
+                    T.evaluate(cp_async16(T.address_of(smem[QLAY.index(row, col)]),
+                                          T.address_of(q[b, T.min(h0 + row, H - 1), col])))
+                else:
+                    T.evaluate(st_shared_zero16(T.address_of(smem[QLAY.index(row, col)])))
+        T.evaluate(cp_async_commit())
+        T.evaluate(cp_async_wait(0))
+
+    @T.macro
+    def score(smem, s, sacc):
+        """Issue S of stage ``s`` (all ``DL`` dims, both operands in shared memory)."""
+        T.evaluate(wg_fence())
+        for ks in T.unroll(NKS):
+            T.evaluate(wgmma_ss(dtype, tk, 0, T.address_of(sacc[0]), T.address_of(smem[0]),
+                                (*QLAY.k_major(ks), QLAY.swizzle), T.address_of(smem[L.stage(s)]),
+                                (*LAY.k_major(ks), LAY.swizzle), accumulate=ks > 0))
+        T.evaluate(wg_commit())
+
+    @T.macro
+    def zero_tail(smem, s, kbase, kend, t):
+        """The score warpgroup (thread ``t`` of 128): V rows of stage ``s`` at or past ``kend`` zeroed, visible to
+        both warpgroups' P V (its own through ``BAR_TAIL``, the other's through ``BAR_P``)."""
+        for it in T.unroll(tk * DV // 8 // 128):
+            if kbase + T.truncdiv(it * 128 + t, DV // 8) >= kend:
+                T.evaluate(st_shared_zero16(T.address_of(smem[L.stage(s) + LAY.index(
+                    T.truncdiv(it * 128 + t, DV // 8), T.truncmod(it * 128 + t, DV // 8) * 8)])))
+        T.evaluate(proxy_fence())
+        T.evaluate(bar_sync(BAR_TAIL, 128))
+
+    @T.macro
+    def publish(smem, pf, al, wl, lane):
+        """P (this warp's 16 rows) and the rows' factors into shared memory for the value warpgroup."""
+        for rr in T.unroll(2):
+            for nt in T.unroll(GROUPS):
+                T.evaluate(st_shared_b32(
+                    T.address_of(smem[L.p + PLAY.index(wl * 16 + rr * 8 + T.truncdiv(lane, 4),
+                                                       nt * 8 + T.truncmod(lane, 4) * 2)]),
+                    T.address_of(pf[nt * 4 + rr * 2])))
+            if T.truncmod(lane, 4) == 0:
+                T.evaluate(st_shared_f32(T.address_of(smem[L.alpha + (wl * 16 + rr * 8 + T.truncdiv(lane, 4)) * 2]),
+                                         al[rr]))
+        T.evaluate(proxy_fence())
+
+    @T.macro
+    def rescale(oacc, al):
+        for rr in T.unroll(2):
+            if al[rr] < T.float32(1):
+                for dn in T.unroll(NDN):
+                    for c in T.unroll(2):
+                        oacc[dn * 4 + rr * 2 + c] = oacc[dn * 4 + rr * 2 + c] * al[rr]
+
+    @T.macro
+    def pv_smem(smem, s, oacc):
+        """The value warpgroup's O[:, .. DV/2] += P V, P from shared memory; complete on return."""
+        T.evaluate(acc_fence(DVH, T.address_of(oacc[0])))
+        T.evaluate(wg_fence())
+        for kk in T.unroll(tk // 16):
+            T.evaluate(wgmma_ss(dtype, DVH, 1, T.address_of(oacc[0]), T.address_of(smem[L.p]),
+                                (*PLAY.k_major(kk), PLAY.swizzle), T.address_of(smem[L.stage(s)]),
+                                (*LAY.mn_major(kk), LAY.swizzle)))
+        T.evaluate(wg_commit())
+        T.evaluate(wg_wait0())
+        T.evaluate(acc_fence(DVH, T.address_of(oacc[0])))
+
+    @T.macro
+    def hand_out(smem, m, lsum, t):
+        """The score warpgroup: the rows' max and partial sums into P's buffer (free once the last P V is done)."""
+        for rr in T.unroll(2):
+            T.evaluate(st_shared_f32(T.address_of(smem[L.p + ((rr * 2) * 128 + t) * 2]), m[rr]))
+            T.evaluate(st_shared_f32(T.address_of(smem[L.p + ((rr * 2 + 1) * 128 + t) * 2]), lsum[rr]))
+
+    @T.macro
+    def take_over(smem, m, lsum, t):
+        """The value warpgroup: ``hand_out``'s values of the score warpgroup's thread ``t`` (the same rows)."""
+        for rr in T.unroll(2):
+            m[rr] = ld_shared_f32(T.address_of(smem[L.p + ((rr * 2) * 128 + t) * 2]))
+            lsum[rr] = ld_shared_f32(T.address_of(smem[L.p + ((rr * 2 + 1) * 128 + t) * 2]))
+
+    return T_OPS(L, wgg, full, empty, look_up, issue, load_q, score, zero_tail, publish, rescale, pv_smem, hand_out,
+                 take_over)
+
+
+class T_OPS(NamedTuple):
+    """``_make_ops``' layout and macros by name."""
+
+    L: _Smem
+    wgg: object
+    full: object
+    empty: object
+    look_up: object
+    issue: object
+    load_q: object
+    score: object
+    zero_tail: object
+    publish: object
+    rescale: object
+    pv_smem: object
+    hand_out: object
+    take_over: object
+
+
+def _make_block(H: int, DL: int, DV: int, dtype: str, tk: int):
+    """The per-thread block macro of ``make_split_frame`` (``pages`` = (pool, its tensor map))."""
+    ops = _make_ops(DL, DV, dtype, tk)
+    L, wgg = ops.L, ops.wgg
+    softmax = _make_softmax(dtype, tk)
+    store, init = wgk._make_store(H, DV, dtype), wgk.make_init(DV // 2 // 2)  # noqa: SLF001
+    SN, ON, NS, GPW, DVH = tk // 2, DV // 4, L.ns, tk // 8 // ISSUERS, DV // 2
+
+    @T.macro
+    def score_role(smem, oacc, m, lsum, k0, k1, sm_scale, w, lane, t):
+        sacc = T.alloc_buffer((SN,), "float32", scope="local")
+        pf = T.alloc_buffer((SN,), dtype, scope="local")
+        al = T.alloc_buffer((2,), "float32", scope="local")
+        st = T.alloc_buffer((2,), "float32", scope="local")
+        nt: T.let[T.int32] = T.truncdiv(k1 - k0 + tk - 1, tk)
+        for kt in T.serial(nt):
+            T.evaluate(mbar_wait(ops.full(smem, T.truncmod(kt, NS)), T.truncmod(T.truncdiv(kt, NS), 2)))
+            ops.score(smem, T.truncmod(kt, NS), sacc)
+            if kt > 0:
+                T.evaluate(wg_wait1())  # P V of tile kt - 1 done: its stage is free of this warpgroup
+                wgg.pv_done(oacc, pf)
+                if lane == 0:
+                    T.evaluate(mbar_arrive(ops.empty(smem, T.truncmod(kt - 1, NS))))
+            T.evaluate(wg_wait0())
+            T.evaluate(acc_fence(tk, T.address_of(sacc[0])))
+            if k0 + (kt + 1) * tk > k1:
+                ops.zero_tail(smem, T.truncmod(kt, NS), k0 + kt * tk, k1, t)
+            softmax(sacc, pf, m, lsum, al, st, k0 + kt * tk, k1, sm_scale * T.float32(LOG2E), lane)
+            if kt > 0:
+                T.evaluate(bar_sync(BAR_PFREE, NT))  # the value warpgroup's P V of tile kt - 1 done with P
+            ops.publish(smem, pf, al, T.truncmod(w, 4), lane)
+            T.evaluate(bar_arrive(BAR_P, NT))
+            ops.rescale(oacc, al)
+            wgg.pv_issue(oacc, pf, smem, L.stage(T.truncmod(kt, NS)) + (DVH // 64) * tk * 64)
+        if nt > 0:
+            T.evaluate(wg_wait0())
+            wgg.pv_done(oacc, pf)
+            if lane == 0:
+                T.evaluate(mbar_arrive(ops.empty(smem, T.truncmod(nt - 1, NS))))
+            T.evaluate(bar_sync(BAR_PFREE, NT))
+        ops.hand_out(smem, m, lsum, t)
+        T.evaluate(bar_arrive(BAR_FIN, NT))
+
+    @T.macro
+    def value_role(smem, oacc, m, lsum, pmap, page_values, pbase, ps, k0, k1, w, lane, t):
+        al = T.alloc_buffer((2,), "float32", scope="local")
+        pg = T.alloc_buffer((GPW,), "int32", scope="local")
+        nt: T.let[T.int32] = T.truncdiv(k1 - k0 + tk - 1, tk)
+        if lane == 0:
+            ops.look_up(pg, page_values, pbase, ps, k0, k1, w)
+            for s in T.unroll(NS):
+                if k0 + s * tk < k1:
+                    ops.issue(smem, s, pmap, page_values, pbase, ps, k0 + s * tk, k1, pg, w)
+        for kt in T.serial(nt):
+            if kt > 0 and lane == 0 and k0 + (kt + NS - 1) * tk < k1:
+                T.evaluate(mbar_wait(ops.empty(smem, T.truncmod(kt - 1, NS)), T.truncmod(T.truncdiv(kt - 1, NS), 2)))
+                ops.issue(smem, T.truncmod(kt - 1, NS), pmap, page_values, pbase, ps, k0 + (kt + NS - 1) * tk, k1, pg,
+                          w)
+            T.evaluate(bar_sync(BAR_P, NT))
+            T.evaluate(mbar_wait(ops.full(smem, T.truncmod(kt, NS)), T.truncmod(T.truncdiv(kt, NS), 2)))
+            for rr in T.unroll(2):
+                al[rr] = ld_shared_f32(T.address_of(smem[L.alpha + (w * 16 + rr * 8 + T.truncdiv(lane, 4)) * 2]))
+            ops.rescale(oacc, al)
+            ops.pv_smem(smem, T.truncmod(kt, NS), oacc)
+            T.evaluate(bar_arrive(BAR_PFREE, NT))
+            if lane == 0:
+                T.evaluate(mbar_arrive(ops.empty(smem, T.truncmod(kt, NS))))
+        T.evaluate(bar_sync(BAR_FIN, NT))
+        ops.take_over(smem, m, lsum, t)
+
+    @T.macro
+    def block(q, pages, page_values, o, lse, ws, sm_scale, ps, at, n, keys):
+        bx, g, sp, tid = at
+        B, S = n
+        k0, k1, pbase = keys
+        smem_all = T.alloc_buffer((L.total,), dtype, scope="shared.dyn")
+        keep_extent(smem_all, L.total)
+        # Q and the ring from the first 1024-byte boundary (the swizzle's period; the allocation has the slack).
+        smem = T.decl_buffer((L.total,), dtype, data=smem_all.data,
+                             elem_offset=sw128_pad(T.address_of(smem_all[0]), 2), scope="shared.dyn")
+        oacc = T.alloc_buffer((ON,), "float32", scope="local")
+        m = T.alloc_buffer((2,), "float32", scope="local")
+        lsum = T.alloc_buffer((2,), "float32", scope="local")
+        wg: T.let[T.int32] = T.truncdiv(tid, 128)
+        w: T.let[T.int32] = T.truncdiv(tid, 32)
+        lane: T.let[T.int32] = T.truncmod(tid, 32)
+        init(oacc, m, lsum)
+        if tid == 0:
+            for s in T.unroll(NS):
+                T.evaluate(mbar_init(ops.full(smem, s), 1))
+                T.evaluate(mbar_init(ops.empty(smem, s), 8))
+        ops.load_q(smem, q, T.min(bx, T.max(B - 1, 0)), g * ROWS, H, tid)
+        T.evaluate(proxy_fence())  # Q's stores visible to the S wgmma's
+        T.tvm_storage_sync("shared")  # and the mbarriers initialized before any box counts on one
+        if wg == 1:
+            score_role(smem, oacc, m, lsum, k0, k1, sm_scale, w, lane, T.truncmod(tid, 128))
+        else:
+            value_role(smem, oacc, m, lsum, pages[1], page_values, pbase, ps, k0, k1, w, lane, T.truncmod(tid, 128))
+        store(oacc, m, lsum, o, lse, ws[0], ws[1], bx, bx < B, g * ROWS, S, sp, wg, w, lane)
+
+    return block
+
+
+def mla_attn_decode_paged_wgq(spec):
+    """``pagedkv_mla_attn_decode_paged`` on warpgroup tensor cores, Q in shared memory, a score and a value
+    warpgroup (arguments: ``pagedkv.ops.OP_SPECS``), for a ``KernelSpec`` that ``wgq_unserved`` accepts (module
+    docstring); the host code runs ``mla_cuda_wg``'s kernel where TMA cannot read the pool."""
+    reasons = wgq_unserved(spec)
+    if reasons:
+        raise NotImplementedError(f"pagedkv.tir_kernels: {SWITCH}={VALUE}: the Q-in-shared-memory wgmma CUDA MLA "
+                                  f"decode does not serve {'; '.join(reasons)}")
+    H, DV, DL, dtype = spec.num_qo_heads, spec.kv_lora_rank, spec.latent_dim, spec.dtype
+    frame = make_split_frame(heads=H, dv=DV, groups=(H + ROWS - 1) // ROWS, threads=NT, tk=TK, dtype=dtype,
+                             splits=decode_splits(spec), block=_make_block(H, DL, DV, dtype, TK))
+    fallback = wgk.make_wg_body(spec)
+    pmap_of = LatentPageMap(DL)
+
+    @T.macro
+    def body(q, pages, page_indptr, page_values, last_page_len, o, lse, sm_scale, max_kv_len, dims):
+        _b, _p, ps, _nnz = dims
+        if T.And(T.truncmod(ps, 8) == 0, host_aligned16(T.address_of(pages[0, 0, 0, 0, 0]))):
+            # Host code: the pool's tensor map, at each call (its address and page count may change).
+            pmap: T.let[T.handle("tensormap")] = T.tvm_stack_alloca("tensormap", 1)
+            T.call_packed("runtime.cuTensorMapEncodeTiled", pmap, dtype, 3, T.address_of(pages[0, 0, 0, 0, 0]),
+                          *pmap_of.encode_args(pages.shape))
+            frame(q, (pages, pmap), page_indptr, page_values, last_page_len, o, lse, sm_scale, max_kv_len, dims)
+        else:
+            fallback(q, pages, page_indptr, page_values, last_page_len, o, lse, sm_scale, max_kv_len, dims)
+
+    return abi_prim_func(MLA_ATTN_DECODE_PAGED, shape_values(spec), dtype, body, scheduled=True,
+                         adapter="direct_max_kv_len", any_align=("pages",))
+
+
+__all__ = ["NT", "ROWS", "SWITCH", "TK", "VALUE", "mla_attn_decode_paged_wgq", "smem_bytes", "stages", "use_wgq",
+           "wgq_unserved"]
