@@ -51,12 +51,13 @@ PAGEDKV_PATHS = {**{f"pagedkv-tir-{t}": {"cuda_prefill_kernel": t} for t in PREF
                  "pagedkv-tir-tcd": {"cuda_decode_kernel": "tc"},
                  "pagedkv-tir-mlatc": {"cuda_mla_decode_kernel": "tc"},
                  "pagedkv-tir-mlawg": {"cuda_mla_decode_kernel": "wg"},
-                 "pagedkv-tir-mlawgt": {"cuda_mla_decode_kernel": "wgt"}}
+                 "pagedkv-tir-mlawgt": {"cuda_mla_decode_kernel": "wgt"},
+                 "pagedkv-tir-mlawgq": {"cuda_mla_decode_kernel": "wgq"}}
 PAGEDKV_BACKENDS = {"pagedkv-fi": ["flashinfer", "tir"], "pagedkv-tir": "tir", **dict.fromkeys(PAGEDKV_PATHS, "tir")}
 #: The labels of ``PAGEDKV_PATHS`` that time the decode (the others time prefill only).
 DECODE_PATH_LABELS = ("pagedkv-tir-tcd",)
 #: The labels of ``PAGEDKV_PATHS`` that time the MLA decode only.
-MLA_PATH_LABELS = ("pagedkv-tir-mlatc", "pagedkv-tir-mlawg", "pagedkv-tir-mlawgt")
+MLA_PATH_LABELS = ("pagedkv-tir-mlatc", "pagedkv-tir-mlawg", "pagedkv-tir-mlawgt", "pagedkv-tir-mlawgq")
 _WS_BYTES = 512 << 20  # FlashInfer's own wrappers get a generous float workspace
 
 

@@ -230,6 +230,9 @@ __device__ __forceinline__ void pagedkv_st_shared_zero16(void* p) {
   asm volatile("st.shared.v4.b32 [%0], {%1, %1, %1, %1};\n" :: "r"(static_cast<unsigned>(__cvta_generic_to_shared(p))),
                "r"(0) : "memory");
 }
+// x as the compiler can see is the same in every lane (lane 0's): branches on it are warp-uniform, so ptxas does
+// not serialize the wgmma's under them (C7518); the value must be the same in every lane.
+__device__ __forceinline__ int pagedkv_warp_uniform(int x) { return __shfl_sync(0xFFFFFFFFu, x, 0); }
 // The 4 bytes at src (two 16-bit elements of a register array) to shared memory at p.
 __device__ __forceinline__ void pagedkv_st_shared_b32(void* p, const void* src) {
   asm volatile("st.shared.b32 [%0], %1;\n" :: "r"(static_cast<unsigned>(__cvta_generic_to_shared(p))),
@@ -252,6 +255,12 @@ def ld_shared_f32(p):
 def st_shared_zero16(p):
     """Zero the 16 bytes at shared address ``p``, unseen by TVM's barrier planner."""
     return T.cuda.func_call("pagedkv_st_shared_zero16", p, source_code=_OPAQUE_SOURCE)
+
+
+def warp_uniform(x):
+    """``x`` (int32, the same in every lane: a warpgroup index) through lane 0's shuffle, so that ptxas knows a
+    branch on it is warp-uniform and keeps the wgmma's under it asynchronous (else C7518: serialized)."""
+    return T.cuda.func_call("pagedkv_warp_uniform", x, source_code=_OPAQUE_SOURCE, return_type="int32")
 
 
 def st_shared_b32(p, src):
@@ -424,4 +433,4 @@ def wg_attention_gemms(dtype: str, *, s_steps: int, tk: int, k_lay, dv: int, v_l
 
 
 __all__ = ["WG_CORE_PAD", "WG_NS", "WG_REG_RUN", "CoreLayout", "Sw128Layout", "WgGemms", "bar_arrive", "bar_sync", "store_before_wait", "wg_attention_gemms", "reg_fence", "acc_fence", "proxy_fence", "wg_commit", "wg_fence", "wg_wait0", "wg_wait1",
-           "wgmma", "wgmma_ss", "ld_shared_f32", "st_shared_b32", "st_shared_f32", "st_shared_zero16"]
+           "wgmma", "wgmma_ss", "ld_shared_f32", "st_shared_b32", "st_shared_f32", "st_shared_zero16", "warp_uniform"]

@@ -48,8 +48,8 @@ from ._mma_cuda import c_frag, cp_async16, cp_async_commit, cp_async_wait, keep_
 from ._tma_cuda import (MBAR_BYTES, SW128_ALIGN, LatentPageMap, host_aligned16, mbar_arrive, mbar_expect_tx,
                         mbar_init, mbar_wait, sw128_pad, tma_load3)
 from ._wgmma_cuda import (CoreLayout, Sw128Layout, acc_fence, bar_arrive, bar_sync, ld_shared_f32, proxy_fence,
-                          st_shared_b32, st_shared_f32, st_shared_zero16, wg_attention_gemms, wg_commit, wg_fence,
-                          wg_wait0, wg_wait1, wgmma_ss)
+                          st_shared_b32, st_shared_f32, st_shared_zero16, warp_uniform, wg_attention_gemms, wg_commit,
+                          wg_fence, wg_wait0, wg_wait1, wgmma_ss)
 
 SWITCH, VALUE = "cuda_mla_decode_kernel", "wgq"
 #: Heads a block (one m64 tile), threads (two warpgroups), keys a tile.
@@ -313,9 +313,11 @@ def _make_block(H: int, DL: int, DV: int, dtype: str, tk: int):
             T.evaluate(bar_arrive(BAR_P, NT))
             ops.rescale(oacc, al)
             wgg.pv_issue(oacc, pf, smem, L.stage(T.truncmod(kt, NS)) + (DVH // 64) * tk * 64)
+        # Unconditional (nothing in flight without tiles): ptxas then sees every path complete the last P V before
+        # O is read, and keeps the wgmma's asynchronous (else C7517 / C7515: a wait injected, wgmma's serialized).
+        T.evaluate(wg_wait0())
+        wgg.pv_done(oacc, pf)
         if nt > 0:
-            T.evaluate(wg_wait0())
-            wgg.pv_done(oacc, pf)
             if lane == 0:
                 T.evaluate(mbar_arrive(ops.empty(smem, T.truncmod(nt - 1, NS))))
             T.evaluate(bar_sync(BAR_PFREE, NT))
@@ -362,7 +364,7 @@ def _make_block(H: int, DL: int, DV: int, dtype: str, tk: int):
         oacc = T.alloc_buffer((ON,), "float32", scope="local")
         m = T.alloc_buffer((2,), "float32", scope="local")
         lsum = T.alloc_buffer((2,), "float32", scope="local")
-        wg: T.let[T.int32] = T.truncdiv(tid, 128)
+        wg: T.let[T.int32] = warp_uniform(T.truncdiv(tid, 128))
         w: T.let[T.int32] = T.truncdiv(tid, 32)
         lane: T.let[T.int32] = T.truncmod(tid, 32)
         init(oacc, m, lsum)

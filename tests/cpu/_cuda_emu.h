@@ -403,6 +403,7 @@ inline float pagedkv_ld_shared_f32(const void* p) {
 }
 inline void pagedkv_st_shared_zero16(void* p) { std::memset(p, 0, 16); }
 inline void pagedkv_st_shared_b32(void* p, const void* src) { std::memcpy(p, src, 4); }
+inline int pagedkv_warp_uniform(int x) { return x; }
 
 // TMA and mbarriers (tir_kernels/_tma_cuda.py). A tensor map is the struct the test's launcher fills from the
 // kernel's encode arguments (on the GPU the host code encodes a CUtensorMap). A box copy is queued on its

@@ -100,7 +100,7 @@ def test_columns_are_decided_without_the_kernels():
 
 
 @pytest.mark.parametrize("label,kernel", [("pagedkv-tir-mlatc", "tc"), ("pagedkv-tir-mlawg", "wg"),
-                                          ("pagedkv-tir-mlawgt", "wgt")])
+                                          ("pagedkv-tir-mlawgt", "wgt"), ("pagedkv-tir-mlawgq", "wgq")])
 def test_mla_tc_column_is_mla_decode_only(label, kernel):
     """``pagedkv-tir-mlatc`` / ``-mlawg`` / ``-mlawgt`` (the tensor-core / wgmma / TMA wgmma MLA decode forced)
     have a column on every MLA decode row and no other."""

@@ -26,7 +26,7 @@ import pytest
 from _cuda_support import cuda_source_of, nvcc_all, ptxas_usage, stack_frames
 
 from pagedkv import tir_kernels as tk
-from pagedkv.tir_kernels import mla_cuda, mla_cuda_tc, mla_cuda_wg, mla_cuda_wgt
+from pagedkv.tir_kernels import mla_cuda, mla_cuda_tc, mla_cuda_wg, mla_cuda_wgq, mla_cuda_wgt
 from pagedkv.tir_kernels._common import fast_macro_expansion
 
 import tvm
@@ -91,7 +91,7 @@ def _uses_tc(s) -> bool:
 
 
 def test_switch_is_registered():
-    assert tk.SWITCHES[SWITCH][1] == ("auto", "simt", "tc", "wg", "wgt")  # wg, wgt: below (sm_90a)
+    assert tk.SWITCHES[SWITCH][1] == ("auto", "simt", "tc", "wg", "wgt", "wgq")  # wg, wgt, wgq: below (sm_90a)
     assert spec(16, 128, 64, "float16", "auto").paths == ()
 
 
@@ -135,8 +135,9 @@ SM90A = Target({"kind": "cuda", "arch": "sm_90a"}, host="llvm")
 WG_CONFIGS = [(128, 512, 64, "float16"), (16, 512, 64, "bfloat16")]
 
 
-#: The wgmma kernels: wg, and wgt (TMA latent tiles), whose PrimFunc also holds wg's kernel (its fallback).
-WG_KERNELS = {"wg": (mla_cuda_wg.smem_bytes, 1), "wgt": (mla_cuda_wgt.smem_bytes, 2)}
+#: The wgmma kernels: wg, and wgt / wgq (TMA latent tiles), whose PrimFuncs also hold wg's kernel (their fallback).
+WG_KERNELS = {"wg": (mla_cuda_wg.smem_bytes, 1), "wgt": (mla_cuda_wgt.smem_bytes, 2),
+              "wgq": (mla_cuda_wgq.smem_bytes, 2)}
 WG_CASES = [(k, c) for k in WG_KERNELS for c in WG_CONFIGS]
 
 
@@ -154,7 +155,9 @@ def wg_cuda_source(case: tuple) -> str:
 def test_wg_decode_compiles_without_spills(case, tmp_path):
     """No spills in at most 255 registers (256 threads), static + dynamic shared memory within 227 KB, and per
     tile ``DL / 32`` wgmma m64n32k16 (S, A = Q) and ``TK / 16`` m64n{DV/2}k16 (P V) in the source, in each
-    wgmma kernel of the PrimFunc (wgt: its own and wg's)."""
+    wgmma kernel of the PrimFunc (wgt: its own and wg's; wgq: wg's, and its own ``DL / 16`` m64n64k16 with both
+    operands in shared memory (S) and ``2 TK / 16`` m64n{DV/2}k16, one warpgroup's P from registers, the other's
+    from shared memory)."""
     kernel, cfg = case
     smem_bytes, kernels = WG_KERNELS[kernel]
     src = wg_cuda_source(case)
@@ -167,15 +170,26 @@ def test_wg_decode_compiles_without_spills(case, tmp_path):
     assert not any(stack_frames(log).values()), stack_frames(log)
     print(case, usage)
     h, rank, rope, _ = cfg
-    static = max(int(m) for m in re.findall(r"(\d+) bytes smem", log))
-    assert static + smem_bytes(rank + rope) <= MAX_SMEM, static
+    # Each kernel's static shared memory beside its dynamic (TVM emits the PrimFunc's own kernel first, then wg's
+    # fallback and the merge kernels).
+    static = {m.group(1): int(m.group(2) or 0) for m in re.finditer(
+        r"Compiling entry function '(\w+)'.*?Used \d+ registers, used \d+ barriers(?:, (\d+) bytes smem)?", log, re.S)}
+    assert static["pagedkv_mla_attn_decode_paged_kernel"] + smem_bytes(rank + rope) <= MAX_SMEM, static
+    assert static.get("pagedkv_mla_attn_decode_paged_kernel_2", 0) + mla_cuda_wg.smem_bytes(rank + rope) <= MAX_SMEM
     body = src.split("#endif")[-1]
-    assert len(re.findall(r"pagedkv_wgmma_n32_b?f16_t0\(", body)) == (rank + rope) // 32 * kernels
-    assert len(re.findall(rf"pagedkv_wgmma_n{rank // 2}_b?f16_t1\(", body)) == mla_cuda_wg.TK // 16 * kernels
-    assert ("CUtensorMap" in body) == (kernel == "wgt")
+    wg_kernels = 1 if kernel == "wgq" else kernels
+    assert len(re.findall(r"pagedkv_wgmma_n32_b?f16_t0\(", body)) == (rank + rope) // 32 * wg_kernels
+    pv = len(re.findall(rf"pagedkv_wgmma_n{rank // 2}_b?f16_t1\(", body))
+    if kernel == "wgq":
+        tk = mla_cuda_wgq.TK
+        assert len(re.findall(rf"pagedkv_wgmma_ss_n{tk}_b?f16_t0\(", body)) == (rank + rope) // 16
+        assert len(re.findall(rf"pagedkv_wgmma_ss_n{rank // 2}_b?f16_t1\(", body)) == tk // 16
+        pv -= tk // 16  # the score warpgroup's (P from registers)
+    assert pv == mla_cuda_wg.TK // 16 * wg_kernels
+    assert ("CUtensorMap" in body) == (kernel in ("wgt", "wgq"))
 
 
-@pytest.mark.parametrize("kernel", ["wg", "wgt"])
+@pytest.mark.parametrize("kernel", ["wg", "wgt", "wgq"])
 def test_wg_needs_sm90a_and_names_every_reason(kernel):
     with pytest.raises(NotImplementedError, match=f"{SWITCH}={kernel}: .*target arch"):
         mla_cuda.mla_attn_decode_paged_cuda(spec(128, 512, 64, "float16", kernel))

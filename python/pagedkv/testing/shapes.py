@@ -264,9 +264,10 @@ MLA_KERNEL_SPLITS = ("auto", "1", "3")
 #: value above) and the SIMT kernel on V2-Lite (auto takes the tensor cores there since
 #: ``mla_cuda_tc.MLA_TC_BY_DEFAULT``: SIMT only forced); the wgmma kernel (``mla_cuda_wg``, sm_90a: two head
 #: groups of 64) on DeepSeek-V3's 128 heads and on V2-Lite's 16 (48 padding rows), and its TMA variant
-#: (``mla_cuda_wgt``; pages of 16: TMA boxes) on the same two.
+#: (``mla_cuda_wgt``; pages of 16: TMA boxes) and the Q-in-shared-memory one (``mla_cuda_wgq``) on the same two.
 MLA_KERNEL_SHAPES = [(MLA_GPU_EXTRA[2], "tc"), (MLA_SHAPES[2], "simt"), (MLA_GPU_EXTRA[2], "wg"), (MLA_SHAPES[2], "wg"),
-                     (MLA_GPU_EXTRA[2], "wgt"), (MLA_SHAPES[2], "wgt")]
+                     (MLA_GPU_EXTRA[2], "wgt"), (MLA_SHAPES[2], "wgt"), (MLA_GPU_EXTRA[2], "wgq"),
+                     (MLA_SHAPES[2], "wgq")]
 
 
 def mla_path_cases() -> list[tuple[MLAShape, dict[str, str]]]:
