@@ -196,12 +196,13 @@ class PagedTensorMap:
 @dataclasses.dataclass(frozen=True)
 class LatentPageMap:
     """The tensor map of an MLA page pool ``[pages][1][1][ps][dl]`` (a page's latent rows; 2-byte elements), read as
-    boxes of 8 rows (keys of one page: ``ps`` a multiple of 8) x 64 dims, 128-byte swizzled (1024 bytes, one
-    swizzle period). Dims innermost first: (dl, ps, pages); the box at (``dim0``, ``row``, ``page``)."""
+    boxes of ``box_rows`` rows (keys of one page: a multiple of 8 dividing ``ps``; an int or the host code's
+    expression of ``ps``) x 64 dims, 128-byte swizzled (each 8 rows one 1024-byte swizzle period). Dims innermost
+    first: (dl, ps, pages); the box at (``dim0``, ``row``, ``page``)."""
 
     dl: int
+    box_rows: object = 8
     rank = 3
-    box_rows = 8
 
     def encode_args(self, shape) -> list:
         ps, dl = shape[3], self.dl

@@ -62,6 +62,19 @@ BAR_P, BAR_PFREE, BAR_FIN, BAR_TAIL = 1, 2, 3, 4
 ISSUERS = 4
 
 
+def box_rows(ps, tk: int | None = None):
+    """Rows of the TMA boxes for pages of ``ps`` keys (an int, or a TIR expression in the kernel and its host
+    code): the largest of 64, 32, 16, 8 that divides ``ps``, at most ``tk``; a box never crosses a page, and a
+    tile of ``tk`` keys is ``tk / box_rows`` boxes a column block (one at DeepSeek's pages of 64: 9 boxes a tile,
+    against 72 of 8 rows)."""
+    tk = tk or TK
+    out = 8
+    for r in (16, 32, 64):
+        if r <= tk:
+            out = (r if ps % r == 0 else out) if isinstance(ps, int) else T.if_then_else(ps % r == 0, r, out)
+    return out
+
+
 def stages(latent_dim: int, tk: int) -> int:
     """Ring stages that fit beside Q, P, the factors and the mbarriers (at most ``MAX_STAGES``)."""
     fixed = 2 * (ROWS * latent_dim + ROWS * tk + 2 * ROWS) + 2 * MAX_STAGES * MBAR_BYTES + SW128_ALIGN
@@ -108,29 +121,43 @@ class _Smem:
 
 def _make_softmax(dtype: str, tk: int):
     """The score warpgroup's online softmax of a tile (``mla_cuda_wg``'s rules: log2 units, keys at or past
-    ``kend`` masked, ``EMPTY_LSE`` start), the rows' factors in ``al`` (O is rescaled by ``rescale``)."""
-    NSN = tk // 8
+    ``kend`` masked, ``EMPTY_LSE`` start), the rows' factors in ``al`` (O is rescaled by ``rescale``).
+
+    Written for instruction-level parallelism (the probe's stall samples put a third of the score warpgroup's
+    time in a serial softmax): the key mask only in a split's last tile (a whole tile branches once), the row's max
+    from four partial maxima and its sum from four partial sums (``tk`` >= 32)."""
+    NSN = tk // 8  # 8-key column groups: a thread holds 2 keys of each, per row
 
     @T.macro
     def softmax(sacc, pf, m, lsum, al, st, kbase, kend, scale2, lane):
-        for rr in T.unroll(2):
-            st[0] = m[rr]
+        if kbase + tk <= kend:
+            for e in T.unroll(NSN * 4):
+                sacc[e] = sacc[e] * scale2
+        else:
             for nt in T.unroll(NSN):
-                for c in T.unroll(2):
-                    sacc[nt * 4 + rr * 2 + c] = T.if_then_else(
-                        kbase + nt * 8 + c_frag(lane, c)[1] < kend, sacc[nt * 4 + rr * 2 + c] * scale2,
-                        T.float32(MASKED))
-                    st[0] = T.max(st[0], sacc[nt * 4 + rr * 2 + c])
+                for e in T.unroll(4):
+                    sacc[nt * 4 + e] = T.if_then_else(kbase + nt * 8 + c_frag(lane, e % 2)[1] < kend,
+                                                      sacc[nt * 4 + e] * scale2, T.float32(MASKED))
+        for rr in T.unroll(2):
+            # Four partial maxima (chains of NSN / 4), then their tree.
+            for j in T.unroll(4):
+                st[j] = T.max(sacc[j * 4 + rr * 2], sacc[j * 4 + rr * 2 + 1])
+            for nt in T.unroll(4, NSN):
+                st[nt % 4] = T.max(st[nt % 4], T.max(sacc[nt * 4 + rr * 2], sacc[nt * 4 + rr * 2 + 1]))
+            st[0] = T.max(T.max(st[0], st[1]), T.max(st[2], st[3]))
+            st[0] = T.max(st[0], m[rr])
             st[0] = T.max(st[0], shfl_xor(st[0], 1))
             st[0] = T.max(st[0], shfl_xor(st[0], 2))
             al[rr] = T.exp2(m[rr] - st[0])
             m[rr] = st[0]
-            lsum[rr] = lsum[rr] * al[rr]
+            for j in T.unroll(4):
+                st[1 + j] = T.float32(0)
             for nt in T.unroll(NSN):
                 for c in T.unroll(2):
-                    st[1] = T.exp2(sacc[nt * 4 + rr * 2 + c] - st[0])
-                    lsum[rr] = lsum[rr] + st[1]
-                    pf[nt * 4 + rr * 2 + c] = T.Cast(dtype, st[1])
+                    sacc[nt * 4 + rr * 2 + c] = T.exp2(sacc[nt * 4 + rr * 2 + c] - st[0])
+                    st[1 + (nt * 2 + c) % 4] = st[1 + (nt * 2 + c) % 4] + sacc[nt * 4 + rr * 2 + c]
+                    pf[nt * 4 + rr * 2 + c] = T.Cast(dtype, sacc[nt * 4 + rr * 2 + c])
+            lsum[rr] = lsum[rr] * al[rr] + ((st[1] + st[2]) + (st[3] + st[4]))
 
     return softmax
 
@@ -139,7 +166,7 @@ def _make_ops(DL: int, DV: int, dtype: str, tk: int):
     """The tile macros of both roles."""
     L = _Smem(DL, tk)
     NKS, DVH, NCB, GROUPS = DL // 16, DV // 2, DL // 64, tk // 8
-    GPW, NDN = GROUPS // ISSUERS, DV // 2 // 8
+    NDN = DV // 2 // 8
     LAY, QLAY, PLAY = Sw128Layout(DL, tk), Sw128Layout(DL, ROWS), CoreLayout(tk)
     wgg = wg_attention_gemms(dtype, s_steps=NKS, tk=tk, k_lay=LAY, dv=DVH, v_lay=LAY)
 
@@ -149,26 +176,45 @@ def _make_ops(DL: int, DV: int, dtype: str, tk: int):
     def empty(smem, s):
         return T.address_of(smem[L.mbar + (L.ns + s) * (MBAR_BYTES // 2)])
 
+    def group(w, j, br):
+        """Key group of an issuing lane's slot ``j`` (0, 1): with one group a tile (``br == tk``) group 0 in slot 0
+        (every issuing lane takes some of its column blocks), else groups ``w`` and ``w + 4`` (all their column
+        blocks); ``GROUPS`` (none) for an unused slot."""
+        return T.if_then_else(br == tk, T.if_then_else(j == 0, 0, GROUPS), w + ISSUERS * j)
+
     @T.macro
-    def look_up(pg, page_values, pbase, ps, kbase, kend, w):
-        """An issuing lane (warp ``w``): the pages of its key groups of the tile at ``kbase`` into ``pg``."""
-        for j in T.unroll(GPW):
-            if kbase + (w + ISSUERS * j) * 8 < kend:
-                pg[j] = page_values[pbase + T.truncdiv(kbase + (w + ISSUERS * j) * 8, ps)]
+    def look_up(pg, page_values, pbase, ps, kbase, kend, w, br):
+        """An issuing lane: the pages of its groups of the tile at ``kbase`` into ``pg`` (looked up a tile ahead:
+        the load's latency then passes off the path from a free stage to its boxes)."""
+        for j in T.unroll(2):
+            if T.And(group(w, j, br) < T.truncdiv(tk, br), kbase + group(w, j, br) * br < kend):
+                pg[j] = page_values[pbase + T.truncdiv(kbase + group(w, j, br) * br, ps)]
+
+    @T.macro
+    def box(smem, s, pmap, ps, kbase, g, cb, br, page):
+        T.evaluate(tma_load3(T.address_of(smem[L.stage(s) + (cb * tk + g * br) * 64]), full(smem, s), pmap, cb * 64,
+                             T.truncmod(kbase + g * br, ps), page))
 
     @T.macro
     def issue(smem, s, pmap, page_values, pbase, ps, kbase, kend, pg, w):
-        """An issuing lane: its boxes of the tile at ``kbase`` into stage ``s`` (thread 0 arms ``full[s]`` with the
-        tile's bytes first), then its pages of the next tile."""
+        """An issuing lane (lane 0 of warp ``w`` of the value warpgroup): its boxes of the tile at ``kbase`` into
+        stage ``s`` (key groups of ``box_rows(ps)`` keys; none at or past ``kend``), warp 0 arming ``full[s]`` with
+        the tile's bytes first; then its pages of the next tile. One group a tile (pages of 64 keys or more): lane
+        ``w`` takes column blocks ``w, w + 4, ..``; else groups ``w`` and ``w + 4`` whole."""
+        br: T.let[T.int32] = box_rows(ps, tk)
         if w == 0:
-            T.evaluate(mbar_expect_tx(full(smem, s), T.min(T.truncdiv(kend - kbase + 7, 8), GROUPS) * 8 * DL * 2))
-        for j in T.unroll(GPW):
-            if kbase + (w + ISSUERS * j) * 8 < kend:
-                for cb in T.unroll(NCB):
-                    T.evaluate(tma_load3(
-                        T.address_of(smem[L.stage(s) + (cb * tk + (w + ISSUERS * j) * 8) * 64]), full(smem, s), pmap,
-                        cb * 64, T.truncmod(kbase + (w + ISSUERS * j) * 8, ps), pg[j]))
-        look_up(pg, page_values, pbase, ps, kbase + tk, kend, w)
+            T.evaluate(mbar_expect_tx(full(smem, s), T.min(T.truncdiv(kend - kbase + br - 1, br), T.truncdiv(tk, br))
+                                      * br * DL * 2))
+        if br == tk:
+            for i in T.unroll((NCB + ISSUERS - 1) // ISSUERS):
+                if w + ISSUERS * i < NCB:
+                    box(smem, s, pmap, ps, kbase, 0, w + ISSUERS * i, br, pg[0])
+        else:
+            for j in T.unroll(2):
+                if T.And(w + ISSUERS * j < T.truncdiv(tk, br), kbase + (w + ISSUERS * j) * br < kend):
+                    for cb in T.unroll(NCB):
+                        box(smem, s, pmap, ps, kbase, w + ISSUERS * j, cb, br, pg[j])
+        look_up(pg, page_values, pbase, ps, kbase + tk, kend, w, br)
 
     @T.macro
     def load_q(smem, q, b, h0, H, tid):
@@ -285,14 +331,14 @@ def _make_block(H: int, DL: int, DV: int, dtype: str, tk: int):
     L, wgg = ops.L, ops.wgg
     softmax = _make_softmax(dtype, tk)
     store, init = wgk._make_store(H, DV, dtype), wgk.make_init(DV // 2 // 2)  # noqa: SLF001
-    SN, ON, NS, GPW, DVH = tk // 2, DV // 4, L.ns, tk // 8 // ISSUERS, DV // 2
+    SN, ON, NS, DVH = tk // 2, DV // 4, L.ns, DV // 2
 
     @T.macro
     def score_role(smem, oacc, m, lsum, k0, k1, sm_scale, w, lane, t):
         sacc = T.alloc_buffer((SN,), "float32", scope="local")
         pf = T.alloc_buffer((SN,), dtype, scope="local")
         al = T.alloc_buffer((2,), "float32", scope="local")
-        st = T.alloc_buffer((2,), "float32", scope="local")
+        st = T.alloc_buffer((5,), "float32", scope="local")
         nt: T.let[T.int32] = T.truncdiv(k1 - k0 + tk - 1, tk)
         for kt in T.serial(nt):
             T.evaluate(mbar_wait(ops.full(smem, T.truncmod(kt, NS)), T.truncmod(T.truncdiv(kt, NS), 2)))
@@ -327,10 +373,10 @@ def _make_block(H: int, DL: int, DV: int, dtype: str, tk: int):
     @T.macro
     def value_role(smem, oacc, m, lsum, pmap, page_values, pbase, ps, k0, k1, w, lane, t):
         al = T.alloc_buffer((2,), "float32", scope="local")
-        pg = T.alloc_buffer((GPW,), "int32", scope="local")
+        pg = T.alloc_buffer((2,), "int32", scope="local")
         nt: T.let[T.int32] = T.truncdiv(k1 - k0 + tk - 1, tk)
         if lane == 0:
-            ops.look_up(pg, page_values, pbase, ps, k0, k1, w)
+            ops.look_up(pg, page_values, pbase, ps, k0, k1, w, box_rows(ps, tk))
             for s in T.unroll(NS):
                 if k0 + s * tk < k1:
                     ops.issue(smem, s, pmap, page_values, pbase, ps, k0 + s * tk, k1, pg, w)
@@ -396,8 +442,6 @@ def mla_attn_decode_paged_wgq(spec):
     frame = make_split_frame(heads=H, dv=DV, groups=(H + ROWS - 1) // ROWS, threads=NT, tk=TK, dtype=dtype,
                              splits=decode_splits(spec), block=_make_block(H, DL, DV, dtype, TK))
     fallback = wgk.make_wg_body(spec)
-    pmap_of = LatentPageMap(DL)
-
     @T.macro
     def body(q, pages, page_indptr, page_values, last_page_len, o, lse, sm_scale, max_kv_len, dims):
         _b, _p, ps, _nnz = dims
@@ -405,7 +449,7 @@ def mla_attn_decode_paged_wgq(spec):
             # Host code: the pool's tensor map, at each call (its address and page count may change).
             pmap: T.let[T.handle("tensormap")] = T.tvm_stack_alloca("tensormap", 1)
             T.call_packed("runtime.cuTensorMapEncodeTiled", pmap, dtype, 3, T.address_of(pages[0, 0, 0, 0, 0]),
-                          *pmap_of.encode_args(pages.shape))
+                          *LatentPageMap(DL, box_rows(ps)).encode_args(pages.shape))
             frame(q, (pages, pmap), page_indptr, page_values, last_page_len, o, lse, sm_scale, max_kv_len, dims)
         else:
             fallback(q, pages, page_indptr, page_values, last_page_len, o, lse, sm_scale, max_kv_len, dims)

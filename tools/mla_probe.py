@@ -43,9 +43,14 @@ _WG_CALL = r"pagedkv_wgmma_n{n}_f16_t{t}\("
 EDITS = {"noexp": (("exp2f(", "("),),
          "nosync": (("__syncthreads();", ";"),),
          "nos": ((re.compile(_WG_CALL.format(n=32, t=0)), "pk_noop_wg("),),
-         "nopv": ((re.compile(_WG_CALL.format(n=R // 2, t=1)), "pk_noop_wg("),)}
+         "nopv": ((re.compile(_WG_CALL.format(n=R // 2, t=1)), "pk_noop_wg("),),
+         # wgq: its S (both operands in shared memory), and all its P V's (either form).
+         "noqs": ((re.compile(r"pagedkv_wgmma_ss_n(32|64)_f16_t0\("), "pk_noop_ss("),),
+         "noqpv": ((re.compile(r"pagedkv_wgmma_ss_n256_f16_t1\("), "pk_noop_ss("),
+                   (re.compile(_WG_CALL.format(n=R // 2, t=1)), "pk_noop_wg("))}
 _NOOP = ("__device__ __forceinline__ void pk_noop_wg(float*, const void*, const void*, unsigned, unsigned, unsigned, "
-         "int, int) {}\n")
+         "int, int) {}\n__device__ __forceinline__ void pk_noop_ss(float*, const void*, unsigned, unsigned, unsigned, "
+         "int, const void*, unsigned, unsigned, unsigned, int, int) {}\n")
 
 
 def file_stem(name: str) -> str:
@@ -58,7 +63,7 @@ def _host_env(b: int, n: int) -> dict:
             "dev_id": 0, "aligned16": True}
 
 
-def _launcher(tag: str, kernels: dict, calls: list, launch_params: dict) -> str:
+def _launcher(tag: str, kernels: dict, calls: list, launch_params: dict, tag_kernel: str = "") -> str:
     """``pk_launch_TAG(P)``: the host code's launches of one shape, the pool's tensor map encoded first."""
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
     from pagedkv.tir_kernels._tma_cuda import LatentPageMap, decode_args
@@ -69,10 +74,9 @@ def _launcher(tag: str, kernels: dict, calls: list, launch_params: dict) -> str:
         vals = []
         for i, (ty, pname) in enumerate(params):
             if "CUtensorMap" in ty:
-                from pagedkv.tir_kernels import mla_cuda_wgt
+                from pagedkv.tir_kernels import mla_cuda_wgq
 
-                rows = getattr(mla_cuda_wgt, "BOX_ROWS", 8)  # the kernel's box height (a checkout may choose it)
-                m = LatentPageMap(DL) if rows == 8 else LatentPageMap(DL, rows)
+                m = LatentPageMap(DL, mla_cuda_wgq.box_rows(PS) if "wgq" in tag_kernel else 8)  # the host code's box
                 # The pool's page count is the launcher's argument (a C expression); the rank-2 map counts rows.
                 shape = ([f"(cuuint64_t)pool_pages * {PS}", 1, 1, 1, DL] if m.rank == 2 else
                          ["(cuuint64_t)pool_pages", 1, 1, PS, DL])
@@ -136,7 +140,7 @@ def gen(out: Path, names: list[str], prefix: str = "") -> None:
             env = _host_env(b, n)
             calls = launches(main, env)
             splits[f"{b}x{n}"] = env["S"]
-            launchers.append(_launcher(f"{b}x{n}", {k.name: k.params for k in kdefs}, calls, launch_params))
+            launchers.append(_launcher(f"{b}x{n}", {k.name: k.params for k in kdefs}, calls, launch_params, base))
         (out / f"{file_stem(prefix + name)}.cu").write_text("#include <cuda.h>\n" + src + _ENCODE + "\n".join(launchers))
         meta[prefix + name] = {"splits": splits}
         print(prefix + name, meta[prefix + name], flush=True)

@@ -31,6 +31,7 @@ from _decode_emu import HERE, SM90, device_helpers, host_main, kernels_of, launc
 
 from pagedkv import tir_kernels as tk
 from pagedkv.testing import reference as R
+from pagedkv.tir_kernels import mla_cuda_wgq
 from pagedkv.tir_kernels._tma_cuda import LatentPageMap
 
 import tvm
@@ -165,7 +166,8 @@ def test_emulated_tc_mla_decode_matches_reference(name, kernel, built):
         assert any("CUtensorMap" in ty for ty, _p in ps_) == (kernel in TMA_KERNELS and kname == calls[0][0]), kname
         for i, (ty, pname) in enumerate(ps_):
             if "CUtensorMap" in ty:
-                keep.append(tensor_map(arrays["pages"], LatentPageMap(r + rope)))
+                rows = mla_cuda_wgq.box_rows(PS) if kernel.startswith("wgq") else 8  # the host code's box
+                keep.append(tensor_map(arrays["pages"], LatentPageMap(r + rope, rows)))
                 ptrs[i] = ctypes.addressof(keep[-1])
             elif ty.endswith("*"):
                 ptrs[i] = arrays[re.sub(r"_ptr(_\d+)?$", "", pname)].ctypes.data  # TVM may suffix a name
