@@ -49,7 +49,7 @@ from ._tma_cuda import (MBAR_BYTES, SW128_ALIGN, LatentPageMap, host_aligned16, 
                         mbar_init, mbar_wait, sw128_pad, tma_load3)
 from ._wgmma_cuda import (CoreLayout, Sw128Layout, acc_fence, bar_arrive, bar_sync, ld_shared_f32, proxy_fence,
                           st_shared_b32, st_shared_f32, st_shared_zero16, warp_uniform, wg_attention_gemms, wg_commit,
-                          wg_fence, wg_wait0, wg_wait1, wgmma_ss)
+                          wg_fence, wg_wait0, wgmma_ss)
 
 SWITCH, VALUE = "cuda_mla_decode_kernel", "wgq"
 #: Heads a block (one m64 tile), threads (two warpgroups), keys a tile.
@@ -341,13 +341,16 @@ def _make_block(H: int, DL: int, DV: int, dtype: str, tk: int):
         st = T.alloc_buffer((5,), "float32", scope="local")
         nt: T.let[T.int32] = T.truncdiv(k1 - k0 + tk - 1, tk)
         for kt in T.serial(nt):
-            T.evaluate(mbar_wait(ops.full(smem, T.truncmod(kt, NS)), T.truncmod(T.truncdiv(kt, NS), 2)))
-            ops.score(smem, T.truncmod(kt, NS), sacc)
             if kt > 0:
-                T.evaluate(wg_wait1())  # P V of tile kt - 1 done: its stage is free of this warpgroup
+                # P V of tile kt - 1 done: its stage is free of this warpgroup. Before the wait for tile kt, so
+                # that tile kt + 1 loads while tile kt does (released after S(kt) was issued, the ring held
+                # one tile in flight: BAR 25 probe).
+                T.evaluate(wg_wait0())
                 wgg.pv_done(oacc, pf)
                 if lane == 0:
                     T.evaluate(mbar_arrive(ops.empty(smem, T.truncmod(kt - 1, NS))))
+            T.evaluate(mbar_wait(ops.full(smem, T.truncmod(kt, NS)), T.truncmod(T.truncdiv(kt, NS), 2)))
+            ops.score(smem, T.truncmod(kt, NS), sacc)
             T.evaluate(wg_wait0())
             T.evaluate(acc_fence(tk, T.address_of(sacc[0])))
             if k0 + (kt + 1) * tk > k1:
