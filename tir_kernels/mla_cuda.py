@@ -488,12 +488,13 @@ def mla_attn_decode_paged_cuda(spec):
     ``cuda_mla_decode_kernel`` (``mla_cuda_tc.use_tc``) hands fp16 / bf16 specs to the tensor-core kernel; its
     value "wg" forces the wgmma one (``mla_cuda_wg``), which auto takes on sm_90a at 64 heads or more
     (``mla_cuda_wg.use_wg``); "wgt" forces its TMA variant (``mla_cuda_wgt``), which auto takes there instead
-    (``WGT_BY_DEFAULT``; its PrimFunc runs wg's kernel where TMA cannot read the pages); "wgq" forces the
-    Q-in-shared-memory one (``mla_cuda_wgq``, the same fallback).
+    where wgq does not (``WGT_BY_DEFAULT``; its PrimFunc runs wg's kernel where TMA cannot read the pages); "wgq"
+    forces the Q-in-shared-memory one (``mla_cuda_wgq``, the same fallback), auto's first choice there
+    (``WGQ_BY_DEFAULT``).
     """
     from . import mla_cuda_tc, mla_cuda_wg, mla_cuda_wgq, mla_cuda_wgt  # pylint: disable=import-outside-toplevel
 
-    if mla_cuda_wgq.use_wgq(spec):  # forced "wgq" (raises naming what it does not serve)
+    if mla_cuda_wgq.use_wgq(spec):  # forced "wgq" (raises naming what it does not serve), or auto (WGQ_BY_DEFAULT)
         return mla_cuda_wgq.mla_attn_decode_paged_wgq(spec)
     if mla_cuda_wgt.use_wgt(spec):  # forced "wgt" (raises naming what it does not serve), or auto (WGT_BY_DEFAULT)
         return mla_cuda_wgt.mla_attn_decode_paged_wgt(spec)

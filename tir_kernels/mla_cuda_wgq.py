@@ -1,5 +1,6 @@
 """The wgmma CUDA MLA decode (``mla_attn_decode_paged``) with Q in shared memory and the warpgroups in two roles,
-fp16 / bf16, sm_90a; forced with the path switch ``cuda_mla_decode_kernel=wgq``.
+fp16 / bf16, sm_90a; forced with the path switch ``cuda_mla_decode_kernel=wgq``, and auto's choice where
+``mla_cuda_wg``'s auto rule holds (``WGQ_BY_DEFAULT``: sm_90a, 64+ heads).
 
 Why: ``mla_cuda_wgt`` holds Q's A fragments in registers (72 a thread at DeepSeek's 576), so each warpgroup can
 only take half of the latent dims; both then wait for each other's partial scores every tile, and run the same
@@ -58,6 +59,9 @@ ROWS, NT, TK = wgk.ROWS, wgk.NT, 64
 SMEM_LIMIT, MAX_STAGES = 232448, 4
 #: Named barriers (0 is ``__syncthreads``).
 BAR_P, BAR_PFREE, BAR_FIN, BAR_TAIL = 1, 2, 3, 4
+#: auto takes this kernel where ``mla_cuda_wg``'s auto rule holds (sm_90a, 64+ heads): at 128 heads it ran 1.4-1.65x
+#: ``mla_cuda_wgt`` (H100 probe, BENCHMARKS.md run 25: B64 x 8K 0.273 ms against 0.452).
+WGQ_BY_DEFAULT = True
 #: Warps of the value warpgroup issuing boxes (lane 0 each): warp ``w`` takes key groups ``w, w + 4, ..``.
 ISSUERS = 4
 
@@ -100,8 +104,10 @@ def wgq_unserved(spec) -> list[str]:
 
 def use_wgq(spec) -> bool:
     """Whether ``mla_attn_decode_paged`` of ``spec`` runs this kernel: forced (raises with ``wgq_unserved``'s
-    reasons where it does not serve)."""
-    return forced_path(spec.paths, SWITCH) == VALUE
+    reasons where it does not serve), or auto (``WGQ_BY_DEFAULT``) where ``mla_cuda_wg``'s auto rule holds and
+    this kernel serves the spec."""
+    choice = forced_path(spec.paths, SWITCH)
+    return choice == VALUE or (WGQ_BY_DEFAULT and choice == "auto" and wgk.use_wg(spec) and not wgq_unserved(spec))
 
 
 class _Smem:
@@ -461,5 +467,5 @@ def mla_attn_decode_paged_wgq(spec):
                          adapter="direct_max_kv_len", any_align=("pages",))
 
 
-__all__ = ["NT", "ROWS", "SWITCH", "TK", "VALUE", "mla_attn_decode_paged_wgq", "smem_bytes", "stages", "use_wgq",
+__all__ = ["NT", "ROWS", "SWITCH", "TK", "VALUE", "WGQ_BY_DEFAULT", "box_rows", "mla_attn_decode_paged_wgq", "smem_bytes", "stages", "use_wgq",
            "wgq_unserved"]

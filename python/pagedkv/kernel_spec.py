@@ -71,7 +71,7 @@ SWITCHES: dict[str, tuple[str, tuple[str, ...]]] = {
                                "tir_kernels.mla_cuda_wgt; where TMA cannot read the pages, not 16-byte aligned or "
                                "pages not a multiple of 8 keys, its PrimFunc runs wg); wgq: Q in shared memory, one warpgroup "
                                "scoring 64-key tiles whole and one doing P V and the TMA issue (sm_90a; "
-                               "tir_kernels.mla_cuda_wgq; the same fallback to wg); auto: wgt (WGT_BY_DEFAULT) or "
+                               "tir_kernels.mla_cuda_wgq; the same fallback to wg); auto: wgq (WGQ_BY_DEFAULT), wgt (WGT_BY_DEFAULT) or "
                                "wg where it serves the spec (sm_90a) with "
                                "at least WG_AUTO_MIN_HEADS (64) heads, else tc where it serves the spec "
                                "(MLA_TC_BY_DEFAULT), SIMT elsewhere", ("auto", "simt", "tc", "wg", "wgt", "wgq")),

@@ -215,4 +215,5 @@ def test_auto_picks_wg_on_sm90a_from_64_heads(heads, arch, dtype, want):
     s = dataclasses.replace(spec(heads, 512, 64, dtype, "auto"), target_arch=arch)
     assert mla_cuda_wg.use_wg(s) == (want == "wg")
     assert mla_cuda_wgt.use_wgt(s) == (want == "wg" and mla_cuda_wgt.WGT_BY_DEFAULT)  # its TMA variant
+    assert mla_cuda_wgq.use_wgq(s) == (want == "wg" and mla_cuda_wgq.WGQ_BY_DEFAULT)  # auto's first choice there
     assert _kernel_of(s) == want

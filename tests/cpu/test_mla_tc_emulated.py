@@ -62,16 +62,31 @@ WG_CONFIGS = {
 #: same configs, and once each with the pool's address reported unaligned: the PrimFunc's host code then runs the
 #: wg kernel (``wgt/unaligned``).
 TMA_KERNELS = ("wgt", "wgq")
+#: wgq's box paths (``mla_cuda_wgq.box_rows``: the page size picks them; the cases above use pages of 16, four
+#: 16-key groups a tile, one a warp): pages of 64 (one group a tile, the column blocks split over the warps), 8
+#: (eight groups, two a warp) and 24 (8-key boxes, a tile's groups on three pages).
+WGQ_PAGES = {"h64-r512-f16-s1-p64": ("h64-r128-f16-s8", 64, [300, 64, 1, 0]),
+             "h128-r512-bf16-s3-p8": ("h128-r512-bf16-s1", 8, [150, 3, 64]),
+             "h40-r256-f16-s1-p24": ("h40-r256-f16-s3", 24, [130, 0, 17, 200])}
 CASES = ([(n, "tc") for n in CONFIGS] + [(n, k) for k in ("wg", *TMA_KERNELS) for n in WG_CONFIGS]
-         + [("h40-r256-f16-s3", f"{k}/unaligned") for k in TMA_KERNELS])
+         + [("h40-r256-f16-s3", f"{k}/unaligned") for k in TMA_KERNELS] + [(n, "wgq") for n in WGQ_PAGES])
 WG_KERNELS = ("wg", *TMA_KERNELS, *(f"{k}/unaligned" for k in TMA_KERNELS))
 PS = 16
 #: Bytes of the static array standing in for the kernel's dynamic shared memory.
 DYN_SMEM_BYTES = 232 * 1024
 
 
+def _config(name, kernel):
+    """(heads, rank, rope, dtype, splits, lengths, page size) of a case."""
+    if name in WGQ_PAGES:
+        base, ps, lengths = WGQ_PAGES[name]
+        h, r, rope, dt, _s, _l = WG_CONFIGS[base]
+        return h, (512 if "r512" in name else r), rope, dt, name.split("-s")[1].split("-")[0], lengths, ps
+    return (*(CONFIGS if kernel == "tc" else WG_CONFIGS)[name], PS)
+
+
 def _spec(name, kernel="tc"):
-    h, r, rope, dt, splits, _l = (CONFIGS if kernel == "tc" else WG_CONFIGS)[name]
+    h, r, rope, dt, splits, _l, _ps = _config(name, kernel)
     return tk.KernelConfig(h, h, 64, 64, dt, kv_lora_rank=r, qk_rope_head_dim=rope,
                            paths={"cuda_mla_decode_kernel": kernel.split("/")[0], "cuda_decode_splits": splits})
 
@@ -123,7 +138,7 @@ def _build(name, kernel, stem):
     return ctypes.CDLL(str(lib)), {k: p for k, (_b, p) in kernels.items()}, main, launch_params
 
 
-def _inputs(h, dl, dt, lengths, gen):
+def _inputs(h, dl, dt, lengths, gen, PS=PS):  # noqa: N803
     """Per entry (q [1, H, DL], latents [m, 1, DL]) in the storage dtype's values, and the page arrays."""
     rnd = getattr(torch, dt)
     ents = [(torch.randn(1, h, dl, generator=gen).to(rnd).double(),
@@ -146,16 +161,16 @@ def _inputs(h, dl, dt, lengths, gen):
 @pytest.mark.parametrize("name,kernel", CASES, ids=[f"{k}-{n}" for n, k in CASES])
 def test_emulated_tc_mla_decode_matches_reference(name, kernel, built):
     lib, params, main, launch_params = built(name, kernel)
-    h, r, rope, dt, splits, lengths = (CONFIGS if kernel == "tc" else WG_CONFIGS)[name]
+    h, r, rope, dt, splits, lengths, ps = _config(name, kernel)
     dl = r + rope
     gen = torch.Generator().manual_seed(int(torch.randint(0, 2**31 - 1, (1,))))
-    ents, pages, page_indptr, page_values, last = _inputs(h, dl, dt, lengths, gen)
+    ents, pages, page_indptr, page_values, last = _inputs(h, dl, dt, lengths, gen, ps)
     B, sm_scale = len(ents), 1.0 / math.sqrt(192)
     arrays = {"q": storage(torch.cat([e[0] for e in ents]), dt), "pages": storage(pages, dt),
               "page_indptr": page_indptr, "page_values": page_values, "last_page_len": last,
               "o": storage(torch.full((B, h, r), float("nan")), dt), "lse": np.full((B, h), np.nan, np.float32),
               "ws_o": np.full((B * h * 8, r), np.nan, np.float32), "ws_l": np.full((B * h * 8,), np.nan, np.float32)}
-    env = {"B": B, "_p": pages.shape[0], "ps": PS, "nnz": len(page_values), "sm_scale": sm_scale,
+    env = {"B": B, "_p": pages.shape[0], "ps": ps, "nnz": len(page_values), "sm_scale": sm_scale,
            "max_kv_len": max(lengths), "dev_id": 0, "aligned16": kernel in TMA_KERNELS}
     calls = launches(main, env)
     assert env["S"] == int(splits) and len(calls) == (2 if env["S"] > 1 else 1), (calls, env.get("S"))
@@ -166,7 +181,7 @@ def test_emulated_tc_mla_decode_matches_reference(name, kernel, built):
         assert any("CUtensorMap" in ty for ty, _p in ps_) == (kernel in TMA_KERNELS and kname == calls[0][0]), kname
         for i, (ty, pname) in enumerate(ps_):
             if "CUtensorMap" in ty:
-                rows = mla_cuda_wgq.box_rows(PS) if kernel.startswith("wgq") else 8  # the host code's box
+                rows = mla_cuda_wgq.box_rows(ps) if kernel.startswith("wgq") else 8  # the host code's box
                 keep.append(tensor_map(arrays["pages"], LatentPageMap(r + rope, rows)))
                 ptrs[i] = ctypes.addressof(keep[-1])
             elif ty.endswith("*"):
