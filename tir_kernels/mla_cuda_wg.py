@@ -41,6 +41,8 @@ Limits as data (``wg_unserved``): target arch sm_90a, fp16 / bf16, ``DL % 64 == 
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 from tvm.script import tirx as T
 
 from ..kernel_spec import PATH_ARCHS
@@ -107,9 +109,25 @@ def smem_bytes(latent_dim: int) -> int:
     return 2 * NS * tile_layout(latent_dim).elems(TK)
 
 
-def _make_tile_ops(H: int, DL: int, DV: int, dtype: str):
+class WgTileOps(NamedTuple):
+    """``make_tile_ops``' per-tile macros and the per-thread counts: ``sn`` S and ``on`` O accumulators, ``nks``
+    k steps of a warpgroup's score."""
+
+    look_up: object
+    issue: object
+    load_q: object
+    score: object
+    softmax: object
+    accumulate: object
+    finish: object
+    sn: int
+    on: int
+    nks: int
+
+
+def make_tile_ops(H: int, DL: int, DV: int, dtype: str) -> WgTileOps:
     """The per-tile macros (load, Q, score, softmax, accumulate) of ``H`` heads, latent ``DL``, value dims
-    ``DV``."""
+    ``DV`` (this kernel's; ``mla_cuda_wgt`` takes Q, the softmax and the finish)."""
     KH, DVH = DL // 2, DV // 2  # each warpgroup's score dims and value dims
     NKS, NSN, NDN = KH // 16, TK // 8, DVH // 8
     SN, ON = NSN * 4, NDN * 4  # S and O accumulators a thread
@@ -212,7 +230,7 @@ def _make_tile_ops(H: int, DL: int, DV: int, dtype: str):
         T.evaluate(wg_wait0())
         wgg.pv_done(oacc, pf)
 
-    return look_up, issue, load_q, score, softmax, accumulate, finish, SN, ON, NKS
+    return WgTileOps(look_up, issue, load_q, score, softmax, accumulate, finish, SN, ON, NKS)
 
 
 def make_init(ON: int):
@@ -230,8 +248,10 @@ def make_init(ON: int):
     return init
 
 
-def _make_store(H: int, DV: int, dtype: str):
-    """The ``store`` macro: o / lse (``S == 1``) or the split's partial state in the workspace."""
+def make_store(H: int, DV: int, dtype: str):
+    """The ``store`` macro: o / lse (``S == 1``) or the split's partial state in the workspace; warpgroup ``wg``
+    stores value dims ``wg * DV / 2 ..``, warpgroup 0 the lse (this kernel's, ``mla_cuda_wgt``'s and
+    ``mla_cuda_wgq``'s)."""
     DVH = DV // 2
     NDN = DVH // 8
 
@@ -279,8 +299,8 @@ def make_wg_body(spec):
     ``abi_prim_func`` passes them), for a spec ``wg_unserved`` accepts: also the fallback of ``mla_cuda_wgt``."""
     H, DV, DL, dtype = spec.num_qo_heads, spec.kv_lora_rank, spec.latent_dim, spec.dtype
     NG = (H + ROWS - 1) // ROWS
-    look_up, issue, load_q, score, softmax, accumulate, finish, SN, ON, NKS = _make_tile_ops(H, DL, DV, dtype)
-    store, init = _make_store(H, DV, dtype), make_init(ON)
+    look_up, issue, load_q, score, softmax, accumulate, finish, SN, ON, NKS = make_tile_ops(H, DL, DV, dtype)
+    store, init = make_store(H, DV, dtype), make_init(ON)
     TILE = tile_layout(DL).elems(TK)  # elements a ring stage
 
     @T.macro
@@ -334,4 +354,5 @@ def make_wg_body(spec):
 
 
 __all__ = ["AHEAD", "NS", "NT", "ROWS", "SWITCH", "TK", "VALUE", "WG_DTYPES", "WG_MAX_LATENT", "make_init", "make_wg_body",
-           "mla_attn_decode_paged_wg", "smem_bytes", "wg_unserved"]
+           "make_store", "make_tile_ops",
+           "mla_attn_decode_paged_wg", "smem_bytes", "wg_unserved", "WgTileOps"]

@@ -336,7 +336,7 @@ def _make_block(H: int, DL: int, DV: int, dtype: str, tk: int):
     ops = _make_ops(DL, DV, dtype, tk)
     L, wgg = ops.L, ops.wgg
     softmax = _make_softmax(dtype, tk)
-    store, init = wgk._make_store(H, DV, dtype), wgk.make_init(DV // 2 // 2)  # noqa: SLF001
+    store, init = wgk.make_store(H, DV, dtype), wgk.make_init(DV // 4)
     SN, ON, NS, DVH = tk // 2, DV // 4, L.ns, DV // 2
 
     @T.macro

@@ -163,8 +163,9 @@ def _make_tma_ops(H: int, DL: int, DV: int, dtype: str):
 
 def _make_block(H: int, DL: int, DV: int, dtype: str):
     """The per-thread block macro of ``make_split_frame`` (``pages`` = (pool, its tensor map))."""
-    _l, _i, load_q, _s, softmax, _a, finish, SN, ON, NKS = wgk._make_tile_ops(H, DL, DV, dtype)  # noqa: SLF001
-    store, init = wgk._make_store(H, DV, dtype), wgk.make_init(ON)  # noqa: SLF001
+    ops = wgk.make_tile_ops(H, DL, DV, dtype)
+    load_q, softmax, finish, SN, ON, NKS = ops.load_q, ops.softmax, ops.finish, ops.sn, ops.on, ops.nks
+    store, init = wgk.make_store(H, DV, dtype), wgk.make_init(ON)
     bar, look_up, issue, zero_tail, score, add_partner, accumulate = _make_tma_ops(H, DL, DV, dtype)
     TILE, SMEM = TK * DL, smem_bytes(DL) // 2
 
