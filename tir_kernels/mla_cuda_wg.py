@@ -271,13 +271,18 @@ def make_store(H: int, DV: int, dtype: str):
                         lse[b, h0 + r] = lv
                     else:
                         ws_l[(b * H + h0 + r) * S + sp] = lv
-                for dn in T.unroll(NDN):
-                    for c in T.unroll(2):
-                        if S == 1:
-                            o[b, h0 + r, wg * DVH + dn * 8 + c_frag(lane, c)[1]] = T.Cast(
+                # One branch on S for the row, and the thread's two adjacent columns as one vector store: the
+                # per-element branches and 2-byte stores made the block's epilogue an instruction-cache-missing
+                # stretch of ~2000 instructions, 8% of wgq's time at 8K keys a block and most of it at 1K (run 25).
+                if S == 1:
+                    for dn in T.unroll(NDN):
+                        for c in T.vectorized(2):
+                            o[b, h0 + r, wg * DVH + dn * 8 + c_frag(lane, 0)[1] + c] = T.Cast(
                                 dtype, oacc[dn * 4 + rr * 2 + c] * rl)
-                        else:
-                            ws_o[(b * H + h0 + r) * S + sp, wg * DVH + dn * 8 + c_frag(lane, c)[1]] = \
+                else:
+                    for dn in T.unroll(NDN):
+                        for c in T.vectorized(2):
+                            ws_o[(b * H + h0 + r) * S + sp, wg * DVH + dn * 8 + c_frag(lane, 0)[1] + c] = \
                                 oacc[dn * 4 + rr * 2 + c] * rl
 
     return store
