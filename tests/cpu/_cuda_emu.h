@@ -64,6 +64,11 @@ inline uint __pack_nv_bfloat162(nv_bfloat16 a, nv_bfloat16 b) { return pack2(a, 
 struct uint4 { uint x, y, z, w; };
 struct float4 { float x, y, z, w; };
 inline uint4 make_uint4(uint x, uint y, uint z, uint w) { return uint4{x, y, z, w}; }
+// TVM's 2-lane vector stores (a thread's column pair of O): float2 and the 16-bit pairs, element-wise.
+struct float2 { float x, y; };
+inline float2 make_float2(float x, float y) { return float2{x, y}; }
+struct half2 { half x, y; };
+struct nv_bfloat162 { nv_bfloat16 x, y; };
 inline float __frcp_rn(float x) { return 1.0f / x; }
 inline float __fdiv_rn(float a, float b) { return a / b; }
 inline float __fmaf_rn(float a, float b, float c) { return std::fma(a, b, c); }
