@@ -115,39 +115,34 @@ class Sw128Layout:
         return kk * 16 * 128, self.rows * 128, 1024
 
 
-def _wgmma_fn(n: int, ptx: str, trans: int) -> str:
+def _wgmma_fn(n: int, ptx: str, trans: int, *, ss: bool = False) -> str:
+    """``pagedkv_wgmma_n{n}_{ptx}_t{trans}``: A from registers (4 of the thread's fragment); ``ss``:
+    ``pagedkv_wgmma_ss_...``, A from shared memory through its own K-major descriptor (``imm-trans-a`` 0)."""
     regs = n // 2  # fp32 accumulators of a thread: 64 rows x n over 128 threads
     dl = ", ".join(f"%{i}" for i in range(regs))
     outs = ", ".join(f'"+f"(d[{i}])' for i in range(regs))
+    desc = "pagedkv_wg_desc({0}, {1}off, {1}lbo, {1}sbo) | (static_cast<unsigned long long>({1}swz) << 62)"
+    if ss:
+        head = (f"pagedkv_wgmma_ss_n{n}_{ptx}_t{trans}(float* d, const void* a, unsigned a_off, unsigned a_lbo, "
+                f"unsigned a_sbo, int a_swz, const void* b, unsigned off, unsigned lbo, unsigned sbo, int swz, "
+                f"int scale_d)")
+        setup = f"  unsigned long long da = {desc.format('a', 'a_')};\n  unsigned long long db = {desc.format('b', '')};\n"
+        a_op, b_op, pred, trans_ops, ins = f"%{regs}", f"%{regs + 1}", regs + 2, f"0, {trans}", '"l"(da), "l"(db)'
+    else:
+        head = (f"pagedkv_wgmma_n{n}_{ptx}_t{trans}(float* d, const void* a, const void* b, unsigned off, unsigned lbo, "
+                f"unsigned sbo, int scale_d, int swz)")
+        setup = (f"  const unsigned* A = reinterpret_cast<const unsigned*>(a);\n"
+                 f"  unsigned long long desc = {desc.format('b', '')};\n")
+        a_op, b_op, pred, trans_ops = f"{{%{regs},%{regs + 1},%{regs + 2},%{regs + 3}}}", f"%{regs + 4}", regs + 5, trans
+        ins = '"r"(A[0]), "r"(A[1]), "r"(A[2]), "r"(A[3]), "l"(desc)'
     return (
-        f"__device__ __forceinline__ void pagedkv_wgmma_n{n}_{ptx}_t{trans}(float* d, const void* a, "
-        f"const void* b, unsigned off, unsigned lbo, unsigned sbo, int scale_d, int swz) {{\n"
-        f"  const unsigned* A = reinterpret_cast<const unsigned*>(a);\n"
-        f"  unsigned long long desc = pagedkv_wg_desc(b, off, lbo, sbo) | (static_cast<unsigned long long>(swz) << 62);\n"
+        f"__device__ __forceinline__ void {head} {{\n{setup}"
         # scale-d is a predicate operand: p = 0 makes D = A B (the first k step), 1 D += A B.
-        f'  asm volatile("{{\\n.reg .pred p;\\nsetp.ne.b32 p, %{regs + 5}, 0;\\n"\n'
+        f'  asm volatile("{{\\n.reg .pred p;\\nsetp.ne.b32 p, %{pred}, 0;\\n"\n'
         f'               "wgmma.mma_async.sync.aligned.m64n{n}k16.f32.{ptx}.{ptx} {{{dl}}}, '
-        f'{{%{regs},%{regs + 1},%{regs + 2},%{regs + 3}}}, %{regs + 4}, p, 1, 1, {trans};\\n}}\\n"\n'
+        f'{a_op}, {b_op}, p, 1, 1, {trans_ops};\\n}}\\n"\n'
         f"               : {outs}\n"
-        f'               : "r"(A[0]), "r"(A[1]), "r"(A[2]), "r"(A[3]), "l"(desc), "r"(scale_d));\n}}\n')
-
-
-def _wgmma_ss_fn(n: int, ptx: str, trans: int) -> str:
-    """The same with A from shared memory too (a K-major descriptor: ``imm-trans-a`` 0)."""
-    regs = n // 2
-    dl = ", ".join(f"%{i}" for i in range(regs))
-    outs = ", ".join(f'"+f"(d[{i}])' for i in range(regs))
-    return (
-        f"__device__ __forceinline__ void pagedkv_wgmma_ss_n{n}_{ptx}_t{trans}(float* d, const void* a, "
-        f"unsigned a_off, unsigned a_lbo, unsigned a_sbo, int a_swz, const void* b, unsigned off, unsigned lbo, "
-        f"unsigned sbo, int swz, int scale_d) {{\n"
-        f"  unsigned long long da = pagedkv_wg_desc(a, a_off, a_lbo, a_sbo) | (static_cast<unsigned long long>(a_swz) << 62);\n"
-        f"  unsigned long long db = pagedkv_wg_desc(b, off, lbo, sbo) | (static_cast<unsigned long long>(swz) << 62);\n"
-        f'  asm volatile("{{\\n.reg .pred p;\\nsetp.ne.b32 p, %{regs + 2}, 0;\\n"\n'
-        f'               "wgmma.mma_async.sync.aligned.m64n{n}k16.f32.{ptx}.{ptx} {{{dl}}}, '
-        f'%{regs}, %{regs + 1}, p, 1, 1, 0, {trans};\\n}}\\n"\n'
-        f"               : {outs}\n"
-        f'               : "l"(da), "l"(db), "r"(scale_d));\n}}\n')
+        f'               : {ins}, "r"(scale_d));\n}}\n')
 
 
 def _acc_fence_fn(n: int) -> str:
@@ -208,7 +203,7 @@ __device__ __forceinline__ void pagedkv_bar_sync(int id, int n) {
 __device__ __forceinline__ void pagedkv_bar_arrive(int id, int n) {
   asm volatile("bar.arrive %0, %1;\n" :: "r"(id), "r"(n) : "memory");
 }
-""" + "".join(_wgmma_fn(n, p, t) + _wgmma_ss_fn(n, p, t) for n in WG_NS for p in _PTX_TYPE.values()
+""" + "".join(_wgmma_fn(n, p, t) + _wgmma_fn(n, p, t, ss=True) for n in WG_NS for p in _PTX_TYPE.values()
             for t in (0, 1)) + "".join(
     _acc_fence_fn(n) for n in WG_NS) + _REG_FENCE + "#endif\n"
 

@@ -299,6 +299,30 @@ def mla_attn_decode_paged_wg(spec):
                          adapter="direct_max_kv_len")
 
 
+def make_tma_body(spec, frame, latent_map):
+    """The PrimFunc body macro of a TMA variant of this kernel (``mla_cuda_wgt``, ``mla_cuda_wgq``): host code that
+    encodes the pool's tensor map at each call (its address and page count may change; ``latent_map(ps)``: the
+    ``_tma_cuda.LatentPageMap`` of pages of ``ps`` keys) and runs ``frame`` (the variant's split frame, ``pages`` =
+    (pool, its map)); where TMA cannot read the pool (not 16-byte aligned, or pages not a multiple of 8 keys), this
+    kernel's body instead."""
+    from ._tma_cuda import host_aligned16  # pylint: disable=import-outside-toplevel
+
+    fallback, dtype = make_wg_body(spec), spec.dtype
+
+    @T.macro
+    def body(q, pages, page_indptr, page_values, last_page_len, o, lse, sm_scale, max_kv_len, dims):
+        _b, _p, ps, _nnz = dims
+        if T.And(T.truncmod(ps, 8) == 0, host_aligned16(T.address_of(pages[0, 0, 0, 0, 0]))):
+            pmap: T.let[T.handle("tensormap")] = T.tvm_stack_alloca("tensormap", 1)
+            T.call_packed("runtime.cuTensorMapEncodeTiled", pmap, dtype, 3, T.address_of(pages[0, 0, 0, 0, 0]),
+                          *latent_map(ps).encode_args(pages.shape))
+            frame(q, (pages, pmap), page_indptr, page_values, last_page_len, o, lse, sm_scale, max_kv_len, dims)
+        else:
+            fallback(q, pages, page_indptr, page_values, last_page_len, o, lse, sm_scale, max_kv_len, dims)
+
+    return body
+
+
 def make_wg_body(spec):
     """The PrimFunc body macro of this kernel (``_mla_frame_cuda.make_split_frame``'s, arguments as
     ``abi_prim_func`` passes them), for a spec ``wg_unserved`` accepts: also the fallback of ``mla_cuda_wgt``."""
@@ -359,5 +383,5 @@ def make_wg_body(spec):
 
 
 __all__ = ["AHEAD", "NS", "NT", "ROWS", "SWITCH", "TK", "VALUE", "WG_DTYPES", "WG_MAX_LATENT", "make_init", "make_wg_body",
-           "make_store", "make_tile_ops",
+           "make_store", "make_tile_ops", "make_tma_body",
            "mla_attn_decode_paged_wg", "smem_bytes", "wg_unserved", "WgTileOps"]

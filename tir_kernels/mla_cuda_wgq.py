@@ -46,7 +46,7 @@ from ._common import LOG2E, MASKED
 from ._common_cuda import decode_splits, shfl_xor
 from ._mla_frame_cuda import make_split_frame
 from ._mma_cuda import c_frag, cp_async16, cp_async_commit, cp_async_wait, keep_extent
-from ._tma_cuda import (MBAR_BYTES, SW128_ALIGN, LatentPageMap, host_aligned16, mbar_arrive, mbar_expect_tx,
+from ._tma_cuda import (MBAR_BYTES, SW128_ALIGN, LatentPageMap, mbar_arrive, mbar_expect_tx,
                         mbar_init, mbar_wait, sw128_pad, tma_load3)
 from ._wgmma_cuda import (CoreLayout, Sw128Layout, acc_fence, bar_arrive, bar_sync, ld_shared_f32, proxy_fence,
                           st_shared_b32, st_shared_f32, st_shared_zero16, warp_uniform, wg_attention_gemms, wg_commit,
@@ -450,22 +450,10 @@ def mla_attn_decode_paged_wgq(spec):
     H, DV, DL, dtype = spec.num_qo_heads, spec.kv_lora_rank, spec.latent_dim, spec.dtype
     frame = make_split_frame(heads=H, dv=DV, groups=(H + ROWS - 1) // ROWS, threads=NT, tk=TK, dtype=dtype,
                              splits=decode_splits(spec), block=_make_block(H, DL, DV, dtype, TK))
-    fallback = wgk.make_wg_body(spec)
-    @T.macro
-    def body(q, pages, page_indptr, page_values, last_page_len, o, lse, sm_scale, max_kv_len, dims):
-        _b, _p, ps, _nnz = dims
-        if T.And(T.truncmod(ps, 8) == 0, host_aligned16(T.address_of(pages[0, 0, 0, 0, 0]))):
-            # Host code: the pool's tensor map, at each call (its address and page count may change).
-            pmap: T.let[T.handle("tensormap")] = T.tvm_stack_alloca("tensormap", 1)
-            T.call_packed("runtime.cuTensorMapEncodeTiled", pmap, dtype, 3, T.address_of(pages[0, 0, 0, 0, 0]),
-                          *LatentPageMap(DL, box_rows(ps)).encode_args(pages.shape))
-            frame(q, (pages, pmap), page_indptr, page_values, last_page_len, o, lse, sm_scale, max_kv_len, dims)
-        else:
-            fallback(q, pages, page_indptr, page_values, last_page_len, o, lse, sm_scale, max_kv_len, dims)
-
+    body = wgk.make_tma_body(spec, frame, lambda ps: LatentPageMap(DL, box_rows(ps)))
     return abi_prim_func(MLA_ATTN_DECODE_PAGED, shape_values(spec), dtype, body, scheduled=True,
                          adapter="direct_max_kv_len", any_align=("pages",))
 
 
-__all__ = ["NT", "ROWS", "SWITCH", "TK", "VALUE", "WGQ_BY_DEFAULT", "box_rows", "mla_attn_decode_paged_wgq", "smem_bytes", "stages", "use_wgq",
-           "wgq_unserved"]
+__all__ = ["NT", "ROWS", "SWITCH", "TK", "VALUE", "WGQ_BY_DEFAULT", "box_rows", "mla_attn_decode_paged_wgq",
+           "smem_bytes", "stages", "use_wgq", "wgq_unserved"]
