@@ -421,7 +421,12 @@ def assert_state_close(o: torch.Tensor, lse: torch.Tensor, ref_o: torch.Tensor, 
         if not torch.all((bad - EMPTY_LSE).abs() <= 1e-6 * abs(EMPTY_LSE)):
             raise AssertionError(f"{what}: rows with no keys must have lse = -1e30, got {bad.unique()[:4]}")
         if not torch.all(o[empty] == 0):
-            raise AssertionError(f"{what}: rows with no keys must have o = 0")
+            bad_o = o[empty]
+            nan = int(torch.isnan(bad_o).sum())  # unwritten (the poison) or written wrong: say which
+            raise AssertionError(f"{what}: rows with no keys must have o = 0: {int((bad_o != 0).sum())} of "
+                                 f"{bad_o.numel()} elements not 0 ({nan} NaN, max |finite| "
+                                 f"{float(bad_o.nan_to_num(0).abs().max()):.3g}) in rows "
+                                 f"{torch.nonzero((o != 0).any(-1) & empty)[:4].tolist()}")
     full = ~empty
     if full.any():
         assert_close(o[full], ref_o[full], dtype, f"{what} (o)")
