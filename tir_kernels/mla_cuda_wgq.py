@@ -10,20 +10,24 @@ descriptor), which frees the registers for a whole tile's S in one warpgroup:
 
 * **Warpgroup 1, the score warpgroup**: S = Q K^T of all 64 rows x ``TK`` keys over all ``DL`` dims (``DL / 16``
   wgmma's, both operands in shared memory), the mask and online softmax on full rows (no exchange), P into the
-  shared buffer ``P`` with the rows' rescale factors, then O[:, DV/2 ..] += P V from its registers (P V left in
-  flight: the next tile's ``wait_group 1`` completes it while that tile's S runs).
+  shared buffer ``P`` with the rows' rescale factors, then O[:, DV/2 ..] += P V from its registers (left in
+  flight; the next tile waits for it first and frees the stage *before* it waits for its own tile, so two tiles
+  load at once: freed after the next tile's S was issued, the ring held one tile in flight, BENCHMARKS.md run 25).
+  The softmax takes the row's max from four partial maxima and its sum from four partial sums, the key mask only
+  in a split's last tile.
 * **Warpgroup 0, the value warpgroup**: lane 0 of its warps issues the TMA boxes of the ring (off the score
-  warpgroup's path), then per tile: waits for P, rescales its O half, O[:, .. DV/2] += P V with P from shared
-  memory, and frees ``P`` and the stage.
+  warpgroup's path; boxes of ``box_rows(ps)`` keys of one page x 64 dims, the pages looked up a tile ahead), then
+  per tile: waits for P, rescales its O half, O[:, .. DV/2] += P V with P from shared memory, and frees ``P`` and
+  the stage.
 * Synchronization: mbarriers ``full[s]`` (the TMA's bytes) and ``empty[s]`` (8 arrivals: each warp's lane 0 once its
   reads of the stage are complete), named barriers ``BAR_P`` (P and the factors written), ``BAR_PFREE`` (warpgroup 0's
   P V done with ``P``), ``BAR_FIN`` (the rows' max and sum handed to warpgroup 0 for the store) and ``BAR_TAIL``
   (warpgroup 1 alone: the tail's zeroed V rows visible to its own P V). The buffers warpgroup 1 writes for
   warpgroup 0 are reached through the opaque shared accessors (``_wgmma_cuda.st_shared_f32`` ...), so TVM's
   barrier planner adds no ``__syncthreads`` to the loop.
-* Shared memory (``smem_bytes``): Q (64 x ``DL``, 128-byte swizzle), ``NS`` stages of ``TK`` keys (as
-  ``mla_cuda_wgt``'s boxes, 8 keys of one page x 64 dims), P (64 x ``TK``, core matrices), the factors, the
-  mbarriers: 2 stages of 64 keys at DeepSeek's 576 (225 KB of the 227 KB a block may have).
+* Shared memory (``smem_bytes``): Q (64 x ``DL``, 128-byte swizzle), ``NS`` stages of ``TK`` keys (128-byte
+  swizzle), P (64 x ``TK``, core matrices), the factors, the mbarriers: 2 stages of 64 keys at DeepSeek's 576
+  (225 KB of the 227 KB a block may have; 32-key tiles in 4 stages ran 1.2x slower, run 25).
 * As in ``mla_cuda_wgt``: V rows at or past the split's end are zeroed before P V (a box brings whole 8-key groups;
   a group past the end is not issued), and where TMA cannot read the pool the PrimFunc's host code runs
   ``mla_cuda_wg``'s kernel (``make_wg_body``).
@@ -59,10 +63,11 @@ ROWS, NT, TK = wgk.ROWS, wgk.NT, 64
 SMEM_LIMIT, MAX_STAGES = 232448, 4
 #: Named barriers (0 is ``__syncthreads``).
 BAR_P, BAR_PFREE, BAR_FIN, BAR_TAIL = 1, 2, 3, 4
-#: auto takes this kernel where ``mla_cuda_wg``'s auto rule holds (sm_90a, 64+ heads): at 128 heads it ran 1.4-1.65x
-#: ``mla_cuda_wgt`` (H100 probe, BENCHMARKS.md run 25: B64 x 8K 0.273 ms against 0.452).
+#: auto takes this kernel where ``mla_cuda_wg``'s auto rule holds (sm_90a, 64+ heads): at 128 heads it ran
+#: 0.916-0.974 of FlashInfer's fa3 against ``mla_cuda_wgt``'s 0.57-0.67 (H100, BENCHMARKS.md run 26).
 WGQ_BY_DEFAULT = True
-#: Warps of the value warpgroup issuing boxes (lane 0 each): warp ``w`` takes key groups ``w, w + 4, ..``.
+#: Warps of the value warpgroup issuing boxes (lane 0 each; ``issue``): key groups ``w, w + 4`` of warp ``w``, or,
+#: with one group a tile, its column blocks ``w, w + 4, ..``.
 ISSUERS = 4
 
 
