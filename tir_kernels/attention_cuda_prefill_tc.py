@@ -524,8 +524,12 @@ def make_prefill_tc(op: str, spec, paged: bool, tile: str = "tc"):
     @T.macro
     def store_staged(smem, o, lse, oacc, m, lsum, ti, h, tid, w, lane):
         """``store`` through the stage buffer: after a barrier (every warp done with the stages), each lane's
-        O / sum into the staged rows, a barrier, then the rows out (``o_copier``)."""
+        O / sum into the staged rows, a barrier, then the rows out (``o_copier``). The staged rows reach past the
+        stages into Q's rows: this thread's copies are drained first, since a block without key tiles never
+        waited for its Q copies (they join the first tile's group), which could land on the staged O (wrong o
+        rows of an entry with no keys, GPU suite on the H100; the emulated entry (120, 0))."""
         store_lse(lse, m, lsum, ti, h, w, lane)
+        T.evaluate(cp_async_wait(0))
         T.tvm_storage_sync("shared")
         for mt in T.unroll(MT):
             for rr in T.unroll(2):

@@ -142,7 +142,11 @@ static WarpSlots g_warps[kMaxWarps];
 inline int lane_id() { return t_linear % 32; }
 inline WarpSlots& my_warp() { return g_warps[t_linear / 32]; }
 inline void warp_sync() { my_warp().bar->arrive_and_wait(); }
-inline void __syncthreads() { g_block_barrier->arrive_and_wait(); }
+inline void land_some_copies();  // below (cp.async)
+inline void __syncthreads() {
+  land_some_copies();
+  g_block_barrier->arrive_and_wait();
+}
 inline void __syncwarp(unsigned = 0xFFFFFFFFu) { warp_sync(); }
 
 // Named barriers (bar.sync / bar.arrive id, n; ids 1..15, id 0 is __syncthreads): a phase completes when n
@@ -256,6 +260,15 @@ inline void cp_async_wait(size_t newest_left) {
     t_groups.erase(t_groups.begin());
     --closed;
   }
+}
+// A committed group may also land earlier, at any point before its wait: at each block barrier a thread lands a
+// random number of its oldest committed groups. So a copy never waited for (or waited too late) can land on
+// memory the block has since reused, as on the GPU (the tc prefill tiles' Q rows of a block without key tiles,
+// left unwaited and then overwritten by the staged O: found by the GPU suite on the H100).
+inline uint32_t emu_rand();
+inline void land_some_copies() {
+  size_t closed = g_cur->groups.size() - 1;
+  if (closed) cp_async_wait(closed - emu_rand() % (closed + 1));
 }
 inline void pagedkv_cp_async_wait1() { cp_async_wait(1); }
 inline void pagedkv_cp_async_wait0() { cp_async_wait(0); }

@@ -49,7 +49,8 @@ HERE = pathlib.Path(__file__).resolve().parent
 LOG2E = math.log2(math.e)
 #: (queries, keys) per entry: tile edges (64 and 128 rows of a block are 64 / G and 128 / G tokens; key tiles of
 #: 64, pages of PAGE_SIZES), more and fewer keys than queries, empty sides.
-ENTRIES = [(1, 1), (17, 17), (65, 65), (70, 130), (20, 6), (5, 0), (0, 3), (64, 64), (150, 150), (33, 200)]
+ENTRIES = [(1, 1), (17, 17), (65, 65), (70, 130), (20, 6), (5, 0), (0, 3), (64, 64), (150, 150), (33, 200),
+           (120, 0)]
 CONFIGS = {
     "8x2x64-f16": tk.KernelConfig(8, 2, 64, 64, "float16"),
     "6x2x64-bf16-w40-cap20": tk.KernelConfig(6, 2, 64, 64, "bfloat16", sliding_window=40, logits_soft_cap=20.0),
