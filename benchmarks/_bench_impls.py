@@ -11,6 +11,8 @@ timed call), or raises ``Unavailable`` saying why the implementation does not ap
   built for sm_90a (``TIR_ARCH``: auto takes the wgmma MLA decode there);
 - ``pagedkv-tir-tcd``: ``pagedkv-tir`` with the tensor-core decode kernel forced (``cuda_decode_kernel=tc``,
   ``tir_kernels/_decode_tc_cuda.py``), on the plain MHA decode workloads;
+- ``pagedkv-tir-entry``: ``pagedkv-tir`` with the decode's split ranges forced equal per entry
+  (``cuda_decode_split_ranges=entry``: auto's chunked ranges of skewed batches off), on the same workloads;
 - ``pagedkv-fi`` / ``pagedkv-tir``: a pagedkv cache (``pagedkv.create``) with the FlashInfer backend (TIR
   for what it does not serve) or TIR only; the runtime call a model makes per layer is timed (decode:
   ``cross_attention`` in a decode forward; prefill: ``self_attention`` of fresh tokens, or for a chunk over
@@ -49,13 +51,14 @@ PREFILL_TILES = tuple(v for v in SWITCHES["cuda_prefill_kernel"][1] if v not in 
 #: the tensor-core MLA decodes (mma.sync, wgmma, wgmma with TMA tiles).
 PAGEDKV_PATHS = {**{f"pagedkv-tir-{t}": {"cuda_prefill_kernel": t} for t in PREFILL_TILES},
                  "pagedkv-tir-tcd": {"cuda_decode_kernel": "tc"},
+                 "pagedkv-tir-entry": {"cuda_decode_split_ranges": "entry"},
                  "pagedkv-tir-mlatc": {"cuda_mla_decode_kernel": "tc"},
                  "pagedkv-tir-mlawg": {"cuda_mla_decode_kernel": "wg"},
                  "pagedkv-tir-mlawgt": {"cuda_mla_decode_kernel": "wgt"},
                  "pagedkv-tir-mlawgq": {"cuda_mla_decode_kernel": "wgq"}}
 PAGEDKV_BACKENDS = {"pagedkv-fi": ["flashinfer", "tir"], "pagedkv-tir": "tir", **dict.fromkeys(PAGEDKV_PATHS, "tir")}
 #: The labels of ``PAGEDKV_PATHS`` that time the decode (the others time prefill only).
-DECODE_PATH_LABELS = ("pagedkv-tir-tcd",)
+DECODE_PATH_LABELS = ("pagedkv-tir-tcd", "pagedkv-tir-entry")
 #: The labels of ``PAGEDKV_PATHS`` that time the MLA decode only.
 MLA_PATH_LABELS = ("pagedkv-tir-mlatc", "pagedkv-tir-mlawg", "pagedkv-tir-mlawgt", "pagedkv-tir-mlawgq")
 _WS_BYTES = 512 << 20  # FlashInfer's own wrappers get a generous float workspace
@@ -116,7 +119,7 @@ def pagedkv_unavailable(label: str, w: Workload) -> str | None:
             return f"{label}: plain MHA decode workloads only (its prefill and inline RoPE are pagedkv-tir's)"
         from pagedkv.kernel_spec import tc_decode_limits  # TVM-free: this runs on a runtime-only host
 
-        if why := tc_decode_limits(w.hq // HKV, D, w.dtype):
+        if label == "pagedkv-tir-tcd" and (why := tc_decode_limits(w.hq // HKV, D, w.dtype)):
             return f"{label}: " + "; ".join(why)
         return None
     if label in PAGEDKV_PATHS and w.kind != "prefill":

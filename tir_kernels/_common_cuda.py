@@ -190,12 +190,7 @@ def wave_split_count(B, nnz, ps, blocks_per_split, *, resident_blocks: int, min_
     if forced:
         return T.max(1, T.min(T.int32(forced), nnz * ps))
     n0 = T.max(B * blocks_per_split, 1)
-    # k * resident_blocks as a sum of steps, k_0 + sum (k_i+1 - k_i) [n0 > f_i * resident]: a Select chain
-    # here tripled the kernel's compile time (the simplifier split cases at every use of S; measured before
-    # opaque_i32).
-    budget = T.int32(WAVE_BUDGETS[0][1] * resident_blocks)
-    for (f, k), (_, k_next) in zip(WAVE_BUDGETS, WAVE_BUDGETS[1:]):
-        budget = budget + T.Cast("int32", n0 > int(f * resident_blocks)) * ((k_next - k) * resident_blocks)
+    budget = wave_budget(n0, resident_blocks)
     raw_keys = T.truncdiv(nnz * ps, T.max(B, 1))  # an entry's average keys (whole pages)
     keys = raw_keys if avg_keys is None else avg_keys(raw_keys)
     ladder = T.max(1, T.min(T.min(T.truncdiv(budget, n0), T.truncdiv(keys, min_split_keys)), max_splits))
@@ -214,6 +209,95 @@ def wave_split_count(B, nnz, ps, blocks_per_split, *, resident_blocks: int, min_
     # balanced, or past one wave and not known: a 0/1 sum (the two cannot both hold)
     take = balanced + (1 - known) * T.Cast("int32", n0 > resident_blocks)
     return ladder - (ladder - 1) * full * take
+
+
+#: Key alignment of a chunked split (``chunk_split``): a multiple of every decode kernel's key tile.
+CHUNK_ALIGN = 64
+
+
+def decode_split_ranges(spec) -> str:
+    """The forced split-range mode of the CUDA MHA decode kernels: path switch ``cuda_decode_split_ranges``
+    (``pagedkv.kernel_spec.SWITCHES``): "auto", "entry" or "chunk"."""
+    return forced_path(spec.paths, "cuda_decode_split_ranges")
+
+
+def wave_budget(n0, resident_blocks: int):
+    """``wave_split_count``'s block budget for ``n0`` blocks at ``S = 1`` (``WAVE_BUDGETS``), host side."""
+    # k * resident_blocks as a sum of steps, k_0 + sum (k_i+1 - k_i) [n0 > f_i * resident]: a Select chain
+    # here tripled the kernel's compile time (the simplifier split cases at every use of S; measured before
+    # opaque_i32).
+    budget = T.int32(WAVE_BUDGETS[0][1] * resident_blocks)
+    for (f, k), (_, k_next) in zip(WAVE_BUDGETS, WAVE_BUDGETS[1:]):
+        budget = budget + T.Cast("int32", n0 > int(f * resident_blocks)) * ((k_next - k) * resident_blocks)
+    return budget
+
+
+def chunk_split(B, nnz, S, *, ps, ranges: int, max_keys, max_splits: int, min_keys: int, avg_keys=None,
+                mode: str = "auto", forced: int = 0):
+    """``(S', C)``: how a split-KV decode cuts its entries' keys, from the shapes, the split count ``S`` of
+    the split rule and the runtime's ``max_keys`` (``max_kv_len``; 0: not known). Host side.
+
+    * ``C == 0`` ("entry" ranges): every entry's span in ``S' = S`` equal ranges (the kernels' own rule).
+    * ``C > 0`` ("chunk" ranges): every entry's span in ranges of ``C`` keys, as many as it needs; ``S' =
+      ceil(span of the longest entry / C)`` blocks an (entry, kv head), the ones past an entry's keys empty.
+      ``C``: the batch's keys over ``ranges`` (a constant: the blocks aimed at / blocks a range), at least
+      ``min_keys``, a multiple of ``CHUNK_ALIGN``, and large enough for ``S' <= max_splits``; with a forced
+      split count (``forced``) and "chunk", the longest entry's span over it (tests reach any range count).
+
+    Why: with entry ranges the longest entry's ranges are the longest blocks, ``S`` times an average one's
+    in a batch of 128 .. 16K keys, and the last ones to start leave the GPU mostly idle while they run
+    (H100, 32 x 8 kv heads of that batch: 0.92 of FlashInfer's decode, which plans ranges of one size).
+    Chunk ranges bound every block by ``C``. ``mode``: "entry", "chunk" (whenever ``max_keys`` is known;
+    tests), "auto" (chunk when known, the batch skewed, ``max_keys`` over ``BALANCED`` times the average,
+    and its longest entry more than one range: a balanced batch keeps equal ranges, which a uniform ``C``
+    would leave a short tail range); a forced split count (``forced``, ``cuda_decode_splits``) keeps entry
+    ranges under "auto". ``C`` reads neither ``S`` nor a block budget of the shapes: TVM substitutes
+    host lets at every use, and with ``S``'s rule inside ``C`` the decode PrimFunc's compile took 290 s (4 s
+    before; CompactBufferAllocation's regions under the grid extent ``S'``). Arithmetic selects, as in
+    ``wave_split_count``."""
+    if mode == "entry" or (mode == "auto" and forced) or max_keys is None:
+        return S, 0
+    raw = T.truncdiv(nnz * ps, T.max(B, 1))
+    longest = max_keys if avg_keys is None else avg_keys(max_keys)
+    total = nnz * ps if avg_keys is None else B * avg_keys(raw)  # a window bounds every entry's keys
+    # Each sub-expression once: the sizes multiply (below, every ceil is (x - 1) / y + 1 for x >= 1).
+    if forced:  # chunk forced with the split count: the longest entry's ranges
+        per_range = T.truncdiv(T.max(longest, 1) - 1, min(forced, max_splits)) + 1
+    else:
+        per_range = T.max(T.max(T.truncdiv(T.max(total, 1) - 1, ranges),
+                                T.truncdiv(T.max(longest, 1) - 1, max_splits)) + 1, min_keys)
+    C = (T.truncdiv(per_range - 1, CHUNK_ALIGN) + 1) * CHUNK_ALIGN
+    # Chunk ranges' count an (entry, kv head); the kind of ranges decided by this count's being above 1.
+    X = T.truncdiv(T.max(longest, 1) - 1, C) + 1
+    use = T.Cast("int32", max_keys > 0)
+    if mode == "auto":
+        use = use * T.Cast("int32", BALANCED[1] * max_keys > BALANCED[0] * raw) * T.Cast("int32", X > 1)
+    # Bounded for TVM's analyses (S' <= max_splits holds already): an unbounded grid extent made
+    # CompactBufferAllocation take 20-60 s on the decode PrimFunc (2 s without chunked ranges).
+    return T.min(S * (1 - use) + use * X, max_splits), use * C
+
+
+def split_chunk(var, kvlen, Sk, Ck, tk: int):
+    """Keys of each split range of an entry of ``kvlen`` keys (device side): ``Ck`` (a chunked split,
+    ``chunk_split``) or, when ``Ck == 0``, the span (``var.decode_span_len``) in ``Sk`` equal ranges, a
+    multiple of the key tile ``tk``. Range ``sp``: ``[decode_key(kvlen, sp * chunk), + chunk)`` capped at
+    ``kvlen``."""
+    span = var.decode_span_len(kvlen)
+    return T.if_then_else(Ck > 0, Ck, T.truncdiv(T.truncdiv(span + Sk - 1, Sk) + tk - 1, tk) * tk)
+
+
+def make_empty_split(hq: int, rows: int, threads: int):
+    """``empty_split(ws_l, b, row0, S, sp, t)``: a split block without keys marks rows ``row0 ..
+    row0 + rows`` of entry ``b`` empty (``lse = -1e30``) and writes no ``o``: the merge reads no ``o`` of an
+    empty partial (``make_merge_splits``). ``t``: the thread (``threads`` of them)."""
+
+    @T.macro
+    def empty_split(ws_l, b, row0, S, sp, t):
+        for i in T.serial((rows + threads - 1) // threads):
+            if i * threads + t < rows:
+                ws_l[(b * hq + row0 + i * threads + t) * S + sp] = T.float32(EMPTY_LSE)
+
+    return empty_split
 
 
 _OPAQUE_SOURCE = ("#ifndef PAGEDKV_OPAQUE\n#define PAGEDKV_OPAQUE\n"
@@ -255,7 +339,10 @@ def make_merge_splits(num_heads: int, dv: int, threads: int, dtype: str):
                         if c * MT + t < DV:
                             ms[2] = T.float32(0)
                             for sp in T.serial(Sk):
-                                ms[2] = ms[2] + ws_o[row * Sk + sp, c * MT + t] * T.exp2(ws_l[row * Sk + sp] - ms[0])
+                                # An empty partial (lse -1e30) may have written no o (make_empty_split).
+                                if ws_l[row * Sk + sp] > T.float32(EMPTY_LSE):
+                                    ms[2] = ms[2] + ws_o[row * Sk + sp, c * MT + t] * T.exp2(
+                                        ws_l[row * Sk + sp] - ms[0])
                             o[T.truncdiv(row, H), T.truncmod(row, H), c * MT + t] = T.Cast(dtype, ms[2] / ms[1])
                     if t == 0:
                         # All splits empty: lse = -1e30 + log2(S) == -1e30 in float32, o = 0.

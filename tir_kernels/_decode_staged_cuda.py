@@ -33,7 +33,8 @@ from dataclasses import dataclass
 from tvm.script import tirx as T
 
 from ._common import EMPTY_LSE, LOG2E
-from ._common_cuda import WARP, itemsize, next_pow2, opaque_i32, paged_kv_len, shfl_xor, vec16
+from ._common_cuda import (WARP, itemsize, make_empty_split, next_pow2, opaque_i32, paged_kv_len, shfl_xor,
+                           split_chunk, vec16)
 
 #: Bytes of K + V per block tile (the loads each block keeps in flight while it computes).
 TILE_BYTES = 16384
@@ -424,10 +425,11 @@ def make_staged_kernel(p: StagedPlan, var):
     ``attention_cuda_decode``): grid (entry, kv head, split), the split's key range, key loop and store."""
     L, G, NZ, TK, D, R, GT = p.l, p.g, p.nz, p.tk, p.d, p.r, p.gt
     key_loop, load_q_rows, store_rows = make_key_loop(p, var), make_load_q_rows(p), make_store_rows(p)
+    empty_split = make_empty_split(p.hq, G, p.nt)
 
     @T.macro
     def kernel(q, pages, page_indptr, page_values, last_page_len, k_pos_offset, q_pos, o, lse, B, ps,
-               rope_scale, rope_theta, sm_scale, S, ws_o, ws_l):
+               rope_scale, rope_theta, sm_scale, S, C, ws_o, ws_l):
         for bx in T.thread_binding(T.max(B, 1), thread="blockIdx.x"):
             for h in T.thread_binding(p.hkv, thread="blockIdx.y"):
                 for sp in T.thread_binding(S, thread="blockIdx.z"):
@@ -450,16 +452,21 @@ def make_staged_kernel(p: StagedPlan, var):
                                 if bx < B:
                                     kvlen: T.let[T.int32] = paged_kv_len(page_indptr, last_page_len, bx, ps)
                                     Sk: T.let[T.int32] = opaque_i32(S)  # the split count, opaque in the kernel
-                                    # This split's keys: [k0, k1), chunks a multiple of the tile.
-                                    chunk: T.let[T.int32] = T.truncdiv(
-                                        T.truncdiv(var.decode_span_len(kvlen) + Sk - 1, Sk) + TK - 1, TK) * TK
+                                    # This split's keys: [k0, k1) (split_chunk: a chunked or an equal range).
+                                    chunk: T.let[T.int32] = split_chunk(var, kvlen, Sk, opaque_i32(C), TK)
                                     k0: T.let[T.int32] = T.min(var.decode_key(kvlen, sp * chunk), kvlen)
-                                    load_q_rows(Qr, Or, ml, q, bx, h * G + ty * R, sm_scale, tx)
-                                    key_loop((Qr, Or, ml, S_, st, Kst, Vst, kv, kf), (Ks, Vs), pages,
-                                             page_values, page_indptr[bx], ps, h, k0, T.min(k0 + chunk, kvlen),
-                                             (tz * GT + ty) * L + tx, tx, tz)
-                                    store_rows(o, lse, ws_o, ws_l, red_ml, red_o, ml, Or, bx, h, sp, Sk, tx, ty,
-                                               tz)
+                                    k1: T.let[T.int32] = T.min(k0 + chunk, kvlen)
+                                    # Opaque 0/1 trip counts, not an if / else: under a branch TVM's CompactBufferAllocation took 20-40 s.
+                                    live: T.let[T.int32] = opaque_i32(T.Cast("int32", k0 < k1 or Sk == 1))
+                                    for _e in T.serial(1 - live):
+                                        empty_split(ws_l, bx, h * G, Sk, sp, (tz * GT + ty) * L + tx)  # no keys: lse only
+                                    for _l in T.serial(live):
+                                        load_q_rows(Qr, Or, ml, q, bx, h * G + ty * R, sm_scale, tx)
+                                        key_loop((Qr, Or, ml, S_, st, Kst, Vst, kv, kf), (Ks, Vs), pages,
+                                                 page_values, page_indptr[bx], ps, h, k0, k1,
+                                                 (tz * GT + ty) * L + tx, tx, tz)
+                                        store_rows(o, lse, ws_o, ws_l, red_ml, red_o, ml, Or, bx, h, sp, Sk, tx,
+                                                   ty, tz)
 
     return kernel
 

@@ -40,7 +40,7 @@ from typing import Any, NamedTuple
 from tvm.script import tirx as T
 
 from ._common import EMPTY_LSE, LOG2E
-from ._common_cuda import opaque_i32, paged_kv_len, shfl_xor
+from ._common_cuda import make_empty_split, opaque_i32, paged_kv_len, shfl_xor, split_chunk
 # The limits are data in the TVM-free kernel spec (a runtime-only process reports them too).
 from ..kernel_spec import TCD_DTYPES, TCD_HEAD_DIMS, TCD_MAX_GROUP, tc_decode_limits  # noqa: F401
 from ._decode_tc_rope_cuda import ANG_WORDS, make_tc_rope_parts, rope_words, syncwarp
@@ -359,11 +359,12 @@ def make_tc_kernel(hq: int, hkv: int, d: int, dtype: str, var, *, rope: bool = F
             d, g, dtype, table0=smem_words(d), nt=TCD_NT, tk=TCD_TK, k_row=lambda slot, row: k_base(slot) + row * rw,
             row_words=rw)
     issue_first, key_loop = make_tc_key_loop(hkv, g, d, dtype, var, rotate_keys)
+    empty_split = make_empty_split(hq, g, TCD_NT)
     TK, NDN, NKS = TCD_TK, d // 8, d // 16
 
     @T.macro
     def kernel(q, pages, page_indptr, page_values, last_page_len, k_pos_offset, q_pos, o, lse, B, ps,
-               rope_scale, rope_theta, sm_scale, S, ws_o, ws_l):
+               rope_scale, rope_theta, sm_scale, S, C, ws_o, ws_l):
         for bx in T.thread_binding(T.max(B, 1), thread="blockIdx.x"):
             for h in T.thread_binding(hkv, thread="blockIdx.y"):
                 for sp in T.thread_binding(S, thread="blockIdx.z"):
@@ -396,29 +397,36 @@ def make_tc_kernel(hq: int, hkv: int, d: int, dtype: str, var, *, rope: bool = F
                         if bx < B:
                             kvlen: T.let[T.int32] = paged_kv_len(page_indptr, last_page_len, bx, ps)
                             Sk: T.let[T.int32] = opaque_i32(S)  # the split count, opaque inside the kernel
-                            # This split's keys: [k0, k1), chunks a multiple of the tile.
-                            chunk: T.let[T.int32] = T.truncdiv(
-                                T.truncdiv(var.decode_span_len(kvlen) + Sk - 1, Sk) + TK - 1, TK) * TK
+                            # This split's keys: [k0, k1) (split_chunk: a chunked or an equal range).
+                            chunk: T.let[T.int32] = split_chunk(var, kvlen, Sk, opaque_i32(C), TK)
                             k0: T.let[T.int32] = T.min(var.decode_key(kvlen, sp * chunk), kvlen)
                             k1: T.let[T.int32] = T.min(k0 + chunk, kvlen)
-                            # In a register (a let of a load is inlined by TVM, and the copies' asm clobbers
-                            # memory: the load would be redone for every chunk).
-                            pbuf[0] = page_indptr[bx]
-                            # The first tiles' copies start before q is loaded (and the RoPE setup runs).
-                            issue_first(pgs, tcd_smem, pages, page_values, pbuf[0], ps, h, k0, k1, tid)
-                            if rope:
-                                rope_setup(tcd_smem, angc, angs, rope_theta, rope_scale, tid, lane)
-                                load_q_rope(qf, q, bx, h, lane, q_pos[bx] - k_pos_offset[bx] - k0, tcd_smem, rc, rs)
-                            else:
-                                load_q(qf, q, bx, h, lane)
-                            for rr in T.unroll(2):
-                                m[rr] = T.float32(EMPTY_LSE)
-                                lsum[rr] = T.float32(0)
-                            for e in T.unroll(NDN * 4):
-                                oacc[e] = T.float32(0)
-                            key_loop(TcRegs(qf, bfr, sacc, pf, oacc, m, lsum, st, angc, angs, rc, pgs), tcd_smem,
-                                     pages, page_values, pbuf[0], ps, h, k0, k1, w, lane, tid, sm_scale)
-                            store_rows(o, lse, ws_o, ws_l, tcd_smem, oacc, m, lsum, st, bx, h, sp, Sk, w, lane, tid)
+                            # Opaque 0/1 trip counts, not an if / else: under a branch TVM's CompactBufferAllocation
+                            # took 20-40 s on the PrimFunc (2 s).
+                            live: T.let[T.int32] = opaque_i32(T.Cast("int32", k0 < k1 or Sk == 1))
+                            for _e in T.serial(1 - live):
+                                empty_split(ws_l, bx, h * g, Sk, sp, tid)  # no keys: lse only
+                            for _l in T.serial(live):
+                                # In a register (a let of a load is inlined by TVM, and the copies' asm clobbers
+                                # memory: the load would be redone for every chunk).
+                                pbuf[0] = page_indptr[bx]
+                                # The first tiles' copies start before q is loaded (and the RoPE setup runs).
+                                issue_first(pgs, tcd_smem, pages, page_values, pbuf[0], ps, h, k0, k1, tid)
+                                if rope:
+                                    rope_setup(tcd_smem, angc, angs, rope_theta, rope_scale, tid, lane)
+                                    load_q_rope(qf, q, bx, h, lane, q_pos[bx] - k_pos_offset[bx] - k0, tcd_smem,
+                                                rc, rs)
+                                else:
+                                    load_q(qf, q, bx, h, lane)
+                                for rr in T.unroll(2):
+                                    m[rr] = T.float32(EMPTY_LSE)
+                                    lsum[rr] = T.float32(0)
+                                for e in T.unroll(NDN * 4):
+                                    oacc[e] = T.float32(0)
+                                key_loop(TcRegs(qf, bfr, sacc, pf, oacc, m, lsum, st, angc, angs, rc, pgs),
+                                         tcd_smem, pages, page_values, pbuf[0], ps, h, k0, k1, w, lane, tid, sm_scale)
+                                store_rows(o, lse, ws_o, ws_l, tcd_smem, oacc, m, lsum, st, bx, h, sp, Sk, w, lane,
+                                           tid)
 
     return kernel
 

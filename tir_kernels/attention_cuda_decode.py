@@ -5,6 +5,8 @@ Design and ABI: the docstring of ``attention_cuda.py``.
 
 from __future__ import annotations
 
+import functools
+
 from tvm.script import tirx as T
 
 from ..ops import ATTN_DECODE_PAGED, shape_values
@@ -13,12 +15,16 @@ from ..kernel_spec import forced as forced_path
 from ._common_cuda import (
     WARP,
     check_head_dim,
+    chunk_split,
+    decode_split_ranges,
     decode_splits,
     itemsize,
+    make_empty_split,
     make_merge_splits,
     next_pow2,
     opaque_i32,
     paged_kv_len,
+    split_chunk,
     split_count,
     vec16,
     wave_split_count,
@@ -99,6 +105,14 @@ def _split_count(B, nnz, ps, blocks_per_split, var: CudaVariant, forced: int = 0
                        avg_keys=var.decode_avg_keys, forced=forced)
 
 
+def _split_budget(staged: bool, tc: bool) -> int:
+    """Blocks a chunked split (``chunk_split``) aims at: ``CHUNK_WAVES`` waves of the kernel's resident blocks
+    (the lane-group kernel: its split rule's target)."""
+    if staged or tc:
+        return CHUNK_WAVES * (TCD_RESIDENT_BLOCKS if tc else STAGED_RESIDENT_BLOCKS)
+    return DECODE_TARGET_BLOCKS
+
+
 #: Split-KV policy of the lane-group decode kernel (see ``_split_count``): about two blocks per SM of an
 #: H100/H200.
 DECODE_TARGET_BLOCKS = 264
@@ -111,6 +125,9 @@ DECODE_MAX_SPLITS = 32
 #: second wave of 116); B = 256 x 2K: S = 1 (2048 blocks, 5.2 waves).
 STAGED_RESIDENT_BLOCKS = 3 * 132
 STAGED_MAX_SPLITS = 64
+#: Waves of resident blocks a chunked split aims at (``chunk_split``; ``wave_split_count`` budgets 4 waves for
+#: 0.5 to 2 waves of unsplit blocks): H100, the 32 x 8 kv heads batch of 128 .. 16K keys: ranges of 1024 keys.
+CHUNK_WAVES = 4
 #: Whether auto (``cuda_decode_kernel`` unforced) runs the plain decode on the tensor-core kernel
 #: (``_decode_tc_cuda``) wherever ``tc_decode_limits`` allow. True since its H200 run (BENCHMARKS.md, run 10):
 #: 1.07-1.19x the staged kernel at group 4 and 1.3-1.8x at group 8, every output checked.
@@ -197,12 +214,13 @@ def _make_kernel(p: DecodePlan, var: CudaVariant, rope: bool):
     split's key range, the key loop and the store (``_decode_stages_cuda``)."""
     GC, VEC, NW, L, H2, TKB = p.gc, p.vec, p.nw, p.l, p.vec // 2, p.tkb
     key_loop, store = _make_key_loop(p, var, rope), make_store(p)
+    empty_split = make_empty_split(p.hq, GC, L * NW)
     # RoPE-only buffers are 1 element in the plain kernel (its code does not touch them).
     R1 = 1 if not rope else None
 
     @T.macro
     def kernel(q, pages, page_indptr, page_values, last_page_len, k_pos_offset, q_pos, o, lse, B, ps,
-               rope_scale, rope_theta, sm_scale, S, ws_o, ws_l):
+               rope_scale, rope_theta, sm_scale, S, C, ws_o, ws_l):
         for bx in T.thread_binding(T.max(B, 1), thread="blockIdx.x"):
             for h in T.thread_binding(p.hkv, thread="blockIdx.y"):
                 for zs in T.thread_binding(p.nz * S, thread="blockIdx.z"):
@@ -230,14 +248,19 @@ def _make_kernel(p: DecodePlan, var: CudaVariant, rope: bool):
                                 gz: T.let[T.int32] = T.truncdiv(zs, Sk)
                                 sp: T.let[T.int32] = T.truncmod(zs, Sk)
                                 kvlen: T.let[T.int32] = paged_kv_len(page_indptr, last_page_len, bx, ps)
-                                # This split's keys: [k0, k1), chunks a multiple of the block step.
-                                chunk: T.let[T.int32] = T.truncdiv(
-                                    T.truncdiv(var.decode_span_len(kvlen) + Sk - 1, Sk) + TKB - 1, TKB) * TKB
+                                # This split's keys: [k0, k1) (split_chunk: a chunked or an equal range).
+                                chunk: T.let[T.int32] = split_chunk(var, kvlen, Sk, opaque_i32(C), TKB)
                                 k0: T.let[T.int32] = T.min(var.decode_key(kvlen, sp * chunk), kvlen)
-                                key_loop((Qr, Kr, Vr, S_, Oc, Os, m, lsum, Orr, st), (w_s, q_raw, red_o), q, pages,
-                                         page_indptr, page_values, k_pos_offset, q_pos, bx, h, h * p.g + gz * GC,
-                                         k0, T.min(k0 + chunk, kvlen), ps, rope_scale, rope_theta, sm_scale, tx, ty)
-                                store(o, lse, ws_o, ws_l, red_ml, red_o, m, lsum, Orr, bx, h, gz, sp, Sk, tx, ty)
+                                k1: T.let[T.int32] = T.min(k0 + chunk, kvlen)
+                                # Opaque 0/1 trip counts, not an if / else: under a branch TVM's CompactBufferAllocation took 20-40 s.
+                                live: T.let[T.int32] = opaque_i32(T.Cast("int32", k0 < k1 or Sk == 1))
+                                for _e in T.serial(1 - live):
+                                    empty_split(ws_l, bx, h * p.g + gz * GC, Sk, sp, ty * L + tx)  # no keys: lse only
+                                for _l in T.serial(live):
+                                    key_loop((Qr, Kr, Vr, S_, Oc, Os, m, lsum, Orr, st), (w_s, q_raw, red_o), q,
+                                             pages, page_indptr, page_values, k_pos_offset, q_pos, bx, h,
+                                             h * p.g + gz * GC, k0, k1, ps, rope_scale, rope_theta, sm_scale, tx, ty)
+                                    store(o, lse, ws_o, ws_l, red_ml, red_o, m, lsum, Orr, bx, h, gz, sp, Sk, tx, ty)
 
     return kernel
 
@@ -261,7 +284,7 @@ def attn_decode_paged_cuda(spec):
     """
     HQ, HKV, D, dtype = spec.num_qo_heads, spec.num_kv_heads, spec.head_dim, spec.dtype
     var = CudaVariant.from_spec(spec)
-    splits = decode_splits(spec)
+    splits, ranges = decode_splits(spec), decode_split_ranges(spec)
     check_head_dim(ATTN_DECODE_PAGED, D)
     plan = DecodePlan(HQ, HKV, D, dtype, *_decode_plan(HQ // HKV, D, dtype))
     merge_splits = make_merge_splits(HQ, D, 128, dtype)
@@ -285,20 +308,28 @@ def attn_decode_paged_cuda(spec):
         kernel_plain = _make_kernel(plan, var, False)
     bps = HKV if staged or tc else HKV * plan.nz
 
+    # The blocks an (entry, kv head) and the keys of each (chunk_split; C = 0: the span in S equal ranges).
+    split_plan = functools.partial(chunk_split, ranges=max(1, _split_budget(staged, tc) // bps),
+                                   max_splits=STAGED_MAX_SPLITS if staged or tc else DECODE_MAX_SPLITS,
+                                   min_keys=DECODE_MIN_SPLIT_KEYS, avg_keys=var.decode_avg_keys, mode=ranges,
+                                   forced=splits)
+
     @T.macro
     def body(q, pages, page_indptr, page_values, last_page_len, k_pos_offset, q_pos, o, lse, apply_rope,
              rope_scale, rope_theta, sm_scale, max_kv_len, dims):
         B, _p, ps, nnz = dims
-        S: T.let[T.int32] = _split_count(B, nnz, ps, bps, var, splits, staged, tc, max_kv_len)
+        S0: T.let[T.int32] = _split_count(B, nnz, ps, bps, var, splits, staged, tc, max_kv_len)
+        S: T.let[T.int32] = split_plan(B, nnz, S0, ps=ps, max_keys=max_kv_len)[0]
+        C: T.let[T.int32] = split_plan(B, nnz, S0, ps=ps, max_keys=max_kv_len)[1]
         # Split partial states (float32); only touched when S > 1.
         ws_o = T.alloc_buffer((T.max(B, 1) * HQ * S, D), "float32")
         ws_l = T.alloc_buffer((T.max(B, 1) * HQ * S,), "float32")
         if apply_rope == 1:
             kernel_rope(q, pages, page_indptr, page_values, last_page_len, k_pos_offset, q_pos, o, lse, B, ps,
-                        rope_scale, rope_theta, sm_scale, S, ws_o, ws_l)
+                        rope_scale, rope_theta, sm_scale, S, C, ws_o, ws_l)
         else:
             kernel_plain(q, pages, page_indptr, page_values, last_page_len, k_pos_offset, q_pos, o, lse, B, ps,
-                         rope_scale, rope_theta, sm_scale, S, ws_o, ws_l)
+                         rope_scale, rope_theta, sm_scale, S, C, ws_o, ws_l)
         if S > 1:
             merge_splits(o, lse, B, S, ws_o, ws_l)
 

@@ -28,6 +28,13 @@ SWITCHES: dict[str, tuple[str, tuple[str, ...]]] = {
                            "count S (auto: from the shapes); a forced S is clamped to 1 .. the batch's key slots "
                            "(nnz * page size), and with S > 1 the partial states go through the merge kernel",
                            ("auto", "1", "2", "3", "8")),
+    "cuda_decode_split_ranges": ("CUDA MHA decode (attn_decode_paged), plain and inline RoPE: how a split-KV decode "
+                                 "cuts an entry's keys (tir_kernels._common_cuda.chunk_split): entry = each entry's "
+                                 "keys in S equal ranges; chunk = ranges of one length C for every entry (C: an "
+                                 "average entry's range at the split count), as many as each entry needs, where "
+                                 "the runtime passes the longest entry (max_kv_len; not under CUDA graphs), else "
+                                 "entry; auto: chunk for a skewed batch (longest entry over 5/4 of the average) "
+                                 "with S > 1, else entry", ("auto", "entry", "chunk")),
     "cuda_prefill_kernel": ("CUDA MHA prefill kernels (attn_prefill_ragged, attn_prefill_paged), apply_rope = 0: the "
                             "SIMT FP32 kernel or the tensor-core one (mma.sync; fp16 / bf16, head dims 64 and "
                             "128, GQA groups up to 32, sm_80+; forcing a tc* value on another spec raises) in one "

@@ -241,19 +241,30 @@ TC_DECODE_SHAPES = [
 TC_DECODE_SPLITS = ("auto", "1", "3", "8")
 
 
+#: Split ranges forced (``cuda_decode_split_ranges``; auto takes chunk ranges on the tests' skewed batch where the
+#: split count is automatic): chunk with the split count forced (3: the longest entry's ranges) on every
+#: ``PATH_SHAPES`` shape under the default kernels and on the first under the lane-group and staged kernels,
+#: and entry with the automatic count (auto's ranges before chunking) on the first.
+RANGE_CASES = ([(s, {"cuda_decode_split_ranges": "chunk", "cuda_decode_splits": "3"}) for s in PATH_SHAPES]
+               + [(PATH_SHAPES[0], {"cuda_decode_kernel": k, "cuda_decode_split_ranges": "chunk",
+                                    "cuda_decode_splits": "3"}) for k in ("lanes", "staged")]
+               + [(PATH_SHAPES[0], {"cuda_decode_split_ranges": "entry", "cuda_decode_splits": "auto"})])
+
+
 def decode_path_cases() -> list[tuple[Shape, dict[str, str]]]:
     """(shape, forced paths) of the MHA decode path tests: every ``PATH_SHAPES`` shape under every value of
     ``cuda_decode_splits`` (the default kernels), under ``LANES_SPLITS`` with ``cuda_decode_kernel=lanes`` and
     (the fp16 shapes, whose plain decode auto runs on the tensor cores) ``staged``, and the
     ``TC_DECODE_SHAPES`` with ``cuda_decode_kernel=tc`` (the first under every ``TC_DECODE_SPLITS`` value, the
-    last under auto). Every entry names its split value (``"auto"`` included)."""
+    last under auto), and the ``RANGE_CASES``. Every entry names its split value (``"auto"`` included)."""
     splits = cuda_path_switches()["cuda_decode_splits"]
     tc = [(TC_DECODE_SHAPES[0], v) for v in TC_DECODE_SPLITS] + [(TC_DECODE_SHAPES[1], "auto")]
     staged = [s for s in PATH_SHAPES if s.dtype != "float32"]
     return ([(s, {"cuda_decode_splits": v}) for s in PATH_SHAPES for v in splits]
             + [(s, {"cuda_decode_kernel": k, "cuda_decode_splits": v}) for k, shapes in
                (("lanes", PATH_SHAPES), ("staged", staged)) for s in shapes for v in LANES_SPLITS]
-            + [(s, {"cuda_decode_kernel": "tc", "cuda_decode_splits": v}) for s, v in tc])
+            + [(s, {"cuda_decode_kernel": "tc", "cuda_decode_splits": v}) for s, v in tc]
+            + RANGE_CASES)
 
 
 #: Split counts under which the path tests also run each MLA decode kernel forced (``cuda_mla_decode_kernel``):
