@@ -286,20 +286,6 @@ def split_chunk(var, kvlen, Sk, Ck, tk: int):
     return T.if_then_else(Ck > 0, Ck, T.truncdiv(T.truncdiv(span + Sk - 1, Sk) + tk - 1, tk) * tk)
 
 
-def make_empty_split(hq: int, rows: int, threads: int):
-    """``empty_split(ws_l, b, row0, S, sp, t)``: a split block without keys marks rows ``row0 ..
-    row0 + rows`` of entry ``b`` empty (``lse = -1e30``) and writes no ``o``: the merge reads no ``o`` of an
-    empty partial (``make_merge_splits``). ``t``: the thread (``threads`` of them)."""
-
-    @T.macro
-    def empty_split(ws_l, b, row0, S, sp, t):
-        for i in T.serial((rows + threads - 1) // threads):
-            if i * threads + t < rows:
-                ws_l[(b * hq + row0 + i * threads + t) * S + sp] = T.float32(EMPTY_LSE)
-
-    return empty_split
-
-
 _OPAQUE_SOURCE = ("#ifndef PAGEDKV_OPAQUE\n#define PAGEDKV_OPAQUE\n"
                   "__device__ __forceinline__ int pagedkv_opaque_i32(int x) { return x; }\n#endif\n")
 
@@ -339,7 +325,7 @@ def make_merge_splits(num_heads: int, dv: int, threads: int, dtype: str):
                         if c * MT + t < DV:
                             ms[2] = T.float32(0)
                             for sp in T.serial(Sk):
-                                # An empty partial (lse -1e30) may have written no o (make_empty_split).
+                                # An empty partial (lse -1e30) writes no o (the decode kernels' stores).
                                 if ws_l[row * Sk + sp] > T.float32(EMPTY_LSE):
                                     ms[2] = ms[2] + ws_o[row * Sk + sp, c * MT + t] * T.exp2(
                                         ws_l[row * Sk + sp] - ms[0])

@@ -33,8 +33,7 @@ from dataclasses import dataclass
 from tvm.script import tirx as T
 
 from ._common import EMPTY_LSE, LOG2E
-from ._common_cuda import (WARP, itemsize, make_empty_split, next_pow2, opaque_i32, paged_kv_len, shfl_xor,
-                           split_chunk, vec16)
+from ._common_cuda import WARP, itemsize, next_pow2, opaque_i32, paged_kv_len, shfl_xor, split_chunk, vec16
 
 #: Bytes of K + V per block tile (the loads each block keeps in flight while it computes).
 TILE_BYTES = 16384
@@ -337,7 +336,8 @@ def make_store_rows(p: StagedPlan):
     """``store_rows(o, lse, ws_o, ws_l, red_ml, red_o, ml, Or, b, h, sp, S, tx, ty, tz)``: merge the ``NZ``
     key-group states of each row (``red_ml``, ``red_o`` in shared memory; one barrier) and write row
     ``h*G + g``: ``o``, ``lse`` when the kernel is not split (``S == 1``), else split ``sp``'s normalized
-    partial state into the float32 workspace. A row that saw no key writes ``o = 0``, ``lse = -1e30``."""
+    partial state into the float32 workspace. A row that saw no key writes ``o = 0``, ``lse = -1e30`` (as a
+    split's partial state only the lse: ``make_merge_splits`` reads no ``o`` of it)."""
     VEC, L, L0, NZ, D, HQ, G, NT, R, GT, LW = p.vec, p.l, p.l0, p.nz, p.d, p.hq, p.g, p.nt, p.r, p.gt, p.lw
     V16 = min(VEC, vec16(p.dtype))
     dtype = p.dtype
@@ -383,10 +383,8 @@ def make_store_rows(p: StagedPlan):
                     ws_o[row, dd] = st[2] / st[1]
                     if dd == 0:
                         ws_l[row] = st[0] + T.log2(st[1])
-                else:
-                    ws_o[row, dd] = T.float32(0)
-                    if dd == 0:
-                        ws_l[row] = T.float32(EMPTY_LSE)
+                elif dd == 0:  # no key: the empty lse only (the merge reads no o of it)
+                    ws_l[row] = T.float32(EMPTY_LSE)
 
     return store_rows
 
@@ -425,7 +423,6 @@ def make_staged_kernel(p: StagedPlan, var):
     ``attention_cuda_decode``): grid (entry, kv head, split), the split's key range, key loop and store."""
     L, G, NZ, TK, D, R, GT = p.l, p.g, p.nz, p.tk, p.d, p.r, p.gt
     key_loop, load_q_rows, store_rows = make_key_loop(p, var), make_load_q_rows(p), make_store_rows(p)
-    empty_split = make_empty_split(p.hq, G, p.nt)
 
     @T.macro
     def kernel(q, pages, page_indptr, page_values, last_page_len, k_pos_offset, q_pos, o, lse, B, ps,
@@ -456,17 +453,12 @@ def make_staged_kernel(p: StagedPlan, var):
                                     chunk: T.let[T.int32] = split_chunk(var, kvlen, Sk, opaque_i32(C), TK)
                                     k0: T.let[T.int32] = T.min(var.decode_key(kvlen, sp * chunk), kvlen)
                                     k1: T.let[T.int32] = T.min(k0 + chunk, kvlen)
-                                    # Opaque 0/1 trip counts, not an if / else: under a branch TVM's CompactBufferAllocation took 20-40 s.
-                                    live: T.let[T.int32] = opaque_i32(T.Cast("int32", k0 < k1 or Sk == 1))
-                                    for _e in T.serial(1 - live):
-                                        empty_split(ws_l, bx, h * G, Sk, sp, (tz * GT + ty) * L + tx)  # no keys: lse only
-                                    for _l in T.serial(live):
-                                        load_q_rows(Qr, Or, ml, q, bx, h * G + ty * R, sm_scale, tx)
-                                        key_loop((Qr, Or, ml, S_, st, Kst, Vst, kv, kf), (Ks, Vs), pages,
-                                                 page_values, page_indptr[bx], ps, h, k0, k1,
-                                                 (tz * GT + ty) * L + tx, tx, tz)
-                                        store_rows(o, lse, ws_o, ws_l, red_ml, red_o, ml, Or, bx, h, sp, Sk, tx,
-                                                   ty, tz)
+                                    load_q_rows(Qr, Or, ml, q, bx, h * G + ty * R, sm_scale, tx)
+                                    key_loop((Qr, Or, ml, S_, st, Kst, Vst, kv, kf), (Ks, Vs), pages,
+                                             page_values, page_indptr[bx], ps, h, k0, k1,
+                                             (tz * GT + ty) * L + tx, tx, tz)
+                                    store_rows(o, lse, ws_o, ws_l, red_ml, red_o, ml, Or, bx, h, sp, Sk, tx,
+                                               ty, tz)
 
     return kernel
 

@@ -51,7 +51,7 @@ from __future__ import annotations
 from tvm.script import tirx as T
 
 from ._common import EMPTY_LSE, LOG2E
-from ._common_cuda import itemsize, make_empty_split, opaque_i32, paged_kv_len, split_chunk, vec16
+from ._common_cuda import itemsize, opaque_i32, paged_kv_len, split_chunk, vec16
 from ._decode_staged_cuda import (
     STAGED_MAX_SMEM,
     StagedPlan,
@@ -280,7 +280,6 @@ def make_staged_rope_kernel(p: StagedPlan, var):
     L, G, NZ, TK, D, R, GT, VEC = p.l, p.g, p.nz, p.tk, p.d, p.r, p.gt, p.vec
     V16, HALF, POOL = vec16(p.dtype), p.d // 2, pool_floats(p)
     key_loop, store_rows, rope_setup = make_rope_key_loop(p, var), make_store_rows(p), make_rope_setup(p)
-    empty_split = make_empty_split(p.hq, G, p.nt)
 
     @T.macro
     def kernel(q, pages, page_indptr, page_values, last_page_len, k_pos_offset, q_pos, o, lse, B, ps,
@@ -320,23 +319,18 @@ def make_staged_rope_kernel(p: StagedPlan, var):
                                     chunk: T.let[T.int32] = split_chunk(var, kvlen, Sk, opaque_i32(C), TK)
                                     k0: T.let[T.int32] = T.min(var.decode_key(kvlen, sp * chunk), kvlen)
                                     k1: T.let[T.int32] = T.min(k0 + chunk, kvlen)
-                                    # Opaque 0/1 trip counts, not an if / else: under a branch TVM's CompactBufferAllocation took 20-40 s.
-                                    live: T.let[T.int32] = opaque_i32(T.Cast("int32", k0 < k1 or Sk == 1))
-                                    for _e in T.serial(1 - live):
-                                        empty_split(ws_l, bx, h * G, Sk, sp, t)  # no keys: lse only
-                                    for _l in T.serial(live):
-                                        for r in T.unroll(R):
-                                            for e in T.unroll(VEC):
-                                                Or[r, e] = T.float32(0)
-                                            ml[r, 0] = T.float32(EMPTY_LSE)
-                                            ml[r, 1] = T.float32(0)
-                                        rope_setup(cs, sn, w_s, q_raw, q, bx, h, rope_theta, rope_scale, t)
-                                        key_loop((Qr, Or, ml, S_, st, Kst, Vst, kv, kf, rc, rs),
-                                                 (Ks, Vs, cs, sn, qtab, w_s, q_raw), pages, page_values,
-                                                 page_indptr[bx], ps, h, k0, k1,
-                                                 q_pos[bx] - k_pos_offset[bx] - k0, sm_scale, t, tx, ty, tz)
-                                        store_rows(o, lse, ws_o, ws_l, red_ml, red_o, ml, Or, bx, h, sp, Sk, tx, ty,
-                                                   tz)
+                                    for r in T.unroll(R):
+                                        for e in T.unroll(VEC):
+                                            Or[r, e] = T.float32(0)
+                                        ml[r, 0] = T.float32(EMPTY_LSE)
+                                        ml[r, 1] = T.float32(0)
+                                    rope_setup(cs, sn, w_s, q_raw, q, bx, h, rope_theta, rope_scale, t)
+                                    key_loop((Qr, Or, ml, S_, st, Kst, Vst, kv, kf, rc, rs),
+                                             (Ks, Vs, cs, sn, qtab, w_s, q_raw), pages, page_values,
+                                             page_indptr[bx], ps, h, k0, k1,
+                                             q_pos[bx] - k_pos_offset[bx] - k0, sm_scale, t, tx, ty, tz)
+                                    store_rows(o, lse, ws_o, ws_l, red_ml, red_o, ml, Or, bx, h, sp, Sk, tx, ty,
+                                               tz)
 
     return kernel
 

@@ -214,7 +214,8 @@ def make_store(p: DecodePlan):
     """``store(o, lse, ws_o, ws_l, red_ml, red_o, m, lsum, Orr, b, h, gz, sp, S, tx, ty)``: merge the ``NW``
     lane-group states (``red_ml``, ``red_o`` in shared memory; one barrier) and write row ``h*G + gz*GC + g``:
     ``o``, ``lse`` when the kernel is not split (``S == 1``), else split ``sp``'s normalized partial state
-    into the float32 workspace. A row that saw no key writes ``o = 0``, ``lse = -1e30``."""
+    into the float32 workspace. A row that saw no key writes ``o = 0``, ``lse = -1e30`` (as a split's partial
+    state only the lse: ``make_merge_splits`` reads no ``o`` of it)."""
     VEC, GC, L, L0, NW, D, HQ, G = p.vec, p.gc, p.l, p.l0, p.nw, p.d, p.hq, p.g
     NT = L * NW
     dtype = p.dtype
@@ -261,10 +262,8 @@ def make_store(p: DecodePlan):
                         ws_o[(b * HQ + hq) * S + sp, dd] = st[2] / st[1]
                         if dd == 0:
                             ws_l[(b * HQ + hq) * S + sp] = st[0] + T.log2(st[1])
-                    else:
-                        ws_o[(b * HQ + hq) * S + sp, dd] = T.float32(0)
-                        if dd == 0:
-                            ws_l[(b * HQ + hq) * S + sp] = T.float32(EMPTY_LSE)
+                    elif dd == 0:  # no key: the empty lse only (the merge reads no o of it)
+                        ws_l[(b * HQ + hq) * S + sp] = T.float32(EMPTY_LSE)
 
     return store
 

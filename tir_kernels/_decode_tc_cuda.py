@@ -40,7 +40,7 @@ from typing import Any, NamedTuple
 from tvm.script import tirx as T
 
 from ._common import EMPTY_LSE, LOG2E
-from ._common_cuda import make_empty_split, opaque_i32, paged_kv_len, shfl_xor, split_chunk
+from ._common_cuda import opaque_i32, paged_kv_len, shfl_xor, split_chunk
 # The limits are data in the TVM-free kernel spec (a runtime-only process reports them too).
 from ..kernel_spec import TCD_DTYPES, TCD_HEAD_DIMS, TCD_MAX_GROUP, tc_decode_limits  # noqa: F401
 from ._decode_tc_rope_cuda import ANG_WORDS, make_tc_rope_parts, rope_words, syncwarp
@@ -229,7 +229,7 @@ def make_tc_parts(hkv: int, g: int, d: int, dtype: str, var, *, warp_ring: bool 
         """Merge the 4 warps' states of each row through the drained ring (``red_o[w, r, d]`` then
         ``red_ml[w, r, 0 / 1]`` as words; one barrier) and write rows ``h*G + r``: ``o`` / ``lse`` when
         ``S == 1``, else split ``sp``'s normalized partial state. A row that saw no key: ``o = 0``, ``lse =
-        -1e30``."""
+        -1e30``; as a split's partial state only its lse (``make_merge_splits`` reads no ``o`` of it)."""
         for rr in T.unroll(2):
             lsum[rr] = lsum[rr] + shfl_xor(lsum[rr], 1)
             lsum[rr] = lsum[rr] + shfl_xor(lsum[rr], 2)
@@ -269,10 +269,8 @@ def make_tc_parts(hkv: int, g: int, d: int, dtype: str, var, *, warp_ring: bool 
                     ws_o[row, dd] = st[2] / st[1]
                     if dd == 0:
                         ws_l[row] = st[0] + T.log2(st[1])
-                else:
-                    ws_o[row, dd] = T.float32(0)
-                    if dd == 0:
-                        ws_l[row] = T.float32(EMPTY_LSE)
+                elif dd == 0:  # no key: the empty lse only (the merge reads no o of it)
+                    ws_l[row] = T.float32(EMPTY_LSE)
 
     return load_q, (lookup_tile, issue_tile), tile_step, store_rows
 
@@ -359,7 +357,6 @@ def make_tc_kernel(hq: int, hkv: int, d: int, dtype: str, var, *, rope: bool = F
             d, g, dtype, table0=smem_words(d), nt=TCD_NT, tk=TCD_TK, k_row=lambda slot, row: k_base(slot) + row * rw,
             row_words=rw)
     issue_first, key_loop = make_tc_key_loop(hkv, g, d, dtype, var, rotate_keys)
-    empty_split = make_empty_split(hq, g, TCD_NT)
     TK, NDN, NKS = TCD_TK, d // 8, d // 16
 
     @T.macro
@@ -401,32 +398,26 @@ def make_tc_kernel(hq: int, hkv: int, d: int, dtype: str, var, *, rope: bool = F
                             chunk: T.let[T.int32] = split_chunk(var, kvlen, Sk, opaque_i32(C), TK)
                             k0: T.let[T.int32] = T.min(var.decode_key(kvlen, sp * chunk), kvlen)
                             k1: T.let[T.int32] = T.min(k0 + chunk, kvlen)
-                            # Opaque 0/1 trip counts, not an if / else: under a branch TVM's CompactBufferAllocation
-                            # took 20-40 s on the PrimFunc (2 s).
-                            live: T.let[T.int32] = opaque_i32(T.Cast("int32", k0 < k1 or Sk == 1))
-                            for _e in T.serial(1 - live):
-                                empty_split(ws_l, bx, h * g, Sk, sp, tid)  # no keys: lse only
-                            for _l in T.serial(live):
-                                # In a register (a let of a load is inlined by TVM, and the copies' asm clobbers
-                                # memory: the load would be redone for every chunk).
-                                pbuf[0] = page_indptr[bx]
-                                # The first tiles' copies start before q is loaded (and the RoPE setup runs).
-                                issue_first(pgs, tcd_smem, pages, page_values, pbuf[0], ps, h, k0, k1, tid)
-                                if rope:
-                                    rope_setup(tcd_smem, angc, angs, rope_theta, rope_scale, tid, lane)
-                                    load_q_rope(qf, q, bx, h, lane, q_pos[bx] - k_pos_offset[bx] - k0, tcd_smem,
-                                                rc, rs)
-                                else:
-                                    load_q(qf, q, bx, h, lane)
-                                for rr in T.unroll(2):
-                                    m[rr] = T.float32(EMPTY_LSE)
-                                    lsum[rr] = T.float32(0)
-                                for e in T.unroll(NDN * 4):
-                                    oacc[e] = T.float32(0)
-                                key_loop(TcRegs(qf, bfr, sacc, pf, oacc, m, lsum, st, angc, angs, rc, pgs),
-                                         tcd_smem, pages, page_values, pbuf[0], ps, h, k0, k1, w, lane, tid, sm_scale)
-                                store_rows(o, lse, ws_o, ws_l, tcd_smem, oacc, m, lsum, st, bx, h, sp, Sk, w, lane,
-                                           tid)
+                            # In a register (a let of a load is inlined by TVM, and the copies' asm clobbers
+                            # memory: the load would be redone for every chunk).
+                            pbuf[0] = page_indptr[bx]
+                            # The first tiles' copies start before q is loaded (and the RoPE setup runs).
+                            issue_first(pgs, tcd_smem, pages, page_values, pbuf[0], ps, h, k0, k1, tid)
+                            if rope:
+                                rope_setup(tcd_smem, angc, angs, rope_theta, rope_scale, tid, lane)
+                                load_q_rope(qf, q, bx, h, lane, q_pos[bx] - k_pos_offset[bx] - k0, tcd_smem,
+                                            rc, rs)
+                            elif k0 < k1:  # a split past the entry's keys (chunked ranges) stores its empty lse only
+                                load_q(qf, q, bx, h, lane)
+                            for rr in T.unroll(2):
+                                m[rr] = T.float32(EMPTY_LSE)
+                                lsum[rr] = T.float32(0)
+                            for e in T.unroll(NDN * 4):
+                                oacc[e] = T.float32(0)
+                            key_loop(TcRegs(qf, bfr, sacc, pf, oacc, m, lsum, st, angc, angs, rc, pgs),
+                                     tcd_smem, pages, page_values, pbuf[0], ps, h, k0, k1, w, lane, tid, sm_scale)
+                            store_rows(o, lse, ws_o, ws_l, tcd_smem, oacc, m, lsum, st, bx, h, sp, Sk, w, lane,
+                                       tid)
 
     return kernel
 

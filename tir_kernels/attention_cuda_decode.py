@@ -19,7 +19,6 @@ from ._common_cuda import (
     decode_split_ranges,
     decode_splits,
     itemsize,
-    make_empty_split,
     make_merge_splits,
     next_pow2,
     opaque_i32,
@@ -214,7 +213,6 @@ def _make_kernel(p: DecodePlan, var: CudaVariant, rope: bool):
     split's key range, the key loop and the store (``_decode_stages_cuda``)."""
     GC, VEC, NW, L, H2, TKB = p.gc, p.vec, p.nw, p.l, p.vec // 2, p.tkb
     key_loop, store = _make_key_loop(p, var, rope), make_store(p)
-    empty_split = make_empty_split(p.hq, GC, L * NW)
     # RoPE-only buffers are 1 element in the plain kernel (its code does not touch them).
     R1 = 1 if not rope else None
 
@@ -252,15 +250,10 @@ def _make_kernel(p: DecodePlan, var: CudaVariant, rope: bool):
                                 chunk: T.let[T.int32] = split_chunk(var, kvlen, Sk, opaque_i32(C), TKB)
                                 k0: T.let[T.int32] = T.min(var.decode_key(kvlen, sp * chunk), kvlen)
                                 k1: T.let[T.int32] = T.min(k0 + chunk, kvlen)
-                                # Opaque 0/1 trip counts, not an if / else: under a branch TVM's CompactBufferAllocation took 20-40 s.
-                                live: T.let[T.int32] = opaque_i32(T.Cast("int32", k0 < k1 or Sk == 1))
-                                for _e in T.serial(1 - live):
-                                    empty_split(ws_l, bx, h * p.g + gz * GC, Sk, sp, ty * L + tx)  # no keys: lse only
-                                for _l in T.serial(live):
-                                    key_loop((Qr, Kr, Vr, S_, Oc, Os, m, lsum, Orr, st), (w_s, q_raw, red_o), q,
-                                             pages, page_indptr, page_values, k_pos_offset, q_pos, bx, h,
-                                             h * p.g + gz * GC, k0, k1, ps, rope_scale, rope_theta, sm_scale, tx, ty)
-                                    store(o, lse, ws_o, ws_l, red_ml, red_o, m, lsum, Orr, bx, h, gz, sp, Sk, tx, ty)
+                                key_loop((Qr, Kr, Vr, S_, Oc, Os, m, lsum, Orr, st), (w_s, q_raw, red_o), q,
+                                         pages, page_indptr, page_values, k_pos_offset, q_pos, bx, h,
+                                         h * p.g + gz * GC, k0, k1, ps, rope_scale, rope_theta, sm_scale, tx, ty)
+                                store(o, lse, ws_o, ws_l, red_ml, red_o, m, lsum, Orr, bx, h, gz, sp, Sk, tx, ty)
 
     return kernel
 

@@ -86,8 +86,30 @@ def test_auto_has_no_forced_code(name):
     for value in FORCED:
         forced = _script(_forced(cfg, value), op)
         changed = [(a, b) for a, b in zip(default.splitlines(), forced.splitlines()) if a != b]
-        assert len(default.splitlines()) == len(forced.splitlines()) and len(changed) == 1, changed
-        assert changed[0][1].strip() == f"S: T.let[T.int32] = T.max(1, T.min({value}, nnz * ps))", changed
+        assert len(default.splitlines()) == len(forced.splitlines()), changed
+        rule = f"T.max(1, T.min({value}, nnz * ps))"
+        if cfg.is_mla:
+            assert [b.strip() for _a, b in changed] == [f"S: T.let[T.int32] = {rule}"], changed
+        else:  # a forced count keeps each entry's equal ranges under auto ranges (chunk_split)
+            assert [b.strip() for _a, b in changed] == [f"S0: T.let[T.int32] = {rule}", "S: T.let[T.int32] = S0",
+                                                        "C: T.let[T.int32] = 0"], changed
+
+
+def test_split_ranges_switch_changes_only_the_launch_shape():
+    """``cuda_decode_split_ranges``: entry and chunk change only the lines of ``S`` (the ranges an entry) and
+    ``C`` (the range length; 0 under entry) of the MHA decode; auto (the switch left alone) is the default."""
+    cfg = SHAPES["4x4x64-f32-w100-cap50"]
+    default = _script(cfg, "attn_decode_paged")
+    switch = "cuda_decode_split_ranges"
+    assert tk.SWITCHES[switch][1] == ("auto", "entry", "chunk")
+    assert _script(dataclasses.replace(cfg, paths={switch: "auto"}), "attn_decode_paged") == default
+    for value in ("entry", "chunk"):
+        forced = _script(dataclasses.replace(cfg, paths={switch: value}), "attn_decode_paged")
+        changed = [(a.strip(), b.strip()) for a, b in zip(default.splitlines(), forced.splitlines()) if a != b]
+        assert len(default.splitlines()) == len(forced.splitlines()), changed
+        assert [b.split(":")[0] for _a, b in changed] == ["S", "C"], changed
+        if value == "entry":
+            assert [b for _a, b in changed] == ["S: T.let[T.int32] = S0", "C: T.let[T.int32] = 0"]
 
 
 @pytest.mark.parametrize("op", ["attn_prefill_paged", "attn_prefill_ragged", "merge_state", "split_rotary"])
