@@ -53,6 +53,7 @@ def profile(lib: Path, batch: int, steps: int, prompt: int = 64) -> None:
         torch.cuda.synchronize()
     print(f"\n=== {lib.name} batch {batch}: {per_step * 1e3:.3f} ms per decode step (wall) ===")
     print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=18, max_name_column_width=70))
+    _step_floor(prof, steps, per_step)
     # host phases of one step, synchronized at each boundary
     import tvm
 
@@ -73,6 +74,43 @@ def profile(lib: Path, batch: int, steps: int, prompt: int = 64) -> None:
         for k, v in zip(phases, (t1 - t, t2 - t1, t3 - t2, t4 - t3)):
             phases[k] += v / steps
     print("host phases (ms): " + ", ".join(f"{k} {v * 1e3:.3f}" for k, v in phases.items()))
+
+
+def _step_floor(prof, steps: int, per_step: float) -> None:
+    """The GPU operations of a step, their summed time, and the floor of replaying that many dependent
+    kernels from one CUDA graph: a step's time in a graph cannot go below it however short each kernel is."""
+    gpu = [e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
+    n = round(len(gpu) / steps)
+    busy = sum(getattr(e, "device_time", 0.0) or getattr(e, "cuda_time", 0.0) for e in gpu) / steps / 1e3
+    floor = graph_floor(n)
+    print(f"GPU ops a step: {n}, their time {busy:.3f} ms; a CUDA graph of {n} dependent one-element kernels "
+          f"replays in {floor:.3f} ms ({floor / max(n, 1) * 1e3:.2f} us a node); this step {per_step * 1e3:.3f} ms "
+          f"= {per_step * 1e3 / floor:.2f}x that floor")
+
+
+def graph_floor(nodes: int, iters: int = 50) -> float:
+    """Milliseconds of one replay of a CUDA graph of ``nodes`` dependent one-element kernels (``x += 1``)."""
+    x = torch.ones(1, device="cuda")
+    side = torch.cuda.Stream()
+    with torch.cuda.stream(side):  # warm the kernel outside capture
+        x.add_(1)
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for _ in range(nodes):
+            x.add_(1)
+    graph.replay()
+    torch.cuda.synchronize()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(iters):
+        graph.replay()
+    end.record()
+    torch.cuda.synchronize()
+    want = 2 + nodes * (iters + 1)  # 1, the warm-up's +1, a node's +1 a replay
+    if x.item() != want:  # every node ran
+        raise SystemExit(f"graph floor: x = {x.item()}, expected {want}")
+    return start.elapsed_time(end) / iters
 
 
 def main() -> None:
