@@ -190,7 +190,12 @@ def wave_split_count(B, nnz, ps, blocks_per_split, *, resident_blocks: int, min_
     if forced:
         return T.max(1, T.min(T.int32(forced), nnz * ps))
     n0 = T.max(B * blocks_per_split, 1)
-    budget = wave_budget(n0, resident_blocks)
+    # The block budget, k * resident_blocks (WAVE_BUDGETS), as a sum of steps, k_0 + sum (k_i+1 - k_i) [n0 >
+    # f_i * resident]: a Select chain here tripled the kernel's compile time (the simplifier split cases at
+    # every use of S; measured before opaque_i32).
+    budget = T.int32(WAVE_BUDGETS[0][1] * resident_blocks)
+    for (f, k), (_, k_next) in zip(WAVE_BUDGETS, WAVE_BUDGETS[1:]):
+        budget = budget + T.Cast("int32", n0 > int(f * resident_blocks)) * ((k_next - k) * resident_blocks)
     raw_keys = T.truncdiv(nnz * ps, T.max(B, 1))  # an entry's average keys (whole pages)
     keys = raw_keys if avg_keys is None else avg_keys(raw_keys)
     ladder = T.max(1, T.min(T.min(T.truncdiv(budget, n0), T.truncdiv(keys, min_split_keys)), max_splits))
@@ -221,17 +226,6 @@ def decode_split_ranges(spec) -> str:
     return forced_path(spec.paths, "cuda_decode_split_ranges")
 
 
-def wave_budget(n0, resident_blocks: int):
-    """``wave_split_count``'s block budget for ``n0`` blocks at ``S = 1`` (``WAVE_BUDGETS``), host side."""
-    # k * resident_blocks as a sum of steps, k_0 + sum (k_i+1 - k_i) [n0 > f_i * resident]: a Select chain
-    # here tripled the kernel's compile time (the simplifier split cases at every use of S; measured before
-    # opaque_i32).
-    budget = T.int32(WAVE_BUDGETS[0][1] * resident_blocks)
-    for (f, k), (_, k_next) in zip(WAVE_BUDGETS, WAVE_BUDGETS[1:]):
-        budget = budget + T.Cast("int32", n0 > int(f * resident_blocks)) * ((k_next - k) * resident_blocks)
-    return budget
-
-
 def chunk_split(B, nnz, S, *, ps, ranges: int, max_keys, max_splits: int, min_keys: int, avg_keys=None,
                 mode: str = "auto", forced: int = 0):
     """``(S', C)``: how a split-KV decode cuts its entries' keys, from the shapes, the split count ``S`` of
@@ -252,7 +246,7 @@ def chunk_split(B, nnz, S, *, ps, ranges: int, max_keys, max_splits: int, min_ke
     and its longest entry more than one range: a balanced batch keeps equal ranges, which a uniform ``C``
     would leave a short tail range); a forced split count (``forced``, ``cuda_decode_splits``) keeps entry
     ranges under "auto". ``C`` reads neither ``S`` nor a block budget of the shapes: TVM substitutes
-    host lets at every use, and with ``S``'s rule inside ``C`` the decode PrimFunc's compile took 290 s (4 s
+    host lets at every use, and with ``S``'s rule inside ``C`` the decode PrimFunc's compile took 290 s (2.4 s
     before; CompactBufferAllocation's regions under the grid extent ``S'``). Arithmetic selects, as in
     ``wave_split_count``."""
     if mode == "entry" or (mode == "auto" and forced) or max_keys is None:
