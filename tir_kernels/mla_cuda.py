@@ -53,6 +53,7 @@ from tvm.script import tirx as T
 
 from ._common import EMPTY_LSE, LOG2E, MASKED
 from ..ops import MLA_APPEND_KV, MLA_ATTN_DECODE_PAGED, MLA_ATTN_PREFILL_PAGED, MLA_GATHER_KV, shape_values
+from ..kernel_spec import forced as forced_path
 from ._abi import abi_prim_func
 from ._common_cuda import (ceildiv, decode_splits, make_merge_splits, opaque_i32, paged_kv_len, shfl_xor, split_count,
                            vec16)
@@ -439,11 +440,37 @@ def _make_row_tile(H: int, DL: int, DV: int, RI: int, dtype: str):
 # ---------------------------------------------------------------------------------------------------
 # attention entry points
 # ---------------------------------------------------------------------------------------------------
-def mla_attn_prefill_paged_cuda(spec):
-    """``pagedkv_mla_attn_prefill_paged`` for CUDA (arguments: ``pagedkv.ops.OP_SPECS``), for a ``KernelSpec``.
+#: The path switch of the paged MLA prefill's kernel (``pagedkv.kernel_spec.SWITCHES``).
+PREFILL_SWITCH = "cuda_mla_prefill_kernel"
 
-    One block per virtual row tile (``R`` = 16 rows, tokens x heads of one entry), over all its keys.
+
+def prefill_kernel(spec) -> str:
+    """The kernel of ``mla_attn_prefill_paged`` of ``spec``: the forced ``PREFILL_SWITCH`` value, else (auto) the
+    tensor-core kernel the decode's auto rule takes on the same spec (``mla_cuda_wgq`` / ``mla_cuda_wg`` on sm_90a at
+    ``WG_AUTO_MIN_HEADS``+ heads, else ``mla_cuda_tc`` where it serves), "simt" elsewhere."""
+    from . import mla_cuda_tc, mla_cuda_wg, mla_cuda_wgq  # pylint: disable=import-outside-toplevel
+
+    choice = forced_path(spec.paths, PREFILL_SWITCH)
+    if choice != "auto":
+        return choice
+    if spec.num_qo_heads >= mla_cuda_wg.WG_AUTO_MIN_HEADS and not mla_cuda_wg.wg_unserved(spec):
+        return "wgq" if mla_cuda_wgq.WGQ_BY_DEFAULT and not mla_cuda_wgq.wgq_unserved(spec) else "wg"
+    return "tc" if mla_cuda_tc.MLA_TC_BY_DEFAULT and not mla_cuda_tc.tc_unserved(spec) else "simt"
+
+
+def mla_attn_prefill_paged_cuda(spec):
+    """``pagedkv_mla_attn_prefill_paged`` for CUDA (arguments: ``pagedkv.ops.OP_SPECS``), for a ``KernelSpec``: a
+    tensor-core kernel (``prefill_kernel``; its block once per query token and head group, ``_mla_frame_cuda``),
+    or the SIMT one: one block per virtual row tile (``R`` = 16 rows, tokens x heads of one entry), over all its
+    keys.
     """
+    from . import mla_cuda_tc, mla_cuda_wg, mla_cuda_wgq  # pylint: disable=import-outside-toplevel
+
+    kernel = prefill_kernel(spec)
+    tensor_core = {"tc": mla_cuda_tc.mla_attn_paged_tc, "wg": mla_cuda_wg.mla_attn_paged_wg,
+                   "wgq": mla_cuda_wgq.mla_attn_paged_wgq}
+    if kernel in tensor_core:  # each raises with its reasons where it does not serve the spec
+        return tensor_core[kernel](spec, MLA_ATTN_PREFILL_PAGED)
     H, DV, DL, dtype = spec.num_qo_heads, spec.kv_lora_rank, spec.latent_dim, spec.dtype
     RI = rows_per_thread(MLA_ATTN_PREFILL_PAGED, spec.kv_lora_rank, spec.qk_rope_head_dim)
     R = TY * RI
@@ -495,13 +522,13 @@ def mla_attn_decode_paged_cuda(spec):
     from . import mla_cuda_tc, mla_cuda_wg, mla_cuda_wgq, mla_cuda_wgt  # pylint: disable=import-outside-toplevel
 
     if mla_cuda_wgq.use_wgq(spec):  # forced "wgq" (raises naming what it does not serve), or auto (WGQ_BY_DEFAULT)
-        return mla_cuda_wgq.mla_attn_decode_paged_wgq(spec)
+        return mla_cuda_wgq.mla_attn_paged_wgq(spec)
     if mla_cuda_wgt.use_wgt(spec):  # forced "wgt" (raises naming what it does not serve), or auto (WGT_BY_DEFAULT)
         return mla_cuda_wgt.mla_attn_decode_paged_wgt(spec)
     if mla_cuda_wg.use_wg(spec):  # forced (raises naming what it does not serve), or auto on sm_90a, >= 64 heads
-        return mla_cuda_wg.mla_attn_decode_paged_wg(spec)
+        return mla_cuda_wg.mla_attn_paged_wg(spec)
     if mla_cuda_tc.use_tc(spec):  # the path switch cuda_mla_decode_kernel (raises when tc is forced, unserved)
-        return mla_cuda_tc.mla_attn_decode_paged_tc(spec)
+        return mla_cuda_tc.mla_attn_paged_tc(spec)
     H, DV, DL, dtype = spec.num_qo_heads, spec.kv_lora_rank, spec.latent_dim, spec.dtype
     splits = decode_splits(spec)
     RI = rows_per_thread(MLA_ATTN_DECODE_PAGED, spec.kv_lora_rank, spec.qk_rope_head_dim)

@@ -1,7 +1,9 @@
 """Tensor-core CUDA MLA decode (``mla_attn_decode_paged``), fp16 / bf16, sm_80+, on ``mma.sync.m16n8k16``
 (``_mma_cuda``); chosen by the path switch ``cuda_mla_decode_kernel`` (``pagedkv.kernel_spec.SWITCHES``): "tc"
 forces it (raising with ``tc_unserved``'s reasons on a spec it does not serve), "simt" the SIMT kernel of
-``mla_cuda``, auto takes it wherever it serves when ``MLA_TC_BY_DEFAULT``.
+``mla_cuda``, auto takes it wherever it serves when ``MLA_TC_BY_DEFAULT``. The same block serves the paged prefill
+(``mla_attn_prefill_paged``, one block a query token: ``_mla_frame_cuda.make_prefill_frame``; switch
+``cuda_mla_prefill_kernel``).
 
 Why: every query head of a decode token attends to the same latent rows, so a block of 16 or 32 heads does
 ``rows x 64 x (DL + DV)`` multiply-adds per 64-key tile it loads: compute-bound, where the SIMT kernel's
@@ -52,11 +54,10 @@ import dataclasses
 from tvm.script import tirx as T
 
 from ..kernel_spec import forced as forced_path
-from ..ops import MLA_ATTN_DECODE_PAGED, shape_values
-from ._abi import abi_prim_func
+from ..ops import MLA_ATTN_DECODE_PAGED
 from ._common import EMPTY_LSE, LOG2E, MASKED
 from ._common_cuda import decode_splits, shfl_xor
-from ._mla_frame_cuda import make_split_frame
+from ._mla_frame_cuda import SWITCHES, make_frame, mla_prim_func
 from ._mma_cuda import (a_frag, c_frag, cp_async16, cp_async_commit, cp_async_wait, keep_extent, ldmatrix_x4,
                         mma_sync)
 from ._prefill_tc_tiles import TC_PAD, k_ldsm_index_nt2, q_ldsm_index, v_ldsm_index
@@ -350,15 +351,16 @@ def _make_store(bs: BlockShape):
     return store_lse, store_o
 
 
-def mla_attn_decode_paged_tc(spec):
-    """``pagedkv_mla_attn_decode_paged`` on tensor cores (arguments: ``pagedkv.ops.OP_SPECS``), for a
-    ``KernelSpec`` that ``tc_unserved`` accepts (module docstring). Grid (head group, entry, key split)."""
+def mla_attn_paged_tc(spec, op: str = MLA_ATTN_DECODE_PAGED):
+    """``pagedkv_mla_attn_decode_paged`` (grid: head group, entry, key split) or ``pagedkv_mla_attn_prefill_paged``
+    (head group, query token, key split; ``_mla_frame_cuda``) on tensor cores (arguments: ``pagedkv.ops.OP_SPECS``),
+    for a ``KernelSpec`` that ``tc_unserved`` accepts (module docstring)."""
     reasons = tc_unserved(spec)
     if reasons:
-        raise NotImplementedError(f"pagedkv.tir_kernels: the tensor-core CUDA MLA decode does not serve "
-                                  f"{'; '.join(reasons)}")
+        raise NotImplementedError(f"pagedkv.tir_kernels: {SWITCHES[op]}=tc: the tensor-core CUDA MLA kernel does not "
+                                  f"serve {'; '.join(reasons)}")
     bs = BlockShape(spec.num_qo_heads, spec.latent_dim, spec.kv_lora_rank, spec.dtype)
-    H, DV, DL, dtype, rows = bs.heads, bs.dv, bs.latent, bs.dtype, bs.rows
+    DL, dtype, rows = bs.latent, bs.dtype, bs.rows
     MT, NG, TK, NS = bs.mtiles, bs.groups, bs.plan.keys, bs.plan.stages
     KPG, NSW, ON, KPT = bs.ksteps, bs.score_ntiles, bs.out_ntiles * 4, bs.softmax_keys
     issue, load_q, score, softmax, accumulate = _make_tile_ops(bs)
@@ -419,11 +421,9 @@ def mla_attn_decode_paged_tc(spec):
         if bx < B:
             store_o(St, oacc, o, ws[0], bx, g * rows, S, sp, w, lane)
 
-    body = make_split_frame(heads=H, dv=DV, groups=NG, threads=NT, tk=TK, dtype=dtype, splits=decode_splits(spec),
-                            block=block)
-    return abi_prim_func(MLA_ATTN_DECODE_PAGED, shape_values(spec), dtype, body, scheduled=True,
-                         adapter="direct_max_kv_len")
+    return mla_prim_func(op, spec, make_frame(op, spec, block, groups=NG, threads=NT, tk=TK,
+                                              splits=decode_splits(spec)))
 
 
 __all__ = ["BlockShape", "MLA_TC_BY_DEFAULT", "SWITCH", "TC_DTYPES", "TC_MAX_LATENT", "TILE_PLANS", "TilePlan", "group_rows",
-           "mla_attn_decode_paged_tc", "smem_bytes", "tc_unserved", "use_tc"]
+           "mla_attn_paged_tc", "smem_bytes", "tc_unserved", "use_tc"]

@@ -47,11 +47,10 @@ from tvm.script import tirx as T
 
 from ..kernel_spec import PATH_ARCHS
 from ..kernel_spec import forced as forced_path
-from ..ops import MLA_ATTN_DECODE_PAGED, shape_values
-from ._abi import abi_prim_func
+from ..ops import MLA_ATTN_DECODE_PAGED
 from ._common import EMPTY_LSE, LOG2E, MASKED
 from ._common_cuda import decode_splits, shfl_xor
-from ._mla_frame_cuda import make_split_frame
+from ._mla_frame_cuda import SWITCHES, make_frame, mla_prim_func
 from ._mma_cuda import a_frag, c_frag, cp_async16, cp_async_commit, cp_async_wait, keep_extent
 from ._wgmma_cuda import WG_CORE_PAD, WG_NS, CoreLayout, proxy_fence, wg_attention_gemms, wg_wait0
 
@@ -288,46 +287,52 @@ def make_store(H: int, DV: int, dtype: str):
     return store
 
 
-def mla_attn_decode_paged_wg(spec):
-    """``pagedkv_mla_attn_decode_paged`` on warpgroup tensor cores (arguments: ``pagedkv.ops.OP_SPECS``), for a
-    ``KernelSpec`` that ``wg_unserved`` accepts (module docstring). Grid (head group, entry, key split)."""
+def mla_attn_paged_wg(spec, op: str = MLA_ATTN_DECODE_PAGED):
+    """``pagedkv_mla_attn_decode_paged`` (grid: head group, entry, key split) or ``pagedkv_mla_attn_prefill_paged``
+    (head group, query token, key split; ``_mla_frame_cuda``) on warpgroup tensor cores (arguments:
+    ``pagedkv.ops.OP_SPECS``), for a ``KernelSpec`` that ``wg_unserved`` accepts (module docstring)."""
     reasons = wg_unserved(spec)
     if reasons:
-        raise NotImplementedError(f"pagedkv.tir_kernels: {SWITCH}={VALUE}: the wgmma CUDA MLA decode does not "
+        raise NotImplementedError(f"pagedkv.tir_kernels: {SWITCHES[op]}={VALUE}: the wgmma CUDA MLA kernel does not "
                                   f"serve {'; '.join(reasons)}")
-    return abi_prim_func(MLA_ATTN_DECODE_PAGED, shape_values(spec), spec.dtype, make_wg_body(spec), scheduled=True,
-                         adapter="direct_max_kv_len")
+    return mla_prim_func(op, spec, make_wg_body(spec, op))
 
 
-def make_tma_body(spec, frame, latent_map):
-    """The PrimFunc body macro of a TMA variant of this kernel (``mla_cuda_wgt``, ``mla_cuda_wgq``): host code that
-    encodes the pool's tensor map at each call (its address and page count may change; ``latent_map(ps)``: the
-    ``_tma_cuda.LatentPageMap`` of pages of ``ps`` keys) and runs ``frame`` (the variant's split frame, ``pages`` =
-    (pool, its map)); where TMA cannot read the pool (not 16-byte aligned, or pages not a multiple of 8 keys), this
-    kernel's body instead."""
+def make_tma_body(spec, frame, latent_map, op: str = MLA_ATTN_DECODE_PAGED):
+    """The PrimFunc body macro of a TMA variant of this kernel (``mla_cuda_wgt``, ``mla_cuda_wgq``) for MLA attention
+    op ``op``: host code that encodes the pool's tensor map at each call (its address and page count may change;
+    ``latent_map(ps)``: the ``_tma_cuda.LatentPageMap`` of pages of ``ps`` keys) and runs ``frame`` (the variant's
+    frame of ``op``, ``pages`` = (pool, its map)); where TMA cannot read the pool (not 16-byte aligned, or pages not
+    a multiple of 8 keys), this kernel's body instead."""
     from ._tma_cuda import host_aligned16  # pylint: disable=import-outside-toplevel
 
-    fallback, dtype = make_wg_body(spec), spec.dtype
+    fallback, dtype = make_wg_body(spec, op), spec.dtype
+    lead = 1 if op == MLA_ATTN_DECODE_PAGED else 2  # the op's arguments before the pages: q (and q_indptr)
 
     @T.macro
-    def body(q, pages, page_indptr, page_values, last_page_len, o, lse, sm_scale, max_kv_len, dims):
-        _b, _p, ps, _nnz = dims
-        if T.And(T.truncmod(ps, 8) == 0, host_aligned16(T.address_of(pages[0, 0, 0, 0, 0]))):
+    def body(*args):  # the op's arguments, then dims (its page size second to last)
+        if T.And(T.truncmod(args[-1][-2], 8) == 0, host_aligned16(T.address_of(args[lead][0, 0, 0, 0, 0]))):
             pmap: T.let[T.handle("tensormap")] = T.tvm_stack_alloca("tensormap", 1)
-            T.call_packed("runtime.cuTensorMapEncodeTiled", pmap, dtype, 3, T.address_of(pages[0, 0, 0, 0, 0]),
-                          *latent_map(ps).encode_args(pages.shape))
-            frame(q, (pages, pmap), page_indptr, page_values, last_page_len, o, lse, sm_scale, max_kv_len, dims)
+            T.call_packed("runtime.cuTensorMapEncodeTiled", pmap, dtype, 3, T.address_of(args[lead][0, 0, 0, 0, 0]),
+                          *latent_map(args[-1][-2]).encode_args(args[lead].shape))
+            frame(*args[:lead], (args[lead], pmap), *args[lead + 1:])
         else:
-            fallback(q, pages, page_indptr, page_values, last_page_len, o, lse, sm_scale, max_kv_len, dims)
+            fallback(*args)
 
     return body
 
 
-def make_wg_body(spec):
-    """The PrimFunc body macro of this kernel (``_mla_frame_cuda.make_split_frame``'s, arguments as
-    ``abi_prim_func`` passes them), for a spec ``wg_unserved`` accepts: also the fallback of ``mla_cuda_wgt``."""
+def make_wg_body(spec, op: str = MLA_ATTN_DECODE_PAGED):
+    """The body macro of this kernel for MLA attention op ``op`` (``_mla_frame_cuda.make_frame``'s, arguments as
+    ``abi_prim_func`` passes them), for a spec ``wg_unserved`` accepts: also the fallback of the TMA variants."""
+    H = spec.num_qo_heads
+    return make_frame(op, spec, make_wg_block(spec), groups=(H + ROWS - 1) // ROWS, threads=NT, tk=TK,
+                      splits=decode_splits(spec))
+
+
+def make_wg_block(spec):
+    """The per-thread block macro of this kernel (``_mla_frame_cuda.make_split_frame``'s ``block``)."""
     H, DV, DL, dtype = spec.num_qo_heads, spec.kv_lora_rank, spec.latent_dim, spec.dtype
-    NG = (H + ROWS - 1) // ROWS
     look_up, issue, load_q, score, softmax, accumulate, finish, SN, ON, NKS = make_tile_ops(H, DL, DV, dtype)
     store, init = make_store(H, DV, dtype), make_init(ON)
     TILE = tile_layout(DL).elems(TK)  # elements a ring stage
@@ -378,10 +383,9 @@ def make_wg_body(spec):
         finish(oacc, pf)
         store(oacc, m, lsum, o, lse, ws[0], ws[1], bx, bx < B, g * ROWS, S, sp, wg, w, lane)
 
-    return make_split_frame(heads=H, dv=DV, groups=NG, threads=NT, tk=TK, dtype=dtype, splits=decode_splits(spec),
-                            block=block)
+    return block
 
 
 __all__ = ["AHEAD", "NS", "NT", "ROWS", "SWITCH", "TK", "VALUE", "WG_DTYPES", "WG_MAX_LATENT", "make_init", "make_wg_body",
            "make_store", "make_tile_ops", "make_tma_body",
-           "mla_attn_decode_paged_wg", "smem_bytes", "wg_unserved", "WgTileOps"]
+           "make_wg_block", "mla_attn_paged_wg", "smem_bytes", "wg_unserved", "WgTileOps"]

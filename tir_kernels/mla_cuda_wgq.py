@@ -43,12 +43,11 @@ from typing import NamedTuple
 from tvm.script import tirx as T
 
 from ..kernel_spec import forced as forced_path
-from ..ops import MLA_ATTN_DECODE_PAGED, shape_values
+from ..ops import MLA_ATTN_DECODE_PAGED
 from . import mla_cuda_wg as wgk
-from ._abi import abi_prim_func
 from ._common import LOG2E, MASKED
 from ._common_cuda import decode_splits, shfl_xor
-from ._mla_frame_cuda import make_split_frame
+from ._mla_frame_cuda import SWITCHES, make_frame, mla_prim_func
 from ._mma_cuda import c_frag, cp_async16, cp_async_commit, cp_async_wait, keep_extent
 from ._tma_cuda import (MBAR_BYTES, SW128_ALIGN, LatentPageMap, mbar_arrive, mbar_expect_tx,
                         mbar_init, mbar_wait, sw128_pad, tma_load3)
@@ -444,21 +443,21 @@ def _make_block(H: int, DL: int, DV: int, dtype: str, tk: int):
     return block
 
 
-def mla_attn_decode_paged_wgq(spec):
-    """``pagedkv_mla_attn_decode_paged`` on warpgroup tensor cores, Q in shared memory, a score and a value
-    warpgroup (arguments: ``pagedkv.ops.OP_SPECS``), for a ``KernelSpec`` that ``wgq_unserved`` accepts (module
-    docstring); the host code runs ``mla_cuda_wg``'s kernel where TMA cannot read the pool."""
+def mla_attn_paged_wgq(spec, op: str = MLA_ATTN_DECODE_PAGED):
+    """``pagedkv_mla_attn_decode_paged`` or ``pagedkv_mla_attn_prefill_paged`` (``_mla_frame_cuda``'s grids) on
+    warpgroup tensor cores, Q in shared memory, a score and a value warpgroup (arguments: ``pagedkv.ops.OP_SPECS``),
+    for a ``KernelSpec`` that ``wgq_unserved`` accepts (module docstring); the host code runs ``mla_cuda_wg``'s kernel
+    where TMA cannot read the pool."""
     reasons = wgq_unserved(spec)
     if reasons:
-        raise NotImplementedError(f"pagedkv.tir_kernels: {SWITCH}={VALUE}: the Q-in-shared-memory wgmma CUDA MLA "
-                                  f"decode does not serve {'; '.join(reasons)}")
+        raise NotImplementedError(f"pagedkv.tir_kernels: {SWITCHES[op]}={VALUE}: the Q-in-shared-memory wgmma CUDA MLA "
+                                  f"kernel does not serve {'; '.join(reasons)}")
     H, DV, DL, dtype = spec.num_qo_heads, spec.kv_lora_rank, spec.latent_dim, spec.dtype
-    frame = make_split_frame(heads=H, dv=DV, groups=(H + ROWS - 1) // ROWS, threads=NT, tk=TK, dtype=dtype,
-                             splits=decode_splits(spec), block=_make_block(H, DL, DV, dtype, TK))
-    body = wgk.make_tma_body(spec, frame, lambda ps: LatentPageMap(DL, box_rows(ps)))
-    return abi_prim_func(MLA_ATTN_DECODE_PAGED, shape_values(spec), dtype, body, scheduled=True,
-                         adapter="direct_max_kv_len", any_align=("pages",))
+    frame = make_frame(op, spec, _make_block(H, DL, DV, dtype, TK), groups=(H + ROWS - 1) // ROWS, threads=NT, tk=TK,
+                       splits=decode_splits(spec))
+    body = wgk.make_tma_body(spec, frame, lambda ps: LatentPageMap(DL, box_rows(ps)), op)
+    return mla_prim_func(op, spec, body, any_align=("pages",))
 
 
-__all__ = ["NT", "ROWS", "SWITCH", "TK", "VALUE", "WGQ_BY_DEFAULT", "box_rows", "mla_attn_decode_paged_wgq",
+__all__ = ["NT", "ROWS", "SWITCH", "TK", "VALUE", "WGQ_BY_DEFAULT", "box_rows", "mla_attn_paged_wgq",
            "smem_bytes", "stages", "use_wgq", "wgq_unserved"]

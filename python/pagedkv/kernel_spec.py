@@ -82,6 +82,13 @@ SWITCHES: dict[str, tuple[str, tuple[str, ...]]] = {
                                "wg where it serves the spec (sm_90a) with "
                                "at least WG_AUTO_MIN_HEADS (64) heads, else tc where it serves the spec "
                                "(MLA_TC_BY_DEFAULT), SIMT elsewhere", ("auto", "simt", "tc", "wg", "wgt", "wgq")),
+    "cuda_mla_prefill_kernel": ("CUDA paged MLA prefill (mla_attn_prefill_paged): the SIMT FP32 kernel (simt) or one of "
+                                "the tensor-core MLA decode kernels run with each query token's heads as a decode's "
+                                "(tir_kernels._mla_frame_cuda.make_prefill_frame; tc, wg, wgq as for "
+                                "cuda_mla_decode_kernel, with the same limits; forcing one on a spec it does not serve "
+                                "raises); auto: the kernel the decode's auto takes on the same spec (wgq, else wg, "
+                                "on sm_90a at 64+ heads; else tc where it serves), SIMT elsewhere",
+                                ("auto", "simt", "tc", "wg", "wgq")),
 }
 
 
@@ -131,7 +138,9 @@ TMA_PREFILL_TILES = ("wg2t", "wg1t")
 PATH_ARCHS: dict[tuple[str, str], str] = {**{("cuda_prefill_kernel", t): "sm_90a" for t in WG_PREFILL_TILES},
                                           ("cuda_mla_decode_kernel", "wg"): "sm_90a",
                                           ("cuda_mla_decode_kernel", "wgt"): "sm_90a",
-                                          ("cuda_mla_decode_kernel", "wgq"): "sm_90a"}
+                                          ("cuda_mla_decode_kernel", "wgq"): "sm_90a",
+                                          ("cuda_mla_prefill_kernel", "wg"): "sm_90a",
+                                          ("cuda_mla_prefill_kernel", "wgq"): "sm_90a"}
 
 
 def target_for_paths(paths, target):

@@ -47,12 +47,13 @@ SMEM_LIMIT = 48 * 1024
 
 
 def mla_spec(h: int, rank: int, rope: int, dtype: str):
-    """The ``KernelSpec`` of an MLA configuration (the factories take the spec), the decode forced to the SIMT
-    kernel (``cuda_mla_decode_kernel=simt``; the tensor-core one, auto for fp16 / bf16: ``test_mla_tc_compile.py``)."""
+    """The ``KernelSpec`` of an MLA configuration (the factories take the spec), the decode and the paged prefill
+    forced to the SIMT kernels (``cuda_mla_decode_kernel=simt``, ``cuda_mla_prefill_kernel=simt``; the tensor-core
+    ones, auto for fp16 / bf16: ``test_mla_tc_compile.py``, ``test_mla_prefill_tc_compile.py``)."""
     from pagedkv.kernel_spec import KernelSpec
 
     return KernelSpec(h, h, 64, 64, dtype, kv_lora_rank=rank, qk_rope_head_dim=rope,
-                      paths={"cuda_mla_decode_kernel": "simt"})
+                      paths={"cuda_mla_decode_kernel": "simt", "cuda_mla_prefill_kernel": "simt"})
 
 
 def build_funcs(cfg: tuple) -> dict:

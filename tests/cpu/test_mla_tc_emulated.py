@@ -38,6 +38,7 @@ import tvm
 from tvm.target import Target
 
 OP = "mla_attn_decode_paged"
+PREFILL = "mla_attn_prefill_paged"
 SM90A = Target({"kind": "cuda", "arch": "sm_90a"}, host="llvm")
 #: name -> (heads, kv_lora_rank, qk_rope_head_dim, dtype, forced splits, keys per entry).
 LENGTHS = [130, 0, 1, 17, 64]
@@ -85,10 +86,11 @@ def _config(name, kernel):
     return (*(CONFIGS if kernel == "tc" else WG_CONFIGS)[name], PS)
 
 
-def _spec(name, kernel="tc"):
+def _spec(name, kernel="tc", op=OP):
     h, r, rope, dt, splits, _l, _ps = _config(name, kernel)
+    switch = "cuda_mla_decode_kernel" if op == OP else "cuda_mla_prefill_kernel"
     return tk.KernelConfig(h, h, 64, 64, dt, kv_lora_rank=r, qk_rope_head_dim=rope,
-                           paths={"cuda_mla_decode_kernel": kernel.split("/")[0], "cuda_decode_splits": splits})
+                           paths={switch: kernel.split("/")[0], "cuda_decode_splits": splits})
 
 
 @pytest.fixture(scope="module")
@@ -97,20 +99,20 @@ def built(tmp_path_factory):
         pytest.skip("g++ not found")
     out, workdir = {}, tmp_path_factory.mktemp("emu_mla_tc")
 
-    def get(name, kernel):
+    def get(name, kernel, op=OP):
         kernel = kernel.split("/")[0]  # one build serves the aligned and the unaligned run
-        if (name, kernel) not in out:
-            out[(name, kernel)] = _build(name, kernel, workdir / f"{name}-{kernel}")
-        return out[(name, kernel)]
+        if (name, kernel, op) not in out:
+            out[(name, kernel, op)] = _build(name, kernel, workdir / f"{name}-{kernel}-{op}", op)
+        return out[(name, kernel, op)]
 
     return get
 
 
-def _build(name, kernel, stem):
+def _build(name, kernel, stem, op=OP):
     target = SM90A if kernel in WG_KERNELS else SM90
-    func = tk.build_kernels(_spec(name, kernel), target, ops=(OP,))[OP]
+    func = tk.build_kernels(_spec(name, kernel, op), target, ops=(op,))[op]
     with target:
-        exe = tvm.compile(tvm.IRModule({f"pagedkv_{OP}": func}), target=target)
+        exe = tvm.compile(tvm.IRModule({f"pagedkv_{op}": func}), target=target)
     src = cuda_source_of(exe)
     kernels = kernels_of(src, dyn_smem_bytes=DYN_SMEM_BYTES)
     mark = "pagedkv_wgmma_" if kernel in WG_KERNELS else "pagedkv_mma_"
@@ -135,14 +137,16 @@ def _build(name, kernel, stem):
     proc = subprocess.run(["g++", "-O1", "-std=c++20", "-shared", "-fPIC", "-pthread", "-w", "-o", str(lib),
                            str(cpp)], capture_output=True, text=True, check=False)
     assert proc.returncode == 0, proc.stderr[-4000:]
-    return ctypes.CDLL(str(lib)), {k: p for k, (_b, p) in kernels.items()}, main, launch_params
+    return ctypes.CDLL(str(lib)), {k: p for k, (_b, p) in kernels.items()}, main, launch_params, _shape_vars(func)
 
 
-def _inputs(h, dl, dt, lengths, gen, PS=PS):  # noqa: N803
-    """Per entry (q [1, H, DL], latents [m, 1, DL]) in the storage dtype's values, and the page arrays."""
+def _inputs(h, dl, dt, lengths, gen, PS=PS, queries=None):  # noqa: N803
+    """Per entry (q [queries (1 each by default), H, DL], latents [m, 1, DL]) in the storage dtype's values, and
+    the page arrays."""
     rnd = getattr(torch, dt)
-    ents = [(torch.randn(1, h, dl, generator=gen).to(rnd).double(),
-             torch.randn(m, 1, dl, generator=gen).to(rnd).double()) for m in lengths]
+    ents = [(torch.randn(nq, h, dl, generator=gen).to(rnd).double(),
+             torch.randn(m, 1, dl, generator=gen).to(rnd).double())
+            for nq, m in zip(queries or [1] * len(lengths), lengths)]
     counts = [-(-m // PS) for m in lengths]
     order = torch.randperm(sum(counts) + 2, generator=gen).tolist()
     pages = torch.full((len(order), 1, 1, PS, dl), float("nan"), dtype=torch.float64)
@@ -158,20 +162,36 @@ def _inputs(h, dl, dt, lengths, gen, PS=PS):  # noqa: N803
         np.array(last, np.int32)
 
 
-@pytest.mark.parametrize("name,kernel", CASES, ids=[f"{k}-{n}" for n, k in CASES])
-def test_emulated_tc_mla_decode_matches_reference(name, kernel, built):
-    lib, params, main, launch_params = built(name, kernel)
-    h, r, rope, dt, splits, lengths, ps = _config(name, kernel)
-    dl = r + rope
-    gen = torch.Generator().manual_seed(int(torch.randint(0, 2**31 - 1, (1,))))
-    ents, pages, page_indptr, page_values, last = _inputs(h, dl, dt, lengths, gen, ps)
-    B, sm_scale = len(ents), 1.0 / math.sqrt(192)
-    arrays = {"q": storage(torch.cat([e[0] for e in ents]), dt), "pages": storage(pages, dt),
-              "page_indptr": page_indptr, "page_values": page_values, "last_page_len": last,
-              "o": storage(torch.full((B, h, r), float("nan")), dt), "lse": np.full((B, h), np.nan, np.float32),
-              "ws_o": np.full((B * h * 8, r), np.nan, np.float32), "ws_l": np.full((B * h * 8,), np.nan, np.float32)}
-    env = {"B": B, "_p": pages.shape[0], "ps": ps, "nnz": len(page_values), "sm_scale": sm_scale,
-           "max_kv_len": max(lengths), "dev_id": 0, "aligned16": kernel in TMA_KERNELS}
+def _shape_vars(func):
+    """{buffer name: [name of each dim's shape var, or ""]} of a PrimFunc's parameters: TVMScript names a shape
+    var after its last binding in a macro (the prefill's token count is the blocks' ``B``), so the tests read the
+    names here instead of spelling them."""
+    return {p.name: [getattr(d, "name", "") for d in p.shape] for p in func.params if hasattr(p, "shape")}
+
+
+def _env(shape_vars, arrays, **scalars):
+    """The host function's shape vars (``_shape_vars``) with the values of ``arrays``' shapes, and ``scalars``."""
+    env = dict(scalars)
+    for name, dims in shape_vars.items():
+        for var, size in zip(dims, arrays[name].shape if name in arrays else ()):
+            if var:
+                env[var] = size
+    return env
+
+
+def _arrays(ents, pages, page_indptr, page_values, last, h, r, dt):
+    """The kernels' buffers by parameter name: inputs, NaN-poisoned outputs and workspace."""
+    n = sum(e[0].shape[0] for e in ents)
+    return {"q": storage(torch.cat([e[0] for e in ents]), dt), "pages": storage(pages, dt),
+            "q_indptr": np.cumsum([0] + [e[0].shape[0] for e in ents]).astype(np.int32),
+            "page_indptr": page_indptr, "page_values": page_values, "last_page_len": last,
+            "o": storage(torch.full((n, h, r), float("nan")), dt), "lse": np.full((n, h), np.nan, np.float32),
+            "ws_o": np.full((n * h * 8, r), np.nan, np.float32), "ws_l": np.full((n * h * 8,), np.nan, np.float32)}
+
+
+def _run(built_case, kernel, arrays, env, ps, dl, splits):
+    """Launch the host function's kernels for ``env`` on ``arrays`` (the split kernel, then the merge when S > 1)."""
+    lib, params, main, launch_params, _shape_vars = built_case
     calls = launches(main, env)
     assert env["S"] == int(splits) and len(calls) == (2 if env["S"] > 1 else 1), (calls, env.get("S"))
     keep = []
@@ -182,7 +202,7 @@ def test_emulated_tc_mla_decode_matches_reference(name, kernel, built):
         for i, (ty, pname) in enumerate(ps_):
             if "CUtensorMap" in ty:
                 rows = mla_cuda_wgq.box_rows(ps) if kernel.startswith("wgq") else 8  # the host code's box
-                keep.append(tensor_map(arrays["pages"], LatentPageMap(r + rope, rows)))
+                keep.append(tensor_map(arrays["pages"], LatentPageMap(dl, rows)))
                 ptrs[i] = ctypes.addressof(keep[-1])
             elif ty.endswith("*"):
                 ptrs[i] = arrays[re.sub(r"_ptr(_\d+)?$", "", pname)].ctypes.data  # TVM may suffix a name
@@ -193,18 +213,68 @@ def test_emulated_tc_mla_decode_matches_reference(name, kernel, built):
         grid = [int(dims.get(k, 1)) for k in ("blockIdx.x", "blockIdx.y", "blockIdx.z", "threadIdx.x",
                                               "threadIdx.y", "threadIdx.z")]
         lib.run(kname.encode(), ptrs, nums, (ctypes.c_int * 6)(*grid))
+
+
+def _check(what, ents, arrays, r, dt, sm_scale, causal):
+    """Each entry's rows against the float64 reference (rows that see no key: o = 0, lse = -1e30)."""
     o, lse = values(arrays["o"], dt), torch.from_numpy(arrays["lse"]).double()
+    t0 = 0
     for b, (eq, kv) in enumerate(ents):
-        got, gl = o[b:b + 1], lse[b:b + 1]
-        what = f"{name} entry {b} ({kv.shape[0]} keys)"
-        assert not torch.isnan(got).any() and not torch.isnan(gl).any(), f"{what}: NaN left"
-        if kv.shape[0] == 0:
-            assert torch.all(got == 0) and torch.all((gl + 1e30).abs() <= 1e24), f"{what}: empty row"
-            continue
-        ro, rl = R.attention(eq, kv, kv[..., :r], sm_scale, True)
-        rel = ((got - ro).norm() / ro.norm()).item()
-        assert rel < 1e-2, f"{what}: |o - ref| / |ref| = {rel:.3g}"
-        assert torch.allclose(gl, rl, atol=2e-2, rtol=1e-4), f"{what}: lse {gl} vs {rl}"
+        got, gl = o[t0:t0 + eq.shape[0]], lse[t0:t0 + eq.shape[0]]
+        t0 += eq.shape[0]
+        at = f"{what} entry {b} ({eq.shape[0]} queries, {kv.shape[0]} keys)"
+        assert not torch.isnan(got).any() and not torch.isnan(gl).any(), f"{at}: NaN left"
+        ro, rl = R.attention(eq, kv, kv[..., :r], sm_scale, causal)
+        seen = rl[:, 0] > -1e29  # rows that see a key
+        assert torch.all(got[~seen] == 0) and torch.all((gl[~seen] + 1e30).abs() <= 1e24), f"{at}: empty rows"
+        if seen.any():
+            rel = ((got[seen] - ro[seen]).norm() / ro[seen].norm()).item()
+            assert rel < 1e-2, f"{at}: |o - ref| / |ref| = {rel:.3g}"
+            assert torch.allclose(gl[seen], rl[seen], atol=2e-2, rtol=1e-4), f"{at}: lse {gl} vs {rl}"
+
+
+@pytest.mark.parametrize("name,kernel", CASES, ids=[f"{k}-{n}" for n, k in CASES])
+def test_emulated_tc_mla_decode_matches_reference(name, kernel, built):
+    h, r, rope, dt, splits, lengths, ps = _config(name, kernel)
+    gen = torch.Generator().manual_seed(int(torch.randint(0, 2**31 - 1, (1,))))
+    ents, pages, page_indptr, page_values, last = _inputs(h, r + rope, dt, lengths, gen, ps)
+    arrays = _arrays(ents, pages, page_indptr, page_values, last, h, r, dt)
+    case = built(name, kernel)
+    env = _env(case[4], arrays, sm_scale=1.0 / math.sqrt(192), max_kv_len=max(lengths), dev_id=0,
+               aligned16=kernel in TMA_KERNELS)
+    _run(case, kernel, arrays, env, ps, r + rope, splits)
+    _check(name, ents, arrays, r, dt, env["sm_scale"], True)
+
+
+#: The paged MLA prefill on the tensor-core kernels (``cuda_mla_prefill_kernel``; ``_mla_frame_cuda.
+#: make_prefill_frame``): case -> (the decode config whose heads, dims, dtype and splits it takes, kernel, causal,
+#: [(queries, keys)] per entry). Causal entries with more queries than keys (the first rows see none), an entry
+#: without keys, one query, tile and page edges; forced splits 1 / 3 / 8.
+PREFILL_CASES = {
+    "tc-h16-r128-f16-s1-causal": ("h16-r128-f16-s1", "tc", True, [(5, 130), (4, 0), (20, 17), (1, 64)]),
+    "tc-h12-r128-bf16-s3": ("h12-r128-bf16-s3", "tc", False, [(3, 130), (2, 1), (6, 64)]),
+    "tc-h40-r128-f16-s3-causal": ("h40-r128-f16-s3", "tc", True, [(4, 130), (3, 2)]),
+    "tc-h16-r128-bf16-s8-causal": ("h16-r128-bf16-s8", "tc", True, [(3, 150), (2, 0), (5, 3)]),
+    "wg-h40-r256-f16-s3-causal": ("h40-r256-f16-s3", "wg", True, [(3, 200), (4, 2), (1, 0)]),
+    "wgq-h40-r256-f16-s3-causal": ("h40-r256-f16-s3", "wgq", True, [(3, 200), (4, 2), (1, 0)]),
+    "wgq-h128-r512-bf16-s1": ("h128-r512-bf16-s1", "wgq", False, [(2, 80), (2, 1)]),
+    "wgq/unaligned-h40-r256-f16-s3-causal": ("h40-r256-f16-s3", "wgq/unaligned", True, [(3, 130), (2, 17)]),
+}
+
+
+@pytest.mark.parametrize("case", list(PREFILL_CASES))
+def test_emulated_tc_mla_prefill_matches_reference(case, built):
+    name, kernel, causal, shapes = PREFILL_CASES[case]
+    h, r, rope, dt, splits, _l, ps = _config(name, kernel)
+    gen = torch.Generator().manual_seed(int(torch.randint(0, 2**31 - 1, (1,))))
+    ents, pages, page_indptr, page_values, last = _inputs(h, r + rope, dt, [m for _q, m in shapes], gen, ps,
+                                                          [q for q, _m in shapes])
+    arrays = _arrays(ents, pages, page_indptr, page_values, last, h, r, dt)
+    built_case = built(name, kernel, PREFILL)
+    env = _env(built_case[4], arrays, sm_scale=1.0 / math.sqrt(192), causal=int(causal), dev_id=0,
+               aligned16=kernel in TMA_KERNELS)
+    _run(built_case, kernel, arrays, env, ps, r + rope, splits)
+    _check(case, ents, arrays, r, dt, env["sm_scale"], causal)
 
 
 def test_dataclasses_replace_keeps_paths():

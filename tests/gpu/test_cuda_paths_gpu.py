@@ -44,7 +44,8 @@ from pagedkv.kernel_spec import target_for_paths
 from pagedkv.testing.op_calls import op_function
 from pagedkv.testing import reference as R
 from pagedkv.testing.scenarios import SCENARIOS, ScenarioRunner, assert_state_close, random_sm_scale
-from pagedkv.testing.shapes import PATH_SCENARIO_SHAPES, cuda_path_switches, decode_path_cases, mla_path_cases
+from pagedkv.testing.shapes import (PATH_SCENARIO_SHAPES, cuda_path_switches, decode_path_cases, mla_path_cases,
+                                    mla_prefill_path_cases)
 
 TARGET = {"kind": "cuda", "arch": "sm_90"}
 DEVICE = "cuda"
@@ -60,11 +61,12 @@ ORDERS = {"long_first": sorted(LENGTHS, reverse=True), "short_first": sorted(LEN
 #: ``PATH_SHAPES`` shape is within ``staged_rope_limits``), and the lane-group one with ``lanes``.
 DECODE_CASES = decode_path_cases()
 MLA_CASES = mla_path_cases()
+MLA_PREFILL_CASES = mla_prefill_path_cases()
 SCENARIO_CASES = [(s, {"cuda_decode_splits": v}) for s in PATH_SCENARIO_SHAPES for v in SPLITS if v != "auto"]
 #: ... and the lane-group plain kernel through the runtime (a library of DECODE_CASES).
 SCENARIO_CASES += [(s, {"cuda_decode_kernel": "lanes", "cuda_decode_splits": "3"}) for s in PATH_SCENARIO_SHAPES[:2]]
 #: (shape, forced paths) of every kernel library this module loads.
-LIBRARIES = DECODE_CASES + MLA_CASES + SCENARIO_CASES
+LIBRARIES = DECODE_CASES + MLA_CASES + MLA_PREFILL_CASES + SCENARIO_CASES
 
 
 def _id(case) -> str:
@@ -159,6 +161,39 @@ def _check_mla_decode(case, lengths, gen, label, max_kv_len):
 def test_mla_decode_forced_splits(case, order, gen):
     lengths = ORDERS[order]
     _check_mla_decode(case, lengths, gen, f"{_id(case)} {order}", max(lengths))
+
+
+#: (queries, keys) of the paged MLA prefill's entries: more queries than keys (under causal the first rows see none),
+#: one query, a long prefix over several tiles and splits, an entry without keys, page and tile edges.
+MLA_PREFILL_ENTRIES = [(7, 300), (1, 17), (40, 33), (3, 0), (16, 64), (5, 1000)]
+
+
+@pytest.mark.parametrize("causal", [0, 1])
+@pytest.mark.parametrize("case", MLA_PREFILL_CASES, ids=[_id(c) for c in MLA_PREFILL_CASES])
+def test_mla_prefill_forced_kernels(case, causal, gen):
+    """``case``'s mla_attn_prefill_paged (NaN-poisoned outputs) against the float64 reference, bottom-right causal
+    or not; rows that see no key give o = 0, lse = -1e30."""
+    shape, paths = case
+    _module, table = _kernels(shape, tuple(sorted(paths.items())))
+    fn = op_function(next(entry for entry in table if entry[0] == "mla_attn_prefill_paged"))
+    dt = getattr(torch, shape.dtype)
+    dl, r = shape.r + shape.rope, shape.r
+    sm_scale = random_sm_scale(gen, shape.d)
+    qs = [torch.randn(nq, shape.h, dl, generator=gen).to(dt).float() for nq, _m in MLA_PREFILL_ENTRIES]
+    lat = [torch.randn(m, dl, generator=gen).to(dt).float() for _nq, m in MLA_PREFILL_ENTRIES]
+    pages, page_indptr, page_values, last = _mla_pages(shape, lat, gen)
+    n = sum(q.shape[0] for q in qs)
+    o = torch.full((n, shape.h, r), float("nan"), dtype=dt, device=DEVICE)
+    lse = torch.full((n, shape.h), float("nan"), dtype=torch.float32, device=DEVICE)
+    q_indptr = _i32(_indptr([q.shape[0] for q in qs]))
+    _call(fn, torch.cat(qs).to(dt).to(DEVICE), q_indptr, pages, page_indptr, page_values, last, o, lse, causal,
+          sm_scale)
+    t0 = 0
+    for b, (q, x) in enumerate(zip(qs, lat)):
+        ro, rl = R.attention(q, x[:, None, :], x[:, None, :r], sm_scale, bool(causal))
+        assert_state_close(o[t0:t0 + q.shape[0]], lse[t0:t0 + q.shape[0]], ro, rl, shape.dtype,
+                           f"{_id(case)} causal={causal} entry {b} ({q.shape[0]} queries, {x.shape[0]} keys)")
+        t0 += q.shape[0]
 
 
 #: ``max_kv_len`` values the split-hint tests give the kernels: the true longest entry, unknown (0, a CUDA-graph

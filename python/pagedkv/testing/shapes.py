@@ -290,13 +290,29 @@ def mla_path_cases() -> list[tuple[MLAShape, dict[str, str]]]:
                for v in MLA_KERNEL_SPLITS])
 
 
+#: The paged MLA prefill under each forced kernel (``cuda_mla_prefill_kernel``; the decodes' blocks a query token
+#: each): the mma.sync one on DeepSeek-V3's 128 heads (bf16) and V2-Lite's 16 (fp16), the wgmma ones (sm_90a) on the
+#: 128 heads, and the SIMT kernel (auto's only for fp32 and latents the others refuse) on V2-Lite; each with the
+#: split count automatic (1 for a prefill of many tokens) and forced to 3 (workspace + merge).
+MLA_PREFILL_KERNEL_SHAPES = [(MLA_GPU_EXTRA[2], "tc"), (MLA_SHAPES[2], "tc"), (MLA_GPU_EXTRA[2], "wg"),
+                             (MLA_GPU_EXTRA[2], "wgq"), (MLA_SHAPES[2], "simt")]
+MLA_PREFILL_SPLITS = ("auto", "3")
+
+
+def mla_prefill_path_cases() -> list[tuple[MLAShape, dict[str, str]]]:
+    """(shape, forced paths) of the paged MLA prefill path tests (``MLA_PREFILL_KERNEL_SHAPES`` x
+    ``MLA_PREFILL_SPLITS``)."""
+    return [(s, {"cuda_mla_prefill_kernel": k, "cuda_decode_splits": v}) for s, k in MLA_PREFILL_KERNEL_SHAPES
+            for v in MLA_PREFILL_SPLITS]
+
+
 def gpu_path_libraries() -> list[tuple[KVCacheConfig, dict[str, str]]]:
     """(config, forced paths) of every kernel library the CUDA path tests load (``decode_path_cases``,
-    ``mla_path_cases``; ``"auto"`` values dropped), and the tensor-core prefill shapes under each of ``PREFILL_KERNEL_PATHS``
+    ``mla_path_cases``, ``mla_prefill_path_cases``; ``"auto"`` values dropped), and the tensor-core prefill shapes under each of ``PREFILL_KERNEL_PATHS``
     (that switch has its own shapes: "tc" raises on a spec the kernel does not serve, e.g. float32 or MLA).
     ``pagedkv.apps.gpu_bundle`` prebuilds exactly these beside ``gpu_configs``."""
     return ([(s.config(), {k: v for k, v in paths.items() if v != "auto"})
-             for s, paths in decode_path_cases() + mla_path_cases()]
+             for s, paths in decode_path_cases() + mla_path_cases() + mla_prefill_path_cases()]
             + [(s.config(), dict(p)) for s in PREFILL_TC_SHAPES for p in PREFILL_KERNEL_PATHS
                if not prefill_kernel_refusal(s, p["cuda_prefill_kernel"])])
 
