@@ -55,12 +55,15 @@ PAGEDKV_PATHS = {**{f"pagedkv-tir-{t}": {"cuda_prefill_kernel": t} for t in PREF
                  "pagedkv-tir-mlatc": {"cuda_mla_decode_kernel": "tc"},
                  "pagedkv-tir-mlawg": {"cuda_mla_decode_kernel": "wg"},
                  "pagedkv-tir-mlawgt": {"cuda_mla_decode_kernel": "wgt"},
-                 "pagedkv-tir-mlawgq": {"cuda_mla_decode_kernel": "wgq"}}
+                 "pagedkv-tir-mlawgq": {"cuda_mla_decode_kernel": "wgq"},
+                 "pagedkv-tir-mlapsimt": {"cuda_mla_prefill_kernel": "simt"}}
 PAGEDKV_BACKENDS = {"pagedkv-fi": ["flashinfer", "tir"], "pagedkv-tir": "tir", **dict.fromkeys(PAGEDKV_PATHS, "tir")}
 #: The labels of ``PAGEDKV_PATHS`` that time the decode (the others time prefill only).
 DECODE_PATH_LABELS = ("pagedkv-tir-tcd", "pagedkv-tir-entry")
 #: The labels of ``PAGEDKV_PATHS`` that time the MLA decode only.
 MLA_PATH_LABELS = ("pagedkv-tir-mlatc", "pagedkv-tir-mlawg", "pagedkv-tir-mlawgt", "pagedkv-tir-mlawgq")
+#: ... the MLA prefill's paged pass only: the SIMT kernel it ran before the tensor-core ones (auto's now).
+MLA_PREFILL_PATH_LABELS = ("pagedkv-tir-mlapsimt",)
 _WS_BYTES = 512 << 20  # FlashInfer's own wrappers get a generous float workspace
 
 
@@ -111,9 +114,11 @@ def pagedkv_unavailable(label: str, w: Workload) -> str | None:
     """Why ``label`` has no column on ``w`` (None: it has one). The tensor-core prefill labels time MHA
     prefill only (their decode would time the plain TIR decode again); the tensor-core decode label times the
     plain MHA decode only, on the shapes its kernel serves (``tc_decode_limits``); the tensor-core MLA decode
-    label times the MLA decode only."""
+    label times the MLA decode only, the SIMT MLA prefill label the MLA prefill only."""
     if label in MLA_PATH_LABELS:
-        return None if w.mla else f"{label}: MLA decode workloads only"
+        return None if w.kind == "mla_decode" else f"{label}: MLA decode workloads only"
+    if label in MLA_PREFILL_PATH_LABELS:
+        return None if w.kind == "mla_prefill" else f"{label}: MLA prefill workloads only"
     if label in DECODE_PATH_LABELS:
         if w.kind != "decode" or w.rope:
             return f"{label}: plain MHA decode workloads only (its prefill and inline RoPE are pagedkv-tir's)"
@@ -251,6 +256,11 @@ def pagedkv_impl(label: str, w: Workload, x: Inputs):
         # appends the new k/v, then one causal paged pass over cached + new keys is the layer's attention,
         # which cross_attention runs alone (self_attention would write the empty state).
         cache.attention_with_fused_qkv(0, torch.cat([x.q, k, v], dim=1), scale)
+    elif w.kind == "mla_prefill":
+        # the prefill's paged (absorbed) pass over the cached latents: cross_attention of a forward of qlen new
+        # tokens a sequence runs mla_attn_prefill_paged over the tokens cached before it
+        _fill(cache, w, x, list(w.lens))
+        cache.begin_forward(list(range(w.batch)), [w.qlen] * w.batch)
     else:
         # decode: every key but the last cached; the decode forward appends the last one
         _fill(cache, w, x, [n - 1 for n in w.lens])

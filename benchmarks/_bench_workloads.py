@@ -3,7 +3,9 @@ implementation), its byte and FLOP counts, and its float32 reference.
 
 MHA shapes: ``hq`` q heads over 8 kv heads, head dim 128, page 16. MLA: DeepSeek's latent (kv_lora_rank
 512 + rope 64), page 64. Sequence ``b`` has ``lens[b]`` cached tokens; prefill adds ``qlen`` new tokens to
-each (causal over cache + new, bottom-right aligned), decode adds one (its own key included in ``lens``).
+each (causal over cache + new, bottom-right aligned), decode adds one (its own key included in ``lens``). The
+MLA prefill rows time a prefill's paged (absorbed) pass: ``qlen`` new tokens a sequence over its ``lens[b]``
+cached latents, not causal (the new tokens' own attention is the ragged MHA kernel's, timed by the prefill rows).
 
 Inline RoPE pairs (``rope=True``, name ``<plain name>-rope``): the same decode with the keys stored unrotated
 and rotated in the kernel (cache ``rope_mode="inline"``, theta 10000, scale 1: key ``j`` at position ``j``,
@@ -31,7 +33,7 @@ SKEW64 = SKEW * 2
 
 @dataclass(frozen=True)
 class Workload:
-    """One benchmark row group. ``kind``: "decode", "prefill" or "mla_decode"."""
+    """One benchmark row group. ``kind``: "decode", "prefill", "mla_decode" or "mla_prefill"."""
 
     kind: str
     dtype: str
@@ -44,7 +46,7 @@ class Workload:
 
     @property
     def name(self) -> str:
-        shape = self.label or (f"B{len(self.lens)}xL{self.lens[0]}" if self.kind != "prefill"
+        shape = self.label or (f"B{len(self.lens)}xL{self.lens[0]}" if self.qlen == 1
                                else f"{len(self.lens)}x{self.qlen}" + (f"+{self.lens[0]}" if self.lens[0] else ""))
         return f"{self.kind}-h{self.hq}-{SHORT[self.dtype]}-{shape}" + ("-rope" if self.rope else "")
 
@@ -59,7 +61,7 @@ class Workload:
 
     @property
     def mla(self) -> bool:
-        return self.kind == "mla_decode"
+        return self.kind in ("mla_decode", "mla_prefill")
 
     @property
     def keys(self) -> list[int]:
@@ -73,7 +75,7 @@ class Workload:
     def flops(self) -> float:
         """Attention FLOPs (2 per multiply-add; QK and PV), causal pairs only for prefill."""
         if self.mla:
-            return 2.0 * self.hq * (MLA_DL + MLA_R) * sum(self.keys)
+            return 2.0 * self.hq * (MLA_DL + MLA_R) * sum(self.keys) * self.qlen
         if self.kind == "decode":
             return 4.0 * self.hq * D * sum(self.keys)
         pairs = sum(self.qlen * n + self.qlen * (self.qlen + 1) // 2 for n in self.lens)
@@ -104,6 +106,8 @@ def workloads(dtypes=("float16", "bfloat16")) -> list[Workload]:
             for b in (64, 128):
                 for n in (1024, 8192):
                     out.append(Workload("mla_decode", dt, h, (n,) * b))
+            for b, q, cached in ((1, 512, 4096), (8, 128, 2048)):
+                out.append(Workload("mla_prefill", dt, h, (cached,) * b, qlen=q))
     return out
 
 

@@ -23,6 +23,7 @@ SMALL = [
     W.Workload("prefill", "float16", 32, (0, 0), qlen=24),
     W.Workload("prefill", "float16", 32, (45,), qlen=13),
     W.Workload("mla_decode", "float16", 16, (70, 5)),
+    W.Workload("mla_prefill", "float16", 16, (70, 5), qlen=3),
 ]
 
 
@@ -35,8 +36,8 @@ def on_cpu(monkeypatch):
 
 def test_workload_table():
     ws = W.workloads()
-    assert len({w.name for w in ws}) == len(ws) == 58
-    assert {w.kind for w in ws} == {"decode", "prefill", "mla_decode"}
+    assert len({w.name for w in ws}) == len(ws) == 66
+    assert {w.kind for w in ws} == {"decode", "prefill", "mla_decode", "mla_prefill"}
     pairs = [(a.name, b.name) for a, b in W.rope_pairs(ws)]
     assert pairs == [("decode-h32-f16-B1xL32768", "decode-h32-f16-B1xL32768-rope"),
                      ("decode-h32-f16-B64xL4096", "decode-h32-f16-B64xL4096-rope")]
@@ -46,6 +47,9 @@ def test_workload_table():
     chunk = next(w for w in ws if w.kind == "prefill" and w.lens[0])
     assert chunk.keys == [4096 + 512]
     assert chunk.flops() == 4.0 * 32 * 128 * (512 * 4096 + 512 * 513 // 2)
+    mla = next(w for w in ws if w.kind == "mla_prefill" and w.hq == 128)
+    assert mla.name == "mla_prefill-h128-f16-1x512+4096" and mla.keys == [4096]  # the cached latents only
+    assert mla.flops() == 2.0 * 128 * (576 + 512) * 4096 * 512
 
 
 @pytest.mark.parametrize("w", SMALL, ids=[w.name for w in SMALL])
@@ -107,7 +111,16 @@ def test_mla_tc_column_is_mla_decode_only(label, kernel):
     assert impls.PAGEDKV_PATHS[label] == {"cuda_mla_decode_kernel": kernel}
     for w in W.workloads():
         why = impls.pagedkv_unavailable(label, w)
-        assert (why is None) == w.mla, (w.name, why)
+        assert (why is None) == (w.kind == "mla_decode"), (w.name, why)
+
+
+def test_simt_mla_prefill_column_is_mla_prefill_only():
+    """``pagedkv-tir-mlapsimt`` (the SIMT MLA prefill forced: the kernel before the tensor-core ones) has a column on
+    every MLA prefill row and no other."""
+    assert impls.PAGEDKV_PATHS["pagedkv-tir-mlapsimt"] == {"cuda_mla_prefill_kernel": "simt"}
+    for w in W.workloads():
+        why = impls.pagedkv_unavailable("pagedkv-tir-mlapsimt", w)
+        assert (why is None) == (w.kind == "mla_prefill"), (w.name, why)
 
 
 def test_rope_reference_rotates(gen):
