@@ -442,17 +442,22 @@ def _make_row_tile(H: int, DL: int, DV: int, RI: int, dtype: str):
 # ---------------------------------------------------------------------------------------------------
 #: The path switch of the paged MLA prefill's kernel (``pagedkv.kernel_spec.SWITCHES``).
 PREFILL_SWITCH = "cuda_mla_prefill_kernel"
+#: Whether auto runs the paged MLA prefill on the tensor-core kernels (``prefill_kernel``); False: SIMT unless forced.
+MLA_PREFILL_TC_BY_DEFAULT = True
 
 
 def prefill_kernel(spec) -> str:
-    """The kernel of ``mla_attn_prefill_paged`` of ``spec``: the forced ``PREFILL_SWITCH`` value, else (auto) the
-    tensor-core kernel the decode's auto rule takes on the same spec (``mla_cuda_wgq`` / ``mla_cuda_wg`` on sm_90a at
-    ``WG_AUTO_MIN_HEADS``+ heads, else ``mla_cuda_tc`` where it serves), "simt" elsewhere."""
+    """The kernel of ``mla_attn_prefill_paged`` of ``spec``: the forced ``PREFILL_SWITCH`` value, else (auto, with
+    ``MLA_PREFILL_TC_BY_DEFAULT``) the tensor-core kernel the decode's auto rule takes on the same spec
+    (``mla_cuda_wgq`` / ``mla_cuda_wg`` on sm_90a at ``WG_AUTO_MIN_HEADS``+ heads, else ``mla_cuda_tc`` where it
+    serves), "simt" elsewhere."""
     from . import mla_cuda_tc, mla_cuda_wg, mla_cuda_wgq  # pylint: disable=import-outside-toplevel
 
     choice = forced_path(spec.paths, PREFILL_SWITCH)
     if choice != "auto":
         return choice
+    if not MLA_PREFILL_TC_BY_DEFAULT:
+        return "simt"
     if spec.num_qo_heads >= mla_cuda_wg.WG_AUTO_MIN_HEADS and not mla_cuda_wg.wg_unserved(spec):
         return "wgq" if mla_cuda_wgq.WGQ_BY_DEFAULT and not mla_cuda_wgq.wgq_unserved(spec) else "wg"
     return "tc" if mla_cuda_tc.MLA_TC_BY_DEFAULT and not mla_cuda_tc.tc_unserved(spec) else "simt"
