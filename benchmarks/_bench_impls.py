@@ -56,14 +56,17 @@ PAGEDKV_PATHS = {**{f"pagedkv-tir-{t}": {"cuda_prefill_kernel": t} for t in PREF
                  "pagedkv-tir-mlawg": {"cuda_mla_decode_kernel": "wg"},
                  "pagedkv-tir-mlawgt": {"cuda_mla_decode_kernel": "wgt"},
                  "pagedkv-tir-mlawgq": {"cuda_mla_decode_kernel": "wgq"},
-                 "pagedkv-tir-mlapsimt": {"cuda_mla_prefill_kernel": "simt"}}
+                 "pagedkv-tir-mlapsimt": {"cuda_mla_prefill_kernel": "simt"},
+                 "pagedkv-tir-mlaptc": {"cuda_mla_prefill_kernel": "tc"},
+                 "pagedkv-tir-mlapwgq": {"cuda_mla_prefill_kernel": "wgq"}}
 PAGEDKV_BACKENDS = {"pagedkv-fi": ["flashinfer", "tir"], "pagedkv-tir": "tir", **dict.fromkeys(PAGEDKV_PATHS, "tir")}
 #: The labels of ``PAGEDKV_PATHS`` that time the decode (the others time prefill only).
 DECODE_PATH_LABELS = ("pagedkv-tir-tcd", "pagedkv-tir-entry")
 #: The labels of ``PAGEDKV_PATHS`` that time the MLA decode only.
 MLA_PATH_LABELS = ("pagedkv-tir-mlatc", "pagedkv-tir-mlawg", "pagedkv-tir-mlawgt", "pagedkv-tir-mlawgq")
-#: ... the MLA prefill's paged pass only: the SIMT kernel it ran before the tensor-core ones (auto's now).
-MLA_PREFILL_PATH_LABELS = ("pagedkv-tir-mlapsimt",)
+#: ... the MLA prefill's paged pass only: the SIMT kernel and the tensor-core ones (mma.sync, wgmma with Q in shared
+#: memory) forced (auto: ``tir_kernels.mla_cuda.prefill_kernel``).
+MLA_PREFILL_PATH_LABELS = ("pagedkv-tir-mlapsimt", "pagedkv-tir-mlaptc", "pagedkv-tir-mlapwgq")
 _WS_BYTES = 512 << 20  # FlashInfer's own wrappers get a generous float workspace
 
 
@@ -114,7 +117,7 @@ def pagedkv_unavailable(label: str, w: Workload) -> str | None:
     """Why ``label`` has no column on ``w`` (None: it has one). The tensor-core prefill labels time MHA
     prefill only (their decode would time the plain TIR decode again); the tensor-core decode label times the
     plain MHA decode only, on the shapes its kernel serves (``tc_decode_limits``); the tensor-core MLA decode
-    label times the MLA decode only, the SIMT MLA prefill label the MLA prefill only."""
+    label times the MLA decode only, the MLA prefill labels the MLA prefill only."""
     if label in MLA_PATH_LABELS:
         return None if w.kind == "mla_decode" else f"{label}: MLA decode workloads only"
     if label in MLA_PREFILL_PATH_LABELS:

@@ -6,8 +6,8 @@ Workloads (``_bench_workloads.workloads``): decode 32/8/128 and 64/8/128 at B x 
 64x8K, 256x2K and two skewed batches (32 and 64 entries of 128 ... 16K), and inline-RoPE twins of 32/8/128 fp16 at 64x4K and 1x32K
 (TIR backend only; the time ratio inline / plain is printed after the table); causal prefill (ragged and paged peers) at 1x4K, 16x1K,
 1x16K and a 512-token chunk over 4K cached; MLA decode (DeepSeek latent) at 128 and 16 heads, B 64/128 x
-L 1K/8K, and the MLA prefill's paged pass (1 x 512 new tokens over 4K cached latents, 8 x 128 over 2K; the SIMT
-kernel forced beside it: ``pagedkv-tir-mlapsimt``); fp16 and bf16. Implementations: ``_bench_impls``. Ceilings: device-to-device copy bandwidth
+L 1K/8K, and the MLA prefill's paged pass (1 x 512 new tokens over 4K cached latents, 8 x 128 over 2K; the SIMT,
+mma.sync and wgmma kernels forced beside auto: ``pagedkv-tir-mlap{simt,tc,wgq}``); fp16 and bf16. Implementations: ``_bench_impls``. Ceilings: device-to-device copy bandwidth
 (decode: KV bytes / time against it) and a bf16 matmul (prefill and MLA: TFLOP/s against it).
 
 Columns: time (median of CUDA-event timings, L2 flushed before each, the calls of a workload's

@@ -114,12 +114,14 @@ def test_mla_tc_column_is_mla_decode_only(label, kernel):
         assert (why is None) == (w.kind == "mla_decode"), (w.name, why)
 
 
-def test_simt_mla_prefill_column_is_mla_prefill_only():
-    """``pagedkv-tir-mlapsimt`` (the SIMT MLA prefill forced: the kernel before the tensor-core ones) has a column on
-    every MLA prefill row and no other."""
-    assert impls.PAGEDKV_PATHS["pagedkv-tir-mlapsimt"] == {"cuda_mla_prefill_kernel": "simt"}
+@pytest.mark.parametrize("kernel", ["simt", "tc", "wgq"])
+def test_mla_prefill_columns_are_mla_prefill_only(kernel):
+    """``pagedkv-tir-mlap<kernel>`` (that MLA prefill kernel forced) has a column on every MLA prefill row and no
+    other."""
+    label = f"pagedkv-tir-mlap{kernel}"
+    assert impls.PAGEDKV_PATHS[label] == {"cuda_mla_prefill_kernel": kernel}
     for w in W.workloads():
-        why = impls.pagedkv_unavailable("pagedkv-tir-mlapsimt", w)
+        why = impls.pagedkv_unavailable(label, w)
         assert (why is None) == (w.kind == "mla_prefill"), (w.name, why)
 
 

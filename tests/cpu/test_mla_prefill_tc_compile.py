@@ -6,8 +6,8 @@
     heads fp16 for sm_90a: no register spills or stack, at most 255 registers, and the instructions of the kernel
     asked for (a frame around a decode's block must not cost the block its registers).
 (b) The switch: auto takes the kernel the decode's auto takes on the same spec (wgq on sm_90a at 64+ heads, tc
-    below or on sm_90, SIMT for fp32); a forced kernel on a spec it does not serve raises naming the prefill switch
-    and the reasons; "simt" keeps the SIMT kernel.
+    below or on sm_90, SIMT for fp32) with ``mla_cuda.MLA_PREFILL_TC_BY_DEFAULT``, SIMT without; a forced kernel on
+    a spec it does not serve raises naming the prefill switch and the reasons; "simt" keeps the SIMT kernel.
 
 The numerics: ``test_mla_tc_emulated.py`` (``PREFILL_CASES``, CPU emulation) and ``tests/gpu`` (the MLA path
 cases of ``pagedkv.testing.shapes.mla_path_cases``).
@@ -80,9 +80,11 @@ def _kernel_of(s) -> str:
 @pytest.mark.parametrize("heads, arch, dtype, want", [
     (128, "sm_90a", "float16", "wgq"), (64, "sm_90a", "bfloat16", "wgq"), (32, "sm_90a", "float16", "tc"),
     (16, "sm_90a", "bfloat16", "tc"), (128, "sm_90", "float16", "tc"), (128, "sm_90a", "float32", "simt")])
-def test_auto_takes_the_decodes_kernel(heads, arch, dtype, want):
+@pytest.mark.parametrize("by_default", [True, False])
+def test_auto_takes_the_decodes_kernel(heads, arch, dtype, want, by_default, monkeypatch):
+    monkeypatch.setattr(mla_cuda, "MLA_PREFILL_TC_BY_DEFAULT", by_default)
     s = spec(heads, dtype, "auto", arch)
-    want = want if mla_cuda.MLA_PREFILL_TC_BY_DEFAULT else "simt"
+    want = want if by_default else "simt"
     assert mla_cuda.prefill_kernel(s) == want and _kernel_of(s) == want
     assert want != "wgq" or mla_cuda_wgq.use_wgq(s)  # the decode's auto on the same spec
     assert want != "tc" or not mla_cuda_wg.use_wg(s)
