@@ -49,11 +49,13 @@ loads may not appear in ``if`` conditions or loop extents (``T.let`` them first)
 
 from __future__ import annotations
 
+import dataclasses
+
 from tvm.script import tirx as T
 
-from ._common import EMPTY_LSE, LOG2E, MASKED
-from ..ops import MLA_APPEND_KV, MLA_ATTN_DECODE_PAGED, MLA_ATTN_PREFILL_PAGED, MLA_GATHER_KV, shape_values
 from ..kernel_spec import forced as forced_path
+from ..ops import MLA_APPEND_KV, MLA_ATTN_DECODE_PAGED, MLA_ATTN_PREFILL_PAGED, MLA_GATHER_KV, shape_values
+from ._common import EMPTY_LSE, LOG2E, MASKED
 from ._abi import abi_prim_func
 from ._common_cuda import (ceildiv, decode_splits, make_merge_splits, opaque_i32, paged_kv_len, shfl_xor, split_count,
                            vec16)
@@ -454,16 +456,21 @@ def prefill_kernel(spec) -> str:
     ``MLA_PREFILL_TC_BY_DEFAULT``) the tensor-core kernel the decode's auto rule takes on the same spec
     (``mla_cuda_wgq`` / ``mla_cuda_wg`` on sm_90a at ``WG_AUTO_MIN_HEADS``+ heads, else ``mla_cuda_tc`` where it
     serves), "simt" elsewhere."""
-    from . import mla_cuda_tc, mla_cuda_wg, mla_cuda_wgq  # pylint: disable=import-outside-toplevel
+    from . import mla_cuda_tc, mla_cuda_wg, mla_cuda_wgq, mla_cuda_wgt  # pylint: disable=import-outside-toplevel
 
     choice = forced_path(spec.paths, PREFILL_SWITCH)
     if choice != "auto":
         return choice
     if not MLA_PREFILL_TC_BY_DEFAULT:
         return "simt"
-    if spec.num_qo_heads >= mla_cuda_wg.WG_AUTO_MIN_HEADS and not mla_cuda_wg.wg_unserved(spec):
-        return "wgq" if mla_cuda_wgq.WGQ_BY_DEFAULT and not mla_cuda_wgq.wgq_unserved(spec) else "wg"
-    return "tc" if mla_cuda_tc.MLA_TC_BY_DEFAULT and not mla_cuda_tc.tc_unserved(spec) else "simt"
+    # The decode's own auto rule (its use_* functions on the spec with its switch unforced), not a copy of it;
+    # wgt (auto only where wgq does not serve) is not a prefill kernel: its block is wg's.
+    auto = dataclasses.replace(spec, paths=tuple(p for p in spec.paths if p[0] != mla_cuda_tc.SWITCH))
+    for kernel, use in (("wgq", mla_cuda_wgq.use_wgq), ("wg", mla_cuda_wgt.use_wgt), ("wg", mla_cuda_wg.use_wg),
+                        ("tc", mla_cuda_tc.use_tc)):
+        if use(auto):
+            return kernel
+    return "simt"
 
 
 def mla_attn_prefill_paged_cuda(spec):
