@@ -168,7 +168,7 @@ BALANCED = (5, 4)
 
 
 def wave_split_count(B, nnz, ps, blocks_per_split, *, resident_blocks: int, min_split_keys: int, max_splits: int,
-                     avg_keys=None, forced: int = 0, max_keys=None):
+                     avg_keys=None, forced: int = 0, max_keys=None, entries=None):
     """Key splits per (entry, block) of a split-KV decode kernel whose blocks all take about as long (one per
     entry, kv head and split), from shapes only (host side): the most splits whose blocks fit in ``k`` waves
     of ``resident_blocks``, ``k`` from ``n0 = B * blocks_per_split`` (``WAVE_BUDGETS``: one wave while ``n0 <=
@@ -177,7 +177,8 @@ def wave_split_count(B, nnz, ps, blocks_per_split, *, resident_blocks: int, min_
     max_splits``; but ``S = 1`` when ``S = 1``'s own waves are ``FULL_WAVES`` full and the batch is balanced,
     or past one wave when its spread is not known. ``max_keys``: the longest entry's keys (the runtime's
     ``max_kv_len``; ``None`` or 0: not known). Balanced: ``max_keys <= 5/4`` of the average keys
-    (``BALANCED``). ``forced``: as ``split_count``.
+    (``BALANCED``). ``forced``: as ``split_count``. ``entries``: the sequences the ``nnz`` pages belong to
+    where they are not the ``B`` row sets (a paged prefill: ``B`` query tokens over ``entries`` sequences).
 
     Why: ``split_count`` fills one wave and stops splitting past it, so a batch just over one wave runs a
     second, nearly empty one (B = 64 at 8 kv heads: 512 blocks on 396 resident slots of an H200, 65% of the
@@ -196,7 +197,7 @@ def wave_split_count(B, nnz, ps, blocks_per_split, *, resident_blocks: int, min_
     budget = T.int32(WAVE_BUDGETS[0][1] * resident_blocks)
     for (f, k), (_, k_next) in zip(WAVE_BUDGETS, WAVE_BUDGETS[1:]):
         budget = budget + T.Cast("int32", n0 > int(f * resident_blocks)) * ((k_next - k) * resident_blocks)
-    raw_keys = T.truncdiv(nnz * ps, T.max(B, 1))  # an entry's average keys (whole pages)
+    raw_keys = T.truncdiv(nnz * ps, T.max(B if entries is None else entries, 1))  # an entry's average keys
     keys = raw_keys if avg_keys is None else avg_keys(raw_keys)
     ladder = T.max(1, T.min(T.min(T.truncdiv(budget, n0), T.truncdiv(keys, min_split_keys)), max_splits))
     # S = 1's waves nearly full: its time is ceil(n0 / R) block times, and any S that fills the waves better

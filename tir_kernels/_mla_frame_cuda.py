@@ -81,7 +81,7 @@ def make_prefill_frame(*, heads: int, dv: int, groups: int, threads: int, tk: in
         n, nb, _p, ps, nnz = dims
         S: T.let[T.int32] = wave_split_count(n, nnz, ps, groups, resident_blocks=RESIDENT_BLOCKS,
                                              min_split_keys=MIN_SPLIT_KEYS, max_splits=MAX_SPLITS, forced=splits,
-                                             avg_keys=lambda _per_token: T.truncdiv(nnz * ps, T.max(nb, 1)))
+                                             entries=nb)
         wsn: T.let[T.int32] = T.if_then_else(S > 1, n * heads * S, 1)
         ws_o = T.alloc_buffer((wsn, dv), "float32")
         ws_l = T.alloc_buffer((wsn,), "float32")
