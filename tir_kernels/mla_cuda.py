@@ -445,10 +445,9 @@ def _make_row_tile(H: int, DL: int, DV: int, RI: int, dtype: str):
 #: The path switch of the paged MLA prefill's kernel (``pagedkv.kernel_spec.SWITCHES``).
 PREFILL_SWITCH = "cuda_mla_prefill_kernel"
 #: Whether auto runs the paged MLA prefill on the tensor-core kernels (``prefill_kernel``); False: SIMT unless forced.
-#: False until their first GPU run: the emulated and compile tests pass (``tests/cpu/test_mla_tc_emulated.py``,
-#: ``test_mla_prefill_tc_compile.py``), and the blocks are the GPU-tested decodes', but no GPU has run this frame
-#: (2026-12-06: no device machine could be started). The GPU path cases force each kernel.
-MLA_PREFILL_TC_BY_DEFAULT = False
+#: A switch beside the decodes' flags, so that a regression can be answered without a new path. On since the
+#: frame's first GPU run (2026-12-06: the GPU path cases of every kernel, and the bench's prefill rows).
+MLA_PREFILL_TC_BY_DEFAULT = True
 
 
 def prefill_kernel(spec) -> str:

@@ -86,9 +86,9 @@ SWITCHES: dict[str, tuple[str, tuple[str, ...]]] = {
                                 "the tensor-core MLA decode kernels run with each query token's heads as a decode's "
                                 "(tir_kernels._mla_frame_cuda.make_prefill_frame; tc, wg, wgq as for "
                                 "cuda_mla_decode_kernel, with the same limits; forcing one on a spec it does not serve "
-                                "raises); auto: SIMT, and with tir_kernels.mla_cuda.MLA_PREFILL_TC_BY_DEFAULT (off "
-                                "until their GPU run) the kernel the decode's auto takes on the same spec (wgq, else "
-                                "wg, on sm_90a at 64+ heads; else tc where it serves), SIMT elsewhere",
+                                "raises); auto: the kernel the decode's auto takes on the same spec (wgq, else wg, on "
+                                "sm_90a at 64+ heads; else tc where it serves), SIMT elsewhere (and everywhere with "
+                                "tir_kernels.mla_cuda.MLA_PREFILL_TC_BY_DEFAULT off)",
                                 ("auto", "simt", "tc", "wg", "wgq")),
 }
 
