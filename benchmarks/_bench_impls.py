@@ -176,7 +176,7 @@ def fi_impl(fi, variant: str, w: Workload, x: Inputs):
 def pagedkv_config(w: Workload):
     import pagedkv
 
-    cap = dict(max_batch_size=w.batch, max_total_seq_len=sum(w.keys) + w.batch * MLA_PS,
+    cap = dict(max_batch_size=w.batch, max_total_seq_len=sum(w.held) + w.batch * MLA_PS,
                prefill_chunk_size=max(w.batch * w.qlen, w.batch, FILL_CHUNK))
     if w.mla:
         return pagedkv.KVCacheConfig.mla(num_layers=1, num_heads=w.hq, kv_lora_rank=MLA_R, qk_nope_head_dim=128,

@@ -68,6 +68,12 @@ class Workload:
         """Keys per sequence once the forward's tokens are in (decode: ``lens`` already counts the new one)."""
         return [n + (self.qlen if self.kind == "prefill" else 0) for n in self.lens]
 
+    @property
+    def held(self) -> list[int]:
+        """Tokens per sequence the cache holds once the forward's are appended (the MLA prefill's paged pass
+        reads the cached ``lens`` only, but its forward appends ``qlen`` more)."""
+        return [n + self.qlen for n in self.lens] if self.kind == "mla_prefill" else self.keys
+
     def kv_bytes(self) -> int:
         per_token = MLA_DL * 2 if self.mla else 2 * HKV * D * 2
         return sum(self.keys) * per_token

@@ -52,6 +52,17 @@ def test_workload_table():
     assert mla.flops() == 2.0 * 128 * (576 + 512) * 4096 * 512
 
 
+def test_every_workload_fits_its_cache():
+    """The cache of each benchmark workload holds its sequences once the forward's tokens are in (the runtime's
+    pages: ``ceil(max_total_seq_len / page_size) + max_batch_size``); the MLA prefill appends ``qlen`` tokens a
+    sequence beyond the cached keys its paged pass reads (its 1 x 512 + 4096 rows ran out of pages on the GPU)."""
+    for w in W.workloads():
+        c = impls.pagedkv_config(w)
+        pages = -(-c.max_total_seq_len // c.page_size) + c.max_batch_size
+        assert sum(-(-n // c.page_size) for n in w.held) <= pages, w.name
+        assert w.held == ([n + w.qlen for n in w.lens] if w.kind == "mla_prefill" else w.keys)
+
+
 @pytest.mark.parametrize("w", SMALL, ids=[w.name for w in SMALL])
 def test_pagedkv_and_sdpa_match_the_reference(w, gen):
     x = W.make_inputs(w, gen, device="cpu")
