@@ -453,7 +453,7 @@ MLA_PREFILL_TC_BY_DEFAULT = True
 def prefill_kernel(spec) -> str:
     """The kernel of ``mla_attn_prefill_paged`` of ``spec``: the forced ``PREFILL_SWITCH`` value, else (auto, with
     ``MLA_PREFILL_TC_BY_DEFAULT``) the tensor-core kernel the decode's auto rule takes on the same spec
-    (``mla_cuda_wgq`` / ``mla_cuda_wg`` on sm_90a at ``WG_AUTO_MIN_HEADS``+ heads, else ``mla_cuda_tc`` where it
+    (``mla_cuda_wgq`` on sm_90a at ``WGQ_AUTO_MIN_HEADS``+ heads, ``mla_cuda_wg`` at ``WG_AUTO_MIN_HEADS``+, else ``mla_cuda_tc`` where it
     serves), "simt" elsewhere."""
     from . import mla_cuda_tc, mla_cuda_wg, mla_cuda_wgq, mla_cuda_wgt  # pylint: disable=import-outside-toplevel
 
@@ -530,8 +530,8 @@ def mla_attn_decode_paged_cuda(spec):
     value "wg" forces the wgmma one (``mla_cuda_wg``), which auto takes on sm_90a at 64 heads or more
     (``mla_cuda_wg.use_wg``); "wgt" forces its TMA variant (``mla_cuda_wgt``), which auto takes there instead
     where wgq does not (``WGT_BY_DEFAULT``; its PrimFunc runs wg's kernel where TMA cannot read the pages); "wgq"
-    forces the Q-in-shared-memory one (``mla_cuda_wgq``, the same fallback), auto's first choice there
-    (``WGQ_BY_DEFAULT``).
+    forces the Q-in-shared-memory one (``mla_cuda_wgq``, the same fallback), auto's first choice, on sm_90a from
+    16 heads (``WGQ_BY_DEFAULT``, ``WGQ_AUTO_MIN_HEADS``).
     """
     from . import mla_cuda_tc, mla_cuda_wg, mla_cuda_wgq, mla_cuda_wgt  # pylint: disable=import-outside-toplevel
 

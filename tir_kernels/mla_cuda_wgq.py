@@ -1,6 +1,6 @@
 """The wgmma CUDA MLA decode (``mla_attn_decode_paged``) with Q in shared memory and the warpgroups in two roles,
 fp16 / bf16, sm_90a; forced with the path switch ``cuda_mla_decode_kernel=wgq``, and auto's choice where
-``mla_cuda_wg``'s auto rule holds (``WGQ_BY_DEFAULT``: sm_90a, 64+ heads).
+it serves the spec with 16 heads or more (``WGQ_BY_DEFAULT``, ``WGQ_AUTO_MIN_HEADS``: sm_90a).
 
 Why: ``mla_cuda_wgt`` holds Q's A fragments in registers (72 a thread at DeepSeek's 576), so each warpgroup can
 only take half of the latent dims; both then wait for each other's partial scores every tile, and run the same
@@ -62,9 +62,13 @@ ROWS, NT, TK = wgk.ROWS, wgk.NT, 64
 SMEM_LIMIT, MAX_STAGES = 232448, 4
 #: Named barriers (0 is ``__syncthreads``).
 BAR_P, BAR_PFREE, BAR_FIN, BAR_TAIL = 1, 2, 3, 4
-#: auto takes this kernel where ``mla_cuda_wg``'s auto rule holds (sm_90a, 64+ heads): at 128 heads it ran
-#: 0.916-0.974 of FlashInfer's fa3 against ``mla_cuda_wgt``'s 0.57-0.67 (H100, BENCHMARKS.md run 26).
+#: auto takes this kernel where it serves the spec (sm_90a) with ``WGQ_AUTO_MIN_HEADS`` heads or more: at 128
+#: heads it ran 0.916-0.974 of FlashInfer's fa3 against ``mla_cuda_wgt``'s 0.57-0.67 (H100, BENCHMARKS.md run 26).
 WGQ_BY_DEFAULT = True
+#: From 16 heads (a quarter of its m64 tile): there its decode ran 0.93-1.02 of fa3 against ``mla_cuda_tc``'s
+#: 0.91-0.97 (B = 64 / 128 x 1K / 8K) and its paged prefill 0.290 against 0.207 (8 x 128 over 2K; H100, run 29).
+#: ``mla_cuda_wg``'s own bar (64) was set where wg, without Q in shared memory, ran 0.64-0.70 at 16 heads.
+WGQ_AUTO_MIN_HEADS = 16
 #: Warps of the value warpgroup issuing boxes (lane 0 each; ``issue``): key groups ``w, w + 4`` of warp ``w``, or,
 #: with one group a tile, its column blocks ``w, w + 4, ..``.
 ISSUERS = 4
@@ -108,10 +112,11 @@ def wgq_unserved(spec) -> list[str]:
 
 def use_wgq(spec) -> bool:
     """Whether ``mla_attn_decode_paged`` of ``spec`` runs this kernel: forced (raises with ``wgq_unserved``'s
-    reasons where it does not serve), or auto (``WGQ_BY_DEFAULT``) where ``mla_cuda_wg``'s auto rule holds and
-    this kernel serves the spec."""
+    reasons where it does not serve), or auto (``WGQ_BY_DEFAULT``) where this kernel serves the spec and it has
+    ``WGQ_AUTO_MIN_HEADS`` heads or more."""
     choice = forced_path(spec.paths, SWITCH)
-    return choice == VALUE or (WGQ_BY_DEFAULT and choice == "auto" and wgk.use_wg(spec) and not wgq_unserved(spec))
+    return choice == VALUE or (WGQ_BY_DEFAULT and choice == "auto" and spec.num_qo_heads >= WGQ_AUTO_MIN_HEADS
+                               and not wgq_unserved(spec))
 
 
 class _Smem:

@@ -7,7 +7,7 @@ Why: in ``mla_cuda_wg`` every thread issues 9 ``cp.async`` a tile (its page look
 the block meets twice a tile (tile visible; partial scores). The wgmma prefill gained most where its copies left
 the threads for TMA (wg2 -> wg2t, BENCHMARKS.md runs 15 -> 22); so did this one (run 23, H100, 128 heads: 0.55-0.59 of
 fa3 against wg's 0.40-0.46; ncu at B64 x 8K: L2 throughput 89% -> 46%, issue slots busy 19% -> 37%). auto's choice
-on sm_90a at 64+ heads (``WGT_BY_DEFAULT``) where ``mla_cuda_wgq`` (auto's first choice there) does not serve.
+on sm_90a at 64+ heads (``WGT_BY_DEFAULT``) where ``mla_cuda_wgq`` (auto's first choice, from 16 heads) does not serve.
 
 Design, where it differs from ``mla_cuda_wg``:
 

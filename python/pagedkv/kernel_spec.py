@@ -78,16 +78,16 @@ SWITCHES: dict[str, tuple[str, tuple[str, ...]]] = {
                                "tir_kernels.mla_cuda_wgt; where TMA cannot read the pages, not 16-byte aligned or "
                                "pages not a multiple of 8 keys, its PrimFunc runs wg); wgq: Q in shared memory, one warpgroup "
                                "scoring 64-key tiles whole and one doing P V and the TMA issue (sm_90a; "
-                               "tir_kernels.mla_cuda_wgq; the same fallback to wg); auto: wgq (WGQ_BY_DEFAULT), wgt (WGT_BY_DEFAULT) or "
-                               "wg where it serves the spec (sm_90a) with "
-                               "at least WG_AUTO_MIN_HEADS (64) heads, else tc where it serves the spec "
+                               "tir_kernels.mla_cuda_wgq; the same fallback to wg); auto: wgq (WGQ_BY_DEFAULT) where it serves the spec "
+                               "(sm_90a) with at least WGQ_AUTO_MIN_HEADS (16) heads, else wgt (WGT_BY_DEFAULT) or "
+                               "wg where they serve it with at least WG_AUTO_MIN_HEADS (64) heads, else tc where it serves the spec "
                                "(MLA_TC_BY_DEFAULT), SIMT elsewhere", ("auto", "simt", "tc", "wg", "wgt", "wgq")),
     "cuda_mla_prefill_kernel": ("CUDA paged MLA prefill (mla_attn_prefill_paged): the SIMT FP32 kernel (simt) or one of "
                                 "the tensor-core MLA decode kernels run with each query token's heads as a decode's "
                                 "(tir_kernels._mla_frame_cuda.make_prefill_frame; tc, wg, wgq as for "
                                 "cuda_mla_decode_kernel, with the same limits; forcing one on a spec it does not serve "
-                                "raises); auto: the kernel the decode's auto takes on the same spec (wgq, else wg, on "
-                                "sm_90a at 64+ heads; else tc where it serves), SIMT elsewhere (and everywhere with "
+                                "raises); auto: the kernel the decode's auto takes on the same spec (wgq on sm_90a at 16+ "
+                                "heads, else wg at 64+; else tc where it serves), SIMT elsewhere (and everywhere with "
                                 "tir_kernels.mla_cuda.MLA_PREFILL_TC_BY_DEFAULT off)",
                                 ("auto", "simt", "tc", "wg", "wgq")),
 }

@@ -78,8 +78,9 @@ def _kernel_of(s) -> str:
 
 
 @pytest.mark.parametrize("heads, arch, dtype, want", [
-    (128, "sm_90a", "float16", "wgq"), (64, "sm_90a", "bfloat16", "wgq"), (32, "sm_90a", "float16", "tc"),
-    (16, "sm_90a", "bfloat16", "tc"), (128, "sm_90", "float16", "tc"), (128, "sm_90a", "float32", "simt")])
+    (128, "sm_90a", "float16", "wgq"), (64, "sm_90a", "bfloat16", "wgq"), (32, "sm_90a", "float16", "wgq"),
+    (16, "sm_90a", "bfloat16", "wgq"), (8, "sm_90a", "float16", "tc"), (128, "sm_90", "float16", "tc"),
+    (128, "sm_90a", "float32", "simt")])
 @pytest.mark.parametrize("by_default", [True, False])
 def test_auto_takes_the_decodes_kernel(heads, arch, dtype, want, by_default, monkeypatch):
     monkeypatch.setattr(mla_cuda, "MLA_PREFILL_TC_BY_DEFAULT", by_default)

@@ -206,14 +206,17 @@ def _kernel_of(s) -> str:
 
 
 @pytest.mark.parametrize("heads, arch, dtype, want", [
-    (128, "sm_90a", "float16", "wg"), (64, "sm_90a", "bfloat16", "wg"), (32, "sm_90a", "float16", "tc"),
-    (16, "sm_90a", "bfloat16", "tc"), (128, "sm_90", "float16", "tc"), (128, "sm_90a", "float32", "simt")])
+    (128, "sm_90a", "float16", "wg"), (64, "sm_90a", "bfloat16", "wg"), (32, "sm_90a", "float16", "wgq"),
+    (16, "sm_90a", "bfloat16", "wgq"), (8, "sm_90a", "float16", "tc"), (128, "sm_90", "float16", "tc"),
+    (128, "sm_90a", "float32", "simt")])
 def test_auto_picks_wg_on_sm90a_from_64_heads(heads, arch, dtype, want):
-    """auto: the wgmma kernel where it serves the spec (sm_90a, fp16 / bf16) with at least WG_AUTO_MIN_HEADS heads
-    (whole m64 tiles), the mma.sync kernel below that or on sm_90, SIMT for fp32."""
-    assert mla_cuda_wg.WG_AUTO_MIN_HEADS == 64
+    """auto: wgq where it serves the spec (sm_90a, fp16 / bf16) with at least WGQ_AUTO_MIN_HEADS heads; the
+    wgmma kernel's rule (wg, wgt) with at least WG_AUTO_MIN_HEADS heads (whole m64 tiles); the mma.sync kernel
+    below that or on sm_90, SIMT for fp32."""
+    assert mla_cuda_wg.WG_AUTO_MIN_HEADS == 64 and mla_cuda_wgq.WGQ_AUTO_MIN_HEADS == 16
     s = dataclasses.replace(spec(heads, 512, 64, dtype, "auto"), target_arch=arch)
     assert mla_cuda_wg.use_wg(s) == (want == "wg")
     assert mla_cuda_wgt.use_wgt(s) == (want == "wg" and mla_cuda_wgt.WGT_BY_DEFAULT)  # its TMA variant
-    assert mla_cuda_wgq.use_wgq(s) == (want == "wg" and mla_cuda_wgq.WGQ_BY_DEFAULT)  # auto's first choice there
-    assert _kernel_of(s) == want
+    wgq = want == "wgq" or (want == "wg" and mla_cuda_wgq.WGQ_BY_DEFAULT)  # auto's first choice
+    assert mla_cuda_wgq.use_wgq(s) == wgq
+    assert _kernel_of(s) == ("wg" if want == "wgq" else want)  # wgq's PrimFunc holds wgmma's

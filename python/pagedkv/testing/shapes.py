@@ -292,10 +292,10 @@ def mla_path_cases() -> list[tuple[MLAShape, dict[str, str]]]:
 
 #: The paged MLA prefill under each forced kernel (``cuda_mla_prefill_kernel``; the decodes' blocks a query token
 #: each): the mma.sync one on DeepSeek-V3's 128 heads (bf16) and V2-Lite's 16 (fp16), the wgmma ones (sm_90a) on the
-#: 128 heads, and the SIMT kernel (auto's only for fp32 and latents the others refuse) on V2-Lite; each with the
+#: 128 heads and wgq (auto's from 16 heads) on the 16 too, and the SIMT kernel (auto's only for fp32 and latents the others refuse) on V2-Lite; each with the
 #: split count automatic (1 for a prefill of many tokens) and forced to 3 (workspace + merge).
 MLA_PREFILL_KERNEL_SHAPES = [(MLA_GPU_EXTRA[2], "tc"), (MLA_SHAPES[2], "tc"), (MLA_GPU_EXTRA[2], "wg"),
-                             (MLA_GPU_EXTRA[2], "wgq"), (MLA_SHAPES[2], "simt")]
+                             (MLA_GPU_EXTRA[2], "wgq"), (MLA_SHAPES[2], "wgq"), (MLA_SHAPES[2], "simt")]
 MLA_PREFILL_SPLITS = ("auto", "3")
 
 
