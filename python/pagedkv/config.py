@@ -126,7 +126,7 @@ class KVCacheConfig:
             out.append(f"num_qo_heads ({self.num_qo_heads}) is not a multiple of "
                        f"num_kv_heads ({self.num_kv_heads})")
         if not out:
-            pages = -(-self.max_total_seq_len // self.page_size) + self.max_batch_size
+            pages = self.num_pages
             if pages * self.page_size > MAX_SLOTS:
                 out.append(f"max_total_seq_len={self.max_total_seq_len} with page_size={self.page_size} and "
                            f"max_batch_size={self.max_batch_size} needs {pages} pages = {pages * self.page_size} "
@@ -220,6 +220,12 @@ class KVCacheConfig:
     @property
     def v_dim(self) -> int:
         return self.head_dim if self.v_head_dim is None else self.v_head_dim
+
+    @property
+    def num_pages(self) -> int:
+        """KV pages the runtime allocates (``src/paged_kv_cache.cc``): ``ceil(max_total_seq_len / page_size)`` plus
+        one a sequence (each sequence's last page may be partly filled)."""
+        return -(-self.max_total_seq_len // self.page_size) + self.max_batch_size
 
     @property
     def is_mla(self) -> bool:

@@ -54,12 +54,11 @@ def test_workload_table():
 
 def test_every_workload_fits_its_cache():
     """The cache of each benchmark workload holds its sequences once the forward's tokens are in (the runtime's
-    pages: ``ceil(max_total_seq_len / page_size) + max_batch_size``); the MLA prefill appends ``qlen`` tokens a
-    sequence beyond the cached keys its paged pass reads (its 1 x 512 + 4096 rows ran out of pages on the GPU)."""
+    pages: ``KVCacheConfig.num_pages``); the MLA prefill appends ``qlen`` tokens a sequence beyond the cached keys
+    its paged pass reads (its 1 x 512 + 4096 rows ran out of pages on the GPU)."""
     for w in W.workloads():
         c = impls.pagedkv_config(w)
-        pages = -(-c.max_total_seq_len // c.page_size) + c.max_batch_size
-        assert sum(-(-n // c.page_size) for n in w.held) <= pages, w.name
+        assert sum(-(-n // c.page_size) for n in w.held) <= c.num_pages, w.name
         assert w.held == ([n + w.qlen for n in w.lens] if w.kind == "mla_prefill" else w.keys)
 
 

@@ -5,7 +5,7 @@
     mma.sync kernel (tc) at 16 heads fp16 and 128 heads bf16 for sm_90, and the wgmma kernels (wg, wgq) at 128
     heads fp16 for sm_90a: no register spills or stack, at most 255 registers, and the instructions of the kernel
     asked for (a frame around a decode's block must not cost the block its registers).
-(b) The switch: auto takes the kernel the decode's auto takes on the same spec (wgq on sm_90a at 64+ heads, tc
+(b) The switch: auto takes the kernel the decode's auto takes on the same spec (wgq on sm_90a at 16+ heads, tc
     below or on sm_90, SIMT for fp32) with ``mla_cuda.MLA_PREFILL_TC_BY_DEFAULT``, SIMT without; a forced kernel on
     a spec it does not serve raises naming the prefill switch and the reasons; "simt" keeps the SIMT kernel.
 

@@ -209,7 +209,7 @@ def _kernel_of(s) -> str:
     (128, "sm_90a", "float16", "wg"), (64, "sm_90a", "bfloat16", "wg"), (32, "sm_90a", "float16", "wgq"),
     (16, "sm_90a", "bfloat16", "wgq"), (8, "sm_90a", "float16", "tc"), (128, "sm_90", "float16", "tc"),
     (128, "sm_90a", "float32", "simt")])
-def test_auto_picks_wg_on_sm90a_from_64_heads(heads, arch, dtype, want):
+def test_auto_picks_wgmma_on_sm90a_by_heads(heads, arch, dtype, want):
     """auto: wgq where it serves the spec (sm_90a, fp16 / bf16) with at least WGQ_AUTO_MIN_HEADS heads; the
     wgmma kernel's rule (wg, wgt) with at least WG_AUTO_MIN_HEADS heads (whole m64 tiles); the mma.sync kernel
     below that or on sm_90, SIMT for fp32."""
