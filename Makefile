@@ -32,7 +32,8 @@ bench: $(STAMP)
 	$(PY) benchmarks/bench_cpu_kernels.py
 
 # SmolLM2-135M end to end, pagedkv vs HF transformers in one process (CPU; BENCH_ARGS="--device cuda ..." on
-# the GPU host). Results: benchmarks/results/bench_e2e_<device>.{json,png}; the table goes to BENCHMARKS.md.
+# the GPU host). Results: benchmarks/results/bench_e2e_<device>.{json,png}; the table goes into the run log
+# benchmarks/HISTORY.md, and the numbers into the scoreboard's row (BENCHMARKS.md).
 bench-e2e: $(STAMP)
 	$(PY) benchmarks/bench_e2e.py $(BENCH_ARGS)
 

@@ -1,7 +1,8 @@
-"""``python benchmarks/summarize_gpu.py bench_gpu.json``: the markdown tables of BENCHMARKS.md from one
-``bench_gpu.py`` run: per workload FlashInfer's best variant, pagedkv (FlashInfer and TIR backends), apache-tvm
-0.27's kernels and torch SDPA as ratios to that best (>= 1: as fast or faster), a text plot of the pagedkv
-columns against 1.0, and the host cost."""
+"""``python benchmarks/summarize_gpu.py bench_gpu.json``: the markdown tables of one ``bench_gpu.py`` run, for
+its section in the run log ``benchmarks/HISTORY.md``: per workload FlashInfer's best variant, pagedkv (FlashInfer
+and TIR backends), apache-tvm 0.27's kernels and torch SDPA as ratios to that best (>= 1: as fast or faster), a
+text plot of the pagedkv columns against 1.0, and the host cost. The run's key ratios then go into the GPU rows of
+the scoreboard ``BENCHMARKS.md`` and the table of ``tools/plot_scoreboard.py`` (replot)."""
 
 from __future__ import annotations
 

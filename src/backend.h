@@ -51,7 +51,7 @@ struct ForwardInfo {
   bool cuda_graph = false;
   // The device takes programmatic dependent launch (sm_90+): FlashInfer's kernels are launched with it, as
   // its own wrappers do there (enable_pdl; each kernel waits for its predecessor before it reads memory).
-  // Measured on the H200: 2.5% of a B=1 L=32K tensor-core decode (BENCHMARKS.md).
+  // Measured on the H200: 2.5% of a B=1 L=32K tensor-core decode (benchmarks/HISTORY.md).
   bool pdl = false;
 };
 

@@ -63,7 +63,7 @@ ffi::Function FuncArg(const std::string& op, const ffi::Array<ffi::Any>& funcs, 
 // attn_decode_paged on two modules ("decode|prefill_fa2"): per forward, the CUDA-core decode kernel when the
 // decode passes are skewed (their longest entry has at least kSkew times the mean keys) and small (at most
 // kMaxCudaCoreRows entries x kv heads), else the tensor-core path (the prefill kernel). Measured on the H200
-// at GQA group 4 (python/pagedkv/backends/flashinfer.py; BENCHMARKS.md run 14): tensor cores win on uniform
+// at GQA group 4 (python/pagedkv/backends/flashinfer.py; benchmarks/HISTORY.md run 14): tensor cores win on uniform
 // batches; on 128 ... 16K keys the CUDA-core kernel wins with 32 entries x 8 kv heads (1.34x) and loses with
 // 64 x 8 (1.22x slower).
 class ChooseDecodeAdapter : public OpAdapter {

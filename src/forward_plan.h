@@ -74,7 +74,7 @@ struct ForwardPlan {
 // `through_continuations`: a prefill forward in which every sequence already holds tokens (a chunked
 // prefill's later chunks, a chat's next turn) is planned through as well: its own pass is causal over the
 // cached and the new tokens, one attention kernel instead of a ragged pass over the new tokens, a paged pass
-// over the cached ones and a merge (BENCHMARKS.md, the 512-over-4096 chunk). A forward with a fresh sequence
+// over the cached ones and a merge (benchmarks/HISTORY.md, the 512-over-4096 chunk). A forward with a fresh sequence
 // keeps the split: the ragged kernel over contiguous new tokens is the faster one for a whole prompt.
 struct PlanOptions {
   bool flat = false;

@@ -109,7 +109,7 @@ def _row_vars(func) -> set[str]:
 def _one_warp(target):
     """``target`` with ``max_num_threads`` 32: ``LowBatchGEMV`` then gives each block one warp. With its
     default (64 reduction threads) SmolLM2's K = 576 (no factor of 128 x 4) splits into scalar loads; one
-    warp reads it as vector-2 loads and makes 4x the blocks. Measured on the H200 (BENCHMARKS.md): a batch-1
+    warp reads it as vector-2 loads and makes 4x the blocks. Measured on the H200 (benchmarks/HISTORY.md): a batch-1
     SmolLM2 graph step 1.55 -> 1.14 ms, batch 8 1.77 -> 1.35 ms; a half warp (16) was slower than both."""
     spec = dict(target.export())
     spec["max_num_threads"] = 32

@@ -84,7 +84,7 @@ def _thread_extents(func) -> dict[str, int]:
 
 def test_decode_projections_run_one_warp_per_block(graph_mod):
     """The projections of a decode step (row var ``b``) are LowBatchGEMV kernels of one warp (K = 576 reads as
-    vector loads; BENCHMARKS.md has the measurement); a prefill's (``n`` rows) stay on the SIMT matmul tiles."""
+    vector loads; benchmarks/HISTORY.md has the measurement); a prefill's (``n`` rows) stay on the SIMT matmul tiles."""
     from pagedkv.compile import _row_vars
 
     prims = {n: graph_mod[n] for n in _names(graph_mod) if isinstance(graph_mod[n], tvm.tirx.PrimFunc)}

@@ -2,7 +2,7 @@
 library (``pagedkv.flashinfer``), driven by the runtime's "flashinfer" adapters (``src/flashinfer_adapter.cc``).
 
 Ops and the module each runs on by default (``module_kind``; chosen by measurement on the H200 with
-``benchmarks/bench_gpu.py``, see BENCHMARKS.md):
+``benchmarks/bench_gpu.py``, see benchmarks/HISTORY.md):
 
 ========================== ====================================================================
 ``attn_decode_paged``      GQA group >= 8: ``prefill_fa2`` (FlashInfer's "tensor-core decode": its
@@ -58,7 +58,7 @@ CHOICES: dict[str, tuple[str, ...]] = {
 }
 #: From this GQA group size on, decode may run on the prefill kernel's tensor cores (a group's query rows
 #: share each K/V tile in one MMA), and from ``TENSOR_CORE_DECODE_ALWAYS_GROUP`` on it always does. Measured
-#: on the H200 (BENCHMARKS.md, fp16 x/8/128): at group 4 tensor cores win on uniform batches (1x32K to
+#: on the H200 (benchmarks/HISTORY.md, fp16 x/8/128): at group 4 tensor cores win on uniform batches (1x32K to
 #: 256x2K, by 4-25%) and lose on a skewed one (128 ... 16K, by 26%); at group 8 they win on all of them.
 TENSOR_CORE_DECODE_MIN_GROUP = 4
 TENSOR_CORE_DECODE_ALWAYS_GROUP = 8
