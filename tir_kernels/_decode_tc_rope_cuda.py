@@ -29,7 +29,7 @@ Why this layout (H200): the first tc RoPE kernel (run 11) read per-pair cos / si
 (four float32 words a pair, 16 KB a warp and tile against the tile's own 8 KB) and took 1.38x the plain
 kernel's time at B = 64, latency-bound with 8 warps an SM. This one takes 1.05-1.06x there (1.12-1.15x with
 the float32 fp16 rotation, 1.6-2x while a rolled loop left the chunks in local memory) and 1.03-1.04x at
-B = 1 L = 32K (benchmarks/HISTORY.md, run 12).
+B = 1 L = 32K (BENCHMARKS.md, run 12).
 """
 
 from __future__ import annotations

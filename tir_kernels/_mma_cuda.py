@@ -129,7 +129,7 @@ def ldmatrix_x4(dst, src, trans: bool):
 #: L2 prefetch size (bytes) the 16-byte copies ask for: None (no hint) or 128. 128 since its H200 A/B (two
 #: interleaved rounds, every output checked): tc decode 32/8 fp16 at B = 64-256 1.022-1.025x faster (DRAM
 #: throughput 84.6% -> 86.3% in ncu), 64/8 1.017-1.023x, MLA decode at 16 heads 1.02-1.04x; a 256-byte
-#: prefetch gained nothing (benchmarks/HISTORY.md, run 13 experiments).
+#: prefetch gained nothing (BENCHMARKS.md, run 13 experiments).
 CP_ASYNC_L2_PREFETCH = 128
 
 

@@ -41,7 +41,7 @@ _PTX_TYPE = {"float16": "f16", "bfloat16": "bf16"}
 #: Elements after each core matrix in the kernels' K / V tiles (``CoreLayout.pad``): 8 (a 144-byte stride) makes
 #: row-major 16-byte copies (8 threads on 128 contiguous bytes of a global row) free of shared-memory bank
 #: conflicts; packed core matrices (0) need 8 threads on 8 keys' same dims instead, which reads half-used L2
-#: sectors. The padded layout made the wgmma prefill 1-4% faster (benchmarks/HISTORY.md run 18 probe, H100).
+#: sectors. The padded layout made the wgmma prefill 1-4% faster (BENCHMARKS.md run 18 probe, H100).
 WG_CORE_PAD = 8
 
 

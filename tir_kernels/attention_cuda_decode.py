@@ -128,7 +128,7 @@ STAGED_MAX_SPLITS = 64
 #: 0.5 to 2 waves of unsplit blocks): H100, the 32 x 8 kv heads batch of 128 .. 16K keys: ranges of 1024 keys.
 CHUNK_WAVES = 4
 #: Whether auto (``cuda_decode_kernel`` unforced) runs the plain decode on the tensor-core kernel
-#: (``_decode_tc_cuda``) wherever ``tc_decode_limits`` allow. True since its H200 run (benchmarks/HISTORY.md, run 10):
+#: (``_decode_tc_cuda``) wherever ``tc_decode_limits`` allow. True since its H200 run (BENCHMARKS.md, run 10):
 #: 1.07-1.19x the staged kernel at group 4 and 1.3-1.8x at group 8, every output checked.
 TC_DECODE_BY_DEFAULT = True
 #: ... and the inline-RoPE decode (``_decode_tc_rope_cuda``: keys rotated in shared memory once per block).

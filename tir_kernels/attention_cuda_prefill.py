@@ -31,10 +31,10 @@ from .attention_cuda_prefill_tc import TC_TILES, make_prefill_tc, tc_unserved
 PREFILL_SWITCH = "cuda_prefill_kernel"
 #: What "auto" picks for specs the tensor-core kernel serves (``tc_unserved`` names what it does not): per op,
 #: the first tile of ``TC_DEFAULT_TILES`` that serves the spec. Measured on the H200 (fp16 32/8/128, run 8 of
-#: benchmarks/HISTORY.md, ratio to FlashInfer's best): whole prompts (the ragged op) tc3 0.47-0.56 against tc
+#: BENCHMARKS.md, ratio to FlashInfer's best): whole prompts (the ragged op) tc3 0.47-0.56 against tc
 #: 0.41-0.43 and tc2 0.44-0.46; a chunk over cached keys (the paged op: continuation prefills, prefix passes)
 #: tc2 0.33 against tc 0.23 and tc3 0.19 (tc3's 32-key tiles walk the page table twice as often).
-#: On sm_90a builds the ragged op takes wg1t (TMA copies, 64 rows, two blocks an SM; run 21 of benchmarks/HISTORY.md,
+#: On sm_90a builds the ragged op takes wg1t (TMA copies, 64 rows, two blocks an SM; run 21 of BENCHMARKS.md,
 #: H100, ratio to fa3: 0.708 / 0.564 / 0.709 at 1x4K / 16x1K / 1x16K against wg2t's 0.693 / 0.516 / 0.720 and
 #: tc3's 0.431 / 0.466 / 0.445), which serves head dim 128 only; the paged op takes wg2t there (run 22, H100:
 #: 0.634 of fa3 at 512 over 4K against tc2's 0.480, once each warp issued its own TMA boxes).

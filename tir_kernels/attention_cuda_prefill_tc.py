@@ -107,7 +107,7 @@ word before the P V wait (``store_before_wait``), which keeps the softmax in the
 * "tc4" vs "tc3": the same warps at 8 a block (256 rows, 104,448 bytes of shared memory at D 128; ptxas 229 /
   233 registers ragged / paged at 32/8/128 fp16, 239 / 237 windowed + capped bf16, 164 / 161 at D 64 windowed
   + capped bf16 (the table's D 64 entry), no spills; one block an SM): each K / V tile fetched from L2 serves twice the rows. The lever if the L2 bounds the copies, as ncu
-  says of "wg2p" (benchmarks/HISTORY.md run 18: L2 91% busy); 64-key tiles at 8 or 4 warps spill (windowed + capped).
+  says of "wg2p" (BENCHMARKS.md run 18: L2 91% busy); 64-key tiles at 8 or 4 warps spill (windowed + capped).
 """
 
 from __future__ import annotations

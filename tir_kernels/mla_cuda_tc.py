@@ -63,7 +63,7 @@ from ._mma_cuda import (a_frag, c_frag, cp_async16, cp_async_commit, cp_async_wa
 from ._prefill_tc_tiles import TC_PAD, k_ldsm_index_nt2, q_ldsm_index, v_ldsm_index
 
 #: auto takes the tensor-core kernel where ``tc_unserved`` is None (else SIMT); False: SIMT unless forced. True
-#: since its H200 run (benchmarks/HISTORY.md, run 10): 5-12x the SIMT kernel, every output checked.
+#: since its H200 run (BENCHMARKS.md, run 10): 5-12x the SIMT kernel, every output checked.
 MLA_TC_BY_DEFAULT = True
 #: The path switch and its values.
 SWITCH = "cuda_mla_decode_kernel"

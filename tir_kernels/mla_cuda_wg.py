@@ -33,7 +33,7 @@ Design: one block of two warpgroups (256 threads) per (64-head group, entry, key
 
 Resources (ptxas, sm_90a, DeepSeek 512 + 64, no spills, no stack): 254 registers (128 heads fp16; 255 at 16
 heads bf16), 207,360 bytes
-of dynamic + 16,384 of static shared memory; one block an SM. H200: runs 15-17 (benchmarks/HISTORY.md), GPU suite.
+of dynamic + 16,384 of static shared memory; one block an SM. H200: runs 15-17 (BENCHMARKS.md), GPU suite.
 
 Limits as data (``wg_unserved``): target arch sm_90a, fp16 / bf16, ``DL % 64 == 0`` and ``DL <= 576``,
 ``DV / 2`` a wgmma width (``WG_NS``: DV 128, 256 or 512).

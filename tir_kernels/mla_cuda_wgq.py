@@ -5,15 +5,14 @@ it serves the spec with 16 heads or more (``WGQ_BY_DEFAULT``, ``WGQ_AUTO_MIN_HEA
 Why: ``mla_cuda_wgt`` holds Q's A fragments in registers (72 a thread at DeepSeek's 576), so each warpgroup can
 only take half of the latent dims; both then wait for each other's partial scores every tile, and run the same
 softmax. Its tile is a serial chain (S, exchange, softmax, P V) in lockstep; the MLA probe found the tensor cores
-idle most of it (benchmarks/HISTORY.md run 23). Here Q lives in shared memory (read by the S wgmma's through a
+idle most of it (BENCHMARKS.md run 23). Here Q lives in shared memory (read by the S wgmma's through a
 descriptor), which frees the registers for a whole tile's S in one warpgroup:
 
 * **Warpgroup 1, the score warpgroup**: S = Q K^T of all 64 rows x ``TK`` keys over all ``DL`` dims (``DL / 16``
   wgmma's, both operands in shared memory), the mask and online softmax on full rows (no exchange), P into the
   shared buffer ``P`` with the rows' rescale factors, then O[:, DV/2 ..] += P V from its registers (left in
   flight; the next tile waits for it first and frees the stage *before* it waits for its own tile, so two tiles
-  load at once: freed after the next tile's S was issued, the ring held one tile in flight,
-  benchmarks/HISTORY.md run 25).
+  load at once: freed after the next tile's S was issued, the ring held one tile in flight, BENCHMARKS.md run 25).
   The softmax takes the row's max from four partial maxima and its sum from four partial sums, the key mask only
   in a split's last tile.
 * **Warpgroup 0, the value warpgroup**: lane 0 of its warps issues the TMA boxes of the ring (off the score
@@ -64,8 +63,7 @@ SMEM_LIMIT, MAX_STAGES = 232448, 4
 #: Named barriers (0 is ``__syncthreads``).
 BAR_P, BAR_PFREE, BAR_FIN, BAR_TAIL = 1, 2, 3, 4
 #: auto takes this kernel where it serves the spec (sm_90a) with ``WGQ_AUTO_MIN_HEADS`` heads or more: at 128
-#: heads it ran 0.916-0.974 of FlashInfer's fa3 against ``mla_cuda_wgt``'s 0.57-0.67 (H100,
-#: benchmarks/HISTORY.md run 26).
+#: heads it ran 0.916-0.974 of FlashInfer's fa3 against ``mla_cuda_wgt``'s 0.57-0.67 (H100, BENCHMARKS.md run 26).
 WGQ_BY_DEFAULT = True
 #: From 16 heads (a quarter of its m64 tile): there its decode ran 0.93-1.02 of fa3 against ``mla_cuda_tc``'s
 #: 0.91-0.97 (B = 64 / 128 x 1K / 8K) and its paged prefill 0.290 against 0.207 (8 x 128 over 2K; H100, run 29).

@@ -5,10 +5,9 @@ through shared memory; O split over the value dims), forced with the path switch
 
 Why: in ``mla_cuda_wg`` every thread issues 9 ``cp.async`` a tile (its page looked up, its addresses formed) and
 the block meets twice a tile (tile visible; partial scores). The wgmma prefill gained most where its copies left
-the threads for TMA (wg2 -> wg2t, benchmarks/HISTORY.md runs 15 -> 22); so did this one (run 23, H100, 128 heads:
-0.55-0.59 of fa3 against wg's 0.40-0.46; ncu at B64 x 8K: L2 throughput 89% -> 46%, issue slots busy 19% -> 37%).
-auto's choice on sm_90a at 64+ heads (``WGT_BY_DEFAULT``) where ``mla_cuda_wgq`` (auto's first choice, from 16 heads)
-does not serve.
+the threads for TMA (wg2 -> wg2t, BENCHMARKS.md runs 15 -> 22); so did this one (run 23, H100, 128 heads: 0.55-0.59 of
+fa3 against wg's 0.40-0.46; ncu at B64 x 8K: L2 throughput 89% -> 46%, issue slots busy 19% -> 37%). auto's choice
+on sm_90a at 64+ heads (``WGT_BY_DEFAULT``) where ``mla_cuda_wgq`` (auto's first choice, from 16 heads) does not serve.
 
 Design, where it differs from ``mla_cuda_wg``:
 
@@ -62,7 +61,7 @@ AHEAD = NS - 1
 GROUPS = TK // 8
 WARPS_A_GROUP = NT // 32 // GROUPS
 #: auto takes this kernel where ``mla_cuda_wg``'s auto rule takes that one (sm_90a, 64+ heads): at 128 heads it
-#: ran 1.29-1.41x wg (H100, benchmarks/HISTORY.md run 23: 0.55-0.59 of FlashInfer's fa3 against 0.40-0.46).
+#: ran 1.29-1.41x wg (H100, BENCHMARKS.md run 23: 0.55-0.59 of FlashInfer's fa3 against 0.40-0.46).
 WGT_BY_DEFAULT = True
 
 
