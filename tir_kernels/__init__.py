@@ -16,6 +16,7 @@ from __future__ import annotations
 import dataclasses
 
 from ..kernel_spec import DTYPES, SWITCHES, KernelSpec, forced, normalize_paths  # the spec, written once
+from ..target import canonical as canonical_target
 from ..ops import OPS, OPS_BY_KIND  # the op vocabulary, written once (pagedkv.ops)
 from ._abi import abi_dims, abi_prim_func, adapter_of
 from ._common import as_target, dispatch, host_target
@@ -38,8 +39,8 @@ def make(op: str, cfg: KernelConfig, target):
     reaches the family as ``cfg.target_arch`` (unless the spec already names one)."""
     _check_mla(cfg, op)
     target = as_target(target)
-    if target.kind.name == "cuda" and not cfg.target_arch:
-        cfg = dataclasses.replace(cfg, target_arch=str(target.attrs.get("arch", "")))
+    if target.kind.name == "cuda" and not cfg.target_arch:  # the canonical arch: sm_90 is sm_90a (Hopper)
+        cfg = dataclasses.replace(cfg, target_arch=canonical_target(target)["arch"])
     return dispatch(op, target, {kind: (lambda fam=fam: fam.FACTORIES[op](cfg)) for kind, fam in FAMILIES.items()})
 
 

@@ -12,10 +12,12 @@ import hashlib
 import json
 import math
 import os
+import sys
 from pathlib import Path
 from typing import Any, Sequence
 
 from . import backends as _backends
+from . import kernel_cache as _kcache
 from . import target as _target
 from ._lib import get_global
 from .config import KVCacheConfig
@@ -55,10 +57,17 @@ def kernel_shape(config: KVCacheConfig) -> KVCacheConfig:
                          **spec.options())
 
 
+#: Modules of the package besides ``tir_kernels/`` whose code decides which kernels are generated (the spec and
+#: its limits, the op ABI, the targets, the backends' choices): part of the source digest.
+KERNEL_SOURCE_MODULES = ("kernel_spec.py", "ops.py", "target.py", "config.py", "backends/tir.py",
+                         "backends/flashinfer.py", "backends/base.py")
+
+
 @functools.lru_cache(maxsize=None)
 def kernel_source_digest() -> str:
-    """Digest of the kernel sources (``pagedkv.tir_kernels``), found without importing them (a runtime-only
-    process has no TVMScript): a prebuilt library is only used with the sources that built it."""
+    """Digest of the sources that generate the kernels (``pagedkv.tir_kernels`` and
+    ``KERNEL_SOURCE_MODULES``), read without importing them (a runtime-only process has no TVMScript): a
+    prebuilt or cached library is only used with the sources that built it."""
     import importlib.util
 
     spec = importlib.util.find_spec("pagedkv.tir_kernels")
@@ -66,6 +75,9 @@ def kernel_source_digest() -> str:
     for root in (spec.submodule_search_locations or []) if spec else []:
         for f in sorted(Path(root).glob("*.py")):
             h.update(f.name.encode() + f.read_bytes())
+    package = Path(__file__).resolve().parent
+    for name in KERNEL_SOURCE_MODULES:
+        h.update(name.encode() + (package / name).read_bytes())
     return h.hexdigest()[:16]
 
 
@@ -74,7 +86,7 @@ def kernel_library_key(config: KVCacheConfig, target: Any, choice: Sequence[tupl
     shape, the canonical target, the kernel sources, the choice, and what each backend adds
     (``Backend.key_part``: FlashInfer module variants, forced TIR code paths)."""
     key = {"config": KernelSpec.from_config(config).to_dict(), "target": _target.canonical(target),
-           "sources": kernel_source_digest(), "ops": [list(c) for c in choice]}
+           "sources": kernel_source_digest(), "ops": [list(c) for c in choice], "versions": _kcache.versions()}
     parts = _backends.key_parts(config, target, choice)
     if parts:
         key["backend_parts"] = parts
@@ -103,6 +115,7 @@ def _compile_module(config: KVCacheConfig, spec: dict, choice):
     if spec["kind"] == "cuda":
         from .cuda_build import compile_for_cuda
 
+        print(f"[pagedkv] building {len(funcs)} kernels for {_target.describe(spec)}", file=sys.stderr, flush=True)
         module = compile_for_cuda(tvm.IRModule(funcs), target)
     else:
         module = tvm.compile(tvm.IRModule(funcs), target=target)
@@ -142,14 +155,32 @@ def build_kernel_library(config: KVCacheConfig, out_dir: str | Path, *, target: 
     """Compile the kernels of ``config`` for ``target`` and export them (``kernels-<key>.so`` + ``.json``
     with the op table) into ``out_dir``, for a process that has the TVM runtime only."""
     lib, choice = _library_path(config, out_dir, target, backend)
-    lib.parent.mkdir(parents=True, exist_ok=True)
-    if lib.exists() and lib.with_suffix(".json").exists():
-        return lib
-    module, entries, options = _compile_module(kernel_shape(config), _target.canonical(target), choice)
-    module.export_library(str(lib), **_export_kwargs(options))
-    lib.with_suffix(".json").write_text(json.dumps(
-        {"config": config.to_dict(), "target": _target.canonical(target), "entries": entries}, indent=1))
-    return lib
+    key = lib.name[len("kernels-"):-len(".so")]
+    return _kcache.load_or_build(lib.parent, key, functools.partial(
+        _export_kernels, config, _target.canonical(target), choice), what=_what(config, target))
+
+
+def _what(config: KVCacheConfig, target: Any) -> str:
+    """A kernel library's name in progress lines."""
+    spec = KernelSpec.from_config(config)
+    shape = (f"MLA {spec.num_qo_heads} heads, latent {spec.latent_dim}" if spec.is_mla else
+             f"{spec.num_qo_heads}/{spec.num_kv_heads} heads x {spec.head_dim}")
+    return f"the kernels of {shape} {spec.dtype} for {_target.describe(target)}"
+
+
+def _export_kernels(config: KVCacheConfig, spec: dict, choice, path: Path) -> None:
+    """Compile the kernels of ``config`` and write the library to ``path``, its op table beside it."""
+    module, entries, options = _compile_module(kernel_shape(config), spec, choice)
+    module.export_library(str(path), **_export_kwargs(options))
+    path.with_suffix(".json").write_text(json.dumps(
+        {"config": config.to_dict(), "target": spec, "entries": entries}, indent=1))
+
+
+def _load_kernels(lib: Path):
+    """(module, entries) of a kernel library written by ``_export_kernels``."""
+    from .runtime import load_library
+
+    return load_library(lib), json.loads(lib.with_suffix(".json").read_text())["entries"]
 
 
 @functools.lru_cache(maxsize=16)
@@ -159,12 +190,12 @@ def _op_table_cached(config: KVCacheConfig, spec_json: str, choice: tuple[tuple[
     spec = json.loads(spec_json)
     prebuilt = kernel_dir()
     key = kernel_library_key(config, spec, choice)
+    disk = _kcache.cache_dir()
     if prebuilt is not None and (prebuilt / f"kernels-{key}.so").exists():
-        from .runtime import load_library
-
-        lib = prebuilt / f"kernels-{key}.so"
-        module = load_library(lib)
-        entries = json.loads(lib.with_suffix(".json").read_text())["entries"]
+        module, entries = _load_kernels(prebuilt / f"kernels-{key}.so")
+    elif disk is not None and not _target.runtime_only():  # compiled once per machine, loaded after
+        module, entries = _load_kernels(_kcache.load_or_build(disk, key, functools.partial(
+            _export_kernels, config, spec, choice), what=_what(config, spec)))
     elif _target.runtime_only():
         raise FileNotFoundError(
             f"no prebuilt kernel library kernels-{key}.so in PAGEDKV_KERNEL_DIR={prebuilt} for this config "

@@ -11,6 +11,8 @@ from typing import Any
 import tvm
 from tvm.relax.frontend import nn
 
+from . import target as _target
+
 
 def export_model(model: nn.Module) -> tuple[tvm.IRModule, list[tuple[str, Any]], list[str]]:
     """Export ``model`` with its default spec; returns the IRModule, the named parameter specs and the
@@ -183,11 +185,14 @@ def build_library(model: nn.Module, target: Any, out_path: str | Path, *,
     mod, named_params, options = export_model(model)
     if verbose:
         print(f"[pagedkv] exported Relax module in {time.perf_counter() - t0:.1f} s", flush=True)
-    tgt = tvm.target.Target(target) if not isinstance(target, tvm.target.Target) else target
+    # Every spelling of the target compiles for its canonical value (pagedkv.target: sm_90 is sm_90a), the one
+    # the cache's kernels were chosen for; a CUDA build says which arch it builds for.
+    tgt = _target.to_tvm(target)
     t1 = time.perf_counter()
     if tgt.kind.name == "cuda":
         from .cuda_build import enable_cuda_codegen
 
+        print(f"[pagedkv] building the model for {_target.describe(target)}", flush=True)
         enable_cuda_codegen()
     report: dict = {}
     pipeline = relax_pipeline(tgt, report)

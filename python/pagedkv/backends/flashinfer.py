@@ -36,9 +36,17 @@ from typing import Any, Iterator, Mapping
 
 from .. import ops
 from ..config import KVCacheConfig
-from ..target import arch as target_arch
+from ..target import arch as _canonical_arch
 from ..target import runtime_only
 from .base import Backend, OpBuild, target_kind
+
+
+def target_arch(target: Any) -> str | None:
+    """The arch FlashInfer's module specs name for ``target`` (``pagedkv.flashinfer.spec.ARCHS``): pagedkv's
+    canonical ``sm_90a`` is FlashInfer's ``sm_90`` (its fa3 modules are sm_90a code built from that name)."""
+    arch = _canonical_arch(target)
+    return "sm_90" if arch == "sm_90a" else arch
+
 
 #: GQA group sizes FlashInfer 0.7.4's decode kernels dispatch on (DISPATCH_GQA_GROUP_SIZE); the prefill
 #: kernels take any group (a runtime uint_fastdiv).

@@ -131,6 +131,9 @@ class TIRBackend(Backend):
                            f"(supported: {', '.join(SUPPORTED_TARGETS)})")
         if config.dtype not in SUPPORTED_DTYPES:
             reasons.append(f"dtype {config.dtype!r} not supported (supported: {SUPPORTED_DTYPES})")
+        if kind == "cuda":
+            why = _target.unserved_arch(_target.arch(target))  # before any code is generated
+            reasons += [why] if why else []
         if kind == "cuda" and op in ops.ATTENTION_OPS:
             reasons += _cuda_attention_limits(op, config)
         if kind == "llvm" and op in ops.ATTENTION_OPS:
