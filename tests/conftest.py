@@ -21,7 +21,9 @@ except ImportError:
 
 import torch  # noqa: E402
 
-torch.set_num_threads(max(1, min(4, os.cpu_count() or 1)))
+# Under pytest-xdist the workers share the cores: each takes its share of torch's threads.
+_WORKERS = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
+torch.set_num_threads(max(1, min(4, (os.cpu_count() or 1) // _WORKERS)))
 
 
 def pytest_report_header(config):

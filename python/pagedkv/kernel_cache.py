@@ -9,8 +9,9 @@ Safety: an entry is built in a private temporary folder and moved into place (js
 an entry exists once its ``.so`` does), under a per-key file lock, so concurrent processes build it once and
 an interrupted build leaves no entry (its temporary folder is removed by the next build of any key).
 
-``$PAGEDKV_CACHE_DIR`` overrides the folder (default ``$XDG_CACHE_HOME/pagedkv/kernels``, else
-``~/.cache/pagedkv/kernels``); ``PAGEDKV_CACHE_DIR=off`` compiles in the process, as before the cache existed.
+The folder is ``kernels/`` under pagedkv's cache root (``$PAGEDKV_CACHE_DIR``, else
+``$XDG_CACHE_HOME/pagedkv``, else ``~/.cache/pagedkv``; FlashInfer's modules sit beside it in ``flashinfer/``);
+``$PAGEDKV_KERNEL_CACHE`` names another folder, or ``off`` to compile in the process as before the cache.
 """
 
 from __future__ import annotations
@@ -24,19 +25,20 @@ import time
 from pathlib import Path
 from typing import Callable, Iterator
 
-#: Values of ``$PAGEDKV_CACHE_DIR`` that turn the disk cache off.
+#: Values of ``$PAGEDKV_KERNEL_CACHE`` that turn the disk cache off.
 OFF = ("off", "0", "none", "")
 #: Temporary build folders older than this (seconds) belong to a build that died: removed.
 STALE_TMP_SECONDS = 3600
 
 
 def cache_dir() -> Path | None:
-    """The kernel cache folder, or None when ``$PAGEDKV_CACHE_DIR`` turns the cache off."""
-    env = os.environ.get("PAGEDKV_CACHE_DIR")
+    """The kernel cache folder, or None when ``$PAGEDKV_KERNEL_CACHE`` turns the cache off."""
+    env = os.environ.get("PAGEDKV_KERNEL_CACHE")
     if env is not None:
         return None if env.strip().lower() in OFF else Path(env).expanduser()
-    base = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
-    return Path(base) / "pagedkv" / "kernels"
+    root = os.environ.get("PAGEDKV_CACHE_DIR") or os.path.join(
+        os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache"), "pagedkv")
+    return Path(root) / "kernels"
 
 
 def versions() -> dict:
