@@ -76,8 +76,10 @@ def format_matrix(config: KVCacheConfig, target: Any) -> str:
 
 
 def _parse_target(text: str) -> Any:
-    text = text.strip()
-    return json.loads(text) if text.startswith("{") else text
+    """Any spelling ``pagedkv.target.canonical`` reads, as its canonical dict."""
+    from .target import canonical
+
+    return canonical(text)
 
 
 def config_from_args(args: argparse.Namespace) -> KVCacheConfig:
@@ -98,8 +100,9 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="pagedkv backends",
                                  description="Per op and backend: served or why not, and what automatic "
                                              "selection picks, for one config and target.")
-    ap.add_argument("--target", default="llvm", help="'llvm', 'cuda' or a JSON dict, e.g. "
-                                                      "'{\"kind\":\"cuda\",\"arch\":\"sm_90\"}'")
+    ap.add_argument("--target", default="llvm", help="'llvm', 'cuda' (this host's GPU, else sm_90a), "
+                                                      "'cuda -arch=sm_80', a TVM tag such as nvidia/nvidia-h100, "
+                                                      "or a JSON dict")
     ap.add_argument("--num-qo-heads", type=int, default=32)
     ap.add_argument("--num-kv-heads", type=int, default=8)
     ap.add_argument("--head-dim", type=int, default=128)

@@ -4,10 +4,11 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
+import dataclasses
 import functools
 from typing import Any, Iterator, Mapping
 
-from .. import ops
+from .. import kernel_table, ops
 from .. import target as _target
 from ..config import KVCacheConfig
 from ..kernel_spec import DTYPES, SWITCHES, KernelSpec, normalize_paths
@@ -141,7 +142,20 @@ class TIRBackend(Backend):
         return reasons
 
     def describe(self, op: str, config: KVCacheConfig, target: Any) -> str:
-        return f"TIR {target_kind(target)} kernel pagedkv_{op}"
+        """The kernel ``op`` gets: on CUDA the variant of the selection table (``pagedkv.kernel_table``) and
+        why the faster ones were not taken."""
+        kind = target_kind(target)
+        head = f"TIR {kind} kernel pagedkv_{op}"
+        if kind != "cuda" or op not in kernel_table.SWITCH_OF_OP:
+            return head
+        spec = dataclasses.replace(kernel_config(config), target_arch=_target.arch(target) or "")
+        try:
+            out = f"{head}: {kernel_table.choose(op, spec).explain()}"
+            if op == ops.ATTN_DECODE_PAGED and config.rope_mode == "inline":
+                out += f" | inline RoPE: {kernel_table.choose(op, spec, rope=True).explain()}"
+        except NotImplementedError as err:
+            return f"{head}: {err}"
+        return out
 
     def key_part(self, config: KVCacheConfig, target: Any, ops: tuple[str, ...]) -> Any:
         """Forced code paths (``forced_paths``) change the compiled kernels: they join the library key."""
