@@ -238,18 +238,34 @@ def markdown() -> str:
     return "\n".join(lines)
 
 
+#: The markers of the generated block in docs/ARCHITECTURE.md.
+BEGIN, END = "<!-- BEGIN GENERATED: kernel-table -->", "<!-- END GENERATED: kernel-table -->"
+
+
+def with_table(text: str) -> str:
+    """``text`` (a document holding the markers) with the generated table between them."""
+    head, rest = text.split(BEGIN, 1)
+    _, tail = rest.split(END, 1)
+    return f"{head}{BEGIN}\n{markdown()}\n{END}{tail}"
+
+
 def main(argv=None) -> int:
     import argparse
+    from pathlib import Path
 
     ap = argparse.ArgumentParser(prog="python -m pagedkv.kernel_table", description=__doc__.split("\n\n")[0])
     ap.add_argument("--markdown", action="store_true", help="print the docs table")
-    ap.parse_args(argv)
-    print(markdown())
+    ap.add_argument("--write", metavar="DOC", help="rewrite the generated block of DOC (docs/ARCHITECTURE.md)")
+    a = ap.parse_args(argv)
+    if a.write:
+        Path(a.write).write_text(with_table(Path(a.write).read_text()))
+    else:
+        print(markdown())
     return 0
 
 
-__all__ = ["Choice", "SWITCH_OF_OP", "TABLE", "Variant", "auto_order", "choose", "markdown", "unserved",
-           "variants"]
+__all__ = ["BEGIN", "END", "Choice", "SWITCH_OF_OP", "TABLE", "Variant", "auto_order", "choose", "markdown", "unserved",
+           "variants", "with_table"]
 
 if __name__ == "__main__":
     raise SystemExit(main())
