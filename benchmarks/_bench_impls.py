@@ -5,10 +5,10 @@ timed call), or raises ``Unavailable`` saying why the implementation does not ap
 
 - ``fi:*``: FlashInfer 0.7.4 through its own Python wrappers (plan once, run timed), every variant:
   decode on CUDA cores and on tensor cores (fa2, fa3), ragged and paged prefill (fa2, fa3), MLA (fa2, fa3);
-- ``pagedkv-tir-tc`` / ``-tc2`` / ``-tc3`` / ``-tc4`` / ``-wg``: ``pagedkv-tir`` with the tensor-core prefill kernel
-  forced (path switch ``cuda_prefill_kernel=tc``, or ``tc2`` / ``tc3``: its 128-row two-stage tiles, ``tc4``: the
-  256-row one, or ``wg``: the wgmma warpgroup tile), on the prefill workloads; every TIR column's library is
-  built for sm_90a (``TIR_ARCH``: auto takes the wgmma MLA decode there);
+- ``pagedkv-tir-tc`` / ``-tc2`` / ``-tc3`` / ``-wg2t`` / ``-wg1t``: ``pagedkv-tir`` with the tensor-core prefill
+  kernel forced (path switch ``cuda_prefill_kernel=tc``, or ``tc2`` / ``tc3``: its 128-row two-stage tiles, or
+  ``wg2t`` / ``wg1t``: the wgmma warpgroup tiles with TMA copies), on the prefill workloads; every TIR column's
+  library is built for sm_90a (``TIR_ARCH``: auto takes the wgmma kernels there);
 - ``pagedkv-tir-tcd``: ``pagedkv-tir`` with the tensor-core decode kernel forced (``cuda_decode_kernel=tc``,
   ``tir_kernels/_decode_tc_cuda.py``), on the plain MHA decode workloads;
 - ``pagedkv-tir-entry``: ``pagedkv-tir`` with the decode's split ranges forced equal per entry
@@ -37,7 +37,7 @@ from _bench_workloads import (D, HKV, MLA_PS, MLA_R, MLA_ROPE, PS, ROPE_SCALE, R
 
 TARGET = {"kind": "cuda", "arch": "sm_90"}
 #: The arch of the TIR columns' libraries on a CUDA target: Hopper's whole instruction set, so that auto takes the
-#: wgmma kernels where it does (the MLA decode at 64+ heads) as a user building for Hopper gets them. The
+#: wgmma kernels where it does (the MLA decode from 16 heads, the prefill at head dim 128) as a user building for Hopper gets them. The
 #: FlashInfer columns keep ``TARGET`` (the backend takes fa3 for sm_90).
 TIR_ARCH = "sm_90a"
 #: where the benchmark runs (a CPU test of the benchmark's plumbing sets "cpu" and TARGET "llvm")
@@ -48,13 +48,11 @@ PREFILL_TILES = tuple(v for v in SWITCHES["cuda_prefill_kernel"][1] if v not in 
 #: label -> TIR code paths its cache is created under (``pagedkv.backends.tir.forced_paths``): the tensor-core
 #: prefill tiles (``tir_kernels.attention_cuda_prefill.TC_DEFAULT_TILES``: auto is tc3 for whole prompts, tc2 for
 #: the paged op), each forced on its own so that the tiles are compared in every run; the tensor-core decode;
-#: the tensor-core MLA decodes (mma.sync, wgmma, wgmma with TMA tiles).
+#: the tensor-core MLA decodes (mma.sync, wgmma with Q in shared memory).
 PAGEDKV_PATHS = {**{f"pagedkv-tir-{t}": {"cuda_prefill_kernel": t} for t in PREFILL_TILES},
                  "pagedkv-tir-tcd": {"cuda_decode_kernel": "tc"},
                  "pagedkv-tir-entry": {"cuda_decode_split_ranges": "entry"},
                  "pagedkv-tir-mlatc": {"cuda_mla_decode_kernel": "tc"},
-                 "pagedkv-tir-mlawg": {"cuda_mla_decode_kernel": "wg"},
-                 "pagedkv-tir-mlawgt": {"cuda_mla_decode_kernel": "wgt"},
                  "pagedkv-tir-mlawgq": {"cuda_mla_decode_kernel": "wgq"},
                  "pagedkv-tir-mlapsimt": {"cuda_mla_prefill_kernel": "simt"},
                  "pagedkv-tir-mlaptc": {"cuda_mla_prefill_kernel": "tc"},
@@ -63,7 +61,7 @@ PAGEDKV_BACKENDS = {"pagedkv-fi": ["flashinfer", "tir"], "pagedkv-tir": "tir", *
 #: The labels of ``PAGEDKV_PATHS`` that time the decode (the others time prefill only).
 DECODE_PATH_LABELS = ("pagedkv-tir-tcd", "pagedkv-tir-entry")
 #: The labels of ``PAGEDKV_PATHS`` that time the MLA decode only.
-MLA_PATH_LABELS = ("pagedkv-tir-mlatc", "pagedkv-tir-mlawg", "pagedkv-tir-mlawgt", "pagedkv-tir-mlawgq")
+MLA_PATH_LABELS = ("pagedkv-tir-mlatc", "pagedkv-tir-mlawgq")
 #: ... the MLA prefill's paged pass only: the SIMT kernel and the tensor-core ones (mma.sync, wgmma with Q in shared
 #: memory) forced (auto: ``tir_kernels.mla_cuda.prefill_kernel``).
 MLA_PREFILL_PATH_LABELS = ("pagedkv-tir-mlapsimt", "pagedkv-tir-mlaptc", "pagedkv-tir-mlapwgq")

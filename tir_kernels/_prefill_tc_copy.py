@@ -3,7 +3,7 @@ of shared memory, one ``cp.async`` group per call.
 
 Each thread copies ``NIT`` 16-byte chunks of a K (or V) tile; chunk ``it`` of thread ``tid`` is key
 ``key0(tid) + KSTEP it`` of the tile, dims ``dim0(tid) ..`` (``_Chunks``: consecutive threads on consecutive
-chunks of a row, or, for wgmma's core matrices, on the same chunk of 8 consecutive keys). What varies from tile
+chunks of a row). What varies from tile
 to tile is then one term, so the copies of a tile cost a handful of integer instructions a chunk:
 
 * the entry's first K / V row (ragged: ``kv_indptr[b]``; paged: ``page_indptr[b]``) is read once a block into
@@ -51,12 +51,11 @@ PAGE_LOOKAHEAD_MAX, PAGE_LOOKAHEAD_MIN_DIM = 4, 128
 
 class _Chunks:
     """Which 16-byte (``width`` 8) or 2-byte (``width`` 1) chunk of a ``tk`` x ``dim`` tile a thread copies:
-    ``at(idx)`` = (key, first dim) of chunk ``idx`` (``idx = it * threads + tid``); ``core``: wgmma's core
-    matrices (consecutive threads on the same chunk of 8 consecutive keys: 128 contiguous bytes of shared
-    memory), else row-major (consecutive threads on consecutive chunks of a key)."""
+    ``at(idx)`` = (key, first dim) of chunk ``idx`` (``idx = it * threads + tid``), row-major (consecutive threads
+    on consecutive chunks of a key)."""
 
-    def __init__(self, tk: int, dim: int, threads: int, width: int, core: bool):
-        self.per_row, self.width, self.core, self.threads = dim // width, width, core, threads
+    def __init__(self, tk: int, dim: int, threads: int, width: int):
+        self.per_row, self.width, self.threads = dim // width, width, threads
         self.count = tk * self.per_row // threads  # chunks a thread
         # The fast path's premise: chunk it of any thread is chunk 0 of it, KSTEP keys further, same dims.
         self.kstep = self.at(threads, operator.floordiv, operator.mod)[0]
@@ -66,8 +65,6 @@ class _Chunks:
                            for it in range(self.count) for t in range(threads))
 
     def at(self, idx, div=T.truncdiv, mod=T.truncmod):
-        if self.core:
-            return div(idx, 8 * self.per_row) * 8 + mod(idx, 8), mod(div(idx, 8), self.per_row) * self.width
         return div(idx, self.per_row), mod(idx, self.per_row) * self.width
 
 
@@ -86,12 +83,11 @@ class KvCopies(NamedTuple):
     issue_kv: object
 
 
-def make_kv_copies(*, tk: int, threads: int, dims: tuple[int, int], dtype: str, paged: bool, core: bool,
+def make_kv_copies(*, tk: int, threads: int, dims: tuple[int, int], dtype: str, paged: bool,
                    store_index) -> KvCopies:
-    """The copies of K / V tiles of ``tk`` keys by ``threads`` threads; ``dims`` = (qk, v) head dims; ``core``:
-    shared memory in wgmma's core matrices; ``store_index(key, dim, c01)`` = element of (key, dim) in a stage's
-    K (``c01`` 0) or V (1) tile."""
-    chunks = (_Chunks(tk, dims[0], threads, 8, core), _Chunks(tk, dims[1], threads, 8, core))
+    """The copies of K / V tiles of ``tk`` keys by ``threads`` threads; ``dims`` = (qk, v) head dims;
+    ``store_index(key, dim, c01)`` = element of (key, dim) in a stage's K (``c01`` 0) or V (1) tile."""
+    chunks = (_Chunks(tk, dims[0], threads, 8), _Chunks(tk, dims[1], threads, 8))
     for ch in chunks:
         if not ch.uniform:
             raise NotImplementedError(f"pagedkv.tir_kernels: {threads} threads do not split {tk}-key tiles into "
@@ -230,7 +226,7 @@ def make_kv_copies(*, tk: int, threads: int, dims: tuple[int, int], dtype: str, 
     def elem_loader(c01: int, dim: int):
         """Element loads through registers (ragged views not 16-byte aligned), 8 in flight a thread (all of them
         unrolled would hold 64 registers), zeros past the keys any row sees."""
-        ch = _Chunks(tk, dim, threads, 1, False)
+        ch = _Chunks(tk, dim, threads, 1)
 
         @T.macro
         def load(dst, base, kvb, ti, kt, h, tid):

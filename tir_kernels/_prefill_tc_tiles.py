@@ -11,7 +11,7 @@ import dataclasses
 
 from ..kernel_spec import PATH_ARCHS
 from ._tma_cuda import MBAR_BYTES, SW128_ALIGN
-from ._wgmma_cuda import WG_CORE_PAD, CoreLayout, Sw128Layout
+from ._wgmma_cuda import Sw128Layout
 
 #: Warps per block, rows per warp (one m16 tile), keys per tile, shared-memory row padding (elements): the
 #: "tc" tile (``TC_TILES``); ``TC_ROWS`` / ``TC_NT`` are its rows and threads per block.
@@ -35,21 +35,18 @@ TC_MAX_SMEM, TC_STATIC_SMEM = 227 * 1024, 48 * 1024
 class TcTile:
     """A configuration of the kernel, named by its value of the path switch ``cuda_prefill_kernel``.
 
-    ``warps`` warps of ``mtiles`` m16 tiles each (rows per block = 16 warps mtiles; with two or more, Q
-    lives in shared memory: ``q_in_smem``); key tiles of ``tk``; ``stages`` K/V buffers: 1 = one K and one
-    V tile in static shared memory, loads overlapped through the two cp.async groups (4 barriers a key
-    tile); 2 = two of each in one dynamic shared-memory buffer, tile kt + 1 loading during all of tile kt
-    (one barrier a key tile; over 48 KB at D 128, which TVM's CUDA launcher allows by raising the function's
+    ``warps`` warps of ``mtiles`` m16 tiles each (rows per block = 16 warps mtiles; with two, Q lives in shared
+    memory: ``q_in_smem``); key tiles of ``tk``; ``stages`` K/V buffers: 1 = one K and one V tile in static
+    shared memory, loads overlapped through the two cp.async groups (4 barriers a key tile); 2 = two of each in
+    one dynamic shared-memory buffer, tile kt + 1 loading during all of tile kt (one barrier a key tile; over 48
+    KB at D 128, which TVM's CUDA launcher allows by raising the function's
     ``CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES`` when a launch asks for 48 KB or more).
     ``wgmma``: each warpgroup (4 warps, 64 rows, Q in registers) computes S and O with ``wgmma`` (sm_90a,
-    ``_wgmma_cuda``) instead of ``mma.sync``; K and V tiles are then stored as core matrices
-    (``kv_layout``: ``core_pad`` elements after each, row-major copies; ``tma``: 128-byte swizzled rows that the TMA copies) in a multi-stage buffer; with 8 warps two warpgroups share
-    each K / V tile (128 rows: half the K / V bytes a row). ``overlap`` (wgmma, 3 stages): a warpgroup issues
-    S of tile kt and P V of tile kt - 1 as two groups and runs the softmax of kt while P V runs (the O
-    rescale waits for it); V of tile kt - 1 is still read during tile kt, so tile kt + 1 loads into a third
-    stage. ``pingpong`` (overlap, two warpgroups, 4 stages): no block barrier; each warpgroup signals the other
-    through named barriers when its copies of a tile have landed, and the two take turns issuing their wgmma
-    groups, so one's softmax runs under the other's GEMMs (``_prefill_wg_pipelines``).
+    ``_wgmma_cuda``) instead of ``mma.sync``; its K and V tiles arrive by TMA (``tma``), 128-byte swizzled
+    (``kv_layout``), in a multi-stage buffer; with 8 warps two warpgroups share each K / V tile (128 rows: half
+    the K / V bytes a row). A warpgroup issues S of tile kt and P V of tile kt - 1 as two groups and runs the
+    softmax of kt while P V runs (the O rescale waits for it); V of tile kt - 1 is still read during tile kt, so
+    ``ahead`` is ``stages - 2``.
     """
 
     name: str
@@ -58,15 +55,17 @@ class TcTile:
     mtiles: int = 1
     tk: int = TC_TK
     wgmma: bool = False
-    overlap: bool = False
-    pingpong: bool = False
-    core_pad: int = WG_CORE_PAD
-    tma: bool = False
 
-    def kv_layout(self, d: int) -> CoreLayout | Sw128Layout:
-        """The layout of a ``wgmma`` tile's K / V rows of ``d`` elements: core matrices (``core_pad``), or with
-        ``tma`` the 128-byte swizzle that the TMA writes."""
-        return Sw128Layout(d, self.tk) if self.tma else CoreLayout(d, self.core_pad)
+    @property
+    def tma(self) -> bool:
+        """K / V tiles by TMA (one thread or warp lane issues a tile's boxes; one mbarrier a stage): the wgmma
+        tiles'."""
+        return self.wgmma
+
+    def kv_layout(self, d: int) -> Sw128Layout:
+        """The layout of a ``wgmma`` tile's K / V rows of ``d`` elements: the 128-byte swizzle that the TMA
+        writes."""
+        return Sw128Layout(d, self.tk)
 
     def row_elems(self, d: int) -> int:
         """Shared-memory elements a K / V row of ``d`` elements takes: ``d + TC_PAD`` (row-major), the
@@ -89,9 +88,9 @@ class TcTile:
 
     @property
     def ahead(self) -> int:
-        """Key tiles loading ahead of the one computed: all other stages but one still read (``overlap``: P V
-        of the tile before runs during this one)."""
-        return self.stages - (2 if self.overlap else 1)
+        """Key tiles loading ahead of the one computed: all other stages (``wgmma``: but the tile before's, whose
+        P V runs during this one)."""
+        return self.stages - (2 if self.wgmma else 1)
 
     def smem_bytes(self, d: int, dv: int, dtype: str = "float16") -> int:
         """Shared memory of a block: ``stages`` x (K tile + V tile) (+ the Q rows), rows of ``row_elems``."""
@@ -120,22 +119,17 @@ class TcTile:
         return self.k_base(self.stages, d, dv) + stage * (MBAR_BYTES // 2)
 
 
-#: The tiles, by switch value (module docstring: registers, shared memory, occupancy, expected effect).
+#: The tiles, by switch value (``attention_cuda_prefill_tc``'s docstring: registers, shared memory, occupancy).
 TC_TILES = {"tc": TcTile("tc", TC_WARPS, 1), "tc2": TcTile("tc2", 8, 2), "tc3": TcTile("tc3", 4, 2, mtiles=2, tk=32),
-            "tc4": TcTile("tc4", 8, 2, mtiles=2, tk=32),
-            "wg": TcTile("wg", 4, 2, wgmma=True), "wg2": TcTile("wg2", 8, 2, wgmma=True),
-            "wg2o": TcTile("wg2o", 8, 3, wgmma=True, overlap=True),
-            # Packed core matrices (8 keys a copy group): row-major copies spill 4 bytes (bf16, windowed + capped).
-            "wg2k": TcTile("wg2k", 8, 3, tk=128, wgmma=True, overlap=True, core_pad=0),
-            "wg2p": TcTile("wg2p", 8, 4, wgmma=True, overlap=True, pingpong=True),
-            # wg2o with TMA copies (one thread a block issues them; 128-byte swizzled tiles): ragged only.
-            "wg2t": TcTile("wg2t", 8, 4, wgmma=True, overlap=True, tma=True),
+            # Two warpgroups, four stages (two tiles loading ahead); TMA copies (one thread a block issues them,
+            # ragged; a lane of each warp, paged).
+            "wg2t": TcTile("wg2t", 8, 4, wgmma=True),
             # wg2t's loop on one warpgroup, three stages (1 tile ahead): 97 KB, so two blocks share an SM and
             # one's softmax, prologue and stores run under the other's GEMMs.
-            "wg1t": TcTile("wg1t", 4, 3, wgmma=True, overlap=True, tma=True)}
+            "wg1t": TcTile("wg1t", 4, 3, wgmma=True)}
 #: The PTX target a ``wgmma`` tile needs (its instructions exist on sm_90a only; libraries forcing it are built
 #: for it: ``kernel_spec.PATH_ARCHS``).
-WG_ARCH = PATH_ARCHS[("cuda_prefill_kernel", "wg")]
+WG_ARCH = PATH_ARCHS[("cuda_prefill_kernel", "wg1t")]
 
 
 def k_store_index(key, dim, d: int):

@@ -1,5 +1,5 @@
 """K / V tiles by TMA for the tensor-core CUDA prefill (``attention_cuda_prefill_tc``'s ``TcTile.tma`` tiles,
-"wg2t"): the tensor maps, the boxes of a key tile, the wait for one and the V rows zeroed after it.
+"wg2t", "wg1t"): the tensor maps, the boxes of a key tile, the wait for one and the V rows zeroed after it.
 
 A stage's K / V tiles land 128-byte swizzled (``_wgmma_cuda.Sw128Layout``) at the stage's bases of a view of the
 kernel's buffer that starts at its first 1024-byte boundary; stage ``s``'s mbarrier sits at ``cfg.bar_base(s)``.

@@ -201,7 +201,7 @@ class LatentPageMap:
     first: (dl, ps, pages); the box at (``dim0``, ``row``, ``page``)."""
 
     dl: int
-    box_rows: object = 8
+    box_rows: object
     rank = 3
 
     def encode_args(self, shape) -> list:

@@ -34,32 +34,21 @@ Design (FlashAttention-2 style), one block per (query tile, kv head):
   tiles equals the A layout of one k16 step).
 * O += P V: ``tk/16 x DV/8`` MMAs per m16 tile and key tile, the B fragments of two n tiles per
   ``ldmatrix.x4.trans`` of ``Vs``, used by every m16 tile of the warp.
-* "wg" (sm_90a only, forced only): the 64 rows of "tc" as one warpgroup (a warp's m16 tile is its quarter of
-  an m64 tile: the A and D register layouts of ``wgmma`` are ``mma.sync``'s per warp, so Q, the softmax, P
-  and O carry over), two stages of 64-key K / V tiles in dynamic shared memory stored as 8 x 8 core matrices
-  (``_wgmma_cuda.CoreLayout``, 16 bytes of padding after each: 8 consecutive threads copy 128 contiguous bytes
-  of a key row into 8 different bank groups), S by ``D/16``
-  ``wgmma`` m64n64k16 (A = Q in registers, B = K, K-major) and O by 4 m64n{DV}k16 (A = P, B = V, trans-b);
-  each group is committed and waited for at once (``fence.proxy.async`` after the copies' wait, before the
-  barrier). ``tools/wgmma_probe.cu`` measured wgmma at 968 TFLOP/s on the H200 against 647 for mma.sync.
-* "wg2" (sm_90a, forced only): "wg" with 8 warps, two warpgroups (rows 0-63, 64-127) sharing each K / V tile:
-  each tile fetched from L2 serves 128 rows, as in "tc2" (at 64 rows a block, a 64-key tile's 32 KB from L2
-  take about as long as its wgmma's at peak).
-* "wg2o" (sm_90a, forced only): "wg2" with three stages and two wgmma groups in flight per warpgroup: at tile
-  kt it issues S of kt, then P V of kt - 1 (P kept in ``pfo``), waits for S alone (``wait_group 1``), runs
-  the softmax of kt while P V runs, then waits for P V and applies O's factor (``rescale_o``); the first
-  tile's S and the last tile's P V run outside the loop (``tiles_overlap``).
-* "wg2k" (sm_90a, forced only): "wg2o" with 128-key tiles (S by m64n128k16: half the loop trips, barriers
-  and O rescales per key).
-* "wg2t" (sm_90a; auto there for the paged op at head dim 128): "wg2o" with four stages loading two tiles ahead,
-  whose K / V tiles arrive by TMA (``_prefill_tma``: one thread's boxes a tile, ragged; warp 0's lanes, paged),
-  128-byte swizzled (``_wgmma_cuda.Sw128Layout``, stages from the buffer's first 1024-byte boundary); every
-  thread waits on the stage's mbarrier instead of its own copies, and the block barrier still tells that every
-  warp is done with the stage refilled next. The PrimFunc's host code encodes the tensor maps at each call
-  where TMA can read the operands (16-byte aligned; pages of a multiple of 8 keys) and runs the op's first
-  non-TMA default tile (``attention_cuda_prefill.tma_fallback``) otherwise. Probe (H200, 32/8/128 fp16,
-  2026-12-05): 0.341 / 0.581 / 4.75 ms at 1x4K / 16x1K / 1x16K against tc3's 0.571 / 0.654 / 7.14; ptxas 170
-  registers (ragged) / 175 (paged), no spills: the copies' address arithmetic is gone.
+* "wg2t" (sm_90a; auto there for the paged op at head dim 128): 128 rows as two warpgroups sharing each K / V
+  tile (a warp's m16 tile is its quarter of an m64 tile: the A and D register layouts of ``wgmma`` are
+  ``mma.sync``'s per warp, so Q, the softmax, P and O carry over); S by ``D/16`` ``wgmma`` m64n64k16 (A = Q in
+  registers, B = K, K-major) and O by 4 m64n{DV}k16 (A = P, B = V, trans-b), two groups in flight per
+  warpgroup: at tile kt it issues S of kt, then P V of kt - 1 (P kept in ``pfo``), waits for S alone
+  (``wait_group 1``), runs the softmax of kt while P V runs, then waits for P V and applies O's factor
+  (``rescale_o``; ``_prefill_wg_pipelines``). Four stages of 64-key K / V tiles load two tiles ahead by TMA
+  (``_prefill_tma``: one thread's boxes a tile, ragged; warp 0's lanes, paged), 128-byte swizzled
+  (``_wgmma_cuda.Sw128Layout``, stages from the buffer's first 1024-byte boundary); every thread waits on the
+  stage's mbarrier, and the block barrier still tells that every warp is done with the stage refilled next. The
+  PrimFunc's host code encodes the tensor maps at each call where TMA can read the operands (16-byte aligned;
+  pages of a multiple of 8 keys) and runs the op's first non-TMA default tile
+  (``attention_cuda_prefill.tma_fallback``) otherwise. ``tools/wgmma_probe.cu`` measured wgmma at 968 TFLOP/s
+  on the H200 against 647 for mma.sync. Probe (H200, 32/8/128 fp16, 2026-12-05): 0.341 / 0.581 / 4.75 ms at
+  1x4K / 16x1K / 1x16K against tc3's 0.571 / 0.654 / 7.14; ptxas 170 registers (ragged) / 175 (paged), no spills.
 * "wg1t" (sm_90a; auto there for the ragged op at head dim 128): "wg2t"'s loop on one warpgroup (64 rows)
   with three stages loading one tile ahead: 97 KB of shared memory, so two blocks share an SM and one block's
   softmax, entry search, first copies and stores can run under the other's GEMMs (wg2t: one block an SM, whose
@@ -67,7 +56,7 @@ Design (FlashAttention-2 style), one block per (query tile, kv head):
   0.564 / 0.709 at 1x4K / 16x1K / 1x16K against wg2t's 0.693 / 0.516 / 0.720.
 * O leaves through the stage buffer (multi-stage tiles): each lane's O / sum into row-major staged rows, then
   consecutive threads copy consecutive 16 bytes of a token's G rows (element copies where o is not 16-byte
-  aligned); "tc", "wg2p" (no block barrier) and "wg2k" (at its register limit) store their fragments directly.
+  aligned); "tc" stores its fragments directly.
 * Causal tiles past the tile's last row are skipped (and, with a window, those before its first window).
 * Grid as the SIMT kernel (virtual tiles, idle blocks run zero-trip loops); each warp finds the entry in rounds
   of 32 probes, one a lane (``locate``: one round up to 32 entries, where a binary search waits for log2 B loads).
@@ -81,20 +70,16 @@ tile    rows  threads  stages  tk  m16 tiles/warp  shared (D 128)  registers D 1
 tc      64    128      1       64  1 (Q in regs)   34,816 static  176/208, 130/137       2 / 3
 tc2     128   256      2       64  1 (Q in regs)   69,632 dyn.    210/180, 136/155       1 / 1
 tc3     128   128      2       32  2 (Q in smem)   69,632 dyn.    230/230, 161/162       2 / 3
-tc4     256   256      2       32  2 (Q in smem)   104,448 dyn.   229/233, 164/161       1 / 1
 ======  ====  =======  ======  ==  ==============  =============  =====================  =================
 
-"wg" (sm_90a): 64 rows, 128 threads, 2 stages of 64 keys, 73,728 bytes dynamic shared memory at D 128 (padded core matrices);
-ptxas 166 / 166 registers ragged / paged at D 128 (32/8/128 fp16), no spills. "wg2" / "wg2o" / "wg2p": 128 rows,
-256 threads, 2 / 3 / 4 stages (73,728 / 110,592 / 147,456 bytes at D 128); ptxas 213 / 174, 208 / 176 and 206 / 181
-registers (ragged / paged, 32/8/128 fp16), one block an SM; "wg2t" 132,128 bytes; "wg2k" 221,184 bytes and 222 / 222 registers (254 / 255
-windowed + capped bf16, no spills). The D 128 numbers are those of the copies of ``_prefill_tc_copy``
-(2026-12-05); the D 64 ones (table and below) are older (``test_prefill_tc_compile.py`` /
-``test_prefill_wg_compile.py`` hold the spill limits). ptxas moves register-only work below a wgmma wait that
-nothing it depends on needs: "wg2o" / "wg2k" store the row sums (which depend on every exp) to a shared scratch
-word before the P V wait (``store_before_wait``), which keeps the softmax in the overlap window.
-(D 64: the 8 / 8 / 64 bf16 spec; the windowed + capped D 64 one takes 162/168 (20 bytes spilled), 156/142 and
-206/203.) Every tile runs 8 warps an SM at D 128. Expected effect, not measured (the GPU run decides):
+"wg2t" (sm_90a): 132,128 bytes of dynamic shared memory at D 128, one block an SM; "wg1t" 99,352 bytes, two. The
+D 128 numbers are those of the copies of ``_prefill_tc_copy`` (2026-12-05); the D 64 ones (table and below) are
+older (``test_prefill_tc_compile.py`` / ``test_prefill_wg_compile.py`` hold the spill limits). ptxas moves
+register-only work below a wgmma wait that nothing it depends on needs: the wgmma tiles store the row sums (which
+depend on every exp) to a shared scratch word before the P V wait (``store_before_wait``), which keeps the softmax
+in the overlap window. (D 64: the 8 / 8 / 64 bf16 spec; the windowed + capped D 64 one takes 162/168 (20 bytes
+spilled), 156/142 and 206/203.) Every tile runs 8 warps an SM at D 128. Expected effect, not measured (the GPU
+run decides):
 
 * "tc2" vs "tc": each K/V tile fetched from L2 serves 128 rows instead of 64 (half the L2 -> SM bytes and
   cp.async work per row), the next tile loads during a whole tile, and a tile has one barrier for 8 warps
@@ -104,10 +89,6 @@ word before the P V wait (``store_before_wait``), which keeps the softmax in the
   both m16 tiles of a warp: with Q re-read each key tile, 24 KB of ldmatrix traffic per 128 MMAs of a warp
   (192 bytes an MMA, vs 256 for "tc" / "tc2"), the lever if the kernel is bound by shared-memory bandwidth;
   the price is 32-key tiles (twice the softmax rescales of O and the barriers per key) to fit 255 registers.
-* "tc4" vs "tc3": the same warps at 8 a block (256 rows, 104,448 bytes of shared memory at D 128; ptxas 229 /
-  233 registers ragged / paged at 32/8/128 fp16, 239 / 237 windowed + capped bf16, 164 / 161 at D 64 windowed
-  + capped bf16 (the table's D 64 entry), no spills; one block an SM): each K / V tile fetched from L2 serves twice the rows. The lever if the L2 bounds the copies, as ncu
-  says of "wg2p" (BENCHMARKS.md run 18: L2 91% busy); 64-key tiles at 8 or 4 warps spill (windowed + capped).
 """
 
 from __future__ import annotations
@@ -151,9 +132,9 @@ from ._prefill_tc_tiles import (
 )
 from ._prefill_tc_copy import make_kv_copies
 from ._prefill_tma import make_tma, tma_maps
-from ._prefill_wg_pipelines import TileMacros, make_overlap, make_pingpong
+from ._prefill_wg_pipelines import TileMacros, make_overlap
 from ._variant_cuda import CudaVariant
-from ._wgmma_cuda import proxy_fence, wg_attention_gemms
+from ._wgmma_cuda import wg_attention_gemms
 
 
 def tc_unserved(spec, dv: int, tile: str = "tc", *, paged: bool = False) -> str | None:
@@ -192,16 +173,13 @@ def make_prefill_tc(op: str, spec, paged: bool, tile: str = "tc"):
     G = spec.group_size
     cfg = TC_TILES[tile]
     MT, QS = cfg.mtiles, cfg.q_in_smem  # m16 tiles a warp; Q in shared memory
-    WG = cfg.wgmma  # wgmma: K / V as core matrices, S and O by each warpgroup (Q in registers)
-    OV = cfg.overlap  # wgmma: P V of tile kt - 1 runs during the softmax of tile kt (three stages)
-    TMA = cfg.tma  # K / V tiles by TMA (one thread, mbarrier per stage), 128-byte swizzled
+    # wgmma: S and O by each warpgroup (Q in registers), P V of tile kt - 1 during the softmax of tile kt, K / V
+    # tiles by TMA (128-byte swizzled, one mbarrier a stage).
+    WG = TMA = cfg.wgmma
     TMA_PAGED = TMA and paged  # boxes of 8 keys of a page (a warp's lanes issue a tile's 32 boxes)
-    wg_stages = (4,) if cfg.pingpong else (3, 4) if TMA else (3,) if OV else (2,)
-    if (QS and cfg.stages != 2) or (WG and (QS or cfg.warps % 4 or cfg.stages not in wg_stages)) or (OV and not WG) or (TMA and not OV):
+    if (QS and cfg.stages != 2) or (WG and (QS or cfg.warps % 4 or cfg.stages not in (3, 4))):
         raise NotImplementedError(f"pagedkv.tir_kernels: tile {tile!r}: Q in shared memory needs the two-stage "
-                                  f"buffer; wgmma whole warpgroups with Q in registers and two stages (three to "
-                                  f"overlap, three or four with TMA, four to ping-pong); overlap needs wgmma, TMA "
-                                  f"overlap")
+                                  f"buffer; wgmma whole warpgroups with Q in registers and three or four stages")
     TQ = cfg.rows // G
     RV = TQ * G  # row slots holding a (token, head); the rest of the block's rows are padding
     TK, NT = cfg.tk, cfg.threads
@@ -213,17 +191,14 @@ def make_prefill_tc(op: str, spec, paged: bool, tile: str = "tc"):
         """First row of m16 tile ``mt`` of warp ``w``."""
         return (w * MT + mt) * TC_WROWS
 
-    KL, VL = cfg.kv_layout(D), cfg.kv_layout(DV)  # wgmma: K / V tiles as core matrices (tma: swizzled)
+    KL, VL = cfg.kv_layout(D), cfg.kv_layout(DV)  # wgmma: K / V tiles as the TMA writes them (swizzled)
     tma = make_tma(cfg, spec, tile, d=D, dv=DV, dtype=dtype, paged=paged, vl=VL, threads=NT) if TMA else None
 
     def store_index(key, dim, c01):
-        if WG:
-            return (KL if c01 == 0 else VL).index(key, dim)
         return k_store_index(key, dim, D) if c01 == 0 else v_store_index(key, dim, DV)
 
-    # Packed core matrices: 8 threads fill one (8 keys) to avoid bank conflicts; padded ones take row-major copies.
-    copies = make_kv_copies(tk=TK, threads=NT, dims=(D, DV), dtype=dtype, paged=paged,
-                            core=WG and not cfg.core_pad, store_index=store_index)
+    # TMA tiles take only the copies' tile info (entry, paged cursor slots), not their cp.async loads.
+    copies = make_kv_copies(tk=TK, threads=NT, dims=(D, DV), dtype=dtype, paged=paged, store_index=store_index)
     issue = copies.issue
 
     def row_ok(r, ti):
@@ -347,17 +322,14 @@ def make_prefill_tc(op: str, spec, paged: bool, tile: str = "tc"):
 
     @T.macro
     def score(sacc, qf, afr, smem, kb, bfr, w, lane):
-        """S (the warp's rows x 64 keys) = Q K^T: C fragment ``mt * 8 + nt`` holds keys ``8 nt ..`` of m16 tile
-        ``mt`` (wgmma: ``WgGemms.score``). Q in registers (``qf``, one m16 tile): one ``ldmatrix.x4`` gives the B
+        """S (the warp's rows x 64 keys) = Q K^T on ``mma.sync``: C fragment ``mt * 8 + nt`` holds keys ``8 nt ..`` of
+        m16 tile ``mt``. Q in registers (``qf``, one m16 tile): one ``ldmatrix.x4`` gives the B
         fragments of two k steps (``k_ldsm_index``). Q in shared memory: per k step one ``ldmatrix.x4`` of each m16 tile's A fragment
         into ``afr`` (``q_ldsm_index``), and one of the B fragments of two n tiles (``k_ldsm_index_nt2``) used
         by every m16 tile of the warp."""
-        if not WG:
-            for e in T.unroll(MT * SN):
-                sacc[e] = T.float32(0)
-        if WG:
-            wgg.score(sacc, qf, smem, kb)
-        elif QS:
+        for e in T.unroll(MT * SN):
+            sacc[e] = T.float32(0)
+        if QS:
             # k step outer: the A fragments of one k step (4 registers a m16 tile) stay live across the keys.
             for ks in T.unroll(NKS):
                 for mt in T.unroll(MT):
@@ -455,29 +427,24 @@ def make_prefill_tc(op: str, spec, paged: bool, tile: str = "tc"):
 
     @T.macro
     def accumulate(oacc, pf, Vs, vb, bfr, lane):
-        """O += P V (``WgGemms.accumulate`` for wgmma): k step ``kk`` (keys ``16 kk ..``) x n tiles ``2 dn2``, ``2 dn2 + 1`` (dims ``16 dn2 ..``), their B
-        fragments from one ``ldmatrix.x4.trans`` of the row-major ``Vs`` (``v_ldsm_index``), used by every m16
-        tile of the warp."""
-        if WG:
-            wgg.accumulate(oacc, pf, Vs, vb)
-        else:
-            for kk in T.unroll(NKK):
-                for dn2 in T.unroll(NDN // 2):
-                    T.evaluate(ldmatrix_x4(T.address_of(bfr[0]),
-                                           T.address_of(Vs[vb + v_ldsm_index(lane, kk, dn2, DV)]), True))
-                    for mt in T.unroll(MT):
-                        for u in T.unroll(2):
-                            T.evaluate(mma_sync(dtype, T.address_of(oacc[mt * ON + (dn2 * 2 + u) * 4]),
-                                                T.address_of(pf[mt * SN + kk * 8]), T.address_of(bfr[u * 2])))
+        """O += P V on ``mma.sync``: k step ``kk`` (keys ``16 kk ..``) x n tiles ``2 dn2``, ``2 dn2 + 1`` (dims
+        ``16 dn2 ..``), their B fragments from one ``ldmatrix.x4.trans`` of the row-major ``Vs``
+        (``v_ldsm_index``), used by every m16 tile of the warp."""
+        for kk in T.unroll(NKK):
+            for dn2 in T.unroll(NDN // 2):
+                T.evaluate(ldmatrix_x4(T.address_of(bfr[0]),
+                                       T.address_of(Vs[vb + v_ldsm_index(lane, kk, dn2, DV)]), True))
+                for mt in T.unroll(MT):
+                    for u in T.unroll(2):
+                        T.evaluate(mma_sync(dtype, T.address_of(oacc[mt * ON + (dn2 * 2 + u) * 4]),
+                                            T.address_of(pf[mt * SN + kk * 8]), T.address_of(bfr[u * 2])))
 
     # Multi-stage tiles (STAGE_O) stage O in the stage buffer (row-major, stride VS) and copy it out row by row:
     # consecutive threads write consecutive 16 bytes (or, o not 16-byte aligned, elements) of a token's G rows,
     # which lie together in o. From the fragments, a warp's store touched 8 rows x 8 bytes: 8 sectors for 64 bytes, and
     # 64 two-byte stores a thread (wg1t's SASS, 2026-12-06).
-    # Not "wg2p" (no block barrier) nor "wg2k" (128-key tiles: its windowed + capped bf16 paged kernel spilled 8
-    # bytes at 255 registers): both store their fragments directly, as "tc" does.
-    STAGE_O = cfg.stages > 1 and not cfg.pingpong and TK <= 64
-    if STAGE_O and cfg.rows * VS > (cfg.bar_base(D, DV) if cfg.tma else cfg.smem_bytes(D, DV) // 2):
+    STAGE_O = cfg.stages > 1
+    if STAGE_O and cfg.rows * VS > (cfg.bar_base(D, DV) if TMA else cfg.smem_bytes(D, DV) // 2):
         raise ValueError(f"pagedkv.tir_kernels: tile {cfg.name!r}: O's {cfg.rows} x {VS} staging elements do not "
                          f"fit its stages")
 
@@ -589,15 +556,12 @@ def make_prefill_tc(op: str, spec, paged: bool, tile: str = "tc"):
             tma.wait(smem, ti, kt, tid)
         else:
             T.evaluate(cp_async_wait(0))
-            if WG:
-                T.evaluate(proxy_fence())  # this thread's copies (and zero stores) visible to wgmma
         T.tvm_storage_sync("shared")
         issue_kv(smem, T.truncmod(kt + cfg.ahead, cfg.stages), kvb, ti, kt + cfg.ahead, h, tid)
 
-    if OV:  # wgmma groups in flight across the softmax (_prefill_wg_pipelines)
+    if WG:  # wgmma groups in flight across the softmax (_prefill_wg_pipelines), on the swizzle-aligned view
         macros = TileMacros(issue_kv, next_tile, softmax_deferred, rescale_o, wgg)
-        tiles_overlap = (make_pingpong if cfg.pingpong else make_overlap)(cfg, D, DV, SN, macros)
-        tiles_tma = tma.tiles(tiles_overlap) if TMA else None  # the loop on the swizzle-aligned view
+        tiles_tma = tma.tiles(make_overlap(cfg, D, DV, SN, macros))
 
     @T.macro
     def tiles_two_stage(smem, fr, acc, rows, ti, kvb, h, tid, w, lane, causal, sm_scale):
@@ -624,8 +588,8 @@ def make_prefill_tc(op: str, spec, paged: bool, tile: str = "tc"):
                     sacc = T.alloc_buffer((MT * SN,), "float32", scope="local")
                     pf = T.alloc_buffer((MT * SN,), dtype, scope="local")
                     # overlap: P of the previous key tile (its P V in flight) and each row's deferred O factor
-                    pfo = T.alloc_buffer((SN if OV else 1,), dtype, scope="local")
-                    fac = T.alloc_buffer((2 if OV else 1,), "float32", scope="local")
+                    pfo = T.alloc_buffer((SN if WG else 1,), dtype, scope="local")
+                    fac = T.alloc_buffer((2 if WG else 1,), "float32", scope="local")
                     # Two B fragments (ldmatrix.x4), 4 x 32 bits.
                     bfr = T.alloc_buffer((4,), "uint32", scope="local")
                     oacc = T.alloc_buffer((MT * ON,), "float32", scope="local")
@@ -662,14 +626,10 @@ def make_prefill_tc(op: str, spec, paged: bool, tile: str = "tc"):
                         keep_extent(smem, cfg.smem_bytes(D, DV) // 2)  # the launch's bytes (chunks: addresses)
                         if QS:
                             load_q_smem(smem, q, ti, h, tid)
-                        if OV:
+                        if WG:
                             scratch = T.alloc_buffer((1,), "float32", scope="shared")
-                            if TMA:
-                                tiles_tma(smem, scratch, (qf, afr, bfr), (sacc, pf, oacc, pfo),
-                                          (m, lsum, lim, mx, st, fac), ti, kvb, h, tid, causal, sm_scale)
-                            else:
-                                tiles_overlap(smem, scratch, (qf, afr, bfr), (sacc, pf, oacc, pfo),
-                                              (m, lsum, lim, mx, st, fac), ti, kvb, h, tid, causal, sm_scale)
+                            tiles_tma(smem, scratch, (qf, afr, bfr), (sacc, pf, oacc, pfo),
+                                      (m, lsum, lim, mx, st, fac), ti, kvb, h, tid, causal, sm_scale)
                         else:
                             tiles_two_stage(smem, (qf, afr, bfr), (sacc, pf, oacc, pfo), (m, lsum, lim, mx, st, fac),
                                             ti, kvb, h, tid, w, lane, causal, sm_scale)

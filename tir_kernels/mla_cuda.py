@@ -453,20 +453,18 @@ MLA_PREFILL_TC_BY_DEFAULT = True
 def prefill_kernel(spec) -> str:
     """The kernel of ``mla_attn_prefill_paged`` of ``spec``: the forced ``PREFILL_SWITCH`` value, else (auto, with
     ``MLA_PREFILL_TC_BY_DEFAULT``) the tensor-core kernel the decode's auto rule takes on the same spec
-    (``mla_cuda_wgq`` on sm_90a at ``WGQ_AUTO_MIN_HEADS``+ heads, ``mla_cuda_wg`` at ``WG_AUTO_MIN_HEADS``+, else ``mla_cuda_tc`` where it
-    serves), "simt" elsewhere."""
-    from . import mla_cuda_tc, mla_cuda_wg, mla_cuda_wgq, mla_cuda_wgt  # pylint: disable=import-outside-toplevel
+    (``mla_cuda_wgq`` on sm_90a at ``WGQ_AUTO_MIN_HEADS``+ heads, else ``mla_cuda_tc`` where it serves), "simt"
+    elsewhere."""
+    from . import mla_cuda_tc, mla_cuda_wgq  # pylint: disable=import-outside-toplevel
 
     choice = forced_path(spec.paths, PREFILL_SWITCH)
     if choice != "auto":
         return choice
     if not MLA_PREFILL_TC_BY_DEFAULT:
         return "simt"
-    # The decode's own auto rule (its use_* functions on the spec with its switch unforced), not a copy of it;
-    # wgt (auto only where wgq does not serve) is not a prefill kernel: its block is wg's.
+    # The decode's own auto rule (its use_* functions on the spec with its switch unforced), not a copy of it.
     auto = dataclasses.replace(spec, paths=tuple(p for p in spec.paths if p[0] != mla_cuda_tc.SWITCH))
-    for kernel, use in (("wgq", mla_cuda_wgq.use_wgq), ("wg", mla_cuda_wgt.use_wgt), ("wg", mla_cuda_wg.use_wg),
-                        ("tc", mla_cuda_tc.use_tc)):
+    for kernel, use in (("wgq", mla_cuda_wgq.use_wgq), ("tc", mla_cuda_tc.use_tc)):
         if use(auto):
             return kernel
     return "simt"
@@ -478,11 +476,10 @@ def mla_attn_prefill_paged_cuda(spec):
     or the SIMT one: one block per virtual row tile (``R`` = 16 rows, tokens x heads of one entry), over all its
     keys.
     """
-    from . import mla_cuda_tc, mla_cuda_wg, mla_cuda_wgq  # pylint: disable=import-outside-toplevel
+    from . import mla_cuda_tc, mla_cuda_wgq  # pylint: disable=import-outside-toplevel
 
     kernel = prefill_kernel(spec)
-    tensor_core = {"tc": mla_cuda_tc.mla_attn_paged_tc, "wg": mla_cuda_wg.mla_attn_paged_wg,
-                   "wgq": mla_cuda_wgq.mla_attn_paged_wgq}
+    tensor_core = {"tc": mla_cuda_tc.mla_attn_paged_tc, "wgq": mla_cuda_wgq.mla_attn_paged_wgq}
     if kernel in tensor_core:  # each raises with its reasons where it does not serve the spec
         return tensor_core[kernel](spec, MLA_ATTN_PREFILL_PAGED)
     H, DV, DL, dtype = spec.num_qo_heads, spec.kv_lora_rank, spec.latent_dim, spec.dtype
@@ -527,20 +524,14 @@ def mla_attn_decode_paged_cuda(spec):
     the partial states. The path switch ``cuda_decode_splits = N > 0`` (``decode_splits``) forces ``S``
     (clamped to ``[1, nnz * ps]``); automatic: the kernel from before the switch. The path switch
     ``cuda_mla_decode_kernel`` (``mla_cuda_tc.use_tc``) hands fp16 / bf16 specs to the tensor-core kernel; its
-    value "wg" forces the wgmma one (``mla_cuda_wg``), which auto takes on sm_90a at 64 heads or more
-    (``mla_cuda_wg.use_wg``); "wgt" forces its TMA variant (``mla_cuda_wgt``), which auto takes there instead
-    where wgq does not (``WGT_BY_DEFAULT``; its PrimFunc runs wg's kernel where TMA cannot read the pages); "wgq"
-    forces the Q-in-shared-memory one (``mla_cuda_wgq``, the same fallback), auto's first choice, on sm_90a from
-    16 heads (``WGQ_BY_DEFAULT``, ``WGQ_AUTO_MIN_HEADS``).
+    value "wgq" forces the wgmma one with Q in shared memory (``mla_cuda_wgq``; its PrimFunc runs
+    ``mla_cuda_wg``'s kernel where TMA cannot read the pages), auto's first choice, on sm_90a from 16 heads
+    (``WGQ_BY_DEFAULT``, ``WGQ_AUTO_MIN_HEADS``).
     """
-    from . import mla_cuda_tc, mla_cuda_wg, mla_cuda_wgq, mla_cuda_wgt  # pylint: disable=import-outside-toplevel
+    from . import mla_cuda_tc, mla_cuda_wgq  # pylint: disable=import-outside-toplevel
 
     if mla_cuda_wgq.use_wgq(spec):  # forced "wgq" (raises naming what it does not serve), or auto (WGQ_BY_DEFAULT)
         return mla_cuda_wgq.mla_attn_paged_wgq(spec)
-    if mla_cuda_wgt.use_wgt(spec):  # forced "wgt" (raises naming what it does not serve), or auto (WGT_BY_DEFAULT)
-        return mla_cuda_wgt.mla_attn_decode_paged_wgt(spec)
-    if mla_cuda_wg.use_wg(spec):  # forced (raises naming what it does not serve), or auto on sm_90a, >= 64 heads
-        return mla_cuda_wg.mla_attn_paged_wg(spec)
     if mla_cuda_tc.use_tc(spec):  # the path switch cuda_mla_decode_kernel (raises when tc is forced, unserved)
         return mla_cuda_tc.mla_attn_paged_tc(spec)
     H, DV, DL, dtype = spec.num_qo_heads, spec.kv_lora_rank, spec.latent_dim, spec.dtype

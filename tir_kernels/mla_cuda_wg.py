@@ -1,6 +1,7 @@
-"""Warpgroup tensor-core CUDA MLA decode (``mla_attn_decode_paged``), fp16 / bf16, sm_90a, on ``wgmma``
-(``_wgmma_cuda``); forced with the path switch ``cuda_mla_decode_kernel=wg``, and auto's choice (``use_wg``) on
-sm_90a for specs of at least ``WG_AUTO_MIN_HEADS`` heads. Semantics are ``mla_cuda``'s (base-2 lse, float32
+"""Warpgroup tensor-core CUDA MLA decode (``mla_attn_decode_paged``) and paged prefill, fp16 / bf16, sm_90a, on
+``wgmma`` (``_wgmma_cuda``), with its latent tiles copied by ``cp.async``: the kernel that ``mla_cuda_wgq``'s
+PrimFunc runs where TMA cannot read the page pool (not 16-byte aligned, or pages not a multiple of 8 keys;
+``make_tma_body``), not a value of the path switch ``cuda_mla_decode_kernel`` of its own. Semantics are ``mla_cuda``'s (base-2 lse, float32
 accumulation, ``o = 0`` / ``lse = -1e30`` for a row that sees no key, keys at or past the length never read).
 
 Why: at 128 heads the decode is compute-bound, and the ``mma.sync`` kernel (``mla_cuda_tc``) holds 32 heads a
@@ -33,7 +34,8 @@ Design: one block of two warpgroups (256 threads) per (64-head group, entry, key
 
 Resources (ptxas, sm_90a, DeepSeek 512 + 64, no spills, no stack): 254 registers (128 heads fp16; 255 at 16
 heads bf16), 207,360 bytes
-of dynamic + 16,384 of static shared memory; one block an SM. H200: runs 15-17 (BENCHMARKS.md), GPU suite.
+of dynamic + 16,384 of static shared memory; one block an SM. H200: runs 15-17 (BENCHMARKS.md, when it was forced
+on its own), GPU suite (as ``mla_cuda_wgq``'s fallback).
 
 Limits as data (``wg_unserved``): target arch sm_90a, fp16 / bf16, ``DL % 64 == 0`` and ``DL <= 576``,
 ``DV / 2`` a wgmma width (``WG_NS``: DV 128, 256 or 512).
@@ -46,17 +48,15 @@ from typing import NamedTuple
 from tvm.script import tirx as T
 
 from ..kernel_spec import PATH_ARCHS
-from ..kernel_spec import forced as forced_path
 from ..ops import MLA_ATTN_DECODE_PAGED
 from ._common import EMPTY_LSE, LOG2E, MASKED
 from ._common_cuda import decode_splits, shfl_xor
-from ._mla_frame_cuda import SWITCHES, make_frame, mla_prim_func
+from ._mla_frame_cuda import make_frame
 from ._mma_cuda import a_frag, c_frag, cp_async16, cp_async_commit, cp_async_wait, keep_extent
 from ._wgmma_cuda import WG_CORE_PAD, WG_NS, CoreLayout, proxy_fence, wg_attention_gemms, wg_wait0
 
-#: The path switch and the value that forces this kernel; the arch its instructions need.
-SWITCH, VALUE = "cuda_mla_decode_kernel", "wg"
-WG_ARCH = PATH_ARCHS[(SWITCH, VALUE)]
+#: The arch its instructions need (that of ``mla_cuda_wgq``, whose PrimFunc holds it).
+WG_ARCH = PATH_ARCHS[("cuda_mla_decode_kernel", "wgq")]
 #: Heads a block (one m64 tile), threads (two warpgroups), keys a tile, ring stages.
 ROWS, NT, TK, NS = 64, 256, 32, 5
 #: Tiles loading while one computes: P V of tile kt is waited for in tile kt + 1, so its stage can be refilled
@@ -64,12 +64,6 @@ ROWS, NT, TK, NS = 64, 256, 32, 5
 AHEAD = NS - 2
 WG_DTYPES = ("float16", "bfloat16")
 WG_MAX_LATENT = 576
-#: auto takes this kernel (its TMA variant ``mla_cuda_wgt`` with ``WGT_BY_DEFAULT``, its PrimFunc holding this one
-#: as the fallback) over ``mla_cuda_tc``'s where it serves the spec (sm_90a builds) and the spec has at
-#: least this many heads, whole m64 tiles: at 128 heads it ran 1.30-1.52x the mma.sync kernel (H200, run 17:
-#: 0.43-0.45 of FlashInfer's fa3 against 0.29-0.33), at 16 heads (a quarter-full tile) 0.55-0.62x of it. 64
-#: heads, one full tile, is not measured.
-WG_AUTO_MIN_HEADS = 64
 
 
 def wg_unserved(spec) -> list[str]:
@@ -86,15 +80,6 @@ def wg_unserved(spec) -> list[str]:
     if dv % 16 or dv // 2 not in WG_NS or dv > dl:
         out.append(f"kv_lora_rank {dv} (it takes 2 x a wgmma width of {WG_NS}, up to the latent dim)")
     return out
-
-
-def use_wg(spec) -> bool:
-    """Whether ``mla_attn_decode_paged`` of ``spec`` runs this kernel: forced (``SWITCH`` = "wg"; the kernel
-    raises with ``wg_unserved``'s reasons where it does not serve), or auto where it serves and the spec has
-    ``WG_AUTO_MIN_HEADS`` heads or more."""
-    choice = forced_path(spec.paths, SWITCH)
-    return choice == VALUE or (choice == "auto" and spec.num_qo_heads >= WG_AUTO_MIN_HEADS
-                               and not wg_unserved(spec))
 
 
 def tile_layout(latent_dim: int) -> CoreLayout:
@@ -126,7 +111,7 @@ class WgTileOps(NamedTuple):
 
 def make_tile_ops(H: int, DL: int, DV: int, dtype: str) -> WgTileOps:
     """The per-tile macros (load, Q, score, softmax, accumulate) of ``H`` heads, latent ``DL``, value dims
-    ``DV`` (this kernel's; ``mla_cuda_wgt`` takes Q, the softmax and the finish)."""
+    ``DV``."""
     KH, DVH = DL // 2, DV // 2  # each warpgroup's score dims and value dims
     NKS, NSN, NDN = KH // 16, TK // 8, DVH // 8
     SN, ON = NSN * 4, NDN * 4  # S and O accumulators a thread
@@ -234,7 +219,7 @@ def make_tile_ops(H: int, DL: int, DV: int, dtype: str) -> WgTileOps:
 
 def make_init(ON: int):
     """The ``init`` macro of a block's running state: O's ``ON`` accumulators zero, the rows' max at
-    ``EMPTY_LSE`` and their sums zero (this kernel's and ``mla_cuda_wgt``'s)."""
+    ``EMPTY_LSE`` and their sums zero (this kernel's and ``mla_cuda_wgq``'s)."""
 
     @T.macro
     def init(oacc, m, lsum):
@@ -249,7 +234,7 @@ def make_init(ON: int):
 
 def make_store(H: int, DV: int, dtype: str):
     """The ``store`` macro: o / lse (``S == 1``) or the split's partial state in the workspace; warpgroup ``wg``
-    stores value dims ``wg * DV / 2 ..``, warpgroup 0 the lse (this kernel's, ``mla_cuda_wgt``'s and
+    stores value dims ``wg * DV / 2 ..``, warpgroup 0 the lse (this kernel's and
     ``mla_cuda_wgq``'s)."""
     DVH = DV // 2
     NDN = DVH // 8
@@ -287,19 +272,8 @@ def make_store(H: int, DV: int, dtype: str):
     return store
 
 
-def mla_attn_paged_wg(spec, op: str = MLA_ATTN_DECODE_PAGED):
-    """``pagedkv_mla_attn_decode_paged`` (grid: head group, entry, key split) or ``pagedkv_mla_attn_prefill_paged``
-    (head group, query token, key split; ``_mla_frame_cuda``) on warpgroup tensor cores (arguments:
-    ``pagedkv.ops.OP_SPECS``), for a ``KernelSpec`` that ``wg_unserved`` accepts (module docstring)."""
-    reasons = wg_unserved(spec)
-    if reasons:
-        raise NotImplementedError(f"pagedkv.tir_kernels: {SWITCHES[op]}={VALUE}: the wgmma CUDA MLA kernel does not "
-                                  f"serve {'; '.join(reasons)}")
-    return mla_prim_func(op, spec, make_wg_body(spec, op))
-
-
 def make_tma_body(spec, frame, latent_map, op: str = MLA_ATTN_DECODE_PAGED):
-    """The PrimFunc body macro of a TMA variant of this kernel (``mla_cuda_wgt``, ``mla_cuda_wgq``) for MLA attention
+    """The PrimFunc body macro of a TMA kernel (``mla_cuda_wgq``) for MLA attention
     op ``op``: host code that encodes the pool's tensor map at each call (its address and page count may change;
     ``latent_map(ps)``: the ``_tma_cuda.LatentPageMap`` of pages of ``ps`` keys) and runs ``frame`` (the variant's
     frame of ``op``, ``pages`` = (pool, its map)); where TMA cannot read the pool (not 16-byte aligned, or pages not
@@ -324,7 +298,7 @@ def make_tma_body(spec, frame, latent_map, op: str = MLA_ATTN_DECODE_PAGED):
 
 def make_wg_body(spec, op: str = MLA_ATTN_DECODE_PAGED):
     """The body macro of this kernel for MLA attention op ``op`` (``_mla_frame_cuda.make_frame``'s, arguments as
-    ``abi_prim_func`` passes them), for a spec ``wg_unserved`` accepts: also the fallback of the TMA variants."""
+    ``abi_prim_func`` passes them), for a spec ``wg_unserved`` accepts: the fallback of the TMA kernel."""
     H = spec.num_qo_heads
     return make_frame(op, spec, make_wg_block(spec), groups=(H + ROWS - 1) // ROWS, threads=NT, tk=TK,
                       splits=decode_splits(spec))
@@ -386,6 +360,6 @@ def make_wg_block(spec):
     return block
 
 
-__all__ = ["AHEAD", "NS", "NT", "ROWS", "SWITCH", "TK", "VALUE", "WG_DTYPES", "WG_MAX_LATENT", "make_init", "make_wg_body",
+__all__ = ["AHEAD", "NS", "NT", "ROWS", "TK", "WG_DTYPES", "WG_MAX_LATENT", "make_init", "make_wg_body",
            "make_store", "make_tile_ops", "make_tma_body",
-           "make_wg_block", "mla_attn_paged_wg", "smem_bytes", "wg_unserved", "WgTileOps"]
+           "make_wg_block", "smem_bytes", "wg_unserved", "WgTileOps"]

@@ -2,8 +2,8 @@
 fp16 / bf16, sm_90a; forced with the path switch ``cuda_mla_decode_kernel=wgq``, and auto's choice where
 it serves the spec with 16 heads or more (``WGQ_BY_DEFAULT``, ``WGQ_AUTO_MIN_HEADS``: sm_90a).
 
-Why: ``mla_cuda_wgt`` holds Q's A fragments in registers (72 a thread at DeepSeek's 576), so each warpgroup can
-only take half of the latent dims; both then wait for each other's partial scores every tile, and run the same
+Why: ``mla_cuda_wg``'s kernel (and its TMA variant, measured before this one) holds Q's A fragments in
+registers (72 a thread at DeepSeek's 576), so each warpgroup can only take half of the latent dims; both then wait for each other's partial scores every tile, and run the same
 softmax. Its tile is a serial chain (S, exchange, softmax, P V) in lockstep; the MLA probe found the tensor cores
 idle most of it (BENCHMARKS.md run 23). Here Q lives in shared memory (read by the S wgmma's through a
 descriptor), which frees the registers for a whole tile's S in one warpgroup:
@@ -28,9 +28,9 @@ descriptor), which frees the registers for a whole tile's S in one warpgroup:
 * Shared memory (``smem_bytes``): Q (64 x ``DL``, 128-byte swizzle), ``NS`` stages of ``TK`` keys (128-byte
   swizzle), P (64 x ``TK``, core matrices), the factors, the mbarriers: 2 stages of 64 keys at DeepSeek's 576
   (225 KB of the 227 KB a block may have; 32-key tiles in 4 stages ran 1.2x slower, run 25).
-* As in ``mla_cuda_wgt``: V rows at or past the split's end are zeroed before P V (a box brings whole 8-key groups;
-  a group past the end is not issued), and where TMA cannot read the pool the PrimFunc's host code runs
-  ``mla_cuda_wg``'s kernel (``make_wg_body``).
+* V rows at or past the split's end are zeroed before P V (a box brings whole 8-key groups; a group past the end
+  is not issued), and where TMA cannot read the pool the PrimFunc's host code runs ``mla_cuda_wg``'s kernel
+  (``make_wg_body``).
 
 Limits as data: ``mla_cuda_wg.wg_unserved``'s (the same 64-head block and latent limits); ``wgq_unserved`` names
 this value.
@@ -63,11 +63,12 @@ SMEM_LIMIT, MAX_STAGES = 232448, 4
 #: Named barriers (0 is ``__syncthreads``).
 BAR_P, BAR_PFREE, BAR_FIN, BAR_TAIL = 1, 2, 3, 4
 #: auto takes this kernel where it serves the spec (sm_90a) with ``WGQ_AUTO_MIN_HEADS`` heads or more: at 128
-#: heads it ran 0.916-0.974 of FlashInfer's fa3 against ``mla_cuda_wgt``'s 0.57-0.67 (H100, BENCHMARKS.md run 26).
+#: heads it ran 0.916-0.974 of FlashInfer's fa3 against 0.57-0.67 for ``mla_cuda_wg``'s kernel with TMA tiles (H100,
+#: BENCHMARKS.md run 26).
 WGQ_BY_DEFAULT = True
 #: From 16 heads (a quarter of its m64 tile): there its decode ran 0.93-1.02 of fa3 against ``mla_cuda_tc``'s
 #: 0.91-0.97 (B = 64 / 128 x 1K / 8K) and its paged prefill 0.290 against 0.207 (8 x 128 over 2K; H100, run 29).
-#: ``mla_cuda_wg``'s own bar (64) was set where wg, without Q in shared memory, ran 0.64-0.70 at 16 heads.
+#: ``mla_cuda_wg``'s kernel, without Q in shared memory, ran 0.64-0.70 at 16 heads.
 WGQ_AUTO_MIN_HEADS = 16
 #: Warps of the value warpgroup issuing boxes (lane 0 each; ``issue``): key groups ``w, w + 4`` of warp ``w``, or,
 #: with one group a tile, its column blocks ``w, w + 4, ..``.

@@ -10,16 +10,16 @@ kernel's body first, for timing only (the outputs are then wrong and not checked
 
 * ``noexp``: the softmax's ``exp2f`` calls become the identity (what the special-function unit costs);
 * ``nosync``: the kernel's ``__syncthreads`` are gone (what the block barrier's lockstep costs);
-* ``nos`` / ``nopv``: the S / the P V wgmma's are gone (what the tensor cores' time of each is).
+* ``noqs`` / ``noqpv``: wgq's S / all its P V wgmma's are gone (what the tensor cores' time of each is).
 
 On the GPU host, ``build`` compiles each source into a shared library (sm_90a) and ``run`` times each (CUDA
 events), checks the plain kernels against a float32 PyTorch reference and prints TFLOP/s. Profile one with
 ``ncu ... python3 tools/mla_probe.py run DIR KERNEL --iters 1``.
 
-    python tools/mla_probe.py gen .gpu-var/mla wgt wgt@noexp wgt@nos wg      # build host (TVM)
-    PYTHONPATH=$OTHER/python python tools/mla_probe.py gen .gpu-var/mla --prefix new- wgt   # another checkout
+    python tools/mla_probe.py gen .gpu-var/mla wgq wgq@noexp wgq@noqs tc     # build host (TVM)
+    PYTHONPATH=$OTHER/python python tools/mla_probe.py gen .gpu-var/mla --prefix new- wgq   # another checkout
     python3 tools/mla_probe.py build .gpu-var/mla                            # GPU host (nvcc)
-    python3 tools/mla_probe.py run .gpu-var/mla wgt,wgt@noexp,wg             # GPU host (PyTorch)
+    python3 tools/mla_probe.py run .gpu-var/mla wgq,wgq@noexp,tc             # GPU host (PyTorch)
 """
 
 from __future__ import annotations
@@ -42,8 +42,6 @@ POINTERS = ("q", "pages", "page_indptr", "page_values", "last_page_len", "o", "l
 _WG_CALL = r"pagedkv_wgmma_n{n}_f16_t{t}\("
 EDITS = {"noexp": (("exp2f(", "("),),
          "nosync": (("__syncthreads();", ";"),),
-         "nos": ((re.compile(_WG_CALL.format(n=32, t=0)), "pk_noop_wg("),),
-         "nopv": ((re.compile(_WG_CALL.format(n=R // 2, t=1)), "pk_noop_wg("),),
          # wgq: its S (both operands in shared memory), and all its P V's (either form).
          "noqs": ((re.compile(r"pagedkv_wgmma_ss_n(32|64)_f16_t0\("), "pk_noop_ss("),),
          "noqpv": ((re.compile(r"pagedkv_wgmma_ss_n256_f16_t1\("), "pk_noop_ss("),
@@ -63,7 +61,7 @@ def _host_env(b: int, n: int) -> dict:
             "dev_id": 0, "aligned16": True}
 
 
-def _launcher(tag: str, kernels: dict, calls: list, launch_params: dict, tag_kernel: str = "") -> str:
+def _launcher(tag: str, kernels: dict, calls: list, launch_params: dict) -> str:
     """``pk_launch_TAG(P)``: the host code's launches of one shape, the pool's tensor map encoded first."""
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
     from pagedkv.tir_kernels._tma_cuda import LatentPageMap, decode_args
@@ -76,7 +74,7 @@ def _launcher(tag: str, kernels: dict, calls: list, launch_params: dict, tag_ker
             if "CUtensorMap" in ty:
                 from pagedkv.tir_kernels import mla_cuda_wgq
 
-                m = LatentPageMap(DL, mla_cuda_wgq.box_rows(PS) if "wgq" in tag_kernel else 8)  # the host code's box
+                m = LatentPageMap(DL, mla_cuda_wgq.box_rows(PS))  # the host code's box
                 # The pool's page count is the launcher's argument (a C expression); the rank-2 map counts rows.
                 shape = ([f"(cuuint64_t)pool_pages * {PS}", 1, 1, 1, DL] if m.rank == 2 else
                          ["(cuuint64_t)pool_pages", 1, 1, PS, DL])
@@ -129,7 +127,7 @@ def gen(out: Path, names: list[str], prefix: str = "") -> None:
         src = next(s for m in exe.mod.imports for s in [m.inspect_source()] if "__global__" in s)
         main, launch_params = host_main(func)
         kdefs = kernel_defs(src)
-        first = kdefs[0]  # the split kernel TVM emits first (wgt: the TMA one; wg: its own)
+        first = kdefs[0]  # the split kernel TVM emits first (wgq: the TMA one, before its fallback)
         body = first.text(src)
         for v in "+".join(variants).split("+") if variants else ():
             for a, b in EDITS[v]:
@@ -140,7 +138,7 @@ def gen(out: Path, names: list[str], prefix: str = "") -> None:
             env = _host_env(b, n)
             calls = launches(main, env)
             splits[f"{b}x{n}"] = env["S"]
-            launchers.append(_launcher(f"{b}x{n}", {k.name: k.params for k in kdefs}, calls, launch_params, base))
+            launchers.append(_launcher(f"{b}x{n}", {k.name: k.params for k in kdefs}, calls, launch_params))
         (out / f"{file_stem(prefix + name)}.cu").write_text("#include <cuda.h>\n" + src + _ENCODE + "\n".join(launchers))
         meta[prefix + name] = {"splits": splits}
         print(prefix + name, meta[prefix + name], flush=True)

@@ -14,10 +14,10 @@ On the GPU host, ``build`` compiles each source into a shared library (sm_90a) a
 ragged prefills (CUDA events), checks the plain tiles against PyTorch's float32 attention and times PyTorch's
 fp16 SDPA beside them. Profile one tile with ``ncu ... python3 tools/prefill_probe.py run DIR TILE --iters 1``.
 
-    python tools/prefill_probe.py gen .gpu-var/probe wg2 wg2@noexp wg2p tc3      # build host (TVM)
-    PYTHONPATH=$OLD/python python tools/prefill_probe.py gen .gpu-var/probe --prefix base- wg2p   # a baseline
-    python3 tools/prefill_probe.py build .gpu-var/probe                           # GPU host (nvcc)
-    python3 tools/prefill_probe.py run .gpu-var/probe wg2,wg2@noexp,wg2p,tc3      # GPU host (PyTorch)
+    python tools/prefill_probe.py gen .gpu-var/probe wg1t wg1t@noexp wg2t tc3      # build host (TVM)
+    PYTHONPATH=$OLD/python python tools/prefill_probe.py gen .gpu-var/probe --prefix base- wg1t   # a baseline
+    python3 tools/prefill_probe.py build .gpu-var/probe                             # GPU host (nvcc)
+    python3 tools/prefill_probe.py run .gpu-var/probe wg1t,wg1t@noexp,wg2t,tc3      # GPU host (PyTorch)
 """
 
 from __future__ import annotations

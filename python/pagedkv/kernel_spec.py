@@ -41,24 +41,19 @@ SWITCHES: dict[str, tuple[str, tuple[str, ...]]] = {
                             "of its tiles (tir_kernels._prefill_tc_tiles.TC_TILES): tc = 64 rows a block, one K/V "
                             "stage in static shared memory; tc2 = 128 rows (8 warps), two stages in dynamic shared "
                             "memory; tc3 = 128 rows (4 warps of two m16 tiles, Q in shared memory), two stages of "
-                            "32 keys; tc4 = tc3 with 8 warps (256 rows: each K/V tile fetched serves twice the rows); wg = 64 rows (one warpgroup), two stages of 64 keys as core matrices, S and "
-                            "O by wgmma; wg2 = 128 rows (two warpgroups sharing each K/V tile), the same stages; "
-                            "wg2o = wg2 with three stages, each warpgroup's softmax of tile kt overlapping its P V "
-                            "of tile kt - 1; wg2k = wg2o with 128-key tiles; wg2p = wg2o with four stages, no block "
-                            "barrier: the warpgroups signal landed tiles and take turns issuing their wgmma's "
-                            "through named barriers; wg2t = wg2o with four stages whose K/V tiles one thread copies with "
-                            "TMA (128-byte swizzled, one mbarrier a stage; paged: boxes of 8 keys of a page), where k / v "
-                            "(the pages) start 16-byte aligned and pages hold a multiple of 8 keys, else the op's "
-                            "tc3 / tc2 (the PrimFunc tests them); wg1t = wg2t on one warpgroup (64 rows) with three "
-                            "stages, two blocks an SM (the wg tiles need a target arch sm_90a, "
-                            "kernel_spec.KernelSpec.target_arch; forced only but wg1t and wg2t, which auto takes for the "
-                            "ragged and the paged op on sm_90a). "
+                            "32 keys; wg2t = 128 rows (two warpgroups sharing each K/V tile), S and O by wgmma, "
+                            "four stages of 64 keys whose K/V tiles arrive by TMA (128-byte swizzled, one mbarrier a "
+                            "stage; paged: boxes of 8 keys of a page), each warpgroup's softmax of tile kt "
+                            "overlapping its P V of tile kt - 1, where k / v (the pages) start 16-byte aligned and "
+                            "pages hold a multiple of 8 keys, else the op's tc3 / tc2 (the PrimFunc tests them); "
+                            "wg1t = wg2t on one warpgroup (64 rows) with three stages, two blocks an SM (wg2t and "
+                            "wg1t need a target arch sm_90a, kernel_spec.KernelSpec.target_arch, and head dim 128). "
                             "Inline RoPE always runs the SIMT kernel. auto: the tensor-core kernel where it serves "
                             "the spec (TC_BY_DEFAULT), in the op's first serving tile of "
-                            "tir_kernels.attention_cuda_prefill.TC_DEFAULT_TILES (ragged: wg1t on sm_90a at head dim 128, else tc3, else tc; paged: "
-                            "wg2t on sm_90a at head dim 128, else tc2, else tc), SIMT elsewhere",
-                            ("auto", "simt", "tc", "tc2", "tc3", "tc4", "wg", "wg2", "wg2o", "wg2k", "wg2p", "wg2t",
-                             "wg1t")),
+                            "tir_kernels.attention_cuda_prefill.TC_DEFAULT_TILES (ragged: wg1t on sm_90a at head dim "
+                            "128, else tc3, else tc; paged: wg2t on sm_90a at head dim 128, else tc2, else tc), SIMT "
+                            "elsewhere",
+                            ("auto", "simt", "tc", "tc2", "tc3", "wg2t", "wg1t")),
     "cuda_decode_kernel": ("CUDA MHA decode (attn_decode_paged), plain and inline RoPE: the lane-group kernel "
                            "for both (lanes) or the shared-memory staged kernel for both (staged; raises where "
                            "its limits refuse either variant); tc: both variants on the tensor-core kernel "
@@ -68,28 +63,26 @@ SWITCHES: dict[str, tuple[str, tuple[str, ...]]] = {
                            "where it serves and TC_DECODE_BY_DEFAULT / TC_ROPE_BY_DEFAULT "
                            "(tir_kernels.attention_cuda_decode), else staged per variant where its limits "
                            "allow (staged_limits, staged_rope_limits)", ("auto", "lanes", "staged", "tc")),
-    "cuda_mla_decode_kernel": ("CUDA MLA decode (mla_attn_decode_paged): the SIMT FP32 kernel (simt) or the "
-                               "tensor-core one (tc: mma.sync, 8 warps, 16 / 32 heads a block, 64-key latent tiles "
+    "cuda_mla_decode_kernel": ("CUDA MLA decode (mla_attn_decode_paged): the SIMT FP32 kernel (simt) or a "
+                               "tensor-core one: tc (mma.sync, 8 warps, 16 / 32 heads a block, 64-key latent tiles "
                                "in a 2-stage cp.async ring; fp16 / bf16, latent dim a multiple of 64 up to 576, "
                                "kv_lora_rank a multiple of 128; forcing tc on another spec raises with the "
-                               "reasons of tir_kernels.mla_cuda_tc.tc_unserved); wg: wgmma, two warpgroups, 64 heads "
-                               "a block, the scores split over the latent dims and O over the value dims (sm_90a; "
-                               "tir_kernels.mla_cuda_wg.wg_unserved); wgt: wg with its latent tiles brought by TMA (sm_90a; "
-                               "tir_kernels.mla_cuda_wgt; where TMA cannot read the pages, not 16-byte aligned or "
-                               "pages not a multiple of 8 keys, its PrimFunc runs wg); wgq: Q in shared memory, one warpgroup "
-                               "scoring 64-key tiles whole and one doing P V and the TMA issue (sm_90a; "
-                               "tir_kernels.mla_cuda_wgq; the same fallback to wg); auto: wgq (WGQ_BY_DEFAULT) where it serves the spec "
-                               "(sm_90a) with at least WGQ_AUTO_MIN_HEADS (16) heads, else wgt (WGT_BY_DEFAULT) or "
-                               "wg where they serve it with at least WG_AUTO_MIN_HEADS (64) heads, else tc where it serves the spec "
-                               "(MLA_TC_BY_DEFAULT), SIMT elsewhere", ("auto", "simt", "tc", "wg", "wgt", "wgq")),
+                               "reasons of tir_kernels.mla_cuda_tc.tc_unserved) or wgq (wgmma, 64 heads a block, Q "
+                               "in shared memory, one warpgroup scoring 64-key tiles whole and one doing P V and the "
+                               "TMA issue; sm_90a; tir_kernels.mla_cuda_wgq.wgq_unserved; where TMA cannot read the "
+                               "pages, not 16-byte aligned or pages not a multiple of 8 keys, its PrimFunc runs the "
+                               "cp.async wgmma kernel of tir_kernels.mla_cuda_wg); auto: wgq (WGQ_BY_DEFAULT) where "
+                               "it serves the spec (sm_90a) with at least WGQ_AUTO_MIN_HEADS (16) heads, else tc "
+                               "where it serves the spec (MLA_TC_BY_DEFAULT), SIMT elsewhere",
+                               ("auto", "simt", "tc", "wgq")),
     "cuda_mla_prefill_kernel": ("CUDA paged MLA prefill (mla_attn_prefill_paged): the SIMT FP32 kernel (simt) or one of "
                                 "the tensor-core MLA decode kernels run with each query token's heads as a decode's "
-                                "(tir_kernels._mla_frame_cuda.make_prefill_frame; tc, wg, wgq as for "
+                                "(tir_kernels._mla_frame_cuda.make_prefill_frame; tc, wgq as for "
                                 "cuda_mla_decode_kernel, with the same limits; forcing one on a spec it does not serve "
                                 "raises); auto: the kernel the decode's auto takes on the same spec (wgq on sm_90a at 16+ "
-                                "heads, else wg at 64+; else tc where it serves), SIMT elsewhere (and everywhere with "
+                                "heads, else tc where it serves), SIMT elsewhere (and everywhere with "
                                 "tir_kernels.mla_cuda.MLA_PREFILL_TC_BY_DEFAULT off)",
-                                ("auto", "simt", "tc", "wg", "wgq")),
+                                ("auto", "simt", "tc", "wgq")),
 }
 
 
@@ -113,34 +106,31 @@ def tc_decode_limits(g: int, d: int, dtype: str) -> list[str]:
     return out
 
 
-#: What the wgmma prefill tiles ("wg", "wg2", "wg2o", forced only) serve beyond the tensor-core prefill's limits: the head dim of
-#: its H200 runs that matched the reference. At head dim 64 its outputs were wrong (relative error 0.07-0.37 at
-#: GQA groups 3, 4 and 7; head dim 128 at groups 1, 3, 4 and 8 right; H200, 2026-12-04). Not the operand
-#: layouts (``tools/wgmma_probe.cu`` checked them at these strides); cause not found. Refused, not run.
+#: What the wgmma prefill tiles (``WG_PREFILL_TILES``) serve beyond the tensor-core prefill's limits: the head dim
+#: of the H200 runs of the first wgmma tile that matched the reference. At head dim 64 its outputs were wrong
+#: (relative error 0.07-0.37 at GQA groups 3, 4 and 7; head dim 128 at groups 1, 3, 4 and 8 right; H200,
+#: 2026-12-04). Not the operand layouts (``tools/wgmma_probe.cu`` checked them at these strides); cause not found.
+#: Refused, not run.
 WG_PREFILL_HEAD_DIMS = (128,)
 
 
 def wg_prefill_limits(d: int, dv: int) -> list[str]:
-    """Why the wgmma prefill tile does not take head dims ``d`` / ``dv`` beyond the tensor-core prefill's limits
-    (empty: it does)."""
+    """Why the wgmma prefill tiles do not take head dims ``d`` / ``dv`` beyond the tensor-core prefill's limits
+    (empty: they do)."""
     if d not in WG_PREFILL_HEAD_DIMS or dv not in WG_PREFILL_HEAD_DIMS:
         return [f"head dims {d}/{dv} (the wgmma prefill tile takes {WG_PREFILL_HEAD_DIMS}: head dim 64 gave wrong "
                 "results on the H200)"]
     return []
 
 
+#: The wgmma prefill tiles (``tir_kernels._prefill_tc_tiles.TC_TILES`` with ``wgmma``): their K / V tiles are TMA
+#: boxes, and their PrimFuncs also hold the op's first non-TMA default tile, run where TMA cannot read the
+#: operands (not 16-byte aligned; pages not a multiple of 8 keys).
+WG_PREFILL_TILES = ("wg2t", "wg1t")
 #: Forced path values whose kernels need one CUDA arch (their instructions exist there only): a library holding
 #: them is built for, and looked up under, that arch (``target_for_paths``). (switch, value) -> arch.
-#: The wgmma prefill tiles (``tir_kernels._prefill_tc_tiles.TC_TILES`` with ``wgmma``).
-WG_PREFILL_TILES = ("wg", "wg2", "wg2o", "wg2k", "wg2p", "wg2t", "wg1t")
-#: The wgmma tiles whose K / V tiles are TMA boxes (``TcTile.tma``): their PrimFuncs also hold the op's first
-#: non-TMA default tile, run where TMA cannot read the operands (not 16-byte aligned; pages not a multiple of 8).
-TMA_PREFILL_TILES = ("wg2t", "wg1t")
 PATH_ARCHS: dict[tuple[str, str], str] = {**{("cuda_prefill_kernel", t): "sm_90a" for t in WG_PREFILL_TILES},
-                                          ("cuda_mla_decode_kernel", "wg"): "sm_90a",
-                                          ("cuda_mla_decode_kernel", "wgt"): "sm_90a",
                                           ("cuda_mla_decode_kernel", "wgq"): "sm_90a",
-                                          ("cuda_mla_prefill_kernel", "wg"): "sm_90a",
                                           ("cuda_mla_prefill_kernel", "wgq"): "sm_90a"}
 
 
@@ -223,7 +213,7 @@ class KernelSpec:
     target_arch : str
         The CUDA arch the kernels are made for (``"sm_90a"``...), "" = unknown / not CUDA. Filled by
         ``pagedkv.tir_kernels.make`` from the target (the family factories see only the spec): kernels that
-        need an arch-specific PTX target (the "wg" prefill tile's wgmma needs sm_90a) read it. Not part of
+        need an arch-specific PTX target (the wgmma prefill tiles need sm_90a) read it. Not part of
         ``to_dict`` when "" (the library key's config part is what it was before the field).
     """
 
@@ -302,5 +292,5 @@ class KernelSpec:
                 for f in fields(self) for v in [getattr(self, f.name)] if f.name != "target_arch" or v}
 
 
-__all__ = ["DTYPES", "KernelSpec", "PATH_ARCHS", "SWITCHES", "TMA_PREFILL_TILES", "WG_PREFILL_TILES", "forced", "normalize_paths", "target_for_paths",
+__all__ = ["DTYPES", "KernelSpec", "PATH_ARCHS", "SWITCHES", "WG_PREFILL_TILES", "forced", "normalize_paths", "target_for_paths",
            "tc_decode_limits"]

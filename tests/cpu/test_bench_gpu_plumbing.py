@@ -113,11 +113,10 @@ def test_columns_are_decided_without_the_kernels():
     assert int(out.stdout.split()[-1]) > 0
 
 
-@pytest.mark.parametrize("label,kernel", [("pagedkv-tir-mlatc", "tc"), ("pagedkv-tir-mlawg", "wg"),
-                                          ("pagedkv-tir-mlawgt", "wgt"), ("pagedkv-tir-mlawgq", "wgq")])
+@pytest.mark.parametrize("label,kernel", [("pagedkv-tir-mlatc", "tc"), ("pagedkv-tir-mlawgq", "wgq")])
 def test_mla_tc_column_is_mla_decode_only(label, kernel):
-    """``pagedkv-tir-mlatc`` / ``-mlawg`` / ``-mlawgt`` (the tensor-core / wgmma / TMA wgmma MLA decode forced)
-    have a column on every MLA decode row and no other."""
+    """``pagedkv-tir-mlatc`` / ``-mlawgq`` (the mma.sync / wgmma MLA decode forced) have a column on every MLA
+    decode row and no other."""
     assert impls.PAGEDKV_PATHS[label] == {"cuda_mla_decode_kernel": kernel}
     for w in W.workloads():
         why = impls.pagedkv_unavailable(label, w)

@@ -116,7 +116,7 @@ def _lookup_key(config, paths: dict) -> str:
     from pagedkv.cache import kernel_library_key, kernel_shape
     from pagedkv.kernel_spec import target_for_paths
 
-    target = target_for_paths(paths, CUDA)  # as test_prefill_tc_gpu: "wg" looks up an sm_90a library
+    target = target_for_paths(paths, CUDA)  # as test_prefill_tc_gpu: "wg1t" looks up an sm_90a library
     with forced_paths(paths):
         choice = tuple(backends.resolve(config, T.canonical(target), "tir").choice.items())
         return kernel_library_key(kernel_shape(config), json.loads(T.key(target)), choice)

@@ -2,8 +2,8 @@
 ``tir_kernels._mla_frame_cuda.make_prefill_frame``) on the build host: no GPU.
 
 (a) ``nvcc --cubin`` compiles TVM's source of ``mla_attn_prefill_paged`` for DeepSeek's latent (512 + 64): the
-    mma.sync kernel (tc) at 16 heads fp16 and 128 heads bf16 for sm_90, and the wgmma kernels (wg, wgq) at 128
-    heads fp16 for sm_90a: no register spills or stack, at most 255 registers, and the instructions of the kernel
+    mma.sync kernel (tc) at 16 heads fp16 and 128 heads bf16 for sm_90, and the wgmma kernel (wgq, with its
+    fallback) at 128 heads fp16 for sm_90a: no register spills or stack, at most 255 registers, and the instructions of the kernel
     asked for (a frame around a decode's block must not cost the block its registers).
 (b) The switch: auto takes the kernel the decode's auto takes on the same spec (wgq on sm_90a at 16+ heads, tc
     below or on sm_90, SIMT for fp32) with ``mla_cuda.MLA_PREFILL_TC_BY_DEFAULT``, SIMT without; a forced kernel on
@@ -22,7 +22,7 @@ import pytest
 from _cuda_support import cuda_source_of, nvcc_all, ptxas_usage, stack_frames
 
 from pagedkv import tir_kernels as tk
-from pagedkv.tir_kernels import mla_cuda, mla_cuda_wg, mla_cuda_wgq
+from pagedkv.tir_kernels import mla_cuda, mla_cuda_wgq
 from pagedkv.tir_kernels._common import fast_macro_expansion
 
 import tvm
@@ -33,9 +33,8 @@ SWITCH = mla_cuda.PREFILL_SWITCH
 SM90 = Target({"kind": "cuda", "arch": "sm_90"}, host="llvm")
 SM90A = Target({"kind": "cuda", "arch": "sm_90a"}, host="llvm")
 #: (kernel, heads, dtype, arch): what nvcc compiles, and the instruction its source must hold.
-CASES = [("tc", 16, "float16", "sm_90"), ("tc", 128, "bfloat16", "sm_90"), ("wg", 128, "float16", "sm_90a"),
-         ("wgq", 128, "float16", "sm_90a")]
-MARK = {"tc": "mma.sync.aligned.m16n8k16", "wg": "wgmma.mma_async", "wgq": "wgmma.mma_async"}
+CASES = [("tc", 16, "float16", "sm_90"), ("tc", 128, "bfloat16", "sm_90"), ("wgq", 128, "float16", "sm_90a")]
+MARK = {"tc": "mma.sync.aligned.m16n8k16", "wgq": "wgmma.mma_async"}
 
 
 def spec(heads, dtype, kernel, arch="sm_90"):
@@ -72,9 +71,7 @@ def test_prefill_compiles_without_spills(case, tmp_path):
 def _kernel_of(s) -> str:
     with fast_macro_expansion():
         script = mla_cuda.mla_attn_prefill_paged_cuda(s).script()
-    if "pagedkv_wgmma_ss_" in script:
-        return "wgq"
-    return "wg" if "pagedkv_wgmma_" in script else "tc" if "pagedkv_mma_" in script else "simt"
+    return "wgq" if "pagedkv_wgmma_ss_" in script else "tc" if "pagedkv_mma_" in script else "simt"
 
 
 @pytest.mark.parametrize("heads, arch, dtype, want", [
@@ -88,20 +85,19 @@ def test_auto_takes_the_decodes_kernel(heads, arch, dtype, want, by_default, mon
     want = want if by_default else "simt"
     assert mla_cuda.prefill_kernel(s) == want and _kernel_of(s) == want
     assert want != "wgq" or mla_cuda_wgq.use_wgq(s)  # the decode's auto on the same spec
-    assert want != "tc" or not mla_cuda_wg.use_wg(s)
+    assert want != "tc" or not mla_cuda_wgq.use_wgq(s)
 
 
 def test_forced_simt_and_unserved_kernels():
     assert _kernel_of(spec(16, "float16", "simt")) == "simt"
     with pytest.raises(NotImplementedError, match=f"{SWITCH}=tc: .*dtype float32"):
         mla_cuda.mla_attn_prefill_paged_cuda(spec(16, "float32", "tc"))
-    for kernel in ("wg", "wgq"):
-        with pytest.raises(NotImplementedError, match=f"{SWITCH}={kernel}: .*target arch"):
-            mla_cuda.mla_attn_prefill_paged_cuda(spec(128, "float16", kernel, "sm_90"))
+    with pytest.raises(NotImplementedError, match=f"{SWITCH}=wgq: .*target arch"):
+        mla_cuda.mla_attn_prefill_paged_cuda(spec(128, "float16", "wgq", "sm_90"))
 
 
 def test_switch_is_registered():
     from pagedkv.kernel_spec import PATH_ARCHS, SWITCHES
 
-    assert SWITCHES[SWITCH][1] == ("auto", "simt", "tc", "wg", "wgq")
-    assert PATH_ARCHS[(SWITCH, "wg")] == PATH_ARCHS[(SWITCH, "wgq")] == "sm_90a"
+    assert SWITCHES[SWITCH][1] == ("auto", "simt", "tc", "wgq")
+    assert PATH_ARCHS[(SWITCH, "wgq")] == "sm_90a"

@@ -8,9 +8,10 @@
     ``MLA_TC_BY_DEFAULT``), SIMT elsewhere (fp32, latents it does not take); "simt" forces SIMT; "tc" on a spec it
     does not serve raises with the reasons.
 
-(c) The wgmma kernels (``mla_cuda_wg``, forced ``wg``, and its TMA variant ``mla_cuda_wgt``, forced ``wgt``,
-    sm_90a): the same resource checks and their wgmma counts; a target other than sm_90a, and specs they do not
-    serve, raise naming every reason.
+(c) The wgmma kernel with Q in shared memory (``mla_cuda_wgq``, forced ``wgq``, sm_90a; its PrimFunc also holds
+    ``mla_cuda_wg``'s kernel, the fallback where TMA cannot read the pages): the same resource checks and the
+    wgmma counts of both kernels; a target other than sm_90a, and specs they do not serve, raise naming every
+    reason.
 
 The numerics: ``test_mla_tc_emulated.py`` (CPU emulation) and ``tests/gpu`` (the path cases of
 ``pagedkv.testing.shapes.mla_path_cases``).
@@ -26,7 +27,7 @@ import pytest
 from _cuda_support import cuda_source_of, nvcc_all, ptxas_usage, stack_frames
 
 from pagedkv import tir_kernels as tk
-from pagedkv.tir_kernels import mla_cuda, mla_cuda_tc, mla_cuda_wg, mla_cuda_wgq, mla_cuda_wgt
+from pagedkv.tir_kernels import mla_cuda, mla_cuda_tc, mla_cuda_wg, mla_cuda_wgq
 from pagedkv.tir_kernels._common import fast_macro_expansion
 
 import tvm
@@ -91,7 +92,7 @@ def _uses_tc(s) -> bool:
 
 
 def test_switch_is_registered():
-    assert tk.SWITCHES[SWITCH][1] == ("auto", "simt", "tc", "wg", "wgt", "wgq")  # wg, wgt, wgq: below (sm_90a)
+    assert tk.SWITCHES[SWITCH][1] == ("auto", "simt", "tc", "wgq")  # wgq: below (sm_90a)
     assert spec(16, 128, 64, "float16", "auto").paths == ()
 
 
@@ -128,17 +129,15 @@ def test_fp32_auto_is_the_simt_kernel():
     assert not _uses_tc(spec(3, 64, 32, "float32", "auto"))
 
 
-# The wgmma kernel (``mla_cuda_wg``, ``cuda_mla_decode_kernel=wg``): sm_90a only; auto at 64+ heads there.
+# The wgmma kernel (``mla_cuda_wgq``, ``cuda_mla_decode_kernel=wgq``): sm_90a only; auto at 16+ heads there.
 SM90A = Target({"kind": "cuda", "arch": "sm_90a"}, host="llvm")
 #: (heads, kv_lora_rank, qk_rope_head_dim, dtype): DeepSeek-V3 (two head groups; O 2 x 256 dims, 128
 #: accumulators a thread) and V2-Lite's 16 heads (48 padding rows).
 WG_CONFIGS = [(128, 512, 64, "float16"), (16, 512, 64, "bfloat16")]
 
 
-#: The wgmma kernels: wg, and wgt / wgq (TMA latent tiles), whose PrimFuncs also hold wg's kernel (their fallback).
-WG_KERNELS = {"wg": (mla_cuda_wg.smem_bytes, 1), "wgt": (mla_cuda_wgt.smem_bytes, 2),
-              "wgq": (mla_cuda_wgq.smem_bytes, 2)}
-WG_CASES = [(k, c) for k in WG_KERNELS for c in WG_CONFIGS]
+#: The wgmma kernel forced (TMA latent tiles), whose PrimFunc also holds wg's kernel (its fallback).
+WG_CASES = [("wgq", c) for c in WG_CONFIGS]
 
 
 @functools.cache
@@ -153,13 +152,11 @@ def wg_cuda_source(case: tuple) -> str:
 
 @pytest.mark.parametrize("case", WG_CASES, ids=[k + "-" + "x".join(map(str, c)) for k, c in WG_CASES])
 def test_wg_decode_compiles_without_spills(case, tmp_path):
-    """No spills in at most 255 registers (256 threads), static + dynamic shared memory within 227 KB, and per
-    tile ``DL / 32`` wgmma m64n32k16 (S, A = Q) and ``TK / 16`` m64n{DV/2}k16 (P V) in the source, in each
-    wgmma kernel of the PrimFunc (wgt: its own and wg's; wgq: wg's, and its own ``DL / 16`` m64n64k16 with both
-    operands in shared memory (S) and ``2 TK / 16`` m64n{DV/2}k16, one warpgroup's P from registers, the other's
-    from shared memory)."""
-    kernel, cfg = case
-    smem_bytes, kernels = WG_KERNELS[kernel]
+    """No spills in at most 255 registers (256 threads), static + dynamic shared memory within 227 KB, and the
+    wgmma's of both kernels of the PrimFunc in the source: wg's (the fallback) per tile ``DL / 32`` m64n32k16 (S,
+    A = Q) and ``TK / 16`` m64n{DV/2}k16 (P V); wgq's ``DL / 16`` m64n64k16 with both operands in shared memory
+    (S) and ``2 TK / 16`` m64n{DV/2}k16, one warpgroup's P from registers, the other's from shared memory."""
+    _kernel, cfg = case
     src = wg_cuda_source(case)
     rc, log = nvcc_all([case], wg_cuda_source, tmp_path, "mla_wg_")[case]
     assert rc == 0, log[-4000:]
@@ -174,49 +171,42 @@ def test_wg_decode_compiles_without_spills(case, tmp_path):
     # fallback and the merge kernels).
     static = {m.group(1): int(m.group(2) or 0) for m in re.finditer(
         r"Compiling entry function '(\w+)'.*?Used \d+ registers, used \d+ barriers(?:, (\d+) bytes smem)?", log, re.S)}
-    assert static["pagedkv_mla_attn_decode_paged_kernel"] + smem_bytes(rank + rope) <= MAX_SMEM, static
+    assert static["pagedkv_mla_attn_decode_paged_kernel"] + mla_cuda_wgq.smem_bytes(rank + rope) <= MAX_SMEM, static
     assert static.get("pagedkv_mla_attn_decode_paged_kernel_2", 0) + mla_cuda_wg.smem_bytes(rank + rope) <= MAX_SMEM
     body = src.split("#endif")[-1]
-    wg_kernels = 1 if kernel == "wgq" else kernels
-    assert len(re.findall(r"pagedkv_wgmma_n32_b?f16_t0\(", body)) == (rank + rope) // 32 * wg_kernels
+    assert len(re.findall(r"pagedkv_wgmma_n32_b?f16_t0\(", body)) == (rank + rope) // 32
     pv = len(re.findall(rf"pagedkv_wgmma_n{rank // 2}_b?f16_t1\(", body))
-    if kernel == "wgq":
-        tk = mla_cuda_wgq.TK
-        assert len(re.findall(rf"pagedkv_wgmma_ss_n{tk}_b?f16_t0\(", body)) == (rank + rope) // 16
-        assert len(re.findall(rf"pagedkv_wgmma_ss_n{rank // 2}_b?f16_t1\(", body)) == tk // 16
-        pv -= tk // 16  # the score warpgroup's (P from registers)
-    assert pv == mla_cuda_wg.TK // 16 * wg_kernels
-    assert ("CUtensorMap" in body) == (kernel in ("wgt", "wgq"))
+    tk = mla_cuda_wgq.TK
+    assert len(re.findall(rf"pagedkv_wgmma_ss_n{tk}_b?f16_t0\(", body)) == (rank + rope) // 16
+    assert len(re.findall(rf"pagedkv_wgmma_ss_n{rank // 2}_b?f16_t1\(", body)) == tk // 16
+    pv -= tk // 16  # the score warpgroup's (P from registers)
+    assert pv == mla_cuda_wg.TK // 16
+    assert "CUtensorMap" in body
 
 
-@pytest.mark.parametrize("kernel", ["wg", "wgt", "wgq"])
-def test_wg_needs_sm90a_and_names_every_reason(kernel):
-    with pytest.raises(NotImplementedError, match=f"{SWITCH}={kernel}: .*target arch"):
-        mla_cuda.mla_attn_decode_paged_cuda(spec(128, 512, 64, "float16", kernel))
-    reasons = mla_cuda_wg.wg_unserved(dataclasses.replace(spec(4, 96, 16, "float32", "wg"), target_arch="sm_90a"))
+def test_wg_needs_sm90a_and_names_every_reason():
+    with pytest.raises(NotImplementedError, match=f"{SWITCH}=wgq: .*target arch"):
+        mla_cuda.mla_attn_decode_paged_cuda(spec(128, 512, 64, "float16", "wgq"))
+    reasons = mla_cuda_wgq.wgq_unserved(dataclasses.replace(spec(4, 96, 16, "float32", "wgq"), target_arch="sm_90a"))
     assert [r.split(" (")[0] for r in reasons] == ["dtype float32", "latent dim 112", "kv_lora_rank 96"]
-    assert mla_cuda_wg.wg_unserved(dataclasses.replace(spec(128, 512, 64, "bfloat16", "wg"),
-                                                       target_arch="sm_90a")) == []
+    assert mla_cuda_wgq.wgq_unserved(dataclasses.replace(spec(128, 512, 64, "bfloat16", "wgq"),
+                                                         target_arch="sm_90a")) == []
 
 
 def _kernel_of(s) -> str:
     with fast_macro_expansion():
         script = mla_cuda.mla_attn_decode_paged_cuda(s).script()
-    return "wg" if "pagedkv_wgmma_" in script else "tc" if "pagedkv_mma_" in script else "simt"
+    return "wgq" if "pagedkv_wgmma_" in script else "tc" if "pagedkv_mma_" in script else "simt"
 
 
 @pytest.mark.parametrize("heads, arch, dtype, want", [
-    (128, "sm_90a", "float16", "wg"), (64, "sm_90a", "bfloat16", "wg"), (32, "sm_90a", "float16", "wgq"),
+    (128, "sm_90a", "float16", "wgq"), (64, "sm_90a", "bfloat16", "wgq"), (32, "sm_90a", "float16", "wgq"),
     (16, "sm_90a", "bfloat16", "wgq"), (8, "sm_90a", "float16", "tc"), (128, "sm_90", "float16", "tc"),
     (128, "sm_90a", "float32", "simt")])
 def test_auto_picks_wgmma_on_sm90a_by_heads(heads, arch, dtype, want):
     """auto: wgq where it serves the spec (sm_90a, fp16 / bf16) with at least WGQ_AUTO_MIN_HEADS heads; the
-    wgmma kernel's rule (wg, wgt) with at least WG_AUTO_MIN_HEADS heads (whole m64 tiles); the mma.sync kernel
-    below that or on sm_90, SIMT for fp32."""
-    assert mla_cuda_wg.WG_AUTO_MIN_HEADS == 64 and mla_cuda_wgq.WGQ_AUTO_MIN_HEADS == 16
+    mma.sync kernel below that or on sm_90, SIMT for fp32."""
+    assert mla_cuda_wgq.WGQ_AUTO_MIN_HEADS == 16 and mla_cuda_wgq.WGQ_BY_DEFAULT
     s = dataclasses.replace(spec(heads, 512, 64, dtype, "auto"), target_arch=arch)
-    assert mla_cuda_wg.use_wg(s) == (want == "wg")
-    assert mla_cuda_wgt.use_wgt(s) == (want == "wg" and mla_cuda_wgt.WGT_BY_DEFAULT)  # its TMA variant
-    wgq = want == "wgq" or (want == "wg" and mla_cuda_wgq.WGQ_BY_DEFAULT)  # auto's first choice
-    assert mla_cuda_wgq.use_wgq(s) == wgq
-    assert _kernel_of(s) == ("wg" if want == "wgq" else want)  # wgq's PrimFunc holds wgmma's
+    assert mla_cuda_wgq.use_wgq(s) == (want == "wgq")
+    assert _kernel_of(s) == want

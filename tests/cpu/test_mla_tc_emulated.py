@@ -1,5 +1,6 @@
 """The tensor-core MLA decodes (``tir_kernels/mla_cuda_tc.py``, ``cuda_mla_decode_kernel=tc``, and the wgmma one,
-``mla_cuda_wg.py``, ``=wg``, built for sm_90a: ``WG_CONFIGS``) run on the CPU (no GPU): TVM's generated CUDA of
+``mla_cuda_wgq.py``, ``=wgq``, built for sm_90a: ``WG_CONFIGS``; with its fallback, ``mla_cuda_wg.py``'s kernel,
+where the host code finds the pool unaligned) run on the CPU (no GPU): TVM's generated CUDA of
 ``mla_attn_decode_paged``, compiled with g++ against ``_cuda_emu.h`` (one fiber per CUDA thread, run in a random
 order between waits; ``mma.sync`` / ``ldmatrix`` / ``cp.async`` emulated from the PTX ISA), launched in the order
 and with the grids of TVM's own host code (``test_decode_staged_emulated``'s helpers), so the split kernel and the
@@ -50,28 +51,27 @@ CONFIGS = {
     "h16-r128-bf16-s8": (16, 128, 64, "bfloat16", "8", [130, 1, 0]),
     "h128-r512-bf16-s1": (128, 512, 64, "bfloat16", "1", [80, 1]),
 }
-#: The wgmma kernel (``cuda_mla_decode_kernel=wg``, built for sm_90a): 64 heads a block (128 = two groups; 40:
-#: padding rows), value dims split over two warpgroups (512 / 256 / 128: wgmma widths 256 / 128 / 64), 32-key
-#: tiles in a 4-stage ring (lengths past four tiles: the ring wraps).
+#: The wgmma kernel's configs (``cuda_mla_decode_kernel=wgq``, built for sm_90a): 64 heads a block (128 = two
+#: groups; 40: padding rows), value dims split over two warpgroups (512 / 256 / 128: wgmma widths 256 / 128 / 64),
+#: 64-key tiles in 2 stages at 576, 4 below (lengths past the stages: the ring wraps).
 WG_CONFIGS = {
     "h128-r512-bf16-s1": (128, 512, 64, "bfloat16", "1", [300, 1, 0]),
     "h40-r256-f16-s3": (40, 256, 64, "float16", "3", [130, 0, 17, 200]),
     "h64-r128-f16-s8": (64, 128, 64, "float16", "8", [130, 1, 0]),
     "h16-r512-f16-s1": (16, 512, 64, "float16", "1", [150, 33]),
 }
-#: The TMA kernels (``=wgt``, and ``=wgq``: Q in shared memory, 64-key tiles in 2 stages at 576, 4 below) on the
-#: same configs, and once each with the pool's address reported unaligned: the PrimFunc's host code then runs the
-#: wg kernel (``wgt/unaligned``).
-TMA_KERNELS = ("wgt", "wgq")
+#: The TMA kernel (Q in shared memory), on those configs and once with the pool's address reported unaligned: the
+#: PrimFunc's host code then runs ``mla_cuda_wg``'s kernel (``wgq/unaligned``).
+TMA_KERNELS = ("wgq",)
 #: wgq's box paths (``mla_cuda_wgq.box_rows``: the page size picks them; the cases above use pages of 16, four
 #: 16-key groups a tile, one a warp): pages of 64 (one group a tile, the column blocks split over the warps), 8
 #: (eight groups, two a warp) and 24 (8-key boxes, a tile's groups on three pages).
 WGQ_PAGES = {"h64-r512-f16-s1-p64": ("h64-r128-f16-s8", 64, [300, 64, 1, 0]),
              "h128-r512-bf16-s3-p8": ("h128-r512-bf16-s1", 8, [150, 3, 64]),
              "h40-r256-f16-s1-p24": ("h40-r256-f16-s3", 24, [130, 0, 17, 200])}
-CASES = ([(n, "tc") for n in CONFIGS] + [(n, k) for k in ("wg", *TMA_KERNELS) for n in WG_CONFIGS]
+CASES = ([(n, "tc") for n in CONFIGS] + [(n, k) for k in TMA_KERNELS for n in WG_CONFIGS]
          + [("h40-r256-f16-s3", f"{k}/unaligned") for k in TMA_KERNELS] + [(n, "wgq") for n in WGQ_PAGES])
-WG_KERNELS = ("wg", *TMA_KERNELS, *(f"{k}/unaligned" for k in TMA_KERNELS))
+WG_KERNELS = (*TMA_KERNELS, *(f"{k}/unaligned" for k in TMA_KERNELS))
 PS = 16
 #: Bytes of the static array standing in for the kernel's dynamic shared memory.
 DYN_SMEM_BYTES = 232 * 1024
@@ -116,7 +116,7 @@ def _build(name, kernel, stem, op=OP):
     src = cuda_source_of(exe)
     kernels = kernels_of(src, dyn_smem_bytes=DYN_SMEM_BYTES)
     mark = "pagedkv_wgmma_" if kernel in WG_KERNELS else "pagedkv_mma_"
-    # wgt / wgq: the TMA kernel and the wg kernel its host code falls back to.
+    # wgq: the TMA kernel and the wg kernel its host code falls back to.
     assert sum(mark in body for body, _p in kernels.values()) == (2 if kernel in TMA_KERNELS else 1), \
         "tensor-core kernels"
     main, launch_params = host_main(func)
@@ -201,8 +201,7 @@ def _run(built_case, kernel, arrays, env, ps, dl, splits):
         assert any("CUtensorMap" in ty for ty, _p in ps_) == (kernel in TMA_KERNELS and kname == calls[0][0]), kname
         for i, (ty, pname) in enumerate(ps_):
             if "CUtensorMap" in ty:
-                rows = mla_cuda_wgq.box_rows(ps) if kernel.startswith("wgq") else 8  # the host code's box
-                keep.append(tensor_map(arrays["pages"], LatentPageMap(dl, rows)))
+                keep.append(tensor_map(arrays["pages"], LatentPageMap(dl, mla_cuda_wgq.box_rows(ps))))  # the host's box
                 ptrs[i] = ctypes.addressof(keep[-1])
             elif ty.endswith("*"):
                 ptrs[i] = arrays[re.sub(r"_ptr(_\d+)?$", "", pname)].ctypes.data  # TVM may suffix a name
@@ -255,7 +254,6 @@ PREFILL_CASES = {
     "tc-h12-r128-bf16-s3": ("h12-r128-bf16-s3", "tc", False, [(3, 130), (2, 1), (6, 64)]),
     "tc-h40-r128-f16-s3-causal": ("h40-r128-f16-s3", "tc", True, [(4, 130), (3, 2)]),
     "tc-h16-r128-bf16-s8-causal": ("h16-r128-bf16-s8", "tc", True, [(3, 150), (2, 0), (5, 3)]),
-    "wg-h40-r256-f16-s3-causal": ("h40-r256-f16-s3", "wg", True, [(3, 200), (4, 2), (1, 0)]),
     "wgq-h40-r256-f16-s3-causal": ("h40-r256-f16-s3", "wgq", True, [(3, 200), (4, 2), (1, 0)]),
     "wgq-h128-r512-bf16-s1": ("h128-r512-bf16-s1", "wgq", False, [(2, 80), (2, 1)]),
     "wgq/unaligned-h40-r256-f16-s3-causal": ("h40-r256-f16-s3", "wgq/unaligned", True, [(3, 130), (2, 17)]),

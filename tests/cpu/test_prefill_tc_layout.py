@@ -243,15 +243,14 @@ def test_copy_chunks_cover_each_tile_once(tile, d):
     """``_prefill_tc_copy``'s 16-byte chunks of a K / V tile: every (key, 8-element dim chunk) of the ``tk`` x ``d``
     tile exactly once over the block's threads, and chunk ``it`` of a thread ``KSTEP it`` keys past its chunk 0
     at the same dims (the premise of the copy loop that steps one cursor from chunk to chunk). Each 8 consecutive
-    threads (one shared-memory wavefront of 16-byte stores) write 8 different 16-byte bank groups, and, unless
-    the core matrices are packed, read 128 contiguous bytes of one global row."""
+    threads (one shared-memory wavefront of 16-byte stores) write 8 different 16-byte bank groups and read 128
+    contiguous bytes of one global row."""
     import operator
 
     from pagedkv.tir_kernels._prefill_tc_copy import _Chunks
 
     cfg = tc.TC_TILES[tile]
-    packed = cfg.wgmma and not cfg.core_pad
-    ch = _Chunks(cfg.tk, d, cfg.threads, 8, packed)
+    ch = _Chunks(cfg.tk, d, cfg.threads, 8)
     assert ch.uniform and ch.count * cfg.threads * 8 == cfg.tk * d
     seen = set()
     for t in range(cfg.threads):
@@ -261,7 +260,7 @@ def test_copy_chunks_cover_each_tile_once(tile, d):
     assert seen == {(k, c) for k in range(cfg.tk) for c in range(0, d, 8)}
 
     def store(key, dim):
-        return cfg.kv_layout(d).index(key, dim) if cfg.wgmma else tc.k_store_index(key, dim, d)
+        return tc.k_store_index(key, dim, d)
 
     for it in range(ch.count):
         for t0 in range(0, cfg.threads, 8):
@@ -269,8 +268,7 @@ def test_copy_chunks_cover_each_tile_once(tile, d):
             at = [(k + it * ch.kstep, c) for k, c in at]
             assert all(store(k, c) % 8 == 0 for k, c in at)
             assert len({store(k, c) // 8 % 8 for k, c in at}) == 8, (tile, d, t0, at)
-            if not packed:
-                assert {k for k, _ in at} == {at[0][0]} and [c for _, c in at] == list(range(at[0][1], at[0][1] + 64, 8))
+            assert {k for k, _ in at} == {at[0][0]} and [c for _, c in at] == list(range(at[0][1], at[0][1] + 64, 8))
 
 
 @pytest.mark.parametrize("d,rows", [(128, 64), (64, 64), (128, 128)])

@@ -1,17 +1,16 @@
-"""The wgmma prefill tiles ("wg", "wg2", "wg2o", "wg2k", "wg2p" of the path switch ``cuda_prefill_kernel``) on the build
-host: no GPU.
+"""The wgmma prefill tiles ("wg2t", "wg1t" of the path switch ``cuda_prefill_kernel``) on the build host: no GPU.
 
-- It serves head dim 128 only (``kernel_spec.wg_prefill_limits``: head dim 64 gave wrong outputs on the H200 at
-  GQA groups 3, 4 and 7); forcing it elsewhere raises naming the limit.
-- It serves only a target arch of sm_90a (``KernelSpec.target_arch``, filled by ``tir_kernels.make`` from the
-  target): forced for an sm_90 target it raises naming the arch; auto never picks it (``TC_DEFAULT_TILES``).
-- ``nvcc --cubin -arch=sm_90a`` compiles its ragged and paged kernels without register spills, in at most 255
+- They serve head dim 128 only (``kernel_spec.wg_prefill_limits``: head dim 64 gave wrong outputs on the H200 at
+  GQA groups 3, 4 and 7); forcing one elsewhere raises naming the limit.
+- They serve only a target arch of sm_90a (``KernelSpec.target_arch``, filled by ``tir_kernels.make`` from the
+  target): forced for an sm_90 target one raises naming the arch; auto takes them there only
+  (``TC_DEFAULT_TILES``).
+- ``nvcc --cubin -arch=sm_90a`` compiles their ragged and paged kernels without register spills, in at most 255
   registers, with the expected wgmma count: per key tile ``D/16`` m64n64k16 for S and ``TK/16`` m64n{DV}k16 for
-  P V, every one unrolled (in the CUDA source, then as HGMMA in the SASS when cuobjdump is there); "wg2o",
-  "wg2k" and "wg2p" have each twice (its first tile's S and its last tile's P V are outside the loop) and, in the SASS, a
-  ``wait_group 1`` with the softmax's exps (MUFU.EX2) before the next wait (P V in flight meanwhile). ptxas
-  reports no serialized wgmma. "wg2p" has no block barrier, named barriers instead. The shared memory: two
-  stages of K and V core matrices (three for the overlapping tiles, four for "wg2p").
+  P V, every one unrolled (in the CUDA source, then as HGMMA in the SASS when cuobjdump is there), each twice
+  (the first tile's S and the last tile's P V are outside the loop), and, in the SASS, a ``wait_group 1`` with
+  the softmax's exps (MUFU.EX2) before the next wait (P V in flight meanwhile). ptxas reports no serialized
+  wgmma. The shared memory: three or four stages of K and V tiles, 128-byte swizzled, and their mbarriers.
 
 The numerical checks: ``tests/cpu/test_prefill_tc_emulated.py`` (CPU emulation), ``tests/gpu/test_prefill_tc_gpu.py``.
 """
@@ -47,7 +46,7 @@ SHAPES = {
 WG_TILES = WG_PREFILL_TILES
 
 
-def _wg(cfg, tile="wg"):
+def _wg(cfg, tile="wg1t"):
     return dataclasses.replace(cfg, paths={SWITCH: tile})
 
 
@@ -67,7 +66,7 @@ def test_wg_needs_sm90a_and_auto_takes_the_tma_tiles():
     d64 = dataclasses.replace(tk.KernelConfig(16, 4, 64, 64, "float16"), target_arch="sm_90a")
     assert pf.use_tensor_cores(OPS[0], d64, 64) == "tc3"
     assert pf.use_tensor_cores(OPS[1], d64, 64) == "tc2"
-    assert pf.use_tensor_cores(OPS[0], _wg(spec), 128) == "wg"
+    assert pf.use_tensor_cores(OPS[1], _wg(spec), 128) == "wg1t"
     assert "target_arch" not in cfg.to_dict() and spec.to_dict()["target_arch"] == "sm_90a"
 
 
@@ -83,24 +82,10 @@ def test_wg_refuses_head_dim_64(cfg):
     assert wg_prefill_limits(128, 128) == []
     for g in (1, 3, 4, 7, 8):  # head dim 128 at every group the tensor-core prefill takes
         assert tc_unserved(tk.KernelConfig(8 * g, 8, 128, 128, "float16", target_arch="sm_90a"), 128,
-                              "wg") is None
+                              "wg1t") is None
 
 
 def test_wg_tile_shared_memory():
-    # Core matrices padded by 8 elements: a 128-element row takes 144 (a 64-key tile 18,432 elements).
-    t = TC_TILES["wg"]
-    assert (t.rows, t.threads, t.stages, t.tk, t.core_pad, t.wgmma, t.overlap) == (64, 128, 2, 64, 8, True, False)
-    assert t.row_elems(128) == 144 and t.row_elems(64) == 72
-    assert t.smem_bytes(128, 128) == 2 * 64 * 288 * 2 == 73728
-    assert t.v_base(1, 128, 128) == 64 * 288 + 64 * 144
-    t2, t2o = TC_TILES["wg2"], TC_TILES["wg2o"]
-    assert (t2.rows, t2.threads, t2.stages, t2.overlap) == (128, 256, 2, False)
-    assert (t2o.rows, t2o.threads, t2o.stages, t2o.overlap) == (128, 256, 3, True)
-    assert t2o.smem_bytes(128, 128) == 3 * 64 * 288 * 2 and t2o.k_base(2, 128, 128) == 2 * 64 * 288
-    assert TC_TILES["wg2k"].core_pad == 0 and TC_TILES["wg2k"].smem_bytes(128, 128) == 3 * 128 * 256 * 2
-    t2p = TC_TILES["wg2p"]
-    assert (t2p.rows, t2p.threads, t2p.stages, t2p.tk, t2p.overlap, t2p.pingpong) == (128, 256, 4, 64, True, True)
-    assert t2p.smem_bytes(128, 128) == 4 * 64 * 288 * 2 <= 227 * 1024
     t2t = TC_TILES["wg2t"]  # 128-byte swizzled rows (no padding), 1024 bytes of alignment slack, 4 mbarriers
     assert (t2t.stages, t2t.ahead, t2t.tma, t2t.row_elems(128)) == (4, 2, True, 128)
     assert t2t.smem_bytes(128, 128) == 4 * 64 * 256 * 2 + 1024 + 4 * 8 <= 227 * 1024
@@ -138,46 +123,42 @@ def test_wg_nvcc_no_spills_and_wgmma(name, tile, nvcc_results):
     assert "instructions are serialized" not in log and "warpgroup.wait is injected" not in log, log[-3000:]
     print(name, tile, usage)  # registers, spill stores, spill loads per kernel (the report quotes them)
     d, t = SHAPES[name].head_dim, TC_TILES[tile]
-    want = (d // 16 + t.tk // 16) * (2 if t.overlap else 1)  # per kernel: S and P V of a key tile, unrolled
+    want = (d // 16 + t.tk // 16) * 2  # per kernel: S and P V of a key tile, unrolled, in and outside the loop
     source = (workdir / f"wg_{name}_{tile}.cu").read_text()
     calls = {k: len(re.findall(r"\bpagedkv_wgmma_n\d+_b?f16_t[01]\(", body)) for k, body in _kernel_bodies(source).items()}
     n_ops = len(_ops(tile))
-    # Per op: the SIMT RoPE kernel, the tile's kernel, and a TMA tile's fallback (mma.sync: operands TMA cannot
-    # read).
-    others = n_ops * (2 if t.tma else 1)
+    # Per op: the SIMT RoPE kernel, the tile's kernel, and its fallback (mma.sync: operands TMA cannot read).
+    others = n_ops * 2
     assert sorted(calls.values()) == [0] * others + [want] * n_ops, calls
     bodies = _kernel_bodies(source).values()
-    # mma.sync only in a TMA tile's fallback kernel, which has no wgmma
+    # mma.sync only in the fallback kernel, which has no wgmma
     assert all("pagedkv_wgmma_" not in b for b in bodies if "pagedkv_mma_" in b)
-    assert sum("pagedkv_mma_" in b for b in bodies) == (n_ops if t.tma else 0)
+    assert sum("pagedkv_mma_" in b for b in bodies) == n_ops
     for body in bodies:
-        if "pagedkv_wgmma_" in body:  # ping-pong: named barriers between the warpgroups, no block barrier
-            assert ("__syncthreads" in body) != t.pingpong, tile
-            assert ("pagedkv_bar_sync(" in body and "pagedkv_bar_arrive(" in body) == t.pingpong, tile
+        if "pagedkv_wgmma_" in body:  # one block barrier a key tile, no named barriers
+            assert "__syncthreads" in body and "pagedkv_bar_sync(" not in body, tile
     if _cuobjdump() is None:
         pytest.skip("cuobjdump not found (the SASS check needs it; the source count passed)")
     sass = _sass_by_kernel(workdir / f"wg_{name}_{tile}.cubin")
     counts = {k: len(re.findall(r"\bHGMMA\.64x\d+x16\.F32", s)) for k, s in sass.items()}
     assert sorted(counts.values()) == [0] * others + [want] * n_ops, counts
     waits = {k: set(re.findall(r"WARPGROUP\.DEPBAR\.LE gsb0, (0x\d)", s)) for k, s in sass.items() if "HGMMA" in s}
-    assert all(w == ({"0x0", "0x1"} if t.overlap else {"0x0"}) for w in waits.values()), waits
-    if t.overlap:  # the softmax's exps run while P V is in flight: between wait_group 1 and the next wait
-        for k, s in sass.items():
-            if "HGMMA" in s:
-                window = s.split("DEPBAR.LE gsb0, 0x1")[1].split("DEPBAR.LE gsb0, 0x0")[0]
-                assert window.count("MUFU.EX2") >= t.tk // 2, (k, window.count("MUFU.EX2"))
+    assert all(w == {"0x0", "0x1"} for w in waits.values()), waits
+    for k, s in sass.items():  # the softmax's exps run while P V is in flight: between wait_group 1 and the next wait
+        if "HGMMA" in s:
+            window = s.split("DEPBAR.LE gsb0, 0x1")[1].split("DEPBAR.LE gsb0, 0x0")[0]
+            assert window.count("MUFU.EX2") >= t.tk // 2, (k, window.count("MUFU.EX2"))
 
 
-def test_tma_tiles_are_declared_once():
-    """``kernel_spec.TMA_PREFILL_TILES`` (TVM-free) lists exactly the ``tma`` tiles; each op's fallback tile is its
-    first non-TMA default (mma.sync: it serves head dims 64 and 128, so every spec the TMA tile does)."""
-    from pagedkv.kernel_spec import TMA_PREFILL_TILES
-
-    assert TMA_PREFILL_TILES == tuple(t for t, c in TC_TILES.items() if c.tma)
+def test_wg_tiles_are_declared_once():
+    """``kernel_spec.WG_PREFILL_TILES`` (TVM-free) lists exactly the ``wgmma`` tiles (all ``tma``); each op's
+    fallback tile is its first non-TMA default (mma.sync: it serves head dims 64 and 128, so every spec the TMA
+    tile does)."""
+    assert WG_TILES == tuple(t for t, c in TC_TILES.items() if c.wgmma)
     spec = dataclasses.replace(SHAPES["32x8x128-f16"], target_arch="sm_90a")
     assert [pf.tma_fallback(op, spec, 128) for op in OPS] == ["tc3", "tc2"]
-    for t in TMA_PREFILL_TILES:
-        assert TC_TILES[t].overlap and TC_TILES[t].stages in (3, 4) and TC_TILES[t].tk == 64
+    for t in WG_TILES:
+        assert TC_TILES[t].tma and TC_TILES[t].stages in (3, 4) and TC_TILES[t].tk == 64
 
 
 def test_tma_primfuncs_test_their_operands_for_tma():
@@ -193,7 +174,7 @@ def test_tma_primfuncs_test_their_operands_for_tma():
     assert re.search(r'\bpages: T\.Buffer\([^)]*\), "float16", align=2', paged) and "T.truncmod(ps, 8) == 0" in paged
     for script in (ragged, paged):
         assert "pagedkv_mma_f16" in script and "pagedkv_wgmma_" in script  # fallback and TMA kernels
-    assert "align=2" not in tk.FACTORIES[OPS[0]](_wg(spec, "wg2o"), SM90A).script()
+    assert "align=2" not in tk.FACTORIES[OPS[0]](_wg(spec, "tc3"), SM90A).script()
 
 
 def test_host_aligned16_on_element_aligned_views():

@@ -51,7 +51,7 @@ CASES = (
     + [(f"prefill-{t}-d64", tk.KernelConfig(8, 2, 64, 64, "bfloat16"), {"cuda_prefill_kernel": t}, SM90)
        for t in TC_TILES if t not in WG_PREFILL_TILES]
     + [(f"mla-{k}-{h}", tk.KernelConfig(h, h, 64, 64, "float16", kv_lora_rank=512, qk_rope_head_dim=64),
-        {"cuda_mla_decode_kernel": k}, SM90A if k != "tc" else SM90) for k in ("tc", "wg", "wgt", "wgq") for h in (16, 128)]
+        {"cuda_mla_decode_kernel": k}, SM90A if k != "tc" else SM90) for k in ("tc", "wgq") for h in (16, 128)]
 )
 IDS = [c[0] for c in CASES]
 

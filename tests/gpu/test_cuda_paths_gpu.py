@@ -78,7 +78,7 @@ def _id(case) -> str:
 def _kernels(shape, paths_items: tuple):
     """(module, {op: function}) of ``shape``'s op table compiled (or loaded) under the forced paths."""
     cfg = shape.config()
-    target = target_for_paths(dict(paths_items), TARGET)  # the MLA "wg" kernel's library is built for sm_90a
+    target = target_for_paths(dict(paths_items), TARGET)  # the MLA "wgq" kernel's library is built for sm_90a
     with forced_paths(dict(paths_items)):
         choice = tuple(backends.resolve(cfg, target, "tir").choice.items())
         return _compile_op_table(cfg, target, choice)
@@ -213,10 +213,10 @@ def test_decode_split_hint_any_value(hint, gen):
     _check_decode(case, lengths, 0, gen, f"hint={hint}", mx)
 
 
-@pytest.mark.parametrize("kernel", ["auto", "wg"])
+@pytest.mark.parametrize("kernel", ["auto", "wgq"])
 @pytest.mark.parametrize("hint", list(HINTS))
 def test_mla_decode_split_hint_any_value(hint, kernel, gen):
-    """As above for the MLA tensor-core decodes (auto: the mma.sync one; wg: wgmma; 16 heads: one block an entry,
+    """As above for the MLA tensor-core decodes (auto: the mma.sync one; wgq: wgmma; 16 heads: one block an entry,
     132 slots): 128 entries of 512-767 keys, one full wave: S = 1 when balanced, else the ladder's 2."""
     paths = {"cuda_decode_splits": "auto"} | ({} if kernel == "auto" else {"cuda_mla_decode_kernel": kernel})
     case = next(c for c in MLA_CASES if c[0].h == 16 and c[1] == paths)

@@ -1,8 +1,8 @@
 """The tensor-core CUDA prefill (``tir_kernels.attention_cuda_prefill_tc``, forced with the path switch
 ``cuda_prefill_kernel=tc`` (64 rows, one stage), ``tc2`` or ``tc3`` (128 rows, two stages in dynamic shared
-memory; under auto, without wgmma, tc3 serves the ragged op and tc2 the paged one where they serve the spec), ``wg`` (wgmma, one
-warpgroup of 64 rows; its libraries built for sm_90a)) and the SIMT one (forced ``simt``) against the float64 reference. Skips cleanly
-without a CUDA GPU.
+memory; under auto, without wgmma, tc3 serves the ragged op and tc2 the paged one where they serve the spec),
+``wg2t`` / ``wg1t`` (wgmma, two / one warpgroups, K / V by TMA; their libraries built for sm_90a)) and the SIMT one
+(forced ``simt``) against the float64 reference. Skips cleanly without a CUDA GPU.
 
 Shapes ``pagedkv.testing.shapes.PREFILL_TC_SHAPES`` (GQA groups 4, 1, 8, 7, 3; head dims 128 and 64; fp16 and
 bf16; two windowed + soft-capped, at head dims 64 and 128), ragged and paged, causal and not, over one batch of entries of mixed
@@ -30,7 +30,7 @@ from test_kernels_masking_gpu import _call, _entries, _i32, _indptr, _pages, _re
 from pagedkv import backends
 from pagedkv.backends.tir import forced_paths
 from pagedkv.cache import _compile_op_table
-from pagedkv.kernel_spec import TMA_PREFILL_TILES, target_for_paths
+from pagedkv.kernel_spec import WG_PREFILL_TILES, target_for_paths
 from pagedkv.testing.scenarios import assert_state_close, random_sm_scale
 from pagedkv.testing.shapes import PREFILL_KERNEL_PATHS, PREFILL_TC_SHAPES, prefill_kernel_refusal
 
@@ -52,7 +52,7 @@ def _prefill_fns(shape, kernel: str):
     """(module, {op: function}) of the shape's op table compiled (or loaded) with the ``kernel`` prefill."""
     cfg = shape.config()
     paths = {"cuda_prefill_kernel": kernel}
-    target = target_for_paths(paths, TARGET)  # "wg" (wgmma): its library is built for sm_90a
+    target = target_for_paths(paths, TARGET)  # wg2t / wg1t (wgmma): their libraries are built for sm_90a
     with forced_paths(paths):
         choice = tuple(backends.resolve(cfg, target, "tir").choice.items())
         module, table = _compile_op_table(cfg, target, choice)
@@ -142,7 +142,7 @@ def test_prefill_tc_unaligned_views(shape, causal, kernel, gen):
     _check(shape, False, causal, 0, gen, misalign=True, kernel=kernel)
 
 
-@pytest.mark.parametrize("kernel", TMA_PREFILL_TILES)
+@pytest.mark.parametrize("kernel", WG_PREFILL_TILES)
 @pytest.mark.parametrize("causal", [1, 0])
 @pytest.mark.parametrize("shape", PREFILL_TC_SHAPES[:3], ids=[s.id for s in PREFILL_TC_SHAPES[:3]])
 def test_prefill_tma_tile_pages_not_a_multiple_of_8(shape, causal, kernel, gen):

@@ -46,7 +46,7 @@ def tir_kernel_libraries() -> list[tuple]:
 
 def tir_library_path(kernels: Path, config, paths: dict, target) -> Path:
     """Where the TIR kernel library of ``config`` under forced ``paths`` lies in ``kernels`` (its key), for
-    ``target`` with the arch the paths need (``pagedkv.kernel_spec.target_for_paths``: "wg" is sm_90a)."""
+    ``target`` with the arch the paths need (``pagedkv.kernel_spec.target_for_paths``: "wgq" is sm_90a)."""
     from ..backends.tir import forced_paths
     from ..cache import kernel_library_path
     from ..kernel_spec import target_for_paths

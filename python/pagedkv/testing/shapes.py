@@ -273,11 +273,10 @@ MLA_KERNEL_SPLITS = ("auto", "1", "3")
 #: (shape, forced kernel) of those runs: the tensor-core kernel on DeepSeek-V3's 128 heads in bf16 (two m16
 #: tiles a block, four head groups; V2-Lite's latent, 16 heads in fp16, runs it by default under every split
 #: value above) and the SIMT kernel on V2-Lite (auto takes the tensor cores there since
-#: ``mla_cuda_tc.MLA_TC_BY_DEFAULT``: SIMT only forced); the wgmma kernel (``mla_cuda_wg``, sm_90a: two head
-#: groups of 64) on DeepSeek-V3's 128 heads and on V2-Lite's 16 (48 padding rows), and its TMA variant
-#: (``mla_cuda_wgt``; pages of 16: TMA boxes) and the Q-in-shared-memory one (``mla_cuda_wgq``) on the same two.
-MLA_KERNEL_SHAPES = [(MLA_GPU_EXTRA[2], "tc"), (MLA_SHAPES[2], "simt"), (MLA_GPU_EXTRA[2], "wg"), (MLA_SHAPES[2], "wg"),
-                     (MLA_GPU_EXTRA[2], "wgt"), (MLA_SHAPES[2], "wgt"), (MLA_GPU_EXTRA[2], "wgq"),
+#: ``mla_cuda_tc.MLA_TC_BY_DEFAULT``: SIMT only forced); the wgmma kernel with Q in shared memory
+#: (``mla_cuda_wgq``, sm_90a: two head groups of 64; pages of 16: TMA boxes) on DeepSeek-V3's 128 heads and on
+#: V2-Lite's 16 (48 padding rows).
+MLA_KERNEL_SHAPES = [(MLA_GPU_EXTRA[2], "tc"), (MLA_SHAPES[2], "simt"), (MLA_GPU_EXTRA[2], "wgq"),
                      (MLA_SHAPES[2], "wgq")]
 
 
@@ -291,10 +290,10 @@ def mla_path_cases() -> list[tuple[MLAShape, dict[str, str]]]:
 
 
 #: The paged MLA prefill under each forced kernel (``cuda_mla_prefill_kernel``; the decodes' blocks a query token
-#: each): the mma.sync one on DeepSeek-V3's 128 heads (bf16) and V2-Lite's 16 (fp16), the wgmma ones (sm_90a) on the
-#: 128 heads and wgq (auto's from 16 heads) on the 16 too, and the SIMT kernel (auto's only for fp32 and latents the others refuse) on V2-Lite; each with the
-#: split count automatic (1 for a prefill of many tokens) and forced to 3 (workspace + merge).
-MLA_PREFILL_KERNEL_SHAPES = [(MLA_GPU_EXTRA[2], "tc"), (MLA_SHAPES[2], "tc"), (MLA_GPU_EXTRA[2], "wg"),
+#: each): the mma.sync one on DeepSeek-V3's 128 heads (bf16) and V2-Lite's 16 (fp16), the wgmma one (wgq, sm_90a;
+#: auto's from 16 heads) on both, and the SIMT kernel (auto's only for fp32 and latents the others refuse) on
+#: V2-Lite; each with the split count automatic (1 for a prefill of many tokens) and forced to 3 (workspace + merge).
+MLA_PREFILL_KERNEL_SHAPES = [(MLA_GPU_EXTRA[2], "tc"), (MLA_SHAPES[2], "tc"),
                              (MLA_GPU_EXTRA[2], "wgq"), (MLA_SHAPES[2], "wgq"), (MLA_SHAPES[2], "simt")]
 MLA_PREFILL_SPLITS = ("auto", "3")
 
@@ -319,7 +318,7 @@ def gpu_path_libraries() -> list[tuple[KVCacheConfig, dict[str, str]]]:
 
 def prefill_kernel_refusal(shape: Shape, kernel: str) -> str:
     """Why the forced prefill tile ``kernel`` refuses ``shape`` beyond the tensor-core prefill's limits (TVM-free:
-    ``kernel_spec.wg_prefill_limits`` for "wg"); empty when it serves it. The tests skip such pairs with it and
+    ``kernel_spec.wg_prefill_limits`` for the wgmma tiles); empty when it serves it. The tests skip such pairs with it and
     the bundle builds no library for them."""
     if kernel not in WG_PREFILL_TILES:
         return ""
