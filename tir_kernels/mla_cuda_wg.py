@@ -182,9 +182,9 @@ class WgTileOps(NamedTuple):
     nks: int
 
 
-def make_load(ws: WgShape):
+def make_load(sh: WgShape):
     """The load stage: ``(look_up, issue)``, a tile's page lookups and its ``cp.async`` copies into a ring stage."""
-    CPR, LAY, dtype = ws.latent // 8, ws.lay, ws.dtype  # CPR: 16-byte chunks a latent row
+    CPR, LAY, dtype = sh.latent // 8, sh.lay, sh.dtype  # CPR: 16-byte chunks a latent row
 
     @T.macro
     def look_up(pg, page_values, pbase, ps, kbase, kend, tid):
@@ -218,9 +218,9 @@ def make_load(ws: WgShape):
     return look_up, issue
 
 
-def make_load_q(ws: WgShape):
+def make_load_q(sh: WgShape):
     """``load_q(qf, q, b, h0, wg, w, lane)``: Q's A fragments of a warpgroup's score dims in registers."""
-    H, KH, NKS, dtype = ws.heads, ws.kh, ws.nks, ws.dtype
+    H, KH, NKS, dtype = sh.heads, sh.kh, sh.nks, sh.dtype
 
     @T.macro
     def load_q(qf, q, b, h0, wg, w, lane):
@@ -235,9 +235,9 @@ def make_load_q(ws: WgShape):
     return load_q
 
 
-def make_score(ws: WgShape):
+def make_score(sh: WgShape):
     """``score(smem, Ss, kb, qf, sacc, oacc, pf, wg, t)``: a tile's full S, the warpgroups' halves exchanged."""
-    KH, SN, LAY, wgg = ws.kh, ws.sn, ws.lay, ws.gemms()
+    KH, SN, LAY, wgg = sh.kh, sh.sn, sh.lay, sh.gemms()
 
     @T.macro
     def score(smem, Ss, kb, qf, sacc, oacc, pf, wg, t):
@@ -255,9 +255,9 @@ def make_score(ws: WgShape):
     return score
 
 
-def make_softmax(ws: WgShape):
+def make_softmax(sh: WgShape):
     """``softmax(sacc, pf, m, lsum, oacc, st, kbase, kend, scale2, lane)``: the online softmax of a thread's rows."""
-    NSN, NDN, dtype = ws.nsn, ws.ndn, ws.dtype
+    NSN, NDN, dtype = sh.nsn, sh.ndn, sh.dtype
 
     @T.macro
     def softmax(sacc, pf, m, lsum, oacc, st, kbase, kend, scale2, lane):
@@ -291,9 +291,9 @@ def make_softmax(ws: WgShape):
     return softmax
 
 
-def make_accumulate(ws: WgShape):
+def make_accumulate(sh: WgShape):
     """The accumulate stage: ``(accumulate, finish)``, O += P V issued a tile and the last one completed."""
-    DVH, LAY, wgg = ws.dvh, ws.lay, ws.gemms()
+    DVH, LAY, wgg = sh.dvh, sh.lay, sh.gemms()
 
     @T.macro
     def accumulate(smem, kb, oacc, pf, wg):
@@ -313,10 +313,10 @@ def make_accumulate(ws: WgShape):
 def make_tile_ops(H: int, DL: int, DV: int, dtype: str) -> WgTileOps:
     """The per-tile stages (load, Q, score, softmax, accumulate) of ``WgShape(H, DL, DV, dtype)`` (this kernel's;
     ``mla_cuda_wgt`` takes Q, the softmax and the finish)."""
-    ws = WgShape(H, DL, DV, dtype)
-    (look_up, issue), (accumulate, finish) = make_load(ws), make_accumulate(ws)
-    return WgTileOps(look_up, issue, make_load_q(ws), make_score(ws), make_softmax(ws), accumulate, finish, ws.sn,
-                     ws.on, ws.nks)
+    sh = WgShape(H, DL, DV, dtype)
+    (look_up, issue), (accumulate, finish) = make_load(sh), make_accumulate(sh)
+    return WgTileOps(look_up, issue, make_load_q(sh), make_score(sh), make_softmax(sh), accumulate, finish, sh.sn,
+                     sh.on, sh.nks)
 
 
 def make_init(ON: int):
