@@ -291,6 +291,21 @@ def make_tile_step(p: TcDecodeShape):
     return tile_step
 
 
+def make_init_state(p: TcDecodeShape):
+    """``init_state(m, lsum, oacc)``: a warp's rows before their first key: max ``EMPTY_LSE``, sums and O zero."""
+    NDN = p.ndn
+
+    @T.macro
+    def init_state(m, lsum, oacc):
+        for rr in T.unroll(2):
+            m[rr] = T.float32(EMPTY_LSE)
+            lsum[rr] = T.float32(0)
+        for e in T.unroll(NDN * 4):
+            oacc[e] = T.float32(0)
+
+    return init_state
+
+
 def make_store_rows(p: TcDecodeShape):
     """``store_rows(o, lse, ws_o, ws_l, smem, oacc, m, lsum, st, b, h, sp, S, w, lane, tid)``: the store stage."""
     D, G, HQ, NDN = p.d, p.g, p.hq, p.ndn
@@ -336,24 +351,12 @@ def make_tc_parts(hkv: int, g: int, d: int, dtype: str, var, *, warp_ring: bool 
     return make_load_q(p), make_tile_loads(p), make_tile_step(p), make_store_rows(p)
 
 
-def make_tc_key_loop(hkv: int, g: int, d: int, dtype: str, var, rotate_keys=None):
-    """``(issue_first, key_loop)``: ``issue_first(pgs, smem, pages, page_values, pbase, ps, h, k0, k1, tid)``
-    starts the copies of the split's first tiles (the kernel calls it before loading q, so they overlap) and,
-    with ``TCD_LOOKUP_AHEAD``, looks up the pages of the loop's first copy into ``pgs`` (``TcRegs.pgs``);
-    ``key_loop(regs, smem, pages, page_values, pbase, ps, h, k0, k1, w, lane, tid, sm_scale)``: the warp's
-    row states over the split's keys ``[k0, k1)``; with ``rotate_keys`` (inline RoPE, ``_decode_tc_rope_cuda``)
-    each warp rotates its keys of a tile in place before scoring them. Ring of ``TCD_SLOTS`` (2 or 3) slots: tiles ``0 ..
-    TCD_SLOTS - 2`` issued first; at tile ``it`` the wait leaves only the ``TCD_SLOTS - 2`` newer tiles in
-    flight, and the barrier after it (the block's, or the warp's with ``TCD_WARP_RING``, each warp then
-    copying and reading only its own rows) both publishes tile ``it`` and tells that every warp is done with
-    tile ``it - 1``, whose slot ``(it + TCD_SLOTS - 1) % TCD_SLOTS`` then takes tile ``it + TCD_SLOTS - 1``. Every
-    step commits a group (empty past the last tile), so the wait counts stay uniform."""
-    p = TcDecodeShape(hkv, g, d, dtype, var, TCD_WARP_RING["plain" if rotate_keys is None else "rope"])
-    warp_ring, ahead = p.warp_ring, TCD_LOOKUP_AHEAD[d]
-    (lookup_tile, issue_tile), tile_step = make_tile_loads(p), make_tile_step(p)
-    TK, NS = TCD_TK, TCD_SLOTS
-    if NS not in (2, 3):
-        raise ValueError(f"pagedkv.tir_kernels: the tensor-core decode ring takes 2 or 3 slots, not {NS}")
+def make_issue_first(p: TcDecodeShape):
+    """``issue_first(pgs, smem, pages, page_values, pbase, ps, h, k0, k1, tid)``: the copies of the split's first
+    ``TCD_SLOTS - 1`` tiles started, a group each (the kernel calls it before loading q, so they overlap); with
+    ``TCD_LOOKUP_AHEAD``, the pages of the key loop's first copy looked up into ``pgs`` (``TcRegs.pgs``)."""
+    lookup_tile, issue_tile = make_tile_loads(p)
+    TK, NS, ahead = TCD_TK, TCD_SLOTS, TCD_LOOKUP_AHEAD[p.d]
 
     @T.macro
     def issue_first(pgs, smem, pages, page_values, pbase, ps, h, k0, k1, tid):
@@ -365,6 +368,26 @@ def make_tc_key_loop(hkv: int, g: int, d: int, dtype: str, var, rotate_keys=None
         if ahead:
             if NS - 1 < T.truncdiv(k1 - k0 + TK - 1, TK):
                 lookup_tile(pgs, page_values, pbase, ps, k0 + (NS - 1) * TK, k1, tid)
+
+    return issue_first
+
+
+def make_tc_key_loop(hkv: int, g: int, d: int, dtype: str, var, rotate_keys=None):
+    """``(issue_first, key_loop)``: ``make_issue_first``'s macro, and ``key_loop(regs, smem, pages, page_values,
+    pbase, ps, h, k0, k1, w, lane, tid, sm_scale)``: the warp's row states over the split's keys ``[k0, k1)``;
+    with ``rotate_keys`` (inline RoPE, ``_decode_tc_rope_cuda``) each warp rotates its keys of a tile in place
+    before scoring them. Ring of ``TCD_SLOTS`` (2 or 3) slots: tiles ``0 .. TCD_SLOTS - 2`` issued first; at tile
+    ``it`` the wait leaves only the ``TCD_SLOTS - 2`` newer tiles in flight, and the barrier after it (the
+    block's, or the warp's with ``TCD_WARP_RING``, each warp then copying and reading only its own rows) both
+    publishes tile ``it`` and tells that every warp is done with tile ``it - 1``, whose slot ``(it + TCD_SLOTS -
+    1) % TCD_SLOTS`` then takes tile ``it + TCD_SLOTS - 1``. Every step commits a group (empty past the last
+    tile), so the wait counts stay uniform."""
+    p = TcDecodeShape(hkv, g, d, dtype, var, TCD_WARP_RING["plain" if rotate_keys is None else "rope"])
+    warp_ring, ahead = p.warp_ring, TCD_LOOKUP_AHEAD[d]
+    (lookup_tile, issue_tile), tile_step = make_tile_loads(p), make_tile_step(p)
+    TK, NS = TCD_TK, TCD_SLOTS
+    if NS not in (2, 3):
+        raise ValueError(f"pagedkv.tir_kernels: the tensor-core decode ring takes 2 or 3 slots, not {NS}")
 
     @T.macro
     def tile_barrier():
@@ -397,7 +420,7 @@ def make_tc_key_loop(hkv: int, g: int, d: int, dtype: str, var, rotate_keys=None
         T.evaluate(cp_async_wait(0))
         T.tvm_storage_sync("shared")
 
-    return issue_first, key_loop
+    return make_issue_first(p), key_loop
 
 
 def _rope_stages(d: int, g: int, dtype: str):
@@ -409,14 +432,13 @@ def _rope_stages(d: int, g: int, dtype: str):
 
 
 def make_tc_block(p: TcDecodeShape, *, rope: bool = False):
-    """The per-thread work of the kernel (``make_tc_kernel``'s arguments, then the block's entry ``bx``, kv head
-    ``h``, split ``sp`` and thread ``tid``): the thread's registers and the dynamic ring, the split's key range,
-    its first copies, Q, the key loop and the store."""
+    """A thread's work (``make_tc_kernel``'s arguments, then entry ``bx``, kv head ``h``, split ``sp``, thread
+    ``tid``): its registers and the ring, the split's key range, its first copies, Q, the key loop, the store."""
     d, dtype, var = p.d, p.dtype, p.var
     load_q, store_rows = make_load_q(p), make_store_rows(p)
     rope_setup, load_q_rope, rotate_keys = _rope_stages(d, p.g, dtype) if rope else (None, None, None)
     issue_first, key_loop = make_tc_key_loop(p.hkv, p.g, d, dtype, var, rotate_keys)
-    TK, NDN, NKS = TCD_TK, p.ndn, p.nks
+    init_state, TK, NDN, NKS = make_init_state(p), TCD_TK, p.ndn, p.nks
 
     @T.macro
     def block(q, pages, page_indptr, page_values, last_page_len, k_pos_offset, q_pos, o, lse, B, ps, rope_scale,
@@ -463,11 +485,7 @@ def make_tc_block(p: TcDecodeShape, *, rope: bool = False):
                 load_q_rope(qf, q, bx, h, lane, q_pos[bx] - k_pos_offset[bx] - k0, tcd_smem, rc, rs)
             elif k0 < k1:  # a split past the entry's keys (chunked ranges) stores its empty lse only
                 load_q(qf, q, bx, h, lane)
-            for rr in T.unroll(2):
-                m[rr] = T.float32(EMPTY_LSE)
-                lsum[rr] = T.float32(0)
-            for e in T.unroll(NDN * 4):
-                oacc[e] = T.float32(0)
+            init_state(m, lsum, oacc)
             key_loop(TcRegs(qf, bfr, sacc, pf, oacc, m, lsum, st, angc, angs, rc, pgs),
                      tcd_smem, pages, page_values, pbuf[0], ps, h, k0, k1, w, lane, tid, sm_scale)
             store_rows(o, lse, ws_o, ws_l, tcd_smem, oacc, m, lsum, st, bx, h, sp, Sk, w, lane, tid)
@@ -500,6 +518,6 @@ def make_tc_kernel(hq: int, hkv: int, d: int, dtype: str, var, *, rope: bool = F
 
 
 __all__ = ["TCD_DTYPES", "TCD_HEAD_DIMS", "TCD_MAX_GROUP", "TCD_NT", "TCD_PAD", "TCD_RESIDENT_BLOCKS", "TCD_SLOTS",
-           "TCD_TK", "TCD_WARPS", "TcDecodeShape", "make_accumulate", "make_load_q", "make_score", "make_softmax",
-           "make_store_rows", "make_tc_block", "make_tc_kernel", "make_tc_key_loop", "make_tc_parts", "make_tile_loads",
-           "make_tile_step", "smem_words", "tc_decode_limits"]
+           "TCD_TK", "TCD_WARPS", "TcDecodeShape", "make_accumulate", "make_init_state", "make_issue_first",
+           "make_load_q", "make_score", "make_softmax", "make_store_rows", "make_tc_block", "make_tc_kernel",
+           "make_tc_key_loop", "make_tc_parts", "make_tile_loads", "make_tile_step", "smem_words", "tc_decode_limits"]

@@ -370,6 +370,26 @@ def make_tile_ops(bs: BlockShape) -> TcTileOps:
     return TcTileOps(make_issue(bs), make_load_q(bs), make_score(bs), make_softmax(bs), make_accumulate(bs))
 
 
+def make_init(bs: BlockShape):
+    """``init(bfr, pa, oacc, rs)``: a thread's registers before the first tile: the fragments and O zero, the
+    row's running max ``EMPTY_LSE`` and its partial sum zero."""
+    MT, ON = bs.mtiles, bs.out_ntiles * 4
+
+    @T.macro
+    def init(bfr, pa, oacc, rs):
+        # TVM sizes a local array by the elements it sees indexed; ldmatrix reaches these through addresses only.
+        for e in T.unroll(4):
+            bfr[e] = T.uint32(0)
+        for e in T.unroll(MT * 4):
+            pa[e] = T.uint32(0)
+        for e in T.unroll(MT * ON):
+            oacc[e] = T.float32(0)
+        rs[0] = T.float32(EMPTY_LSE)
+        rs[1] = T.float32(0)
+
+    return init
+
+
 def make_store(bs: BlockShape):
     """The store stage, ``(store_lse, store_o)``: o / lse (``S == 1``) or the split's partial state in the
     workspace (``_epilogue_cuda``)."""
@@ -416,7 +436,7 @@ def make_block(bs: BlockShape):
     MT, TK, NS = bs.mtiles, bs.plan.keys, bs.plan.stages
     KPG, NSW, ON, KPT = bs.ksteps, bs.score_ntiles, bs.out_ntiles * 4, bs.softmax_keys
     issue, load_q, score, softmax, accumulate = make_tile_ops(bs)
-    store_lse, store_o = make_store(bs)
+    init, (store_lse, store_o) = make_init(bs), make_store(bs)
     NE = smem_bytes(rows, DL) // 2
 
     @T.macro
@@ -439,15 +459,7 @@ def make_block(bs: BlockShape):
         sv = T.alloc_buffer((KPT + 2,), "float32", scope="local")
         w: T.let[T.int32] = T.truncdiv(tid, 32)
         lane: T.let[T.int32] = T.truncmod(tid, 32)
-        # TVM sizes a local array by the elements it sees indexed; ldmatrix reaches these through addresses only.
-        for e in T.unroll(4):
-            bfr[e] = T.uint32(0)
-        for e in T.unroll(MT * 4):
-            pa[e] = T.uint32(0)
-        for e in T.unroll(MT * ON):
-            oacc[e] = T.float32(0)
-        rs[0] = T.float32(EMPTY_LSE)
-        rs[1] = T.float32(0)
+        init(bfr, pa, oacc, rs)
         load_q(qf, q, T.min(bx, T.max(B - 1, 0)), g * rows, w, lane)
         # One copy group a tile, empty past the split's keys, so that waiting for all but the newest NS - 2
         # groups always means tile kt.
@@ -489,6 +501,8 @@ def mla_attn_paged_tc(spec, op: str = MLA_ATTN_DECODE_PAGED):
                                               tk=bs.plan.keys, splits=decode_splits(spec)))
 
 
-__all__ = ["BlockShape", "MLA_TC_BY_DEFAULT", "SWITCH", "TC_DTYPES", "TC_MAX_LATENT", "TILE_PLANS", "TcTileOps", "TilePlan",
-           "group_rows", "make_accumulate", "make_block", "make_issue", "make_load_q", "make_score", "make_softmax",
-           "make_store", "make_tile_ops", "mla_attn_paged_tc", "smem_bytes", "tc_unserved", "use_tc"]
+__all__ = ["BlockShape", "MLA_TC_BY_DEFAULT", "SWITCH", "TC_DTYPES", "TC_MAX_LATENT", "TILE_PLANS", "TilePlan", "group_rows",
+           "mla_attn_paged_tc", "smem_bytes", "tc_unserved", "use_tc"]
+#: The kernel's stages, each importable: factories of its block shape (and their named tuple).
+__all__ += ["TcTileOps", "make_accumulate", "make_block", "make_init", "make_issue", "make_load_q", "make_score",
+            "make_softmax", "make_store", "make_tile_ops"]

@@ -470,7 +470,8 @@ def make_wg_block(spec):
     return block
 
 
-__all__ = ["AHEAD", "NS", "NT", "ROWS", "SWITCH", "TK", "VALUE", "WG_DTYPES", "WG_MAX_LATENT", "WgShape", "WgTileOps",
-           "make_accumulate", "make_init", "make_load", "make_load_q", "make_score", "make_softmax", "make_store",
-           "make_tile_ops", "make_tma_body", "make_wg_body", "make_wg_block", "mla_attn_paged_wg", "smem_bytes",
-           "wg_unserved"]
+__all__ = ["AHEAD", "NS", "NT", "ROWS", "SWITCH", "TK", "VALUE", "WG_DTYPES", "WG_MAX_LATENT", "make_init", "make_wg_body",
+           "make_store", "make_tile_ops", "make_tma_body",
+           "make_wg_block", "mla_attn_paged_wg", "smem_bytes", "wg_unserved", "WgTileOps"]
+#: The kernel's stages, each importable: factories of its block shape (and their named tuple).
+__all__ += ["WgShape", "make_accumulate", "make_load", "make_load_q", "make_score", "make_softmax"]

@@ -569,3 +569,6 @@ def mla_attn_paged_wgq(spec, op: str = MLA_ATTN_DECODE_PAGED):
 
 __all__ = ["NT", "ROWS", "SWITCH", "TK", "VALUE", "WGQ_BY_DEFAULT", "box_rows", "mla_attn_paged_wgq",
            "smem_bytes", "stages", "use_wgq", "wgq_unserved"]
+#: The kernel's stages, each importable: factories of its block shape (and their named tuple).
+__all__ += ["WgqShape", "WgqTileOps", "make_accumulate", "make_block", "make_handoff", "make_issue", "make_load_q",
+            "make_score", "make_score_role", "make_softmax", "make_tile_ops", "make_value_role"]
