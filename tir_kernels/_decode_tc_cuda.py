@@ -28,6 +28,11 @@ Design, one block per (entry, kv head, key split), 4 warps (``TCD_WARPS``):
 * at the end the 4 warps' row states are merged through the (drained) ring (one barrier) and written as in
   the staged kernel: ``o`` / ``lse``, or with ``S > 1`` normalized partial states for the merge kernel.
 
+Code: one frozen ``TcDecodeShape`` (kv heads, group, head dim, dtype, variant, warp ring) feeds the stage
+factories (``make_load_q``, ``make_tile_loads``, ``make_score``, ``make_softmax``, ``make_accumulate``,
+``make_tile_step``, ``make_store_rows`` on ``_epilogue_cuda.make_merged_store``), each returning ``@T.macro`` s;
+``make_tc_key_loop`` and ``make_tc_block`` compose them, ``make_tc_kernel`` binds the grid.
+
 ptxas (sm_90a, no spills, no stack; ``tests/cpu/test_cuda_decode_tc.py``): D 128 about 160 registers with
 104,448 bytes of dynamic shared memory (2 blocks an SM; the RoPE kernel about 230 registers and 512 bytes more),
 D 64 about 100 (3 slots of 18,432 bytes... 55,296 bytes).

@@ -43,6 +43,10 @@ bytes of dynamic + 9,472 of static shared memory; 128 heads bf16 / fp16 (32 rows
 limit: a change that adds live values spills; ``tests/cpu/test_mla_tc_compile.py`` checks), 154,112 + 35,328
 bytes. One block (8 warps) an SM either way.
 
+Code: ``BlockShape`` (frozen) holds every compile-time constant; the stages are factories of it returning
+``@T.macro`` s (``make_issue``, ``make_load_q``, ``make_score``, ``make_softmax``, ``make_accumulate``, bundled as
+``TcTileOps``; ``make_init``, ``make_store`` with ``_epilogue_cuda``'s lse rule), and ``make_block`` runs them.
+
 Limits as data (``tc_unserved``): fp16 / bf16, ``DL % 64 == 0`` and ``DL <= TC_MAX_LATENT`` (shared memory),
 ``DV % 128 == 0`` and ``DV <= DL`` (8 warps of whole ldmatrix.x4.trans column pairs).
 """

@@ -35,6 +35,11 @@ Resources (ptxas, sm_90a, DeepSeek 512 + 64, no spills, no stack): 254 registers
 heads bf16), 207,360 bytes
 of dynamic + 16,384 of static shared memory; one block an SM. H200: runs 15-17 (BENCHMARKS.md), GPU suite.
 
+Code: the block's compile-time parameters are one frozen ``WgShape``; each stage is a factory of it returning
+``@T.macro`` s (``make_load``: page lookups and copies, ``make_load_q``, ``make_score``, ``make_softmax``,
+``make_accumulate``), bundled by ``make_tile_ops`` as the named tuple ``WgTileOps`` that ``mla_cuda_wgt`` shares;
+the store's lse and row scale are ``_epilogue_cuda``'s (``make_store``: this kernel's, wgt's and wgq's).
+
 Limits as data (``wg_unserved``): target arch sm_90a, fp16 / bf16, ``DL % 64 == 0`` and ``DL <= 576``,
 ``DV / 2`` a wgmma width (``WG_NS``: DV 128, 256 or 512).
 """

@@ -32,6 +32,11 @@ descriptor), which frees the registers for a whole tile's S in one warpgroup:
   a group past the end is not issued), and where TMA cannot read the pool the PrimFunc's host code runs
   ``mla_cuda_wg``'s kernel (``make_wg_body``).
 
+Code: one frozen ``WgqShape`` (heads, latent, value dims, dtype, keys a tile) feeds every stage factory: the value
+warpgroup's boxes (``make_issue``), Q (``make_load_q``), S and the tail's zeroing (``make_score``), the softmax, the
+hand-off through shared memory (``make_handoff``) and P V (``make_accumulate``), bundled as ``WgqTileOps``; the two
+roles (``make_score_role``, ``make_value_role``) and the block (``make_block``, ``mla_cuda_wg``'s store) on top.
+
 Limits as data: ``mla_cuda_wg.wg_unserved``'s (the same 64-head block and latent limits); ``wgq_unserved`` names
 this value.
 """
