@@ -34,7 +34,7 @@ from tvm.script import tirx as T
 
 from ._common import EMPTY_LSE, LOG2E
 from ._common_cuda import WARP, itemsize, next_pow2, opaque_i32, paged_kv_len, shfl_xor, split_chunk, vec16
-from ._epilogue_cuda import make_merged_store
+from ._epilogue_cuda import make_merged_rows
 
 #: Bytes of K + V per block tile (the loads each block keeps in flight while it computes).
 TILE_BYTES = 16384
@@ -341,8 +341,9 @@ def make_store_rows(p: StagedPlan):
     split's partial state only the lse: ``make_merge_splits`` reads no ``o`` of it)."""
     VEC, L, L0, NZ, D, HQ, G, NT, R, GT, LW = p.vec, p.l, p.l0, p.nz, p.d, p.hq, p.g, p.nt, p.r, p.gt, p.lw
     V16 = min(VEC, vec16(p.dtype))
-    merged_store = make_merged_store(NZ, p.dtype, lambda red, w, gg: red[w, gg, 0], lambda red, w, gg: red[w, gg, 1],
-                                     lambda red, w, gg, dd: red[w, gg, dd])
+    merged_rows = make_merged_rows(states=NZ, group=G, d=D, nt=NT, heads=HQ, dtype=p.dtype,
+                                   m_at=lambda red, w, gg: red[w, gg, 0], l_at=lambda red, w, gg: red[w, gg, 1],
+                                   o_at=lambda red, w, gg, dd: red[w, gg, dd])
 
     @T.macro
     def store_rows(o, lse, ws_o, ws_l, red_ml, red_o, ml, Or, b, h, sp, S, tx, ty, tz):
@@ -357,12 +358,7 @@ def make_store_rows(p: StagedPlan):
                         red_o[tz, ty * R + r, u * LW + tx * V16 + e] = Or[r, u * V16 + e]
         T.tvm_storage_sync("shared")
         t: T.let[T.int32] = (tz * GT + ty) * L + tx
-        for idx in T.serial((G * D + NT - 1) // NT):
-            if idx * NT + t < G * D:
-                gg: T.let[T.int32] = T.truncdiv(idx * NT + t, D)
-                dd: T.let[T.int32] = T.truncmod(idx * NT + t, D)
-                row: T.let[T.int32] = (b * HQ + h * G + gg) * S + sp
-                merged_store(o, lse, ws_o, ws_l, red_ml, red_o, st, b, h * G + gg, row, gg, dd, S)
+        merged_rows(o, lse, ws_o, ws_l, red_ml, red_o, st, b, h, sp, S, t)
 
     return store_rows
 

@@ -30,7 +30,7 @@ Design, one block per (entry, kv head, key split), 4 warps (``TCD_WARPS``):
 
 Code: one frozen ``TcDecodeShape`` (kv heads, group, head dim, dtype, variant, warp ring) feeds the stage
 factories (``make_load_q``, ``make_tile_loads``, ``make_score``, ``make_softmax``, ``make_accumulate``,
-``make_tile_step``, ``make_store_rows`` on ``_epilogue_cuda.make_merged_store``), each returning ``@T.macro`` s;
+``make_tile_step``, ``make_store_rows`` on ``_epilogue_cuda.make_merged_rows``), each returning ``@T.macro`` s;
 ``make_tc_key_loop`` and ``make_tc_block`` compose them, ``make_tc_kernel`` binds the grid.
 
 ptxas (sm_90a, no spills, no stack; ``tests/cpu/test_cuda_decode_tc.py``): D 128 about 160 registers with
@@ -50,7 +50,7 @@ from ._common_cuda import opaque_i32, paged_kv_len, shfl_xor, split_chunk
 # The limits are data in the TVM-free kernel spec (a runtime-only process reports them too).
 from ..kernel_spec import TCD_DTYPES, TCD_HEAD_DIMS, TCD_MAX_GROUP, tc_decode_limits  # noqa: F401
 from ._decode_tc_rope_cuda import ANG_WORDS, make_tc_rope_parts, rope_words, syncwarp
-from ._epilogue_cuda import make_merged_store
+from ._epilogue_cuda import make_merged_rows
 from ._mma_cuda import (a_frag, c_frag, cp_async16, cp_async_commit, cp_async_wait, keep_extent, ldmatrix_x4,
                         mma_sync)
 
@@ -313,14 +313,15 @@ def make_init_state(p: TcDecodeShape):
 
 def make_store_rows(p: TcDecodeShape):
     """``store_rows(o, lse, ws_o, ws_l, smem, oacc, m, lsum, st, b, h, sp, S, w, lane, tid)``: the store stage."""
-    D, G, HQ, NDN = p.d, p.g, p.hq, p.ndn
+    D, G, NDN = p.d, p.g, p.ndn
     # The rows' (m, l) words follow the warps' o rows. A Python constant outside the macro: assigned inside it,
     # it becomes a TIR Bind, and one such Bind per kernel made s_tir.CompactBufferAllocation take ~60 s on a
     # PrimFunc holding two of these kernels (0.6 s each alone).
     ML0 = TCD_WARPS * 16 * D
-    merged_store = make_merged_store(TCD_WARPS, p.dtype, lambda red, w, gg: red[ML0 + (w * 16 + gg) * 2],
-                                     lambda red, w, gg: red[ML0 + (w * 16 + gg) * 2 + 1],
-                                     lambda red, w, gg, dd: red[(w * 16 + gg) * D + dd])
+    merged_rows = make_merged_rows(states=TCD_WARPS, group=G, d=D, nt=TCD_NT, heads=p.hq, dtype=p.dtype,
+                                   m_at=lambda red, w, gg: red[ML0 + (w * 16 + gg) * 2],
+                                   l_at=lambda red, w, gg: red[ML0 + (w * 16 + gg) * 2 + 1],
+                                   o_at=lambda red, w, gg, dd: red[(w * 16 + gg) * D + dd])
 
     @T.macro
     def store_rows(o, lse, ws_o, ws_l, smem, oacc, m, lsum, st, b, h, sp, S, w, lane, tid):
@@ -338,12 +339,7 @@ def make_store_rows(p: TcDecodeShape):
                     smem[ML0 + (w * 16 + lane // 4 + rr * 8) * 2] = m[rr]
                     smem[ML0 + (w * 16 + lane // 4 + rr * 8) * 2 + 1] = lsum[rr]
         T.tvm_storage_sync("shared")
-        for idx in T.serial((G * D + TCD_NT - 1) // TCD_NT):
-            if idx * TCD_NT + tid < G * D:
-                gg: T.let[T.int32] = T.truncdiv(idx * TCD_NT + tid, D)
-                dd: T.let[T.int32] = T.truncmod(idx * TCD_NT + tid, D)
-                row: T.let[T.int32] = (b * HQ + h * G + gg) * S + sp
-                merged_store(o, lse, ws_o, ws_l, smem, smem, st, b, h * G + gg, row, gg, dd, S)
+        merged_rows(o, lse, ws_o, ws_l, smem, smem, st, b, h, sp, S, tid)
 
     return store_rows
 

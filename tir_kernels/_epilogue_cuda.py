@@ -88,4 +88,23 @@ def make_merged_store(states: int, dtype: str, m_at: Callable, l_at: Callable, o
     return store
 
 
-__all__ = ["make_merged_store", "make_put_lse", "row_lse", "row_scale"]
+def make_merged_rows(*, states: int, group: int, d: int, nt: int, heads: int, dtype: str, m_at: Callable,
+                     l_at: Callable, o_at: Callable):
+    """``store(o, lse, ws_o, ws_l, red_ml, red_o, st, b, h, sp, S, t)``: ``make_merged_store``'s store of every
+    element of the ``group`` rows of kv head ``h`` (q heads ``h * group ..`` of ``heads``, ``d`` dims each), thread
+    ``t`` of ``nt`` taking elements ``t, t + nt, ..`` (consecutive threads on consecutive dims: coalesced)."""
+    merged_store = make_merged_store(states, dtype, m_at, l_at, o_at)
+
+    @T.macro
+    def store(o, lse, ws_o, ws_l, red_ml, red_o, st, b, h, sp, S, t):
+        for idx in T.serial((group * d + nt - 1) // nt):
+            if idx * nt + t < group * d:
+                gg: T.let[T.int32] = T.truncdiv(idx * nt + t, d)
+                dd: T.let[T.int32] = T.truncmod(idx * nt + t, d)
+                row: T.let[T.int32] = (b * heads + h * group + gg) * S + sp
+                merged_store(o, lse, ws_o, ws_l, red_ml, red_o, st, b, h * group + gg, row, gg, dd, S)
+
+    return store
+
+
+__all__ = ["make_merged_rows", "make_merged_store", "make_put_lse", "row_lse", "row_scale"]
