@@ -34,6 +34,7 @@ from tvm.script import tirx as T
 
 from ._common import EMPTY_LSE, LOG2E
 from ._common_cuda import WARP, itemsize, next_pow2, opaque_i32, paged_kv_len, shfl_xor, split_chunk, vec16
+from ._epilogue_cuda import make_merged_rows
 
 #: Bytes of K + V per block tile (the loads each block keeps in flight while it computes).
 TILE_BYTES = 16384
@@ -340,7 +341,9 @@ def make_store_rows(p: StagedPlan):
     split's partial state only the lse: ``make_merge_splits`` reads no ``o`` of it)."""
     VEC, L, L0, NZ, D, HQ, G, NT, R, GT, LW = p.vec, p.l, p.l0, p.nz, p.d, p.hq, p.g, p.nt, p.r, p.gt, p.lw
     V16 = min(VEC, vec16(p.dtype))
-    dtype = p.dtype
+    merged_rows = make_merged_rows(states=NZ, group=G, d=D, nt=NT, heads=HQ, dtype=p.dtype,
+                                   m_at=lambda red, w, gg: red[w, gg, 0], l_at=lambda red, w, gg: red[w, gg, 1],
+                                   o_at=lambda red, w, gg, dd: red[w, gg, dd])
 
     @T.macro
     def store_rows(o, lse, ws_o, ws_l, red_ml, red_o, ml, Or, b, h, sp, S, tx, ty, tz):
@@ -355,36 +358,7 @@ def make_store_rows(p: StagedPlan):
                         red_o[tz, ty * R + r, u * LW + tx * V16 + e] = Or[r, u * V16 + e]
         T.tvm_storage_sync("shared")
         t: T.let[T.int32] = (tz * GT + ty) * L + tx
-        for idx in T.serial((G * D + NT - 1) // NT):
-            if idx * NT + t < G * D:
-                gg: T.let[T.int32] = T.truncdiv(idx * NT + t, D)
-                dd: T.let[T.int32] = T.truncmod(idx * NT + t, D)
-                row: T.let[T.int32] = (b * HQ + h * G + gg) * S + sp
-                st[0] = T.float32(EMPTY_LSE)
-                for w in T.unroll(NZ):
-                    st[0] = T.max(st[0], red_ml[w, gg, 0])
-                st[1] = T.float32(0)
-                st[2] = T.float32(0)
-                for w in T.unroll(NZ):
-                    st[3] = T.exp2(red_ml[w, gg, 0] - st[0])
-                    st[1] = st[1] + red_ml[w, gg, 1] * st[3]
-                    st[2] = st[2] + red_o[w, gg, dd] * st[3]
-                # l >= 1 once any key was seen (its max contributes 2^0); else 0.
-                if S == 1:
-                    if st[1] > T.float32(0):
-                        o[b, h * G + gg, dd] = T.Cast(dtype, st[2] / st[1])
-                        if dd == 0:
-                            lse[b, h * G + gg] = st[0] + T.log2(st[1])
-                    else:
-                        o[b, h * G + gg, dd] = T.Cast(dtype, T.float32(0))
-                        if dd == 0:
-                            lse[b, h * G + gg] = T.float32(EMPTY_LSE)
-                elif st[1] > T.float32(0):
-                    ws_o[row, dd] = st[2] / st[1]
-                    if dd == 0:
-                        ws_l[row] = st[0] + T.log2(st[1])
-                elif dd == 0:  # no key: the empty lse only (the merge reads no o of it)
-                    ws_l[row] = T.float32(EMPTY_LSE)
+        merged_rows(o, lse, ws_o, ws_l, red_ml, red_o, st, b, h, sp, S, t)
 
     return store_rows
 

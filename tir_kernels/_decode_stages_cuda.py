@@ -24,6 +24,7 @@ from tvm.script import tirx as T
 
 from ._common import EMPTY_LSE, LOG2E
 from ._common_cuda import shfl_xor, vec16
+from ._epilogue_cuda import make_merged_store
 
 
 @dataclass(frozen=True)
@@ -218,7 +219,8 @@ def make_store(p: DecodePlan):
     state only the lse: ``make_merge_splits`` reads no ``o`` of it)."""
     VEC, GC, L, L0, NW, D, HQ, G = p.vec, p.gc, p.l, p.l0, p.nw, p.d, p.hq, p.g
     NT = L * NW
-    dtype = p.dtype
+    merged_store = make_merged_store(NW, p.dtype, lambda red, w, gg: red[w, gg, 0], lambda red, w, gg: red[w, gg, 1],
+                                     lambda red, w, gg, dd: red[w, gg, dd])
 
     @T.macro
     def store(o, lse, ws_o, ws_l, red_ml, red_o, m, lsum, Orr, b, h, gz, sp, S, tx, ty):
@@ -237,33 +239,8 @@ def make_store(p: DecodePlan):
                 gg: T.let[T.int32] = T.truncdiv(idx * NT + ty * L + tx, D)
                 dd: T.let[T.int32] = T.truncmod(idx * NT + ty * L + tx, D)
                 hq: T.let[T.int32] = h * G + gz * GC + gg
-                st[0] = T.float32(EMPTY_LSE)
-                for w in T.unroll(NW):
-                    st[0] = T.max(st[0], red_ml[w, gg, 0])
-                st[1] = T.float32(0)
-                st[2] = T.float32(0)
-                for w in T.unroll(NW):
-                    st[3] = T.exp2(red_ml[w, gg, 0] - st[0])
-                    st[1] = st[1] + red_ml[w, gg, 1] * st[3]
-                    st[2] = st[2] + red_o[w, gg, dd] * st[3]
-                # l >= 1 once any key was seen (its max contributes 2^0); else 0.
-                if S == 1:
-                    if st[1] > T.float32(0):
-                        o[b, hq, dd] = T.Cast(dtype, st[2] / st[1])
-                        if dd == 0:
-                            lse[b, hq] = st[0] + T.log2(st[1])
-                    else:
-                        o[b, hq, dd] = T.Cast(dtype, T.float32(0))
-                        if dd == 0:
-                            lse[b, hq] = T.float32(EMPTY_LSE)
-                else:
-                    # Partial state of split sp (float32 workspace).
-                    if st[1] > T.float32(0):
-                        ws_o[(b * HQ + hq) * S + sp, dd] = st[2] / st[1]
-                        if dd == 0:
-                            ws_l[(b * HQ + hq) * S + sp] = st[0] + T.log2(st[1])
-                    elif dd == 0:  # no key: the empty lse only (the merge reads no o of it)
-                        ws_l[(b * HQ + hq) * S + sp] = T.float32(EMPTY_LSE)
+                # The partial state of split sp (S > 1) is row (b * HQ + hq) * S + sp of the float32 workspace.
+                merged_store(o, lse, ws_o, ws_l, red_ml, red_o, st, b, hq, (b * HQ + hq) * S + sp, gg, dd, S)
 
     return store
 

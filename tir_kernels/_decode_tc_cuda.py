@@ -28,6 +28,11 @@ Design, one block per (entry, kv head, key split), 4 warps (``TCD_WARPS``):
 * at the end the 4 warps' row states are merged through the (drained) ring (one barrier) and written as in
   the staged kernel: ``o`` / ``lse``, or with ``S > 1`` normalized partial states for the merge kernel.
 
+Code: one frozen ``TcDecodeShape`` (kv heads, group, head dim, dtype, variant, warp ring) feeds the stage
+factories (``make_load_q``, ``make_tile_loads``, ``make_score``, ``make_softmax``, ``make_accumulate``,
+``make_tile_step``, ``make_store_rows`` on ``_epilogue_cuda.make_merged_rows``), each returning ``@T.macro`` s;
+``make_tc_key_loop`` and ``make_tc_block`` compose them, ``make_tc_kernel`` binds the grid.
+
 ptxas (sm_90a, no spills, no stack; ``tests/cpu/test_cuda_decode_tc.py``): D 128 about 160 registers with
 104,448 bytes of dynamic shared memory (2 blocks an SM; the RoPE kernel about 230 registers and 512 bytes more),
 D 64 about 100 (3 slots of 18,432 bytes... 55,296 bytes).
@@ -35,6 +40,7 @@ D 64 about 100 (3 slots of 18,432 bytes... 55,296 bytes).
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any, NamedTuple
 
 from tvm.script import tirx as T
@@ -44,6 +50,7 @@ from ._common_cuda import opaque_i32, paged_kv_len, shfl_xor, split_chunk
 # The limits are data in the TVM-free kernel spec (a runtime-only process reports them too).
 from ..kernel_spec import TCD_DTYPES, TCD_HEAD_DIMS, TCD_MAX_GROUP, tc_decode_limits  # noqa: F401
 from ._decode_tc_rope_cuda import ANG_WORDS, make_tc_rope_parts, rope_words, syncwarp
+from ._epilogue_cuda import make_merged_rows
 from ._mma_cuda import (a_frag, c_frag, cp_async16, cp_async_commit, cp_async_wait, keep_extent, ldmatrix_x4,
                         mma_sync)
 
@@ -108,21 +115,49 @@ def _layout(d: int):
     return k_base, v_base, rw
 
 
-def make_tc_parts(hkv: int, g: int, d: int, dtype: str, var, *, warp_ring: bool = False):
-    """The kernel's stages as macros: ``(load_q, issue_tile, tile_step, store_rows)`` (see their docstrings);
-    ``warp_ring``: each warp copies its own rows of a tile (``TCD_WARP_RING``)."""
-    D, G, HQ = d, g, hkv * g
-    NKS, NDN = D // 16, D // 8
-    PER_ROW = D // 8  # 16-byte chunks of a K / V row
-    LOADS = tile_loads(D)
-    k_base, v_base, RW = _layout(D)
-    # The row of thread tid's i-th chunk of a tile (its column is tid % PER_ROW either way: 32 and NT are
-    # multiples of PER_ROW; a warp's 16 rows are LOADS chunks a lane, as the tile is a thread's).
+@dataclasses.dataclass(frozen=True)
+class TcDecodeShape:
+    """The kernel's compile-time parameters, declared once for all its stages: ``hkv`` kv heads of GQA groups of
+    ``g`` q heads, head dim ``d``, the storage ``dtype``, the scores' ``CudaVariant`` ``var`` (mask, soft cap,
+    window) and ``warp_ring`` (each warp copies its own rows of a tile: ``TCD_WARP_RING``)."""
 
-    def load_row(i, tid):
-        if warp_ring:
-            return T.truncdiv(tid, 32) * 16 + T.truncdiv(i * 32 + T.truncmod(tid, 32), PER_ROW)
-        return T.truncdiv(i * TCD_NT + tid, PER_ROW)
+    hkv: int
+    g: int
+    d: int
+    dtype: str
+    var: Any
+    warp_ring: bool = False
+
+    @property
+    def hq(self) -> int:
+        return self.hkv * self.g
+
+    @property
+    def nks(self) -> int:
+        """k16 steps of a score (head dims / 16)."""
+        return self.d // 16
+
+    @property
+    def ndn(self) -> int:
+        """n8 tiles of O a warp (head dims / 8); also the 16-byte chunks of a K / V row."""
+        return self.d // 8
+
+    @property
+    def loads(self) -> int:
+        return tile_loads(self.d)
+
+    def load_row(self, i, tid):
+        """The tile row of thread ``tid``'s ``i``-th chunk (its column is ``tid % (d / 8)`` either way: 32 and NT
+        are multiples of the chunks a row; a warp's 16 rows are ``loads`` chunks a lane, as the tile is a
+        thread's)."""
+        if self.warp_ring:
+            return T.truncdiv(tid, 32) * 16 + T.truncdiv(i * 32 + T.truncmod(tid, 32), self.ndn)
+        return T.truncdiv(i * TCD_NT + tid, self.ndn)
+
+
+def make_load_q(p: TcDecodeShape):
+    """``load_q(qf, q, b, h, lane)``: Q of the GQA group in registers, as A fragments."""
+    NKS, G, dtype = p.nks, p.g, p.dtype
 
     @T.macro
     def load_q(qf, q, b, h, lane):
@@ -134,6 +169,15 @@ def make_tc_parts(hkv: int, g: int, d: int, dtype: str, var, *, warp_ring: bool 
                     qf[ks * 8 + i] = q[b, h * G + a_frag(lane, i)[0], ks * 16 + a_frag(lane, i)[1]]
                 else:
                     qf[ks * 8 + i] = T.Cast(dtype, T.float32(0))
+
+    return load_q
+
+
+def make_tile_loads(p: TcDecodeShape):
+    """``(lookup_tile, issue_tile)``: the load stage of a K / V tile, its page-table lookups and its copies (split
+    so that the kernel can look up a tile a step before it copies it: ``TCD_LOOKUP_AHEAD``)."""
+    LOADS, PER_ROW, load_row = p.loads, p.ndn, p.load_row
+    k_base, v_base, RW = _layout(p.d)
 
     @T.macro
     def lookup_tile(pgs, page_values, pbase, ps, t0, k1, tid):
@@ -158,6 +202,14 @@ def make_tc_parts(hkv: int, g: int, d: int, dtype: str, var, *, warp_ring: bool 
                 T.address_of(smem[v_base(slot) + load_row(i, tid) * RW + T.truncmod(tid, PER_ROW) * 4]),
                 T.address_of(pages[pgs[i], 1, h, pgs[LOADS + i], T.truncmod(tid, PER_ROW) * 8])))
 
+    return lookup_tile, issue_tile
+
+
+def make_score(p: TcDecodeShape):
+    """``score(sacc, qf, bfr, smem, slot, w, lane)``: S of the warp's 16 keys of a tile on the tensor cores."""
+    NKS, dtype = p.nks, p.dtype
+    k_base, _v_base, RW = _layout(p.d)
+
     @T.macro
     def score(sacc, qf, bfr, smem, slot, w, lane):
         """``sacc[nt*4 ..]`` = C fragment of keys ``16 w + 8 nt ..`` of the slot's tile: one ``ldmatrix.x4``
@@ -171,6 +223,13 @@ def make_tc_parts(hkv: int, g: int, d: int, dtype: str, var, *, warp_ring: bool 
                 for u in T.unroll(2):
                     T.evaluate(mma_sync(dtype, T.address_of(sacc[nt * 4]), T.address_of(qf[(ks2 * 2 + u) * 8]),
                                         T.address_of(bfr[u * 2])))
+
+    return score
+
+
+def make_softmax(p: TcDecodeShape):
+    """``softmax(sacc, pf, m, lsum, oacc, st, key0, k1, lane, sm_scale)``: the online softmax of a warp's rows."""
+    NDN, dtype, var = p.ndn, p.dtype, p.var
 
     @T.macro
     def softmax(sacc, pf, m, lsum, oacc, st, key0, k1, lane, sm_scale):
@@ -198,6 +257,14 @@ def make_tc_parts(hkv: int, g: int, d: int, dtype: str, var, *, warp_ring: bool 
                     lsum[rr] = lsum[rr] + st[2]
                     pf[nt * 4 + rr * 2 + c] = T.Cast(dtype, st[2])
 
+    return softmax
+
+
+def make_accumulate(p: TcDecodeShape):
+    """``accumulate(oacc, pf, bfr, smem, slot, w, lane)``: ``O += P V`` of the warp's 16 keys of a tile."""
+    NDN, dtype = p.ndn, p.dtype
+    _k_base, v_base, RW = _layout(p.d)
+
     @T.macro
     def accumulate(oacc, pf, bfr, smem, slot, w, lane):
         """``O += P V`` over the warp's 16 keys: per 16 dims one ``ldmatrix.x4.trans`` of the row-major V tile
@@ -211,25 +278,56 @@ def make_tc_parts(hkv: int, g: int, d: int, dtype: str, var, *, warp_ring: bool 
                 T.evaluate(mma_sync(dtype, T.address_of(oacc[(dn2 * 2 + u) * 4]), T.address_of(pf[0]),
                                     T.address_of(bfr[u * 2])))
 
+    return accumulate
+
+
+def make_tile_step(p: TcDecodeShape):
+    """``tile_step(regs, smem, slot, key0, k1, w, lane, sm_scale)``: the score, softmax and accumulate stages of the
+    warp's 16 keys ``key0 ..`` of the tile in ring slot ``slot`` (``regs``: ``TcRegs``)."""
+    score, softmax, accumulate = make_score(p), make_softmax(p), make_accumulate(p)
+
     @T.macro
     def tile_step(regs, smem, slot, key0, k1, w, lane, sm_scale):
-        """Scores, softmax and ``P V`` of the warp's 16 keys ``key0 ..`` of the tile in ring slot ``slot``."""
         qf, bfr, sacc, pf, oacc, m, lsum, st = regs[:8]  # TcRegs' first eight
         score(sacc, qf, bfr, smem, slot, w, lane)
         softmax(sacc, pf, m, lsum, oacc, st, key0, k1, lane, sm_scale)
         accumulate(oacc, pf, bfr, smem, slot, w, lane)
 
+    return tile_step
+
+
+def make_init_state(p: TcDecodeShape):
+    """``init_state(m, lsum, oacc)``: a warp's rows before their first key: max ``EMPTY_LSE``, sums and O zero."""
+    NDN = p.ndn
+
+    @T.macro
+    def init_state(m, lsum, oacc):
+        for rr in T.unroll(2):
+            m[rr] = T.float32(EMPTY_LSE)
+            lsum[rr] = T.float32(0)
+        for e in T.unroll(NDN * 4):
+            oacc[e] = T.float32(0)
+
+    return init_state
+
+
+def make_store_rows(p: TcDecodeShape):
+    """``store_rows(o, lse, ws_o, ws_l, smem, oacc, m, lsum, st, b, h, sp, S, w, lane, tid)``: the store stage."""
+    D, G, NDN = p.d, p.g, p.ndn
     # The rows' (m, l) words follow the warps' o rows. A Python constant outside the macro: assigned inside it,
     # it becomes a TIR Bind, and one such Bind per kernel made s_tir.CompactBufferAllocation take ~60 s on a
     # PrimFunc holding two of these kernels (0.6 s each alone).
     ML0 = TCD_WARPS * 16 * D
+    merged_rows = make_merged_rows(states=TCD_WARPS, group=G, d=D, nt=TCD_NT, heads=p.hq, dtype=p.dtype,
+                                   m_at=lambda red, w, gg: red[ML0 + (w * 16 + gg) * 2],
+                                   l_at=lambda red, w, gg: red[ML0 + (w * 16 + gg) * 2 + 1],
+                                   o_at=lambda red, w, gg, dd: red[(w * 16 + gg) * D + dd])
 
     @T.macro
     def store_rows(o, lse, ws_o, ws_l, smem, oacc, m, lsum, st, b, h, sp, S, w, lane, tid):
         """Merge the 4 warps' states of each row through the drained ring (``red_o[w, r, d]`` then
-        ``red_ml[w, r, 0 / 1]`` as words; one barrier) and write rows ``h*G + r``: ``o`` / ``lse`` when
-        ``S == 1``, else split ``sp``'s normalized partial state. A row that saw no key: ``o = 0``, ``lse =
-        -1e30``; as a split's partial state only its lse (``make_merge_splits`` reads no ``o`` of it)."""
+        ``red_ml[w, r, 0 / 1]`` as words; one barrier) and write rows ``h*G + r`` (``_epilogue_cuda``): ``o`` /
+        ``lse`` when ``S == 1``, else split ``sp``'s normalized partial state."""
         for rr in T.unroll(2):
             lsum[rr] = lsum[rr] + shfl_xor(lsum[rr], 1)
             lsum[rr] = lsum[rr] + shfl_xor(lsum[rr], 2)
@@ -241,59 +339,25 @@ def make_tc_parts(hkv: int, g: int, d: int, dtype: str, var, *, warp_ring: bool 
                     smem[ML0 + (w * 16 + lane // 4 + rr * 8) * 2] = m[rr]
                     smem[ML0 + (w * 16 + lane // 4 + rr * 8) * 2 + 1] = lsum[rr]
         T.tvm_storage_sync("shared")
-        for idx in T.serial((G * D + TCD_NT - 1) // TCD_NT):
-            if idx * TCD_NT + tid < G * D:
-                gg: T.let[T.int32] = T.truncdiv(idx * TCD_NT + tid, D)
-                dd: T.let[T.int32] = T.truncmod(idx * TCD_NT + tid, D)
-                row: T.let[T.int32] = (b * HQ + h * G + gg) * S + sp
-                st[0] = T.float32(EMPTY_LSE)
-                for ww in T.unroll(TCD_WARPS):
-                    st[0] = T.max(st[0], smem[ML0 + (ww * 16 + gg) * 2])
-                st[1] = T.float32(0)
-                st[2] = T.float32(0)
-                for ww in T.unroll(TCD_WARPS):
-                    st[3] = T.exp2(smem[ML0 + (ww * 16 + gg) * 2] - st[0])
-                    st[1] = st[1] + smem[ML0 + (ww * 16 + gg) * 2 + 1] * st[3]
-                    st[2] = st[2] + smem[(ww * 16 + gg) * D + dd] * st[3]
-                # l >= 1 once any key was seen (its max contributes 2^0); else 0.
-                if S == 1:
-                    if st[1] > T.float32(0):
-                        o[b, h * G + gg, dd] = T.Cast(dtype, st[2] / st[1])
-                        if dd == 0:
-                            lse[b, h * G + gg] = st[0] + T.log2(st[1])
-                    else:
-                        o[b, h * G + gg, dd] = T.Cast(dtype, T.float32(0))
-                        if dd == 0:
-                            lse[b, h * G + gg] = T.float32(EMPTY_LSE)
-                elif st[1] > T.float32(0):
-                    ws_o[row, dd] = st[2] / st[1]
-                    if dd == 0:
-                        ws_l[row] = st[0] + T.log2(st[1])
-                elif dd == 0:  # no key: the empty lse only (the merge reads no o of it)
-                    ws_l[row] = T.float32(EMPTY_LSE)
+        merged_rows(o, lse, ws_o, ws_l, smem, smem, st, b, h, sp, S, tid)
 
-    return load_q, (lookup_tile, issue_tile), tile_step, store_rows
+    return store_rows
 
 
-def make_tc_key_loop(hkv: int, g: int, d: int, dtype: str, var, rotate_keys=None):
-    """``(issue_first, key_loop)``: ``issue_first(pgs, smem, pages, page_values, pbase, ps, h, k0, k1, tid)``
-    starts the copies of the split's first tiles (the kernel calls it before loading q, so they overlap) and,
-    with ``TCD_LOOKUP_AHEAD``, looks up the pages of the loop's first copy into ``pgs`` (``TcRegs.pgs``);
-    ``key_loop(regs, smem, pages, page_values, pbase, ps, h, k0, k1, w, lane, tid, sm_scale)``: the warp's
-    row states over the split's keys ``[k0, k1)``; with ``rotate_keys`` (inline RoPE, ``_decode_tc_rope_cuda``)
-    each warp rotates its keys of a tile in place before scoring them. Ring of ``TCD_SLOTS`` (2 or 3) slots: tiles ``0 ..
-    TCD_SLOTS - 2`` issued first; at tile ``it`` the wait leaves only the ``TCD_SLOTS - 2`` newer tiles in
-    flight, and the barrier after it (the block's, or the warp's with ``TCD_WARP_RING``, each warp then
-    copying and reading only its own rows) both publishes tile ``it`` and tells that every warp is done with
-    tile ``it - 1``, whose slot ``(it + TCD_SLOTS - 1) % TCD_SLOTS`` then takes tile ``it + TCD_SLOTS - 1``. Every
-    step commits a group (empty past the last tile), so the wait counts stay uniform."""
-    warp_ring = TCD_WARP_RING["plain" if rotate_keys is None else "rope"]
-    ahead = TCD_LOOKUP_AHEAD[d]
-    _load_q, (lookup_tile, issue_tile), tile_step, _store = make_tc_parts(hkv, g, d, dtype, var,
-                                                                           warp_ring=warp_ring)
-    TK, NS = TCD_TK, TCD_SLOTS
-    if NS not in (2, 3):
-        raise ValueError(f"pagedkv.tir_kernels: the tensor-core decode ring takes 2 or 3 slots, not {NS}")
+def make_tc_parts(hkv: int, g: int, d: int, dtype: str, var, *, warp_ring: bool = False):
+    """The kernel's stages as macros: ``(load_q, (lookup_tile, issue_tile), tile_step, store_rows)`` (the
+    ``make_*`` stage factories of ``TcDecodeShape(hkv, g, d, dtype, var, warp_ring)``); ``warp_ring``: each warp
+    copies its own rows of a tile (``TCD_WARP_RING``)."""
+    p = TcDecodeShape(hkv, g, d, dtype, var, warp_ring)
+    return make_load_q(p), make_tile_loads(p), make_tile_step(p), make_store_rows(p)
+
+
+def make_issue_first(p: TcDecodeShape):
+    """``issue_first(pgs, smem, pages, page_values, pbase, ps, h, k0, k1, tid)``: the copies of the split's first
+    ``TCD_SLOTS - 1`` tiles started, a group each (the kernel calls it before loading q, so they overlap); with
+    ``TCD_LOOKUP_AHEAD``, the pages of the key loop's first copy looked up into ``pgs`` (``TcRegs.pgs``)."""
+    lookup_tile, issue_tile = make_tile_loads(p)
+    TK, NS, ahead = TCD_TK, TCD_SLOTS, TCD_LOOKUP_AHEAD[p.d]
 
     @T.macro
     def issue_first(pgs, smem, pages, page_values, pbase, ps, h, k0, k1, tid):
@@ -305,6 +369,26 @@ def make_tc_key_loop(hkv: int, g: int, d: int, dtype: str, var, rotate_keys=None
         if ahead:
             if NS - 1 < T.truncdiv(k1 - k0 + TK - 1, TK):
                 lookup_tile(pgs, page_values, pbase, ps, k0 + (NS - 1) * TK, k1, tid)
+
+    return issue_first
+
+
+def make_tc_key_loop(hkv: int, g: int, d: int, dtype: str, var, rotate_keys=None):
+    """``(issue_first, key_loop)``: ``make_issue_first``'s macro, and ``key_loop(regs, smem, pages, page_values,
+    pbase, ps, h, k0, k1, w, lane, tid, sm_scale)``: the warp's row states over the split's keys ``[k0, k1)``;
+    with ``rotate_keys`` (inline RoPE, ``_decode_tc_rope_cuda``) each warp rotates its keys of a tile in place
+    before scoring them. Ring of ``TCD_SLOTS`` (2 or 3) slots: tiles ``0 .. TCD_SLOTS - 2`` issued first; at tile
+    ``it`` the wait leaves only the ``TCD_SLOTS - 2`` newer tiles in flight, and the barrier after it (the
+    block's, or the warp's with ``TCD_WARP_RING``, each warp then copying and reading only its own rows) both
+    publishes tile ``it`` and tells that every warp is done with tile ``it - 1``, whose slot ``(it + TCD_SLOTS -
+    1) % TCD_SLOTS`` then takes tile ``it + TCD_SLOTS - 1``. Every step commits a group (empty past the last
+    tile), so the wait counts stay uniform."""
+    p = TcDecodeShape(hkv, g, d, dtype, var, TCD_WARP_RING["plain" if rotate_keys is None else "rope"])
+    warp_ring, ahead = p.warp_ring, TCD_LOOKUP_AHEAD[d]
+    (lookup_tile, issue_tile), tile_step = make_tile_loads(p), make_tile_step(p)
+    TK, NS = TCD_TK, TCD_SLOTS
+    if NS not in (2, 3):
+        raise ValueError(f"pagedkv.tir_kernels: the tensor-core decode ring takes 2 or 3 slots, not {NS}")
 
     @T.macro
     def tile_barrier():
@@ -337,27 +421,89 @@ def make_tc_key_loop(hkv: int, g: int, d: int, dtype: str, var, rotate_keys=None
         T.evaluate(cp_async_wait(0))
         T.tvm_storage_sync("shared")
 
-    return issue_first, key_loop
+    return make_issue_first(p), key_loop
+
+
+def _rope_stages(d: int, g: int, dtype: str):
+    """``(rope_setup, load_q_rope, rotate_keys)`` of the inline-RoPE kernel (``_decode_tc_rope_cuda``) on this
+    kernel's ring: its frequency table after the ring, keys rotated in place in their K rows."""
+    k_base, _v_base, rw = _layout(d)
+    return make_tc_rope_parts(d, g, dtype, table0=smem_words(d), nt=TCD_NT, tk=TCD_TK,
+                              k_row=lambda slot, row: k_base(slot) + row * rw, row_words=rw)
+
+
+def make_tc_block(p: TcDecodeShape, *, rope: bool = False):
+    """A thread's work (``make_tc_kernel``'s arguments, then entry ``bx``, kv head ``h``, split ``sp``, thread
+    ``tid``): its registers and the ring, the split's key range, its first copies, Q, the key loop, the store."""
+    d, dtype, var = p.d, p.dtype, p.var
+    load_q, store_rows = make_load_q(p), make_store_rows(p)
+    rope_setup, load_q_rope, rotate_keys = _rope_stages(d, p.g, dtype) if rope else (None, None, None)
+    issue_first, key_loop = make_tc_key_loop(p.hkv, p.g, d, dtype, var, rotate_keys)
+    init_state, TK, NDN, NKS = make_init_state(p), TCD_TK, p.ndn, p.nks
+
+    @T.macro
+    def block(q, pages, page_indptr, page_values, last_page_len, k_pos_offset, q_pos, o, lse, B, ps, rope_scale,
+              rope_theta, sm_scale, S, C, ws_o, ws_l, bx, h, sp, tid):
+        qf = T.alloc_buffer((NKS * 8,), dtype, scope="local")
+        bfr = T.alloc_buffer((4,), "uint32", scope="local")
+        sacc = T.alloc_buffer((8,), "float32", scope="local")
+        pf = T.alloc_buffer((8,), dtype, scope="local")
+        oacc = T.alloc_buffer((NDN * 4,), "float32", scope="local")
+        m = T.alloc_buffer((2,), "float32", scope="local")
+        lsum = T.alloc_buffer((2,), "float32", scope="local")
+        st = T.alloc_buffer((4,), "float32", scope="local")
+        rc = T.alloc_buffer((1,), "float32", scope="local")  # RoPE cos / sin
+        rs = T.alloc_buffer((1,), "float32", scope="local")
+        pbuf = T.alloc_buffer((1,), "int32", scope="local")  # the entry's first page slot
+        # Pages and in-page slots of a thread's rows of the next tile copied (lookup_tile).
+        pgs = T.alloc_buffer((2 * tile_loads(d),), "int32", scope="local")
+        # A lane's RoPE angles (base, tile step, row step: _decode_tc_rope_cuda).
+        angc = T.alloc_buffer((ANG_WORDS if rope else 1,), "float32", scope="local")
+        angs = T.alloc_buffer((ANG_WORDS if rope else 1,), "float32", scope="local")
+        # One dynamic buffer of words, named apart from the prefill's ``smem`` (same library).
+        tcd_smem = T.alloc_buffer((smem_words(d, rope),), "float32", scope="shared.dyn")
+        keep_extent(tcd_smem, smem_words(d, rope))  # the launch's bytes: every cp.async chunk whole
+        w: T.let[T.int32] = T.truncdiv(tid, 32)
+        lane: T.let[T.int32] = T.truncmod(tid, 32)
+        # ldmatrix reaches bfr through its address only: without these stores TVM would size
+        # it by the elements it sees indexed (bfr[0], bfr[2]).
+        for e in T.unroll(4):
+            bfr[e] = T.uint32(0)
+        if bx < B:
+            kvlen: T.let[T.int32] = paged_kv_len(page_indptr, last_page_len, bx, ps)
+            Sk: T.let[T.int32] = opaque_i32(S)  # the split count, opaque inside the kernel
+            # This split's keys: [k0, k1) (split_chunk: a chunked or an equal range).
+            chunk: T.let[T.int32] = split_chunk(var, kvlen, Sk, opaque_i32(C), TK)
+            k0: T.let[T.int32] = T.min(var.decode_key(kvlen, sp * chunk), kvlen)
+            k1: T.let[T.int32] = T.min(k0 + chunk, kvlen)
+            # In a register (a let of a load is inlined by TVM, and the copies' asm clobbers
+            # memory: the load would be redone for every chunk).
+            pbuf[0] = page_indptr[bx]
+            # The first tiles' copies start before q is loaded (and the RoPE setup runs).
+            issue_first(pgs, tcd_smem, pages, page_values, pbuf[0], ps, h, k0, k1, tid)
+            if rope:
+                rope_setup(tcd_smem, angc, angs, rope_theta, rope_scale, tid, lane)
+                load_q_rope(qf, q, bx, h, lane, q_pos[bx] - k_pos_offset[bx] - k0, tcd_smem, rc, rs)
+            elif k0 < k1:  # a split past the entry's keys (chunked ranges) stores its empty lse only
+                load_q(qf, q, bx, h, lane)
+            init_state(m, lsum, oacc)
+            key_loop(TcRegs(qf, bfr, sacc, pf, oacc, m, lsum, st, angc, angs, rc, pgs),
+                     tcd_smem, pages, page_values, pbuf[0], ps, h, k0, k1, w, lane, tid, sm_scale)
+            store_rows(o, lse, ws_o, ws_l, tcd_smem, oacc, m, lsum, st, bx, h, sp, Sk, w, lane, tid)
+
+    return block
 
 
 def make_tc_kernel(hq: int, hkv: int, d: int, dtype: str, var, *, rope: bool = False):
     """The tensor-core decode kernel as a macro (same arguments as the staged kernel): grid (entry, kv head,
-    split) x 128 threads, the split's key range, the key loop and the store; ``rope``: the inline-RoPE kernel
+    split) x 128 threads, each running ``make_tc_block``'s work; ``rope``: the inline-RoPE kernel
     (``_decode_tc_rope_cuda``). Raises ``NotImplementedError`` naming the limits (``tc_decode_limits``) a
     shape breaks."""
     g = hq // hkv
     why = tc_decode_limits(g, d, dtype)
     if why:
         raise NotImplementedError("pagedkv.tir_kernels: the tensor-core CUDA decode kernel: " + "; ".join(why))
-    load_q, _issue, _step, store_rows = make_tc_parts(hkv, g, d, dtype, var)
-    rope_setup = load_q_rope = rotate_keys = None
-    if rope:
-        k_base, _v_base, rw = _layout(d)
-        rope_setup, load_q_rope, rotate_keys = make_tc_rope_parts(
-            d, g, dtype, table0=smem_words(d), nt=TCD_NT, tk=TCD_TK, k_row=lambda slot, row: k_base(slot) + row * rw,
-            row_words=rw)
-    issue_first, key_loop = make_tc_key_loop(hkv, g, d, dtype, var, rotate_keys)
-    TK, NDN, NKS = TCD_TK, d // 8, d // 16
+    block = make_tc_block(TcDecodeShape(hkv, g, d, dtype, var), rope=rope)
 
     @T.macro
     def kernel(q, pages, page_indptr, page_values, last_page_len, k_pos_offset, q_pos, o, lse, B, ps,
@@ -366,62 +512,13 @@ def make_tc_kernel(hq: int, hkv: int, d: int, dtype: str, var, *, rope: bool = F
             for h in T.thread_binding(hkv, thread="blockIdx.y"):
                 for sp in T.thread_binding(S, thread="blockIdx.z"):
                     for tid in T.thread_binding(TCD_NT, thread="threadIdx.x"):
-                        qf = T.alloc_buffer((NKS * 8,), dtype, scope="local")
-                        bfr = T.alloc_buffer((4,), "uint32", scope="local")
-                        sacc = T.alloc_buffer((8,), "float32", scope="local")
-                        pf = T.alloc_buffer((8,), dtype, scope="local")
-                        oacc = T.alloc_buffer((NDN * 4,), "float32", scope="local")
-                        m = T.alloc_buffer((2,), "float32", scope="local")
-                        lsum = T.alloc_buffer((2,), "float32", scope="local")
-                        st = T.alloc_buffer((4,), "float32", scope="local")
-                        rc = T.alloc_buffer((1,), "float32", scope="local")  # RoPE cos / sin
-                        rs = T.alloc_buffer((1,), "float32", scope="local")
-                        pbuf = T.alloc_buffer((1,), "int32", scope="local")  # the entry's first page slot
-                        # Pages and in-page slots of a thread's rows of the next tile copied (lookup_tile).
-                        pgs = T.alloc_buffer((2 * tile_loads(d),), "int32", scope="local")
-                        # A lane's RoPE angles (base, tile step, row step: _decode_tc_rope_cuda).
-                        angc = T.alloc_buffer((ANG_WORDS if rope else 1,), "float32", scope="local")
-                        angs = T.alloc_buffer((ANG_WORDS if rope else 1,), "float32", scope="local")
-                        # One dynamic buffer of words, named apart from the prefill's ``smem`` (same library).
-                        tcd_smem = T.alloc_buffer((smem_words(d, rope),), "float32", scope="shared.dyn")
-                        keep_extent(tcd_smem, smem_words(d, rope))  # the launch's bytes: every cp.async chunk whole
-                        w: T.let[T.int32] = T.truncdiv(tid, 32)
-                        lane: T.let[T.int32] = T.truncmod(tid, 32)
-                        # ldmatrix reaches bfr through its address only: without these stores TVM would size
-                        # it by the elements it sees indexed (bfr[0], bfr[2]).
-                        for e in T.unroll(4):
-                            bfr[e] = T.uint32(0)
-                        if bx < B:
-                            kvlen: T.let[T.int32] = paged_kv_len(page_indptr, last_page_len, bx, ps)
-                            Sk: T.let[T.int32] = opaque_i32(S)  # the split count, opaque inside the kernel
-                            # This split's keys: [k0, k1) (split_chunk: a chunked or an equal range).
-                            chunk: T.let[T.int32] = split_chunk(var, kvlen, Sk, opaque_i32(C), TK)
-                            k0: T.let[T.int32] = T.min(var.decode_key(kvlen, sp * chunk), kvlen)
-                            k1: T.let[T.int32] = T.min(k0 + chunk, kvlen)
-                            # In a register (a let of a load is inlined by TVM, and the copies' asm clobbers
-                            # memory: the load would be redone for every chunk).
-                            pbuf[0] = page_indptr[bx]
-                            # The first tiles' copies start before q is loaded (and the RoPE setup runs).
-                            issue_first(pgs, tcd_smem, pages, page_values, pbuf[0], ps, h, k0, k1, tid)
-                            if rope:
-                                rope_setup(tcd_smem, angc, angs, rope_theta, rope_scale, tid, lane)
-                                load_q_rope(qf, q, bx, h, lane, q_pos[bx] - k_pos_offset[bx] - k0, tcd_smem,
-                                            rc, rs)
-                            elif k0 < k1:  # a split past the entry's keys (chunked ranges) stores its empty lse only
-                                load_q(qf, q, bx, h, lane)
-                            for rr in T.unroll(2):
-                                m[rr] = T.float32(EMPTY_LSE)
-                                lsum[rr] = T.float32(0)
-                            for e in T.unroll(NDN * 4):
-                                oacc[e] = T.float32(0)
-                            key_loop(TcRegs(qf, bfr, sacc, pf, oacc, m, lsum, st, angc, angs, rc, pgs),
-                                     tcd_smem, pages, page_values, pbuf[0], ps, h, k0, k1, w, lane, tid, sm_scale)
-                            store_rows(o, lse, ws_o, ws_l, tcd_smem, oacc, m, lsum, st, bx, h, sp, Sk, w, lane,
-                                       tid)
+                        block(q, pages, page_indptr, page_values, last_page_len, k_pos_offset, q_pos, o, lse, B, ps,
+                              rope_scale, rope_theta, sm_scale, S, C, ws_o, ws_l, bx, h, sp, tid)
 
     return kernel
 
 
 __all__ = ["TCD_DTYPES", "TCD_HEAD_DIMS", "TCD_MAX_GROUP", "TCD_NT", "TCD_PAD", "TCD_RESIDENT_BLOCKS", "TCD_SLOTS",
-           "TCD_TK", "TCD_WARPS", "make_tc_kernel", "make_tc_key_loop", "make_tc_parts", "smem_words",
-           "tc_decode_limits"]
+           "TCD_TK", "TCD_WARPS", "TcDecodeShape", "make_accumulate", "make_init_state", "make_issue_first",
+           "make_load_q", "make_score", "make_softmax", "make_store_rows", "make_tc_block", "make_tc_kernel",
+           "make_tc_key_loop", "make_tc_parts", "make_tile_loads", "make_tile_step", "smem_words", "tc_decode_limits"]

@@ -43,6 +43,10 @@ bytes of dynamic + 9,472 of static shared memory; 128 heads bf16 / fp16 (32 rows
 limit: a change that adds live values spills; ``tests/cpu/test_mla_tc_compile.py`` checks), 154,112 + 35,328
 bytes. One block (8 warps) an SM either way.
 
+Code: ``BlockShape`` (frozen) holds every compile-time constant; the stages are factories of it returning
+``@T.macro`` s (``make_issue``, ``make_load_q``, ``make_score``, ``make_softmax``, ``make_accumulate``, bundled as
+``TcTileOps``; ``make_init``, ``make_store`` with ``_epilogue_cuda``'s lse rule), and ``make_block`` runs them.
+
 Limits as data (``tc_unserved``): fp16 / bf16, ``DL % 64 == 0`` and ``DL <= TC_MAX_LATENT`` (shared memory),
 ``DV % 128 == 0`` and ``DV <= DL`` (8 warps of whole ldmatrix.x4.trans column pairs).
 """
@@ -50,6 +54,7 @@ Limits as data (``tc_unserved``): fp16 / bf16, ``DL % 64 == 0`` and ``DL <= TC_M
 from __future__ import annotations
 
 import dataclasses
+from typing import NamedTuple
 
 from tvm.script import tirx as T
 
@@ -57,6 +62,7 @@ from ..kernel_spec import forced as forced_path
 from ..ops import MLA_ATTN_DECODE_PAGED
 from ._common import EMPTY_LSE, LOG2E, MASKED
 from ._common_cuda import decode_splits, shfl_xor
+from ._epilogue_cuda import make_put_lse, row_lse, row_scale
 from ._mla_frame_cuda import SWITCHES, make_frame, mla_prim_func
 from ._mma_cuda import (a_frag, c_frag, cp_async16, cp_async_commit, cp_async_wait, keep_extent, ldmatrix_x4,
                         mma_sync)
@@ -152,6 +158,26 @@ class BlockShape:
         """Keys a softmax thread (``KPT``)."""
         return self.plan.keys // self.softmax_threads
 
+    @property
+    def k_stride(self) -> int:
+        """Elements a latent row of the ring (``LS``: padded by ``TC_PAD``, ldmatrix phases on distinct banks)."""
+        return self.latent + TC_PAD
+
+    @property
+    def p_stride(self) -> int:
+        """Elements a row of P (``PS``), padded as the ring's."""
+        return self.plan.keys + TC_PAD
+
+    @property
+    def s_stride(self) -> int:
+        """Floats a row of the partial scores ``Ss`` (``SS``)."""
+        return self.plan.keys + 4
+
+    @property
+    def p0(self) -> int:
+        """Element offset of P in the dynamic buffer, past the ring (``P0``)."""
+        return self.plan.stages * self.plan.keys * self.k_stride
+
 
 def smem_bytes(rows: int, latent_dim: int, dtype: str = "float16") -> int:
     """Dynamic shared memory of a block (bytes): the ring's tiles (``TILE_PLANS``) and the P rows, padded by
@@ -191,16 +217,21 @@ def use_tc(spec) -> bool:
     return choice == "tc" or (choice == "auto" and MLA_TC_BY_DEFAULT and not reasons)
 
 
-def _make_tile_ops(bs: BlockShape):
-    """The per-tile macros (load, score, softmax, accumulate) of block shape ``bs``."""
-    H, DL, rows, dtype = bs.heads, bs.latent, bs.rows, bs.dtype
-    TK, NS, MT, KPG, NSW = bs.plan.keys, bs.plan.stages, bs.mtiles, bs.ksteps, bs.score_ntiles
-    TPR, KPT, NDN = bs.softmax_threads, bs.softmax_keys, bs.out_ntiles
-    ON = NDN * 4
-    LS, PS, SS = DL + TC_PAD, TK + TC_PAD, TK + 4
+class TcTileOps(NamedTuple):
+    """``make_tile_ops``' per-tile stages of a block shape, by name."""
+
+    issue: object
+    load_q: object
+    score: object
+    softmax: object
+    accumulate: object
+
+
+def make_issue(bs: BlockShape):
+    """The load stage: ``issue(smem, stage, pages, page_values, pbase, ps, kbase, kend, tid)``."""
+    DL, dtype, TK, LS = bs.latent, bs.dtype, bs.plan.keys, bs.k_stride
     CPR = DL // 8  # 16-byte chunks a latent row
     CPK = NT // TK  # threads a key row of the tile load
-    P0 = NS * TK * LS  # element offset of P in the dynamic buffer
 
     @T.macro
     def issue(smem, stage, pages, page_values, pbase, ps, kbase, kend, tid):
@@ -222,6 +253,13 @@ def _make_tile_ops(bs: BlockShape):
                     smem[stage * TK * LS + key * LS + (it * CPK + T.truncmod(tid, CPK)) * 8 + e] = T.Cast(
                         dtype, T.float32(0))
 
+    return issue
+
+
+def make_load_q(bs: BlockShape):
+    """``load_q(qf, q, b, h0, w, lane)``: Q's A fragments of a warp's dim group in registers."""
+    H, dtype, MT, KPG = bs.heads, bs.dtype, bs.mtiles, bs.ksteps
+
     @T.macro
     def load_q(qf, q, b, h0, w, lane):
         """Q in registers: the A fragments of the warp's dim group (k steps ``KPG (w % DG) ..``) of every m16
@@ -234,6 +272,14 @@ def _make_tile_ops(bs: BlockShape):
                         h0 + mt * 16 + a_frag(lane, i)[0] < H,
                         q[b, T.min(h0 + mt * 16 + a_frag(lane, i)[0], H - 1),
                           (T.truncmod(w, DG) * KPG + ks) * 16 + a_frag(lane, i)[1]], T.Cast(dtype, T.float32(0)))
+
+    return load_q
+
+
+def make_score(bs: BlockShape):
+    """``score(smem, Ss, stage, qf, sacc, bfr, w, lane)``: a warp's partial scores of a tile into ``Ss``."""
+    DL, rows, dtype, TK = bs.latent, bs.rows, bs.dtype, bs.plan.keys
+    MT, KPG, NSW, LS, SS = bs.mtiles, bs.ksteps, bs.score_ntiles, bs.k_stride, bs.s_stride
 
     @T.macro
     def score(smem, Ss, stage, qf, sacc, bfr, w, lane):
@@ -257,6 +303,14 @@ def _make_tile_ops(bs: BlockShape):
                 for i in T.unroll(4):
                     Ss[(T.truncmod(w, DG) * rows + mt * 16 + c_frag(lane, i)[0]) * SS
                        + (T.truncdiv(w, DG) * NSW + nt) * 8 + c_frag(lane, i)[1]] = sacc[(mt * NSW + nt) * 4 + i]
+
+    return score
+
+
+def make_softmax(bs: BlockShape):
+    """``softmax(smem, Ss, St, rs, sv, kbase, kend, scale2, tid)``: the online softmax of a row's share of keys."""
+    rows, dtype, TPR, KPT = bs.rows, bs.dtype, bs.softmax_threads, bs.softmax_keys
+    PS, SS, P0 = bs.p_stride, bs.s_stride, bs.p0
 
     @T.macro
     def softmax(smem, Ss, St, rs, sv, kbase, kend, scale2, tid):
@@ -283,6 +337,14 @@ def _make_tile_ops(bs: BlockShape):
         if sub == 0:
             St[row * STW] = sv[KPT + 1]
 
+    return softmax
+
+
+def make_accumulate(bs: BlockShape):
+    """``accumulate(smem, St, stage, oacc, pa, bfr, w, lane)``: O rescaled, then O += P V of a tile."""
+    DL, dtype, TK, MT, NDN = bs.latent, bs.dtype, bs.plan.keys, bs.mtiles, bs.out_ntiles
+    ON, LS, P0 = NDN * 4, bs.k_stride, bs.p0
+
     @T.macro
     def accumulate(smem, St, stage, oacc, pa, bfr, w, lane):
         """O (dims ``DV / 8 * w ..``) = alpha O + P V, V the first DV columns of the tile in ``stage``."""
@@ -304,14 +366,41 @@ def _make_tile_ops(bs: BlockShape):
                         T.evaluate(mma_sync(dtype, T.address_of(oacc[mt * ON + (j * 2 + u) * 4]),
                                             T.address_of(pa[mt * 4]), T.address_of(bfr[u * 2])))
 
-    return issue, load_q, score, softmax, accumulate
+    return accumulate
 
 
-def _make_store(bs: BlockShape):
-    """The ``store`` macro: o / lse (``S == 1``) or the split's partial state in the workspace."""
+def make_tile_ops(bs: BlockShape) -> TcTileOps:
+    """The per-tile stages (load, Q, score, softmax, accumulate) of block shape ``bs``."""
+    return TcTileOps(make_issue(bs), make_load_q(bs), make_score(bs), make_softmax(bs), make_accumulate(bs))
+
+
+def make_init(bs: BlockShape):
+    """``init(bfr, pa, oacc, rs)``: a thread's registers before the first tile: the fragments and O zero, the
+    row's running max ``EMPTY_LSE`` and its partial sum zero."""
+    MT, ON = bs.mtiles, bs.out_ntiles * 4
+
+    @T.macro
+    def init(bfr, pa, oacc, rs):
+        # TVM sizes a local array by the elements it sees indexed; ldmatrix reaches these through addresses only.
+        for e in T.unroll(4):
+            bfr[e] = T.uint32(0)
+        for e in T.unroll(MT * 4):
+            pa[e] = T.uint32(0)
+        for e in T.unroll(MT * ON):
+            oacc[e] = T.float32(0)
+        rs[0] = T.float32(EMPTY_LSE)
+        rs[1] = T.float32(0)
+
+    return init
+
+
+def make_store(bs: BlockShape):
+    """The store stage, ``(store_lse, store_o)``: o / lse (``S == 1``) or the split's partial state in the
+    workspace (``_epilogue_cuda``)."""
     H, dtype = bs.heads, bs.dtype
     MT, NDN, TPR = bs.mtiles, bs.out_ntiles, bs.softmax_threads
     ON = NDN * 4
+    put_lse = make_put_lse(H)
 
     @T.macro
     def store_lse(St, rs, lse, ws_l, b, live, h0, S, sp, tid):
@@ -323,12 +412,7 @@ def _make_store(bs: BlockShape):
             St[row * STW + 1] = rs[0]
             St[row * STW + 2] = rs[1]
             if live and h0 + row < H:
-                if S == 1:
-                    lse[b, h0 + row] = T.if_then_else(rs[1] > T.float32(0), rs[0] + T.log2(rs[1]),
-                                                      T.float32(EMPTY_LSE))
-                else:
-                    ws_l[(b * H + h0 + row) * S + sp] = T.if_then_else(
-                        rs[1] > T.float32(0), rs[0] + T.log2(rs[1]), T.float32(EMPTY_LSE))
+                put_lse(lse, ws_l, row_lse(rs[0], rs[1]), b, h0, row, S, sp)
 
     @T.macro
     def store_o(St, oacc, o, ws_o, b, h0, S, sp, w, lane):
@@ -336,8 +420,7 @@ def _make_store(bs: BlockShape):
         for mt in T.unroll(MT):
             for rr in T.unroll(2):
                 r: T.let[T.int32] = mt * 16 + c_frag(lane, rr * 2)[0]
-                rl: T.let[T.float32] = T.if_then_else(St[r * STW + 2] > T.float32(0),
-                                                      T.float32(1) / St[r * STW + 2], T.float32(0))
+                rl: T.let[T.float32] = row_scale(St[r * STW + 2])
                 if h0 + r < H:
                     for dn in T.unroll(NDN):
                         for c in T.unroll(2):
@@ -351,20 +434,13 @@ def _make_store(bs: BlockShape):
     return store_lse, store_o
 
 
-def mla_attn_paged_tc(spec, op: str = MLA_ATTN_DECODE_PAGED):
-    """``pagedkv_mla_attn_decode_paged`` (grid: head group, entry, key split) or ``pagedkv_mla_attn_prefill_paged``
-    (head group, query token, key split; ``_mla_frame_cuda``) on tensor cores (arguments: ``pagedkv.ops.OP_SPECS``),
-    for a ``KernelSpec`` that ``tc_unserved`` accepts (module docstring)."""
-    reasons = tc_unserved(spec)
-    if reasons:
-        raise NotImplementedError(f"pagedkv.tir_kernels: {SWITCHES[op]}=tc: the tensor-core CUDA MLA kernel does not "
-                                  f"serve {'; '.join(reasons)}")
-    bs = BlockShape(spec.num_qo_heads, spec.latent_dim, spec.kv_lora_rank, spec.dtype)
+def make_block(bs: BlockShape):
+    """The per-thread block macro of ``_mla_frame_cuda``'s frames: a block's work of block shape ``bs``."""
     DL, dtype, rows = bs.latent, bs.dtype, bs.rows
-    MT, NG, TK, NS = bs.mtiles, bs.groups, bs.plan.keys, bs.plan.stages
+    MT, TK, NS = bs.mtiles, bs.plan.keys, bs.plan.stages
     KPG, NSW, ON, KPT = bs.ksteps, bs.score_ntiles, bs.out_ntiles * 4, bs.softmax_keys
-    issue, load_q, score, softmax, accumulate = _make_tile_ops(bs)
-    store_lse, store_o = _make_store(bs)
+    issue, load_q, score, softmax, accumulate = make_tile_ops(bs)
+    init, (store_lse, store_o) = make_init(bs), make_store(bs)
     NE = smem_bytes(rows, DL) // 2
 
     @T.macro
@@ -387,15 +463,7 @@ def mla_attn_paged_tc(spec, op: str = MLA_ATTN_DECODE_PAGED):
         sv = T.alloc_buffer((KPT + 2,), "float32", scope="local")
         w: T.let[T.int32] = T.truncdiv(tid, 32)
         lane: T.let[T.int32] = T.truncmod(tid, 32)
-        # TVM sizes a local array by the elements it sees indexed; ldmatrix reaches these through addresses only.
-        for e in T.unroll(4):
-            bfr[e] = T.uint32(0)
-        for e in T.unroll(MT * 4):
-            pa[e] = T.uint32(0)
-        for e in T.unroll(MT * ON):
-            oacc[e] = T.float32(0)
-        rs[0] = T.float32(EMPTY_LSE)
-        rs[1] = T.float32(0)
+        init(bfr, pa, oacc, rs)
         load_q(qf, q, T.min(bx, T.max(B - 1, 0)), g * rows, w, lane)
         # One copy group a tile, empty past the split's keys, so that waiting for all but the newest NS - 2
         # groups always means tile kt.
@@ -421,9 +489,24 @@ def mla_attn_paged_tc(spec, op: str = MLA_ATTN_DECODE_PAGED):
         if bx < B:
             store_o(St, oacc, o, ws[0], bx, g * rows, S, sp, w, lane)
 
-    return mla_prim_func(op, spec, make_frame(op, spec, block, groups=NG, threads=NT, tk=TK,
-                                              splits=decode_splits(spec)))
+    return block
+
+
+def mla_attn_paged_tc(spec, op: str = MLA_ATTN_DECODE_PAGED):
+    """``pagedkv_mla_attn_decode_paged`` (grid: head group, entry, key split) or ``pagedkv_mla_attn_prefill_paged``
+    (head group, query token, key split; ``_mla_frame_cuda``) on tensor cores (arguments: ``pagedkv.ops.OP_SPECS``),
+    for a ``KernelSpec`` that ``tc_unserved`` accepts (module docstring)."""
+    reasons = tc_unserved(spec)
+    if reasons:
+        raise NotImplementedError(f"pagedkv.tir_kernels: {SWITCHES[op]}=tc: the tensor-core CUDA MLA kernel does not "
+                                  f"serve {'; '.join(reasons)}")
+    bs = BlockShape(spec.num_qo_heads, spec.latent_dim, spec.kv_lora_rank, spec.dtype)
+    return mla_prim_func(op, spec, make_frame(op, spec, make_block(bs), groups=bs.groups, threads=NT,
+                                              tk=bs.plan.keys, splits=decode_splits(spec)))
 
 
 __all__ = ["BlockShape", "MLA_TC_BY_DEFAULT", "SWITCH", "TC_DTYPES", "TC_MAX_LATENT", "TILE_PLANS", "TilePlan", "group_rows",
            "mla_attn_paged_tc", "smem_bytes", "tc_unserved", "use_tc"]
+#: The kernel's stages, each importable: factories of its block shape (and their named tuple).
+__all__ += ["TcTileOps", "make_accumulate", "make_block", "make_init", "make_issue", "make_load_q", "make_score",
+            "make_softmax", "make_store", "make_tile_ops"]

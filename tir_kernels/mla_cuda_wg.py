@@ -37,12 +37,18 @@ heads bf16), 207,360 bytes
 of dynamic + 16,384 of static shared memory; one block an SM. H200: runs 15-17 (BENCHMARKS.md, when it was forced
 on its own), GPU suite (as ``mla_cuda_wgq``'s fallback).
 
+Code: the block's compile-time parameters are one frozen ``WgShape``; each stage is a factory of it returning
+``@T.macro`` s (``make_load``: page lookups and copies, ``make_load_q``, ``make_score``, ``make_softmax``,
+``make_accumulate``), bundled by ``make_tile_ops`` as the named tuple ``WgTileOps``;
+the store's lse and row scale are ``_epilogue_cuda``'s (``make_store``: this kernel's and wgq's).
+
 Limits as data (``wg_unserved``): target arch sm_90a, fp16 / bf16, ``DL % 64 == 0`` and ``DL <= 576``,
 ``DV / 2`` a wgmma width (``WG_NS``: DV 128, 256 or 512).
 """
 
 from __future__ import annotations
 
+import dataclasses
 from typing import NamedTuple
 
 from tvm.script import tirx as T
@@ -51,6 +57,7 @@ from ..kernel_spec import PATH_ARCHS
 from ..ops import MLA_ATTN_DECODE_PAGED
 from ._common import EMPTY_LSE, LOG2E, MASKED
 from ._common_cuda import decode_splits, shfl_xor
+from ._epilogue_cuda import make_put_lse, row_lse, row_scale
 from ._mla_frame_cuda import make_frame
 from ._mma_cuda import a_frag, c_frag, cp_async16, cp_async_commit, cp_async_wait, keep_extent
 from ._wgmma_cuda import WG_CORE_PAD, WG_NS, CoreLayout, proxy_fence, wg_attention_gemms, wg_wait0
@@ -93,6 +100,62 @@ def smem_bytes(latent_dim: int) -> int:
     return 2 * NS * tile_layout(latent_dim).elems(TK)
 
 
+@dataclasses.dataclass(frozen=True)
+class WgShape:
+    """The block's compile-time parameters, declared once for its stages: ``heads`` query heads, ``latent`` dims
+    of Q and of a latent row, ``dv`` value dims (a latent row's first), the storage ``dtype``; and the per-thread
+    counts derived from them."""
+
+    heads: int
+    latent: int
+    dv: int
+    dtype: str
+
+    @property
+    def kh(self) -> int:
+        """Score dims of a warpgroup (its half of the latent)."""
+        return self.latent // 2
+
+    @property
+    def dvh(self) -> int:
+        """Value dims of a warpgroup (its half of O)."""
+        return self.dv // 2
+
+    @property
+    def nks(self) -> int:
+        """k16 steps of a warpgroup's score."""
+        return self.kh // 16
+
+    @property
+    def nsn(self) -> int:
+        """n8 key tiles of a tile's S."""
+        return TK // 8
+
+    @property
+    def ndn(self) -> int:
+        """n8 tiles of a warpgroup's O."""
+        return self.dvh // 8
+
+    @property
+    def sn(self) -> int:
+        """S accumulators a thread."""
+        return self.nsn * 4
+
+    @property
+    def on(self) -> int:
+        """O accumulators a thread."""
+        return self.ndn * 4
+
+    @property
+    def lay(self) -> CoreLayout:
+        return tile_layout(self.latent)
+
+    def gemms(self):
+        """S over a warpgroup's ``kh`` latent dims, O over its ``dvh`` value dims; a tile's rows are ``latent``
+        elements (``_wgmma_cuda.wg_attention_gemms``)."""
+        return wg_attention_gemms(self.dtype, s_steps=self.nks, tk=TK, k_lay=self.lay, dv=self.dvh, v_lay=self.lay)
+
+
 class WgTileOps(NamedTuple):
     """``make_tile_ops``' per-tile macros and the per-thread counts: ``sn`` S and ``on`` O accumulators, ``nks``
     k steps of a warpgroup's score."""
@@ -109,14 +172,9 @@ class WgTileOps(NamedTuple):
     nks: int
 
 
-def make_tile_ops(H: int, DL: int, DV: int, dtype: str) -> WgTileOps:
-    """The per-tile macros (load, Q, score, softmax, accumulate) of ``H`` heads, latent ``DL``, value dims
-    ``DV``."""
-    KH, DVH = DL // 2, DV // 2  # each warpgroup's score dims and value dims
-    NKS, NSN, NDN = KH // 16, TK // 8, DVH // 8
-    SN, ON = NSN * 4, NDN * 4  # S and O accumulators a thread
-    CPR = DL // 8  # 16-byte chunks a latent row
-    LAY = tile_layout(DL)
+def make_load(sh: WgShape):
+    """The load stage: ``(look_up, issue)``, a tile's page lookups and its ``cp.async`` copies into a ring stage."""
+    CPR, LAY, dtype = sh.latent // 8, sh.lay, sh.dtype  # CPR: 16-byte chunks a latent row
 
     @T.macro
     def look_up(pg, page_values, pbase, ps, kbase, kend, tid):
@@ -147,6 +205,13 @@ def make_tile_ops(H: int, DL: int, DV: int, dtype: str) -> WgTileOps:
                         T.Cast(dtype, T.float32(0))
         look_up(pg, page_values, pbase, ps, kbase + TK, kend, tid)
 
+    return look_up, issue
+
+
+def make_load_q(sh: WgShape):
+    """``load_q(qf, q, b, h0, wg, w, lane)``: Q's A fragments of a warpgroup's score dims in registers."""
+    H, KH, NKS, dtype = sh.heads, sh.kh, sh.nks, sh.dtype
+
     @T.macro
     def load_q(qf, q, b, h0, wg, w, lane):
         """Q's A fragments of the warpgroup's dims, rows ``16 (w % 4) ..`` of the m64 tile; 0 past ``H``."""
@@ -157,8 +222,12 @@ def make_tile_ops(H: int, DL: int, DV: int, dtype: str) -> WgTileOps:
                     q[b, T.min(h0 + T.truncmod(w, 4) * 16 + a_frag(lane, i)[0], H - 1),
                       wg * KH + ks * 16 + a_frag(lane, i)[1]], T.Cast(dtype, T.float32(0)))
 
-    # S over the warpgroup's KH latent dims, O over its DVH value dims; the tile's rows are DL elements.
-    wgg = wg_attention_gemms(dtype, s_steps=NKS, tk=TK, k_lay=LAY, dv=DVH, v_lay=LAY)
+    return load_q
+
+
+def make_score(sh: WgShape):
+    """``score(smem, Ss, kb, qf, sacc, oacc, pf, wg, t)``: a tile's full S, the warpgroups' halves exchanged."""
+    KH, SN, LAY, wgg = sh.kh, sh.sn, sh.lay, sh.gemms()
 
     @T.macro
     def score(smem, Ss, kb, qf, sacc, oacc, pf, wg, t):
@@ -172,6 +241,13 @@ def make_tile_ops(H: int, DL: int, DV: int, dtype: str) -> WgTileOps:
         T.tvm_storage_sync("shared")
         for e in T.unroll(SN):
             sacc[e] = sacc[e] + Ss[(e * 2 + 1 - wg) * 128 + t]
+
+    return score
+
+
+def make_softmax(sh: WgShape):
+    """``softmax(sacc, pf, m, lsum, oacc, st, kbase, kend, scale2, lane)``: the online softmax of a thread's rows."""
+    NSN, NDN, dtype = sh.nsn, sh.ndn, sh.dtype
 
     @T.macro
     def softmax(sacc, pf, m, lsum, oacc, st, kbase, kend, scale2, lane):
@@ -202,6 +278,13 @@ def make_tile_ops(H: int, DL: int, DV: int, dtype: str) -> WgTileOps:
                     lsum[rr] = lsum[rr] + st[2]
                     pf[nt * 4 + rr * 2 + c] = T.Cast(dtype, st[2])
 
+    return softmax
+
+
+def make_accumulate(sh: WgShape):
+    """The accumulate stage: ``(accumulate, finish)``, O += P V issued a tile and the last one completed."""
+    DVH, LAY, wgg = sh.dvh, sh.lay, sh.gemms()
+
     @T.macro
     def accumulate(smem, kb, oacc, pf, wg):
         """Issue O (the warpgroup's value dims) += P V, V the first DV columns of the tile at ``kb`` (MN-major);
@@ -214,7 +297,15 @@ def make_tile_ops(H: int, DL: int, DV: int, dtype: str) -> WgTileOps:
         T.evaluate(wg_wait0())
         wgg.pv_done(oacc, pf)
 
-    return WgTileOps(look_up, issue, load_q, score, softmax, accumulate, finish, SN, ON, NKS)
+    return accumulate, finish
+
+
+def make_tile_ops(H: int, DL: int, DV: int, dtype: str) -> WgTileOps:
+    """The per-tile stages (load, Q, score, softmax, accumulate) of ``WgShape(H, DL, DV, dtype)``."""
+    sh = WgShape(H, DL, DV, dtype)
+    (look_up, issue), (accumulate, finish) = make_load(sh), make_accumulate(sh)
+    return WgTileOps(look_up, issue, make_load_q(sh), make_score(sh), make_softmax(sh), accumulate, finish, sh.sn,
+                     sh.on, sh.nks)
 
 
 def make_init(ON: int):
@@ -233,11 +324,12 @@ def make_init(ON: int):
 
 
 def make_store(H: int, DV: int, dtype: str):
-    """The ``store`` macro: o / lse (``S == 1``) or the split's partial state in the workspace; warpgroup ``wg``
-    stores value dims ``wg * DV / 2 ..``, warpgroup 0 the lse (this kernel's and
+    """The ``store`` macro: o / lse (``S == 1``) or the split's partial state in the workspace (``_epilogue_cuda``);
+    warpgroup ``wg`` stores value dims ``wg * DV / 2 ..``, warpgroup 0 the lse (this kernel's and
     ``mla_cuda_wgq``'s)."""
     DVH = DV // 2
     NDN = DVH // 8
+    put_lse = make_put_lse(H)
 
     @T.macro
     def store(oacc, m, lsum, o, lse, ws_o, ws_l, b, live, h0, S, sp, wg, w, lane):
@@ -246,15 +338,11 @@ def make_store(H: int, DV: int, dtype: str):
             lsum[rr] = lsum[rr] + shfl_xor(lsum[rr], 2)
         for rr in T.unroll(2):
             r: T.let[T.int32] = T.truncmod(w, 4) * 16 + c_frag(lane, rr * 2)[0]
-            rl: T.let[T.float32] = T.if_then_else(lsum[rr] > T.float32(0), T.float32(1) / lsum[rr], T.float32(0))
-            lv: T.let[T.float32] = T.if_then_else(lsum[rr] > T.float32(0), m[rr] + T.log2(lsum[rr]),
-                                                  T.float32(EMPTY_LSE))
+            rl: T.let[T.float32] = row_scale(lsum[rr])
+            lv: T.let[T.float32] = row_lse(m[rr], lsum[rr])
             if live and h0 + r < H:
                 if wg == 0 and T.truncmod(lane, 4) == 0:
-                    if S == 1:
-                        lse[b, h0 + r] = lv
-                    else:
-                        ws_l[(b * H + h0 + r) * S + sp] = lv
+                    put_lse(lse, ws_l, lv, b, h0, r, S, sp)
                 # One branch on S for the row, and the thread's two adjacent columns as one vector store: the
                 # per-element branches and 2-byte stores made the block's epilogue an instruction-cache-missing
                 # stretch of ~2000 instructions, 8% of wgq's time at 8K keys a block and most of it at 1K (run 25).
@@ -363,3 +451,5 @@ def make_wg_block(spec):
 __all__ = ["AHEAD", "NS", "NT", "ROWS", "TK", "WG_DTYPES", "WG_MAX_LATENT", "make_init", "make_wg_body",
            "make_store", "make_tile_ops", "make_tma_body",
            "make_wg_block", "smem_bytes", "wg_unserved", "WgTileOps"]
+#: The kernel's stages, each importable: factories of its block shape (and their named tuple).
+__all__ += ["WgShape", "make_accumulate", "make_load", "make_load_q", "make_score", "make_softmax"]

@@ -32,12 +32,18 @@ descriptor), which frees the registers for a whole tile's S in one warpgroup:
   is not issued), and where TMA cannot read the pool the PrimFunc's host code runs ``mla_cuda_wg``'s kernel
   (``make_wg_body``).
 
+Code: one frozen ``WgqShape`` (heads, latent, value dims, dtype, keys a tile) feeds every stage factory: the value
+warpgroup's boxes (``make_issue``), Q (``make_load_q``), S and the tail's zeroing (``make_score``), the softmax, the
+hand-off through shared memory (``make_handoff``) and P V (``make_accumulate``), bundled as ``WgqTileOps``; the two
+roles (``make_score_role``, ``make_value_role``) and the block (``make_block``, ``mla_cuda_wg``'s store) on top.
+
 Limits as data: ``mla_cuda_wg.wg_unserved``'s (the same 64-head block and latent limits); ``wgq_unserved`` names
 this value.
 """
 
 from __future__ import annotations
 
+import dataclasses
 from typing import NamedTuple
 
 from tvm.script import tirx as T
@@ -121,7 +127,8 @@ def use_wgq(spec) -> bool:
 
 
 class _Smem:
-    """Element offsets (of the 2-byte dtype) of a block's regions past the 1024-byte boundary."""
+    """Element offsets (of the 2-byte dtype) of a block's regions past the 1024-byte boundary, and the addresses
+    of the ring's mbarriers."""
 
     def __init__(self, dl: int, tk: int):
         self.ns, self.tile = stages(dl, tk), tk * dl
@@ -134,14 +141,60 @@ class _Smem:
     def stage(self, s):
         return self.ring + s * self.tile
 
+    def full(self, smem, s):
+        """``full[s]``: the mbarrier of stage ``s``'s TMA bytes."""
+        return T.address_of(smem[self.mbar + s * (MBAR_BYTES // 2)])
 
-def _make_softmax(dtype: str, tk: int):
+    def empty(self, smem, s):
+        """``empty[s]``: the mbarrier of stage ``s``'s readers done (8 arrivals, a warp's lane 0 each)."""
+        return T.address_of(smem[self.mbar + (self.ns + s) * (MBAR_BYTES // 2)])
+
+
+@dataclasses.dataclass(frozen=True)
+class WgqShape:
+    """The block's compile-time parameters, declared once for its stages: ``heads`` query heads, ``latent`` dims of
+    Q and of a latent row, ``dv`` value dims (a latent row's first), the storage ``dtype``, ``tk`` keys a tile."""
+
+    heads: int
+    latent: int
+    dv: int
+    dtype: str
+    tk: int = TK
+
+    @property
+    def smem(self) -> _Smem:
+        return _Smem(self.latent, self.tk)
+
+    @property
+    def dvh(self) -> int:
+        """Value dims of a warpgroup (its half of O)."""
+        return self.dv // 2
+
+    @property
+    def ndn(self) -> int:
+        """n8 tiles of a warpgroup's O."""
+        return self.dv // 2 // 8
+
+    @property
+    def lay(self) -> Sw128Layout:
+        """A ring stage: ``tk`` latent rows, 128-byte swizzled."""
+        return Sw128Layout(self.latent, self.tk)
+
+    def gemms(self):
+        """The score warpgroup's S over all ``latent`` dims and its O half over ``dvh`` value dims
+        (``_wgmma_cuda.wg_attention_gemms``)."""
+        return wg_attention_gemms(self.dtype, s_steps=self.latent // 16, tk=self.tk, k_lay=self.lay, dv=self.dvh,
+                                  v_lay=self.lay)
+
+
+def make_softmax(sh: WgqShape):
     """The score warpgroup's online softmax of a tile (``mla_cuda_wg``'s rules: log2 units, keys at or past
     ``kend`` masked, ``EMPTY_LSE`` start), the rows' factors in ``al`` (O is rescaled by ``rescale``).
 
     Written for instruction-level parallelism (the probe's stall samples put a third of the score warpgroup's
     time in a serial softmax): the key mask only in a split's last tile (a whole tile branches once), the row's max
     from four partial maxima and its sum from four partial sums (``tk`` >= 32)."""
+    dtype, tk = sh.dtype, sh.tk
     NSN = tk // 8  # 8-key column groups: a thread holds 2 keys of each, per row
 
     @T.macro
@@ -178,19 +231,11 @@ def _make_softmax(dtype: str, tk: int):
     return softmax
 
 
-def _make_ops(DL: int, DV: int, dtype: str, tk: int):
-    """The tile macros of both roles."""
-    L = _Smem(DL, tk)
-    NKS, DVH, NCB, GROUPS = DL // 16, DV // 2, DL // 64, tk // 8
-    NDN = DV // 2 // 8
-    LAY, QLAY, PLAY = Sw128Layout(DL, tk), Sw128Layout(DL, ROWS), CoreLayout(tk)
-    wgg = wg_attention_gemms(dtype, s_steps=NKS, tk=tk, k_lay=LAY, dv=DVH, v_lay=LAY)
-
-    def full(smem, s):
-        return T.address_of(smem[L.mbar + s * (MBAR_BYTES // 2)])
-
-    def empty(smem, s):
-        return T.address_of(smem[L.mbar + (L.ns + s) * (MBAR_BYTES // 2)])
+def make_issue(sh: WgqShape):
+    """The load stage of the value warpgroup's issuing lanes: ``(look_up, issue)``, a tile's page lookups and its
+    TMA boxes into a ring stage."""
+    DL, tk, L = sh.latent, sh.tk, sh.smem
+    NCB, GROUPS = DL // 64, tk // 8
 
     def group(w, j, br):
         """Key group of an issuing lane's slot ``j`` (0, 1): with one group a tile (``br == tk``) group 0 in slot 0
@@ -208,7 +253,7 @@ def _make_ops(DL: int, DV: int, dtype: str, tk: int):
 
     @T.macro
     def box(smem, s, pmap, ps, kbase, g, cb, br, page):
-        T.evaluate(tma_load3(T.address_of(smem[L.stage(s) + (cb * tk + g * br) * 64]), full(smem, s), pmap, cb * 64,
+        T.evaluate(tma_load3(T.address_of(smem[L.stage(s) + (cb * tk + g * br) * 64]), L.full(smem, s), pmap, cb * 64,
                              T.truncmod(kbase + g * br, ps), page))
 
     @T.macro
@@ -219,7 +264,7 @@ def _make_ops(DL: int, DV: int, dtype: str, tk: int):
         ``w`` takes column blocks ``w, w + 4, ..``; else groups ``w`` and ``w + 4`` whole."""
         br: T.let[T.int32] = box_rows(ps, tk)
         if w == 0:
-            T.evaluate(mbar_expect_tx(full(smem, s), T.min(T.truncdiv(kend - kbase + br - 1, br), T.truncdiv(tk, br))
+            T.evaluate(mbar_expect_tx(L.full(smem, s), T.min(T.truncdiv(kend - kbase + br - 1, br), T.truncdiv(tk, br))
                                       * br * DL * 2))
         if br == tk:
             for i in T.unroll((NCB + ISSUERS - 1) // ISSUERS):
@@ -231,6 +276,13 @@ def _make_ops(DL: int, DV: int, dtype: str, tk: int):
                     for cb in T.unroll(NCB):
                         box(smem, s, pmap, ps, kbase, w + ISSUERS * j, cb, br, pg[j])
         look_up(pg, page_values, pbase, ps, kbase + tk, kend, w, br)
+
+    return look_up, issue
+
+
+def make_load_q(sh: WgqShape):
+    """``load_q(smem, q, b, h0, H, tid)``: Q's 64 rows into shared memory, where both S operands are read."""
+    DL, QLAY = sh.latent, Sw128Layout(sh.latent, ROWS)
 
     @T.macro
     def load_q(smem, q, b, h0, H, tid):
@@ -247,6 +299,15 @@ def _make_ops(DL: int, DV: int, dtype: str, tk: int):
                     T.evaluate(st_shared_zero16(T.address_of(smem[QLAY.index(row, col)])))
         T.evaluate(cp_async_commit())
         T.evaluate(cp_async_wait(0))
+
+    return load_q
+
+
+def make_score(sh: WgqShape):
+    """The score warpgroup's score stage: ``(score, zero_tail)``, S of a stage issued, and the V rows of a split's
+    last tile past its keys zeroed."""
+    DL, DV, dtype, tk, L, LAY = sh.latent, sh.dv, sh.dtype, sh.tk, sh.smem, sh.lay
+    NKS, QLAY = DL // 16, Sw128Layout(DL, ROWS)
 
     @T.macro
     def score(smem, s, sacc):
@@ -269,6 +330,16 @@ def _make_ops(DL: int, DV: int, dtype: str, tk: int):
         T.evaluate(proxy_fence())
         T.evaluate(bar_sync(BAR_TAIL, 128))
 
+    return score, zero_tail
+
+
+def make_handoff(sh: WgqShape):
+    """What the score warpgroup hands the value warpgroup through shared memory: ``(publish, hand_out,
+    take_over)``, a tile's P and factors, and at the end the rows' max and sums (the value warpgroup stores the
+    lse)."""
+    tk, L, PLAY = sh.tk, sh.smem, CoreLayout(sh.tk)
+    GROUPS = tk // 8
+
     @T.macro
     def publish(smem, pf, al, wl, lane):
         """P (this warp's 16 rows) and the rows' factors into shared memory for the value warpgroup."""
@@ -282,6 +353,28 @@ def _make_ops(DL: int, DV: int, dtype: str, tk: int):
                 T.evaluate(st_shared_f32(T.address_of(smem[L.alpha + (wl * 16 + rr * 8 + T.truncdiv(lane, 4)) * 2]),
                                          al[rr]))
         T.evaluate(proxy_fence())
+
+    @T.macro
+    def hand_out(smem, m, lsum, t):
+        """The score warpgroup: the rows' max and partial sums into P's buffer (free once the last P V is done)."""
+        for rr in T.unroll(2):
+            T.evaluate(st_shared_f32(T.address_of(smem[L.p + ((rr * 2) * 128 + t) * 2]), m[rr]))
+            T.evaluate(st_shared_f32(T.address_of(smem[L.p + ((rr * 2 + 1) * 128 + t) * 2]), lsum[rr]))
+
+    @T.macro
+    def take_over(smem, m, lsum, t):
+        """The value warpgroup: ``hand_out``'s values of the score warpgroup's thread ``t`` (the same rows)."""
+        for rr in T.unroll(2):
+            m[rr] = ld_shared_f32(T.address_of(smem[L.p + ((rr * 2) * 128 + t) * 2]))
+            lsum[rr] = ld_shared_f32(T.address_of(smem[L.p + ((rr * 2 + 1) * 128 + t) * 2]))
+
+    return publish, hand_out, take_over
+
+
+def make_accumulate(sh: WgqShape):
+    """The value warpgroup's accumulate stage (and the score warpgroup's rescale): ``(rescale, pv_smem)``."""
+    dtype, tk, DVH, NDN, L, LAY = sh.dtype, sh.tk, sh.dvh, sh.ndn, sh.smem, sh.lay
+    PLAY = CoreLayout(tk)
 
     @T.macro
     def rescale(oacc, al):
@@ -304,26 +397,11 @@ def _make_ops(DL: int, DV: int, dtype: str, tk: int):
         T.evaluate(wg_wait0())
         T.evaluate(acc_fence(DVH, T.address_of(oacc[0])))
 
-    @T.macro
-    def hand_out(smem, m, lsum, t):
-        """The score warpgroup: the rows' max and partial sums into P's buffer (free once the last P V is done)."""
-        for rr in T.unroll(2):
-            T.evaluate(st_shared_f32(T.address_of(smem[L.p + ((rr * 2) * 128 + t) * 2]), m[rr]))
-            T.evaluate(st_shared_f32(T.address_of(smem[L.p + ((rr * 2 + 1) * 128 + t) * 2]), lsum[rr]))
-
-    @T.macro
-    def take_over(smem, m, lsum, t):
-        """The value warpgroup: ``hand_out``'s values of the score warpgroup's thread ``t`` (the same rows)."""
-        for rr in T.unroll(2):
-            m[rr] = ld_shared_f32(T.address_of(smem[L.p + ((rr * 2) * 128 + t) * 2]))
-            lsum[rr] = ld_shared_f32(T.address_of(smem[L.p + ((rr * 2 + 1) * 128 + t) * 2]))
-
-    return T_OPS(L, wgg, full, empty, look_up, issue, load_q, score, zero_tail, publish, rescale, pv_smem, hand_out,
-                 take_over)
+    return rescale, pv_smem
 
 
-class T_OPS(NamedTuple):
-    """``_make_ops``' layout and macros by name."""
+class WgqTileOps(NamedTuple):
+    """``make_tile_ops``' layout and stages by name."""
 
     L: _Smem
     wgg: object
@@ -341,13 +419,21 @@ class T_OPS(NamedTuple):
     take_over: object
 
 
-def _make_block(H: int, DL: int, DV: int, dtype: str, tk: int):
-    """The per-thread block macro of ``make_split_frame`` (``pages`` = (pool, its tensor map))."""
-    ops = _make_ops(DL, DV, dtype, tk)
+def make_tile_ops(sh: WgqShape) -> WgqTileOps:
+    """The stages of both roles of block shape ``sh``."""
+    L = sh.smem
+    (look_up, issue), (score, zero_tail) = make_issue(sh), make_score(sh)
+    (publish, hand_out, take_over), (rescale, pv_smem) = make_handoff(sh), make_accumulate(sh)
+    return WgqTileOps(L, sh.gemms(), L.full, L.empty, look_up, issue, make_load_q(sh), score, zero_tail, publish,
+                      rescale, pv_smem, hand_out, take_over)
+
+
+def make_score_role(sh: WgqShape):
+    """``score_role(smem, oacc, m, lsum, k0, k1, sm_scale, w, lane, t)``: warpgroup 1's loop over the split's tiles
+    (S, softmax, P handed out, its O half += P V) and its rows' max and sums handed to warpgroup 0 at the end."""
+    ops, softmax, dtype, tk = make_tile_ops(sh), make_softmax(sh), sh.dtype, sh.tk
     L, wgg = ops.L, ops.wgg
-    softmax = _make_softmax(dtype, tk)
-    store, init = wgk.make_store(H, DV, dtype), wgk.make_init(DV // 4)
-    SN, ON, NS, DVH = tk // 2, DV // 4, L.ns, DV // 2
+    SN, NS, DVH = tk // 2, L.ns, sh.dvh
 
     @T.macro
     def score_role(smem, oacc, m, lsum, k0, k1, sm_scale, w, lane, t):
@@ -389,6 +475,17 @@ def _make_block(H: int, DL: int, DV: int, dtype: str, tk: int):
         ops.hand_out(smem, m, lsum, t)
         T.evaluate(bar_arrive(BAR_FIN, NT))
 
+    return score_role
+
+
+def make_value_role(sh: WgqShape):
+    """``value_role(smem, oacc, m, lsum, pmap, page_values, pbase, ps, k0, k1, w, lane, t)``: warpgroup 0's loop
+    (the ring's boxes issued by its warps' lane 0, its O half rescaled and += P V with P from shared memory), and
+    the rows' max and sums taken over at the end."""
+    ops, tk = make_tile_ops(sh), sh.tk
+    L = ops.L
+    NS = L.ns
+
     @T.macro
     def value_role(smem, oacc, m, lsum, pmap, page_values, pbase, ps, k0, k1, w, lane, t):
         al = T.alloc_buffer((2,), "float32", scope="local")
@@ -416,6 +513,17 @@ def _make_block(H: int, DL: int, DV: int, dtype: str, tk: int):
         T.evaluate(bar_sync(BAR_FIN, NT))
         ops.take_over(smem, m, lsum, t)
 
+    return value_role
+
+
+def make_block(sh: WgqShape):
+    """The per-thread block macro of ``make_split_frame`` (``pages`` = (pool, its tensor map)): Q, the mbarriers,
+    the two roles and the store (``mla_cuda_wg.make_store``)."""
+    H, DV, dtype, L, load_q = sh.heads, sh.dv, sh.dtype, sh.smem, make_load_q(sh)
+    score_role, value_role = make_score_role(sh), make_value_role(sh)
+    store, init = wgk.make_store(H, DV, dtype), wgk.make_init(DV // 4)
+    ON, NS = DV // 4, L.ns
+
     @T.macro
     def block(q, pages, page_values, o, lse, ws, sm_scale, ps, at, n, keys):
         bx, g, sp, tid = at
@@ -435,9 +543,9 @@ def _make_block(H: int, DL: int, DV: int, dtype: str, tk: int):
         init(oacc, m, lsum)
         if tid == 0:
             for s in T.unroll(NS):
-                T.evaluate(mbar_init(ops.full(smem, s), 1))
-                T.evaluate(mbar_init(ops.empty(smem, s), 8))
-        ops.load_q(smem, q, T.min(bx, T.max(B - 1, 0)), g * ROWS, H, tid)
+                T.evaluate(mbar_init(L.full(smem, s), 1))
+                T.evaluate(mbar_init(L.empty(smem, s), 8))
+        load_q(smem, q, T.min(bx, T.max(B - 1, 0)), g * ROWS, H, tid)
         T.evaluate(proxy_fence())  # Q's stores visible to the S wgmma's
         T.tvm_storage_sync("shared")  # and the mbarriers initialized before any box counts on one
         if wg == 1:
@@ -459,11 +567,14 @@ def mla_attn_paged_wgq(spec, op: str = MLA_ATTN_DECODE_PAGED):
         raise NotImplementedError(f"pagedkv.tir_kernels: {SWITCHES[op]}={VALUE}: the Q-in-shared-memory wgmma CUDA MLA "
                                   f"kernel does not serve {'; '.join(reasons)}")
     H, DV, DL, dtype = spec.num_qo_heads, spec.kv_lora_rank, spec.latent_dim, spec.dtype
-    frame = make_frame(op, spec, _make_block(H, DL, DV, dtype, TK), groups=(H + ROWS - 1) // ROWS, threads=NT, tk=TK,
-                       splits=decode_splits(spec))
+    frame = make_frame(op, spec, make_block(WgqShape(H, DL, DV, dtype, TK)), groups=(H + ROWS - 1) // ROWS, threads=NT,
+                       tk=TK, splits=decode_splits(spec))
     body = wgk.make_tma_body(spec, frame, lambda ps: LatentPageMap(DL, box_rows(ps)), op)
     return mla_prim_func(op, spec, body, any_align=("pages",))
 
 
 __all__ = ["NT", "ROWS", "SWITCH", "TK", "VALUE", "WGQ_BY_DEFAULT", "box_rows", "mla_attn_paged_wgq",
            "smem_bytes", "stages", "use_wgq", "wgq_unserved"]
+#: The kernel's stages, each importable: factories of its block shape (and their named tuple).
+__all__ += ["WgqShape", "WgqTileOps", "make_accumulate", "make_block", "make_handoff", "make_issue", "make_load_q",
+            "make_score", "make_score_role", "make_softmax", "make_tile_ops", "make_value_role"]
