@@ -7,8 +7,7 @@ timed call), or raises ``Unavailable`` saying why the implementation does not ap
   decode on CUDA cores and on tensor cores (fa2, fa3), ragged and paged prefill (fa2, fa3), MLA (fa2, fa3);
 - ``pagedkv-tir-tc`` / ``-tc2`` / ``-tc3`` / ``-wg2t`` / ``-wg1t``: ``pagedkv-tir`` with the tensor-core prefill
   kernel forced (path switch ``cuda_prefill_kernel=tc``, or ``tc2`` / ``tc3``: its 128-row two-stage tiles, or
-  ``wg2t`` / ``wg1t``: the wgmma warpgroup tiles with TMA copies), on the prefill workloads; every TIR column's
-  library is built for sm_90a (``TIR_ARCH``: auto takes the wgmma kernels there);
+  ``wg2t`` / ``wg1t``: the wgmma warpgroup tiles with TMA copies), on the prefill workloads;
 - ``pagedkv-tir-tcd``: ``pagedkv-tir`` with the tensor-core decode kernel forced (``cuda_decode_kernel=tc``,
   ``tir_kernels/_decode_tc_cuda.py``), on the plain MHA decode workloads;
 - ``pagedkv-tir-entry``: ``pagedkv-tir`` with the decode's split ranges forced equal per entry
@@ -35,19 +34,17 @@ from pagedkv.kernel_spec import SWITCHES
 from _bench_workloads import (D, HKV, MLA_PS, MLA_R, MLA_ROPE, PS, ROPE_SCALE, ROPE_THETA, TORCH_DTYPES, Inputs,
                               Workload, sm_scale)
 
-TARGET = {"kind": "cuda", "arch": "sm_90"}
-#: The arch of the TIR columns' libraries on a CUDA target: Hopper's whole instruction set, so that auto takes the
-#: wgmma kernels where it does (the MLA decode from 16 heads, the prefill at head dim 128) as a user building for Hopper gets them. The
-#: FlashInfer columns keep ``TARGET`` (the backend takes fa3 for sm_90).
-TIR_ARCH = "sm_90a"
+#: One target for every column: Hopper (pagedkv.target: sm_90 and sm_90a are one machine), so that the TIR columns
+#: take the wgmma kernels where auto does and the FlashInfer columns fa3, as a user building for Hopper gets them.
+TARGET = {"kind": "cuda", "arch": "sm_90a"}
 #: where the benchmark runs (a CPU test of the benchmark's plumbing sets "cpu" and TARGET "llvm")
 DEVICE = "cuda"
 #: The tensor-core prefill tiles: every value of the path switch but auto and simt (``TC_TILES``' names; the
 #: switch lives in ``pagedkv.kernel_spec``, which imports no TVM: the GPU host has the runtime only).
 PREFILL_TILES = tuple(v for v in SWITCHES["cuda_prefill_kernel"][1] if v not in ("auto", "simt"))
 #: label -> TIR code paths its cache is created under (``pagedkv.backends.tir.forced_paths``): the tensor-core
-#: prefill tiles (``tir_kernels.attention_cuda_prefill.TC_DEFAULT_TILES``: auto is tc3 for whole prompts, tc2 for
-#: the paged op), each forced on its own so that the tiles are compared in every run; the tensor-core decode;
+#: prefill tiles (``pagedkv.kernel_table``: auto is wg1t / wg2t on Hopper, tc3 for whole prompts and tc2 for
+#: the paged op before it), each forced on its own so that the tiles are compared in every run; the tensor-core decode;
 #: the tensor-core MLA decodes (mma.sync, wgmma with Q in shared memory).
 PAGEDKV_PATHS = {**{f"pagedkv-tir-{t}": {"cuda_prefill_kernel": t} for t in PREFILL_TILES},
                  "pagedkv-tir-tcd": {"cuda_decode_kernel": "tc"},
@@ -101,14 +98,11 @@ def _no_rope(w: Workload, what: str) -> None:
 
 
 def cache_target(label: str):
-    """The target of ``label``'s cache: ``TARGET``, on CUDA with ``TIR_ARCH`` for the TIR backend, and the arch its
-    forced paths need (``pagedkv.kernel_spec.target_for_paths``)."""
+    """The target of ``label``'s cache: ``TARGET``, with the arch its forced paths need
+    (``pagedkv.kernel_spec.target_for_paths``)."""
     from pagedkv.kernel_spec import target_for_paths
 
-    base = TARGET
-    if PAGEDKV_BACKENDS[label] == "tir" and isinstance(TARGET, dict) and TARGET.get("kind") == "cuda":
-        base = {**TARGET, "arch": TIR_ARCH}
-    return target_for_paths(PAGEDKV_PATHS.get(label, {}), base)
+    return target_for_paths(PAGEDKV_PATHS.get(label, {}), TARGET)
 
 
 def pagedkv_unavailable(label: str, w: Workload) -> str | None:

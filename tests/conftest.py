@@ -26,6 +26,24 @@ _WORKERS = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
 torch.set_num_threads(max(1, min(4, (os.cpu_count() or 1) // _WORKERS)))
 
 
+#: Modules of the slow lane (``make test`` runs them, ``make test-fast`` does not): CUDA code compiled by nvcc or
+#: emulated on the CPU by g++, whole models compiled, FlashInfer modules built, and the kernel-cache processes.
+SLOW_MODULES = frozenset({
+    "test_bundle", "test_cuda_compile", "test_cuda_decode_staged", "test_cuda_decode_tc", "test_cuda_graph_compile",
+    "test_cuda_paths_compile", "test_decode_chunked_emulated", "test_decode_staged_emulated",
+    "test_decode_tc_emulated", "test_deepseek_v3", "test_examples", "test_flashinfer_build", "test_kernel_cache",
+    "test_mla_cuda_compile", "test_mla_prefill_tc_compile", "test_mla_tc_compile", "test_mla_tc_emulated",
+    "test_prefill_tc_compile", "test_prefill_tc_emulated", "test_prefill_wg_compile", "test_relax_model",
+    "test_smollm2", "test_bench_e2e", "test_tir_prelowering"})
+
+
+def pytest_collection_modifyitems(config, items):
+    slow = pytest.mark.slow
+    for item in items:
+        if Path(str(item.fspath)).stem in SLOW_MODULES:
+            item.add_marker(slow)
+
+
 def pytest_report_header(config):
     try:
         from pagedkv._lib import runtime_library_path

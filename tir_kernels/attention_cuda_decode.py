@@ -9,9 +9,9 @@ import functools
 
 from tvm.script import tirx as T
 
+from ..kernel_table import choose
 from ..ops import ATTN_DECODE_PAGED, shape_values
 from ._abi import abi_prim_func
-from ..kernel_spec import forced as forced_path
 from ._common_cuda import (
     WARP,
     check_head_dim,
@@ -29,9 +29,9 @@ from ._common_cuda import (
     wave_split_count,
 )
 from ._decode_rope_cuda import make_rope_stages
-from ._decode_staged_cuda import make_staged_kernel, staged_limits, staged_plan
-from ._decode_staged_rope_cuda import make_staged_rope_kernel, staged_rope_limits
-from ._decode_tc_cuda import TCD_RESIDENT_BLOCKS, make_tc_kernel, tc_decode_limits
+from ._decode_staged_cuda import make_staged_kernel, staged_plan
+from ._decode_staged_rope_cuda import make_staged_rope_kernel
+from ._decode_tc_cuda import TCD_RESIDENT_BLOCKS, make_tc_kernel
 from ._decode_stages_cuda import (
     DecodePlan,
     make_accumulate,
@@ -127,42 +127,16 @@ STAGED_MAX_SPLITS = 64
 #: Waves of resident blocks a chunked split aims at (``chunk_split``; ``wave_split_count`` budgets 4 waves for
 #: 0.5 to 2 waves of unsplit blocks): H100, the 32 x 8 kv heads batch of 128 .. 16K keys: ranges of 1024 keys.
 CHUNK_WAVES = 4
-#: Whether auto (``cuda_decode_kernel`` unforced) runs the plain decode on the tensor-core kernel
-#: (``_decode_tc_cuda``) wherever ``tc_decode_limits`` allow. True since its H200 run (BENCHMARKS.md, run 10):
-#: 1.07-1.19x the staged kernel at group 4 and 1.3-1.8x at group 8, every output checked.
-TC_DECODE_BY_DEFAULT = True
-#: ... and the inline-RoPE decode (``_decode_tc_rope_cuda``: keys rotated in shared memory once per block).
-TC_ROPE_BY_DEFAULT = True
-
-
 def use_tc(spec, rope: bool = False) -> bool:
-    """Whether the plain (``rope=False``) or inline-RoPE decode runs the tensor-core kernel:
-    ``cuda_decode_kernel=tc`` (raising with the reasons where ``tc_decode_limits`` refuse the shape), or auto
-    where ``TC_DECODE_BY_DEFAULT`` (``TC_ROPE_BY_DEFAULT``) and the limits allow."""
-    choice = forced_path(spec.paths, "cuda_decode_kernel")
-    if choice not in ("tc", "auto"):
-        return False
-    why = tc_decode_limits(spec.num_qo_heads // spec.num_kv_heads, spec.head_dim, spec.dtype)
-    if choice == "tc" and why:
-        raise NotImplementedError("pagedkv.tir_kernels: cuda_decode_kernel=tc: " + "; ".join(why))
-    return (choice == "tc" or (TC_ROPE_BY_DEFAULT if rope else TC_DECODE_BY_DEFAULT)) and not why
+    """Whether the plain (``rope=False``) or inline-RoPE decode runs the tensor-core kernel: the selection
+    table's choice (``pagedkv.kernel_table.choose``; ``cuda_decode_kernel=tc`` raises where it does not serve)."""
+    return choose(ATTN_DECODE_PAGED, spec, rope=rope).name == "tc"
 
 
 def use_staged(spec, rope: bool = False) -> bool:
-    """Whether the plain (``rope=False``) or inline-RoPE decode runs the staged kernel: path switch
-    ``cuda_decode_kernel`` ("lanes": the lane-group kernel for both; "staged": the staged one for both, raising
-    on a shape whose limits refuse either; auto: staged wherever ``staged_limits`` / ``staged_rope_limits``
-    allow, per variant; "tc": the plain variant is ``use_tc``'s, RoPE as auto)."""
-    choice = forced_path(spec.paths, "cuda_decode_kernel")
-    if choice == "lanes":
-        return False
-    g, d, dt = spec.num_qo_heads // spec.num_kv_heads, spec.head_dim, spec.dtype
-    if choice == "staged":
-        for name, why in (("", staged_limits(g, d, dt)), (" (inline RoPE)", staged_rope_limits(g, d, dt))):
-            if why:
-                raise NotImplementedError(f"pagedkv.tir_kernels: cuda_decode_kernel=staged{name}: "
-                                          + "; ".join(why))
-    return not (staged_rope_limits if rope else staged_limits)(g, d, dt)
+    """Whether the plain (``rope=False``) or inline-RoPE decode runs the staged kernel (the selection table's
+    choice; ``cuda_decode_kernel=staged`` raises where ``staged_limits`` / ``staged_rope_limits`` refuse)."""
+    return choose(ATTN_DECODE_PAGED, spec, rope=rope).name == "staged"
 
 
 def _make_key_loop(p: DecodePlan, var: CudaVariant, rope: bool):

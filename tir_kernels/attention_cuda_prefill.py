@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from tvm.script import tirx as T
 
-from ..kernel_spec import forced as forced_path
+from ..kernel_table import auto_order, choose, unserved
 from ..ops import ATTN_PREFILL_PAGED, ATTN_PREFILL_RAGGED, shape_values
 from ._abi import abi_prim_func
 from ._tma_cuda import host_aligned16
@@ -24,22 +24,11 @@ from ._common_cuda import (
     vec16,
 )
 from ._variant_cuda import CudaVariant
-from .attention_cuda_prefill_tc import TC_TILES, make_prefill_tc, tc_unserved
+from .attention_cuda_prefill_tc import TC_TILES, make_prefill_tc
 
-#: Path switch choosing the plain (apply_rope == 0) prefill kernel: "simt" (FP32 FMA), "tc" / "tc2" (tensor
-#: cores, the tiles of ``attention_cuda_prefill_tc.TC_TILES``).
+#: Path switch choosing the plain (apply_rope == 0) prefill kernel: "simt" (FP32 FMA) or a tensor-core tile of
+#: ``attention_cuda_prefill_tc.TC_TILES``; which one auto takes is the selection table's (``pagedkv.kernel_table``).
 PREFILL_SWITCH = "cuda_prefill_kernel"
-#: What "auto" picks for specs the tensor-core kernel serves (``tc_unserved`` names what it does not): per op,
-#: the first tile of ``TC_DEFAULT_TILES`` that serves the spec. Measured on the H200 (fp16 32/8/128, run 8 of
-#: BENCHMARKS.md, ratio to FlashInfer's best): whole prompts (the ragged op) tc3 0.47-0.56 against tc
-#: 0.41-0.43 and tc2 0.44-0.46; a chunk over cached keys (the paged op: continuation prefills, prefix passes)
-#: tc2 0.33 against tc 0.23 and tc3 0.19 (tc3's 32-key tiles walk the page table twice as often).
-#: On sm_90a builds the ragged op takes wg1t (TMA copies, 64 rows, two blocks an SM; run 21 of BENCHMARKS.md,
-#: H100, ratio to fa3: 0.708 / 0.564 / 0.709 at 1x4K / 16x1K / 1x16K against wg2t's 0.693 / 0.516 / 0.720 and
-#: tc3's 0.431 / 0.466 / 0.445), which serves head dim 128 only; the paged op takes wg2t there (run 22, H100:
-#: 0.634 of fa3 at 512 over 4K against tc2's 0.480, once each warp issued its own TMA boxes).
-TC_BY_DEFAULT = True
-TC_DEFAULT_TILES = {ATTN_PREFILL_RAGGED: ("wg1t", "tc3", "tc"), ATTN_PREFILL_PAGED: ("wg2t", "tc2", "tc")}
 
 # ---------------------------------------------------------------------------------------------------
 # prefill (ragged and paged)
@@ -324,26 +313,19 @@ def _make_prefill(op: str, spec, paged: bool):
     return make_kernel(True), make_kernel(False)
 
 
-def use_tensor_cores(op: str, spec, dv: int) -> str | None:
+def use_tensor_cores(op: str, spec) -> str | None:
     """The tensor-core tile (``TC_TILES`` key) of the plain prefill kernel of ``spec``, or None for the SIMT one:
-    forced by ``cuda_prefill_kernel`` ("tc" / "tc2" raise for a spec they do not serve, naming why; "simt"
-    never), else the first of the op's ``TC_DEFAULT_TILES`` that serves the spec, where ``TC_BY_DEFAULT``."""
-    choice = forced_path(spec.paths, PREFILL_SWITCH)
-    if choice in TC_TILES:
-        reason = tc_unserved(spec, dv, choice, paged=op == ATTN_PREFILL_PAGED)
-        if reason:
-            raise NotImplementedError(f"pagedkv.tir_kernels: {PREFILL_SWITCH}={choice}: the tensor-core CUDA "
-                                      f"{op!r} kernel does not serve {reason}")
-        return choice
-    if choice == "auto" and TC_BY_DEFAULT:
-        return next((t for t in TC_DEFAULT_TILES[op] if tc_unserved(spec, dv, t) is None), None)
-    return None
+    the selection table's choice (``pagedkv.kernel_table.choose``: forced through ``cuda_prefill_kernel``, raising
+    where the forced tile does not serve, else the op's first serving variant)."""
+    name = choose(op, spec).name
+    return None if name == "simt" else name
 
 
-def tma_fallback(op: str, spec, dv: int) -> str:
+def tma_fallback(op: str, spec) -> str:
     """The tile a TMA tile's PrimFunc runs where TMA cannot read the operands (k / v, or the pages, not 16-byte
-    aligned; pages of a size not a multiple of 8): the op's first non-TMA default tile that serves the spec."""
-    return next(t for t in TC_DEFAULT_TILES[op] if not TC_TILES[t].tma and tc_unserved(spec, dv, t) is None)
+    aligned; pages of a size not a multiple of 8): the first non-TMA tile of the op's auto order that serves."""
+    return next(v.name for v in auto_order(op)
+                if v.name in TC_TILES and not TC_TILES[v.name].tma and not unserved(v, spec, op))
 
 
 def attn_prefill_ragged_cuda(spec):
@@ -352,14 +334,13 @@ def attn_prefill_ragged_cuda(spec):
     The mask and logits rules (causal, sliding window, soft cap) are ``CudaVariant.from_spec(spec)``'s; a
     window also skips the key tiles below the query tile's first window start.
     """
-    dv = shape_values(spec)["Dv"]
-    tile = use_tensor_cores(ATTN_PREFILL_RAGGED, spec, dv)
+    tile = use_tensor_cores(ATTN_PREFILL_RAGGED, spec)
     TC = tile is not None  # a bool: parse-time ``if``
     # A TMA tile needs 16-byte aligned k / v (a tensor map's address): other views take its fallback tile.
     TMA = TC and TC_TILES[tile].tma
     kernel_rope, kernel_plain = _make_prefill(ATTN_PREFILL_RAGGED, spec, paged=False)
     kernel_tc = make_prefill_tc(ATTN_PREFILL_RAGGED, spec, paged=False, tile=tile) if TC else None
-    kernel_fb = make_prefill_tc(ATTN_PREFILL_RAGGED, spec, paged=False, tile=tma_fallback(ATTN_PREFILL_RAGGED, spec, dv)) if TMA else None
+    kernel_fb = make_prefill_tc(ATTN_PREFILL_RAGGED, spec, paged=False, tile=tma_fallback(ATTN_PREFILL_RAGGED, spec)) if TMA else None
 
     @T.macro
     def body(q, k, v, q_indptr, kv_indptr, q_pos, k_pos_offset, o, lse, causal, apply_rope, rope_scale,
@@ -389,13 +370,13 @@ def attn_prefill_ragged_cuda(spec):
 def attn_prefill_paged_cuda(spec):
     """``pagedkv_attn_prefill_paged`` for CUDA (arguments: ``pagedkv.ops.OP_SPECS``), for a ``KernelSpec``;
     mask and logits rules as ``attn_prefill_ragged_cuda``."""
-    tile = use_tensor_cores(ATTN_PREFILL_PAGED, spec, spec.head_dim)
+    tile = use_tensor_cores(ATTN_PREFILL_PAGED, spec)
     TC = tile is not None
     TMA = TC and TC_TILES[tile].tma  # boxes of 8 keys of a page: pages 16-byte aligned, ps a multiple of 8
     kernel_rope, kernel_plain = _make_prefill(ATTN_PREFILL_PAGED, spec, paged=True)
     kernel_tc = make_prefill_tc(ATTN_PREFILL_PAGED, spec, paged=True, tile=tile) if TC else None
     kernel_fb = make_prefill_tc(ATTN_PREFILL_PAGED, spec, paged=True,
-                                tile=tma_fallback(ATTN_PREFILL_PAGED, spec, spec.head_dim)) if TMA else None
+                                tile=tma_fallback(ATTN_PREFILL_PAGED, spec)) if TMA else None
 
     @T.macro
     def body(q, q_indptr, pages, page_indptr, page_values, last_page_len, k_pos_offset, q_pos, o, lse, causal,

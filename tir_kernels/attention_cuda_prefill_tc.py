@@ -1,9 +1,8 @@
 """Tensor-core CUDA prefill (``attn_prefill_ragged`` / ``attn_prefill_paged``), fp16 / bf16, sm_80+: the
 plain (``apply_rope == 0``) kernel on ``mma.sync.m16n8k16`` (``_mma_cuda``), in one of the tiles ``TC_TILES``,
-picked by the path switch ``cuda_prefill_kernel`` (``pagedkv.kernel_spec.SWITCHES``); auto takes per op the
-first tile of ``attention_cuda_prefill.TC_DEFAULT_TILES`` that serves the spec (the ragged op: wg1t on sm_90a at
-head dim 128, else tc3; the paged op wg2t there, else tc2; each falling back to tc); ``tc_unserved`` says which specs a tile
-serves.
+picked by the path switch ``cuda_prefill_kernel`` (``pagedkv.kernel_spec.SWITCHES``); which tile auto takes per
+op is the selection table's (``pagedkv.kernel_table``: the ragged op wg1t on Hopper at head dim 128, else tc3; the
+paged op wg2t there, else tc2; each falling back to tc); ``tc_unserved`` says which specs a tile serves.
 
 Same ABI and semantics as the SIMT kernel (``attention_cuda.py``): base-2 LSE, bottom-right causal, sliding
 window and soft cap through ``CudaVariant``, empty rows ``o = 0`` / ``lse = -1e30``, sm_scale an argument.

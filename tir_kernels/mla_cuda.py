@@ -49,11 +49,9 @@ loads may not appear in ``if`` conditions or loop extents (``T.let`` them first)
 
 from __future__ import annotations
 
-import dataclasses
-
 from tvm.script import tirx as T
 
-from ..kernel_spec import forced as forced_path
+from ..kernel_table import choose
 from ..ops import MLA_APPEND_KV, MLA_ATTN_DECODE_PAGED, MLA_ATTN_PREFILL_PAGED, MLA_GATHER_KV, shape_values
 from ._common import EMPTY_LSE, LOG2E, MASKED
 from ._abi import abi_prim_func
@@ -444,30 +442,13 @@ def _make_row_tile(H: int, DL: int, DV: int, RI: int, dtype: str):
 # ---------------------------------------------------------------------------------------------------
 #: The path switch of the paged MLA prefill's kernel (``pagedkv.kernel_spec.SWITCHES``).
 PREFILL_SWITCH = "cuda_mla_prefill_kernel"
-#: Whether auto runs the paged MLA prefill on the tensor-core kernels (``prefill_kernel``); False: SIMT unless forced.
-#: A switch beside the decodes' flags, so that a regression can be answered without a new path. On since the
-#: frame's first GPU run (2026-12-06: the GPU path cases of every kernel, and the bench's prefill rows).
-MLA_PREFILL_TC_BY_DEFAULT = True
 
 
 def prefill_kernel(spec) -> str:
-    """The kernel of ``mla_attn_prefill_paged`` of ``spec``: the forced ``PREFILL_SWITCH`` value, else (auto, with
-    ``MLA_PREFILL_TC_BY_DEFAULT``) the tensor-core kernel the decode's auto rule takes on the same spec
-    (``mla_cuda_wgq`` on sm_90a at ``WGQ_AUTO_MIN_HEADS``+ heads, else ``mla_cuda_tc`` where it serves), "simt"
-    elsewhere."""
-    from . import mla_cuda_tc, mla_cuda_wgq  # pylint: disable=import-outside-toplevel
-
-    choice = forced_path(spec.paths, PREFILL_SWITCH)
-    if choice != "auto":
-        return choice
-    if not MLA_PREFILL_TC_BY_DEFAULT:
-        return "simt"
-    # The decode's own auto rule (its use_* functions on the spec with its switch unforced), not a copy of it.
-    auto = dataclasses.replace(spec, paths=tuple(p for p in spec.paths if p[0] != mla_cuda_tc.SWITCH))
-    for kernel, use in (("wgq", mla_cuda_wgq.use_wgq), ("tc", mla_cuda_tc.use_tc)):
-        if use(auto):
-            return kernel
-    return "simt"
+    """The kernel of ``mla_attn_prefill_paged`` of ``spec``: the selection table's choice
+    (``pagedkv.kernel_table.choose``: the forced ``PREFILL_SWITCH`` value, else the MLA decodes' order: wgq on
+    sm_90a from 16 heads, tc where it serves, SIMT)."""
+    return choose(MLA_ATTN_PREFILL_PAGED, spec).name
 
 
 def mla_attn_prefill_paged_cuda(spec):
@@ -523,16 +504,17 @@ def mla_attn_decode_paged_cuda(spec):
     One block per (entry, row tile of ``R`` heads, key split); with ``S > 1`` splits a second kernel merges
     the partial states. The path switch ``cuda_decode_splits = N > 0`` (``decode_splits``) forces ``S``
     (clamped to ``[1, nnz * ps]``); automatic: the kernel from before the switch. The path switch
-    ``cuda_mla_decode_kernel`` (``mla_cuda_tc.use_tc``) hands fp16 / bf16 specs to the tensor-core kernel; its
-    value "wgq" forces the wgmma one with Q in shared memory (``mla_cuda_wgq``; its PrimFunc runs
-    ``mla_cuda_wg``'s kernel where TMA cannot read the pages), auto's first choice, on sm_90a from 16 heads
-    (``WGQ_BY_DEFAULT``, ``WGQ_AUTO_MIN_HEADS``).
+    ``cuda_mla_decode_kernel`` and the selection table (``pagedkv.kernel_table``) choose the kernel: the wgmma
+    one with Q in shared memory (``mla_cuda_wgq``; its PrimFunc runs ``mla_cuda_wg``'s kernel where TMA cannot
+    read the pages) on sm_90a from 16 heads, the mma.sync one (``mla_cuda_tc``) where it serves, else this SIMT
+    kernel.
     """
     from . import mla_cuda_tc, mla_cuda_wgq  # pylint: disable=import-outside-toplevel
 
-    if mla_cuda_wgq.use_wgq(spec):  # forced "wgq" (raises naming what it does not serve), or auto (WGQ_BY_DEFAULT)
+    kernel = choose(MLA_ATTN_DECODE_PAGED, spec).name  # the selection table (raises where a forced one cannot)
+    if kernel == "wgq":
         return mla_cuda_wgq.mla_attn_paged_wgq(spec)
-    if mla_cuda_tc.use_tc(spec):  # the path switch cuda_mla_decode_kernel (raises when tc is forced, unserved)
+    if kernel == "tc":
         return mla_cuda_tc.mla_attn_paged_tc(spec)
     H, DV, DL, dtype = spec.num_qo_heads, spec.kv_lora_rank, spec.latent_dim, spec.dtype
     splits = decode_splits(spec)

@@ -1,7 +1,7 @@
 """Tensor-core CUDA MLA decode (``mla_attn_decode_paged``), fp16 / bf16, sm_80+, on ``mma.sync.m16n8k16``
 (``_mma_cuda``); chosen by the path switch ``cuda_mla_decode_kernel`` (``pagedkv.kernel_spec.SWITCHES``): "tc"
 forces it (raising with ``tc_unserved``'s reasons on a spec it does not serve), "simt" the SIMT kernel of
-``mla_cuda``, auto takes it wherever it serves when ``MLA_TC_BY_DEFAULT``. The same block serves the paged prefill
+``mla_cuda``, auto takes it wherever it serves (below wgq: ``pagedkv.kernel_table``). The same block serves the paged prefill
 (``mla_attn_prefill_paged``, one block a query token: ``_mla_frame_cuda.make_prefill_frame``; switch
 ``cuda_mla_prefill_kernel``).
 
@@ -58,7 +58,6 @@ from typing import NamedTuple
 
 from tvm.script import tirx as T
 
-from ..kernel_spec import forced as forced_path
 from ..ops import MLA_ATTN_DECODE_PAGED
 from ._common import EMPTY_LSE, LOG2E, MASKED
 from ._common_cuda import decode_splits, shfl_xor
@@ -68,9 +67,6 @@ from ._mma_cuda import (a_frag, c_frag, cp_async16, cp_async_commit, cp_async_wa
                         mma_sync)
 from ._prefill_tc_tiles import TC_PAD, k_ldsm_index_nt2, q_ldsm_index, v_ldsm_index
 
-#: auto takes the tensor-core kernel where ``tc_unserved`` is None (else SIMT); False: SIMT unless forced. True
-#: since its H200 run (BENCHMARKS.md, run 10): 5-12x the SIMT kernel, every output checked.
-MLA_TC_BY_DEFAULT = True
 #: The path switch and its values.
 SWITCH = "cuda_mla_decode_kernel"
 #: Warps and threads a block, storage dtypes served; the score's warps: DG dim groups x the rest key groups.
@@ -204,17 +200,6 @@ def tc_unserved(spec) -> list[str]:
         out.append(f"kv_lora_rank {dv} (it takes multiples of 128 up to the latent dim: 8 warps of 16-dim "
                    f"column pairs)")
     return out
-
-
-def use_tc(spec) -> bool:
-    """Whether ``mla_attn_decode_paged`` of ``spec`` runs this kernel (``SWITCH``; raises when forced and
-    unserved)."""
-    choice = forced_path(spec.paths, SWITCH)
-    reasons = tc_unserved(spec)
-    if choice == "tc" and reasons:
-        raise NotImplementedError(f"pagedkv.tir_kernels: {SWITCH}=tc: the tensor-core CUDA MLA decode does not "
-                                  f"serve {'; '.join(reasons)}")
-    return choice == "tc" or (choice == "auto" and MLA_TC_BY_DEFAULT and not reasons)
 
 
 class TcTileOps(NamedTuple):
@@ -505,8 +490,8 @@ def mla_attn_paged_tc(spec, op: str = MLA_ATTN_DECODE_PAGED):
                                               tk=bs.plan.keys, splits=decode_splits(spec)))
 
 
-__all__ = ["BlockShape", "MLA_TC_BY_DEFAULT", "SWITCH", "TC_DTYPES", "TC_MAX_LATENT", "TILE_PLANS", "TilePlan", "group_rows",
-           "mla_attn_paged_tc", "smem_bytes", "tc_unserved", "use_tc"]
+__all__ = ["BlockShape", "SWITCH", "TC_DTYPES", "TC_MAX_LATENT", "TILE_PLANS", "TilePlan", "group_rows",
+           "mla_attn_paged_tc", "smem_bytes", "tc_unserved"]
 #: The kernel's stages, each importable: factories of its block shape (and their named tuple).
 __all__ += ["TcTileOps", "make_accumulate", "make_block", "make_init", "make_issue", "make_load_q", "make_score",
             "make_softmax", "make_store", "make_tile_ops"]

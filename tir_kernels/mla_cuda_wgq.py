@@ -1,6 +1,6 @@
 """The wgmma CUDA MLA decode (``mla_attn_decode_paged``) with Q in shared memory and the warpgroups in two roles,
 fp16 / bf16, sm_90a; forced with the path switch ``cuda_mla_decode_kernel=wgq``, and auto's choice where
-it serves the spec with 16 heads or more (``WGQ_BY_DEFAULT``, ``WGQ_AUTO_MIN_HEADS``: sm_90a).
+it serves the spec with 16 heads or more (sm_90a; ``pagedkv.kernel_table``).
 
 Why: ``mla_cuda_wg``'s kernel (and its TMA variant, measured before this one) holds Q's A fragments in
 registers (72 a thread at DeepSeek's 576), so each warpgroup can only take half of the latent dims; both then wait for each other's partial scores every tile, and run the same
@@ -48,7 +48,6 @@ from typing import NamedTuple
 
 from tvm.script import tirx as T
 
-from ..kernel_spec import forced as forced_path
 from ..ops import MLA_ATTN_DECODE_PAGED
 from . import mla_cuda_wg as wgk
 from ._common import LOG2E, MASKED
@@ -68,14 +67,7 @@ ROWS, NT, TK = wgk.ROWS, wgk.NT, 64
 SMEM_LIMIT, MAX_STAGES = 232448, 4
 #: Named barriers (0 is ``__syncthreads``).
 BAR_P, BAR_PFREE, BAR_FIN, BAR_TAIL = 1, 2, 3, 4
-#: auto takes this kernel where it serves the spec (sm_90a) with ``WGQ_AUTO_MIN_HEADS`` heads or more: at 128
-#: heads it ran 0.916-0.974 of FlashInfer's fa3 against 0.57-0.67 for ``mla_cuda_wg``'s kernel with TMA tiles (H100,
-#: BENCHMARKS.md run 26).
-WGQ_BY_DEFAULT = True
-#: From 16 heads (a quarter of its m64 tile): there its decode ran 0.93-1.02 of fa3 against ``mla_cuda_tc``'s
-#: 0.91-0.97 (B = 64 / 128 x 1K / 8K) and its paged prefill 0.290 against 0.207 (8 x 128 over 2K; H100, run 29).
-#: ``mla_cuda_wg``'s kernel, without Q in shared memory, ran 0.64-0.70 at 16 heads.
-WGQ_AUTO_MIN_HEADS = 16
+#: Which specs auto sends here (sm_90a, 16+ heads) is the selection table's (``pagedkv.kernel_table``).
 #: Warps of the value warpgroup issuing boxes (lane 0 each; ``issue``): key groups ``w, w + 4`` of warp ``w``, or,
 #: with one group a tile, its column blocks ``w, w + 4, ..``.
 ISSUERS = 4
@@ -115,15 +107,6 @@ def wgq_unserved(spec) -> list[str]:
     if not out and stages(spec.latent_dim, TK) < 2:
         out.append(f"latent dim {spec.latent_dim} (Q and two stages of {TK} keys do not fit {SMEM_LIMIT} bytes)")
     return out
-
-
-def use_wgq(spec) -> bool:
-    """Whether ``mla_attn_decode_paged`` of ``spec`` runs this kernel: forced (raises with ``wgq_unserved``'s
-    reasons where it does not serve), or auto (``WGQ_BY_DEFAULT``) where this kernel serves the spec and it has
-    ``WGQ_AUTO_MIN_HEADS`` heads or more."""
-    choice = forced_path(spec.paths, SWITCH)
-    return choice == VALUE or (WGQ_BY_DEFAULT and choice == "auto" and spec.num_qo_heads >= WGQ_AUTO_MIN_HEADS
-                               and not wgq_unserved(spec))
 
 
 class _Smem:
@@ -573,8 +556,8 @@ def mla_attn_paged_wgq(spec, op: str = MLA_ATTN_DECODE_PAGED):
     return mla_prim_func(op, spec, body, any_align=("pages",))
 
 
-__all__ = ["NT", "ROWS", "SWITCH", "TK", "VALUE", "WGQ_BY_DEFAULT", "box_rows", "mla_attn_paged_wgq",
-           "smem_bytes", "stages", "use_wgq", "wgq_unserved"]
+__all__ = ["NT", "ROWS", "SWITCH", "TK", "VALUE", "box_rows", "mla_attn_paged_wgq",
+           "smem_bytes", "stages", "wgq_unserved"]
 #: The kernel's stages, each importable: factories of its block shape (and their named tuple).
 __all__ += ["WgqShape", "WgqTileOps", "make_accumulate", "make_block", "make_handoff", "make_issue", "make_load_q",
             "make_score", "make_score_role", "make_softmax", "make_tile_ops", "make_value_role"]

@@ -35,54 +35,22 @@ SWITCHES: dict[str, tuple[str, tuple[str, ...]]] = {
                                  "the runtime passes the longest entry (max_kv_len; not under CUDA graphs), else "
                                  "entry; auto: chunk for a skewed batch (longest entry over 5/4 of the average) "
                                  "with S > 1, else entry", ("auto", "entry", "chunk")),
-    "cuda_prefill_kernel": ("CUDA MHA prefill kernels (attn_prefill_ragged, attn_prefill_paged), apply_rope = 0: the "
-                            "SIMT FP32 kernel or the tensor-core one (mma.sync; fp16 / bf16, head dims 64 and "
-                            "128, GQA groups up to 32, sm_80+; forcing a tc* value on another spec raises) in one "
-                            "of its tiles (tir_kernels._prefill_tc_tiles.TC_TILES): tc = 64 rows a block, one K/V "
-                            "stage in static shared memory; tc2 = 128 rows (8 warps), two stages in dynamic shared "
-                            "memory; tc3 = 128 rows (4 warps of two m16 tiles, Q in shared memory), two stages of "
-                            "32 keys; wg2t = 128 rows (two warpgroups sharing each K/V tile), S and O by wgmma, "
-                            "four stages of 64 keys whose K/V tiles arrive by TMA (128-byte swizzled, one mbarrier a "
-                            "stage; paged: boxes of 8 keys of a page), each warpgroup's softmax of tile kt "
-                            "overlapping its P V of tile kt - 1, where k / v (the pages) start 16-byte aligned and "
-                            "pages hold a multiple of 8 keys, else the op's tc3 / tc2 (the PrimFunc tests them); "
-                            "wg1t = wg2t on one warpgroup (64 rows) with three stages, two blocks an SM (wg2t and "
-                            "wg1t need a target arch sm_90a, kernel_spec.KernelSpec.target_arch, and head dim 128). "
-                            "Inline RoPE always runs the SIMT kernel. auto: the tensor-core kernel where it serves "
-                            "the spec (TC_BY_DEFAULT), in the op's first serving tile of "
-                            "tir_kernels.attention_cuda_prefill.TC_DEFAULT_TILES (ragged: wg1t on sm_90a at head dim "
-                            "128, else tc3, else tc; paged: wg2t on sm_90a at head dim 128, else tc2, else tc), SIMT "
-                            "elsewhere",
+    # The kernel switches: their values are the rows of the selection table (pagedkv.kernel_table, which says what
+    # each variant serves, the order auto tries them in and their fallbacks; a test keeps the two equal).
+    "cuda_prefill_kernel": ("CUDA MHA prefill (attn_prefill_ragged, attn_prefill_paged), apply_rope = 0: the SIMT "
+                            "FP32 kernel or a tensor-core tile (tir_kernels._prefill_tc_tiles.TC_TILES); inline "
+                            "RoPE always runs the SIMT kernel; auto and the limits: pagedkv.kernel_table",
                             ("auto", "simt", "tc", "tc2", "tc3", "wg2t", "wg1t")),
-    "cuda_decode_kernel": ("CUDA MHA decode (attn_decode_paged), plain and inline RoPE: the lane-group kernel "
-                           "for both (lanes) or the shared-memory staged kernel for both (staged; raises where "
-                           "its limits refuse either variant); tc: both variants on the tensor-core kernel "
-                           "(mma.sync; fp16 / bf16, head dims 64 and 128, GQA groups up to 16: "
-                           "tc_decode_limits; raises elsewhere; inline RoPE rotates the keys in shared "
-                           "memory); auto: the tensor-core kernel for the plain and the inline-RoPE variant "
-                           "where it serves and TC_DECODE_BY_DEFAULT / TC_ROPE_BY_DEFAULT "
-                           "(tir_kernels.attention_cuda_decode), else staged per variant where its limits "
-                           "allow (staged_limits, staged_rope_limits)", ("auto", "lanes", "staged", "tc")),
-    "cuda_mla_decode_kernel": ("CUDA MLA decode (mla_attn_decode_paged): the SIMT FP32 kernel (simt) or a "
-                               "tensor-core one: tc (mma.sync, 8 warps, 16 / 32 heads a block, 64-key latent tiles "
-                               "in a 2-stage cp.async ring; fp16 / bf16, latent dim a multiple of 64 up to 576, "
-                               "kv_lora_rank a multiple of 128; forcing tc on another spec raises with the "
-                               "reasons of tir_kernels.mla_cuda_tc.tc_unserved) or wgq (wgmma, 64 heads a block, Q "
-                               "in shared memory, one warpgroup scoring 64-key tiles whole and one doing P V and the "
-                               "TMA issue; sm_90a; tir_kernels.mla_cuda_wgq.wgq_unserved; where TMA cannot read the "
-                               "pages, not 16-byte aligned or pages not a multiple of 8 keys, its PrimFunc runs the "
-                               "cp.async wgmma kernel of tir_kernels.mla_cuda_wg); auto: wgq (WGQ_BY_DEFAULT) where "
-                               "it serves the spec (sm_90a) with at least WGQ_AUTO_MIN_HEADS (16) heads, else tc "
-                               "where it serves the spec (MLA_TC_BY_DEFAULT), SIMT elsewhere",
-                               ("auto", "simt", "tc", "wgq")),
-    "cuda_mla_prefill_kernel": ("CUDA paged MLA prefill (mla_attn_prefill_paged): the SIMT FP32 kernel (simt) or one of "
-                                "the tensor-core MLA decode kernels run with each query token's heads as a decode's "
-                                "(tir_kernels._mla_frame_cuda.make_prefill_frame; tc, wgq as for "
-                                "cuda_mla_decode_kernel, with the same limits; forcing one on a spec it does not serve "
-                                "raises); auto: the kernel the decode's auto takes on the same spec (wgq on sm_90a at 16+ "
-                                "heads, else tc where it serves), SIMT elsewhere (and everywhere with "
-                                "tir_kernels.mla_cuda.MLA_PREFILL_TC_BY_DEFAULT off)",
-                                ("auto", "simt", "tc", "wgq")),
+    "cuda_decode_kernel": ("CUDA MHA decode (attn_decode_paged), plain and inline RoPE: the tensor-core kernel, the "
+                           "shared-memory staged kernel or the lane-group kernel, for both variants; auto (per "
+                           "variant) and the limits: pagedkv.kernel_table", ("auto", "lanes", "staged", "tc")),
+    "cuda_mla_decode_kernel": ("CUDA MLA decode (mla_attn_decode_paged): the SIMT FP32 kernel, the mma.sync kernel "
+                               "(tc) or the wgmma kernel with Q in shared memory (wgq); auto and the limits: "
+                               "pagedkv.kernel_table", ("auto", "simt", "tc", "wgq")),
+    "cuda_mla_prefill_kernel": ("CUDA paged MLA prefill (mla_attn_prefill_paged): the SIMT FP32 kernel, or the MLA "
+                                "decodes' tc / wgq blocks run once per query token "
+                                "(tir_kernels._mla_frame_cuda.make_prefill_frame); auto and the limits: "
+                                "pagedkv.kernel_table", ("auto", "simt", "tc", "wgq")),
 }
 
 
@@ -231,6 +199,10 @@ class KernelSpec:
 
     def __post_init__(self):
         object.__setattr__(self, "paths", normalize_paths(self.paths))
+        if self.target_arch:  # sm_90 and sm_90a are one machine (pagedkv.target)
+            from .target import canonical_arch
+
+            object.__setattr__(self, "target_arch", canonical_arch(self.target_arch))
         if self.v_head_dim is None:
             object.__setattr__(self, "v_head_dim", self.head_dim)
         for name in ("num_qo_heads", "num_kv_heads", "head_dim", "v_head_dim"):

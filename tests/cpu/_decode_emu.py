@@ -28,7 +28,7 @@ from pagedkv.tir_kernels._tma_cuda import decode_args
 import tvm
 from tvm.target import Target
 
-SM90 = Target({"kind": "cuda", "arch": "sm_90"}, host="llvm")
+SM80 = Target({"kind": "cuda", "arch": "sm_80"}, host="llvm")  # the mma.sync kernels (sm_90 is Hopper: sm_90a)
 HERE = pathlib.Path(__file__).resolve().parent
 OP = "attn_decode_paged"
 #: Bytes of the static array standing in for a kernel's dynamic shared memory.
@@ -89,8 +89,8 @@ def device_helpers(src: str) -> str:
 
 def host_main(func):
     """The host PrimFunc of ``func`` after TVM's lowering (its kernel launches) and {kernel: launch params}."""
-    mod = tvm.IRModule({"main": func.with_attr("target", SM90)})
-    with SM90:
+    mod = tvm.IRModule({"main": func.with_attr("target", SM80)})
+    with SM80:
         mod = tvm.tirx.get_tir_pipeline("default")[0](mod)
     params = {gv.name_hint: list(f.attrs["tirx.kernel_launch_params"]) for gv, f in mod.functions.items()
               if f.attrs and "tirx.kernel_launch_params" in f.attrs}
@@ -171,9 +171,9 @@ class Built:
 def build(cfg, paths: dict, stem: pathlib.Path) -> Built:
     """Compile ``cfg``'s ``attn_decode_paged`` (forced ``paths``) for sm_90 and its kernels with g++."""
     cfg = dataclasses.replace(cfg, paths=paths)
-    func = tk.build_kernels(cfg, SM90, ops=(OP,))[OP]
-    with SM90:
-        exe = tvm.compile(tvm.IRModule({f"pagedkv_{OP}": func}), target=SM90)
+    func = tk.build_kernels(cfg, SM80, ops=(OP,))[OP]
+    with SM80:
+        exe = tvm.compile(tvm.IRModule({f"pagedkv_{OP}": func}), target=SM80)
     src = cuda_source_of(exe)
     kernels = kernels_of(src)
     main, launch_params = host_main(func)

@@ -30,7 +30,7 @@ from pagedkv import tir_kernels as tk  # noqa: E402
 import tvm
 from tvm.target import Target
 
-SM90 = Target({"kind": "cuda", "arch": "sm_90"}, host="llvm")
+SM80 = Target({"kind": "cuda", "arch": "sm_80"}, host="llvm")  # the mma.sync kernels (sm_90 is Hopper: sm_90a)
 
 # (Hq, Hkv, D, Dv, dtype): GQA groups 4, 7, 3, 8, 4; head dims 128, 64, 96, 256, 128; every dtype
 # (bfloat16 on Llama 3's shape: 32 q / 8 kv heads, head dim 128).
@@ -65,7 +65,7 @@ def _generic_cuda_target() -> Target:
 @functools.cache
 def cuda_source(cfg: tuple, kind: str = "sm90") -> str:
     """CUDA source of all nine ops for ``cfg`` (cached per session); ``kind`` is "sm90" or "generic"."""
-    return ops_cuda_source(tk.KernelConfig(*cfg), None, SM90 if kind == "sm90" else _generic_cuda_target())
+    return ops_cuda_source(tk.KernelConfig(*cfg), None, SM80 if kind == "sm90" else _generic_cuda_target())
 
 
 def _sm90_source(cfg):
@@ -76,7 +76,7 @@ def _sm90_source(cfg):
 def masked_source(key: tuple) -> str:
     """CUDA source (sm_90) of the three attention ops for a ``MASKED_CONFIGS`` entry."""
     *shape, window, cap = key
-    return ops_cuda_source(tk.KernelConfig(*shape, sliding_window=window, logits_soft_cap=cap), ATTN_OPS, SM90)
+    return ops_cuda_source(tk.KernelConfig(*shape, sliding_window=window, logits_soft_cap=cap), ATTN_OPS, SM80)
 
 
 @pytest.fixture(scope="module")
@@ -87,7 +87,7 @@ def nvcc_results(tmp_path_factory):
 
 @pytest.mark.parametrize("cfg", CONFIGS, ids=IDS)
 def test_every_op_lowers_to_cuda(cfg):
-    funcs = tk.build_kernels(tk.KernelConfig(*cfg), SM90)
+    funcs = tk.build_kernels(tk.KernelConfig(*cfg), SM80)
     assert list(funcs) == list(tk.OPS_BY_KIND["mha"])
     for op, func in funcs.items():
         assert func.attrs["global_symbol"] == f"pagedkv_{op}"
@@ -123,7 +123,7 @@ def test_nvcc_compiles_for_sm90a(cfg, nvcc_results):
 ])
 def test_unsupported_shapes_name_the_head_dim(op, cfg, match):
     with pytest.raises(NotImplementedError, match=match):
-        tk.FACTORIES[op](tk.KernelConfig(*cfg), SM90)
+        tk.FACTORIES[op](tk.KernelConfig(*cfg), SM80)
 
 
 def test_cpu_dispatch_unchanged():
@@ -189,7 +189,7 @@ def test_masking_off_is_the_default_kernel(op, shape):
 @pytest.mark.parametrize("dtype", ["float16", "bfloat16", "float32"])
 def test_empty_rows_helper_compiles(dtype, tmp_path):
     """The FlashInfer backend's ``pagedkv_empty_rows`` helper in every cache dtype: lowered and nvcc-compiled."""
-    target = SM90
+    target = SM80
     with target:
         exe = tvm.compile(tvm.IRModule({"pagedkv_empty_rows": tk.make_empty_rows(dtype, target)}), target=target)
     src = cuda_source_of(exe)

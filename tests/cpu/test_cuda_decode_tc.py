@@ -2,9 +2,9 @@
 host: no GPU.
 
 - its limits as data (``tc_decode_limits``: fp16 / bf16, head dims 64 / 128, GQA groups up to 16) and the switch:
-  forcing tc where the limits refuse raises with the reasons; auto takes it for the plain variant exactly where
-  ``TC_DECODE_BY_DEFAULT`` and the limits allow (then the same TIR as forced); "lanes" / "staged" never; inline
-  RoPE likewise under ``TC_ROPE_BY_DEFAULT`` (``_decode_tc_rope_cuda``); other ops are unchanged by the switch;
+  forcing tc where the limits refuse raises with the reasons; auto takes it for the plain and the inline-RoPE
+  variant where the selection table (``pagedkv.kernel_table``) serves it (then the same TIR as forced); "lanes" /
+  "staged" never; other ops are unchanged by the switch;
 - the generated CUDA under ``nvcc --cubin -arch=sm_90a``: no spills, the registers that keep 2 blocks (D 128) /
   3 blocks (D 64) resident, ``D / 4`` MMAs a key tile per warp unrolled, the RoPE kernel's ``D / 32`` 8-pair
   rotations a lane and tile, and the dynamic shared memory (the 3-slot ring, + the RoPE tables) that the host
@@ -30,7 +30,7 @@ from pagedkv.tir_kernels import attention_cuda_decode as dec
 
 from tvm.target import Target
 
-SM90 = Target({"kind": "cuda", "arch": "sm_90"}, host="llvm")
+SM80 = Target({"kind": "cuda", "arch": "sm_80"}, host="llvm")  # the mma.sync kernels (sm_90 is Hopper: sm_90a)
 SWITCH = "cuda_decode_kernel"
 OP = "attn_decode_paged"
 #: nvcc shapes: name -> (config, most registers of the tc kernel). 2 blocks an SM at D 128 are set by the shared
@@ -83,37 +83,32 @@ def test_switch_values_and_forced_tc_raises():
     assert dec.use_tc(_with(cfg, cuda_decode_kernel="tc"), rope=True)
     assert not dec.use_tc(_with(cfg, cuda_decode_kernel="staged"), rope=True)
     for bad, why in ((tk.KernelConfig(8, 2, 128, 128, "float32"), "dtype float32"),
-                     (tk.KernelConfig(8, 2, 96, 96, "float16"), "head_dim 96"),
+                     (tk.KernelConfig(8, 2, 96, 96, "float16"), "head dims 96/96"),
                      (tk.KernelConfig(64, 2, 128, 128, "float16"), "GQA group 32")):
         with pytest.raises(NotImplementedError, match=f"cuda_decode_kernel=tc: .*{why}"):
             dec.use_tc(_with(bad, cuda_decode_kernel="tc"))
         with pytest.raises(NotImplementedError, match=why):
-            tk.FACTORIES[OP](_with(bad, cuda_decode_kernel="tc"), SM90)
+            tk.FACTORIES[OP](_with(bad, cuda_decode_kernel="tc"), SM80)
         assert not dec.use_tc(bad)  # auto: never where refused
 
 
-def test_auto_follows_tc_decode_by_default(monkeypatch):
+def test_auto_is_the_tables_choice():
+    """auto builds what the selection table names: the tensor-core kernel (plain and inline RoPE) where it
+    serves, the same TIR as forced; the staged kernel where it does not (fp32)."""
     cfg = tk.KernelConfig(16, 2, 64, 64, "bfloat16", sliding_window=40, logits_soft_cap=5.0)
-    assert dec.use_tc(cfg) is dec.TC_DECODE_BY_DEFAULT
-    forced = tk.FACTORIES[OP](_with(cfg, cuda_decode_kernel="tc"), SM90).script()
-    assert dec.use_tc(cfg, rope=True) is dec.TC_ROPE_BY_DEFAULT
-    staged = tk.FACTORIES[OP](_with(cfg, cuda_decode_kernel="staged"), SM90).script()
-    monkeypatch.setattr(dec, "TC_DECODE_BY_DEFAULT", False)
-    monkeypatch.setattr(dec, "TC_ROPE_BY_DEFAULT", False)
-    assert not dec.use_tc(cfg) and not dec.use_tc(cfg, rope=True)
-    assert tk.FACTORIES[OP](cfg, SM90).script() == staged != forced
-    monkeypatch.setattr(dec, "TC_ROPE_BY_DEFAULT", True)  # the RoPE kernel alone: neither of the two
-    assert dec.use_tc(cfg, rope=True) and tk.FACTORIES[OP](cfg, SM90).script() not in (staged, forced)
-    monkeypatch.setattr(dec, "TC_DECODE_BY_DEFAULT", True)
-    assert dec.use_tc(cfg) and tk.FACTORIES[OP](cfg, SM90).script() == forced
-    assert not dec.use_tc(tk.KernelConfig(16, 2, 64, 64, "float32"))
+    assert dec.use_tc(cfg) and dec.use_tc(cfg, rope=True)
+    forced = tk.FACTORIES[OP](_with(cfg, cuda_decode_kernel="tc"), SM80).script()
+    staged = tk.FACTORIES[OP](_with(cfg, cuda_decode_kernel="staged"), SM80).script()
+    assert tk.FACTORIES[OP](cfg, SM80).script() == forced != staged
+    fp32 = tk.KernelConfig(16, 2, 64, 64, "float32")
+    assert not dec.use_tc(fp32) and dec.use_staged(fp32)
 
 
 def test_other_ops_ignore_the_tc_value():
     cfg = tk.KernelConfig(8, 2, 64, 64, "float16")
     for op in ("attn_prefill_paged", "attn_prefill_ragged", "merge_state"):
-        assert (tk.FACTORIES[op](_with(cfg, cuda_decode_kernel="tc"), SM90).script()
-                == tk.FACTORIES[op](cfg, SM90).script())
+        assert (tk.FACTORIES[op](_with(cfg, cuda_decode_kernel="tc"), SM80).script()
+                == tk.FACTORIES[op](cfg, SM80).script())
 
 
 @pytest.fixture(scope="module")
@@ -121,7 +116,7 @@ def nvcc_results(tmp_path_factory):
     workdir = tmp_path_factory.mktemp("tcd")
 
     def source(key):
-        return ops_cuda_source(_with(NVCC[key[0]][0], cuda_decode_kernel="tc"), (OP,), SM90)
+        return ops_cuda_source(_with(NVCC[key[0]][0], cuda_decode_kernel="tc"), (OP,), SM80)
 
     return workdir, nvcc_all([(name,) for name in NVCC], source, workdir, "tcd_")
 
@@ -166,7 +161,7 @@ def test_tc_nvcc_no_spills_registers_mma(name, nvcc_results):
 def test_tc_dynamic_shared_memory_launch():
     """The host code launches the tc kernel with the ring's bytes of dynamic shared memory."""
     for cfg in (tk.KernelConfig(32, 8, 128, 128, "float16"), tk.KernelConfig(32, 2, 64, 64, "bfloat16")):
-        func = tk.build_kernels(_with(cfg, cuda_decode_kernel="tc"), SM90, ops=(OP,))[OP]
+        func = tk.build_kernels(_with(cfg, cuda_decode_kernel="tc"), SM80, ops=(OP,))[OP]
         main, params = host_main(func)
         for rope in (0, 1):
             env = {"B": 4, "_p": 64, "ps": 16, "nnz": 32, "apply_rope": rope, "sm_scale": 0.1, "rope_scale": 1.0,
@@ -189,7 +184,7 @@ def test_tc_switches_nvcc(switch, tmp_path, monkeypatch):
     register bounds."""
     set_tc_switch(monkeypatch, switch)
     cfg, most = NVCC["32x8x128-f16"]
-    src = ops_cuda_source(_with(cfg, cuda_decode_kernel="tc"), (OP,), SM90)
+    src = ops_cuda_source(_with(cfg, cuda_decode_kernel="tc"), (OP,), SM80)
     assert ("__hfma2(" in src) == (switch != "float32_rotation")
     assert ("pagedkv_cp_async16_pf128((" in src) == (switch != "no_l2_prefetch")
     rc, log = nvcc_all([(switch,)], lambda key: src, tmp_path, "tcdsw_")[(switch,)]

@@ -28,7 +28,7 @@ from pagedkv import tir_kernels as tk  # noqa: E402
 import tvm
 from tvm.target import Target
 
-SM90 = Target({"kind": "cuda", "arch": "sm_90"}, host="llvm")
+SM80 = Target({"kind": "cuda", "arch": "sm_80"}, host="llvm")  # the mma.sync kernels (sm_90 is Hopper: sm_90a)
 SWITCH = "cuda_decode_splits"
 FORCED = [v for v in tk.SWITCHES[SWITCH][1] if v != "auto"]
 
@@ -53,7 +53,7 @@ def _decode_op(cfg) -> str:
 
 
 def _script(cfg, op: str) -> str:
-    return tk.FACTORIES[op](cfg, SM90).script()
+    return tk.FACTORIES[op](cfg, SM80).script()
 
 
 def _forced(cfg, value: str):
@@ -137,10 +137,10 @@ def forced_source(name: str) -> str:
     ``_variants``)."""
     cfg = SHAPES[name]
     op = _decode_op(cfg)
-    funcs = {f"pagedkv_{op}_{k}": tk.FACTORIES[op](dataclasses.replace(cfg, paths=paths), SM90).with_attr(
+    funcs = {f"pagedkv_{op}_{k}": tk.FACTORIES[op](dataclasses.replace(cfg, paths=paths), SM80).with_attr(
         "global_symbol", f"pagedkv_{op}_{k}") for k, paths in _variants(cfg).items()}
-    with SM90:
-        exe = tvm.compile(tvm.IRModule(funcs), target=SM90)
+    with SM80:
+        exe = tvm.compile(tvm.IRModule(funcs), target=SM80)
     return cuda_source_of(exe)
 
 

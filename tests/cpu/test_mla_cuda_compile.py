@@ -30,7 +30,7 @@ from pagedkv.tir_kernels._common import fast_macro_expansion  # noqa: E402
 import tvm
 from tvm.target import Target
 
-SM90 = Target({"kind": "cuda", "arch": "sm_90"}, host="llvm")
+SM80 = Target({"kind": "cuda", "arch": "sm_80"}, host="llvm")  # the mma.sync kernels (sm_90 is Hopper: sm_90a)
 
 # (H, kv_lora_rank, qk_rope_head_dim, dtype): DeepSeek-V3 per 8-GPU shard, a small fp32 latent with a head
 # count that leaves padding rows, and the full DeepSeek-V3 head count, also in bfloat16 (its checkpoint's
@@ -67,8 +67,8 @@ def build_funcs(cfg: tuple) -> dict:
 def cuda_source(cfg: tuple) -> str:
     """CUDA source of the four MLA ops for ``cfg`` (cached per session)."""
     funcs = build_funcs(cfg)
-    with SM90:
-        exe = tvm.compile(tvm.IRModule({f"pagedkv_{op}": f for op, f in funcs.items()}), target=SM90)
+    with SM80:
+        exe = tvm.compile(tvm.IRModule({f"pagedkv_{op}": f for op, f in funcs.items()}), target=SM80)
     return cuda_source_of(exe)
 
 

@@ -2,11 +2,11 @@
 ``tir_kernels._mla_frame_cuda.make_prefill_frame``) on the build host: no GPU.
 
 (a) ``nvcc --cubin`` compiles TVM's source of ``mla_attn_prefill_paged`` for DeepSeek's latent (512 + 64): the
-    mma.sync kernel (tc) at 16 heads fp16 and 128 heads bf16 for sm_90, and the wgmma kernel (wgq, with its
+    mma.sync kernel (tc) at 16 heads fp16 and 128 heads bf16 for sm_80, and the wgmma kernel (wgq, with its
     fallback) at 128 heads fp16 for sm_90a: no register spills or stack, at most 255 registers, and the instructions of the kernel
     asked for (a frame around a decode's block must not cost the block its registers).
-(b) The switch: auto takes the kernel the decode's auto takes on the same spec (wgq on sm_90a at 16+ heads, tc
-    below or on sm_90, SIMT for fp32) with ``mla_cuda.MLA_PREFILL_TC_BY_DEFAULT``, SIMT without; a forced kernel on
+(b) The switch: auto takes the kernel the decode's auto takes on the same spec (the selection table: wgq on
+    Hopper at 16+ heads, tc below or before Hopper, SIMT for fp32); a forced kernel on
     a spec it does not serve raises naming the prefill switch and the reasons; "simt" keeps the SIMT kernel.
 
 The numerics: ``test_mla_tc_emulated.py`` (``PREFILL_CASES``, CPU emulation) and ``tests/gpu`` (the MLA path
@@ -22,7 +22,9 @@ import pytest
 from _cuda_support import cuda_source_of, nvcc_all, ptxas_usage, stack_frames
 
 from pagedkv import tir_kernels as tk
-from pagedkv.tir_kernels import mla_cuda, mla_cuda_wgq
+from pagedkv.kernel_table import choose
+from pagedkv.ops import MLA_ATTN_DECODE_PAGED
+from pagedkv.tir_kernels import mla_cuda
 from pagedkv.tir_kernels._common import fast_macro_expansion
 
 import tvm
@@ -30,14 +32,14 @@ from tvm.target import Target
 
 OP = "mla_attn_prefill_paged"
 SWITCH = mla_cuda.PREFILL_SWITCH
-SM90 = Target({"kind": "cuda", "arch": "sm_90"}, host="llvm")
+SM80 = Target({"kind": "cuda", "arch": "sm_80"}, host="llvm")  # the mma.sync kernels (sm_90 is Hopper: sm_90a)
 SM90A = Target({"kind": "cuda", "arch": "sm_90a"}, host="llvm")
 #: (kernel, heads, dtype, arch): what nvcc compiles, and the instruction its source must hold.
-CASES = [("tc", 16, "float16", "sm_90"), ("tc", 128, "bfloat16", "sm_90"), ("wgq", 128, "float16", "sm_90a")]
+CASES = [("tc", 16, "float16", "sm_80"), ("tc", 128, "bfloat16", "sm_80"), ("wgq", 128, "float16", "sm_90a")]
 MARK = {"tc": "mma.sync.aligned.m16n8k16", "wgq": "wgmma.mma_async"}
 
 
-def spec(heads, dtype, kernel, arch="sm_90"):
+def spec(heads, dtype, kernel, arch="sm_80"):
     s = tk.KernelConfig(heads, heads, 64, 64, dtype, kv_lora_rank=512, qk_rope_head_dim=64, paths={SWITCH: kernel})
     return dataclasses.replace(s, target_arch=arch)
 
@@ -45,7 +47,7 @@ def spec(heads, dtype, kernel, arch="sm_90"):
 @functools.cache
 def cuda_source(case: tuple) -> str:
     kernel, heads, dtype, arch = case
-    target = SM90A if arch == "sm_90a" else SM90
+    target = SM90A if arch == "sm_90a" else SM80
     with fast_macro_expansion():
         func = mla_cuda.mla_attn_prefill_paged_cuda(spec(heads, dtype, kernel, arch))
     with target:
@@ -76,16 +78,12 @@ def _kernel_of(s) -> str:
 
 @pytest.mark.parametrize("heads, arch, dtype, want", [
     (128, "sm_90a", "float16", "wgq"), (64, "sm_90a", "bfloat16", "wgq"), (32, "sm_90a", "float16", "wgq"),
-    (16, "sm_90a", "bfloat16", "wgq"), (8, "sm_90a", "float16", "tc"), (128, "sm_90", "float16", "tc"),
-    (128, "sm_90a", "float32", "simt")])
-@pytest.mark.parametrize("by_default", [True, False])
-def test_auto_takes_the_decodes_kernel(heads, arch, dtype, want, by_default, monkeypatch):
-    monkeypatch.setattr(mla_cuda, "MLA_PREFILL_TC_BY_DEFAULT", by_default)
+    (16, "sm_90a", "bfloat16", "wgq"), (8, "sm_90a", "float16", "tc"), (128, "sm_90", "float16", "wgq"),
+    (128, "sm_80", "float16", "tc"), (128, "sm_90a", "float32", "simt")])
+def test_auto_takes_the_decodes_kernel(heads, arch, dtype, want):
     s = spec(heads, dtype, "auto", arch)
-    want = want if by_default else "simt"
     assert mla_cuda.prefill_kernel(s) == want and _kernel_of(s) == want
-    assert want != "wgq" or mla_cuda_wgq.use_wgq(s)  # the decode's auto on the same spec
-    assert want != "tc" or not mla_cuda_wgq.use_wgq(s)
+    assert choose(MLA_ATTN_DECODE_PAGED, s).name == want  # the decode's auto on the same spec
 
 
 def test_forced_simt_and_unserved_kernels():
@@ -93,7 +91,7 @@ def test_forced_simt_and_unserved_kernels():
     with pytest.raises(NotImplementedError, match=f"{SWITCH}=tc: .*dtype float32"):
         mla_cuda.mla_attn_prefill_paged_cuda(spec(16, "float32", "tc"))
     with pytest.raises(NotImplementedError, match=f"{SWITCH}=wgq: .*target arch"):
-        mla_cuda.mla_attn_prefill_paged_cuda(spec(128, "float16", "wgq", "sm_90"))
+        mla_cuda.mla_attn_prefill_paged_cuda(spec(128, "float16", "wgq", "sm_80"))
 
 
 def test_switch_is_registered():

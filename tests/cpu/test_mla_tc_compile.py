@@ -4,8 +4,8 @@
     latent (512 + 64) at 16 heads fp16 (one m16 tile a block) and 128 heads bf16 (two): no register spills, at
     most 255 registers (256 threads a block), static shared memory within 48 KB and static + dynamic
     (``smem_bytes``) within sm_90's 227 KB a block; the source holds ``mma.sync`` and the dynamic buffer.
-(b) The path switch ``cuda_mla_decode_kernel``: auto takes tc where ``tc_unserved`` is empty (with
-    ``MLA_TC_BY_DEFAULT``), SIMT elsewhere (fp32, latents it does not take); "simt" forces SIMT; "tc" on a spec it
+(b) The path switch ``cuda_mla_decode_kernel``: auto takes tc where ``tc_unserved`` is empty and wgq does not
+    serve (``pagedkv.kernel_table``), SIMT elsewhere (fp32, latents it does not take); "simt" forces SIMT; "tc" on a spec it
     does not serve raises with the reasons.
 
 (c) The wgmma kernel with Q in shared memory (``mla_cuda_wgq``, forced ``wgq``, sm_90a; its PrimFunc also holds
@@ -26,6 +26,8 @@ import re
 import pytest
 from _cuda_support import cuda_source_of, nvcc_all, ptxas_usage, stack_frames
 
+from pagedkv.kernel_table import choose, variants
+from pagedkv.ops import MLA_ATTN_DECODE_PAGED
 from pagedkv import tir_kernels as tk
 from pagedkv.tir_kernels import mla_cuda, mla_cuda_tc, mla_cuda_wg, mla_cuda_wgq
 from pagedkv.tir_kernels._common import fast_macro_expansion
@@ -33,7 +35,7 @@ from pagedkv.tir_kernels._common import fast_macro_expansion
 import tvm
 from tvm.target import Target
 
-SM90 = Target({"kind": "cuda", "arch": "sm_90"}, host="llvm")
+SM80 = Target({"kind": "cuda", "arch": "sm_80"}, host="llvm")  # the mma.sync kernels (sm_90 is Hopper: sm_90a)
 SWITCH = mla_cuda_tc.SWITCH
 #: (heads, kv_lora_rank, qk_rope_head_dim, dtype)
 CONFIGS = [(16, 512, 64, "float16"), (128, 512, 64, "bfloat16")]
@@ -49,8 +51,8 @@ def spec(h, rank, rope, dtype, value="tc"):
 def cuda_source(cfg: tuple) -> str:
     with fast_macro_expansion():
         func = mla_cuda.mla_attn_decode_paged_cuda(spec(*cfg))
-    with SM90:
-        exe = tvm.compile(tvm.IRModule({"pagedkv_mla_attn_decode_paged": func}), target=SM90)
+    with SM80:
+        exe = tvm.compile(tvm.IRModule({"pagedkv_mla_attn_decode_paged": func}), target=SM80)
     return cuda_source_of(exe)
 
 
@@ -100,7 +102,7 @@ def test_switch_is_registered():
 def test_switch_picks_the_kernel(value):
     s = spec(16, 128, 64, "bfloat16", value)
     assert mla_cuda_tc.tc_unserved(s) == []
-    assert _uses_tc(s) == (value == "tc" or (value == "auto" and mla_cuda_tc.MLA_TC_BY_DEFAULT))
+    assert _uses_tc(s) == (value in ("tc", "auto"))  # auto: tc serves (the spec names no Hopper arch)
 
 
 @pytest.mark.parametrize("args, reason", [
@@ -111,7 +113,7 @@ def test_switch_picks_the_kernel(value):
 def test_unserved_specs_run_simt_or_raise_forced(args, reason):
     """auto falls back to SIMT where tc does not serve; forcing tc raises, naming every reason."""
     assert any(reason in r for r in mla_cuda_tc.tc_unserved(spec(*args)))
-    assert not mla_cuda_tc.use_tc(spec(*args, "auto"))
+    assert choose(MLA_ATTN_DECODE_PAGED, spec(*args, "auto")).name == "simt"
     with pytest.raises(NotImplementedError, match=f"{SWITCH}=tc.*{reason}"):
         mla_cuda.mla_attn_decode_paged_cuda(spec(*args, "tc"))
 
@@ -201,12 +203,13 @@ def _kernel_of(s) -> str:
 
 @pytest.mark.parametrize("heads, arch, dtype, want", [
     (128, "sm_90a", "float16", "wgq"), (64, "sm_90a", "bfloat16", "wgq"), (32, "sm_90a", "float16", "wgq"),
-    (16, "sm_90a", "bfloat16", "wgq"), (8, "sm_90a", "float16", "tc"), (128, "sm_90", "float16", "tc"),
+    (16, "sm_90a", "bfloat16", "wgq"), (8, "sm_90a", "float16", "tc"), (128, "sm_90", "float16", "wgq"),
+    (128, "sm_80", "float16", "tc"),
     (128, "sm_90a", "float32", "simt")])
 def test_auto_picks_wgmma_on_sm90a_by_heads(heads, arch, dtype, want):
-    """auto: wgq where it serves the spec (sm_90a, fp16 / bf16) with at least WGQ_AUTO_MIN_HEADS heads; the
-    mma.sync kernel below that or on sm_90, SIMT for fp32."""
-    assert mla_cuda_wgq.WGQ_AUTO_MIN_HEADS == 16 and mla_cuda_wgq.WGQ_BY_DEFAULT
+    """auto: wgq where it serves the spec (Hopper: sm_90 = sm_90a, fp16 / bf16) from 16 heads (the table's
+    ``min_heads``); the mma.sync kernel below that or before Hopper, SIMT for fp32."""
+    assert next(v for v in variants(MLA_ATTN_DECODE_PAGED) if v.name == "wgq").min_heads == 16
     s = dataclasses.replace(spec(heads, 512, 64, dtype, "auto"), target_arch=arch)
-    assert mla_cuda_wgq.use_wgq(s) == (want == "wgq")
+    assert choose(MLA_ATTN_DECODE_PAGED, s).name == want
     assert _kernel_of(s) == want

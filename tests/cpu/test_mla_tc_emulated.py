@@ -28,7 +28,7 @@ import numpy as np
 import pytest
 import torch
 from _cuda_support import cuda_source_of
-from _decode_emu import HERE, SM90, device_helpers, host_main, kernels_of, launches, storage, tensor_map, values
+from _decode_emu import HERE, SM80, device_helpers, host_main, kernels_of, launches, storage, tensor_map, values
 
 from pagedkv import tir_kernels as tk
 from pagedkv.testing import reference as R
@@ -109,7 +109,7 @@ def built(tmp_path_factory):
 
 
 def _build(name, kernel, stem, op=OP):
-    target = SM90A if kernel in WG_KERNELS else SM90
+    target = SM90A if kernel in WG_KERNELS else SM80
     func = tk.build_kernels(_spec(name, kernel, op), target, ops=(op,))[op]
     with target:
         exe = tvm.compile(tvm.IRModule({f"pagedkv_{op}": func}), target=target)

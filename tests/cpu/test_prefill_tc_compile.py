@@ -29,12 +29,12 @@ from _cuda_support import nvcc_all, ops_cuda_source, ptxas_usage
 from pagedkv import tir_kernels as tk
 from pagedkv.kernel_spec import WG_PREFILL_TILES
 from pagedkv.testing.cuda_source import kernel_defs
-from pagedkv.tir_kernels import attention_cuda_prefill as pf
+from pagedkv.kernel_table import auto_order
 from pagedkv.tir_kernels.attention_cuda_prefill_tc import TC_TILES
 
 from tvm.target import Target
 
-SM90 = Target({"kind": "cuda", "arch": "sm_90"}, host="llvm")
+SM80 = Target({"kind": "cuda", "arch": "sm_80"}, host="llvm")  # the mma.sync kernels (sm_90 is Hopper: sm_90a)
 SWITCH = "cuda_prefill_kernel"
 OPS = ("attn_prefill_ragged", "attn_prefill_paged")
 #: The mma.sync tiles (switch values; the wgmma ones: ``test_prefill_wg_compile.py``).
@@ -54,13 +54,13 @@ def _with(cfg, value):
 
 
 def _script(cfg, op):
-    return tk.FACTORIES[op](cfg, SM90).script()
+    return tk.FACTORIES[op](cfg, SM80).script()
 
 
 def test_switch_is_registered_and_on_by_default():
     assert tk.SWITCHES[SWITCH][1] == ("auto", "simt", *TILES, *WG_PREFILL_TILES)  # test_prefill_wg_compile.py
-    assert pf.TC_BY_DEFAULT is True
-    assert pf.TC_DEFAULT_TILES == {"attn_prefill_ragged": ("wg1t", "tc3", "tc"), "attn_prefill_paged": ("wg2t", "tc2", "tc")}
+    assert [v.name for v in auto_order("attn_prefill_ragged")] == ["wg1t", "tc3", "tc", "simt"]
+    assert [v.name for v in auto_order("attn_prefill_paged")] == ["wg2t", "tc2", "tc", "simt"]
 
 
 @pytest.mark.parametrize("op", OPS)
@@ -68,7 +68,7 @@ def test_tc_is_the_default_where_it_serves(op):
     cfg = SHAPES["32x8x128-f16"]
     default = _script(cfg, op)
     assert "pagedkv_mma_f16" in default
-    first = next(t for t in pf.TC_DEFAULT_TILES[op] if t not in WG_PREFILL_TILES)  # sm_90: no wgmma tile
+    first = next(v.name for v in auto_order(op) if v.name not in WG_PREFILL_TILES)  # sm_80: no wgmma tile
     assert _script(_with(cfg, "auto"), op) == default == _script(_with(cfg, first), op)
     assert "pagedkv_mma" not in _script(_with(cfg, "simt"), op)
     one_stage = _script(_with(cfg, "tc"), op)  # 64 rows, one stage in static shared memory
@@ -88,7 +88,7 @@ def test_tc_refuses_what_it_does_not_serve(cfg, why):
     for op in OPS:
         for tile in TILES:
             with pytest.raises(NotImplementedError, match=f"{SWITCH}={tile}: .*{why}"):
-                tk.FACTORIES[op](_with(cfg, tile), SM90)
+                tk.FACTORIES[op](_with(cfg, tile), SM80)
 
 
 def test_tile_shared_memory():
@@ -103,7 +103,7 @@ def test_tile_shared_memory():
 
 
 def _source(key):
-    return ops_cuda_source(_with(SHAPES[key[0]], key[1]), OPS, SM90)
+    return ops_cuda_source(_with(SHAPES[key[0]], key[1]), OPS, SM80)
 
 
 @pytest.fixture(scope="module")

@@ -42,7 +42,7 @@ from pagedkv.tir_kernels.attention_cuda_prefill_tc import TC_TILES, tma_maps
 import tvm
 from tvm.target import Target
 
-SM90 = Target({"kind": "cuda", "arch": "sm_90"}, host="llvm")
+SM80 = Target({"kind": "cuda", "arch": "sm_80"}, host="llvm")  # the mma.sync kernels (sm_90 is Hopper: sm_90a)
 #: The wgmma tiles' target (their instructions need sm_90a; the tiles refuse other archs).
 SM90A = Target({"kind": "cuda", "arch": "sm_90a"}, host="llvm")
 HERE = pathlib.Path(__file__).resolve().parent
@@ -127,7 +127,7 @@ def built(tmp_path_factory):
 
 def _build(cfg, tile, op, stem):
     cfg = dataclasses.replace(cfg, paths={"cuda_prefill_kernel": tile})
-    target = SM90A if TC_TILES[tile].wgmma else SM90
+    target = SM90A if TC_TILES[tile].wgmma else SM80
     func = tk.build_kernels(cfg, target, ops=(op,))[op]
     with target:
         exe = tvm.compile(tvm.IRModule({f"pagedkv_{op}": func}), target=target)

@@ -4,7 +4,7 @@
   GQA groups 3, 4 and 7); forcing one elsewhere raises naming the limit.
 - They serve only a target arch of sm_90a (``KernelSpec.target_arch``, filled by ``tir_kernels.make`` from the
   target): forced for an sm_90 target one raises naming the arch; auto takes them there only
-  (``TC_DEFAULT_TILES``).
+  (the selection table, ``pagedkv.kernel_table``).
 - ``nvcc --cubin -arch=sm_90a`` compiles their ragged and paged kernels without register spills, in at most 255
   registers, with the expected wgmma count: per key tile ``D/16`` m64n64k16 for S and ``TK/16`` m64n{DV}k16 for
   P V, every one unrolled (in the CUDA source, then as HGMMA in the SASS when cuobjdump is there), each twice
@@ -32,7 +32,7 @@ from pagedkv.tir_kernels.attention_cuda_prefill_tc import TC_TILES, tc_unserved
 import tvm
 from tvm.target import Target
 
-SM90 = Target({"kind": "cuda", "arch": "sm_90"}, host="llvm")
+SM80 = Target({"kind": "cuda", "arch": "sm_80"}, host="llvm")  # the mma.sync kernels (sm_90 is Hopper: sm_90a)
 SM90A = Target({"kind": "cuda", "arch": "sm_90a"}, host="llvm")
 SWITCH = "cuda_prefill_kernel"
 OPS = ("attn_prefill_ragged", "attn_prefill_paged")
@@ -56,17 +56,16 @@ def test_wg_needs_sm90a_and_auto_takes_the_tma_tiles():
     cfg = SHAPES["32x8x128-f16"]
     for op in OPS:
         with pytest.raises(NotImplementedError, match="sm_90a"):
-            tk.FACTORIES[op](_wg(cfg), SM90)
-    assert set(WG_TILES) & set(sum(pf.TC_DEFAULT_TILES.values(), ())) == {"wg1t", "wg2t"}
+            tk.FACTORIES[op](_wg(cfg), SM80)
     spec = dataclasses.replace(cfg, target_arch="sm_90a")
-    assert pf.use_tensor_cores(OPS[0], spec, 128) == "wg1t"
-    assert pf.use_tensor_cores(OPS[1], spec, 128) == "wg2t"
-    assert pf.use_tensor_cores(OPS[1], cfg, 128) == "tc2"  # sm_90: the paged op's first mma.sync tile
-    assert pf.use_tensor_cores(OPS[0], cfg, 128) == "tc3"  # no target arch (sm_90): no wgmma
+    assert pf.use_tensor_cores(OPS[0], spec) == "wg1t"
+    assert pf.use_tensor_cores(OPS[1], spec) == "wg2t"
+    assert pf.use_tensor_cores(OPS[1], cfg) == "tc2"  # no target arch: no wgmma; the paged op's first mma.sync tile
+    assert pf.use_tensor_cores(OPS[0], cfg) == "tc3"
     d64 = dataclasses.replace(tk.KernelConfig(16, 4, 64, 64, "float16"), target_arch="sm_90a")
-    assert pf.use_tensor_cores(OPS[0], d64, 64) == "tc3"
-    assert pf.use_tensor_cores(OPS[1], d64, 64) == "tc2"
-    assert pf.use_tensor_cores(OPS[1], _wg(spec), 128) == "wg1t"
+    assert pf.use_tensor_cores(OPS[0], d64) == "tc3"
+    assert pf.use_tensor_cores(OPS[1], d64) == "tc2"
+    assert pf.use_tensor_cores(OPS[1], _wg(spec)) == "wg1t"
     assert "target_arch" not in cfg.to_dict() and spec.to_dict()["target_arch"] == "sm_90a"
 
 
@@ -96,7 +95,7 @@ def test_wg_tile_shared_memory():
     assert 2 * (t1t.smem_bytes(128, 128) + 1024) <= 228 * 1024
     for tile in WG_TILES:
         with pytest.raises(NotImplementedError, match="sm_90a"):
-            tk.FACTORIES[OPS[0]](_wg(SHAPES["32x8x128-f16"], tile), SM90)
+            tk.FACTORIES[OPS[0]](_wg(SHAPES["32x8x128-f16"], tile), SM80)
 
 
 @pytest.fixture(scope="module")
@@ -156,7 +155,7 @@ def test_wg_tiles_are_declared_once():
     tile does)."""
     assert WG_TILES == tuple(t for t, c in TC_TILES.items() if c.wgmma)
     spec = dataclasses.replace(SHAPES["32x8x128-f16"], target_arch="sm_90a")
-    assert [pf.tma_fallback(op, spec, 128) for op in OPS] == ["tc3", "tc2"]
+    assert [pf.tma_fallback(op, spec) for op in OPS] == ["tc3", "tc2"]
     for t in WG_TILES:
         assert TC_TILES[t].tma and TC_TILES[t].stages in (3, 4) and TC_TILES[t].tk == 64
 

@@ -272,8 +272,8 @@ def decode_path_cases() -> list[tuple[Shape, dict[str, str]]]:
 MLA_KERNEL_SPLITS = ("auto", "1", "3")
 #: (shape, forced kernel) of those runs: the tensor-core kernel on DeepSeek-V3's 128 heads in bf16 (two m16
 #: tiles a block, four head groups; V2-Lite's latent, 16 heads in fp16, runs it by default under every split
-#: value above) and the SIMT kernel on V2-Lite (auto takes the tensor cores there since
-#: ``mla_cuda_tc.MLA_TC_BY_DEFAULT``: SIMT only forced); the wgmma kernel with Q in shared memory
+#: value above) and the SIMT kernel on V2-Lite (auto takes the tensor cores there: ``pagedkv.kernel_table``;
+#: SIMT only forced); the wgmma kernel with Q in shared memory
 #: (``mla_cuda_wgq``, sm_90a: two head groups of 64; pages of 16: TMA boxes) on DeepSeek-V3's 128 heads and on
 #: V2-Lite's 16 (48 padding rows).
 MLA_KERNEL_SHAPES = [(MLA_GPU_EXTRA[2], "tc"), (MLA_SHAPES[2], "simt"), (MLA_GPU_EXTRA[2], "wgq"),
