@@ -13,8 +13,8 @@ shared memory that K and V take turns in (``KV``):
 ``load_v``      the V tile, row-major;
 ``accumulate``  O += P @ V, P taken from the lane that owns the key by shuffles.
 
-Before the key loop: ``find_entry`` (the block's entry, by binary search over the virtual tiles),
-``rope_setup`` (the RoPE frequencies), ``load_q`` (the Q tile, pre-scaled, rotated with inline RoPE) and
+Before the key loop: the block's entry (``_common_cuda.find_tile_entry``, a binary search over the virtual
+tiles), ``rope_setup`` (the RoPE frequencies), ``load_q`` (the Q tile, pre-scaled, rotated with inline RoPE) and
 ``init_rows`` (the row state and mask bounds); after it, ``store`` (o and lse of each row, or the empty-row
 state). ``make_prefill_kernel`` puts them together.
 """
@@ -26,7 +26,8 @@ from dataclasses import dataclass
 from tvm.script import tirx as T
 
 from ._common import EMPTY_LSE, LOG2E
-from ._common_cuda import ceildiv, cos_approx, paged_kv_len, rope_angle, rope_divisor, shfl_xor, sin_approx, vec16
+from ._common_cuda import (ceildiv, cos_approx, find_tile_entry, paged_kv_len, rope_angle, rope_divisor, shfl_xor,
+                           sin_approx, vec16)
 from ._variant_cuda import CudaVariant
 
 #: Prefill block: 8 row groups x 16 lanes (128 threads).
@@ -129,25 +130,6 @@ def make_load_row_chunk(p: PrefillPlan):
                     dst[base + e] = v[kv_indptr[b] + key, h, d0 + e]
 
     return load_row_chunk
-
-
-def make_find_entry(p: PrefillPlan):
-    """``find_entry(srch, q_indptr, B, vt)``: ``srch[0]`` = the block's entry: the last one whose first virtual
-    tile ``q_indptr[b] // TQ + b`` is ``<= vt`` (binary search; 0 when ``B == 0``)."""
-    TQ = p.tq
-
-    @T.macro
-    def find_entry(srch, q_indptr, B, vt):
-        srch[0] = 0
-        srch[1] = B
-        while srch[1] - srch[0] > 1:
-            if T.truncdiv(q_indptr[T.truncdiv(srch[0] + srch[1], 2)], TQ) + T.truncdiv(
-                    srch[0] + srch[1], 2) <= vt:
-                srch[0] = T.truncdiv(srch[0] + srch[1], 2)
-            else:
-                srch[1] = T.truncdiv(srch[0] + srch[1], 2)
-
-    return find_entry
 
 
 def make_rope_setup(p: PrefillPlan):
@@ -390,9 +372,12 @@ def make_tile(p: PrefillPlan):
     No branch around the barriers: an idle block (past its entry's queries, or B == 0) runs the same code with
     zero-trip loops and masked memory accesses."""
     TQ, TK, RI, ROPE, WIN = p.tq, p.tk, p.ri, p.rope, p.var.has_window
-    find_entry, rope_setup, load_q, init_rows = make_find_entry(p), make_rope_setup(p), make_load_q(p), make_init_rows(p)
+    rope_setup, load_q, init_rows = make_rope_setup(p), make_load_q(p), make_init_rows(p)
     load_k, score, softmax, load_v = make_load_k(p), make_score(p), make_softmax(p), make_load_v(p)
     accumulate, store = make_accumulate(p), make_store(p)
+
+    def tiles_before(q_indptr, b):
+        return T.truncdiv(q_indptr[b], TQ)
 
     @T.macro
     def tile(bufs, vt, h, tid, q, q_indptr, q_pos, k_pos_offset, o, lse, kvb, B, causal, rope_scale, rope_theta,
@@ -400,7 +385,8 @@ def make_tile(p: PrefillPlan):
         Qt, KV, invf, srch, xr, vr, qv, kv, pv, vv, acc, Ol, m, lsum, lim, st = bufs
         tx: T.let[T.int32] = T.truncmod(tid, PF_TX)
         ty: T.let[T.int32] = T.truncdiv(tid, PF_TX)
-        find_entry(srch, q_indptr, B, vt)
+        # Entry b: the last one whose first virtual tile q_indptr[b] // TQ + b is <= vt.
+        find_tile_entry(srch, q_indptr, B, vt, tiles_before)
         b: T.let[T.int32] = srch[0]
         qlen: T.let[T.int32] = T.if_then_else(B > 0, q_indptr[T.min(b + 1, B)] - q_indptr[b], 0)
         tin: T.let[T.int32] = vt - (T.truncdiv(q_indptr[b], TQ) + b)

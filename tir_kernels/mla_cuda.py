@@ -58,7 +58,8 @@ from tvm.script import tirx as T
 from ..kernel_spec import forced as forced_path
 from ..ops import MLA_APPEND_KV, MLA_ATTN_DECODE_PAGED, MLA_ATTN_PREFILL_PAGED, MLA_GATHER_KV, shape_values
 from ._abi import abi_prim_func
-from ._common_cuda import ceildiv, decode_splits, make_merge_splits, opaque_i32, paged_kv_len, split_count, vec16
+from ._common_cuda import (ceildiv, decode_splits, find_tile_entry, make_merge_splits, opaque_i32, paged_kv_len,
+                           split_count, vec16)
 # The row tile's block layout (TY x TX threads, TK keys a tile, DC dims a step) and its stages.
 from ._mla_simt_stages import CS, DC, NT, TK, TY, RowTilePlan, make_row_tile
 
@@ -236,6 +237,9 @@ def mla_attn_prefill_paged_cuda(spec):
     R = TY * RI
     row_tile = make_row_tile(RowTilePlan(H, DL, DV, RI, dtype))
 
+    def tiles_before(q_indptr, b):
+        return T.truncdiv(q_indptr[b] * H, R)
+
     @T.macro
     def body(q, q_indptr, pages, page_indptr, page_values, last_page_len, o, lse, causal, sm_scale, dims):
         n, B, _p, ps, _nnz = dims
@@ -243,14 +247,7 @@ def mla_attn_prefill_paged_cuda(spec):
             for tid in T.thread_binding(NT, thread="threadIdx.x"):
                 srch = T.alloc_buffer((2,), "int32", scope="local")
                 # Entry b: the last one whose first virtual tile q_indptr[b] * H // R + b is <= vt.
-                srch[0] = 0
-                srch[1] = B
-                while srch[1] - srch[0] > 1:
-                    if T.truncdiv(q_indptr[T.truncdiv(srch[0] + srch[1], 2)] * H, R) + T.truncdiv(
-                            srch[0] + srch[1], 2) <= vt:
-                        srch[0] = T.truncdiv(srch[0] + srch[1], 2)
-                    else:
-                        srch[1] = T.truncdiv(srch[0] + srch[1], 2)
+                find_tile_entry(srch, q_indptr, B, vt, tiles_before)
                 b: T.let[T.int32] = srch[0]
                 qlen: T.let[T.int32] = T.if_then_else(B > 0, q_indptr[T.min(b + 1, B)] - q_indptr[b], 0)
                 tin: T.let[T.int32] = vt - (T.truncdiv(q_indptr[b] * H, R) + b)
