@@ -377,19 +377,20 @@ def make_tile(p: PrefillPlan):
     accumulate, store = make_accumulate(p), make_store(p)
 
     def tiles_before(q_indptr, b):
+        """Virtual tiles of the entries before ``b`` but their spare ones (``find_tile_entry``)."""
         return T.truncdiv(q_indptr[b], TQ)
 
     @T.macro
     def tile(bufs, vt, h, tid, q, q_indptr, q_pos, k_pos_offset, o, lse, kvb, B, causal, rope_scale, rope_theta,
              sm_scale):
-        Qt, KV, invf, srch, xr, vr, qv, kv, pv, vv, acc, Ol, m, lsum, lim, st = bufs
+        Qt, KV, invf, srch, xr, vr, qv, kv, pv, vv, acc, Ol, m, lsum, lim, st = bufs  # names only: no TIR
         tx: T.let[T.int32] = T.truncmod(tid, PF_TX)
         ty: T.let[T.int32] = T.truncdiv(tid, PF_TX)
         # Entry b: the last one whose first virtual tile q_indptr[b] // TQ + b is <= vt.
         find_tile_entry(srch, q_indptr, B, vt, tiles_before)
         b: T.let[T.int32] = srch[0]
         qlen: T.let[T.int32] = T.if_then_else(B > 0, q_indptr[T.min(b + 1, B)] - q_indptr[b], 0)
-        tin: T.let[T.int32] = vt - (T.truncdiv(q_indptr[b], TQ) + b)
+        tin: T.let[T.int32] = vt - (tiles_before(q_indptr, b) + b)
         active: T.let[T.bool] = tin >= 0 and tin < T.truncdiv(qlen + TQ - 1, TQ)
         # Last query tile first (it sees the most keys under causal).
         qt0: T.let[T.int32] = (T.truncdiv(qlen + TQ - 1, TQ) - 1 - tin) * TQ
@@ -434,6 +435,8 @@ def make_prefill_kernel(p: PrefillPlan):
         for vt in T.thread_binding(T.max(n // TQ + B, 1), thread="blockIdx.x"):
             for h in T.thread_binding(HKV, thread="blockIdx.y"):
                 for tid in T.thread_binding(PF_NT, thread="threadIdx.x"):
+                    # Every buffer here, where the tile's stages find them (a macro returns nothing, and one
+                    # allocated inside a stage would sit elsewhere in the TIR).
                     Qt = T.alloc_buffer((D, R), "float32", scope="shared")
                     KV = T.alloc_buffer((KVSZ,), "float32", scope="shared")
                     invf = T.alloc_buffer((HALF if ROPE else 1,), "float32", scope="shared" if ROPE else "local")

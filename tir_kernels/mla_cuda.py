@@ -238,6 +238,7 @@ def mla_attn_prefill_paged_cuda(spec):
     row_tile = make_row_tile(RowTilePlan(H, DL, DV, RI, dtype))
 
     def tiles_before(q_indptr, b):
+        """Virtual tiles of the entries before ``b`` but their spare ones (``find_tile_entry``)."""
         return T.truncdiv(q_indptr[b] * H, R)
 
     @T.macro
@@ -250,7 +251,7 @@ def mla_attn_prefill_paged_cuda(spec):
                 find_tile_entry(srch, q_indptr, B, vt, tiles_before)
                 b: T.let[T.int32] = srch[0]
                 qlen: T.let[T.int32] = T.if_then_else(B > 0, q_indptr[T.min(b + 1, B)] - q_indptr[b], 0)
-                tin: T.let[T.int32] = vt - (T.truncdiv(q_indptr[b] * H, R) + b)
+                tin: T.let[T.int32] = vt - (tiles_before(q_indptr, b) + b)
                 ntiles: T.let[T.int32] = T.truncdiv(qlen * H + R - 1, R)
                 active: T.let[T.bool] = tin >= 0 and tin < ntiles
                 # Last row tile first (it sees the most keys under causal).
