@@ -129,6 +129,21 @@ def paged_kv_len(page_indptr, last_page_len, b, ps):
     return T.if_then_else(npg > 0, (npg - 1) * ps + last_page_len[b], 0)
 
 
+@T.macro
+def find_tile_entry(srch, q_indptr, B, vt, tiles_before):
+    """``srch[0]`` = the entry of virtual tile ``vt`` in a grid where entry ``b`` owns the virtual tiles from
+    ``tiles_before(q_indptr, b) + b`` on (the prefill grids of the SIMT kernels: a tile per ``R`` rows of
+    ``q_indptr``'s tokens, one spare tile an entry): the last such ``b < B`` that starts at or below ``vt``
+    (binary search; 0 when ``B <= 1``). ``tiles_before`` is a Python function (parse time)."""
+    srch[0] = 0
+    srch[1] = B
+    while srch[1] - srch[0] > 1:
+        if tiles_before(q_indptr, T.truncdiv(srch[0] + srch[1], 2)) + T.truncdiv(srch[0] + srch[1], 2) <= vt:
+            srch[0] = T.truncdiv(srch[0] + srch[1], 2)
+        else:
+            srch[1] = T.truncdiv(srch[0] + srch[1], 2)
+
+
 def decode_splits(spec) -> int:
     """The forced split count of the CUDA decode kernels (MHA and MLA): path switch ``cuda_decode_splits``
     (``pagedkv.kernel_spec.SWITCHES``); 0 = automatic."""

@@ -63,7 +63,8 @@ Prefill (``attn_prefill_ragged`` / ``attn_prefill_paged``): one block per (query
   ``Kt``); row max / sum over the 16 ``tx`` lanes of a half warp with shuffles; online softmax per row
   in registers; P@V: the thread owns rows ``RI*ty ..`` x dims ``tx, tx+16, ...`` and takes
   ``P[row, key]`` from the lane that computed it (``__shfl_sync``), so P never goes to memory.
-* Per key tile: barrier, K tile, barrier, scores + softmax, barrier, V tile, barrier, P@V.
+* Per key tile: barrier, K tile, barrier, scores + softmax, barrier, V tile, barrier, P@V (the stages of
+  ``_prefill_simt_stages``, one macro factory each over the kernel's ``PrefillPlan``).
 * Tiles past the tile's causal limit are skipped; partial tiles load zeros past the entry's keys and
   masks hide them (``T.if_then_else`` on ``key < limit(row)``).
 * Grid: ``blockIdx.x`` = virtual tile ``v`` in ``[0, n // TQ + B)``; entry ``b`` owns virtual tiles

@@ -11,6 +11,8 @@ sees no key writes ``o = 0`` and ``lse = -1e30``. Keys at or past an entry's len
 
 Attention: one block of 128 threads per *row tile* (and key split)
 ------------------------------------------------------------------
+The row tile's stages, one macro factory each: ``_mla_simt_stages.py``; the grids below call its ``row_tile``.
+
 * A row tile is ``R = 16`` rows of one entry (8 for latents past 576 elements); entry row ``r`` is query
   token ``r // H``, head ``r % H``, so the heads of a token (and, for small ``H``, of consecutive tokens)
   share every latent row the block loads. A decode with ``H < 16`` leaves rows idle.
@@ -53,19 +55,12 @@ from tvm.script import tirx as T
 
 from ..kernel_table import choose
 from ..ops import MLA_APPEND_KV, MLA_ATTN_DECODE_PAGED, MLA_ATTN_PREFILL_PAGED, MLA_GATHER_KV, shape_values
-from ._common import EMPTY_LSE, LOG2E, MASKED
 from ._abi import abi_prim_func
-from ._common_cuda import (ceildiv, decode_splits, make_merge_splits, opaque_i32, paged_kv_len, shfl_xor, split_count,
-                           vec16)
+from ._common_cuda import (ceildiv, decode_splits, find_tile_entry, make_merge_splits, opaque_i32, paged_kv_len,
+                           split_count, vec16)
+# The row tile's block layout (TY x TX threads, TK keys a tile, DC dims a step) and its stages.
+from ._mla_simt_stages import CS, DC, NT, TK, TY, RowTilePlan, make_row_tile
 
-#: Threads per attention block: TY row groups x TX lanes (a half warp per row group).
-TY, TX = 8, 16
-NT = TY * TX
-#: Keys per key tile (one per lane of a row group).
-TK = TX
-#: Latent dims per pipeline step, and the row stride of a chunk buffer (float4-aligned, bank-spread).
-DC = 64
-CS = DC + 4
 #: Static shared memory limit of a block.
 SMEM_LIMIT = 48 * 1024
 #: Output accumulators per thread at most (``RI * NVC * 4``) before registers spill.
@@ -77,8 +72,6 @@ MIN_SPLIT_KEYS = 128
 MAX_SPLITS = 64
 #: Bytes of shared memory beyond the float32 arrays: the block-uniform ints and 64-byte alignment.
 SMEM_SLACK = 256
-#: Slots of the block-uniform scalars kept in shared memory by the attention row tile.
-B_TOKB, B_ROW0, B_NROWS, B_K0, B_K1, B_SHIFT, B_KEND, B_NTILES, B_PBASE, B_SIZE = range(10)
 #: Threads per block of the page kernels and of the split merge.
 PAGE_NT = 256
 MERGE_NT = 128
@@ -192,252 +185,6 @@ def _page_vec(latent_dim: int, dtype: str) -> int:
 
 
 # ---------------------------------------------------------------------------------------------------
-# attention: the row-tile body shared by prefill and decode
-# ---------------------------------------------------------------------------------------------------
-def _make_row_tile(H: int, DL: int, DV: int, RI: int, dtype: str):
-    """The ``row_tile`` macro: ``RI * 8`` rows of one entry over one key range (module docstring)."""
-    R = TY * RI
-    VEC = vec16(dtype)  # divides DL and DV (both multiples of 16)
-    CPR = DC // VEC  # 16-byte vectors per chunk row
-    NU = TK * CPR // NT  # vectors per thread per step
-    NKC, NVC = ceildiv(DL, DC), ceildiv(DV, DC)
-    NS = NKC + NVC
-    QW = NKC * DC
-    QS = QW + 4
-    CQ = QW // VEC
-
-    @T.macro
-    def load_step(Xr, Xok, kt, j, pages, page_values, pbase, ps, k0, kend, tid):
-        """Registers ``Xr[u, :]`` = the ``VEC`` dims that thread ``tid`` stages for step ``j`` (static once
-        unrolled) of key tile ``kt``: chunk ``j`` of the keys (``j < NKC``) or chunk ``j - NKC`` of the
-        values, of latent row ``jr`` (key ``k0 + kt*TK + jr``). ``Xok[u] = 0`` marks keys at or past ``kend``
-        and dims past the part, which ``store_step`` turns into zeros. Their load is clamped to the last
-        visible key (valid memory, never past the entry; ``kend > k0`` whenever a step runs) instead of
-        branched around (fewer divergent branches, fewer registers)."""
-        for u in T.unroll(NU):
-            key: T.let[T.int32] = k0 + kt * TK + T.truncdiv(u * NT + tid, CPR)
-            d0: T.let[T.int32] = (T.if_then_else(j < NKC, j, j - NKC) * DC
-                                  + T.truncmod(u * NT + tid, CPR) * VEC)
-            Xok[u] = T.if_then_else(key < kend and d0 < T.if_then_else(j < NKC, DL, DV), 1, 0)
-            for e in T.vectorized(VEC):
-                Xr[u, e] = pages[page_values[pbase + T.truncdiv(T.min(key, kend - 1), ps)], 0, 0,
-                                 T.truncmod(T.min(key, kend - 1), ps), T.min(d0, DL - VEC) + e]
-
-    @T.macro
-    def store_step(Cb, Xr, Xok, tid):
-        """``Cb[j, :]`` (row-major, stride ``CS``) = the staged registers as float32, 0 where ``Xok`` is 0
-        (a select, so whatever the clamped load read never reaches the accumulation).
-
-        fp16 is converted element by element first: a vectorized cast makes TVM's CUDA codegen bind
-        ``half4 v_ = *(half4*)(Xr + 0)`` once and reuse it in a later step, after Xr was reloaded.
-        """
-        Xf = T.alloc_buffer((VEC,), "float32", scope="local")
-        for u in T.unroll(NU):
-            for e in T.unroll(VEC):
-                Xf[e] = T.if_then_else(Xok[u] != 0, T.Cast("float32", Xr[u, e]), T.float32(0))
-            for h in T.unroll(VEC // 4):
-                for e in T.vectorized(4):
-                    Cb[T.truncdiv(u * NT + tid, CPR) * CS + T.truncmod(u * NT + tid, CPR) * VEC
-                       + h * 4 + e] = Xf[h * 4 + e]
-
-    @T.macro
-    def load_q(Qs, q, tokb, row0, nrows, scale, tid):
-        """``Qs[r, d] = q[token, head, d] * scale`` for the tile's rows; 0 for padding rows and dims."""
-        xr = T.alloc_buffer((VEC,), dtype, scope="local")
-        for it in T.serial(ceildiv(R * CQ, NT)):
-            if it * NT + tid < R * CQ:
-                r: T.let[T.int32] = T.truncmod(it * NT + tid, R)
-                cc: T.let[T.int32] = T.truncdiv(it * NT + tid, R)
-                if r < nrows and cc * VEC < DL:
-                    for e in T.unroll(VEC):
-                        xr[e] = q[tokb + T.truncdiv(row0 + r, H), T.truncmod(row0 + r, H), cc * VEC + e]
-                    for e in T.unroll(VEC):
-                        Qs[r * QS + cc * VEC + e] = T.Cast("float32", xr[e]) * scale
-                else:
-                    for e in T.unroll(VEC):
-                        Qs[r * QS + cc * VEC + e] = T.float32(0)
-
-    @T.macro
-    def score_chunk(acc, Qs, Cb, c, ty, tx):
-        """``acc[i] += q[row RI*ty + i] . k[key tx]`` over dims ``c*DC ..`` (float4 shared reads)."""
-        qv = T.alloc_buffer((4,), "float32", scope="local")
-        kv = T.alloc_buffer((4,), "float32", scope="local")
-        for d4 in T.serial(DC // 4):
-            for e in T.vectorized(4):
-                kv[e] = Cb[tx * CS + d4 * 4 + e]
-            for i in T.unroll(RI):
-                for e in T.vectorized(4):
-                    qv[e] = Qs[(ty * RI + i) * QS + c * DC + d4 * 4 + e]
-                for e in T.unroll(4):
-                    acc[i] = acc[i] + qv[e] * kv[e]
-
-    @T.macro
-    def online_softmax(acc, m, lsum, Ol, Ps, blk, key, ty, tx):
-        """Mask key ``key`` (this lane's) per row, update the row state, rescale O and publish the tile's
-        probabilities: ``Ps[r, tx]`` = P of row ``r``, key ``tx`` (read by the value chunks after the next
-        barrier; shared memory instead of a register copy per lane keeps the register count down)."""
-        st = T.alloc_buffer((3,), "float32", scope="local")
-        for i in T.unroll(RI):
-            # Keys row r sees: [k0, min(k1, shift + token)) (bottom-right causal); none for padding rows.
-            lim: T.let[T.int32] = T.if_then_else(
-                ty * RI + i < blk[B_NROWS],
-                T.min(blk[B_K1], blk[B_SHIFT] + T.truncdiv(blk[B_ROW0] + ty * RI + i, H)), 0)
-            st[0] = T.if_then_else(key < lim, acc[i], T.float32(MASKED))
-            st[1] = T.max(st[0], m[i])
-            for sh in T.unroll(4):
-                st[1] = T.max(st[1], shfl_xor(st[1], T.shift_right(8, sh)))
-            # Same new max in all 16 lanes, so the per-lane partial sums stay consistently scaled.
-            st[2] = T.exp2(m[i] - st[1])
-            m[i] = st[1]
-            st[0] = T.exp2(st[0] - st[1])
-            lsum[i] = lsum[i] * st[2] + st[0]
-            for c in T.unroll(NVC * 4):
-                Ol[i, c] = Ol[i, c] * st[2]
-            Ps[(ty * RI + i) * TK + tx] = st[0]
-
-    @T.macro
-    def value_chunk(Ol, Ps, Cb, vc, ty, tx):
-        """``O[i, vc*DC + tx + 16 c4] += sum_k P[i, k] * V[k, ...]`` for one (static) value chunk; P is
-        read 4 keys at a time (float4, the same address for the 16 lanes of a row group: a broadcast)."""
-        vv = T.alloc_buffer((4,), "float32", scope="local")
-        pv = T.alloc_buffer((RI, 4), "float32", scope="local")
-        for k4 in T.unroll(TK // 4):
-            for i in T.unroll(RI):
-                for e in T.vectorized(4):
-                    pv[i, e] = Ps[(ty * RI + i) * TK + k4 * 4 + e]
-            for kk in T.unroll(4):
-                for c4 in T.unroll(4):
-                    vv[c4] = Cb[(k4 * 4 + kk) * CS + c4 * TX + tx]
-                for i in T.unroll(RI):
-                    for c4 in T.unroll(4):
-                        Ol[i, vc * 4 + c4] = Ol[i, vc * 4 + c4] + pv[i, kk] * vv[c4]
-
-    @T.macro
-    def step(Cb, kt, j, ntiles, blk, Xr, Xok, acc, m, lsum, Ol, Ps, Qs, pages, page_values, ps, tid, ty, tx):
-        """Step ``j`` (an unrolled index) of key tile ``kt``: stage the registers into ``Cb``, barrier,
-        issue the loads of the next step (the next tile's first at ``j = NS - 1``), then compute step
-        ``j`` from ``Cb``: a score chunk (and, after the last, the online softmax) or a value chunk."""
-        store_step(Cb, Xr, Xok, tid)
-        T.tvm_storage_sync("shared")
-        # The next step's global loads are in flight while this step computes.
-        if j + 1 < NS:
-            load_step(Xr, Xok, kt, j + 1, pages, page_values, blk[B_PBASE], ps, blk[B_K0], blk[B_KEND], tid)
-        elif kt + 1 < ntiles:
-            load_step(Xr, Xok, kt + 1, 0, pages, page_values, blk[B_PBASE], ps, blk[B_K0], blk[B_KEND], tid)
-        if j < NKC:
-            if j == 0:
-                for i in T.unroll(RI):
-                    acc[i] = T.float32(0)
-            score_chunk(acc, Qs, Cb, j, ty, tx)
-            if j == NKC - 1:
-                online_softmax(acc, m, lsum, Ol, Ps, blk, blk[B_K0] + kt * TK + tx, ty, tx)
-        else:
-            value_chunk(Ol, Ps, Cb, j - NKC, ty, tx)
-
-    @T.macro
-    def write_rows(o, lse, ws_o, ws_l, Ol, m, lsum, blk, S, sp, ty, tx):
-        """Store the tile's rows: ``o``/``lse`` (``S == 1``) or the split's partial state in the workspace
-        (row ``(token * H + head) * S + sp``); ``o = 0``, ``lse = -1e30`` for a row that saw no key."""
-        tokb: T.let[T.int32] = blk[B_TOKB]
-        row0: T.let[T.int32] = blk[B_ROW0]
-        nrows: T.let[T.int32] = blk[B_NROWS]
-        for i in T.unroll(RI):
-            for sh in T.unroll(4):
-                lsum[i] = lsum[i] + shfl_xor(lsum[i], T.shift_right(8, sh))
-        for i in T.unroll(RI):
-            if ty * RI + i < nrows:
-                tok: T.let[T.int32] = tokb + T.truncdiv(row0 + ty * RI + i, H)
-                hd: T.let[T.int32] = T.truncmod(row0 + ty * RI + i, H)
-                # lsum >= 1 once any key was seen (its max contributes 2^0); else 0.
-                rl: T.let[T.float32] = T.if_then_else(lsum[i] > T.float32(0), T.float32(1) / lsum[i],
-                                                      T.float32(0))
-                ls: T.let[T.float32] = T.if_then_else(lsum[i] > T.float32(0), m[i] + T.log2(lsum[i]),
-                                                      T.float32(EMPTY_LSE))
-                # One branch per row (not per element); the dim guard folds once c is unrolled (DV % 16 == 0).
-                if S == 1:
-                    for c in T.unroll(NVC * 4):
-                        if T.truncdiv(c, 4) * DC + T.truncmod(c, 4) * TX < DV:
-                            o[tok, hd, T.truncdiv(c, 4) * DC + T.truncmod(c, 4) * TX + tx] = T.Cast(
-                                dtype, Ol[i, c] * rl)
-                    if tx == 0:
-                        lse[tok, hd] = ls
-                else:
-                    for c in T.unroll(NVC * 4):
-                        if T.truncdiv(c, 4) * DC + T.truncmod(c, 4) * TX < DV:
-                            ws_o[(tok * H + hd) * S + sp, T.truncdiv(c, 4) * DC + T.truncmod(c, 4) * TX + tx] = \
-                                Ol[i, c] * rl
-                    if tx == 0:
-                        ws_l[(tok * H + hd) * S + sp] = ls
-
-    @T.macro
-    def row_tile(q, o, lse, ws_o, ws_l, pages, page_values, pbase, ps, tokb, row0, nrows, qlen, kvlen,
-                 causal, k0, k1, S, sp, sm_scale, tid):
-        """Rows ``row0 .. row0 + nrows`` of an entry (row ``r``: token ``tokb + r // H``, head ``r % H``)
-        over its keys ``[k0, k1)``; ``nrows = 0`` idles (zero-trip loops, no memory access). No branch
-        around a barrier depends on the thread."""
-        Qs = T.alloc_buffer((R * QS,), "float32", scope="shared")
-        Cb0 = T.alloc_buffer((TK * CS,), "float32", scope="shared")
-        Cb1 = T.alloc_buffer((TK * CS,), "float32", scope="shared")
-        Ps = T.alloc_buffer((R * TK,), "float32", scope="shared")
-        blk = T.alloc_buffer((B_SIZE,), "int32", scope="shared")
-        Xr = T.alloc_buffer((NU, VEC), dtype, scope="local")
-        Xok = T.alloc_buffer((NU,), "int32", scope="local")
-        acc = T.alloc_buffer((RI,), "float32", scope="local")
-        m = T.alloc_buffer((RI,), "float32", scope="local")
-        lsum = T.alloc_buffer((RI,), "float32", scope="local")
-        Ol = T.alloc_buffer((RI, NVC * 4), "float32", scope="local")
-        ty: T.let[T.int32] = T.truncdiv(tid, TX)
-        tx: T.let[T.int32] = T.truncmod(tid, TX)
-        for i in T.unroll(RI):
-            m[i] = T.float32(EMPTY_LSE)
-            lsum[i] = T.float32(0)
-            for c in T.unroll(NVC * 4):
-                Ol[i, c] = T.float32(0)
-        # Block-uniform scalars go through shared memory, written by thread 0 and re-read after each
-        # barrier, so they hold no registers across the key loop (with every thread writing, nvcc
-        # forwards its own store and keeps the values live: spills at 128 registers).
-        # Row r sees keys [k0, min(k1, shift + token)), token = (row0 + r) // H; kend: the last key
-        # the tile's last row sees.
-        kend: T.let[T.int32] = T.if_then_else(nrows > 0, T.min(k1, T.if_then_else(
-            causal != 0, kvlen - qlen + T.truncdiv(row0 + nrows - 1, H) + 1, kvlen)), k0)
-        if tid == 0:
-            blk[B_TOKB] = tokb
-            blk[B_K1] = k1
-            blk[B_SHIFT] = T.if_then_else(causal != 0, kvlen - qlen + 1, 1 << 30)
-            blk[B_ROW0] = row0
-            blk[B_NROWS] = nrows
-            blk[B_K0] = k0
-            blk[B_KEND] = kend
-            blk[B_NTILES] = T.truncdiv(T.max(kend - k0, 0) + TK - 1, TK)
-            blk[B_PBASE] = pbase
-        T.tvm_storage_sync("shared")
-        ntiles: T.let[T.int32] = blk[B_NTILES]
-        tokb_s: T.let[T.int32] = blk[B_TOKB]
-        row0_s: T.let[T.int32] = blk[B_ROW0]
-        nrows_s: T.let[T.int32] = blk[B_NROWS]
-        load_q(Qs, q, tokb_s, row0_s, nrows_s, sm_scale * T.float32(LOG2E), tid)
-        if ntiles > 0:
-            load_step(Xr, Xok, 0, 0, pages, page_values, blk[B_PBASE], ps, blk[B_K0], blk[B_KEND], tid)
-        for kt in T.serial(ntiles):
-            # Consecutive steps alternate the chunk buffers, so one barrier per step suffices: a buffer
-            # written in step j was last read in step j - 2, which every thread finished before the
-            # barrier of step j - 1.
-            for jj in T.unroll(NS // 2):
-                step(Cb0, kt, 2 * jj, ntiles, blk, Xr, Xok, acc, m, lsum, Ol, Ps, Qs, pages, page_values, ps,
-                     tid, ty, tx)
-                step(Cb1, kt, 2 * jj + 1, ntiles, blk, Xr, Xok, acc, m, lsum, Ol, Ps, Qs, pages, page_values,
-                     ps, tid, ty, tx)
-            if NS % 2 == 1:
-                step(Cb0, kt, NS - 1, ntiles, blk, Xr, Xok, acc, m, lsum, Ol, Ps, Qs, pages, page_values, ps,
-                     tid, ty, tx)
-                # The next tile starts with Cb0 again: everyone must be done with this last step.
-                T.tvm_storage_sync("shared")
-        write_rows(o, lse, ws_o, ws_l, Ol, m, lsum, blk, S, sp, ty, tx)
-
-    return row_tile
-
-
-# ---------------------------------------------------------------------------------------------------
 # attention entry points
 # ---------------------------------------------------------------------------------------------------
 #: The path switch of the paged MLA prefill's kernel (``pagedkv.kernel_spec.SWITCHES``).
@@ -466,7 +213,11 @@ def mla_attn_prefill_paged_cuda(spec):
     H, DV, DL, dtype = spec.num_qo_heads, spec.kv_lora_rank, spec.latent_dim, spec.dtype
     RI = rows_per_thread(MLA_ATTN_PREFILL_PAGED, spec.kv_lora_rank, spec.qk_rope_head_dim)
     R = TY * RI
-    row_tile = _make_row_tile(H, DL, DV, RI, dtype)
+    row_tile = make_row_tile(RowTilePlan(H, DL, DV, RI, dtype))
+
+    def tiles_before(q_indptr, b):
+        """Virtual tiles of the entries before ``b`` but their spare ones (``find_tile_entry``)."""
+        return T.truncdiv(q_indptr[b] * H, R)
 
     @T.macro
     def body(q, q_indptr, pages, page_indptr, page_values, last_page_len, o, lse, causal, sm_scale, dims):
@@ -475,17 +226,10 @@ def mla_attn_prefill_paged_cuda(spec):
             for tid in T.thread_binding(NT, thread="threadIdx.x"):
                 srch = T.alloc_buffer((2,), "int32", scope="local")
                 # Entry b: the last one whose first virtual tile q_indptr[b] * H // R + b is <= vt.
-                srch[0] = 0
-                srch[1] = B
-                while srch[1] - srch[0] > 1:
-                    if T.truncdiv(q_indptr[T.truncdiv(srch[0] + srch[1], 2)] * H, R) + T.truncdiv(
-                            srch[0] + srch[1], 2) <= vt:
-                        srch[0] = T.truncdiv(srch[0] + srch[1], 2)
-                    else:
-                        srch[1] = T.truncdiv(srch[0] + srch[1], 2)
+                find_tile_entry(srch, q_indptr, B, vt, tiles_before)
                 b: T.let[T.int32] = srch[0]
                 qlen: T.let[T.int32] = T.if_then_else(B > 0, q_indptr[T.min(b + 1, B)] - q_indptr[b], 0)
-                tin: T.let[T.int32] = vt - (T.truncdiv(q_indptr[b] * H, R) + b)
+                tin: T.let[T.int32] = vt - (tiles_before(q_indptr, b) + b)
                 ntiles: T.let[T.int32] = T.truncdiv(qlen * H + R - 1, R)
                 active: T.let[T.bool] = tin >= 0 and tin < ntiles
                 # Last row tile first (it sees the most keys under causal).
@@ -521,7 +265,7 @@ def mla_attn_decode_paged_cuda(spec):
     RI = rows_per_thread(MLA_ATTN_DECODE_PAGED, spec.kv_lora_rank, spec.qk_rope_head_dim)
     R = TY * RI
     NRT = ceildiv(H, R)
-    row_tile = _make_row_tile(H, DL, DV, RI, dtype)
+    row_tile = make_row_tile(RowTilePlan(H, DL, DV, RI, dtype))
 
     merge_splits = make_merge_splits(H, DV, MERGE_NT, dtype)
 
