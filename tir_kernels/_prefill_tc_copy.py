@@ -34,6 +34,7 @@ from tvm.script import tirx as T
 
 from ._common_cuda import paged_kv_len
 from ._mma_cuda import aligned16, cp_async16, cp_async_commit
+from ._prefill_tc_params import TcParams
 
 #: Slot of the tile info ``ti`` (``attention_cuda_prefill_tc``'s ``locate``) holding the entry's first K / V row
 #: (ragged) or first page slot (paged); paged, the next ones hold ``KSTEP // ps``, ``KSTEP % ps`` and the
@@ -83,74 +84,100 @@ class KvCopies(NamedTuple):
     issue_kv: object
 
 
-def make_kv_copies(*, tk: int, threads: int, dims: tuple[int, int], dtype: str, paged: bool,
-                   store_index) -> KvCopies:
-    """The copies of K / V tiles of ``tk`` keys by ``threads`` threads; ``dims`` = (qk, v) head dims;
-    ``store_index(key, dim, c01)`` = element of (key, dim) in a stage's K (``c01`` 0) or V (1) tile."""
-    chunks = (_Chunks(tk, dims[0], threads, 8), _Chunks(tk, dims[1], threads, 8))
-    for ch in chunks:
-        if not ch.uniform:
-            raise NotImplementedError(f"pagedkv.tir_kernels: {threads} threads do not split {tk}-key tiles into "
-                                      f"16-byte chunks a fixed key step apart")
-    if paged:
-        if dims[0] != dims[1]:
-            raise NotImplementedError("pagedkv.tir_kernels: paged K and V tiles have the same head dim")
-        ahead = chunks[0].count <= PAGE_LOOKAHEAD_MAX and dims[0] >= PAGE_LOOKAHEAD_MIN_DIM
-        ti_slots = TI_PAGE0 + (chunks[0].count if ahead else 0)
+class _Source(NamedTuple):
+    """Where the K / V rows of an entry are (``_paged_source``, ``_ragged_source``): ``ti_slots``, ``kv_len``
+    (as ``KvCopies``), ``elem(kvb, c01, ti, key, h, d)`` (the element of key ``key`` of the entry),
+    ``tile_elem(kvb, c01, ti, kt, it, tid, h)`` (the first element of the thread's chunk ``it`` of tile kt) and,
+    paged, the cursor's macros ``cursor(ti, kvb, kt, tid)``, ``advance(ti, kvb)`` and ``look_ahead(ti, kvb, kt,
+    tid)`` with ``ahead`` (pages looked up a tile ahead); None / False ragged."""
 
-        def kv_len(kvb, b):
-            return paged_kv_len(kvb[2], kvb[4], b, kvb[3])
+    ti_slots: int
+    kv_len: object
+    elem: object
+    tile_elem: object
+    cursor: object = None
+    advance: object = None
+    look_ahead: object = None
+    ahead: bool = False
 
-        @T.macro
-        def cursor(ti, kvb, kt, tid):
-            """Page slot (past the entry's first) and offset of the thread's chunk 0 of tile ``kt``."""
-            ti[TI_KV0 + 3] = T.truncdiv(kt * tk + chunks[0].at(tid)[0], kvb[3])
-            ti[TI_KV0 + 4] = T.truncmod(kt * tk + chunks[0].at(tid)[0], kvb[3])
 
-        @T.macro
-        def advance(ti, kvb):
-            """The cursor ``kstep`` keys on (to the thread's next chunk): no division."""
-            ti[TI_KV0 + 4] = ti[TI_KV0 + 4] + ti[TI_KV0 + 2]
-            ti[TI_KV0 + 3] = ti[TI_KV0 + 3] + ti[TI_KV0 + 1]
-            if ti[TI_KV0 + 4] >= kvb[3]:
-                ti[TI_KV0 + 4] = ti[TI_KV0 + 4] - kvb[3]
-                ti[TI_KV0 + 3] = ti[TI_KV0 + 3] + 1
+def _paged_cursor(p: TcParams, ch: _Chunks):
+    """The paged cursor of the thread's chunks: ``cursor(ti, kvb, kt, tid)`` (page slot past the entry's first
+    and offset of its chunk 0 of tile ``kt``: one division by ``ps``) and ``advance(ti, kvb)`` (``kstep`` keys on,
+    to its next chunk: no division)."""
+    tk = p.tk
 
-        def elem(kvb, c01, ti, key, h, d):
-            """Element (``key`` of the entry, head h, dim d) through the page table."""
-            return kvb[0][kvb[1][ti[TI_KV0] + T.truncdiv(key, kvb[3])], c01, h, T.truncmod(key, kvb[3]), d]
+    @T.macro
+    def cursor(ti, kvb, kt, tid):
+        ti[TI_KV0 + 3] = T.truncdiv(kt * tk + ch.at(tid)[0], kvb[3])
+        ti[TI_KV0 + 4] = T.truncmod(kt * tk + ch.at(tid)[0], kvb[3])
 
-        @T.macro
-        def look_ahead(ti, kvb, kt, tid):
-            """The pages of the thread's chunks of tile ``kt`` into ``ti[TI_PAGE0 + it]`` (none for keys at or past
-            the entry's: its page slots end there). Run when the tile before is issued (and by ``prepare`` for
-            the first): the loads' latency passes during a tile, not between the block barrier and the warp's
-            GEMMs, where the copies of a tile would otherwise wait for them."""
-            cursor(ti, kvb, kt, tid)
-            for it in T.unroll(chunks[0].count):
-                if kt * tk + chunks[0].at(tid)[0] + it * chunks[0].kstep < ti[5]:
-                    ti[TI_PAGE0 + it] = kvb[1][ti[TI_KV0] + ti[TI_KV0 + 3]]
-                advance(ti, kvb)
+    @T.macro
+    def advance(ti, kvb):
+        ti[TI_KV0 + 4] = ti[TI_KV0 + 4] + ti[TI_KV0 + 2]
+        ti[TI_KV0 + 3] = ti[TI_KV0 + 3] + ti[TI_KV0 + 1]
+        if ti[TI_KV0 + 4] >= kvb[3]:
+            ti[TI_KV0 + 4] = ti[TI_KV0 + 4] - kvb[3]
+            ti[TI_KV0 + 3] = ti[TI_KV0 + 3] + 1
 
-        def tile_elem(kvb, c01, ti, kt, it, tid, h):
-            """First element of the thread's chunk ``it`` at the cursor (``cursor`` / ``advance``), its page looked
-            up ahead (``look_ahead``) or now."""
-            page = ti[TI_PAGE0 + it] if ahead else kvb[1][ti[TI_KV0] + ti[TI_KV0 + 3]]
-            return kvb[0][page, c01, h, ti[TI_KV0 + 4], chunks[c01].at(tid)[1]]
-    else:
-        ti_slots = TI_KV0 + 1
-        cursor = advance = look_ahead = None
-        ahead = False
+    return cursor, advance
 
-        def kv_len(kvb, b):
-            return kvb[2][b + 1] - kvb[2][b]
 
-        def elem(kvb, c01, ti, key, h, d):
-            return (kvb[0] if c01 == 0 else kvb[1])[ti[TI_KV0] + key, h, d]
+def _paged_source(p: TcParams, chunks) -> _Source:
+    """K / V through the page table (``kvb`` = (pages, page_values, page_indptr, ps, last_page_len, ...))."""
+    if p.d != p.dv:
+        raise NotImplementedError("pagedkv.tir_kernels: paged K and V tiles have the same head dim")
+    tk, ch = p.tk, chunks[0]
+    ahead = ch.count <= PAGE_LOOKAHEAD_MAX and p.d >= PAGE_LOOKAHEAD_MIN_DIM
+    cursor, advance = _paged_cursor(p, ch)
 
-        def tile_elem(kvb, c01, ti, kt, it, tid, h):
-            ch = chunks[c01]
-            return elem(kvb, c01, ti, kt * tk + ch.at(tid)[0] + it * ch.kstep, h, ch.at(tid)[1])
+    def kv_len(kvb, b):
+        return paged_kv_len(kvb[2], kvb[4], b, kvb[3])
+
+    def elem(kvb, c01, ti, key, h, d):
+        return kvb[0][kvb[1][ti[TI_KV0] + T.truncdiv(key, kvb[3])], c01, h, T.truncmod(key, kvb[3]), d]
+
+    @T.macro
+    def look_ahead(ti, kvb, kt, tid):
+        """The pages of the thread's chunks of tile ``kt`` into ``ti[TI_PAGE0 + it]`` (none for keys at or past
+        the entry's: its page slots end there). Run when the tile before is issued (and by ``prepare`` for the
+        first): the loads' latency passes during a tile, not between the block barrier and the warp's GEMMs,
+        where the copies of a tile would otherwise wait for them."""
+        cursor(ti, kvb, kt, tid)
+        for it in T.unroll(ch.count):
+            if kt * tk + ch.at(tid)[0] + it * ch.kstep < ti[5]:
+                ti[TI_PAGE0 + it] = kvb[1][ti[TI_KV0] + ti[TI_KV0 + 3]]
+            advance(ti, kvb)
+
+    def tile_elem(kvb, c01, ti, kt, it, tid, h):
+        """At the cursor (``cursor`` / ``advance``), its page looked up ahead (``look_ahead``) or now."""
+        page = ti[TI_PAGE0 + it] if ahead else kvb[1][ti[TI_KV0] + ti[TI_KV0 + 3]]
+        return kvb[0][page, c01, h, ti[TI_KV0 + 4], chunks[c01].at(tid)[1]]
+
+    return _Source(TI_PAGE0 + (ch.count if ahead else 0), kv_len, elem, tile_elem, cursor, advance, look_ahead,
+                   ahead)
+
+
+def _ragged_source(p: TcParams, chunks) -> _Source:
+    """K / V as ragged views (``kvb`` = (k, v, kv_indptr, ...)): an entry's rows from ``kv_indptr[b]`` on."""
+    tk = p.tk
+
+    def kv_len(kvb, b):
+        return kvb[2][b + 1] - kvb[2][b]
+
+    def elem(kvb, c01, ti, key, h, d):
+        return (kvb[0] if c01 == 0 else kvb[1])[ti[TI_KV0] + key, h, d]
+
+    def tile_elem(kvb, c01, ti, kt, it, tid, h):
+        ch = chunks[c01]
+        return elem(kvb, c01, ti, kt * tk + ch.at(tid)[0] + it * ch.kstep, h, ch.at(tid)[1])
+
+    return _Source(TI_KV0 + 1, kv_len, elem, tile_elem)
+
+
+def _prepare(p: TcParams, chunks, src: _Source):
+    """``prepare(ti, kvb, tid, cursor)`` (``KvCopies``)."""
+    paged, ahead, look_ahead = p.paged, src.ahead, src.look_ahead
 
     @T.macro
     def prepare(ti, kvb, tid, cursor):
@@ -161,96 +188,113 @@ def make_kv_copies(*, tk: int, threads: int, dims: tuple[int, int], dtype: str, 
             if ahead:
                 look_ahead(ti, kvb, ti[7], tid)  # the first tile's pages
 
-    def aligned(kvb):
-        """16-byte global loads are safe: pages always (no element offset, rows of D elements, an allocation's
-        base), ragged k / v when their first elements' addresses are (rows of ``Hkv * D`` elements keep it;
-        the test is on the address, as a view may put its offset in the pointer or in ``elem_offset``)."""
-        if paged:
-            return True
-        return T.And(aligned16(T.address_of(kvb[0][0, 0, 0])) == 1, aligned16(T.address_of(kvb[1][0, 0, 0])) == 1)
+    return prepare
 
+
+def _vec_loader(p: TcParams, chunks, src: _Source, ops: tuple[int, ...]):
+    """16-byte ``cp.async`` copies of tile ``kt`` of K (``ops`` (0,)), V ((1,)) or both ((0, 1): chunks at the
+    same keys), ``bases`` = their first elements in ``dst``; completed by the caller's wait (+ barrier). Every
+    chunk of a thread unrolled: all in flight at once. A tile whose keys are all below the block's bound copies
+    without a per-chunk test; the last one writes zeros past the keys any row sees."""
+    tk, paged, dtype, store_index, ch = p.tk, p.paged, p.dtype, p.store_index, chunks[ops[0]]
+    tile_elem, cursor, advance, look_ahead = src.tile_elem, src.cursor, src.advance, src.look_ahead
+    last_copies = src.ahead and ops[-1] == 1  # the tile's last copies (V, or K and V): the next tile's pages
+
+    @T.macro
+    def copy(dst, bases, kvb, ti, kt, h, tid, it):
+        T.evaluate(cp_async16(
+            T.address_of(dst[bases[0] + store_index(ch.at(tid)[0] + it * ch.kstep, ch.at(tid)[1], ops[0])]),
+            T.address_of(tile_elem(kvb, ops[0], ti, kt, it, tid, h))))
+        if len(ops) == 2:
+            T.evaluate(cp_async16(
+                T.address_of(dst[bases[1] + store_index(ch.at(tid)[0] + it * ch.kstep, chunks[1].at(tid)[1], 1)]),
+                T.address_of(tile_elem(kvb, 1, ti, kt, it, tid, h))))
+
+    @T.macro
+    def zero(dst, bases, tid, it):
+        for e in T.vectorized(8):
+            dst[bases[0] + store_index(ch.at(tid)[0] + it * ch.kstep, ch.at(tid)[1] + e, ops[0])] = \
+                T.Cast(dtype, T.float32(0))
+        if len(ops) == 2:
+            for e in T.vectorized(8):
+                dst[bases[1] + store_index(ch.at(tid)[0] + it * ch.kstep, chunks[1].at(tid)[1] + e, 1)] = \
+                    T.Cast(dtype, T.float32(0))
+
+    @T.macro
+    def load(dst, bases, kvb, ti, kt, h, tid):
+        if paged:
+            cursor(ti, kvb, kt, tid)
+        if (kt + 1) * tk <= ti[6]:
+            for it in T.unroll(ch.count):
+                copy(dst, bases, kvb, ti, kt, h, tid, it)
+                if paged:
+                    advance(ti, kvb)
+        else:
+            for it in T.unroll(ch.count):
+                if kt * tk + ch.at(tid)[0] + it * ch.kstep < ti[6]:
+                    copy(dst, bases, kvb, ti, kt, h, tid, it)
+                else:
+                    zero(dst, bases, tid, it)
+                if paged:
+                    advance(ti, kvb)
+        if last_copies:
+            look_ahead(ti, kvb, kt + 1, tid)
+
+    return load
+
+
+def _elem_loader(p: TcParams, src: _Source, c01: int, dim: int):
+    """Element loads through registers (ragged views not 16-byte aligned), 8 in flight a thread (all of them
+    unrolled would hold 64 registers), zeros past the keys any row sees."""
+    tk, threads, dtype, store_index, elem = p.tk, p.nt, p.dtype, p.store_index, src.elem
+    ch = _Chunks(tk, dim, threads, 1)
+
+    @T.macro
+    def load(dst, base, kvb, ti, kt, h, tid):
+        for it0 in T.serial(ch.count // 8):
+            for it1 in T.unroll(8):
+                if kt * tk + ch.at((it0 * 8 + it1) * threads + tid)[0] < ti[6]:
+                    dst[base + store_index(ch.at((it0 * 8 + it1) * threads + tid)[0],
+                                           ch.at((it0 * 8 + it1) * threads + tid)[1], c01)] = \
+                        elem(kvb, c01, ti, kt * tk + ch.at((it0 * 8 + it1) * threads + tid)[0], h,
+                             ch.at((it0 * 8 + it1) * threads + tid)[1])
+                else:
+                    dst[base + store_index(ch.at((it0 * 8 + it1) * threads + tid)[0],
+                                           ch.at((it0 * 8 + it1) * threads + tid)[1], c01)] = \
+                        T.Cast(dtype, T.float32(0))
+
+    return load
+
+
+def _aligned(p: TcParams, kvb):
+    """16-byte global loads are safe: pages always (no element offset, rows of D elements, an allocation's
+    base), ragged k / v when their first elements' addresses are (rows of ``Hkv * D`` elements keep it; the
+    test is on the address, as a view may put its offset in the pointer or in ``elem_offset``)."""
+    if p.paged:
+        return True
+    return T.And(aligned16(T.address_of(kvb[0][0, 0, 0])) == 1, aligned16(T.address_of(kvb[1][0, 0, 0])) == 1)
+
+
+def make_kv_copies(p: TcParams) -> KvCopies:
+    """The copies of the K / V tiles of kernel ``p`` (``tk`` keys by its threads, row-major:
+    ``TcParams.store_index``)."""
+    threads, dims = p.nt, (p.d, p.dv)
+    chunks = (_Chunks(p.tk, dims[0], threads, 8), _Chunks(p.tk, dims[1], threads, 8))
+    if not all(ch.uniform for ch in chunks):
+        raise NotImplementedError(f"pagedkv.tir_kernels: {threads} threads do not split {p.tk}-key tiles into "
+                                  f"16-byte chunks a fixed key step apart")
+    src = (_paged_source if p.paged else _ragged_source)(p, chunks)
     # K and V chunks of a thread at the same keys (same head dims): one loop copies both.
     same_keys = all(chunks[0].at(t, operator.floordiv, operator.mod)[0]
                     == chunks[1].at(t, operator.floordiv, operator.mod)[0] for t in range(threads)) and \
         chunks[0].kstep == chunks[1].kstep and chunks[0].count == chunks[1].count
-
-    def vec_loader(ops: tuple[int, ...]):
-        """16-byte ``cp.async`` copies of tile ``kt`` of K (``ops`` (0,)), V ((1,)) or both ((0, 1): chunks at the
-        same keys), ``bases`` = their first elements in ``dst``; completed by the caller's wait (+ barrier).
-        Every chunk of a thread unrolled: all in flight at once."""
-        ch = chunks[ops[0]]
-
-        @T.macro
-        def copy(dst, bases, kvb, ti, kt, h, tid, it):
-            T.evaluate(cp_async16(
-                T.address_of(dst[bases[0] + store_index(ch.at(tid)[0] + it * ch.kstep, ch.at(tid)[1], ops[0])]),
-                T.address_of(tile_elem(kvb, ops[0], ti, kt, it, tid, h))))
-            if len(ops) == 2:
-                T.evaluate(cp_async16(
-                    T.address_of(dst[bases[1] + store_index(ch.at(tid)[0] + it * ch.kstep, chunks[1].at(tid)[1],
-                                                            1)]),
-                    T.address_of(tile_elem(kvb, 1, ti, kt, it, tid, h))))
-
-        @T.macro
-        def zero(dst, bases, tid, it):
-            for e in T.vectorized(8):
-                dst[bases[0] + store_index(ch.at(tid)[0] + it * ch.kstep, ch.at(tid)[1] + e, ops[0])] = \
-                    T.Cast(dtype, T.float32(0))
-            if len(ops) == 2:
-                for e in T.vectorized(8):
-                    dst[bases[1] + store_index(ch.at(tid)[0] + it * ch.kstep, chunks[1].at(tid)[1] + e, 1)] = \
-                        T.Cast(dtype, T.float32(0))
-
-        @T.macro
-        def load(dst, bases, kvb, ti, kt, h, tid):
-            if paged:
-                cursor(ti, kvb, kt, tid)
-            if (kt + 1) * tk <= ti[6]:
-                for it in T.unroll(ch.count):
-                    copy(dst, bases, kvb, ti, kt, h, tid, it)
-                    if paged:
-                        advance(ti, kvb)
-            else:
-                for it in T.unroll(ch.count):
-                    if kt * tk + ch.at(tid)[0] + it * ch.kstep < ti[6]:
-                        copy(dst, bases, kvb, ti, kt, h, tid, it)
-                    else:
-                        zero(dst, bases, tid, it)
-                    if paged:
-                        advance(ti, kvb)
-            if ahead and ops[-1] == 1:  # the tile's last copies (V, or K and V): the next tile's pages
-                look_ahead(ti, kvb, kt + 1, tid)
-
-        return load
-
-    def elem_loader(c01: int, dim: int):
-        """Element loads through registers (ragged views not 16-byte aligned), 8 in flight a thread (all of them
-        unrolled would hold 64 registers), zeros past the keys any row sees."""
-        ch = _Chunks(tk, dim, threads, 1)
-
-        @T.macro
-        def load(dst, base, kvb, ti, kt, h, tid):
-            for it0 in T.serial(ch.count // 8):
-                for it1 in T.unroll(8):
-                    if kt * tk + ch.at((it0 * 8 + it1) * threads + tid)[0] < ti[6]:
-                        dst[base + store_index(ch.at((it0 * 8 + it1) * threads + tid)[0],
-                                               ch.at((it0 * 8 + it1) * threads + tid)[1], c01)] = \
-                            elem(kvb, c01, ti, kt * tk + ch.at((it0 * 8 + it1) * threads + tid)[0], h,
-                                 ch.at((it0 * 8 + it1) * threads + tid)[1])
-                    else:
-                        dst[base + store_index(ch.at((it0 * 8 + it1) * threads + tid)[0],
-                                               ch.at((it0 * 8 + it1) * threads + tid)[1], c01)] = \
-                            T.Cast(dtype, T.float32(0))
-
-        return load
-
-    load_vec = (vec_loader((0,)), vec_loader((1,)))
-    load_pair = vec_loader((0, 1)) if same_keys else None
-    load_elem = (elem_loader(0, dims[0]), elem_loader(1, dims[1]))
+    load_vec = (_vec_loader(p, chunks, src, (0,)), _vec_loader(p, chunks, src, (1,)))
+    load_pair = _vec_loader(p, chunks, src, (0, 1)) if same_keys else None
+    load_elem = (_elem_loader(p, src, 0, dims[0]), _elem_loader(p, src, 1, dims[1]))
 
     @T.macro
     def issue(dst, base, kvb, ti, kt, h, tid, c01: int):
-        if aligned(kvb):
+        if _aligned(p, kvb):
             load_vec[c01](dst, (base,), kvb, ti, kt, h, tid)
         else:
             load_elem[c01](dst, base, kvb, ti, kt, h, tid)
@@ -258,7 +302,7 @@ def make_kv_copies(*, tk: int, threads: int, dims: tuple[int, int], dtype: str, 
 
     @T.macro
     def issue_kv(smem, base_k, base_v, kvb, ti, kt, h, tid):
-        if aligned(kvb):
+        if _aligned(p, kvb):
             if same_keys:
                 load_pair(smem, (base_k, base_v), kvb, ti, kt, h, tid)
             else:
@@ -269,7 +313,7 @@ def make_kv_copies(*, tk: int, threads: int, dims: tuple[int, int], dtype: str, 
             load_elem[1](smem, base_v, kvb, ti, kt, h, tid)
         T.evaluate(cp_async_commit())
 
-    return KvCopies(ti_slots, kv_len, prepare, issue, issue_kv)
+    return KvCopies(src.ti_slots, src.kv_len, _prepare(p, chunks, src), issue, issue_kv)
 
 
 __all__ = ["PAGE_LOOKAHEAD_MAX", "PAGE_LOOKAHEAD_MIN_DIM", "TI_KV0", "TI_PAGE0", "KvCopies", "make_kv_copies"]

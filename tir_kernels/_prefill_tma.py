@@ -28,6 +28,7 @@ from tvm.script import tirx as T
 
 from ..ops import shape_values
 from ._prefill_tc_copy import TI_KV0
+from ._prefill_tc_params import TcParams
 from ._prefill_tc_tiles import TC_TILES
 from ._tma_cuda import (PagedTensorMap, TensorMap3, mbar_expect_tx, mbar_init, mbar_wait, sw128_pad, tma_load3,
                         tma_load5)
@@ -40,15 +41,17 @@ TI_NEXT_PAGE = TI_KV0 + 3
 MAX_GROUPS_A_WARP = 2
 
 
+def _maps(hkv: int, d: int, dv: int, tk: int, paged: bool) -> dict:
+    if paged:
+        return {"pmap": ("pages", PagedTensorMap(hkv, d))}
+    return {"kmap": ("k", TensorMap3(hkv, d, tk)), "vmap": ("v", TensorMap3(hkv, dv, tk))}
+
+
 def tma_maps(spec, tile: str, paged: bool = False) -> dict:
     """A ``tma`` tile's tensor-map kernel parameters: name -> (the tensor it maps, its map: ``encode_args(shape)``
     gives the encoding of that tensor's map). Ragged: one map of k and one of v (a box = a column block of a
     tile); paged: one of the page pool (a box = 8 keys of a page, K or V)."""
-    d, dv, cfg = spec.head_dim, shape_values(spec)["Dv"], TC_TILES[tile]
-    if paged:
-        return {"pmap": ("pages", PagedTensorMap(spec.num_kv_heads, d))}
-    return {"kmap": ("k", TensorMap3(spec.num_kv_heads, d, cfg.tk)),
-            "vmap": ("v", TensorMap3(spec.num_kv_heads, dv, cfg.tk))}
+    return _maps(spec.num_kv_heads, spec.head_dim, shape_values(spec)["Dv"], TC_TILES[tile].tk, paged)
 
 
 class TmaMacros(NamedTuple):
@@ -64,68 +67,90 @@ class TmaMacros(NamedTuple):
     tiles: object
 
 
-def make_tma(cfg, spec, tile: str, *, d: int, dv: int, dtype: str, paged: bool, vl, threads: int) -> TmaMacros:
-    """The TMA macros of tile ``cfg`` (``TcTile.tma``), head dims ``d`` / ``dv``, V tiles stored as ``vl``."""
-    tk, ns = cfg.tk, cfg.stages
-    if paged and (d != 128 or tk != 64):
-        raise NotImplementedError(f"pagedkv.tir_kernels: tile {tile!r} pages K / V with 32 boxes a tile: head dim "
-                                  f"128 and 64-key tiles, not {d} / {tk}")
-    pg = tk // 8  # paged: 8-key groups a tile (one box each per column block, of K and of V)
-    gpw = pg // (threads // 32)  # paged: groups a warp issues
-    if paged and (gpw * (threads // 32) != pg or gpw > MAX_GROUPS_A_WARP):
-        raise NotImplementedError(f"pagedkv.tir_kernels: tile {tile!r}: {threads // 32} warps cannot share the {pg} "
-                                  f"key groups of a tile, at most {MAX_GROUPS_A_WARP} a warp")
+def _bar(p: TcParams, smem, stage):
+    """The address of stage ``stage``'s mbarrier."""
+    return T.address_of(smem[p.tile.bar_base(p.d, p.dv, stage)])
 
-    def bar(smem, stage):
-        return T.address_of(smem[cfg.bar_base(d, dv, stage)])
+
+def _paged_boxes(p: TcParams):
+    """Paged: ``look_up(ti, kvb, kt, tid)`` (the pages of the issuing thread's key groups of tile ``kt``) and
+    ``issue_paged(smem, stage, kvb, ti, kt, h, tid)`` (lane 0 of each warp: the boxes of its groups)."""
+    cfg, d, dv, tk, threads = p.tile, p.d, p.dv, p.tk, p.nt
+    if d != 128 or tk != 64:
+        raise NotImplementedError(f"pagedkv.tir_kernels: tile {cfg.name!r} pages K / V with 32 boxes a tile: head "
+                                  f"dim 128 and 64-key tiles, not {d} / {tk}")
+    pg = tk // 8  # 8-key groups a tile (one box each per column block, of K and of V)
+    gpw = pg // (threads // 32)  # groups a warp issues
+    if gpw * (threads // 32) != pg or gpw > MAX_GROUPS_A_WARP:
+        raise NotImplementedError(f"pagedkv.tir_kernels: tile {cfg.name!r}: {threads // 32} warps cannot share the "
+                                  f"{pg} key groups of a tile, at most {MAX_GROUPS_A_WARP} a warp")
 
     def group_key(kt, tid, i):
-        """Paged: the first key (in the entry) of the ``i``-th 8-key group of tile ``kt`` that thread ``tid``'s
-        warp issues."""
+        """The first key (in the entry) of the ``i``-th 8-key group of tile ``kt`` that thread ``tid``'s warp
+        issues."""
         return kt * tk + (T.truncdiv(tid, 32) * gpw + i) * 8
 
     @T.macro
     def look_up(ti, kvb, kt, tid):
-        """Paged: the pages of the issuing thread's groups of tile ``kt`` into ``ti[TI_NEXT_PAGE + i]`` (none past
-        the entry's keys: its page slots end there). Loaded a tile before their boxes are issued: the loads'
-        latency is not on the warp's path to its GEMMs."""
+        """Into ``ti[TI_NEXT_PAGE + i]`` (none past the entry's keys: its page slots end there). Loaded a tile
+        before their boxes are issued: the loads' latency is not on the warp's path to its GEMMs."""
         for i in T.unroll(gpw):
             if group_key(kt, tid, i) < ti[5]:
                 ti[TI_NEXT_PAGE + i] = kvb[1][ti[TI_KV0] + T.truncdiv(group_key(kt, tid, i), kvb[3])]
 
     @T.macro
     def issue_paged(smem, stage, kvb, ti, kt, h, tid):
-        """Lane 0 of each warp: the 4 boxes (K / V x column block) of each of its groups (``kvb`` = (pages,
-        page_values, page_indptr, ps, last_page_len, pool map)), then its pages of the next tile."""
+        """The 4 boxes (K / V x column block) of each of the warp's groups (``kvb`` = (pages, page_values,
+        page_indptr, ps, last_page_len, pool map)), then its pages of the next tile."""
         for i in T.unroll(gpw):
             if group_key(kt, tid, i) < ti[5]:
                 for b in T.unroll(4):  # b // 2: K (0) or V (1); b % 2: column block
                     T.evaluate(tma_load5(
                         T.address_of(smem[(cfg.k_base(stage, d, dv) if b // 2 == 0 else cfg.v_base(stage, d, dv))
                                           + ((b % 2) * tk + (T.truncdiv(tid, 32) * gpw + i) * 8) * 64]),
-                        bar(smem, stage), kvb[5], (b % 2) * 64, T.truncmod(group_key(kt, tid, i), kvb[3]), h,
+                        _bar(p, smem, stage), kvb[5], (b % 2) * 64, T.truncmod(group_key(kt, tid, i), kvb[3]), h,
                         b // 2, ti[TI_NEXT_PAGE + i]))
         look_up(ti, kvb, kt + 1, tid)
 
+    return look_up, issue_paged
+
+
+def _make_issue(p: TcParams, issue_paged):
+    """``issue(smem, stage, kvb, ti, kt, h, tid)``: thread 0 arms the stage's mbarrier with the tile's bytes; the
+    boxes: paged, ``issue_paged`` by lane 0 of each warp; ragged (``kvb`` = (k, v, kv_indptr, k map, v map)), one
+    box a column block of K and of V by thread 0."""
+    cfg, d, dv, tk, paged = p.tile, p.d, p.dv, p.tk, p.paged
+    pg = tk // 8
+
     @T.macro
     def column_boxes(smem, stage, base, tmap, blocks, row0, h):
-        """Ragged: ``blocks`` boxes of map ``tmap`` (a tile's keys from ``row0``, 64 dims each) to ``base``."""
+        """``blocks`` boxes of map ``tmap`` (a tile's keys from ``row0``, 64 dims each) to ``base``."""
         for c in T.unroll(blocks):
-            T.evaluate(tma_load3(T.address_of(smem[base + c * tk * 64]), bar(smem, stage), tmap, c * 64, h, row0))
+            T.evaluate(tma_load3(T.address_of(smem[base + c * tk * 64]), _bar(p, smem, stage), tmap, c * 64, h, row0))
 
     @T.macro
     def issue(smem, stage, kvb, ti, kt, h, tid):
         if paged:
             if T.And(tid == 0, kt < T.truncdiv(ti[6] + tk - 1, tk)):
-                T.evaluate(mbar_expect_tx(bar(smem, stage),
+                T.evaluate(mbar_expect_tx(_bar(p, smem, stage),
                                           T.min(T.truncdiv(ti[5] - kt * tk + 7, 8), pg) * 8 * (d + dv) * 2))
             if T.And(T.truncmod(tid, 32) == 0, kt < T.truncdiv(ti[6] + tk - 1, tk)):
                 issue_paged(smem, stage, kvb, ti, kt, h, tid)
-        else:  # kvb = (k, v, kv_indptr, k map, v map)
+        else:
             if T.And(tid == 0, kt < T.truncdiv(ti[6] + tk - 1, tk)):
-                T.evaluate(mbar_expect_tx(bar(smem, stage), tk * (d + dv) * 2))
+                T.evaluate(mbar_expect_tx(_bar(p, smem, stage), tk * (d + dv) * 2))
                 column_boxes(smem, stage, cfg.k_base(stage, d, dv), kvb[3], d // 64, ti[TI_KV0] + kt * tk, h)
                 column_boxes(smem, stage, cfg.v_base(stage, d, dv), kvb[4], dv // 64, ti[TI_KV0] + kt * tk, h)
+
+    return issue
+
+
+def _make_wait(p: TcParams):
+    """``wait(smem, ti, kt, tid)``: every thread waits on the stage's mbarrier for its fill number ``(kt - first
+    tile) // stages`` (parity); then, in the tile that reaches the keys any row sees, the V rows past them are
+    zeroed (a box reads past its entry: K's are masked by the variant's select)."""
+    cfg, d, dv, tk, threads, dtype = p.tile, p.d, p.dv, p.tk, p.nt, p.dtype
+    ns, vl = cfg.stages, cfg.kv_layout(dv)
 
     @T.macro
     def zero_v_tail(smem, ti, kt, tid):
@@ -139,9 +164,17 @@ def make_tma(cfg, spec, tile: str, *, d: int, dv: int, dtype: str, paged: bool, 
 
     @T.macro
     def wait(smem, ti, kt, tid):
-        T.evaluate(mbar_wait(bar(smem, T.truncmod(kt, ns)), T.truncmod(T.truncdiv(kt - ti[7], ns), 2)))
+        T.evaluate(mbar_wait(_bar(p, smem, T.truncmod(kt, ns)), T.truncmod(T.truncdiv(kt - ti[7], ns), 2)))
         if (kt + 1) * tk > ti[6]:
             zero_v_tail(smem, ti, kt, tid)
+
+    return wait
+
+
+def _make_tiles(p: TcParams, look_up):
+    """``tiles(loop)``: ``TmaMacros.tiles``; ``look_up``: paged, the first tile's pages (None ragged)."""
+    cfg, d, dv, dtype, paged = p.tile, p.d, p.dv, p.dtype, p.paged
+    ns = cfg.stages
 
     def tiles(loop):
         @T.macro
@@ -161,7 +194,14 @@ def make_tma(cfg, spec, tile: str, *, d: int, dv: int, dtype: str, paged: bool, 
 
         return run
 
-    return TmaMacros(issue, wait, tma_maps(spec, tile, paged), tiles)
+    return tiles
+
+
+def make_tma(p: TcParams) -> TmaMacros:
+    """The TMA macros of kernel ``p`` (``TcTile.tma``; V tiles stored as ``kv_layout``)."""
+    look_up, issue_paged = _paged_boxes(p) if p.paged else (None, None)
+    return TmaMacros(_make_issue(p, issue_paged), _make_wait(p), _maps(p.hkv, p.d, p.dv, p.tk, p.paged),
+                     _make_tiles(p, look_up))
 
 
 __all__ = ["TmaMacros", "make_tma", "tma_maps"]

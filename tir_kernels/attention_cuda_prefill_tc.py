@@ -7,6 +7,17 @@ paged op wg2t there, else tc2; each falling back to tc); ``tc_unserved`` says wh
 Same ABI and semantics as the SIMT kernel (``attention_cuda.py``): base-2 LSE, bottom-right causal, sliding
 window and soft cap through ``CudaVariant``, empty rows ``o = 0`` / ``lse = -1e30``, sm_scale an argument.
 
+The kernel is assembled here (``make_prefill_tc``) from stages, each a factory of one ``@T.macro`` that takes the
+kernel's compile-time parameters, declared once (``_prefill_tc_params.TcParams``):
+
+* ``_prefill_tc_load``: the entry and tile of a block (``locate``), Q into registers or shared memory, the rows'
+  softmax state;
+* ``_prefill_tc_copy`` (cp.async) / ``_prefill_tma`` (TMA): the K / V tiles into shared memory;
+* ``_prefill_tc_gemm``: S = Q K^T and O += P V on ``mma.sync`` (the wgmma tiles: ``_wgmma_cuda.wg_attention_gemms``);
+* ``_prefill_tc_softmax``: masks, soft cap and the online softmax;
+* ``_prefill_tc_loops``: the key-tile loop of each kind of tile;
+* ``_prefill_tc_store``: the epilogue, o and lse (empty rows: o = 0, lse = ``EMPTY_LSE``).
+
 Design (FlashAttention-2 style), one block per (query tile, kv head):
 
 * A query tile is ``TQ = rows // G`` tokens x the ``G`` q heads of the kv head = up to ``rows`` *rows* (row
@@ -39,7 +50,7 @@ Design (FlashAttention-2 style), one block per (query tile, kv head):
   registers, B = K, K-major) and O by 4 m64n{DV}k16 (A = P, B = V, trans-b), two groups in flight per
   warpgroup: at tile kt it issues S of kt, then P V of kt - 1 (P kept in ``pfo``), waits for S alone
   (``wait_group 1``), runs the softmax of kt while P V runs, then waits for P V and applies O's factor
-  (``rescale_o``; ``_prefill_wg_pipelines``). Four stages of 64-key K / V tiles load two tiles ahead by TMA
+  (``rescale_o``; ``_prefill_tc_loops.make_overlap_loop``). Four stages of 64-key K / V tiles load two tiles ahead by TMA
   (``_prefill_tma``: one thread's boxes a tile, ragged; warp 0's lanes, paged), 128-byte swizzled
   (``_wgmma_cuda.Sw128Layout``, stages from the buffer's first 1024-byte boundary); every thread waits on the
   stage's mbarrier, and the block barrier still tells that every warp is done with the stage refilled next. The
@@ -96,18 +107,20 @@ from tvm.script import tirx as T
 
 from ..kernel_spec import wg_prefill_limits
 from ..ops import shape_values
-from ._common import EMPTY_LSE, LOG2E
-from ._common_cuda import ballot, popc, shfl_xor
-from ._mma_cuda import (
-    a_frag,
-    aligned16,
-    c_frag,
-    cp_async16,
-    cp_async_wait,
-    keep_extent,
-    ldmatrix_x4,
-    mma_sync,
+from ._mma_cuda import keep_extent
+from ._prefill_tc_copy import make_kv_copies
+from ._prefill_tc_gemm import make_accumulate, make_score
+from ._prefill_tc_load import make_init_rows, make_load_q, make_load_q_smem, make_locate
+from ._prefill_tc_loops import (
+    make_issue_kv,
+    make_next_tile,
+    make_one_stage_loop,
+    make_overlap_loop,
+    make_two_stage_loop,
 )
+from ._prefill_tc_params import TcParams
+from ._prefill_tc_softmax import make_rescale_o, make_softmax
+from ._prefill_tc_store import make_store, make_store_staged
 from ._prefill_tc_tiles import (
     TC_DTYPES,
     TC_HEAD_DIMS,
@@ -119,7 +132,6 @@ from ._prefill_tc_tiles import (
     TC_STATIC_SMEM,
     TC_TILES,
     TC_TK,
-    TC_WROWS,
     WG_ARCH,
     TcTile,
     k_ldsm_index,
@@ -129,9 +141,7 @@ from ._prefill_tc_tiles import (
     v_ldsm_index,
     v_store_index,
 )
-from ._prefill_tc_copy import make_kv_copies
 from ._prefill_tma import make_tma, tma_maps
-from ._prefill_wg_pipelines import TileMacros, make_overlap
 from ._variant_cuda import CudaVariant
 from ._wgmma_cuda import wg_attention_gemms
 
@@ -159,436 +169,89 @@ def tc_unserved(spec, dv: int, tile: str = "tc", *, paged: bool = False) -> str 
     return None
 
 
-def make_prefill_tc(op: str, spec, paged: bool, tile: str = "tc"):
-    """The plain tensor-core kernel macro of a prefill PrimFunc (``paged`` selects the K/V source, ``tile`` the
-    configuration of ``TC_TILES``), called as ``kernel(q, q_indptr, o, lse, kvb, B, n, causal, sm_scale)``."""
-    D, dtype, HKV = spec.head_dim, spec.dtype, spec.num_kv_heads
-    DV = D if paged else shape_values(spec)["Dv"]
-    reason = tc_unserved(spec, DV, tile, paged=paged)
+def _params(op: str, spec, paged: bool, tile: str) -> TcParams:
+    """The kernel's ``TcParams``; raises where the tile does not serve the spec (``tc_unserved``)."""
+    d = spec.head_dim
+    dv = d if paged else shape_values(spec)["Dv"]
+    reason = tc_unserved(spec, dv, tile, paged=paged)
     if reason:
         raise NotImplementedError(f"pagedkv.tir_kernels: the tensor-core CUDA {op!r} kernel does not serve {reason}")
-    var = CudaVariant.from_spec(spec)
-    WIN = var.has_window
-    G = spec.group_size
-    cfg = TC_TILES[tile]
-    MT, QS = cfg.mtiles, cfg.q_in_smem  # m16 tiles a warp; Q in shared memory
-    # wgmma: S and O by each warpgroup (Q in registers), P V of tile kt - 1 during the softmax of tile kt, K / V
-    # tiles by TMA (128-byte swizzled, one mbarrier a stage).
-    WG = TMA = cfg.wgmma
-    TMA_PAGED = TMA and paged  # boxes of 8 keys of a page (a warp's lanes issue a tile's 32 boxes)
-    if (QS and cfg.stages != 2) or (WG and (QS or cfg.warps % 4 or cfg.stages not in (3, 4))):
+    p = TcParams(TC_TILES[tile], d, dv, spec.group_size, spec.num_kv_heads, spec.dtype, paged,
+                 CudaVariant.from_spec(spec))
+    cfg = p.tile
+    if (p.qs and cfg.stages != 2) or (p.wg and (p.qs or cfg.warps % 4 or cfg.stages not in (3, 4))):
         raise NotImplementedError(f"pagedkv.tir_kernels: tile {tile!r}: Q in shared memory needs the two-stage "
                                   f"buffer; wgmma whole warpgroups with Q in registers and three or four stages")
-    TQ = cfg.rows // G
-    RV = TQ * G  # row slots holding a (token, head); the rest of the block's rows are padding
-    TK, NT = cfg.tk, cfg.threads
-    KS, VS = D + TC_PAD, DV + TC_PAD  # shared row strides (elements) of Ks and Vs
-    NKS, NSN, NKK, NDN = D // 16, TK // 8, TK // 16, DV // 8
-    SN, ON = NSN * 4, NDN * 4  # S and O accumulator elements of one m16 tile (a lane)
+    return p
 
-    def wrow(w, mt):
-        """First row of m16 tile ``mt`` of warp ``w``."""
-        return (w * MT + mt) * TC_WROWS
 
-    KL, VL = cfg.kv_layout(D), cfg.kv_layout(DV)  # wgmma: K / V tiles as the TMA writes them (swizzled)
-    tma = make_tma(cfg, spec, tile, d=D, dv=DV, dtype=dtype, paged=paged, vl=VL, threads=NT) if TMA else None
-
-    def store_index(key, dim, c01):
-        return k_store_index(key, dim, D) if c01 == 0 else v_store_index(key, dim, DV)
-
-    # TMA tiles take only the copies' tile info (entry, paged cursor slots), not their cp.async loads.
-    copies = make_kv_copies(tk=TK, threads=NT, dims=(D, DV), dtype=dtype, paged=paged, store_index=store_index)
-    issue = copies.issue
-
-    def row_ok(r, ti):
-        """Row slot ``r`` holds a token of the tile (``ti[3]`` = tokens in the tile)."""
-        return T.And(r < RV, T.truncdiv(r, G) < ti[3])
-
-    @T.macro
-    def locate(ti, q_indptr, kvb, B, vt, causal, lane):
-        """Tile info ``ti``: 0 entry b, 1 qlen, 2 qt0 (first token of the tile in the entry), 3 tokens, 4 first
-        token row of q, 5 kvlen, 6 keys any row sees, 7 first key tile (``copies.prepare`` sets the slots from
-        ``_prefill_tc_copy.TI_KV0`` on). Entry b: the last one whose first virtual tile ``q_indptr[b] // TQ + b``
-        is <= vt (the SIMT kernel's grid), found by each warp in rounds of 32 probes (``ti[2]`` apart), one lane
-        each, all loads in flight at once: one round up to 32 entries, two up to 1024 (a binary search waits for
-        one dependent load a halving)."""
-        ti[0] = 0
-        ti[1] = B  # the entry is in [ti[0], ti[1])
-        while ti[1] - ti[0] > 1:
-            ti[2] = T.truncdiv(ti[1] - ti[0] + 31, 32)
-            # Probes at or below vt: a prefix of the lanes (the first virtual tiles grow with b), lane 0 always.
-            ti[3] = popc(ballot(T.if_then_else(
-                ti[0] + lane * ti[2] < ti[1],
-                T.truncdiv(q_indptr[T.min(ti[0] + lane * ti[2], B)], TQ) + ti[0] + lane * ti[2] <= vt, False)))
-            ti[0] = ti[0] + (ti[3] - 1) * ti[2]
-            ti[1] = T.min(ti[0] + ti[2], ti[1])
-        ti[1] = T.if_then_else(B > 0, q_indptr[T.min(ti[0] + 1, B)] - q_indptr[ti[0]], 0)
-        ti[2] = vt - (T.truncdiv(q_indptr[ti[0]], TQ) + ti[0])  # tile of the entry (temporarily)
-        ti[5] = T.if_then_else(T.And(ti[2] >= 0, ti[2] < T.truncdiv(ti[1] + TQ - 1, TQ)), 1, 0)  # active
-        # Last query tile first (it sees the most keys under causal).
-        ti[2] = (T.truncdiv(ti[1] + TQ - 1, TQ) - 1 - ti[2]) * TQ
-        ti[3] = T.if_then_else(ti[5] > 0, T.min(TQ, ti[1] - ti[2]), 0)
-        ti[4] = q_indptr[ti[0]] + ti[2]
-        ti[5] = T.if_then_else(ti[5] > 0, copies.kv_len(kvb, ti[0]), 0)
-        ti[6] = T.if_then_else(causal > 0, T.max(T.min(ti[5], ti[5] - ti[1] + ti[2] + ti[3]), 0), ti[5])
-        ti[7] = var.first_tile(ti[5], ti[1], ti[2], ti[6], TK) if WIN else 0
-
-    @T.macro
-    def load_q(qf, q, ti, h, w, lane):
-        """Q in registers (one m16 tile a warp): the warp's rows as A fragments, ``qf[ks*8 + i]`` = element
-        ``a_frag(lane, i)`` of dims ``16 ks ..`` (storage dtype, unscaled: the scale is applied to the fp32
-        scores); padding rows 0."""
-        for ks in T.unroll(NKS):
-            for i in T.unroll(8):
-                if row_ok(wrow(w, 0) + a_frag(lane, i)[0], ti):
-                    qf[ks * 8 + i] = q[ti[4] + T.truncdiv(wrow(w, 0) + a_frag(lane, i)[0], G),
-                                       h * G + T.truncmod(wrow(w, 0) + a_frag(lane, i)[0], G),
-                                       ks * 16 + a_frag(lane, i)[1]]
-                else:
-                    qf[ks * 8 + i] = T.Cast(dtype, T.float32(0))
-
-    def q_row_loader(vec: bool):
-        """The macro loading the block's Q rows into shared memory at ``q_base`` (row-major, stride D + TC_PAD;
-        padding rows 0), once a block, consecutive threads on consecutive chunks of a row: ``vec``, 16-byte
-        ``cp.async`` chunks, all in flight (they join the first key tile's group: its wait and barrier
-        publish Q); else element loads through registers, 8 in flight a thread (q not 16-byte aligned)."""
-        width = 8 if vec else 1
-        per_row = D // width
-        outer, inner = (1, cfg.rows * per_row // NT) if vec else (cfg.rows * per_row // NT // 8, 8)
-
-        def at(it, tid):
-            """(row, first dim) of chunk ``it`` of thread ``tid``."""
-            return T.truncdiv(it * NT + tid, per_row), T.truncmod(it * NT + tid, per_row) * width
-
-        @T.macro
-        def load(smem, q, ti, h, tid):
-            for it0 in T.serial(outer):
-                for it1 in T.unroll(inner):
-                    if row_ok(at(it0 * inner + it1, tid)[0], ti):
-                        if vec:
-                            T.evaluate(cp_async16(
-                                T.address_of(smem[cfg.q_base(D, DV) + at(it0 * inner + it1, tid)[0] * KS
-                                                  + at(it0 * inner + it1, tid)[1]]),
-                                T.address_of(q[ti[4] + T.truncdiv(at(it0 * inner + it1, tid)[0], G),
-                                               h * G + T.truncmod(at(it0 * inner + it1, tid)[0], G),
-                                               at(it0 * inner + it1, tid)[1]])))
-                        else:
-                            smem[cfg.q_base(D, DV) + at(it0 * inner + it1, tid)[0] * KS + at(it0 * inner + it1, tid)[1]] = \
-                                q[ti[4] + T.truncdiv(at(it0 * inner + it1, tid)[0], G),
-                                  h * G + T.truncmod(at(it0 * inner + it1, tid)[0], G), at(it0 * inner + it1, tid)[1]]
-                    else:
-                        for e in T.vectorized(width):
-                            smem[cfg.q_base(D, DV) + at(it0 * inner + it1, tid)[0] * KS
-                                 + at(it0 * inner + it1, tid)[1] + e] = T.Cast(dtype, T.float32(0))
-
-        return load
-
-    q_rows_vec, q_rows_elem = q_row_loader(True), q_row_loader(False)
-
-    @T.macro
-    def load_q_smem(smem, q, ti, h, tid):
-        """Q in shared memory (``q_row_loader``): 16-byte copies when q's first element is 16-byte aligned (rows
-        of ``Hq * D`` elements keep it, as for k / v), else element loads."""
-        if aligned16(T.address_of(q[0, 0, 0])) == 1:
-            q_rows_vec(smem, q, ti, h, tid)
+def _make_tiles(p: TcParams, copies, tma):
+    """``tiles(q, o, lse, fr, acc, rows, ti, kvb, h, tid, w, lane, causal, sm_scale)``: the tile's shared memory,
+    its key-tile loop (``_prefill_tc_loops``) and, multi-stage, the store of o and lse through it."""
+    D, DV, TK, KS, VS, QS, WG, cfg, dtype = p.d, p.dv, p.tk, p.ks, p.vs, p.qs, p.wg, p.tile, p.dtype
+    softmax = make_softmax(p, defer=WG)
+    score, accumulate = (None, None) if WG else (make_score(p), make_accumulate(p))
+    load_q_smem = make_load_q_smem(p) if QS else None
+    one_stage = two_stage = overlap = store_staged = None
+    if cfg.stages == 1:
+        one_stage = make_one_stage_loop(p, copies.issue, score, softmax, accumulate)
+    else:
+        issue_kv = make_issue_kv(p, copies, tma)
+        next_tile = make_next_tile(p, issue_kv, tma)
+        store_staged = make_store_staged(p)
+        if WG:  # S and O += P V on the warpgroup's m64 tile, K / V tiles as the TMA writes them (swizzled)
+            wgg = wg_attention_gemms(dtype, s_steps=p.nks, tk=TK, k_lay=cfg.kv_layout(D), dv=DV,
+                                     v_lay=cfg.kv_layout(DV))
+            overlap = tma.tiles(make_overlap_loop(p, issue_kv, next_tile, softmax, make_rescale_o(p), wgg))
         else:
-            q_rows_elem(smem, q, ti, h, tid)
+            two_stage = make_two_stage_loop(p, issue_kv, next_tile, score, softmax, accumulate)
 
     @T.macro
-    def init_rows(lim, m, lsum, oacc, ti, w, lane, causal):
-        """Row state of the lane's rows (``c_frag`` rows g and g + 8 of each m16 tile; index ``2 mt + rr``):
-        bound, running max, sum, O."""
-        for mt in T.unroll(MT):
-            for rr in T.unroll(2):
-                lim[mt * 2 + rr] = var.row_bound(row_ok(wrow(w, mt) + c_frag(lane, 2 * rr)[0], ti), ti[5], ti[1],
-                                                 ti[2], T.truncdiv(wrow(w, mt) + c_frag(lane, 2 * rr)[0], G), causal)
-                m[mt * 2 + rr] = T.float32(EMPTY_LSE)
-                lsum[mt * 2 + rr] = T.float32(0)
-        for e in T.unroll(MT * ON):
-            oacc[e] = T.float32(0)
-
-    @T.macro
-    def issue_kv(smem, stage, kvb, ti, kt, h, tid):
-        """Multi-stage: K and V of tile ``kt`` into stage ``stage``, one cp.async group; ``TMA``: its boxes
-        (``_prefill_tma``)."""
-        if TMA:
-            tma.issue(smem, stage, kvb, ti, kt, h, tid)
+    def tiles(q, o, lse, fr, acc, rows, ti, kvb, h, tid, w, lane, causal, sm_scale):
+        if cfg.stages == 1:
+            Ks = T.alloc_buffer((TK * KS,), dtype, scope="shared")
+            Vs = T.alloc_buffer((TK * VS,), dtype, scope="shared")
+            keep_extent(Ks, TK * KS)  # declared sizes: chunks are reached through addresses
+            keep_extent(Vs, TK * VS)
+            one_stage(Ks, Vs, fr, acc, rows, ti, kvb, h, tid, w, lane, causal, sm_scale)
         else:
-            copies.issue_kv(smem, cfg.k_base(stage, D, DV), cfg.v_base(stage, D, DV), kvb, ti, kt, h, tid)
+            # One dynamic buffer (TVM 0.27 fails to merge several shared.dyn buffers here).
+            smem = T.alloc_buffer((cfg.smem_bytes(D, DV) // 2,), dtype, scope="shared.dyn")
+            keep_extent(smem, cfg.smem_bytes(D, DV) // 2)  # the launch's bytes (chunks: addresses)
+            if QS:
+                load_q_smem(smem, q, ti, h, tid)
+            if WG:
+                scratch = T.alloc_buffer((1,), "float32", scope="shared")
+                overlap(smem, scratch, fr, acc, rows, ti, kvb, h, tid, causal, sm_scale)
+            else:
+                two_stage(smem, fr, acc, rows, ti, kvb, h, tid, w, lane, causal, sm_scale)
+            store_staged(smem, o, lse, acc[2], rows[0], rows[1], ti, h, tid, w, lane)
 
-    # wgmma (``WG``): S and O += P V on the warpgroup's m64 tile, K / V tiles of D / DV-element rows.
-    wgg = wg_attention_gemms(dtype, s_steps=NKS, tk=TK, k_lay=KL, dv=DV, v_lay=VL) if WG else None
+    return tiles
 
-    @T.macro
-    def score(sacc, qf, afr, smem, kb, bfr, w, lane):
-        """S (the warp's rows x 64 keys) = Q K^T on ``mma.sync``: C fragment ``mt * 8 + nt`` holds keys ``8 nt ..`` of
-        m16 tile ``mt``. Q in registers (``qf``, one m16 tile): one ``ldmatrix.x4`` gives the B
-        fragments of two k steps (``k_ldsm_index``). Q in shared memory: per k step one ``ldmatrix.x4`` of each m16 tile's A fragment
-        into ``afr`` (``q_ldsm_index``), and one of the B fragments of two n tiles (``k_ldsm_index_nt2``) used
-        by every m16 tile of the warp."""
-        for e in T.unroll(MT * SN):
-            sacc[e] = T.float32(0)
-        if QS:
-            # k step outer: the A fragments of one k step (4 registers a m16 tile) stay live across the keys.
-            for ks in T.unroll(NKS):
-                for mt in T.unroll(MT):
-                    T.evaluate(ldmatrix_x4(T.address_of(afr[mt * 4]), T.address_of(
-                        smem[cfg.q_base(D, DV) + q_ldsm_index(lane, wrow(w, mt), ks, D)]), False))
-                for nt2 in T.unroll(NSN // 2):
-                    T.evaluate(ldmatrix_x4(T.address_of(bfr[0]), T.address_of(
-                        smem[kb + k_ldsm_index_nt2(lane, nt2, ks, D)]), False))
-                    for mt in T.unroll(MT):
-                        for u in T.unroll(2):
-                            T.evaluate(mma_sync(dtype, T.address_of(sacc[mt * SN + (nt2 * 2 + u) * 4]),
-                                                T.address_of(afr[mt * 4]), T.address_of(bfr[u * 2])))
-        else:
-            for ks2 in T.unroll(NKS // 2):
-                for nt in T.unroll(NSN):
-                    T.evaluate(ldmatrix_x4(T.address_of(bfr[0]), T.address_of(
-                        smem[kb + k_ldsm_index(lane, nt, ks2, D)]), False))
-                    for u in T.unroll(2):
-                        T.evaluate(mma_sync(dtype, T.address_of(sacc[nt * 4]), T.address_of(qf[(ks2 * 2 + u) * 8]),
-                                            T.address_of(bfr[u * 2])))
 
-    def mask_scores(masked: bool):
-        """The macro turning m16 tile ``mt``'s raw scores (of the lane) into log2-unit logits: scaled,
-        soft-capped and (``masked``) masked by ``CudaVariant`` (``logits(s, True)`` is the cap alone)."""
-
-        @T.macro
-        def scores(sacc, mx, m, lim, ti, kt, lane, causal, sm_scale, mt):
-            # mx: the lane's running max of each row (folded in as each score is made: fewer live values)
-            for rr in T.unroll(2):
-                mx[mt * 2 + rr] = m[mt * 2 + rr]
-                for nt in T.unroll(NSN):
-                    for c in T.unroll(2):
-                        sacc[mt * SN + nt * 4 + rr * 2 + c] = var.logits(
-                            sacc[mt * SN + nt * 4 + rr * 2 + c] * (sm_scale * T.float32(LOG2E)),
-                            var.visible(kt * TK + nt * 8 + c_frag(lane, c)[1], lim[mt * 2 + rr], ti[5], causal)
-                            if masked else True)
-                        mx[mt * 2 + rr] = T.max(mx[mt * 2 + rr], sacc[mt * SN + nt * 4 + rr * 2 + c])
-
-        return scores
-
-    scores_masked, scores_visible = mask_scores(True), mask_scores(False)
-
-    def online_softmax(defer: bool):
-        """The online-softmax macro; ``defer``: each row's O rescale factor goes to ``fac`` (``rescale_o``
-        applies it once a P V in flight is complete) instead of being applied to ``oacc`` at once."""
-
-        @T.macro
-        def softmax(sacc, pf, m, lsum, oacc, fac, lim, mx, st, ti, kt, lane, causal, sm_scale):
-            """Online softmax of the lane's rows (m16 tile ``mt``, ``rr``: C elements 2rr, 2rr + 1 of its
-            fragments); a row's scores are spread over the 4 lanes of a quad. ``pf`` = P in the storage dtype,
-            already laid out as the A fragments of P V (``pf[mt * SN + 8 kk + i]`` = C element ``i % 4`` of
-            fragment ``2 kk + i // 4``)."""
-            for mt in T.unroll(MT):
-                if WIN:
-                    scores_masked(sacc, mx, m, lim, ti, kt, lane, causal, sm_scale, mt)
-                else:
-                    # Without a window a row sees keys < lim: a tile below both rows' bounds needs no mask (the
-                    # branch is per lane, with no shuffle inside; padding rows have lim 0, so they take the mask).
-                    if (kt + 1) * TK <= T.min(lim[mt * 2], lim[mt * 2 + 1]):
-                        scores_visible(sacc, mx, m, lim, ti, kt, lane, causal, sm_scale, mt)
-                    else:
-                        scores_masked(sacc, mx, m, lim, ti, kt, lane, causal, sm_scale, mt)
-                for rr in T.unroll(2):
-                    st[0] = T.max(mx[mt * 2 + rr], shfl_xor(mx[mt * 2 + rr], 1))
-                    st[0] = T.max(st[0], shfl_xor(st[0], 2))
-                    st[1] = T.exp2(m[mt * 2 + rr] - st[0])
-                    m[mt * 2 + rr] = st[0]
-                    lsum[mt * 2 + rr] = lsum[mt * 2 + rr] * st[1]
-                    if defer:
-                        fac[mt * 2 + rr] = st[1]
-                    elif st[1] != T.float32(1):  # the max moved (else O times 1: skipped, same bits)
-                        for dn in T.unroll(NDN):
-                            for c in T.unroll(2):
-                                oacc[mt * ON + dn * 4 + rr * 2 + c] = oacc[mt * ON + dn * 4 + rr * 2 + c] * st[1]
-                    for nt in T.unroll(NSN):
-                        for c in T.unroll(2):
-                            st[2] = T.exp2(sacc[mt * SN + nt * 4 + rr * 2 + c] - st[0])
-                            lsum[mt * 2 + rr] = lsum[mt * 2 + rr] + st[2]
-                            pf[mt * SN + nt * 4 + rr * 2 + c] = T.Cast(dtype, st[2])
-
-        return softmax
-
-    softmax_now, softmax_deferred = online_softmax(False), online_softmax(True)
-
-    @T.macro
-    def rescale_o(oacc, fac):
-        """O of the lane's rows times their deferred factors (``online_softmax(True)``); a row whose max did not
-        move (factor 1, most rows after the first key tiles) skips its multiplies."""
-        for mt in T.unroll(MT):
-            for rr in T.unroll(2):
-                if fac[mt * 2 + rr] != T.float32(1):
-                    for dn in T.unroll(NDN):
-                        for c in T.unroll(2):
-                            oacc[mt * ON + dn * 4 + rr * 2 + c] = oacc[mt * ON + dn * 4 + rr * 2 + c] * fac[mt * 2 + rr]
-
-    @T.macro
-    def accumulate(oacc, pf, Vs, vb, bfr, lane):
-        """O += P V on ``mma.sync``: k step ``kk`` (keys ``16 kk ..``) x n tiles ``2 dn2``, ``2 dn2 + 1`` (dims
-        ``16 dn2 ..``), their B fragments from one ``ldmatrix.x4.trans`` of the row-major ``Vs``
-        (``v_ldsm_index``), used by every m16 tile of the warp."""
-        for kk in T.unroll(NKK):
-            for dn2 in T.unroll(NDN // 2):
-                T.evaluate(ldmatrix_x4(T.address_of(bfr[0]),
-                                       T.address_of(Vs[vb + v_ldsm_index(lane, kk, dn2, DV)]), True))
-                for mt in T.unroll(MT):
-                    for u in T.unroll(2):
-                        T.evaluate(mma_sync(dtype, T.address_of(oacc[mt * ON + (dn2 * 2 + u) * 4]),
-                                            T.address_of(pf[mt * SN + kk * 8]), T.address_of(bfr[u * 2])))
-
-    # Multi-stage tiles (STAGE_O) stage O in the stage buffer (row-major, stride VS) and copy it out row by row:
-    # consecutive threads write consecutive 16 bytes (or, o not 16-byte aligned, elements) of a token's G rows,
-    # which lie together in o. From the fragments, a warp's store touched 8 rows x 8 bytes: 8 sectors for 64 bytes, and
-    # 64 two-byte stores a thread (wg1t's SASS, 2026-12-06).
-    STAGE_O = cfg.stages > 1
-    if STAGE_O and cfg.rows * VS > (cfg.bar_base(D, DV) if TMA else cfg.smem_bytes(D, DV) // 2):
-        raise ValueError(f"pagedkv.tir_kernels: tile {cfg.name!r}: O's {cfg.rows} x {VS} staging elements do not "
-                         f"fit its stages")
-
-    def o_row(r):
-        """Token row in o and head of block row ``r``."""
-        return T.truncdiv(r, G), T.truncmod(r, G)
-
-    def o_value(oacc, lsum, mt, rr, dn, c):
-        return T.Cast(dtype, T.if_then_else(lsum[mt * 2 + rr] > T.float32(0),
-                                            oacc[mt * ON + dn * 4 + rr * 2 + c] / lsum[mt * 2 + rr], T.float32(0)))
-
-    @T.macro
-    def store_lse(lse, m, lsum, ti, h, w, lane):
-        """Row sums over the quad, then lse = m + log2(sum) (base 2) from the quad's first lane; a row that saw
-        no key (sum 0) writes the empty state."""
-        for j in T.unroll(MT * 2):
-            lsum[j] = lsum[j] + shfl_xor(lsum[j], 1)
-            lsum[j] = lsum[j] + shfl_xor(lsum[j], 2)
-        for mt in T.unroll(MT):
-            for rr in T.unroll(2):
-                if T.And(row_ok(wrow(w, mt) + c_frag(lane, 2 * rr)[0], ti), lane % 4 == 0):
-                    lse[ti[4] + o_row(wrow(w, mt) + c_frag(lane, 2 * rr)[0])[0],
-                        h * G + o_row(wrow(w, mt) + c_frag(lane, 2 * rr)[0])[1]] = T.if_then_else(
-                            lsum[mt * 2 + rr] > T.float32(0), m[mt * 2 + rr] + T.log2(lsum[mt * 2 + rr]),
-                            T.float32(EMPTY_LSE))
-
-    def o_copier(width: int):
-        """The macro copying the staged O rows out, ``width`` elements a copy (8: 16 bytes)."""
-        per_row = DV // width
-
-        @T.macro
-        def copy_out(smem, o, ti, h, tid):
-            for it in T.unroll(cfg.rows * per_row // NT):
-                if row_ok(T.truncdiv(it * NT + tid, per_row), ti):
-                    for e in T.vectorized(width):
-                        o[ti[4] + o_row(T.truncdiv(it * NT + tid, per_row))[0],
-                          h * G + o_row(T.truncdiv(it * NT + tid, per_row))[1],
-                          T.truncmod(it * NT + tid, per_row) * width + e] = \
-                            smem[T.truncdiv(it * NT + tid, per_row) * VS + T.truncmod(it * NT + tid, per_row) * width + e]
-        return copy_out
-
-    o_out_vec, o_out_elem = o_copier(8), o_copier(1)
-
-    @T.macro
-    def store_staged(smem, o, lse, oacc, m, lsum, ti, h, tid, w, lane):
-        """``store`` through the stage buffer: after a barrier (every warp done with the stages), each lane's
-        O / sum into the staged rows, a barrier, then the rows out (``o_copier``). The staged rows reach past the
-        stages into Q's rows: this thread's copies are drained first, since a block without key tiles never
-        waited for its Q copies (they join the first tile's group), which could land on the staged O (wrong o
-        rows of an entry with no keys, GPU suite on the H100; the emulated entry (120, 0))."""
-        store_lse(lse, m, lsum, ti, h, w, lane)
-        T.evaluate(cp_async_wait(0))
-        T.tvm_storage_sync("shared")
-        for mt in T.unroll(MT):
-            for rr in T.unroll(2):
-                for dn in T.unroll(NDN):
-                    for c in T.unroll(2):
-                        smem[(wrow(w, mt) + c_frag(lane, 2 * rr)[0]) * VS + dn * 8 + c_frag(lane, c)[1]] = \
-                            o_value(oacc, lsum, mt, rr, dn, c)
-        T.tvm_storage_sync("shared")
-        if aligned16(T.address_of(o[0, 0, 0])) == 1:
-            o_out_vec(smem, o, ti, h, tid)
-        else:
-            o_out_elem(smem, o, ti, h, tid)
-
-    @T.macro
-    def store(o, lse, oacc, m, lsum, ti, h, w, lane):
-        """The one-stage tile: o = O / sum from each lane's fragments (a row that saw no key: 0), and
-        ``store_lse``."""
-        store_lse(lse, m, lsum, ti, h, w, lane)
-        for mt in T.unroll(MT):
-            for rr in T.unroll(2):
-                if row_ok(wrow(w, mt) + c_frag(lane, 2 * rr)[0], ti):
-                    for dn in T.unroll(NDN):
-                        for c in T.unroll(2):
-                            o[ti[4] + o_row(wrow(w, mt) + c_frag(lane, 2 * rr)[0])[0],
-                              h * G + o_row(wrow(w, mt) + c_frag(lane, 2 * rr)[0])[1],
-                              dn * 8 + c_frag(lane, c)[1]] = o_value(oacc, lsum, mt, rr, dn, c)
-
-    @T.macro
-    def tiles_one_stage(Ks, Vs, fr, acc, rows, ti, kvb, h, tid, w, lane, causal, sm_scale):
-        """One buffer per operand, software-pipelined: K of tile kt + 1 loads during the softmax and P V of tile
-        kt, V of kt + 1 during the scores of kt + 1. In flight at each wait: {K kt, V kt} at the top, {V kt,
-        K kt + 1} before P V (wait_group 1 = the older is done). ``fr`` = (qf, afr, bfr), ``acc`` = (sacc,
-        pf, oacc, pfo), ``rows`` = (m, lsum, lim, mx, st, fac): the kernel's register arrays."""
-        issue(Ks, 0, kvb, ti, ti[7], h, tid, 0)
-        issue(Vs, 0, kvb, ti, ti[7], h, tid, 1)
-        for kt in T.serial(ti[7], T.truncdiv(ti[6] + TK - 1, TK)):
-            T.evaluate(cp_async_wait(1))
-            T.tvm_storage_sync("shared")  # K kt visible to every warp
-            score(acc[0], fr[0], fr[1], Ks, 0, fr[2], w, lane)
-            T.tvm_storage_sync("shared")  # every warp is done with Ks
-            issue(Ks, 0, kvb, ti, kt + 1, h, tid, 0)  # past the last tile: zeros, never read
-            softmax_now(acc[0], acc[1], rows[0], rows[1], acc[2], rows[5], rows[2], rows[3], rows[4], ti, kt, lane,
-                        causal, sm_scale)
-            T.evaluate(cp_async_wait(1))
-            T.tvm_storage_sync("shared")  # V kt visible
-            accumulate(acc[2], acc[1], Vs, 0, fr[2], lane)
-            T.tvm_storage_sync("shared")  # every warp is done with Vs
-            issue(Vs, 0, kvb, ti, kt + 1, h, tid, 1)
-
-    @T.macro
-    def next_tile(smem, ti, kvb, h, tid, kt):
-        """Multi-stage top of key tile ``kt`` (in stage ``kt % stages``): wait for its copies, one barrier that
-        both publishes it (and Q) and tells that every warp is done with the stage of tile ``kt + ahead -
-        stages``, which then takes tile kt + ``ahead`` (past the last tile: zeros, never read). ``TMA``: the
-        wait is on the stage's mbarrier, for its fill number ``(kt - first tile) // stages`` (parity)."""
-        if TMA:
-            tma.wait(smem, ti, kt, tid)
-        else:
-            T.evaluate(cp_async_wait(0))
-        T.tvm_storage_sync("shared")
-        issue_kv(smem, T.truncmod(kt + cfg.ahead, cfg.stages), kvb, ti, kt + cfg.ahead, h, tid)
-
-    if WG:  # wgmma groups in flight across the softmax (_prefill_wg_pipelines), on the swizzle-aligned view
-        macros = TileMacros(issue_kv, next_tile, softmax_deferred, rescale_o, wgg)
-        tiles_tma = tma.tiles(make_overlap(cfg, D, DV, SN, macros))
-
-    @T.macro
-    def tiles_two_stage(smem, fr, acc, rows, ti, kvb, h, tid, w, lane, causal, sm_scale):
-        """Two stages (tile kt in stage kt % 2): after the wait for tile kt, one barrier both publishes it and
-        tells that every warp is done with tile kt - 1, whose stage then takes tile kt + 1, loading during
-        the whole of tile kt (scores, softmax, P V). Arguments as ``tiles_one_stage``."""
-        issue_kv(smem, T.truncmod(ti[7], 2), kvb, ti, ti[7], h, tid)
-        for kt in T.serial(ti[7], T.truncdiv(ti[6] + TK - 1, TK)):
-            next_tile(smem, ti, kvb, h, tid, kt)
-            score(acc[0], fr[0], fr[1], smem, cfg.k_base(T.truncmod(kt, 2), D, DV), fr[2], w, lane)
-            softmax_now(acc[0], acc[1], rows[0], rows[1], acc[2], rows[5], rows[2], rows[3], rows[4], ti, kt, lane,
-                        causal, sm_scale)
-            accumulate(acc[2], acc[1], smem, cfg.v_base(T.truncmod(kt, 2), D, DV), fr[2], lane)
+def _make_blocks(p: TcParams, copies, tiles):
+    """``blocks(q, q_indptr, o, lse, kvb, B, n, causal, sm_scale)``: the grid, each thread's registers and the
+    prologue, then ``tiles`` (``_make_tiles``) and, one-stage, the store of o and lse from the fragments."""
+    MT, NKS, SN, ON, QS, TMA, dtype = p.mt, p.nks, p.sn, p.on, p.qs, p.wg, p.dtype
+    locate, init_rows = make_locate(p, copies.kv_len), make_init_rows(p)
+    load_q = None if QS else make_load_q(p)
+    store = None if p.stage_o else make_store(p)
 
     @T.macro
     def blocks(q, q_indptr, o, lse, kvb, B, n, causal, sm_scale):
-        for vt in T.thread_binding(T.max(n // TQ + B, 1), thread="blockIdx.x"):
-            for h in T.thread_binding(HKV, thread="blockIdx.y"):
-                for tid in T.thread_binding(NT, thread="threadIdx.x"):
+        for vt in T.thread_binding(T.max(n // p.tq + B, 1), thread="blockIdx.x"):
+            for h in T.thread_binding(p.hkv, thread="blockIdx.y"):
+                for tid in T.thread_binding(p.nt, thread="threadIdx.x"):
                     ti = T.alloc_buffer((copies.ti_slots,), "int32", scope="local")
                     # A fragments: Q in registers (qf), or per k step from shared memory (afr, 32 bits).
                     qf = T.alloc_buffer((1 if QS else NKS * 8,), dtype, scope="local")
                     afr = T.alloc_buffer((MT * 4 if QS else 1,), "uint32", scope="local")
                     sacc = T.alloc_buffer((MT * SN,), "float32", scope="local")
                     pf = T.alloc_buffer((MT * SN,), dtype, scope="local")
-                    # overlap: P of the previous key tile (its P V in flight) and each row's deferred O factor
-                    pfo = T.alloc_buffer((SN if WG else 1,), dtype, scope="local")
-                    fac = T.alloc_buffer((2 if WG else 1,), "float32", scope="local")
+                    # wgmma: P of the previous key tile (its P V in flight) and each row's deferred O factor
+                    pfo = T.alloc_buffer((SN if p.wg else 1,), dtype, scope="local")
+                    fac = T.alloc_buffer((2 if p.wg else 1,), "float32", scope="local")
                     # Two B fragments (ldmatrix.x4), 4 x 32 bits.
                     bfr = T.alloc_buffer((4,), "uint32", scope="local")
                     oacc = T.alloc_buffer((MT * ON,), "float32", scope="local")
@@ -612,43 +275,29 @@ def make_prefill_tc(op: str, spec, paged: bool, tile: str = "tc"):
                     if not QS:
                         load_q(qf, q, ti, h, w, lane)
                     init_rows(lim, m, lsum, oacc, ti, w, lane, causal)
-                    if cfg.stages == 1:
-                        Ks = T.alloc_buffer((TK * KS,), dtype, scope="shared")
-                        Vs = T.alloc_buffer((TK * VS,), dtype, scope="shared")
-                        keep_extent(Ks, TK * KS)  # declared sizes: chunks are reached through addresses
-                        keep_extent(Vs, TK * VS)
-                        tiles_one_stage(Ks, Vs, (qf, afr, bfr), (sacc, pf, oacc, pfo), (m, lsum, lim, mx, st, fac), ti,
-                                        kvb, h, tid, w, lane, causal, sm_scale)
-                    else:
-                        # One dynamic buffer (TVM 0.27 fails to merge several shared.dyn buffers here).
-                        smem = T.alloc_buffer((cfg.smem_bytes(D, DV) // 2,), dtype, scope="shared.dyn")
-                        keep_extent(smem, cfg.smem_bytes(D, DV) // 2)  # the launch's bytes (chunks: addresses)
-                        if QS:
-                            load_q_smem(smem, q, ti, h, tid)
-                        if WG:
-                            scratch = T.alloc_buffer((1,), "float32", scope="shared")
-                            tiles_tma(smem, scratch, (qf, afr, bfr), (sacc, pf, oacc, pfo),
-                                      (m, lsum, lim, mx, st, fac), ti, kvb, h, tid, causal, sm_scale)
-                        else:
-                            tiles_two_stage(smem, (qf, afr, bfr), (sacc, pf, oacc, pfo), (m, lsum, lim, mx, st, fac),
-                                            ti, kvb, h, tid, w, lane, causal, sm_scale)
-                        if STAGE_O:
-                            store_staged(smem, o, lse, oacc, m, lsum, ti, h, tid, w, lane)
-                    if not STAGE_O:
+                    tiles(q, o, lse, (qf, afr, bfr), (sacc, pf, oacc, pfo), (m, lsum, lim, mx, st, fac), ti, kvb, h,
+                          tid, w, lane, causal, sm_scale)
+                    if not p.stage_o:
                         store(o, lse, oacc, m, lsum, ti, h, w, lane)
 
-    MAPS = tma.maps if TMA else {}
+    return blocks
+
+
+def _make_host(p: TcParams, blocks, tma):
+    """``kernel(q, q_indptr, o, lse, kvb, B, n, causal, sm_scale)``: ``blocks``, after the host code that encodes
+    the TMA tiles' tensor maps at each call (the PrimFunc tested that TMA can read the operands: 16-byte aligned,
+    paged: ``ps % 8 == 0``) and appends them to ``kvb``."""
+    dtype, MAPS = p.dtype, tma.maps if p.wg else {}
+    TMA_PAGED, TMA = p.wg and p.paged, p.wg
 
     @T.macro
     def kernel(q, q_indptr, o, lse, kvb, B, n, causal, sm_scale):
         if TMA_PAGED:
-            # Host code: the page pool's tensor map (aligned, ps % 8 == 0: the PrimFunc tested them), each call.
             pmap: T.let[T.handle("tensormap")] = T.tvm_stack_alloca("tensormap", 1)
             T.call_packed("runtime.cuTensorMapEncodeTiled", pmap, dtype, 5, T.address_of(kvb[0][0, 0, 0, 0, 0]),
                           *MAPS["pmap"][1].encode_args(kvb[0].shape))
             blocks(q, q_indptr, o, lse, (kvb[0], kvb[1], kvb[2], kvb[3], kvb[4], pmap), B, n, causal, sm_scale)
         elif TMA:
-            # Host code: the tensor maps of k and v (16-byte aligned: the PrimFunc tested it), at each call.
             kmap: T.let[T.handle("tensormap")] = T.tvm_stack_alloca("tensormap", 1)
             T.call_packed("runtime.cuTensorMapEncodeTiled", kmap, dtype, 3, T.address_of(kvb[0][0, 0, 0]),
                           *MAPS["kmap"][1].encode_args(kvb[0].shape))
@@ -660,6 +309,17 @@ def make_prefill_tc(op: str, spec, paged: bool, tile: str = "tc"):
             blocks(q, q_indptr, o, lse, kvb, B, n, causal, sm_scale)
 
     return kernel
+
+
+def make_prefill_tc(op: str, spec, paged: bool, tile: str = "tc"):
+    """The plain tensor-core kernel macro of a prefill PrimFunc (``paged`` selects the K/V source, ``tile`` the
+    configuration of ``TC_TILES``), called as ``kernel(q, q_indptr, o, lse, kvb, B, n, causal, sm_scale)``: its
+    stages (module docstring) made from one ``TcParams``."""
+    p = _params(op, spec, paged, tile)
+    tma = make_tma(p) if p.wg else None
+    # TMA tiles take only the copies' tile info (entry, paged cursor slots), not their cp.async loads.
+    copies = make_kv_copies(p)
+    return _make_host(p, _make_blocks(p, copies, _make_tiles(p, copies, tma)), tma)
 
 
 __all__ = ["tma_maps", "TC_DTYPES", "TC_HEAD_DIMS", "TC_MAX_DIM", "TC_MAX_GROUP", "TC_PAD", "TC_ROWS", "TC_TILES", "TC_TK", "TcTile",

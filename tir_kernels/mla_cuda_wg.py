@@ -1,8 +1,9 @@
 """Warpgroup tensor-core CUDA MLA decode (``mla_attn_decode_paged``) and paged prefill, fp16 / bf16, sm_90a, on
 ``wgmma`` (``_wgmma_cuda``), with its latent tiles copied by ``cp.async``: the kernel that ``mla_cuda_wgq``'s
 PrimFunc runs where TMA cannot read the page pool (not 16-byte aligned, or pages not a multiple of 8 keys;
-``make_tma_body``), not a value of the path switch ``cuda_mla_decode_kernel`` of its own. Semantics are ``mla_cuda``'s (base-2 lse, float32
-accumulation, ``o = 0`` / ``lse = -1e30`` for a row that sees no key, keys at or past the length never read).
+``make_tma_body``), not a value of the path switch ``cuda_mla_decode_kernel`` of its own. Semantics are
+``mla_cuda``'s (base-2 lse, float32 accumulation, ``o = 0`` / ``lse = -1e30`` for a row that sees no key, keys at
+or past the length never read).
 
 Why: at 128 heads the decode is compute-bound, and the ``mma.sync`` kernel (``mla_cuda_tc``) holds 32 heads a
 block at its register limit, re-reading every latent tile from L2 once per 32 heads. A warpgroup's
