@@ -323,11 +323,14 @@ def build_deepseek(out: Path, arch: str) -> list[Path]:
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("out", type=Path)
-    ap.add_argument("--arch", default="sm_90")
+    ap.add_argument("--arch", default="sm_90a", help="the CUDA arch (sm_90 and sm_90a are one machine, Hopper)")
     ap.add_argument("--jobs", type=int, default=default_jobs(),
                     help="worker processes of the TIR kernel builds (default: $PAGEDKV_BUILD_JOBS or the cores)")
     ap.add_argument("--no-upstream", action="store_true",
                     help="skip apache-tvm's own CUDA kernels (the kernel benchmark's baseline)")
+    ap.add_argument("--no-flashinfer", action="store_true",
+                    help="a TIR-only bundle: no FlashInfer modules (their cold builds take minutes each, fa3's "
+                         "about 7; the FlashInfer GPU tests then skip)")
     args = ap.parse_args(argv)
     out: Path = args.out
     (out / "lib").mkdir(parents=True, exist_ok=True)
@@ -339,12 +342,15 @@ def main(argv: list[str] | None = None) -> int:
 
     target = {"kind": "cuda", "arch": args.arch}
     built = build_kernels(out, tir_kernel_libraries(), target, jobs=args.jobs)
-    built += build_flashinfer_kernels(out, [s.config() for s in flashinfer_gpu_shapes() + [BENCH_WINDOWED]],
-                                      target)
+    if args.no_flashinfer:
+        print("[pagedkv] skipping FlashInfer kernels: --no-flashinfer", flush=True)
+    else:
+        built += build_flashinfer_kernels(out, [s.config() for s in flashinfer_gpu_shapes() + [BENCH_WINDOWED]],
+                                          target)
     prune_kernel_libraries(out / "kernels", built)
     from ..flashinfer import unavailable_reasons
 
-    backends = ["tir"] + ([] if unavailable_reasons() else ["flashinfer"])
+    backends = ["tir"] + ([] if unavailable_reasons() or args.no_flashinfer else ["flashinfer"])
     for backend in backends:
         for graph in (False, True):
             build_smollm2(out, args.arch, backend=backend, graph=graph)
