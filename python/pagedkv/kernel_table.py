@@ -100,8 +100,9 @@ def unserved(variant: Variant, spec, op: str, *, rope: bool = False, auto: bool 
     """Why ``variant`` does not serve ``op`` of ``spec`` (empty: it does): the data, then the kernel's own
     limits (``Variant.check``, which imports the kernels)."""
     out = variant.data_reasons(spec, auto=auto)
-    if not out and variant.check:
-        out = list(_check_fn(variant.check)(spec, op, variant.name, rope))
+    if variant.check and (not out or not auto):  # forced: every reason, the kernel's own ones too
+        said = {r.split(" (")[0] for r in out}
+        out += [r for r in _check_fn(variant.check)(spec, op, variant.name, rope) if r.split(" (")[0] not in said]
     return out
 
 
