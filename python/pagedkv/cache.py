@@ -59,7 +59,7 @@ def kernel_shape(config: KVCacheConfig) -> KVCacheConfig:
 
 #: Modules of the package besides ``tir_kernels/`` whose code decides which kernels are generated (the spec and
 #: its limits, the op ABI, the targets, the backends' choices): part of the source digest.
-KERNEL_SOURCE_MODULES = ("kernel_spec.py", "ops.py", "target.py", "config.py", "backends/tir.py",
+KERNEL_SOURCE_MODULES = ("kernel_spec.py", "kernel_table.py", "ops.py", "target.py", "config.py", "backends/tir.py",
                          "backends/flashinfer.py", "backends/base.py")
 
 
