@@ -11,7 +11,7 @@ TORCH_INDEX ?= https://download.pytorch.org/whl/cpu
 # FlashInfer's JIT build path (pagedkv's FlashInfer backend and its CI build test); FLASHINFER=0 leaves it out.
 FLASHINFER ?= 1
 SOURCES := $(wildcard src/*.cc src/*.h) CMakeLists.txt pyproject.toml \
-           $(shell find python tir_kernels -name '*.py' 2>/dev/null)
+           $(shell find python -name '*.py' 2>/dev/null)
 
 .PHONY: demo test test-fast lint install clean bench bench-e2e gpu-bundle gpu-test bench-bundle bench-gpu \
         gpu-carry gpu-stage gpu-assemble bench-e2e-gpu

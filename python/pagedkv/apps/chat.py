@@ -27,9 +27,9 @@ def cache_dir() -> Path:
 
 def _source_digest() -> str:
     # Compiled libraries are reused only while the code that produced them is unchanged.
-    # (the whole package: the models, the Relax constructor, and pagedkv.tir_kernels, a link in a checkout)
+    # (the whole package: the models, the Relax constructor and the kernels, pagedkv.tir_kernels)
     pkg = Path(__file__).resolve().parent.parent
-    files = {f.resolve() for root in (pkg, (pkg / "tir_kernels").resolve()) for f in root.rglob("*.py")}
+    files = {f.resolve() for f in pkg.rglob("*.py")}  # the kernels included (pagedkv/tir_kernels)
     h = hashlib.sha256()
     for f in sorted(files):
         h.update(f.read_bytes())
