@@ -92,15 +92,19 @@ def test_rope_limits_are_data():
     assert sr.staged_rope_limits(4, 120, "float16") == st.staged_limits(4, 120, "float16")  # the plain ones first
     cfg = tk.KernelConfig(32, 2, 256, 256, "float16")  # plain staged, RoPE on the lane-group kernel
     assert use_staged(cfg) and not use_staged(cfg, rope=True)
-    with pytest.raises(NotImplementedError, match=r"cuda_decode_kernel=staged \(inline RoPE\).*RoPE tables"):
-        use_staged(dataclasses.replace(cfg, paths={SWITCH: "staged"}))
+    forced = dataclasses.replace(cfg, paths={SWITCH: "staged"})
+    assert use_staged(forced)  # the plain variant serves; the inline-RoPE one names its reason
+    with pytest.raises(NotImplementedError, match=r"cuda_decode_kernel=staged.*RoPE tables"):
+        use_staged(forced, rope=True)
+    with pytest.raises(NotImplementedError, match=r"cuda_decode_kernel=staged.*RoPE tables"):
+        tk.FACTORIES["attn_decode_paged"](forced, SM80)  # the PrimFunc holds both variants
     lanes = dataclasses.replace(cfg, paths={SWITCH: "lanes"})
     assert not use_staged(lanes) and not use_staged(lanes, rope=True)
 
 
 def test_switch_values():
     assert tk.SWITCHES[SWITCH][1] == ("auto", "lanes", "staged", "tc")  # tc: test_cuda_decode_tc.py
-    cfg = tk.KernelConfig(8, 2, 64, 64, "float16")
+    cfg = tk.KernelConfig(8, 2, 64, 64, "float32")  # fp32: the tensor-core decode (auto's first) does not serve
     for rope in (False, True):
         assert use_staged(cfg, rope) and use_staged(dataclasses.replace(cfg, paths={SWITCH: "staged"}), rope)
         assert not use_staged(dataclasses.replace(cfg, paths={SWITCH: "lanes"}), rope)
