@@ -18,20 +18,17 @@ from __future__ import annotations
 
 import contextlib
 import inspect
-import math
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from tvm.script import tirx as T
 from tvm.target import Target
 
-from ._math import cos_approx, sin_approx
+from ._math import LOG2E, cos_approx, sin_approx  # noqa: F401 (LOG2E: the kernels import it from here)
 
 if TYPE_CHECKING:  # _variant_cpu imports this module's constants
     from ._variant_cpu import CpuVariant
 
-#: log2(e): converts natural-log scores to base 2 so the kernels can use exp2/log2.
-LOG2E = math.log2(math.e)
 #: The lse of an entry without keys (finite so ``merge_state`` never computes ``inf - inf``).
 EMPTY_LSE = -1.0e30
 #: Score given to masked keys. Finite (no inf arithmetic) and far below EMPTY_LSE, so that

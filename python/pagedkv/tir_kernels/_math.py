@@ -13,7 +13,9 @@ import math
 
 from tvm import tirx
 
-_LOG2E = math.log2(math.e)
+#: log2(e): converts natural-log scores to base 2 so the kernels can use exp2/log2 (here, below every kernel
+#: module, so that the variants and the common helpers share it without importing each other).
+LOG2E = math.log2(math.e)
 # 2^f on f in [-0.5, 0.5]: Taylor coefficients (ln 2)^k / k!, degree 6 (relative error < 2e-7).
 _EXP2 = (1.0, 0.6931471805599453, 0.2402265069591007, 0.05550410866482158,
          0.009618129107628477, 0.0013333558146428443, 0.00015403530393381606)
@@ -65,7 +67,7 @@ def tanh_approx(x):
     small = xv + xv * z * poly
     big = (_f32(1.0) - ev) / (_f32(1.0) + ev)
     body = tirx.Select(av < _f32(_TANH_SMALL), small, tirx.Select(xv < _f32(0.0), -big, big))
-    body = tirx.Let(ev, exp2_approx(av * _f32(-2.0 * _LOG2E)), body)
+    body = tirx.Let(ev, exp2_approx(av * _f32(-2.0 * LOG2E)), body)
     return tirx.Let(xv, x, tirx.Let(av, tirx.abs(xv), body))
 
 

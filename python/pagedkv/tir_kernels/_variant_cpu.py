@@ -21,8 +21,7 @@ from dataclasses import dataclass
 from tvm import tirx
 from tvm.script import tirx as T
 
-from ._common import LOG2E
-from ._math import tanh_approx
+from ._math import LOG2E, tanh_approx
 
 
 @dataclass(frozen=True)
