@@ -264,7 +264,7 @@ def main(argv=None):
     args = parser.parse_args(argv)
 
     target = tk.host_target() if args.target == "host" else tvm.target.Target(args.target)
-    cfg = tk.KernelConfig(args.hq, args.hkv, args.dim, args.dim, args.dtype, sliding_window=args.sliding_window,
+    cfg = tk.KernelSpec(args.hq, args.hkv, args.dim, args.dim, args.dtype, sliding_window=args.sliding_window,
                           logits_soft_cap=args.soft_cap)
     config = f"Hq={args.hq} Hkv={args.hkv} D={args.dim} {args.dtype}{_options(cfg)}, {target}"
     rng = np.random.default_rng(0)

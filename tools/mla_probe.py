@@ -119,7 +119,7 @@ def gen(out: Path, names: list[str], prefix: str = "") -> None:
     target = Target({"kind": "cuda", "arch": "sm_90a"}, host="llvm")
     for name in names:
         base, *variants = name.split("@")
-        cfg = tk.KernelConfig(H, H, 64, 64, "float16", kv_lora_rank=R, qk_rope_head_dim=ROPE,
+        cfg = tk.KernelSpec(H, H, 64, 64, "float16", kv_lora_rank=R, qk_rope_head_dim=ROPE,
                               paths={"cuda_mla_decode_kernel": base})
         func = tk.build_kernels(cfg, target, ops=(OP,))[OP]
         with target:

@@ -112,7 +112,7 @@ def gen(out: Path, tiles: list[str], prefix: str = "") -> None:
     meta = json.loads((out / "meta.json").read_text()) if (out / "meta.json").exists() else {}
     for tile in tiles:
         base, *variants = tile.split("@")
-        cfg = tk.KernelConfig(HQ, HKV, D, D, "float16", paths={"cuda_prefill_kernel": base})
+        cfg = tk.KernelSpec(HQ, HKV, D, D, "float16", paths={"cuda_prefill_kernel": base})
         target = Target({"kind": "cuda", "arch": "sm_90a" if TC_TILES[base].wgmma else "sm_90"}, host="llvm")
         func = tk.build_kernels(cfg, target, ops=(OP,))[OP]
         with target:

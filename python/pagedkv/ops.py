@@ -192,7 +192,7 @@ def check_op(name: str) -> str:
 
 
 def shape_values(config) -> dict[str, int]:
-    """Values of the compile-time shape symbols for a ``KVCacheConfig`` (or ``KernelConfig``)."""
+    """Values of the compile-time shape symbols for a ``KVCacheConfig`` (or ``KernelSpec``)."""
     mla = bool(getattr(config, "kv_lora_rank", 0))
     dl = config.kv_lora_rank + config.qk_rope_head_dim if mla else 0
     dv = getattr(config, "v_dim", None) or config.v_head_dim or config.head_dim

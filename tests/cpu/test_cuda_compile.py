@@ -66,7 +66,7 @@ def _generic_cuda_target() -> Target:
 @functools.cache
 def cuda_source(cfg: tuple, kind: str = "sm90") -> str:
     """CUDA source of all nine ops for ``cfg`` (cached per session); ``kind`` is "sm90" or "generic"."""
-    return ops_cuda_source(tk.KernelConfig(*cfg), None, SM80 if kind == "sm90" else _generic_cuda_target())
+    return ops_cuda_source(tk.KernelSpec(*cfg), None, SM80 if kind == "sm90" else _generic_cuda_target())
 
 
 def _sm90_source(cfg):
@@ -77,7 +77,7 @@ def _sm90_source(cfg):
 def masked_source(key: tuple) -> str:
     """CUDA source (sm_90) of the three attention ops for a ``MASKED_CONFIGS`` entry."""
     *shape, window, cap = key
-    return ops_cuda_source(tk.KernelConfig(*shape, sliding_window=window, logits_soft_cap=cap), ATTN_OPS, SM80)
+    return ops_cuda_source(tk.KernelSpec(*shape, sliding_window=window, logits_soft_cap=cap), ATTN_OPS, SM80)
 
 
 @pytest.fixture(scope="module")
@@ -88,7 +88,7 @@ def nvcc_results(tmp_path_factory):
 
 @pytest.mark.parametrize("cfg", CONFIGS, ids=IDS)
 def test_every_op_lowers_to_cuda(cfg):
-    funcs = tk.build_kernels(tk.KernelConfig(*cfg), SM80)
+    funcs = tk.build_kernels(tk.KernelSpec(*cfg), SM80)
     assert list(funcs) == list(tk.OPS_BY_KIND["mha"])
     for op, func in funcs.items():
         assert func.attrs["global_symbol"] == f"pagedkv_{op}"
@@ -124,12 +124,12 @@ def test_nvcc_compiles_for_sm90a(cfg, nvcc_results):
 ])
 def test_unsupported_shapes_name_the_head_dim(op, cfg, match):
     with pytest.raises(NotImplementedError, match=match):
-        tk.FACTORIES[op](tk.KernelConfig(*cfg), SM80)
+        tk.FACTORIES[op](tk.KernelSpec(*cfg), SM80)
 
 
 def test_cpu_dispatch_unchanged():
     """The llvm target still gets the CPU kernels (no thread bindings, not marked scheduled)."""
-    funcs = tk.build_kernels(tk.KernelConfig(8, 2, 64, 64, "float16"), tk.host_target())
+    funcs = tk.build_kernels(tk.KernelSpec(8, 2, 64, 64, "float16"), tk.host_target())
     for op, func in funcs.items():
         assert "tirx.is_scheduled" not in func.attrs, op
 
@@ -176,9 +176,9 @@ def test_masking_off_is_the_default_kernel(op, shape):
     spec_factory = getattr(tk.attention_cuda, f"{op}_cuda")  # called directly, on specs with the options
 
     def factory(*args, **options):
-        return spec_factory(tk.KernelConfig(*args, **options))
+        return spec_factory(tk.KernelSpec(*args, **options))
 
-    args = shape  # (hq, hkv, d, dv, dtype): KernelConfig's positional fields
+    args = shape  # (hq, hkv, d, dv, dtype): KernelSpec's positional fields
     with tk._common.fast_macro_expansion():  # as the factories' dispatch (5x faster parsing)
         default = factory(*args).script()
         assert factory(*args, sliding_window=0, logits_soft_cap=0.0).script() == default

@@ -77,7 +77,7 @@ def test_limits_are_data_and_forced_staged_raises():
     assert "exceeds 512 threads" in why[0]
     why = st.staged_limits(32, 256, "float16")  # 49408 bytes of shared memory
     assert len(why) == 1 and "shared memory" in why[0]
-    big = tk.KernelConfig(256, 1, 128, 128, "float16")
+    big = tk.KernelSpec(256, 1, 128, 128, "float16")
     assert not use_staged(big)  # auto: the lane-group kernel takes it
     with pytest.raises(NotImplementedError, match="cuda_decode_kernel=staged"):
         use_staged(dataclasses.replace(big, paths={SWITCH: "staged"}))
@@ -90,7 +90,7 @@ def test_rope_limits_are_data():
     assert "not two 16-byte vectors" in why[0]
     assert "shared memory with the RoPE tables" in sr.staged_rope_limits(16, 256, "float16")[0]
     assert sr.staged_rope_limits(4, 120, "float16") == st.staged_limits(4, 120, "float16")  # the plain ones first
-    cfg = tk.KernelConfig(32, 2, 256, 256, "float16")  # plain staged, RoPE on the lane-group kernel
+    cfg = tk.KernelSpec(32, 2, 256, 256, "float16")  # plain staged, RoPE on the lane-group kernel
     assert use_staged(cfg) and not use_staged(cfg, rope=True)
     forced = dataclasses.replace(cfg, paths={SWITCH: "staged"})
     assert use_staged(forced)  # the plain variant serves; the inline-RoPE one names its reason
@@ -104,7 +104,7 @@ def test_rope_limits_are_data():
 
 def test_switch_values():
     assert tk.SWITCHES[SWITCH][1] == ("auto", "lanes", "staged", "tc")  # tc: test_cuda_decode_tc.py
-    cfg = tk.KernelConfig(8, 2, 64, 64, "float32")  # fp32: the tensor-core decode (auto's first) does not serve
+    cfg = tk.KernelSpec(8, 2, 64, 64, "float32")  # fp32: the tensor-core decode (auto's first) does not serve
     for rope in (False, True):
         assert use_staged(cfg, rope) and use_staged(dataclasses.replace(cfg, paths={SWITCH: "staged"}), rope)
         assert not use_staged(dataclasses.replace(cfg, paths={SWITCH: "lanes"}), rope)
@@ -115,7 +115,7 @@ def _script(cfg, op="attn_decode_paged", **paths):
 
 
 def test_auto_is_staged_lanes_differs_other_kernels_alone():
-    cfg = tk.KernelConfig(8, 2, 64, 64, "float32", sliding_window=40, logits_soft_cap=5.0)
+    cfg = tk.KernelSpec(8, 2, 64, 64, "float32", sliding_window=40, logits_soft_cap=5.0)
     auto = _script(cfg)
     assert _script(cfg, cuda_decode_kernel="staged") == auto
     assert _script(cfg, cuda_decode_kernel="lanes") != auto
@@ -124,7 +124,7 @@ def test_auto_is_staged_lanes_differs_other_kernels_alone():
 
 
 def test_mla_decode_ignores_the_kernel_switch():
-    cfg = tk.KernelConfig(3, 3, 96, 64, "float32", kv_lora_rank=64, qk_rope_head_dim=32)
+    cfg = tk.KernelSpec(3, 3, 96, 64, "float32", kv_lora_rank=64, qk_rope_head_dim=32)
     op = "mla_attn_decode_paged"
     assert _script(cfg, op, cuda_decode_kernel="lanes") == _script(cfg, op)
 
@@ -143,7 +143,7 @@ def _key_loop(body: str) -> str:
 @pytest.mark.parametrize("hq,hkv,dtype", [(32, 8, "float16"), (64, 8, "bfloat16"), (16, 4, "float32")])
 def test_generated_cuda_uses_vector_loads(hq, hkv, dtype):
     # staged forced: auto runs the plain fp16 / bf16 decode on the tensor-core kernel
-    cfg = tk.KernelConfig(hq, hkv, 128, 128, dtype, paths={SWITCH: "staged"})
+    cfg = tk.KernelSpec(hq, hkv, 128, 128, dtype, paths={SWITCH: "staged"})
     with SM80:
         exe = tvm.compile(tvm.IRModule({"main": tk.FACTORIES["attn_decode_paged"](cfg, SM80)}), target=SM80)
     src = cuda_source_of(exe)

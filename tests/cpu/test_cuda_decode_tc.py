@@ -38,11 +38,11 @@ OP = "attn_decode_paged"
 NVCC = {
     # 165 since chunked split ranges (the q load skipped in a split without keys; 160 before): two blocks an SM
     # are set by shared memory and allow 255
-    "32x8x128-f16": (tk.KernelConfig(32, 8, 128, 128, "float16"), 168),
-    "64x8x128-bf16-w300-cap3": (tk.KernelConfig(64, 8, 128, 128, "bfloat16", sliding_window=300,
+    "32x8x128-f16": (tk.KernelSpec(32, 8, 128, 128, "float16"), 168),
+    "64x8x128-bf16-w300-cap3": (tk.KernelSpec(64, 8, 128, 128, "bfloat16", sliding_window=300,
                                                 logits_soft_cap=3.0), 168),
-    "32x2x64-f16": (tk.KernelConfig(32, 2, 64, 64, "float16"), 128),
-    "4x4x64-bf16": (tk.KernelConfig(4, 4, 64, 64, "bfloat16"), 128),
+    "32x2x64-f16": (tk.KernelSpec(32, 2, 64, 64, "float16"), 128),
+    "4x4x64-bf16": (tk.KernelSpec(4, 4, 64, 64, "bfloat16"), 128),
 }
 
 
@@ -75,16 +75,16 @@ def test_limits_are_data():
 
 def test_switch_values_and_forced_tc_raises():
     assert tk.SWITCHES[SWITCH][1] == ("auto", "lanes", "staged", "tc")
-    cfg = tk.KernelConfig(32, 8, 128, 128, "float16")
+    cfg = tk.KernelSpec(32, 8, 128, 128, "float16")
     assert dec.use_tc(_with(cfg, cuda_decode_kernel="tc"))
     assert not dec.use_tc(_with(cfg, cuda_decode_kernel="lanes"))
     assert not dec.use_tc(_with(cfg, cuda_decode_kernel="staged"))
     # inline RoPE follows the switch: tc forced runs the tensor-core RoPE kernel, staged the staged one
     assert dec.use_tc(_with(cfg, cuda_decode_kernel="tc"), rope=True)
     assert not dec.use_tc(_with(cfg, cuda_decode_kernel="staged"), rope=True)
-    for bad, why in ((tk.KernelConfig(8, 2, 128, 128, "float32"), "dtype float32"),
-                     (tk.KernelConfig(8, 2, 96, 96, "float16"), "head dims 96/96"),
-                     (tk.KernelConfig(64, 2, 128, 128, "float16"), "GQA group 32")):
+    for bad, why in ((tk.KernelSpec(8, 2, 128, 128, "float32"), "dtype float32"),
+                     (tk.KernelSpec(8, 2, 96, 96, "float16"), "head dims 96/96"),
+                     (tk.KernelSpec(64, 2, 128, 128, "float16"), "GQA group 32")):
         with pytest.raises(NotImplementedError, match=f"cuda_decode_kernel=tc: .*{why}"):
             dec.use_tc(_with(bad, cuda_decode_kernel="tc"))
         with pytest.raises(NotImplementedError, match=why):
@@ -95,17 +95,17 @@ def test_switch_values_and_forced_tc_raises():
 def test_auto_is_the_tables_choice():
     """auto builds what the selection table names: the tensor-core kernel (plain and inline RoPE) where it
     serves, the same TIR as forced; the staged kernel where it does not (fp32)."""
-    cfg = tk.KernelConfig(16, 2, 64, 64, "bfloat16", sliding_window=40, logits_soft_cap=5.0)
+    cfg = tk.KernelSpec(16, 2, 64, 64, "bfloat16", sliding_window=40, logits_soft_cap=5.0)
     assert dec.use_tc(cfg) and dec.use_tc(cfg, rope=True)
     forced = tk.FACTORIES[OP](_with(cfg, cuda_decode_kernel="tc"), SM80).script()
     staged = tk.FACTORIES[OP](_with(cfg, cuda_decode_kernel="staged"), SM80).script()
     assert tk.FACTORIES[OP](cfg, SM80).script() == forced != staged
-    fp32 = tk.KernelConfig(16, 2, 64, 64, "float32")
+    fp32 = tk.KernelSpec(16, 2, 64, 64, "float32")
     assert not dec.use_tc(fp32) and dec.use_staged(fp32)
 
 
 def test_other_ops_ignore_the_tc_value():
-    cfg = tk.KernelConfig(8, 2, 64, 64, "float16")
+    cfg = tk.KernelSpec(8, 2, 64, 64, "float16")
     for op in ("attn_prefill_paged", "attn_prefill_ragged", "merge_state"):
         assert (tk.FACTORIES[op](_with(cfg, cuda_decode_kernel="tc"), SM80).script()
                 == tk.FACTORIES[op](cfg, SM80).script())
@@ -160,7 +160,7 @@ def test_tc_nvcc_no_spills_registers_mma(name, nvcc_results):
 
 def test_tc_dynamic_shared_memory_launch():
     """The host code launches the tc kernel with the ring's bytes of dynamic shared memory."""
-    for cfg in (tk.KernelConfig(32, 8, 128, 128, "float16"), tk.KernelConfig(32, 2, 64, 64, "bfloat16")):
+    for cfg in (tk.KernelSpec(32, 8, 128, 128, "float16"), tk.KernelSpec(32, 2, 64, 64, "bfloat16")):
         func = tk.build_kernels(_with(cfg, cuda_decode_kernel="tc"), SM80, ops=(OP,))[OP]
         main, params = host_main(func)
         for rope in (0, 1):

@@ -1,7 +1,7 @@
 """Forced code paths of the CUDA kernels (``pagedkv.kernel_spec.SWITCHES``, switches ``cuda_*``) on the build host: no GPU.
 
 - "auto" has no forced code: a decode factory without the switch, with ``decode_splits=0`` and through
-  ``KernelConfig(paths={...: "auto"})`` give the same ``script()``; a forced split count changes only the
+  ``KernelSpec(paths={...: "auto"})`` give the same ``script()``; a forced split count changes only the
   host-side split expression of the decode kernels (to the documented clamp), and no other kernel.
 - Every forced value of ``cuda_decode_splits`` (MHA: with the default plain kernel and with
   ``cuda_decode_kernel=lanes``) compiles with ``nvcc --cubin -arch=sm_90a`` without register spills, at shapes of ``test_cuda_compile.py`` / ``test_mla_cuda_compile.py`` (the benchmark shape, the
@@ -34,14 +34,14 @@ FORCED = [v for v in tk.SWITCHES[SWITCH][1] if v != "auto"]
 
 
 def _mla(h, rank, rope, dtype):
-    return tk.KernelConfig(h, h, rank + rope, rank, dtype, kv_lora_rank=rank, qk_rope_head_dim=rope)
+    return tk.KernelSpec(h, h, rank + rope, rank, dtype, kv_lora_rank=rank, qk_rope_head_dim=rope)
 
 
-#: name -> KernelConfig (shapes of the existing CUDA compile tests). nvcc runs on the first three (each forced
+#: name -> KernelSpec (shapes of the existing CUDA compile tests). nvcc runs on the first three (each forced
 #: value of a shape in one module); the small MLA shape serves the script checks only.
 SHAPES = {
-    "32x8x128-f16": tk.KernelConfig(32, 8, 128, 128, "float16"),
-    "4x4x64-f32-w100-cap50": tk.KernelConfig(4, 4, 64, 64, "float32", sliding_window=100, logits_soft_cap=50.0),
+    "32x8x128-f16": tk.KernelSpec(32, 8, 128, 128, "float16"),
+    "4x4x64-f32-w100-cap50": tk.KernelSpec(4, 4, 64, 64, "float32", sliding_window=100, logits_soft_cap=50.0),
     "mla-16x512x64-f16": _mla(16, 512, 64, "float16"),
     "mla-3x64x32-f32": _mla(3, 64, 32, "float32"),
 }
@@ -62,9 +62,9 @@ def _forced(cfg, value: str):
 
 def test_switch_is_registered():
     assert tk.SWITCHES[SWITCH][1][0] == "auto" and {"1", "2", "8"} <= set(FORCED)
-    assert tk.KernelConfig(4, 4, 64, paths={SWITCH: "auto"}).paths == ()
+    assert tk.KernelSpec(4, 4, 64, paths={SWITCH: "auto"}).paths == ()
     with pytest.raises(ValueError, match=SWITCH):
-        tk.KernelConfig(4, 4, 64, paths={SWITCH: "0"})
+        tk.KernelSpec(4, 4, 64, paths={SWITCH: "0"})
 
 
 @pytest.mark.parametrize("name", ["4x4x64-f32-w100-cap50", "mla-3x64x32-f32"])

@@ -24,15 +24,15 @@ from pagedkv import tir_kernels as tk
 
 #: name -> (config, forced paths). A forced split count with chunk ranges: the longest entry's range count.
 CONFIGS = {
-    "tc-4x1x128-f16-s3": (tk.KernelConfig(4, 1, 128, 128, "float16"),
+    "tc-4x1x128-f16-s3": (tk.KernelSpec(4, 1, 128, 128, "float16"),
                           {"cuda_decode_kernel": "tc", "cuda_decode_splits": "3"}),
-    "tc-4x1x128-f16-auto": (tk.KernelConfig(4, 1, 128, 128, "float16"), {"cuda_decode_kernel": "tc"}),
-    "tc-8x1x64-bf16-w90-cap20-s3": (tk.KernelConfig(8, 1, 64, 64, "bfloat16", sliding_window=90,
+    "tc-4x1x128-f16-auto": (tk.KernelSpec(4, 1, 128, 128, "float16"), {"cuda_decode_kernel": "tc"}),
+    "tc-8x1x64-bf16-w90-cap20-s3": (tk.KernelSpec(8, 1, 64, 64, "bfloat16", sliding_window=90,
                                                     logits_soft_cap=20.0),
                                     {"cuda_decode_kernel": "tc", "cuda_decode_splits": "3"}),
-    "staged-4x1x64-f16-s3": (tk.KernelConfig(4, 1, 64, 64, "float16"),
+    "staged-4x1x64-f16-s3": (tk.KernelSpec(4, 1, 64, 64, "float16"),
                              {"cuda_decode_kernel": "staged", "cuda_decode_splits": "3"}),
-    "staged-7x1x64-f32-w40-cap20-s2": (tk.KernelConfig(7, 1, 64, 64, "float32", sliding_window=40,
+    "staged-7x1x64-f32-w40-cap20-s2": (tk.KernelSpec(7, 1, 64, 64, "float32", sliding_window=40,
                                                        logits_soft_cap=20.0),
                                        {"cuda_decode_kernel": "staged", "cuda_decode_splits": "2"}),
 }

@@ -23,13 +23,13 @@ from pagedkv import tir_kernels as tk
 
 #: name -> (config, forced split count). Splits: 3 and 2 (split + merge), 1 (direct write).
 CONFIGS = {
-    "4x1x64-f16-s3": (tk.KernelConfig(4, 1, 64, 64, "float16"), "3"),
-    "8x1x128-bf16-s2": (tk.KernelConfig(8, 1, 128, 128, "bfloat16"), "2"),
-    "2x2x128-f16-s1": (tk.KernelConfig(2, 2, 128, 128, "float16"), "1"),
-    "7x1x64-f32-w40-cap20-s2": (tk.KernelConfig(7, 1, 64, 64, "float32", sliding_window=40, logits_soft_cap=20.0),
+    "4x1x64-f16-s3": (tk.KernelSpec(4, 1, 64, 64, "float16"), "3"),
+    "8x1x128-bf16-s2": (tk.KernelSpec(8, 1, 128, 128, "bfloat16"), "2"),
+    "2x2x128-f16-s1": (tk.KernelSpec(2, 2, 128, 128, "float16"), "1"),
+    "7x1x64-f32-w40-cap20-s2": (tk.KernelSpec(7, 1, 64, 64, "float32", sliding_window=40, logits_soft_cap=20.0),
                                 "2"),
     # 6 of 8 lanes hold dims (the padding lanes' zeros in the dots and the q table reads)
-    "3x1x96-bf16-s3": (tk.KernelConfig(3, 1, 96, 96, "bfloat16"), "3"),
+    "3x1x96-bf16-s3": (tk.KernelSpec(3, 1, 96, 96, "bfloat16"), "3"),
 }
 #: Keys per entry: empty, one, page (16) and tile (32 / 64) edges, a last tile left partly empty, several tiles.
 LENGTHS = [150, 0, 1, 17, 64, 95]

@@ -26,13 +26,13 @@ from pagedkv import tir_kernels as tk
 
 #: name -> (config, forced split count or "auto").
 CONFIGS = {
-    "2x2x128-f16-s1": (tk.KernelConfig(2, 2, 128, 128, "float16"), "1"),
-    "4x1x64-bf16-s3": (tk.KernelConfig(4, 1, 64, 64, "bfloat16"), "3"),
-    "7x1x128-f16-s3": (tk.KernelConfig(7, 1, 128, 128, "float16"), "3"),
-    "8x1x128-bf16-s1": (tk.KernelConfig(8, 1, 128, 128, "bfloat16"), "1"),
-    "16x1x64-f16-auto": (tk.KernelConfig(16, 1, 64, 64, "float16"), "auto"),
-    "16x1x128-bf16-s3": (tk.KernelConfig(16, 1, 128, 128, "bfloat16"), "3"),
-    "8x1x64-f16-w90-cap20-s3": (tk.KernelConfig(8, 1, 64, 64, "float16", sliding_window=90, logits_soft_cap=20.0),
+    "2x2x128-f16-s1": (tk.KernelSpec(2, 2, 128, 128, "float16"), "1"),
+    "4x1x64-bf16-s3": (tk.KernelSpec(4, 1, 64, 64, "bfloat16"), "3"),
+    "7x1x128-f16-s3": (tk.KernelSpec(7, 1, 128, 128, "float16"), "3"),
+    "8x1x128-bf16-s1": (tk.KernelSpec(8, 1, 128, 128, "bfloat16"), "1"),
+    "16x1x64-f16-auto": (tk.KernelSpec(16, 1, 64, 64, "float16"), "auto"),
+    "16x1x128-bf16-s3": (tk.KernelSpec(16, 1, 128, 128, "bfloat16"), "3"),
+    "8x1x64-f16-w90-cap20-s3": (tk.KernelSpec(8, 1, 64, 64, "float16", sliding_window=90, logits_soft_cap=20.0),
                                 "3"),
 }
 CASES = [(name, 0) for name in CONFIGS] + [(name, 1) for name in CONFIGS]
@@ -85,7 +85,7 @@ def test_emulated_tc_decode_two_slot_ring(apply_rope, tmp_path, monkeypatch):
 
     monkeypatch.setattr(tcd, "TCD_SLOTS", 2)
     for splits in ("1", "3"):
-        cfg = tk.KernelConfig(8, 2, 128, 128, "float16")
+        cfg = tk.KernelSpec(8, 2, 128, 128, "float16")
         b = build(cfg, {"cuda_decode_kernel": "tc", "cuda_decode_splits": splits}, tmp_path / f"s{splits}")
         tc = [body for body, _p in b.kernels.values() if "tcd_smem" in body]
         assert len(tc) == 2 and not any("pagedkv_cp_async_wait1(" in body for body in tc)  # no 3-slot wait
@@ -109,7 +109,7 @@ def test_emulated_tc_rope_anchor_every_other_tile(dtype, tmp_path, monkeypatch):
 
     monkeypatch.setattr(tcr, "ANCHOR_TILES", 2)
     for d, splits in ((128, "1"), (64, "1"), (64, "3")):
-        cfg = tk.KernelConfig(8, 2, d, d, dtype)
+        cfg = tk.KernelSpec(8, 2, d, d, dtype)
         b = build(cfg, {"cuda_decode_kernel": "tc", "cuda_decode_splits": splits}, tmp_path / f"d{d}s{splits}")
         gen = torch.Generator().manual_seed(int(torch.randint(0, 2**31 - 1, (1,))))
         ents, pages, page_indptr, page_values, last = inputs(cfg, gen, LENGTHS, PS)
@@ -131,7 +131,7 @@ def test_emulated_tc_decode_switches(switch, tmp_path, monkeypatch):
         pytest.skip("g++ not found")
     set_tc_switch(monkeypatch, switch)
     for d, splits in ((128, "1"), (64, "3")):
-        cfg = tk.KernelConfig(8, 2, d, d, "float16")
+        cfg = tk.KernelSpec(8, 2, d, d, "float16")
         b = build(cfg, {"cuda_decode_kernel": "tc", "cuda_decode_splits": splits}, tmp_path / f"d{d}s{splits}")
         bodies = [body for body, _p in b.kernels.values() if "tcd_smem" in body]
         assert any("pagedkv_rope_rotl_" in body for body in bodies)

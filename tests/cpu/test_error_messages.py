@@ -134,9 +134,9 @@ def test_odd_head_dim_mha_refused_for_the_real_reason():
         assert tir.validate_configuration(op, ODD, "llvm") == [f"TIR CPU {op} {PV_REASON} head_dim 31"]
     for op in (ops.SPLIT_ROTARY, ops.APPEND_KV, ops.GATHER_KV, ops.COPY_PAGE, ops.MERGE_STATE):
         assert tir.validate_configuration(op, ODD, "llvm") == []  # these kernels take any head dim
-    from pagedkv.tir_kernels import KernelConfig, make_attn_decode_paged
+    from pagedkv.tir_kernels import KernelSpec, make_attn_decode_paged
 
-    spec = KernelConfig(4, 2, 31)  # the spec is target-neutral; the CPU kernel states its own limit
+    spec = KernelSpec(4, 2, 31)  # the spec is target-neutral; the CPU kernel states its own limit
     with pytest.raises(ValueError, match=re.escape("value head dim 31 is odd; the CPU attention kernels "
                                                    "accumulate P @ V in pairs of value columns")):
         make_attn_decode_paged(spec, "llvm")

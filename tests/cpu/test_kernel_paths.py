@@ -48,16 +48,16 @@ def _has_parallel_loop(stmt) -> bool:
 # auto builds the default kernel; forced paths build exactly one path
 # ---------------------------------------------------------------------------------------------------
 #: Per CPU attention kernel: the family factory called directly with a spec (``family_cpu``), the op and
-#: KernelConfig of the same kernel (the path through ``FACTORIES``), and its work threshold.
+#: KernelSpec of the same kernel (the path through ``FACTORIES``), and its work threshold.
 def _direct(factory, cfg):
     """The family factory called with ``cfg`` updated by the keyword options (paths, masking)."""
     return lambda **kw: factory(dataclasses.replace(cfg, **kw))
 
 
-_CFGS = {"decode": tk.KernelConfig(8, 2, 64, 64, "float16"), "paged": tk.KernelConfig(4, 4, 128, 128, "float32"),
-         "ragged": tk.KernelConfig(7, 1, 128, 64, "float32"),
-         "mla_decode": tk.KernelConfig(16, 16, 192, 128, "float16", kv_lora_rank=512, qk_rope_head_dim=64),
-         "mla_prefill": tk.KernelConfig(3, 3, 96, 64, "float32", kv_lora_rank=64, qk_rope_head_dim=32)}
+_CFGS = {"decode": tk.KernelSpec(8, 2, 64, 64, "float16"), "paged": tk.KernelSpec(4, 4, 128, 128, "float32"),
+         "ragged": tk.KernelSpec(7, 1, 128, 64, "float32"),
+         "mla_decode": tk.KernelSpec(16, 16, 192, 128, "float16", kv_lora_rank=512, qk_rope_head_dim=64),
+         "mla_prefill": tk.KernelSpec(3, 3, 96, 64, "float32", kv_lora_rank=64, qk_rope_head_dim=32)}
 _OPS = {"decode": ("attn_decode_paged", "_SERIAL_DECODE_WORK"), "paged": ("attn_prefill_paged", "_SERIAL_PREFILL_WORK"),
         "ragged": ("attn_prefill_ragged", "_SERIAL_PREFILL_WORK"),
         "mla_decode": ("mla_attn_decode_paged", "_SERIAL_DECODE_WORK"),
@@ -82,7 +82,7 @@ def _sha(func) -> str:
 @pytest.mark.parametrize("name", list(BUILDERS))
 def test_options_off_and_auto_paths_build_the_default_kernel(name):
     """sliding_window = 0, logits_soft_cap = 0 and paths empty / "auto" build exactly the kernel of a call
-    without them (same script), directly and through KernelConfig / FACTORIES; turning an option on or
+    without them (same script), directly and through KernelSpec / FACTORIES; turning an option on or
     forcing a path changes it, and FACTORIES threads a forced path through."""
     _, op, cfg, _ = BUILDERS[name]
     default = _sha(built(name))
@@ -150,12 +150,12 @@ def shifted_loop_bounds(func) -> list[tuple[str, str]]:
 #: One config per CPU attention kernel variant: plain, window (prefill and decode start their key-tile
 #: loop past tile 0), soft-cap, both (on the forced parallel path); MLA.
 STRUCTURE_CFGS = [
-    tk.KernelConfig(16, 16, 64, 64, "float32", sliding_window=13),
-    tk.KernelConfig(8, 2, 128, 64, "float16", sliding_window=40, logits_soft_cap=5.0,
+    tk.KernelSpec(16, 16, 64, 64, "float32", sliding_window=13),
+    tk.KernelSpec(8, 2, 128, 64, "float16", sliding_window=40, logits_soft_cap=5.0,
                     paths={"cpu_threads": "parallel"}),
-    tk.KernelConfig(6, 2, 64, 64, "float32", logits_soft_cap=30.0),
-    tk.KernelConfig(4, 4, 64, 64, "float16"),
-    tk.KernelConfig(16, 16, 192, 128, "float16", kv_lora_rank=512, qk_rope_head_dim=64),
+    tk.KernelSpec(6, 2, 64, 64, "float32", logits_soft_cap=30.0),
+    tk.KernelSpec(4, 4, 64, 64, "float16"),
+    tk.KernelSpec(16, 16, 192, 128, "float16", kv_lora_rank=512, qk_rope_head_dim=64),
 ]
 
 

@@ -50,7 +50,7 @@ DTYPES = ["float32", "float16", "bfloat16"]
 # helpers
 # ---------------------------------------------------------------------------------------------------
 @functools.lru_cache(maxsize=None)
-def kernel(op: str, cfg: tk.KernelConfig):
+def kernel(op: str, cfg: tk.KernelSpec):
     """Compiled ``pagedkv_<op>`` for ``cfg`` (cached for the whole session)."""
     func = tk.FACTORIES[op](cfg, TARGET)
     lib = tvm.compile(tvm.IRModule({f"pagedkv_{op}": func}), target=TARGET)
@@ -92,7 +92,7 @@ def attention_ref(q, k, v, causal, sm_scale, q_pos=None, k_pos=None, rope=None, 
     """One entry: ``q[qlen,Hq,D]``, ``k[kvlen,Hkv,D]``, ``v[kvlen,Hkv,Dv]`` -> (o, lse base 2), float64.
 
     Rows that see no key get o = 0 and lse = EMPTY_LSE. ``sliding_window`` / ``logits_soft_cap`` as in
-    ``KernelConfig`` (0: off).
+    ``KernelSpec`` (0: off).
     """
     q, k, v = (torch.as_tensor(np.asarray(a, dtype=np.float64)) for a in (q, k, v))
     qlen, hq, _ = q.shape
@@ -159,9 +159,9 @@ def test_ops_match_vocabulary():
 
 
 def test_build_kernels_symbols():
-    funcs = tk.build_kernels(tk.KernelConfig(8, 2, 64, 64, "float16"), TARGET)
+    funcs = tk.build_kernels(tk.KernelSpec(8, 2, 64, 64, "float16"), TARGET)
     assert list(funcs) == list(tk.OPS_BY_KIND["mha"])
-    mla = tk.build_kernels(tk.KernelConfig(4, 4, 96, 64, "float16", kv_lora_rank=64, qk_rope_head_dim=32),
+    mla = tk.build_kernels(tk.KernelSpec(4, 4, 96, 64, "float16", kv_lora_rank=64, qk_rope_head_dim=32),
                            TARGET)
     assert sorted(mla) == sorted(tk.OPS_BY_KIND["mla"])
     for op, func in {**funcs, **mla}.items():
@@ -169,16 +169,16 @@ def test_build_kernels_symbols():
 
 
 def test_config_validation():
-    assert tk.KernelConfig(8, 2, 64).v_head_dim == 64
+    assert tk.KernelSpec(8, 2, 64).v_head_dim == 64
     with pytest.raises(ValueError, match="multiple"):
-        tk.KernelConfig(6, 4, 64)
+        tk.KernelSpec(6, 4, 64)
     with pytest.raises(ValueError, match="dtype"):
-        tk.KernelConfig(4, 4, 64, 64, "int8")
+        tk.KernelSpec(4, 4, 64, 64, "int8")
 
 
 def test_unknown_target_kind_names_the_op():
     with pytest.raises(NotImplementedError, match="attn_decode_paged"):
-        tk.make_attn_decode_paged(tk.KernelConfig(4, 4, 64), tvm.target.Target({"kind": "vulkan"}))
+        tk.make_attn_decode_paged(tk.KernelSpec(4, 4, 64), tvm.target.Target({"kind": "vulkan"}))
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -191,9 +191,9 @@ def masked_q(n, hq, d, dtype, masking):
 
 
 def run_decode_paged(shape, dtype, ps, apply_rope, lens, masking=None, kv=None, paths=()):
-    """``attn_decode_paged`` over sequences of ``lens`` keys vs the reference; ``masking``: KernelConfig's
+    """``attn_decode_paged`` over sequences of ``lens`` keys vs the reference; ``masking``: KernelSpec's
     sliding_window / logits_soft_cap; ``kv``: a prepared ``PagedKV`` (else a random one); ``paths``:
-    KernelConfig's forced code paths."""
+    KernelSpec's forced code paths."""
     hq, hkv, d = shape
     masking = masking or {}
     kv = kv or PagedKV(lens, hkv, d, ps, dtype)
@@ -206,7 +206,7 @@ def run_decode_paged(shape, dtype, ps, apply_rope, lens, masking=None, kv=None, 
     off = view_offset(ps)
     o = dev(np.full((nb, hq, d), np.nan, dtype), off)
     lse = dev(np.full((nb, hq), np.nan, np.float32), off)
-    kernel("attn_decode_paged", tk.KernelConfig(hq, hkv, d, d, dtype, **masking, paths=paths))(
+    kernel("attn_decode_paged", tk.KernelSpec(hq, hkv, d, d, dtype, **masking, paths=paths))(
         dev(q, off), dev(kv.pages), dev(kv.page_indptr, off), dev(kv.page_values, off),
         dev(kv.last_page_len, off), dev(k_pos_offset, off), dev(q_pos, off), o, lse,
         apply_rope, rope_scale, rope_theta, sm_scale)
@@ -250,7 +250,7 @@ def run_prefill_paged(shape, dtype, ps, causal, apply_rope, entries, masking=Non
     off = view_offset(ps)
     o = dev(np.full((n, hq, d), np.nan, dtype), off)
     lse = dev(np.full((n, hq), np.nan, np.float32), off)
-    kernel("attn_prefill_paged", tk.KernelConfig(hq, hkv, d, d, dtype, **masking, paths=paths))(
+    kernel("attn_prefill_paged", tk.KernelSpec(hq, hkv, d, d, dtype, **masking, paths=paths))(
         dev(q, off), dev(q_indptr, off), dev(kv.pages), dev(kv.page_indptr, off), dev(kv.page_values, off),
         dev(kv.last_page_len, off), dev(k_pos_offset, off), dev(q_pos, off), o, lse,
         causal, apply_rope, rope_scale, rope_theta, sm_scale)
@@ -295,7 +295,7 @@ def run_prefill_ragged(shape, dtype, causal, apply_rope, entries, masking=None, 
     off = 3 * causal
     o = dev(np.full((n, hq, dv), np.nan, dtype), off)
     lse = dev(np.full((n, hq), np.nan, np.float32), off)
-    kernel("attn_prefill_ragged", tk.KernelConfig(hq, hkv, d, dv, dtype, **masking, paths=paths))(
+    kernel("attn_prefill_ragged", tk.KernelSpec(hq, hkv, d, dv, dtype, **masking, paths=paths))(
         dev(q, off), dev(k, off), dev(v, off), dev(q_indptr, off), dev(kv_indptr, off), dev(q_pos, off),
         dev(k_pos_offset, off), o, lse, causal, apply_rope, rope_scale, rope_theta, sm_scale)
     refs = [attention_ref(q[q_indptr[b]:q_indptr[b + 1]], k[kv_indptr[b]:kv_indptr[b + 1]],
@@ -388,7 +388,7 @@ def test_attn_prefill_ragged_gqa8_long():
     zeros = np.zeros(1, np.int32)
     o = dev(np.full((n, hq, d), np.nan, dtype))
     lse = dev(np.full((n, hq), np.nan, np.float32))
-    kernel("attn_prefill_ragged", tk.KernelConfig(hq, hkv, d, d, dtype))(
+    kernel("attn_prefill_ragged", tk.KernelSpec(hq, hkv, d, d, dtype))(
         dev(q), dev(k), dev(v), dev(indptr), dev(indptr), dev(np.arange(n, dtype=np.int32)), dev(zeros),
         o, lse, 1, 0, 1.0, 10000.0, 0.125)
     o_ref, lse_ref = attention_ref(q, k, v, True, 0.125)
@@ -408,7 +408,7 @@ def test_split_rotary(shape, dtype, apply_rope):
     q_pos = RNG.integers(0, 250, n).astype(np.int32)
     rope_scale, rope_theta = rope_params()
     outs = [dev(np.full((n, h, d), np.nan, dtype), 7) for h in (hq, hkv, hkv)]
-    kernel("split_rotary", tk.KernelConfig(hq, hkv, d, d, dtype))(
+    kernel("split_rotary", tk.KernelSpec(hq, hkv, d, d, dtype))(
         dev(qkv, 3), dev(q_pos, 2), *outs, apply_rope, rope_scale, rope_theta)
     parts = [qkv[:, :hq], qkv[:, hq:hq + hkv], qkv[:, hq + hkv:]]
     pos = torch.as_tensor(q_pos)
@@ -436,7 +436,7 @@ def test_merge_state(heads_dv, dtype):
         if eb:
             o_b[row], lse_b[row] = 0, EMPTY_LSE
     ta, tla = dev(o_a, 4), dev(lse_a, 4)
-    kernel("merge_state", tk.KernelConfig(h, h, dv, dv, dtype))(ta, tla, dev(o_b, 1), dev(lse_b, 2))
+    kernel("merge_state", tk.KernelSpec(h, h, dv, dv, dtype))(ta, tla, dev(o_b, 1), dev(lse_b, 2))
     oa64, ob64 = o_a.astype(np.float64), o_b.astype(np.float64)
     la64, lb64 = lse_a.astype(np.float64), lse_b.astype(np.float64)
     empty_a, empty_b = la64 <= EMPTY_LSE / 2, lb64 <= EMPTY_LSE / 2
@@ -472,7 +472,7 @@ def page_pool(num_pages, hkv, d, ps, dtype, fill):
 @pytest.mark.parametrize("hkv_d", PAGE_SHAPES, ids=lambda s: "x".join(map(str, s)))
 def test_append_and_gather_kv(hkv_d, dtype, ps):
     hkv, d = hkv_d
-    cfg = tk.KernelConfig(hkv, hkv, d, d, dtype)
+    cfg = tk.KernelSpec(hkv, hkv, d, d, dtype)
     pool = page_pool(7, hkv, d, ps, dtype, fill=False)
     n = int(RNG.integers(1, 7 * ps))
     slots = RNG.choice(7 * ps, n, replace=False).astype(np.int32)
@@ -500,7 +500,7 @@ def test_copy_page(hkv_d, dtype, ps):
     pool[4] = np.nan
     src, dst, ntok = 1, 4, int(RNG.integers(1, ps))
     tpool = dev(pool)
-    kernel("copy_page", tk.KernelConfig(hkv, hkv, d, d, dtype))(tpool, src, dst, ntok)
+    kernel("copy_page", tk.KernelSpec(hkv, hkv, d, d, dtype))(tpool, src, dst, ntok)
     expect = pool.copy()
     expect[dst, :, :, :ntok] = pool[src, :, :, :ntok]
     assert np.array_equal(tpool.numpy(), expect, equal_nan=True)
@@ -516,7 +516,7 @@ def test_compact_copy(hkv_d, dtype, ps):
     chosen = RNG.choice(6 * ps, 2 * n, replace=False).astype(np.int32)
     src, dst = chosen[:n], chosen[n:]  # disjoint, as the runtime guarantees
     tpool = dev(pool)
-    kernel("compact_copy", tk.KernelConfig(hkv, hkv, d, d, dtype))(tpool, dev(src, 3), dev(dst, 1))
+    kernel("compact_copy", tk.KernelSpec(hkv, hkv, d, d, dtype))(tpool, dev(src, 3), dev(dst, 1))
     expect = pool.copy()
     for s, t in zip(src, dst):
         expect[t // ps, :, :, t % ps] = pool[s // ps, :, :, s % ps]
@@ -527,7 +527,7 @@ def test_compact_copy(hkv_d, dtype, ps):
 def test_attn_tiny_calls(dtype):
     """Calls small enough to run on the calling thread (no thread pool): all three attention kernels."""
     hq, hkv, d, ps = 6, 2, 64, 16
-    cfg = tk.KernelConfig(hq, hkv, d, d, dtype)
+    cfg = tk.KernelSpec(hq, hkv, d, d, dtype)
     sm_scale = 0.125
     # decode: two sequences of 3 and 0 keys
     kv = PagedKV([3, 0], hkv, d, ps, dtype)

@@ -26,7 +26,7 @@ DTYPES = ["float32", "float16", "bfloat16"]
 
 def mla_cfg(h, r, rope, dtype):
     """The kernel config of an MLA layer (self-attention dims: nope 64 + rope, v 64)."""
-    return tk.KernelConfig(h, h, 64 + rope, 64, dtype, kv_lora_rank=r, qk_rope_head_dim=rope)
+    return tk.KernelSpec(h, h, 64 + rope, 64, dtype, kv_lora_rank=r, qk_rope_head_dim=rope)
 
 
 class LatentPages:
@@ -60,7 +60,7 @@ def _sm_scale(rope):
 
 def run_mla_decode(shape, dtype, ps, lens, paths=()):
     """``mla_attn_decode_paged`` over sequences of ``lens`` latents vs the reference; ``paths``: forced code
-    paths (KernelConfig.paths)."""
+    paths (KernelSpec.paths)."""
     h, r, rope = shape
     dl = r + rope
     kv = LatentPages(lens, dl, ps, dtype)

@@ -40,7 +40,7 @@ MARK = {"tc": "mma.sync.aligned.m16n8k16", "wgq": "wgmma.mma_async"}
 
 
 def spec(heads, dtype, kernel, arch="sm_80"):
-    s = tk.KernelConfig(heads, heads, 64, 64, dtype, kv_lora_rank=512, qk_rope_head_dim=64, paths={SWITCH: kernel})
+    s = tk.KernelSpec(heads, heads, 64, 64, dtype, kv_lora_rank=512, qk_rope_head_dim=64, paths={SWITCH: kernel})
     return dataclasses.replace(s, target_arch=arch)
 
 

@@ -44,7 +44,7 @@ STATIC_SMEM, MAX_SMEM = 48 * 1024, 227 * 1024
 
 
 def spec(h, rank, rope, dtype, value="tc"):
-    return tk.KernelConfig(h, h, 64, 64, dtype, kv_lora_rank=rank, qk_rope_head_dim=rope, paths={SWITCH: value})
+    return tk.KernelSpec(h, h, 64, 64, dtype, kv_lora_rank=rank, qk_rope_head_dim=rope, paths={SWITCH: value})
 
 
 @functools.cache

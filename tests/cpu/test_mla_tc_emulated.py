@@ -89,7 +89,7 @@ def _config(name, kernel):
 def _spec(name, kernel="tc", op=OP):
     h, r, rope, dt, splits, _l, _ps = _config(name, kernel)
     switch = "cuda_mla_decode_kernel" if op == OP else "cuda_mla_prefill_kernel"
-    return tk.KernelConfig(h, h, 64, 64, dt, kv_lora_rank=r, qk_rope_head_dim=rope,
+    return tk.KernelSpec(h, h, 64, 64, dt, kv_lora_rank=r, qk_rope_head_dim=rope,
                            paths={switch: kernel.split("/")[0], "cuda_decode_splits": splits})
 
 

@@ -68,12 +68,12 @@ def test_ops_lists_are_consistent():
 
 # -- PrimFuncs against the table --------------------------------------------------------------------------
 def _kernel_configs():
-    from pagedkv.tir_kernels import KernelConfig
+    from pagedkv.tir_kernels import KernelSpec
 
     return {
-        "mha_f16_gqa4": KernelConfig(8, 2, 64, 64, "float16"),
-        "mha_f32_gqa3_window_cap": KernelConfig(6, 2, 32, 32, "float32", sliding_window=7, logits_soft_cap=2.0),
-        "mla_f32": KernelConfig(4, 4, 96, 64, "float32", kv_lora_rank=64, qk_rope_head_dim=32),
+        "mha_f16_gqa4": KernelSpec(8, 2, 64, 64, "float16"),
+        "mha_f32_gqa3_window_cap": KernelSpec(6, 2, 32, 32, "float32", sliding_window=7, logits_soft_cap=2.0),
+        "mla_f32": KernelSpec(4, 4, 96, 64, "float32", kv_lora_rank=64, qk_rope_head_dim=32),
     }
 
 

@@ -40,8 +40,8 @@ OPS = ("attn_prefill_ragged", "attn_prefill_paged")
 #: The mma.sync tiles (switch values; the wgmma ones: ``test_prefill_wg_compile.py``).
 TILES = tuple(t for t, cfg in TC_TILES.items() if not cfg.wgmma)
 SHAPES = {
-    "32x8x128-f16": tk.KernelConfig(32, 8, 128, 128, "float16"),
-    "12x4x64-bf16-w100-cap30": tk.KernelConfig(12, 4, 64, 64, "bfloat16", sliding_window=100, logits_soft_cap=30.0),
+    "32x8x128-f16": tk.KernelSpec(32, 8, 128, 128, "float16"),
+    "12x4x64-bf16-w100-cap30": tk.KernelSpec(12, 4, 64, 64, "bfloat16", sliding_window=100, logits_soft_cap=30.0),
 }
 
 
@@ -76,14 +76,14 @@ def test_tc_is_the_default_where_it_serves(op):
     for tile in TILES[1:]:  # 128 rows, two stages in dynamic shared memory
         script = _script(_with(cfg, tile), op)
         assert "pagedkv_mma_f16" in script and "shared.dyn" in script
-    unserved = tk.KernelConfig(4, 4, 64, 64, "float32")
+    unserved = tk.KernelSpec(4, 4, 64, 64, "float32")
     assert "pagedkv_mma" not in _script(unserved, op)
     assert _script(unserved, op) == _script(_with(unserved, "simt"), op)
 
 
-@pytest.mark.parametrize("cfg,why", [(tk.KernelConfig(4, 4, 64, 64, "float32"), "dtype float32"),
-                                     (tk.KernelConfig(4, 4, 256, 256, "float16"), "head dims 256"),
-                                     (tk.KernelConfig(64, 1, 64, 64, "float16"), "GQA group 64")])
+@pytest.mark.parametrize("cfg,why", [(tk.KernelSpec(4, 4, 64, 64, "float32"), "dtype float32"),
+                                     (tk.KernelSpec(4, 4, 256, 256, "float16"), "head dims 256"),
+                                     (tk.KernelSpec(64, 1, 64, 64, "float16"), "GQA group 64")])
 def test_tc_refuses_what_it_does_not_serve(cfg, why):
     for op in OPS:
         for tile in TILES:

@@ -52,23 +52,23 @@ LOG2E = math.log2(math.e)
 ENTRIES = [(1, 1), (17, 17), (65, 65), (70, 130), (20, 6), (5, 0), (0, 3), (64, 64), (150, 150), (33, 200),
            (120, 0)]
 CONFIGS = {
-    "8x2x64-f16": tk.KernelConfig(8, 2, 64, 64, "float16"),
-    "6x2x64-bf16-w40-cap20": tk.KernelConfig(6, 2, 64, 64, "bfloat16", sliding_window=40, logits_soft_cap=20.0),
-    "4x1x128-f16": tk.KernelConfig(4, 1, 128, 128, "float16"),
-    "2x2x128-f16": tk.KernelConfig(2, 2, 128, 128, "float16"),
-    "7x1x128-bf16": tk.KernelConfig(7, 1, 128, 128, "bfloat16"),
-    "8x1x64-bf16": tk.KernelConfig(8, 1, 64, 64, "bfloat16"),
+    "8x2x64-f16": tk.KernelSpec(8, 2, 64, 64, "float16"),
+    "6x2x64-bf16-w40-cap20": tk.KernelSpec(6, 2, 64, 64, "bfloat16", sliding_window=40, logits_soft_cap=20.0),
+    "4x1x128-f16": tk.KernelSpec(4, 1, 128, 128, "float16"),
+    "2x2x128-f16": tk.KernelSpec(2, 2, 128, 128, "float16"),
+    "7x1x128-bf16": tk.KernelSpec(7, 1, 128, 128, "bfloat16"),
+    "8x1x64-bf16": tk.KernelSpec(8, 1, 64, 64, "bfloat16"),
 }
 #: Ragged-only configs with a value head dim other than the qk one (``attn_prefill_ragged`` alone takes
 #: ``Dv != D``): K and V tiles are copied by separate loops (``_prefill_tc_copy``'s pair loop needs the same dims).
 DV_CONFIGS = {
-    "4x2x128v64-f16": tk.KernelConfig(4, 2, 128, 64, "float16"),
-    "3x1x64v128-bf16-w40-cap20": tk.KernelConfig(3, 1, 64, 128, "bfloat16", sliding_window=40,
+    "4x2x128v64-f16": tk.KernelSpec(4, 2, 128, 64, "float16"),
+    "3x1x64v128-bf16-w40-cap20": tk.KernelSpec(3, 1, 64, 128, "bfloat16", sliding_window=40,
                                                  logits_soft_cap=20.0),
 }
 #: Configs of the wgmma tiles' runs only (windowed + capped at D 128, which the tiles serve).
 WG_CONFIGS = {
-    "16x2x128-bf16-w40-cap20": tk.KernelConfig(16, 2, 128, 128, "bfloat16", sliding_window=40, logits_soft_cap=20.0),
+    "16x2x128-bf16-w40-cap20": tk.KernelSpec(16, 2, 128, 128, "bfloat16", sliding_window=40, logits_soft_cap=20.0),
 }
 ALL_CONFIGS = {**CONFIGS, **DV_CONFIGS, **WG_CONFIGS}
 #: Page size of each config's paged runs: 16 divides the 64-key tiles, the others do not (24, 40, 5: a chunk's

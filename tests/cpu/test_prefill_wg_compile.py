@@ -37,8 +37,8 @@ SM90A = Target({"kind": "cuda", "arch": "sm_90a"}, host="llvm")
 SWITCH = "cuda_prefill_kernel"
 OPS = ("attn_prefill_ragged", "attn_prefill_paged")
 SHAPES = {
-    "32x8x128-f16": tk.KernelConfig(32, 8, 128, 128, "float16"),
-    "16x4x128-bf16-w100-cap30": tk.KernelConfig(16, 4, 128, 128, "bfloat16", sliding_window=100,
+    "32x8x128-f16": tk.KernelSpec(32, 8, 128, 128, "float16"),
+    "16x4x128-bf16-w100-cap30": tk.KernelSpec(16, 4, 128, 128, "bfloat16", sliding_window=100,
                                                 logits_soft_cap=30.0),
 }
 
@@ -62,15 +62,15 @@ def test_wg_needs_sm90a_and_auto_takes_the_tma_tiles():
     assert pf.use_tensor_cores(OPS[1], spec) == "wg2t"
     assert pf.use_tensor_cores(OPS[1], cfg) == "tc2"  # no target arch: no wgmma; the paged op's first mma.sync tile
     assert pf.use_tensor_cores(OPS[0], cfg) == "tc3"
-    d64 = dataclasses.replace(tk.KernelConfig(16, 4, 64, 64, "float16"), target_arch="sm_90a")
+    d64 = dataclasses.replace(tk.KernelSpec(16, 4, 64, 64, "float16"), target_arch="sm_90a")
     assert pf.use_tensor_cores(OPS[0], d64) == "tc3"
     assert pf.use_tensor_cores(OPS[1], d64) == "tc2"
     assert pf.use_tensor_cores(OPS[1], _wg(spec)) == "wg1t"
     assert "target_arch" not in cfg.to_dict() and spec.to_dict()["target_arch"] == "sm_90a"
 
 
-@pytest.mark.parametrize("cfg", [tk.KernelConfig(12, 4, 64, 64, "bfloat16"), tk.KernelConfig(16, 4, 64, 64, "float16"),
-                                 tk.KernelConfig(21, 3, 64, 64, "float16")], ids=["g3", "g4", "g7"])
+@pytest.mark.parametrize("cfg", [tk.KernelSpec(12, 4, 64, 64, "bfloat16"), tk.KernelSpec(16, 4, 64, 64, "float16"),
+                                 tk.KernelSpec(21, 3, 64, 64, "float16")], ids=["g3", "g4", "g7"])
 def test_wg_refuses_head_dim_64(cfg):
     from pagedkv.kernel_spec import wg_prefill_limits
 
@@ -80,7 +80,7 @@ def test_wg_refuses_head_dim_64(cfg):
             tk.FACTORIES[op](_wg(cfg), SM90A)
     assert wg_prefill_limits(128, 128) == []
     for g in (1, 3, 4, 7, 8):  # head dim 128 at every group the tensor-core prefill takes
-        assert tc_unserved(tk.KernelConfig(8 * g, 8, 128, 128, "float16", target_arch="sm_90a"), 128,
+        assert tc_unserved(tk.KernelSpec(8 * g, 8, 128, 128, "float16", target_arch="sm_90a"), 128,
                               "wg1t") is None
 
 

@@ -42,15 +42,15 @@ CONST_DECL = re.compile(r"^\s+(\w+): T\.\w+ = (-?[\d.]+)$", re.M)
 #: (id, config, paths, target): every decode kernel choice (plain and windowed + capped), every prefill tile at a
 #: head dim it serves, the tensor-core MLA decodes.
 CASES = (
-    [(f"decode-{k}", tk.KernelConfig(8, 1, 64, 64, "bfloat16", sliding_window=90, logits_soft_cap=20.0),
+    [(f"decode-{k}", tk.KernelSpec(8, 1, 64, 64, "bfloat16", sliding_window=90, logits_soft_cap=20.0),
       {"cuda_decode_kernel": k}, SM80) for k in ("tc", "staged", "lanes")]
-    + [(f"prefill-{t}", tk.KernelConfig(32, 8, 128, 128, "float16"), {"cuda_prefill_kernel": t},
+    + [(f"prefill-{t}", tk.KernelSpec(32, 8, 128, 128, "float16"), {"cuda_prefill_kernel": t},
         SM90A if t in WG_PREFILL_TILES else SM80) for t in TC_TILES]
-    + [(f"decode-tc-{dt}", tk.KernelConfig(32, 8, 128, 128, dt), {"cuda_decode_kernel": "tc"}, SM80)
+    + [(f"decode-tc-{dt}", tk.KernelSpec(32, 8, 128, 128, dt), {"cuda_decode_kernel": "tc"}, SM80)
        for dt in ("float16", "bfloat16")]
-    + [(f"prefill-{t}-d64", tk.KernelConfig(8, 2, 64, 64, "bfloat16"), {"cuda_prefill_kernel": t}, SM80)
+    + [(f"prefill-{t}-d64", tk.KernelSpec(8, 2, 64, 64, "bfloat16"), {"cuda_prefill_kernel": t}, SM80)
        for t in TC_TILES if t not in WG_PREFILL_TILES]
-    + [(f"mla-{k}-{h}", tk.KernelConfig(h, h, 64, 64, "float16", kv_lora_rank=512, qk_rope_head_dim=64),
+    + [(f"mla-{k}-{h}", tk.KernelSpec(h, h, 64, 64, "float16", kv_lora_rank=512, qk_rope_head_dim=64),
         {"cuda_mla_decode_kernel": k}, SM90A if k != "tc" else SM80) for k in ("tc", "wgq") for h in (16, 128)]
 )
 IDS = [c[0] for c in CASES]

@@ -47,7 +47,7 @@ def current_forced_paths() -> tuple:
     return _FORCED_PATHS.get()
 
 
-def kernel_config(config: KVCacheConfig) -> KernelSpec:
+def kernel_spec_of(config: KVCacheConfig) -> KernelSpec:
     """The kernel spec of ``config`` with the paths forced now (``forced_paths``)."""
     return KernelSpec.from_config(config, paths=current_forced_paths())
 
@@ -148,7 +148,7 @@ class TIRBackend(Backend):
         head = f"TIR {kind} kernel pagedkv_{op}"
         if kind != "cuda" or op not in kernel_table.SWITCH_OF_OP:
             return head
-        spec = dataclasses.replace(kernel_config(config), target_arch=_target.arch(target) or "")
+        spec = dataclasses.replace(kernel_spec_of(config), target_arch=_target.arch(target) or "")
         try:
             out = f"{head}: {kernel_table.choose(op, spec).explain()}"
             if op == ops.ATTN_DECODE_PAGED and config.rope_mode == "inline":
@@ -165,6 +165,6 @@ class TIRBackend(Backend):
     def build(self, op: str, config: KVCacheConfig, target: Any) -> OpBuild:
         from ..tir_kernels import adapter_of
 
-        func = _all_kernels(kernel_config(config), _target.key(target))[op]
+        func = _all_kernels(kernel_spec_of(config), _target.key(target))[op]
         # The kernel says how the runtime calls it (direct, or direct_max_kv_len: a launch-shape hint after the ABI).
         return OpBuild(op=op, backend=self.tag, prim_funcs=((f"pagedkv_{op}", func),), adapter=adapter_of(func))

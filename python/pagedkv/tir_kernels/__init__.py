@@ -6,8 +6,8 @@ the op table ``pagedkv.ops.OP_SPECS``; every PrimFunc carries the global symbol 
 Example
 -------
 >>> import tvm
->>> from pagedkv.tir_kernels import KernelConfig, build_kernels, host_target
->>> funcs = build_kernels(KernelConfig(32, 8, 128, 128, "float16"), host_target())
+>>> from pagedkv.tir_kernels import KernelSpec, build_kernels, host_target
+>>> funcs = build_kernels(KernelSpec(32, 8, 128, 128, "float16"), host_target())
 >>> lib = tvm.compile(tvm.IRModule({f"pagedkv_{op}": f for op, f in funcs.items()}), target=host_target())
 """
 
@@ -25,16 +25,13 @@ from . import family_cpu, family_cuda
 #: target kind -> the family's op factories (each family owns its table: ``family_cpu``, ``family_cuda``).
 FAMILIES = {"llvm": family_cpu, "cuda": family_cuda}
 
-#: The kernel spec (``pagedkv.kernel_spec.KernelSpec``) under the kernels' older name.
-KernelConfig = KernelSpec
 
-
-def _check_mla(cfg: KernelConfig, op: str) -> None:
+def _check_mla(cfg: KernelSpec, op: str) -> None:
     if op.startswith("mla_") and not cfg.is_mla:
-        raise ValueError(f"{op} needs an MLA KernelConfig (kv_lora_rank and qk_rope_head_dim > 0)")
+        raise ValueError(f"{op} needs an MLA KernelSpec (kv_lora_rank and qk_rope_head_dim > 0)")
 
 
-def make(op: str, cfg: KernelConfig, target):
+def make(op: str, cfg: KernelSpec, target):
     """PrimFunc ``pagedkv_<op>`` of ``cfg`` for ``target``'s family (``FAMILIES``); a CUDA target's arch
     reaches the family as ``cfg.target_arch`` (unless the spec already names one)."""
     _check_mla(cfg, op)
@@ -54,7 +51,7 @@ def make_empty_rows(dtype: str, target):
 
 
 def _op_factory(op: str):
-    def factory(cfg: KernelConfig, target):
+    def factory(cfg: KernelSpec, target):
         return make(op, cfg, target)
 
     factory.__name__ = f"make_{op}"
@@ -67,12 +64,12 @@ FACTORIES = {op: _op_factory(op) for op in OPS}
 globals().update({f"make_{op}": f for op, f in FACTORIES.items()})
 
 
-def build_kernels(cfg: KernelConfig, target, ops=None) -> dict:
+def build_kernels(cfg: KernelSpec, target, ops=None) -> dict:
     """Every op's PrimFunc (global symbol ``pagedkv_<op>``) for ``cfg`` on ``target``.
 
     Parameters
     ----------
-    cfg : KernelConfig
+    cfg : KernelSpec
     target : str | dict | tvm.target.Target
     ops : iterable of str, optional
         A subset of ``OPS``; default: every op of ``cfg``'s layer kind (``OPS_BY_KIND``).
@@ -90,5 +87,5 @@ def build_kernels(cfg: KernelConfig, target, ops=None) -> dict:
     return {op: FACTORIES[op](cfg, target) for op in OPS if op in wanted}
 
 
-__all__ = ["OPS", "OPS_BY_KIND", "FAMILIES", "KernelConfig", "KernelSpec", "make", "abi_dims", "abi_prim_func", "adapter_of", "SWITCHES", "forced", "normalize_paths", "FACTORIES", "build_kernels", "host_target", "make_empty_rows"] + [
+__all__ = ["OPS", "OPS_BY_KIND", "FAMILIES", "KernelSpec", "KernelSpec", "make", "abi_dims", "abi_prim_func", "adapter_of", "SWITCHES", "forced", "normalize_paths", "FACTORIES", "build_kernels", "host_target", "make_empty_rows"] + [
     f"make_{op}" for op in OPS]

@@ -9,7 +9,7 @@ per-entry tile prefix sum; prefill items run kv head by kv head, each entry's qu
 similar share of a causal workload and consecutive items reuse one head's keys (``_locate_by_head``).
 The paged prefill takes 64-row items (``_PAGED_PREFILL_ROWS``), the ragged one 32.
 Calls too small to pay for waking the thread pool run on the calling thread (a run-time work estimate;
-the ``cpu_threads`` path of ``KernelConfig.paths`` forces either path at compile time, for tests).
+the ``cpu_threads`` path of ``KernelSpec.paths`` forces either path at compile time, for tests).
 
 The attention variant (causal, sliding window, logits soft-cap of the ``KernelSpec``) is defined once,
 in ``_variant_cpu.CpuVariant``: the work-item body takes its key range from it and the score steps
@@ -196,7 +196,7 @@ _SERIAL_PREFILL_WORK = 512
 
 
 def cpu_threads(paths) -> str:
-    """The ``cpu_threads`` path forced in ``paths`` (``KernelConfig.paths``, or any form
+    """The ``cpu_threads`` path forced in ``paths`` (``KernelSpec.paths``, or any form
     ``normalize_paths`` takes): "auto", "serial" or "parallel"."""
     return forced(normalize_paths(paths), "cpu_threads")
 

@@ -50,7 +50,7 @@ kernel, one block per (entry, kv head, row chunk, key split), 128 threads
   entries are long (``_split_count``, on the host from the shapes). With ``S > 1`` the blocks write
   normalized partial (o, lse) to a float32 workspace and a second kernel merges them. Each entry splits its
   own key range (its window's with a sliding window), so ``S`` only sets the work split, never which keys
-  an entry sees; the path switch ``cuda_decode_splits`` (``KernelConfig.paths``) forces ``S`` for tests.
+  an entry sees; the path switch ``cuda_decode_splits`` (``KernelSpec.paths``) forces ``S`` for tests.
 
 Prefill (``attn_prefill_ragged`` / ``attn_prefill_paged``): one block per (query tile, kv head)
 ----------------------------------------------------------------------------------------------
@@ -73,7 +73,7 @@ Prefill (``attn_prefill_ragged`` / ``attn_prefill_paged``): one block per (query
   tile is past the entry's queries. Within an entry the last query tile (most keys when causal) runs
   first.
 
-The attention variant (causal, ``sliding_window``, ``logits_soft_cap``; compile-time, ``KernelConfig``)
+The attention variant (causal, ``sliding_window``, ``logits_soft_cap``; compile-time, ``KernelSpec``)
 -----------------------------------------------------------------------------------------------
 * Defined once, in ``_variant_cuda.CudaVariant`` (built from the spec; decode, paged and ragged prefill call
   its helpers for the key range they read, which keys a row sees and the logits transform); a new option is

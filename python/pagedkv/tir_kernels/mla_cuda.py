@@ -42,7 +42,7 @@ The row tile's stages, one macro factory each: ``_mla_simt_stages.py``; the grid
 * Decode grid: (entry, row tile, key split). ``S`` splits per entry when ``B * ceil(H / R)`` blocks cannot
   fill the GPU and entries are long (``_split_count``, on the host from the shapes); with ``S > 1`` the
   blocks write normalized partial states (o, lse) to a float32 workspace and a second kernel merges them
-  (``cuda_decode_splits`` in ``KernelConfig.paths`` forces ``S`` for tests).
+  (``cuda_decode_splits`` in ``KernelSpec.paths`` forces ``S`` for tests).
 
 TVM pitfalls met here: a vectorized cast from a register array (``half4 v_ = *(half4*)(Xr)``) is bound
 once by the CUDA codegen and reused after the array changed (so fp16 is converted element-wise); shared
