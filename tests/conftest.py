@@ -112,3 +112,18 @@ def make_cache():
                               **kwargs)
 
     return make
+
+
+def pytest_terminal_summary(terminalreporter, exitstatus, config):
+    """The 10 modules that took longest (setup, call and teardown of all their tests, summed): where a suite
+    over its time budget has to be cut (``make test`` must fit CI's 15 minutes)."""
+    per_module: dict[str, float] = {}
+    for reports in terminalreporter.stats.values():
+        for rep in reports:
+            if getattr(rep, "when", None) and hasattr(rep, "duration"):
+                module = rep.nodeid.split("::")[0]
+                per_module[module] = per_module.get(module, 0.0) + rep.duration
+    if len(per_module) > 1:
+        terminalreporter.write_sep("=", "slowest 10 modules (seconds, all phases)")
+        for module, secs in sorted(per_module.items(), key=lambda kv: -kv[1])[:10]:
+            terminalreporter.write_line(f"{secs:8.1f}  {module}")
