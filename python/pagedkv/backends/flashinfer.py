@@ -24,7 +24,11 @@ module serves both and no fa3 window module is built). ``forced_modules({op: kin
 ``PAGEDKV_FLASHINFER_MODULES="op=kind,..."``) runs an op on another kind it can run on (``CHOICES``), for
 benchmarks and tests; ``PAGEDKV_FLASHINFER_FA3=0`` keeps every op off the fa3 kinds. The kind per op is
 part of the kernel-library key. Every reason the backend cannot serve an op is reported, so an explicit
-``backend="flashinfer"`` fails at compile time listing them, and automatic selection records them.
+``backend="flashinfer"`` fails at compile time listing them, and automatic selection records them. Outside a
+runtime-only process that includes what building the op's modules needs (flashinfer-python, nvcc, binutils,
+and curand's headers for a fa3 module not in the module cache), so no op is promised that cannot be built.
+The ops it has no code for at all (``Backend.implements``) go to TIR under an explicit ``"flashinfer"``
+(``pagedkv.backends.resolve``).
 """
 
 from __future__ import annotations
