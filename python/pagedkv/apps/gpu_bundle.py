@@ -129,6 +129,7 @@ FLASHINFER_BACKENDS = ("flashinfer", "tir")
 def build_flashinfer_kernels(out: Path, configs, target) -> list[Path]:
     """Kernel libraries with FlashInfer modules (cached builds, see ``pagedkv.flashinfer``) for the configs
     where FlashInfer serves an op; skipped, saying why, when flashinfer-python 0.7.4 is not installed."""
+    from ..backends import flashinfer as fib
     from ..backends import resolve
     from ..cache import build_kernel_library
     from ..flashinfer import unavailable_reasons
@@ -140,6 +141,9 @@ def build_flashinfer_kernels(out: Path, configs, target) -> list[Path]:
     paths = []
     for cfg in configs:
         res = resolve(cfg, target, list(FLASHINFER_BACKENDS))
+        for op, passed in res.reasons.items():  # e.g. a fa3 module that cannot build here: TIR serves, said
+            if "flashinfer" in passed and op in fib.CHOICES:
+                print(f"[pagedkv] flashinfer does not serve {op} here: {'; '.join(passed['flashinfer'])}", flush=True)
         if "flashinfer" not in res.choice.values():
             continue
         t0 = time.perf_counter()

@@ -75,6 +75,11 @@ class Backend:
         paths. It joins the kernel library key and the compiled-module cache key."""
         return None
 
+    def implements(self, op: str) -> bool:
+        """Whether this backend has code for ``op`` at all (whatever the config): an explicit backend list none
+        of whose backends implements an op leaves it to ``pagedkv.backends.FILL_BACKEND``."""
+        return op in self.ops
+
     def _unsupported_op(self, op: str) -> list[str]:
         if op not in self.ops:
             return [f"backend {self.tag!r} does not implement op {op!r}"]

@@ -24,7 +24,11 @@ module serves both and no fa3 window module is built). ``forced_modules({op: kin
 ``PAGEDKV_FLASHINFER_MODULES="op=kind,..."``) runs an op on another kind it can run on (``CHOICES``), for
 benchmarks and tests; ``PAGEDKV_FLASHINFER_FA3=0`` keeps every op off the fa3 kinds. The kind per op is
 part of the kernel-library key. Every reason the backend cannot serve an op is reported, so an explicit
-``backend="flashinfer"`` fails at compile time listing them, and automatic selection records them.
+``backend="flashinfer"`` fails at compile time listing them, and automatic selection records them. Outside a
+runtime-only process that includes what building the op's modules needs (flashinfer-python, nvcc, binutils,
+and curand's headers for a fa3 module not in the module cache), so no op is promised that cannot be built.
+The ops it has no code for at all (``Backend.implements``) go to TIR under an explicit ``"flashinfer"``
+(``pagedkv.backends.resolve``).
 """
 
 from __future__ import annotations
@@ -160,6 +164,19 @@ def run_function(op: str, kind: str) -> str:
     return "run"
 
 
+def _build_reasons(specs: tuple) -> list[str]:
+    """Why the modules ``specs`` can be neither built nor loaded from the cache in this process (what every
+    build needs: flashinfer-python 0.7.4, nvcc, binutils, ninja; fa3 builds also curand's headers), each once."""
+    from ..flashinfer.build import module_unavailable_reasons, unavailable_reasons
+
+    if not specs:
+        return unavailable_reasons()
+    out: list[str] = []
+    for spec in specs:
+        out += [r for r in module_unavailable_reasons(spec) if r not in out]
+    return out
+
+
 class FlashInferBackend(Backend):
     """FlashInfer JIT modules for the attention ops the runtime has adapters for."""
 
@@ -188,20 +205,18 @@ class FlashInferBackend(Backend):
                   and config.group_size not in GROUP_SIZES):
                 reasons.append(f"GQA group size {config.num_qo_heads}/{config.num_kv_heads} not supported by "
                                f"the decode kernels (FlashInfer 0.7.4 dispatches {GROUP_SIZES})")
-        arch = target_arch(target)
+        arch, specs = target_arch(target), ()
         if arch is None:
             reasons.append("the CUDA target names no arch (FlashInfer modules are built for one)")
         else:
             try:
-                module_specs(op, config, arch)
+                specs = module_specs(op, config, arch)
             except ValueError as err:
                 reasons.append(str(err).split(": ", 1)[-1])
         if not runtime_only():
-            # Building needs flashinfer-python 0.7.4, nvcc and binutils. A runtime-only process (the GPU
-            # host) builds nothing: it needs the prebuilt library, and says so when it is missing.
-            from ..flashinfer import unavailable_reasons
-
-            reasons += unavailable_reasons()
+            # A runtime-only process (the GPU host) builds nothing: it needs the prebuilt library, and says so
+            # when it is missing. Elsewhere the op is promised only where its modules can be built or loaded.
+            reasons += _build_reasons(specs)
         return reasons
 
     def key_part(self, config: KVCacheConfig, target: Any, ops: tuple[str, ...]) -> Any:

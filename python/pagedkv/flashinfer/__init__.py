@@ -17,9 +17,10 @@ Nothing here imports flashinfer or torch in the calling process.
 """
 
 from . import abi
-from .build import (BuiltModule, FlashInferUnavailable, build_module, build_modules, cache_root,
-                    installed_version, unavailable_reasons)
+from .build import (CURAND_SPEC, BuiltModule, FlashInferUnavailable, build_module, build_modules, cache_root,
+                    installed_version, module_unavailable_reasons, unavailable_reasons)
 from .spec import FLASHINFER_VERSION, KINDS, MLA_KINDS, ModuleSpec
 
 __all__ = ["abi", "BuiltModule", "FlashInferUnavailable", "ModuleSpec", "KINDS", "MLA_KINDS", "FLASHINFER_VERSION",
-           "build_module", "build_modules", "cache_root", "installed_version", "unavailable_reasons"]
+           "CURAND_SPEC", "build_module", "build_modules", "cache_root", "installed_version",
+           "module_unavailable_reasons", "unavailable_reasons"]

@@ -45,6 +45,11 @@ PROGRESS_AFTER_S = 20.0
 HEARTBEAT_S = 60.0
 #: The symbol prefix tvm-ffi gives exported functions.
 FFI_PREFIX = "__tvm_ffi_"
+#: Module kinds whose build includes ``curand_kernel.h`` (fa3's CUTLASS utilities include it).
+CURAND_KINDS = ("prefill_fa3", "mla_fa3")
+#: The wheel that provides ``curand_kernel.h`` where the toolkit lacks it (CUDA 13's compiler-only toolkit):
+#: the one matching CUDA 13.0, as the Makefile's ``CURAND_SPEC`` installs it.
+CURAND_SPEC = "nvidia-curand==10.4.0.35"
 
 
 class FlashInferUnavailable(RuntimeError):
@@ -129,6 +134,35 @@ def curand_include_dir() -> Path | None:
     return None
 
 
+def curand_missing(kind: str) -> str:
+    """The reason a ``CURAND_KINDS`` module of ``kind`` cannot be built here, and how to fix it."""
+    from ..cuda_build import cuda_home
+
+    return (f"module {kind} needs curand_kernel.h to build (fa3 includes CUTLASS utilities that include it); "
+            f"neither the CUDA toolkit ({cuda_home() / 'include'}) nor an installed nvidia-curand wheel has it, "
+            f"and the module is not in the FlashInfer cache ({cache_root()}): pip install {CURAND_SPEC} "
+            "(`make install` does with FLASHINFER=1), or PAGEDKV_FLASHINFER_FA3=0 for the fa2 modules")
+
+
+def cached_module(spec: ModuleSpec) -> BuiltModule | None:
+    """The module of ``spec`` from the cache, or None. Needs nvcc (its version is part of the key)."""
+    key = spec.content_key(toolchain())
+    return _read_built(spec, key, cache_root() / key, cached=True)
+
+
+def module_unavailable_reasons(spec: ModuleSpec) -> list[str]:
+    """Why the module of ``spec`` can be neither built nor taken from the cache here (empty: it can).
+
+    ``unavailable_reasons`` holds for a cache hit too (``build_module`` checks them first, and the key holds
+    nvcc's version); a ``CURAND_KINDS`` module also needs ``curand_kernel.h``, but only to be built: one
+    already in the cache serves without it.
+    """
+    why = unavailable_reasons()
+    if why or spec.kind not in CURAND_KINDS or curand_include_dir() is not None:
+        return why
+    return [] if cached_module(spec) is not None else [curand_missing(spec.kind)]
+
+
 def _arch_list(arch: str) -> str:
     digits = arch.split("_", 1)[1]
     return f"{digits[:-1]}.{digits[-1]}"
@@ -144,12 +178,10 @@ def _worker_env(spec: ModuleSpec, root: Path, jobs: int) -> dict[str, str]:
     env["FLASHINFER_CUDA_ARCH_LIST"] = _arch_list(spec.arch)  # no GPU here to detect one from
     env["FLASHINFER_WORKSPACE_BASE"] = str(root / "workspace")
     env["MAX_JOBS"] = str(jobs)
-    if spec.kind in ("prefill_fa3", "mla_fa3"):
+    if spec.kind in CURAND_KINDS:
         inc = curand_include_dir()
         if inc is None:
-            raise FlashInferUnavailable(
-                f"{spec.kind} needs curand_kernel.h (CUTLASS utilities include it) and neither the CUDA toolkit "
-                "nor an nvidia-curand wheel has it: pip install nvidia-curand")
+            raise FlashInferUnavailable(f"cannot build FlashInfer module {spec.name}: {curand_missing(spec.kind)}")
         if str(inc) != str(home / "include"):
             env["FLASHINFER_EXTRA_CUDAFLAGS"] = (env.get("FLASHINFER_EXTRA_CUDAFLAGS", "")
                                                  + f" -isystem {inc}").strip()
@@ -303,6 +335,9 @@ def build_module(spec: ModuleSpec, *, jobs: int | None = None, force: bool = Fal
                     f"{time.perf_counter() - t0:.2f} s ({key})")
                 return hit
         jobs = jobs or int(os.environ.get("MAX_JOBS", 0) or 0) or os.cpu_count() or 1
+        # Said before the wait, not after: a first fa3 build runs for many minutes with nothing else to show.
+        log(f"{spec.name}: not in the cache, building with {jobs} jobs"
+            + (" (a first fa3 build takes 7-20 minutes)" if spec.kind in CURAND_KINDS else ""))
         result = _run_worker(spec, _worker_env(spec, root, jobs), jobs, t0)
         staging = root / f"{key}.tmp"
         shutil.rmtree(staging, ignore_errors=True)
@@ -332,5 +367,6 @@ def build_modules(specs, **kwargs) -> list[BuiltModule]:
     return out
 
 
-__all__ = ["BuiltModule", "FlashInferUnavailable", "build_module", "build_modules", "cache_root",
-           "isolate_objects", "unavailable_reasons", "installed_version", "toolchain"]
+__all__ = ["BuiltModule", "CURAND_KINDS", "CURAND_SPEC", "FlashInferUnavailable", "build_module", "build_modules",
+           "cache_root", "cached_module", "curand_include_dir", "curand_missing", "isolate_objects",
+           "module_unavailable_reasons", "unavailable_reasons", "installed_version", "toolchain"]
