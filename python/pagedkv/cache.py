@@ -198,10 +198,14 @@ def _load_cached(disk: Path, key: str, spec: dict):
     lib = _kcache.lookup(disk, key)
     if lib is None:
         return None
-    if spec["kind"] != "llvm":
-        from .runtime import enable_cuda_runtime
+    from .runtime import enable_cuda_runtime, load_tvm_runtime
 
-        enable_cuda_runtime()  # the process's own CUDA setup fails outside the try: not the entry's fault
+    # the process's own setup (TVM's runtime library, its CUDA sidecar) fails outside the try: not the entry's
+    # fault, and no reason to build it again
+    if spec["kind"] == "llvm":
+        load_tvm_runtime()
+    else:
+        enable_cuda_runtime()
     try:
         return _load_kernels(lib, spec)
     except (OSError, RuntimeError, ValueError, KeyError) as err:

@@ -25,6 +25,7 @@ import fcntl
 import os
 import shutil
 import sys
+import time
 from pathlib import Path
 from typing import Callable, Iterator
 
@@ -34,16 +35,18 @@ from .progress import Progress
 OFF = ("off", "0", "none", "")
 #: Name prefix of the kernel libraries' entries.
 KERNELS = "kernels"
+#: A temporary build folder without a lock file (not this module's naming) older than this (seconds) is removed.
+STALE_TMP_SECONDS = 3600
 
 
 def cache_root() -> Path:
     """pagedkv's cache folder: ``$PAGEDKV_CACHE_DIR``, else ``$XDG_CACHE_HOME/pagedkv``, else
-    ``~/.cache/pagedkv`` (the XDG base directory rule; an empty variable counts as unset)."""
+    ``~/.cache/pagedkv`` (the XDG base directory rule: an empty or relative ``$XDG_CACHE_HOME`` is ignored)."""
     env = os.environ.get("PAGEDKV_CACHE_DIR")
     if env:
         return Path(env).expanduser()
-    xdg = os.environ.get("XDG_CACHE_HOME")
-    return (Path(xdg).expanduser() if xdg else Path.home() / ".cache") / "pagedkv"
+    xdg = os.environ.get("XDG_CACHE_HOME", "")
+    return (Path(xdg) if os.path.isabs(xdg) else Path.home() / ".cache") / "pagedkv"
 
 
 def cache_dir() -> Path | None:
@@ -116,11 +119,17 @@ def _holder_is_gone(lock: Path) -> bool:
 def _remove_dead_builds(directory: Path, own_stem: str) -> None:
     """Removes the temporary folders of builds that died (``.tmp-<stem>-<pid>``): a build holds its stem's
     lock while its folder exists, so the folders of ``own_stem`` (whose lock the caller holds) and of any
-    stem whose lock is free are left over from a killed process."""
+    stem whose lock is free are left over from a killed process. A folder without a lock file (another
+    naming, an older pagedkv) is removed once it is ``STALE_TMP_SECONDS`` old."""
+    now = time.time()
     for tmp in directory.glob(".tmp-*"):
         stem = tmp.name[len(".tmp-"):].rpartition("-")[0]
-        if stem == own_stem or _holder_is_gone(directory / f"{stem}.lock"):
-            shutil.rmtree(tmp, ignore_errors=True)
+        lock = directory / f"{stem}.lock"
+        with contextlib.suppress(OSError):
+            dead = (stem == own_stem or _holder_is_gone(lock) if lock.exists()
+                    else now - tmp.stat().st_mtime > STALE_TMP_SECONDS)
+            if dead:
+                shutil.rmtree(tmp, ignore_errors=True)
 
 
 def _fsync(path: Path) -> None:

@@ -172,16 +172,21 @@ def test_unloadable_entry_is_rebuilt(cache_in, capfd):
 
 def test_dead_builds_folders_are_removed_live_ones_kept(tmp_path):
     """A build's temporary folder is removed by the next build once no process holds its key's lock; the
-    folder of a build that holds its lock (another process, still compiling) is left alone."""
+    folder of a build that holds its lock (another process, still compiling) is left alone; a folder with no
+    lock file (an older pagedkv's naming) only once it is an hour old."""
     import fcntl
 
-    dead, live = tmp_path / ".tmp-kernels-dead-123", tmp_path / ".tmp-kernels-live-456"
-    dead.mkdir()
-    live.mkdir()
+    folders = {name: tmp_path / f".tmp-{name}" for name in ("kernels-dead-1", "kernels-live-2", "young-3", "old-4")}
+    for folder in folders.values():
+        folder.mkdir()
+    (tmp_path / "kernels-dead.lock").touch()
+    hour_ago = folders["old-4"].stat().st_mtime - kernel_cache.STALE_TMP_SECONDS - 1
+    os.utime(folders["old-4"], (hour_ago, hour_ago))
     with open(tmp_path / "kernels-live.lock", "a+") as held:
         fcntl.flock(held, fcntl.LOCK_EX)  # as the live builder holds it
         kernel_cache.load_or_build(tmp_path, "k4", _builder(tmp_path / "count"))
-        assert not dead.exists() and live.exists()
+        assert sorted(p.name for p in folders.values() if p.exists()) == [".tmp-kernels-live-2", ".tmp-young-3"]
+    assert not (tmp_path / "young.lock").exists()  # looking made no lock files
 
 
 def _builder(counter: Path, *, die: bool = False):
@@ -268,6 +273,8 @@ def test_cache_dir_follows_the_environment(monkeypatch, tmp_path):
     monkeypatch.delenv("PAGEDKV_CACHE_DIR", raising=False)
     monkeypatch.delenv("XDG_CACHE_HOME", raising=False)
     monkeypatch.setenv("HOME", str(tmp_path / "home"))
+    assert kernel_cache.cache_dir() == tmp_path / "home" / ".cache" / "pagedkv" / "kernels"
+    monkeypatch.setenv("XDG_CACHE_HOME", "relative/xdg")  # not absolute: ignored, as the XDG rule says
     assert kernel_cache.cache_dir() == tmp_path / "home" / ".cache" / "pagedkv" / "kernels"
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "xdg"))
     assert kernel_cache.cache_dir() == tmp_path / "xdg" / "pagedkv" / "kernels"
