@@ -22,6 +22,7 @@ from . import target as _target
 from ._lib import get_global
 from .config import KVCacheConfig
 from .kernel_spec import KernelSpec
+from .progress import QUIET_FOR, Progress
 
 _FLOAT_DTYPES = {"float16", "float32", "bfloat16"}
 
@@ -94,17 +95,19 @@ def kernel_library_key(config: KVCacheConfig, target: Any, choice: Sequence[tupl
     return hashlib.sha256(blob.encode()).hexdigest()[:24]
 
 
-def _compile_module(config: KVCacheConfig, spec: dict, choice):
-    """Compile every op's functions into one module. Returns (module, entries, export options): an entry is
-    ``(op, tag, symbols, head)`` with ``head`` the strings after op and tag in the op table
-    (``OpBuild.op_table_head``)."""
+def _compile_module(config: KVCacheConfig, spec: dict, choice, *, progress: Progress):
+    """Compile every op's functions into one module, reporting the stages to ``progress``. Returns (module,
+    entries, export options): an entry is ``(op, tag, symbols, head)`` with ``head`` the strings after op and
+    tag in the op table (``OpBuild.op_table_head``)."""
     import tvm
 
     funcs: dict[str, Any] = {}
     entries: list[tuple[str, str, list[str], list[str]]] = []
     externs: dict[Any, Any] = {}  # object path -> built module (FlashInfer), each linked once
     options: list[str] = []
-    for op, tag in choice:
+    progress.stage(f"generating the kernels of {len(choice)} ops")
+    for i, (op, tag) in enumerate(choice, 1):
+        progress.update(f"generating op {i}/{len(choice)}: {op} ({tag})")
         build = _backends.get_backend(tag).build(op, config, spec)
         funcs.update(build.prim_funcs)
         entries.append((op, tag, [name for name, _ in build.prim_funcs] + list(build.extern_symbols),
@@ -112,10 +115,11 @@ def _compile_module(config: KVCacheConfig, spec: dict, choice):
         externs.update({m.object_path: m for m in build.extern_modules})
         options += [o for o in build.export_options if o not in options]
     target = _target.to_tvm(spec)
+    progress.stage(f"TVM compiles {len(funcs)} kernels for {_target.describe(spec)}"
+                   + (f" and links {len(externs)} FlashInfer modules" if externs else ""))
     if spec["kind"] == "cuda":
         from .cuda_build import compile_for_cuda
 
-        print(f"[pagedkv] building {len(funcs)} kernels for {_target.describe(spec)}", file=sys.stderr, flush=True)
         module = compile_for_cuda(tvm.IRModule(funcs), target)
     else:
         module = tvm.compile(tvm.IRModule(funcs), target=target)
@@ -157,30 +161,96 @@ def build_kernel_library(config: KVCacheConfig, out_dir: str | Path, *, target: 
     lib, choice = _library_path(config, out_dir, target, backend)
     key = lib.name[len("kernels-"):-len(".so")]
     return _kcache.load_or_build(lib.parent, key, functools.partial(
-        _export_kernels, config, _target.canonical(target), choice), what=_what(config, target))
+        _export_kernels, config, _target.canonical(target), choice), what=_what(config, target, choice))
 
 
-def _what(config: KVCacheConfig, target: Any) -> str:
+def _what(config: KVCacheConfig, target: Any, choice=()) -> str:
     """A kernel library's name in progress lines."""
     spec = KernelSpec.from_config(config)
     shape = (f"MLA {spec.num_qo_heads} heads, latent {spec.latent_dim}" if spec.is_mla else
              f"{spec.num_qo_heads}/{spec.num_kv_heads} heads x {spec.head_dim}")
-    return f"the kernels of {shape} {spec.dtype} for {_target.describe(target)}"
+    ops = f", {len(choice)} ops" if choice else ""
+    return f"the kernels of {shape} {spec.dtype} for {_target.describe(target)}{ops}"
 
 
-def _export_kernels(config: KVCacheConfig, spec: dict, choice, path: Path) -> None:
+def _export_kernels(config: KVCacheConfig, spec: dict, choice, path: Path, progress: Progress) -> None:
     """Compile the kernels of ``config`` and write the library to ``path``, its op table beside it."""
-    module, entries, options = _compile_module(kernel_shape(config), spec, choice)
+    module, entries, options = _compile_module(kernel_shape(config), spec, choice, progress=progress)
+    progress.stage("writing the library")
     module.export_library(str(path), **_export_kwargs(options))
     path.with_suffix(".json").write_text(json.dumps(
         {"config": config.to_dict(), "target": spec, "entries": entries}, indent=1))
 
 
-def _load_kernels(lib: Path):
-    """(module, entries) of a kernel library written by ``_export_kernels``."""
+def _load_kernels(lib: Path, spec: dict):
+    """(module, entries) of a kernel library written by ``_export_kernels`` for target ``spec``. A CPU
+    library is loaded without importing ``tvm`` (its import is most of a cached ``create``'s time)."""
     from .runtime import load_library
 
-    return load_library(lib), json.loads(lib.with_suffix(".json").read_text())["entries"]
+    entries = json.loads(lib.with_suffix(".json").read_text())["entries"]
+    return load_library(lib, host_only=spec["kind"] == "llvm"), entries
+
+
+def _load_cached(disk: Path, key: str, spec: dict):
+    """(module, entries) of the complete disk cache entry of ``key``, or None when there is none or it cannot
+    be loaded (then it is removed, so the caller builds it again: an entry left broken by a crash of an
+    older pagedkv or a damaged disk never sticks)."""
+    lib = _kcache.lookup(disk, key)
+    if lib is None:
+        return None
+    from .runtime import enable_cuda_runtime, load_tvm_runtime
+
+    # the process's own setup (TVM's runtime library, its CUDA sidecar) fails outside the try: not the entry's
+    # fault, and no reason to build it again
+    if spec["kind"] == "llvm":
+        load_tvm_runtime()
+    else:
+        enable_cuda_runtime()
+    try:
+        return _load_kernels(lib, spec)
+    except (OSError, RuntimeError, ValueError, KeyError) as err:
+        print(f"[pagedkv] the cached kernel library {lib} cannot be loaded ({type(err).__name__}: "
+              f"{str(err).strip()[:200]}): compiling it again", file=sys.stderr, flush=True)
+        _kcache.discard(disk, key)
+        return None
+
+
+def _compile_in_process(config: KVCacheConfig, spec: dict, choice):
+    """(module, entries) compiled in this process (no disk cache): quiet unless it takes a while or fails."""
+    with Progress(f"compiling {_what(config, spec, choice)}", quiet_for=QUIET_FOR) as progress:
+        module, entries, options = _compile_module(config, spec, choice, progress=progress)
+        if _has_static_libs(module):  # objects run only once linked: export and load
+            import tempfile
+
+            from .runtime import load_library
+
+            progress.stage("linking the library")
+            lib = Path(tempfile.mkdtemp(prefix="pagedkv-")) / "kernels.so"
+            module.export_library(str(lib), **_export_kwargs(options))
+            module = load_library(lib)
+    return module, entries
+
+
+def _load_or_compile(config: KVCacheConfig, spec: dict, choice, key: str):
+    """(module, entries) of the kernels of ``key``: a prebuilt library (``$PAGEDKV_KERNEL_DIR``), else the
+    disk cache's entry, built first if missing, else (cache off) compiled in this process."""
+    prebuilt = kernel_dir()
+    if prebuilt is not None and (prebuilt / f"kernels-{key}.so").exists():
+        return _load_kernels(prebuilt / f"kernels-{key}.so", spec)
+    disk = _kcache.cache_dir()
+    cached = None if disk is None else _load_cached(disk, key, spec)
+    if cached is not None:  # checked before runtime_only(): it imports tvm, which a CPU entry's load skips
+        return cached
+    if _target.runtime_only():
+        raise FileNotFoundError(
+            f"no prebuilt kernel library kernels-{key}.so in PAGEDKV_KERNEL_DIR={prebuilt} for this config "
+            f"and target {spec}, and this TVM has no compiler (runtime-only): build it on the build host "
+            "with pagedkv.cache.build_kernel_library")
+    if disk is None:
+        return _compile_in_process(config, spec, choice)
+    lib = _kcache.load_or_build(disk, key, functools.partial(_export_kernels, config, spec, choice),
+                                what=_what(config, spec, choice))
+    return _load_kernels(lib, spec)
 
 
 @functools.lru_cache(maxsize=16)
@@ -188,37 +258,16 @@ def _op_table_cached(config: KVCacheConfig, spec_json: str, choice: tuple[tuple[
                      parts_json: str = "{}"):
     # parts_json (the backends' key parts, e.g. forced TIR paths) only keys this cache: the build reads them
     spec = json.loads(spec_json)
-    prebuilt = kernel_dir()
-    key = kernel_library_key(config, spec, choice)
-    disk = _kcache.cache_dir()
-    if prebuilt is not None and (prebuilt / f"kernels-{key}.so").exists():
-        module, entries = _load_kernels(prebuilt / f"kernels-{key}.so")
-    elif disk is not None and not _target.runtime_only():  # compiled once per machine, loaded after
-        module, entries = _load_kernels(_kcache.load_or_build(disk, key, functools.partial(
-            _export_kernels, config, spec, choice), what=_what(config, spec)))
-    elif _target.runtime_only():
-        raise FileNotFoundError(
-            f"no prebuilt kernel library kernels-{key}.so in PAGEDKV_KERNEL_DIR={prebuilt} for this config "
-            f"and target {spec}, and this TVM has no compiler (runtime-only): build it on the build host "
-            "with pagedkv.cache.build_kernel_library")
-    else:
-        module, entries, options = _compile_module(config, spec, choice)
-        if _has_static_libs(module):  # objects run only once linked: export and load
-            import tempfile
-
-            from .runtime import load_library
-
-            lib = Path(tempfile.mkdtemp(prefix="pagedkv-")) / "kernels.so"
-            module.export_library(str(lib), **_export_kwargs(options))
-            module = load_library(lib)
+    module, entries = _load_or_compile(config, spec, choice, kernel_library_key(config, spec, choice))
     # an entry is (op, tag, symbols[, head]): the runtime gets [op, tag, *head, *functions]
     return module, [[op, tag, *(rest[0] if rest else []), *[module[name] for name in names]]
                     for op, tag, names, *rest in entries]
 
 
 def _compile_op_table(config: KVCacheConfig, target: Any, choice: tuple[tuple[str, str], ...]):
-    """(module, op table entries ``[op, tag, func...]``) for ``config`` on ``target``: compiled here, or
-    loaded from a prebuilt kernel library (``$PAGEDKV_KERNEL_DIR``) when one exists."""
+    """(module, op table entries ``[op, tag, func...]``) for ``config`` on ``target``: loaded from a prebuilt
+    kernel library (``$PAGEDKV_KERNEL_DIR``) or the disk cache (``pagedkv.kernel_cache``), compiled into the
+    cache first when missing, or compiled here when the cache is off."""
     return _op_table_cached(kernel_shape(config), _target.key(target), tuple(choice),
                             json.dumps(_backends.key_parts(config, target, choice), sort_keys=True))
 

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import json
 import re
-import time
 from pathlib import Path
 from typing import Any
 
@@ -12,6 +11,7 @@ import tvm
 from tvm.relax.frontend import nn
 
 from . import target as _target
+from .progress import Progress
 
 
 def export_model(model: nn.Module) -> tuple[tvm.IRModule, list[tuple[str, Any]], list[str]]:
@@ -173,45 +173,74 @@ def relax_pipeline(target: tvm.target.Target, report: dict | None = None):
     return "default"
 
 
-def build_library(model: nn.Module, target: Any, out_path: str | Path, *,
-                  verbose: bool = False) -> tuple[Path, list[tuple[str, Any]]]:
-    """Export, compile for ``target`` and write a shared library to ``out_path``.
-
-    The library holds the model's functions and the cache's kernels; a process loads it with the TVM
-    runtime after ``import pagedkv`` (which registers the ``pagedkv.*`` globals it calls). Returns the path
-    and the named parameter specs, in the order the library's functions take them.
-    """
-    t0 = time.perf_counter()
-    mod, named_params, options = export_model(model)
-    if verbose:
-        print(f"[pagedkv] exported Relax module in {time.perf_counter() - t0:.1f} s", flush=True)
-    # Every spelling of the target compiles for its canonical value (pagedkv.target: sm_90 is sm_90a), the one
-    # the cache's kernels were chosen for; a CUDA build says which arch it builds for.
-    tgt = _target.to_tvm(target)
-    t1 = time.perf_counter()
+def _compile_model(model: nn.Module, mod: tvm.IRModule, tgt: tvm.target.Target, report: dict):
+    """``tvm.compile`` of the exported ``mod`` for ``tgt`` with pagedkv's pipeline (``report``: what the CPU
+    pipeline did to each PrimFunc); CUDA graphs when the model asks for them, checked after the pipeline."""
     if tgt.kind.name == "cuda":
         from .cuda_build import enable_cuda_codegen
 
-        print(f"[pagedkv] building the model for {_target.describe(target)}", flush=True)
         enable_cuda_codegen()
-    report: dict = {}
     pipeline = relax_pipeline(tgt, report)
     graphs = cuda_graph_batch(model) > 0
-    if graphs and tgt.kind.name != "cuda":
-        raise ValueError(f"cuda_graph_batch needs a CUDA target, got {tgt.kind.name}")
     if graphs:
         pipeline = _then_check_captured(pipeline, tuple(model.CUDA_GRAPH_FUNCTIONS))
     with tgt, tvm.transform.PassContext(config={"relax.backend.use_cuda_graph": graphs}):
-        executable = tvm.compile(mod, target=tgt, relax_pipeline=pipeline)
-    if verbose:
-        kinds = sorted({k for k in report.values()})
-        counts = ", ".join(f"{sum(v == k for v in report.values())} {k}" for k in kinds)
-        print(f"[pagedkv] compiled for {tgt.kind.name} in {time.perf_counter() - t1:.1f} s"
-              + (f" (model functions: {counts})" if counts else ""), flush=True)
+        return tvm.compile(mod, target=tgt, relax_pipeline=pipeline)
+
+
+def _report_line(report: dict) -> str:
+    """What the CPU pipeline did to the model's functions, counted per kind ("12 scheduled, 3 fallback")."""
+    kinds = sorted(set(report.values()))
+    return ", ".join(f"{sum(v == k for v in report.values())} {k}" for k in kinds)
+
+
+def build_library(model: nn.Module, target: Any, out_path: str | Path, *, verbose: bool = False,
+                  progress: Progress | None = None) -> tuple[Path, list[tuple[str, Any]]]:
+    """Export, compile for ``target`` and write a shared library to ``out_path``.
+
+    The library holds the model's functions and the cache's kernels; a process loads it with the TVM
+    runtime after ``import pagedkv`` (which registers the ``pagedkv.*`` globals it calls).
+
+    Parameters
+    ----------
+    model : nn.Module
+        The model (its caches ``pagedkv.relax.PagedKVCache``).
+    target : Any
+        Any spelling of the target (``pagedkv.target``); compiled for its canonical value.
+    out_path : str or Path
+        The library; the parameter names go beside it (``.json``).
+    verbose : bool
+        Also report what the CPU pipeline did to the model's functions.
+    progress : Progress, optional
+        Where the stages go (a caller's build, e.g. a disk cache entry); else the build prints its own
+        progress lines on stderr (a header, each stage, ticks while TVM compiles, ``done`` or ``FAILED``).
+
+    Returns
+    -------
+    tuple
+        The path and the named parameter specs, in the order the library's functions take them.
+    """
+    # Every spelling of the target compiles for its canonical value (pagedkv.target: sm_90 is sm_90a), the one
+    # the cache's kernels were chosen for; the lines say which arch a CUDA build is for.
+    tgt = _target.to_tvm(target)
+    if cuda_graph_batch(model) and tgt.kind.name != "cuda":
+        raise ValueError(f"cuda_graph_batch needs a CUDA target, got {tgt.kind.name}")
+    if progress is None:
+        with Progress(f"compiling the model for {_target.describe(target)}", detail=f"into {out_path}") as own:
+            return build_library(model, target, out_path, verbose=verbose, progress=own)
+    progress.stage("exporting the Relax module")
+    mod, named_params, options = export_model(model)
+    count = len(mod.functions)
+    progress.stage(f"TVM compiles the model ({count} function{'s' if count != 1 else ''}) for "
+                   f"{_target.describe(target)}")
+    report: dict = {}
+    executable = _compile_model(model, mod, tgt, report)
+    if verbose and report:
+        progress.stage(f"model functions: {_report_line(report)}")
+    progress.stage("writing the library")
     out_path = Path(out_path)
     out_path.parent.mkdir(parents=True, exist_ok=True)
     executable.export_library(str(out_path), **({"options": options} if options else {}))
     # The parameter order, beside the library, so loaders need no re-export (see ``pagedkv.engine.param_names``).
     out_path.with_suffix(".json").write_text(json.dumps({"param_names": [n for n, _ in named_params]}))
     return out_path, named_params
-

@@ -98,11 +98,13 @@ def build_stub_libcuda(symbols: list[str], out_dir: Path) -> Path:
 
 @functools.lru_cache(maxsize=None)
 def stub_libcuda() -> Path:
-    """The stub ``libcuda.so.1`` of this host (built on first use, cached under ``$PAGEDKV_CACHE_DIR``): it
-    exports the driver functions TVM's CUDA runtime imports, each failing with CUDA_ERROR_NO_DEVICE. Links
-    that need ``-lcuda`` on a host without a driver take it too."""
-    cache = Path(os.environ.get("PAGEDKV_CACHE_DIR", Path.home() / ".cache" / "pagedkv")) / "stub-libcuda"
-    return build_stub_libcuda(_driver_symbols(_tvm_lib_dir() / "libtvm_runtime_cuda.so"), cache)
+    """The stub ``libcuda.so.1`` of this host (built on first use, cached under pagedkv's cache root,
+    ``pagedkv.kernel_cache.cache_root``): it exports the driver functions TVM's CUDA runtime imports, each
+    failing with CUDA_ERROR_NO_DEVICE. Links that need ``-lcuda`` on a host without a driver take it too."""
+    from .kernel_cache import cache_root
+
+    symbols = _driver_symbols(_tvm_lib_dir() / "libtvm_runtime_cuda.so")
+    return build_stub_libcuda(symbols, cache_root() / "stub-libcuda")
 
 
 @functools.lru_cache(maxsize=None)

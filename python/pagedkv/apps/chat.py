@@ -8,22 +8,23 @@ produced; prefill and decode tokens/s are printed at the end.
 from __future__ import annotations
 
 import argparse
-import fcntl
 import hashlib
-import os
 import sys
-import threading
-import time
 from pathlib import Path
 
 import numpy as np
 
 DEFAULT_PROMPTS = ["What is the capital of France?"]
 SYSTEM = "You are a helpful AI assistant named SmolLM, trained by Hugging Face"
+#: Name prefix of the compiled models in the cache folder (``llama-<key>.so``).
+MODEL_PREFIX = "llama"
 
 
 def cache_dir() -> Path:
-    return Path(os.environ.get("PAGEDKV_CACHE_DIR", Path.home() / ".cache" / "pagedkv"))
+    """Where compiled models are kept: pagedkv's cache root (``pagedkv.kernel_cache.cache_root``)."""
+    from ..kernel_cache import cache_root
+
+    return cache_root()
 
 
 def _source_digest() -> str:
@@ -37,53 +38,35 @@ def _source_digest() -> str:
     return h.hexdigest()[:16]
 
 
-class _Ticker:
-    """Prints elapsed time every few seconds while a long step runs."""
-
-    def __init__(self, what: str, every: float = 10.0):
-        self.what, self.every, self._stop = what, every, threading.Event()
-
-    def __enter__(self):
-        self.t0 = time.perf_counter()
-        print(f"[pagedkv] {self.what} ...", flush=True)
-        self._thread = threading.Thread(target=self._run, daemon=True)
-        self._thread.start()
-        return self
-
-    def _run(self):
-        while not self._stop.wait(self.every):
-            print(f"[pagedkv]   {self.what}: {time.perf_counter() - self.t0:.0f} s", flush=True)
-
-    def __exit__(self, *exc):
-        self._stop.set()
-        print(f"[pagedkv] {self.what} done in {time.perf_counter() - self.t0:.1f} s", flush=True)
-
-
 def compiled_library(cfg, *, dtype: str, target: str, backend) -> tuple[Path, list]:
-    """Compile (or reuse) the model library for ``cfg``; returns its path and named parameter specs."""
-    from ..compile import build_library
-    from ..engine import param_names
-    from ..models.llama import LlamaForCausalLM
+    """Compile (or reuse) the model library for ``cfg``; returns its path and named parameter specs.
 
+    The library is an entry of pagedkv's disk cache (``pagedkv.kernel_cache.load_or_build``): built in a
+    temporary folder and renamed into place under a lock, so two chats started at once compile once, and a
+    compile that is interrupted or fails leaves nothing a later run would take for a library."""
+    from ..compile import build_library
     from ..cpu_pipeline import SCHEDULE_VERSION
+    from ..engine import param_names
+    from ..kernel_cache import load_or_build, lookup
+    from ..models.llama import LlamaForCausalLM
 
     # The schedules' version is in the key as well as their source: a library compiled with other
     # schedules (or none, before pagedkv.cpu_pipeline) is never reused.
     key = hashlib.sha256(repr((cfg, dtype, target, backend, SCHEDULE_VERSION, _source_digest())).encode())
     key = key.hexdigest()[:20]
-    path = cache_dir() / f"llama-{key}.so"
-    path.parent.mkdir(parents=True, exist_ok=True)
-    # One compile per key: a second process (the suite's workers, two chats) waits for the first and reuses it.
-    with open(path.with_suffix(".lock"), "w") as lock:
-        fcntl.flock(lock, fcntl.LOCK_EX)
-        if path.exists() and path.with_suffix(".json").exists():
-            print(f"[pagedkv] reusing compiled library {path}", flush=True)
-            return path, param_names(path)
+    found = lookup(cache_dir(), key, prefix=MODEL_PREFIX)
+    if found is not None:
+        print(f"[pagedkv] reusing compiled library {found}", flush=True)
+        return found, param_names(found)
+    named: list = []
+
+    def build(path: Path, progress) -> None:
         model = LlamaForCausalLM(cfg, dtype=dtype, target=target, backend=backend)
-        kind = target if isinstance(target, str) else target.kind.name
-        with _Ticker(f"compiling the model for {kind}"):
-            path, named = build_library(model, target, path, verbose=True)
-    return path, named
+        named[:] = build_library(model, target, path, verbose=True, progress=progress)[1]
+
+    kind = target if isinstance(target, str) else target.kind.name
+    path = load_or_build(cache_dir(), key, build, what=f"the model for {kind}", prefix=MODEL_PREFIX)
+    return path, named or param_names(path)  # another process built it while this one waited: read its names
 
 
 def _generate(engine, tok, prompts: list[str], max_new: int, stream: bool) -> list[str]:
@@ -131,9 +114,10 @@ def main(argv: list[str] | None = None) -> int:
     import pagedkv  # noqa: F401  (registers the runtime globals)
     from . import smollm2
     from ..engine import Engine
+    from ..progress import Progress
 
     print(f"[pagedkv] model file: {smollm2.gguf_path()}", flush=True)
-    with _Ticker("loading and dequantizing the GGUF weights"):
+    with Progress("loading and dequantizing the GGUF weights"):
         hf, tok = smollm2.load_hf()
     cfg = smollm2.llama_config(hf.config)
     target = args.target
