@@ -205,7 +205,8 @@ void PagedKVCacheObj::EndForward(bool allow_unwritten) {
   std::vector<int64_t> unwritten = f.graph || allow_unwritten ? std::vector<int64_t>{} : UnwrittenLayers();
   if (!unwritten.empty()) {
     std::ostringstream os;
-    os << "pagedkv: end_forward: layer" << (unwritten.size() > 1 ? "s " : " ") << ListStr(unwritten, 16)
+    os << "pagedkv: end_forward: layer"
+       << (unwritten.size() > 1 ? "s " + ListStr(unwritten, 16) : " " + std::to_string(unwritten[0]))
        << " of " << cfg_.num_layers << " wrote no k/v in this forward (each layer's "
        << (cfg_.is_mla() ? "append_mla_kv" : "attention_with_fused_qkv")
        << " must run once per forward, or later forwards read stale k/v in its pages); the forward is rolled "
