@@ -185,7 +185,8 @@ FILL_CHUNK = 16384
 
 def reserve(cache, lengths: dict[int, int]) -> None:
     """Append ``lengths[seq]`` tokens to each (already added) sequence in forwards of at most FILL_CHUNK
-    tokens; no attention runs, so the keys are whatever the pages hold until written."""
+    tokens; no attention runs, so the keys are whatever the pages hold until written (``debug_set_kv``; the
+    forwards end with ``debug_unwritten``, as ``end_forward`` rejects a forward whose layers wrote no k/v)."""
     todo = [[seq, n] for seq, n in lengths.items() if n > 0]
     while todo:
         ids, lens, room = [], [], FILL_CHUNK
@@ -198,7 +199,7 @@ def reserve(cache, lengths: dict[int, int]) -> None:
             item[1] -= take
             room -= take
         cache.begin_forward(ids, lens)
-        cache.end_forward()
+        cache.end_forward(debug_unwritten=True)
         todo = [item for item in todo if item[1] > 0]
 
 

@@ -119,9 +119,10 @@ def case(name: str, backend, args, flush) -> dict:
         cache = make_cache(backend, 1, length, length, options)
         fill(cache, [0], length, gen)
         cache.begin_forward([0], [qlen])
-        if window:  # through forward: cross_attention reads the chunk's own k/v, appended by the fused call
-            cache.attention_with_fused_qkv(0, torch.randn(qlen, HQ + 2 * HKV, D, generator=gen, device="cuda",
-                                                          dtype=torch.float16), sm)
+        # A continuation is a through forward (with or without a window): cross_attention reads the chunk's own
+        # k/v, appended by the fused call (the runtime rejects cross_attention over unwritten new tokens).
+        cache.attention_with_fused_qkv(0, torch.randn(qlen, HQ + 2 * HKV, D, generator=gen, device="cuda",
+                                                      dtype=torch.float16), sm)
         q = torch.randn(qlen, HQ, D, generator=gen, device="cuda", dtype=torch.float16)
         op, run = "attn_prefill_paged", dps(cache, "cross_attention", [q], qlen, D)
         if window:

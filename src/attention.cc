@@ -4,7 +4,10 @@
 
 #include <algorithm>
 #include <array>
+#include <cmath>
 #include <limits>
+#include <sstream>
+#include <string>
 
 #include "ops.h"
 #include "paged_kv_cache.h"
@@ -14,6 +17,25 @@ namespace pagedkv {
 namespace {
 
 std::vector<int64_t> ToVector(const ffi::Shape& shape) { return std::vector<int64_t>(shape.begin(), shape.end()); }
+
+// The kernels take any float: a NaN, infinite, zero or negative scale gives NaN, uniform or inverted
+// attention weights without an error, so the entry points reject it before any kernel runs.
+void CheckScale(const char* what, double sm_scale) {
+  if (!std::isfinite(sm_scale) || sm_scale <= 0) {
+    TVM_FFI_THROW(ValueError) << "pagedkv: " << what << ": sm_scale must be a finite number > 0 (the softmax "
+                              << "scale, usually 1 / sqrt(head_dim)), got " << sm_scale;
+  }
+}
+
+// "[a, b, c]", at most `max` entries then ", ...".
+std::string ListStr(const std::vector<int64_t>& values, size_t max) {
+  std::ostringstream os;
+  os << "[";
+  for (size_t i = 0; i < values.size() && i < max; ++i) os << (i ? ", " : "") << values[i];
+  if (values.size() > max) os << ", ... (" << values.size() << " in all)";
+  os << "]";
+  return os.str();
+}
 
 }  // namespace
 
@@ -66,13 +88,26 @@ void PagedKVCacheObj::BeginForward(const ffi::Shape& seq_ids, const ffi::Shape& 
     }
   } catch (...) {
     // A library backend's plan failed (NotifyBeginForward abandoned the forward): take the appended
-    // tokens back, so the failed call leaves the cache as it was. They sit in each sequence's own leaf
-    // block, so popping them frees their pages and never copies one.
-    for (size_t i = 0; i < ids.size(); ++i) RunCopy(pool_.PopN(ids[i], lengths[i]));
-    PoisonNewPages();
+    // tokens back, so the failed call leaves the cache as it was.
+    TakeBack(ids, lengths);
     throw;
   }
+  forward_->graph = graph;
+  forward_->written.assign(static_cast<size_t>(cfg_.num_layers), false);
+  forward_->seq_ids = std::move(ids);
+  forward_->lengths = std::move(lengths);
   if (poison_) PoisonTemps();
+}
+
+void PagedKVCacheObj::CheckAppend(const ffi::Shape& seq_ids, const ffi::Shape& append_lengths) const {
+  pool_.CheckAppend(ToVector(seq_ids), ToVector(append_lengths));
+}
+
+void PagedKVCacheObj::TakeBack(const std::vector<int64_t>& ids, const std::vector<int64_t>& lengths) {
+  // Appended tokens sit in each sequence's own leaf block, so popping them frees their pages and never
+  // copies one (RunCopy is a no-op then).
+  for (size_t i = 0; i < ids.size(); ++i) RunCopy(pool_.PopN(ids[i], lengths[i]));
+  PoisonNewPages();
 }
 
 bool PagedKVCacheObj::GraphDecode(const std::vector<int64_t>& lengths) const {
@@ -152,10 +187,43 @@ void PagedKVCacheObj::OpenForward(const ForwardPlan& plan, const AuxBuilder& aux
   NotifyBeginForward(plan);
 }
 
-void PagedKVCacheObj::EndForward() {
-  CheckForward("end_forward");
+std::vector<int64_t> PagedKVCacheObj::UnwrittenLayers() const {
+  std::vector<int64_t> out;
+  for (size_t l = 0; l < forward_->written.size(); ++l) {
+    if (!forward_->written[l]) out.push_back(static_cast<int64_t>(l));
+  }
+  return out;
+}
+
+// A layer that wrote no k/v for the forward's tokens leaves their slots holding whatever the pages held
+// before (often the k/v of a removed sequence), which every later forward would read as if it were this
+// sequence's: so such a forward is rolled back and rejected here, the last point where it can be undone.
+// A CUDA-graph decode is exempt: a replayed graph runs the model's kernels without calling the attention
+// entry points that record the writes (the graph was captured from a complete step).
+void PagedKVCacheObj::EndForward(bool allow_unwritten) {
+  const Forward& f = CheckForward("end_forward");
+  std::vector<int64_t> unwritten = f.graph || allow_unwritten ? std::vector<int64_t>{} : UnwrittenLayers();
+  if (!unwritten.empty()) {
+    std::ostringstream os;
+    os << "pagedkv: end_forward: layer"
+       << (unwritten.size() > 1 ? "s " + ListStr(unwritten, 16) : " " + std::to_string(unwritten[0]))
+       << " of " << cfg_.num_layers << " wrote no k/v in this forward (each layer's "
+       << (cfg_.is_mla() ? "append_mla_kv" : "attention_with_fused_qkv")
+       << " must run once per forward, or later forwards read stale k/v in its pages); the forward is rolled "
+       << "back: sequences " << ListStr(f.seq_ids, 16) << " are back at their lengths before begin_forward";
+    AbortForward();
+    TVM_FFI_THROW(RuntimeError) << os.str();
+  }
   forward_.reset();
   ops_.EndForward();
+}
+
+void PagedKVCacheObj::AbortForward() {
+  if (!forward_.has_value()) return;
+  std::vector<int64_t> ids = std::move(forward_->seq_ids), lengths = std::move(forward_->lengths);
+  forward_.reset();
+  ops_.EndForward();
+  TakeBack(ids, lengths);
 }
 
 // Library backends plan here (src/backend.h ForwardInfo). A failure is a device failure: the forward
@@ -276,6 +344,7 @@ void PagedKVCacheObj::AttentionWithFusedQKV(int64_t layer, double sm_scale, cons
   ++attention_calls_;
   CheckKind("attention_with_fused_qkv", false);
   CheckLayer(layer);
+  CheckScale("attention_with_fused_qkv", sm_scale);
   int64_t n = f.num_tokens;
   CheckTensor(qkv, "qkv", {n, cfg_.num_qo_heads + 2 * cfg_.num_kv_heads, cfg_.head_dim}, dtype_, device_);
   CheckTensor(o, "o", QShape(n), dtype_, device_);
@@ -294,6 +363,7 @@ void PagedKVCacheObj::AttentionWithFusedQKV(int64_t layer, double sm_scale, cons
     RunPasses(layer, f.q, o, f.lse_own, sm_scale, /*output_written=*/true);
     append();
   }
+  forward_->written[layer] = true;
 }
 
 void PagedKVCacheObj::SelfAttention(int64_t layer, double sm_scale, const ffi::Tensor& q, const ffi::Tensor& k,
@@ -301,6 +371,7 @@ void PagedKVCacheObj::SelfAttention(int64_t layer, double sm_scale, const ffi::T
   const Forward& f = CheckForward("self_attention");
   ++attention_calls_;
   CheckLayer(layer);
+  CheckScale("self_attention", sm_scale);
   int64_t n = f.num_tokens;
   CheckTensor(q, "q", QShape(n), dtype_, device_);
   CheckTensor(k, "k", KVShape(n), dtype_, device_);
@@ -325,10 +396,19 @@ void PagedKVCacheObj::CrossAttention(int64_t layer, double sm_scale, const ffi::
   const Forward& f = CheckForward("cross_attention");
   ++attention_calls_;
   CheckLayer(layer);
+  CheckScale("cross_attention", sm_scale);
   int64_t n = f.num_tokens;
   CheckTensor(q, "q", {n, cfg_.num_qo_heads, PagedQDim()}, dtype_, device_);
   CheckTensor(o, "o", {n, cfg_.num_qo_heads, PagedVDim()}, dtype_, device_);
   CheckTensor(lse, "lse", {n, cfg_.num_qo_heads}, kFloat32, device_);
+  if (f.through && !f.written[layer]) {
+    // Its passes read the forward's own token slots, which would still hold the pages' earlier contents.
+    TVM_FFI_THROW(RuntimeError) << "pagedkv: cross_attention of layer " << layer << " attends over this forward's "
+                                << "new tokens (a decode, continuation or sliding-window forward), whose k/v layer "
+                                << layer << " has not written yet: call "
+                                << (cfg_.is_mla() ? "append_mla_kv" : "attention_with_fused_qkv") << " of layer "
+                                << layer << " first";
+  }
   RunPasses(layer, q, o, lse, sm_scale, /*output_written=*/false);
 }
 
@@ -356,6 +436,7 @@ void PagedKVCacheObj::AppendMLAKV(int64_t layer, const ffi::Tensor& kv) {
   CheckLayer(layer);
   CheckTensor(kv, "kv", {f.num_tokens, cfg_.latent_dim()}, dtype_, device_);
   ops_.Call(ops::MLAAppendKV().pages(pages_[layer]).kv(kv).slot(f.append_slot));
+  forward_->written[layer] = true;
 }
 
 }  // namespace pagedkv

@@ -176,6 +176,18 @@ void ValidateOptions(const KVConfig& c) {
   }
 }
 
+// RoPE's base and position multiplier enter every rotation angle (pos * rope_scale / rope_theta^(2i/D)): a
+// NaN, infinite, zero or negative value gives NaN or meaningless angles in every layer without an error, so
+// they are rejected whatever the rope_mode (a config is checked as a whole, not only its live fields).
+void ValidateRope(const KVConfig& c) {
+  const std::pair<const char*, double> positive[] = {{"rope_theta", c.rope_theta}, {"rope_scale", c.rope_scale}};
+  for (const auto& [name, value] : positive) {
+    if (!std::isfinite(value) || value <= 0) {
+      TVM_FFI_THROW(ValueError) << "pagedkv config: " << name << " must be a finite number > 0, got " << value;
+    }
+  }
+}
+
 void Validate(const KVConfig& c) {
   const std::pair<const char*, int64_t> positive[] = {
       {"num_layers", c.num_layers},         {"num_qo_heads", c.num_qo_heads},
@@ -210,6 +222,7 @@ void Validate(const KVConfig& c) {
                                 << "' and '" << kind << "' in layer_kinds";
     }
   }
+  ValidateRope(c);
   ValidateMLA(c);
   ValidateOptions(c);
 }

@@ -41,9 +41,19 @@ class PagedKVCacheObj : public ffi::Object {
   int64_t GetNumAvailablePages() const { return pool_.NumFreePages(); }
   int64_t GetTotalSequenceLength() const { return pool_.TotalLength(); }
 
-  // One forward.
+  // Throws the error begin_forward would for these sequences and append lengths (ids known and distinct,
+  // lengths >= 1, enough free pages), without the per-forward limits (batch size, prefill_chunk_size) and
+  // without changing anything: a caller that appends a prompt in several forwards checks it all first.
+  void CheckAppend(const ffi::Shape& seq_ids, const ffi::Shape& append_lengths) const;
+
+  // One forward. end_forward rejects a forward in which a layer wrote no k/v (see EndForward).
   void BeginForward(const ffi::Shape& seq_ids, const ffi::Shape& append_lengths);
-  void EndForward();
+  // `allow_unwritten` (debug_end_forward_unwritten): keep the tokens even where layers wrote no k/v, for
+  // tests and benchmarks that reserve tokens and write their k/v with debug_set_kv afterwards.
+  void EndForward(bool allow_unwritten = false);
+  // Abandons the open forward (if any): the tokens begin_forward appended are taken back, so the cache is as
+  // it was before it. A no-op without an open forward, so an error handler may always call it.
+  void AbortForward();
   void AttentionWithFusedQKV(int64_t layer, double sm_scale, const ffi::Tensor& qkv, const ffi::Tensor& o);
   void SelfAttention(int64_t layer, double sm_scale, const ffi::Tensor& q, const ffi::Tensor& k,
                      const ffi::Tensor& v, const ffi::Tensor& o, const ffi::Tensor& lse);
@@ -54,6 +64,10 @@ class PagedKVCacheObj : public ffi::Object {
   // MLA: writes the forward's latents kv[n, latent_dim] to the pages of `layer`.
   void AppendMLAKV(int64_t layer, const ffi::Tensor& kv);
   ffi::Tensor GetQueryPositions() const;
+  // Throws ValueError naming the first element of `values` (int32 / int64, any device) outside [0, bound),
+  // e.g. a token id outside the vocabulary, before a model's gather reads out of bounds with it.
+  void CheckIndices(const ffi::Tensor& values, const std::string& name, int64_t bound,
+                    const std::string& bound_name) const;
 
   // Debugging and introspection.
   void DebugGetKV(int64_t seq_id, int64_t start, int64_t end, const ffi::Tensor& k_out,
@@ -85,7 +99,10 @@ class PagedKVCacheObj : public ffi::Object {
   struct Forward {
     bool is_decode = false;
     bool through = false;  // ForwardPlan::through: the passes cover the new tokens
+    bool graph = false;    // a CUDA-graph decode (GraphDecode): replays run the kernels without our calls
     int64_t num_tokens = 0;
+    std::vector<int64_t> seq_ids, lengths;  // as given to begin_forward, to take the tokens back
+    std::vector<bool> written;              // per layer: the new tokens' k/v were written
     ffi::Tensor q_indptr, q_pos, append_slot, prior_len;
     ffi::Tensor no_keys_indptr;  // [B+1] zeros: a ragged kv_indptr with no keys
     std::vector<PassViews> passes;
@@ -113,6 +130,10 @@ class PagedKVCacheObj : public ffi::Object {
   void OpenForward(const ForwardPlan& plan, const AuxBuilder& aux,
                    const std::vector<std::array<int, 5>>& pass_handles);
   void NotifyBeginForward(const ForwardPlan& plan);
+  // Pops the tokens a forward appended (they sit in each sequence's own leaf: no page is copied).
+  void TakeBack(const std::vector<int64_t>& ids, const std::vector<int64_t>& lengths);
+  // Layers whose k/v the open forward has not written.
+  std::vector<int64_t> UnwrittenLayers() const;
   void RunCopy(const std::optional<PageCopy>& copy);
   void RunPass(int64_t layer, const PassViews& pass, const ffi::Tensor& q, const ffi::Tensor& o,
                const ffi::Tensor& lse, double sm_scale);

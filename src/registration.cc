@@ -140,6 +140,15 @@ TVM_FFI_STATIC_INIT_BLOCK() {
   Def("pagedkv.begin_forward", {"cache", "seq_ids", "append_lengths"},
       [](C c, ffi::Shape ids, ffi::Shape lengths) -> void { c->BeginForward(ids, lengths); });
   Def("pagedkv.end_forward", {"cache"}, [](C c) -> void { c->EndForward(); });
+  Def("pagedkv.abort_forward", {"cache"}, [](C c) -> void { c->AbortForward(); });
+  Def("pagedkv.check_append", {"cache", "seq_ids", "append_lengths"},
+      [](C c, ffi::Shape ids, ffi::Shape lengths) -> void { c->CheckAppend(ids, lengths); });
+  // Returns `values`, so a Relax model's gather takes the checked tensor and runs after the check.
+  Def("pagedkv.check_indices", {"cache", "values", "name", "bound", "bound_name"},
+      [](C c, T values, ffi::String name, int64_t bound, ffi::String bound_name) -> T {
+        c->CheckIndices(values, std::string(name), bound, std::string(bound_name));
+        return values;
+      });
   Def("pagedkv.attention_with_fused_qkv", {"cache", "layer", "sm_scale", "qkv", "o"},
       [](C c, int64_t layer, double sm_scale, T qkv, T o) -> void {
         c->AttentionWithFusedQKV(layer, sm_scale, qkv, o);
@@ -175,6 +184,7 @@ TVM_FFI_STATIC_INIT_BLOCK() {
       });
   Def("pagedkv.debug_set_mla_kv", {"cache", "seq_id", "start", "kv"},
       [](C c, int64_t id, int64_t start, T kv) -> void { c->DebugSetMLAKV(id, start, kv); });
+  Def("pagedkv.debug_end_forward_unwritten", {"cache"}, [](C c) -> void { c->EndForward(true); });
   Def("pagedkv.debug_poison_pages", {"cache", "on"}, [](C c, bool on) -> void { c->DebugPoisonPages(on); });
   Def("pagedkv.debug_forward_arrays", {"cache"},
       [](C c) -> ffi::Map<ffi::String, T> { return c->DebugForwardArrays(); });

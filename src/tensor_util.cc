@@ -63,6 +63,7 @@ TensorFns::TensorFns()
     : alloc_(Lookup("runtime.TVMTensorAllocWithScope")),
       copy_from_to_(Lookup("runtime.TVMTensorCopyFromTo")),
       copy_from_bytes_(Lookup("runtime.TVMTensorCopyFromBytes")),
+      copy_to_bytes_(Lookup("runtime.TVMTensorCopyToBytes")),
       create_view_(Lookup("runtime.TVMTensorCreateView")) {}
 
 ffi::Tensor TensorFns::Alloc(const std::vector<int64_t>& shape, DLDataType dtype, DLDevice device) const {
@@ -78,6 +79,10 @@ void TensorFns::Copy(const ffi::Tensor& from, const ffi::Tensor& to) const { cop
 
 void TensorFns::CopyFromBytes(const ffi::Tensor& to, const void* data, size_t nbytes) const {
   copy_from_bytes_(to, const_cast<void*>(data), static_cast<int64_t>(nbytes));
+}
+
+void TensorFns::CopyToBytes(const ffi::Tensor& from, void* data, size_t nbytes) const {
+  copy_to_bytes_(from, data, static_cast<int64_t>(nbytes));
 }
 
 std::string ShapeStr(const std::vector<int64_t>& shape) {

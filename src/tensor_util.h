@@ -18,8 +18,8 @@ namespace ffi = tvm::ffi;
 
 class TensorFns {
  public:
-  // Looks up runtime.TVMTensor{AllocWithScope,CopyFromTo,CopyFromBytes,CreateView}; throws naming a
-  // missing one (TVM's runtime must be loaded, e.g. `import tvm`).
+  // Looks up runtime.TVMTensor{AllocWithScope,CopyFromTo,CopyFromBytes,CopyToBytes,CreateView}; throws
+  // naming a missing one (TVM's runtime must be loaded, e.g. `import tvm`).
   TensorFns();
   ffi::Tensor Alloc(const std::vector<int64_t>& shape, DLDataType dtype, DLDevice device) const;
   // A view of `base` (contiguous) with `shape` starting `byte_offset` bytes after base's start.
@@ -27,9 +27,11 @@ class TensorFns {
                    uint64_t byte_offset) const;
   void Copy(const ffi::Tensor& from, const ffi::Tensor& to) const;
   void CopyFromBytes(const ffi::Tensor& to, const void* data, size_t nbytes) const;
+  // Copies a contiguous tensor of any device to host memory; returns once the data is there.
+  void CopyToBytes(const ffi::Tensor& from, void* data, size_t nbytes) const;
 
  private:
-  ffi::Function alloc_, copy_from_to_, copy_from_bytes_, create_view_;
+  ffi::Function alloc_, copy_from_to_, copy_from_bytes_, copy_to_bytes_, create_view_;
 };
 
 inline constexpr DLDataType kInt32 = {kDLInt, 32, 1};

@@ -20,7 +20,7 @@ from . import backends as _backends
 from . import kernel_cache as _kcache
 from . import target as _target
 from ._lib import get_global
-from .config import KVCacheConfig
+from .config import KVCacheConfig, check_sm_scale
 from .kernel_spec import KernelSpec
 from .progress import QUIET_FOR, Progress
 
@@ -400,8 +400,24 @@ class KVCache:
     def begin_forward(self, seq_ids: Sequence[int], append_lengths: Sequence[int]) -> None:
         self._call("begin_forward", tuple(map(int, seq_ids)), tuple(map(int, append_lengths)))
 
-    def end_forward(self) -> None:
-        self._call("end_forward")
+    def end_forward(self, *, debug_unwritten: bool = False) -> None:
+        """Close the forward. Raises ``RuntimeError`` (and rolls the forward back, as ``abort_forward``) when a
+        layer wrote no k/v in it: its slots would keep stale k/v for every later forward to read.
+
+        ``debug_unwritten`` (tests, benchmarks): keep the tokens anyway, to write their k/v with
+        ``debug_set_kv`` afterwards (reserving long sequences without running attention)."""
+        self._call("debug_end_forward_unwritten" if debug_unwritten else "end_forward")
+
+    def abort_forward(self) -> None:
+        """Abandon the open forward: the tokens ``begin_forward`` appended are taken back, the cache is as
+        before it. Does nothing without an open forward (safe in an error handler)."""
+        self._call("abort_forward")
+
+    def check_append(self, seq_ids: Sequence[int], append_lengths: Sequence[int]) -> None:
+        """Raise what ``begin_forward`` would for these appends (unknown or repeated ids, lengths < 1, not
+        enough free pages), without its per-forward limits and without changing anything: check a prompt
+        that will be appended over several forwards before the first."""
+        self._call("check_append", tuple(map(int, seq_ids)), tuple(map(int, append_lengths)))
 
     def _empty(self, shape, dtype=None):
         import torch
@@ -412,11 +428,12 @@ class KVCache:
     def attention_with_fused_qkv(self, layer: int, qkv, sm_scale: float):
         """``qkv[n, Hq + 2 Hkv, D]`` -> ``o[n, Hq, D]``; appends k/v of the new tokens."""
         c = self.config
+        sm_scale = check_sm_scale(sm_scale, "attention_with_fused_qkv")
         # an MLA cache has no fused qkv: the runtime names the cache's layer kind
         _TensorArgs(self, "attention_with_fused_qkv")("qkv", qkv, None if c.is_mla else [
             "n", ("num_qo_heads + 2 * num_kv_heads", c.num_qo_heads + 2 * c.num_kv_heads), ("head_dim", c.head_dim)])
         o = self._empty((qkv.shape[0], self.config.num_qo_heads, self.config.v_dim), qkv.dtype)
-        self._call("attention_with_fused_qkv", layer, float(sm_scale), _to_ffi(qkv), _to_ffi(o))
+        self._call("attention_with_fused_qkv", layer, sm_scale, _to_ffi(qkv), _to_ffi(o))
         return o
 
     def self_attention(self, layer: int, q, k, v, sm_scale: float):
@@ -424,13 +441,14 @@ class KVCache:
         import torch
 
         c = self.config
+        sm_scale = check_sm_scale(sm_scale, "self_attention")
         check = _TensorArgs(self, "self_attention")
         check("q", q, ["n", ("num_qo_heads", c.num_qo_heads), ("head_dim", c.head_dim)])
         check("k", k, ["n", ("num_kv_heads", c.num_kv_heads), ("head_dim", c.head_dim)])
         check("v", v, ["n", ("num_kv_heads", c.num_kv_heads), ("v_head_dim", c.v_dim)])
         o = self._empty((q.shape[0], q.shape[1], v.shape[2]), q.dtype)
         lse = self._empty((q.shape[0], q.shape[1]), torch.float32)
-        self._call("self_attention", layer, float(sm_scale), *map(_to_ffi, (q, k, v, o, lse)))
+        self._call("self_attention", layer, sm_scale, *map(_to_ffi, (q, k, v, o, lse)))
         return o, lse
 
     def append_mla_kv(self, layer: int, kv) -> None:
@@ -448,6 +466,7 @@ class KVCache:
         import torch
 
         c = self.config
+        sm_scale = check_sm_scale(sm_scale, "cross_attention")
         _TensorArgs(self, "cross_attention")("q", q, ["n", ("num_qo_heads", c.num_qo_heads),
                                                       ("kv_lora_rank + qk_rope_head_dim", c.latent_dim)
                                                       if c.is_mla else ("head_dim", c.head_dim)])
@@ -455,7 +474,7 @@ class KVCache:
         dv = default if v_head_dim is None else v_head_dim
         o = self._empty((q.shape[0], q.shape[1], dv), q.dtype)
         lse = self._empty((q.shape[0], q.shape[1]), torch.float32)
-        self._call("cross_attention", layer, float(sm_scale), *map(_to_ffi, (q, o, lse)))
+        self._call("cross_attention", layer, sm_scale, *map(_to_ffi, (q, o, lse)))
         return o, lse
 
     def merge_attn_output_inplace(self, o_a, lse_a, o_b, lse_b):

@@ -40,7 +40,9 @@ def check_captured(mod: tvm.IRModule, functions) -> None:
     the CUDA graph that TVM's ``RewriteCUDAGraph`` captures: a step asked to run in a graph must never run
     partly outside it without saying so."""
     for name in functions:
-        outside = sorted(set(re.findall(r'"(pagedkv\.[a-z_]+)"', mod[name].script())))
+        # check_indices reads the input ids (the one argument that changes between replays) before the
+        # embedding: it belongs outside the graph, like the embedding's gather
+        outside = sorted(set(re.findall(r'"(pagedkv\.[a-z_]+)"', mod[name].script())) - {"pagedkv.check_indices"})
         captured = [gv.name_hint for gv in mod.functions if gv.name_hint.startswith(f"{name}_cuda_graph_capture")]
         if outside or not captured:
             raise ValueError(f"{name}: cuda_graph_batch was asked for, but TVM's RewriteCUDAGraph left "
@@ -242,5 +244,9 @@ def build_library(model: nn.Module, target: Any, out_path: str | Path, *, verbos
     out_path.parent.mkdir(parents=True, exist_ok=True)
     executable.export_library(str(out_path), **({"options": options} if options else {}))
     # The parameter order, beside the library, so loaders need no re-export (see ``pagedkv.engine.param_names``).
-    out_path.with_suffix(".json").write_text(json.dumps({"param_names": [n for n, _ in named_params]}))
+    meta = {"param_names": [n for n, _ in named_params]}
+    vocab = getattr(getattr(model, "cfg", None), "vocab_size", None)
+    if isinstance(vocab, int):  # so pagedkv.engine.Engine checks token ids before a forward begins
+        meta["vocab_size"] = vocab
+    out_path.with_suffix(".json").write_text(json.dumps(meta))
     return out_path, named_params

@@ -10,6 +10,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
+import numbers
 from dataclasses import dataclass, field
 from typing import Any, Mapping
 
@@ -35,6 +36,44 @@ MAX_SLOTS = 2**31 - 1
 RUNTIME_FIELDS = ("max_batch_size", "max_total_seq_len", "prefill_chunk_size", "page_size")
 
 
+def _positive_finite(value) -> bool:
+    """Whether ``value`` is a real number (numpy scalars too; not a bool), finite and > 0."""
+    return (isinstance(value, numbers.Real) and not isinstance(value, bool) and math.isfinite(value)
+            and value > 0)
+
+
+def check_sm_scale(sm_scale, where: str) -> float:
+    """``sm_scale`` as a float, after checking it is a finite number > 0.
+
+    The attention kernels take any float: NaN or inf gives NaN or meaningless weights, zero uniform ones, a
+    negative value inverts the softmax, all without an error. The Python cache methods and the Relax
+    constructor call this before anything runs; the runtime checks again (``src/attention.cc``).
+
+    Parameters
+    ----------
+    sm_scale :
+        The softmax scale (usually ``head_dim ** -0.5``): a number, or anything ``float()`` converts but a
+        bool or a string (numpy scalars, one-element tensors).
+    where :
+        The method, named in the error.
+
+    Raises
+    ------
+    TypeError
+        ``sm_scale`` is not a number.
+    ValueError
+        ``sm_scale`` is NaN, infinite, zero or negative.
+    """
+    if isinstance(sm_scale, (bool, str, bytes)) or not hasattr(sm_scale, "__float__"):
+        raise TypeError(f"{where}: sm_scale must be a float (the softmax scale, usually head_dim ** -0.5), "
+                        f"got {type(sm_scale).__name__} {sm_scale!r}")
+    value = float(sm_scale)
+    if not math.isfinite(value) or value <= 0:
+        raise ValueError(f"{where}: sm_scale must be a finite number > 0 (the softmax scale, usually "
+                         f"head_dim ** -0.5), got {sm_scale!r}")
+    return value
+
+
 @dataclass(frozen=True)
 class KVCacheConfig:
     """Shape and policy of one paged KV cache.
@@ -51,7 +90,8 @@ class KVCacheConfig:
         ``"none"``: no rotary embedding; ``"normal"``: q and k are rotated when qkv is split (k is stored
         rotated); ``"inline"``: k is stored unrotated and the attention kernels rotate q and k.
     rope_theta, rope_scale :
-        RoPE base and position multiplier (angle = pos * rope_scale / rope_theta ** (2i / head_dim)).
+        RoPE base and position multiplier (angle = pos * rope_scale / rope_theta ** (2i / head_dim)); both
+        finite and > 0.
     page_size :
         Tokens per page (>= 1; 16 is the usual choice).
     max_batch_size, max_total_seq_len, prefill_chunk_size :
@@ -151,6 +191,7 @@ class KVCacheConfig:
                 out.append("a cache holds one layer kind; got 'mha' at layers "
                            f"{[i for i, k in enumerate(self.layer_kinds) if k == 'mha']} and 'mla' at "
                            f"{[i for i, k in enumerate(self.layer_kinds) if k == 'mla']} (use two caches)")
+        out += self._rope_problems()
         out += self._mla_problems()
         out += self._option_problems()
         need = self.min_schema
@@ -158,6 +199,14 @@ class KVCacheConfig:
             out.append(f"schema_version {self.schema_version} is outside [{need}, {SCHEMA_VERSION}] "
                        f"(this config needs schema {need}; this package writes up to {SCHEMA_VERSION})")
         return out
+
+    def _rope_problems(self) -> list[str]:
+        # Both enter every rotation angle (pos * rope_scale / rope_theta ** (2i / head_dim)): NaN, inf, zero or a
+        # negative value gives NaN or meaningless angles without an error. Checked whatever the rope_mode, as
+        # the runtime does (src/config.cc).
+        return [f"{name} must be a finite number > 0, got {value!r}"
+                for name, value in (("rope_theta", self.rope_theta), ("rope_scale", self.rope_scale))
+                if not _positive_finite(value)]
 
     def _mla_problems(self) -> list[str]:
         dims = {name: getattr(self, name) for name in MLA_FIELDS}

@@ -18,7 +18,7 @@ from tvm import tirx
 from tvm.relax.frontend.nn import Object, Tensor
 
 from . import backends as _backends
-from .config import RUNTIME_FIELDS, KVCacheConfig
+from .config import RUNTIME_FIELDS, KVCacheConfig, check_sm_scale
 
 
 _EXPORT_OPTIONS: contextvars.ContextVar[list | None] = contextvars.ContextVar("pagedkv_export_options",
@@ -73,6 +73,17 @@ def _add_extern_object(path, symbols) -> None:
     nn.add_extern(nn.ObjectModule({name: None for name in symbols}, path))
 
 
+def _sm_scale(sm_scale: Any, method: str) -> Any:
+    """``sm_scale`` of a ``PagedKVCache`` attention method, checked when the model is built if it is a constant
+    (finite and > 0, ``check_sm_scale``); a symbolic one is checked by the runtime at every call."""
+    if isinstance(sm_scale, (tirx.FloatImm, tirx.IntImm)):
+        check_sm_scale(sm_scale.value, f"PagedKVCache.{method}")
+        return sm_scale
+    if isinstance(sm_scale, tirx.Expr):
+        return sm_scale
+    return check_sm_scale(sm_scale, f"PagedKVCache.{method}")
+
+
 class PagedKVCache(Object):  # pylint: disable=too-few-public-methods
     """A paged KV cache created inside a compiled model.
 
@@ -119,6 +130,7 @@ class PagedKVCache(Object):  # pylint: disable=too-few-public-methods
     def attention_with_fused_qkv(self, layer_id: int, qkv: Tensor, num_qo_heads: int,
                                  sm_scale: float) -> Tensor:
         """``qkv[b, s, Hq + 2 Hkv, D]`` -> ``o[b, s, Hq, D]``; appends the new k/v to the cache."""
+        sm_scale = _sm_scale(sm_scale, "attention_with_fused_qkv")
         b, s, _, d = qkv._expr.ty.shape
         qkv = qkv.reshape(b * s, qkv.shape[2], d)
         out = rx.call_dps_packed(
@@ -130,6 +142,7 @@ class PagedKVCache(Object):  # pylint: disable=too-few-public-methods
     def self_attention(self, layer_id: int, q: Tensor, k: Tensor, v: Tensor,
                        sm_scale: float) -> tuple[Tensor, Tensor]:
         """Ragged causal attention over the new tokens: ``(o[b, s, Hq, Dv], lse[b, s, Hq])``."""
+        sm_scale = _sm_scale(sm_scale, "self_attention")
         b, s, h_qo, d_qk = q._expr.ty.shape
         _, _, h_kv, d_v = v._expr.ty.shape
         args = [self._expr, rx.prim_value(layer_id), rx.prim_value(sm_scale),
@@ -140,6 +153,7 @@ class PagedKVCache(Object):  # pylint: disable=too-few-public-methods
     def cross_attention(self, layer_id: int, q: Tensor, v_head_dim: int,
                         sm_scale: float) -> tuple[Tensor, Tensor]:
         """Attention of ``q`` over the cached k/v: ``(o[b, s, Hq, v_head_dim], lse[b, s, Hq])``."""
+        sm_scale = _sm_scale(sm_scale, "cross_attention")
         b, s, h_qo, d_qk = q._expr.ty.shape
         args = [self._expr, rx.prim_value(layer_id), rx.prim_value(sm_scale),
                 q.reshape(b * s, h_qo, d_qk)._expr]
@@ -177,6 +191,28 @@ class PagedKVCache(Object):  # pylint: disable=too-few-public-methods
         o = Tensor(_expr=bb.emit(rx.TupleGetItem(res, 0))).reshape(b, s, h_qo, d_v)
         lse = Tensor(_expr=bb.emit(rx.TupleGetItem(res, 1))).reshape(b, s, h_qo)
         return o, lse
+
+    def check_indices(self, values: Tensor, name: str, bound: Any, bound_name: str) -> Tensor:
+        """``values`` (int32 / int64), after the runtime checked that each lies in ``[0, bound)``; a value
+        outside raises ``ValueError`` naming it, its position and the range.
+
+        Gather the returned tensor, not ``values``: the gather then runs after the check by data flow, and TVM's
+        ``take`` (unchecked: an index past the end crashes the process, a negative one reads another row) never
+        sees an index the check did not pass. The check copies ``values`` to the host (a wait on a GPU).
+
+        Parameters
+        ----------
+        values :
+            Indices, e.g. a model's input token ids.
+        name, bound_name :
+            What ``values`` and ``bound`` are called in the error (``"input_ids"``, ``"vocab_size"``).
+        bound :
+            The exclusive upper bound: an int or a symbolic ``tirx`` expression (e.g. a dim of the input).
+        """
+        bb = rx.BlockBuilder.current()
+        return Tensor(_expr=bb.emit(rx.call_pure_packed(
+            "pagedkv.check_indices", self._expr, values._expr, tvm.ir.StringImm(name), rx.prim_value(bound),
+            tvm.ir.StringImm(bound_name), ty_args=values._expr.ty)))
 
     def get_query_positions(self, total_length: tirx.Expr) -> Tensor:
         """In-sequence positions of the queries of this forward, ``int32[total_length]``."""

@@ -41,6 +41,17 @@ BASE = dict(num_layers=2, num_qo_heads=8, num_kv_heads=2, head_dim=64, dtype="fl
     (dict(logits_soft_cap=float("nan")), ["logits_soft_cap must be a finite number"]),
     (dict(logits_soft_cap=float("inf")), ["logits_soft_cap must be a finite number"]),
     (dict(sliding_window=8, schema_version=2), ["schema_version 2 is outside [3, 4]"]),
+    # RoPE's numbers enter every angle: NaN, inf, zero or negative would rotate silently wrong
+    (dict(rope_theta=0.0), ["rope_theta must be a finite number > 0, got 0.0"]),
+    (dict(rope_theta=-10000.0), ["rope_theta must be a finite number > 0, got -10000.0"]),
+    (dict(rope_theta=float("nan")), ["rope_theta must be a finite number > 0, got nan"]),
+    (dict(rope_theta=float("inf"), rope_mode="none"), ["rope_theta must be a finite number > 0, got inf"]),
+    (dict(rope_theta="1e4"), ["rope_theta must be a finite number > 0, got '1e4'"]),
+    (dict(rope_theta=True), ["rope_theta must be a finite number > 0, got True"]),
+    (dict(rope_scale=0), ["rope_scale must be a finite number > 0, got 0"]),
+    (dict(rope_scale=-0.5), ["rope_scale must be a finite number > 0, got -0.5"]),
+    (dict(rope_scale=float("nan")), ["rope_scale must be a finite number > 0, got nan"]),
+    (dict(rope_scale=float("-inf")), ["rope_scale must be a finite number > 0, got -inf"]),
     (dict(layer_kinds=("mla", "mla")), ["MLA needs kv_lora_rank >= 1", "MLA needs rope_mode 'none'"]),
     (dict(num_layers=0, dtype="int8", rope_mode="x"), ["num_layers", "'int8'", "rope_mode 'x'"]),  # all reported
 ])

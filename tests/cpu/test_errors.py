@@ -9,6 +9,7 @@ following forward. Calls that fail inside a forward are followed by the rest of 
 from __future__ import annotations
 
 import json
+import math
 import re
 
 import pytest
@@ -18,6 +19,7 @@ import pagedkv
 from conftest import cpu_backends
 from pagedkv import KVCacheConfig, ops
 from pagedkv._lib import get_global
+from pagedkv.cache import _to_ffi
 from pagedkv.testing.scenarios import ScenarioRunner, add, assert_close, check, check_state, forward
 
 # page size 8, max_total_seq_len 32, max_batch_size 2 -> 4 + 2 = 6 pages (48 tokens); a forward appends
@@ -257,6 +259,148 @@ def test_bad_begin_forward_arguments(runner):
     c = runner.cache
     rejects(runner, lambda: c.begin_forward([0, 1], [1]), r"\b1\b|\b2\b|length")
     rejects(runner, lambda: c.begin_forward([0, 0], [1, 1]), r"\b0\b|duplicate|repeat|twice")
+
+
+# -- numbers and the forward protocol -----------------------------------------------------------------------
+SCALE_ERROR = r"sm_scale must be a finite number > 0"
+
+
+def test_sm_scale_must_be_finite_and_positive(runner):
+    """NaN, inf, zero or a negative sm_scale (which the kernels turn into finite, wrong numbers) is rejected
+    by the Python methods before the runtime sees it, and changes nothing."""
+    c = runner.cache
+    q = torch.randn(2, CFG.num_qo_heads, CFG.head_dim)
+    kv = torch.randn(2, CFG.num_kv_heads, CFG.head_dim)
+    for bad in (math.nan, math.inf, 0.0, -0.125):
+        in_forward_rejects(runner, {0: 1, 1: 1}, lambda: c.attention_with_fused_qkv(1, _qkv(2), bad), SCALE_ERROR)
+    in_forward_rejects(runner, {0: 1, 1: 1}, lambda: c.cross_attention(1, q, math.nan), SCALE_ERROR)
+    in_forward_rejects(runner, {0: 1, 1: 1}, lambda: c.self_attention(1, q, kv, kv, -math.inf), SCALE_ERROR)
+    rejects(runner, lambda: c.attention_with_fused_qkv(0, _qkv(1), "0.1"), r"sm_scale must be a float")
+
+
+def test_runtime_sm_scale_must_be_finite_and_positive(runner):
+    """The runtime's attention entry points, called directly (as a compiled model does), check sm_scale
+    themselves."""
+    c = runner.cache
+    q, kv = torch.randn(2, CFG.num_qo_heads, CFG.head_dim), torch.randn(2, CFG.num_kv_heads, CFG.head_dim)
+    o, lse = torch.empty(2, CFG.num_qo_heads, CFG.head_dim), torch.empty(2, CFG.num_qo_heads)
+    raw = {name: get_global(f"pagedkv.{name}") for name in ("attention_with_fused_qkv", "cross_attention",
+                                                              "self_attention")}
+    for bad in (math.nan, -math.inf, 0.0):
+        in_forward_rejects(runner, {0: 1, 1: 1}, lambda: raw["attention_with_fused_qkv"](
+            c.handle, 1, bad, _to_ffi(_qkv(2)), _to_ffi(o)), r"attention_with_fused_qkv: " + SCALE_ERROR)
+    in_forward_rejects(runner, {0: 1, 1: 1}, lambda: raw["cross_attention"](
+        c.handle, 1, math.inf, *map(_to_ffi, (q, o, lse))), r"cross_attention: " + SCALE_ERROR)
+    in_forward_rejects(runner, {0: 1, 1: 1}, lambda: raw["self_attention"](
+        c.handle, 1, -1.0, *map(_to_ffi, (q, kv, kv, o, lse))), r"self_attention: " + SCALE_ERROR)
+
+
+def _forward_of_layers(c, batch: dict, layers) -> None:
+    """One forward of ``batch`` that runs only ``layers``, then ``end_forward``."""
+    c.begin_forward(list(batch), list(batch.values()))
+    for layer in layers:
+        c.attention_with_fused_qkv(layer, _qkv(sum(batch.values())), 0.11)
+    c.end_forward()
+
+
+def test_forward_that_skips_a_layer_is_rolled_back(runner):
+    """A forward in which a layer wrote no k/v (its slots would keep what the pages held before, e.g. a removed
+    sequence's k/v, for every later forward to read) is rejected by end_forward and taken back whole."""
+    c = runner.cache
+    rejects(runner, lambda: _forward_of_layers(c, {0: 2, 1: 1}, [0]),
+            r"end_forward: layer 1 of 2 wrote no k/v in this forward.*rolled back: sequences \[0, 1\]")
+    rejects(runner, lambda: _forward_of_layers(c, {1: 1}, [1]), r"layer 0 of 2 wrote no k/v")
+    rejects(runner, lambda: _forward_of_layers(c, {0: 3}, []), r"layers \[0, 1\] of 2 wrote no k/v")
+    # a sequence whose pages come from a removed one, the case that read stale k/v
+    runner.run([forward({1: 13}), check()], "1 fills a page")
+    c.remove_sequence(1)
+    runner.ref.remove_sequence(1)
+    runner.run([add(2), forward({2: 4})], "2 takes the freed pages")
+    rejects(runner, lambda: _forward_of_layers(c, {2: 5}, [1]), r"layer 0 of 2 wrote no k/v")
+
+
+def test_cross_attention_before_its_layer_wrote_the_new_tokens(runner):
+    """A decode forward's paged pass covers its own new tokens: cross_attention of a layer whose k/v for them
+    is not written yet would read stale slots, and is rejected."""
+    q = torch.randn(2, CFG.num_qo_heads, CFG.head_dim)
+    in_forward_rejects(runner, {0: 1, 1: 1}, lambda: runner.cache.cross_attention(1, q, 0.11),
+                       r"cross_attention of layer 1 attends over this forward's new tokens.*has not written yet")
+
+
+def test_abort_forward_takes_the_forward_back(runner):
+    c = runner.cache
+    before = snapshot(c, [0, 1])
+    c.begin_forward([0, 1], [2, 1])
+    c.attention_with_fused_qkv(0, _qkv(3), 0.11)
+    c.abort_forward()
+    assert_same(before, snapshot(c, [0, 1]))
+    c.abort_forward()  # without an open forward: nothing to do (safe in an error handler)
+    assert_same(before, snapshot(c, [0, 1]))
+    runner.run([forward({0: 1, 1: 2}), check()], "a forward after abort_forward")
+
+
+def test_check_append(runner):
+    """check_append raises what begin_forward would for appends spread over several forwards (the page
+    budget; not the per-forward batch and chunk limits) and changes nothing."""
+    c = runner.cache
+    c.check_append([0, 1], [14, 13])  # 27 tokens: more than one forward's 24, within the 3 free pages
+    rejects(runner, lambda: c.check_append([0], [40]), r"out of pages.*5 new pages, 3 available")
+    rejects(runner, lambda: c.check_append([0, 7], [1, 1]), num(7))
+    rejects(runner, lambda: c.check_append([1], [0]), r"append length 0")
+
+
+def test_debug_end_forward_unwritten_keeps_the_tokens(runner):
+    """Benchmarks reserve long sequences without attention and write their k/v with debug_set_kv."""
+    c = runner.cache
+    c.add_sequence(5)
+    c.begin_forward([5], [3])
+    c.end_forward(debug_unwritten=True)
+    assert c.get_sequence_length(5) == 3
+    k = torch.randn(CFG.num_layers, 3, CFG.num_kv_heads, CFG.head_dim)
+    c.debug_set_kv(5, 0, k, k)
+    assert torch.equal(c.debug_get_kv(5)[0], k)
+    c.remove_sequence(5)
+    check_state(c, runner.ref, "after removing the reserved sequence")
+
+
+def test_relax_attention_rejects_a_bad_constant_sm_scale():
+    """The Relax constructor's attention methods check a constant sm_scale while the model is built."""
+    from tvm.relax.frontend import nn
+
+    from pagedkv.relax import PagedKVCache
+
+    class Attention(nn.Module):
+        def __init__(self, method: str, sm_scale: float):
+            self.method, self.sm_scale = method, sm_scale
+
+        def forward(self, x: nn.Tensor, cache: PagedKVCache):
+            if self.method == "attention_with_fused_qkv":
+                return cache.attention_with_fused_qkv(0, x, CFG.num_qo_heads, self.sm_scale)
+            return cache.cross_attention(0, x, CFG.head_dim, self.sm_scale)[0]
+
+    def export(method, sm_scale):
+        width = WIDTH if method == "attention_with_fused_qkv" else CFG.num_qo_heads
+        module = Attention(method, sm_scale)
+        module.export_tvm(spec=nn.spec.ModuleSpec.from_raw({"forward": {
+            "x": nn.spec.Tensor([1, "n", width, CFG.head_dim], "float32"),
+            "cache": nn.spec.Object(object_type=PagedKVCache),
+            "$": {"param_mode": "none", "effect_mode": "none"}}}, module))
+
+    for method in ("attention_with_fused_qkv", "cross_attention"):
+        export(method, 0.125)
+        for bad in (math.nan, math.inf, 0.0, -0.125):
+            with pytest.raises(ValueError, match=rf"PagedKVCache\.{method}: {SCALE_ERROR}"):
+                export(method, bad)
+
+
+@pytest.mark.parametrize("field,value", [("rope_theta", 0.0), ("rope_theta", -10000.0), ("rope_scale", 0.0),
+                                         ("rope_scale", -2.0), ("rope_scale", math.inf), ("rope_theta", math.nan)])
+def test_create_rejects_bad_rope_numbers(table, field, value):
+    """The runtime's own config check (a library or a caller may hand it JSON that never was a KVCacheConfig)."""
+    config = json.loads(CFG.to_json())
+    config[field] = value
+    with pytest.raises(ValueError, match=rf"pagedkv config: {field} must be a finite number > 0, got "):
+        _create(json.dumps(config), table)
 
 
 # -- create ---------------------------------------------------------------------------------------------

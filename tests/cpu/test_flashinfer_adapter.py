@@ -175,14 +175,14 @@ def test_all_empty_calls_never_reach_flashinfer(empty_rows):
     q = torch.randn(3, cfg.num_qo_heads, cfg.head_dim)
     o, lse = cache.cross_attention(0, q, 0.3)  # a fresh sequence: its cache view is empty
     assert torch.all(o == 0) and torch.all(lse == -1e30)
-    cache.end_forward()
+    cache.abort_forward()  # no layer wrote k/v, which end_forward rejects
     assert fake.count("prefill_fa2.paged_run") == 0 and fake.count("prefill_fa2.plan") == 1  # the ragged plan
     _step(cache, cfg, [0], [1], 0.3)  # decode: self_attention covers no key
     cache.begin_forward([0], [1])
     k = torch.randn(1, cfg.num_kv_heads, cfg.head_dim)
     o, lse = cache.self_attention(0, torch.randn(1, cfg.num_qo_heads, cfg.head_dim), k, k.clone(), 0.3)
     assert torch.all(o == 0) and torch.all(lse == -1e30)
-    cache.end_forward()
+    cache.abort_forward()
     assert fake.count("prefill_fa2.ragged_run") == 0
 
 

@@ -526,7 +526,7 @@ def test_cross_attention_on_empty_cache_writes_empty_state():
     o = np.full((3, h.hq, h.d), np.nan, np.float32)
     lse = np.full((3, h.hq), np.nan, np.float32)
     h.call("cross_attention", 1, 0.3, T(q), T(o), T(lse))
-    h.call("end_forward")
+    h.call("abort_forward")  # no layer wrote k/v: end_forward would reject (and also roll back) the forward
     assert np.all(o == 0) and np.all(lse == np.float32(EMPTY_LSE))
 
 
@@ -691,15 +691,12 @@ def test_errors_leave_cache_unchanged():
         with pytest.raises(Exception, match=pattern):
             bad()
     assert {s: h.length(s) for s in h.ref} == before
-    c("end_forward")
-    h.ref[0] = tuple(np.concatenate([x, np.zeros_like(x[:, :1])], axis=1) for x in h.ref[0])
-    h.ref[1] = tuple(np.concatenate([x, np.zeros_like(x[:, :1])], axis=1) for x in h.ref[1])
-    # the forward above wrote no k/v: overwrite the new tokens so the reference knows them
-    for s in (0, 1):
-        n = h.length(s)
-        zeros = np.zeros((h.L, 1, h.hkv, h.d), np.float32)
-        c("debug_set_kv", s, n - 1, T(zeros), T(zeros))
+    # the forward above wrote no k/v (its slots hold stale data): end_forward rejects it and takes its tokens back
+    with pytest.raises(RuntimeError, match=r"layers \[0, 1\] of 2 wrote no k/v.*rolled back.*sequences \[0, 1\]"):
+        c("end_forward")
+    assert {s: h.length(s) for s in h.ref} == {s: n - (s in (0, 1)) for s, n in before.items()}
     h.check_state()
+    h.forward({0: 1, 1: 2})  # and the cache goes on
 
 
 @pytest.mark.parametrize("seed", [21, 22, 23, 24])

@@ -86,6 +86,21 @@ class CausalLMExports:
     CUDA_GRAPH_FUNCTIONS = {"decode": "b"}
     cuda_graph_batch: int = 0
 
+    def embed(self, input_ids: Tensor, cache: PagedKVCache) -> Tensor:
+        """``embed_tokens(input_ids)``, the ids checked against the vocabulary first: the gather is TVM's
+        unchecked ``take``, which would crash the process on an id past the vocabulary and read another row
+        for a negative one; the check raises ``ValueError`` naming the id (``PagedKVCache.check_indices``)."""
+        ids = cache.check_indices(input_ids, "input_ids", self.cfg.vocab_size, "vocab_size")
+        return self.embed_tokens(ids)
+
+    @staticmethod
+    def checked_rows(logit_positions: Tensor, input_ids: Tensor, cache: PagedKVCache) -> Tensor:
+        """``logit_positions`` of ``prefill``, checked to pick rows of the ``n`` input tokens (the same
+        unchecked ``take`` gathers them). Call it before the layers, so a bad row is reported before the
+        forward's k/v are written."""
+        return cache.check_indices(logit_positions, "logit_positions", input_ids.shape[1],
+                                   "n (the number of input tokens)")
+
     def create_paged_kv_cache(self, max_batch_size: tirx.Var, max_total_seq_len: tirx.Var,
                               prefill_chunk_size: tirx.Var, page_size: tirx.Var) -> PagedKVCache:
         values = {"max_batch_size": max_batch_size, "max_total_seq_len": max_total_seq_len,

@@ -201,14 +201,15 @@ class DeepseekV3ForCausalLM(CausalLMExports, nn.Module):
         b, s = input_ids.shape
         positions = cache.get_query_positions(b * s)
         rope = _rope_tables(positions, self.cfg.rope_inv_freq(), self.cfg.rope_attention_factor())
-        h = self.embed_tokens(input_ids)
+        h = self.embed(input_ids, cache)
         for layer in self.layers:
             h, cache = layer(h, cache, rope, mode)
         return self.norm(h), cache
 
     def prefill(self, input_ids: Tensor, logit_positions: Tensor, cache: PagedKVCache):
+        rows = self.checked_rows(logit_positions, input_ids, cache)
         h, cache = self._body(input_ids, cache, "prefill")
-        h = op.take(h, logit_positions, axis=1)
+        h = op.take(h, rows, axis=1)
         return self.lm_head(h), cache
 
     def decode(self, input_ids: Tensor, cache: PagedKVCache):

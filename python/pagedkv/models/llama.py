@@ -6,6 +6,10 @@ Exported functions (all take and return the cache object):
   batch flattened into one row (the cache's ``begin_forward`` says how many tokens each one has);
   ``logit_positions`` picks the rows whose logits are returned (usually each sequence's last token).
 - ``decode(input_ids[b, 1], cache) -> logits[b, 1, vocab]``.
+
+Both check their indices before anything runs: an input id outside ``[0, vocab_size)`` or a logit position
+outside ``[0, n)`` raises ``ValueError`` (``CausalLMExports.embed`` / ``checked_rows``), and the caller's
+open forward can be taken back with ``pagedkv.abort_forward``.
 """
 
 from __future__ import annotations
@@ -68,14 +72,15 @@ class LlamaForCausalLM(CausalLMExports, nn.Module):
         self.lm_head = linear(cfg.hidden_size, cfg.vocab_size, dtype, layout)  # float32 logits
 
     def _body(self, input_ids: Tensor, cache: PagedKVCache) -> Tensor:
-        h = self.embed_tokens(input_ids)
+        h = self.embed(input_ids, cache)
         for layer in self.layers:
             h = layer(h, cache)
         return self.norm(h)
 
     def prefill(self, input_ids: Tensor, logit_positions: Tensor, cache: PagedKVCache):
+        rows = self.checked_rows(logit_positions, input_ids, cache)
         h = self._body(input_ids, cache)
-        h = op.take(h, logit_positions, axis=1)
+        h = op.take(h, rows, axis=1)
         return self.lm_head(h), cache
 
     def decode(self, input_ids: Tensor, cache: PagedKVCache):

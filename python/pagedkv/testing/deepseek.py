@@ -101,6 +101,13 @@ def scenario(rng: np.random.Generator, vocab: int):
 
     steps += [{"kind": "add", "seq": 0}, {"kind": "add", "seq": 1}]
     forward("prefill", "prefill_0", [[0, toks(21)], [1, toks(9)]])
+    # Rejected forwards: an id past the vocabulary, a logit row past the input, a negative id. The library
+    # raises ValueError before its gathers read out of bounds (a crash, or another row's numbers), the
+    # runner takes each forward back (abort_forward), and every later forward is checked against HF's logits
+    # of histories that never saw them.
+    steps += [{"kind": "rejected_prefill", "batch": [[0, [1, vocab + 10**6, 2]], [1, toks(2)]], "rows": [2, 4]},
+              {"kind": "rejected_prefill", "batch": [[0, toks(3)]], "rows": [3]},
+              {"kind": "rejected_decode", "batch": [[0, toks(1)[0]], [1, -1]]}]
     # page_size 8: the fork shares the first page of sequence 0 and copies 5 tokens of its second one
     fork_pos = 13
     steps.append({"kind": "fork", "parent": 0, "child": 2, "pos": fork_pos})
@@ -136,21 +143,32 @@ def run_scenario(vm, params: list, steps: list, device) -> dict[str, np.ndarray]
             g("add_sequence")(cache, step["seq"])
         elif kind == "fork":
             g("fork_sequence")(cache, step["parent"], step["child"], step["pos"])
-        elif kind == "prefill":  # every token's logits
-            g("begin_forward")(cache, tuple(s for s, _ in step["batch"]),
-                               tuple(len(x) for _, x in step["batch"]))
-            flat = np.array([sum((x for _, x in step["batch"]), [])], dtype="int32")
-            rows = np.arange(flat.shape[1], dtype="int32")
-            logits, cache = vm["prefill"](t(flat), t(rows), cache, params)
-            g("end_forward")(cache)
-            out[step["name"]] = logits.numpy()[0]
         else:
-            g("begin_forward")(cache, tuple(s for s, _ in step["batch"]), (1,) * len(step["batch"]))
-            ids = np.array([[x] for _, x in step["batch"]], dtype="int32")
-            logits, cache = vm["decode"](t(ids), cache, params)
+            rejected = kind.startswith("rejected_")
+            g("begin_forward")(cache, tuple(s for s, _ in step["batch"]),
+                               tuple(len(x) if kind.endswith("prefill") else 1 for _, x in step["batch"]))
+            try:
+                logits = _run_forward(vm, cache, params, step, t)
+            except ValueError as err:
+                if not rejected or "outside [0, " not in str(err):
+                    raise
+                g("abort_forward")(cache)  # the forward's tokens are taken back: the cache is as before it
+                continue
+            if rejected:
+                raise AssertionError(f"a {kind} step ran without an error: {step['batch']}")
             g("end_forward")(cache)
-            out[step["name"]] = logits.numpy()[:, 0]
+            out[step["name"]] = logits
     return out
+
+
+def _run_forward(vm, cache, params, step: dict, t) -> np.ndarray:
+    """One prefill (every token's logits, or ``step["rows"]``) or decode step's logits as numpy."""
+    if step["kind"].endswith("prefill"):
+        flat = np.array([sum((x for _, x in step["batch"]), [])], dtype="int32")
+        rows = np.asarray(step.get("rows") or np.arange(flat.shape[1]), dtype="int32")
+        return vm["prefill"](t(flat), t(rows), cache, params)[0].numpy()[0]
+    ids = np.array([[x] for _, x in step["batch"]], dtype="int32")
+    return vm["decode"](t(ids), cache, params)[0].numpy()[:, 0]
 
 
 def hf_logits(hf, history: dict) -> dict:

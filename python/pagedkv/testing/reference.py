@@ -16,6 +16,7 @@ Conventions
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 from typing import Sequence
 
@@ -285,23 +286,54 @@ class ReferenceCache:
                 raise ReferenceCacheError(f"append length {n} of sequence {sid} < 1")
         if sum(lengths) > self.config.prefill_chunk_size:
             raise ReferenceCacheError(f"{sum(lengths)} tokens > prefill_chunk_size {self.config.prefill_chunk_size}")
-        need = sum(self._pages(self.seqs[s].leaf.num_tokens + n) - self._pages(self.seqs[s].leaf.num_tokens)
-                   for s, n in zip(seq_ids, lengths))
-        if need > self.num_available_pages:
-            raise ReferenceCacheError(f"out of pages: need {need}, {self.num_available_pages} available")
+        self._check_pages(seq_ids, lengths)
         prior = [self.get_sequence_length(s) for s in seq_ids]
         for s, n in zip(seq_ids, lengths):
             self.seqs[s].leaf.num_tokens += n
         self.fwd = _Forward(seq_ids, lengths, prior, windowed=bool(self.options["sliding_window"]),
                             mla=bool(self.config.is_mla))
 
+    def _check_pages(self, seq_ids: list[int], lengths: list[int]) -> None:
+        need = sum(self._pages(self.seqs[s].leaf.num_tokens + n) - self._pages(self.seqs[s].leaf.num_tokens)
+                   for s, n in zip(seq_ids, lengths))
+        if need > self.num_available_pages:
+            raise ReferenceCacheError(f"out of pages: need {need}, {self.num_available_pages} available")
+
+    def check_append(self, seq_ids: Sequence[int], append_lengths: Sequence[int]) -> None:
+        """Raise what ``begin_forward`` would for these appends, without its batch and chunk limits and
+        without changing anything."""
+        seq_ids, lengths = [int(s) for s in seq_ids], [int(n) for n in append_lengths]
+        if len(seq_ids) != len(lengths):
+            raise ReferenceCacheError(f"{len(seq_ids)} sequence ids but {len(lengths)} append lengths")
+        if len(set(seq_ids)) != len(seq_ids):
+            raise ReferenceCacheError(f"repeated sequence id in {seq_ids}")
+        for sid, n in zip(seq_ids, lengths):
+            self._seq(sid)
+            if n < 1:
+                raise ReferenceCacheError(f"append length {n} of sequence {sid} < 1")
+        self._check_pages(seq_ids, lengths)
+
     def end_forward(self) -> None:
+        """Close the forward; one in which a layer got no k/v is rolled back (``abort_forward``) and rejected:
+        the skipped layer's slots would hold no k/v for the new tokens."""
         if self.fwd is None:
             raise ReferenceCacheError("end_forward without begin_forward")
         missing = set(range(self.num_layers)) - self.fwd.done_layers
         if missing:
-            raise ReferenceCacheError(f"layers {sorted(missing)} got no k/v in this forward")
+            self.abort_forward()
+            raise ReferenceCacheError(f"layers {sorted(missing)} got no k/v in this forward; it was rolled back")
         self.fwd = None
+
+    def abort_forward(self) -> None:
+        """Abandon the open forward, taking its tokens back (nothing without one)."""
+        fwd, self.fwd = self.fwd, None
+        if fwd is None:
+            return
+        for sid, n, prior in zip(fwd.seq_ids, fwd.lengths, fwd.prior):
+            seq = self.seqs[sid]
+            seq.leaf.num_tokens -= n
+            seq.k = [k[:prior] for k in seq.k]
+            seq.v = [v[:prior] for v in seq.v]
 
     def get_query_positions(self) -> torch.Tensor:
         """``[n]`` int32: position of each new token (sequence length before the forward + index)."""
@@ -315,6 +347,11 @@ class ReferenceCache:
     def _check_layer(self, layer: int) -> None:
         if not 0 <= layer < self.num_layers:
             raise ReferenceCacheError(f"layer {layer} out of range [0, {self.num_layers})")
+
+    @staticmethod
+    def _check_scale(sm_scale: float) -> None:
+        if not math.isfinite(sm_scale) or sm_scale <= 0:
+            raise ReferenceCacheError(f"sm_scale must be a finite number > 0, got {sm_scale}")
 
     def _maybe_rope(self, x: torch.Tensor, positions) -> torch.Tensor:
         return rope(x, positions, self.config.rope_theta, self.config.rope_scale)
@@ -358,6 +395,7 @@ class ReferenceCache:
         """
         fwd = self._fwd()
         self._check_layer(layer)
+        self._check_scale(sm_scale)
         q, k, v = self.split_rotary(qkv)
         self._append(layer, k, v)
         ptr = fwd.q_indptr
@@ -382,6 +420,7 @@ class ReferenceCache:
         """
         fwd = self._fwd()
         self._check_layer(layer)
+        self._check_scale(sm_scale)
         ptr = fwd.q_indptr
         if q.shape[0] != ptr[-1] or k.shape[0] != ptr[-1] or v.shape[0] != ptr[-1]:
             raise ReferenceCacheError(f"q/k/v must have {ptr[-1]} tokens")
@@ -408,6 +447,7 @@ class ReferenceCache:
         """
         fwd = self._fwd()
         self._check_layer(layer)
+        self._check_scale(sm_scale)
         ptr = fwd.q_indptr
         if q.shape[0] != ptr[-1]:
             raise ReferenceCacheError(f"q must have {ptr[-1]} tokens")
