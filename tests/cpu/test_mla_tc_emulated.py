@@ -69,7 +69,11 @@ TMA_KERNELS = ("wgq",)
 WGQ_PAGES = {"h64-r512-f16-s1-p64": ("h64-r128-f16-s8", 64, [300, 64, 1, 0]),
              "h128-r512-bf16-s3-p8": ("h128-r512-bf16-s1", 8, [150, 3, 64]),
              "h40-r256-f16-s1-p24": ("h40-r256-f16-s3", 24, [130, 0, 17, 200])}
-CASES = ([(n, "tc") for n in CONFIGS] + [(n, k) for k in TMA_KERNELS for n in WG_CONFIGS]
+#: The wgq runs at pages of 16 (``WG_CONFIGS``) on the configs without a run of their own page size below: 40 heads
+#: (padding rows, widths 128) and 16 (auto's smallest wgq head count); the 64- and 128-head configs run at pages
+#: of 64 and 8 in ``WGQ_PAGES`` (the 16-key groups of pages of 16 are the 40- and 16-head runs').
+WGQ_PS16 = ("h40-r256-f16-s3", "h16-r512-f16-s1")
+CASES = ([(n, "tc") for n in CONFIGS] + [(n, k) for k in TMA_KERNELS for n in WGQ_PS16]
          + [("h40-r256-f16-s3", f"{k}/unaligned") for k in TMA_KERNELS] + [(n, "wgq") for n in WGQ_PAGES])
 WG_KERNELS = (*TMA_KERNELS, *(f"{k}/unaligned" for k in TMA_KERNELS))
 PS = 16
