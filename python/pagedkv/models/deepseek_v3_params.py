@@ -15,6 +15,7 @@ from typing import Any
 import numpy as np
 
 from ..config import KVCacheConfig
+from ._checks import check_fields
 
 ROPE_TYPES = ("default", "yarn")
 
@@ -51,6 +52,12 @@ class DeepseekV3Config:
     LORA_NORM_EPS = 1e-6
 
     def __post_init__(self) -> None:
+        check_fields(self, positive_ints=("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
+                                          "num_attention_heads", "kv_lora_rank", "qk_rope_head_dim", "v_head_dim",
+                                          "max_position_embeddings"),
+                     nonnegative_ints=("qk_nope_head_dim",), positive_floats=("rms_norm_eps", "rope_theta"))
+        if self.q_lora_rank is not None:
+            check_fields(self, positive_ints=("q_lora_rank",), positive_floats=())
         if self.qk_rope_head_dim % 2:
             raise ValueError(f"qk_rope_head_dim must be even, got {self.qk_rope_head_dim}")
         rope_type = self.rope_type

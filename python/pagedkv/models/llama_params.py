@@ -7,6 +7,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from ..config import KVCacheConfig
+from ._checks import check_fields
 
 
 @dataclass(frozen=True)
@@ -25,6 +26,14 @@ class LlamaConfig:
     tie_word_embeddings: bool = False
     #: Mistral's sliding window (HF ``MistralConfig.sliding_window``); 0: full attention (Llama).
     sliding_window: int = 0
+
+    def __post_init__(self) -> None:
+        check_fields(self, positive_ints=("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
+                                          "num_attention_heads", "num_key_value_heads", "head_dim"),
+                     positive_floats=("rms_norm_eps", "rope_theta"), nonnegative_ints=("sliding_window",))
+        if self.num_attention_heads % self.num_key_value_heads:
+            raise ValueError(f"LlamaConfig.num_attention_heads={self.num_attention_heads} is not a multiple of "
+                             f"num_key_value_heads={self.num_key_value_heads}")
 
     def kv_cache_config(self, dtype: str, **capacity) -> KVCacheConfig:
         return KVCacheConfig(num_layers=self.num_hidden_layers, num_qo_heads=self.num_attention_heads,

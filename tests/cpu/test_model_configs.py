@@ -1,0 +1,44 @@
+"""The model configs (``LlamaConfig``, ``DeepseekV3Config``) refuse fields out of range when constructed (issue 44:
+config floats finite and in range): a NaN ``rope_theta`` or a negative ``rms_norm_eps`` would otherwise compile and
+give plausible numbers, a zero dim fail far from its cause."""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+
+import pytest
+
+from pagedkv.models.deepseek_v3_params import DeepseekV3Config
+from pagedkv.models.llama_params import LlamaConfig
+
+LLAMA = LlamaConfig(vocab_size=384, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
+                    num_key_value_heads=2, head_dim=16)
+DEEPSEEK = DeepseekV3Config(vocab_size=384, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
+                            num_attention_heads=4, kv_lora_rank=32, qk_nope_head_dim=16, qk_rope_head_dim=8,
+                            v_head_dim=16, q_lora_rank=24)
+BAD_FLOATS = [math.nan, math.inf, -1.0, 0.0, "1e4", True]
+
+
+@pytest.mark.parametrize("cfg", [LLAMA, DEEPSEEK], ids=["llama", "deepseek"])
+@pytest.mark.parametrize("field", ["rope_theta", "rms_norm_eps"])
+@pytest.mark.parametrize("bad", BAD_FLOATS, ids=repr)
+def test_float_fields_must_be_finite_and_positive(cfg, field, bad):
+    with pytest.raises(ValueError, match=rf"{type(cfg).__name__}\.{field} must be a finite number > 0"):
+        dataclasses.replace(cfg, **{field: bad})
+
+
+@pytest.mark.parametrize(("cfg", "field", "bad"), [
+    (LLAMA, "vocab_size", 0), (LLAMA, "head_dim", -16), (LLAMA, "num_key_value_heads", 2.0),
+    (LLAMA, "sliding_window", -1), (DEEPSEEK, "kv_lora_rank", 0), (DEEPSEEK, "v_head_dim", None),
+    (DEEPSEEK, "q_lora_rank", 0), (DEEPSEEK, "qk_nope_head_dim", -1)])
+def test_dims_must_be_ints_in_range(cfg, field, bad):
+    with pytest.raises(ValueError, match=rf"{type(cfg).__name__}\.{field} must be an int >= [01]"):
+        dataclasses.replace(cfg, **{field: bad})
+
+
+def test_valid_configs_and_gqa_multiple():
+    assert dataclasses.replace(LLAMA, sliding_window=0, rope_theta=500000).rope_theta == 500000
+    assert dataclasses.replace(DEEPSEEK, q_lora_rank=None, qk_nope_head_dim=0).q_lora_rank is None
+    with pytest.raises(ValueError, match="not a multiple of num_key_value_heads=3"):
+        dataclasses.replace(LLAMA, num_key_value_heads=3)
