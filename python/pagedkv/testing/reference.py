@@ -278,12 +278,7 @@ class ReferenceCache:
             raise ReferenceCacheError("empty batch")
         if len(seq_ids) > self.config.max_batch_size:
             raise ReferenceCacheError(f"batch of {len(seq_ids)} > max_batch_size {self.config.max_batch_size}")
-        if len(set(seq_ids)) != len(seq_ids):
-            raise ReferenceCacheError(f"repeated sequence id in batch {seq_ids}")
-        for sid, n in zip(seq_ids, lengths):
-            self._seq(sid)
-            if n < 1:
-                raise ReferenceCacheError(f"append length {n} of sequence {sid} < 1")
+        self._check_appends(seq_ids, lengths, "batch ")
         if sum(lengths) > self.config.prefill_chunk_size:
             raise ReferenceCacheError(f"{sum(lengths)} tokens > prefill_chunk_size {self.config.prefill_chunk_size}")
         self._check_pages(seq_ids, lengths)
@@ -305,13 +300,17 @@ class ReferenceCache:
         seq_ids, lengths = [int(s) for s in seq_ids], [int(n) for n in append_lengths]
         if len(seq_ids) != len(lengths):
             raise ReferenceCacheError(f"{len(seq_ids)} sequence ids but {len(lengths)} append lengths")
+        self._check_appends(seq_ids, lengths, "")
+        self._check_pages(seq_ids, lengths)
+
+    def _check_appends(self, seq_ids: list[int], lengths: list[int], where: str) -> None:
+        """The checks ``begin_forward`` and ``check_append`` share: no repeated id, known sequences, lengths >= 1."""
         if len(set(seq_ids)) != len(seq_ids):
-            raise ReferenceCacheError(f"repeated sequence id in {seq_ids}")
+            raise ReferenceCacheError(f"repeated sequence id in {where}{seq_ids}")
         for sid, n in zip(seq_ids, lengths):
             self._seq(sid)
             if n < 1:
                 raise ReferenceCacheError(f"append length {n} of sequence {sid} < 1")
-        self._check_pages(seq_ids, lengths)
 
     def end_forward(self) -> None:
         """Close the forward; one in which a layer got no k/v is rolled back (``abort_forward``) and rejected:
