@@ -2,7 +2,8 @@
 
 Each module is built once per content key (``ModuleSpec.content_key``: spec, flashinfer version, recipe
 version, nvcc version and extra flags) into ``<cache>/<key>/``, where ``<cache>`` is
-``$PAGEDKV_CACHE_DIR/flashinfer`` or ``~/.cache/pagedkv/flashinfer``. Every build and every cache hit prints
+``flashinfer/`` under pagedkv's cache root (``pagedkv.kernel_cache.cache_root``: ``$PAGEDKV_CACHE_DIR``,
+``$XDG_CACHE_HOME/pagedkv`` or ``~/.cache/pagedkv``). Every build and every cache hit prints
 one line (module, seconds, size); builds longer than ``PROGRESS_AFTER_S`` print progress as ninja finishes
 objects, and a heartbeat when nothing finishes for ``HEARTBEAT_S``.
 
@@ -57,8 +58,9 @@ class FlashInferUnavailable(RuntimeError):
 
 
 def cache_root() -> Path:
-    base = os.environ.get("PAGEDKV_CACHE_DIR")
-    return (Path(base) if base else Path.home() / ".cache" / "pagedkv") / "flashinfer"
+    from .. import kernel_cache  # one cache root for kernels, models and FlashInfer modules
+
+    return kernel_cache.cache_root() / "flashinfer"
 
 
 def _log(msg: str) -> None:
