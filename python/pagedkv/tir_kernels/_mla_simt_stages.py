@@ -352,7 +352,7 @@ def make_write_rows(p: RowTilePlan):
                     for c in T.unroll(NVC * 4):
                         if T.truncdiv(c, 4) * DC + T.truncmod(c, 4) * TX < DV:
                             o[tok, hd, T.truncdiv(c, 4) * DC + T.truncmod(c, 4) * TX + tx] = T.Cast(
-                                dtype, Ol[i, c] * rl)
+                                o.dtype, Ol[i, c] * rl)
                     if tx == 0:
                         lse[tok, hd] = ls
                 else:

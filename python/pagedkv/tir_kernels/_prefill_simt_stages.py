@@ -337,9 +337,9 @@ def make_store(p: PrefillPlan):
         # ``empty`` is a Python bool: one row store, the empty-row state chosen at parse time.
         for c in T.unroll(CD):
             if empty:
-                o[tok, hd, c * PF_TX + tx] = T.Cast(dtype, T.float32(0))
+                o[tok, hd, c * PF_TX + tx] = T.Cast(o.dtype, T.float32(0))
             else:
-                o[tok, hd, c * PF_TX + tx] = T.Cast(dtype, Ol[i, c] / lsum[i])
+                o[tok, hd, c * PF_TX + tx] = T.Cast(o.dtype, Ol[i, c] / lsum[i])
         if tx == 0:
             if empty:
                 lse[tok, hd] = T.float32(EMPTY_LSE)

@@ -411,7 +411,7 @@ def make_store(bs: BlockShape):
                         for c in T.unroll(2):
                             if S == 1:
                                 o[b, h0 + r, (w * NDN + dn) * 8 + c_frag(lane, c)[1]] = T.Cast(
-                                    dtype, oacc[mt * ON + dn * 4 + rr * 2 + c] * rl)
+                                    o.dtype, oacc[mt * ON + dn * 4 + rr * 2 + c] * rl)
                             else:
                                 ws_o[(b * H + h0 + r) * S + sp, (w * NDN + dn) * 8 + c_frag(lane, c)[1]] = \
                                     oacc[mt * ON + dn * 4 + rr * 2 + c] * rl
