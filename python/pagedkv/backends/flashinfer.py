@@ -25,6 +25,14 @@ module serves both and no fa3 window module is built). ``forced_modules({op: kin
 benchmarks and tests; ``PAGEDKV_FLASHINFER_FA3=0`` keeps every op off the fa3 kinds. The kind per op is
 part of the kernel-library key. Every reason the backend cannot serve an op is reported, so an explicit
 ``backend="flashinfer"`` fails at compile time listing them, and automatic selection records them.
+
+The partial-state ops (``pagedkv.ops.PARTIAL_OPS``: a multi-pass forward's passes writing a float32 ``o``, merged in
+float32) are not served here: a FlashInfer run writes ``o`` in its module's ``DTypeO``, a template parameter fixed
+when the module is generated (``dtype_o``; FlashInfer's own wrappers take ``o_data_type``), and unchecked at run time,
+so a float32 ``o`` needs a module of its own per op kind (another JIT build of minutes, fa3's up to 20) and adapter
+entries for the ``*_partial`` ops; ``ModuleSpec`` takes fp16 / bf16 outputs only. Automatic selection serves them
+from TIR: a FlashInfer cache runs its single-pass forwards on FlashInfer and its prefix-shared ones on TIR kernels
+that keep the partial outputs in float32.
 """
 
 from __future__ import annotations

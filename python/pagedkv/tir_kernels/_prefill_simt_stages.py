@@ -330,7 +330,7 @@ def make_store(p: PrefillPlan):
     """``store(o, lse, Ol, m, lsum, tok0, ntok, h, ty, tx)``: the row sums folded over the 16 lanes, then each
     of the thread's rows written: ``o = O / lsum`` and ``lse = m + log2(lsum)``, or for a row that saw no key
     the empty-row state, ``o = 0`` and ``lse = -1e30``."""
-    G, RI, TQ, CD, dtype = p.g, p.ri, p.tq, p.cd, p.dtype
+    G, RI, TQ, CD = p.g, p.ri, p.tq, p.cd
 
     @T.macro
     def put_row(o, lse, Ol, m, lsum, i, tok, hd, tx, empty):

@@ -382,7 +382,7 @@ def make_init(bs: BlockShape):
 def make_store(bs: BlockShape):
     """The store stage, ``(store_lse, store_o)``: o / lse (``S == 1``) or the split's partial state in the
     workspace (``_epilogue_cuda``)."""
-    H, dtype = bs.heads, bs.dtype
+    H = bs.heads
     MT, NDN, TPR = bs.mtiles, bs.out_ntiles, bs.softmax_threads
     ON = NDN * 4
     put_lse = make_put_lse(H)
