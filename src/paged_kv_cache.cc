@@ -56,12 +56,14 @@ Size GraphAuxElems(const KVConfig& c, const Size& num_pages) {
   return fixed + Size{b, num_pages.overflow} * num_pages.value + Size{3};
 }
 
-// Whether `table` holds every float32 partial-state op of the cache's kind (PagedKVCacheObj::partial_states_).
-bool HasPartialOps(const OpTable& table, bool mla) {
+// Whether a cache of `c` with `table` keeps multi-pass states in float32 (PagedKVCacheObj::partial_states_): the
+// table holds every partial-state op of its kind, and its storage dtype is not float32 already (then the plain
+// kernels write float32 and merge_state merges in it: nothing to gain, and no o_acc buffer).
+bool UsesPartialStates(const OpTable& table, const KVConfig& c) {
   auto all = [&table](const auto& names) {
     return std::all_of(names.begin(), names.end(), [&table](const char* op) { return table.adapters.count(op) > 0; });
   };
-  return mla ? all(ops::kPartialMLAOps) : all(ops::kPartialMHAOps);
+  return c.dtype != "float32" && (c.is_mla() ? all(ops::kPartialMLAOps) : all(ops::kPartialMHAOps));
 }
 
 // The device memory a cache of `c` allocates: every layer's pages and the chunk-sized work buffers
@@ -169,7 +171,7 @@ PagedKVCacheObj::PagedKVCacheObj(KVConfig config, OpTable ops, DLDevice device)
       aux_(&fns_, device, InitialAuxElems(cfg_)),
       pdl_(DeviceSupportsPDL(device)) {
   int64_t hq = cfg_.num_qo_heads, hkv = cfg_.num_kv_heads, d = cfg_.head_dim, n = cfg_.prefill_chunk_size;
-  partial_states_ = HasPartialOps(ops_, cfg_.is_mla());
+  partial_states_ = UsesPartialStates(ops_, cfg_);
   std::vector<int64_t> pages_shape = PageShape();
   pages_shape.insert(pages_shape.begin(), cfg_.num_pages());
   for (int64_t l = 0; l < cfg_.num_layers; ++l) pages_.push_back(AllocDevice(pages_shape, dtype_, "the pages of a layer"));
@@ -192,7 +194,7 @@ PagedKVCache CreatePagedKVCache(const std::string& config_json, const ffi::Shape
                                 const ffi::Array<ffi::Any>& op_table, const ffi::Tensor& device_ref) {
   KVConfig config = ParseConfig(config_json, runtime_values);
   OpTable ops = ParseOpTable(op_table, config.layer_kind());
-  DeviceBytes bytes = ComputeDeviceBytes(config, HasPartialOps(ops, config.is_mla()));
+  DeviceBytes bytes = ComputeDeviceBytes(config, UsesPartialStates(ops, config));
   CheckCapacity(config, bytes, device_ref.device());
   int64_t num_pages = config.num_pages();
   try {

@@ -144,10 +144,10 @@ class PagedKVCacheObj : public ffi::Object {
   BlockPool pool_;
   std::vector<ffi::Tensor> pages_;  // per layer [P, ...PageShape()]
   ffi::Tensor q_buf_, k_buf_, v_buf_, o_tmp_buf_, lse_tmp_buf_, lse_own_buf_;  // chunk-sized work buffers
-  // The op table holds the float32 partial-state ops of the cache's kind (ops::kPartialMHAOps / MLA): multi-pass
-  // attention keeps every pass's output and the running merge in float32 (o_tmp_buf_ is float32 then, and
-  // o_acc_buf_ holds the running state) and rounds to the storage dtype once. Else (libraries compiled before
-  // those ops, float32 caches) passes write the storage dtype and merge_state merges in place.
+  // An fp16 / bf16 cache whose op table holds the float32 partial-state ops of its kind (ops::kPartialMHAOps /
+  // MLA): multi-pass attention keeps every pass's output and the running merge in float32 (o_tmp_buf_ is float32
+  // then, and o_acc_buf_ holds the running state) and rounds to the storage dtype once. Else (libraries compiled
+  // before those ops, float32 caches) passes write the storage dtype and merge_state merges in place.
   bool partial_states_ = false;
   ffi::Tensor o_acc_buf_;
   AuxBuilder aux_;
