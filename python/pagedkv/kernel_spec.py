@@ -234,11 +234,6 @@ class KernelSpec:
             raise ValueError("MLA kernels take no sliding_window or logits_soft_cap")
 
     @property
-    def out_dtype(self) -> str:
-        """The dtype of the attention kernels' ``o``: float32 for a partial-state variant, else the storage dtype."""
-        return "float32" if self.partial else self.dtype
-
-    @property
     def is_mla(self) -> bool:
         return self.kv_lora_rank > 0
 
