@@ -27,7 +27,7 @@ from _cuda_support import cuda_source_of, nvcc_all, ops_cuda_source, ptxas_usage
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 from pagedkv import tir_kernels as tk  # noqa: E402
-from pagedkv.ops import ops_for  # noqa: E402
+from pagedkv.ops import PARTIAL_OPS, ops_for  # noqa: E402
 
 import tvm
 from tvm.target import Target
@@ -108,7 +108,7 @@ def test_every_op_lowers_to_cuda(cfg):
 
 def test_generic_cuda_target_lowers():
     src = cuda_source(CONFIGS[0], "generic")
-    for op in tk.OPS_BY_KIND["mha"]:
+    for op in (o for o in tk.OPS_BY_KIND["mha"] if o not in PARTIAL_OPS):  # (float32 configs build no partial ops)
         assert f"pagedkv_{op}_kernel" in src
 
 
