@@ -34,14 +34,14 @@ from tvm.target import Target
 
 SM80 = Target({"kind": "cuda", "arch": "sm_80"}, host="llvm")  # the mma.sync kernels (sm_90 is Hopper: sm_90a)
 
-# (Hq, Hkv, D, Dv, dtype): GQA groups 4, 7, 3, 8, 4; head dims 128, 64, 96, 256, 128; every dtype
-# (bfloat16 on Llama 3's shape: 32 q / 8 kv heads, head dim 128).
+# (Hq, Hkv, D, Dv, dtype): GQA groups 4, 7, 3, 8; head dims 128, 64, 96, 256; float16 and float32 here, bfloat16
+# in ``MASKED_CONFIGS`` (Llama 3's shape, 32 q / 8 kv heads, head dim 128, with both masking options: the attention
+# ops; the other ops differ from float16's by the storage type only).
 CONFIGS = [
     (32, 8, 128, 128, "float16"),
     (7, 1, 64, 64, "float32"),
     (12, 4, 96, 96, "float16"),
     (16, 2, 256, 256, "float16"),
-    (32, 8, 128, 128, "bfloat16"),
 ]
 IDS = ["x".join(map(str, c)) for c in CONFIGS]
 
@@ -107,8 +107,10 @@ def test_every_op_lowers_to_cuda(cfg):
 
 
 def test_generic_cuda_target_lowers():
-    src = cuda_source(CONFIGS[0], "generic")
-    for op in (o for o in tk.OPS_BY_KIND["mha"] if o not in PARTIAL_OPS):  # (float32 configs build no partial ops)
+    """A CUDA target without an arch lowers every op (on the float32 config: CUDA-core kernels only, whichever
+    the arch, a small compile; it builds no partial-state ops)."""
+    src = cuda_source(CONFIGS[1], "generic")
+    for op in (o for o in tk.OPS_BY_KIND["mha"] if o not in PARTIAL_OPS):
         assert f"pagedkv_{op}_kernel" in src
 
 

@@ -98,8 +98,13 @@ def test_emulated_tc_decode_two_slot_ring(apply_rope, tmp_path, monkeypatch):
         check_against_reference(f"slots2-s{splits}", cfg, ents, o, lse, apply_rope, THETA, SCALE, sm_scale)
 
 
-@pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
-def test_emulated_tc_rope_anchor_every_other_tile(dtype, tmp_path, monkeypatch):
+#: (head dim, split count, dtype) of the anchor runs, a covering set: both head dims' lane layouts at S = 1, both
+#: rotations (fp16 packed, bf16 in float32), and a split decode.
+ANCHOR_RUNS = [(128, "1", "float16"), (64, "1", "bfloat16"), (64, "3", "float16")]
+
+
+@pytest.mark.parametrize(("d", "splits", "dtype"), ANCHOR_RUNS, ids=[f"d{d}-s{s}-{t}" for d, s, t in ANCHOR_RUNS])
+def test_emulated_tc_rope_anchor_every_other_tile(d, splits, dtype, tmp_path, monkeypatch):
     """The RoPE kernel's base angles re-anchored (exact ``rope_sincos``) every 2 tiles instead of every
     ``ANCHOR_TILES``: anchors after stepped tiles (tiles 2, 4 of 300 keys at S = 1), both head dims' lane
     layouts (8 and 4 chunks a half row), positions near 30,000 on every other entry."""
@@ -108,15 +113,19 @@ def test_emulated_tc_rope_anchor_every_other_tile(dtype, tmp_path, monkeypatch):
     from pagedkv.tir_kernels import _decode_tc_rope_cuda as tcr
 
     monkeypatch.setattr(tcr, "ANCHOR_TILES", 2)
-    for d, splits in ((128, "1"), (64, "1"), (64, "3")):
-        cfg = tk.KernelSpec(8, 2, d, d, dtype)
-        b = build(cfg, {"cuda_decode_kernel": "tc", "cuda_decode_splits": splits}, tmp_path / f"d{d}s{splits}")
-        gen = torch.Generator().manual_seed(int(torch.randint(0, 2**31 - 1, (1,))))
-        ents, pages, page_indptr, page_values, last = inputs(cfg, gen, LENGTHS, PS)
-        sm_scale = 0.9 / math.sqrt(cfg.head_dim)
-        o, lse, env = run_decode(b, cfg, ents, pages, page_indptr, page_values, last, PS, 1, sm_scale, THETA, SCALE)
-        assert env["S"] == int(splits)
-        check_against_reference(f"anchor2-d{d}-s{splits}", cfg, ents, o, lse, 1, THETA, SCALE, sm_scale)
+    cfg = tk.KernelSpec(8, 2, d, d, dtype)
+    b = build(cfg, {"cuda_decode_kernel": "tc", "cuda_decode_splits": splits}, tmp_path / f"d{d}s{splits}")
+    gen = torch.Generator().manual_seed(int(torch.randint(0, 2**31 - 1, (1,))))
+    ents, pages, page_indptr, page_values, last = inputs(cfg, gen, LENGTHS, PS)
+    sm_scale = 0.9 / math.sqrt(cfg.head_dim)
+    o, lse, env = run_decode(b, cfg, ents, pages, page_indptr, page_values, last, PS, 1, sm_scale, THETA, SCALE)
+    assert env["S"] == int(splits)
+    check_against_reference(f"anchor2-d{d}-s{splits}", cfg, ents, o, lse, 1, THETA, SCALE, sm_scale)
+
+
+#: switch -> (head dim, split count) of its one build: both head dims and split counts 1 and 3 over the four.
+SWITCH_SHAPES = {"float32_rotation": (128, "1"), "rings_inverted": (64, "3"), "lookup_inverted": (128, "3"),
+                 "no_l2_prefetch": (64, "1")}
 
 
 @pytest.mark.parametrize("splits", ["1", "3"])
@@ -145,22 +154,23 @@ def test_emulated_tc_decode_switches(switch, tmp_path, monkeypatch):
     own rows behind a warp barrier, the RoPE kernel's block whole tiles behind a block barrier) and
     ``TCD_LOOKUP_AHEAD`` inverted (D 128's page lookups right before their copies, D 64's a step early) and
     ``CP_ASYNC_L2_PREFETCH = None`` (copies without the L2 prefetch hint);
-    plain and RoPE, both head dims, splits 1 and 3, positions near 30,000."""
+    plain and RoPE, positions near 30,000; one build a switch (``SWITCH_SHAPES``: each inverted switch crosses
+    paths the defaults already build at the other head dim or variant)."""
     if shutil.which("g++") is None:
         pytest.skip("g++ not found")
     set_tc_switch(monkeypatch, switch)
-    for d, splits in ((128, "1"), (64, "3")):
-        cfg = tk.KernelSpec(8, 2, d, d, "float16")
-        b = build(cfg, {"cuda_decode_kernel": "tc", "cuda_decode_splits": splits}, tmp_path / f"d{d}s{splits}")
-        bodies = [body for body, _p in b.kernels.values() if "tcd_smem" in body]
-        assert any("pagedkv_rope_rotl_" in body for body in bodies)
-        assert not any("_p(" in body for body in bodies) if switch == "float32_rotation" else True
-        gen = torch.Generator().manual_seed(int(torch.randint(0, 2**31 - 1, (1,))))
-        ents, pages, page_indptr, page_values, last = inputs(cfg, gen, LENGTHS, PS)
-        sm_scale = 0.9 / math.sqrt(cfg.head_dim)
-        for rope in (0, 1):
-            o, lse, env = run_decode(b, cfg, ents, pages, page_indptr, page_values, last, PS, rope, sm_scale,
-                                     THETA, SCALE)
-            assert env["S"] == int(splits)
-            check_against_reference(f"{switch}-d{d}-s{splits}-rope{rope}", cfg, ents, o, lse, rope, THETA, SCALE,
-                                    sm_scale)
+    d, splits = SWITCH_SHAPES[switch]
+    cfg = tk.KernelSpec(8, 2, d, d, "float16")
+    b = build(cfg, {"cuda_decode_kernel": "tc", "cuda_decode_splits": splits}, tmp_path / f"d{d}s{splits}")
+    bodies = [body for body, _p in b.kernels.values() if "tcd_smem" in body]
+    assert any("pagedkv_rope_rotl_" in body for body in bodies)
+    assert not any("_p(" in body for body in bodies) if switch == "float32_rotation" else True
+    gen = torch.Generator().manual_seed(int(torch.randint(0, 2**31 - 1, (1,))))
+    ents, pages, page_indptr, page_values, last = inputs(cfg, gen, LENGTHS, PS)
+    sm_scale = 0.9 / math.sqrt(cfg.head_dim)
+    for rope in (0, 1):
+        o, lse, env = run_decode(b, cfg, ents, pages, page_indptr, page_values, last, PS, rope, sm_scale,
+                                 THETA, SCALE)
+        assert env["S"] == int(splits)
+        check_against_reference(f"{switch}-d{d}-s{splits}-rope{rope}", cfg, ents, o, lse, rope, THETA, SCALE,
+                                sm_scale)

@@ -5,8 +5,8 @@ from the PTX ISA's definitions), checked against the float64 reference on ragged
 (tile, page and 128-row block edges, entries with no keys or no queries; pages of 16, 24, 40 and 5 keys), causal and
 not, fp16 and bf16, windowed + soft-capped, ragged k / v also unaligned (the element-load path), ragged with a value
 head dim other than the qk one (128 / 64, 64 / 128: separate K and V copy loops). Tiles
-(``TC_TILES``): "tc2" and "tc3" on GQA groups 1, 3, 4, 7, 8 and head dims 64 / 128, "tc" on groups 4, 3 and both
-dims, the wgmma tiles "wg1t", "wg2t" (built for sm_90a; TMA boxes and mbarriers emulated; the emulator's wgmma is
+(``TC_TILES``): "tc2" and "tc3" on GQA groups 1, 3, 4, 7, 8 and head dims 64 / 128 for the op auto takes each for
+(the other op on two configs: a covering set, ``CASES``), "tc" on groups 4, 3 and both dims, the wgmma tiles "wg1t", "wg2t" (built for sm_90a; TMA boxes and mbarriers emulated; the emulator's wgmma is
 a warpgroup collective performed at the ``wait_group`` that completes its group, B read through the descriptor's
 strides then) on what they serve (head dim 128, groups 1, 7, 8), fp16 and bf16, windowed + capped. Fresh random inputs each run
 (the messages name the seed). This checks the kernel's own logic (tiles, entry search, masks, online softmax,
@@ -75,13 +75,24 @@ ALL_CONFIGS = {**CONFIGS, **DV_CONFIGS, **WG_CONFIGS}
 #: page offset wraps past the page end, the carry of ``_prefill_tc_copy``'s one-division-a-tile page lookup).
 PAGE_SIZES = {"8x2x64-f16": 16, "6x2x64-bf16-w40-cap20": 24, "4x1x128-f16": 5, "2x2x128-f16": 16,
               "7x1x128-bf16": 40, "8x1x64-bf16": 16, "16x2x128-bf16-w40-cap20": 24}
-#: (config, tile) pairs run: every config on "tc2" and "tc3" (GQA groups 1, 3, 4, 7, 8; D 64 and 128; fp16 and
-#: bf16; windowed + capped), the first three on "tc".
-CASES = [(name, "tc") for name in list(CONFIGS)[:3]] + [(name, t) for t in ("tc2", "tc3") for name in CONFIGS]
-#: The unaligned-view (element-load) runs: two configs on "tc", every one on "tc2" and "tc3".
-UNALIGNED = CASES[:2] + CASES[3:]
-#: The ``Dv != D`` runs (ragged): both configs on every mma.sync tile.
+OPS = ("attn_prefill_ragged", "attn_prefill_paged")
+#: (config, tile, op) runs, a covering set: each 128-row tile on every config (GQA groups 1, 3, 4, 7, 8; D 64 and
+#: 128; fp16 and bf16; windowed + capped; pages of 5, 16, 24, 40 keys) for the op auto takes it for (tc3: ragged,
+#: tc2: paged; ``kernel_table``), and on two configs for the other op (the stages are shared; the op changes only
+#: the K / V copy: ragged rows or pages, a wrapping page size among them); "tc" both ops on the first three.
+OTHER_OP = {"tc3": ("attn_prefill_paged", ["4x1x128-f16", "6x2x64-bf16-w40-cap20"]),
+            "tc2": ("attn_prefill_ragged", ["8x2x64-f16", "7x1x128-bf16"])}
+CASES = ([(name, "tc", op) for name in list(CONFIGS)[:3] for op in OPS]
+         + [(name, "tc3", "attn_prefill_ragged") for name in CONFIGS]
+         + [(name, "tc2", "attn_prefill_paged") for name in CONFIGS]
+         + [(name, tile, op) for tile, (op, names) in OTHER_OP.items() for name in names])
+#: The unaligned-view (element-load) runs, ragged, on built kernels: two configs a tile (three on "tc3", auto's
+#: ragged tile), groups 1, 3, 4, 7, 8 among them.
+UNALIGNED = ([("8x2x64-f16", "tc"), ("6x2x64-bf16-w40-cap20", "tc")] + [(n, "tc2") for n in OTHER_OP["tc2"][1]]
+             + [(n, "tc3") for n in ("6x2x64-bf16-w40-cap20", "2x2x128-f16", "8x1x64-bf16")])
+#: The ``Dv != D`` runs (ragged): both configs on every mma.sync tile; unaligned on "tc3" (auto's ragged tile).
 DV_CASES = [(name, t) for t in ("tc", "tc2", "tc3") for name in DV_CONFIGS]
+DV_UNALIGNED = [(name, "tc3") for name in DV_CONFIGS]
 #: The wgmma tiles' runs (config, op, causal), few (each emulates 128 threads for minutes), on what they serve
 #: (``kernel_spec.wg_prefill_limits``: D 128): GQA groups 7 (bf16), 1 (fp16), 8 (bf16, windowed + capped);
 #: ragged and paged, causal and not.
@@ -198,10 +209,10 @@ def _misaligned(a: np.ndarray) -> np.ndarray:
     return out
 
 
-#: The runs of ``CASES``: both ops of every (config, tile), causal and not alternating by case, so that each tile
-#: runs each op causal and not (over its configs) without the product of the two (a covering set).
-OPS = ("attn_prefill_ragged", "attn_prefill_paged")
-CASE_RUNS = [(name, tile, op, (i + j) % 2) for i, (name, tile) in enumerate(CASES) for j, op in enumerate(OPS)]
+#: The runs of ``CASES``, causal and not alternating over each (tile, op)'s configs, so that each tile runs each
+#: op causal and not without the product of the two.
+CASE_RUNS = [(name, tile, op, 1 - [c[1:] for c in CASES[:i]].count((tile, op)) % 2)
+             for i, (name, tile, op) in enumerate(CASES)]
 
 
 @pytest.mark.parametrize("name,tile,op,causal", CASE_RUNS,
@@ -232,7 +243,7 @@ def test_emulated_value_dim_differs(name, tile, built):
     _check(name, tile, "attn_prefill_ragged", int(name == list(DV_CONFIGS)[0]), built, misalign=False)
 
 
-@pytest.mark.parametrize("name,tile", DV_CASES, ids=[f"{t}-{n}" for n, t in DV_CASES])
+@pytest.mark.parametrize("name,tile", DV_UNALIGNED, ids=[f"{t}-{n}" for n, t in DV_UNALIGNED])
 def test_emulated_value_dim_differs_unaligned(name, tile, built):
     _check(name, tile, "attn_prefill_ragged", 1, built, misalign=True)
 

@@ -25,6 +25,14 @@ def make_gpu_cache():
     import pagedkv
 
     def make(config, backend="tir"):
-        return pagedkv.create(config, backend=backend, target="cuda", device="cuda", poison=True)
+        try:
+            return pagedkv.create(config, backend=backend, target="cuda", device="cuda", poison=True)
+        except FileNotFoundError as err:
+            # A TIR-only bundle (`make gpu-bundle BUNDLE_ARGS=--no-flashinfer`) has no FlashInfer libraries, and a
+            # runtime-only process cannot build one: the FlashInfer cases skip saying so. A missing TIR library
+            # stays an error (every bundle has them).
+            if "flashinfer" in (backend if isinstance(backend, (list, tuple)) else [backend]):
+                pytest.skip(f"no prebuilt FlashInfer kernel library in this bundle: {err}")
+            raise
 
     return make
