@@ -37,6 +37,17 @@ std::string ListStr(const std::vector<int64_t>& values, size_t max) {
   return os.str();
 }
 
+// Calls attention op A, or its partial-state variant P (the same argument names and positions, o float32) when
+// `partial`, with the arguments `fill` sets on a fresh argument struct.
+template <typename A, typename P, typename F>
+void CallVariant(const OpTable& table, bool partial, F&& fill) {
+  if (partial) {
+    table.Call(fill(P()));
+  } else {
+    table.Call(fill(A()));
+  }
+}
+
 }  // namespace
 
 void PagedKVCacheObj::BeginForward(const ffi::Shape& seq_ids, const ffi::Shape& append_lengths) {
@@ -180,7 +191,8 @@ void PagedKVCacheObj::OpenForward(const ForwardPlan& plan, const AuxBuilder& aux
     f.k = fns_.View(k_buf_, KVShape(n), dtype_, 0);
     f.v = fns_.View(v_buf_, KVShape(n), dtype_, 0);
   }
-  f.o_tmp = fns_.View(o_tmp_buf_, {n, cfg_.num_qo_heads, PagedVDim()}, dtype_, 0);
+  f.o_tmp = fns_.View(o_tmp_buf_, {n, cfg_.num_qo_heads, PagedVDim()}, o_tmp_buf_.dtype(), 0);
+  if (partial_states_) f.o_acc = fns_.View(o_acc_buf_, {n, cfg_.num_qo_heads, PagedVDim()}, kFloat32, 0);
   f.lse_tmp = fns_.View(lse_tmp_buf_, {n, cfg_.num_qo_heads}, kFloat32, 0);
   f.lse_own = fns_.View(lse_own_buf_, {n, cfg_.num_qo_heads}, kFloat32, 0);
   forward_ = std::move(f);
@@ -271,53 +283,89 @@ ffi::Tensor PagedKVCacheObj::GetQueryPositions() const { return CheckForward("ge
 // Kernel sequences
 
 void PagedKVCacheObj::RunRagged(const ffi::Tensor& q, const ffi::Tensor& k, const ffi::Tensor& v,
-                                const ffi::Tensor& o, const ffi::Tensor& lse, double sm_scale) {
+                                const ffi::Tensor& o, const ffi::Tensor& lse, double sm_scale, bool partial) {
   const Forward& f = *forward_;
   // New tokens attend causally to the new tokens of their own sequence; keys start at the prior length.
-  ops_.Call(ops::AttnPrefillRagged()
-                .q(q).k(k).v(v).q_indptr(f.q_indptr).kv_indptr(f.q_indptr).q_pos(f.q_pos)
-                .k_pos_offset(f.prior_len).o(o).lse(lse).causal(1).apply_rope(apply_rope_inline())
-                .rope_scale(cfg_.rope_scale).rope_theta(cfg_.rope_theta).sm_scale(sm_scale));
+  CallVariant<ops::AttnPrefillRagged, ops::AttnPrefillRaggedPartial>(ops_, partial, [&](auto a) {
+    return a.q(q).k(k).v(v).q_indptr(f.q_indptr).kv_indptr(f.q_indptr).q_pos(f.q_pos).k_pos_offset(f.prior_len)
+        .o(o).lse(lse).causal(1).apply_rope(apply_rope_inline()).rope_scale(cfg_.rope_scale)
+        .rope_theta(cfg_.rope_theta).sm_scale(sm_scale);
+  });
 }
 
 void PagedKVCacheObj::RunPass(int64_t layer, const PassViews& p, const ffi::Tensor& q, const ffi::Tensor& o,
-                              const ffi::Tensor& lse, double sm_scale) {
+                              const ffi::Tensor& lse, double sm_scale, bool partial) {
   const Forward& f = *forward_;
+  bool decode = f.is_decode && p.one_query_per_entry;
   if (cfg_.is_mla()) {
     // Absorbed MLA: keys are the latents, values their first kv_lora_rank elements; no RoPE arguments
     // (the model rotated the rope part before append_mla_kv).
-    if (f.is_decode && p.one_query_per_entry) {
-      ops_.Call(ops::MLAAttnDecodePaged()
-                    .q(q).pages(pages_[layer]).page_indptr(p.page_indptr).page_values(p.page_values)
-                    .last_page_len(p.last_page_len).o(o).lse(lse).sm_scale(sm_scale));
+    auto paged = [&](auto a) {
+      return a.q(q).pages(pages_[layer]).page_indptr(p.page_indptr).page_values(p.page_values)
+          .last_page_len(p.last_page_len).o(o).lse(lse).sm_scale(sm_scale);
+    };
+    if (decode) {
+      CallVariant<ops::MLAAttnDecodePaged, ops::MLAAttnDecodePagedPartial>(ops_, partial, paged);
     } else {
-      ops_.Call(ops::MLAAttnPrefillPaged()
-                    .q(q).q_indptr(p.q_indptr).pages(pages_[layer]).page_indptr(p.page_indptr)
-                    .page_values(p.page_values).last_page_len(p.last_page_len).o(o).lse(lse).causal(0)
-                    .sm_scale(sm_scale));
+      CallVariant<ops::MLAAttnPrefillPaged, ops::MLAAttnPrefillPagedPartial>(
+          ops_, partial, [&](auto a) { return paged(a).q_indptr(p.q_indptr).causal(0); });
     }
     return;
   }
-  if (f.is_decode && p.one_query_per_entry) {
-    ops_.Call(ops::AttnDecodePaged()
-                  .q(q).pages(pages_[layer]).page_indptr(p.page_indptr).page_values(p.page_values)
-                  .last_page_len(p.last_page_len).k_pos_offset(p.k_pos_offset).q_pos(f.q_pos).o(o).lse(lse)
-                  .apply_rope(apply_rope_inline()).rope_scale(cfg_.rope_scale).rope_theta(cfg_.rope_theta)
-                  .sm_scale(sm_scale));
+  auto paged = [&](auto a) {
+    return a.q(q).pages(pages_[layer]).page_indptr(p.page_indptr).page_values(p.page_values)
+        .last_page_len(p.last_page_len).k_pos_offset(p.k_pos_offset).q_pos(f.q_pos).o(o).lse(lse)
+        .apply_rope(apply_rope_inline()).rope_scale(cfg_.rope_scale).rope_theta(cfg_.rope_theta)
+        .sm_scale(sm_scale);
+  };
+  if (decode) {
+    CallVariant<ops::AttnDecodePaged, ops::AttnDecodePagedPartial>(ops_, partial, paged);
   } else {
     // Multi-query entries (prefill, or decode queries grouped on a shared prefix): every key precedes
     // every query of the entry and the pass is non-causal, except the own pass of a through prefill, whose
     // entries end with their queries' own tokens.
-    ops_.Call(ops::AttnPrefillPaged()
-                  .q(q).q_indptr(p.q_indptr).pages(pages_[layer]).page_indptr(p.page_indptr)
-                  .page_values(p.page_values).last_page_len(p.last_page_len).k_pos_offset(p.k_pos_offset)
-                  .q_pos(f.q_pos).o(o).lse(lse).causal(p.causal ? 1 : 0).apply_rope(apply_rope_inline())
-                  .rope_scale(cfg_.rope_scale).rope_theta(cfg_.rope_theta).sm_scale(sm_scale));
+    CallVariant<ops::AttnPrefillPaged, ops::AttnPrefillPagedPartial>(
+        ops_, partial, [&](auto a) { return paged(a).q_indptr(p.q_indptr).causal(p.causal ? 1 : 0); });
   }
 }
 
-// Runs every non-empty pass; the first result goes to (o, lse) unless `output_written`, later ones go to
-// the temps and are merged in. If nothing was written, the last pass runs anyway to write the empty state.
+void PagedKVCacheObj::RunAttention(int64_t layer, const ffi::Tensor& q, const ffi::Tensor& o,
+                                   const ffi::Tensor& lse, double sm_scale, bool ragged) {
+  const Forward& f = *forward_;
+  int states = ragged ? 1 : 0;
+  for (const PassViews& p : f.passes) states += p.all_empty ? 0 : 1;
+  if (states >= 2 && partial_states_) {
+    RunPartialStates(layer, q, o, lse, sm_scale, ragged);
+    return;
+  }
+  if (ragged) RunRagged(f.q, f.k, f.v, o, lse, sm_scale, /*partial=*/false);
+  RunPasses(layer, q, o, lse, sm_scale, /*output_written=*/ragged);
+}
+
+// Two states or more, on the partial-state ops: the first goes to (o_acc, lse), each later one to the temps
+// (o_tmp float32, lse_tmp), merged into (o_acc, lse) in float32 by merge_state_partial, which also writes the
+// merged o rounded to the storage dtype: after the last merge, o is the whole attention rounded once.
+void PagedKVCacheObj::RunPartialStates(int64_t layer, const ffi::Tensor& q, const ffi::Tensor& o,
+                                       const ffi::Tensor& lse, double sm_scale, bool ragged) {
+  const Forward& f = *forward_;
+  bool first = true;
+  auto state = [&](auto&& run) {
+    run(first ? f.o_acc : f.o_tmp, first ? lse : f.lse_tmp);
+    if (!first) ops_.Call(ops::MergeStatePartial().o_a(f.o_acc).lse_a(lse).o_b(f.o_tmp).lse_b(f.lse_tmp).o(o));
+    first = false;
+  };
+  if (ragged) {
+    state([&](const ffi::Tensor& so, const ffi::Tensor& sl) { RunRagged(f.q, f.k, f.v, so, sl, sm_scale, true); });
+  }
+  for (const PassViews& p : f.passes) {
+    if (p.all_empty) continue;
+    state([&](const ffi::Tensor& so, const ffi::Tensor& sl) { RunPass(layer, p, q, so, sl, sm_scale, true); });
+  }
+}
+
+// Runs every non-empty pass in the storage dtype (one state, or a table without the partial-state ops): the first
+// result goes to (o, lse) unless `output_written`, later ones go to the temps and are merged in (each rounded).
+// If nothing was written, the last pass runs anyway to write the empty state.
 void PagedKVCacheObj::RunPasses(int64_t layer, const ffi::Tensor& q, const ffi::Tensor& o,
                                 const ffi::Tensor& lse, double sm_scale, bool output_written) {
   const Forward& f = *forward_;
@@ -326,10 +374,10 @@ void PagedKVCacheObj::RunPasses(int64_t layer, const ffi::Tensor& q, const ffi::
     bool last = i + 1 == f.passes.size();
     if (p.all_empty && (output_written || !last)) continue;
     if (!output_written) {
-      RunPass(layer, p, q, o, lse, sm_scale);
+      RunPass(layer, p, q, o, lse, sm_scale, /*partial=*/false);
       output_written = true;
     } else {
-      RunPass(layer, p, q, f.o_tmp, f.lse_tmp, sm_scale);
+      RunPass(layer, p, q, f.o_tmp, f.lse_tmp, sm_scale, /*partial=*/false);
       ops_.Call(ops::MergeState().o_a(o).lse_a(lse).o_b(f.o_tmp).lse_b(f.lse_tmp));
     }
   }
@@ -357,10 +405,9 @@ void PagedKVCacheObj::AttentionWithFusedQKV(int64_t layer, double sm_scale, cons
   };
   if (f.through) {
     append();  // the passes include the new tokens
-    RunPasses(layer, f.q, o, f.lse_own, sm_scale, /*output_written=*/false);
+    RunAttention(layer, f.q, o, f.lse_own, sm_scale, /*ragged=*/false);
   } else {
-    RunRagged(f.q, f.k, f.v, o, f.lse_own, sm_scale);
-    RunPasses(layer, f.q, o, f.lse_own, sm_scale, /*output_written=*/true);
+    RunAttention(layer, f.q, o, f.lse_own, sm_scale, /*ragged=*/true);
     append();
   }
   forward_->written[layer] = true;
@@ -388,7 +435,7 @@ void PagedKVCacheObj::SelfAttention(int64_t layer, double sm_scale, const ffi::T
                   .rope_scale(cfg_.rope_scale).rope_theta(cfg_.rope_theta).sm_scale(sm_scale));
     return;
   }
-  RunRagged(q, k, v, o, lse, sm_scale);
+  RunRagged(q, k, v, o, lse, sm_scale, /*partial=*/false);
 }
 
 void PagedKVCacheObj::CrossAttention(int64_t layer, double sm_scale, const ffi::Tensor& q, const ffi::Tensor& o,
@@ -409,7 +456,7 @@ void PagedKVCacheObj::CrossAttention(int64_t layer, double sm_scale, const ffi::
                                 << (cfg_.is_mla() ? "append_mla_kv" : "attention_with_fused_qkv") << " of layer "
                                 << layer << " first";
   }
-  RunPasses(layer, q, o, lse, sm_scale, /*output_written=*/false);
+  RunAttention(layer, q, o, lse, sm_scale, /*ragged=*/false);
 }
 
 void PagedKVCacheObj::MergeAttnOutputInplace(const ffi::Tensor& o_a, const ffi::Tensor& lse_a,

@@ -29,18 +29,29 @@ inline constexpr const char* kMLAAppendKV = "mla_append_kv";
 inline constexpr const char* kMLAGatherKV = "mla_gather_kv";
 inline constexpr const char* kMLAAttnPrefillPaged = "mla_attn_prefill_paged";
 inline constexpr const char* kMLAAttnDecodePaged = "mla_attn_decode_paged";
+inline constexpr const char* kAttnPrefillRaggedPartial = "attn_prefill_ragged_partial";
+inline constexpr const char* kAttnPrefillPagedPartial = "attn_prefill_paged_partial";
+inline constexpr const char* kAttnDecodePagedPartial = "attn_decode_paged_partial";
+inline constexpr const char* kMergeStatePartial = "merge_state_partial";
+inline constexpr const char* kMLAAttnPrefillPagedPartial = "mla_attn_prefill_paged_partial";
+inline constexpr const char* kMLAAttnDecodePagedPartial = "mla_attn_decode_paged_partial";
 
 // Every op, in the order of python/pagedkv/ops.py OPS.
-inline constexpr std::array<const char*, 13> kAllOps = {kSplitRotary, kAppendKV, kGatherKV, kAttnPrefillRagged, kAttnPrefillPaged, kAttnDecodePaged, kMergeState, kCopyPage, kCompactCopy, kMLAAppendKV, kMLAGatherKV, kMLAAttnPrefillPaged, kMLAAttnDecodePaged};
+inline constexpr std::array<const char*, 19> kAllOps = {kSplitRotary, kAppendKV, kGatherKV, kAttnPrefillRagged, kAttnPrefillPaged, kAttnDecodePaged, kMergeState, kCopyPage, kCompactCopy, kMLAAppendKV, kMLAGatherKV, kMLAAttnPrefillPaged, kMLAAttnDecodePaged, kAttnPrefillRaggedPartial, kAttnPrefillPagedPartial, kAttnDecodePagedPartial, kMergeStatePartial, kMLAAttnPrefillPagedPartial, kMLAAttnDecodePagedPartial};
 
 // The ops of each layer kind: an op table may hold only its cache's kind's ops.
-inline constexpr std::array<const char*, 9> kMHAOps = {kSplitRotary, kAppendKV, kGatherKV, kAttnPrefillRagged, kAttnPrefillPaged, kAttnDecodePaged, kMergeState, kCopyPage, kCompactCopy};
-inline constexpr std::array<const char*, 8> kMLAOps = {kAttnPrefillRagged, kMergeState, kCopyPage, kCompactCopy, kMLAAppendKV, kMLAGatherKV, kMLAAttnPrefillPaged, kMLAAttnDecodePaged};
+inline constexpr std::array<const char*, 13> kMHAOps = {kSplitRotary, kAppendKV, kGatherKV, kAttnPrefillRagged, kAttnPrefillPaged, kAttnDecodePaged, kMergeState, kCopyPage, kCompactCopy, kAttnPrefillRaggedPartial, kAttnPrefillPagedPartial, kAttnDecodePagedPartial, kMergeStatePartial};
+inline constexpr std::array<const char*, 11> kMLAOps = {kAttnPrefillRagged, kMergeState, kCopyPage, kCompactCopy, kMLAAppendKV, kMLAGatherKV, kMLAAttnPrefillPaged, kMLAAttnDecodePaged, kMergeStatePartial, kMLAAttnPrefillPagedPartial, kMLAAttnDecodePagedPartial};
 
 // Ops a cache of each kind requires: `pagedkv.create` fails naming the first one missing. A call
 // that needs a missing optional op fails naming it.
 inline constexpr std::array<const char*, 7> kRequiredMHAOps = {kSplitRotary, kAppendKV, kAttnPrefillRagged, kAttnPrefillPaged, kAttnDecodePaged, kMergeState, kCopyPage};
 inline constexpr std::array<const char*, 6> kRequiredMLAOps = {kAttnPrefillRagged, kMergeState, kCopyPage, kMLAAppendKV, kMLAAttnPrefillPaged, kMLAAttnDecodePaged};
+
+// The float32 partial-state ops of each kind (PARTIAL_OPS): a cache whose table holds all of its
+// kind's runs multi-pass attention on them, rounding once; else it merges in the storage dtype.
+inline constexpr std::array<const char*, 4> kPartialMHAOps = {kAttnPrefillRaggedPartial, kAttnPrefillPagedPartial, kAttnDecodePagedPartial, kMergeStatePartial};
+inline constexpr std::array<const char*, 3> kPartialMLAOps = {kMergeStatePartial, kMLAAttnPrefillPagedPartial, kMLAAttnDecodePagedPartial};
 
 template <size_t N>
 inline bool Contains(const std::array<const char*, N>& ops, std::string_view name) {
@@ -423,6 +434,220 @@ struct MLAAttnDecodePaged {
   }
 };
 
+// pagedkv_attn_prefill_ragged_partial: as attn_prefill_ragged, o in float32: one pass's state of a multi-pass forward (merge_state_partial)
+struct AttnPrefillRaggedPartial {
+  static constexpr const char* kName = kAttnPrefillRaggedPartial;
+  static constexpr int kQ = 0;  // cache[n, Hq, D]
+  static constexpr int kK = 1;  // cache[m, Hkv, D]
+  static constexpr int kV = 2;  // cache[m, Hkv, Dv]
+  static constexpr int kQIndptr = 3;  // int32[b+1]
+  static constexpr int kKVIndptr = 4;  // int32[b+1]
+  static constexpr int kQPos = 5;  // int32[n]
+  static constexpr int kKPosOffset = 6;  // int32[b]
+  static constexpr int kO = 7;  // float32[n, Hq, Dv]
+  static constexpr int kLse = 8;  // float32[n, Hq]
+  static constexpr int kCausal = 9;  // int32
+  static constexpr int kApplyRope = 10;  // int32
+  static constexpr int kRopeScale = 11;  // float32
+  static constexpr int kRopeTheta = 12;  // float32
+  static constexpr int kSmScale = 13;  // float32
+  static constexpr int kNumArgs = 14;
+  static constexpr const char* kArgNames[kNumArgs] = {"q", "k", "v", "q_indptr", "kv_indptr", "q_pos", "k_pos_offset", "o", "lse", "causal", "apply_rope", "rope_scale", "rope_theta", "sm_scale"};
+  std::array<ffi::AnyView, kNumArgs> args;
+  uint64_t given = 0;
+  AttnPrefillRaggedPartial& q(const ffi::AnyView& x) { return Set(kQ, x); }
+  AttnPrefillRaggedPartial& k(const ffi::AnyView& x) { return Set(kK, x); }
+  AttnPrefillRaggedPartial& v(const ffi::AnyView& x) { return Set(kV, x); }
+  AttnPrefillRaggedPartial& q_indptr(const ffi::AnyView& x) { return Set(kQIndptr, x); }
+  AttnPrefillRaggedPartial& kv_indptr(const ffi::AnyView& x) { return Set(kKVIndptr, x); }
+  AttnPrefillRaggedPartial& q_pos(const ffi::AnyView& x) { return Set(kQPos, x); }
+  AttnPrefillRaggedPartial& k_pos_offset(const ffi::AnyView& x) { return Set(kKPosOffset, x); }
+  AttnPrefillRaggedPartial& o(const ffi::AnyView& x) { return Set(kO, x); }
+  AttnPrefillRaggedPartial& lse(const ffi::AnyView& x) { return Set(kLse, x); }
+  AttnPrefillRaggedPartial& causal(const ffi::AnyView& x) { return Set(kCausal, x); }
+  AttnPrefillRaggedPartial& apply_rope(const ffi::AnyView& x) { return Set(kApplyRope, x); }
+  AttnPrefillRaggedPartial& rope_scale(const ffi::AnyView& x) { return Set(kRopeScale, x); }
+  AttnPrefillRaggedPartial& rope_theta(const ffi::AnyView& x) { return Set(kRopeTheta, x); }
+  AttnPrefillRaggedPartial& sm_scale(const ffi::AnyView& x) { return Set(kSmScale, x); }
+  AttnPrefillRaggedPartial& Set(int i, const ffi::AnyView& x) {
+    args[i] = x;
+    given |= uint64_t{1} << i;
+    return *this;
+  }
+};
+
+// pagedkv_attn_prefill_paged_partial: as attn_prefill_paged, o in float32: one pass's state of a multi-pass forward (merge_state_partial)
+struct AttnPrefillPagedPartial {
+  static constexpr const char* kName = kAttnPrefillPagedPartial;
+  static constexpr int kQ = 0;  // cache[n, Hq, D]
+  static constexpr int kQIndptr = 1;  // int32[b+1]
+  static constexpr int kPages = 2;  // cache[p, PL, PH, ps, PD]
+  static constexpr int kPageIndptr = 3;  // int32[b+1]
+  static constexpr int kPageValues = 4;  // int32[nnz]
+  static constexpr int kLastPageLen = 5;  // int32[b]
+  static constexpr int kKPosOffset = 6;  // int32[b]
+  static constexpr int kQPos = 7;  // int32[n]
+  static constexpr int kO = 8;  // float32[n, Hq, D]
+  static constexpr int kLse = 9;  // float32[n, Hq]
+  static constexpr int kCausal = 10;  // int32
+  static constexpr int kApplyRope = 11;  // int32
+  static constexpr int kRopeScale = 12;  // float32
+  static constexpr int kRopeTheta = 13;  // float32
+  static constexpr int kSmScale = 14;  // float32
+  static constexpr int kNumArgs = 15;
+  static constexpr const char* kArgNames[kNumArgs] = {"q", "q_indptr", "pages", "page_indptr", "page_values", "last_page_len", "k_pos_offset", "q_pos", "o", "lse", "causal", "apply_rope", "rope_scale", "rope_theta", "sm_scale"};
+  std::array<ffi::AnyView, kNumArgs> args;
+  uint64_t given = 0;
+  AttnPrefillPagedPartial& q(const ffi::AnyView& x) { return Set(kQ, x); }
+  AttnPrefillPagedPartial& q_indptr(const ffi::AnyView& x) { return Set(kQIndptr, x); }
+  AttnPrefillPagedPartial& pages(const ffi::AnyView& x) { return Set(kPages, x); }
+  AttnPrefillPagedPartial& page_indptr(const ffi::AnyView& x) { return Set(kPageIndptr, x); }
+  AttnPrefillPagedPartial& page_values(const ffi::AnyView& x) { return Set(kPageValues, x); }
+  AttnPrefillPagedPartial& last_page_len(const ffi::AnyView& x) { return Set(kLastPageLen, x); }
+  AttnPrefillPagedPartial& k_pos_offset(const ffi::AnyView& x) { return Set(kKPosOffset, x); }
+  AttnPrefillPagedPartial& q_pos(const ffi::AnyView& x) { return Set(kQPos, x); }
+  AttnPrefillPagedPartial& o(const ffi::AnyView& x) { return Set(kO, x); }
+  AttnPrefillPagedPartial& lse(const ffi::AnyView& x) { return Set(kLse, x); }
+  AttnPrefillPagedPartial& causal(const ffi::AnyView& x) { return Set(kCausal, x); }
+  AttnPrefillPagedPartial& apply_rope(const ffi::AnyView& x) { return Set(kApplyRope, x); }
+  AttnPrefillPagedPartial& rope_scale(const ffi::AnyView& x) { return Set(kRopeScale, x); }
+  AttnPrefillPagedPartial& rope_theta(const ffi::AnyView& x) { return Set(kRopeTheta, x); }
+  AttnPrefillPagedPartial& sm_scale(const ffi::AnyView& x) { return Set(kSmScale, x); }
+  AttnPrefillPagedPartial& Set(int i, const ffi::AnyView& x) {
+    args[i] = x;
+    given |= uint64_t{1} << i;
+    return *this;
+  }
+};
+
+// pagedkv_attn_decode_paged_partial: as attn_decode_paged, o in float32: one pass's state of a multi-pass forward (merge_state_partial)
+struct AttnDecodePagedPartial {
+  static constexpr const char* kName = kAttnDecodePagedPartial;
+  static constexpr int kQ = 0;  // cache[b, Hq, D]
+  static constexpr int kPages = 1;  // cache[p, PL, PH, ps, PD]
+  static constexpr int kPageIndptr = 2;  // int32[b+1]
+  static constexpr int kPageValues = 3;  // int32[nnz]
+  static constexpr int kLastPageLen = 4;  // int32[b]
+  static constexpr int kKPosOffset = 5;  // int32[b]
+  static constexpr int kQPos = 6;  // int32[b]
+  static constexpr int kO = 7;  // float32[b, Hq, D]
+  static constexpr int kLse = 8;  // float32[b, Hq]
+  static constexpr int kApplyRope = 9;  // int32
+  static constexpr int kRopeScale = 10;  // float32
+  static constexpr int kRopeTheta = 11;  // float32
+  static constexpr int kSmScale = 12;  // float32
+  static constexpr int kNumArgs = 13;
+  static constexpr const char* kArgNames[kNumArgs] = {"q", "pages", "page_indptr", "page_values", "last_page_len", "k_pos_offset", "q_pos", "o", "lse", "apply_rope", "rope_scale", "rope_theta", "sm_scale"};
+  std::array<ffi::AnyView, kNumArgs> args;
+  uint64_t given = 0;
+  AttnDecodePagedPartial& q(const ffi::AnyView& x) { return Set(kQ, x); }
+  AttnDecodePagedPartial& pages(const ffi::AnyView& x) { return Set(kPages, x); }
+  AttnDecodePagedPartial& page_indptr(const ffi::AnyView& x) { return Set(kPageIndptr, x); }
+  AttnDecodePagedPartial& page_values(const ffi::AnyView& x) { return Set(kPageValues, x); }
+  AttnDecodePagedPartial& last_page_len(const ffi::AnyView& x) { return Set(kLastPageLen, x); }
+  AttnDecodePagedPartial& k_pos_offset(const ffi::AnyView& x) { return Set(kKPosOffset, x); }
+  AttnDecodePagedPartial& q_pos(const ffi::AnyView& x) { return Set(kQPos, x); }
+  AttnDecodePagedPartial& o(const ffi::AnyView& x) { return Set(kO, x); }
+  AttnDecodePagedPartial& lse(const ffi::AnyView& x) { return Set(kLse, x); }
+  AttnDecodePagedPartial& apply_rope(const ffi::AnyView& x) { return Set(kApplyRope, x); }
+  AttnDecodePagedPartial& rope_scale(const ffi::AnyView& x) { return Set(kRopeScale, x); }
+  AttnDecodePagedPartial& rope_theta(const ffi::AnyView& x) { return Set(kRopeTheta, x); }
+  AttnDecodePagedPartial& sm_scale(const ffi::AnyView& x) { return Set(kSmScale, x); }
+  AttnDecodePagedPartial& Set(int i, const ffi::AnyView& x) {
+    args[i] = x;
+    given |= uint64_t{1} << i;
+    return *this;
+  }
+};
+
+// pagedkv_merge_state_partial: merge two float32 states in place into the first (o_a, lse_a) and write the merged o, rounded to the cache dtype, into o
+struct MergeStatePartial {
+  static constexpr const char* kName = kMergeStatePartial;
+  static constexpr int kOA = 0;  // float32[n, Hq, dv]
+  static constexpr int kLseA = 1;  // float32[n, Hq]
+  static constexpr int kOB = 2;  // float32[n, Hq, dv]
+  static constexpr int kLseB = 3;  // float32[n, Hq]
+  static constexpr int kO = 4;  // cache[n, Hq, dv]
+  static constexpr int kNumArgs = 5;
+  static constexpr const char* kArgNames[kNumArgs] = {"o_a", "lse_a", "o_b", "lse_b", "o"};
+  std::array<ffi::AnyView, kNumArgs> args;
+  uint64_t given = 0;
+  MergeStatePartial& o_a(const ffi::AnyView& x) { return Set(kOA, x); }
+  MergeStatePartial& lse_a(const ffi::AnyView& x) { return Set(kLseA, x); }
+  MergeStatePartial& o_b(const ffi::AnyView& x) { return Set(kOB, x); }
+  MergeStatePartial& lse_b(const ffi::AnyView& x) { return Set(kLseB, x); }
+  MergeStatePartial& o(const ffi::AnyView& x) { return Set(kO, x); }
+  MergeStatePartial& Set(int i, const ffi::AnyView& x) {
+    args[i] = x;
+    given |= uint64_t{1} << i;
+    return *this;
+  }
+};
+
+// pagedkv_mla_attn_prefill_paged_partial: as mla_attn_prefill_paged, o in float32: one pass's state of a multi-pass forward (merge_state_partial)
+struct MLAAttnPrefillPagedPartial {
+  static constexpr const char* kName = kMLAAttnPrefillPagedPartial;
+  static constexpr int kQ = 0;  // cache[n, Hq, DL]
+  static constexpr int kQIndptr = 1;  // int32[b+1]
+  static constexpr int kPages = 2;  // cache[p, PL, PH, ps, PD]
+  static constexpr int kPageIndptr = 3;  // int32[b+1]
+  static constexpr int kPageValues = 4;  // int32[nnz]
+  static constexpr int kLastPageLen = 5;  // int32[b]
+  static constexpr int kO = 6;  // float32[n, Hq, R]
+  static constexpr int kLse = 7;  // float32[n, Hq]
+  static constexpr int kCausal = 8;  // int32
+  static constexpr int kSmScale = 9;  // float32
+  static constexpr int kNumArgs = 10;
+  static constexpr const char* kArgNames[kNumArgs] = {"q", "q_indptr", "pages", "page_indptr", "page_values", "last_page_len", "o", "lse", "causal", "sm_scale"};
+  std::array<ffi::AnyView, kNumArgs> args;
+  uint64_t given = 0;
+  MLAAttnPrefillPagedPartial& q(const ffi::AnyView& x) { return Set(kQ, x); }
+  MLAAttnPrefillPagedPartial& q_indptr(const ffi::AnyView& x) { return Set(kQIndptr, x); }
+  MLAAttnPrefillPagedPartial& pages(const ffi::AnyView& x) { return Set(kPages, x); }
+  MLAAttnPrefillPagedPartial& page_indptr(const ffi::AnyView& x) { return Set(kPageIndptr, x); }
+  MLAAttnPrefillPagedPartial& page_values(const ffi::AnyView& x) { return Set(kPageValues, x); }
+  MLAAttnPrefillPagedPartial& last_page_len(const ffi::AnyView& x) { return Set(kLastPageLen, x); }
+  MLAAttnPrefillPagedPartial& o(const ffi::AnyView& x) { return Set(kO, x); }
+  MLAAttnPrefillPagedPartial& lse(const ffi::AnyView& x) { return Set(kLse, x); }
+  MLAAttnPrefillPagedPartial& causal(const ffi::AnyView& x) { return Set(kCausal, x); }
+  MLAAttnPrefillPagedPartial& sm_scale(const ffi::AnyView& x) { return Set(kSmScale, x); }
+  MLAAttnPrefillPagedPartial& Set(int i, const ffi::AnyView& x) {
+    args[i] = x;
+    given |= uint64_t{1} << i;
+    return *this;
+  }
+};
+
+// pagedkv_mla_attn_decode_paged_partial: as mla_attn_decode_paged, o in float32: one pass's state of a multi-pass forward (merge_state_partial)
+struct MLAAttnDecodePagedPartial {
+  static constexpr const char* kName = kMLAAttnDecodePagedPartial;
+  static constexpr int kQ = 0;  // cache[b, Hq, DL]
+  static constexpr int kPages = 1;  // cache[p, PL, PH, ps, PD]
+  static constexpr int kPageIndptr = 2;  // int32[b+1]
+  static constexpr int kPageValues = 3;  // int32[nnz]
+  static constexpr int kLastPageLen = 4;  // int32[b]
+  static constexpr int kO = 5;  // float32[b, Hq, R]
+  static constexpr int kLse = 6;  // float32[b, Hq]
+  static constexpr int kSmScale = 7;  // float32
+  static constexpr int kNumArgs = 8;
+  static constexpr const char* kArgNames[kNumArgs] = {"q", "pages", "page_indptr", "page_values", "last_page_len", "o", "lse", "sm_scale"};
+  std::array<ffi::AnyView, kNumArgs> args;
+  uint64_t given = 0;
+  MLAAttnDecodePagedPartial& q(const ffi::AnyView& x) { return Set(kQ, x); }
+  MLAAttnDecodePagedPartial& pages(const ffi::AnyView& x) { return Set(kPages, x); }
+  MLAAttnDecodePagedPartial& page_indptr(const ffi::AnyView& x) { return Set(kPageIndptr, x); }
+  MLAAttnDecodePagedPartial& page_values(const ffi::AnyView& x) { return Set(kPageValues, x); }
+  MLAAttnDecodePagedPartial& last_page_len(const ffi::AnyView& x) { return Set(kLastPageLen, x); }
+  MLAAttnDecodePagedPartial& o(const ffi::AnyView& x) { return Set(kO, x); }
+  MLAAttnDecodePagedPartial& lse(const ffi::AnyView& x) { return Set(kLse, x); }
+  MLAAttnDecodePagedPartial& sm_scale(const ffi::AnyView& x) { return Set(kSmScale, x); }
+  MLAAttnDecodePagedPartial& Set(int i, const ffi::AnyView& x) {
+    args[i] = x;
+    given |= uint64_t{1} << i;
+    return *this;
+  }
+};
+
 // Every op's name and argument names, for the runtime's `pagedkv.op_vocabulary` (tests compare it
 // with python/pagedkv/ops.py).
 struct OpInfo {
@@ -430,7 +655,7 @@ struct OpInfo {
   int num_args;
   const char* const* arg_names;
 };
-inline constexpr std::array<OpInfo, 13> kOpInfo = {{
+inline constexpr std::array<OpInfo, 19> kOpInfo = {{
     {SplitRotary::kName, SplitRotary::kNumArgs, SplitRotary::kArgNames},
     {AppendKV::kName, AppendKV::kNumArgs, AppendKV::kArgNames},
     {GatherKV::kName, GatherKV::kNumArgs, GatherKV::kArgNames},
@@ -444,6 +669,12 @@ inline constexpr std::array<OpInfo, 13> kOpInfo = {{
     {MLAGatherKV::kName, MLAGatherKV::kNumArgs, MLAGatherKV::kArgNames},
     {MLAAttnPrefillPaged::kName, MLAAttnPrefillPaged::kNumArgs, MLAAttnPrefillPaged::kArgNames},
     {MLAAttnDecodePaged::kName, MLAAttnDecodePaged::kNumArgs, MLAAttnDecodePaged::kArgNames},
+    {AttnPrefillRaggedPartial::kName, AttnPrefillRaggedPartial::kNumArgs, AttnPrefillRaggedPartial::kArgNames},
+    {AttnPrefillPagedPartial::kName, AttnPrefillPagedPartial::kNumArgs, AttnPrefillPagedPartial::kArgNames},
+    {AttnDecodePagedPartial::kName, AttnDecodePagedPartial::kNumArgs, AttnDecodePagedPartial::kArgNames},
+    {MergeStatePartial::kName, MergeStatePartial::kNumArgs, MergeStatePartial::kArgNames},
+    {MLAAttnPrefillPagedPartial::kName, MLAAttnPrefillPagedPartial::kNumArgs, MLAAttnPrefillPagedPartial::kArgNames},
+    {MLAAttnDecodePagedPartial::kName, MLAAttnDecodePagedPartial::kNumArgs, MLAAttnDecodePagedPartial::kArgNames},
 }};
 
 }  // namespace ops

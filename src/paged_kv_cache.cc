@@ -4,6 +4,7 @@
 
 #include <tvm/ffi/error.h>
 
+#include <algorithm>
 #include <cstdio>
 #include <limits>
 #include <new>
@@ -55,13 +56,24 @@ Size GraphAuxElems(const KVConfig& c, const Size& num_pages) {
   return fixed + Size{b, num_pages.overflow} * num_pages.value + Size{3};
 }
 
+// Whether a cache of `c` with `table` keeps multi-pass states in float32 (PagedKVCacheObj::partial_states_): the
+// table holds every partial-state op of its kind, and its storage dtype is not float32 already (then the plain
+// kernels write float32 and merge_state merges in it: nothing to gain, and no o_acc buffer).
+bool UsesPartialStates(const OpTable& table, const KVConfig& c) {
+  auto all = [&table](const auto& names) {
+    return std::all_of(names.begin(), names.end(), [&table](const char* op) { return table.adapters.count(op) > 0; });
+  };
+  return c.dtype != "float32" && (c.is_mla() ? all(ops::kPartialMLAOps) : all(ops::kPartialMHAOps));
+}
+
 // The device memory a cache of `c` allocates: every layer's pages and the chunk-sized work buffers
-// (the constructor's allocations, in the same order).
+// (the constructor's allocations, in the same order). `partial`: float32 partial states (o_tmp in float32 and
+// the o_acc buffer).
 struct DeviceBytes {
   Size num_pages, page, pages, work, total;
 };
 
-DeviceBytes ComputeDeviceBytes(const KVConfig& c) {
+DeviceBytes ComputeDeviceBytes(const KVConfig& c, bool partial) {
   uint64_t elem = (c.dl_dtype().bits + 7) / 8;
   DeviceBytes b;
   // ceil(max_total_seq_len / page_size) + max_batch_size, without the overflow of the plain formula
@@ -75,7 +87,8 @@ DeviceBytes ComputeDeviceBytes(const KVConfig& c) {
   uint64_t split_n = c.is_mla() ? 1 : n, kv = static_cast<uint64_t>(c.num_kv_heads * c.head_dim);
   uint64_t v_dim = static_cast<uint64_t>(c.is_mla() ? c.kv_lora_rank : c.head_dim);
   Size split = (Size{split_n} * hq * static_cast<uint64_t>(c.head_dim) + Size{split_n} * kv * 2) * elem;
-  b.work = split + Size{n} * hq * v_dim * elem + Size{n} * hq * 8;  // q, k, v; o_tmp; lse_tmp, lse_own
+  // q, k, v; o_tmp (and o_acc: float32 partial states); lse_tmp, lse_own
+  b.work = split + Size{n} * hq * v_dim * (partial ? 8 : elem) + Size{n} * hq * 8;
   if (c.cuda_graph()) b.work = b.work + GraphAuxElems(c, b.num_pages) * 4;
   b.total = b.pages + b.work;
   return b;
@@ -137,7 +150,7 @@ ffi::Tensor PagedKVCacheObj::AllocDevice(const std::vector<int64_t>& shape, DLDa
     std::ostringstream os;
     os << "pagedkv: allocating " << what << " " << ShapeStr(shape) << " " << DTypeName(dtype) << " ("
        << BytesStr(Size{NumBytes(shape, dtype)}) << ") on " << DeviceStr(device_) << " failed (the cache needs "
-       << BytesStr(ComputeDeviceBytes(cfg_).total) << " in all): ";
+       << BytesStr(ComputeDeviceBytes(cfg_, partial_states_).total) << " in all): ";
     return os.str();
   };
   try {
@@ -158,6 +171,7 @@ PagedKVCacheObj::PagedKVCacheObj(KVConfig config, OpTable ops, DLDevice device)
       aux_(&fns_, device, InitialAuxElems(cfg_)),
       pdl_(DeviceSupportsPDL(device)) {
   int64_t hq = cfg_.num_qo_heads, hkv = cfg_.num_kv_heads, d = cfg_.head_dim, n = cfg_.prefill_chunk_size;
+  partial_states_ = UsesPartialStates(ops_, cfg_);
   std::vector<int64_t> pages_shape = PageShape();
   pages_shape.insert(pages_shape.begin(), cfg_.num_pages());
   for (int64_t l = 0; l < cfg_.num_layers; ++l) pages_.push_back(AllocDevice(pages_shape, dtype_, "the pages of a layer"));
@@ -166,7 +180,8 @@ PagedKVCacheObj::PagedKVCacheObj(KVConfig config, OpTable ops, DLDevice device)
   q_buf_ = AllocDevice({split_n, hq, d}, dtype_, "work buffer q");
   k_buf_ = AllocDevice({split_n, hkv, d}, dtype_, "work buffer k");
   v_buf_ = AllocDevice({split_n, hkv, d}, dtype_, "work buffer v");
-  o_tmp_buf_ = AllocDevice({n, hq, PagedVDim()}, dtype_, "work buffer o_tmp");
+  o_tmp_buf_ = AllocDevice({n, hq, PagedVDim()}, partial_states_ ? kFloat32 : dtype_, "work buffer o_tmp");
+  if (partial_states_) o_acc_buf_ = AllocDevice({n, hq, PagedVDim()}, kFloat32, "work buffer o_acc");
   lse_tmp_buf_ = AllocDevice({n, hq}, kFloat32, "work buffer lse_tmp");
   lse_own_buf_ = AllocDevice({n, hq}, kFloat32, "work buffer lse_own");
   if (cfg_.cuda_graph()) {  // CheckCapacity has bounded the sizes: no overflow here
@@ -179,7 +194,7 @@ PagedKVCache CreatePagedKVCache(const std::string& config_json, const ffi::Shape
                                 const ffi::Array<ffi::Any>& op_table, const ffi::Tensor& device_ref) {
   KVConfig config = ParseConfig(config_json, runtime_values);
   OpTable ops = ParseOpTable(op_table, config.layer_kind());
-  DeviceBytes bytes = ComputeDeviceBytes(config);
+  DeviceBytes bytes = ComputeDeviceBytes(config, UsesPartialStates(ops, config));
   CheckCapacity(config, bytes, device_ref.device());
   int64_t num_pages = config.num_pages();
   try {
@@ -386,7 +401,8 @@ void PagedKVCacheObj::PoisonPage(int32_t page) {
 }
 
 void PagedKVCacheObj::PoisonTemps() {
-  for (const ffi::Tensor* t : {&o_tmp_buf_, &lse_tmp_buf_, &lse_own_buf_, &q_buf_, &k_buf_, &v_buf_}) {
+  for (const ffi::Tensor* t : {&o_tmp_buf_, &o_acc_buf_, &lse_tmp_buf_, &lse_own_buf_, &q_buf_, &k_buf_, &v_buf_}) {
+    if (!t->defined()) continue;  // o_acc: partial states only
     size_t count = static_cast<size_t>((*t).numel());
     std::vector<uint8_t> nan = NaNBytes((*t).dtype(), count);
     fns_.CopyFromBytes(*t, nan.data(), nan.size());

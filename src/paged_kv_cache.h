@@ -107,6 +107,7 @@ class PagedKVCacheObj : public ffi::Object {
     ffi::Tensor no_keys_indptr;  // [B+1] zeros: a ragged kv_indptr with no keys
     std::vector<PassViews> passes;
     ffi::Tensor q, k, v, o_tmp, lse_tmp, lse_own;  // [n, ...] views of the work buffers (MLA: no q, k, v)
+    ffi::Tensor o_acc;  // [n, Hq, paged v dim] float32: the running merged state (partial_states_ only)
   };
 
   // fns_.Alloc on the cache's device; an allocation failure is a MemoryError naming `what` and the sizes.
@@ -135,12 +136,19 @@ class PagedKVCacheObj : public ffi::Object {
   // Layers whose k/v the open forward has not written.
   std::vector<int64_t> UnwrittenLayers() const;
   void RunCopy(const std::optional<PageCopy>& copy);
+  // One pass (`partial`: its op's partial-state variant, o float32).
   void RunPass(int64_t layer, const PassViews& pass, const ffi::Tensor& q, const ffi::Tensor& o,
-               const ffi::Tensor& lse, double sm_scale);
+               const ffi::Tensor& lse, double sm_scale, bool partial);
+  // One attention of the open forward into (o, lse): the ragged pass over the new tokens when `ragged` (a split
+  // forward's attention_with_fused_qkv), then every paged pass; RunPartialStates or RunPasses merges them.
+  void RunAttention(int64_t layer, const ffi::Tensor& q, const ffi::Tensor& o, const ffi::Tensor& lse,
+                    double sm_scale, bool ragged);
+  void RunPartialStates(int64_t layer, const ffi::Tensor& q, const ffi::Tensor& o, const ffi::Tensor& lse,
+                        double sm_scale, bool ragged);
   void RunPasses(int64_t layer, const ffi::Tensor& q, const ffi::Tensor& o, const ffi::Tensor& lse,
                  double sm_scale, bool output_written);
   void RunRagged(const ffi::Tensor& q, const ffi::Tensor& k, const ffi::Tensor& v, const ffi::Tensor& o,
-                 const ffi::Tensor& lse, double sm_scale);
+                 const ffi::Tensor& lse, double sm_scale, bool partial);
   // Throws ValueError naming `what` unless [start, start + count) lies inside the sequence.
   void CheckDebugRange(const char* what, int64_t seq_id, int64_t start, int64_t count) const;
   ffi::Tensor SlotsOnDevice(int64_t seq_id, int64_t start, int64_t count);
@@ -157,6 +165,12 @@ class PagedKVCacheObj : public ffi::Object {
   BlockPool pool_;
   std::vector<ffi::Tensor> pages_;  // per layer [P, ...PageShape()]
   ffi::Tensor q_buf_, k_buf_, v_buf_, o_tmp_buf_, lse_tmp_buf_, lse_own_buf_;  // chunk-sized work buffers
+  // An fp16 / bf16 cache whose op table holds the float32 partial-state ops of its kind (ops::kPartialMHAOps /
+  // MLA): multi-pass attention keeps every pass's output and the running merge in float32 (o_tmp_buf_ is float32
+  // then, and o_acc_buf_ holds the running state) and rounds to the storage dtype once. Else (libraries compiled
+  // before those ops, float32 caches) passes write the storage dtype and merge_state merges in place.
+  bool partial_states_ = false;
+  ffi::Tensor o_acc_buf_;
   AuxBuilder aux_;
   std::unique_ptr<AuxBuilder> debug_aux_;  // slot maps of debug_get_kv / debug_set_kv
   std::unique_ptr<AuxBuilder> graph_aux_;  // CUDA-graph decode forwards (UploadGraphPlan), fixed at creation

@@ -7,7 +7,7 @@ from __future__ import annotations
 import argparse
 import re
 
-from .ops import ADAPTER_ARGS, LAYER_KINDS, OP_SPECS, OPS_BY_KIND, REQUIRED_BY_KIND, Arg, OpSpec
+from .ops import ADAPTER_ARGS, LAYER_KINDS, OP_SPECS, OPS_BY_KIND, PARTIAL_OPS, REQUIRED_BY_KIND, Arg, OpSpec
 
 _ACRONYMS = {"kv": "KV", "mla": "MLA", "mha": "MHA"}
 
@@ -64,6 +64,10 @@ def cpp_header() -> str:
               "// Ops a cache of each kind requires: `pagedkv.create` fails naming the first one missing. A call",
               "// that needs a missing optional op fails naming it.",
               *(_array(f"kRequired{camel(k)}Ops", REQUIRED_BY_KIND[k]) for k in LAYER_KINDS), "",
+              "// The float32 partial-state ops of each kind (PARTIAL_OPS): a cache whose table holds all of its",
+              "// kind's runs multi-pass attention on them, rounding once; else it merges in the storage dtype.",
+              *(_array(f"kPartial{camel(k)}Ops", tuple(o for o in OPS_BY_KIND[k] if o in PARTIAL_OPS))
+                for k in LAYER_KINDS), "",
               "template <size_t N>",
               "inline bool Contains(const std::array<const char*, N>& ops, std::string_view name) {",
               "  for (const char* op : ops) {", "    if (name == op) return true;", "  }", "  return false;", "}", "",

@@ -183,6 +183,11 @@ class KernelSpec:
         ``pagedkv.tir_kernels.make`` from the target (the family factories see only the spec): kernels that
         need an arch-specific PTX target (the wgmma prefill tiles need sm_90a) read it. Not part of
         ``to_dict`` when "" (the library key's config part is what it was before the field).
+    partial : bool
+        Build an attention op's partial-state variant (``pagedkv.ops.PARTIAL_OF``: the same kernel writing ``o``
+        in float32, the state one pass of a multi-pass forward leaves for ``merge_state_partial``). Set by
+        ``pagedkv.tir_kernels.make`` for the ``*_partial`` ops only: with False every kernel is what it was
+        before the field. Not part of ``to_dict`` when False (a library holds both variants of a config).
     """
 
     num_qo_heads: int
@@ -196,6 +201,7 @@ class KernelSpec:
     logits_soft_cap: float = 0.0
     paths: tuple = ()
     target_arch: str = ""
+    partial: bool = False
 
     def __post_init__(self):
         object.__setattr__(self, "paths", normalize_paths(self.paths))
@@ -261,7 +267,8 @@ class KernelSpec:
     def to_dict(self) -> dict:
         """JSON-able fields (the kernel library key's config part)."""
         return {f.name: (list(map(list, v)) if f.name == "paths" else v)
-                for f in fields(self) for v in [getattr(self, f.name)] if f.name != "target_arch" or v}
+                for f in fields(self) for v in [getattr(self, f.name)]
+                if f.name not in ("target_arch", "partial") or v}
 
 
 __all__ = ["DTYPES", "KernelSpec", "PATH_ARCHS", "SWITCHES", "WG_PREFILL_TILES", "forced", "normalize_paths", "target_for_paths",

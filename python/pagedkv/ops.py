@@ -133,6 +133,32 @@ OP_SPECS: tuple[OpSpec, ...] = (
         "MLA: absorbed attention of one query token per sequence over paged latents"),
 )
 
+
+def _partial(spec: OpSpec, kinds: tuple[str, ...]) -> OpSpec:
+    """The partial-state variant of attention op ``spec``: its arguments with ``o`` in float32, optional."""
+    args = tuple(Arg(a.name, "float32", a.shape) if a.name == "o" else a for a in spec.args)
+    return OpSpec(f"{spec.name}_partial", kinds, (), args,
+                  f"as {spec.name}, o in float32: one pass's state of a multi-pass forward (merge_state_partial)")
+
+
+_BASE = {s.name: s for s in OP_SPECS}
+# Multi-pass attention (shared-prefix passes, the own pass, a prefill's ragged pass) keeps every pass's partial
+# output in float32 and rounds once, in the last merge: these ops are optional (a library without them, e.g.
+# one compiled before they existed or of a float32 cache, merges in the storage dtype as before).
+OP_SPECS += (
+    _partial(_BASE["attn_prefill_ragged"], (MHA,)),
+    _partial(_BASE["attn_prefill_paged"], (MHA,)),
+    _partial(_BASE["attn_decode_paged"], (MHA,)),
+    OpSpec("merge_state_partial", (MHA, MLA), (), (
+        _t("o_a", "n", "Hq", "dv", dtype="float32"), _t("lse_a", "n", "Hq", dtype="float32"),
+        _t("o_b", "n", "Hq", "dv", dtype="float32"), _t("lse_b", "n", "Hq", dtype="float32"),
+        _t("o", "n", "Hq", "dv")),
+        "merge two float32 states in place into the first (o_a, lse_a) and write the merged o, rounded to the "
+        "cache dtype, into o"),
+    _partial(_BASE["mla_attn_prefill_paged"], (MLA,)),
+    _partial(_BASE["mla_attn_decode_paged"], (MLA,)),
+)
+
 #: op name -> its spec.
 SPECS: dict[str, OpSpec] = {s.name: s for s in OP_SPECS}
 
@@ -176,12 +202,28 @@ ATTENTION_OPS: tuple[str, ...] = tuple(s.name for s in OP_SPECS if any(a.name ==
 
 # Op-name constants (``ATTN_DECODE_PAGED == "attn_decode_paged"``), for code that names one op.
 SPLIT_ROTARY, APPEND_KV, GATHER_KV, ATTN_PREFILL_RAGGED, ATTN_PREFILL_PAGED, ATTN_DECODE_PAGED, MERGE_STATE, \
-    COPY_PAGE, COMPACT_COPY, MLA_APPEND_KV, MLA_GATHER_KV, MLA_ATTN_PREFILL_PAGED, MLA_ATTN_DECODE_PAGED = OPS
+    COPY_PAGE, COMPACT_COPY, MLA_APPEND_KV, MLA_GATHER_KV, MLA_ATTN_PREFILL_PAGED, MLA_ATTN_DECODE_PAGED, \
+    ATTN_PREFILL_RAGGED_PARTIAL, ATTN_PREFILL_PAGED_PARTIAL, ATTN_DECODE_PAGED_PARTIAL, MERGE_STATE_PARTIAL, \
+    MLA_ATTN_PREFILL_PAGED_PARTIAL, MLA_ATTN_DECODE_PAGED_PARTIAL = OPS
+
+#: Attention op -> its partial-state variant (the same kernel writing a float32 ``o``).
+PARTIAL_OF: dict[str, str] = {ATTN_PREFILL_RAGGED: ATTN_PREFILL_RAGGED_PARTIAL,
+                              ATTN_PREFILL_PAGED: ATTN_PREFILL_PAGED_PARTIAL,
+                              ATTN_DECODE_PAGED: ATTN_DECODE_PAGED_PARTIAL,
+                              MLA_ATTN_PREFILL_PAGED: MLA_ATTN_PREFILL_PAGED_PARTIAL,
+                              MLA_ATTN_DECODE_PAGED: MLA_ATTN_DECODE_PAGED_PARTIAL}
+#: Partial-state variant -> its attention op.
+BASE_OF: dict[str, str] = {v: k for k, v in PARTIAL_OF.items()}
+#: The ops of float32 partial states (the variants and their merge). A float32 cache leaves them out
+#: (``ops_for``): its own kernels already write float32.
+PARTIAL_OPS: tuple[str, ...] = tuple(op for op in OPS if op in BASE_OF or op == MERGE_STATE_PARTIAL)
 
 
 def ops_for(config) -> tuple[str, ...]:
-    """The ops a cache with ``config`` (a ``KVCacheConfig``) uses, in ``OPS`` order."""
-    return OPS_BY_KIND[MLA if config.is_mla else MHA]
+    """The ops a cache with ``config`` (a ``KVCacheConfig`` or ``KernelSpec``) uses, in ``OPS`` order: its
+    layer kind's, without the partial-state ops when its dtype is float32."""
+    out = OPS_BY_KIND[MLA if config.is_mla else MHA]
+    return tuple(op for op in out if op not in PARTIAL_OPS) if config.dtype == "float32" else out
 
 
 def check_op(name: str) -> str:

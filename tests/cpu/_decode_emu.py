@@ -168,12 +168,13 @@ class Built:
     launch_params: dict
 
 
-def build(cfg, paths: dict, stem: pathlib.Path) -> Built:
-    """Compile ``cfg``'s ``attn_decode_paged`` (forced ``paths``) for sm_90 and its kernels with g++."""
+def build(cfg, paths: dict, stem: pathlib.Path, op: str = OP) -> Built:
+    """Compile ``cfg``'s ``attn_decode_paged`` (or ``op``: its partial-state variant) (forced ``paths``) for sm_90
+    and its kernels with g++."""
     cfg = dataclasses.replace(cfg, paths=paths)
-    func = tk.build_kernels(cfg, SM80, ops=(OP,))[OP]
+    func = tk.build_kernels(cfg, SM80, ops=(op,))[op]
     with SM80:
-        exe = tvm.compile(tvm.IRModule({f"pagedkv_{OP}": func}), target=SM80)
+        exe = tvm.compile(tvm.IRModule({f"pagedkv_{op}": func}), target=SM80)
     src = cuda_source_of(exe)
     kernels = kernels_of(src)
     main, launch_params = host_main(func)
@@ -233,18 +234,21 @@ def inputs(cfg, gen, lengths, ps: int):
 
 
 def run_decode(built: Built, cfg, ents, pages, page_indptr, page_values, last, ps: int, apply_rope: int,
-               sm_scale: float, theta: float, scale: float, max_splits: int = 64, max_kv_len: int | None = None):
+               sm_scale: float, theta: float, scale: float, max_splits: int = 64, max_kv_len: int | None = None,
+               out_dtype: str | None = None):
     """Launch the host's kernels on NaN-poisoned outputs / workspace; ``(o, lse, env)`` (float64 tensors, the
     host's evaluated variables). ``max_kv_len``: the runtime's launch hint (default: the longest entry, as the
-    runtime passes it; 0 = unknown)."""
+    runtime passes it; 0 = unknown). ``out_dtype``: o's dtype (default the storage dtype; float32 for a
+    partial-state kernel)."""
     hq, d, dt = cfg.num_qo_heads, cfg.head_dim, cfg.dtype
+    odt = out_dtype or dt
     B = len(ents)
     q_pos = [off + k.shape[0] - 1 for _q, k, _v, off in ents]
     o_poison = np.full((B, hq, d), np.nan, np.float32)
     arrays = {"q": storage(torch.cat([e[0] for e in ents]), dt), "pages": storage(pages, dt),
               "page_indptr": page_indptr, "page_values": page_values, "last_page_len": last,
               "k_pos_offset": np.array([e[3] for e in ents], np.int32), "q_pos": np.array(q_pos, np.int32),
-              "o": storage(torch.from_numpy(o_poison), dt), "lse": np.full((B, hq), np.nan, np.float32),
+              "o": storage(torch.from_numpy(o_poison), odt), "lse": np.full((B, hq), np.nan, np.float32),
               "ws_o": np.full((B * hq * max_splits, d), np.nan, np.float32),
               "ws_l": np.full((B * hq * max_splits,), np.nan, np.float32)}
     env = {"B": B, "_p": pages.shape[0], "ps": ps, "nnz": len(page_values), "apply_rope": apply_rope,
@@ -267,7 +271,7 @@ def run_decode(built: Built, cfg, ents, pages, page_indptr, page_values, last, p
         grid = [int(dims.get(k, 1)) for k in ("blockIdx.x", "blockIdx.y", "blockIdx.z", "threadIdx.x",
                                               "threadIdx.y", "threadIdx.z")]
         built.lib.run(kname.encode(), ptrs, nums, (ctypes.c_int * 6)(*grid))
-    return values(arrays["o"], dt), torch.from_numpy(arrays["lse"]).double(), env
+    return values(arrays["o"], odt), torch.from_numpy(arrays["lse"]).double(), env
 
 
 def check_against_reference(name, cfg, ents, o, lse, apply_rope: int, theta: float, scale: float, sm_scale: float):

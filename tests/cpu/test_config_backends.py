@@ -185,10 +185,14 @@ CFG = KVCacheConfig(**BASE)
 
 def test_resolve_explicit_tir():
     res = backends.resolve(CFG, "llvm", "tir")
-    assert res.choice == {op: "tir" for op in ops.OPS_BY_KIND["mha"]}
-    assert list(res.choice) == list(ops.OPS_BY_KIND["mha"])
+    assert res.choice == {op: "tir" for op in ops.ops_for(CFG)}
+    assert list(res.choice) == list(ops.ops_for(CFG))
     assert res.reasons == {}
-    assert res.report() == ", ".join(f"{op}=tir" for op in ops.OPS_BY_KIND["mha"])
+    assert res.report() == ", ".join(f"{op}=tir" for op in ops.ops_for(CFG))
+    # a float32 cache's op table leaves out the partial-state ops (its kernels already write float32)
+    assert set(ops.OPS_BY_KIND["mha"]) - set(res.choice) == set(ops.PARTIAL_OPS) & set(ops.OPS_BY_KIND["mha"])
+    half = CFG.replace(dtype="float16")
+    assert list(backends.resolve(half, "llvm", "tir").choice) == list(ops.OPS_BY_KIND["mha"])
     assert backends.resolve(CFG, "llvm", ["tir"]).choice == res.choice
 
 
@@ -251,7 +255,7 @@ def test_automatic_selection(registry):
     registry("refuser", RefusingBackend, priority=50)
     assert backends.registered_backends()[:2] == ["mergeonly", "refuser"]
     res = backends.resolve(CFG, "llvm")
-    assert res.choice == {op: ("mergeonly" if op == ops.MERGE_STATE else "tir") for op in ops.OPS_BY_KIND["mha"]}
+    assert res.choice == {op: ("mergeonly" if op == ops.MERGE_STATE else "tir") for op in ops.ops_for(CFG)}
     assert "merge_state=mergeonly" in res.report() and "split_rotary=tir" in res.report()
     # the backends passed over for an op are recorded with their reasons (flashinfer's too: not on llvm)
     assert {t: r for t, r in res.reasons["split_rotary"].items() if t != "flashinfer"} == {
@@ -264,7 +268,7 @@ def test_automatic_selection(registry):
 def test_automatic_selection_creates_cache():
     cache = pagedkv.create(SMALL, target="llvm")
     assert cache.op_backends == cache.resolution.choice
-    assert set(cache.op_backends) == set(ops.OPS_BY_KIND["mha"])
+    assert set(cache.op_backends) == set(ops.ops_for(SMALL))
     assert cache.resolution.report() == ", ".join(f"{op}={t}" for op, t in cache.resolution.choice.items())
 
 

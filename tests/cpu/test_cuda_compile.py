@@ -2,8 +2,9 @@
 
 No GPU is needed (TVM returns a source-only CUDA module when no CUDA driver is loaded; the source is
 also kept when one is). Per kernel configuration the test checks that
-(a) ``tvm.compile`` of all nine ops for ``sm_90`` (and for a generic CUDA target) succeeds and the source
-    holds a ``__global__`` kernel for every op, with explicit thread bindings, and
+(a) ``tvm.compile`` of every MHA op (fp16 / bf16: the partial-state variants too) for ``sm_90`` (and for a
+    generic CUDA target) succeeds and the source holds a ``__global__`` kernel for every op, with explicit thread
+    bindings, and
 (b) ``nvcc --cubin -arch=sm_90a -O3`` compiles that source (one ``.cu`` per configuration, the nvcc jobs
     of all configurations run in parallel; skipped when nvcc is absent) without register spills.
 
@@ -26,6 +27,7 @@ from _cuda_support import cuda_source_of, nvcc_all, ops_cuda_source, ptxas_usage
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 from pagedkv import tir_kernels as tk  # noqa: E402
+from pagedkv.ops import PARTIAL_OPS, ops_for  # noqa: E402
 
 import tvm
 from tvm.target import Target
@@ -89,12 +91,14 @@ def nvcc_results(tmp_path_factory):
 @pytest.mark.parametrize("cfg", CONFIGS, ids=IDS)
 def test_every_op_lowers_to_cuda(cfg):
     funcs = tk.build_kernels(tk.KernelSpec(*cfg), SM80)
-    assert list(funcs) == list(tk.OPS_BY_KIND["mha"])
+    # every MHA op; fp16 / bf16 also the partial-state variants (o float32), which float32 leaves out
+    assert list(funcs) == list(ops_for(tk.KernelSpec(*cfg)))
+    assert ("attn_decode_paged_partial" in funcs) == (cfg[4] != "float32")
     for op, func in funcs.items():
         assert func.attrs["global_symbol"] == f"pagedkv_{op}"
         assert bool(func.attrs["tirx.is_scheduled"]), op
     src = _sm90_source(cfg)
-    for op in tk.OPS_BY_KIND["mha"]:
+    for op in funcs:
         assert re.search(rf"__global__ void __launch_bounds__\(\d+\) pagedkv_{op}_kernel\b", src), \
             f"no CUDA kernel for {op}"
     assert "threadIdx.x" in src and "blockIdx.x" in src
@@ -104,9 +108,9 @@ def test_every_op_lowers_to_cuda(cfg):
 
 def test_generic_cuda_target_lowers():
     """A CUDA target without an arch lowers every op (on the float32 config: CUDA-core kernels only, whichever
-    the arch, a small compile)."""
+    the arch, a small compile; it builds no partial-state ops)."""
     src = cuda_source(CONFIGS[1], "generic")
-    for op in tk.OPS_BY_KIND["mha"]:
+    for op in (o for o in tk.OPS_BY_KIND["mha"] if o not in PARTIAL_OPS):
         assert f"pagedkv_{op}_kernel" in src
 
 

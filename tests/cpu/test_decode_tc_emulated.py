@@ -128,6 +128,25 @@ SWITCH_SHAPES = {"float32_rotation": (128, "1"), "rings_inverted": (64, "3"), "l
                  "no_l2_prefetch": (64, "1")}
 
 
+@pytest.mark.parametrize("splits", ["1", "3"])
+def test_emulated_tc_decode_partial(splits, tmp_path):
+    """``attn_decode_paged_partial`` (o in float32: a multi-pass forward's pass) on the tensor-core kernel, plain
+    and RoPE: one split writes o from the block's merged rows, three through the split merge kernel."""
+    if shutil.which("g++") is None:
+        pytest.skip("g++ not found")
+    cfg = tk.KernelSpec(8, 2, 64, 64, "bfloat16")
+    b = build(cfg, {"cuda_decode_kernel": "tc", "cuda_decode_splits": splits}, tmp_path / f"s{splits}",
+              op="attn_decode_paged_partial")
+    gen = torch.Generator().manual_seed(int(torch.randint(0, 2**31 - 1, (1,))))
+    ents, pages, page_indptr, page_values, last = inputs(cfg, gen, LENGTHS, PS)
+    sm_scale = 0.9 / math.sqrt(cfg.head_dim)
+    for rope in (0, 1):
+        o, lse, env = run_decode(b, cfg, ents, pages, page_indptr, page_values, last, PS, rope, sm_scale, THETA,
+                                 SCALE, out_dtype="float32")
+        assert env["S"] == int(splits)
+        check_against_reference(f"partial-s{splits}-rope{rope}", cfg, ents, o, lse, rope, THETA, SCALE, sm_scale)
+
+
 @pytest.mark.parametrize("switch", list(TC_SWITCHES))
 def test_emulated_tc_decode_switches(switch, tmp_path, monkeypatch):
     """The kernel's other build switches, which the defaults never build: ``PACKED_F16 = False`` (fp16 keys

@@ -425,7 +425,7 @@ def _create(config_json, table, runtime_values=()):
 def test_create_full_table_works(table):
     cache = _create(CFG.to_json(), table)
     assert {str(k): str(v) for k, v in get_global("pagedkv.op_backends")(cache).items()} == \
-        {op: "tir" for op in ops.OPS_BY_KIND["mha"]}
+        {op: "tir" for op in ops.ops_for(CFG)}
 
 
 @pytest.mark.parametrize("missing", [ops.MERGE_STATE, ops.ATTN_DECODE_PAGED, ops.COPY_PAGE])

@@ -18,11 +18,11 @@ import pytest
 import torch
 
 from _flashinfer_standin import FakeFlashInfer
-from pagedkv import KVCacheConfig
+from pagedkv import KVCacheConfig, ops
 from pagedkv._lib import get_global
 from pagedkv.cache import KVCache, _compile_op_table, _to_ffi
 from pagedkv.flashinfer import abi
-from pagedkv.testing.scenarios import SCENARIOS, ScenarioRunner, random_sm_scale
+from pagedkv.testing.scenarios import SCENARIOS, ScenarioRunner, clear, random_sm_scale
 
 MHA_CFG = KVCacheConfig(num_layers=2, num_qo_heads=4, num_kv_heads=2, head_dim=16, dtype="float32",
                         page_size=4, max_batch_size=4, max_total_seq_len=96, prefill_chunk_size=32,
@@ -57,11 +57,14 @@ def empty_rows_bf16():
     return _empty_rows("bfloat16")
 
 
-def make_cache(cfg, empty_rows, kinds: dict[str, str]):
-    """A CPU cache whose ops in ``kinds`` (op -> module kind) run through the flashinfer adapter."""
+def make_cache(cfg, empty_rows, kinds: dict[str, str], *, partial: bool = False):
+    """A CPU cache whose ops in ``kinds`` (op -> module kind) run through the flashinfer adapter. Without
+    ``partial`` its table leaves out the partial-state ops (as a library compiled before them), so every pass of a
+    multi-pass forward runs through the adapters too; with them (fp16 / bf16: what automatic selection builds, TIR
+    serving them) such forwards run on TIR's float32 partial states."""
     from pagedkv import ops as O
 
-    tir_ops = O.ops_for(cfg)
+    tir_ops = tuple(op for op in O.ops_for(cfg) if partial or op not in O.PARTIAL_OPS)
     module, table = _compile_op_table(cfg, "llvm", tuple((op, "tir") for op in tir_ops))
     # the config's attention options in FlashInfer's terms: every plan and run must be given exactly these
     fake = FakeFlashInfer(window_left=cfg.sliding_window - 1 if cfg.sliding_window else -1,
@@ -237,6 +240,25 @@ def test_bf16_scenarios_through_the_adapters(empty_rows_bf16, kinds, scenario, g
     runner = ScenarioRunner(cache, gen, random_sm_scale(gen, cfg.head_dim), fine_grained=not mla)
     runner.run(SCENARIOS[scenario](cfg.page_size), scenario)
     assert fake.count(f"{kinds}.run" if mla else f"{MHA_KINDS[kinds]['attn_prefill_ragged']}.ragged_run") > 0
+    assert not fake.offsets, f"tensor arguments FlashInfer would misread (byte_offset or NULL strides): {fake.offsets[:4]}"
+
+
+@pytest.mark.parametrize("kinds", ["fa2", "mla"])
+def test_bf16_partial_states_beside_the_adapters(empty_rows_bf16, kinds, gen):
+    """With the partial-state ops in the table (TIR's: FlashInfer does not serve them), a shared-prefix forward
+    runs its passes on TIR in float32 and a single-pass one on FlashInfer: both against the reference."""
+    mla = kinds in MLA_KINDS
+    cfg = (MLA_CFG if mla else MHA_CFG).replace(dtype="bfloat16", **SCENARIO_CAPACITY)
+    cache, fake = make_cache(cfg, empty_rows_bf16, {op: kinds for op in MLA_FI_OPS} if mla else MHA_KINDS[kinds],
+                             partial=True)
+    partial_ops = [op for op in ops.ops_for(cfg) if op in ops.PARTIAL_OPS]
+    assert partial_ops and all(cache.op_backends[op] == "tir" for op in partial_ops)
+    runner = ScenarioRunner(cache, gen, random_sm_scale(gen, cfg.head_dim), fine_grained=not mla)
+    runner.run(SCENARIOS["shared_prefix_adjacent"](cfg.page_size), "shared_prefix_adjacent")
+    runs = "mla.run" if mla else "decode.run"
+    shared_runs = fake.count(runs)
+    runner.run([clear()] + SCENARIOS["mixed_prefill_decode"](cfg.page_size), "mixed_prefill_decode")
+    assert fake.count(runs) > shared_runs  # no shared prefix: one pass, on FlashInfer
     assert not fake.offsets, f"tensor arguments FlashInfer would misread (byte_offset or NULL strides): {fake.offsets[:4]}"
 
 

@@ -254,10 +254,27 @@ def test_emulated_wg_kernel_matches_reference(tile, name, op, causal, built):
     _check(name, tile, op, causal, built, misalign=False)
 
 
+#: The partial-state variants (``*_partial``: o in float32, a multi-pass forward's passes): the multi-stage tiles
+#: write their float32 o from the fragments instead of through the storage-dtype stage buffer. A covering set:
+#: each multi-stage tile once (the wgmma ones on the op auto takes them for), causal and not, both ops.
+PARTIAL_RUNS = [("tc2", "8x2x64-f16", "attn_prefill_paged_partial", 0),
+                ("tc3", "7x1x128-bf16", "attn_prefill_ragged_partial", 1),
+                ("wg2t", "2x2x128-f16", "attn_prefill_paged_partial", 1),
+                ("wg1t", "7x1x128-bf16", "attn_prefill_ragged_partial", 0)]
+
+
+@pytest.mark.parametrize("tile,name,op,causal", PARTIAL_RUNS,
+                         ids=[f"{t}-{n}-{o.removeprefix('attn_prefill_')}-{c}" for t, n, o, c in PARTIAL_RUNS])
+def test_emulated_partial_kernel_matches_reference(tile, name, op, causal, built):
+    _check(name, tile, op, causal, built, misalign=False)
+
+
 def _check(name, tile, op, causal, built, misalign, entries=None):
     entries = entries or ENTRIES
     cfg = ALL_CONFIGS[name]
     kernel = built(name, tile, op)
+    partial = op.endswith("_partial")  # o in float32
+    op = op.removesuffix("_partial")
     hq, hkv, d, dt = cfg.num_qo_heads, cfg.num_kv_heads, cfg.head_dim, cfg.dtype
     dv = cfg.v_head_dim or d
     seed = int(torch.randint(0, 2**31 - 1, (1,)))  # fresh inputs each run; the failure messages name the seed
@@ -269,7 +286,8 @@ def _check(name, tile, op, causal, built, misalign, entries=None):
     sm_scale = 0.8 / math.sqrt(d)
     q = torch.cat([e[0] for e in ents])
     arrays = {"q": _to_storage(q, dt), "q_indptr": np.cumsum([0] + [e[0].shape[0] for e in ents]).astype(np.int32),
-              "o": np.full((n, hq, dv), np.nan, np.float16) if dt == "float16" else np.full((n, hq, dv), -1, np.int16),
+              "o": np.full((n, hq, dv), np.nan, np.float32) if partial else
+              np.full((n, hq, dv), np.nan, np.float16) if dt == "float16" else np.full((n, hq, dv), -1, np.int16),
               "lse": np.full((n, hq), np.nan, np.float32)}
     if op == "attn_prefill_ragged":
         # Rows past the last entry's keys (a buffer larger than the batch), NaN: a kernel must not use them.
@@ -301,7 +319,8 @@ def _check(name, tile, op, causal, built, misalign, entries=None):
             if TC_TILES[tile].tma else None)
     _run(kernel, arrays, {"B": B, "n": n, "causal": causal, "ps": ps, "scale2": sm_scale * LOG2E},
          (max(n // tq + B, 1), hkv), maps)
-    o, lse = _from_storage(arrays["o"], dt), torch.from_numpy(arrays["lse"]).double()
+    o = torch.from_numpy(arrays["o"]).double() if partial else _from_storage(arrays["o"], dt)
+    lse = torch.from_numpy(arrays["lse"]).double()
     row = 0
     for (eq, ek, ev), (nq, nk) in zip(ents, entries):
         if nq:

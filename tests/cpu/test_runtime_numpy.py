@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 
 from pagedkv import runtime_library_path
-from pagedkv.ops import OPS_BY_KIND
+from pagedkv.ops import OPS_BY_KIND, PARTIAL_OPS
 
 OPS = OPS_BY_KIND["mha"]
 
@@ -181,8 +181,22 @@ class NumpyKernels:
             N(o)[b] = ob[0]
             N(lse)[b] = lb[0]
 
+    # The partial-state variants are the same functions: each writes o in the dtype it is given (float32 then).
+    attn_prefill_ragged_partial = attn_prefill_ragged
+    attn_prefill_paged_partial = attn_prefill_paged
+    attn_decode_paged_partial = attn_decode_paged
+
     def merge_state(self, o_a, lse_a, o_b, lse_b):
         self.calls.append(("merge_state", None))
+        self._merge(o_a, lse_a, o_b, lse_b)
+
+    def merge_state_partial(self, o_a, lse_a, o_b, lse_b, o):
+        self.calls.append(("merge_state_partial", tuple(str(N(x).dtype) for x in (o_a, o_b, o))))
+        self._merge(o_a, lse_a, o_b, lse_b)
+        N(o)[...] = N(o_a)
+
+    @staticmethod
+    def _merge(o_a, lse_a, o_b, lse_b):
         la, lb = N(lse_a).astype(np.float64), N(lse_b).astype(np.float64)
         m = np.maximum(la, lb)
         wa, wb = np.exp2(la - m), np.exp2(lb - m)
@@ -229,10 +243,10 @@ def create(cfg, kernels=None, runtime_fields=(), runtime_values=(), drop=(), tab
 class Harness:
     """A cache on numpy kernels plus a float64 reference of every sequence's raw (unrotated) k and v."""
 
-    def __init__(self, seed=0, poison=True, **kw):
+    def __init__(self, seed=0, poison=True, drop=(), **kw):
         self.cfg = config(**kw)
         self.k = NumpyKernels()
-        self.cache = create(self.cfg, self.k)
+        self.cache = create(self.cfg, self.k, drop=drop)
         if poison:
             g("debug_poison_pages")(self.cache, True)
         self.rng = np.random.default_rng(seed)
@@ -378,6 +392,26 @@ def test_prefill_decode_single(rope_mode):
 @pytest.mark.parametrize("dtype", ["float32", "float16"])
 def test_fork_tree_three_levels(dtype):
     h = Harness(seed=1, dtype=dtype)
+    h.k.calls.clear()
+    _fork_tree(h)
+    merges = {c for c in h.k.calls if c[0].startswith("merge_state")}
+    if dtype == "float32":  # its passes write float32 already: merge_state merges them (no float32 copies)
+        assert merges == {("merge_state", None)}, merges
+    else:  # the table holds the partial-state ops: passes merge as float32 states, o rounded once
+        assert merges == {("merge_state_partial", ("float32", "float32", dtype))}, merges
+
+
+def test_fork_tree_without_partial_ops():
+    """A table without the partial-state ops (a library compiled before they existed) still runs multi-pass
+    forwards: passes write the storage dtype and merge_state merges in place."""
+    h = Harness(seed=1, dtype="float16", drop=PARTIAL_OPS)
+    h.k.calls.clear()
+    _fork_tree(h)
+    merges = {c[0] for c in h.k.calls if c[0].startswith("merge_state")}
+    assert merges == {"merge_state"}, merges
+
+
+def _fork_tree(h):
     h.add(0)
     h.forward({0: 13})
     h.fork(0, 1, 8)        # page boundary: shares 2 full pages, no copy

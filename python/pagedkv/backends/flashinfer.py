@@ -29,6 +29,14 @@ runtime-only process that includes what building the op's modules needs (flashin
 and curand's headers for a fa3 module not in the module cache), so no op is promised that cannot be built.
 The ops it has no code for at all (``Backend.implements``) go to TIR under an explicit ``"flashinfer"``
 (``pagedkv.backends.resolve``).
+
+The partial-state ops (``pagedkv.ops.PARTIAL_OPS``: a multi-pass forward's passes writing a float32 ``o``, merged in
+float32) are not served here: a FlashInfer run writes ``o`` in its module's ``DTypeO``, a template parameter fixed
+when the module is generated (``dtype_o``; FlashInfer's own wrappers take ``o_data_type``), and unchecked at run time,
+so a float32 ``o`` needs a module of its own per op kind (another JIT build of minutes, fa3's up to 20) and adapter
+entries for the ``*_partial`` ops; ``ModuleSpec`` takes fp16 / bf16 outputs only. Automatic selection serves them
+from TIR: a FlashInfer cache runs its single-pass forwards on FlashInfer and its prefix-shared ones on TIR kernels
+that keep the partial outputs in float32.
 """
 
 from __future__ import annotations

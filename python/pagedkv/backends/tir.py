@@ -135,10 +135,11 @@ class TIRBackend(Backend):
         if kind == "cuda":
             why = _target.unserved_arch(_target.arch(target))  # before any code is generated
             reasons += [why] if why else []
-        if kind == "cuda" and op in ops.ATTENTION_OPS:
-            reasons += _cuda_attention_limits(op, config)
-        if kind == "llvm" and op in ops.ATTENTION_OPS:
-            reasons += _cpu_attention_limits(op, config)
+        kernel_op = ops.BASE_OF.get(op, op)  # a partial-state variant is its attention op's kernel
+        if kind == "cuda" and kernel_op in ops.ATTENTION_OPS:
+            reasons += _cuda_attention_limits(kernel_op, config)
+        if kind == "llvm" and kernel_op in ops.ATTENTION_OPS:
+            reasons += _cpu_attention_limits(kernel_op, config)
         return reasons
 
     def describe(self, op: str, config: KVCacheConfig, target: Any) -> str:
@@ -146,13 +147,14 @@ class TIRBackend(Backend):
         why the faster ones were not taken."""
         kind = target_kind(target)
         head = f"TIR {kind} kernel pagedkv_{op}"
-        if kind != "cuda" or op not in kernel_table.SWITCH_OF_OP:
+        kernel_op = ops.BASE_OF.get(op, op)  # a partial-state variant runs its attention op's kernel
+        if kind != "cuda" or kernel_op not in kernel_table.SWITCH_OF_OP:
             return head
         spec = dataclasses.replace(kernel_spec_of(config), target_arch=_target.arch(target) or "")
         try:
-            out = f"{head}: {kernel_table.choose(op, spec).explain()}"
-            if op == ops.ATTN_DECODE_PAGED and config.rope_mode == "inline":
-                out += f" | inline RoPE: {kernel_table.choose(op, spec, rope=True).explain()}"
+            out = f"{head}: {kernel_table.choose(kernel_op, spec).explain()}"
+            if kernel_op == ops.ATTN_DECODE_PAGED and config.rope_mode == "inline":
+                out += f" | inline RoPE: {kernel_table.choose(kernel_op, spec, rope=True).explain()}"
         except NotImplementedError as err:
             return f"{head}: {err}"
         return out

@@ -17,7 +17,7 @@ import dataclasses
 
 from ..kernel_spec import DTYPES, SWITCHES, KernelSpec, forced, normalize_paths  # the spec, written once
 from ..target import canonical as canonical_target
-from ..ops import OPS, OPS_BY_KIND  # the op vocabulary, written once (pagedkv.ops)
+from ..ops import BASE_OF, OPS, OPS_BY_KIND, ops_for  # the op vocabulary, written once (pagedkv.ops)
 from ._abi import abi_dims, abi_prim_func, adapter_of
 from ._common import as_target, dispatch, host_target
 from . import family_cpu, family_cuda
@@ -33,11 +33,14 @@ def _check_mla(cfg: KernelSpec, op: str) -> None:
 
 def make(op: str, cfg: KernelSpec, target):
     """PrimFunc ``pagedkv_<op>`` of ``cfg`` for ``target``'s family (``FAMILIES``); a CUDA target's arch
-    reaches the family as ``cfg.target_arch`` (unless the spec already names one)."""
+    reaches the family as ``cfg.target_arch`` (unless the spec already names one). A partial-state op
+    (``pagedkv.ops.BASE_OF``) is its attention op's kernel built with ``cfg.partial``: o in float32."""
     _check_mla(cfg, op)
     target = as_target(target)
     if target.kind.name == "cuda" and not cfg.target_arch:  # the canonical arch: sm_90 is sm_90a (Hopper)
         cfg = dataclasses.replace(cfg, target_arch=canonical_target(target)["arch"])
+    if op in BASE_OF:
+        cfg, op = dataclasses.replace(cfg, partial=True), BASE_OF[op]
     return dispatch(op, target, {kind: (lambda fam=fam: fam.FACTORIES[op](cfg)) for kind, fam in FAMILIES.items()})
 
 
@@ -72,7 +75,8 @@ def build_kernels(cfg: KernelSpec, target, ops=None) -> dict:
     cfg : KernelSpec
     target : str | dict | tvm.target.Target
     ops : iterable of str, optional
-        A subset of ``OPS``; default: every op of ``cfg``'s layer kind (``OPS_BY_KIND``).
+        A subset of ``OPS``; default: every op a cache of ``cfg`` uses (``pagedkv.ops.ops_for``: its layer
+        kind's, without the partial-state ops for float32).
 
     Returns
     -------
@@ -80,7 +84,7 @@ def build_kernels(cfg: KernelSpec, target, ops=None) -> dict:
         Keyed by op name, in ``OPS`` order.
     """
     target = as_target(target)
-    wanted = OPS_BY_KIND["mla" if cfg.is_mla else "mha"] if ops is None else tuple(ops)
+    wanted = ops_for(cfg) if ops is None else tuple(ops)
     unknown = [op for op in wanted if op not in FACTORIES]
     if unknown:
         raise ValueError(f"unknown op(s) {unknown}; known ops: {', '.join(OPS)}")

@@ -20,7 +20,7 @@ import tvm
 from tvm.script import from_source
 from tvm.script import tirx as T
 
-from ..ops import SPECS, call_args
+from ..ops import PARTIAL_OF, SPECS, call_args
 
 _SCALAR = {"int32": "T.int32", "int64": "T.int64", "float32": "T.float32"}
 
@@ -103,10 +103,16 @@ def abi_prim_func(op: str, shape: Mapping[str, int], dtype: str, body: Any, *, s
     return from_source(src, extra_vars={"T": T, "body": body})
 
 
+def spec_op(op: str, spec) -> str:
+    """The op whose header a factory of attention op ``op`` gives its PrimFunc for ``spec`` (a ``KernelSpec``):
+    ``op``, or its partial-state variant (``pagedkv.ops.PARTIAL_OF``: ``o`` float32) when ``spec.partial``."""
+    return PARTIAL_OF[op] if spec.partial else op
+
+
 def adapter_of(func) -> str:
     """The runtime adapter kind a PrimFunc of ``abi_prim_func`` is called through (its ``pagedkv.adapter``)."""
     attrs = func.attrs or {}
     return str(attrs["pagedkv.adapter"]) if "pagedkv.adapter" in attrs else "direct"
 
 
-__all__ = ["abi_dims", "abi_prim_func", "adapter_of"]
+__all__ = ["abi_dims", "abi_prim_func", "adapter_of", "spec_op"]

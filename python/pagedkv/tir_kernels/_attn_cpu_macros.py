@@ -87,11 +87,11 @@ def _make_store(plan: TilePlan):
                 # l >= 1 once any key was seen (the max contributes exp2(0)); exactly 0 otherwise.
                 if l[r] > T.float32(0):
                     for dd in T.vectorized(DV):
-                        o[tok0 + r // G, h * G + r % G, dd] = T.Cast(dtype, O[r, dd] / l[r])
+                        o[tok0 + r // G, h * G + r % G, dd] = T.Cast(o.dtype, O[r, dd] / l[r])
                     lse[tok0 + r // G, h * G + r % G] = m[r] + T.log2(l[r])
                 else:
                     for dd in zero_loop(DV):
-                        o[tok0 + r // G, h * G + r % G, dd] = T.Cast(dtype, T.float32(0))
+                        o[tok0 + r // G, h * G + r % G, dd] = T.Cast(o.dtype, T.float32(0))
                     lse[tok0 + r // G, h * G + r % G] = T.float32(EMPTY_LSE)
 
     return store

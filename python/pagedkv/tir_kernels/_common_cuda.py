@@ -339,7 +339,7 @@ def make_merge_splits(num_heads: int, dv: int, threads: int, dtype: str):
                                 if ws_l[row * Sk + sp] > T.float32(EMPTY_LSE):
                                     ms[2] = ms[2] + ws_o[row * Sk + sp, c * MT + t] * T.exp2(
                                         ws_l[row * Sk + sp] - ms[0])
-                            o[T.truncdiv(row, H), T.truncmod(row, H), c * MT + t] = T.Cast(dtype, ms[2] / ms[1])
+                            o[T.truncdiv(row, H), T.truncmod(row, H), c * MT + t] = T.Cast(o.dtype, ms[2] / ms[1])
                     if t == 0:
                         # All splits empty: lse = -1e30 + log2(S) == -1e30 in float32, o = 0.
                         lse[T.truncdiv(row, H), T.truncmod(row, H)] = ms[0] + T.log2(ms[1])

@@ -3,7 +3,7 @@
 A row's state is ``(m, l, O)``: its running max (log2 units), its sum of ``exp2(s - m)`` over the keys it saw, and
 the unnormalized ``O = sum exp2(s - m) v``. With ``S`` key splits of the row's keys (split ``sp`` of them):
 
-* ``S == 1``: ``o = O / l`` in the storage dtype, ``lse = m + log2(l)``;
+* ``S == 1``: ``o = O / l`` in o's dtype (the storage dtype; float32 in a partial-state kernel), ``lse = m + log2(l)``;
 * ``S > 1``: the split's normalized partial state in the float32 workspace (``ws_o`` row, ``ws_l``), which
   ``_common_cuda.make_merge_splits`` combines;
 * a row that saw no key (``l == 0``): ``o = 0``, ``lse = EMPTY_LSE``; as a split's partial state only its lse
@@ -71,11 +71,11 @@ def make_merged_store(states: int, dtype: str, m_at: Callable, l_at: Callable, o
         # l >= 1 once any key was seen (its max contributes 2^0); else 0.
         if S == 1:
             if st[1] > T.float32(0):
-                o[b, hq, dd] = T.Cast(dtype, st[2] / st[1])
+                o[b, hq, dd] = T.Cast(o.dtype, st[2] / st[1])
                 if dd == 0:
                     lse[b, hq] = st[0] + T.log2(st[1])
             else:
-                o[b, hq, dd] = T.Cast(dtype, T.float32(0))
+                o[b, hq, dd] = T.Cast(o.dtype, T.float32(0))
                 if dd == 0:
                     lse[b, hq] = T.float32(EMPTY_LSE)
         elif st[1] > T.float32(0):

@@ -15,7 +15,7 @@ from __future__ import annotations
 from tvm.script import tirx as T
 
 from ..ops import MLA_ATTN_DECODE_PAGED, MLA_ATTN_PREFILL_PAGED, shape_values
-from ._abi import abi_prim_func
+from ._abi import abi_prim_func, spec_op
 from ._common_cuda import make_merge_splits, opaque_i32, paged_kv_len, wave_split_count
 
 #: Split policy: blocks resident at once (one an SM of an H200), keys a split at least, splits at most.
@@ -135,7 +135,7 @@ def make_frame(op: str, spec, block, *, groups: int, threads: int, tk: int, spli
 def mla_prim_func(op: str, spec, body, *, any_align: tuple[str, ...] = ()):
     """The PrimFunc of MLA attention op ``op`` whose body macro is ``body`` (``make_frame``'s, or host code around
     frames, e.g. ``mla_cuda_wg.make_tma_body``'s); the decode takes the runtime's ``max_kv_len``."""
-    return abi_prim_func(op, shape_values(spec), spec.dtype, body, scheduled=True,
+    return abi_prim_func(spec_op(op, spec), shape_values(spec), spec.dtype, body, scheduled=True,
                          adapter="direct_max_kv_len" if op == MLA_ATTN_DECODE_PAGED else "direct",
                          any_align=any_align)
 

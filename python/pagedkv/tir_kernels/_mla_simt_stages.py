@@ -327,7 +327,7 @@ def make_write_rows(p: RowTilePlan):
     """``write_rows(o, lse, ws_o, ws_l, Ol, m, lsum, blk, S, sp, ty, tx)``: the row sums folded over the 16
     lanes, then the tile's rows stored: ``o`` / ``lse`` (``S == 1``) or the split's partial state in the
     workspace (row ``(token * H + head) * S + sp``); ``o = 0``, ``lse = -1e30`` for a row that saw no key."""
-    H, DV, RI, NVC, dtype = p.h, p.dv, p.ri, p.nvc, p.dtype
+    H, DV, RI, NVC = p.h, p.dv, p.ri, p.nvc
 
     @T.macro
     def write_rows(o, lse, ws_o, ws_l, Ol, m, lsum, blk, S, sp, ty, tx):
@@ -352,7 +352,7 @@ def make_write_rows(p: RowTilePlan):
                     for c in T.unroll(NVC * 4):
                         if T.truncdiv(c, 4) * DC + T.truncmod(c, 4) * TX < DV:
                             o[tok, hd, T.truncdiv(c, 4) * DC + T.truncmod(c, 4) * TX + tx] = T.Cast(
-                                dtype, Ol[i, c] * rl)
+                                o.dtype, Ol[i, c] * rl)
                     if tx == 0:
                         lse[tok, hd] = ls
                 else:

@@ -330,16 +330,16 @@ def make_store(p: PrefillPlan):
     """``store(o, lse, Ol, m, lsum, tok0, ntok, h, ty, tx)``: the row sums folded over the 16 lanes, then each
     of the thread's rows written: ``o = O / lsum`` and ``lse = m + log2(lsum)``, or for a row that saw no key
     the empty-row state, ``o = 0`` and ``lse = -1e30``."""
-    G, RI, TQ, CD, dtype = p.g, p.ri, p.tq, p.cd, p.dtype
+    G, RI, TQ, CD = p.g, p.ri, p.tq, p.cd
 
     @T.macro
     def put_row(o, lse, Ol, m, lsum, i, tok, hd, tx, empty):
         # ``empty`` is a Python bool: one row store, the empty-row state chosen at parse time.
         for c in T.unroll(CD):
             if empty:
-                o[tok, hd, c * PF_TX + tx] = T.Cast(dtype, T.float32(0))
+                o[tok, hd, c * PF_TX + tx] = T.Cast(o.dtype, T.float32(0))
             else:
-                o[tok, hd, c * PF_TX + tx] = T.Cast(dtype, Ol[i, c] / lsum[i])
+                o[tok, hd, c * PF_TX + tx] = T.Cast(o.dtype, Ol[i, c] / lsum[i])
         if tx == 0:
             if empty:
                 lse[tok, hd] = T.float32(EMPTY_LSE)

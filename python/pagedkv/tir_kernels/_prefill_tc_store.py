@@ -2,7 +2,8 @@
 log2(sum) (base 2) of the lane's rows, and for a row that saw no key (sum 0) the empty state, o = 0 and lse =
 ``EMPTY_LSE``, each written once here (``_o_value``, ``_store_lse``) for both ways o leaves:
 
-* ``make_store``: from each lane's fragments straight to o (the one-stage tile "tc");
+* ``make_store``: from each lane's fragments straight to o (the one-stage tile "tc", and every tile's float32 o
+  of a partial-state kernel: the stage buffer holds the storage dtype);
 * ``make_store_staged``: through the stage buffer (multi-stage tiles): each lane's O / sum into row-major staged
   rows, then consecutive threads copy consecutive 16 bytes (or, o not 16-byte aligned, elements) of a token's G
   rows, which lie together in o. From the fragments, a warp's store touched 8 rows x 8 bytes: 8 sectors for 64
@@ -22,11 +23,12 @@ from ._prefill_tc_params import TcParams
 
 
 def _o_value(p: TcParams):
-    """``value(oacc, lsum, mt, rr, dn, c)``: o's element (storage dtype) of accumulator ``dn * 4 + rr * 2 + c``
-    of m16 tile ``mt``: O / sum, 0 for a row that saw no key."""
-    ON, dtype = p.on, p.dtype
+    """``value(oacc, lsum, mt, rr, dn, c, dtype)``: o's element (in ``dtype``: the storage dtype, or float32 for a
+    partial-state kernel) of accumulator ``dn * 4 + rr * 2 + c`` of m16 tile ``mt``: O / sum, 0 for a row that
+    saw no key."""
+    ON = p.on
 
-    def value(oacc, lsum, mt, rr, dn, c):
+    def value(oacc, lsum, mt, rr, dn, c, dtype):
         return T.Cast(dtype, T.if_then_else(lsum[mt * 2 + rr] > T.float32(0),
                                             oacc[mt * ON + dn * 4 + rr * 2 + c] / lsum[mt * 2 + rr], T.float32(0)))
 
@@ -69,7 +71,7 @@ def make_store(p: TcParams):
                         for c in T.unroll(2):
                             o[ti[4] + o_row(wrow(w, mt) + c_frag(lane, 2 * rr)[0])[0],
                               h * G + o_row(wrow(w, mt) + c_frag(lane, 2 * rr)[0])[1],
-                              dn * 8 + c_frag(lane, c)[1]] = o_value(oacc, lsum, mt, rr, dn, c)
+                              dn * 8 + c_frag(lane, c)[1]] = o_value(oacc, lsum, mt, rr, dn, c, o.dtype)
 
     return store
 
@@ -95,7 +97,7 @@ def _o_copier(p: TcParams, width: int):
 def make_store_staged(p: TcParams):
     """``store_staged(smem, o, lse, oacc, m, lsum, ti, h, tid, w, lane)``: o through the stage buffer ``smem``
     (its first ``rows`` x ``vs`` elements), and the lse."""
-    D, DV, MT, NDN, VS, cfg, wrow = p.d, p.dv, p.mt, p.ndn, p.vs, p.tile, p.wrow
+    D, DV, MT, NDN, VS, cfg, wrow, dtype = p.d, p.dv, p.mt, p.ndn, p.vs, p.tile, p.wrow, p.dtype
     if cfg.rows * VS > (cfg.bar_base(D, DV) if p.wg else cfg.smem_bytes(D, DV) // 2):
         raise ValueError(f"pagedkv.tir_kernels: tile {cfg.name!r}: O's {cfg.rows} x {VS} staging elements do not "
                          f"fit its stages")
@@ -117,7 +119,7 @@ def make_store_staged(p: TcParams):
                 for dn in T.unroll(NDN):
                     for c in T.unroll(2):
                         smem[(wrow(w, mt) + c_frag(lane, 2 * rr)[0]) * VS + dn * 8 + c_frag(lane, c)[1]] = \
-                            o_value(oacc, lsum, mt, rr, dn, c)
+                            o_value(oacc, lsum, mt, rr, dn, c, dtype)
         T.tvm_storage_sync("shared")
         if aligned16(T.address_of(o[0, 0, 0])) == 1:
             o_out_vec(smem, o, ti, h, tid)

@@ -21,7 +21,7 @@ from __future__ import annotations
 
 from tvm.script import tirx as T
 
-from ._abi import abi_prim_func
+from ._abi import abi_prim_func, spec_op
 from ._attn_cpu_gemm import make_gemm_macros, scratch_shapes
 from ._attn_cpu_macros import make_attn_macros
 from ._common import LOG2E, TilePlan, make_tile_plan
@@ -241,7 +241,7 @@ def attn_decode_paged_cpu(spec):
             (q, q_pos, o, lse, pages, page_values, ps, page_indptr, last_page_len, k_pos_offset,
              (apply_rope, rope_scale, rope_theta), sm_scale))
 
-    return abi_prim_func("attn_decode_paged", shape_values(spec), spec.dtype, body)
+    return abi_prim_func(spec_op("attn_decode_paged", spec), shape_values(spec), spec.dtype, body)
 
 
 @T.macro
@@ -329,7 +329,7 @@ def attn_prefill_paged_cpu(spec):
              (pages, page_values, ps, page_indptr, last_page_len, k_pos_offset), causal,
              (apply_rope, rope_scale, rope_theta), sm_scale))
 
-    return abi_prim_func("attn_prefill_paged", shape_values(spec), spec.dtype, body)
+    return abi_prim_func(spec_op("attn_prefill_paged", spec), shape_values(spec), spec.dtype, body)
 
 
 def attn_prefill_ragged_cpu(spec):
@@ -370,4 +370,4 @@ def attn_prefill_ragged_cpu(spec):
             (tile_ptr, b, q, q_indptr, q_pos, o, lse, (k, v, kv_indptr, k_pos_offset), causal,
              (apply_rope, rope_scale, rope_theta), sm_scale))
 
-    return abi_prim_func("attn_prefill_ragged", shape_values(spec), spec.dtype, body)
+    return abi_prim_func(spec_op("attn_prefill_ragged", spec), shape_values(spec), spec.dtype, body)

@@ -11,7 +11,7 @@ from tvm.script import tirx as T
 
 from ..kernel_table import choose
 from ..ops import ATTN_DECODE_PAGED, shape_values
-from ._abi import abi_prim_func
+from ._abi import abi_prim_func, spec_op
 from ._common_cuda import (
     WARP,
     check_head_dim,
@@ -300,5 +300,5 @@ def attn_decode_paged_cuda(spec):
         if S > 1:
             merge_splits(o, lse, B, S, ws_o, ws_l)
 
-    return abi_prim_func(ATTN_DECODE_PAGED, shape_values(spec), dtype, body, scheduled=True,
+    return abi_prim_func(spec_op(ATTN_DECODE_PAGED, spec), shape_values(spec), dtype, body, scheduled=True,
                          adapter="direct_max_kv_len")

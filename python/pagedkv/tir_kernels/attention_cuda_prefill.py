@@ -11,7 +11,7 @@ from tvm.script import tirx as T
 
 from ..kernel_table import auto_order, choose, unserved
 from ..ops import ATTN_PREFILL_PAGED, ATTN_PREFILL_RAGGED, shape_values
-from ._abi import abi_prim_func
+from ._abi import abi_prim_func, spec_op
 from ._tma_cuda import host_aligned16
 from ._common_cuda import check_head_dim, vec16
 from ._prefill_simt_stages import PF_TY, PrefillPlan, make_prefill_kernel
@@ -111,7 +111,7 @@ def attn_prefill_ragged_cuda(spec):
                 kernel_plain(q, q_indptr, q_pos, k_pos_offset, o, lse, (k, v, kv_indptr), B, n, causal,
                              rope_scale, rope_theta, sm_scale)
 
-    return abi_prim_func(ATTN_PREFILL_RAGGED, shape_values(spec), spec.dtype, body, scheduled=True,
+    return abi_prim_func(spec_op(ATTN_PREFILL_RAGGED, spec), shape_values(spec), spec.dtype, body, scheduled=True,
                          any_align=("k", "v") if TMA else ())
 
 
@@ -150,5 +150,5 @@ def attn_prefill_paged_cuda(spec):
                              (pages, page_values, page_indptr, ps, last_page_len), B, n, causal,
                              rope_scale, rope_theta, sm_scale)
 
-    return abi_prim_func(ATTN_PREFILL_PAGED, shape_values(spec), spec.dtype, body, scheduled=True,
+    return abi_prim_func(spec_op(ATTN_PREFILL_PAGED, spec), shape_values(spec), spec.dtype, body, scheduled=True,
                          any_align=("pages",) if TMA else ())

@@ -107,7 +107,7 @@ from tvm.script import tirx as T
 
 from ..kernel_spec import wg_prefill_limits
 from ..ops import shape_values
-from ._mma_cuda import keep_extent
+from ._mma_cuda import cp_async_wait, keep_extent
 from ._prefill_tc_copy import make_kv_copies
 from ._prefill_tc_gemm import make_accumulate, make_score
 from ._prefill_tc_load import make_init_rows, make_load_q, make_load_q_smem, make_locate
@@ -225,7 +225,8 @@ def _make_tiles(p: TcParams, copies, tma):
                 overlap(smem, scratch, fr, acc, rows, ti, kvb, h, tid, causal, sm_scale)
             else:
                 two_stage(smem, fr, acc, rows, ti, kvb, h, tid, w, lane, causal, sm_scale)
-            store_staged(smem, o, lse, acc[2], rows[0], rows[1], ti, h, tid, w, lane)
+            if o.dtype == dtype:  # else (a float32 partial state) the blocks store from the fragments
+                store_staged(smem, o, lse, acc[2], rows[0], rows[1], ti, h, tid, w, lane)
 
     return tiles
 
@@ -236,7 +237,7 @@ def _make_blocks(p: TcParams, copies, tiles):
     MT, NKS, SN, ON, QS, TMA, dtype = p.mt, p.nks, p.sn, p.on, p.qs, p.wg, p.dtype
     locate, init_rows = make_locate(p, copies.kv_len), make_init_rows(p)
     load_q = None if QS else make_load_q(p)
-    store = None if p.stage_o else make_store(p)
+    store = make_store(p)
 
     @T.macro
     def blocks(q, q_indptr, o, lse, kvb, B, n, causal, sm_scale):
@@ -278,6 +279,11 @@ def _make_blocks(p: TcParams, copies, tiles):
                     tiles(q, o, lse, (qf, afr, bfr), (sacc, pf, oacc, pfo), (m, lsum, lim, mx, st, fac), ti, kvb, h,
                           tid, w, lane, causal, sm_scale)
                     if not p.stage_o:
+                        store(o, lse, oacc, m, lsum, ti, h, w, lane)
+                    elif o.dtype != dtype:
+                        # A partial-state kernel's float32 o, which the storage-dtype stage buffer cannot hold:
+                        # from the fragments, once this thread's copies are drained (as the staged store does).
+                        T.evaluate(cp_async_wait(0))
                         store(o, lse, oacc, m, lsum, ti, h, w, lane)
 
     return blocks

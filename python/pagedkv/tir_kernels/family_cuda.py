@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from .attention_cuda import attn_decode_paged_cuda, attn_prefill_paged_cuda, attn_prefill_ragged_cuda
 from .empty_rows import empty_rows_cuda
-from .merge_cuda import merge_state_cuda
+from .merge_cuda import merge_state_cuda, merge_state_partial_cuda
 from .page_ops_cuda import append_kv_cuda, compact_copy_cuda, copy_page_cuda, gather_kv_cuda
 from .rope_cuda import split_rotary_cuda
 
@@ -30,6 +30,9 @@ FACTORIES = {
     "mla_gather_kv": lambda s: _mla_cuda("mla_gather_kv_cuda")(s),
     "mla_attn_prefill_paged": lambda s: _mla_cuda("mla_attn_prefill_paged_cuda")(s),
     "mla_attn_decode_paged": lambda s: _mla_cuda("mla_attn_decode_paged_cuda")(s),
+    # The partial-state variants of the attention ops are their kernels built with ``KernelSpec.partial``
+    # (``pagedkv.tir_kernels.make``); their merge is a kernel of its own.
+    "merge_state_partial": merge_state_partial_cuda,
 }
 
 HELPERS = {"empty_rows": empty_rows_cuda}

@@ -1,4 +1,5 @@
-"""``merge_state`` for CUDA: merge two attention states (o, lse) in place into the first.
+"""``merge_state`` for CUDA: merge two attention states (o, lse) in place into the first; ``merge_state_partial``:
+the same on float32 states, also writing the merged o rounded to the storage dtype (``merge.py``).
 
 Same ABI and semantics as ``merge.py`` (CPU): with base-2 lse, ``m = max(lse_a, lse_b)``,
 ``wa = 2^(lse_a - m)``, ``wb = 2^(lse_b - m)``, ``o_a <- (o_a wa + o_b wb) / (wa + wb)``,
@@ -13,7 +14,7 @@ from __future__ import annotations
 
 from tvm.script import tirx as T
 
-from ..ops import MERGE_STATE, shape_values
+from ..ops import MERGE_STATE, MERGE_STATE_PARTIAL, shape_values
 from ._abi import abi_prim_func
 from ._common_cuda import WARP, ceildiv
 
@@ -55,3 +56,37 @@ def merge_state_cuda(spec):
                             st[0] + T.log2(st[1] + st[2])
 
     return abi_prim_func(MERGE_STATE, shape_values(spec), dtype, body, scheduled=True)
+
+
+def merge_state_partial_cuda(spec):
+    """``pagedkv_merge_state_partial`` for CUDA: ``merge_state_cuda``'s blocks on float32 states ``o_a`` / ``o_b``,
+    the merged row kept in ``o_a`` (float32) and written rounded to the storage dtype into ``o`` (see
+    ``merge.merge_state_partial_cpu``)."""
+    H, dtype = spec.num_qo_heads, spec.dtype
+
+    @T.macro
+    def body(o_a, lse_a, o_b, lse_b, o, dims):
+        n, DV = dims
+        for bx in T.thread_binding(T.max(ceildiv(n * H, ROWS), 1), thread="blockIdx.x"):
+            for ty in T.thread_binding(ROWS, thread="threadIdx.y"):
+                for tx in T.thread_binding(WARP, thread="threadIdx.x"):
+                    st = T.alloc_buffer((4,), "float32", scope="local")
+                    if bx * ROWS + ty < n * H:
+                        tok: T.let[T.int32] = T.truncdiv(bx * ROWS + ty, H)
+                        hd: T.let[T.int32] = T.truncmod(bx * ROWS + ty, H)
+                        st[0] = T.max(lse_a[tok, hd], lse_b[tok, hd])
+                        st[1] = T.exp2(lse_a[tok, hd] - st[0])
+                        st[2] = T.exp2(lse_b[tok, hd] - st[0])
+                        for c in T.serial(ceildiv(DV, WARP)):
+                            if c * WARP + tx < DV:
+                                st[3] = (o_a[tok, hd, c * WARP + tx] * st[1] + o_b[tok, hd, c * WARP + tx] * st[2]) \
+                                    / (st[1] + st[2])
+                                o_a[tok, hd, c * WARP + tx] = st[3]
+                                o[tok, hd, c * WARP + tx] = T.Cast(dtype, st[3])
+                    # Every lane has read lse_a before lane 0 overwrites it.
+                    T.tvm_storage_sync("shared")
+                    if bx * ROWS + ty < n * H and tx == 0:
+                        lse_a[T.truncdiv(bx * ROWS + ty, H), T.truncmod(bx * ROWS + ty, H)] = \
+                            st[0] + T.log2(st[1] + st[2])
+
+    return abi_prim_func(MERGE_STATE_PARTIAL, shape_values(spec), dtype, body, scheduled=True)

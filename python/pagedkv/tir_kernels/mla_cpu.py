@@ -16,7 +16,7 @@ from __future__ import annotations
 
 from tvm.script import tirx as T
 
-from ._abi import abi_prim_func
+from ._abi import abi_prim_func, spec_op
 from ._attn_cpu_macros import make_attn_macros
 from ._common import TilePlan, make_tile_plan
 from .attention_cpu import (
@@ -110,7 +110,7 @@ def mla_attn_decode_paged_cpu(spec):
         run(b * NC, serial_arg(THREADS, work, _SERIAL_DECODE_WORK),
             (q, o, lse, pages, page_values, ps, page_indptr, last_page_len, sm_scale))
 
-    return abi_prim_func("mla_attn_decode_paged", shape_values(spec), spec.dtype, body)
+    return abi_prim_func(spec_op("mla_attn_decode_paged", spec), shape_values(spec), spec.dtype, body)
 
 
 def mla_attn_prefill_paged_cpu(spec):
@@ -149,4 +149,4 @@ def mla_attn_prefill_paged_cpu(spec):
             (tile_ptr, b, q, q_indptr, o, lse, (pages, page_values, ps, page_indptr, last_page_len),
              causal, sm_scale))
 
-    return abi_prim_func("mla_attn_prefill_paged", shape_values(spec), spec.dtype, body)
+    return abi_prim_func(spec_op("mla_attn_prefill_paged", spec), shape_values(spec), spec.dtype, body)

@@ -55,7 +55,7 @@ from tvm.script import tirx as T
 
 from ..kernel_table import choose
 from ..ops import MLA_APPEND_KV, MLA_ATTN_DECODE_PAGED, MLA_ATTN_PREFILL_PAGED, MLA_GATHER_KV, shape_values
-from ._abi import abi_prim_func
+from ._abi import abi_prim_func, spec_op
 from ._common_cuda import (ceildiv, decode_splits, find_tile_entry, make_merge_splits, opaque_i32, paged_kv_len,
                            split_count, vec16)
 # The row tile's block layout (TY x TX threads, TK keys a tile, DC dims a step) and its stages.
@@ -239,7 +239,7 @@ def mla_attn_prefill_paged_cuda(spec):
                          T.if_then_else(active, T.min(R, qlen * H - row0), 0), qlen, kvlen, causal, 0, kvlen,
                          1, 0, sm_scale, tid)
 
-    return abi_prim_func(MLA_ATTN_PREFILL_PAGED, shape_values(spec), dtype, body, scheduled=True)
+    return abi_prim_func(spec_op(MLA_ATTN_PREFILL_PAGED, spec), shape_values(spec), dtype, body, scheduled=True)
 
 
 def mla_attn_decode_paged_cuda(spec):
@@ -293,4 +293,4 @@ def mla_attn_decode_paged_cuda(spec):
         if S > 1:
             merge_splits(o, lse, B, S, ws_o, ws_l)
 
-    return abi_prim_func(MLA_ATTN_DECODE_PAGED, shape_values(spec), dtype, body, scheduled=True)
+    return abi_prim_func(spec_op(MLA_ATTN_DECODE_PAGED, spec), shape_values(spec), dtype, body, scheduled=True)

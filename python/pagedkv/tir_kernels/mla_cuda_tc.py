@@ -382,7 +382,7 @@ def make_init(bs: BlockShape):
 def make_store(bs: BlockShape):
     """The store stage, ``(store_lse, store_o)``: o / lse (``S == 1``) or the split's partial state in the
     workspace (``_epilogue_cuda``)."""
-    H, dtype = bs.heads, bs.dtype
+    H = bs.heads
     MT, NDN, TPR = bs.mtiles, bs.out_ntiles, bs.softmax_threads
     ON = NDN * 4
     put_lse = make_put_lse(H)
@@ -411,7 +411,7 @@ def make_store(bs: BlockShape):
                         for c in T.unroll(2):
                             if S == 1:
                                 o[b, h0 + r, (w * NDN + dn) * 8 + c_frag(lane, c)[1]] = T.Cast(
-                                    dtype, oacc[mt * ON + dn * 4 + rr * 2 + c] * rl)
+                                    o.dtype, oacc[mt * ON + dn * 4 + rr * 2 + c] * rl)
                             else:
                                 ws_o[(b * H + h0 + r) * S + sp, (w * NDN + dn) * 8 + c_frag(lane, c)[1]] = \
                                     oacc[mt * ON + dn * 4 + rr * 2 + c] * rl

@@ -351,7 +351,7 @@ def make_store(H: int, DV: int, dtype: str):
                     for dn in T.unroll(NDN):
                         for c in T.vectorized(2):
                             o[b, h0 + r, wg * DVH + dn * 8 + c_frag(lane, 0)[1] + c] = T.Cast(
-                                dtype, oacc[dn * 4 + rr * 2 + c] * rl)
+                                o.dtype, oacc[dn * 4 + rr * 2 + c] * rl)
                 else:
                     for dn in T.unroll(NDN):
                         for c in T.vectorized(2):
