@@ -102,6 +102,27 @@ def _timed_steps(cache, ids, launch, steps: int) -> tuple[float, float, float, f
     return tuple(statistics.median(t[i] for t in times) for i in range(4))
 
 
+def _check_indices_us(cache, batch: int) -> float:
+    """Median microseconds of ``pagedkv.check_indices`` on a ``[1, batch]`` int32 id tensor on the GPU (what a
+    compiled model runs before its embedding: a copy to the host and a wait), with the GPU idle, as at the start
+    of an engine's step (it has just read the last step's logits); less the Python call of a no-op global."""
+    from pagedkv._lib import get_global
+    from pagedkv.cache import _to_ffi
+
+    ids = _to_ffi(torch.randint(0, 49152, (1, batch), dtype=torch.int32, device="cuda"))
+    check, length_of = get_global("pagedkv.check_indices"), get_global("pagedkv.get_sequence_length")
+    torch.cuda.synchronize()
+    times, calls = [], []
+    for _ in range(200):
+        t0 = time.perf_counter()
+        check(cache.handle, ids, "input_ids", 49152, "vocab_size")
+        t1 = time.perf_counter()
+        length_of(cache.handle, 0)
+        times.append(t1 - t0)
+        calls.append(time.perf_counter() - t1)
+    return (statistics.median(times) - statistics.median(calls)) * 1e6
+
+
 def host_cost(args) -> list[dict]:
     """Host time of a decode step, the layers dispatched one call at a time."""
     from pagedkv._lib import get_global
@@ -133,10 +154,11 @@ def host_cost(args) -> list[dict]:
         for _ in range(3200):
             length_of(cache.handle, 0)
         call_us = (time.perf_counter() - t0) / 3200 * 1e6
+        check_us = _check_indices_us(cache, batch)
         split = begin_forward_split(batch, length, args.host_steps)
         out.append({"batch": batch, "length": length, "begin_forward_us": bf * 1e6, "dispatch_us": disp * 1e6,
                     "begin_forward_1layer_us": split,
-                    "python_call_us": call_us, "cross_attention_call_us": cross_us, "gpu_attention_us": gpu * 1e6, "step_wall_us": wall * 1e6,
+                    "python_call_us": call_us, "cross_attention_call_us": cross_us, "check_indices_us": check_us, "gpu_attention_us": gpu * 1e6, "step_wall_us": wall * 1e6,
                     "host_share": (bf + disp) / gpu,
                     "host_share_runtime": (bf + disp - 32 * call_us / 1e6) / gpu,
                     "served_by": dict(cache.op_backends)})
@@ -144,7 +166,8 @@ def host_cost(args) -> list[dict]:
         print(f"[host] B={batch}: begin_forward {bf * 1e6:.0f} us, 32-layer dispatch {disp * 1e6:.0f} us "
               f"(python call {call_us:.1f} us, cross_attention alone {cross_us:.1f} us per layer), GPU {gpu * 1e6:.0f} us, step {wall * 1e6:.0f} us wall; "
               f"host share {r['host_share']:.1%} ({r['host_share_runtime']:.1%} without the Python calls); "
-              f"1-layer begin_forward: TIR {split['pagedkv-tir']:.0f} us, FlashInfer {split['pagedkv-fi']:.0f} us",
+              f"1-layer begin_forward: TIR {split['pagedkv-tir']:.0f} us, FlashInfer {split['pagedkv-fi']:.0f} us; "
+              f"token-id check {check_us:.1f} us ({check_us / (wall * 1e6):.2%} of the step)",
               flush=True)
         del cache, layers, fo  # layers holds the cache's handle
         torch.cuda.empty_cache()

@@ -67,13 +67,14 @@ def workload_table(rows: list[dict]) -> str:
 
 def host_table(host: list[dict]) -> str:
     out = ["| batch x keys | layers | begin_forward | 32-layer dispatch | cross_attention / layer | GPU attention "
-           "| host share |", "|---|---|---|---|---|---|---|"]
+           "| host share | token-id check |", "|---|---|---|---|---|---|---|---|"]
     for h in host:
         graph = h.get("cuda_graph", False)
         cross = "-" if graph else f"{h['cross_attention_call_us']:.1f} us"
+        check = f"{h['check_indices_us']:.1f} us" if "check_indices_us" in h else "-"  # runs before run 32: none
         out.append(f"| {h['batch']} x {h['length']} | {'CUDA graph replay' if graph else 'one call each'} | "
                    f"{h['begin_forward_us']:.0f} us | {h['dispatch_us']:.0f} us | {cross} | "
-                   f"{h['gpu_attention_us']:.0f} us | {h['host_share']:.1%} |")
+                   f"{h['gpu_attention_us']:.0f} us | {h['host_share']:.1%} | {check} |")
     return "\n".join(out)
 
 
