@@ -29,6 +29,8 @@ const std::set<std::string> kSchema2Fields = {"kv_lora_rank", "qk_nope_head_dim"
 const std::set<std::string> kSchema3Fields = {"sliding_window", "logits_soft_cap"};
 // Added by schema 4 (CUDA-graph decode).
 const std::set<std::string> kSchema4Fields = {"cuda_graph_batch"};
+// Added by schema 5 (attention sinks).
+const std::set<std::string> kSchema5Fields = {"attention_sinks"};
 const std::set<std::string> kRuntimeFields = {"max_batch_size", "max_total_seq_len",
                                               "prefill_chunk_size", "page_size"};
 const std::set<std::string> kDTypes = {"float16", "float32", "bfloat16"};
@@ -73,6 +75,16 @@ double GetFloat(const FieldMap& f, const std::string& name, double fallback) {
   if (auto v = it->second.as<double>()) return *v;
   if (auto v = it->second.as<int64_t>()) return static_cast<double>(*v);
   TVM_FFI_THROW(ValueError) << "pagedkv config: field '" << name << "' must be a number";
+}
+
+bool GetBool(const FieldMap& f, const std::string& name, bool fallback) {
+  auto it = f.find(name);
+  if (it == f.end()) return fallback;
+  if (it->second.type_index() != ffi::TypeIndex::kTVMFFIBool) {
+    TVM_FFI_THROW(ValueError) << "pagedkv config: field '" << name << "' must be a bool, got "
+                              << it->second.GetTypeKey();
+  }
+  return it->second.cast<bool>();
 }
 
 std::string GetString(const FieldMap& f, const std::string& name, const std::string& fallback,
@@ -255,7 +267,8 @@ KVConfig ParseConfig(const std::string& json, const ffi::Shape& runtime_values) 
   for (const auto& kv : f) {
     if (!kSchema1Fields.count(kv.first) && !(c.schema_version >= 2 && kSchema2Fields.count(kv.first)) &&
         !(c.schema_version >= 3 && kSchema3Fields.count(kv.first)) &&
-        !(c.schema_version >= 4 && kSchema4Fields.count(kv.first))) {
+        !(c.schema_version >= 4 && kSchema4Fields.count(kv.first)) &&
+        !(c.schema_version >= 5 && kSchema5Fields.count(kv.first))) {
       TVM_FFI_THROW(ValueError) << "pagedkv config: unknown field '" << kv.first << "' for schema_version "
                                 << c.schema_version;
     }
@@ -282,6 +295,7 @@ KVConfig ParseConfig(const std::string& json, const ffi::Shape& runtime_values) 
   c.sliding_window = GetInt(f, "sliding_window", 0, false);
   c.logits_soft_cap = GetFloat(f, "logits_soft_cap", 0.0);
   c.cuda_graph_batch = GetInt(f, "cuda_graph_batch", 0, false);
+  c.attention_sinks = GetBool(f, "attention_sinks", false);
   Validate(c);
   return c;
 }
@@ -317,6 +331,7 @@ std::string ConfigToJSON(const KVConfig& c) {
     out["logits_soft_cap"] = FloatJSON(c.logits_soft_cap);
   }
   if (c.schema_version >= 4) out["cuda_graph_batch"] = std::to_string(c.cuda_graph_batch);
+  if (c.schema_version >= 5) out["attention_sinks"] = c.attention_sinks ? "true" : "false";
   std::string json = "{";
   for (const auto& [k, v] : out) json += (json.size() > 1 ? ", " : "") + str(k) + ": " + v;
   return json + "}";

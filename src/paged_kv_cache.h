@@ -54,11 +54,15 @@ class PagedKVCacheObj : public ffi::Object {
   // Abandons the open forward (if any): the tokens begin_forward appended are taken back, so the cache is as
   // it was before it. A no-op without an open forward, so an error handler may always call it.
   void AbortForward();
-  void AttentionWithFusedQKV(int64_t layer, double sm_scale, const ffi::Tensor& qkv, const ffi::Tensor& o);
+  // `sinks` (config attention_sinks): float32 [num_qo_heads], one more softmax logit per query head whose value
+  // is 0, merged once into the call's final state (a model that merges self_attention with cross_attention
+  // gives them to cross_attention only, which every forward runs).
+  void AttentionWithFusedQKV(int64_t layer, double sm_scale, const ffi::Tensor& qkv, const ffi::Tensor& o,
+                             const std::optional<ffi::Tensor>& sinks = std::nullopt);
   void SelfAttention(int64_t layer, double sm_scale, const ffi::Tensor& q, const ffi::Tensor& k,
                      const ffi::Tensor& v, const ffi::Tensor& o, const ffi::Tensor& lse);
   void CrossAttention(int64_t layer, double sm_scale, const ffi::Tensor& q, const ffi::Tensor& o,
-                      const ffi::Tensor& lse);
+                      const ffi::Tensor& lse, const std::optional<ffi::Tensor>& sinks = std::nullopt);
   void MergeAttnOutputInplace(const ffi::Tensor& o_a, const ffi::Tensor& lse_a, const ffi::Tensor& o_b,
                               const ffi::Tensor& lse_b);
   // MLA: writes the forward's latents kv[n, latent_dim] to the pages of `layer`.
@@ -140,11 +144,15 @@ class PagedKVCacheObj : public ffi::Object {
   void RunPass(int64_t layer, const PassViews& pass, const ffi::Tensor& q, const ffi::Tensor& o,
                const ffi::Tensor& lse, double sm_scale, bool partial);
   // One attention of the open forward into (o, lse): the ragged pass over the new tokens when `ragged` (a split
-  // forward's attention_with_fused_qkv), then every paged pass; RunPartialStates or RunPasses merges them.
+  // forward's attention_with_fused_qkv), then every paged pass; RunPartialStates or RunPasses merges them, and
+  // the sinks (when given) are merged into the final state once.
   void RunAttention(int64_t layer, const ffi::Tensor& q, const ffi::Tensor& o, const ffi::Tensor& lse,
-                    double sm_scale, bool ragged);
+                    double sm_scale, bool ragged, const ffi::Tensor* sinks);
   void RunPartialStates(int64_t layer, const ffi::Tensor& q, const ffi::Tensor& o, const ffi::Tensor& lse,
-                        double sm_scale, bool ragged);
+                        double sm_scale, bool ragged, int states, const ffi::Tensor* sinks);
+  // Throws naming `what` unless this cache takes sinks (config attention_sinks) and `sinks` is float32
+  // [num_qo_heads] on its device.
+  void CheckSinks(const char* what, const ffi::Tensor& sinks) const;
   void RunPasses(int64_t layer, const ffi::Tensor& q, const ffi::Tensor& o, const ffi::Tensor& lse,
                  double sm_scale, bool output_written);
   void RunRagged(const ffi::Tensor& q, const ffi::Tensor& k, const ffi::Tensor& v, const ffi::Tensor& o,

@@ -125,17 +125,37 @@ class PagedKVCache(Object):  # pylint: disable=too-few-public-methods
         super().__init__(
             _expr=rx.call_pure_packed("pagedkv.create", *args, ty_args=rx.AnyType()), _name=name)
 
-    # The methods below keep the names and signatures of tvm.relax.frontend.nn.llm.PagedKVCache.
+    def _sinks(self, sinks: Tensor, num_qo_heads: Any, method: str) -> rx.Expr:
+        """The ``sinks`` argument of an attention method, checked while the model is built: the cache's config has
+        ``attention_sinks``, and ``sinks`` is float32 ``[num_qo_heads]``."""
+        config = getattr(self, "config", None)
+        if config is not None and not config.attention_sinks:
+            raise ValueError(f"PagedKVCache.{method}: sinks given, but the cache's config has attention_sinks=False "
+                             "(its op table holds no sink ops): build the config with attention_sinks=True")
+        ty = sinks._expr.ty  # pylint: disable=protected-access
+        shape = [int(x) if isinstance(x, tirx.IntImm) else x for x in ty.shape]
+        if ty.dtype != "float32" or len(shape) != 1 or (isinstance(shape[0], int) and shape[0] != int(num_qo_heads)):
+            raise ValueError(f"PagedKVCache.{method}: sinks must be float32 [{num_qo_heads}] (one logit per query "
+                             f"head), got {ty.dtype} {shape}")
+        return sinks._expr  # pylint: disable=protected-access
+
+    # The methods below keep the names and signatures of tvm.relax.frontend.nn.llm.PagedKVCache; ``sinks`` is
+    # pagedkv's own keyword (learnable attention sinks, config ``attention_sinks``).
     # pylint: disable=protected-access
     def attention_with_fused_qkv(self, layer_id: int, qkv: Tensor, num_qo_heads: int,
-                                 sm_scale: float) -> Tensor:
-        """``qkv[b, s, Hq + 2 Hkv, D]`` -> ``o[b, s, Hq, D]``; appends the new k/v to the cache."""
+                                 sm_scale: float, *, sinks: Tensor | None = None) -> Tensor:
+        """``qkv[b, s, Hq + 2 Hkv, D]`` -> ``o[b, s, Hq, D]``; appends the new k/v to the cache.
+
+        ``sinks``: ``float32[Hq]`` learnable attention sinks (one more softmax logit per query head whose value is
+        0, natural log, beside the scaled scores; gpt-oss), on a config with ``attention_sinks``."""
         sm_scale = _sm_scale(sm_scale, "attention_with_fused_qkv")
         b, s, _, d = qkv._expr.ty.shape
         qkv = qkv.reshape(b * s, qkv.shape[2], d)
+        args = [self._expr, rx.prim_value(layer_id), rx.prim_value(sm_scale), qkv._expr]
+        if sinks is not None:
+            args.append(self._sinks(sinks, num_qo_heads, "attention_with_fused_qkv"))
         out = rx.call_dps_packed(
-            "pagedkv.attention_with_fused_qkv",
-            [self._expr, rx.prim_value(layer_id), rx.prim_value(sm_scale), qkv._expr],
+            "pagedkv.attention_with_fused_qkv" + ("_sinks" if sinks is not None else ""), args,
             out_ty=rx.TensorType((b * s, num_qo_heads, d), qkv.dtype))
         return Tensor(_expr=rx.BlockBuilder.current().emit(out)).reshape(b, s, num_qo_heads, d)
 
@@ -151,13 +171,19 @@ class PagedKVCache(Object):  # pylint: disable=too-few-public-methods
         return self._o_lse("pagedkv.self_attention", args, b, s, h_qo, d_v, q.dtype)
 
     def cross_attention(self, layer_id: int, q: Tensor, v_head_dim: int,
-                        sm_scale: float) -> tuple[Tensor, Tensor]:
-        """Attention of ``q`` over the cached k/v: ``(o[b, s, Hq, v_head_dim], lse[b, s, Hq])``."""
+                        sm_scale: float, *, sinks: Tensor | None = None) -> tuple[Tensor, Tensor]:
+        """Attention of ``q`` over the cached k/v: ``(o[b, s, Hq, v_head_dim], lse[b, s, Hq])``.
+
+        ``sinks``: as in ``attention_with_fused_qkv``, merged into the returned state; a model that merges this
+        with ``self_attention`` gives them here only (each query counts its sink once)."""
         sm_scale = _sm_scale(sm_scale, "cross_attention")
         b, s, h_qo, d_qk = q._expr.ty.shape
         args = [self._expr, rx.prim_value(layer_id), rx.prim_value(sm_scale),
                 q.reshape(b * s, h_qo, d_qk)._expr]
-        return self._o_lse("pagedkv.cross_attention", args, b, s, h_qo, v_head_dim, q.dtype)
+        if sinks is not None:
+            args.append(self._sinks(sinks, h_qo, "cross_attention"))
+        name = "pagedkv.cross_attention" + ("_sinks" if sinks is not None else "")
+        return self._o_lse(name, args, b, s, h_qo, v_head_dim, q.dtype)
 
     def append_mla_kv(self, layer_id: int, kv: Tensor) -> "PagedKVCache":
         """MLA: write the latents ``kv[b, s, kv_lora_rank + qk_rope_head_dim]`` of the forward's tokens.
