@@ -1,0 +1,192 @@
+"""Learnable attention sinks on the TIR CPU kernels (``tir_kernels/sinks.py``) and through whole caches against the
+float64 reference (``pagedkv.testing.reference``: the sink as one more logit of the softmax).
+
+- The two sink kernels against ``reference.apply_sinks`` / ``merge_states``: sinks of +-8, empty rows (they become
+  the sink alone), a large lse, two value dims through one kernel (``dv`` is symbolic), and NaN propagation (a NaN
+  lse or o stays NaN; NaN never leaks into other rows).
+- An fp16 MHA cache (one-pass prefills and decodes, prefix-shared decodes and prefills whose float32 states end in
+  ``merge_state_partial_sinks``, a split prefill's ragged pass) and a float32 MLA cache (``cross_attention`` with
+  sinks over one and several passes, ``merge_state`` then ``apply_sinks``): every output matches the reference with
+  the sinks, and is far from the reference without them and from the one with each sink counted twice (a sink
+  ``s`` twice is one sink ``s + ln 2``), so a dropped or doubled sink fails here.
+
+The runtime's orchestration of every pass structure, with kernels that drop or double the sink, is
+``test_sinks_runtime.py`` (numpy kernels, no compile).
+"""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+import pagedkv
+from pagedkv import tir_kernels as tk
+from pagedkv.testing import reference as R
+from pagedkv.testing.reference_mla import reference_for
+
+#: Sinks of 4 query heads: +8 / -8 make a dropped sink obvious, +3 (about a row's own softmax mass) a doubled one.
+SINKS = torch.tensor([8.0, -8.0, 3.0, -3.0])
+TOL = {"float16": 1e-2, "float32": 1e-4}
+#: A dropped or doubled sink must miss the reference by this many tolerances at least.
+SHARP = 5
+
+
+# -- the kernels ------------------------------------------------------------------------------------------------
+def _compile(op: str, dtype: str):
+    import tvm
+
+    func = tk.make(op, tk.KernelSpec(4, 2, 16, 16, dtype, attention_sinks=True), "llvm")
+    return tvm.compile(tvm.IRModule({f"pagedkv_{op}": func}), target="llvm")[f"pagedkv_{op}"]
+
+
+def _state(gen, n: int, dv: int, dtype):
+    """A state [n, 4, dv] / [n, 4] with an empty row, a NaN lse (row 1, head 2), a NaN o element (row 2, head 3)
+    and a large lse (row 3, head 0)."""
+    o = torch.randn(n, 4, dv, generator=gen).to(dtype)
+    lse = torch.randn(n, 4, generator=gen) * 4
+    o[0], lse[0] = 0, R.EMPTY_LSE
+    lse[1, 2], o[2, 3, 5], lse[3, 0] = math.nan, math.nan, 50.0
+    return o, lse
+
+
+def _check_state(o, lse, want_o, want_l, tol):
+    """NaN exactly where the reference has NaN (rows 1 and 2 above), values within ``tol`` elsewhere."""
+    assert torch.equal(torch.isnan(o.double()), torch.isnan(want_o)), "NaN where the reference has none, or lost"
+    assert torch.equal(torch.isnan(lse.double()), torch.isnan(want_l))
+    ok = ~torch.isnan(want_o)
+    assert torch.allclose(o.double()[ok], want_o[ok], rtol=tol, atol=tol)
+    ok = ~torch.isnan(want_l)
+    assert torch.allclose(lse.double()[ok], want_l[ok], rtol=1e-6, atol=1e-4)
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_apply_sinks_kernel(dtype, gen):
+    import tvm_ffi
+
+    fn = _compile("apply_sinks", dtype)
+    for dv in (16, 40):
+        o, lse = _state(gen, 5, dv, getattr(torch, dtype))
+        want_o, want_l = R.apply_sinks(o.double(), lse.double(), SINKS)
+        fn(*map(tvm_ffi.from_dlpack, (o, lse, SINKS)))
+        _check_state(o, lse, want_o, want_l, 1e-2 if dtype == "bfloat16" else 1e-5)
+        assert torch.all(o[0] == 0) and torch.allclose(lse[0].double(), SINKS.double() / math.log(2))
+
+
+def test_merge_state_partial_sinks_kernel(gen):
+    import tvm_ffi
+
+    fn = _compile("merge_state_partial_sinks", "float16")
+    for dv in (16, 40):
+        o_a, l_a = _state(gen, 5, dv, torch.float32)
+        o_b, l_b = torch.randn(5, 4, dv, generator=gen), torch.randn(5, 4, generator=gen) * 4
+        o_b[0], l_b[0] = 0, R.EMPTY_LSE  # row 0: both states empty
+        merged = R.merge_states(o_a.double(), l_a.double(), o_b.double(), l_b.double())
+        want_o, want_l = R.apply_sinks(*merged, SINKS)
+        o = torch.full((5, 4, dv), math.nan, dtype=torch.float16)
+        fn(*map(tvm_ffi.from_dlpack, (o_a, l_a, o_b, l_b, SINKS, o)))
+        _check_state(o_a, l_a, want_o, want_l, 1e-5)  # the float32 running state holds the sink
+        _check_state(o, l_a, want_o, want_l, 1e-3)     # o: that state rounded once
+
+
+# -- whole caches -----------------------------------------------------------------------------------------------
+def _per_head_error(got: torch.Tensor, want: torch.Tensor) -> float:
+    """The largest relative error over query heads (a +8 head's small rows count as much as the others)."""
+    got, want = got.double().transpose(0, 1).flatten(1), want.double().transpose(0, 1).flatten(1)
+    return ((got - want).norm(dim=1) / want.norm(dim=1).clamp_min(1e-6)).max().item()
+
+
+class SinkRun:
+    """A cache with sinks, and references with the sinks, without them and with each counted twice (a sink
+    merged twice is one sink of logit ``s + ln 2``), kept in step."""
+
+    def __init__(self, cfg: pagedkv.KVCacheConfig, gen: torch.Generator):
+        self.cfg, self.gen, self.tol = cfg, gen, TOL[cfg.dtype]
+        self.cache = pagedkv.create(cfg, backend="tir", target="llvm", poison=True)
+        self.refs = {"sinks": SINKS, "none": None, "doubled": SINKS + math.log(2)}
+        self.refs = {name: (reference_for(cfg), s) for name, s in self.refs.items()}
+        self.dtype = getattr(torch, cfg.dtype)
+
+    def each(self, method: str, *args):
+        for obj in [self.cache] + [r for r, _s in self.refs.values()]:
+            getattr(obj, method)(*args)
+
+    def randn(self, *shape):
+        return torch.randn(*shape, generator=self.gen).to(self.dtype)
+
+    def check(self, got, answers: dict, what: str, lse=None) -> None:
+        """``got`` (and ``lse``) within tolerance of the reference with the sinks, and at least ``SHARP`` tolerances
+        from the references without them and with them doubled."""
+        def miss(name):
+            o_ref, l_ref = answers[name] if lse is not None else (answers[name], None)
+            err = _per_head_error(got, o_ref)
+            if lse is not None:
+                err = max(err, (lse.double() - l_ref).abs().max().item() / 10)
+            return err
+        assert miss("sinks") < self.tol, f"{what}: {miss('sinks'):.3g} from the reference with the sinks"
+        for name in ("none", "doubled"):
+            assert miss(name) > SHARP * self.tol, f"{what}: as close to the reference with sinks {name}: {miss(name)}"
+
+    def fused(self, batch: dict) -> None:
+        """One forward of ``attention_with_fused_qkv`` with the sinks."""
+        self.each("begin_forward", list(batch), list(batch.values()))
+        c = self.cfg
+        qkv = self.randn(sum(batch.values()), c.num_qo_heads + 2 * c.num_kv_heads, c.head_dim)
+        got = self.cache.attention_with_fused_qkv(0, qkv, 0.3, sinks=SINKS)
+        answers = {n: r.attention_with_fused_qkv(0, qkv, 0.3, **({"sinks": s} if s is not None else {}))
+                   for n, (r, s) in self.refs.items()}
+        self.check(got, answers, f"attention_with_fused_qkv {batch}")
+        self.each("end_forward")
+
+    def mla(self, batch: dict) -> None:
+        """One MLA forward: append the latents, ``cross_attention`` with the sinks (o and lse checked)."""
+        self.each("begin_forward", list(batch), list(batch.values()))
+        n, c = sum(batch.values()), self.cfg
+        self.each("append_mla_kv", 0, self.randn(n, c.latent_dim))
+        q = self.randn(n, c.num_qo_heads, c.latent_dim)
+        o, lse = self.cache.cross_attention(0, q, 0.3, sinks=SINKS)
+        answers = {name: r.cross_attention(0, q, 0.3, **({"sinks": s} if s is not None else {}))
+                   for name, (r, s) in self.refs.items()}
+        self.check(o, answers, f"MLA cross_attention {batch}", lse=lse)
+        self.each("end_forward")
+
+
+def _mha_config(**kw):
+    return pagedkv.KVCacheConfig(num_layers=1, num_qo_heads=4, num_kv_heads=2, head_dim=16, dtype="float16",
+                                 page_size=4, max_batch_size=4, max_total_seq_len=128, prefill_chunk_size=32,
+                                 attention_sinks=True, **kw)
+
+
+def test_mha_fp16_cache_counts_each_sink_once(gen):
+    """One pass (prefill from empty, a lone decode), prefix-shared decodes and prefills (float32 states merged,
+    the last merge merge_state_partial_sinks), a split prefill with a fresh sequence beside forked ones (ragged,
+    prefix and own passes: three states, two merges)."""
+    run = SinkRun(_mha_config(), gen)
+    run.each("add_sequence", 0)
+    run.fused({0: 9})
+    for child in (1, 2):
+        run.each("fork_sequence", 0, child, 8)
+    run.fused({1: 1, 2: 1})
+    run.each("add_sequence", 3)
+    run.fused({3: 5, 1: 3, 2: 2})  # ragged, the shared prefix and the own pass: three float32 states
+    run.fused({1: 2, 2: 2, 0: 1})
+    run.fused({0: 1})
+
+
+def test_mla_float32_cross_attention_counts_each_sink_once(gen):
+    """An empty view (the sink alone: o = 0, lse = sink), one pass, prefix-shared passes (merge_state, then
+    apply_sinks), decode and prefill."""
+    cfg = pagedkv.KVCacheConfig.mla(num_layers=1, num_heads=4, kv_lora_rank=16, qk_nope_head_dim=8,
+                                    qk_rope_head_dim=8, v_head_dim=16, dtype="float32", page_size=4,
+                                    max_batch_size=4, max_total_seq_len=128, prefill_chunk_size=32,
+                                    attention_sinks=True)
+    run = SinkRun(cfg, gen)
+    run.each("add_sequence", 0)
+    run.mla({0: 6})  # a prefill's view of an empty sequence
+    run.mla({0: 1})
+    run.mla({0: 3})
+    for child in (1, 2):
+        run.each("fork_sequence", 0, child, 8)
+    run.mla({1: 1, 2: 1})
+    run.mla({1: 2, 2: 3, 0: 1})
