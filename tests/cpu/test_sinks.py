@@ -24,13 +24,10 @@ import torch
 import pagedkv
 from pagedkv import tir_kernels as tk
 from pagedkv.testing import reference as R
-from pagedkv.testing.reference_mla import reference_for
+from pagedkv.testing.sinks import SinkRun, sinks_for
 
 #: Sinks of 4 query heads: +8 / -8 make a dropped sink obvious, +3 (about a row's own softmax mass) a doubled one.
-SINKS = torch.tensor([8.0, -8.0, 3.0, -3.0])
-TOL = {"float16": 1e-2, "float32": 1e-4}
-#: A dropped or doubled sink must miss the reference by this many tolerances at least.
-SHARP = 5
+SINKS = sinks_for(4)
 
 
 # -- the kernels ------------------------------------------------------------------------------------------------
@@ -91,78 +88,17 @@ def test_merge_state_partial_sinks_kernel(gen):
 
 
 # -- whole caches -----------------------------------------------------------------------------------------------
-def _per_head_error(got: torch.Tensor, want: torch.Tensor) -> float:
-    """The largest relative error over query heads (a +8 head's small rows count as much as the others)."""
-    got, want = got.double().transpose(0, 1).flatten(1), want.double().transpose(0, 1).flatten(1)
-    return ((got - want).norm(dim=1) / want.norm(dim=1).clamp_min(1e-6)).max().item()
-
-
-class SinkRun:
-    """A cache with sinks, and references with the sinks, without them and with each counted twice (a sink
-    merged twice is one sink of logit ``s + ln 2``), kept in step."""
-
-    def __init__(self, cfg: pagedkv.KVCacheConfig, gen: torch.Generator):
-        self.cfg, self.gen, self.tol = cfg, gen, TOL[cfg.dtype]
-        self.cache = pagedkv.create(cfg, backend="tir", target="llvm", poison=True)
-        self.refs = {"sinks": SINKS, "none": None, "doubled": SINKS + math.log(2)}
-        self.refs = {name: (reference_for(cfg), s) for name, s in self.refs.items()}
-        self.dtype = getattr(torch, cfg.dtype)
-
-    def each(self, method: str, *args):
-        for obj in [self.cache] + [r for r, _s in self.refs.values()]:
-            getattr(obj, method)(*args)
-
-    def randn(self, *shape):
-        return torch.randn(*shape, generator=self.gen).to(self.dtype)
-
-    def check(self, got, answers: dict, what: str, lse=None) -> None:
-        """``got`` (and ``lse``) within tolerance of the reference with the sinks, and at least ``SHARP`` tolerances
-        from the references without them and with them doubled."""
-        def miss(name):
-            o_ref, l_ref = answers[name] if lse is not None else (answers[name], None)
-            err = _per_head_error(got, o_ref)
-            if lse is not None:
-                err = max(err, (lse.double() - l_ref).abs().max().item() / 10)
-            return err
-        assert miss("sinks") < self.tol, f"{what}: {miss('sinks'):.3g} from the reference with the sinks"
-        for name in ("none", "doubled"):
-            assert miss(name) > SHARP * self.tol, f"{what}: as close to the reference with sinks {name}: {miss(name)}"
-
-    def fused(self, batch: dict) -> None:
-        """One forward of ``attention_with_fused_qkv`` with the sinks."""
-        self.each("begin_forward", list(batch), list(batch.values()))
-        c = self.cfg
-        qkv = self.randn(sum(batch.values()), c.num_qo_heads + 2 * c.num_kv_heads, c.head_dim)
-        got = self.cache.attention_with_fused_qkv(0, qkv, 0.3, sinks=SINKS)
-        answers = {n: r.attention_with_fused_qkv(0, qkv, 0.3, **({"sinks": s} if s is not None else {}))
-                   for n, (r, s) in self.refs.items()}
-        self.check(got, answers, f"attention_with_fused_qkv {batch}")
-        self.each("end_forward")
-
-    def mla(self, batch: dict) -> None:
-        """One MLA forward: append the latents, ``cross_attention`` with the sinks (o and lse checked)."""
-        self.each("begin_forward", list(batch), list(batch.values()))
-        n, c = sum(batch.values()), self.cfg
-        self.each("append_mla_kv", 0, self.randn(n, c.latent_dim))
-        q = self.randn(n, c.num_qo_heads, c.latent_dim)
-        o, lse = self.cache.cross_attention(0, q, 0.3, sinks=SINKS)
-        answers = {name: r.cross_attention(0, q, 0.3, **({"sinks": s} if s is not None else {}))
-                   for name, (r, s) in self.refs.items()}
-        self.check(o, answers, f"MLA cross_attention {batch}", lse=lse)
-        self.each("end_forward")
-
-
-def _mha_config(**kw):
-    return pagedkv.KVCacheConfig(num_layers=1, num_qo_heads=4, num_kv_heads=2, head_dim=16, dtype="float16",
-                                 page_size=4, max_batch_size=4, max_total_seq_len=128, prefill_chunk_size=32,
-                                 attention_sinks=True, **kw)
+def _run(cfg, gen) -> SinkRun:
+    return SinkRun(pagedkv.create(cfg, backend="tir", target="llvm", poison=True), gen)
 
 
 def test_mha_fp16_cache_counts_each_sink_once(gen):
     """One pass (prefill from empty, a lone decode), prefix-shared decodes and prefills (float32 states merged,
     the last merge merge_state_partial_sinks), a split prefill with a fresh sequence beside forked ones (ragged,
     prefix and own passes: three states, two merges)."""
-    run = SinkRun(_mha_config(), gen)
+    run = _run(pagedkv.KVCacheConfig(num_layers=1, num_qo_heads=4, num_kv_heads=2, head_dim=16, dtype="float16",
+                                     page_size=4, max_batch_size=4, max_total_seq_len=128, prefill_chunk_size=32,
+                                     attention_sinks=True), gen)
     run.each("add_sequence", 0)
     run.fused({0: 9})
     for child in (1, 2):
@@ -181,7 +117,7 @@ def test_mla_float32_cross_attention_counts_each_sink_once(gen):
                                     qk_rope_head_dim=8, v_head_dim=16, dtype="float32", page_size=4,
                                     max_batch_size=4, max_total_seq_len=128, prefill_chunk_size=32,
                                     attention_sinks=True)
-    run = SinkRun(cfg, gen)
+    run = _run(cfg, gen)
     run.each("add_sequence", 0)
     run.mla({0: 6})  # a prefill's view of an empty sequence
     run.mla({0: 1})

@@ -1,0 +1,42 @@
+"""Learnable attention sinks on CUDA (``tests/cpu/test_sinks.py`` on the GPU, ``pagedkv.testing.sinks``): every
+output within tolerance of the float64 reference with the sinks, and far from the references without them and
+with each counted twice, so a sink dropped or doubled by any pass structure, backend or layer kind fails.
+
+Configs (``SINK_GPU_CONFIGS``, prebuilt by the GPU bundle): gpt-oss's attention (64 q / 8 kv heads, head dim 64,
+window 128, bf16: one causal pass per sequence over more keys than the window, split-KV decodes), the fp16 prefill
+shape of FlashInfer (prefix-shared passes on float32 states, the last merge ``merge_state_partial_sinks``) and
+DeepSeek-V2-Lite's MLA latent (``cross_attention`` with the sinks). On TIR and, where the bundle holds its
+library, on FlashInfer (its attention ops; the sink ops are TIR's: FlashInfer's ops return their lse).
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from pagedkv.testing.sinks import SINK_FLASHINFER_IDS, SINK_GPU_CONFIGS, SinkRun
+
+GPTOSS = "gptoss-h64x8-d64-bf16-w128"
+CASES = [(cid, "tir") for cid in SINK_GPU_CONFIGS]
+CASES += [(cid, "flashinfer") for cid in (*SINK_FLASHINFER_IDS, GPTOSS)]
+
+
+def _backend(tag: str):
+    return "tir" if tag == "tir" else [tag, "tir"]
+
+
+@pytest.mark.parametrize(("config_id", "backend"), CASES, ids=[f"{c}-{b}" for c, b in CASES])
+def test_sinks_counted_once_gpu(config_id, backend, make_gpu_cache, gen):
+    cfg = SINK_GPU_CONFIGS[config_id]
+    run = SinkRun(make_gpu_cache(cfg, _backend(backend)), gen, sm_scale=0.9 / cfg.head_dim ** 0.5)
+    step = run.mla if cfg.is_mla else run.fused
+    run.each("add_sequence", 0)
+    step({0: 100})                 # a prefill from empty (MLA: cross over nothing, the sink alone)
+    step({0: 70})                  # a continuation: 170 keys, past gpt-oss's window
+    for child in (1, 2):
+        run.each("fork_sequence", 0, child, 160)
+    step({1: 1, 2: 1})             # decode on a shared prefix (windowed: one pass a sequence, split-KV)
+    run.each("add_sequence", 3)
+    step({3: 40, 1: 5, 2: 3})      # a split prefill beside prefix-shared continuations
+    for _ in range(3):
+        step({0: 1, 1: 1, 2: 1, 3: 1})
+    step({2: 1})                   # one sequence alone: the split-KV decode's most splits
