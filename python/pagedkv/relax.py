@@ -125,13 +125,11 @@ class PagedKVCache(Object):  # pylint: disable=too-few-public-methods
         super().__init__(
             _expr=rx.call_pure_packed("pagedkv.create", *args, ty_args=rx.AnyType()), _name=name)
 
-    def _sinks(self, sinks: Tensor, num_qo_heads: Any, method: str) -> rx.Expr:
-        """The ``sinks`` argument of an attention method, checked while the model is built: the cache's config has
-        ``attention_sinks``, and ``sinks`` is float32 ``[num_qo_heads]``."""
-        config = getattr(self, "config", None)
-        if config is not None and not config.attention_sinks:
-            raise ValueError(f"PagedKVCache.{method}: sinks given, but the cache's config has attention_sinks=False "
-                             "(its op table holds no sink ops): build the config with attention_sinks=True")
+    @staticmethod
+    def _sinks(sinks: Tensor, num_qo_heads: Any, method: str) -> rx.Expr:
+        """The ``sinks`` argument of an attention method, checked while the model is built: float32
+        ``[num_qo_heads]``. (Whether the cache's config has ``attention_sinks`` is checked by the runtime at the
+        call: a model's methods get the cache as a parameter, which carries no config.)"""
         ty = sinks._expr.ty  # pylint: disable=protected-access
         shape = [int(x) if isinstance(x, tirx.IntImm) else x for x in ty.shape]
         if ty.dtype != "float32" or len(shape) != 1 or (isinstance(shape[0], int) and shape[0] != int(num_qo_heads)):

@@ -17,6 +17,7 @@ The runtime's orchestration of every pass structure, with kernels that drop or d
 from __future__ import annotations
 
 import math
+import re
 
 import pytest
 import torch
@@ -126,3 +127,44 @@ def test_mla_float32_cross_attention_counts_each_sink_once(gen):
         run.each("fork_sequence", 0, child, 8)
     run.mla({1: 1, 2: 1})
     run.mla({1: 2, 2: 3, 0: 1})
+
+
+# -- the Relax API --------------------------------------------------------------------------------------------
+def _export(dtype: str, sinks_shape=(4,), sinks_dtype="float32"):
+    """The IRModule of a module whose methods call the cache's attention with a ``sinks`` parameter."""
+    from tvm.relax.frontend import nn
+    from tvm.relax.frontend.nn import Tensor
+
+    from pagedkv.relax import PagedKVCache
+
+    class Attention(nn.Module):
+        def __init__(self):
+            self.sinks = nn.Parameter(sinks_shape, sinks_dtype)
+
+        def fused(self, qkv: Tensor, cache: PagedKVCache):
+            return cache.attention_with_fused_qkv(0, qkv, 4, 0.3, sinks=self.sinks), cache
+
+        def cross(self, q: Tensor, cache: PagedKVCache):
+            return cache.cross_attention(0, q, 16, 0.3, sinks=self.sinks)
+
+    packed = {"$": {"param_mode": "packed", "effect_mode": "none"}}
+    obj = nn.spec.Object(object_type=PagedKVCache)
+    return Attention().export_tvm(spec={  # (no create_paged_kv_cache: its kernels are not what is tested here)
+        "fused": {"qkv": nn.spec.Tensor([1, "n", 8, 16], dtype), "cache": obj, **packed},
+        "cross": {"q": nn.spec.Tensor([1, "n", 4, 16], dtype), "cache": obj, **packed}})[0]
+
+
+def test_relax_methods_call_the_sink_globals():
+    """``sinks=`` of the Relax ``attention_with_fused_qkv`` / ``cross_attention`` calls the ``*_sinks`` globals with
+    the sinks after the inputs (DPS: the outputs follow), and refuses sinks that are not float32 ``[Hq]`` when the
+    model is built (a cache without ``attention_sinks`` is refused by the runtime at the call:
+    test_sinks_runtime.py). (A compiled module of this kind ran against the reference when the API was written;
+    whole-model builds are test_relax_model's.)"""
+    text = _export("float16").script()
+    for name in ("attention_with_fused_qkv_sinks", "cross_attention_sinks"):
+        calls = re.findall(rf'call_dps_packed\("pagedkv.{name}", \((.*?)\), out_ty', text)
+        assert len(calls) == 1 and re.fullmatch(r"cache, 0, T.float64\(0.29+\d*\), reshape\d*, sinks\d*", calls[0]), calls
+    with pytest.raises(ValueError, match=r"sinks must be float32 \[4\].*float16"):
+        _export("float16", sinks_dtype="float16")
+    with pytest.raises(ValueError, match=r"sinks must be float32 \[4\].*\[8\]"):
+        _export("float16", sinks_shape=(8,))
