@@ -77,8 +77,9 @@ void PagedKVCacheObj::BeginForward(const ffi::Shape& seq_ids, const ffi::Shape& 
   bool graph = GraphDecode(lengths);
   if (!graph) {  // the CUDA-graph layout was reserved at creation, for max_batch_size
     int64_t fixed = AuxBuilder::Padded(batch + 1) * 4 + 2 * AuxBuilder::Padded(total);
-    int64_t per_pass = 2 * AuxBuilder::Padded(batch + 1) + 2 * AuxBuilder::Padded(batch) + 4;
-    aux_.Reserve(fixed + kMaxPasses * per_pass + PageValuesBound(pool_, ids, lengths));
+    int64_t entries = MaxEntriesPerPass(batch, cfg_.sink_size);
+    int64_t per_pass = 2 * AuxBuilder::Padded(entries + 1) + 2 * AuxBuilder::Padded(entries) + 4;
+    aux_.Reserve(fixed + kMaxPasses * per_pass + PageValuesBound(pool_, ids, lengths, cfg_.sink_size));
   }
   // Nothing below can fail on bad input: mutate.
   pool_.Append(ids, lengths);
@@ -91,6 +92,8 @@ void PagedKVCacheObj::BeginForward(const ffi::Shape& seq_ids, const ffi::Shape& 
     PlanOptions options;
     options.flat = cfg_.windowed() || graph;
     options.through_continuations = !cfg_.is_mla();
+    options.window = cfg_.sliding_window;
+    options.sink_size = cfg_.sink_size;
     ForwardPlan plan = BuildForwardPlan(pool_, ids, lengths, options);
     if (graph) {
       UploadGraphPlan(plan);

@@ -495,3 +495,16 @@ def test_sinks_after_flashinfer_runs(mla, empty_rows, gen):
     run.each("add_sequence", 3)
     step({3: 3, 1: 2, 2: 2})
     assert fake.count("mla.run" if mla else "prefill_fa2.paged_run") > 0
+
+
+@pytest.mark.parametrize("scenario", ["mixed_prefill_decode", "fork_three_deep"])
+def test_sink_token_scenarios_through_the_adapters(empty_rows, scenario, gen):
+    """StreamingLLM sink tokens (sink_size 3 beside a window of 7) on FlashInfer's window kernels: the runtime's sink
+    passes read each chain's first pages, every entry inside one window, so FlashInfer's window serves them as it
+    is (a prefill's non-causal sink pass among its plans); against the reference."""
+    cfg = MHA_CFG.replace(**SCENARIO_CAPACITY, **OPTIONS["window"], sink_size=3)
+    cache, fake = make_cache(cfg, empty_rows, MHA_KINDS["fa2"])
+    runner = ScenarioRunner(cache, gen, random_sm_scale(gen, cfg.head_dim), fine_grained=True)
+    runner.run(SCENARIOS[scenario](cfg.page_size), scenario)
+    plans = [c for n, c in fake.calls if n == "prefill_fa2.plan"]
+    assert any(p["causal"] is False for p in plans) and all(p["window_left"] == 6 for p in plans)

@@ -64,9 +64,10 @@ def rope(x, pos, scale, theta):
     return np.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1)
 
 
-def attend(q, k, v, sm_scale, causal, sinks=None):
+def attend(q, k, v, sm_scale, causal, sinks=None, window=0, sink_size=0):
     """q[a,Hq,D], k/v[m,Hkv,D] -> o[a,Hq,D], lse[a,Hq] (base 2); bottom-right causal; empty -> (0, -1e30).
-    ``sinks[Hq]``: one more logit per head (natural log) whose value is 0, seen by every row."""
+    ``sinks[Hq]``: one more logit per head (natural log) whose value is 0, seen by every row. ``window``: row t (at
+    key position m - a + t) sees keys j > m - a + t - window only, or j < ``sink_size``."""
     a, hq, d = q.shape
     m = k.shape[0]
     o = np.zeros((a, hq, v.shape[-1]))
@@ -80,6 +81,9 @@ def attend(q, k, v, sm_scale, causal, sinks=None):
     if causal:
         mask = np.arange(m)[None, :] <= (m - a + np.arange(a))[:, None]
         s = np.where(mask[:, None, :], s, -np.inf)
+    if window:
+        j, p = np.arange(m)[None, :], (m - a + np.arange(a))[:, None]
+        s = np.where(((j > p - window) | (j < sink_size))[:, None, :], s, -np.inf)
     if sinks is not None:
         s = np.concatenate([s, np.broadcast_to(np.asarray(sinks, np.float64)[None, :, None], (a, hq, 1))], axis=-1)
         vv = np.concatenate([vv, np.zeros((1,) + vv.shape[1:])])
@@ -95,8 +99,9 @@ def attend(q, k, v, sm_scale, causal, sinks=None):
 class NumpyKernels:
     """The ABI ops as Python functions; ``calls`` logs (op, info) for tests that look at orchestration."""
 
-    def __init__(self):
+    def __init__(self, window=0):
         self.calls = []
+        self.window = window  # the config's sliding_window: a compile-time option of the kernels
 
     def table(self, drop=()):
         # late-bound, so a test can swap one op for a spy after creation
@@ -141,7 +146,7 @@ class NumpyKernels:
             if apply_rope:
                 qq = rope(qq, qp[qi[b]:qi[b + 1]], rope_scale, rope_theta)
                 kk = rope(kk, kpo[b] + np.arange(len(kk)), rope_scale, rope_theta)
-            ob, lb = attend(qq, kk, N(v)[ki[b]:ki[b + 1]].astype(np.float64), sm_scale, causal)
+            ob, lb = attend(qq, kk, N(v)[ki[b]:ki[b + 1]].astype(np.float64), sm_scale, causal, window=self.window)
             N(o)[qi[b]:qi[b + 1]] = ob
             N(lse)[qi[b]:qi[b + 1]] = lb
 
@@ -167,7 +172,7 @@ class NumpyKernels:
             if apply_rope:
                 qq = rope(qq, qp[qi[b]:qi[b + 1]], rope_scale, rope_theta)
                 kk = rope(kk, kpo[b] + np.arange(len(kk)), rope_scale, rope_theta)
-            ob, lb = attend(qq, kk, vv, sm_scale, causal)
+            ob, lb = attend(qq, kk, vv, sm_scale, causal, window=self.window)
             N(o)[qi[b]:qi[b + 1]] = ob
             N(lse)[qi[b]:qi[b + 1]] = lb
 
@@ -181,7 +186,7 @@ class NumpyKernels:
             if apply_rope:
                 qq = rope(qq, qp[b:b + 1], rope_scale, rope_theta)
                 kk = rope(kk, kpo[b] + np.arange(len(kk)), rope_scale, rope_theta)
-            ob, lb = attend(qq, kk, vv, sm_scale, False)
+            ob, lb = attend(qq, kk, vv, sm_scale, False, window=self.window)
             N(o)[b] = ob[0]
             N(lse)[b] = lb[0]
 
@@ -265,7 +270,7 @@ class Harness:
 
     def __init__(self, seed=0, poison=True, drop=(), **kw):
         self.cfg = config(**kw)
-        self.k = NumpyKernels()
+        self.k = NumpyKernels(window=self.cfg.get("sliding_window", 0))
         self.cache = create(self.cfg, self.k, drop=drop)
         if poison:
             g("debug_poison_pages")(self.cache, True)
@@ -356,7 +361,8 @@ class Harness:
         m, a = len(k_all), len(q)
         qr = self.rotate(q, np.arange(m - a, m))
         kr = self.rotate(k_all, np.arange(m))
-        return attend(qr, kr, v_all, sm_scale, True, sinks)[0]
+        return attend(qr, kr, v_all, sm_scale, True, sinks, self.cfg.get("sliding_window", 0),
+                      self.cfg.get("sink_size", 0))[0]
 
     # -- state checks --
     def dump(self, s):

@@ -168,3 +168,17 @@ def test_relax_methods_call_the_sink_globals():
         _export("float16", sinks_dtype="float16")
     with pytest.raises(ValueError, match=r"sinks must be float32 \[4\].*\[8\]"):
         _export("float16", sinks_shape=(8,))
+
+
+# -- StreamingLLM sink tokens -----------------------------------------------------------------------------------
+@pytest.mark.parametrize("scenario", ["mixed_prefill_decode", "fork_three_deep", "chunked_prefill"])
+def test_sink_token_scenarios_on_tir(scenario, make_cache, gen):
+    """sink_size 4 beside the scenario suite's window of 13 on the TIR CPU kernels (the windowed shape's kernel
+    library: sink tokens change no kernel, the runtime reads them in passes of their own), against the reference."""
+    from pagedkv.testing.scenarios import SCENARIOS, ScenarioRunner, random_sm_scale
+    from pagedkv.testing.shapes import SHAPES
+
+    shape = next(s for s in SHAPES if s.window == 13)
+    cfg = shape.config().replace(sink_size=4)
+    runner = ScenarioRunner(make_cache(cfg, "tir"), gen, random_sm_scale(gen, shape.d))
+    runner.run(SCENARIOS[scenario](shape.ps), scenario)

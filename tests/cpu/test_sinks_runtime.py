@@ -23,7 +23,7 @@ SINKS = np.array([8.0, -8.0, 3.0, -3.0], np.float32)
 
 
 def sink_harness(**kw) -> Harness:
-    return Harness(schema_version=5, attention_sinks=True, **kw)
+    return Harness(**{"schema_version": 5, "attention_sinks": True, **kw})
 
 
 def sink_ops(h) -> list:
@@ -166,3 +166,64 @@ def test_fp16_table_without_partial_ops_takes_sinks_after_its_merges():
     h.forward({0: 1, 1: 1}, sinks=SINKS)
     assert sink_ops(h) == [("apply_sinks", "float16")] * h.L
     assert not any(c[0] == "merge_state_partial" for c in h.k.calls)
+
+
+# -- StreamingLLM sink tokens (config sink_size) ------------------------------------------------------------------
+def _sink_token_steps(h, sinks=None):
+    """Prefills from empty and continuations whose rows see none, some (a causal sink entry) and all of the sink
+    tokens beside their window, decodes, forks mid-page and on a page boundary, a sequence shorter than a window."""
+    fwd = functools.partial(h.forward, sinks=sinks)
+    h.add(0)
+    fwd({0: 13})
+    fwd({0: 1})
+    h.fork(0, 1, 6)
+    h.fork(0, 2, 8)
+    h.add(3)
+    fwd({1: 4, 2: 1, 3: 2, 0: 2})
+    for _ in range(3):
+        fwd({0: 1, 1: 1, 2: 1, 3: 1})
+    fwd({3: 7})
+    h.check_state()
+
+
+@pytest.mark.parametrize("dtype", ["float32", "float16"])
+def test_sink_tokens_stay_visible_beside_the_window(dtype):
+    """sliding_window 5, sink_size 3 (``src/forward_plan.cc`` AddSinkPasses): every output equals the reference
+    in which row p sees keys p - 4 .. p and 0 .. 2; a forward's sink passes are a decode's one, a prefill's causal
+    and non-causal ones, skipped where no row misses a sink token."""
+    h = sink_harness(seed=5, dtype=dtype, sliding_window=5, sink_size=3, attention_sinks=False)
+    h.k.calls.clear()
+    _sink_token_steps(h)
+    paged = [c for c in h.k.calls if c[0] == "attn_prefill_paged"]
+    assert any(len(qi) > 5 for _op, qi in paged), "a prefill's sink pass has entries a row range each"
+
+
+def test_sink_tokens_with_learnable_sinks():
+    """Both kinds of sinks on one cache (fp16: the sink passes' states merged in float32, the last merge with the
+    learnable sinks)."""
+    h = sink_harness(seed=6, dtype="float16", sliding_window=5, sink_size=3)
+    h.k.calls.clear()
+    _sink_token_steps(h, SINKS)
+    assert any(c[0] == "merge_state_partial_sinks" for c in h.k.calls)
+
+
+def test_sink_tokens_missing_fail_the_check():
+    """The check above is sharp: the same forwards against a reference without the sink tokens fail."""
+    h = sink_harness(seed=7, sliding_window=5, sink_size=3, attention_sinks=False)
+    h.add(0)
+    h.forward({0: 13})
+    h.cfg["sink_size"] = 0  # the reference's rows see their window only
+    with pytest.raises(AssertionError, match="Not equal to tolerance"):
+        h.forward({0: 1})
+
+
+@pytest.mark.parametrize("change, pattern", [
+    ({"sink_size": 2}, "sink_size 2 needs a sliding_window"),
+    ({"sink_size": 6, "sliding_window": 5}, "sink_size 6 must be <= sliding_window 5"),
+    ({"sink_size": -1, "sliding_window": 5}, "sink_size must be >= 0"),
+    ({"sink_size": 2, "sliding_window": 5, "schema_version": 4}, "unknown field 'sink_size' for schema_version 4"),
+    ({"sink_size": 2, "sliding_window": 5, "cuda_graph_batch": 4}, "sink_size with cuda_graph_batch"),
+])
+def test_create_rejects_bad_sink_tokens(change, pattern):
+    with pytest.raises(Exception, match=pattern):
+        create(config(**{"schema_version": 5, **change}))

@@ -121,7 +121,8 @@ class ReferenceCache:
         self.rope_mode = config.rope_mode
         #: the attention options, as keyword arguments of :func:`attention`
         self.options = {"sliding_window": int(getattr(config, "sliding_window", 0)),
-                        "logits_soft_cap": float(getattr(config, "logits_soft_cap", 0.0))}
+                        "logits_soft_cap": float(getattr(config, "logits_soft_cap", 0.0)),
+                        "sink_size": int(getattr(config, "sink_size", 0))}
         self.seqs: dict[int, _Seq] = {}
         self.fwd: _Forward | None = None
 

@@ -55,7 +55,7 @@ def rope(x: torch.Tensor, positions: torch.Tensor | Sequence[int], theta: float,
 
 def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, sm_scale: float,
               causal: bool, *, sliding_window: int = 0, logits_soft_cap: float = 0.0,
-              sinks: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+              sinks: torch.Tensor | None = None, sink_size: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
     """Softmax attention of one entry with grouped-query heads and a base-2 LSE.
 
     Parameters
@@ -73,6 +73,9 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, sm_scale: float
         most recent positions up to its own, HF's and Mistral's definition).
     logits_soft_cap : float
         0: off. Else scores become ``logits_soft_cap * tanh(s / logits_soft_cap)`` (Gemma-2's definition).
+    sink_size : int
+        StreamingLLM sink tokens (with ``sliding_window``): keys ``j < sink_size`` stay visible beside the window
+        (the causal limit still holds).
     sinks : Tensor ``[Hq]``, optional
         Learnable attention sinks (gpt-oss): one more logit per query head, ``sinks[h]`` (natural log, not scaled
         or capped), in every row's softmax, whose value is 0.
@@ -105,7 +108,7 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, sm_scale: float
     if causal:
         visible &= j <= (m - n + i)
     if sliding_window:
-        visible &= j > (m - n + i) - int(sliding_window)
+        visible &= (j > (m - n + i) - int(sliding_window)) | (j < int(sink_size))
     s = s.masked_fill(~visible[None], -math.inf)
     any_key = visible.any(dim=1)  # [n]
     if sinks is not None:  # the sink is a key every row sees, with value 0: one more column of s, none of v
