@@ -32,6 +32,11 @@ BASE = dict(num_layers=2, num_qo_heads=8, num_kv_heads=2, head_dim=64, dtype="fl
     (dict(schema_version=6), ["schema_version 6 is outside [1, 5]"]),
     (dict(attention_sinks=True, schema_version=4), ["schema_version 4 is outside [5, 5]"]),
     (dict(attention_sinks=1), ["attention_sinks must be a bool, got 1"]),
+    (dict(sink_size=2), ["sink_size 2 needs a sliding_window"]),
+    (dict(sink_size=9, sliding_window=8), ["sink_size 9 must be <= sliding_window 8"]),
+    (dict(sink_size=-1, sliding_window=8), ["sink_size must be an int >= 0 (0: off), got -1"]),
+    (dict(sink_size=2, sliding_window=8, cuda_graph_batch=4), ["sink_size with cuda_graph_batch"]),
+    (dict(sink_size=2, sliding_window=8, schema_version=4), ["schema_version 4 is outside [5, 5]"]),
     (dict(cuda_graph_batch=-1), ["cuda_graph_batch must be an int >= 0 (0: off), got -1"]),
     (dict(cuda_graph_batch=True), ["cuda_graph_batch must be an int >= 0"]),
     (dict(cuda_graph_batch=2, max_batch_size=4), ["max_batch_size=4 is larger than cuda_graph_batch=2"]),
@@ -357,5 +362,8 @@ def test_attention_sinks_schema_and_json():
     assert KVCacheConfig.from_dict(d) == sinks
     with pytest.raises(TypeError, match="attention_sinks must be a bool"):
         KVCacheConfig.from_dict({**d, "attention_sinks": 1})
-    with pytest.raises(ValueError, match=r"keys \['attention_sinks'\] need schema_version >= 5"):
+    with pytest.raises(ValueError, match=r"keys \['attention_sinks', 'sink_size'\] need schema_version >= 5"):
         KVCacheConfig.from_dict({**d, "schema_version": 4})
+    tokens = KVCacheConfig(**BASE, sliding_window=64, sink_size=4)
+    assert tokens.schema_version == 5 and KVCacheConfig.from_json(tokens.to_json()) == tokens
+    assert tokens.replace(sink_size=0).schema_version == 3

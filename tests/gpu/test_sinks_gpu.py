@@ -6,13 +6,16 @@ Configs (``SINK_GPU_CONFIGS``, prebuilt by the GPU bundle): gpt-oss's attention 
 window 128, bf16: one causal pass per sequence over more keys than the window, split-KV decodes), the fp16 prefill
 shape of FlashInfer (prefix-shared passes on float32 states, the last merge ``merge_state_partial_sinks``) and
 DeepSeek-V2-Lite's MLA latent (``cross_attention`` with the sinks). On TIR and, where the bundle holds its
-library, on FlashInfer (its attention ops; the sink ops are TIR's: FlashInfer's ops return their lse).
+library, on FlashInfer (its attention ops; the sink ops are TIR's: FlashInfer's ops return their lse). And
+StreamingLLM sink tokens (``sink_size``) on the window kernels of both backends.
 """
 
 from __future__ import annotations
 
 import pytest
 
+from pagedkv.testing.scenarios import SCENARIOS, ScenarioRunner, random_sm_scale
+from pagedkv.testing.shapes import gpu_shapes
 from pagedkv.testing.sinks import SINK_FLASHINFER_IDS, SINK_GPU_CONFIGS, SinkRun
 
 GPTOSS = "gptoss-h64x8-d64-bf16-w128"
@@ -40,3 +43,17 @@ def test_sinks_counted_once_gpu(config_id, backend, make_gpu_cache, gen):
     for _ in range(3):
         step({0: 1, 1: 1, 2: 1, 3: 1})
     step({2: 1})                   # one sequence alone: the split-KV decode's most splits
+
+
+#: StreamingLLM sink tokens beside the GPU suite's windowed FlashInfer shape (fp16, 32 q / 8 kv heads, head dim 128,
+#: window 40, cap 3): sink_size changes no kernel, so the bundle's libraries of that shape serve it.
+SINK_TOKEN_SHAPE = next(s for s in gpu_shapes() if s.d == 128 and s.window == 40)
+
+
+@pytest.mark.parametrize("backend", ["tir", "flashinfer"])
+@pytest.mark.parametrize("scenario", ["mixed_prefill_decode", "fork_three_deep"])
+def test_sink_tokens_gpu(scenario, backend, make_gpu_cache, gen):
+    """sink_size 4: the runtime's sink passes on the window kernels of each backend, against the reference."""
+    cfg = SINK_TOKEN_SHAPE.config().replace(sink_size=4)
+    runner = ScenarioRunner(make_gpu_cache(cfg, _backend(backend)), gen, random_sm_scale(gen, cfg.head_dim))
+    runner.run(SCENARIOS[scenario](cfg.page_size), scenario)
