@@ -75,7 +75,7 @@ void CheckSinkOps(const OpTable& table, const KVConfig& c, bool partial) {
     if (!table.adapters.count(op)) {
       TVM_FFI_THROW(ValueError) << "pagedkv.create: the config has attention_sinks = true but the op table has no '"
                                 << op << "' (it merges the sinks into "
-                                << (partial ? "a multi-pass forward's float32 state" : "each attention's state")
+                                << (op == ops::kApplySinks ? "a single state" : "a multi-pass forward's float32 state")
                                 << "); build the table for this config (pagedkv.ops.ops_for)";
     }
   }
