@@ -497,7 +497,7 @@ def test_sinks_after_flashinfer_runs(mla, empty_rows, gen):
     assert fake.count("mla.run" if mla else "prefill_fa2.paged_run") > 0
 
 
-@pytest.mark.parametrize("scenario", ["mixed_prefill_decode", "fork_three_deep"])
+@pytest.mark.parametrize("scenario", ["mixed_prefill_decode"])  # (forks: test_sinks.py, test_sinks_runtime.py)
 def test_sink_token_scenarios_through_the_adapters(empty_rows, scenario, gen):
     """StreamingLLM sink tokens (sink_size 3 beside a window of 7) on FlashInfer's window kernels: the runtime's sink
     passes read each chain's first pages, every entry inside one window, so FlashInfer's window serves them as it
