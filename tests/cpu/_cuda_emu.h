@@ -73,8 +73,10 @@ inline float __frcp_rn(float x) { return 1.0f / x; }
 inline float __fdiv_rn(float a, float b) { return a / b; }
 inline float __fmaf_rn(float a, float b, float c) { return std::fma(a, b, c); }
 inline float __fmul_rn(float a, float b) { return a * b; }  // the tests compile without FMA contraction
-inline float max(float a, float b) { return a > b ? a : b; }
-inline float min(float a, float b) { return a < b ? a : b; }
+// CUDA's max / min of two floats are fmaxf / fminf: a NaN argument gives the other one (what the kernels' running
+// max does with a NaN score; issue 44's NaN tests depend on it), where a > b ? a : b would depend on the order.
+inline float max(float a, float b) { return std::fmax(a, b); }
+inline float min(float a, float b) { return std::fmin(a, b); }
 inline int max(int a, int b) { return a > b ? a : b; }
 inline int min(int a, int b) { return a < b ? a : b; }
 
