@@ -179,6 +179,16 @@ inline float __shfl_xor_sync(uint, float v, int mask, int) {
   return r;
 }
 
+// __shfl_sync: lane src of the caller's group of `width` lanes (the SIMT prefill's P broadcast).
+inline float __shfl_sync(uint, float v, int src, int width) {
+  WarpSlots& w = my_warp();
+  w.f[lane_id()] = v;
+  warp_sync();
+  float r = w.f[(lane_id() & ~(width - 1)) + (src & (width - 1))];
+  warp_sync();
+  return r;
+}
+
 // __ballot_sync: bit l set where lane l's predicate is non-zero (every lane of the warp must call it).
 inline uint __ballot_sync(uint, int pred) {
   WarpSlots& w = my_warp();

@@ -261,6 +261,12 @@ def run_decode(built: Built, cfg, ents, pages, page_indptr, page_values, last, p
     runs = launches(built.main, env)
     assert env["S"] <= max_splits, env["S"]
     assert len(runs) == (2 if env["S"] > 1 else 1), (runs, env.get("S"))
+    run_launches(built, runs, arrays)
+    return values(arrays["o"], odt), torch.from_numpy(arrays["lse"]).double(), env
+
+
+def run_launches(built: Built, runs, arrays: dict) -> None:
+    """Run the host's kernel launches ``runs`` (``launches``) on ``arrays`` (by buffer name)."""
     for kname, args in runs:
         ps_ = built.kernels[kname][1]
         n = len(ps_)
@@ -275,7 +281,6 @@ def run_decode(built: Built, cfg, ents, pages, page_indptr, page_values, last, p
         grid = [int(dims.get(k, 1)) for k in ("blockIdx.x", "blockIdx.y", "blockIdx.z", "threadIdx.x",
                                               "threadIdx.y", "threadIdx.z")]
         built.lib.run(kname.encode(), ptrs, nums, (ctypes.c_int * 6)(*grid))
-    return values(arrays["o"], odt), torch.from_numpy(arrays["lse"]).double(), env
 
 
 def check_against_reference(name, cfg, ents, o, lse, apply_rope: int, theta: float, scale: float, sm_scale: float):

@@ -32,7 +32,8 @@ import numpy as np
 import pytest
 import torch
 from _cuda_support import cuda_source_of
-from _decode_emu import tensor_map
+from _decode_emu import build as emu_build
+from _decode_emu import launches, run_launches, tensor_map
 
 from pagedkv import tir_kernels as tk
 from pagedkv.testing import nan_rows
@@ -357,3 +358,60 @@ def _check(name, tile, op, causal, built, misalign, entries=None, nan=False):
                 assert rel < 1e-2, f"{what}: |o - ref| / |ref| = {rel:.3g}"
                 assert torch.allclose(gl[~empty], rl[~empty], atol=2e-2, rtol=1e-3), f"{what}: lse"
         row += nq
+
+
+#: The SIMT prefill (``cuda_prefill_kernel=simt``: auto's kernel for float32 and for inline RoPE), float32,
+#: windowed + capped, GQA group 2, on ``_decode_emu``'s harness (TVM's host code launches it).
+SIMT_CFG = tk.KernelSpec(4, 2, 64, 64, "float32", sliding_window=40, logits_soft_cap=20.0)
+
+
+@pytest.fixture(scope="module")
+def simt_built(tmp_path_factory):
+    """``SIMT_CFG``'s ragged prefill on the SIMT kernel, for ``_decode_emu.run_launches``."""
+    if shutil.which("g++") is None:
+        pytest.skip("g++ not found")
+    return emu_build(SIMT_CFG, {"cuda_prefill_kernel": "simt"}, tmp_path_factory.mktemp("simt") / "simt",
+                     op="attn_prefill_ragged")
+
+
+@pytest.mark.parametrize("apply_rope", [0, 1], ids=["plain", "rope"])
+def test_emulated_simt_nan_propagates(apply_rope, simt_built):
+    """Issue 44 on the SIMT prefill (ragged, causal): ``NAN_AT``'s NaN q row and keys give NaN rows, the rows that
+    do not see a NaN key match the reference; on main the NaN rows came out as the empty state. Entries' positions
+    start at ``k_pos_offset`` = 37 b (RoPE's float32 angles are 1e-4 rad off at position 3,000:
+    ``docs/ARCHITECTURE.md``, "Kernel ABI")."""
+    hq, hkv, d = SIMT_CFG.num_qo_heads, SIMT_CFG.num_kv_heads, SIMT_CFG.head_dim
+    seed = int(torch.randint(0, 2**31 - 1, (1,)))
+    gen = torch.Generator().manual_seed(seed)
+    ents = [tuple(torch.randn(r, h, d, generator=gen).float().double() for r, h in ((nq, hq), (nk, hkv), (nk, hkv)))
+            for nq, nk in ENTRIES]
+    for e, what, r, h in NAN_AT:
+        ents[e][0 if what == "q" else 1][r, h, d // 3] = float("nan")
+    offs = [37 * b for b in range(len(ents))]
+    q_pos = [off + nk - nq + i for (nq, nk), off in zip(ENTRIES, offs) for i in range(nq)]
+    n, sm_scale = len(q_pos), 0.8 / math.sqrt(d)
+    arrays = {name: torch.cat([e[i] for e in ents]).float().numpy() for i, name in enumerate(("q", "k", "v"))}
+    arrays.update(q_indptr=np.cumsum([0] + [nq for nq, _ in ENTRIES]).astype(np.int32),
+                  kv_indptr=np.cumsum([0] + [nk for _, nk in ENTRIES]).astype(np.int32),
+                  q_pos=np.array(q_pos, np.int32), k_pos_offset=np.array(offs, np.int32),
+                  o=np.full((n, hq, d), np.nan, np.float32), lse=np.full((n, hq), np.nan, np.float32))
+    env = {"n": n, "_m": arrays["k"].shape[0], "B": len(ents), "causal": 1, "apply_rope": apply_rope,
+           "rope_scale": 1.0, "rope_theta": 10000.0, "sm_scale": sm_scale, "dev_id": 0}
+    run_launches(simt_built, launches(simt_built.main, env), arrays)
+    o, lse, row = torch.from_numpy(arrays["o"]).double(), torch.from_numpy(arrays["lse"]).double(), 0
+    for (eq, ek, ev), (nq, nk), off in zip(ents, ENTRIES, offs):
+        if apply_rope:
+            eq = R.rope(eq, q_pos[row:row + nq], 10000.0, 1.0)
+            ek = R.rope(ek, [off + j for j in range(nk)], 10000.0, 1.0)
+        ro, rl = R.attention(eq, ek, ev, sm_scale, True, sliding_window=40, logits_soft_cap=20.0)
+        what = f"seed {seed} rope {apply_rope} entry ({nq}, {nk})"
+        keep = nan_rows.check(o[row:row + nq], lse[row:row + nq], ro, what)
+        got, gl, ro, rl = o[row:row + nq][keep], lse[row:row + nq][keep], ro[keep], rl[keep]
+        seen = rl > -1e29
+        assert torch.all(got[~seen] == 0) and torch.all((gl[~seen] + 1e30).abs() <= 1e24), f"{what}: empty rows"
+        if seen.any():
+            assert ((got - ro)[seen].norm() / ro[seen].norm()).item() < 2e-5, f"{what}: o"
+            assert torch.allclose(gl[seen], rl[seen], atol=1e-3, rtol=1e-4), f"{what}: lse"
+        row += nq
+    assert torch.isnan(lse).any()
+
