@@ -10,7 +10,8 @@ page and tile edges, five tiles: the 3-slot ring wraps) with pages in random ord
 key NaN; split counts forced to 1 (direct write) and 3 (workspace + merge), and the automatic count. Inline RoPE
 (``apply_rope = 1``: the tensor-core RoPE kernel of ``_decode_tc_rope_cuda`` in the same PrimFunc, keys rotated in
 shared memory) on groups 1, 4, 7, 8 and 16, both head dims and dtypes, windowed + capped, every other entry's positions
-near 30,000 (``k_pos_offset``). Fresh random inputs each run, NaN-poisoned outputs. Skips without g++.
+near 30,000 (``k_pos_offset``). A NaN run (issue 44): NaN q row and keys, one outside the window. Fresh random
+inputs each run, NaN-poisoned outputs. Skips without g++.
 """
 
 from __future__ import annotations

@@ -12,7 +12,8 @@ Cases: 16 heads (one m16 tile), 12 (padding rows) and 40 (two m16 tiles, a secon
 (128 + 64: 3 k steps a dim group) and DeepSeek's (512 + 64: 9) at 16 heads, and 128 heads at DeepSeek's dims with a
 short batch; fp16 and bf16; forced splits 1 (direct write), 3 and 8 (workspace + merge, splits past an entry's
 keys); entries of mixed lengths (empty, one key, page and 64-key tile edges, three tiles), pages in random order,
-NaN past every length, NaN-poisoned outputs. Fresh random inputs each run. Skips without g++.
+NaN past every length, NaN-poisoned outputs; NaN runs (issue 44, ``NAN_RUNS``). Fresh random inputs each run.
+Skips without g++.
 """
 
 from __future__ import annotations

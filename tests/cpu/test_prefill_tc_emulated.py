@@ -9,7 +9,8 @@ head dim other than the qk one (128 / 64, 64 / 128: separate K and V copy loops)
 (the other op on two configs: a covering set, ``CASES``), "tc" on groups 4, 3 and both dims, the wgmma tiles "wg1t", "wg2t" (built for sm_90a; TMA boxes and mbarriers emulated; the emulator's wgmma is
 a warpgroup collective performed at the ``wait_group`` that completes its group, B read through the descriptor's
 strides then) on what they serve (head dim 128, groups 1, 7, 8), fp16 and bf16, windowed + capped. Fresh random inputs each run
-(the messages name the seed). This checks the kernel's own logic (tiles, entry search, masks, online softmax,
+(the messages name the seed). NaN runs (issue 44, ``NAN_RUNS``; the SIMT prefill's too, on ``_decode_emu``'s
+harness): a NaN q row and NaN keys give NaN rows, and only where a row sees them. This checks the kernel's own logic (tiles, entry search, masks, online softmax,
 pipeline order and waits, K / V copies: full tiles and the last one, stores) as TVM lowered it; the GPU run
 (``tests/gpu/test_prefill_tc_gpu.py``) checks the hardware side (real MMA rounding, timing). Skips without g++.
 
