@@ -45,10 +45,11 @@ def no_keys(lsum):
     attended key's k or v) makes its scores, sum and O NaN, and the row must come out NaN (o and lse, so that
     every later merge is NaN too), not as the empty state (issue 44). ``NaN == 0`` is false in C and LLVM's
     ordered compare; ``!=`` is not a way around it: LLVM's ``fcmp one`` is false for NaN too. The running max
-    needs no such care: CUDA's ``max`` (``fmaxf``) drops a NaN score and LLVM's (``a > b ? a : b``) keeps or
-    drops it by argument order, but either way the NaN score reaches ``exp2(s - m)``, hence sum and O, and an
-    all-NaN row keeps the finite start ``EMPTY_LSE`` as its max. Masks must stay selects (``MASKED``), so a NaN
-    score of a key a row does not see never reaches it."""
+    needs no such care (nor a "safe max": it starts at the finite ``EMPTY_LSE``, masked scores are the finite
+    ``MASKED``, so no ``-inf`` ever meets a NaN): CUDA's ``max`` (``fmaxf``) drops a NaN score, an all-NaN row
+    keeping ``EMPTY_LSE``, and LLVM's (``a > b ? a : b``) keeps or drops it by argument order, but either way the
+    NaN score reaches ``exp2(s - m)`` (on the CPU through ``_math.exp2_approx``, which keeps NaN), hence sum and
+    O. Masks must stay selects (``MASKED``), so a NaN score of a key a row does not see never reaches it."""
     return lsum == T.float32(0)
 
 
