@@ -173,7 +173,7 @@ TOL = 1e-3
 _TORCH_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 
 
-def _rope(x: torch.Tensor, positions: torch.Tensor, theta: float, scale: float) -> torch.Tensor:
+def rope(x: torch.Tensor, positions: torch.Tensor, theta: float, scale: float) -> torch.Tensor:
     """Rotate-half RoPE of ``x[n, H, D]`` at ``positions[n]``, angle ``p * scale / theta ** (2 i / D)`` (TVM's
     test's ``f_apply_rotary``), in float64."""
     d = x.shape[-1]
@@ -185,7 +185,7 @@ def _rope(x: torch.Tensor, positions: torch.Tensor, theta: float, scale: float) 
     return x * cos + rotated * sin
 
 
-def _causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, sm_scale: float) -> torch.Tensor:
+def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, sm_scale: float) -> torch.Tensor:
     """``softmax(q k^T * sm_scale) v`` of ``q[n, Hq, D]`` over ``k, v[m, Hkv, D]`` (query head h reads kv head
     ``h // (Hq / Hkv)``), bottom-right causal: query i sees keys ``j <= m - n + i``; ``[n, Hq, D]`` in q's dtype
     (float32 here: its error is a thousandth of the tolerance)."""
@@ -317,7 +317,7 @@ class ConformanceDriver:
             k, v = qkv[:, :, c.num_qo_heads:c.num_qo_heads + c.num_kv_heads], qkv[:, :, c.num_qo_heads + c.num_kv_heads:]
             if c.rope_mode == "normal":  # stored rotated: rotated in float32 as the kernels do, then rounded
                 pos = torch.arange(prior, prior + k.shape[1])
-                k = torch.stack([_rope(k[l].float(), pos, c.rope_theta, c.rope_scale).to(self.dtype)
+                k = torch.stack([rope(k[l].float(), pos, c.rope_theta, c.rope_scale).to(self.dtype)
                                  for l in range(c.num_layers)])
             self.k[seq] = torch.cat([self.k[seq], k.to(torch.float32)], dim=1)
             self.v[seq] = torch.cat([self.v[seq], v.to(torch.float32)], dim=1)
@@ -342,10 +342,10 @@ class ConformanceDriver:
             n = x.shape[0]
             q, k, v = (t.to(torch.float32) for t in (x[:, :c.num_qo_heads], self.k[seq][layer], self.v[seq][layer]))
             if c.rope_mode != "none":
-                q = _rope(q, torch.arange(prior, prior + n), c.rope_theta, c.rope_scale).float()
+                q = rope(q, torch.arange(prior, prior + n), c.rope_theta, c.rope_scale).float()
             if c.rope_mode == "inline":  # stored unrotated, rotated by the attention kernels
-                k = _rope(k, torch.arange(k.shape[0]), c.rope_theta, c.rope_scale).float()
-            want = _causal_attention(q, k, v, self.sm_scale).to(self.dtype)
+                k = rope(k, torch.arange(k.shape[0]), c.rope_theta, c.rope_scale).float()
+            want = causal_attention(q, k, v, self.sm_scale).to(self.dtype)
             assert_near(got[row:row + n], want, f"attention output of layer {layer}, sequence {seq}")
             row += n
 
@@ -560,5 +560,5 @@ class ProtocolEngine:
         return logits.numpy()
 
 
-__all__ = ["Builtins", "ConformanceDriver", "ProtocolEngine", "TVM_SCENARIOS", "UNSUPPORTED_SCENARIOS",
+__all__ = ["Builtins", "ConformanceDriver", "causal_attention", "rope", "ProtocolEngine", "TVM_SCENARIOS", "UNSUPPORTED_SCENARIOS",
            "ProtocolKVCache", "conformance_capacity", "protocol_view", "shape"]
