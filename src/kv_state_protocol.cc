@@ -134,7 +134,9 @@ void PagedKVCacheObj::EnableSlidingWindowForSeq(int64_t seq_id, int32_t sliding_
 // ---------------------------------------------------------------------------------------------------
 // Refused: checkpoints, disaggregation, attention kinds pagedkv has no kernels for.
 
-ffi::String PagedKVCacheObj::GetCheckpointMetadata(int64_t) const { Unsupported("GetCheckpointMetadata", kCheckpoints); }
+ffi::String PagedKVCacheObj::GetCheckpointMetadata(int64_t) const {
+  Unsupported("GetCheckpointMetadata", kCheckpoints);
+}
 
 ffi::String PagedKVCacheObj::GetLayoutHash() const { Unsupported("GetLayoutHash", kCheckpoints); }
 

@@ -162,7 +162,9 @@ TVM_FFI_STATIC_INIT_BLOCK() {
         c->CrossAttention(layer, q, o, lse, sm_scale);
       });
   Def("pagedkv.merge_attn_output_inplace", {"cache", "o_a", "lse_a", "o_b", "lse_b"},
-      [](C c, T o_a, T lse_a, T o_b, T lse_b) -> ffi::Array<T> { return c->MergeAttnOutputInplace(o_a, lse_a, o_b, lse_b); });
+      [](C c, T o_a, T lse_a, T o_b, T lse_b) -> ffi::Array<T> {
+        return c->MergeAttnOutputInplace(o_a, lse_a, o_b, lse_b);
+      });
   // Returns the cache, so a Relax model orders its attention calls after the append by data flow.
   Def("pagedkv.append_mla_kv", {"cache", "layer", "kv"}, [](C c, int64_t layer, T kv) -> C {
     c->AppendMLAKV(layer, kv);
