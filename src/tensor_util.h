@@ -1,5 +1,5 @@
-// Device memory through TVM runtime globals looked up by name once (the runtime links tvm-ffi only, so
-// it needs no TVM C++ headers), plus argument checks that name the offending tensor.
+// Device memory through TVM runtime globals looked up by name once (the runtime links tvm-ffi only: no TVM
+// library symbol is called, only registered globals), plus argument checks that name the offending tensor.
 #ifndef PAGEDKV_TENSOR_UTIL_H_
 #define PAGEDKV_TENSOR_UTIL_H_
 
