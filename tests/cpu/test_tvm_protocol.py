@@ -3,14 +3,13 @@ libtvm_runtime drive it unchanged (README, "Drop-in for TVM's KV-state protocol"
 
 - Conformance: the scenarios of apache-tvm 0.27's CPU paged-KV-cache test (``pagedkv.testing.tvm_protocol``:
   add / fork / popn / remove, chunked and batched prefill, decode, token chains with commits), every call through
-  ``vm.builtin.*``, every layer's output and every cached K / V against a float64 reference, on four kernel
+  ``vm.builtin.*``, every layer's output and every cached K / V against a PyTorch reference, on four kernel
   shapes of the scenario suite (float32 / float16, RoPE none / normal / inline, head dims 64 / 128: kernels shared).
   The scenarios pagedkv refuses are listed as skips with the reason.
 - Refusals: each unsupported method raises NotImplementedError "not supported by pagedkv: <what>" and leaves the
   cache as it was.
-- Misuse: test_misuse_property.py's state machine with the cache seen through the protocol (``protocol_view``),
-  plus protocol-only misuse (token trees, commits, sliding windows, refused features, None tensors); and every
-  protocol global called with a wrong or None argument in a subprocess (no crash).
+- Misuse: every protocol global called with a wrong or None argument in a subprocess (no crash);
+  test_tvm_protocol_misuse.py runs test_misuse_property.py's state machine through the protocol.
 - Models: a Relax module written for TVM's cache (spec object type and method calls TVM's) compiles with only its
   constructor changed to pagedkv's and runs through ``vm.builtin.*``; SmolLM2 greedy generation by an engine that
   calls only ``vm.builtin.*`` equals transformers' (the library ``test_smollm2.py`` compiles, shared).
@@ -19,7 +18,6 @@ libtvm_runtime drive it unchanged (README, "Drop-in for TVM's KV-state protocol"
 from __future__ import annotations
 
 import json
-import math
 import subprocess
 import sys
 import textwrap
@@ -29,7 +27,7 @@ import torch
 
 from pagedkv.testing.shapes import SHAPES
 from pagedkv.testing.tvm_protocol import (TVM_SCENARIOS, UNSUPPORTED_SCENARIOS, Builtins, ConformanceDriver,
-                                          conformance_capacity, shape)
+                                          conformance_capacity, refused_calls, shape)
 
 #: h4x4-d64-f32-p16-none, h6x2-d64-f16-p8-normal, h7x1-d128-f32-p8-normal, h4x4-d128-f16-p8-inline
 CONFORMANCE_SHAPES = [SHAPES[0], SHAPES[2], SHAPES[7], SHAPES[1]]
@@ -79,25 +77,6 @@ def test_tvm_scenario_not_supported(scenario):
 # -------------------------------------------------------------------------------------------------------------
 
 
-def _refused_calls(f: Builtins, h, seq: int, tensor) -> dict:
-    """what the message names -> a call pagedkv refuses (outside a forward)."""
-    return {
-        "KV checkpoint export / import (GetCheckpointMetadata)": lambda: f.get_checkpoint_metadata(h, seq),
-        "KV checkpoint export / import (GetLayoutHash)": lambda: f.get_layout_hash(h),
-        "KV checkpoint export / import (ExportPageGroup)": lambda: f.export_page_group(h, seq, 0, tensor),
-        "KV checkpoint export / import (PrepareImport)": lambda: f.prepare_import(h, seq, "{}"),
-        "KV checkpoint export / import (ImportPageGroup)": lambda: f.import_page_group(h, seq, 0, tensor),
-        "KV checkpoint export / import (FinishImport)": lambda: f.finish_import(h, seq),
-        "disaggregated prefill / decode": lambda: f.disagg_prepare_recv(h, seq, 4),
-        "disaggregated prefill / decode (KV transfer between engines) (DisaggMarkSend)":
-            lambda: f.disagg_mark_send(h, seq, 0, shape([0]), 0),
-        "attention with K/V shared across layers": lambda: f.attention_with_shared_kv(h, 0, 0.1, *[tensor] * 4),
-        "per-sequence sliding windows": lambda: f.enable_sliding_window_for_seq(h, seq, 8, 0),
-        "tree attention: the token tree of sequence": lambda: f.begin_forward(h, shape([seq]), shape([3]),
-                                                                              shape([-1, 0, 0])),
-    }
-
-
 def test_refused_features_raise_and_change_nothing(conformance_cache, gen):
     """Each feature pagedkv does not implement raises NotImplementedError "not supported by pagedkv: <what>"
     (naming the protocol method) before changing anything: the cache then runs on as if the call had not been
@@ -110,7 +89,7 @@ def test_refused_features_raise_and_change_nothing(conformance_cache, gen):
     tensor = torch.zeros(1)
     import tvm_ffi
 
-    for what, call in _refused_calls(d.f, cache.handle, 0, tvm_ffi.from_dlpack(tensor)).items():
+    for what, call in refused_calls(d.f, cache.handle, 0, tvm_ffi.from_dlpack(tensor)).items():
         with pytest.raises(NotImplementedError, match="not supported by pagedkv: " + what.replace("(", r"\(")
                            .replace(")", r"\)")):
             call()
@@ -136,92 +115,8 @@ def test_sliding_window_request_for_the_configs_window(make_cache, gen):
 
 
 # -------------------------------------------------------------------------------------------------------------
-# Misuse through the protocol
+# Misuse through the protocol (the state machine is test_tvm_protocol_misuse.py)
 # -------------------------------------------------------------------------------------------------------------
-
-hypothesis = pytest.importorskip("hypothesis")
-from hypothesis import strategies as st  # noqa: E402
-from hypothesis.stateful import initialize, rule  # noqa: E402
-from test_misuse_property import _SETTINGS, TYPED, UNKNOWN, CacheMisuse  # noqa: E402
-
-
-class ProtocolMisuse(CacheMisuse):
-    """test_misuse_property.py's machine (valid steps against the reference, misuse outside and inside forwards,
-    nothing changed by a rejected call), every call with a protocol counterpart made through ``vm.builtin.*``
-    (``protocol_view``), plus the protocol's own misuse: token trees, commits, sliding windows, refused features
-    and None where a tensor is due."""
-
-    @initialize(seed=st.integers(0, 2**31 - 1))
-    def setup(self, seed):
-        import random
-
-        import pagedkv
-        from pagedkv.testing.scenarios import ScenarioRunner
-        from pagedkv.testing.tvm_protocol import protocol_view
-
-        self.rng = random.Random(seed)
-        cache = protocol_view(pagedkv.create(self.config, backend="tir", target="llvm", poison=True))
-        self.r = ScenarioRunner(cache, torch.Generator().manual_seed(seed), 0.9 / math.sqrt(self.config.head_dim))
-        self.f = Builtins.load()
-        self.log = []
-
-    @rule(data=st.data())
-    def protocol_misuse(self, data):
-        seqs = sorted(self.ref.seqs)
-        seq = data.draw(st.sampled_from(seqs)) if seqs else UNKNOWN
-        f, h = self.f, self.cache.handle
-        import tvm_ffi
-
-        tensor = tvm_ffi.from_dlpack(torch.zeros(1))
-        calls = _refused_calls(f, h, seq, tensor)
-        calls = {kind: calls[kind] for kind in sorted(calls)}
-        calls.update({
-            "tree of the wrong size": lambda: f.begin_forward(h, shape([seq]), shape([2]), shape([-1])),
-            "tree with a forward parent": lambda: f.begin_forward(h, shape([seq]), shape([2]), shape([1, 0])),
-            "commit without a tree": lambda: f.commit_accepted_token_tree_nodes(h, shape([seq]), shape([0])),
-            "commit of mismatched lists": lambda: f.commit_accepted_token_tree_nodes(h, shape([seq]), shape([])),
-            "None qkv outside a forward": lambda: f.attention_with_fused_qkv(h, 0, 0.1, None, None),
-        })
-        kind = data.draw(st.sampled_from(sorted(calls)))
-        self._rejects(f"protocol: {kind} on {seq}", calls[kind])
-
-    @rule(data=st.data())
-    def protocol_misuse_in_forward(self, data):
-        """Inside an open forward: None or refused arguments reach the cache's own checks; then it is aborted."""
-        step = __import__("pagedkv.testing.scenarios", fromlist=["random_step"]).random_step(
-            self.ref, self.rng, max_seqs=4)
-        if step.kind != "forward":
-            return
-        seqs, lens = [s for s, _ in step.args], [n for _, n in step.args]
-        f, h, cfg = self.f, self.cache.handle, self.config
-        n = sum(lens)
-        o = torch.zeros((n, cfg.num_qo_heads, cfg.head_dim))
-        lse = torch.zeros((n, cfg.num_qo_heads))
-        import tvm_ffi
-
-        t = tvm_ffi.from_dlpack
-        self.ref.begin_forward(seqs, lens)
-        self.cache.begin_forward(seqs, lens)
-        bad = {"None qkv": lambda: f.attention_with_fused_qkv(h, 0, 0.1, None, t(o)),
-               "None o": lambda: f.attention_with_fused_qkv(h, 0, 0.1, t(torch.zeros((n, 8, 64))), None),
-               "None q of self_attention": lambda: f.self_attention(h, 0, 0.1, None, None, None, t(o), t(lse)),
-               "None lse of cross_attention": lambda: f.cross_attention(h, 0, 0.1, t(o), t(o), None),
-               "None in a merge": lambda: f.merge_attn_output_inplace(h, None, t(lse), t(o), t(lse)),
-               "shared-KV attention": lambda: f.attention_with_shared_kv(h, 0, 0.1, *[t(o)] * 4),
-               "MLA append on an MHA cache": lambda: f.append_mla_kv(h, 0, t(o)),
-               "commit inside a forward": lambda: f.commit_accepted_token_tree_nodes(h, shape([seqs[0]]),
-                                                                                  shape([0]))}
-        for kind in data.draw(st.lists(st.sampled_from(sorted(bad)), min_size=1, max_size=3)):
-            self.log.append(f"protocol, in forward {step}: {kind}")
-            with pytest.raises(TYPED):
-                bad[kind]()
-        self.cache.abort_forward()
-        self.ref.abort_forward()
-
-
-def test_protocol_misuse_sequences():
-    hypothesis.stateful.run_state_machine_as_test(ProtocolMisuse, settings=_SETTINGS)
-
 
 #: TVM's wrappers that take the cache as a nullable reference and call it without a check (src/runtime/vm/
 #: kv_state.cc: the `.def` lambdas and begin_forward's packed function): None as their cache dereferences null

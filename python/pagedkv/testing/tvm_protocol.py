@@ -163,6 +163,37 @@ def protocol_view(cache: KVCache) -> ProtocolKVCache:
                            keepalive=cache._keepalive)  # pylint: disable=protected-access
 
 
+def refused_calls(f: Builtins, h, seq: int, tensor) -> dict[str, Callable[[], Any]]:
+    """Calls pagedkv refuses (outside a forward), by what their message names after "not supported by pagedkv: ".
+
+    Parameters
+    ----------
+    f :
+        The protocol's globals.
+    h :
+        The cache.
+    seq :
+        A sequence of it.
+    tensor :
+        Any tensor (the refused calls never read it).
+    """
+    return {
+        "KV checkpoint export / import (GetCheckpointMetadata)": lambda: f.get_checkpoint_metadata(h, seq),
+        "KV checkpoint export / import (GetLayoutHash)": lambda: f.get_layout_hash(h),
+        "KV checkpoint export / import (ExportPageGroup)": lambda: f.export_page_group(h, seq, 0, tensor),
+        "KV checkpoint export / import (PrepareImport)": lambda: f.prepare_import(h, seq, "{}"),
+        "KV checkpoint export / import (ImportPageGroup)": lambda: f.import_page_group(h, seq, 0, tensor),
+        "KV checkpoint export / import (FinishImport)": lambda: f.finish_import(h, seq),
+        "disaggregated prefill / decode": lambda: f.disagg_prepare_recv(h, seq, 4),
+        "disaggregated prefill / decode (KV transfer between engines) (DisaggMarkSend)":
+            lambda: f.disagg_mark_send(h, seq, 0, shape([0]), 0),
+        "attention with K/V shared across layers": lambda: f.attention_with_shared_kv(h, 0, 0.1, *[tensor] * 4),
+        "per-sequence sliding windows": lambda: f.enable_sliding_window_for_seq(h, seq, 8, 0),
+        "tree attention: the token tree of sequence": lambda: f.begin_forward(h, shape([seq]), shape([3]),
+                                                                              shape([-1, 0, 0])),
+    }
+
+
 # ---------------------------------------------------------------------------------------------------------
 # The conformance driver
 # ---------------------------------------------------------------------------------------------------------
@@ -561,4 +592,4 @@ class ProtocolEngine:
 
 
 __all__ = ["Builtins", "ConformanceDriver", "causal_attention", "rope", "ProtocolEngine", "TVM_SCENARIOS", "UNSUPPORTED_SCENARIOS",
-           "ProtocolKVCache", "conformance_capacity", "protocol_view", "shape"]
+           "ProtocolKVCache", "conformance_capacity", "protocol_view", "refused_calls", "shape"]
