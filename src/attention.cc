@@ -37,6 +37,30 @@ std::string ListStr(const std::vector<int64_t>& values, size_t max) {
   return os.str();
 }
 
+// The per-forward limits of begin_forward (batch size, prefill_chunk_size); returns the tokens it appends. The
+// chunk limit comes before the page budget: a forward over it is wrong however many pages are free.
+// Non-positive lengths are CheckAppend's to report; the sum saturates instead of overflowing.
+int64_t CheckForwardSize(const KVConfig& cfg, int64_t batch, const std::vector<int64_t>& lengths) {
+  if (batch < 1 || batch > cfg.max_batch_size) {
+    TVM_FFI_THROW(ValueError) << "pagedkv: begin_forward batch of " << batch
+                              << " sequences is outside [1, max_batch_size=" << cfg.max_batch_size << "]";
+  }
+  int64_t total = 0;
+  bool saturated = false;
+  for (int64_t l : lengths) {
+    if (l > 0 && __builtin_add_overflow(total, l, &total)) {
+      total = std::numeric_limits<int64_t>::max();
+      saturated = true;
+    }
+  }
+  if (total > cfg.prefill_chunk_size) {
+    TVM_FFI_THROW(ValueError) << "pagedkv: begin_forward appends " << (saturated ? "more than " : "") << total
+                              << " tokens in total (the sum of append_lengths), more than prefill_chunk_size="
+                              << cfg.prefill_chunk_size << " (the most tokens one forward takes)";
+  }
+  return total;
+}
+
 // Calls attention op A, or its partial-state variant P (the same argument names and positions, o float32) when
 // `partial`, with the arguments `fill` sets on a fresh argument struct.
 template <typename A, typename P, typename F>
@@ -50,30 +74,14 @@ void CallVariant(const OpTable& table, bool partial, F&& fill) {
 
 }  // namespace
 
-void PagedKVCacheObj::BeginForward(const ffi::Shape& seq_ids, const ffi::Shape& append_lengths) {
+void PagedKVCacheObj::BeginForward(const ffi::Shape& seq_ids, const ffi::Shape& append_lengths,
+                                   const ffi::Optional<ffi::Shape>& token_tree_parent_ptr) {
   CheckNoForward("begin_forward");
   std::vector<int64_t> ids = ToVector(seq_ids), lengths = ToVector(append_lengths);
   int64_t batch = static_cast<int64_t>(ids.size());
-  if (batch < 1 || batch > cfg_.max_batch_size) {
-    TVM_FFI_THROW(ValueError) << "pagedkv: begin_forward batch of " << batch
-                              << " sequences is outside [1, max_batch_size=" << cfg_.max_batch_size << "]";
-  }
-  // The chunk limit comes before the page budget: a forward over it is wrong however many pages are free.
-  // Non-positive lengths are CheckAppend's to report; the sum saturates instead of overflowing.
-  int64_t total = 0;
-  bool saturated = false;
-  for (int64_t l : lengths) {
-    if (l > 0 && __builtin_add_overflow(total, l, &total)) {
-      total = std::numeric_limits<int64_t>::max();
-      saturated = true;
-    }
-  }
-  if (total > cfg_.prefill_chunk_size) {
-    TVM_FFI_THROW(ValueError) << "pagedkv: begin_forward appends " << (saturated ? "more than " : "") << total
-                              << " tokens in total (the sum of append_lengths), more than prefill_chunk_size="
-                              << cfg_.prefill_chunk_size << " (the most tokens one forward takes)";
-  }
+  int64_t total = CheckForwardSize(cfg_, batch, lengths);
   pool_.CheckAppend(ids, lengths);  // ids known and unique, lengths >= 1, enough pages
+  CheckTokenTree(ids, lengths, token_tree_parent_ptr);
   bool graph = GraphDecode(lengths);
   if (!graph) {  // the CUDA-graph layout was reserved at creation, for max_batch_size
     int64_t fixed = AuxBuilder::Padded(batch + 1) * 4 + 2 * AuxBuilder::Padded(total);
@@ -107,6 +115,7 @@ void PagedKVCacheObj::BeginForward(const ffi::Shape& seq_ids, const ffi::Shape& 
     throw;
   }
   forward_->graph = graph;
+  forward_->chains = token_tree_parent_ptr.has_value();
   forward_->written.assign(static_cast<size_t>(cfg_.num_layers), false);
   forward_->seq_ids = std::move(ids);
   forward_->lengths = std::move(lengths);
@@ -215,7 +224,7 @@ std::vector<int64_t> PagedKVCacheObj::UnwrittenLayers() const {
 // sequence's: so such a forward is rolled back and rejected here, the last point where it can be undone.
 // A CUDA-graph decode is exempt: a replayed graph runs the model's kernels without calling the attention
 // entry points that record the writes (the graph was captured from a complete step).
-void PagedKVCacheObj::EndForward(bool allow_unwritten) {
+void PagedKVCacheObj::FinishForward(bool allow_unwritten) {
   const Forward& f = CheckForward("end_forward");
   std::vector<int64_t> unwritten = f.graph || allow_unwritten ? std::vector<int64_t>{} : UnwrittenLayers();
   if (!unwritten.empty()) {
@@ -228,6 +237,9 @@ void PagedKVCacheObj::EndForward(bool allow_unwritten) {
        << "back: sequences " << ListStr(f.seq_ids, 16) << " are back at their lengths before begin_forward";
     AbortForward();
     TVM_FFI_THROW(RuntimeError) << os.str();
+  }
+  if (f.chains) {
+    for (size_t i = 0; i < f.seq_ids.size(); ++i) chains_[f.seq_ids[i]] += f.lengths[i];
   }
   forward_.reset();
   ops_.EndForward();
@@ -280,7 +292,7 @@ ffi::Map<ffi::String, ffi::Tensor> PagedKVCacheObj::DebugForwardArrays() const {
   return out;
 }
 
-ffi::Tensor PagedKVCacheObj::GetQueryPositions() const { return CheckForward("get_query_positions").q_pos; }
+PagedKVCacheObj::Tensor PagedKVCacheObj::GetQueryPositions() { return CheckForward("get_query_positions").q_pos; }
 
 // ---------------------------------------------------------------------------------------------------
 // Kernel sequences
@@ -401,18 +413,30 @@ void PagedKVCacheObj::RunPasses(int64_t layer, const ffi::Tensor& q, const ffi::
 // ---------------------------------------------------------------------------------------------------
 // Entry points
 
-void PagedKVCacheObj::AttentionWithFusedQKV(int64_t layer, double sm_scale, const ffi::Tensor& qkv,
-                                            const ffi::Tensor& o, const std::optional<ffi::Tensor>& sinks) {
+void PagedKVCacheObj::AttentionWithFusedQKV(int64_t layer, Tensor qkv, ffi::Optional<Tensor> mask, Tensor o,
+                                            double sm_scale) {
+  FusedAttention(layer, qkv, mask, o, sm_scale, /*sinks=*/nullptr);
+}
+
+void PagedKVCacheObj::AttentionWithFusedQKVSinks(int64_t layer, Tensor qkv, Tensor sinks, Tensor o, double sm_scale) {
+  FusedAttention(layer, qkv, std::nullopt, o, sm_scale, &sinks);
+}
+
+void PagedKVCacheObj::FusedAttention(int64_t layer, const Tensor& qkv, const ffi::Optional<Tensor>& mask,
+                                     const Tensor& o, double sm_scale, const Tensor* sinks) {
   const Forward& f = CheckForward("attention_with_fused_qkv");
   ++attention_calls_;
   CheckKind("attention_with_fused_qkv", false);
+  if (mask.has_value()) {
+    TVM_FFI_THROW(NotImplementedError) << "not supported by pagedkv: attention masks (AttentionWithFusedQKV "
+                                       << "with a mask; pagedkv's masks are causal, and its window the config's)";
+  }
   CheckLayer(layer);
   CheckScale("attention_with_fused_qkv", sm_scale);
   int64_t n = f.num_tokens;
   CheckTensor(qkv, "qkv", {n, cfg_.num_qo_heads + 2 * cfg_.num_kv_heads, cfg_.head_dim}, dtype_, device_);
   CheckTensor(o, "o", QShape(n), dtype_, device_);
-  if (sinks.has_value()) CheckSinks("attention_with_fused_qkv", *sinks);
-  const ffi::Tensor* sink_ptr = sinks.has_value() ? &*sinks : nullptr;
+  if (sinks != nullptr) CheckSinks("attention_with_fused_qkv", *sinks);
   int apply_rope = cfg_.rope_mode == "normal" ? 1 : 0;  // "inline": k is stored unrotated
   ops_.Call(ops::SplitRotary()
                 .qkv(qkv).q_pos(f.q_pos).q(f.q).k(f.k).v(f.v).apply_rope(apply_rope)
@@ -422,16 +446,16 @@ void PagedKVCacheObj::AttentionWithFusedQKV(int64_t layer, double sm_scale, cons
   };
   if (f.through) {
     append();  // the passes include the new tokens
-    RunAttention(layer, f.q, o, f.lse_own, sm_scale, /*ragged=*/false, sink_ptr);
+    RunAttention(layer, f.q, o, f.lse_own, sm_scale, /*ragged=*/false, sinks);
   } else {
-    RunAttention(layer, f.q, o, f.lse_own, sm_scale, /*ragged=*/true, sink_ptr);
+    RunAttention(layer, f.q, o, f.lse_own, sm_scale, /*ragged=*/true, sinks);
     append();
   }
   forward_->written[layer] = true;
 }
 
-void PagedKVCacheObj::SelfAttention(int64_t layer, double sm_scale, const ffi::Tensor& q, const ffi::Tensor& k,
-                                    const ffi::Tensor& v, const ffi::Tensor& o, const ffi::Tensor& lse) {
+void PagedKVCacheObj::SelfAttention(int64_t layer, Tensor q, Tensor k, Tensor v, Tensor o, Tensor lse,
+                                    double sm_scale) {
   const Forward& f = CheckForward("self_attention");
   ++attention_calls_;
   CheckLayer(layer);
@@ -455,8 +479,17 @@ void PagedKVCacheObj::SelfAttention(int64_t layer, double sm_scale, const ffi::T
   RunRagged(q, k, v, o, lse, sm_scale, /*partial=*/false);
 }
 
-void PagedKVCacheObj::CrossAttention(int64_t layer, double sm_scale, const ffi::Tensor& q, const ffi::Tensor& o,
-                                     const ffi::Tensor& lse, const std::optional<ffi::Tensor>& sinks) {
+void PagedKVCacheObj::CrossAttention(int64_t layer, Tensor q, Tensor o, Tensor lse, double sm_scale) {
+  PagedAttention(layer, q, o, lse, sm_scale, /*sinks=*/nullptr);
+}
+
+void PagedKVCacheObj::CrossAttentionSinks(int64_t layer, Tensor q, Tensor sinks, Tensor o, Tensor lse,
+                                          double sm_scale) {
+  PagedAttention(layer, q, o, lse, sm_scale, &sinks);
+}
+
+void PagedKVCacheObj::PagedAttention(int64_t layer, const Tensor& q, const Tensor& o, const Tensor& lse,
+                                     double sm_scale, const Tensor* sinks) {
   const Forward& f = CheckForward("cross_attention");
   ++attention_calls_;
   CheckLayer(layer);
@@ -465,7 +498,7 @@ void PagedKVCacheObj::CrossAttention(int64_t layer, double sm_scale, const ffi::
   CheckTensor(q, "q", {n, cfg_.num_qo_heads, PagedQDim()}, dtype_, device_);
   CheckTensor(o, "o", {n, cfg_.num_qo_heads, PagedVDim()}, dtype_, device_);
   CheckTensor(lse, "lse", {n, cfg_.num_qo_heads}, kFloat32, device_);
-  if (sinks.has_value()) CheckSinks("cross_attention", *sinks);
+  if (sinks != nullptr) CheckSinks("cross_attention", *sinks);
   if (f.through && !f.written[layer]) {
     // Its passes read the forward's own token slots, which would still hold the pages' earlier contents.
     TVM_FFI_THROW(RuntimeError) << "pagedkv: cross_attention of layer " << layer << " attends over this forward's "
@@ -474,11 +507,12 @@ void PagedKVCacheObj::CrossAttention(int64_t layer, double sm_scale, const ffi::
                                 << (cfg_.is_mla() ? "append_mla_kv" : "attention_with_fused_qkv") << " of layer "
                                 << layer << " first";
   }
-  RunAttention(layer, q, o, lse, sm_scale, /*ragged=*/false, sinks.has_value() ? &*sinks : nullptr);
+  RunAttention(layer, q, o, lse, sm_scale, /*ragged=*/false, sinks);
 }
 
-void PagedKVCacheObj::MergeAttnOutputInplace(const ffi::Tensor& o_a, const ffi::Tensor& lse_a,
-                                             const ffi::Tensor& o_b, const ffi::Tensor& lse_b) {
+ffi::Array<PagedKVCacheObj::Tensor> PagedKVCacheObj::MergeAttnOutputInplace(Tensor o_a, Tensor lse_a, Tensor o_b,
+                                                                          Tensor lse_b) {
+  CheckDefined(o_a, "o_a");
   if (o_a.ndim() != 3) {
     TVM_FFI_THROW(ValueError) << "pagedkv: tensor 'o_a' must be [n, H, D], given ndim " << o_a.ndim();
   }
@@ -492,9 +526,10 @@ void PagedKVCacheObj::MergeAttnOutputInplace(const ffi::Tensor& o_a, const ffi::
   CheckTensor(lse_a, "lse_a", {o_shape[0], o_shape[1]}, kFloat32, device_);
   CheckTensor(lse_b, "lse_b", {o_shape[0], o_shape[1]}, kFloat32, device_);
   ops_.Call(ops::MergeState().o_a(o_a).lse_a(lse_a).o_b(o_b).lse_b(lse_b));
+  return {o_a, lse_a};
 }
 
-void PagedKVCacheObj::AppendMLAKV(int64_t layer, const ffi::Tensor& kv) {
+void PagedKVCacheObj::AppendMLAKV(int64_t layer, Tensor kv) {
   const Forward& f = CheckForward("append_mla_kv");
   ++attention_calls_;
   CheckKind("append_mla_kv", true);

@@ -266,6 +266,14 @@ void PagedKVCacheObj::CheckLayer(int64_t layer) const {
 // ---------------------------------------------------------------------------------------------------
 // Sequences
 
+int32_t PagedKVCacheObj::GetSequenceLength(int64_t seq_id) const {
+  return static_cast<int32_t>(pool_.Get(seq_id).length);
+}
+
+int32_t PagedKVCacheObj::GetNumAvailablePages() const { return static_cast<int32_t>(pool_.NumFreePages()); }
+
+int32_t PagedKVCacheObj::GetTotalSequenceLength() const { return static_cast<int32_t>(pool_.TotalLength()); }
+
 void PagedKVCacheObj::AddSequence(int64_t seq_id) {
   CheckNoForward("add_sequence");
   pool_.Add(seq_id);
@@ -274,10 +282,13 @@ void PagedKVCacheObj::AddSequence(int64_t seq_id) {
 void PagedKVCacheObj::RemoveSequence(int64_t seq_id) {
   CheckNoForward("remove_sequence");
   pool_.Remove(seq_id);
+  chains_.erase(seq_id);
 }
 
 void PagedKVCacheObj::ForkSequence(int64_t parent_id, int64_t child_id, int64_t fork_pos) {
   CheckNoForward("fork_sequence");
+  // The chain's tokens would become shared, and its commit could then need a page it cannot be refused.
+  CheckNoChain("fork_sequence", parent_id);
   std::optional<PageCopy> copy = pool_.Fork(parent_id, child_id, fork_pos);
   PoisonNewPages();  // before the copy, so the copied tokens survive
   RunCopy(copy);
@@ -288,12 +299,15 @@ void PagedKVCacheObj::PopN(int64_t seq_id, int64_t n) {
   std::optional<PageCopy> copy = pool_.PopN(seq_id, n);
   PoisonNewPages();
   RunCopy(copy);
+  auto chain = chains_.find(seq_id);  // popped chain tokens are no longer the chain's
+  if (chain != chains_.end() && (chain->second -= std::min(n, chain->second)) == 0) chains_.erase(chain);
 }
 
 void PagedKVCacheObj::Clear() {
   if (forward_.has_value()) ops_.EndForward();
   forward_.reset();  // clearing also abandons an open forward
   pool_.Clear();
+  chains_.clear();
   if (poison_) {
     for (int32_t page : pool_.FreePages()) PoisonPage(page);
   }
@@ -332,8 +346,7 @@ ffi::Tensor PagedKVCacheObj::SlotsOnDevice(int64_t seq_id, int64_t start, int64_
   return debug_aux_->View(handle);
 }
 
-void PagedKVCacheObj::DebugGetKV(int64_t seq_id, int64_t start, int64_t end, const ffi::Tensor& k_out,
-                                 const ffi::Tensor& v_out) {
+void PagedKVCacheObj::DebugGetKV(int64_t seq_id, int64_t start, int64_t end, Tensor k_out, Tensor v_out) {
   CheckDebugRange("debug_get_kv", seq_id, start, end - start);
   CheckKind("debug_get_kv", false);
   int64_t m = end - start;
@@ -351,8 +364,9 @@ void PagedKVCacheObj::DebugGetKV(int64_t seq_id, int64_t start, int64_t end, con
   }
 }
 
-void PagedKVCacheObj::DebugSetKV(int64_t seq_id, int64_t start, const ffi::Tensor& k, const ffi::Tensor& v) {
+void PagedKVCacheObj::DebugSetKV(int64_t seq_id, int64_t start, Tensor k, Tensor v) {
   CheckKind("debug_set_kv", false);
+  CheckDefined(k, "k");
   int64_t m = k.ndim() == 4 ? k.shape()[1] : -1;
   std::vector<int64_t> shape = {cfg_.num_layers, m, cfg_.num_kv_heads, cfg_.head_dim};
   CheckTensor(k, "k", shape, dtype_, device_);
@@ -368,7 +382,7 @@ void PagedKVCacheObj::DebugSetKV(int64_t seq_id, int64_t start, const ffi::Tenso
   }
 }
 
-void PagedKVCacheObj::DebugGetMLAKV(int64_t seq_id, int64_t start, int64_t end, const ffi::Tensor& kv_out) {
+void PagedKVCacheObj::DebugGetKVMLA(int64_t seq_id, int64_t start, int64_t end, Tensor kv_out) {
   CheckKind("debug_get_mla_kv", true);
   CheckDebugRange("debug_get_mla_kv", seq_id, start, end - start);
   int64_t m = end - start;
@@ -386,6 +400,7 @@ void PagedKVCacheObj::DebugGetMLAKV(int64_t seq_id, int64_t start, int64_t end, 
 
 void PagedKVCacheObj::DebugSetMLAKV(int64_t seq_id, int64_t start, const ffi::Tensor& kv) {
   CheckKind("debug_set_mla_kv", true);
+  CheckDefined(kv, "kv");
   int64_t m = kv.ndim() == 3 ? kv.shape()[1] : -1;
   CheckTensor(kv, "kv", {cfg_.num_layers, m, cfg_.latent_dim()}, dtype_, device_);
   CheckDebugRange("debug_set_mla_kv", seq_id, start, m);

@@ -2,13 +2,23 @@
 // It owns the device pages, the BlockPool bookkeeping and the op table, and orchestrates attention as a
 // sequence of kernel-ABI calls. Every public method validates all of its arguments and the cache state
 // before changing anything, so a failed call leaves the cache as it was.
+//
+// It is also a TVM AttentionKVCache (src/tvm_kv_state.h): the `vm.builtin.kv_state_*` and
+// `vm.builtin.attention_kv_cache_*` globals reach the same methods through the protocol's vtable, so the
+// methods the protocol declares have its signatures (TVM's argument order). What pagedkv does not implement
+// (checkpoints, disaggregation, linear / shared-KV attention, token trees other than chains, attention sinks)
+// raises NotImplementedError "not supported by pagedkv: ..." (kv_state_protocol.cc).
 #ifndef PAGEDKV_PAGED_KV_CACHE_H_
 #define PAGEDKV_PAGED_KV_CACHE_H_
+
+// first: it provides tvm::runtime::Tensor before TVM's headers would include theirs
+#include "tvm_kv_state.h"
 
 #include <tvm/ffi/container/map.h>
 #include <tvm/ffi/container/shape.h>
 #include <tvm/ffi/container/tensor.h>
 #include <tvm/ffi/object.h>
+#include <tvm/ffi/optional.h>
 #include <tvm/ffi/string.h>
 
 #include <array>
@@ -27,57 +37,92 @@
 
 namespace pagedkv {
 
-class PagedKVCacheObj : public ffi::Object {
+class PagedKVCacheObj : public tvm::runtime::vm::AttentionKVCacheObj {
  public:
+  // The protocol's tensor type (ffi::Tensor: tvm_kv_state.h).
+  using Tensor = tvm::runtime::Tensor;
+
   PagedKVCacheObj(KVConfig config, OpTable ops, DLDevice device);
 
   // Sequences (rejected while a forward is open: its index arrays point at the current pages).
-  void AddSequence(int64_t seq_id);
-  void RemoveSequence(int64_t seq_id);
-  void ForkSequence(int64_t parent_id, int64_t child_id, int64_t fork_pos);
+  void AddSequence(int64_t seq_id) final;
+  void RemoveSequence(int64_t seq_id) final;
+  // fork_pos -1: the parent's whole length.
+  void ForkSequence(int64_t parent_id, int64_t child_id, int64_t fork_pos = -1) final;
+  // pagedkv.popn's (n of any size, checked); the protocol's int32 overload forwards to it.
   void PopN(int64_t seq_id, int64_t n);
-  void Clear();
-  int64_t GetSequenceLength(int64_t seq_id) const { return pool_.Get(seq_id).length; }
-  int64_t GetNumAvailablePages() const { return pool_.NumFreePages(); }
-  int64_t GetTotalSequenceLength() const { return pool_.TotalLength(); }
+  void PopN(int64_t seq_id, int32_t n) final { PopN(seq_id, static_cast<int64_t>(n)); }
+  void Clear() final;
+  bool Empty() const final { return pool_.sequences().empty(); }
+  // The protocol's counts are int32: lossless, since CheckCapacity bounds the cache's token slots (and so
+  // its pages and any total length) by INT32_MAX.
+  int32_t GetSequenceLength(int64_t seq_id) const final;
+  int32_t GetNumAvailablePages() const final;
+  int32_t GetTotalSequenceLength() const final;
 
   // Throws the error begin_forward would for these sequences and append lengths (ids known and distinct,
   // lengths >= 1, enough free pages), without the per-forward limits (batch size, prefill_chunk_size) and
   // without changing anything: a caller that appends a prompt in several forwards checks it all first.
   void CheckAppend(const ffi::Shape& seq_ids, const ffi::Shape& append_lengths) const;
 
-  // One forward. end_forward rejects a forward in which a layer wrote no k/v (see EndForward).
-  void BeginForward(const ffi::Shape& seq_ids, const ffi::Shape& append_lengths);
-  // `allow_unwritten` (debug_end_forward_unwritten): keep the tokens even where layers wrote no k/v, for
-  // tests and benchmarks that reserve tokens and write their k/v with debug_set_kv afterwards.
-  void EndForward(bool allow_unwritten = false);
+  // One forward. `token_tree_parent_ptr` (the protocol's speculative token trees): accepted when every
+  // sequence's tree is a chain, which is an ordinary forward whose tokens CommitAcceptedTokenTreeNodes later
+  // trims; other trees are refused. end_forward rejects a forward in which a layer wrote no k/v (FinishForward).
+  void BeginForward(const ffi::Shape& seq_ids, const ffi::Shape& append_lengths,
+                    const ffi::Optional<ffi::Shape>& token_tree_parent_ptr = std::nullopt) final;
+  void EndForward() final { FinishForward(/*allow_unwritten=*/false); }
+  // debug_end_forward_unwritten: keeps the tokens even where layers wrote no k/v, for tests and benchmarks
+  // that reserve tokens and write their k/v with debug_set_kv afterwards.
+  void DebugEndForwardUnwritten() { FinishForward(/*allow_unwritten=*/true); }
   // Abandons the open forward (if any): the tokens begin_forward appended are taken back, so the cache is as
   // it was before it. A no-op without an open forward, so an error handler may always call it.
   void AbortForward();
-  // `sinks` (config attention_sinks): float32 [num_qo_heads], one more softmax logit per query head whose value
-  // is 0, merged once into the call's final state (a model that merges self_attention with cross_attention
-  // gives them to cross_attention only, which every forward runs).
-  void AttentionWithFusedQKV(int64_t layer, double sm_scale, const ffi::Tensor& qkv, const ffi::Tensor& o,
-                             const std::optional<ffi::Tensor>& sinks = std::nullopt);
-  void SelfAttention(int64_t layer, double sm_scale, const ffi::Tensor& q, const ffi::Tensor& k,
-                     const ffi::Tensor& v, const ffi::Tensor& o, const ffi::Tensor& lse);
-  void CrossAttention(int64_t layer, double sm_scale, const ffi::Tensor& q, const ffi::Tensor& o,
-                      const ffi::Tensor& lse, const std::optional<ffi::Tensor>& sinks = std::nullopt);
-  void MergeAttnOutputInplace(const ffi::Tensor& o_a, const ffi::Tensor& lse_a, const ffi::Tensor& o_b,
-                              const ffi::Tensor& lse_b);
+  // Keeps, of each sequence's uncommitted chain, the nodes up to leaf_indices[i] (-1: none); pops the rest.
+  void CommitAcceptedTokenTreeNodes(const ffi::Shape& seq_ids, const ffi::Shape& leaf_indices) final;
+  // pagedkv's window is the config's sliding_window (with its sink_size sink tokens), on for every sequence: a call
+  // asking for exactly it is accepted as a no-op, any other is refused (kv_state_protocol.cc says why).
+  void EnableSlidingWindowForSeq(int64_t seq_id, int32_t sliding_window_size, int32_t attn_sink_size) final;
+
+  // Attention, in the protocol's argument order. `mask` must be absent (the protocol's builtin passes none).
+  void AttentionWithFusedQKV(int64_t layer, Tensor qkv, ffi::Optional<Tensor> mask, Tensor o,
+                             double sm_scale) final;
+  void SelfAttention(int64_t layer, Tensor q, Tensor k, Tensor v, Tensor o, Tensor lse, double sm_scale) final;
+  void CrossAttention(int64_t layer, Tensor q, Tensor o, Tensor lse, double sm_scale) final;
+  // Merges (o_b, lse_b) into (o_a, lse_a) in place; returns {o_a, lse_a}.
+  ffi::Array<Tensor> MergeAttnOutputInplace(Tensor o_a, Tensor lse_a, Tensor o_b, Tensor lse_b) final;
+  // The same two with learnable sinks (config attention_sinks; the pagedkv.*_sinks globals): sinks float32
+  // [num_qo_heads], one more softmax logit per query head whose value is 0, merged once into the call's final
+  // state. A model that merges self_attention with cross_attention gives them to cross_attention only (every
+  // forward runs it).
+  void AttentionWithFusedQKVSinks(int64_t layer, Tensor qkv, Tensor sinks, Tensor o, double sm_scale);
+  void CrossAttentionSinks(int64_t layer, Tensor q, Tensor sinks, Tensor o, Tensor lse, double sm_scale);
   // MLA: writes the forward's latents kv[n, latent_dim] to the pages of `layer`.
-  void AppendMLAKV(int64_t layer, const ffi::Tensor& kv);
-  ffi::Tensor GetQueryPositions() const;
+  void AppendMLAKV(int64_t layer, Tensor kv) final;
+  Tensor GetQueryPositions() final;
   // Throws ValueError naming the first element of `values` (int32 / int64, any device) outside [0, bound),
   // e.g. a token id outside the vocabulary, before a model's gather reads out of bounds with it.
   void CheckIndices(const ffi::Tensor& values, const std::string& name, int64_t bound,
                     const std::string& bound_name) const;
 
+  // Refused parts of the protocol (kv_state_protocol.cc): each throws "not supported by pagedkv: <what>".
+  ffi::String GetCheckpointMetadata(int64_t seq_id) const final;
+  ffi::String GetLayoutHash() const final;
+  void ExportPageGroup(int64_t seq_id, int64_t group_id, Tensor dst) final;
+  void PrepareImport(int64_t seq_id, ffi::String metadata_json) final;
+  void ImportPageGroup(int64_t seq_id, int64_t group_id, Tensor src) final;
+  void FinishImport(int64_t seq_id) final;
+  ffi::Shape DisaggPrepareRecv(int64_t seq_id, int length) final;
+  void DisaggMarkSend(int64_t seq_id, int64_t begin, const ffi::Shape& compressed_remote_position_map,
+                      int32_t recver_pe_offset) final;
+  void AttentionWithSharedKV(int64_t source_layer, Tensor q, Tensor current_k, Tensor current_v, Tensor o,
+                             double sm_scale) final;
+  void LinearAttention(int64_t layer, Tensor q, Tensor k, Tensor v, double sm_scale) final;
+
   // Debugging and introspection.
-  void DebugGetKV(int64_t seq_id, int64_t start, int64_t end, const ffi::Tensor& k_out,
-                  const ffi::Tensor& v_out);
-  void DebugSetKV(int64_t seq_id, int64_t start, const ffi::Tensor& k, const ffi::Tensor& v);
-  void DebugGetMLAKV(int64_t seq_id, int64_t start, int64_t end, const ffi::Tensor& kv_out);
+  // Layout [num_layers, end - start, num_kv_heads, head_dim] (MLA: [num_layers, end - start, latent_dim]).
+  void DebugGetKV(int64_t seq_id, int64_t start, int64_t end, Tensor k_out, Tensor v_out) final;
+  void DebugSetKV(int64_t seq_id, int64_t start, Tensor k, Tensor v) final;
+  void DebugGetKVMLA(int64_t seq_id, int64_t start, int64_t end, Tensor kv_out) final;
   void DebugSetMLAKV(int64_t seq_id, int64_t start, const ffi::Tensor& kv);
   void DebugPoisonPages(bool on);
   // The open forward's device index arrays by name (q_pos, ..., "pass<i>.page_values"): the CUDA-graph tests
@@ -89,7 +134,10 @@ class PagedKVCacheObj : public ffi::Object {
   ffi::Map<ffi::String, ffi::String> OpBackends() const;
 
   static constexpr bool _type_mutable = true;
-  TVM_FFI_DECLARE_OBJECT_INFO_FINAL("pagedkv.PagedKVCache", PagedKVCacheObj, ffi::Object);
+  // The key the `pagedkv.*` globals check (libraries compiled before the protocol keep calling them); the
+  // parent's key, relax.vm.AttentionKVCache, is what the `vm.builtin.*` globals check.
+  TVM_FFI_DECLARE_OBJECT_INFO_FINAL("pagedkv.PagedKVCache", PagedKVCacheObj,
+                                    tvm::runtime::vm::AttentionKVCacheObj);
 
  private:
   // Device views of one pass's index arrays.
@@ -104,6 +152,7 @@ class PagedKVCacheObj : public ffi::Object {
     bool is_decode = false;
     bool through = false;  // ForwardPlan::through: the passes cover the new tokens
     bool graph = false;    // a CUDA-graph decode (GraphDecode): replays run the kernels without our calls
+    bool chains = false;   // begun with a token tree (all chains): FinishForward adds the tokens to chains_
     int64_t num_tokens = 0;
     std::vector<int64_t> seq_ids, lengths;  // as given to begin_forward, to take the tokens back
     std::vector<bool> written;              // per layer: the new tokens' k/v were written
@@ -117,6 +166,14 @@ class PagedKVCacheObj : public ffi::Object {
   // fns_.Alloc on the cache's device; an allocation failure is a MemoryError naming `what` and the sizes.
   ffi::Tensor AllocDevice(const std::vector<int64_t>& shape, DLDataType dtype, const char* what);
   void CheckNoForward(const char* what) const;
+  // end_forward, or with `allow_unwritten` debug_end_forward_unwritten.
+  void FinishForward(bool allow_unwritten);
+  // begin_forward's token-tree rules (kv_state_protocol.cc): without a tree, no sequence may have an
+  // uncommitted chain; with one, it has an entry per appended token and each sequence's is a chain.
+  void CheckTokenTree(const std::vector<int64_t>& ids, const std::vector<int64_t>& lengths,
+                      const ffi::Optional<ffi::Shape>& tree) const;
+  // Throws naming `what` while `seq_id` has an uncommitted token chain.
+  void CheckNoChain(const char* what, int64_t seq_id) const;
   const Forward& CheckForward(const char* what) const;
   void CheckLayer(int64_t layer) const;
   void CheckKind(const char* what, bool mla) const;
@@ -153,6 +210,11 @@ class PagedKVCacheObj : public ffi::Object {
   // Throws naming `what` unless this cache takes sinks (config attention_sinks) and `sinks` is float32
   // [num_qo_heads] on its device.
   void CheckSinks(const char* what, const ffi::Tensor& sinks) const;
+  // attention_with_fused_qkv and cross_attention, with or without sinks (nullptr).
+  void FusedAttention(int64_t layer, const Tensor& qkv, const ffi::Optional<Tensor>& mask, const Tensor& o,
+                      double sm_scale, const Tensor* sinks);
+  void PagedAttention(int64_t layer, const Tensor& q, const Tensor& o, const Tensor& lse, double sm_scale,
+                      const Tensor* sinks);
   void RunPasses(int64_t layer, const ffi::Tensor& q, const ffi::Tensor& o, const ffi::Tensor& lse,
                  double sm_scale, bool output_written);
   void RunRagged(const ffi::Tensor& q, const ffi::Tensor& k, const ffi::Tensor& v, const ffi::Tensor& o,
@@ -187,6 +249,9 @@ class PagedKVCacheObj : public ffi::Object {
   bool poison_ = false;
   bool pdl_ = false;  // ForwardInfo::pdl, asked of the device once at creation
   int64_t attention_calls_ = 0;  // DebugAttentionCalls
+  // Sequence id -> tokens of its uncommitted token chain: appended by forwards begun with a token tree, trimmed
+  // by CommitAcceptedTokenTreeNodes (TVM's speculative-decoding protocol; pagedkv takes chains only).
+  std::map<int64_t, int64_t> chains_;
 };
 
 class PagedKVCache : public ffi::ObjectRef {

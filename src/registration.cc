@@ -151,30 +151,29 @@ TVM_FFI_STATIC_INIT_BLOCK() {
       });
   Def("pagedkv.attention_with_fused_qkv", {"cache", "layer", "sm_scale", "qkv", "o"},
       [](C c, int64_t layer, double sm_scale, T qkv, T o) -> void {
-        c->AttentionWithFusedQKV(layer, sm_scale, qkv, o);
+        c->AttentionWithFusedQKV(layer, qkv, std::nullopt, o, sm_scale);
       });
   // The same with learnable sinks (config attention_sinks): new globals, so that the ones above keep their
   // signatures and libraries compiled before sinks keep loading.
   Def("pagedkv.attention_with_fused_qkv_sinks", {"cache", "layer", "sm_scale", "qkv", "sinks", "o"},
       [](C c, int64_t layer, double sm_scale, T qkv, T sinks, T o) -> void {
-        c->AttentionWithFusedQKV(layer, sm_scale, qkv, o, sinks);
+        c->AttentionWithFusedQKVSinks(layer, qkv, sinks, o, sm_scale);
       });
   Def("pagedkv.self_attention", {"cache", "layer", "sm_scale", "q", "k", "v", "o", "lse"},
       [](C c, int64_t layer, double sm_scale, T q, T k, T v, T o, T lse) -> void {
-        c->SelfAttention(layer, sm_scale, q, k, v, o, lse);
+        c->SelfAttention(layer, q, k, v, o, lse, sm_scale);
       });
   Def("pagedkv.cross_attention", {"cache", "layer", "sm_scale", "q", "o", "lse"},
       [](C c, int64_t layer, double sm_scale, T q, T o, T lse) -> void {
-        c->CrossAttention(layer, sm_scale, q, o, lse);
+        c->CrossAttention(layer, q, o, lse, sm_scale);
       });
   Def("pagedkv.cross_attention_sinks", {"cache", "layer", "sm_scale", "q", "sinks", "o", "lse"},
       [](C c, int64_t layer, double sm_scale, T q, T sinks, T o, T lse) -> void {
-        c->CrossAttention(layer, sm_scale, q, o, lse, sinks);
+        c->CrossAttentionSinks(layer, q, sinks, o, lse, sm_scale);
       });
   Def("pagedkv.merge_attn_output_inplace", {"cache", "o_a", "lse_a", "o_b", "lse_b"},
       [](C c, T o_a, T lse_a, T o_b, T lse_b) -> ffi::Array<T> {
-        c->MergeAttnOutputInplace(o_a, lse_a, o_b, lse_b);
-        return ffi::Array<T>{o_a, lse_a};
+        return c->MergeAttnOutputInplace(o_a, lse_a, o_b, lse_b);
       });
   // Returns the cache, so a Relax model orders its attention calls after the append by data flow.
   Def("pagedkv.append_mla_kv", {"cache", "layer", "kv"}, [](C c, int64_t layer, T kv) -> C {
@@ -190,11 +189,11 @@ TVM_FFI_STATIC_INIT_BLOCK() {
       [](C c, int64_t id, int64_t start, T k, T v) -> void { c->DebugSetKV(id, start, k, v); });
   Def("pagedkv.debug_get_mla_kv", {"cache", "seq_id", "start", "end", "kv_out"},
       [](C c, int64_t id, int64_t start, int64_t end, T kv_out) -> void {
-        c->DebugGetMLAKV(id, start, end, kv_out);
+        c->DebugGetKVMLA(id, start, end, kv_out);
       });
   Def("pagedkv.debug_set_mla_kv", {"cache", "seq_id", "start", "kv"},
       [](C c, int64_t id, int64_t start, T kv) -> void { c->DebugSetMLAKV(id, start, kv); });
-  Def("pagedkv.debug_end_forward_unwritten", {"cache"}, [](C c) -> void { c->EndForward(true); });
+  Def("pagedkv.debug_end_forward_unwritten", {"cache"}, [](C c) -> void { c->DebugEndForwardUnwritten(); });
   Def("pagedkv.debug_poison_pages", {"cache", "on"}, [](C c, bool on) -> void { c->DebugPoisonPages(on); });
   Def("pagedkv.debug_forward_arrays", {"cache"},
       [](C c) -> ffi::Map<ffi::String, T> { return c->DebugForwardArrays(); });

@@ -93,8 +93,13 @@ std::string ShapeStr(const std::vector<int64_t>& shape) {
   return os.str();
 }
 
+void CheckDefined(const ffi::Tensor& t, const char* name) {
+  if (!t.defined()) TVM_FFI_THROW(TypeError) << "pagedkv: tensor '" << name << "' is None; expected a tensor";
+}
+
 void CheckTensor(const ffi::Tensor& t, const char* name, const std::vector<int64_t>& shape,
                  DLDataType dtype, DLDevice device) {
+  CheckDefined(t, name);
   std::vector<int64_t> given(t.shape().begin(), t.shape().end());
   bool ok = given == shape && t.dtype() == dtype && t.device().device_type == device.device_type &&
             t.device().device_id == device.device_id;

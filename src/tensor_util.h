@@ -1,5 +1,5 @@
-// Device memory through TVM runtime globals looked up by name once (the runtime links tvm-ffi only, so
-// it needs no TVM C++ headers), plus argument checks that name the offending tensor.
+// Device memory through TVM runtime globals looked up by name once (the runtime links tvm-ffi only: no TVM
+// library symbol is called, only registered globals), plus argument checks that name the offending tensor.
 #ifndef PAGEDKV_TENSOR_UTIL_H_
 #define PAGEDKV_TENSOR_UTIL_H_
 
@@ -45,7 +45,11 @@ std::optional<int64_t> DeviceTotalMemory(DLDevice device);
 // Whether `device` is a CUDA device of compute capability 9.0 or newer (runtime.GetDeviceAttr's compute
 // version), where kernels may be launched with programmatic dependent launch; false when it cannot tell.
 bool DeviceSupportsPDL(DLDevice device);
-// Throws ValueError naming `name` unless `t` is contiguous, on `device`, with `shape` and `dtype`.
+// Throws TypeError naming `name` if `t` is undefined: None where a tensor was due (tvm-ffi's tensors are
+// nullable, and TVM's `vm.builtin.*` wrappers pass None through).
+void CheckDefined(const ffi::Tensor& t, const char* name);
+// Throws ValueError naming `name` unless `t` is contiguous, on `device`, with `shape` and `dtype` (and
+// TypeError, as CheckDefined, if it is undefined).
 void CheckTensor(const ffi::Tensor& t, const char* name, const std::vector<int64_t>& shape,
                  DLDataType dtype, DLDevice device);
 // Element count × element size.

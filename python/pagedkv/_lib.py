@@ -34,6 +34,9 @@ def load_runtime():
     """Load the runtime library once; its globals (``pagedkv.*``) are registered on load."""
     import tvm_ffi
 
+    # What the cache refuses of TVM's KV-state protocol (checkpoints, token trees that are not chains, ...)
+    # raises errors of kind NotImplementedError, which tvm-ffi does not map to Python's by itself.
+    tvm_ffi.register_error("NotImplementedError", NotImplementedError)
     return tvm_ffi.load_module(str(runtime_library_path()))
 
 

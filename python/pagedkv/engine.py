@@ -34,6 +34,31 @@ def param_names(library_path: str | Path) -> list[tuple[str, None]]:
     return [(n, None) for n in meta["param_names"]]
 
 
+def create_cache(vm, max_batch_size: int, max_total_seq_len: int, prefill_chunk_size: int, page_size: int):
+    """The cache of a compiled model: its ``create_paged_kv_cache`` called with one-element shapes (how ``nn.spec``
+    int arguments arrive), with ``support_sliding_window=0`` as the fifth when the library takes it (libraries
+    compiled before the fifth argument take four).
+
+    Parameters
+    ----------
+    vm : tvm.runtime.vm.VirtualMachine
+        The model library's VM.
+    max_batch_size, max_total_seq_len, prefill_chunk_size, page_size : int
+        The cache's capacity.
+
+    Returns
+    -------
+    Object
+        The runtime cache (a ``pagedkv.PagedKVCache``, which is also TVM's ``relax.vm.AttentionKVCache``).
+    """
+    import tvm_ffi
+
+    sizes = [max_batch_size, max_total_seq_len, prefill_chunk_size, page_size]
+    if vm._get_function_arity("create_paged_kv_cache") == 5:  # pylint: disable=protected-access
+        sizes.append(0)  # support_sliding_window: unused (pagedkv.models._common.CausalLMExports)
+    return vm["create_paged_kv_cache"](*[tvm_ffi.Shape((v,)) for v in sizes])
+
+
 @dataclass
 class Timing:
     """Tokens and seconds spent in prefill and decode."""
@@ -107,9 +132,8 @@ class Engine:
         self._prefill_fn, self._decode_fn = self.vm["prefill"], self.vm["decode"]
         self._decode_ids: dict[int, object] = {}  # batch size -> device input ids [b, 1], reused
 
-        # nn.spec int arguments arrive as one-element shapes.
-        sizes = (self.max_batch_size, self.max_total_seq_len, self.prefill_chunk_size, self.page_size)
-        self.cache = self.vm["create_paged_kv_cache"](*[tvm_ffi.Shape((v,)) for v in sizes])
+        self.cache = create_cache(self.vm, self.max_batch_size, self.max_total_seq_len, self.prefill_chunk_size,
+                                  self.page_size)
 
     def _g(self, name: str, *args):
         return get_global(f"pagedkv.{name}")(self.cache, *args)

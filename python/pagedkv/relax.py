@@ -87,6 +87,11 @@ def _sm_scale(sm_scale: Any, method: str) -> Any:
 class PagedKVCache(Object):  # pylint: disable=too-few-public-methods
     """A paged KV cache created inside a compiled model.
 
+    The runtime object is also a TVM ``AttentionKVCache`` (``relax.vm.AttentionKVCache``): functions that take
+    it as a ``tvm.relax.frontend.nn.llm.PagedKVCache`` (their spec's ``object_type``) and call that class's
+    methods (``vm.builtin.attention_kv_cache_*``) run on it too, as do engines that drive it through
+    ``vm.builtin.kv_state_*`` (README, "Drop-in for TVM's KV-state protocol").
+
     Parameters
     ----------
     config :
@@ -137,6 +142,10 @@ class PagedKVCache(Object):  # pylint: disable=too-few-public-methods
                              f"head), got {ty.dtype} {shape}")
         return sinks._expr  # pylint: disable=protected-access
 
+    #: As ``tvm.relax.frontend.nn.llm.PagedKVCache.extern_mods`` (model code that collects the cache's external
+    #: modules reads it): pagedkv links its prebuilt objects through the exporter instead (``_add_extern_object``).
+    extern_mods: list = []
+
     # The methods below keep the names and signatures of tvm.relax.frontend.nn.llm.PagedKVCache; ``sinks`` is
     # pagedkv's own keyword (learnable attention sinks, config ``attention_sinks``).
     # pylint: disable=protected-access
@@ -183,12 +192,31 @@ class PagedKVCache(Object):  # pylint: disable=too-few-public-methods
         name = "pagedkv.cross_attention" + ("_sinks" if sinks is not None else "")
         return self._o_lse(name, args, b, s, h_qo, v_head_dim, q.dtype)
 
+    def attention_with_shared_kv(self, source_layer_id: int, q: Tensor, current_k: Tensor, current_v: Tensor,
+                                 sm_scale: float) -> Tensor:
+        """TVM's attention over another layer's K/V; pagedkv has no kernels for it.
+
+        Raises
+        ------
+        NotImplementedError
+            Always, when the model is built (not when it runs).
+        """
+        raise NotImplementedError(
+            "not supported by pagedkv: attention with K/V shared across layers (PagedKVCache."
+            "attention_with_shared_kv); give each layer its own attention_with_fused_qkv")
+
     def append_mla_kv(self, layer_id: int, kv: Tensor) -> "PagedKVCache":
-        """MLA: write the latents ``kv[b, s, kv_lora_rank + qk_rope_head_dim]`` of the forward's tokens.
+        """MLA: write the latents ``kv[b, s, kv_lora_rank + qk_rope_head_dim]`` of the forward's tokens (TVM's
+        layout ``kv[b, s, 1, ...]``, one latent "head", is taken too).
 
         Returns the cache; use the returned object for the layer's attention calls so that they follow
         the append in the dataflow (a decode ``cross_attention`` reads the appended token).
         """
+        if len(kv._expr.ty.shape) == 4:
+            b, s, h, d = kv._expr.ty.shape
+            if not (isinstance(h, tirx.IntImm) and h.value == 1):
+                raise ValueError(f"PagedKVCache.append_mla_kv: kv[b, s, heads, d] must have one head, got {h}")
+            kv = kv.reshape(b, s, d)
         b, s, d = kv._expr.ty.shape
         res = rx.call_pure_packed("pagedkv.append_mla_kv", self._expr, rx.prim_value(layer_id),
                                   kv.reshape(b * s, d)._expr, ty_args=rx.AnyType())

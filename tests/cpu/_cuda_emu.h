@@ -73,8 +73,10 @@ inline float __frcp_rn(float x) { return 1.0f / x; }
 inline float __fdiv_rn(float a, float b) { return a / b; }
 inline float __fmaf_rn(float a, float b, float c) { return std::fma(a, b, c); }
 inline float __fmul_rn(float a, float b) { return a * b; }  // the tests compile without FMA contraction
-inline float max(float a, float b) { return a > b ? a : b; }
-inline float min(float a, float b) { return a < b ? a : b; }
+// CUDA's max / min of two floats are fmaxf / fminf: a NaN argument gives the other one (what the kernels' running
+// max does with a NaN score; issue 44's NaN tests depend on it), where a > b ? a : b would depend on the order.
+inline float max(float a, float b) { return std::fmax(a, b); }
+inline float min(float a, float b) { return std::fmin(a, b); }
 inline int max(int a, int b) { return a > b ? a : b; }
 inline int min(int a, int b) { return a < b ? a : b; }
 
@@ -173,6 +175,16 @@ inline float __shfl_xor_sync(uint, float v, int mask, int) {
   w.f[lane_id()] = v;
   warp_sync();
   float r = w.f[lane_id() ^ mask];
+  warp_sync();
+  return r;
+}
+
+// __shfl_sync: lane src of the caller's group of `width` lanes (the SIMT prefill's P broadcast).
+inline float __shfl_sync(uint, float v, int src, int width) {
+  WarpSlots& w = my_warp();
+  w.f[lane_id()] = v;
+  warp_sync();
+  float r = w.f[(lane_id() & ~(width - 1)) + (src & (width - 1))];
   warp_sync();
   return r;
 }

@@ -6,8 +6,8 @@ GPU), checked against the float64 reference (``pagedkv.testing.reference``: RoPE
 
 Cases: GQA groups 1, 3, 4, 7 and 8, head dims 64, 96 (padding lanes) and 128, fp16 / bf16 / fp32, one windowed and soft-capped; batches of
 mixed lengths (an empty entry, one key, page edges, a last tile the keys do not fill) with every other entry's
-positions near 30000; split counts forced above 1 (the workspace and merge path) and 1. Fresh random inputs each
-run, NaN-poisoned outputs. Skips without g++.
+positions near 30000; split counts forced above 1 (the workspace and merge path) and 1; NaN runs (issue 44) at
+float32. Fresh random inputs each run, NaN-poisoned outputs. Skips without g++.
 """
 
 from __future__ import annotations
@@ -67,3 +67,25 @@ def test_emulated_staged_decode_matches_reference(name, apply_rope, built):
     o, lse, _env = run_decode(b, cfg, ents, pages, page_indptr, page_values, last, PS, apply_rope, sm_scale,
                               THETA, SCALE)
     check_against_reference(name, cfg, ents, o, lse, apply_rope, THETA, SCALE, sm_scale)
+
+
+#: The NaN run's poisoned elements (``_decode_emu.inputs``' ``nan``) on LENGTHS: a q row of entry 3; a key of entry 5
+#: inside the window of 40 (its 7 rows NaN) and one of entry 0 below it (never read: its rows stay finite).
+NAN_AT = [("q", 3, 2), ("k", 5, 80, 0), ("k", 0, 50, 0)]
+
+
+@pytest.mark.parametrize("apply_rope", [0, 1], ids=["plain", "rope"])
+def test_emulated_staged_decode_nan_propagates(apply_rope, built):
+    """Issue 44 on the float32 decode (auto's kernel for fp32): a NaN q row and a NaN key the row sees give NaN
+    rows (o and lse, through the split merge), a NaN key outside the window changes nothing; on main the NaN rows
+    came out as the empty state."""
+    name = "7x1x64-f32-w40-cap20-s2"
+    b = built(name)
+    cfg = CONFIGS[name][0]
+    gen = torch.Generator().manual_seed(int(torch.randint(0, 2**31 - 1, (1,))))
+    ents, pages, page_indptr, page_values, last = inputs(cfg, gen, LENGTHS, PS, nan=NAN_AT)
+    sm_scale = 0.9 / math.sqrt(cfg.head_dim)
+    o, lse, _env = run_decode(b, cfg, ents, pages, page_indptr, page_values, last, PS, apply_rope, sm_scale,
+                              THETA, SCALE)
+    assert torch.isnan(lse).sum() == 1 + cfg.num_qo_heads
+    check_against_reference(f"{name}-nan", cfg, ents, o, lse, apply_rope, THETA, SCALE, sm_scale)

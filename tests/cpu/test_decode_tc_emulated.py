@@ -10,7 +10,8 @@ page and tile edges, five tiles: the 3-slot ring wraps) with pages in random ord
 key NaN; split counts forced to 1 (direct write) and 3 (workspace + merge), and the automatic count. Inline RoPE
 (``apply_rope = 1``: the tensor-core RoPE kernel of ``_decode_tc_rope_cuda`` in the same PrimFunc, keys rotated in
 shared memory) on groups 1, 4, 7, 8 and 16, both head dims and dtypes, windowed + capped, every other entry's positions
-near 30,000 (``k_pos_offset``). Fresh random inputs each run, NaN-poisoned outputs. Skips without g++.
+near 30,000 (``k_pos_offset``). A NaN run (issue 44): NaN q row and keys, one outside the window. Fresh random
+inputs each run, NaN-poisoned outputs. Skips without g++.
 """
 
 from __future__ import annotations
@@ -77,6 +78,27 @@ def test_emulated_tc_decode_matches_reference(name, apply_rope, built):
     if splits != "auto":
         assert env["S"] == int(splits)
     check_against_reference(name, cfg, ents, o, lse, apply_rope, THETA, SCALE, sm_scale)
+
+
+#: The NaN run's poisoned elements (``_decode_emu.inputs``' ``nan``) on LENGTHS: a q row of entry 3; a key of
+#: entry 5 inside the window of 90 (its rows NaN) and one of entry 0 below it (300 keys: never read, rows finite).
+NAN_AT = [("q", 3, 5), ("k", 5, 100, 0), ("k", 0, 150, 0)]
+
+
+def test_emulated_tc_decode_nan_propagates(built):
+    """Issue 44: a NaN q row and a NaN key the row sees give NaN rows (o and lse, through the split merge: S = 3),
+    a NaN key outside the window changes nothing; the other rows match the reference (on main the NaN rows came
+    out as the empty state: o = 0, lse = -1e30)."""
+    name = "8x1x64-f16-w90-cap20-s3"
+    b = built(name)
+    cfg, _splits = CONFIGS[name]
+    gen = torch.Generator().manual_seed(int(torch.randint(0, 2**31 - 1, (1,))))
+    ents, pages, page_indptr, page_values, last = inputs(cfg, gen, LENGTHS, PS, nan=NAN_AT)
+    sm_scale = 0.9 / math.sqrt(cfg.head_dim)
+    o, lse, env = run_decode(b, cfg, ents, pages, page_indptr, page_values, last, PS, 0, sm_scale, THETA, SCALE)
+    assert env["S"] == 3
+    assert torch.isnan(lse).sum() == 1 + cfg.num_qo_heads  # the q row, the 8 heads of entry 5
+    check_against_reference(f"{name}-nan", cfg, ents, o, lse, 0, THETA, SCALE, sm_scale)
 
 
 @pytest.mark.parametrize("apply_rope", [0, 1], ids=["plain", "rope"])

@@ -9,7 +9,8 @@ head dim other than the qk one (128 / 64, 64 / 128: separate K and V copy loops)
 (the other op on two configs: a covering set, ``CASES``), "tc" on groups 4, 3 and both dims, the wgmma tiles "wg1t", "wg2t" (built for sm_90a; TMA boxes and mbarriers emulated; the emulator's wgmma is
 a warpgroup collective performed at the ``wait_group`` that completes its group, B read through the descriptor's
 strides then) on what they serve (head dim 128, groups 1, 7, 8), fp16 and bf16, windowed + capped. Fresh random inputs each run
-(the messages name the seed). This checks the kernel's own logic (tiles, entry search, masks, online softmax,
+(the messages name the seed). NaN runs (issue 44, ``NAN_RUNS``; the SIMT prefill's too, on ``_decode_emu``'s
+harness): a NaN q row and NaN keys give NaN rows, and only where a row sees them. This checks the kernel's own logic (tiles, entry search, masks, online softmax,
 pipeline order and waits, K / V copies: full tiles and the last one, stores) as TVM lowered it; the GPU run
 (``tests/gpu/test_prefill_tc_gpu.py``) checks the hardware side (real MMA rounding, timing). Skips without g++.
 
@@ -32,9 +33,11 @@ import numpy as np
 import pytest
 import torch
 from _cuda_support import cuda_source_of
-from _decode_emu import tensor_map
+from _decode_emu import build as emu_build
+from _decode_emu import launches, run_launches, tensor_map
 
 from pagedkv import tir_kernels as tk
+from pagedkv.testing import nan_rows
 from pagedkv.testing import reference as R
 from pagedkv.testing.cuda_source import hide_params, static_shared, tensor_core_kernel, unused_params
 from pagedkv.tir_kernels.attention_cuda_prefill_tc import TC_TILES, tma_maps
@@ -268,7 +271,25 @@ def test_emulated_partial_kernel_matches_reference(tile, name, op, causal, built
     _check(name, tile, op, causal, built, misalign=False)
 
 
-def _check(name, tile, op, causal, built, misalign, entries=None):
+#: The NaN runs' poisoned elements on ``ENTRIES``: (entry, "q" or "k", row, head); entry 3 is (70, 130): its query
+#: i sits at key 60 + i, so causal rows 40.. see key 100, a window of 40 rows 40 .. 69; entry 8 is (150, 150).
+NAN_AT = [(3, "q", 10, 0), (3, "k", 100, 0), (8, "k", 3, -1)]
+#: The NaN runs (issue 44): a NaN q row and NaN keys give NaN rows, the rows that do not see a NaN key match the
+#: reference (on main the NaN rows came out as the empty state). Each kernel family's auto tile once on a build
+#: the runs above make anyway: tc3 (ragged) and tc2 (paged) causal, windowed + capped on one; wg1t (ragged) and wg2t
+#: (paged) on sm_90a.
+NAN_RUNS = [("tc3", "6x2x64-bf16-w40-cap20", "attn_prefill_ragged", 1),
+            ("tc2", "8x2x64-f16", "attn_prefill_paged", 1),
+            ("wg1t", "7x1x128-bf16", "attn_prefill_ragged", 1), ("wg2t", "2x2x128-f16", "attn_prefill_paged", 1)]
+
+
+@pytest.mark.parametrize("tile,name,op,causal", NAN_RUNS,
+                         ids=[f"{t}-{n}-{o.removeprefix('attn_prefill_')}-{c}" for t, n, o, c in NAN_RUNS])
+def test_emulated_nan_propagates(tile, name, op, causal, built):
+    _check(name, tile, op, causal, built, misalign=False, nan=True)
+
+
+def _check(name, tile, op, causal, built, misalign, entries=None, nan=False):
     entries = entries or ENTRIES
     cfg = ALL_CONFIGS[name]
     kernel = built(name, tile, op)
@@ -281,6 +302,8 @@ def _check(name, tile, op, causal, built, misalign, entries=None):
     rnd = getattr(torch, dt)
     ents = [tuple(torch.randn(r, h, dim, generator=gen).to(rnd).double()
                   for r, h, dim in ((nq, hq, d), (nk, hkv, d), (nk, hkv, dv))) for nq, nk in entries]
+    for e, what, r, h in (NAN_AT if nan else []):
+        ents[e][0 if what == "q" else 1][r, h, d // 3] = float("nan")
     n, B, ps = sum(e[0].shape[0] for e in ents), len(ents), PAGE_SIZES.get(name, 0)  # ragged-only configs: no pages
     sm_scale = 0.8 / math.sqrt(d)
     q = torch.cat([e[0] for e in ents])
@@ -325,13 +348,70 @@ def _check(name, tile, op, causal, built, misalign, entries=None):
         if nq:
             ro, rl = R.attention(eq, ek, ev, sm_scale, bool(causal), sliding_window=cfg.sliding_window,
                                  logits_soft_cap=cfg.logits_soft_cap)
-            got, gl = o[row:row + nq], lse[row:row + nq]
-            empty = rl <= -1e29
             what = f"seed {seed} entry ({nq}, {nk})"
-            assert not torch.isnan(got).any() and not torch.isnan(gl).any(), f"{what}: NaN left"
+            keep = nan_rows.check(o[row:row + nq], lse[row:row + nq], ro, what)  # rows (token, head) without NaN
+            got, gl, ro, rl = o[row:row + nq][keep], lse[row:row + nq][keep], ro[keep], rl[keep]
+            empty = rl <= -1e29
             assert torch.all(got[empty] == 0) and torch.all((gl[empty] + 1e30).abs() <= 1e24), f"{what}: empty rows"
             if (~empty).any():
                 rel = ((got - ro)[~empty].norm() / ro[~empty].norm()).item()
                 assert rel < 1e-2, f"{what}: |o - ref| / |ref| = {rel:.3g}"
                 assert torch.allclose(gl[~empty], rl[~empty], atol=2e-2, rtol=1e-3), f"{what}: lse"
         row += nq
+
+
+#: The SIMT prefill (``cuda_prefill_kernel=simt``: auto's kernel for float32 and for inline RoPE), float32,
+#: windowed + capped, GQA group 2, on ``_decode_emu``'s harness (TVM's host code launches it).
+SIMT_CFG = tk.KernelSpec(4, 2, 64, 64, "float32", sliding_window=40, logits_soft_cap=20.0)
+
+
+@pytest.fixture(scope="module")
+def simt_built(tmp_path_factory):
+    """``SIMT_CFG``'s ragged prefill on the SIMT kernel, for ``_decode_emu.run_launches``."""
+    if shutil.which("g++") is None:
+        pytest.skip("g++ not found")
+    return emu_build(SIMT_CFG, {"cuda_prefill_kernel": "simt"}, tmp_path_factory.mktemp("simt") / "simt",
+                     op="attn_prefill_ragged")
+
+
+@pytest.mark.parametrize("apply_rope", [0, 1], ids=["plain", "rope"])
+def test_emulated_simt_nan_propagates(apply_rope, simt_built):
+    """Issue 44 on the SIMT prefill (ragged, causal): ``NAN_AT``'s NaN q row and keys give NaN rows, the rows that
+    do not see a NaN key match the reference; on main the NaN rows came out as the empty state. Entries' positions
+    start at ``k_pos_offset`` = 37 b (RoPE's float32 angles are 1e-4 rad off at position 3,000:
+    ``docs/ARCHITECTURE.md``, "Kernel ABI")."""
+    hq, hkv, d = SIMT_CFG.num_qo_heads, SIMT_CFG.num_kv_heads, SIMT_CFG.head_dim
+    seed = int(torch.randint(0, 2**31 - 1, (1,)))
+    gen = torch.Generator().manual_seed(seed)
+    ents = [tuple(torch.randn(r, h, d, generator=gen).float().double() for r, h in ((nq, hq), (nk, hkv), (nk, hkv)))
+            for nq, nk in ENTRIES]
+    for e, what, r, h in NAN_AT:
+        ents[e][0 if what == "q" else 1][r, h, d // 3] = float("nan")
+    offs = [37 * b for b in range(len(ents))]
+    q_pos = [off + nk - nq + i for (nq, nk), off in zip(ENTRIES, offs) for i in range(nq)]
+    n, sm_scale = len(q_pos), 0.8 / math.sqrt(d)
+    arrays = {name: torch.cat([e[i] for e in ents]).float().numpy() for i, name in enumerate(("q", "k", "v"))}
+    arrays.update(q_indptr=np.cumsum([0] + [nq for nq, _ in ENTRIES]).astype(np.int32),
+                  kv_indptr=np.cumsum([0] + [nk for _, nk in ENTRIES]).astype(np.int32),
+                  q_pos=np.array(q_pos, np.int32), k_pos_offset=np.array(offs, np.int32),
+                  o=np.full((n, hq, d), np.nan, np.float32), lse=np.full((n, hq), np.nan, np.float32))
+    env = {"n": n, "_m": arrays["k"].shape[0], "B": len(ents), "causal": 1, "apply_rope": apply_rope,
+           "rope_scale": 1.0, "rope_theta": 10000.0, "sm_scale": sm_scale, "dev_id": 0}
+    run_launches(simt_built, launches(simt_built.main, env), arrays)
+    o, lse, row = torch.from_numpy(arrays["o"]).double(), torch.from_numpy(arrays["lse"]).double(), 0
+    for (eq, ek, ev), (nq, nk), off in zip(ents, ENTRIES, offs):
+        if apply_rope:
+            eq = R.rope(eq, q_pos[row:row + nq], 10000.0, 1.0)
+            ek = R.rope(ek, [off + j for j in range(nk)], 10000.0, 1.0)
+        ro, rl = R.attention(eq, ek, ev, sm_scale, True, sliding_window=40, logits_soft_cap=20.0)
+        what = f"seed {seed} rope {apply_rope} entry ({nq}, {nk})"
+        keep = nan_rows.check(o[row:row + nq], lse[row:row + nq], ro, what)
+        got, gl, ro, rl = o[row:row + nq][keep], lse[row:row + nq][keep], ro[keep], rl[keep]
+        seen = rl > -1e29
+        assert torch.all(got[~seen] == 0) and torch.all((gl[~seen] + 1e30).abs() <= 1e24), f"{what}: empty rows"
+        if seen.any():
+            assert ((got - ro)[seen].norm() / ro[seen].norm()).item() < 2e-5, f"{what}: o"
+            assert torch.allclose(gl[seen], rl[seen], atol=1e-3, rtol=1e-4), f"{what}: lse"
+        row += nq
+    assert torch.isnan(lse).any()
+

@@ -60,8 +60,8 @@ RUNNER = textwrap.dedent("""
     params = [tvm.runtime.tensor(a) for a in np.load(params_path).values()]
     ids = json.load(open(ids_path))
     g = lambda n: tvm_ffi.get_global_func("pagedkv." + n)
-    # nn.spec int arguments arrive as one-element shapes
-    cache = vm["create_paged_kv_cache"](*[tvm_ffi.Shape((v,)) for v in (4, 256, 64, 16)])
+    # nn.spec int arguments arrive as one-element shapes (the last: support_sliding_window, as MLC's engine)
+    cache = vm["create_paged_kv_cache"](*[tvm_ffi.Shape((v,)) for v in (4, 256, 64, 16, 0)])
     g("add_sequence")(cache, 0); g("add_sequence")(cache, 1)
     # batched prefill of two prompts
     lens = [len(ids["p0"]), len(ids["p1"])]
@@ -160,7 +160,7 @@ BAD_INPUT_RUNNER = textwrap.dedent("""
     # -- the library called directly, as a server without pagedkv's engine would ----------------------
     vm = relax.VirtualMachine(tvm.runtime.load_module(lib_path), tvm.cpu())
     ffi_params = tvm_ffi.convert([tvm.runtime.tensor(p) for p in params])
-    caches = [vm["create_paged_kv_cache"](*[tvm_ffi.Shape((v,)) for v in (4, 256, 64, 16)]) for _ in range(2)]
+    caches = [vm["create_paged_kv_cache"](*[tvm_ffi.Shape((v,)) for v in (4, 256, 64, 16, 0)]) for _ in range(2)]
     for c in caches:
         g("add_sequence")(c, 0); g("add_sequence")(c, 1)
     bad_cache = caches[0]

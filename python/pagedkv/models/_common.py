@@ -1,5 +1,6 @@
 """Pieces shared by pagedkv's Relax models: float32-accumulating projections and the exported functions'
-cache constructor and spec (``prefill`` / ``decode`` / ``create_paged_kv_cache``).
+cache constructor and spec (``prefill`` / ``decode`` / ``create_paged_kv_cache``, whose five arguments are
+TVM's and MLC-LLM's).
 
 Projection weights have one of two layouts (``WEIGHT_LAYOUTS``): ``"nk"`` is HF's ``[out, in]`` (``nn.Linear``,
 the parameter ``<name>.weight``), ``"kn"`` is ``[in, out]`` (``LinearKN``, the parameter ``<name>.weight_kn``).
@@ -102,7 +103,16 @@ class CausalLMExports:
                                    "n (the number of input tokens)")
 
     def create_paged_kv_cache(self, max_batch_size: tirx.Var, max_total_seq_len: tirx.Var,
-                              prefill_chunk_size: tirx.Var, page_size: tirx.Var) -> PagedKVCache:
+                              prefill_chunk_size: tirx.Var, page_size: tirx.Var,
+                              support_sliding_window: tirx.Var | None = None) -> PagedKVCache:
+        """The cache, its capacity given at run time; the call shape of TVM's and MLC-LLM's models (and engines:
+        MLC's passes these five one-element shapes).
+
+        ``support_sliding_window`` is accepted and not used: in TVM it lets an engine turn on a sliding window per
+        sequence later; pagedkv's window is the config's ``sliding_window``, on for every sequence already (an
+        engine's ``EnableSlidingWindowForSeq`` asking for it is a no-op, anything else is refused at run time).
+        """
+        del support_sliding_window
         values = {"max_batch_size": max_batch_size, "max_total_seq_len": max_total_seq_len,
                   "prefill_chunk_size": prefill_chunk_size, "page_size": page_size}
         config = self.cfg.kv_cache_config(self.dtype)
@@ -120,5 +130,6 @@ class CausalLMExports:
             "decode": {"input_ids": nn.spec.Tensor(["b", 1], "int32"),
                        "cache": nn.spec.Object(object_type=PagedKVCache), **packed},
             "create_paged_kv_cache": {"max_batch_size": int, "max_total_seq_len": int,
-                                      "prefill_chunk_size": int, "page_size": int, **none},
+                                      "prefill_chunk_size": int, "page_size": int, "support_sliding_window": int,
+                                      **none},
         }, self)

@@ -12,7 +12,10 @@ The cache holds one latent vector per token and layer: ``concat(kv_a_layernorm(c
   cache (the new token included), projected by ``W_UV``.
 
 Exported functions (all take and return the cache object), as ``pagedkv.models.llama``'s:
-- ``create_paged_kv_cache(max_batch_size, max_total_seq_len, prefill_chunk_size, page_size)``
+- ``create_paged_kv_cache(max_batch_size, max_total_seq_len, prefill_chunk_size, page_size,
+  support_sliding_window)``: one-element shapes, as TVM's and MLC-LLM's engines pass them (the last unused:
+  ``CausalLMExports.create_paged_kv_cache``); ``pagedkv.engine.create_cache`` calls it (and a library
+  compiled before the fifth argument)
 - ``prefill(input_ids[1, n], logit_positions[b], cache) -> logits[1, b, vocab]``
 - ``decode(input_ids[b, 1], cache) -> logits[b, 1, vocab]``
 

@@ -1,7 +1,10 @@
 """A Llama-architecture Relax ``nn`` model on ``pagedkv.relax.PagedKVCache``.
 
 Exported functions (all take and return the cache object):
-- ``create_paged_kv_cache(max_batch_size, max_total_seq_len, prefill_chunk_size, page_size)``
+- ``create_paged_kv_cache(max_batch_size, max_total_seq_len, prefill_chunk_size, page_size,
+  support_sliding_window)``: one-element shapes, as TVM's and MLC-LLM's engines pass them (the last unused:
+  ``CausalLMExports.create_paged_kv_cache``); ``pagedkv.engine.create_cache`` calls it (and a library
+  compiled before the fifth argument)
 - ``prefill(input_ids[1, n], logit_positions[b], cache) -> logits[1, b, vocab]``: every sequence of the
   batch flattened into one row (the cache's ``begin_forward`` says how many tokens each one has);
   ``logit_positions`` picks the rows whose logits are returned (usually each sequence's last token).

@@ -134,8 +134,9 @@ def run_scenario(vm, params: list, steps: list, device) -> dict[str, np.ndarray]
     def t(a):
         return tvm.runtime.tensor(a, device)
 
-    # nn.spec int arguments arrive as one-element shapes
-    cache = vm["create_paged_kv_cache"](*[tvm_ffi.Shape((v,)) for v in CAPACITY])
+    from ..engine import create_cache
+
+    cache = create_cache(vm, *CAPACITY)
     out = {}
     for step in steps:
         kind = step["kind"]

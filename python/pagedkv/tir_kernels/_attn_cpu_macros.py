@@ -14,7 +14,7 @@ from types import SimpleNamespace
 
 from tvm.script import tirx as T
 
-from ._common import EMPTY_LSE, TilePlan, const_store_loop, make_rope_macros
+from ._common import EMPTY_LSE, TilePlan, const_store_loop, make_rope_macros, no_keys
 
 def make_attn_macros(plan: TilePlan):
     """The shared macros specialized to ``plan``: ``init_inv_freq, load_q, init_state, rope_key,
@@ -71,7 +71,36 @@ def make_attn_macros(plan: TilePlan):
             Kf[j, dd] = T.float32(0)
 
     return SimpleNamespace(init_inv_freq=init_inv_freq, load_q=load_q, init_state=init_state,
-                           rope_key=rope_key, clear_key=clear_key, store=_make_store(plan))
+                           rope_key=rope_key, clear_key=clear_key, isolate_values=_make_isolate_values(plan),
+                           store=_make_store(plan))
+
+
+def _make_isolate_values(plan: TilePlan):
+    """``isolate_values(Kf, Vf, nk)``: a staged key whose value row is not finite gets a NaN key element
+    instead, and its value row zeros where it was not finite.
+
+    Why: P V visits every key of the tile for every row, so a key a row does not see (p exactly 0) still adds
+    ``0 * v``, which is NaN for a NaN (or infinite) v: one key's NaN value made every row of its tile NaN, the
+    causal rows before it and the rows whose window excludes it too (issue 44). Moved into the key, the NaN
+    reaches only the rows that see the key (their score is NaN; the mask's select replaces it for the others),
+    and it makes their whole row and lse NaN. The kernels run this only on tiles where some row does not see
+    some key (``CpuVariant.hides_keys``): in the others every row sees the key and P V passes its NaN as is."""
+    D, DV = plan.d, plan.dv
+    big = T.float32(3.4028234663852886e38)  # FLT_MAX: |v| <= it is false for NaN and inf
+
+    @T.macro
+    def isolate_values(Kf, Vf, nk):
+        for j in T.serial(nk):
+            if DV <= D:  # static: the key row has an element for every value element
+                for dd in T.vectorized(DV):
+                    Kf[j, dd] = T.Select(T.abs(Vf[j, dd]) <= big, Kf[j, dd], T.float32("nan"))
+                    Vf[j, dd] = T.Select(T.abs(Vf[j, dd]) <= big, Vf[j, dd], T.float32(0))
+            else:
+                for dd in T.serial(DV):
+                    Kf[j, 0] = T.Select(T.abs(Vf[j, dd]) <= big, Kf[j, 0], T.float32("nan"))
+                    Vf[j, dd] = T.Select(T.abs(Vf[j, dd]) <= big, Vf[j, dd], T.float32(0))
+
+    return isolate_values
 
 
 def _make_store(plan: TilePlan):
@@ -84,14 +113,13 @@ def _make_store(plan: TilePlan):
     def store(o, lse, O, m, l, tok0, ntok, h):
         for r in T.serial(TQ * G):
             if r // G < ntok:
-                # l >= 1 once any key was seen (the max contributes exp2(0)); exactly 0 otherwise.
-                if l[r] > T.float32(0):
-                    for dd in T.vectorized(DV):
-                        o[tok0 + r // G, h * G + r % G, dd] = T.Cast(o.dtype, O[r, dd] / l[r])
-                    lse[tok0 + r // G, h * G + r % G] = m[r] + T.log2(l[r])
-                else:
+                if no_keys(l[r]):  # (a NaN sum is not "no key": _common.no_keys)
                     for dd in zero_loop(DV):
                         o[tok0 + r // G, h * G + r % G, dd] = T.Cast(o.dtype, T.float32(0))
                     lse[tok0 + r // G, h * G + r % G] = T.float32(EMPTY_LSE)
+                else:
+                    for dd in T.vectorized(DV):
+                        o[tok0 + r // G, h * G + r % G, dd] = T.Cast(o.dtype, O[r, dd] / l[r])
+                    lse[tok0 + r // G, h * G + r % G] = m[r] + T.log2(l[r])
 
     return store

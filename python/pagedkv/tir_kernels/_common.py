@@ -36,6 +36,23 @@ EMPTY_LSE = -1.0e30
 MASKED = -3.0e38
 
 
+def no_keys(lsum):
+    """Whether a row's softmax sum ``lsum`` says it saw no key (then it gets the empty state, o = 0 and lse =
+    ``EMPTY_LSE``): exactly 0, as it is before the first visible key (the row's max contributes ``2^0 = 1``
+    after it).
+
+    Tested as ``lsum == 0``, never ``lsum > 0`` for "saw keys": a NaN in what a row attends to (its q, an
+    attended key's k or v) makes its scores, sum and O NaN, and the row must come out NaN (o and lse, so that
+    every later merge is NaN too), not as the empty state (issue 44). ``NaN == 0`` is false in C and LLVM's
+    ordered compare; ``!=`` is not a way around it: LLVM's ``fcmp one`` is false for NaN too. The running max
+    needs no such care (nor a "safe max": it starts at the finite ``EMPTY_LSE``, masked scores are the finite
+    ``MASKED``, so no ``-inf`` ever meets a NaN): CUDA's ``max`` (``fmaxf``) drops a NaN score, an all-NaN row
+    keeping ``EMPTY_LSE``, and LLVM's (``a > b ? a : b``) keeps or drops it by argument order, but either way the
+    NaN score reaches ``exp2(s - m)`` (on the CPU through ``_math.exp2_approx``, which keeps NaN), hence sum and
+    O. Masks must stay selects (``MASKED``), so a NaN score of a key a row does not see never reaches it."""
+    return lsum == T.float32(0)
+
+
 def const_store_loop(dtype: str):
     """The loop kind for a CPU loop that stores one constant (e.g. an empty row's ``o = 0``) into a buffer of
     ``dtype``: ``T.vectorized``, except ``T.serial`` for bfloat16. TVM 0.27's bf16 storage legalization

@@ -335,7 +335,8 @@ def make_merge_splits(num_heads: int, dv: int, threads: int, dtype: str):
                         if c * MT + t < DV:
                             ms[2] = T.float32(0)
                             for sp in T.serial(Sk):
-                                # An empty partial (lse -1e30) writes no o (the decode kernels' stores).
+                                # An empty partial (lse -1e30) writes no o (the decode kernels' stores). A NaN
+                                # one's o is skipped too, but its weight makes ms[1], hence o and lse, NaN.
                                 if ws_l[row * Sk + sp] > T.float32(EMPTY_LSE):
                                     ms[2] = ms[2] + ws_o[row * Sk + sp, c * MT + t] * T.exp2(
                                         ws_l[row * Sk + sp] - ms[0])

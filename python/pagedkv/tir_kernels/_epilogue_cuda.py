@@ -7,7 +7,8 @@ the unnormalized ``O = sum exp2(s - m) v``. With ``S`` key splits of the row's k
 * ``S > 1``: the split's normalized partial state in the float32 workspace (``ws_o`` row, ``ws_l``), which
   ``_common_cuda.make_merge_splits`` combines;
 * a row that saw no key (``l == 0``): ``o = 0``, ``lse = EMPTY_LSE``; as a split's partial state only its lse
-  (the merge reads no ``o`` of a split whose lse is empty, so its workspace row is left unwritten).
+  (the merge reads no ``o`` of a split whose lse is empty, so its workspace row is left unwritten);
+* a row whose sum is NaN (a NaN in its q or in a key it sees) is no empty row: o and lse NaN (``_common.no_keys``).
 
 Why one module: the decode kernels (lane groups ``_decode_stages_cuda``, staged ``_decode_staged_cuda``, tensor
 cores ``_decode_tc_cuda``) each merge a row's partial states over their warps or key groups and write it, and the
@@ -23,17 +24,18 @@ from typing import Callable
 
 from tvm.script import tirx as T
 
-from ._common import EMPTY_LSE
+from ._common import EMPTY_LSE, no_keys
 
 
 def row_lse(m, lsum):
-    """A row's lse from its max ``m`` and sum ``lsum`` (log2 units): ``EMPTY_LSE`` where it saw no key."""
-    return T.if_then_else(lsum > T.float32(0), m + T.log2(lsum), T.float32(EMPTY_LSE))
+    """A row's lse from its max ``m`` and sum ``lsum`` (log2 units): ``EMPTY_LSE`` where it saw no key (NaN for
+    a NaN sum: ``_common.no_keys``)."""
+    return T.if_then_else(no_keys(lsum), T.float32(EMPTY_LSE), m + T.log2(lsum))
 
 
 def row_scale(lsum):
     """The factor that normalizes a row's O: ``1 / lsum``, 0 where the row saw no key (its O is 0 then too)."""
-    return T.if_then_else(lsum > T.float32(0), T.float32(1) / lsum, T.float32(0))
+    return T.if_then_else(no_keys(lsum), T.float32(0), T.float32(1) / lsum)
 
 
 def make_put_lse(heads: int):
@@ -68,22 +70,23 @@ def make_merged_store(states: int, dtype: str, m_at: Callable, l_at: Callable, o
             st[3] = T.exp2(m_at(red_ml, w, gg) - st[0])
             st[1] = st[1] + l_at(red_ml, w, gg) * st[3]
             st[2] = st[2] + o_at(red_o, w, gg, dd) * st[3]
-        # l >= 1 once any key was seen (its max contributes 2^0); else 0.
+        # l >= 1 once any key was seen (its max contributes 2^0); else 0 (NaN: not empty, _common.no_keys).
         if S == 1:
-            if st[1] > T.float32(0):
-                o[b, hq, dd] = T.Cast(o.dtype, st[2] / st[1])
-                if dd == 0:
-                    lse[b, hq] = st[0] + T.log2(st[1])
-            else:
+            if no_keys(st[1]):
                 o[b, hq, dd] = T.Cast(o.dtype, T.float32(0))
                 if dd == 0:
                     lse[b, hq] = T.float32(EMPTY_LSE)
-        elif st[1] > T.float32(0):
+            else:
+                o[b, hq, dd] = T.Cast(o.dtype, st[2] / st[1])
+                if dd == 0:
+                    lse[b, hq] = st[0] + T.log2(st[1])
+        elif no_keys(st[1]):
+            if dd == 0:  # no key: the empty lse only (the merge reads no o of it)
+                ws_l[row] = T.float32(EMPTY_LSE)
+        else:
             ws_o[row, dd] = st[2] / st[1]
             if dd == 0:
                 ws_l[row] = st[0] + T.log2(st[1])
-        elif dd == 0:  # no key: the empty lse only (the merge reads no o of it)
-            ws_l[row] = T.float32(EMPTY_LSE)
 
     return store
 

@@ -36,7 +36,12 @@ def _f32(value):
 
 def exp2_approx(x):
     """``2 ** x`` for ``x <= 0``; inputs at or below -127 (masked scores, an empty running max) give
-    exactly 0."""
+    exactly 0, NaN gives NaN.
+
+    NaN must come through: a NaN score (a NaN in a query row or in an attended key) has to reach the row's
+    sum and output, or the row comes out finite (issue 44). ``max(x, -127)`` dropped it (LLVM lowers ``max``
+    to ``x > -127 ? x : -127``), so the clamp is a select that keeps NaN, and only the integer part, which
+    must be finite for the int conversion, maps NaN to -127: its scale 0 times the NaN polynomial is NaN."""
     xv = tirx.Var("e2x", "float32")
     xi = tirx.Var("e2i", "float32")
     f = xv - xi
@@ -45,8 +50,8 @@ def exp2_approx(x):
         poly = poly * f + _f32(coeff)
     # 2^xi from the exponent bits; xi = -127 gives biased exponent 0, i.e. the value 0.
     scale = tirx.call_intrin("float32", "tirx.reinterpret", tirx.shift_left(tirx.Cast("int32", xi) + 127, 23))
-    body = tirx.Let(xi, tirx.floor(xv + _f32(0.5)), poly * scale)
-    return tirx.Let(xv, tirx.max(x, _f32(-127.0)), body)
+    body = tirx.Let(xi, tirx.floor(tirx.Select(xv >= _f32(-127.0), xv, _f32(-127.0)) + _f32(0.5)), poly * scale)
+    return tirx.Let(xv, tirx.Select(x < _f32(-127.0), _f32(-127.0), x), body)
 
 
 def tanh_approx(x):

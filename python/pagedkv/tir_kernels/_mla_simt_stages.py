@@ -24,6 +24,7 @@ from tvm.script import tirx as T
 
 from ._common import EMPTY_LSE, LOG2E, MASKED
 from ._common_cuda import ceildiv, shfl_xor, vec16
+from ._epilogue_cuda import row_lse, row_scale
 
 #: Threads per attention block: TY row groups x TX lanes (a half warp per row group).
 TY, TX = 8, 16
@@ -343,10 +344,8 @@ def make_write_rows(p: RowTilePlan):
                 hd: T.let[T.int32] = T.truncmod(row0 + ty * RI + i, H)
                 # lsum >= 1 once any key was seen (its max contributes 2^0); else 0: the empty-row state
                 # through the two selects, so the stores below are the same for every row.
-                rl: T.let[T.float32] = T.if_then_else(lsum[i] > T.float32(0), T.float32(1) / lsum[i],
-                                                      T.float32(0))
-                ls: T.let[T.float32] = T.if_then_else(lsum[i] > T.float32(0), m[i] + T.log2(lsum[i]),
-                                                      T.float32(EMPTY_LSE))
+                rl: T.let[T.float32] = row_scale(lsum[i])
+                ls: T.let[T.float32] = row_lse(m[i], lsum[i])
                 # One branch per row (not per element); the dim guard folds once c is unrolled (DV % 16 == 0).
                 if S == 1:
                     for c in T.unroll(NVC * 4):

@@ -25,7 +25,7 @@ from dataclasses import dataclass
 
 from tvm.script import tirx as T
 
-from ._common import EMPTY_LSE, LOG2E
+from ._common import EMPTY_LSE, LOG2E, no_keys
 from ._common_cuda import (ceildiv, cos_approx, find_tile_entry, paged_kv_len, rope_angle, rope_divisor, shfl_xor,
                            sin_approx, vec16)
 from ._variant_cuda import CudaVariant
@@ -354,12 +354,12 @@ def make_store(p: PrefillPlan):
                 lsum[i] = lsum[i] + shfl_xor(lsum[i], T.shift_right(8, sh))
         for i in T.unroll(RI):
             if ty * RI + i < TQ * G and T.truncdiv(ty * RI + i, G) < ntok:
-                if lsum[i] > T.float32(0):
-                    put_row(o, lse, Ol, m, lsum, i, tok0 + T.truncdiv(ty * RI + i, G),
-                            h * G + T.truncmod(ty * RI + i, G), tx, False)
-                else:
+                if no_keys(lsum[i]):
                     put_row(o, lse, Ol, m, lsum, i, tok0 + T.truncdiv(ty * RI + i, G),
                             h * G + T.truncmod(ty * RI + i, G), tx, True)
+                else:
+                    put_row(o, lse, Ol, m, lsum, i, tok0 + T.truncdiv(ty * RI + i, G),
+                            h * G + T.truncmod(ty * RI + i, G), tx, False)
 
     return store
 

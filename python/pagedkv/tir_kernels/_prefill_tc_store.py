@@ -16,8 +16,9 @@ from __future__ import annotations
 
 from tvm.script import tirx as T
 
-from ._common import EMPTY_LSE
+from ._common import no_keys
 from ._common_cuda import shfl_xor
+from ._epilogue_cuda import row_lse
 from ._mma_cuda import aligned16, c_frag, cp_async_wait
 from ._prefill_tc_params import TcParams
 
@@ -29,8 +30,8 @@ def _o_value(p: TcParams):
     ON = p.on
 
     def value(oacc, lsum, mt, rr, dn, c, dtype):
-        return T.Cast(dtype, T.if_then_else(lsum[mt * 2 + rr] > T.float32(0),
-                                            oacc[mt * ON + dn * 4 + rr * 2 + c] / lsum[mt * 2 + rr], T.float32(0)))
+        return T.Cast(dtype, T.if_then_else(no_keys(lsum[mt * 2 + rr]), T.float32(0),
+                                            oacc[mt * ON + dn * 4 + rr * 2 + c] / lsum[mt * 2 + rr]))
 
     return value
 
@@ -49,9 +50,8 @@ def _store_lse(p: TcParams):
             for rr in T.unroll(2):
                 if T.And(row_ok(wrow(w, mt) + c_frag(lane, 2 * rr)[0], ti), lane % 4 == 0):
                     lse[ti[4] + o_row(wrow(w, mt) + c_frag(lane, 2 * rr)[0])[0],
-                        h * G + o_row(wrow(w, mt) + c_frag(lane, 2 * rr)[0])[1]] = T.if_then_else(
-                            lsum[mt * 2 + rr] > T.float32(0), m[mt * 2 + rr] + T.log2(lsum[mt * 2 + rr]),
-                            T.float32(EMPTY_LSE))
+                        h * G + o_row(wrow(w, mt) + c_frag(lane, 2 * rr)[0])[1]] = row_lse(m[mt * 2 + rr],
+                                                                                           lsum[mt * 2 + rr])
 
     return store_lse
 

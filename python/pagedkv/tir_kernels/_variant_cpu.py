@@ -88,6 +88,15 @@ class CpuVariant:
             return tirx.And(key < lim[r], key >= lim[rows + r])
         return key < lim[r]
 
+    def hides_keys(self, lim, rows: int, nrows, j0, nk):
+        """PrimExpr: some valid row (of ``nrows``) does not see some key of ``j0 .. j0 + nk``. Row limits grow
+        with the row (``limits_macro``), so row 0 has the lowest upper limit and the last valid row the highest
+        window start."""
+        hidden = j0 + nk > lim[0]
+        if self.window:
+            return tirx.Or(hidden, j0 < lim[rows + nrows - 1])
+        return hidden
+
     # -- logits transform ---------------------------------------------------------------------------------
     @property
     def capped(self) -> bool:

@@ -61,6 +61,8 @@ def _make_attend(plan: TilePlan, mac, load_tile):
             # Keys of this tile that some row may see (the causal limit of the last token caps it).
             nk: T.let[T.int32] = T.min(TK, kv_end - kt * TK)
             load_tile(Kf, Vf, cur, kv, base, kpos0, h, kt * TK, nk, (apply_rope, rope_scale, invf))
+            if var.hides_keys(lim, plan.rows, ntok * G, kt * TK, nk):
+                mac.isolate_values(Kf, Vf, nk)
             score(S, Qf, Qt, Kf, acc, red, nk, ntok * G)
             softmax(S, m, l, alpha, mx, lim, kt * TK, nk, ntok * G)
             pv(O, S, Vf, alpha, acc_o0, acc_o1, nk, ntok * G)

@@ -4,7 +4,9 @@ the same on float32 states, also writing the merged o rounded to the storage dty
 With base-2 lse, ``m = max(lse_a, lse_b)``, ``wa = 2^(lse_a - m)``, ``wb = 2^(lse_b - m)``:
 ``o_a <- (o_a wa + o_b wb) / (wa + wb)`` and ``lse_a <- m + log2(wa + wb)``. The empty state
 (o = 0, lse = -1e30) is finite, so merging with it gives weight 0 and never ``inf - inf``; merging two
-empty states keeps o = 0 and lse = -1e30 (-1e30 + 1 rounds back to -1e30 in float32).
+empty states keeps o = 0 and lse = -1e30 (-1e30 + 1 rounds back to -1e30 in float32). A NaN state (lse NaN: a NaN
+in what its rows attend to, issue 44) merged with any state, the empty one included, is NaN: whichever lse the
+max keeps, ``exp2`` of the NaN one's difference is NaN, in ``o`` and ``lse``; the merges need no test for it.
 """
 
 from __future__ import annotations
