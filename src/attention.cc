@@ -85,8 +85,9 @@ void PagedKVCacheObj::BeginForward(const ffi::Shape& seq_ids, const ffi::Shape& 
   bool graph = GraphDecode(lengths);
   if (!graph) {  // the CUDA-graph layout was reserved at creation, for max_batch_size
     int64_t fixed = AuxBuilder::Padded(batch + 1) * 4 + 2 * AuxBuilder::Padded(total);
-    int64_t per_pass = 2 * AuxBuilder::Padded(batch + 1) + 2 * AuxBuilder::Padded(batch) + 4;
-    aux_.Reserve(fixed + kMaxPasses * per_pass + PageValuesBound(pool_, ids, lengths));
+    int64_t entries = MaxEntriesPerPass(batch, cfg_.sink_size);
+    int64_t per_pass = 2 * AuxBuilder::Padded(entries + 1) + 2 * AuxBuilder::Padded(entries) + 4;
+    aux_.Reserve(fixed + kMaxPasses * per_pass + PageValuesBound(pool_, ids, lengths, cfg_.sink_size));
   }
   // Nothing below can fail on bad input: mutate.
   pool_.Append(ids, lengths);
@@ -99,6 +100,8 @@ void PagedKVCacheObj::BeginForward(const ffi::Shape& seq_ids, const ffi::Shape& 
     PlanOptions options;
     options.flat = cfg_.windowed() || graph;
     options.through_continuations = !cfg_.is_mla();
+    options.window = cfg_.sliding_window;
+    options.sink_size = cfg_.sink_size;
     ForwardPlan plan = BuildForwardPlan(pool_, ids, lengths, options);
     if (graph) {
       UploadGraphPlan(plan);
@@ -341,30 +344,42 @@ void PagedKVCacheObj::RunPass(int64_t layer, const PassViews& p, const ffi::Tens
   }
 }
 
+// The sinks (one logit per query head, value 0) count once per query whatever the passes: they are merged into
+// the final state only, by apply_sinks after the last pass or merge, or inside the last float32 merge
+// (RunPartialStates). Library kernels that return their lse (FlashInfer's) need no sink variant.
 void PagedKVCacheObj::RunAttention(int64_t layer, const ffi::Tensor& q, const ffi::Tensor& o,
-                                   const ffi::Tensor& lse, double sm_scale, bool ragged) {
+                                   const ffi::Tensor& lse, double sm_scale, bool ragged, const ffi::Tensor* sinks) {
   const Forward& f = *forward_;
   int states = ragged ? 1 : 0;
   for (const PassViews& p : f.passes) states += p.all_empty ? 0 : 1;
   if (states >= 2 && partial_states_) {
-    RunPartialStates(layer, q, o, lse, sm_scale, ragged);
+    RunPartialStates(layer, q, o, lse, sm_scale, ragged, states, sinks);
     return;
   }
   if (ragged) RunRagged(f.q, f.k, f.v, o, lse, sm_scale, /*partial=*/false);
   RunPasses(layer, q, o, lse, sm_scale, /*output_written=*/ragged);
+  if (sinks != nullptr) ops_.Call(ops::ApplySinks().o(o).lse(lse).sinks(*sinks));
 }
 
 // Two states or more, on the partial-state ops: the first goes to (o_acc, lse), each later one to the temps
 // (o_tmp float32, lse_tmp), merged into (o_acc, lse) in float32 by merge_state_partial, which also writes the
-// merged o rounded to the storage dtype: after the last merge, o is the whole attention rounded once.
+// merged o rounded to the storage dtype: after the last merge, o is the whole attention rounded once. With
+// sinks, the last merge is merge_state_partial_sinks: the sinks join that float32 merge, before the rounding.
 void PagedKVCacheObj::RunPartialStates(int64_t layer, const ffi::Tensor& q, const ffi::Tensor& o,
-                                       const ffi::Tensor& lse, double sm_scale, bool ragged) {
+                                       const ffi::Tensor& lse, double sm_scale, bool ragged, int states,
+                                       const ffi::Tensor* sinks) {
   const Forward& f = *forward_;
-  bool first = true;
+  int done = 0;
   auto state = [&](auto&& run) {
+    bool first = done == 0, last = ++done == states;
     run(first ? f.o_acc : f.o_tmp, first ? lse : f.lse_tmp);
-    if (!first) ops_.Call(ops::MergeStatePartial().o_a(f.o_acc).lse_a(lse).o_b(f.o_tmp).lse_b(f.lse_tmp).o(o));
-    first = false;
+    if (first) return;
+    if (last && sinks != nullptr) {
+      ops_.Call(ops::MergeStatePartialSinks().o_a(f.o_acc).lse_a(lse).o_b(f.o_tmp).lse_b(f.lse_tmp)
+                    .sinks(*sinks).o(o));
+    } else {
+      ops_.Call(ops::MergeStatePartial().o_a(f.o_acc).lse_a(lse).o_b(f.o_tmp).lse_b(f.lse_tmp).o(o));
+    }
   };
   if (ragged) {
     state([&](const ffi::Tensor& so, const ffi::Tensor& sl) { RunRagged(f.q, f.k, f.v, so, sl, sm_scale, true); });
@@ -400,6 +415,15 @@ void PagedKVCacheObj::RunPasses(int64_t layer, const ffi::Tensor& q, const ffi::
 
 void PagedKVCacheObj::AttentionWithFusedQKV(int64_t layer, Tensor qkv, ffi::Optional<Tensor> mask, Tensor o,
                                             double sm_scale) {
+  FusedAttention(layer, qkv, mask, o, sm_scale, /*sinks=*/nullptr);
+}
+
+void PagedKVCacheObj::AttentionWithFusedQKVSinks(int64_t layer, Tensor qkv, Tensor sinks, Tensor o, double sm_scale) {
+  FusedAttention(layer, qkv, std::nullopt, o, sm_scale, &sinks);
+}
+
+void PagedKVCacheObj::FusedAttention(int64_t layer, const Tensor& qkv, const ffi::Optional<Tensor>& mask,
+                                     const Tensor& o, double sm_scale, const Tensor* sinks) {
   const Forward& f = CheckForward("attention_with_fused_qkv");
   ++attention_calls_;
   CheckKind("attention_with_fused_qkv", false);
@@ -412,6 +436,7 @@ void PagedKVCacheObj::AttentionWithFusedQKV(int64_t layer, Tensor qkv, ffi::Opti
   int64_t n = f.num_tokens;
   CheckTensor(qkv, "qkv", {n, cfg_.num_qo_heads + 2 * cfg_.num_kv_heads, cfg_.head_dim}, dtype_, device_);
   CheckTensor(o, "o", QShape(n), dtype_, device_);
+  if (sinks != nullptr) CheckSinks("attention_with_fused_qkv", *sinks);
   int apply_rope = cfg_.rope_mode == "normal" ? 1 : 0;  // "inline": k is stored unrotated
   ops_.Call(ops::SplitRotary()
                 .qkv(qkv).q_pos(f.q_pos).q(f.q).k(f.k).v(f.v).apply_rope(apply_rope)
@@ -421,9 +446,9 @@ void PagedKVCacheObj::AttentionWithFusedQKV(int64_t layer, Tensor qkv, ffi::Opti
   };
   if (f.through) {
     append();  // the passes include the new tokens
-    RunAttention(layer, f.q, o, f.lse_own, sm_scale, /*ragged=*/false);
+    RunAttention(layer, f.q, o, f.lse_own, sm_scale, /*ragged=*/false, sinks);
   } else {
-    RunAttention(layer, f.q, o, f.lse_own, sm_scale, /*ragged=*/true);
+    RunAttention(layer, f.q, o, f.lse_own, sm_scale, /*ragged=*/true, sinks);
     append();
   }
   forward_->written[layer] = true;
@@ -455,6 +480,16 @@ void PagedKVCacheObj::SelfAttention(int64_t layer, Tensor q, Tensor k, Tensor v,
 }
 
 void PagedKVCacheObj::CrossAttention(int64_t layer, Tensor q, Tensor o, Tensor lse, double sm_scale) {
+  PagedAttention(layer, q, o, lse, sm_scale, /*sinks=*/nullptr);
+}
+
+void PagedKVCacheObj::CrossAttentionSinks(int64_t layer, Tensor q, Tensor sinks, Tensor o, Tensor lse,
+                                          double sm_scale) {
+  PagedAttention(layer, q, o, lse, sm_scale, &sinks);
+}
+
+void PagedKVCacheObj::PagedAttention(int64_t layer, const Tensor& q, const Tensor& o, const Tensor& lse,
+                                     double sm_scale, const Tensor* sinks) {
   const Forward& f = CheckForward("cross_attention");
   ++attention_calls_;
   CheckLayer(layer);
@@ -463,6 +498,7 @@ void PagedKVCacheObj::CrossAttention(int64_t layer, Tensor q, Tensor o, Tensor l
   CheckTensor(q, "q", {n, cfg_.num_qo_heads, PagedQDim()}, dtype_, device_);
   CheckTensor(o, "o", {n, cfg_.num_qo_heads, PagedVDim()}, dtype_, device_);
   CheckTensor(lse, "lse", {n, cfg_.num_qo_heads}, kFloat32, device_);
+  if (sinks != nullptr) CheckSinks("cross_attention", *sinks);
   if (f.through && !f.written[layer]) {
     // Its passes read the forward's own token slots, which would still hold the pages' earlier contents.
     TVM_FFI_THROW(RuntimeError) << "pagedkv: cross_attention of layer " << layer << " attends over this forward's "
@@ -471,7 +507,7 @@ void PagedKVCacheObj::CrossAttention(int64_t layer, Tensor q, Tensor o, Tensor l
                                 << (cfg_.is_mla() ? "append_mla_kv" : "attention_with_fused_qkv") << " of layer "
                                 << layer << " first";
   }
-  RunAttention(layer, q, o, lse, sm_scale, /*ragged=*/false);
+  RunAttention(layer, q, o, lse, sm_scale, /*ragged=*/false, sinks);
 }
 
 ffi::Array<PagedKVCacheObj::Tensor> PagedKVCacheObj::MergeAttnOutputInplace(Tensor o_a, Tensor lse_a, Tensor o_b,

@@ -29,6 +29,8 @@ const std::set<std::string> kSchema2Fields = {"kv_lora_rank", "qk_nope_head_dim"
 const std::set<std::string> kSchema3Fields = {"sliding_window", "logits_soft_cap"};
 // Added by schema 4 (CUDA-graph decode).
 const std::set<std::string> kSchema4Fields = {"cuda_graph_batch"};
+// Added by schema 5 (attention sinks).
+const std::set<std::string> kSchema5Fields = {"attention_sinks", "sink_size"};
 const std::set<std::string> kRuntimeFields = {"max_batch_size", "max_total_seq_len",
                                               "prefill_chunk_size", "page_size"};
 const std::set<std::string> kDTypes = {"float16", "float32", "bfloat16"};
@@ -73,6 +75,16 @@ double GetFloat(const FieldMap& f, const std::string& name, double fallback) {
   if (auto v = it->second.as<double>()) return *v;
   if (auto v = it->second.as<int64_t>()) return static_cast<double>(*v);
   TVM_FFI_THROW(ValueError) << "pagedkv config: field '" << name << "' must be a number";
+}
+
+bool GetBool(const FieldMap& f, const std::string& name, bool fallback) {
+  auto it = f.find(name);
+  if (it == f.end()) return fallback;
+  if (it->second.type_index() != ffi::TypeIndex::kTVMFFIBool) {
+    TVM_FFI_THROW(ValueError) << "pagedkv config: field '" << name << "' must be a bool, got "
+                              << it->second.GetTypeKey();
+  }
+  return it->second.cast<bool>();
 }
 
 std::string GetString(const FieldMap& f, const std::string& name, const std::string& fallback,
@@ -151,6 +163,27 @@ void ValidateMLA(const KVConfig& c) {
   }
 }
 
+// StreamingLLM sink tokens are read by the window kernels in passes of their own (forward_plan.h), each of whose
+// keys lies inside one window: so sink_size <= sliding_window, and a window at all.
+void ValidateSinkTokens(const KVConfig& c) {
+  if (c.sink_size < 0) {
+    TVM_FFI_THROW(ValueError) << "pagedkv config: sink_size must be >= 0 (0: off), got " << c.sink_size;
+  }
+  if (c.sink_size == 0) return;
+  if (!c.windowed()) {
+    TVM_FFI_THROW(ValueError) << "pagedkv config: sink_size " << c.sink_size << " needs a sliding_window (sink tokens "
+                              << "stay visible beside the window; without one every token is)";
+  }
+  if (c.sink_size > c.sliding_window) {
+    TVM_FFI_THROW(ValueError) << "pagedkv config: sink_size " << c.sink_size << " must be <= sliding_window "
+                              << c.sliding_window;
+  }
+  if (c.cuda_graph()) {
+    TVM_FFI_THROW(ValueError) << "pagedkv config: sink_size with cuda_graph_batch is not implemented (a CUDA-graph "
+                              << "decode's fixed layout holds one pass; sink tokens add one)";
+  }
+}
+
 void ValidateOptions(const KVConfig& c) {
   if (c.sliding_window < 0) {
     TVM_FFI_THROW(ValueError) << "pagedkv config: sliding_window must be >= 0 (0: off), got " << c.sliding_window;
@@ -169,6 +202,7 @@ void ValidateOptions(const KVConfig& c) {
     TVM_FFI_THROW(ValueError) << "pagedkv config: cuda_graph_batch is not supported for MLA caches yet (CUDA-graph "
                               << "decode is implemented for MHA layers only); compile the MLA model without graphs";
   }
+  ValidateSinkTokens(c);
   if (c.cuda_graph() && c.max_batch_size > c.cuda_graph_batch) {
     TVM_FFI_THROW(ValueError) << "pagedkv config: max_batch_size=" << c.max_batch_size
                               << " is larger than cuda_graph_batch=" << c.cuda_graph_batch
@@ -255,7 +289,8 @@ KVConfig ParseConfig(const std::string& json, const ffi::Shape& runtime_values) 
   for (const auto& kv : f) {
     if (!kSchema1Fields.count(kv.first) && !(c.schema_version >= 2 && kSchema2Fields.count(kv.first)) &&
         !(c.schema_version >= 3 && kSchema3Fields.count(kv.first)) &&
-        !(c.schema_version >= 4 && kSchema4Fields.count(kv.first))) {
+        !(c.schema_version >= 4 && kSchema4Fields.count(kv.first)) &&
+        !(c.schema_version >= 5 && kSchema5Fields.count(kv.first))) {
       TVM_FFI_THROW(ValueError) << "pagedkv config: unknown field '" << kv.first << "' for schema_version "
                                 << c.schema_version;
     }
@@ -282,6 +317,8 @@ KVConfig ParseConfig(const std::string& json, const ffi::Shape& runtime_values) 
   c.sliding_window = GetInt(f, "sliding_window", 0, false);
   c.logits_soft_cap = GetFloat(f, "logits_soft_cap", 0.0);
   c.cuda_graph_batch = GetInt(f, "cuda_graph_batch", 0, false);
+  c.attention_sinks = GetBool(f, "attention_sinks", false);
+  c.sink_size = GetInt(f, "sink_size", 0, false);
   Validate(c);
   return c;
 }
@@ -317,6 +354,10 @@ std::string ConfigToJSON(const KVConfig& c) {
     out["logits_soft_cap"] = FloatJSON(c.logits_soft_cap);
   }
   if (c.schema_version >= 4) out["cuda_graph_batch"] = std::to_string(c.cuda_graph_batch);
+  if (c.schema_version >= 5) {
+    out["attention_sinks"] = c.attention_sinks ? "true" : "false";
+    out["sink_size"] = std::to_string(c.sink_size);
+  }
   std::string json = "{";
   for (const auto& [k, v] : out) json += (json.size() > 1 ? ", " : "") + str(k) + ": " + v;
   return json + "}";

@@ -16,7 +16,9 @@ namespace pagedkv {
 // Schema 2 added MLA layers: layer kind "mla" and kv_lora_rank, qk_nope_head_dim, qk_rope_head_dim.
 // Schema 3 added the attention options sliding_window and logits_soft_cap (0: off).
 // Schema 4 added cuda_graph_batch (0: off): decode forwards laid out for CUDA-graph replay.
-inline constexpr int64_t kSchemaVersion = 4;
+// Schema 5 added attention_sinks (false: off): learnable per-head attention sinks (attention.cc), and sink_size (0:
+// off): StreamingLLM sink tokens beside a sliding window (forward_plan.h).
+inline constexpr int64_t kSchemaVersion = 5;
 
 struct KVConfig {
   int64_t schema_version = kSchemaVersion;
@@ -43,6 +45,14 @@ struct KVConfig {
   // every decode forward keeps its index arrays at fixed device addresses with shapes that depend on the
   // batch size only (attention.cc, "CUDA-graph decode"), and max_batch_size may not exceed it.
   int64_t cuda_graph_batch = 0;
+  // schema 5; false: off. Else the attention calls may take sinks[num_qo_heads] (float32): one more softmax logit
+  // per query head whose value is 0, merged once into each call's final state by the sink ops (the op table
+  // holds apply_sinks, and merge_state_partial_sinks beside the partial-state ops).
+  bool attention_sinks = false;
+  // schema 5; 0: off. StreamingLLM sink tokens: with a sliding window (sink_size <= sliding_window), every query
+  // also sees the first sink_size tokens of its sequence; read by extra passes over each chain's first pages
+  // (forward_plan.h), with the window kernels unchanged.
+  int64_t sink_size = 0;
 
   DLDataType dl_dtype() const;
   // A windowed cache attends each sequence's whole chain in one causal pass (forward_plan.h).

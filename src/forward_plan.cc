@@ -102,6 +102,37 @@ PassPlan OwnPass(const BlockPool& pool, const std::vector<SeqView>& seqs, const 
   return pass;
 }
 
+// Entries of q rows [begin, end) of sequence `s` over its first `keys` tokens, skipped when empty.
+void AddSinkEntry(PassPlan* pass, const SeqView& s, int32_t begin, int32_t end, int64_t keys, int64_t ps) {
+  if (begin < end) AddEntry(pass, begin, end, s.pages, keys, 0, ps);
+}
+
+// The sink-token passes of a flat forward (PlanOptions::sink_size), before the own pass: a decode's one pass, or
+// a prefill's causal and non-causal passes. Passes without keys are left out.
+void AddSinkPasses(const std::vector<SeqView>& seqs, ForwardPlan* plan, int64_t window, int64_t sink, int64_t ps) {
+  PassPlan causal, full;
+  causal.causal = true;
+  for (size_t i = 0; i < seqs.size(); ++i) {
+    int64_t prior = plan->prior_len[i], length = seqs[i].kv_len;
+    int32_t q0 = plan->q_indptr[i];
+    auto row = [&](int64_t pos) { return static_cast<int32_t>(q0 + pos - prior); };
+    if (plan->is_decode) {  // the query at length - 1 misses [0, length - window)
+      AddSinkEntry(&full, seqs[i], row(prior), row(length), std::clamp<int64_t>(length - window, 0, sink), ps);
+      continue;
+    }
+    // rows [prior, b1): c = 0; [b1, b2): 0 < c < sink; [b2, length): c = sink
+    int64_t b1 = std::clamp<int64_t>(window, prior, length), b2 = std::clamp<int64_t>(window + sink - 1, prior, length);
+    AddSinkEntry(&causal, seqs[i], row(prior), row(b1), 0, ps);
+    AddSinkEntry(&causal, seqs[i], row(b1), row(b2), b2 - window, ps);
+    AddSinkEntry(&causal, seqs[i], row(b2), row(length), 0, ps);
+    AddSinkEntry(&full, seqs[i], row(prior), row(b2), 0, ps);
+    AddSinkEntry(&full, seqs[i], row(b2), row(length), sink, ps);
+  }
+  for (PassPlan* p : {&causal, &full}) {
+    if (!p->all_empty) plan->passes.push_back(std::move(*p));
+  }
+}
+
 }  // namespace
 
 ForwardPlan BuildForwardPlan(const BlockPool& pool, const std::vector<int64_t>& ids,
@@ -150,17 +181,19 @@ ForwardPlan BuildForwardPlan(const BlockPool& pool, const std::vector<int64_t>& 
     depth = std::max(depth, seqs[i].shared);
   }
   for (size_t d = 0; d < depth; ++d) plan.passes.push_back(PrefixPass(pool, seqs, plan, d));
+  if (flat && options.sink_size > 0) AddSinkPasses(seqs, &plan, options.window, options.sink_size, ps);
   plan.passes.push_back(OwnPass(pool, seqs, plan));
   plan.passes.back().causal = plan.through && !plan.is_decode;
   return plan;
 }
 
 int64_t PageValuesBound(const BlockPool& pool, const std::vector<int64_t>& ids,
-                        const std::vector<int64_t>& lengths) {
-  // Each page of a chain is listed at most once per sequence over all passes.
-  int64_t bound = 0;
+                        const std::vector<int64_t>& lengths, int64_t sink_size) {
+  // Each page of a chain is listed at most once per sequence over all passes, and the first ones once more in
+  // each of the two sink passes.
+  int64_t bound = 0, sink_pages = 2 * CeilDiv(sink_size, pool.PageSize());
   for (size_t i = 0; i < ids.size(); ++i) {
-    bound += (pool.Get(ids[i]).length + lengths[i] + pool.PageSize() - 1) / pool.PageSize();
+    bound += (pool.Get(ids[i]).length + lengths[i] + pool.PageSize() - 1) / pool.PageSize() + sink_pages;
   }
   return bound;
 }

@@ -76,16 +76,31 @@ struct ForwardPlan {
 // cached and the new tokens, one attention kernel instead of a ragged pass over the new tokens, a paged pass
 // over the cached ones and a merge (benchmarks/HISTORY.md, the 512-over-4096 chunk). A forward with a fresh sequence
 // keeps the split: the ragged kernel over contiguous new tokens is the faster one for a whole prompt.
+//
+// `sink_size` (StreamingLLM sink tokens, with `flat` and `window` >= sink_size): query p also sees the first
+// sink_size tokens of its sequence. Its window (p - window, p] misses the sink keys [0, c(p)), c(p) = clamp(p -
+// window + 1, 0, sink_size); those are read by passes before the own one, over each chain's first pages, whose
+// every entry lies inside one window (so the window kernels see all of its keys). A decode's one query per
+// sequence: one pass of c(p) keys per entry. A prefill's queries: c grows by one a row up to sink_size, so the rows
+// with 0 < c < sink_size form one causal entry (bottom-right aligned on c(last row) keys: row p sees keys <= p -
+// window), and those with c == sink_size one non-causal entry of sink_size keys, in a second pass.
 struct PlanOptions {
   bool flat = false;
   bool through_continuations = false;
+  int64_t window = 0;
+  int64_t sink_size = 0;
 };
 ForwardPlan BuildForwardPlan(const BlockPool& pool, const std::vector<int64_t>& ids,
                              const std::vector<int64_t>& lengths, PlanOptions options);
 
-// Upper bound of the total page_values entries of a plan, from lengths before Append (for sizing).
+// Upper bound of the total page_values entries of a plan, from lengths before Append (for sizing); `sink_size`:
+// the sink passes list each sequence's first pages again.
 int64_t PageValuesBound(const BlockPool& pool, const std::vector<int64_t>& ids,
-                        const std::vector<int64_t>& lengths);
+                        const std::vector<int64_t>& lengths, int64_t sink_size = 0);
+
+// Entries a pass of a forward of `batch` sequences may have: one a sequence, or up to three with sink tokens
+// (a causal sink pass: rows before, in and after its causal entry).
+inline int64_t MaxEntriesPerPass(int64_t batch, int64_t sink_size) { return sink_size > 0 ? 3 * batch : batch; }
 
 }  // namespace pagedkv
 

@@ -121,8 +121,10 @@ void PagedKVCacheObj::EnableSlidingWindowForSeq(int64_t seq_id, int32_t sliding_
     Unsupported("EnableSlidingWindowForSeq", "per-sequence sliding windows (" + asked + "): this cache has none " +
                                                  "(a pagedkv window is the config's sliding_window, compiled in)");
   }
-  if (attn_sink_size != 0) {
-    Unsupported("EnableSlidingWindowForSeq", "attention sinks (" + asked + "): pagedkv's window keeps no sink");
+  if (attn_sink_size != cfg_.sink_size) {  // the config's sink tokens (sink_size), like its window, are compiled in
+    Unsupported("EnableSlidingWindowForSeq", "attention sinks (" + asked + "): pagedkv's window keeps " +
+                                                 (cfg_.sink_size ? "the config's sink_size=" +
+                                                  std::to_string(cfg_.sink_size) + " tokens" : "no sink"));
   }
   if (sliding_window_size != cfg_.sliding_window) {
     Unsupported("EnableSlidingWindowForSeq", "a sliding window of " + std::to_string(sliding_window_size) +

@@ -35,13 +35,15 @@ inline constexpr const char* kAttnDecodePagedPartial = "attn_decode_paged_partia
 inline constexpr const char* kMergeStatePartial = "merge_state_partial";
 inline constexpr const char* kMLAAttnPrefillPagedPartial = "mla_attn_prefill_paged_partial";
 inline constexpr const char* kMLAAttnDecodePagedPartial = "mla_attn_decode_paged_partial";
+inline constexpr const char* kApplySinks = "apply_sinks";
+inline constexpr const char* kMergeStatePartialSinks = "merge_state_partial_sinks";
 
 // Every op, in the order of python/pagedkv/ops.py OPS.
-inline constexpr std::array<const char*, 19> kAllOps = {kSplitRotary, kAppendKV, kGatherKV, kAttnPrefillRagged, kAttnPrefillPaged, kAttnDecodePaged, kMergeState, kCopyPage, kCompactCopy, kMLAAppendKV, kMLAGatherKV, kMLAAttnPrefillPaged, kMLAAttnDecodePaged, kAttnPrefillRaggedPartial, kAttnPrefillPagedPartial, kAttnDecodePagedPartial, kMergeStatePartial, kMLAAttnPrefillPagedPartial, kMLAAttnDecodePagedPartial};
+inline constexpr std::array<const char*, 21> kAllOps = {kSplitRotary, kAppendKV, kGatherKV, kAttnPrefillRagged, kAttnPrefillPaged, kAttnDecodePaged, kMergeState, kCopyPage, kCompactCopy, kMLAAppendKV, kMLAGatherKV, kMLAAttnPrefillPaged, kMLAAttnDecodePaged, kAttnPrefillRaggedPartial, kAttnPrefillPagedPartial, kAttnDecodePagedPartial, kMergeStatePartial, kMLAAttnPrefillPagedPartial, kMLAAttnDecodePagedPartial, kApplySinks, kMergeStatePartialSinks};
 
 // The ops of each layer kind: an op table may hold only its cache's kind's ops.
-inline constexpr std::array<const char*, 13> kMHAOps = {kSplitRotary, kAppendKV, kGatherKV, kAttnPrefillRagged, kAttnPrefillPaged, kAttnDecodePaged, kMergeState, kCopyPage, kCompactCopy, kAttnPrefillRaggedPartial, kAttnPrefillPagedPartial, kAttnDecodePagedPartial, kMergeStatePartial};
-inline constexpr std::array<const char*, 11> kMLAOps = {kAttnPrefillRagged, kMergeState, kCopyPage, kCompactCopy, kMLAAppendKV, kMLAGatherKV, kMLAAttnPrefillPaged, kMLAAttnDecodePaged, kMergeStatePartial, kMLAAttnPrefillPagedPartial, kMLAAttnDecodePagedPartial};
+inline constexpr std::array<const char*, 15> kMHAOps = {kSplitRotary, kAppendKV, kGatherKV, kAttnPrefillRagged, kAttnPrefillPaged, kAttnDecodePaged, kMergeState, kCopyPage, kCompactCopy, kAttnPrefillRaggedPartial, kAttnPrefillPagedPartial, kAttnDecodePagedPartial, kMergeStatePartial, kApplySinks, kMergeStatePartialSinks};
+inline constexpr std::array<const char*, 13> kMLAOps = {kAttnPrefillRagged, kMergeState, kCopyPage, kCompactCopy, kMLAAppendKV, kMLAGatherKV, kMLAAttnPrefillPaged, kMLAAttnDecodePaged, kMergeStatePartial, kMLAAttnPrefillPagedPartial, kMLAAttnDecodePagedPartial, kApplySinks, kMergeStatePartialSinks};
 
 // Ops a cache of each kind requires: `pagedkv.create` fails naming the first one missing. A call
 // that needs a missing optional op fails naming it.
@@ -648,6 +650,52 @@ struct MLAAttnDecodePagedPartial {
   }
 };
 
+// pagedkv_apply_sinks: merge each row's state (o, lse) in place with its head's attention sink: a logit sinks[h] (natural log, beside the scaled scores) whose value is 0
+struct ApplySinks {
+  static constexpr const char* kName = kApplySinks;
+  static constexpr int kO = 0;  // cache[n, Hq, dv]
+  static constexpr int kLse = 1;  // float32[n, Hq]
+  static constexpr int kSinks = 2;  // float32[Hq]
+  static constexpr int kNumArgs = 3;
+  static constexpr const char* kArgNames[kNumArgs] = {"o", "lse", "sinks"};
+  std::array<ffi::AnyView, kNumArgs> args;
+  uint64_t given = 0;
+  ApplySinks& o(const ffi::AnyView& x) { return Set(kO, x); }
+  ApplySinks& lse(const ffi::AnyView& x) { return Set(kLse, x); }
+  ApplySinks& sinks(const ffi::AnyView& x) { return Set(kSinks, x); }
+  ApplySinks& Set(int i, const ffi::AnyView& x) {
+    args[i] = x;
+    given |= uint64_t{1} << i;
+    return *this;
+  }
+};
+
+// pagedkv_merge_state_partial_sinks: as merge_state_partial, then the merged state with its head's attention sink (apply_sinks) before o is rounded: the last merge of a multi-pass forward with sinks
+struct MergeStatePartialSinks {
+  static constexpr const char* kName = kMergeStatePartialSinks;
+  static constexpr int kOA = 0;  // float32[n, Hq, dv]
+  static constexpr int kLseA = 1;  // float32[n, Hq]
+  static constexpr int kOB = 2;  // float32[n, Hq, dv]
+  static constexpr int kLseB = 3;  // float32[n, Hq]
+  static constexpr int kSinks = 4;  // float32[Hq]
+  static constexpr int kO = 5;  // cache[n, Hq, dv]
+  static constexpr int kNumArgs = 6;
+  static constexpr const char* kArgNames[kNumArgs] = {"o_a", "lse_a", "o_b", "lse_b", "sinks", "o"};
+  std::array<ffi::AnyView, kNumArgs> args;
+  uint64_t given = 0;
+  MergeStatePartialSinks& o_a(const ffi::AnyView& x) { return Set(kOA, x); }
+  MergeStatePartialSinks& lse_a(const ffi::AnyView& x) { return Set(kLseA, x); }
+  MergeStatePartialSinks& o_b(const ffi::AnyView& x) { return Set(kOB, x); }
+  MergeStatePartialSinks& lse_b(const ffi::AnyView& x) { return Set(kLseB, x); }
+  MergeStatePartialSinks& sinks(const ffi::AnyView& x) { return Set(kSinks, x); }
+  MergeStatePartialSinks& o(const ffi::AnyView& x) { return Set(kO, x); }
+  MergeStatePartialSinks& Set(int i, const ffi::AnyView& x) {
+    args[i] = x;
+    given |= uint64_t{1} << i;
+    return *this;
+  }
+};
+
 // Every op's name and argument names, for the runtime's `pagedkv.op_vocabulary` (tests compare it
 // with python/pagedkv/ops.py).
 struct OpInfo {
@@ -655,7 +703,7 @@ struct OpInfo {
   int num_args;
   const char* const* arg_names;
 };
-inline constexpr std::array<OpInfo, 19> kOpInfo = {{
+inline constexpr std::array<OpInfo, 21> kOpInfo = {{
     {SplitRotary::kName, SplitRotary::kNumArgs, SplitRotary::kArgNames},
     {AppendKV::kName, AppendKV::kNumArgs, AppendKV::kArgNames},
     {GatherKV::kName, GatherKV::kNumArgs, GatherKV::kArgNames},
@@ -675,6 +723,8 @@ inline constexpr std::array<OpInfo, 19> kOpInfo = {{
     {MergeStatePartial::kName, MergeStatePartial::kNumArgs, MergeStatePartial::kArgNames},
     {MLAAttnPrefillPagedPartial::kName, MLAAttnPrefillPagedPartial::kNumArgs, MLAAttnPrefillPagedPartial::kArgNames},
     {MLAAttnDecodePagedPartial::kName, MLAAttnDecodePagedPartial::kNumArgs, MLAAttnDecodePagedPartial::kArgNames},
+    {ApplySinks::kName, ApplySinks::kNumArgs, ApplySinks::kArgNames},
+    {MergeStatePartialSinks::kName, MergeStatePartialSinks::kNumArgs, MergeStatePartialSinks::kArgNames},
 }};
 
 }  // namespace ops

@@ -66,6 +66,21 @@ bool UsesPartialStates(const OpTable& table, const KVConfig& c) {
   return c.dtype != "float32" && (c.is_mla() ? all(ops::kPartialMLAOps) : all(ops::kPartialMHAOps));
 }
 
+// A sinks config's table holds the sink ops its forwards call: apply_sinks after a single state (or a storage-dtype
+// merge), and merge_state_partial_sinks as the last merge where multi-pass states are float32 (`partial`).
+void CheckSinkOps(const OpTable& table, const KVConfig& c, bool partial) {
+  if (!c.attention_sinks) return;
+  for (const char* op : {ops::kApplySinks, ops::kMergeStatePartialSinks}) {
+    if (op == ops::kMergeStatePartialSinks && !partial) continue;
+    if (!table.adapters.count(op)) {
+      TVM_FFI_THROW(ValueError) << "pagedkv.create: the config has attention_sinks = true but the op table has no '"
+                                << op << "' (it merges the sinks into "
+                                << (op == ops::kApplySinks ? "a single state" : "a multi-pass forward's float32 state")
+                                << "); build the table for this config (pagedkv.ops.ops_for)";
+    }
+  }
+}
+
 // The device memory a cache of `c` allocates: every layer's pages and the chunk-sized work buffers
 // (the constructor's allocations, in the same order). `partial`: float32 partial states (o_tmp in float32 and
 // the o_acc buffer).
@@ -194,7 +209,9 @@ PagedKVCache CreatePagedKVCache(const std::string& config_json, const ffi::Shape
                                 const ffi::Array<ffi::Any>& op_table, const ffi::Tensor& device_ref) {
   KVConfig config = ParseConfig(config_json, runtime_values);
   OpTable ops = ParseOpTable(op_table, config.layer_kind());
-  DeviceBytes bytes = ComputeDeviceBytes(config, UsesPartialStates(ops, config));
+  bool partial = UsesPartialStates(ops, config);
+  CheckSinkOps(ops, config, partial);
+  DeviceBytes bytes = ComputeDeviceBytes(config, partial);
   CheckCapacity(config, bytes, device_ref.device());
   int64_t num_pages = config.num_pages();
   try {
@@ -231,6 +248,14 @@ void PagedKVCacheObj::CheckKind(const char* what, bool mla) const {
 }
 
 std::vector<int64_t> PagedKVCacheObj::PageShape() const { return PageShapeOf(cfg_); }
+
+void PagedKVCacheObj::CheckSinks(const char* what, const ffi::Tensor& sinks) const {
+  if (!cfg_.attention_sinks) {
+    TVM_FFI_THROW(ValueError) << "pagedkv: " << what << " got sinks, but this cache's config has attention_sinks = "
+                              << "false (its op table holds no sink ops): build the cache with attention_sinks=True";
+  }
+  CheckTensor(sinks, "sinks", {cfg_.num_qo_heads}, kFloat32, device_);
+}
 
 void PagedKVCacheObj::CheckLayer(int64_t layer) const {
   if (layer < 0 || layer >= cfg_.num_layers) {

@@ -79,8 +79,8 @@ class PagedKVCacheObj : public tvm::runtime::vm::AttentionKVCacheObj {
   void AbortForward();
   // Keeps, of each sequence's uncommitted chain, the nodes up to leaf_indices[i] (-1: none); pops the rest.
   void CommitAcceptedTokenTreeNodes(const ffi::Shape& seq_ids, const ffi::Shape& leaf_indices) final;
-  // pagedkv's window is the config's sliding_window, on for every sequence: a call asking for exactly it (no
-  // attention sink) is accepted as a no-op, any other is refused (kv_state_protocol.cc says why).
+  // pagedkv's window is the config's sliding_window (with its sink_size sink tokens), on for every sequence: a call
+  // asking for exactly it is accepted as a no-op, any other is refused (kv_state_protocol.cc says why).
   void EnableSlidingWindowForSeq(int64_t seq_id, int32_t sliding_window_size, int32_t attn_sink_size) final;
 
   // Attention, in the protocol's argument order. `mask` must be absent (the protocol's builtin passes none).
@@ -90,6 +90,12 @@ class PagedKVCacheObj : public tvm::runtime::vm::AttentionKVCacheObj {
   void CrossAttention(int64_t layer, Tensor q, Tensor o, Tensor lse, double sm_scale) final;
   // Merges (o_b, lse_b) into (o_a, lse_a) in place; returns {o_a, lse_a}.
   ffi::Array<Tensor> MergeAttnOutputInplace(Tensor o_a, Tensor lse_a, Tensor o_b, Tensor lse_b) final;
+  // The same two with learnable sinks (config attention_sinks; the pagedkv.*_sinks globals): sinks float32
+  // [num_qo_heads], one more softmax logit per query head whose value is 0, merged once into the call's final
+  // state. A model that merges self_attention with cross_attention gives them to cross_attention only (every
+  // forward runs it).
+  void AttentionWithFusedQKVSinks(int64_t layer, Tensor qkv, Tensor sinks, Tensor o, double sm_scale);
+  void CrossAttentionSinks(int64_t layer, Tensor q, Tensor sinks, Tensor o, Tensor lse, double sm_scale);
   // MLA: writes the forward's latents kv[n, latent_dim] to the pages of `layer`.
   void AppendMLAKV(int64_t layer, Tensor kv) final;
   Tensor GetQueryPositions() final;
@@ -195,11 +201,20 @@ class PagedKVCacheObj : public tvm::runtime::vm::AttentionKVCacheObj {
   void RunPass(int64_t layer, const PassViews& pass, const ffi::Tensor& q, const ffi::Tensor& o,
                const ffi::Tensor& lse, double sm_scale, bool partial);
   // One attention of the open forward into (o, lse): the ragged pass over the new tokens when `ragged` (a split
-  // forward's attention_with_fused_qkv), then every paged pass; RunPartialStates or RunPasses merges them.
+  // forward's attention_with_fused_qkv), then every paged pass; RunPartialStates or RunPasses merges them, and
+  // the sinks (when given) are merged into the final state once.
   void RunAttention(int64_t layer, const ffi::Tensor& q, const ffi::Tensor& o, const ffi::Tensor& lse,
-                    double sm_scale, bool ragged);
+                    double sm_scale, bool ragged, const ffi::Tensor* sinks);
   void RunPartialStates(int64_t layer, const ffi::Tensor& q, const ffi::Tensor& o, const ffi::Tensor& lse,
-                        double sm_scale, bool ragged);
+                        double sm_scale, bool ragged, int states, const ffi::Tensor* sinks);
+  // Throws naming `what` unless this cache takes sinks (config attention_sinks) and `sinks` is float32
+  // [num_qo_heads] on its device.
+  void CheckSinks(const char* what, const ffi::Tensor& sinks) const;
+  // attention_with_fused_qkv and cross_attention, with or without sinks (nullptr).
+  void FusedAttention(int64_t layer, const Tensor& qkv, const ffi::Optional<Tensor>& mask, const Tensor& o,
+                      double sm_scale, const Tensor* sinks);
+  void PagedAttention(int64_t layer, const Tensor& q, const Tensor& o, const Tensor& lse, double sm_scale,
+                      const Tensor* sinks);
   void RunPasses(int64_t layer, const ffi::Tensor& q, const ffi::Tensor& o, const ffi::Tensor& lse,
                  double sm_scale, bool output_written);
   void RunRagged(const ffi::Tensor& q, const ffi::Tensor& k, const ffi::Tensor& v, const ffi::Tensor& o,

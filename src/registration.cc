@@ -153,6 +153,12 @@ TVM_FFI_STATIC_INIT_BLOCK() {
       [](C c, int64_t layer, double sm_scale, T qkv, T o) -> void {
         c->AttentionWithFusedQKV(layer, qkv, std::nullopt, o, sm_scale);
       });
+  // The same with learnable sinks (config attention_sinks): new globals, so that the ones above keep their
+  // signatures and libraries compiled before sinks keep loading.
+  Def("pagedkv.attention_with_fused_qkv_sinks", {"cache", "layer", "sm_scale", "qkv", "sinks", "o"},
+      [](C c, int64_t layer, double sm_scale, T qkv, T sinks, T o) -> void {
+        c->AttentionWithFusedQKVSinks(layer, qkv, sinks, o, sm_scale);
+      });
   Def("pagedkv.self_attention", {"cache", "layer", "sm_scale", "q", "k", "v", "o", "lse"},
       [](C c, int64_t layer, double sm_scale, T q, T k, T v, T o, T lse) -> void {
         c->SelfAttention(layer, q, k, v, o, lse, sm_scale);
@@ -160,6 +166,10 @@ TVM_FFI_STATIC_INIT_BLOCK() {
   Def("pagedkv.cross_attention", {"cache", "layer", "sm_scale", "q", "o", "lse"},
       [](C c, int64_t layer, double sm_scale, T q, T o, T lse) -> void {
         c->CrossAttention(layer, q, o, lse, sm_scale);
+      });
+  Def("pagedkv.cross_attention_sinks", {"cache", "layer", "sm_scale", "q", "sinks", "o", "lse"},
+      [](C c, int64_t layer, double sm_scale, T q, T sinks, T o, T lse) -> void {
+        c->CrossAttentionSinks(layer, q, sinks, o, lse, sm_scale);
       });
   Def("pagedkv.merge_attn_output_inplace", {"cache", "o_a", "lse_a", "o_b", "lse_b"},
       [](C c, T o_a, T lse_a, T o_b, T lse_b) -> ffi::Array<T> {

@@ -52,10 +52,10 @@ def kernel_shape(config: KVCacheConfig) -> KVCacheConfig:
         return KVCacheConfig.mla(num_layers=1, num_heads=spec.num_qo_heads, kv_lora_rank=spec.kv_lora_rank,
                                  qk_nope_head_dim=spec.head_dim - spec.qk_rope_head_dim,
                                  qk_rope_head_dim=spec.qk_rope_head_dim, v_head_dim=spec.v_head_dim,
-                                 dtype=spec.dtype)
+                                 dtype=spec.dtype, attention_sinks=spec.attention_sinks)
     return KVCacheConfig(num_layers=1, num_qo_heads=spec.num_qo_heads, num_kv_heads=spec.num_kv_heads,
                          head_dim=spec.head_dim, v_head_dim=spec.v_head_dim, dtype=spec.dtype, rope_mode="none",
-                         **spec.options())
+                         attention_sinks=spec.attention_sinks, **spec.options())
 
 
 #: Modules of the package besides ``tir_kernels/`` whose code decides which kernels are generated (the spec and
@@ -425,15 +425,31 @@ class KVCache:
         dtype = _torch_dtype(self.config.dtype) if dtype is None else dtype
         return torch.full(shape, math.nan, dtype=dtype, device=self.device)
 
-    def attention_with_fused_qkv(self, layer: int, qkv, sm_scale: float):
-        """``qkv[n, Hq + 2 Hkv, D]`` -> ``o[n, Hq, D]``; appends k/v of the new tokens."""
+    def _check_sinks(self, method: str, sinks) -> None:
+        """``sinks`` of an attention call: only on an ``attention_sinks`` cache, float32 ``[num_qo_heads]``."""
+        if not self.config.attention_sinks:
+            raise ValueError(f"{method}: sinks given, but the cache's config has attention_sinks=False (its op "
+                             "table holds no sink ops): create the cache with attention_sinks=True")
+        _TensorArgs(self, method)("sinks", sinks, [("num_qo_heads", self.config.num_qo_heads)], dtype="float32",
+                                  why="one softmax logit per query head")
+
+    def attention_with_fused_qkv(self, layer: int, qkv, sm_scale: float, *, sinks=None):
+        """``qkv[n, Hq + 2 Hkv, D]`` -> ``o[n, Hq, D]``; appends k/v of the new tokens.
+
+        ``sinks`` (``attention_sinks`` caches): ``float32[Hq]``, one more softmax logit per query head whose value
+        is 0 (natural log, beside the scaled scores ``sm_scale * q.k``; gpt-oss), counted once per query."""
         c = self.config
         sm_scale = check_sm_scale(sm_scale, "attention_with_fused_qkv")
         # an MLA cache has no fused qkv: the runtime names the cache's layer kind
         _TensorArgs(self, "attention_with_fused_qkv")("qkv", qkv, None if c.is_mla else [
             "n", ("num_qo_heads + 2 * num_kv_heads", c.num_qo_heads + 2 * c.num_kv_heads), ("head_dim", c.head_dim)])
+        if sinks is not None:
+            self._check_sinks("attention_with_fused_qkv", sinks)
         o = self._empty((qkv.shape[0], self.config.num_qo_heads, self.config.v_dim), qkv.dtype)
-        self._call("attention_with_fused_qkv", layer, sm_scale, _to_ffi(qkv), _to_ffi(o))
+        if sinks is None:
+            self._call("attention_with_fused_qkv", layer, sm_scale, _to_ffi(qkv), _to_ffi(o))
+        else:
+            self._call("attention_with_fused_qkv_sinks", layer, sm_scale, *map(_to_ffi, (qkv, sinks, o)))
         return o
 
     def self_attention(self, layer: int, q, k, v, sm_scale: float):
@@ -458,10 +474,12 @@ class KVCache:
             "n", ("kv_lora_rank + qk_rope_head_dim", self.config.latent_dim)] if self.config.is_mla else None)
         self._call("append_mla_kv", layer, _to_ffi(kv))
 
-    def cross_attention(self, layer: int, q, sm_scale: float, v_head_dim: int | None = None):
+    def cross_attention(self, layer: int, q, sm_scale: float, v_head_dim: int | None = None, *, sinks=None):
         """Attention of ``q[n, Hq, D]`` over the cached k/v -> ``(o[n, Hq, Dv], lse[n, Hq])``.
 
         MLA: ``q[n, Hq, kv_lora_rank + qk_rope_head_dim]`` (absorbed) -> ``o[n, Hq, kv_lora_rank]``.
+        ``sinks`` (``attention_sinks`` caches): as in ``attention_with_fused_qkv``, merged into the returned state
+        (``lse`` includes them); a model merging this with ``self_attention`` gives them here only.
         """
         import torch
 
@@ -472,9 +490,14 @@ class KVCache:
                                                       if c.is_mla else ("head_dim", c.head_dim)])
         default = self.config.kv_lora_rank if self.config.is_mla else self.config.v_dim
         dv = default if v_head_dim is None else v_head_dim
+        if sinks is not None:
+            self._check_sinks("cross_attention", sinks)
         o = self._empty((q.shape[0], q.shape[1], dv), q.dtype)
         lse = self._empty((q.shape[0], q.shape[1]), torch.float32)
-        self._call("cross_attention", layer, sm_scale, *map(_to_ffi, (q, o, lse)))
+        if sinks is None:
+            self._call("cross_attention", layer, sm_scale, *map(_to_ffi, (q, o, lse)))
+        else:
+            self._call("cross_attention_sinks", layer, sm_scale, *map(_to_ffi, (q, sinks, o, lse)))
         return o, lse
 
     def merge_attn_output_inplace(self, o_a, lse_a, o_b, lse_b):

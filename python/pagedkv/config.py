@@ -16,10 +16,10 @@ from typing import Any, Mapping
 
 #: The newest schema this package writes; the runtime accepts every schema up to its own newest.
 #: Schema 2 added MLA layers (``kv_lora_rank``, ``qk_nope_head_dim``, ``qk_rope_head_dim``); schema 3 the
-#: attention options ``sliding_window`` and ``logits_soft_cap``; schema 4 ``cuda_graph_batch``. A config is
-#: written with the lowest schema that holds it, so an MHA library without those options still loads in a
-#: schema-1 runtime.
-SCHEMA_VERSION = 4
+#: attention options ``sliding_window`` and ``logits_soft_cap``; schema 4 ``cuda_graph_batch``; schema 5 the
+#: attention sinks (``attention_sinks``, ``sink_size``). A config is written with the lowest schema that holds it, so an MHA
+#: library without those options still loads in a schema-1 runtime.
+SCHEMA_VERSION = 5
 
 DTYPES = ("float16", "float32", "bfloat16")
 ROPE_MODES = ("none", "normal", "inline")
@@ -28,6 +28,8 @@ LAYER_KINDS = ("mha", "mla")
 MLA_FIELDS = ("kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim")
 #: Fields added by schema 3 (0: off).
 ATTENTION_OPTION_FIELDS = ("sliding_window", "logits_soft_cap")
+#: Fields added by schema 5 (attention sinks; False / 0: off).
+SINK_FIELDS = ("attention_sinks", "sink_size")
 
 #: Token slots a cache may hold: slot indices (page * page_size + offset) are int32 in the kernel ABI.
 MAX_SLOTS = 2**31 - 1
@@ -120,9 +122,19 @@ class KVCacheConfig:
         sequences (``pagedkv.compile.build_library`` of a model built with ``cuda_graph_batch``): every decode
         forward keeps its index arrays at fixed device addresses, attends each sequence's chain in one pass,
         and plans FlashInfer with ``enable_cuda_graph``; ``max_batch_size`` may not exceed it. MHA only.
+    attention_sinks :
+        False: off. True: the attention calls may take learnable sinks (gpt-oss): ``sinks[num_qo_heads]``
+        (float32), one more softmax logit per query head whose value is 0, in natural log and beside the scaled
+        scores ``sm_scale * q.k``. The op table then holds the sink ops (``pagedkv.ops.SINK_OPS``), which merge
+        the sink once into each call's final state (``docs/ARCHITECTURE.md``, "Attention sinks"). MHA and MLA.
+    sink_size :
+        0: off. StreamingLLM sink tokens: with a ``sliding_window`` (``sink_size <= sliding_window``), every query
+        also sees the first ``sink_size`` tokens of its sequence (a fork's are its parent's). Read by extra passes
+        of the window kernels over each sequence's first pages (the kernels do not change). Not with
+        ``cuda_graph_batch``.
     schema_version :
         ``None``: the lowest schema that holds this config (1 for MHA, 2 for MLA, 3 with an attention
-        option, 4 with ``cuda_graph_batch``).
+        option, 4 with ``cuda_graph_batch``, 5 with ``attention_sinks`` or ``sink_size``).
     """
 
     num_layers: int
@@ -145,6 +157,8 @@ class KVCacheConfig:
     sliding_window: int = 0
     logits_soft_cap: float = 0.0
     cuda_graph_batch: int = 0
+    attention_sinks: bool = False
+    sink_size: int = 0
     schema_version: int | None = field(default=None)
 
     def __post_init__(self) -> None:
@@ -247,12 +261,33 @@ class KVCacheConfig:
         elif g and isinstance(self.max_batch_size, int) and self.max_batch_size > g:
             out.append(f"max_batch_size={self.max_batch_size} is larger than cuda_graph_batch={g} (the most "
                        "sequences the CUDA-graph decode step is compiled for)")
+        if not isinstance(self.attention_sinks, bool):
+            out.append(f"attention_sinks must be a bool, got {self.attention_sinks!r}")
+        return out + self._sink_token_problems()
+
+    def _sink_token_problems(self) -> list[str]:
+        # The sink tokens are read by the window kernels in passes of their own, each entry of which must lie in
+        # one window (src/forward_plan.h): so a window, and sink_size <= sliding_window.
+        s, w = self.sink_size, self.sliding_window
+        if isinstance(s, bool) or not isinstance(s, int) or s < 0:
+            return [f"sink_size must be an int >= 0 (0: off), got {s!r}"]
+        if not s:
+            return []
+        if not w:
+            return [f"sink_size {s} needs a sliding_window (sink tokens stay visible beside the window; without one "
+                    "every token is)"]
+        out = [f"sink_size {s} must be <= sliding_window {w}"] if isinstance(w, int) and s > w else []
+        if self.cuda_graph_batch:
+            out.append("sink_size with cuda_graph_batch is not implemented (a CUDA-graph decode's fixed layout holds "
+                       "one pass; sink tokens add one)")
         return out
 
     # -- derived ----------------------------------------------------------------------------------------
     @property
     def min_schema(self) -> int:
         """The lowest schema that holds this config."""
+        if self.attention_sinks or self.sink_size:
+            return 5
         if self.cuda_graph_batch:
             return 4
         if self.sliding_window or self.logits_soft_cap:
@@ -341,6 +376,9 @@ class KVCacheConfig:
             out["logits_soft_cap"] = float(self.logits_soft_cap)
         if self.schema_version >= 4:
             out["cuda_graph_batch"] = self.cuda_graph_batch
+        if self.schema_version >= 5:
+            out["attention_sinks"] = self.attention_sinks
+            out["sink_size"] = self.sink_size
         for name in runtime_fields:
             del out[name]
         return out
@@ -407,6 +445,7 @@ _KEYS_BY_SCHEMA = {
     2: MLA_FIELDS,
     3: ATTENTION_OPTION_FIELDS,
     4: ("cuda_graph_batch",),
+    5: SINK_FIELDS,
 }
 _FLOAT_FIELDS = ("rope_theta", "rope_scale", "logits_soft_cap")
 _STR_FIELDS = ("dtype", "rope_mode")
@@ -446,6 +485,8 @@ def _check_types(fields: dict) -> None:
     for name in _STR_FIELDS:
         if name in fields and not isinstance(fields[name], str):
             raise TypeError(f"KVCacheConfig field {name} must be a string, got {fields[name]!r}")
+    if not isinstance(fields.get("attention_sinks", False), bool):
+        raise TypeError(f"KVCacheConfig field attention_sinks must be a bool, got {fields['attention_sinks']!r}")
     kinds = fields.get("layer_kinds", [])
     if not isinstance(kinds, (list, tuple)) or not all(isinstance(k, str) for k in kinds):
         raise TypeError(f"KVCacheConfig field layer_kinds must be a list of strings, got {kinds!r}")

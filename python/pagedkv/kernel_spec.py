@@ -188,6 +188,10 @@ class KernelSpec:
         in float32, the state one pass of a multi-pass forward leaves for ``merge_state_partial``). Set by
         ``pagedkv.tir_kernels.make`` for the ``*_partial`` ops only: with False every kernel is what it was
         before the field. Not part of ``to_dict`` when False (a library holds both variants of a config).
+    attention_sinks : bool
+        The config's ``attention_sinks``: its op set holds the sink ops (``pagedkv.ops.SINK_OPS``, ``ops_for``); no
+        other kernel reads it. Not part of ``to_dict`` when False (the key of a library without sinks is what it
+        was before the field).
     """
 
     num_qo_heads: int
@@ -202,6 +206,7 @@ class KernelSpec:
     paths: tuple = ()
     target_arch: str = ""
     partial: bool = False
+    attention_sinks: bool = False
 
     def __post_init__(self):
         object.__setattr__(self, "paths", normalize_paths(self.paths))
@@ -256,6 +261,7 @@ class KernelSpec:
         return cls(num_qo_heads=config.num_qo_heads, num_kv_heads=config.num_kv_heads, head_dim=config.head_dim,
                    v_head_dim=config.v_dim, dtype=config.dtype, kv_lora_rank=config.kv_lora_rank,
                    qk_rope_head_dim=config.qk_rope_head_dim, paths=paths,
+                   attention_sinks=bool(getattr(config, "attention_sinks", False)),
                    **{f: getattr(config, f) for f in ATTENTION_OPTION_FIELDS})
 
     def options(self) -> dict:
@@ -268,7 +274,7 @@ class KernelSpec:
         """JSON-able fields (the kernel library key's config part)."""
         return {f.name: (list(map(list, v)) if f.name == "paths" else v)
                 for f in fields(self) for v in [getattr(self, f.name)]
-                if f.name not in ("target_arch", "partial") or v}
+                if f.name not in ("target_arch", "partial", "attention_sinks") or v}
 
 
 __all__ = ["DTYPES", "KernelSpec", "PATH_ARCHS", "SWITCHES", "WG_PREFILL_TILES", "forced", "normalize_paths", "target_for_paths",

@@ -159,6 +159,26 @@ OP_SPECS += (
     _partial(_BASE["mla_attn_decode_paged"], (MLA,)),
 )
 
+# Learnable attention sinks (config ``attention_sinks``; gpt-oss): one more softmax logit per query head with a zero
+# value, ``sinks[h]`` in natural log and compared with the scaled scores ``sm_scale * q.k`` (transformers' gpt-oss
+# eager attention, FlashInfer's AttentionSink). In base-2 lse it is the state (o = 0, lse = sinks[h] * log2(e)),
+# merged once into a forward's final state, whatever its passes: after the last pass (apply_sinks) or inside the
+# last float32 merge (merge_state_partial_sinks, before the one rounding). Optional: only a sinks config's table
+# holds them (``ops_for``).
+_SINKS = _t("sinks", "Hq", dtype="float32")
+OP_SPECS += (
+    OpSpec("apply_sinks", (MHA, MLA), (), (
+        _t("o", "n", "Hq", "dv"), _t("lse", "n", "Hq", dtype="float32"), _SINKS),
+        "merge each row's state (o, lse) in place with its head's attention sink: a logit sinks[h] (natural log, "
+        "beside the scaled scores) whose value is 0"),
+    OpSpec("merge_state_partial_sinks", (MHA, MLA), (), (
+        _t("o_a", "n", "Hq", "dv", dtype="float32"), _t("lse_a", "n", "Hq", dtype="float32"),
+        _t("o_b", "n", "Hq", "dv", dtype="float32"), _t("lse_b", "n", "Hq", dtype="float32"), _SINKS,
+        _t("o", "n", "Hq", "dv")),
+        "as merge_state_partial, then the merged state with its head's attention sink (apply_sinks) before o "
+        "is rounded: the last merge of a multi-pass forward with sinks"),
+)
+
 #: op name -> its spec.
 SPECS: dict[str, OpSpec] = {s.name: s for s in OP_SPECS}
 
@@ -204,7 +224,7 @@ ATTENTION_OPS: tuple[str, ...] = tuple(s.name for s in OP_SPECS if any(a.name ==
 SPLIT_ROTARY, APPEND_KV, GATHER_KV, ATTN_PREFILL_RAGGED, ATTN_PREFILL_PAGED, ATTN_DECODE_PAGED, MERGE_STATE, \
     COPY_PAGE, COMPACT_COPY, MLA_APPEND_KV, MLA_GATHER_KV, MLA_ATTN_PREFILL_PAGED, MLA_ATTN_DECODE_PAGED, \
     ATTN_PREFILL_RAGGED_PARTIAL, ATTN_PREFILL_PAGED_PARTIAL, ATTN_DECODE_PAGED_PARTIAL, MERGE_STATE_PARTIAL, \
-    MLA_ATTN_PREFILL_PAGED_PARTIAL, MLA_ATTN_DECODE_PAGED_PARTIAL = OPS
+    MLA_ATTN_PREFILL_PAGED_PARTIAL, MLA_ATTN_DECODE_PAGED_PARTIAL, APPLY_SINKS, MERGE_STATE_PARTIAL_SINKS = OPS
 
 #: Attention op -> its partial-state variant (the same kernel writing a float32 ``o``).
 PARTIAL_OF: dict[str, str] = {ATTN_PREFILL_RAGGED: ATTN_PREFILL_RAGGED_PARTIAL,
@@ -219,11 +239,20 @@ BASE_OF: dict[str, str] = {v: k for k, v in PARTIAL_OF.items()}
 PARTIAL_OPS: tuple[str, ...] = tuple(op for op in OPS if op in BASE_OF or op == MERGE_STATE_PARTIAL)
 
 
+#: The attention-sink ops (``attention_sinks`` configs only). ``merge_state_partial_sinks`` is a float32-state op:
+#: a float32 cache leaves it out as it leaves out ``PARTIAL_OPS``, and a table holding the partial-state ops of a
+#: sinks config holds it too (the runtime checks, ``src/paged_kv_cache.cc``).
+SINK_OPS: tuple[str, ...] = (APPLY_SINKS, MERGE_STATE_PARTIAL_SINKS)
+
+
 def ops_for(config) -> tuple[str, ...]:
     """The ops a cache with ``config`` (a ``KVCacheConfig`` or ``KernelSpec``) uses, in ``OPS`` order: its
-    layer kind's, without the partial-state ops when its dtype is float32."""
-    out = OPS_BY_KIND[MLA if config.is_mla else MHA]
-    return tuple(op for op in out if op not in PARTIAL_OPS) if config.dtype == "float32" else out
+    layer kind's, without the partial-state ops when its dtype is float32, and the sink ops (``SINK_OPS``) only
+    when it has ``attention_sinks``."""
+    drop = set(SINK_OPS) if not getattr(config, "attention_sinks", False) else set()
+    if config.dtype == "float32":
+        drop |= {*PARTIAL_OPS, MERGE_STATE_PARTIAL_SINKS}
+    return tuple(op for op in OPS_BY_KIND[MLA if config.is_mla else MHA] if op not in drop)
 
 
 def check_op(name: str) -> str:

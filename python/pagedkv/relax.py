@@ -130,21 +130,39 @@ class PagedKVCache(Object):  # pylint: disable=too-few-public-methods
         super().__init__(
             _expr=rx.call_pure_packed("pagedkv.create", *args, ty_args=rx.AnyType()), _name=name)
 
+    @staticmethod
+    def _sinks(sinks: Tensor, num_qo_heads: Any, method: str) -> rx.Expr:
+        """The ``sinks`` argument of an attention method, checked while the model is built: float32
+        ``[num_qo_heads]``. (Whether the cache's config has ``attention_sinks`` is checked by the runtime at the
+        call: a model's methods get the cache as a parameter, which carries no config.)"""
+        ty = sinks._expr.ty  # pylint: disable=protected-access
+        shape = [int(x) if isinstance(x, tirx.IntImm) else x for x in ty.shape]
+        if ty.dtype != "float32" or len(shape) != 1 or (isinstance(shape[0], int) and shape[0] != int(num_qo_heads)):
+            raise ValueError(f"PagedKVCache.{method}: sinks must be float32 [{num_qo_heads}] (one logit per query "
+                             f"head), got {ty.dtype} {shape}")
+        return sinks._expr  # pylint: disable=protected-access
+
     #: As ``tvm.relax.frontend.nn.llm.PagedKVCache.extern_mods`` (model code that collects the cache's external
     #: modules reads it): pagedkv links its prebuilt objects through the exporter instead (``_add_extern_object``).
     extern_mods: list = []
 
-    # The methods below keep the names and signatures of tvm.relax.frontend.nn.llm.PagedKVCache.
+    # The methods below keep the names and signatures of tvm.relax.frontend.nn.llm.PagedKVCache; ``sinks`` is
+    # pagedkv's own keyword (learnable attention sinks, config ``attention_sinks``).
     # pylint: disable=protected-access
     def attention_with_fused_qkv(self, layer_id: int, qkv: Tensor, num_qo_heads: int,
-                                 sm_scale: float) -> Tensor:
-        """``qkv[b, s, Hq + 2 Hkv, D]`` -> ``o[b, s, Hq, D]``; appends the new k/v to the cache."""
+                                 sm_scale: float, *, sinks: Tensor | None = None) -> Tensor:
+        """``qkv[b, s, Hq + 2 Hkv, D]`` -> ``o[b, s, Hq, D]``; appends the new k/v to the cache.
+
+        ``sinks``: ``float32[Hq]`` learnable attention sinks (one more softmax logit per query head whose value is
+        0, natural log, beside the scaled scores; gpt-oss), on a config with ``attention_sinks``."""
         sm_scale = _sm_scale(sm_scale, "attention_with_fused_qkv")
         b, s, _, d = qkv._expr.ty.shape
         qkv = qkv.reshape(b * s, qkv.shape[2], d)
+        args = [self._expr, rx.prim_value(layer_id), rx.prim_value(sm_scale), qkv._expr]
+        if sinks is not None:
+            args.append(self._sinks(sinks, num_qo_heads, "attention_with_fused_qkv"))
         out = rx.call_dps_packed(
-            "pagedkv.attention_with_fused_qkv",
-            [self._expr, rx.prim_value(layer_id), rx.prim_value(sm_scale), qkv._expr],
+            "pagedkv.attention_with_fused_qkv" + ("_sinks" if sinks is not None else ""), args,
             out_ty=rx.TensorType((b * s, num_qo_heads, d), qkv.dtype))
         return Tensor(_expr=rx.BlockBuilder.current().emit(out)).reshape(b, s, num_qo_heads, d)
 
@@ -160,13 +178,19 @@ class PagedKVCache(Object):  # pylint: disable=too-few-public-methods
         return self._o_lse("pagedkv.self_attention", args, b, s, h_qo, d_v, q.dtype)
 
     def cross_attention(self, layer_id: int, q: Tensor, v_head_dim: int,
-                        sm_scale: float) -> tuple[Tensor, Tensor]:
-        """Attention of ``q`` over the cached k/v: ``(o[b, s, Hq, v_head_dim], lse[b, s, Hq])``."""
+                        sm_scale: float, *, sinks: Tensor | None = None) -> tuple[Tensor, Tensor]:
+        """Attention of ``q`` over the cached k/v: ``(o[b, s, Hq, v_head_dim], lse[b, s, Hq])``.
+
+        ``sinks``: as in ``attention_with_fused_qkv``, merged into the returned state; a model that merges this
+        with ``self_attention`` gives them here only (each query counts its sink once)."""
         sm_scale = _sm_scale(sm_scale, "cross_attention")
         b, s, h_qo, d_qk = q._expr.ty.shape
         args = [self._expr, rx.prim_value(layer_id), rx.prim_value(sm_scale),
                 q.reshape(b * s, h_qo, d_qk)._expr]
-        return self._o_lse("pagedkv.cross_attention", args, b, s, h_qo, v_head_dim, q.dtype)
+        if sinks is not None:
+            args.append(self._sinks(sinks, h_qo, "cross_attention"))
+        name = "pagedkv.cross_attention" + ("_sinks" if sinks is not None else "")
+        return self._o_lse(name, args, b, s, h_qo, v_head_dim, q.dtype)
 
     def attention_with_shared_kv(self, source_layer_id: int, q: Tensor, current_k: Tensor, current_v: Tensor,
                                  sm_scale: float) -> Tensor:

@@ -97,6 +97,7 @@ def config_from_args(args: argparse.Namespace) -> KVCacheConfig:
     without it) is refused with the config's own reason instead of being replaced."""
     common = dict(num_layers=1, num_qo_heads=args.num_qo_heads, dtype=args.dtype, page_size=args.page_size,
                   prefill_chunk_size=args.prefill_chunk_size, max_batch_size=args.max_batch_size,
+                  attention_sinks=args.attention_sinks, sink_size=args.sink_size,
                   **{f: getattr(args, f) for f in ATTENTION_OPTION_FIELDS})
     if args.kv_lora_rank:
         nope, rope = (MLA_DEFAULTS[f] if getattr(args, f) is None else getattr(args, f) for f in MLA_DEFAULTS)
@@ -132,6 +133,10 @@ def _parser() -> argparse.ArgumentParser:
     defaults = KVCacheConfig(num_layers=1, num_qo_heads=1, num_kv_heads=1, head_dim=2)
     for f in ATTENTION_OPTION_FIELDS:  # every attention option, by its config field (default: off)
         ap.add_argument(f"--{f.replace('_', '-')}", type=type(getattr(defaults, f)), default=getattr(defaults, f))
+    ap.add_argument("--attention-sinks", action="store_true",
+                    help="learnable attention sinks (gpt-oss): adds the sink ops")
+    ap.add_argument("--sink-size", type=int, default=0,
+                    help="StreamingLLM sink tokens beside --sliding-window (changes no kernel)")
     ap.add_argument("--kv-lora-rank", type=int, default=0, help="MLA: > 0 makes an MLA cache")
     ap.add_argument("--qk-nope-head-dim", type=int, default=None, help="MLA only; default 128")
     ap.add_argument("--qk-rope-head-dim", type=int, default=None, help="MLA only; default 64")

@@ -258,7 +258,7 @@ def run_decode(built: Built, cfg, ents, pages, page_indptr, page_values, last, p
     env = {"B": B, "_p": pages.shape[0], "ps": ps, "nnz": len(page_values), "apply_rope": apply_rope,
            "sm_scale": sm_scale, "rope_scale": scale, "rope_theta": theta, "dev_id": 0,
            "max_kv_len": max(e[1].shape[0] for e in ents) if max_kv_len is None else max_kv_len}
-    runs = launches(built.main, env)
+    runs = launch(built, arrays, env)
     assert env["S"] <= max_splits, env["S"]
     assert len(runs) == (2 if env["S"] > 1 else 1), (runs, env.get("S"))
     run_launches(built, runs, arrays)
@@ -281,6 +281,14 @@ def run_launches(built: Built, runs, arrays: dict) -> None:
         grid = [int(dims.get(k, 1)) for k in ("blockIdx.x", "blockIdx.y", "blockIdx.z", "threadIdx.x",
                                               "threadIdx.y", "threadIdx.z")]
         built.lib.run(kname.encode(), ptrs, nums, (ctypes.c_int * 6)(*grid))
+
+
+def launch(built: Built, arrays: dict, env: dict) -> list:
+    """Run the host function's kernel launches for ``env`` (its shape and scalar variables by name) on ``arrays``
+    (numpy arrays by buffer name); returns the launches ``[(kernel, args)]``."""
+    runs = launches(built.main, env)
+    run_launches(built, runs, arrays)
+    return runs
 
 
 def check_against_reference(name, cfg, ents, o, lse, apply_rope: int, theta: float, scale: float, sm_scale: float):

@@ -130,8 +130,9 @@ def test_bundle_builds_every_kernel_library_of_the_gpu_suite(tmp_path):
 
     scen, mask = _gpu_module("test_scenarios_gpu"), _gpu_module("test_kernels_masking_gpu")
     paths, fi = _gpu_module("test_cuda_paths_gpu"), _gpu_module("test_flashinfer_gpu")
-    tc = _gpu_module("test_prefill_tc_gpu")
+    tc, sinks = _gpu_module("test_prefill_tc_gpu"), _gpu_module("test_sinks_gpu")
     need = [(s.config(), {}) for s in scen.SHAPES + mask.SHAPES + fi.SHAPES]
+    need += [(c, {}) for c in sinks.SINK_GPU_CONFIGS.values()]
     need += [(s.config(), p) for s, p in paths.LIBRARIES + tc.LIBRARIES]
     assert any(p for _, p in need), "the GPU suite forces no path"
     want = {f"kernels-{_lookup_key(c, p)}.so" for c, p in need}

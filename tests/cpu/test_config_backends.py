@@ -29,18 +29,25 @@ BASE = dict(num_layers=2, num_qo_heads=8, num_kv_heads=2, head_dim=64, dtype="fl
     (dict(layer_kinds=("mha", "xla")), ["unknown layer kinds ['xla']"]),
     (dict(layer_kinds=("mha", "mla")), ["one layer kind", "'mha' at layers [0] and 'mla' at [1]"]),
     (dict(kv_lora_rank=64), ["kv_lora_rank need MLA layers"]),
-    (dict(schema_version=5), ["schema_version 5 is outside [1, 4]"]),
+    (dict(schema_version=6), ["schema_version 6 is outside [1, 5]"]),
+    (dict(attention_sinks=True, schema_version=4), ["schema_version 4 is outside [5, 5]"]),
+    (dict(attention_sinks=1), ["attention_sinks must be a bool, got 1"]),
+    (dict(sink_size=2), ["sink_size 2 needs a sliding_window"]),
+    (dict(sink_size=9, sliding_window=8), ["sink_size 9 must be <= sliding_window 8"]),
+    (dict(sink_size=-1, sliding_window=8), ["sink_size must be an int >= 0 (0: off), got -1"]),
+    (dict(sink_size=2, sliding_window=8, cuda_graph_batch=4), ["sink_size with cuda_graph_batch"]),
+    (dict(sink_size=2, sliding_window=8, schema_version=4), ["schema_version 4 is outside [5, 5]"]),
     (dict(cuda_graph_batch=-1), ["cuda_graph_batch must be an int >= 0 (0: off), got -1"]),
     (dict(cuda_graph_batch=True), ["cuda_graph_batch must be an int >= 0"]),
     (dict(cuda_graph_batch=2, max_batch_size=4), ["max_batch_size=4 is larger than cuda_graph_batch=2"]),
-    (dict(cuda_graph_batch=4, schema_version=3), ["schema_version 3 is outside [4, 4]"]),
+    (dict(cuda_graph_batch=4, schema_version=3), ["schema_version 3 is outside [4, 5]"]),
     (dict(sliding_window=-1), ["sliding_window must be an int >= 0 (0: off), got -1"]),
     (dict(sliding_window=2.5), ["sliding_window must be an int >= 0"]),
     (dict(sliding_window=True), ["sliding_window must be an int >= 0"]),
     (dict(logits_soft_cap=-1.0), ["logits_soft_cap must be a finite number >= 0 (0: off), got -1.0"]),
     (dict(logits_soft_cap=float("nan")), ["logits_soft_cap must be a finite number"]),
     (dict(logits_soft_cap=float("inf")), ["logits_soft_cap must be a finite number"]),
-    (dict(sliding_window=8, schema_version=2), ["schema_version 2 is outside [3, 4]"]),
+    (dict(sliding_window=8, schema_version=2), ["schema_version 2 is outside [3, 5]"]),
     # RoPE's numbers enter every angle: NaN, inf, zero or negative would rotate silently wrong
     (dict(rope_theta=0.0), ["rope_theta must be a finite number > 0, got 0.0"]),
     (dict(rope_theta=-10000.0), ["rope_theta must be a finite number > 0, got -10000.0"]),
@@ -189,10 +196,13 @@ def test_resolve_explicit_tir():
     assert list(res.choice) == list(ops.ops_for(CFG))
     assert res.reasons == {}
     assert res.report() == ", ".join(f"{op}=tir" for op in ops.ops_for(CFG))
-    # a float32 cache's op table leaves out the partial-state ops (its kernels already write float32)
-    assert set(ops.OPS_BY_KIND["mha"]) - set(res.choice) == set(ops.PARTIAL_OPS) & set(ops.OPS_BY_KIND["mha"])
-    half = CFG.replace(dtype="float16")
+    # a float32 cache's op table leaves out the partial-state ops (its kernels already write float32), and a cache
+    # without attention_sinks the sink ops
+    left_out = (set(ops.PARTIAL_OPS) | set(ops.SINK_OPS)) & set(ops.OPS_BY_KIND["mha"])
+    assert set(ops.OPS_BY_KIND["mha"]) - set(res.choice) == left_out
+    half = CFG.replace(dtype="float16", attention_sinks=True)
     assert list(backends.resolve(half, "llvm", "tir").choice) == list(ops.OPS_BY_KIND["mha"])
+    assert ops.SINK_OPS[0] in backends.resolve(CFG.replace(attention_sinks=True), "llvm", "tir").choice
     assert backends.resolve(CFG, "llvm", ["tir"]).choice == res.choice
 
 
@@ -292,7 +302,7 @@ def test_mla_config_fields_and_json():
     assert cfg.is_mla and cfg.latent_dim == 96 and cfg.head_dim == 64 and cfg.v_dim == 48
     assert cfg.kinds == ("mla", "mla") and cfg.num_kv_heads == 4 and cfg.rope_mode == "none"
     d = json.loads(cfg.to_json())
-    assert d["schema_version"] == 2 and SCHEMA_VERSION == 4
+    assert d["schema_version"] == 2 and SCHEMA_VERSION == 5
     assert (d["kv_lora_rank"], d["qk_nope_head_dim"], d["qk_rope_head_dim"]) == (64, 32, 32)
     assert _from_dict(d) == cfg
     with pytest.raises(ValueError, match=r"MLA head_dim \(60\) must be qk_nope_head_dim"):
@@ -328,10 +338,32 @@ def test_attention_options_schema_and_json():
 
 
 def test_cuda_graph_batch_schema_and_json():
-    """cuda_graph_batch needs schema 4 (SCHEMA_VERSION); configs without it keep their lower schema."""
+    """cuda_graph_batch needs schema 4; configs without it keep their lower schema."""
     graph = KVCacheConfig(**BASE).replace(cuda_graph_batch=8)
-    assert graph.schema_version == 4 == SCHEMA_VERSION
+    assert graph.schema_version == 4 < SCHEMA_VERSION
     d = json.loads(graph.to_json())
     assert d["cuda_graph_batch"] == 8 and _from_dict(d).to_dict() == graph.to_dict()
     assert graph.replace(cuda_graph_batch=0).schema_version == 1
     assert "cuda_graph_batch" not in json.loads(graph.replace(cuda_graph_batch=0).to_json())
+
+
+def test_attention_sinks_schema_and_json():
+    """attention_sinks needs schema 5 (SCHEMA_VERSION), MHA and MLA; configs without it keep their lower schema, and
+    their JSON has no such key (libraries compiled with them load in older runtimes)."""
+    sinks = KVCacheConfig(**BASE).replace(attention_sinks=True)
+    assert sinks.schema_version == 5 == SCHEMA_VERSION
+    d = json.loads(sinks.to_json())
+    assert d["attention_sinks"] is True and _from_dict(d).to_dict() == sinks.to_dict()
+    assert sinks.replace(attention_sinks=False).schema_version == 1
+    assert "attention_sinks" not in json.loads(sinks.replace(attention_sinks=False).to_json())
+    mla = KVCacheConfig.mla(num_layers=1, num_heads=4, kv_lora_rank=16, qk_nope_head_dim=8, qk_rope_head_dim=8,
+                            v_head_dim=16, attention_sinks=True)
+    assert mla.schema_version == 5 and ops.APPLY_SINKS in ops.ops_for(mla)
+    assert KVCacheConfig.from_dict(d) == sinks
+    with pytest.raises(TypeError, match="attention_sinks must be a bool"):
+        KVCacheConfig.from_dict({**d, "attention_sinks": 1})
+    with pytest.raises(ValueError, match=r"keys \['attention_sinks', 'sink_size'\] need schema_version >= 5"):
+        KVCacheConfig.from_dict({**d, "schema_version": 4})
+    tokens = KVCacheConfig(**BASE, sliding_window=64, sink_size=4)
+    assert tokens.schema_version == 5 and KVCacheConfig.from_json(tokens.to_json()) == tokens
+    assert tokens.replace(sink_size=0).schema_version == 3

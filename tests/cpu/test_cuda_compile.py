@@ -2,8 +2,8 @@
 
 No GPU is needed (TVM returns a source-only CUDA module when no CUDA driver is loaded; the source is
 also kept when one is). Per kernel configuration the test checks that
-(a) ``tvm.compile`` of every MHA op (fp16 / bf16: the partial-state variants too) for ``sm_90`` (and for a
-    generic CUDA target) succeeds and the source holds a ``__global__`` kernel for every op, with explicit thread
+(a) ``tvm.compile`` of every MHA op (fp16 / bf16: the partial-state variants too; the attention-sink ops, whose
+    specs here have ``attention_sinks``) for ``sm_90`` (and for a generic CUDA target) succeeds and the source holds a ``__global__`` kernel for every op, with explicit thread
     bindings, and
 (b) ``nvcc --cubin -arch=sm_90a -O3`` compiles that source (one ``.cu`` per configuration, the nvcc jobs
     of all configurations run in parallel; skipped when nvcc is absent) without register spills.
@@ -65,10 +65,15 @@ def _generic_cuda_target() -> Target:
     return Target({"kind": "cuda"}, host="llvm")
 
 
+def _spec(cfg: tuple) -> tk.KernelSpec:
+    """The spec of a ``CONFIGS`` entry, with the attention-sink ops (two small elementwise kernels)."""
+    return tk.KernelSpec(*cfg, attention_sinks=True)
+
+
 @functools.cache
 def cuda_source(cfg: tuple, kind: str = "sm90") -> str:
-    """CUDA source of all nine ops for ``cfg`` (cached per session); ``kind`` is "sm90" or "generic"."""
-    return ops_cuda_source(tk.KernelSpec(*cfg), None, SM80 if kind == "sm90" else _generic_cuda_target())
+    """CUDA source of every op for ``cfg`` (cached per session); ``kind`` is "sm90" or "generic"."""
+    return ops_cuda_source(_spec(cfg), None, SM80 if kind == "sm90" else _generic_cuda_target())
 
 
 def _sm90_source(cfg):
@@ -90,10 +95,11 @@ def nvcc_results(tmp_path_factory):
 
 @pytest.mark.parametrize("cfg", CONFIGS, ids=IDS)
 def test_every_op_lowers_to_cuda(cfg):
-    funcs = tk.build_kernels(tk.KernelSpec(*cfg), SM80)
+    funcs = tk.build_kernels(_spec(cfg), SM80)
     # every MHA op; fp16 / bf16 also the partial-state variants (o float32), which float32 leaves out
-    assert list(funcs) == list(ops_for(tk.KernelSpec(*cfg)))
+    assert list(funcs) == list(ops_for(_spec(cfg)))
     assert ("attn_decode_paged_partial" in funcs) == (cfg[4] != "float32")
+    assert ("merge_state_partial_sinks" in funcs) == (cfg[4] != "float32") and "apply_sinks" in funcs
     for op, func in funcs.items():
         assert func.attrs["global_symbol"] == f"pagedkv_{op}"
         assert bool(func.attrs["tirx.is_scheduled"]), op
@@ -110,7 +116,8 @@ def test_generic_cuda_target_lowers():
     """A CUDA target without an arch lowers every op (on the float32 config: CUDA-core kernels only, whichever
     the arch, a small compile; it builds no partial-state ops)."""
     src = cuda_source(CONFIGS[1], "generic")
-    for op in (o for o in tk.OPS_BY_KIND["mha"] if o not in PARTIAL_OPS):
+    assert not set(ops_for(_spec(CONFIGS[1]))) & set(PARTIAL_OPS)
+    for op in ops_for(_spec(CONFIGS[1])):
         assert f"pagedkv_{op}_kernel" in src
 
 

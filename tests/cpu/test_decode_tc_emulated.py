@@ -16,14 +16,18 @@ inputs each run, NaN-poisoned outputs. Skips without g++.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import shutil
 
+import numpy as np
 import pytest
 import torch
-from _decode_emu import TC_SWITCHES, build, check_against_reference, inputs, run_decode, set_tc_switch
+from _decode_emu import (TC_SWITCHES, build, check_against_reference, inputs, launch, run_decode, set_tc_switch,
+                         storage, values)
 
 from pagedkv import tir_kernels as tk
+from pagedkv.testing import reference as R
 
 #: name -> (config, forced split count or "auto").
 CONFIGS = {
@@ -196,3 +200,78 @@ def test_emulated_tc_decode_switches(switch, tmp_path, monkeypatch):
         assert env["S"] == int(splits)
         check_against_reference(f"{switch}-d{d}-s{splits}-rope{rope}", cfg, ents, o, lse, rope, THETA, SCALE,
                                 sm_scale)
+
+
+#: Sinks of 8 query heads (+-8: a dropped sink is obvious; +-3: about a row's own softmax mass, a doubled one).
+SINKS = torch.tensor([8.0, -8.0, 3.0, -3.0, 0.5, -0.5, 2.0, -2.0])
+
+
+def _sink_kernels(cfg, workdir):
+    """The CUDA sink kernels of ``cfg`` (``tir_kernels/sinks_cuda.py``) on the emulator, by op."""
+    return {op: build(cfg, {}, workdir / op, op=op) for op in ("apply_sinks", "merge_state_partial_sinks")}
+
+
+def test_emulated_split_decode_then_sinks(built, tmp_path):
+    """A one-pass decode forward with sinks on CUDA: the tensor-core decode split three ways (workspace + merge
+    kernel), then ``apply_sinks``. Each query counts its head's sink once, not once per split: within tolerance of
+    the reference with the sinks, far from it without them and with them doubled; an entry without keys gets
+    ``o = 0``, ``lse = the sink``. Then the emulated ``merge_state_partial_sinks``, and NaN through both kernels."""
+    name = "4x1x64-bf16-s3"
+    cfg, splits = CONFIGS[name]
+    cfg8 = tk.KernelSpec(8, 2, 64, 64, "bfloat16")  # the sink kernels read only Hq and the dtype
+    hq = cfg.num_qo_heads
+    sinks = SINKS[:hq].numpy().astype(np.float32)
+    gen = torch.Generator().manual_seed(int(torch.randint(0, 2**31 - 1, (1,))))
+    ents, pages, page_indptr, page_values, last = inputs(cfg, gen, LENGTHS, PS)
+    sm_scale = 0.9 / math.sqrt(cfg.head_dim)
+    o, lse, env = run_decode(built(name), cfg, ents, pages, page_indptr, page_values, last, PS, 0, sm_scale, THETA,
+                             SCALE)
+    assert env["S"] == int(splits)
+    kernels = _sink_kernels(dataclasses.replace(cfg8, num_qo_heads=hq, num_kv_heads=1), tmp_path)
+    o_st, lse_st = storage(o, cfg.dtype), lse.numpy().astype(np.float32)
+    launch(kernels["apply_sinks"], {"o": o_st, "lse": lse_st, "sinks": sinks},
+           {"n": len(ents), "DV": cfg.head_dim, "dev_id": 0})
+    got_o, got_l = values(o_st, cfg.dtype), torch.from_numpy(lse_st).double()
+    for b, (eq, ek, ev, _off) in enumerate(ents):
+        miss = {}
+        for what, s in (("sinks", SINKS[:hq]), ("none", None), ("doubled", SINKS[:hq] + math.log(2))):
+            ro, rl = R.attention(eq, ek, ev, sm_scale, True, sinks=s)
+            rel = ((got_o[b] - ro[0]).norm(dim=1) / ro[0].norm(dim=1).clamp_min(1e-6)).max().item()
+            miss[what] = max(rel, (got_l[b] - rl[0]).abs().max().item() / 10)
+        assert miss["sinks"] < 1e-2 and min(miss["none"], miss["doubled"]) > 5e-2, f"entry {b}: {miss}"
+    assert torch.all(got_o[1] == 0) and torch.allclose(got_l[1], SINKS[:hq].double() / math.log(2))
+    _emulated_sink_nan_and_partial_merge(kernels, hq)
+
+
+def _emulated_sink_nan_and_partial_merge(kernels, hq: int):
+    """``merge_state_partial_sinks`` (float32 states, an empty pair, o rounded once) and NaN through both kernels:
+    a NaN lse or o stays NaN in its row and goes nowhere else."""
+    gen = torch.Generator().manual_seed(7)
+    n, dv = 4, 80  # dv past two warp strides, not a multiple of 32
+    sinks = SINKS[:hq]
+    o_a, o_b = (torch.randn(n, hq, dv, generator=gen) for _ in range(2))
+    l_a, l_b = (torch.randn(n, hq, generator=gen) * 4 for _ in range(2))
+    o_a[0], o_b[0], l_a[0], l_b[0] = 0, 0, R.EMPTY_LSE, R.EMPTY_LSE
+    l_a[1, 1], o_b[2, 0, 3] = math.nan, math.nan
+    want_o, want_l = R.apply_sinks(*R.merge_states(o_a.double(), l_a.double(), o_b.double(), l_b.double()), sinks)
+    arrays = {"o_a": o_a.numpy().copy(), "lse_a": l_a.numpy().copy(), "o_b": o_b.numpy().copy(),
+              "lse_b": l_b.numpy().copy(), "sinks": sinks.numpy().copy(), "o": storage(torch.full_like(o_a, math.nan),
+                                                                                       "bfloat16")}
+    launch(kernels["merge_state_partial_sinks"], arrays, {"n": n, "DV": dv, "dev_id": 0})
+    for got, want_state, tol in ((torch.from_numpy(arrays["o_a"]).double(), want_o, 1e-5),
+                                 (values(arrays["o"], "bfloat16"), want_o, 1e-2)):
+        assert torch.equal(torch.isnan(got), torch.isnan(want_state)), "NaN lost or leaked"
+        ok = ~torch.isnan(want_state)
+        assert torch.allclose(got[ok], want_state[ok], rtol=tol, atol=tol)
+    got_l = torch.from_numpy(arrays["lse_a"]).double()
+    assert torch.equal(torch.isnan(got_l), torch.isnan(want_l))
+    assert torch.allclose(got_l[~torch.isnan(want_l)], want_l[~torch.isnan(want_l)], atol=1e-4)
+    # apply_sinks on a NaN lse and a NaN o element
+    o, lse = torch.randn(2, hq, dv, generator=gen), torch.randn(2, hq, generator=gen)
+    lse[0, 2], o[1, 3, 7] = math.nan, math.nan
+    want_o, want_l = R.apply_sinks(o.to(torch.bfloat16).double(), lse.double(), sinks)
+    arrays = {"o": storage(o, "bfloat16"), "lse": lse.numpy().copy(), "sinks": sinks.numpy().copy()}
+    launch(kernels["apply_sinks"], arrays, {"n": 2, "DV": dv, "dev_id": 0})
+    got = values(arrays["o"], "bfloat16")
+    assert torch.equal(torch.isnan(got), torch.isnan(want_o))
+    assert torch.equal(torch.isnan(torch.from_numpy(arrays["lse"])), torch.isnan(want_l))

@@ -9,7 +9,8 @@ as FlashInfer's kernels read them, writing FlashInfer's empty state (lse = -inf)
 - the scenario suite, fine-grained (self/cross/merge, empty rows checked), through the adapters for MHA
   (fa2 and fa3 argument lists) and MLA, against the PyTorch reference, in float32 and (a subset) bfloat16;
 - every tensor FlashInfer gets has byte_offset 0 (its bindings ignore byte_offset) and strides (read unchecked);
-- the MLA plan's staged metadata reaches the device int workspace.
+- the MLA plan's staged metadata reaches the device int workspace;
+- learnable sinks merged by TIR's sink ops into the states FlashInfer's ops return, MHA and MLA.
 Numerics of FlashInfer itself need the GPU (tests/gpu)."""
 
 from __future__ import annotations
@@ -64,12 +65,13 @@ def make_cache(cfg, empty_rows, kinds: dict[str, str], *, partial: bool = False)
     serving them) such forwards run on TIR's float32 partial states."""
     from pagedkv import ops as O
 
-    tir_ops = tuple(op for op in O.ops_for(cfg) if partial or op not in O.PARTIAL_OPS)
+    # TIR compiles the other ops only (the attention kernels are most of a library's compile time)
+    tir_ops = tuple(op for op in O.ops_for(cfg) if (partial or op not in O.PARTIAL_OPS) and op not in kinds)
     module, table = _compile_op_table(cfg, "llvm", tuple((op, "tir") for op in tir_ops))
     # the config's attention options in FlashInfer's terms: every plan and run must be given exactly these
     fake = FakeFlashInfer(window_left=cfg.sliding_window - 1 if cfg.sliding_window else -1,
                           soft_cap=cfg.logits_soft_cap, cuda_graph=bool(cfg.cuda_graph_batch))
-    table = [fake.entry(e[0], kinds[e[0]], empty_rows[1]) if e[0] in kinds else e for e in table]
+    table = table + [fake.entry(op, kind, empty_rows[1]) for op, kind in kinds.items()]
     ref = torch.empty((1,), dtype=torch.float32)
     handle = get_global("pagedkv.create")(cfg.to_json(), (), table, _to_ffi(ref))
     cache = KVCache(handle, cfg, torch.device("cpu"), None, keepalive=(module, empty_rows[0]))
@@ -469,3 +471,40 @@ def test_graph_plan_that_changes_is_refused(empty_rows):
         cache.begin_forward([0, 1, 2], [1, 1, 1])
     assert [cache.get_sequence_length(s) for s in (0, 1, 2)] == [8, 5, 11]
     _step(cache, cfg, [0, 1, 2], [1, 1, 1], 0.125)
+
+
+@pytest.mark.parametrize("mla", [False, True], ids=["mha", "mla"])
+def test_sinks_after_flashinfer_runs(mla, empty_rows, gen):
+    """Learnable sinks with the attention ops on the FlashInfer adapters: FlashInfer's ops return their lse (its
+    empty rows' -inf floored to -1e30 by ``empty_rows``), so TIR's sink ops merge the sinks into their states and
+    FlashInfer needs no sink variant. Every output is within tolerance of the reference with the sinks and far from
+    it without them and with them doubled (``pagedkv.testing.sinks``): one-pass and prefix-shared forwards, a split
+    prefill, an MLA view of an empty sequence."""
+    from pagedkv.testing.sinks import SinkRun
+
+    cfg = (MLA_CFG if mla else MHA_CFG).replace(attention_sinks=True)
+    cache, fake = make_cache(cfg, empty_rows, {op: "mla" for op in MLA_FI_OPS} if mla else MHA_KINDS["fa2"])
+    run = SinkRun(cache, gen)
+    step = run.mla if mla else run.fused
+    run.each("add_sequence", 0)
+    step({0: 6})
+    step({0: 1})
+    for child in (1, 2):
+        run.each("fork_sequence", 0, child, 4)
+    step({1: 1, 2: 1})
+    run.each("add_sequence", 3)
+    step({3: 3, 1: 2, 2: 2})
+    assert fake.count("mla.run" if mla else "prefill_fa2.paged_run") > 0
+
+
+@pytest.mark.parametrize("scenario", ["mixed_prefill_decode"])  # (forks: test_sinks.py, test_sinks_runtime.py)
+def test_sink_token_scenarios_through_the_adapters(empty_rows, scenario, gen):
+    """StreamingLLM sink tokens (sink_size 3 beside a window of 7) on FlashInfer's window kernels: the runtime's sink
+    passes read each chain's first pages, every entry inside one window, so FlashInfer's window serves them as it
+    is (a prefill's non-causal sink pass among its plans); against the reference."""
+    cfg = MHA_CFG.replace(**SCENARIO_CAPACITY, **OPTIONS["window"], sink_size=3)
+    cache, fake = make_cache(cfg, empty_rows, MHA_KINDS["fa2"])
+    runner = ScenarioRunner(cache, gen, random_sm_scale(gen, cfg.head_dim), fine_grained=True)
+    runner.run(SCENARIOS[scenario](cfg.page_size), scenario)
+    plans = [c for n, c in fake.calls if n == "prefill_fa2.plan"]
+    assert any(p["causal"] is False for p in plans) and all(p["window_left"] == 6 for p in plans)

@@ -71,9 +71,10 @@ def _kernel_configs():
     from pagedkv.tir_kernels import KernelSpec
 
     return {
-        "mha_f16_gqa4": KernelSpec(8, 2, 64, 64, "float16"),
+        "mha_f16_gqa4_sinks": KernelSpec(8, 2, 64, 64, "float16", attention_sinks=True),
         "mha_f32_gqa3_window_cap": KernelSpec(6, 2, 32, 32, "float32", sliding_window=7, logits_soft_cap=2.0),
-        "mla_f32": KernelSpec(4, 4, 96, 64, "float32", kv_lora_rank=64, qk_rope_head_dim=32),
+        "mla_f32_sinks": KernelSpec(4, 4, 96, 64, "float32", kv_lora_rank=64, qk_rope_head_dim=32,
+                                    attention_sinks=True),
     }
 
 
@@ -112,10 +113,14 @@ def test_prim_funcs_match_the_table(name, target):
     values = ops.shape_values(cfg)
     tgt = "llvm" if target == "llvm" else {"kind": "cuda", "arch": "sm_90"}
     funcs = build_kernels(cfg, tgt)
-    # every op of the layer kind; a float32 spec leaves out the partial-state ops (its kernels write float32)
+    # every op of the layer kind; a float32 spec leaves out the partial-state ops (its kernels write float32), a
+    # spec without attention_sinks the sink ops
     assert tuple(funcs) == ops.ops_for(cfg)
     kind = set(ops.OPS_BY_KIND[ops.MLA if cfg.is_mla else ops.MHA])
-    assert kind - set(funcs) == (kind & set(ops.PARTIAL_OPS) if cfg.dtype == "float32" else set())
+    left_out = set() if cfg.attention_sinks else set(ops.SINK_OPS)
+    if cfg.dtype == "float32":
+        left_out |= (kind & set(ops.PARTIAL_OPS)) | {ops.MERGE_STATE_PARTIAL_SINKS}
+    assert kind - set(funcs) == left_out
     for op, func in funcs.items():
         spec = ops.SPECS[op]
         assert func.attrs["global_symbol"] == spec.symbol

@@ -64,13 +64,15 @@ def rope(x, pos, scale, theta):
     return np.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1)
 
 
-def attend(q, k, v, sm_scale, causal):
-    """q[a,Hq,D], k/v[m,Hkv,D] -> o[a,Hq,D], lse[a,Hq] (base 2); bottom-right causal; empty -> (0, -1e30)."""
+def attend(q, k, v, sm_scale, causal, sinks=None, window=0, sink_size=0):
+    """q[a,Hq,D], k/v[m,Hkv,D] -> o[a,Hq,D], lse[a,Hq] (base 2); bottom-right causal; empty -> (0, -1e30).
+    ``sinks[Hq]``: one more logit per head (natural log) whose value is 0, seen by every row. ``window``: row t (at
+    key position m - a + t) sees keys j > m - a + t - window only, or j < ``sink_size``."""
     a, hq, d = q.shape
     m = k.shape[0]
     o = np.zeros((a, hq, v.shape[-1]))
     lse = np.full((a, hq), EMPTY_LSE)
-    if m == 0:
+    if m == 0 and sinks is None:
         return o, lse
     group = hq // k.shape[1]
     kk = np.repeat(k, group, axis=1)  # [m, Hq, D]
@@ -79,6 +81,12 @@ def attend(q, k, v, sm_scale, causal):
     if causal:
         mask = np.arange(m)[None, :] <= (m - a + np.arange(a))[:, None]
         s = np.where(mask[:, None, :], s, -np.inf)
+    if window:
+        j, p = np.arange(m)[None, :], (m - a + np.arange(a))[:, None]
+        s = np.where(((j > p - window) | (j < sink_size))[:, None, :], s, -np.inf)
+    if sinks is not None:
+        s = np.concatenate([s, np.broadcast_to(np.asarray(sinks, np.float64)[None, :, None], (a, hq, 1))], axis=-1)
+        vv = np.concatenate([vv, np.zeros((1,) + vv.shape[1:])])
     mx = s.max(-1, keepdims=True)
     valid = np.isfinite(mx[..., 0])
     e = np.exp(s - np.where(np.isfinite(mx), mx, 0))
@@ -91,8 +99,9 @@ def attend(q, k, v, sm_scale, causal):
 class NumpyKernels:
     """The ABI ops as Python functions; ``calls`` logs (op, info) for tests that look at orchestration."""
 
-    def __init__(self):
+    def __init__(self, window=0):
         self.calls = []
+        self.window = window  # the config's sliding_window: a compile-time option of the kernels
 
     def table(self, drop=()):
         # late-bound, so a test can swap one op for a spy after creation
@@ -137,7 +146,7 @@ class NumpyKernels:
             if apply_rope:
                 qq = rope(qq, qp[qi[b]:qi[b + 1]], rope_scale, rope_theta)
                 kk = rope(kk, kpo[b] + np.arange(len(kk)), rope_scale, rope_theta)
-            ob, lb = attend(qq, kk, N(v)[ki[b]:ki[b + 1]].astype(np.float64), sm_scale, causal)
+            ob, lb = attend(qq, kk, N(v)[ki[b]:ki[b + 1]].astype(np.float64), sm_scale, causal, window=self.window)
             N(o)[qi[b]:qi[b + 1]] = ob
             N(lse)[qi[b]:qi[b + 1]] = lb
 
@@ -163,7 +172,7 @@ class NumpyKernels:
             if apply_rope:
                 qq = rope(qq, qp[qi[b]:qi[b + 1]], rope_scale, rope_theta)
                 kk = rope(kk, kpo[b] + np.arange(len(kk)), rope_scale, rope_theta)
-            ob, lb = attend(qq, kk, vv, sm_scale, causal)
+            ob, lb = attend(qq, kk, vv, sm_scale, causal, window=self.window)
             N(o)[qi[b]:qi[b + 1]] = ob
             N(lse)[qi[b]:qi[b + 1]] = lb
 
@@ -177,7 +186,7 @@ class NumpyKernels:
             if apply_rope:
                 qq = rope(qq, qp[b:b + 1], rope_scale, rope_theta)
                 kk = rope(kk, kpo[b] + np.arange(len(kk)), rope_scale, rope_theta)
-            ob, lb = attend(qq, kk, vv, sm_scale, False)
+            ob, lb = attend(qq, kk, vv, sm_scale, False, window=self.window)
             N(o)[b] = ob[0]
             N(lse)[b] = lb[0]
 
@@ -203,6 +212,22 @@ class NumpyKernels:
         oa, ob = N(o_a).astype(np.float64), N(o_b).astype(np.float64)
         N(o_a)[...] = (oa * wa[..., None] + ob * wb[..., None]) / (wa + wb)[..., None]
         N(lse_a)[...] = np.where(m <= EMPTY_LSE, EMPTY_LSE, m + np.log2(wa + wb))
+
+    def apply_sinks(self, o, lse, sinks):
+        self.calls.append(("apply_sinks", str(N(o).dtype)))
+        self._merge_sinks(o, lse, sinks)
+
+    def merge_state_partial_sinks(self, o_a, lse_a, o_b, lse_b, sinks, o):
+        self.calls.append(("merge_state_partial_sinks", tuple(str(N(x).dtype) for x in (o_a, o_b, o))))
+        self._merge(o_a, lse_a, o_b, lse_b)
+        self._merge_sinks(o_a, lse_a, sinks)
+        N(o)[...] = N(o_a)
+
+    @staticmethod
+    def _merge_sinks(o, lse, sinks):
+        """(o, lse) merged with each head's sink state (o = 0, lse = sinks[h] * log2(e))."""
+        sink_lse = np.broadcast_to(N(sinks).astype(np.float64) / math.log(2), N(lse).shape).astype(np.float32)
+        NumpyKernels._merge(o, lse, np.zeros_like(N(o)), sink_lse)
 
     def copy_page(self, pages, src_page, dst_page, num_tokens):
         self.calls.append(("copy_page", (src_page, dst_page, num_tokens)))
@@ -245,7 +270,7 @@ class Harness:
 
     def __init__(self, seed=0, poison=True, drop=(), **kw):
         self.cfg = config(**kw)
-        self.k = NumpyKernels()
+        self.k = NumpyKernels(window=self.cfg.get("sliding_window", 0))
         self.cache = create(self.cfg, self.k, drop=drop)
         if poison:
             g("debug_poison_pages")(self.cache, True)
@@ -282,8 +307,9 @@ class Harness:
         return self.call("get_sequence_length", s)
 
     # -- forward --
-    def forward(self, batch: dict, sm_scale=0.3, check=True, tol=None):
-        """One forward of every layer through attention_with_fused_qkv, checked against the reference."""
+    def forward(self, batch: dict, sm_scale=0.3, check=True, tol=None, sinks=None):
+        """One forward of every layer through attention_with_fused_qkv (``_sinks`` with ``sinks``), checked
+        against the reference."""
         ids, lens = list(batch), list(batch.values())
         self.call("begin_forward", ids, lens)
         n = sum(lens)
@@ -292,16 +318,19 @@ class Harness:
         for layer in range(self.L):
             qkv = self.rng.standard_normal((n, width, self.d)).astype(self.np_dtype)
             o = np.full((n, self.hq, self.d), np.nan, self.np_dtype)
-            self.call("attention_with_fused_qkv", layer, sm_scale, T(qkv), T(o))
+            if sinks is None:
+                self.call("attention_with_fused_qkv", layer, sm_scale, T(qkv), T(o))
+            else:
+                self.call("attention_with_fused_qkv_sinks", layer, sm_scale, T(qkv), T(sinks), T(o))
             outs.append((qkv.astype(np.float64), o.astype(np.float64)))
         qpos = N(self.call("get_query_positions")).copy()
         self.call("end_forward")
         expect_pos = np.concatenate([np.arange(self.ref[s][0].shape[1], self.ref[s][0].shape[1] + a)
                                      for s, a in batch.items()])
         np.testing.assert_array_equal(qpos, expect_pos)
-        self._apply_reference(batch, outs, sm_scale, check, tol)
+        self._apply_reference(batch, outs, sm_scale, check, tol, sinks)
 
-    def _apply_reference(self, batch, outs, sm_scale, check, tol):
+    def _apply_reference(self, batch, outs, sm_scale, check, tol, sinks=None):
         hq, hkv = self.hq, self.hkv
         tol = tol or (2e-5 if self.np_dtype == np.float32 else 2e-2)
         new_k, new_v = {s: [] for s in batch}, {s: [] for s in batch}
@@ -314,7 +343,7 @@ class Harness:
                 new_k[s].append(x[:, hq:hq + hkv])
                 new_v[s].append(x[:, hq + hkv:])
                 if check:
-                    expect = self.reference_attention(x[:, :hq], k_all, v_all, sm_scale)
+                    expect = self.reference_attention(x[:, :hq], k_all, v_all, sm_scale, sinks)
                     np.testing.assert_allclose(o[row:row + a], expect, rtol=tol, atol=tol,
                                                err_msg=f"layer {layer} seq {s}")
                 row += a
@@ -327,12 +356,13 @@ class Harness:
             return x
         return rope(x, pos, self.cfg["rope_scale"], self.cfg["rope_theta"])
 
-    def reference_attention(self, q, k_all, v_all, sm_scale):
-        """Causal attention of the last len(q) tokens of a sequence over all of its tokens."""
+    def reference_attention(self, q, k_all, v_all, sm_scale, sinks=None):
+        """Causal attention of the last len(q) tokens of a sequence over all of its tokens (and the sinks)."""
         m, a = len(k_all), len(q)
         qr = self.rotate(q, np.arange(m - a, m))
         kr = self.rotate(k_all, np.arange(m))
-        return attend(qr, kr, v_all, sm_scale, True)[0]
+        return attend(qr, kr, v_all, sm_scale, True, sinks, self.cfg.get("sliding_window", 0),
+                      self.cfg.get("sink_size", 0))[0]
 
     # -- state checks --
     def dump(self, s):
@@ -617,7 +647,7 @@ def test_config_json_and_op_backends():
 
 
 @pytest.mark.parametrize("change, pattern", [
-    ({"schema_version": 5}, "schema_version 5"),
+    ({"schema_version": 6}, "schema_version 6"),
     ({"schema_version": 3, "cuda_graph_batch": 4}, "unknown field 'cuda_graph_batch' for schema_version 3"),
     ({"schema_version": 4, "cuda_graph_batch": -1}, "cuda_graph_batch must be >= 0"),
     ({"schema_version": 4, "cuda_graph_batch": 1, "max_batch_size": 2},

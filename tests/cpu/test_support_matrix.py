@@ -17,8 +17,9 @@ CUDA = '{"kind":"cuda","arch":"sm_90"}'
 def test_cli_prints_every_op_with_the_automatic_choice():
     exe = Path(sys.executable).parent / "pagedkv"  # the console script `make install` puts beside python
     cmd = [str(exe)] if exe.exists() else [sys.executable, "-m", "pagedkv"]
-    out = subprocess.run(cmd + ["backends", "--target", CUDA], capture_output=True, text=True, check=True).stdout
-    for op in ops.OPS_BY_KIND["mha"]:
+    out = subprocess.run(cmd + ["backends", "--target", CUDA, "--attention-sinks"], capture_output=True, text=True,
+                         check=True).stdout
+    for op in ops.OPS_BY_KIND["mha"]:  # every MHA op: the sink ops too (--attention-sinks)
         assert f"{op}: automatic selection -> " in out
     assert "serves (TIR cuda kernel pagedkv_attn_decode_paged: tc" in out  # the selection table's variant
     # FlashInfer either serves (with its module kind) or says why not (e.g. flashinfer-python missing)
@@ -42,7 +43,7 @@ def test_mla_matrix_and_a_config_no_backend_serves():
     mla = KVCacheConfig.mla(num_layers=1, num_heads=16, kv_lora_rank=512, qk_nope_head_dim=128,
                             qk_rope_head_dim=64, v_head_dim=128)
     cells, auto = support_matrix(mla, {"kind": "cuda", "arch": "sm_90"})
-    assert set(auto) == set(ops.OPS_BY_KIND["mla"])
+    assert set(auto) == set(ops.OPS_BY_KIND["mla"]) - set(ops.SINK_OPS)
     odd = KVCacheConfig(num_layers=1, num_qo_heads=4, num_kv_heads=4, head_dim=24, dtype="float16")
     _, auto = support_matrix(odd, {"kind": "cuda", "arch": "sm_90"})
     assert auto[ops.ATTN_DECODE_PAGED] is None  # head_dim % 16 != 0: no CUDA backend, said, not hidden

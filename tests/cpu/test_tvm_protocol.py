@@ -100,7 +100,8 @@ def test_refused_features_raise_and_change_nothing(conformance_cache, gen):
 
 def test_sliding_window_request_for_the_configs_window(make_cache, gen):
     """A windowed cache (the config's ``sliding_window``, Mistral's) takes an engine's request for exactly its window
-    without a sink as a no-op; another window or any attention sink is refused naming it."""
+    without a sink as a no-op (with the config's sink_size, exactly those sink tokens); another window or any other
+    attention sink is refused naming it."""
     f = Builtins.load()
     cache = make_cache(SHAPES[8].config())  # h4x1-d64-f32-p8-normal-w13
     h = cache.handle
@@ -112,6 +113,12 @@ def test_sliding_window_request_for_the_configs_window(make_cache, gen):
         f.enable_sliding_window_for_seq(h, 5, 12, 0)
     with pytest.raises(ValueError, match="unknown sequence id 6"):
         f.enable_sliding_window_for_seq(h, 6, 13, 0)
+    # with the config's sink tokens (sink_size, the same kernels): exactly them, and no other sink
+    h = make_cache(SHAPES[8].config().replace(sink_size=4)).handle
+    f.add_sequence(h, 5)
+    f.enable_sliding_window_for_seq(h, 5, 13, 4)
+    with pytest.raises(NotImplementedError, match=r"sink of 0\): pagedkv's window keeps the config's sink_size=4"):
+        f.enable_sliding_window_for_seq(h, 5, 13, 0)
 
 
 # -------------------------------------------------------------------------------------------------------------

@@ -36,12 +36,15 @@ def _runtime_bundle(out: Path) -> None:
 
 
 def tir_kernel_libraries() -> list[tuple]:
-    """(config, forced paths) of every TIR kernel library of the bundle: the GPU suite's configs and the
-    benchmark's windowed one without forced paths (``{}``), and those of the CUDA path tests
-    (``pagedkv.testing.shapes.gpu_path_libraries``, built under ``pagedkv.backends.tir.forced_paths``)."""
+    """(config, forced paths) of every TIR kernel library of the bundle: the GPU suite's configs, the attention-sink
+    ones (``pagedkv.testing.sinks.SINK_GPU_CONFIGS``) and the benchmark's windowed one without forced paths
+    (``{}``), and those of the CUDA path tests (``pagedkv.testing.shapes.gpu_path_libraries``, built under
+    ``pagedkv.backends.tir.forced_paths``)."""
     from ..testing.shapes import BENCH_WINDOWED, gpu_configs, gpu_path_libraries
+    from ..testing.sinks import SINK_GPU_CONFIGS
 
-    return [(cfg, {}) for cfg in gpu_configs() + [BENCH_WINDOWED.config()]] + gpu_path_libraries()
+    configs = gpu_configs() + list(SINK_GPU_CONFIGS.values()) + [BENCH_WINDOWED.config()]
+    return [(cfg, {}) for cfg in configs] + gpu_path_libraries()
 
 
 def tir_library_path(kernels: Path, config, paths: dict, target) -> Path:
@@ -349,8 +352,10 @@ def main(argv: list[str] | None = None) -> int:
     if args.no_flashinfer:
         print("[pagedkv] skipping FlashInfer kernels: --no-flashinfer", flush=True)
     else:
-        built += build_flashinfer_kernels(out, [s.config() for s in flashinfer_gpu_shapes() + [BENCH_WINDOWED]],
-                                          target)
+        from ..testing.sinks import SINK_FLASHINFER_IDS, SINK_GPU_CONFIGS
+
+        configs = [s.config() for s in flashinfer_gpu_shapes() + [BENCH_WINDOWED]]
+        built += build_flashinfer_kernels(out, configs + [SINK_GPU_CONFIGS[i] for i in SINK_FLASHINFER_IDS], target)
     prune_kernel_libraries(out / "kernels", built)
     from ..flashinfer import unavailable_reasons
 

@@ -23,13 +23,14 @@ from typing import Sequence
 import torch
 
 # the functional pieces live in reference_ops.py (re-exported here)
-from .reference_ops import EMPTY_LSE, ReferenceCacheError, attention, merge_states, rope, split_qkv
+from .reference_ops import EMPTY_LSE, ReferenceCacheError, apply_sinks, attention, merge_states, rope, split_qkv
 
 __all__ = [
     "EMPTY_LSE",
     "ReferenceCacheError",
     "rope",
     "attention",
+    "apply_sinks",
     "merge_states",
     "split_qkv",
     "ReferenceCache",
@@ -120,7 +121,8 @@ class ReferenceCache:
         self.rope_mode = config.rope_mode
         #: the attention options, as keyword arguments of :func:`attention`
         self.options = {"sliding_window": int(getattr(config, "sliding_window", 0)),
-                        "logits_soft_cap": float(getattr(config, "logits_soft_cap", 0.0))}
+                        "logits_soft_cap": float(getattr(config, "logits_soft_cap", 0.0)),
+                        "sink_size": int(getattr(config, "sink_size", 0))}
         self.seqs: dict[int, _Seq] = {}
         self.fwd: _Forward | None = None
 
@@ -352,6 +354,16 @@ class ReferenceCache:
         if not math.isfinite(sm_scale) or sm_scale <= 0:
             raise ReferenceCacheError(f"sm_scale must be a finite number > 0, got {sm_scale}")
 
+    def _sinks(self, sinks) -> dict:
+        """``attention``'s keyword for ``sinks`` (none: ``{}``); only an ``attention_sinks`` cache takes them."""
+        if sinks is None:
+            return {}
+        if not getattr(self.config, "attention_sinks", False):
+            raise ReferenceCacheError("sinks given, but the config has attention_sinks=False")
+        if tuple(sinks.shape) != (self.hq,):
+            raise ReferenceCacheError(f"sinks must be [{self.hq}], got {list(sinks.shape)}")
+        return {"sinks": sinks.to(torch.float64)}
+
     def _maybe_rope(self, x: torch.Tensor, positions) -> torch.Tensor:
         return rope(x, positions, self.config.rope_theta, self.config.rope_scale)
 
@@ -387,14 +399,17 @@ class ReferenceCache:
             k = self._maybe_rope(k, range(end))
         return k, v
 
-    def attention_with_fused_qkv(self, layer: int, qkv: torch.Tensor, sm_scale: float) -> torch.Tensor:
+    def attention_with_fused_qkv(self, layer: int, qkv: torch.Tensor, sm_scale: float, *,
+                                 sinks: torch.Tensor | None = None) -> torch.Tensor:
         """Split, rotate, append and attend: ``qkv[n, Hq + 2 Hkv, D]`` -> ``o[n, Hq, Dv]`` (float64).
 
-        Each new query attends causally to every token of its sequence up to itself.
+        Each new query attends causally to every token of its sequence up to itself (and to its head's sink,
+        ``sinks[Hq]``, when given: ``attention``).
         """
         fwd = self._fwd()
         self._check_layer(layer)
         self._check_scale(sm_scale)
+        extra = {**self.options, **self._sinks(sinks)}
         q, k, v = self.split_rotary(qkv)
         self._append(layer, k, v)
         ptr = fwd.q_indptr
@@ -404,7 +419,7 @@ class ReferenceCache:
             if self.rope_mode == "inline":
                 qb = self._maybe_rope(qb, fwd.q_pos[ptr[b]:ptr[b + 1]])
             kb, vb = self._keys(layer, b, fwd.prior[b] + fwd.lengths[b])
-            out[ptr[b]:ptr[b + 1]] = attention(qb, kb, vb, sm_scale, causal=True, **self.options)[0]
+            out[ptr[b]:ptr[b + 1]] = attention(qb, kb, vb, sm_scale, causal=True, **extra)[0]
         return out
 
     def self_attention(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
@@ -436,17 +451,20 @@ class ReferenceCache:
             o[sl], lse[sl] = attention(qb, kb, v[sl], sm_scale, causal=True, **self.options)
         return o, lse
 
-    def cross_attention(self, layer: int, q: torch.Tensor, sm_scale: float) -> tuple[torch.Tensor, torch.Tensor]:
+    def cross_attention(self, layer: int, q: torch.Tensor, sm_scale: float, *,
+                        sinks: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """Attention of the new queries over the cached k/v.
 
         The cache view is, per sequence, every token including the new ones in a decode batch (every append
         length 1), in an MHA cache's continuation forward (every sequence already held tokens) and in every
         forward of a sliding-window cache (the layer's k/v must have been appended already; causal), and the
         tokens cached before the forward otherwise (no mask needed). ``q[n, Hq, D]`` -> ``o[n, Hq, Dv]``, ``lse[n, Hq]`` (float64).
+        ``sinks[Hq]``: the heads' attention sinks join the softmax (``attention``).
         """
         fwd = self._fwd()
         self._check_layer(layer)
         self._check_scale(sm_scale)
+        extra = {**self.options, **self._sinks(sinks)}
         ptr = fwd.q_indptr
         if q.shape[0] != ptr[-1]:
             raise ReferenceCacheError(f"q must have {ptr[-1]} tokens")
@@ -462,7 +480,7 @@ class ReferenceCache:
                 qb = self._maybe_rope(qb, fwd.q_pos[sl])
             end = fwd.prior[b] + (fwd.lengths[b] if fwd.through else 0)
             kb, vb = self._keys(layer, b, end)
-            o[sl], lse[sl] = attention(qb, kb, vb, sm_scale, causal=fwd.through, **self.options)
+            o[sl], lse[sl] = attention(qb, kb, vb, sm_scale, causal=fwd.through, **extra)
         return o, lse
 
     @staticmethod

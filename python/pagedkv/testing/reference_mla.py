@@ -41,7 +41,7 @@ class ReferenceMLACache(ReferenceCache):
         kv = kv.to(torch.float64)[:, None, :]
         self._append(layer, kv, kv[..., :self.kv_lora_rank])
 
-    def attention_with_fused_qkv(self, layer, qkv, sm_scale):
+    def attention_with_fused_qkv(self, layer, qkv, sm_scale, *, sinks=None):
         raise ReferenceCacheError("attention_with_fused_qkv is for mha layers; this cache's layers are mla")
 
     def debug_get_mla_kv(self, seq_id: int, start: int = 0, end: int | None = None) -> torch.Tensor:

@@ -54,8 +54,8 @@ def rope(x: torch.Tensor, positions: torch.Tensor | Sequence[int], theta: float,
 
 
 def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, sm_scale: float,
-              causal: bool, *, sliding_window: int = 0,
-              logits_soft_cap: float = 0.0) -> tuple[torch.Tensor, torch.Tensor]:
+              causal: bool, *, sliding_window: int = 0, logits_soft_cap: float = 0.0,
+              sinks: torch.Tensor | None = None, sink_size: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
     """Softmax attention of one entry with grouped-query heads and a base-2 LSE.
 
     Parameters
@@ -73,13 +73,20 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, sm_scale: float
         most recent positions up to its own, HF's and Mistral's definition).
     logits_soft_cap : float
         0: off. Else scores become ``logits_soft_cap * tanh(s / logits_soft_cap)`` (Gemma-2's definition).
+    sink_size : int
+        StreamingLLM sink tokens (with ``sliding_window``): keys ``j < sink_size`` stay visible beside the window
+        (the causal limit still holds).
+    sinks : Tensor ``[Hq]``, optional
+        Learnable attention sinks (gpt-oss): one more logit per query head, ``sinks[h]`` (natural log, not scaled
+        or capped), in every row's softmax, whose value is 0.
 
     Returns
     -------
     o : Tensor ``[n, Hq, Dv]``, float64
         Rows that see no key are 0.
     lse : Tensor ``[n, Hq]``, float64
-        ``log2(sum_j exp(s_j))``; ``EMPTY_LSE`` for rows that see no key.
+        ``log2(sum_j exp(s_j))`` (with ``exp(sinks[h])`` in the sum); ``EMPTY_LSE`` for rows that see no key and
+        no sink.
     """
     q, k, v = (t.to(torch.float64) for t in (q, k, v))
     n, hq, _ = q.shape
@@ -101,9 +108,13 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, sm_scale: float
     if causal:
         visible &= j <= (m - n + i)
     if sliding_window:
-        visible &= j > (m - n + i) - int(sliding_window)
+        visible &= (j > (m - n + i) - int(sliding_window)) | (j < int(sink_size))
     s = s.masked_fill(~visible[None], -math.inf)
     any_key = visible.any(dim=1)  # [n]
+    if sinks is not None:  # the sink is a key every row sees, with value 0: one more column of s, none of v
+        s = torch.cat([s, sinks.to(torch.float64).reshape(hq, 1, 1).expand(hq, n, 1)], dim=-1)
+        vh = torch.cat([vh, vh.new_zeros((1, hq, dv))])
+        any_key = torch.ones_like(any_key)
     lse_e = torch.logsumexp(s, dim=-1)  # [Hq, n], -inf where no key
     p = torch.exp(s - torch.where(any_key[None], lse_e, torch.zeros_like(lse_e))[..., None])
     p = torch.where(any_key[None, :, None], p, torch.zeros_like(p))
@@ -141,6 +152,13 @@ def merge_states(o_a: torch.Tensor, lse_a: torch.Tensor, o_b: torch.Tensor,
     o = (wa[..., None] * o_a + wb[..., None] * o_b) / safe[..., None]
     lse = torch.where(both_empty, torch.full_like(mx, EMPTY_LSE), mx + torch.log2(safe))
     return o, lse
+
+
+def apply_sinks(o: torch.Tensor, lse: torch.Tensor, sinks: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """A state ``(o[n, H, Dv], lse[n, H])`` with attention sinks ``[H]`` added: merged with the state of a key
+    whose logit is ``sinks[h]`` (natural log) and whose value is 0, i.e. ``(0, sinks[h] / ln 2)`` (float64)."""
+    sink_lse = (sinks.to(torch.float64) / _LN2).reshape(1, -1).expand(lse.shape)
+    return merge_states(o, lse, torch.zeros_like(o, dtype=torch.float64), sink_lse)
 
 
 def split_qkv(qkv: torch.Tensor, num_qo_heads: int, num_kv_heads: int):

@@ -6,6 +6,7 @@ from __future__ import annotations
 from .attention_cuda import attn_decode_paged_cuda, attn_prefill_paged_cuda, attn_prefill_ragged_cuda
 from .empty_rows import empty_rows_cuda
 from .merge_cuda import merge_state_cuda, merge_state_partial_cuda
+from .sinks_cuda import apply_sinks_cuda, merge_state_partial_sinks_cuda
 from .page_ops_cuda import append_kv_cuda, compact_copy_cuda, copy_page_cuda, gather_kv_cuda
 from .rope_cuda import split_rotary_cuda
 
@@ -33,6 +34,9 @@ FACTORIES = {
     # The partial-state variants of the attention ops are their kernels built with ``KernelSpec.partial``
     # (``pagedkv.tir_kernels.make``); their merge is a kernel of its own.
     "merge_state_partial": merge_state_partial_cuda,
+    # The attention-sink ops (attention_sinks configs).
+    "apply_sinks": apply_sinks_cuda,
+    "merge_state_partial_sinks": merge_state_partial_sinks_cuda,
 }
 
 HELPERS = {"empty_rows": empty_rows_cuda}
