@@ -41,6 +41,9 @@ MR, NR = 6, 64
 KSPLIT = 4
 #: Largest column block of the GEMV path's final sum over the slices.
 MAX_CHUNK = 1024
+#: Dtypes of inputs, weights and outputs the kernels take (half ones are converted to float32 in registers:
+#: F16C / AVX-512 conversions for float16, a 16-bit shift for bfloat16).
+DTYPES = ("float32", "float16", "bfloat16")
 
 
 @dataclass(frozen=True)
@@ -56,7 +59,8 @@ class MatmulShape:
     k, n :
         The weight's ``[K, N]``.
     a_dtype, w_dtype, out_dtype :
-        Dtypes; ``out_dtype`` is float32 (the residual has it too).
+        Dtypes, each one of ``DTYPES``; the residual has ``out_dtype``. Sums are float32 whatever they are,
+        cast to ``out_dtype`` before the residual is added (as a half model's ``matmul``, ``cast``, ``add``).
     """
 
     params: tuple[str, ...]
@@ -90,8 +94,9 @@ def gemm_strip(n: int) -> int | None:
 
 
 def supported(shape: MatmulShape) -> bool:
-    """Whether ``matmul_kernel`` serves ``shape`` (``N`` a multiple of ``LANES``; float32 output)."""
-    return (shape.out_dtype == "float32" and gemv_chunk(shape.n) is not None
+    """Whether ``matmul_kernel`` serves ``shape`` (``N`` a multiple of ``LANES``; dtypes of ``DTYPES``)."""
+    dtypes = (shape.a_dtype, shape.w_dtype, shape.out_dtype)
+    return (all(d in DTYPES for d in dtypes) and gemv_chunk(shape.n) is not None
             and gemm_strip(shape.n) is not None and shape.k % KSPLIT == 0)
 
 
@@ -101,14 +106,14 @@ def matmul_kernel(shape: MatmulShape) -> tirx.PrimFunc:
     RB, SR = gemv_chunk(N), gemm_strip(N)
     rows = math.prod(shape.a_shape[:-1])
     gemv, small, gemm = _gemv_body(K, N, RB), _small_body(K, N, SR), _gemm_body(K, N, SR)
-    store = _store_res if shape.has_residual else _store
-    a_shape, o_shape, adt, wdt = shape.a_shape, shape.out_shape, shape.a_dtype, shape.w_dtype
+    store = _store_fn(shape.out_dtype, residual=shape.has_residual)
+    a_shape, o_shape, adt, wdt, odt = shape.a_shape, shape.out_shape, shape.a_dtype, shape.w_dtype, shape.out_dtype
 
     @T.macro
     def body(A, W, O, R):
         Af = T.decl_buffer((rows, K), adt, data=A.data)
-        Of = T.decl_buffer((rows, N), "float32", data=O.data)
-        Rf = T.decl_buffer((rows, N), "float32", data=R.data)
+        Of = T.decl_buffer((rows, N), odt, data=O.data)
+        Rf = T.decl_buffer((rows, N), odt, data=R.data)
         if rows == 1:
             gemv(Af, W, Of, Rf, store)
         elif rows <= GEMV_ROWS:
@@ -121,8 +126,8 @@ def matmul_kernel(shape: MatmulShape) -> tirx.PrimFunc:
         T.func_attr({"tirx.noalias": True, "tirx.is_scheduled": True})
         A = T.match_buffer(a_h, a_shape, adt)
         W = T.match_buffer(w_h, (K, N), wdt)
-        R = T.match_buffer(r_h, o_shape, "float32")
-        O = T.match_buffer(o_h, o_shape, "float32")
+        R = T.match_buffer(r_h, o_shape, odt)
+        O = T.match_buffer(o_h, o_shape, odt)
         body(A, W, O, R)
 
     @T.prim_func(private=True)
@@ -130,7 +135,7 @@ def matmul_kernel(shape: MatmulShape) -> tirx.PrimFunc:
         T.func_attr({"tirx.noalias": True, "tirx.is_scheduled": True})
         A = T.match_buffer(a_h, a_shape, adt)
         W = T.match_buffer(w_h, (K, N), wdt)
-        O = T.match_buffer(o_h, o_shape, "float32")
+        O = T.match_buffer(o_h, o_shape, odt)
         body(A, W, O, O)
 
     func = with_residual if shape.has_residual else plain
@@ -140,14 +145,29 @@ def matmul_kernel(shape: MatmulShape) -> tirx.PrimFunc:
     return tirx.PrimFunc(params, func.body, func.ret_type, func.attrs)
 
 
-@T.macro
-def _store(Of, Rf, m, n, value):
-    Of[m, n] = value
+def _store_fn(out_dtype: str, *, residual: bool):
+    """The macro writing one float32 sum: cast to ``out_dtype``, then the residual (of that dtype) added."""
+    if out_dtype == "float32":  # no cast node at all: the float32 kernels stay as they were
 
+        @T.macro
+        def store(Of, Rf, m, n, value):
+            Of[m, n] = value
 
-@T.macro
-def _store_res(Of, Rf, m, n, value):
-    Of[m, n] = Rf[m, n] + value
+        @T.macro
+        def store_res(Of, Rf, m, n, value):
+            Of[m, n] = Rf[m, n] + value
+
+    else:
+
+        @T.macro
+        def store(Of, Rf, m, n, value):
+            Of[m, n] = T.Cast(out_dtype, value)
+
+        @T.macro
+        def store_res(Of, Rf, m, n, value):
+            Of[m, n] = Rf[m, n] + T.Cast(out_dtype, value)
+
+    return store_res if residual else store
 
 
 def _gemv_body(K: int, N: int, RB: int):

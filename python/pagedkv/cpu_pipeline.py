@@ -82,19 +82,62 @@ def _match_product(block, params) -> tuple | None:
     return a, w, c
 
 
-def _match_residual(block, c) -> tuple | None:
-    """(res, out) of an ``out[i] = res[i] + c[i]`` (or ``c + res``) block."""
+def _elementwise_store(block):
+    """(store, iter vars) of a block ``out[i...] = ...`` over spatial iterators only, else None."""
     store = block.body
-    if not isinstance(store, tirx.BufferStore) or not isinstance(store.value, tirx.Add):
+    if block.init is not None or not isinstance(store, tirx.BufferStore) or len(block.writes) != 1:
         return None
     ivs = [iv.var for iv in block.iter_vars]
+    if any(int(iv.iter_type) != 0 for iv in block.iter_vars) or not _same_vars(store.indices, ivs):
+        return None
+    return store, ivs
+
+
+def _match_residual(block, c) -> tuple | None:
+    """(res, out) of an ``out[i] = res[i] + c[i]`` (or ``c + res``) block."""
+    found = _elementwise_store(block)
+    if found is None or not isinstance(found[0].value, tirx.Add):
+        return None
+    store, ivs = found
     loads = [store.value.a, store.value.b]
     if not all(hasattr(x, "indices") and _same_vars(x.indices, ivs) for x in loads):
         return None
     others = [_src(x) for x in loads if not _src(x).same_as(c)]
-    if len(others) != 1 or not _same_vars(store.indices, ivs):
+    if len(others) != 1:
         return None
     return others[0], _src(block.writes[0])
+
+
+def _match_cast(block, c):
+    """``out`` of an ``out[i] = T.Cast(dtype, c[i])`` block (a float32 product back to a half model's dtype)."""
+    found = _elementwise_store(block)
+    if found is None or not isinstance(found[0].value, tirx.Cast):
+        return None
+    store, ivs = found
+    src = store.value.value
+    if not (hasattr(src, "indices") and _src(src).same_as(c) and _same_vars(src.indices, ivs)):
+        return None
+    return _src(block.writes[0])
+
+
+def _match_epilogue(blocks, c) -> tuple | None:
+    """(res or None, out) of the blocks after the product: none, a cast, a residual add, or a cast then an
+    add (what a float16 / bfloat16 model's float32-accumulating projection becomes), else None."""
+    res, cur = None, c
+    for i, block in enumerate(blocks):
+        cast_out = _match_cast(block, cur) if i == 0 else None
+        if cast_out is not None:
+            cur = cast_out
+            continue
+        found = _match_residual(block, cur) if res is None else None
+        if found is None:
+            return None
+        res, cur = found
+    if cur is not c and list(cur.shape) != list(c.shape):
+        return None
+    if res is not None and (res.dtype != cur.dtype or list(res.shape) != list(cur.shape)):
+        return None
+    return res, cur
 
 
 def match_matmul(func: tirx.PrimFunc) -> MatmulShape | None:
@@ -104,15 +147,17 @@ def match_matmul(func: tirx.PrimFunc) -> MatmulShape | None:
     except Exception:  # noqa: BLE001 (not a block-structured function: not ours to replace)
         return None
     params = list(func.params)
-    if len(blocks) not in (1, 2) or not blocks[0].name_hint.startswith("matmul"):
+    if not 1 <= len(blocks) <= 3 or not blocks[0].name_hint.startswith("matmul"):
         return None
     found = _match_product(blocks[0], params)
     if found is None:
         return None
     a, w, c = found
-    res, out = (None, c) if len(blocks) == 1 else (_match_residual(blocks[1], c) or (None, None))
-    if out is None or (len(blocks) == 2 and res is None):
+    # The product accumulates in float32 (a float16 accumulator would change the sums' rounding).
+    epilogue = _match_epilogue(blocks[1:], c) if c.dtype == "float32" else None
+    if epilogue is None:
         return None
+    res, out = epilogue
     roles = {"a": a, "w": w, "out": out, **({"res": res} if res is not None else {})}
     order = []
     for p in params:
@@ -120,9 +165,7 @@ def match_matmul(func: tirx.PrimFunc) -> MatmulShape | None:
         if len(role) != 1:
             return None
         order.append(role[0])
-    if sorted(order) != sorted(roles) or (res is not None and list(res.shape) != list(out.shape)):
-        return None
-    if res is not None and res.dtype != "float32":
+    if sorted(order) != sorted(roles):
         return None
     k, n = (int(d) for d in w.shape)
     if len(a.shape) != len(out.shape) or int(a.shape[-1]) != k or int(out.shape[-1]) != n:
