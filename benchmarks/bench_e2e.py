@@ -29,6 +29,12 @@ for this host (sdist only; building llama.cpp from source on the 2-core host tak
 
 Writes ``benchmarks/results/bench_e2e_<device>.json``, ``.md`` (the table) and ``.png`` (``--out`` elsewhere).
 
+``--dtypes float32,float16,bfloat16`` runs the whole benchmark once per dtype (files ``bench_e2e_<device>_<dtype>.*``,
+each dtype's transformers the reference of its tokens), then prints pagedkv's prefill and decode tokens/s of each
+dtype over the first one's, per batch (``pagedkv float16 / float32 at batch 1: ...``), and writes them to
+``bench_e2e_<device>_dtypes.json``. The dtypes run one after the other, not interleaved: on a shared host the
+load can move between them.
+
 Usage: ``.venv/bin/python benchmarks/bench_e2e.py [--device cuda --model-lib PATH --graph-lib PATH]
 [--rounds 3]``; on the GPU host ``make bench-e2e-gpu`` (after ``make gpu-assemble``).
 """
@@ -64,6 +70,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--threads", type=int, default=os.cpu_count())
     ap.add_argument("--dtype", default=None, help="float32 (CPU default) or float16 (CUDA default)")
+    ap.add_argument("--dtypes", type=lambda s: s.split(","), default=None,
+                    help="comma-separated dtypes: one run per dtype, then pagedkv's tokens/s of each over the "
+                         "first's (e.g. float32,float16,bfloat16)")
     ap.add_argument("--model-lib", default=None, help="CUDA: pagedkv's model library (default: "
                     "$PAGEDKV_MODEL_DIR or .gpu/models, smollm2-<dtype>-cuda.so)")
     ap.add_argument("--graph-lib", default=None,
@@ -80,8 +89,11 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--out", default=None, help="output folder (default benchmarks/results)")
     args = ap.parse_args(argv)
     cuda = args.device == "cuda"
+    distinct = args.dtypes is None or len(set(args.dtypes)) == len(args.dtypes) >= 2
+    if args.dtypes is not None and (args.dtype is not None or not distinct):
+        ap.error("--dtypes: two or more different dtypes, the first the baseline, without --dtype")
     args.batches = args.batches or ([1, 8, 32] if cuda else [1, 4])
-    args.dtype = args.dtype or ("float16" if cuda else "float32")
+    args.dtype = (args.dtypes[0] if args.dtypes else args.dtype) or ("float16" if cuda else "float32")
     args.tie_margin = args.tie_margin if args.tie_margin is not None else (0.25 if cuda else 0.0)
     args.hf_static = cuda if args.hf_static is None else args.hf_static
     if args.rounds < 1 or args.new_tokens < 2 or min(args.batches) < 1:
@@ -381,7 +393,7 @@ def write_outputs(out: pathlib.Path, args, meta: dict, results: dict, failures: 
     """``bench_e2e_<device>.json`` (every round's times, the ratios, the failures), ``.md`` (the table) and
     ``.png`` in ``out``."""
     out.mkdir(parents=True, exist_ok=True)
-    stem = out / f"bench_e2e_{args.device}"
+    stem = out / (f"bench_e2e_{args.device}" + (f"_{args.dtype}" if args.dtypes else ""))
     doc = {"meta": meta, "results": results, "ratios": {b: ratios(rows) for b, rows in results.items()},
            "failures": failures}
     stem.with_suffix(".json").write_text(json.dumps(doc, indent=2))
@@ -390,7 +402,45 @@ def write_outputs(out: pathlib.Path, args, meta: dict, results: dict, failures: 
     print(f"wrote {stem}.json, .md and .png")
 
 
+def dtype_ratios(per_dtype: dict[str, dict]) -> dict[str, dict]:
+    """``"<dtype> / <first dtype>"`` -> batch -> pagedkv's prefill and decode tokens/s over the first dtype's,
+    for the batches where both were timed (``per_dtype``: dtype -> batch -> pagedkv's row)."""
+    base, *others = per_dtype
+    return {f"{dt} / {base}": {b: {"prefill": row["prefill_tok_s"] / per_dtype[base][b]["prefill_tok_s"],
+                                   "decode": row["decode_tok_s"] / per_dtype[base][b]["decode_tok_s"]}
+                               for b, row in per_dtype[dt].items() if b in per_dtype[base]}
+            for dt in others}
+
+
+def compare_dtypes(args: argparse.Namespace) -> int:
+    """``--dtypes``: the benchmark once per dtype, then the ratio lines of pagedkv's tokens/s to the first dtype."""
+    per_dtype, rc = {}, 0
+    for dt in args.dtypes:
+        code, results = bench(argparse.Namespace(**{**vars(args), "dtype": dt}))
+        rc = rc or code
+        per_dtype[dt] = {b: rows["pagedkv"] for b, rows in results.items() if "pagedkv" in rows}
+    lines = []
+    for pair, by_batch in dtype_ratios(per_dtype).items():
+        dt = pair.split(" / ")[0]
+        for b, r in by_batch.items():
+            row = per_dtype[dt][b]
+            lines.append(f"pagedkv {pair} at batch {b}: prefill {r['prefill']:.2f}x, decode {r['decode']:.2f}x "
+                         f"({dt}: prefill {row['prefill_tok_s']:.1f}, decode {row['decode_tok_s']:.1f} tokens/s)")
+    print("\n[bench_e2e] " + "\n[bench_e2e] ".join(lines or ["no dtype pair was timed"]))
+    out = pathlib.Path(args.out) if args.out else ROOT / "benchmarks" / "results"
+    (out / f"bench_e2e_{args.device}_dtypes.json").write_text(json.dumps(
+        {"args": dict(vars(args)), "pagedkv": per_dtype, "ratios": dtype_ratios(per_dtype), "lines": lines},
+        indent=2))
+    return rc
+
+
 def main(args: argparse.Namespace) -> int:
+    """The benchmark (``--dtypes``: once per dtype, see ``compare_dtypes``); 1 where a system failed."""
+    return compare_dtypes(args) if args.dtypes else bench(args)[0]
+
+
+def bench(args: argparse.Namespace) -> tuple[int, dict]:
+    """One run at ``args.dtype``: (1 where a system failed else 0, batch -> system -> its row)."""
     torch.set_num_threads(args.threads)
     print(f"[bench_e2e] {args.device}, {args.dtype}, {args.threads} threads (torch and TVM), "
           f"prompt {args.prompt_len} tokens, {args.new_tokens} new tokens, {args.rounds} rounds", flush=True)
@@ -418,7 +468,7 @@ def main(args: argparse.Namespace) -> int:
     print("\n" + "\n".join(lines))
     out = pathlib.Path(args.out) if args.out else ROOT / "benchmarks" / "results"
     write_outputs(out, args, _meta(args, bw, weight_bytes, systems), results, failures, lines)
-    return 1 if failures else 0
+    return (1 if failures else 0), results
 
 
 if __name__ == "__main__":

@@ -151,6 +151,35 @@ def test_main_writes_outputs_and_fails_on_wrong_tokens(tmp_path, monkeypatch, ca
     assert "FAILED at batch 2: pagedkv+graphs: setting up g.so" in capsys.readouterr().out
 
 
+def test_dtypes_mode_prints_ratios_to_the_first(tmp_path, monkeypatch, capsys):
+    """``--dtypes``: one run per dtype (its own files), then pagedkv's tokens/s over the first dtype's; a dtype
+    whose tokens are wrong gets no ratio and the run exits 1."""
+    class Tokenizer(Tok):
+        def __call__(self, text, add_special_tokens=False):
+            return {"input_ids": list(range(200))}
+
+    speed = {"float32": Fake(2.0), "float16": Fake(4.0), "bfloat16": Fake(3.0, wrong_at=1)}
+    monkeypatch.setattr(B, "bandwidth", lambda device: BW)
+    monkeypatch.setattr(B, "build_systems", lambda args: ({"pagedkv": speed[args.dtype], B.REF: Fake()},
+                                                          Tokenizer(), 10**8, {}))
+    args = _args("--dtypes", "float32,float16,bfloat16", "--out", str(tmp_path), "--threads",
+                 str(B.torch.get_num_threads()))
+    assert args.dtype == "float32"
+    assert B.main(args) == 1
+    out = capsys.readouterr().out
+    assert "pagedkv float16 / float32 at batch 1: prefill 2.00x, decode 2.00x" in out
+    assert "bfloat16 / float32" not in out
+    doc = json.loads((tmp_path / "bench_e2e_cpu_dtypes.json").read_text())
+    assert doc["ratios"]["float16 / float32"]["4"]["decode"] == pytest.approx(2.0)
+    assert doc["ratios"]["bfloat16 / float32"] == {}
+    assert {p.name for p in tmp_path.glob("bench_e2e_cpu_*.json")} == {
+        "bench_e2e_cpu_float32.json", "bench_e2e_cpu_float16.json", "bench_e2e_cpu_bfloat16.json",
+        "bench_e2e_cpu_dtypes.json"}
+    for bad in (["--dtypes", "float16"], ["--dtypes", "float16,float16"], ["--dtype", "float16", "--dtypes", "float32,float16"]):
+        with pytest.raises(SystemExit):
+            B.parse_args(bad)
+
+
 def test_greedy_float16_bits_equal_argmax():
     """pagedkv's tokens are picked on the host: float16 through its bits (numpy's own float16 argmax is a
     scalar loop), which must pick what np.argmax picks: negative rows, infinities, ties (the first wins)."""
