@@ -5,7 +5,10 @@ and stops: no threads, no vectors (SmolLM2-135M decoded at 1.5 tokens/s on two c
 this pipeline goes over the model's PrimFuncs once:
 
 * projections (``matmul`` over a ``[K, N]`` weight, maybe with a residual ``add``) are replaced by the
-  hand-written kernels of ``pagedkv.cpu_kernels`` (streaming GEMV for a few rows, register-tiled GEMM);
+  hand-written kernels of ``pagedkv.cpu_kernels`` (streaming GEMV for a few rows, register-tiled GEMM). In a
+  float16 / bfloat16 model a projection is a float32-accumulating ``matmul``, a ``cast`` back to the model's
+  dtype and maybe the residual ``add`` in that dtype: the same kernels, storing half outputs (before they
+  took these, dlight's ``Reduction`` rule got them: one output at a time, 30x slower than float32);
 * normalizations and softmax-like functions (a reduction then elementwise blocks: RMSNorm) get dlight's
   CPU ``Reduction`` rule (rows in parallel, vectorized elementwise parts);
 * elementwise functions (SiLU * mul, embedding gathers, casts) are inlined into one loop, vectorized, and
@@ -25,7 +28,7 @@ from . import cpu_kernels
 from .cpu_kernels import MatmulShape
 
 #: Bumped whenever a schedule here or a kernel of ``cpu_kernels`` changes what is compiled.
-SCHEDULE_VERSION = "cpu-sched-3"
+SCHEDULE_VERSION = "cpu-sched-4"
 #: Elements of one parallel task of an elementwise function (small ones stay on one thread).
 ELEMWISE_CHUNK = 4096
 
