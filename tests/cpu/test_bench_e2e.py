@@ -55,6 +55,9 @@ def test_defaults():
     assert (cpu.batches, cpu.dtype, cpu.tie_margin, cpu.hf_static) == ([1, 4], "float32", 0.0, False)
     assert (cuda.batches, cuda.dtype, cuda.tie_margin, cuda.hf_static) == ([1, 8, 32], "float16", 0.25, True)
     assert _args("--device", "cuda", "--no-hf-static").hf_static is False
+    # half logits tie often: their runs accept a divergence below 0.25, as on CUDA, unless told otherwise
+    assert (_args("--dtype", "bfloat16").tie_margin, _args("--dtype", "float16", "--tie-margin", "0").tie_margin) == (
+        0.25, 0.0)
     for bad in (["--graph-lib", "g.so"], ["--batches", "1,1"], ["--new-tokens", "1"]):
         with pytest.raises(SystemExit):
             B.parse_args(bad)
@@ -159,9 +162,14 @@ def test_dtypes_mode_prints_ratios_to_the_first(tmp_path, monkeypatch, capsys):
             return {"input_ids": list(range(200))}
 
     speed = {"float32": Fake(2.0), "float16": Fake(4.0), "bfloat16": Fake(3.0, wrong_at=1)}
+    margins = {}
+
+    def build(args):
+        margins[args.dtype] = args.tie_margin
+        return {"pagedkv": speed[args.dtype], B.REF: Fake()}, Tokenizer(), 10**8, {}
+
     monkeypatch.setattr(B, "bandwidth", lambda device: BW)
-    monkeypatch.setattr(B, "build_systems", lambda args: ({"pagedkv": speed[args.dtype], B.REF: Fake()},
-                                                          Tokenizer(), 10**8, {}))
+    monkeypatch.setattr(B, "build_systems", build)
     args = _args("--dtypes", "float32,float16,bfloat16", "--out", str(tmp_path), "--threads",
                  str(B.torch.get_num_threads()))
     assert args.dtype == "float32"
@@ -169,6 +177,7 @@ def test_dtypes_mode_prints_ratios_to_the_first(tmp_path, monkeypatch, capsys):
     out = capsys.readouterr().out
     assert "pagedkv float16 / float32 at batch 1: prefill 2.00x, decode 2.00x" in out
     assert "bfloat16 / float32" not in out
+    assert margins == {"float32": 0.0, "float16": 0.25, "bfloat16": 0.25}  # each dtype's own default
     doc = json.loads((tmp_path / "bench_e2e_cpu_dtypes.json").read_text())
     assert doc["ratios"]["float16 / float32"]["4"]["decode"] == pytest.approx(2.0)
     assert doc["ratios"]["bfloat16 / float32"] == {}
