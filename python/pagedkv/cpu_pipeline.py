@@ -17,9 +17,16 @@ this pipeline goes over the model's PrimFuncs once:
   reshapes (which ``RewriteDataflowReshape`` turns into views) are never touched.
 
 ``SCHEDULE_VERSION`` names this set of schedules; model library keys include it (``pagedkv.apps.chat``).
+
+float16 needs the CPU's conversion instructions (x86's F16C, in every AVX2 CPU): on an x86 target without them
+LLVM converts every float16 value in a library call, and the projections run 4-20x slower than in float32
+(measured with ``mcpu=x86-64``). The pass then warns at compile time (``SlowDtypeWarning``), naming bfloat16
+(converted by a shift on any CPU) and float32. bfloat16 and float16 with F16C are as fast as float32 or faster.
 """
 
 from __future__ import annotations
+
+import warnings
 
 import tvm
 from tvm import s_tir, tirx
@@ -235,11 +242,42 @@ def schedule_func(func: tirx.PrimFunc, target) -> tuple[str, tirx.PrimFunc]:
     return "kept", func
 
 
+class SlowDtypeWarning(UserWarning):
+    """A model compiled for the CPU in a dtype this CPU target runs far slower than another (see the module)."""
+
+
+def slow_dtype_message(dtypes, target) -> str | None:
+    """Why a model whose functions hold ``dtypes`` is slow on the llvm ``target`` (naming the faster dtypes),
+    or None: float16 on an x86 CPU without F16C."""
+    from tvm.target import codegen
+
+    if "float16" not in dtypes:
+        return None
+    features = codegen.llvm_get_cpu_features(target)
+    if "sse2" not in features or "f16c" in features:  # not x86 (AArch64 converts in NEON), or F16C there
+        return None
+    mcpu = target.attrs.get("mcpu", "generic") if "mcpu" in target.attrs else "generic"
+    return (f"pagedkv: a float16 model compiled for a CPU without F16C (llvm mcpu={mcpu}): every float16 value "
+            "is converted in software, and its projections run 4-20x slower than in float32. bfloat16 (the same "
+            "size, converted by a shift) or float32 is faster here.")
+
+
+def _param_dtypes(mod: tvm.IRModule) -> set[str]:
+    """Dtypes of the PrimFuncs' buffer parameters (the model's weights and activations; the cache's kernels
+    take handles, which have none)."""
+    return {str(getattr(p, "dtype", "handle")) for func in mod.functions.values()
+            if isinstance(func, tirx.PrimFunc) for p in func.params}
+
+
 def schedule_pass(target, report: dict | None = None):
-    """Module pass scheduling every model PrimFunc (``schedule_func``); ``report`` collects name -> kind."""
+    """Module pass scheduling every model PrimFunc (``schedule_func``); ``report`` collects name -> kind.
+    Warns (``SlowDtypeWarning``) where the model's dtype is far slower on ``target`` than another."""
 
     @tvm.transform.module_pass(opt_level=0, name="pagedkv.ScheduleCPU")
     def _pass(mod: tvm.IRModule, _ctx) -> tvm.IRModule:
+        slow = slow_dtype_message(_param_dtypes(mod), target)
+        if slow is not None:
+            warnings.warn(slow, SlowDtypeWarning, stacklevel=2)
         updates = {}
         for gv, func in mod.functions.items():
             if isinstance(func, tirx.PrimFunc):

@@ -14,7 +14,7 @@ import tvm
 from tvm import te, tirx
 
 from pagedkv.cpu_kernels import MatmulShape, matmul_kernel
-from pagedkv.cpu_pipeline import match_matmul, schedule_pass
+from pagedkv.cpu_pipeline import SlowDtypeWarning, match_matmul, schedule_pass
 from pagedkv.target import host_target
 
 ROWS = [1, 2, 3, 4, 5, 6, 7, 13, 64]
@@ -111,6 +111,23 @@ def test_matcher_takes_half_projections(dtype):
     assert plain is not None and plain.params == ("a", "w", "out") and plain.out_dtype == dtype
     assert match_matmul(_projection(dtype, 64, acc=dtype, cast=False)) is None
     assert match_matmul(_projection(dtype, 40)) is None  # N not a multiple of 16: TVM's schedules serve it
+
+
+def test_float16_without_f16c_warns_naming_faster_dtypes(recwarn):
+    """float16 for an x86 CPU without F16C (software conversions, 4-20x slower projections) warns at compile
+    time, naming bfloat16 and float32; bfloat16 there, and float16 with F16C, compile without a word."""
+    from tvm.target import Target
+
+    plain_x86, haswell = Target({"kind": "llvm", "mcpu": "x86-64"}), Target({"kind": "llvm", "mcpu": "haswell"})
+    # (a model's functions have no global symbol: the pass keeps those that do)
+    module = {dt: tvm.IRModule({"proj": _projection(dt, 64).without_attr("global_symbol")}) for dt in HALF}
+    report: dict = {}
+    with pytest.warns(SlowDtypeWarning, match=r"without F16C \(llvm mcpu=x86-64\).*bfloat16.*float32"):
+        schedule_pass(plain_x86, report)(module["float16"])
+    assert report == {"proj": "matmul"}  # still the kernel: the warning is all that differs
+    schedule_pass(plain_x86)(module["bfloat16"])
+    schedule_pass(haswell)(module["float16"])
+    assert not [w for w in recwarn if issubclass(w.category, SlowDtypeWarning)]
 
 
 @pytest.mark.parametrize("dtype", ["float32", *HALF])
