@@ -30,10 +30,10 @@ for this host (sdist only; building llama.cpp from source on the 2-core host tak
 Writes ``benchmarks/results/bench_e2e_<device>.json``, ``.md`` (the table) and ``.png`` (``--out`` elsewhere).
 
 ``--dtypes float32,float16,bfloat16`` runs the whole benchmark once per dtype (files ``bench_e2e_<device>_<dtype>.*``,
-each dtype's transformers the reference of its tokens), then prints pagedkv's prefill and decode tokens/s of each
-dtype over the first one's, per batch (``pagedkv float16 / float32 at batch 1: ...``), and writes them to
-``bench_e2e_<device>_dtypes.json``. The dtypes run one after the other, not interleaved: on a shared host the
-load can move between them.
+each dtype's transformers the reference of its tokens), then times pagedkv of every dtype whose tokens were right
+again, the dtypes interleaved round by round (the per-dtype runs are minutes apart, and on a shared host the load
+moves in between), prints its prefill and decode tokens/s of each dtype over the first one's, per batch
+(``pagedkv float16 / float32 at batch 1: ...``), and writes them to ``bench_e2e_<device>_dtypes.json``.
 
 Usage: ``.venv/bin/python benchmarks/bench_e2e.py [--device cuda --model-lib PATH --graph-lib PATH]
 [--rounds 3]``; on the GPU host ``make bench-e2e-gpu`` (after ``make gpu-assemble``).
@@ -50,6 +50,7 @@ import statistics
 import sys
 import time
 import traceback
+from dataclasses import dataclass
 
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
@@ -420,16 +421,40 @@ def dtype_ratios(per_dtype: dict[str, dict]) -> dict[str, dict]:
             for dt in others}
 
 
+def interleave(ours: dict, tok, args: argparse.Namespace) -> dict[str, dict]:
+    """dtype -> batch -> pagedkv's row (``summarize``), timed with the dtypes interleaved: a warm-up each, then
+    ``rounds`` rounds that run every dtype once, alternating their order. A run whose tokens differ from its
+    warm-up's drops its dtype at that batch. (``ours``: dtype -> its pagedkv system, tokens already checked.)"""
+    out: dict[str, dict] = {dt: {} for dt in ours}
+    for batch in args.batches:
+        ids = prompts(tok, batch, args.prompt_len)
+        warm = {dt: system.run(ids, args.new_tokens).tokens for dt, system in ours.items()}
+        runs: dict[str, list | None] = {dt: [] for dt in ours}
+        for r in range(args.rounds):
+            for dt in (list(ours) if r % 2 == 0 else list(ours)[::-1]):
+                if runs[dt] is not None:
+                    run = ours[dt].run(ids, args.new_tokens)
+                    runs[dt] = runs[dt] + [run] if run.tokens == warm[dt] else None
+        for dt, row in summarize({dt: rs for dt, rs in runs.items() if rs}, batch, args).items():
+            out[dt][batch] = row
+    return out
+
+
 def compare_dtypes(args: argparse.Namespace) -> int:
-    """``--dtypes``: the benchmark once per dtype, then the ratio lines of pagedkv's tokens/s to the first dtype."""
-    per_dtype, rc = {}, 0
+    """``--dtypes``: the benchmark once per dtype (tokens checked against transformers in that dtype), then
+    pagedkv of each dtype right at every batch timed again with the dtypes interleaved (``interleave``: on a
+    shared host the load moves between the per-dtype runs), and its ratios to the first dtype printed."""
+    ours, rc, tok = {}, 0, None
     for dt in args.dtypes:
         tie = default_tie_margin(args.device, dt) if args.tie_margin_default else args.tie_margin
-        code, results = bench(argparse.Namespace(**{**vars(args), "dtype": dt, "tie_margin": tie}))
-        rc = rc or code
-        per_dtype[dt] = {b: rows["pagedkv"] for b, rows in results.items() if "pagedkv" in rows}
+        outcome = bench(argparse.Namespace(**{**vars(args), "dtype": dt, "tie_margin": tie}))
+        rc, tok = rc or outcome.rc, outcome.tok
+        if all("pagedkv" in outcome.results.get(b, {}) for b in args.batches):
+            ours[dt] = outcome.ours
+    print(f"[bench_e2e] pagedkv interleaved: {', '.join(ours) or 'no dtype'} ...", flush=True)
+    per_dtype = interleave(ours, tok, args) if args.dtypes[0] in ours else {}
     lines = []
-    for pair, by_batch in dtype_ratios(per_dtype).items():
+    for pair, by_batch in (dtype_ratios(per_dtype) if per_dtype else {}).items():
         dt = pair.split(" / ")[0]
         for b, r in by_batch.items():
             row = per_dtype[dt][b]
@@ -437,19 +462,31 @@ def compare_dtypes(args: argparse.Namespace) -> int:
                          f"({dt}: prefill {row['prefill_tok_s']:.1f}, decode {row['decode_tok_s']:.1f} tokens/s)")
     print("\n[bench_e2e] " + "\n[bench_e2e] ".join(lines or ["no dtype pair was timed"]))
     out = pathlib.Path(args.out) if args.out else ROOT / "benchmarks" / "results"
+    ratios_ = dtype_ratios(per_dtype) if per_dtype else {}
     (out / f"bench_e2e_{args.device}_dtypes.json").write_text(json.dumps(
-        {"args": dict(vars(args)), "pagedkv": per_dtype, "ratios": dtype_ratios(per_dtype), "lines": lines},
-        indent=2))
+        {"args": dict(vars(args)), "load_average": os.getloadavg(), "pagedkv": per_dtype, "ratios": ratios_,
+         "lines": lines}, indent=2))
     return rc
 
 
 def main(args: argparse.Namespace) -> int:
     """The benchmark (``--dtypes``: once per dtype, see ``compare_dtypes``); 1 where a system failed."""
-    return compare_dtypes(args) if args.dtypes else bench(args)[0]
+    return compare_dtypes(args) if args.dtypes else bench(args).rc
 
 
-def bench(args: argparse.Namespace) -> tuple[int, dict]:
-    """One run at ``args.dtype``: (1 where a system failed else 0, batch -> system -> its row)."""
+@dataclass(frozen=True)
+class Outcome:
+    """One ``bench`` run: 1 where a system failed else 0, batch -> system -> its row, pagedkv's system (None
+    if it could not be set up) and the tokenizer."""
+
+    rc: int
+    results: dict
+    ours: object
+    tok: object
+
+
+def bench(args: argparse.Namespace) -> Outcome:
+    """One run at ``args.dtype``."""
     torch.set_num_threads(args.threads)
     print(f"[bench_e2e] {args.device}, {args.dtype}, {args.threads} threads (torch and TVM), "
           f"prompt {args.prompt_len} tokens, {args.new_tokens} new tokens, {args.rounds} rounds", flush=True)
@@ -477,7 +514,7 @@ def bench(args: argparse.Namespace) -> tuple[int, dict]:
     print("\n" + "\n".join(lines))
     out = pathlib.Path(args.out) if args.out else ROOT / "benchmarks" / "results"
     write_outputs(out, args, _meta(args, bw, weight_bytes, systems), results, failures, lines)
-    return (1 if failures else 0), results
+    return Outcome(1 if failures else 0, results, systems.get("pagedkv"), tok)
 
 
 if __name__ == "__main__":

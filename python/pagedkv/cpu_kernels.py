@@ -21,6 +21,13 @@ Loops all start at 0 (TVM 0.27's ``CanonicalizeLoop`` miscompiles nested loops u
 starts above 0, see ``tir_kernels/attention_cpu.py``): the row tail is ``base + t`` for ``t`` from 0. No
 ``x = ...`` binding inside a vectorized loop either: TVM 0.27 compiled one (a let of the lane index) into
 wrong sums without a word. Sums are float32 whatever the input dtype.
+
+float16 / bfloat16 (a half model's projections: ``matmul`` in float32, ``cast`` back, maybe ``add``): inputs and
+weights are converted to float32 as they are loaded (F16C's ``vcvtph2ps``; for bfloat16 a zero-extend and a
+16-bit shift, on any x86 CPU), outputs rounded to the dtype as they are stored, then the residual added in it,
+as the original functions do. A decode step reads half the bytes of float32's. No bf16 dot-product (AVX512-BF16)
+or AMX instructions: they need the weights re-laid in pairs along ``K``, and the library is built for the host's
+``mcpu`` only (``pagedkv.target.host_target``), so it runs wherever that CPU's instructions do.
 """
 
 from __future__ import annotations
