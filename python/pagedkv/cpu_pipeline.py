@@ -8,7 +8,7 @@ this pipeline goes over the model's PrimFuncs once:
   hand-written kernels of ``pagedkv.cpu_kernels`` (streaming GEMV for a few rows, register-tiled GEMM). In a
   float16 / bfloat16 model a projection is a float32-accumulating ``matmul``, a ``cast`` back to the model's
   dtype and maybe the residual ``add`` in that dtype: the same kernels, storing half outputs (before they
-  took these, dlight's ``Reduction`` rule got them: one output at a time, 30x slower than float32);
+  took these, dlight's ``Reduction`` rule got them: one output at a time, 7-50x slower than float32);
 * normalizations and softmax-like functions (a reduction then elementwise blocks: RMSNorm) get dlight's
   CPU ``Reduction`` rule (rows in parallel, vectorized elementwise parts);
 * elementwise functions (SiLU * mul, embedding gathers, casts) are inlined into one loop, vectorized, and
@@ -256,7 +256,7 @@ def slow_dtype_message(dtypes, target) -> str | None:
     features = codegen.llvm_get_cpu_features(target)
     if "sse2" not in features or "f16c" in features:  # not x86 (AArch64 converts in NEON), or F16C there
         return None
-    mcpu = target.attrs.get("mcpu", "generic") if "mcpu" in target.attrs else "generic"
+    mcpu = target.attrs["mcpu"] if "mcpu" in target.attrs else "generic"
     return (f"pagedkv: a float16 model compiled for a CPU without F16C (llvm mcpu={mcpu}): every float16 value "
             "is converted in software, and its projections run 4-20x slower than in float32. bfloat16 (the same "
             "size, converted by a shift) or float32 is faster here.")
