@@ -12,7 +12,7 @@ interleave the systems, alternating their order; the median round is reported. A
 its greedy tokens equal transformers' eager tokens: a divergence prints where, with transformers' top-2
 logit margin there, that system gets no time at that batch (nor does one that raises, which is also left out
 of later batches), the others are still timed and the run exits 1 (``--tie-margin m`` accepts a divergence
-at a margin below ``m``, for float16 on the GPU).
+at a margin below ``m``; by default 0.25 for float16 / bfloat16 and on the GPU, 0 for float32 on the CPU).
 
 Memory: the host's read bandwidth (a sum over 1 GiB) and copy bandwidth (a 512 MiB copy, read + write) are
 measured first; the decode roof is ``read bandwidth / bytes of weights one decode step reads`` (every
@@ -29,6 +29,12 @@ for this host (sdist only; building llama.cpp from source on the 2-core host tak
 
 Writes ``benchmarks/results/bench_e2e_<device>.json``, ``.md`` (the table) and ``.png`` (``--out`` elsewhere).
 
+``--dtypes float32,float16,bfloat16`` runs the whole benchmark once per dtype (files ``bench_e2e_<device>_<dtype>.*``,
+each dtype's transformers the reference of its tokens), then times pagedkv of every dtype whose tokens were right
+again, the dtypes interleaved round by round (the per-dtype runs are minutes apart, and on a shared host the load
+moves in between), prints its prefill and decode tokens/s of each dtype over the first one's, per batch
+(``pagedkv float16 / float32 at batch 1: ...``), and writes them to ``bench_e2e_<device>_dtypes.json``.
+
 Usage: ``.venv/bin/python benchmarks/bench_e2e.py [--device cuda --model-lib PATH --graph-lib PATH]
 [--rounds 3]``; on the GPU host ``make bench-e2e-gpu`` (after ``make gpu-assemble``).
 """
@@ -44,6 +50,7 @@ import statistics
 import sys
 import time
 import traceback
+from dataclasses import dataclass
 
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
@@ -64,6 +71,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--threads", type=int, default=os.cpu_count())
     ap.add_argument("--dtype", default=None, help="float32 (CPU default) or float16 (CUDA default)")
+    ap.add_argument("--dtypes", type=lambda s: s.split(","), default=None,
+                    help="comma-separated dtypes: one run per dtype, then pagedkv's tokens/s of each over the "
+                         "first's (e.g. float32,float16,bfloat16)")
     ap.add_argument("--model-lib", default=None, help="CUDA: pagedkv's model library (default: "
                     "$PAGEDKV_MODEL_DIR or .gpu/models, smollm2-<dtype>-cuda.so)")
     ap.add_argument("--graph-lib", default=None,
@@ -76,13 +86,17 @@ def parse_args(argv=None) -> argparse.Namespace:
                          "that system's logic)")
     ap.add_argument("--tie-margin", type=float, default=None,
                     help="accept a token divergence where transformers' top-2 margin is below this "
-                         "(default 0 on the CPU, 0.25 on CUDA)")
+                         "(default 0 for float32 on the CPU, 0.25 on CUDA and for float16 / bfloat16)")
     ap.add_argument("--out", default=None, help="output folder (default benchmarks/results)")
     args = ap.parse_args(argv)
     cuda = args.device == "cuda"
+    distinct = args.dtypes is None or len(set(args.dtypes)) == len(args.dtypes) >= 2
+    if args.dtypes is not None and (args.dtype is not None or not distinct):
+        ap.error("--dtypes: two or more different dtypes, the first the baseline, without --dtype")
     args.batches = args.batches or ([1, 8, 32] if cuda else [1, 4])
-    args.dtype = args.dtype or ("float16" if cuda else "float32")
-    args.tie_margin = args.tie_margin if args.tie_margin is not None else (0.25 if cuda else 0.0)
+    args.dtype = (args.dtypes[0] if args.dtypes else args.dtype) or ("float16" if cuda else "float32")
+    args.tie_margin_default = args.tie_margin is None  # --dtypes: then each dtype gets its own default
+    args.tie_margin = default_tie_margin(args.device, args.dtype) if args.tie_margin is None else args.tie_margin
     args.hf_static = cuda if args.hf_static is None else args.hf_static
     if args.rounds < 1 or args.new_tokens < 2 or min(args.batches) < 1:
         ap.error("--rounds >= 1, --new-tokens >= 2 and batches >= 1")
@@ -91,6 +105,13 @@ def parse_args(argv=None) -> argparse.Namespace:
     if not cuda and (args.model_lib or args.graph_lib not in (None, "none")):
         ap.error("--model-lib and --graph-lib are CUDA model libraries (the CPU compiles its own)")
     return args
+
+
+def default_tie_margin(device: str, dtype: str) -> float:
+    """0 for float32 on the CPU (the same sums in another order: only a real tie may differ); 0.25 on CUDA
+    and for half dtypes, whose rounded logits tie or nearly tie often (a bfloat16 logit near 20 moves in
+    steps of 0.125), so two correct systems part at such a token."""
+    return 0.0 if device == "cpu" and dtype == "float32" else 0.25
 
 
 ARGS = parse_args() if __name__ == "__main__" else None
@@ -381,7 +402,7 @@ def write_outputs(out: pathlib.Path, args, meta: dict, results: dict, failures: 
     """``bench_e2e_<device>.json`` (every round's times, the ratios, the failures), ``.md`` (the table) and
     ``.png`` in ``out``."""
     out.mkdir(parents=True, exist_ok=True)
-    stem = out / f"bench_e2e_{args.device}"
+    stem = out / (f"bench_e2e_{args.device}" + (f"_{args.dtype}" if args.dtypes else ""))
     doc = {"meta": meta, "results": results, "ratios": {b: ratios(rows) for b, rows in results.items()},
            "failures": failures}
     stem.with_suffix(".json").write_text(json.dumps(doc, indent=2))
@@ -390,7 +411,82 @@ def write_outputs(out: pathlib.Path, args, meta: dict, results: dict, failures: 
     print(f"wrote {stem}.json, .md and .png")
 
 
+def dtype_ratios(per_dtype: dict[str, dict]) -> dict[str, dict]:
+    """``"<dtype> / <first dtype>"`` -> batch -> pagedkv's prefill and decode tokens/s over the first dtype's,
+    for the batches where both were timed (``per_dtype``: dtype -> batch -> pagedkv's row)."""
+    base, *others = per_dtype
+    return {f"{dt} / {base}": {b: {"prefill": row["prefill_tok_s"] / per_dtype[base][b]["prefill_tok_s"],
+                                   "decode": row["decode_tok_s"] / per_dtype[base][b]["decode_tok_s"]}
+                               for b, row in per_dtype[dt].items() if b in per_dtype[base]}
+            for dt in others}
+
+
+def interleave(ours: dict, tok, args: argparse.Namespace) -> dict[str, dict]:
+    """dtype -> batch -> pagedkv's row (``summarize``), timed with the dtypes interleaved: a warm-up each, then
+    ``rounds`` rounds that run every dtype once, alternating their order. A run whose tokens differ from its
+    warm-up's drops its dtype at that batch. (``ours``: dtype -> its pagedkv system, tokens already checked.)"""
+    out: dict[str, dict] = {dt: {} for dt in ours}
+    for batch in args.batches:
+        ids = prompts(tok, batch, args.prompt_len)
+        warm = {dt: system.run(ids, args.new_tokens).tokens for dt, system in ours.items()}
+        runs: dict[str, list | None] = {dt: [] for dt in ours}
+        for r in range(args.rounds):
+            for dt in (list(ours) if r % 2 == 0 else list(ours)[::-1]):
+                if runs[dt] is not None:
+                    run = ours[dt].run(ids, args.new_tokens)
+                    runs[dt] = runs[dt] + [run] if run.tokens == warm[dt] else None
+        for dt, row in summarize({dt: rs for dt, rs in runs.items() if rs}, batch, args).items():
+            out[dt][batch] = row
+    return out
+
+
+def compare_dtypes(args: argparse.Namespace) -> int:
+    """``--dtypes``: the benchmark once per dtype (tokens checked against transformers in that dtype), then
+    pagedkv of each dtype right at every batch timed again with the dtypes interleaved (``interleave``: on a
+    shared host the load moves between the per-dtype runs), and its ratios to the first dtype printed."""
+    ours, rc, tok = {}, 0, None
+    for dt in args.dtypes:
+        tie = default_tie_margin(args.device, dt) if args.tie_margin_default else args.tie_margin
+        outcome = bench(argparse.Namespace(**{**vars(args), "dtype": dt, "tie_margin": tie}))
+        rc, tok = rc or outcome.rc, outcome.tok
+        if all("pagedkv" in outcome.results.get(b, {}) for b in args.batches):
+            ours[dt] = outcome.ours
+    print(f"[bench_e2e] pagedkv interleaved: {', '.join(ours) or 'no dtype'} ...", flush=True)
+    per_dtype = interleave(ours, tok, args) if args.dtypes[0] in ours else {}
+    lines = []
+    for pair, by_batch in (dtype_ratios(per_dtype) if per_dtype else {}).items():
+        dt = pair.split(" / ")[0]
+        for b, r in by_batch.items():
+            row = per_dtype[dt][b]
+            lines.append(f"pagedkv {pair} at batch {b}: prefill {r['prefill']:.2f}x, decode {r['decode']:.2f}x "
+                         f"({dt}: prefill {row['prefill_tok_s']:.1f}, decode {row['decode_tok_s']:.1f} tokens/s)")
+    print("\n[bench_e2e] " + "\n[bench_e2e] ".join(lines or ["no dtype pair was timed"]))
+    out = pathlib.Path(args.out) if args.out else ROOT / "benchmarks" / "results"
+    ratios_ = dtype_ratios(per_dtype) if per_dtype else {}
+    (out / f"bench_e2e_{args.device}_dtypes.json").write_text(json.dumps(
+        {"args": dict(vars(args)), "load_average": os.getloadavg(), "pagedkv": per_dtype, "ratios": ratios_,
+         "lines": lines}, indent=2))
+    return rc
+
+
 def main(args: argparse.Namespace) -> int:
+    """The benchmark (``--dtypes``: once per dtype, see ``compare_dtypes``); 1 where a system failed."""
+    return compare_dtypes(args) if args.dtypes else bench(args).rc
+
+
+@dataclass(frozen=True)
+class Outcome:
+    """One ``bench`` run: 1 where a system failed else 0, batch -> system -> its row, pagedkv's system (None
+    if it could not be set up) and the tokenizer."""
+
+    rc: int
+    results: dict
+    ours: object
+    tok: object
+
+
+def bench(args: argparse.Namespace) -> Outcome:
+    """One run at ``args.dtype``."""
     torch.set_num_threads(args.threads)
     print(f"[bench_e2e] {args.device}, {args.dtype}, {args.threads} threads (torch and TVM), "
           f"prompt {args.prompt_len} tokens, {args.new_tokens} new tokens, {args.rounds} rounds", flush=True)
@@ -418,7 +514,7 @@ def main(args: argparse.Namespace) -> int:
     print("\n" + "\n".join(lines))
     out = pathlib.Path(args.out) if args.out else ROOT / "benchmarks" / "results"
     write_outputs(out, args, _meta(args, bw, weight_bytes, systems), results, failures, lines)
-    return 1 if failures else 0
+    return Outcome(1 if failures else 0, results, systems.get("pagedkv"), tok)
 
 
 if __name__ == "__main__":

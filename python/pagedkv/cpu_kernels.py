@@ -21,6 +21,13 @@ Loops all start at 0 (TVM 0.27's ``CanonicalizeLoop`` miscompiles nested loops u
 starts above 0, see ``tir_kernels/attention_cpu.py``): the row tail is ``base + t`` for ``t`` from 0. No
 ``x = ...`` binding inside a vectorized loop either: TVM 0.27 compiled one (a let of the lane index) into
 wrong sums without a word. Sums are float32 whatever the input dtype.
+
+float16 / bfloat16 (a half model's projections: ``matmul`` in float32, ``cast`` back, maybe ``add``): inputs and
+weights are converted to float32 as they are loaded (F16C's ``vcvtph2ps``; for bfloat16 a zero-extend and a
+16-bit shift, on any x86 CPU), outputs rounded to the dtype as they are stored, then the residual added in it,
+as the original functions do. A decode step reads half the bytes of float32's. No bf16 dot-product (AVX512-BF16)
+or AMX instructions: they need the weights re-laid in pairs along ``K``, and the library is built for the host's
+``mcpu`` only (``pagedkv.target.host_target``), so it runs wherever that CPU's instructions do.
 """
 
 from __future__ import annotations
@@ -41,6 +48,9 @@ MR, NR = 6, 64
 KSPLIT = 4
 #: Largest column block of the GEMV path's final sum over the slices.
 MAX_CHUNK = 1024
+#: Dtypes of inputs, weights and outputs the kernels take (half ones are converted to float32 in registers:
+#: F16C / AVX-512 conversions for float16, a 16-bit shift for bfloat16).
+DTYPES = ("float32", "float16", "bfloat16")
 
 
 @dataclass(frozen=True)
@@ -56,7 +66,8 @@ class MatmulShape:
     k, n :
         The weight's ``[K, N]``.
     a_dtype, w_dtype, out_dtype :
-        Dtypes; ``out_dtype`` is float32 (the residual has it too).
+        Dtypes, each one of ``DTYPES``; the residual has ``out_dtype``. Sums are float32 whatever they are,
+        cast to ``out_dtype`` before the residual is added (as a half model's ``matmul``, ``cast``, ``add``).
     """
 
     params: tuple[str, ...]
@@ -90,8 +101,9 @@ def gemm_strip(n: int) -> int | None:
 
 
 def supported(shape: MatmulShape) -> bool:
-    """Whether ``matmul_kernel`` serves ``shape`` (``N`` a multiple of ``LANES``; float32 output)."""
-    return (shape.out_dtype == "float32" and gemv_chunk(shape.n) is not None
+    """Whether ``matmul_kernel`` serves ``shape`` (``N`` a multiple of ``LANES``; dtypes of ``DTYPES``)."""
+    dtypes = (shape.a_dtype, shape.w_dtype, shape.out_dtype)
+    return (all(d in DTYPES for d in dtypes) and gemv_chunk(shape.n) is not None
             and gemm_strip(shape.n) is not None and shape.k % KSPLIT == 0)
 
 
@@ -100,15 +112,15 @@ def matmul_kernel(shape: MatmulShape) -> tirx.PrimFunc:
     K, N = shape.k, shape.n
     RB, SR = gemv_chunk(N), gemm_strip(N)
     rows = math.prod(shape.a_shape[:-1])
-    gemv, small, gemm = _gemv_body(K, N, RB), _small_body(K, N, SR), _gemm_body(K, N, SR)
-    store = _store_res if shape.has_residual else _store
-    a_shape, o_shape, adt, wdt = shape.a_shape, shape.out_shape, shape.a_dtype, shape.w_dtype
+    gemv, small, gemm = _gemv_body(K, N, RB), _small_body(K, N, SR), _gemm_body(K, N, SR, shape.a_dtype)
+    store = _store_fn(shape.out_dtype, residual=shape.has_residual)
+    a_shape, o_shape, adt, wdt, odt = shape.a_shape, shape.out_shape, shape.a_dtype, shape.w_dtype, shape.out_dtype
 
     @T.macro
     def body(A, W, O, R):
         Af = T.decl_buffer((rows, K), adt, data=A.data)
-        Of = T.decl_buffer((rows, N), "float32", data=O.data)
-        Rf = T.decl_buffer((rows, N), "float32", data=R.data)
+        Of = T.decl_buffer((rows, N), odt, data=O.data)
+        Rf = T.decl_buffer((rows, N), odt, data=R.data)
         if rows == 1:
             gemv(Af, W, Of, Rf, store)
         elif rows <= GEMV_ROWS:
@@ -116,38 +128,57 @@ def matmul_kernel(shape: MatmulShape) -> tirx.PrimFunc:
         else:
             gemm(Af, W, Of, Rf, rows, store)
 
-    @T.prim_func(private=True)
-    def with_residual(a_h: T.handle, w_h: T.handle, r_h: T.handle, o_h: T.handle):
-        T.func_attr({"tirx.noalias": True, "tirx.is_scheduled": True})
-        A = T.match_buffer(a_h, a_shape, adt)
-        W = T.match_buffer(w_h, (K, N), wdt)
-        R = T.match_buffer(r_h, o_shape, "float32")
-        O = T.match_buffer(o_h, o_shape, "float32")
-        body(A, W, O, R)
+    # Only the variant needed is parsed: TVMScript's parse is most of the time a model's compile spends here.
+    if shape.has_residual:
 
-    @T.prim_func(private=True)
-    def plain(a_h: T.handle, w_h: T.handle, o_h: T.handle):
-        T.func_attr({"tirx.noalias": True, "tirx.is_scheduled": True})
-        A = T.match_buffer(a_h, a_shape, adt)
-        W = T.match_buffer(w_h, (K, N), wdt)
-        O = T.match_buffer(o_h, o_shape, "float32")
-        body(A, W, O, O)
+        @T.prim_func(private=True)
+        def func(a_h: T.handle, w_h: T.handle, r_h: T.handle, o_h: T.handle):
+            T.func_attr({"tirx.noalias": True, "tirx.is_scheduled": True})
+            A = T.match_buffer(a_h, a_shape, adt)
+            W = T.match_buffer(w_h, (K, N), wdt)
+            R = T.match_buffer(r_h, o_shape, odt)
+            O = T.match_buffer(o_h, o_shape, odt)
+            body(A, W, O, R)
 
-    func = with_residual if shape.has_residual else plain
+    else:
+
+        @T.prim_func(private=True)
+        def func(a_h: T.handle, w_h: T.handle, o_h: T.handle):
+            T.func_attr({"tirx.noalias": True, "tirx.is_scheduled": True})
+            A = T.match_buffer(a_h, a_shape, adt)
+            W = T.match_buffer(w_h, (K, N), wdt)
+            O = T.match_buffer(o_h, o_shape, odt)
+            body(A, W, O, O)
+
     # The kernels above take (a, w, [res,] out); put the parameters in the original function's order.
     canonical = ("a", "w", "res", "out") if shape.has_residual else ("a", "w", "out")
     params = [func.params[canonical.index(role)] for role in shape.params]
     return tirx.PrimFunc(params, func.body, func.ret_type, func.attrs)
 
 
-@T.macro
-def _store(Of, Rf, m, n, value):
-    Of[m, n] = value
+def _store_fn(out_dtype: str, *, residual: bool):
+    """The macro writing one float32 sum: cast to ``out_dtype``, then the residual (of that dtype) added."""
+    if out_dtype == "float32":  # no cast node at all: the float32 kernels stay as they were
 
+        @T.macro
+        def store(Of, Rf, m, n, value):
+            Of[m, n] = value
 
-@T.macro
-def _store_res(Of, Rf, m, n, value):
-    Of[m, n] = Rf[m, n] + value
+        @T.macro
+        def store_res(Of, Rf, m, n, value):
+            Of[m, n] = Rf[m, n] + value
+
+    else:
+
+        @T.macro
+        def store(Of, Rf, m, n, value):
+            Of[m, n] = T.Cast(out_dtype, value)
+
+        @T.macro
+        def store_res(Of, Rf, m, n, value):
+            Of[m, n] = Rf[m, n] + T.Cast(out_dtype, value)
+
+    return store_res if residual else store
 
 
 def _gemv_body(K: int, N: int, RB: int):
@@ -205,9 +236,27 @@ def _small_body(K: int, N: int, SR: int):
     return small
 
 
-def _gemm_body(K: int, N: int, SR: int):
+def _gemm_body(K: int, N: int, SR: int, a_dtype: str):
     """More rows: ``MR x SR`` register tiles, ``SR``-column strips in parallel; the last ``rows % MR`` rows
-    form one more tile, zero-padded (one row at a time would re-read the strip's weights per row)."""
+    form one more tile, zero-padded (one row at a time would re-read the strip's weights per row). Half rows
+    are converted to float32 once first: converting them in the tile loop (6 scalar loads and conversions
+    per step of ``k``, for 24 vector FMAs) made the float16 GEMM ~20% slower than the float32 one."""
+    tiles = _gemm_tiles(K, N, SR)
+    if a_dtype == "float32":
+        return tiles
+
+    @T.macro
+    def gemm(Af, W, Of, Rf, rows, store):
+        Ac = T.alloc_buffer((rows, K), "float32")
+        for m, k in T.grid(rows, K):
+            Ac[m, k] = T.Cast("float32", Af[m, k])
+        tiles(Ac, W, Of, Rf, rows, store)
+
+    return gemm
+
+
+def _gemm_tiles(K: int, N: int, SR: int):
+    """The tiles of ``_gemm_body`` over rows ``Af`` (float32, or converted to it per load)."""
 
     @T.macro
     def gemm(Af, W, Of, Rf, rows, store):

@@ -5,7 +5,10 @@ and stops: no threads, no vectors (SmolLM2-135M decoded at 1.5 tokens/s on two c
 this pipeline goes over the model's PrimFuncs once:
 
 * projections (``matmul`` over a ``[K, N]`` weight, maybe with a residual ``add``) are replaced by the
-  hand-written kernels of ``pagedkv.cpu_kernels`` (streaming GEMV for a few rows, register-tiled GEMM);
+  hand-written kernels of ``pagedkv.cpu_kernels`` (streaming GEMV for a few rows, register-tiled GEMM). In a
+  float16 / bfloat16 model a projection is a float32-accumulating ``matmul``, a ``cast`` back to the model's
+  dtype and maybe the residual ``add`` in that dtype: the same kernels, storing half outputs (before they
+  took these, dlight's ``Reduction`` rule got them: one output at a time, 7-50x slower than float32);
 * normalizations and softmax-like functions (a reduction then elementwise blocks: RMSNorm) get dlight's
   CPU ``Reduction`` rule (rows in parallel, vectorized elementwise parts);
 * elementwise functions (SiLU * mul, embedding gathers, casts) are inlined into one loop, vectorized, and
@@ -14,9 +17,16 @@ this pipeline goes over the model's PrimFuncs once:
   reshapes (which ``RewriteDataflowReshape`` turns into views) are never touched.
 
 ``SCHEDULE_VERSION`` names this set of schedules; model library keys include it (``pagedkv.apps.chat``).
+
+float16 needs the CPU's conversion instructions (x86's F16C, in every AVX2 CPU): on an x86 target without them
+LLVM converts every float16 value in a library call, and the projections run 4-20x slower than in float32
+(measured with ``mcpu=x86-64``). The pass then warns at compile time (``SlowDtypeWarning``), naming bfloat16
+(converted by a shift on any CPU) and float32. bfloat16 and float16 with F16C are as fast as float32 or faster.
 """
 
 from __future__ import annotations
+
+import warnings
 
 import tvm
 from tvm import s_tir, tirx
@@ -25,7 +35,7 @@ from . import cpu_kernels
 from .cpu_kernels import MatmulShape
 
 #: Bumped whenever a schedule here or a kernel of ``cpu_kernels`` changes what is compiled.
-SCHEDULE_VERSION = "cpu-sched-3"
+SCHEDULE_VERSION = "cpu-sched-4"
 #: Elements of one parallel task of an elementwise function (small ones stay on one thread).
 ELEMWISE_CHUNK = 4096
 
@@ -82,19 +92,62 @@ def _match_product(block, params) -> tuple | None:
     return a, w, c
 
 
-def _match_residual(block, c) -> tuple | None:
-    """(res, out) of an ``out[i] = res[i] + c[i]`` (or ``c + res``) block."""
+def _elementwise_store(block):
+    """(store, iter vars) of a block ``out[i...] = ...`` over spatial iterators only, else None."""
     store = block.body
-    if not isinstance(store, tirx.BufferStore) or not isinstance(store.value, tirx.Add):
+    if block.init is not None or not isinstance(store, tirx.BufferStore) or len(block.writes) != 1:
         return None
     ivs = [iv.var for iv in block.iter_vars]
+    if any(int(iv.iter_type) != 0 for iv in block.iter_vars) or not _same_vars(store.indices, ivs):
+        return None
+    return store, ivs
+
+
+def _match_residual(block, c) -> tuple | None:
+    """(res, out) of an ``out[i] = res[i] + c[i]`` (or ``c + res``) block."""
+    found = _elementwise_store(block)
+    if found is None or not isinstance(found[0].value, tirx.Add):
+        return None
+    store, ivs = found
     loads = [store.value.a, store.value.b]
     if not all(hasattr(x, "indices") and _same_vars(x.indices, ivs) for x in loads):
         return None
     others = [_src(x) for x in loads if not _src(x).same_as(c)]
-    if len(others) != 1 or not _same_vars(store.indices, ivs):
+    if len(others) != 1:
         return None
     return others[0], _src(block.writes[0])
+
+
+def _match_cast(block, c):
+    """``out`` of an ``out[i] = T.Cast(dtype, c[i])`` block (a float32 product back to a half model's dtype)."""
+    found = _elementwise_store(block)
+    if found is None or not isinstance(found[0].value, tirx.Cast):
+        return None
+    store, ivs = found
+    src = store.value.value
+    if not (hasattr(src, "indices") and _src(src).same_as(c) and _same_vars(src.indices, ivs)):
+        return None
+    return _src(block.writes[0])
+
+
+def _match_epilogue(blocks, c) -> tuple | None:
+    """(res or None, out) of the blocks after the product: none, a cast, a residual add, or a cast then an
+    add (what a float16 / bfloat16 model's float32-accumulating projection becomes), else None."""
+    res, cur = None, c
+    for i, block in enumerate(blocks):
+        cast_out = _match_cast(block, cur) if i == 0 else None
+        if cast_out is not None:
+            cur = cast_out
+            continue
+        found = _match_residual(block, cur) if res is None else None
+        if found is None:
+            return None
+        res, cur = found
+    if cur is not c and list(cur.shape) != list(c.shape):
+        return None
+    if res is not None and (res.dtype != cur.dtype or list(res.shape) != list(cur.shape)):
+        return None
+    return res, cur
 
 
 def match_matmul(func: tirx.PrimFunc) -> MatmulShape | None:
@@ -104,15 +157,17 @@ def match_matmul(func: tirx.PrimFunc) -> MatmulShape | None:
     except Exception:  # noqa: BLE001 (not a block-structured function: not ours to replace)
         return None
     params = list(func.params)
-    if len(blocks) not in (1, 2) or not blocks[0].name_hint.startswith("matmul"):
+    if not 1 <= len(blocks) <= 3 or not blocks[0].name_hint.startswith("matmul"):
         return None
     found = _match_product(blocks[0], params)
     if found is None:
         return None
     a, w, c = found
-    res, out = (None, c) if len(blocks) == 1 else (_match_residual(blocks[1], c) or (None, None))
-    if out is None or (len(blocks) == 2 and res is None):
+    # The product accumulates in float32 (a float16 accumulator would change the sums' rounding).
+    epilogue = _match_epilogue(blocks[1:], c) if c.dtype == "float32" else None
+    if epilogue is None:
         return None
+    res, out = epilogue
     roles = {"a": a, "w": w, "out": out, **({"res": res} if res is not None else {})}
     order = []
     for p in params:
@@ -120,9 +175,7 @@ def match_matmul(func: tirx.PrimFunc) -> MatmulShape | None:
         if len(role) != 1:
             return None
         order.append(role[0])
-    if sorted(order) != sorted(roles) or (res is not None and list(res.shape) != list(out.shape)):
-        return None
-    if res is not None and res.dtype != "float32":
+    if sorted(order) != sorted(roles):
         return None
     k, n = (int(d) for d in w.shape)
     if len(a.shape) != len(out.shape) or int(a.shape[-1]) != k or int(out.shape[-1]) != n:
@@ -189,11 +242,42 @@ def schedule_func(func: tirx.PrimFunc, target) -> tuple[str, tirx.PrimFunc]:
     return "kept", func
 
 
+class SlowDtypeWarning(UserWarning):
+    """A model compiled for the CPU in a dtype this CPU target runs far slower than another (see the module)."""
+
+
+def slow_dtype_message(dtypes, target) -> str | None:
+    """Why a model whose functions hold ``dtypes`` is slow on the llvm ``target`` (naming the faster dtypes),
+    or None: float16 on an x86 CPU without F16C."""
+    from tvm.target import codegen
+
+    if "float16" not in dtypes:
+        return None
+    features = codegen.llvm_get_cpu_features(target)
+    if "sse2" not in features or "f16c" in features:  # not x86 (AArch64 converts in NEON), or F16C there
+        return None
+    mcpu = target.attrs["mcpu"] if "mcpu" in target.attrs else "generic"
+    return (f"pagedkv: a float16 model compiled for a CPU without F16C (llvm mcpu={mcpu}): every float16 value "
+            "is converted in software, and its projections run 4-20x slower than in float32. bfloat16 (the same "
+            "size, converted by a shift) or float32 is faster here.")
+
+
+def _param_dtypes(mod: tvm.IRModule) -> set[str]:
+    """Dtypes of the PrimFuncs' buffer parameters (the model's weights and activations; the cache's kernels
+    take handles, which have none)."""
+    return {str(getattr(p, "dtype", "handle")) for func in mod.functions.values()
+            if isinstance(func, tirx.PrimFunc) for p in func.params}
+
+
 def schedule_pass(target, report: dict | None = None):
-    """Module pass scheduling every model PrimFunc (``schedule_func``); ``report`` collects name -> kind."""
+    """Module pass scheduling every model PrimFunc (``schedule_func``); ``report`` collects name -> kind.
+    Warns (``SlowDtypeWarning``) where the model's dtype is far slower on ``target`` than another."""
 
     @tvm.transform.module_pass(opt_level=0, name="pagedkv.ScheduleCPU")
     def _pass(mod: tvm.IRModule, _ctx) -> tvm.IRModule:
+        slow = slow_dtype_message(_param_dtypes(mod), target)
+        if slow is not None:
+            warnings.warn(slow, SlowDtypeWarning, stacklevel=2)
         updates = {}
         for gv, func in mod.functions.items():
             if isinstance(func, tirx.PrimFunc):

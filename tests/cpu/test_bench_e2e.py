@@ -55,6 +55,9 @@ def test_defaults():
     assert (cpu.batches, cpu.dtype, cpu.tie_margin, cpu.hf_static) == ([1, 4], "float32", 0.0, False)
     assert (cuda.batches, cuda.dtype, cuda.tie_margin, cuda.hf_static) == ([1, 8, 32], "float16", 0.25, True)
     assert _args("--device", "cuda", "--no-hf-static").hf_static is False
+    # half logits tie often: their runs accept a divergence below 0.25, as on CUDA, unless told otherwise
+    assert (_args("--dtype", "bfloat16").tie_margin, _args("--dtype", "float16", "--tie-margin", "0").tie_margin) == (
+        0.25, 0.0)
     for bad in (["--graph-lib", "g.so"], ["--batches", "1,1"], ["--new-tokens", "1"]):
         with pytest.raises(SystemExit):
             B.parse_args(bad)
@@ -149,6 +152,41 @@ def test_main_writes_outputs_and_fails_on_wrong_tokens(tmp_path, monkeypatch, ca
     unset["pagedkv+graphs"] = ["pagedkv+graphs: setting up g.so raised RuntimeError: no decode"]  # failed to load
     assert B.main(args) == 1
     assert "FAILED at batch 2: pagedkv+graphs: setting up g.so" in capsys.readouterr().out
+
+
+def test_dtypes_mode_prints_ratios_to_the_first(tmp_path, monkeypatch, capsys):
+    """``--dtypes``: one run per dtype (its own files), then pagedkv of the dtypes timed again interleaved and
+    its tokens/s over the first dtype's; a dtype whose tokens are wrong gets no ratio and the run exits 1."""
+    class Tokenizer(Tok):
+        def __call__(self, text, add_special_tokens=False):
+            return {"input_ids": list(range(200))}
+
+    speed = {"float32": Fake(2.0), "float16": Fake(4.0), "bfloat16": Fake(3.0, wrong_at=1)}
+    margins = {}
+
+    def build(args):
+        margins[args.dtype] = args.tie_margin
+        return {"pagedkv": speed[args.dtype], B.REF: Fake()}, Tokenizer(), 10**8, {}
+
+    monkeypatch.setattr(B, "bandwidth", lambda device: BW)
+    monkeypatch.setattr(B, "build_systems", build)
+    args = _args("--dtypes", "float32,float16,bfloat16", "--out", str(tmp_path), "--threads",
+                 str(B.torch.get_num_threads()))
+    assert args.dtype == "float32"
+    assert B.main(args) == 1
+    out = capsys.readouterr().out
+    assert "pagedkv float16 / float32 at batch 1: prefill 2.00x, decode 2.00x" in out
+    assert "bfloat16 / float32" not in out
+    assert margins == {"float32": 0.0, "float16": 0.25, "bfloat16": 0.25}  # each dtype's own default
+    doc = json.loads((tmp_path / "bench_e2e_cpu_dtypes.json").read_text())
+    assert doc["ratios"]["float16 / float32"]["4"]["decode"] == pytest.approx(2.0)
+    assert "bfloat16 / float32" not in doc["ratios"] and set(doc["pagedkv"]) == {"float32", "float16"}
+    assert {p.name for p in tmp_path.glob("bench_e2e_cpu_*.json")} == {
+        "bench_e2e_cpu_float32.json", "bench_e2e_cpu_float16.json", "bench_e2e_cpu_bfloat16.json",
+        "bench_e2e_cpu_dtypes.json"}
+    for bad in (["--dtypes", "float16"], ["--dtypes", "float16,float16"], ["--dtype", "float16", "--dtypes", "float32,float16"]):
+        with pytest.raises(SystemExit):
+            B.parse_args(bad)
 
 
 def test_greedy_float16_bits_equal_argmax():
