@@ -101,9 +101,12 @@ class Builtins:
 
     @classmethod
     def load(cls) -> "Builtins":
-        """Look the globals up (TVM's runtime registers them: it must be loaded, e.g. by ``import tvm``)."""
+        """Look the globals up (TVM's runtime registers them: loaded here as a runtime-only process loads it)."""
         import tvm_ffi
 
+        from ..runtime import load_tvm_runtime
+
+        load_tvm_runtime()
         return cls(**{f.name: tvm_ffi.get_global_func(f"vm.builtin.{GLOBAL_NAMES[f.name]}") for f in fields(cls)})
 
 
