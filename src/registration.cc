@@ -117,9 +117,8 @@ void Def(const char* name, const char* const (&arg_names)[N], F f) {
   TVM_FFI_CHECK_SAFE_CALL(TVMFFIFunctionSetGlobalFromMethodInfo(&info, 0));
 }
 
-}  // namespace
-
-TVM_FFI_STATIC_INIT_BLOCK() {
+// The globals of the sequence and forward lifecycle (create, add / fork / remove, begin / end, checks).
+void RegisterLifecycleGlobals() {
   using C = PagedKVCache;
   using T = ffi::Tensor;
   Def("pagedkv.create", {"config_json", "runtime_values", "op_table", "device_ref"},
@@ -149,6 +148,12 @@ TVM_FFI_STATIC_INIT_BLOCK() {
         c->CheckIndices(values, std::string(name), bound, std::string(bound_name));
         return values;
       });
+}
+
+// The attention, append and debug globals.
+void RegisterAttentionGlobals() {
+  using C = PagedKVCache;
+  using T = ffi::Tensor;
   Def("pagedkv.attention_with_fused_qkv", {"cache", "layer", "sm_scale", "qkv", "o"},
       [](C c, int64_t layer, double sm_scale, T qkv, T o) -> void {
         c->AttentionWithFusedQKV(layer, qkv, std::nullopt, o, sm_scale);
@@ -201,6 +206,13 @@ TVM_FFI_STATIC_INIT_BLOCK() {
   Def("pagedkv.config_json", {"cache"}, [](C c) -> ffi::String { return ffi::String(c->ConfigJSON()); });
   Def("pagedkv.op_backends", {"cache"},
       [](C c) -> ffi::Map<ffi::String, ffi::String> { return c->OpBackends(); });
+}
+
+}  // namespace
+
+TVM_FFI_STATIC_INIT_BLOCK() {
+  RegisterLifecycleGlobals();
+  RegisterAttentionGlobals();
 }
 
 }  // namespace pagedkv
