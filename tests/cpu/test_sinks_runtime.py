@@ -16,7 +16,7 @@ import math
 
 import numpy as np
 import pytest
-from test_runtime_numpy import Harness, N, NumpyKernels, T, _fork_tree, attend, config, create, g
+from _numpy_runtime import Harness, N, NumpyKernels, T, _fork_tree, attend, config, create, g
 
 #: One sink per query head of the harness config (4 query heads).
 SINKS = np.array([8.0, -8.0, 3.0, -3.0], np.float32)
