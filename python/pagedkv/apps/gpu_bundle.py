@@ -335,6 +335,10 @@ def main(argv: list[str] | None = None) -> int:
                     help="worker processes of the TIR kernel builds (default: $PAGEDKV_BUILD_JOBS or the cores)")
     ap.add_argument("--no-upstream", action="store_true",
                     help="skip apache-tvm's own CUDA kernels (the kernel benchmark's baseline)")
+    ap.add_argument("--no-path-libraries", action="store_true",
+                    help="leave out the CUDA path tests' libraries (every code path forced: about 100 of the 135): a "
+                         "bundle of the default kernels in about a fifth of the time (the path tests then fail: "
+                         "deselect test_cuda_paths_gpu.py and test_prefill_tc_gpu.py)")
     ap.add_argument("--no-flashinfer", action="store_true",
                     help="a TIR-only bundle: no FlashInfer modules (their cold builds take minutes each, fa3's "
                          "about 7; the FlashInfer GPU tests then skip)")
@@ -348,7 +352,10 @@ def main(argv: list[str] | None = None) -> int:
     from ..testing.shapes import BENCH_WINDOWED, flashinfer_gpu_shapes
 
     target = {"kind": "cuda", "arch": args.arch}
-    built = build_kernels(out, tir_kernel_libraries(), target, jobs=args.jobs)
+    libraries = tir_kernel_libraries()
+    if args.no_path_libraries:
+        libraries = [(cfg, paths) for cfg, paths in libraries if not paths]
+    built = build_kernels(out, libraries, target, jobs=args.jobs)
     if args.no_flashinfer:
         print("[pagedkv] skipping FlashInfer kernels: --no-flashinfer", flush=True)
     else:
