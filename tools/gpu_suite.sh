@@ -2,7 +2,8 @@
 # GPU host, after `make gpu-assemble` (or `tools/carry.py assemble`): the GPU suite from .gpu/ in N pytest
 # processes side by side (one GPU; the suite is mostly host-bound, so three processes take about a third of the
 # wall time), the test files dealt largest first, round robin. Logs: $OUT/suite<i>.log; the last lines of each
-# are printed. N (3) and SUITE_S (each process' limit, 420 s) from the environment; extra pytest arguments pass.
+# are printed. N (3) and SUITE_S (each process' limit, 420 s) from the environment; EXCLUDE, a regex of test files
+# to leave out (e.g. the forced-path tests after `gpu_bundle --no-path-libraries`); extra pytest arguments pass.
 set -u
 N=${N:-3}
 LIMIT=${SUITE_S:-420}
@@ -12,7 +13,7 @@ if [ -f .gpu/extra-env.sh ]; then source .gpu/extra-env.sh; fi
 export PYTHONPATH=$PWD/python:$PWD/benchmarks:${PYTHONPATH:-} \
   PAGEDKV_RUNTIME_LIB=$PWD/.gpu/lib/libpagedkv_runtime.so \
   PAGEDKV_KERNEL_DIR=$PWD/.gpu/kernels PAGEDKV_MODEL_DIR=$PWD/.gpu/models
-mapfile -t files < <(ls -S tests/gpu/test_*.py)
+mapfile -t files < <(ls -S tests/gpu/test_*.py | grep -Ev "${EXCLUDE:-^$}")
 pids=()
 for ((i = 0; i < N; i++)); do
   sel=()
