@@ -125,26 +125,13 @@ def _ffi(t: torch.Tensor):
 
 #: ``pagedkv.<name>`` global -> the ``vm.builtin`` global that takes the same arguments in the same order (TVM's
 #: wrappers reorder them into the protocol's methods); the other ``pagedkv.*`` globals have no protocol counterpart.
-SAME_ARGUMENTS = {
-    "add_sequence": "kv_state_add_sequence",
-    "remove_sequence": "kv_state_remove_sequence",
-    "fork_sequence": "kv_state_fork_sequence",
-    "popn": "kv_state_popn",
-    "clear": "kv_state_clear",
-    "begin_forward": "kv_state_begin_forward",
-    "end_forward": "kv_state_end_forward",
-    "get_sequence_length": "attention_kv_cache_get_sequence_length",
-    "get_num_available_pages": "attention_kv_cache_get_num_available_pages",
-    "get_total_sequence_length": "attention_kv_cache_get_total_sequence_length",
-    "get_query_positions": "attention_kv_cache_get_query_positions",
-    "attention_with_fused_qkv": "attention_kv_cache_attention_with_fused_qkv",
-    "self_attention": "attention_kv_cache_self_attention",
-    "cross_attention": "attention_kv_cache_cross_attention",
-    "merge_attn_output_inplace": "attention_kv_cache_merge_attn_output_inplace",
-    "append_mla_kv": "attention_kv_cache_append_mla_kv",
-    "debug_get_kv": "attention_kv_cache_debug_get_kv",
-    "debug_get_mla_kv": "attention_kv_cache_debug_get_kv_mla",
-}
+SAME_ARGUMENTS = {name: GLOBAL_NAMES[name] for name in (
+    "add_sequence", "remove_sequence", "fork_sequence", "popn", "clear", "begin_forward", "end_forward",
+    "get_sequence_length", "get_num_available_pages", "get_total_sequence_length", "get_query_positions",
+    "attention_with_fused_qkv", "self_attention", "cross_attention", "merge_attn_output_inplace", "append_mla_kv",
+    "debug_get_kv",
+)}
+SAME_ARGUMENTS["debug_get_mla_kv"] = GLOBAL_NAMES["debug_get_kv_mla"]  # pagedkv names it the other way round
 
 
 class ProtocolKVCache(KVCache):
