@@ -1,0 +1,86 @@
+"""RoPE variants in the kernels: a ``pagedkv.rope_spec.RopeTable`` (``KernelSpec.rope``) as TIR.
+
+A variant's frequencies are compile-time constants (float64 on the host, ``rope_spec``); a kernel reads
+frequency ``i`` as ``table_value(values, i)``, a balanced select tree over ``i``: in a ``T.unroll`` loop (the CPU
+kernels fill their per-work-item frequency buffer so) ``i`` is a constant once unrolled and the tree folds to one
+constant store; with a thread index (CUDA) it costs ``log2(R / 2)`` selects, once per thread and token. LongRoPE
+picks its set by ``apply_rope`` (2: long). The angle is ``p * inv_freq[i]`` (``rope_scale`` is in the table; the
+kernels' ``rope_scale`` / ``rope_theta`` arguments are unused), cos and sin are multiplied by the attention factor,
+and rotation pair ``i`` is dims ``RopeTable.pair(i)``; dims ``>= rotary_dim`` pass through.
+
+The kernels without a table (``KernelSpec.rope is None``) do not import this module's macros: their code is what
+it was before the variants existed.
+"""
+
+from __future__ import annotations
+
+from tvm.script import tirx as T
+
+from ._math import cos_approx, sin_approx
+
+
+def table_value(values, i, dtype: str = "float32"):
+    """``values[i]`` for a TIR index ``i`` (``0 <= i < len(values)``) as a select tree of ``dtype`` constants."""
+
+    def pick(lo, hi):
+        if hi - lo == 1:
+            return getattr(T, dtype)(float(values[lo]))
+        mid = (lo + hi) // 2
+        return T.Select(i < mid, pick(lo, mid), pick(mid, hi))
+
+    return pick(0, len(values))
+
+
+def freq_value(table, i, apply_rope, dtype: str = "float32"):
+    """Frequency ``i`` of the set ``apply_rope`` selects (2: LongRoPE's long set; else the table's one)."""
+    short = table_value(table.inv_freq, i, dtype)
+    if not table.inv_freq_long:
+        return short
+    return T.Select(apply_rope == 2, table_value(table.inv_freq_long, i, dtype), short)
+
+
+def rope_on(apply_rope):
+    """Whether a table kernel rotates: ``apply_rope`` 1 (the set) or 2 (LongRoPE's long set)."""
+    return apply_rope >= 1
+
+
+def scaled(table, x):
+    """``x`` times the attention factor (left as is when it is 1: the default variants' code has no multiply)."""
+    return x if table.attention_factor == 1.0 else x * T.float32(table.attention_factor)
+
+
+def make_cpu_rope_macros(table):
+    """The CPU kernels' ``(init_inv_freq, rope_row)`` of ``table`` (``_common.make_rope_macros``' interface).
+
+    * ``init_inv_freq(invf[>= R/2], apply_rope)``: ``invf[i]`` = frequency ``i`` (constant stores);
+    * ``rope_row(buf[*, D], r, pos, rope_scale, invf)``: rotates the ``R / 2`` pairs of row ``r`` in place for
+      position ``pos`` (``rope_scale`` unused: it is in the table), cos / sin times the attention factor.
+    """
+    half = table.half
+
+    def ia(i):
+        return table.pair(i)[0]
+
+    def ib(i):
+        return table.pair(i)[1]
+
+    @T.macro
+    def init_inv_freq(invf, apply_rope):
+        for i in T.unroll(half):
+            invf[i] = freq_value(table, i, apply_rope)
+
+    @T.macro
+    def rope_row(buf, r, pos, rope_scale, invf):
+        for i in T.vectorized(half):
+            x0: T.let[T.float32] = buf[r, ia(i)]
+            x1: T.let[T.float32] = buf[r, ib(i)]
+            angle: T.let[T.float32] = T.Cast("float32", pos) * invf[i]
+            c: T.let[T.float32] = scaled(table, cos_approx(angle))
+            s: T.let[T.float32] = scaled(table, sin_approx(angle))
+            buf[r, ia(i)] = x0 * c - x1 * s
+            buf[r, ib(i)] = x1 * c + x0 * s
+
+    return init_inv_freq, rope_row
+
+
+__all__ = ["freq_value", "make_cpu_rope_macros", "rope_on", "scaled", "table_value"]
