@@ -14,6 +14,8 @@ it was before the variants existed.
 
 from __future__ import annotations
 
+import struct
+
 from tvm.script import tirx as T
 
 from ._math import cos_approx, sin_approx
@@ -37,6 +39,26 @@ def freq_value(table, i, apply_rope, dtype: str = "float32"):
     if not table.inv_freq_long:
         return short
     return T.Select(apply_rope == 2, table_value(table.inv_freq_long, i, dtype), short)
+
+
+def _f32(x: float) -> float:
+    return struct.unpack("f", struct.pack("f", x))[0]
+
+
+def freq_parts(table, i, apply_rope):
+    """(``hi``, ``lo``): frequency ``i`` as a float32 pair ``hi + lo`` (48 significant bits of the float64 value),
+    for ``_sincos_cuda.rope_sincos``' exact angle."""
+
+    class _Set:  # freq_value's view of one rounded part of both sets
+        def __init__(self, short, long):
+            self.inv_freq, self.inv_freq_long = short, long
+
+    def parts(values):
+        hi = [_f32(v) for v in values]
+        return hi, [_f32(v - h) for v, h in zip(values, hi)]
+
+    (sh, sl), (lh, ll) = parts(table.inv_freq), parts(table.inv_freq_long)
+    return freq_value(_Set(sh, lh), i, apply_rope), freq_value(_Set(sl, ll), i, apply_rope)
 
 
 def rope_on(apply_rope):
@@ -83,4 +105,18 @@ def make_cpu_rope_macros(table):
     return init_inv_freq, rope_row
 
 
-__all__ = ["freq_value", "make_cpu_rope_macros", "rope_on", "scaled", "table_value"]
+__all__ = ["freq_parts", "freq_value", "make_cpu_rope_macros", "make_no_inline_rope", "rope_on", "scaled", "table_value"]
+
+
+def make_no_inline_rope(op: str):
+    """``refuse(apply_rope)``: the host-side check of a CUDA attention kernel built for a RoPE variant, which has no
+    inline RoPE for it (the TIR backend refuses ``rope_mode="inline"`` then, with the reason): a call with
+    ``apply_rope != 0`` raises instead of rotating with the plain formula."""
+    msg = (f"pagedkv: the CUDA {op} kernel has no inline RoPE for this RoPE variant (KernelSpec.rope); "
+           "use rope_mode 'normal' (split_rotary rotates q and k before the cache)")
+
+    @T.macro
+    def refuse(apply_rope):
+        assert apply_rope == 0, msg
+
+    return refuse

@@ -31,6 +31,7 @@ from ._common_cuda import (
 from ._decode_rope_cuda import make_rope_stages
 from ._decode_staged_cuda import make_staged_kernel, staged_plan
 from ._decode_staged_rope_cuda import make_staged_rope_kernel
+from ._rope_table import make_no_inline_rope
 from ._decode_tc_cuda import TCD_RESIDENT_BLOCKS, make_tc_kernel
 from ._decode_stages_cuda import (
     DecodePlan,
@@ -261,7 +262,11 @@ def attn_decode_paged_cuda(spec):
     # The plain kernel may be the tensor-core one (``use_tc``); its split policy then rules (2 blocks an SM).
     tc, tc_rope = use_tc(spec), use_tc(spec, rope=True)
     staged, staged_rope = use_staged(spec) and not tc, use_staged(spec, rope=True) and not tc_rope
-    if tc_rope:
+    INLINE = spec.rope is None  # a RoPE variant's table: no inline kernel (refuse), see _rope_table
+    refuse = make_no_inline_rope(ATTN_DECODE_PAGED)
+    if not INLINE:
+        kernel_rope = None
+    elif tc_rope:
         kernel_rope = make_tc_kernel(HQ, HKV, D, dtype, var, rope=True)
     elif staged_rope:
         kernel_rope = make_staged_rope_kernel(staged_plan(HQ, HKV, D, dtype), var)
@@ -291,10 +296,15 @@ def attn_decode_paged_cuda(spec):
         # Split partial states (float32); only touched when S > 1.
         ws_o = T.alloc_buffer((T.max(B, 1) * HQ * S, D), "float32")
         ws_l = T.alloc_buffer((T.max(B, 1) * HQ * S,), "float32")
-        if apply_rope == 1:
-            kernel_rope(q, pages, page_indptr, page_values, last_page_len, k_pos_offset, q_pos, o, lse, B, ps,
-                        rope_scale, rope_theta, sm_scale, S, C, ws_o, ws_l)
+        if INLINE:  # static
+            if apply_rope == 1:
+                kernel_rope(q, pages, page_indptr, page_values, last_page_len, k_pos_offset, q_pos, o, lse, B, ps,
+                            rope_scale, rope_theta, sm_scale, S, C, ws_o, ws_l)
+            else:
+                kernel_plain(q, pages, page_indptr, page_values, last_page_len, k_pos_offset, q_pos, o, lse, B, ps,
+                             rope_scale, rope_theta, sm_scale, S, C, ws_o, ws_l)
         else:
+            refuse(apply_rope)
             kernel_plain(q, pages, page_indptr, page_values, last_page_len, k_pos_offset, q_pos, o, lse, B, ps,
                          rope_scale, rope_theta, sm_scale, S, C, ws_o, ws_l)
         if S > 1:
