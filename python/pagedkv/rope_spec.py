@@ -320,6 +320,14 @@ def plain_kernels_serve(spec: RopeSpec, head_dim: int) -> bool:
     return spec.rope_type in ("default", "linear") and spec.dims(head_dim) == head_dim and not spec.interleaved
 
 
+def cuda_inline_serves(spec: RopeSpec, head_dim: int) -> bool:
+    """Whether the CUDA attention kernels' inline RoPE serves ``spec``: the whole head in halves (their lane
+    layouts pair ``x[i]`` with ``x[i + D/2]``), any ``rope_type``: a table's frequencies replace theirs and its
+    attention factor, which then scales every dim of q and k, folds into the scores' scale (``a^2 * sm_scale``).
+    The decode's lane-group kernel and the SIMT prefill take tables (``KernelSpec.rope``)."""
+    return spec.dims(head_dim) == head_dim and not spec.interleaved
+
+
 @dataclass(frozen=True)
 class RopeTable:
     """A RoPE variant as the kernels take it: compile-time constants (``KernelSpec.rope``).
@@ -393,4 +401,4 @@ def hf_rope_fields(hf_config) -> dict:
 
 
 __all__ = ["OPTIONAL", "PARAMETERS", "REQUIRED", "ROPE_TYPES", "RopeSpec", "RopeTable", "attention_factor", "hf_rope_fields",
-           "inv_freq", "linear_factor", "plain_kernels_serve", "rope_table"]
+           "cuda_inline_serves", "inv_freq", "linear_factor", "plain_kernels_serve", "rope_table"]

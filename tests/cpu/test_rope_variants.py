@@ -1,7 +1,7 @@
 """RoPE variants in the cache's own rotation (issue 45 item 4): ``pagedkv.rope_spec``, its float64 reference
 (``pagedkv.testing.reference_rope``, checked against transformers), the CPU kernels (``split_rotary`` and inline
-attention) and the CUDA ``split_rotary`` (emulated) against the reference, the runtime's LongRoPE switch and linear
-factor through a cache, the config's refusals and the backends' reasons.
+attention) against the reference, the runtime's LongRoPE switch and linear factor through a cache, the config's
+refusals and the backends' reasons. The CUDA kernels (emulated): ``test_rope_cuda_emulated.py``.
 
 Tiny shapes (head dim 32, float32; relative error ``|out - ref| / |ref|`` < 1e-5): three variant specs cover every
 feature: llama3 (whole head, halves), yarn (rotary_dim 16: pass-through dims, attention factor) and longrope
@@ -238,33 +238,6 @@ def test_inline_attention_cpu(name):
 
 
 # ---------------------------------------------------------------------------------------------------------
-# the CUDA split_rotary (emulated on the CPU: _decode_emu's g++ build of TVM's CUDA source)
-# ---------------------------------------------------------------------------------------------------------
-def test_split_rotary_cuda_emulated(tmp_path):
-    """The CUDA ``split_rotary`` of the LongRoPE spec (interleaved, rotary_dim 16: every feature) at both sets,
-    launched as TVM's host code launches it, against the reference (its angle is exact: ``rope_sincos``)."""
-    import _decode_emu as emu
-
-    spec = VARIANTS["longrope_interleaved"]
-    built = emu.build(tk.KernelSpec(HQ, HKV, D, dtype="float32", rope=rope_table(spec, D, THETA, 1.0)), {},
-                      tmp_path / "split_rotary", op="split_rotary")
-    rng = np.random.default_rng()
-    n = 7
-    qkv = rng.standard_normal((n, HQ + 2 * HKV, D)).astype(np.float32)
-    pos = rng.integers(0, 3 * LONG_OMAX, n).astype(np.int32)
-    for apply_rope, long in _sets(spec):
-        arrays = {"qkv": qkv, "q_pos": pos, **{name: np.full((n, h, D), np.nan, np.float32)
-                                               for name, h in (("q", HQ), ("k", HKV), ("v", HKV))}}
-        emu.launch(built, arrays, {"n": n, "apply_rope": apply_rope, "rope_scale": 1.0, "rope_theta": THETA,
-                                   "dev_id": 0})
-        for name, part in (("q", qkv[:, :HQ]), ("k", qkv[:, HQ:HQ + HKV])):
-            ref = rope_variant(torch.from_numpy(part), pos, THETA, 1.0, spec, long=long)
-            assert _rel(arrays[name], ref) < 1e-5, (name, apply_rope)
-            assert np.array_equal(arrays[name][..., 16:], part[..., 16:])
-        assert np.array_equal(arrays["v"], qkv[:, HQ + HKV:])
-
-
-# ---------------------------------------------------------------------------------------------------------
 # through a cache: the runtime's LongRoPE switch and linear factor
 # ---------------------------------------------------------------------------------------------------------
 def _scenario_config(rope_mode: str, rope: RopeSpec) -> KVCacheConfig:
@@ -288,14 +261,16 @@ def test_cache_longrope_switches_per_forward(rope_mode):
 
 
 def test_cache_linear_scales_positions():
-    """"linear" runs the plain kernels with ``rope_scale / factor`` from the runtime (no table)."""
+    """"linear" runs the plain kernels with ``rope_scale / factor`` from the runtime (no table): the kernels of
+    ``testing.shapes.SHAPES[0]`` (4 / 4 heads x 64, float32), which the kernel cache holds from the scenario tests."""
     import pagedkv
     from pagedkv.testing.scenarios import ScenarioRunner, add, check, forward
 
-    cfg = _scenario_config("normal", RopeSpec(rope_type="linear", factor=4.0))
-    assert tk.KernelSpec.from_config(cfg).rope is None
+    cfg = dataclasses.replace(_scenario_config("normal", RopeSpec(rope_type="linear", factor=4.0)), num_kv_heads=4,
+                              head_dim=64)
+    assert tk.KernelSpec.from_config(cfg) == tk.KernelSpec(4, 4, 64, dtype="float32")
     runner = ScenarioRunner(pagedkv.create(cfg, backend="tir", poison=True), torch.Generator().manual_seed(2),
-                            D ** -0.5)
+                            64 ** -0.5)
     runner.run([add(0), forward({0: 12}), forward({0: 1}), check()], "linear")
 
 
@@ -356,18 +331,27 @@ def test_hf_rope_fields_refuses_unrotated_types():
 
 
 def test_backends_say_why():
-    """CUDA inline RoPE has no variant tables: the TIR backend refuses its attention ops with the reason ("normal"
-    serves); FlashInfer's own RoPE has none of the variants either. The CPU serves both modes."""
+    """CUDA inline RoPE pairs the halves of the whole head: the TIR backend serves every rope_type so (the lanes
+    decode and the SIMT prefill take the table; the kernel table says why tc / staged do not) and refuses a partial
+    rotary_dim or interleaved pairs with the reason ("normal" serves them); FlashInfer's own RoPE has none of the
+    variants. The CPU serves both modes."""
+    from pagedkv import kernel_table
+
     cuda = {"kind": "cuda", "arch": "sm_90a"}
     cfg = KVCacheConfig(**BASE, dtype="float16", rope_mode="inline", rope=VARIANTS["yarn_partial"])
     tir = TIRBackend()
     why = tir.validate_configuration("attn_decode_paged", cfg, cuda)
-    assert any("has no inline RoPE for rope yarn, rotary_dim 16" in r and "rope_mode 'normal'" in r for r in why)
+    assert any("has no inline RoPE for rotary_dim 16" in r and "rope_mode 'normal'" in r for r in why)
+    interleaved = cfg.replace(rope=RopeSpec(interleaved=True))
+    assert any("for interleaved pairs" in r for r in tir.validate_configuration("attn_prefill_paged", interleaved, cuda))
     assert not tir.validate_configuration("attn_decode_paged", cfg.replace(rope_mode="normal"), cuda)
     assert not tir.validate_configuration("split_rotary", cfg, cuda)
     assert not tir.validate_configuration("attn_decode_paged", cfg, "llvm")
-    linear = cfg.replace(rope=RopeSpec(rope_type="linear", factor=2.0))
-    assert not tir.validate_configuration("attn_decode_paged", linear, cuda)  # the plain kernels with scale / 2
+    for rope in (RopeSpec(rope_type="linear", factor=2.0), VARIANTS["llama3"]):  # plain kernels / the lanes' table
+        assert not tir.validate_configuration("attn_decode_paged", cfg.replace(rope=rope), cuda)
+    spec = dataclasses.replace(tk.KernelSpec.from_config(cfg.replace(rope=VARIANTS["llama3"])), target_arch="sm_90a")
+    choice = kernel_table.choose("attn_decode_paged", spec, rope=True)
+    assert choice.name == "lanes" and "inline RoPE of a RoPE variant" in choice.explain()
     fi = FlashInferBackend().validate_configuration("attn_decode_paged", cfg, cuda)
     assert any("no rope_type 'yarn'" in r for r in fi) and any("not rotary_dim 16" in r for r in fi)
 

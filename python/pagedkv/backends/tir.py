@@ -12,7 +12,7 @@ from .. import kernel_table, ops
 from .. import target as _target
 from ..config import KVCacheConfig
 from ..kernel_spec import DTYPES, SWITCHES, KernelSpec, normalize_paths
-from ..rope_spec import plain_kernels_serve
+from ..rope_spec import cuda_inline_serves
 from .base import Backend, OpBuild, target_kind
 
 #: Target kinds the TIR kernels are scheduled for.
@@ -100,17 +100,18 @@ def _cuda_mla_limits(op: str, config: KVCacheConfig) -> list[str]:
 
 
 def _cuda_inline_rope_limits(op: str, config: KVCacheConfig) -> list[str]:
-    """The CUDA attention kernels' inline RoPE is the plain formula only (``p * rope_scale / theta ** (2i / D)``,
-    whole head, halves; "linear" through the runtime's ``rope_scale / factor``): a variant that needs the
-    kernels' table (``KernelSpec.rope``) is refused with ``rope_mode="inline"`` (its kernels raise on
-    ``apply_rope != 0``); ``"normal"`` serves it (``split_rotary`` rotates before the cache)."""
-    if config.rope_mode != "inline" or config.is_mla or plain_kernels_serve(config.rope, config.head_dim):
+    """The CUDA attention kernels' inline RoPE pairs the halves of the whole head (their lane layouts): every
+    ``rope_type`` of that shape is served (the decode's lane-group kernel and the SIMT prefill take the variant's
+    table), a partial ``rotary_dim`` or interleaved pairs are refused with ``rope_mode="inline"`` (the kernels raise
+    on ``apply_rope != 0``); ``"normal"`` serves them (``split_rotary`` rotates before the cache)."""
+    if config.rope_mode != "inline" or config.is_mla or cuda_inline_serves(config.rope, config.head_dim):
         return []
     r = config.rope
-    what = r.rope_type + (f", rotary_dim {r.rotary_dim}" if r.rotary_dim else "") + (
-        ", interleaved" if r.interleaved else "")
-    return [f"CUDA {op} has no inline RoPE for rope {what} yet (the CPU kernels and split_rotary have): use "
-            "rope_mode 'normal' (split_rotary rotates q and k before the cache)"]
+    what = ", ".join(([f"rotary_dim {r.rotary_dim}"] if r.dims(config.head_dim) != config.head_dim else [])
+                     + (["interleaved pairs"] if r.interleaved else []))
+    return [f"CUDA {op} has no inline RoPE for {what} yet (its lane layouts pair the halves of the whole head; "
+            "the CPU kernels and split_rotary take them): use rope_mode 'normal' (split_rotary rotates q and k "
+            "before the cache)"]
 
 
 def _cpu_attention_limits(op: str, config: KVCacheConfig) -> list[str]:

@@ -45,20 +45,41 @@ def _f32(x: float) -> float:
     return struct.unpack("f", struct.pack("f", x))[0]
 
 
+class _Sets:
+    """``freq_value``'s view of two derived sets (rounded parts, reciprocals)."""
+
+    def __init__(self, short, long):
+        self.inv_freq, self.inv_freq_long = short, long
+
+
+def divisor_value(table, i, apply_rope):
+    """``1 / inv_freq[i]`` of the selected set as a float32 constant: the SIMT prefill's divisor (its angle is
+    ``pos * 1 / divisor``, one more rounding than ``pos * inv_freq``: about 6e-8 of the angle)."""
+    return freq_value(_Sets([1 / f for f in table.inv_freq], [1 / f for f in table.inv_freq_long]), i, apply_rope)
+
+
+def cuda_inline_serves(table, head_dim: int) -> bool:
+    """``rope_spec.cuda_inline_serves`` of a table: the whole head in halves (the CUDA inline kernels' layouts)."""
+    return table.rotary_dim == head_dim and not table.interleaved
+
+
+def whole_head_scale(table, sm_scale):
+    """``sm_scale`` times the attention factor squared: with every dim of q and k rotated (``cuda_inline_serves``),
+    scaling cos and sin by ``a`` scales every score by ``a^2``, which the CUDA inline kernels fold into the scale."""
+    a = table.attention_factor
+    return sm_scale if a == 1.0 else sm_scale * T.float32(a * a)
+
+
 def freq_parts(table, i, apply_rope):
     """(``hi``, ``lo``): frequency ``i`` as a float32 pair ``hi + lo`` (48 significant bits of the float64 value),
     for ``_sincos_cuda.rope_sincos``' exact angle."""
-
-    class _Set:  # freq_value's view of one rounded part of both sets
-        def __init__(self, short, long):
-            self.inv_freq, self.inv_freq_long = short, long
 
     def parts(values):
         hi = [_f32(v) for v in values]
         return hi, [_f32(v - h) for v, h in zip(values, hi)]
 
     (sh, sl), (lh, ll) = parts(table.inv_freq), parts(table.inv_freq_long)
-    return freq_value(_Set(sh, lh), i, apply_rope), freq_value(_Set(sl, ll), i, apply_rope)
+    return freq_value(_Sets(sh, lh), i, apply_rope), freq_value(_Sets(sl, ll), i, apply_rope)
 
 
 def rope_on(apply_rope):
@@ -105,7 +126,7 @@ def make_cpu_rope_macros(table):
     return init_inv_freq, rope_row
 
 
-__all__ = ["freq_parts", "freq_value", "make_cpu_rope_macros", "make_no_inline_rope", "rope_on", "scaled", "table_value"]
+__all__ = ["cuda_inline_serves", "divisor_value", "freq_parts", "whole_head_scale", "freq_value", "make_cpu_rope_macros", "make_no_inline_rope", "rope_on", "scaled", "table_value"]
 
 
 def make_no_inline_rope(op: str):
