@@ -325,7 +325,15 @@ def test_config_rope_schema_and_json():
         plain.replace(rope=VARIANTS["longrope_interleaved"], cuda_graph_batch=1)
 
 
-def test_hf_rope_fields_refuses_unrotated_types():
+def test_hf_rope_fields_reach_the_llama_model():
+    """A Llama 3.1 config's llama3 scaling reaches the cache of ``pagedkv.models.llama`` (through
+    ``apps.smollm2.llama_config``); an HF rope_type the cache does not rotate is refused with the reason."""
+    from pagedkv.apps.smollm2 import llama_config
+
+    hf = _llama({"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                 "original_max_position_embeddings": 64}, vocab_size=64, intermediate_size=64, num_hidden_layers=1)
+    cfg = llama_config(hf).kv_cache_config("float32")
+    assert cfg.rope == VARIANTS["llama3"] and cfg.rope_theta == THETA and cfg.schema_version == 6
     with pytest.raises(ValueError, match="rope_type 'dynamic' is not rotated by the cache"):
         hf_rope_fields(_llama({"rope_type": "dynamic", "factor": 2.0}))
 
