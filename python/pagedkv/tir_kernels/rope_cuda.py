@@ -78,16 +78,12 @@ def split_rotary_cuda(spec):
     return abi_prim_func(SPLIT_ROTARY, shape_values(spec), dtype, body, scheduled=True)
 
 
-def _split_rotary_table(spec):
-    """``split_rotary_cuda`` for a RoPE variant (``spec.rope``, ``_rope_table``): each pair's frequency is a
-    constant (a select tree over the thread's pair; ``apply_rope`` 2 picks LongRoPE's long set), its cos / sin come
-    from ``_sincos_cuda.rope_sincos`` on the float32 pair ``hi + lo`` (the angle is never rounded: float64
-    reference accuracy, as the decode kernels') times the attention factor; pair ``i`` is ``tab.pair(i)`` and the
-    dims past ``rotary_dim`` are copied."""
+def _table_macros(spec):
+    """``(sincos, rotate)`` of ``_split_rotary_table``: a pair's cos / sin of the table at a position, and a token's
+    rotated pairs (and copied dims past ``rotary_dim``) from the shared cos / sin rows."""
     HQ, HKV, D, dtype, tab = spec.num_qo_heads, spec.num_kv_heads, spec.head_dim, spec.dtype, spec.rope
     HALF, R = tab.half, tab.rotary_dim
-    NROT, NQK, NV = (HQ + HKV) * HALF, (HQ + HKV) * D, HKV * D
-    NPASS = (HQ + HKV) * (D - R)  # q and k elements past rotary_dim
+    NROT, NPASS = (HQ + HKV) * HALF, (HQ + HKV) * (D - R)  # rotation pairs; q and k elements past rotary_dim
 
     def ia(i):
         return tab.pair(i)[0]
@@ -126,6 +122,19 @@ def _split_rotary_table(spec):
                         q[s, h, d] = qkv[s, h, d]
                     else:
                         k[s, h - HQ, d] = qkv[s, h, d]
+
+    return sincos, rotate
+
+
+def _split_rotary_table(spec):
+    """``split_rotary_cuda`` for a RoPE variant (``spec.rope``, ``_rope_table``): each pair's frequency is a
+    constant (a select tree over the thread's pair; ``apply_rope`` 2 picks LongRoPE's long set), its cos / sin come
+    from ``_sincos_cuda.rope_sincos`` on the float32 pair ``hi + lo`` (the angle is never rounded: float64
+    reference accuracy, as the decode kernels') times the attention factor; pair ``i`` is ``tab.pair(i)`` and the
+    dims past ``rotary_dim`` are copied."""
+    HQ, HKV, D, dtype = spec.num_qo_heads, spec.num_kv_heads, spec.head_dim, spec.dtype
+    HALF, NQK, NV = spec.rope.half, (HQ + HKV) * D, HKV * D
+    sincos, rotate = _table_macros(spec)
 
     @T.macro
     def body(qkv, q_pos, q, k, v, apply_rope, rope_scale, rope_theta, dims):
