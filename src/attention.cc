@@ -191,6 +191,13 @@ void PagedKVCacheObj::OpenForward(const ForwardPlan& plan, const AuxBuilder& aux
   f.append_slot = aux.View(slot);
   f.prior_len = aux.View(prior);
   f.no_keys_indptr = aux.View(no_keys);
+  if (cfg_.rope_long_after > 0) {
+    // LongRoPE: the long factors when the forward's longest sequence exceeds the pretraining context, as
+    // transformers decides per call from max(position_ids) + 1 (python/pagedkv/rope_spec.py).
+    int64_t longest = 0;
+    for (int32_t p : plan.q_pos) longest = std::max<int64_t>(longest, int64_t{p} + 1);
+    if (longest > cfg_.rope_long_after) f.rope_set = 2;
+  }
   for (size_t i = 0; i < plan.passes.size(); ++i) {
     const auto& h = pass_handles[i];
     f.passes.push_back(PassViews{aux.View(h[0]), aux.View(h[1]), aux.View(h[2]), aux.View(h[3]),
@@ -303,7 +310,7 @@ void PagedKVCacheObj::RunRagged(const ffi::Tensor& q, const ffi::Tensor& k, cons
   // New tokens attend causally to the new tokens of their own sequence; keys start at the prior length.
   CallVariant<ops::AttnPrefillRagged, ops::AttnPrefillRaggedPartial>(ops_, partial, [&](auto a) {
     return a.q(q).k(k).v(v).q_indptr(f.q_indptr).kv_indptr(f.q_indptr).q_pos(f.q_pos).k_pos_offset(f.prior_len)
-        .o(o).lse(lse).causal(1).apply_rope(apply_rope_inline()).rope_scale(cfg_.rope_scale)
+        .o(o).lse(lse).causal(1).apply_rope(apply_rope_inline()).rope_scale(cfg_.rope_scale_arg())
         .rope_theta(cfg_.rope_theta).sm_scale(sm_scale);
   });
 }
@@ -330,7 +337,7 @@ void PagedKVCacheObj::RunPass(int64_t layer, const PassViews& p, const ffi::Tens
   auto paged = [&](auto a) {
     return a.q(q).pages(pages_[layer]).page_indptr(p.page_indptr).page_values(p.page_values)
         .last_page_len(p.last_page_len).k_pos_offset(p.k_pos_offset).q_pos(f.q_pos).o(o).lse(lse)
-        .apply_rope(apply_rope_inline()).rope_scale(cfg_.rope_scale).rope_theta(cfg_.rope_theta)
+        .apply_rope(apply_rope_inline()).rope_scale(cfg_.rope_scale_arg()).rope_theta(cfg_.rope_theta)
         .sm_scale(sm_scale);
   };
   if (decode) {
@@ -437,10 +444,10 @@ void PagedKVCacheObj::FusedAttention(int64_t layer, const Tensor& qkv, const ffi
   CheckTensor(qkv, "qkv", {n, cfg_.num_qo_heads + 2 * cfg_.num_kv_heads, cfg_.head_dim}, dtype_, device_);
   CheckTensor(o, "o", QShape(n), dtype_, device_);
   if (sinks != nullptr) CheckSinks("attention_with_fused_qkv", *sinks);
-  int apply_rope = cfg_.rope_mode == "normal" ? 1 : 0;  // "inline": k is stored unrotated
+  int apply_rope = cfg_.rope_mode == "normal" ? f.rope_set : 0;  // "inline": k is stored unrotated
   ops_.Call(ops::SplitRotary()
                 .qkv(qkv).q_pos(f.q_pos).q(f.q).k(f.k).v(f.v).apply_rope(apply_rope)
-                .rope_scale(cfg_.rope_scale).rope_theta(cfg_.rope_theta));
+                .rope_scale(cfg_.rope_scale_arg()).rope_theta(cfg_.rope_theta));
   auto append = [&] {
     ops_.Call(ops::AppendKV().pages(pages_[layer]).k(f.k).v(f.v).slot(f.append_slot));
   };
@@ -473,7 +480,7 @@ void PagedKVCacheObj::SelfAttention(int64_t layer, Tensor q, Tensor k, Tensor v,
     ops_.Call(ops::AttnPrefillRagged()
                   .q(q).k(k).v(v).q_indptr(f.q_indptr).kv_indptr(f.no_keys_indptr).q_pos(f.q_pos)
                   .k_pos_offset(f.prior_len).o(o).lse(lse).causal(1).apply_rope(apply_rope_inline())
-                  .rope_scale(cfg_.rope_scale).rope_theta(cfg_.rope_theta).sm_scale(sm_scale));
+                  .rope_scale(cfg_.rope_scale_arg()).rope_theta(cfg_.rope_theta).sm_scale(sm_scale));
     return;
   }
   RunRagged(q, k, v, o, lse, sm_scale, /*partial=*/false);

@@ -31,6 +31,9 @@ const std::set<std::string> kSchema3Fields = {"sliding_window", "logits_soft_cap
 const std::set<std::string> kSchema4Fields = {"cuda_graph_batch"};
 // Added by schema 5 (attention sinks).
 const std::set<std::string> kSchema5Fields = {"attention_sinks", "sink_size"};
+// Added by schema 6 (RoPE variants): one object of RopeSpec's fields.
+const std::set<std::string> kSchema6Fields = {"rope"};
+const std::set<std::string> kRopeTypes = {"default", "linear", "llama3", "yarn", "longrope"};
 const std::set<std::string> kRuntimeFields = {"max_batch_size", "max_total_seq_len",
                                               "prefill_chunk_size", "page_size"};
 const std::set<std::string> kDTypes = {"float16", "float32", "bfloat16"};
@@ -40,12 +43,7 @@ const std::set<std::string> kLayerKinds = {"mha", "mla"};
 // The config fields as JSON values by name; runtime fields are merged in as ints.
 using FieldMap = std::map<std::string, ffi::Any>;
 
-FieldMap ReadFields(const std::string& json) {
-  ffi::String error;
-  ffi::Any root = ffi::json::Parse(json, &error);
-  if (!error.empty()) TVM_FFI_THROW(ValueError) << "pagedkv config: invalid JSON: " << error;
-  auto obj = root.as<ffi::Map<ffi::Any, ffi::Any>>();
-  if (!obj.has_value()) TVM_FFI_THROW(ValueError) << "pagedkv config: expected a JSON object";
+FieldMap ToFieldMap(const ffi::Map<ffi::Any, ffi::Any>* obj) {
   FieldMap fields;
   for (const auto& kv : *obj) {
     auto key = kv.first.as<ffi::String>();
@@ -53,6 +51,15 @@ FieldMap ReadFields(const std::string& json) {
     fields[std::string(*key)] = kv.second;
   }
   return fields;
+}
+
+FieldMap ReadFields(const std::string& json) {
+  ffi::String error;
+  ffi::Any root = ffi::json::Parse(json, &error);
+  if (!error.empty()) TVM_FFI_THROW(ValueError) << "pagedkv config: invalid JSON: " << error;
+  auto obj = root.as<ffi::Map<ffi::Any, ffi::Any>>();
+  if (!obj.has_value()) TVM_FFI_THROW(ValueError) << "pagedkv config: expected a JSON object";
+  return ToFieldMap(&*obj);
 }
 
 int64_t GetInt(const FieldMap& f, const std::string& name, int64_t fallback, bool required) {
@@ -134,6 +141,40 @@ void ApplyRuntimeFields(FieldMap* fields, const ffi::Shape& values) {
                                 << "' is given both in the JSON and in runtime_fields";
     }
     (*fields)[names[i]] = ffi::Any(values[i]);
+  }
+}
+
+// Schema 6's "rope" object: the runtime reads the type and the parameters it acts on (KVConfig), and keeps the
+// object to write it back; the frequencies are the kernels' (Python validates every field before compiling them).
+void ReadRope(const FieldMap& f, KVConfig* c) {
+  auto it = f.find("rope");
+  if (it == f.end()) return;
+  auto obj = it->second.as<ffi::Map<ffi::Any, ffi::Any>>();
+  if (!obj.has_value()) TVM_FFI_THROW(ValueError) << "pagedkv config: field 'rope' must be an object";
+  FieldMap r = ToFieldMap(&*obj);
+  c->rope_json = std::string(ffi::json::Stringify(it->second));
+  c->rope_type = GetString(r, "rope_type", "default", kRopeTypes);
+  c->rotary_dim = GetInt(r, "rotary_dim", 0, false);
+  if (c->rotary_dim < 0 || c->rotary_dim % 2 != 0 || c->rotary_dim > c->head_dim) {
+    TVM_FFI_THROW(ValueError) << "pagedkv config: rope rotary_dim must be even and in [0, head_dim " << c->head_dim
+                              << "], got " << c->rotary_dim;
+  }
+  if (c->rope_type == "linear") {
+    c->rope_linear_factor = GetFloat(r, "factor", 0.0);
+    if (!std::isfinite(c->rope_linear_factor) || c->rope_linear_factor <= 0) {
+      TVM_FFI_THROW(ValueError) << "pagedkv config: rope_type 'linear' needs a factor > 0, got "
+                                << c->rope_linear_factor;
+    }
+  }
+  if (c->rope_type == "longrope") {
+    c->rope_long_after = GetInt(r, "original_max_position_embeddings", 0, /*required=*/true);
+    if (c->rope_long_after < 1) {
+      TVM_FFI_THROW(ValueError) << "pagedkv config: rope original_max_position_embeddings must be >= 1";
+    }
+    if (c->cuda_graph_batch > 0) {
+      TVM_FFI_THROW(ValueError) << "pagedkv config: rope_type 'longrope' with cuda_graph_batch is not supported (its "
+                                << "short / long switch is a per-forward kernel argument a captured graph freezes)";
+    }
   }
 }
 
@@ -240,7 +281,7 @@ void Validate(const KVConfig& c) {
     TVM_FFI_THROW(ValueError) << "pagedkv config: v_head_dim " << c.v_head_dim << " != head_dim "
                               << c.head_dim << " needs MLA layers";
   }
-  if (c.rope_mode != "none" && c.head_dim % 2 != 0) {
+  if (c.rope_mode != "none" && c.head_dim % 2 != 0 && c.rotary_dim == 0) {
     TVM_FFI_THROW(ValueError) << "pagedkv config: RoPE (rope_mode '" << c.rope_mode
                               << "') rotates the two halves of a head and needs an even head_dim, got "
                               << c.head_dim << "; an odd head_dim takes rope_mode 'none'";
@@ -290,7 +331,8 @@ KVConfig ParseConfig(const std::string& json, const ffi::Shape& runtime_values) 
     if (!kSchema1Fields.count(kv.first) && !(c.schema_version >= 2 && kSchema2Fields.count(kv.first)) &&
         !(c.schema_version >= 3 && kSchema3Fields.count(kv.first)) &&
         !(c.schema_version >= 4 && kSchema4Fields.count(kv.first)) &&
-        !(c.schema_version >= 5 && kSchema5Fields.count(kv.first))) {
+        !(c.schema_version >= 5 && kSchema5Fields.count(kv.first)) &&
+        !(c.schema_version >= 6 && kSchema6Fields.count(kv.first))) {
       TVM_FFI_THROW(ValueError) << "pagedkv config: unknown field '" << kv.first << "' for schema_version "
                                 << c.schema_version;
     }
@@ -319,6 +361,7 @@ KVConfig ParseConfig(const std::string& json, const ffi::Shape& runtime_values) 
   c.cuda_graph_batch = GetInt(f, "cuda_graph_batch", 0, false);
   c.attention_sinks = GetBool(f, "attention_sinks", false);
   c.sink_size = GetInt(f, "sink_size", 0, false);
+  ReadRope(f, &c);
   Validate(c);
   return c;
 }
@@ -358,6 +401,7 @@ std::string ConfigToJSON(const KVConfig& c) {
     out["attention_sinks"] = c.attention_sinks ? "true" : "false";
     out["sink_size"] = std::to_string(c.sink_size);
   }
+  if (c.schema_version >= 6) out["rope"] = c.rope_json.empty() ? "{\"rope_type\": \"default\"}" : c.rope_json;
   std::string json = "{";
   for (const auto& [k, v] : out) json += (json.size() > 1 ? ", " : "") + str(k) + ": " + v;
   return json + "}";

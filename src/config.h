@@ -18,7 +18,8 @@ namespace pagedkv {
 // Schema 4 added cuda_graph_batch (0: off): decode forwards laid out for CUDA-graph replay.
 // Schema 5 added attention_sinks (false: off): learnable per-head attention sinks (attention.cc), and sink_size (0:
 // off): StreamingLLM sink tokens beside a sliding window (forward_plan.h).
-inline constexpr int64_t kSchemaVersion = 5;
+// Schema 6 added rope (absent: plain RoPE): the RoPE variant (python/pagedkv/rope_spec.py, RopeSpec), an object.
+inline constexpr int64_t kSchemaVersion = 6;
 
 struct KVConfig {
   int64_t schema_version = kSchemaVersion;
@@ -53,8 +54,20 @@ struct KVConfig {
   // also sees the first sink_size tokens of its sequence; read by extra passes over each chain's first pages
   // (forward_plan.h), with the window kernels unchanged.
   int64_t sink_size = 0;
+  // schema 6; "" (plain RoPE): the "rope" object as JSON (RopeSpec's fields), written back by ConfigToJSON. The
+  // kernels hold a variant's frequencies (compile-time tables); the runtime acts on two of its parameters only:
+  std::string rope_json;
+  std::string rope_type = "default";
+  // "linear": the plain kernels serve it with rope_scale / factor as their rope_scale argument (rope_scale_arg).
+  double rope_linear_factor = 1.0;
+  // "longrope": a forward whose longest sequence (largest query position + 1) exceeds this rotates with the long
+  // factors, apply_rope = 2 (as transformers switches per call); 0: no switch.
+  int64_t rope_long_after = 0;
+  int64_t rotary_dim = 0;  // 0: the whole head
 
   DLDataType dl_dtype() const;
+  // The rope_scale argument of the kernels (the config's, divided by a "linear" variant's factor).
+  double rope_scale_arg() const { return rope_scale / rope_linear_factor; }
   // A windowed cache attends each sequence's whole chain in one causal pass (forward_plan.h).
   bool windowed() const { return sliding_window > 0; }
   bool cuda_graph() const { return cuda_graph_batch > 0; }

@@ -161,6 +161,8 @@ class PagedKVCacheObj : public tvm::runtime::vm::AttentionKVCacheObj {
     std::vector<PassViews> passes;
     ffi::Tensor q, k, v, o_tmp, lse_tmp, lse_own;  // [n, ...] views of the work buffers (MLA: no q, k, v)
     ffi::Tensor o_acc;  // [n, Hq, paged v dim] float32: the running merged state (partial_states_ only)
+    // apply_rope of the rotating kernels: 1, or 2 for LongRoPE's long factors (config rope_long_after).
+    int rope_set = 1;
   };
 
   // fns_.Alloc on the cache's device; an allocation failure is a MemoryError naming `what` and the sizes.
@@ -225,7 +227,8 @@ class PagedKVCacheObj : public tvm::runtime::vm::AttentionKVCacheObj {
   void PoisonNewPages();
   void PoisonPage(int32_t page);
   void PoisonTemps();
-  int apply_rope_inline() const { return cfg_.rope_mode == "inline" ? 1 : 0; }
+  // apply_rope of the attention kernels (the open forward's rope_set with inline RoPE, else 0).
+  int apply_rope_inline() const { return cfg_.rope_mode == "inline" ? forward_->rope_set : 0; }
 
   KVConfig cfg_;
   OpTable ops_;

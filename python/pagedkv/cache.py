@@ -45,22 +45,26 @@ target_spec = _target.canonical
 
 def kernel_shape(config: KVCacheConfig) -> KVCacheConfig:
     """``config`` reduced to its kernel spec (``pagedkv.kernel_spec.KernelSpec.from_config``: heads, head dims,
-    dtype, attention options), as a config: configs differing only in capacity, page size or RoPE parameters
-    (kernel arguments) share kernels and compiled modules."""
+    dtype, attention options), as a config: configs differing only in capacity, page size or plain RoPE's
+    parameters (kernel arguments) share kernels and compiled modules. A RoPE variant the kernels hold as a
+    table (``KernelSpec.rope``) stays, with the RoPE fields it derives from."""
     spec = KernelSpec.from_config(config)
+    rope = {} if spec.rope is None else {"rope_mode": config.rope_mode, "rope_theta": config.rope_theta,
+                                         "rope_scale": config.rope_scale, "rope": config.rope}
     if spec.is_mla:
         return KVCacheConfig.mla(num_layers=1, num_heads=spec.num_qo_heads, kv_lora_rank=spec.kv_lora_rank,
                                  qk_nope_head_dim=spec.head_dim - spec.qk_rope_head_dim,
                                  qk_rope_head_dim=spec.qk_rope_head_dim, v_head_dim=spec.v_head_dim,
                                  dtype=spec.dtype, attention_sinks=spec.attention_sinks)
     return KVCacheConfig(num_layers=1, num_qo_heads=spec.num_qo_heads, num_kv_heads=spec.num_kv_heads,
-                         head_dim=spec.head_dim, v_head_dim=spec.v_head_dim, dtype=spec.dtype, rope_mode="none",
-                         attention_sinks=spec.attention_sinks, **spec.options())
+                         head_dim=spec.head_dim, v_head_dim=spec.v_head_dim, dtype=spec.dtype,
+                         attention_sinks=spec.attention_sinks, **{"rope_mode": "none", **rope}, **spec.options())
 
 
 #: Modules of the package besides ``tir_kernels/`` whose code decides which kernels are generated (the spec and
 #: its limits, the op ABI, the targets, the backends' choices): part of the source digest.
-KERNEL_SOURCE_MODULES = ("kernel_spec.py", "kernel_table.py", "ops.py", "target.py", "config.py", "backends/tir.py",
+KERNEL_SOURCE_MODULES = ("kernel_spec.py", "kernel_table.py", "ops.py", "target.py", "config.py", "rope_spec.py",
+                         "backends/tir.py",
                          "backends/flashinfer.py", "backends/base.py")
 
 

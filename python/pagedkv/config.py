@@ -14,12 +14,15 @@ import numbers
 from dataclasses import dataclass, field
 from typing import Any, Mapping
 
+from .rope_spec import RopeSpec
+
 #: The newest schema this package writes; the runtime accepts every schema up to its own newest.
 #: Schema 2 added MLA layers (``kv_lora_rank``, ``qk_nope_head_dim``, ``qk_rope_head_dim``); schema 3 the
 #: attention options ``sliding_window`` and ``logits_soft_cap``; schema 4 ``cuda_graph_batch``; schema 5 the
-#: attention sinks (``attention_sinks``, ``sink_size``). A config is written with the lowest schema that holds it, so an MHA
-#: library without those options still loads in a schema-1 runtime.
-SCHEMA_VERSION = 5
+#: attention sinks (``attention_sinks``, ``sink_size``); schema 6 the RoPE variants (``rope``: ``RopeSpec``). A config
+#: is written with the lowest schema that holds it, so an MHA library without those options still loads in a
+#: schema-1 runtime.
+SCHEMA_VERSION = 6
 
 DTYPES = ("float16", "float32", "bfloat16")
 ROPE_MODES = ("none", "normal", "inline")
@@ -94,6 +97,11 @@ class KVCacheConfig:
     rope_theta, rope_scale :
         RoPE base and position multiplier (angle = pos * rope_scale / rope_theta ** (2i / head_dim)); both
         finite and > 0.
+    rope :
+        The RoPE variant (``pagedkv.rope_spec.RopeSpec``: llama3, yarn, longrope, linear scaling, a partial
+        ``rotary_dim``, interleaved pairs); the default ``RopeSpec()`` is plain RoPE over the whole head. A
+        mapping is read with ``RopeSpec.from_dict``; ``hf_rope_fields`` builds it from a transformers config.
+        Checked whatever the ``rope_mode``, as ``rope_theta`` is.
     page_size :
         Tokens per page (>= 1; 16 is the usual choice).
     max_batch_size, max_total_seq_len, prefill_chunk_size :
@@ -134,7 +142,8 @@ class KVCacheConfig:
         ``cuda_graph_batch``.
     schema_version :
         ``None``: the lowest schema that holds this config (1 for MHA, 2 for MLA, 3 with an attention
-        option, 4 with ``cuda_graph_batch``, 5 with ``attention_sinks`` or ``sink_size``).
+        option, 4 with ``cuda_graph_batch``, 5 with ``attention_sinks`` or ``sink_size``, 6 with a ``rope``
+        variant).
     """
 
     num_layers: int
@@ -159,9 +168,17 @@ class KVCacheConfig:
     cuda_graph_batch: int = 0
     attention_sinks: bool = False
     sink_size: int = 0
+    rope: RopeSpec = RopeSpec()
     schema_version: int | None = field(default=None)
 
     def __post_init__(self) -> None:
+        if self.rope is None:
+            object.__setattr__(self, "rope", RopeSpec())
+        elif isinstance(self.rope, Mapping):
+            object.__setattr__(self, "rope", RopeSpec.from_dict(self.rope))
+        if isinstance(self.rope, RopeSpec) and self.rope.rotary_dim and self.rope.rotary_dim == self.head_dim:
+            # the whole head, said explicitly: stored as 0 so that the config keeps its lowest schema
+            object.__setattr__(self, "rope", dataclasses.replace(self.rope, rotary_dim=0))
         if self.schema_version is None:
             object.__setattr__(self, "schema_version", self.min_schema)
         problems = self.problems()
@@ -192,7 +209,8 @@ class KVCacheConfig:
             out.append(f"rope_mode {self.rope_mode!r} not in {ROPE_MODES}")
         if self.v_head_dim is not None and self.v_head_dim != self.head_dim and not self.is_mla:
             out.append("v_head_dim != head_dim needs MLA layers")
-        if isinstance(self.head_dim, int) and self.rope_mode != "none" and self.head_dim % 2:
+        if (isinstance(self.head_dim, int) and self.rope_mode != "none" and self.head_dim % 2
+                and not getattr(self.rope, "rotary_dim", 0)):
             out.append(f"RoPE (rope_mode {self.rope_mode!r}) rotates the two halves of a head and needs an even "
                        f"head_dim, got {self.head_dim}; an odd head_dim takes rope_mode 'none'")
         if self.layer_kinds is not None:
@@ -218,9 +236,16 @@ class KVCacheConfig:
         # Both enter every rotation angle (pos * rope_scale / rope_theta ** (2i / head_dim)): NaN, inf, zero or a
         # negative value gives NaN or meaningless angles without an error. Checked whatever the rope_mode, as
         # the runtime does (src/config.cc).
-        return [f"{name} must be a finite number > 0, got {value!r}"
-                for name, value in (("rope_theta", self.rope_theta), ("rope_scale", self.rope_scale))
-                if not _positive_finite(value)]
+        out = [f"{name} must be a finite number > 0, got {value!r}"
+               for name, value in (("rope_theta", self.rope_theta), ("rope_scale", self.rope_scale))
+               if not _positive_finite(value)]
+        if not isinstance(self.rope, RopeSpec):
+            return out + [f"rope must be a pagedkv.rope_spec.RopeSpec, got {type(self.rope).__name__}"]
+        out += [f"rope: {p}" for p in self.rope.problems(self.head_dim)]
+        if self.rope.rope_type == "longrope" and self.cuda_graph_batch:
+            out.append("rope_type 'longrope' with cuda_graph_batch is not supported: its short / long switch is a "
+                       "per-forward kernel argument, which a captured CUDA graph would freeze")
+        return out
 
     def _mla_problems(self) -> list[str]:
         dims = {name: getattr(self, name) for name in MLA_FIELDS}
@@ -286,6 +311,8 @@ class KVCacheConfig:
     @property
     def min_schema(self) -> int:
         """The lowest schema that holds this config."""
+        if isinstance(self.rope, RopeSpec) and not self.rope.is_default:
+            return 6
         if self.attention_sinks or self.sink_size:
             return 5
         if self.cuda_graph_batch:
@@ -379,6 +406,8 @@ class KVCacheConfig:
         if self.schema_version >= 5:
             out["attention_sinks"] = self.attention_sinks
             out["sink_size"] = self.sink_size
+        if self.schema_version >= 6:
+            out["rope"] = self.rope.to_dict()
         for name in runtime_fields:
             del out[name]
         return out
@@ -446,6 +475,7 @@ _KEYS_BY_SCHEMA = {
     3: ATTENTION_OPTION_FIELDS,
     4: ("cuda_graph_batch",),
     5: SINK_FIELDS,
+    6: ("rope",),
 }
 _FLOAT_FIELDS = ("rope_theta", "rope_scale", "logits_soft_cap")
 _STR_FIELDS = ("dtype", "rope_mode")
@@ -487,6 +517,8 @@ def _check_types(fields: dict) -> None:
             raise TypeError(f"KVCacheConfig field {name} must be a string, got {fields[name]!r}")
     if not isinstance(fields.get("attention_sinks", False), bool):
         raise TypeError(f"KVCacheConfig field attention_sinks must be a bool, got {fields['attention_sinks']!r}")
+    if not isinstance(fields.get("rope", {}), Mapping):
+        raise TypeError(f"KVCacheConfig field rope must be an object (RopeSpec fields), got {fields['rope']!r}")
     kinds = fields.get("layer_kinds", [])
     if not isinstance(kinds, (list, tuple)) or not all(isinstance(k, str) for k in kinds):
         raise TypeError(f"KVCacheConfig field layer_kinds must be a list of strings, got {kinds!r}")

@@ -17,6 +17,8 @@ import math
 from dataclasses import dataclass, fields
 from typing import Iterable, Mapping
 
+from .rope_spec import RopeTable, rope_table
+
 #: Storage dtypes of the TIR kernels (accumulation is float32 for every one).
 DTYPES = ("float16", "float32", "bfloat16")
 
@@ -192,6 +194,12 @@ class KernelSpec:
         The config's ``attention_sinks``: its op set holds the sink ops (``pagedkv.ops.SINK_OPS``, ``ops_for``); no
         other kernel reads it. Not part of ``to_dict`` when False (the key of a library without sinks is what it
         was before the field).
+    rope : RopeTable or None
+        A RoPE variant the kernels' own formula (``p * rope_scale / rope_theta ** (2i / D)``, whole head, halves)
+        does not give (``pagedkv.rope_spec.rope_table``): the rotating kernels (``split_rotary``, inline RoPE) take
+        its frequencies, pairing, rotated dims and attention factor as compile-time constants and ignore their
+        ``rope_scale`` / ``rope_theta`` arguments; ``apply_rope == 2`` selects LongRoPE's long set. None: the
+        kernels are what they were before the field (not part of ``to_dict``).
     """
 
     num_qo_heads: int
@@ -207,6 +215,7 @@ class KernelSpec:
     target_arch: str = ""
     partial: bool = False
     attention_sinks: bool = False
+    rope: RopeTable | None = None
 
     def __post_init__(self):
         object.__setattr__(self, "paths", normalize_paths(self.paths))
@@ -237,6 +246,19 @@ class KernelSpec:
             raise ValueError(f"logits_soft_cap must be a finite number >= 0 (0: off), got {cap!r}")
         if self.is_mla and (self.sliding_window or cap):
             raise ValueError("MLA kernels take no sliding_window or logits_soft_cap")
+        if self.rope is not None:
+            self._check_rope()
+
+    def _check_rope(self):
+        r = self.rope
+        if not isinstance(r, RopeTable):
+            raise ValueError(f"KernelSpec.rope must be a pagedkv.rope_spec.RopeTable or None, got {r!r}")
+        if r.rotary_dim < 2 or r.rotary_dim % 2 or r.rotary_dim > self.head_dim:
+            raise ValueError(f"KernelSpec.rope.rotary_dim must be even and in [2, head_dim {self.head_dim}], got "
+                             f"{r.rotary_dim}")
+        if len(r.inv_freq) != r.half or len(r.inv_freq_long) not in (0, r.half):
+            raise ValueError(f"KernelSpec.rope needs {r.half} frequencies per set, got {len(r.inv_freq)} and "
+                             f"{len(r.inv_freq_long)}")
 
     @property
     def is_mla(self) -> bool:
@@ -255,12 +277,16 @@ class KernelSpec:
     @classmethod
     def from_config(cls, config, *, paths=()) -> "KernelSpec":
         """The kernel spec of a ``pagedkv.config.KVCacheConfig`` (its kernel fields; capacity, page size and
-        RoPE parameters are kernel arguments, so configs differing only there share kernels)."""
+        plain RoPE's parameters are kernel arguments, so configs differing only there share kernels; a RoPE
+        variant's frequencies are compile-time, ``rope``)."""
         from .config import ATTENTION_OPTION_FIELDS  # every attention option carries over by name
 
+        rope = getattr(config, "rope", None)
+        table = (rope_table(rope, config.head_dim, config.rope_theta, config.rope_scale)
+                 if rope is not None and config.rope_mode != "none" else None)
         return cls(num_qo_heads=config.num_qo_heads, num_kv_heads=config.num_kv_heads, head_dim=config.head_dim,
                    v_head_dim=config.v_dim, dtype=config.dtype, kv_lora_rank=config.kv_lora_rank,
-                   qk_rope_head_dim=config.qk_rope_head_dim, paths=paths,
+                   qk_rope_head_dim=config.qk_rope_head_dim, paths=paths, rope=table,
                    attention_sinks=bool(getattr(config, "attention_sinks", False)),
                    **{f: getattr(config, f) for f in ATTENTION_OPTION_FIELDS})
 
@@ -272,9 +298,12 @@ class KernelSpec:
 
     def to_dict(self) -> dict:
         """JSON-able fields (the kernel library key's config part)."""
-        return {f.name: (list(map(list, v)) if f.name == "paths" else v)
-                for f in fields(self) for v in [getattr(self, f.name)]
-                if f.name not in ("target_arch", "partial", "attention_sinks") or v}
+        out = {f.name: (list(map(list, v)) if f.name == "paths" else v)
+               for f in fields(self) for v in [getattr(self, f.name)]
+               if f.name not in ("target_arch", "partial", "attention_sinks", "rope") or v}
+        if self.rope is not None:
+            out["rope"] = self.rope.to_dict()
+        return out
 
 
 __all__ = ["DTYPES", "KernelSpec", "PATH_ARCHS", "SWITCHES", "WG_PREFILL_TILES", "forced", "normalize_paths", "target_for_paths",

@@ -100,11 +100,19 @@ def unserved(variant: Variant, spec, op: str, *, rope: bool = False, auto: bool 
     """Why ``variant`` does not serve ``op`` of ``spec`` (empty: it does): the data, then the kernel's own
     limits (``Variant.check``, which imports the kernels)."""
     out = variant.data_reasons(spec, auto=auto)
+    if rope and getattr(spec, "rope", None) is not None and variant.name not in ROPE_TABLE_VARIANTS.get(op, ()):
+        out.append(f"inline RoPE of a RoPE variant (KernelSpec.rope; {op}'s "
+                   f"{' / '.join(ROPE_TABLE_VARIANTS.get(op, ())) or 'none'} kernel takes its table)")
     if variant.check and (not out or not auto):  # forced: every reason, the kernel's own ones too
         said = {r.split(" (")[0] for r in out}
         out += [r for r in _check_fn(variant.check)(spec, op, variant.name, rope) if r.split(" (")[0] not in said]
     return out
 
+
+#: op -> the kernels whose inline RoPE takes a RoPE variant's table (``KernelSpec.rope``: whole head, halves; the
+#: others rotate with the plain formula only). The prefill's inline RoPE always runs the SIMT kernel; the decode's,
+#: with a table, always the lane-group kernel (``cuda_decode_kernel`` then forces the plain kernel only).
+ROPE_TABLE_VARIANTS = {ATTN_DECODE_PAGED: ("lanes",), ATTN_PREFILL_RAGGED: ("simt",), ATTN_PREFILL_PAGED: ("simt",)}
 
 _TK = "pagedkv.tir_kernels._kernel_limits"
 PREFILL_OPS = (ATTN_PREFILL_RAGGED, ATTN_PREFILL_PAGED)

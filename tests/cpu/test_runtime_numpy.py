@@ -240,7 +240,7 @@ def test_config_json_and_op_backends():
 
 
 @pytest.mark.parametrize("change, pattern", [
-    ({"schema_version": 6}, "schema_version 6"),
+    ({"schema_version": 7}, "schema_version 7"),
     ({"schema_version": 3, "cuda_graph_batch": 4}, "unknown field 'cuda_graph_batch' for schema_version 3"),
     ({"schema_version": 4, "cuda_graph_batch": -1}, "cuda_graph_batch must be >= 0"),
     ({"schema_version": 4, "cuda_graph_batch": 1, "max_batch_size": 2},
@@ -252,6 +252,12 @@ def test_config_json_and_op_backends():
     ({"schema_version": 3, "logits_soft_cap": -2.0}, "logits_soft_cap must be a finite number >= 0"),
     ({"schema_version": 3, "logits_soft_cap": "big"}, "'logits_soft_cap' must be a number"),
     ({"bogus_field": 1}, "bogus_field"),
+    ({"schema_version": 5, "rope": {"rope_type": "llama3"}}, "unknown field 'rope' for schema_version 5"),
+    ({"schema_version": 6, "rope": {"rope_type": "dynamic"}}, "rope_type 'dynamic' is not one of"),
+    ({"schema_version": 6, "rope": {"rope_type": "linear"}}, "rope_type 'linear' needs a factor > 0"),
+    ({"schema_version": 6, "rope": {"rope_type": "longrope"}}, "'original_max_position_embeddings'"),
+    ({"schema_version": 6, "rope": {"rotary_dim": 5}}, "rotary_dim must be even"),
+    ({"schema_version": 6, "rope": "llama3"}, "field 'rope' must be an object"),
     ({"rope_mode": "sideways"}, "sideways"),
     ({"dtype": "int8"}, "int8"),
     ({"num_qo_heads": 3}, "num_qo_heads"),

@@ -11,6 +11,7 @@ import os
 from pathlib import Path
 
 from ..models.llama_params import LlamaConfig, params_from_hf  # noqa: F401 (re-exported)
+from ..rope_spec import hf_rope_fields
 
 
 #: SmolLM2-135M-Instruct's dims (as HF transformers reads them from the GGUF file; checked by the tests).
@@ -49,11 +50,12 @@ def load_hf(dtype=None):
 
 
 def llama_config(hf_config) -> LlamaConfig:
+    """Our ``LlamaConfig`` of an HF Llama-architecture config, its RoPE variant included (Llama 3.1's llama3 scaling:
+    ``pagedkv.rope_spec.hf_rope_fields``)."""
     c = hf_config
     head_dim = getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads
     return LlamaConfig(vocab_size=c.vocab_size, hidden_size=c.hidden_size,
                        intermediate_size=c.intermediate_size, num_hidden_layers=c.num_hidden_layers,
                        num_attention_heads=c.num_attention_heads, num_key_value_heads=c.num_key_value_heads,
-                       head_dim=head_dim, rms_norm_eps=c.rms_norm_eps,
-                       rope_theta=float(getattr(c, "rope_theta", None) or c.rope_parameters["rope_theta"]),
+                       head_dim=head_dim, rms_norm_eps=c.rms_norm_eps, **hf_rope_fields(c),
                        tie_word_embeddings=bool(c.tie_word_embeddings))

@@ -185,6 +185,22 @@ def _build_reasons(specs: tuple) -> list[str]:
     return out
 
 
+def _rope_variant_reasons(config: KVCacheConfig) -> list[str]:
+    """FlashInfer's own RoPE (``pos_encoding_mode`` ROPE_LLAMA) is the plain formula over the whole head with
+    ``rope_scale`` / ``rope_theta`` (and "linear", as a scale): other variants (llama3, yarn, longrope, a partial
+    ``rotary_dim``, interleaved pairs) it cannot rotate; with ``rope_mode="normal"`` the TIR ``split_rotary``
+    rotates them before the cache and FlashInfer's attention serves."""
+    r = config.rope
+    out = []
+    if r.rope_type not in ("default", "linear"):
+        out.append(f"FlashInfer's RoPE (pos_encoding_mode ROPE_LLAMA) has no rope_type {r.rope_type!r}")
+    if r.rotary_dim and r.rotary_dim != config.head_dim:
+        out.append(f"FlashInfer's RoPE rotates the whole head, not rotary_dim {r.rotary_dim}")
+    if r.interleaved:
+        out.append("FlashInfer's RoPE pairs halves, not interleaved dims")
+    return out
+
+
 class FlashInferBackend(Backend):
     """FlashInfer JIT modules for the attention ops the runtime has adapters for."""
 
@@ -206,6 +222,7 @@ class FlashInferBackend(Backend):
                 reasons.append("rope_mode 'inline' needs RoPE inside the attention kernel with a per-entry key "
                                "position offset; pagedkv's FlashInfer modules are built without in-kernel RoPE "
                                "(use 'normal': RoPE applied before the cache)")
+                reasons += _rope_variant_reasons(config)
             if config.num_qo_heads % config.num_kv_heads:
                 reasons.append(f"num_qo_heads {config.num_qo_heads} is not a multiple of num_kv_heads "
                                f"{config.num_kv_heads}")

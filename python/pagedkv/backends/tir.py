@@ -12,6 +12,7 @@ from .. import kernel_table, ops
 from .. import target as _target
 from ..config import KVCacheConfig
 from ..kernel_spec import DTYPES, SWITCHES, KernelSpec, normalize_paths
+from ..rope_spec import cuda_inline_serves
 from .base import Backend, OpBuild, target_kind
 
 #: Target kinds the TIR kernels are scheduled for.
@@ -98,6 +99,21 @@ def _cuda_mla_limits(op: str, config: KVCacheConfig) -> list[str]:
     return out
 
 
+def _cuda_inline_rope_limits(op: str, config: KVCacheConfig) -> list[str]:
+    """The CUDA attention kernels' inline RoPE pairs the halves of the whole head (their lane layouts): every
+    ``rope_type`` of that shape is served (the decode's lane-group kernel and the SIMT prefill take the variant's
+    table), a partial ``rotary_dim`` or interleaved pairs are refused with ``rope_mode="inline"`` (the kernels raise
+    on ``apply_rope != 0``); ``"normal"`` serves them (``split_rotary`` rotates before the cache)."""
+    if config.rope_mode != "inline" or config.is_mla or cuda_inline_serves(config.rope, config.head_dim):
+        return []
+    r = config.rope
+    what = ", ".join(([f"rotary_dim {r.rotary_dim}"] if r.dims(config.head_dim) != config.head_dim else [])
+                     + (["interleaved pairs"] if r.interleaved else []))
+    return [f"CUDA {op} has no inline RoPE for {what} yet (its lane layouts pair the halves of the whole head; "
+            "the CPU kernels and split_rotary take them): use rope_mode 'normal' (split_rotary rotates q and k "
+            "before the cache)"]
+
+
 def _cpu_attention_limits(op: str, config: KVCacheConfig) -> list[str]:
     """The CPU attention kernels accumulate ``P @ V`` in pairs of value columns (``tir_kernels`` tile plan):
     an odd value head dim would leave the output unwritten, so it is refused here."""
@@ -138,6 +154,7 @@ class TIRBackend(Backend):
         kernel_op = ops.BASE_OF.get(op, op)  # a partial-state variant is its attention op's kernel
         if kind == "cuda" and kernel_op in ops.ATTENTION_OPS:
             reasons += _cuda_attention_limits(kernel_op, config)
+            reasons += _cuda_inline_rope_limits(kernel_op, config)
         if kind == "llvm" and kernel_op in ops.ATTENTION_OPS:
             reasons += _cpu_attention_limits(kernel_op, config)
         return reasons

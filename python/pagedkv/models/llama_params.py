@@ -7,6 +7,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from ..config import KVCacheConfig
+from ..rope_spec import RopeSpec
 from ._checks import check_fields
 
 
@@ -26,6 +27,8 @@ class LlamaConfig:
     tie_word_embeddings: bool = False
     #: Mistral's sliding window (HF ``MistralConfig.sliding_window``); 0: full attention (Llama).
     sliding_window: int = 0
+    #: The RoPE variant the cache rotates with (Llama 3.1+: llama3; ``pagedkv.rope_spec.hf_rope_fields``).
+    rope: RopeSpec = RopeSpec()
 
     def __post_init__(self) -> None:
         check_fields(self, positive_ints=("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
@@ -39,7 +42,7 @@ class LlamaConfig:
         return KVCacheConfig(num_layers=self.num_hidden_layers, num_qo_heads=self.num_attention_heads,
                              num_kv_heads=self.num_key_value_heads, head_dim=self.head_dim, dtype=dtype,
                              rope_mode="normal", rope_theta=self.rope_theta, sliding_window=self.sliding_window,
-                             **capacity)
+                             rope=self.rope, **capacity)
 
 
 def params_from_hf(hf_model, named_params, dtype: str) -> list[np.ndarray]:

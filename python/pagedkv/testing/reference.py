@@ -24,6 +24,7 @@ import torch
 
 # the functional pieces live in reference_ops.py (re-exported here)
 from .reference_ops import EMPTY_LSE, ReferenceCacheError, apply_sinks, attention, merge_states, rope, split_qkv
+from .reference_rope import rope_variant
 
 __all__ = [
     "EMPTY_LSE",
@@ -365,7 +366,18 @@ class ReferenceCache:
         return {"sinks": sinks.to(torch.float64)}
 
     def _maybe_rope(self, x: torch.Tensor, positions) -> torch.Tensor:
-        return rope(x, positions, self.config.rope_theta, self.config.rope_scale)
+        spec = getattr(self.config, "rope", None)
+        if spec is None or spec.is_default:
+            return rope(x, positions, self.config.rope_theta, self.config.rope_scale)
+        return rope_variant(x, positions, self.config.rope_theta, self.config.rope_scale, spec,
+                            long=self._rope_long(spec))
+
+    def _rope_long(self, spec) -> bool:
+        """LongRoPE's set of the current forward: the long factors when its longest sequence (largest query
+        position + 1) exceeds ``original_max_position_embeddings`` (transformers: per call, from
+        ``max(position_ids) + 1``)."""
+        pos = self._fwd().q_pos
+        return spec.rope_type == "longrope" and bool(pos) and max(pos) + 1 > spec.original_max_position_embeddings
 
     def split_rotary(self, qkv: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """Split ``qkv[n, Hq + 2 Hkv, D]`` of the current forward; q and k rotated in "normal" mode.

@@ -15,13 +15,35 @@ from types import SimpleNamespace
 from tvm.script import tirx as T
 
 from ._common import EMPTY_LSE, TilePlan, const_store_loop, make_rope_macros, no_keys
+from ._rope_table import make_cpu_rope_macros, rope_on as table_rope_on
+
+
+def _rope_macros(plan: TilePlan):
+    """``(rope_on, init_inv_freq, rope_row)``: the kernels' own RoPE (``apply_rope == 1``; ``init_inv_freq``
+    takes ``rope_theta``), or a variant's table (``plan.rope_table``: ``apply_rope`` 1 or 2, ``init_inv_freq``
+    takes ``apply_rope``)."""
+    if plan.rope_table is None:
+        init_inv_freq, rope_row = make_rope_macros(plan.d)
+        return (lambda apply_rope: apply_rope == 1), init_inv_freq, rope_row
+    init_inv_freq, rope_row = make_cpu_rope_macros(plan.rope_table)
+    return table_rope_on, init_inv_freq, rope_row
+
 
 def make_attn_macros(plan: TilePlan):
-    """The shared macros specialized to ``plan``: ``init_inv_freq, load_q, init_state, rope_key,
-    clear_key, store``."""
+    """The shared macros specialized to ``plan``: ``rope_on, init_inv_freq, load_q, init_state, rope_key,
+    clear_key, store`` (``rope_on(apply_rope)``: whether inline RoPE rotates; ``init_inv_freq(invf, apply_rope,
+    rope_theta)``)."""
     D, DV, G, R = plan.d, plan.dv, plan.group, plan.rows
     KEYS_MAJOR, RB, ROPE = plan.keys_major, plan.rb, plan.rope
-    init_inv_freq, rope_row = make_rope_macros(D)
+    rope_on, init_freqs, rope_row = _rope_macros(plan)
+    TABLE = plan.rope_table is not None
+
+    @T.macro
+    def init_inv_freq(invf, apply_rope, rope_theta):
+        if TABLE:  # static
+            init_freqs(invf, apply_rope)
+        else:
+            init_freqs(invf, rope_theta)
 
     @T.macro
     def load_q(Qf, q, q_pos, tok0, ntok, h, rope, qk_scale):
@@ -35,7 +57,7 @@ def make_attn_macros(plan: TilePlan):
             for dd in T.vectorized(D):
                 Qf[r, dd] = T.Cast("float32", q[tok0 + r // G, h * G + r % G, dd])
             if ROPE:  # static: kernels without inline RoPE (MLA) leave this out
-                if apply_rope == 1:
+                if rope_on(apply_rope):
                     rope_row(Qf, r, q_pos[tok0 + r // G], rope_scale, invf)
             for dd in T.vectorized(D):
                 Qf[r, dd] = Qf[r, dd] * qk_scale
@@ -59,7 +81,7 @@ def make_attn_macros(plan: TilePlan):
         """Rotate staged key row ``j`` for position ``kpos`` when inline RoPE is on."""
         apply_rope, rope_scale, invf = rope
         if ROPE:
-            if apply_rope == 1:
+            if rope_on(apply_rope):
                 rope_row(Kf, j, kpos, rope_scale, invf)
 
     @T.macro
@@ -70,7 +92,7 @@ def make_attn_macros(plan: TilePlan):
         for dd in T.vectorized(D):
             Kf[j, dd] = T.float32(0)
 
-    return SimpleNamespace(init_inv_freq=init_inv_freq, load_q=load_q, init_state=init_state,
+    return SimpleNamespace(rope_on=rope_on, init_inv_freq=init_inv_freq, load_q=load_q, init_state=init_state,
                            rope_key=rope_key, clear_key=clear_key, isolate_values=_make_isolate_values(plan),
                            store=_make_store(plan))
 

@@ -167,6 +167,9 @@ class TilePlan:
         leaves the RoPE code out at parse time.
     variant : CpuVariant
         The attention variant (``_variant_cpu``): key range, per-key mask and logits transform.
+    rope_table : RopeTable or None
+        A RoPE variant (``KernelSpec.rope``; ``_rope_table``): inline RoPE takes its constants. None: the
+        kernels' own formula, code unchanged.
     """
 
     d: int
@@ -184,10 +187,11 @@ class TilePlan:
     dtype: str
     variant: "CpuVariant"
     rope: bool = True
+    rope_table: object = None
 
 
 def make_tile_plan(d: int, dv: int, group: int, dtype: str, tokens_per_item: int | None, variant: "CpuVariant",
-                   *, rope: bool = True, prefill_rows: int = 32) -> TilePlan:
+                   *, rope: bool = True, prefill_rows: int = 32, rope_table=None) -> TilePlan:
     """Choose the CPU tiling.
 
     ``tokens_per_item=None`` is prefill: about ``prefill_rows`` rows per item (each staged K/V tile is
@@ -218,7 +222,7 @@ def make_tile_plan(d: int, dv: int, group: int, dtype: str, tokens_per_item: int
     # Two PV accumulators of rb x dc floats, each under TVM's 1 KiB stack-allocation limit.
     dc = next(c for c in (32, 16, 8, 4, 2, 1) if dv % (2 * c) == 0) if dv % 2 == 0 else dv
     return TilePlan(d=d, dv=dv, group=group, tq=tq, rows=rows, tk=tk, keys_major=keys_major, jb=jb, rw=rw,
-                    vl=vl, rb=rb, dc=dc, dtype=dtype, variant=variant, rope=rope)
+                    vl=vl, rb=rb, dc=dc, dtype=dtype, variant=variant, rope=rope, rope_table=rope_table)
 
 
 def make_rope_macros(d: int):

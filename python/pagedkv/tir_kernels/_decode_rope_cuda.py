@@ -25,11 +25,14 @@ from tvm.script import tirx as T
 
 from ._common import EMPTY_LSE, LOG2E
 from ._decode_stages_cuda import DecodePlan
+from ._rope_table import freq_parts
 from ._sincos_cuda import rope_freq, rope_sincos
 
 
-def make_rope_stages(p: DecodePlan):
-    """``(rope_setup, rope_q_table, load_q_table)`` macros for plan ``p`` (module docstring)."""
+def make_rope_stages(p: DecodePlan, table=None):
+    """``(rope_setup, rope_q_table, load_q_table)`` macros for plan ``p`` (module docstring). ``table``: a RoPE
+    variant's (``KernelSpec.rope``, whole head in halves): the pair frequencies are its constants and
+    ``rope_setup``'s ``rope_theta`` carries the set (``apply_rope``; 2 = LongRoPE's long one)."""
     VEC, GC, L0, KPT, D = p.vec, p.gc, p.l0, p.kpt, p.d
     # LW: elements of one float4 column of a lane-major row (4 per lane)
     H2, HALF, LW = VEC // 2, D // 2, p.l * 4
@@ -44,7 +47,11 @@ def make_rope_stages(p: DecodePlan):
         wh = T.alloc_buffer((H2,), "float32", scope="local")
         wl = T.alloc_buffer((H2,), "float32", scope="local")
         for e in T.unroll(H2):
-            rope_freq(wh, wl, e, tx * H2 + e, rope_theta, rope_scale, D)
+            if table is None:  # static
+                rope_freq(wh, wl, e, tx * H2 + e, rope_theta, rope_scale, D)
+            else:
+                wh[e] = freq_parts(table, tx * H2 + e, rope_theta)[0]
+                wl[e] = freq_parts(table, tx * H2 + e, rope_theta)[1]
         for kk in T.unroll(KPT):
             for e in T.unroll(H2):
                 rope_sincos(Oc, Os, kk * H2 + e, ty * KPT + kk, wh[e], wl[e])

@@ -28,6 +28,7 @@ from tvm.script import tirx as T
 from ._common import EMPTY_LSE, LOG2E, no_keys
 from ._common_cuda import (ceildiv, cos_approx, find_tile_entry, paged_kv_len, rope_angle, rope_divisor, shfl_xor,
                            sin_approx, vec16)
+from ._rope_table import divisor_value
 from ._variant_cuda import CudaVariant
 
 #: Prefill block: 8 row groups x 16 lanes (128 threads).
@@ -55,6 +56,9 @@ class PrefillPlan:
     paged: bool
     rope: bool
     var: CudaVariant
+    #: a RoPE variant's table (``KernelSpec.rope``, whole head in halves: ``rope_spec.cuda_inline_serves``) for
+    #: the inline RoPE kernel; None: the kernels' own formula (code unchanged)
+    rope_table: object = None
 
     @property
     def r(self) -> int:
@@ -134,14 +138,19 @@ def make_load_row_chunk(p: PrefillPlan):
 
 def make_rope_setup(p: PrefillPlan):
     """``rope_setup(invf, rope_theta, tid)`` (inline RoPE): ``invf[i]`` (shared) = the divisor of rotation pair
-    ``i``, computed once a block, published by a barrier."""
-    HALF, D = p.d // 2, p.d
+    ``i``, computed once a block, published by a barrier. With a variant's table (``p.rope_table``) the divisor is
+    the table's ``1 / inv_freq[i]`` and ``rope_theta`` carries the set (``apply_rope``: 2 = LongRoPE's long one;
+    the kernel's caller passes it, and ``rope_scale`` 1: the table holds the scale)."""
+    HALF, D, TABLE = p.d // 2, p.d, p.rope_table
 
     @T.macro
     def rope_setup(invf, rope_theta, tid):
         for it in T.serial(ceildiv(HALF, PF_NT)):
             if it * PF_NT + tid < HALF:
-                invf[it * PF_NT + tid] = rope_divisor(it * PF_NT + tid, rope_theta, D)
+                if TABLE is None:  # static
+                    invf[it * PF_NT + tid] = rope_divisor(it * PF_NT + tid, rope_theta, D)
+                else:
+                    invf[it * PF_NT + tid] = divisor_value(TABLE, it * PF_NT + tid, rope_theta)
         T.tvm_storage_sync("shared")
 
     return rope_setup

@@ -49,8 +49,8 @@ def _make_attend(plan: TilePlan, mac, load_tile):
         Qf, Qt, Kf, Vf, S, O, m, l, alpha, lim, invf, acc, red, acc_o0, acc_o1, mx, cur = scr
         apply_rope, rope_scale, rope_theta = rope
         if plan.rope:
-            if apply_rope == 1:
-                mac.init_inv_freq(invf, rope_theta)
+            if mac.rope_on(apply_rope):
+                mac.init_inv_freq(invf, apply_rope, rope_theta)
         mac.load_q(Qf, q, q_pos, tok0, ntok, h, (apply_rope, rope_scale, invf),
                    sm_scale * T.float32(LOG2E))
         mac.init_state(m, l, O, ntok * G)
@@ -217,7 +217,7 @@ def attn_decode_paged_cpu(spec):
     """
     HKV, THREADS = spec.num_kv_heads, cpu_threads(spec.paths)
     plan = make_tile_plan(spec.head_dim, spec.head_dim, spec.num_qo_heads // HKV, spec.dtype, 1,
-                          CpuVariant.from_spec(spec))
+                          CpuVariant.from_spec(spec), rope_table=spec.rope)
     var, mac = plan.variant, make_attn_macros(plan)
     attend = _make_attend(plan, mac, _make_paged_loader(plan, mac))
 
@@ -300,7 +300,8 @@ def attn_prefill_paged_cpu(spec):
     """
     HKV, THREADS = spec.num_kv_heads, cpu_threads(spec.paths)
     plan = make_tile_plan(spec.head_dim, spec.head_dim, spec.num_qo_heads // HKV, spec.dtype, None,
-                          CpuVariant.from_spec(spec), prefill_rows=_PAGED_PREFILL_ROWS)
+                          CpuVariant.from_spec(spec), prefill_rows=_PAGED_PREFILL_ROWS,
+                          rope_table=spec.rope)
     TQ, mac = plan.tq, make_attn_macros(plan)
     attend = _make_attend(plan, mac, _make_paged_loader(plan, mac))
 
@@ -342,7 +343,7 @@ def attn_prefill_ragged_cpu(spec):
     """
     HKV, THREADS = spec.num_kv_heads, cpu_threads(spec.paths)
     plan = make_tile_plan(spec.head_dim, spec.v_head_dim, spec.num_qo_heads // HKV, spec.dtype, None,
-                          CpuVariant.from_spec(spec))
+                          CpuVariant.from_spec(spec), rope_table=spec.rope)
     TQ, mac = plan.tq, make_attn_macros(plan)
     attend = _make_attend(plan, mac, _make_ragged_loader(plan, mac))
 

@@ -31,6 +31,7 @@ from ._common_cuda import (
 from ._decode_rope_cuda import make_rope_stages
 from ._decode_staged_cuda import make_staged_kernel, staged_plan
 from ._decode_staged_rope_cuda import make_staged_rope_kernel
+from ._rope_table import cuda_inline_serves, make_no_inline_rope, rope_on, whole_head_scale
 from ._decode_tc_cuda import TCD_RESIDENT_BLOCKS, make_tc_kernel
 from ._decode_stages_cuda import (
     DecodePlan,
@@ -139,14 +140,14 @@ def use_staged(spec, rope: bool = False) -> bool:
     return choose(ATTN_DECODE_PAGED, spec, rope=rope).name == "staged"
 
 
-def _make_key_loop(p: DecodePlan, var: CudaVariant, rope: bool):
+def _make_key_loop(p: DecodePlan, var: CudaVariant, rope: bool, table=None):
     """``key_loop(...)``: the lane group's softmax state over the split's keys ``[k0, k1)``, in steps of
     ``TKB`` keys: load, score, softmax, accumulate. Inline RoPE first sets up the rotations and walks the
     steps in batches of ``NW``, each with its rotated-q table (``_decode_rope_cuda``)."""
     NW, TKB, KPT = p.nw, p.tkb, p.kpt
     load_kv, score, softmax = make_load_kv(p, rope), make_score(p, rope), make_softmax(p, var)
     accumulate, load_q = make_accumulate(p), make_load_q(p)
-    rope_setup, rope_q_table, load_q_table = make_rope_stages(p)
+    rope_setup, rope_q_table, load_q_table = make_rope_stages(p, table)
 
     @T.macro
     def key_step(regs, pages, page_values, pbase, ps, h, key0, k1, tx):
@@ -182,11 +183,12 @@ def _make_key_loop(p: DecodePlan, var: CudaVariant, rope: bool):
     return key_loop
 
 
-def _make_kernel(p: DecodePlan, var: CudaVariant, rope: bool):
+def _make_kernel(p: DecodePlan, var: CudaVariant, rope: bool, table=None):
     """The decode kernel (inline RoPE or plain) as a macro: the grid, the registers and shared memory, the
-    split's key range, the key loop and the store (``_decode_stages_cuda``)."""
+    split's key range, the key loop and the store (``_decode_stages_cuda``); ``table``: inline RoPE with a RoPE
+    variant's constants (``_decode_rope_cuda.make_rope_stages``)."""
     GC, VEC, NW, L, H2, TKB = p.gc, p.vec, p.nw, p.l, p.vec // 2, p.tkb
-    key_loop, store = _make_key_loop(p, var, rope), make_store(p)
+    key_loop, store = _make_key_loop(p, var, rope, table), make_store(p)
     # RoPE-only buffers are 1 element in the plain kernel (its code does not touch them).
     R1 = 1 if not rope else None
 
@@ -259,9 +261,20 @@ def attn_decode_paged_cuda(spec):
     # where it applies (``use_staged``; RoPE's limits include the plain ones); the split count then follows the
     # staged policy (one block per split and kv head), for a lane-group RoPE kernel too (any S is correct).
     # The plain kernel may be the tensor-core one (``use_tc``); its split policy then rules (2 blocks an SM).
-    tc, tc_rope = use_tc(spec), use_tc(spec, rope=True)
-    staged, staged_rope = use_staged(spec) and not tc, use_staged(spec, rope=True) and not tc_rope
-    if tc_rope:
+    # A RoPE variant's table: the lane-group kernel's inline RoPE takes a whole-head, halves one, whatever
+    # cuda_decode_kernel forces (it picks the plain kernel then: the spec is the same for rope_mode "normal", whose
+    # build must not fail on the inline kernel it never runs); other variants have none (refuse).
+    TABLE = spec.rope is not None and cuda_inline_serves(spec.rope, D)
+    INLINE, refuse = spec.rope is None or TABLE, make_no_inline_rope(ATTN_DECODE_PAGED)
+    tc = use_tc(spec)
+    tc_rope = use_tc(spec, rope=True) if spec.rope is None else False
+    staged = use_staged(spec) and not tc
+    staged_rope = use_staged(spec, rope=True) and not tc_rope if spec.rope is None else False
+    if not INLINE:
+        kernel_rope = None
+    elif TABLE:
+        kernel_rope = _make_kernel(plan, var, True, spec.rope)
+    elif tc_rope:
         kernel_rope = make_tc_kernel(HQ, HKV, D, dtype, var, rope=True)
     elif staged_rope:
         kernel_rope = make_staged_rope_kernel(staged_plan(HQ, HKV, D, dtype), var)
@@ -291,10 +304,23 @@ def attn_decode_paged_cuda(spec):
         # Split partial states (float32); only touched when S > 1.
         ws_o = T.alloc_buffer((T.max(B, 1) * HQ * S, D), "float32")
         ws_l = T.alloc_buffer((T.max(B, 1) * HQ * S,), "float32")
-        if apply_rope == 1:
-            kernel_rope(q, pages, page_indptr, page_values, last_page_len, k_pos_offset, q_pos, o, lse, B, ps,
-                        rope_scale, rope_theta, sm_scale, S, C, ws_o, ws_l)
+        if TABLE:  # static: the set rides in rope_theta, the attention factor in the scale (_rope_table)
+            if rope_on(apply_rope):
+                kernel_rope(q, pages, page_indptr, page_values, last_page_len, k_pos_offset, q_pos, o, lse, B, ps,
+                            rope_scale, T.Cast("float32", apply_rope), whole_head_scale(spec.rope, sm_scale), S, C,
+                            ws_o, ws_l)
+            else:
+                kernel_plain(q, pages, page_indptr, page_values, last_page_len, k_pos_offset, q_pos, o, lse, B, ps,
+                             rope_scale, rope_theta, sm_scale, S, C, ws_o, ws_l)
+        elif INLINE:  # static
+            if apply_rope == 1:
+                kernel_rope(q, pages, page_indptr, page_values, last_page_len, k_pos_offset, q_pos, o, lse, B, ps,
+                            rope_scale, rope_theta, sm_scale, S, C, ws_o, ws_l)
+            else:
+                kernel_plain(q, pages, page_indptr, page_values, last_page_len, k_pos_offset, q_pos, o, lse, B, ps,
+                             rope_scale, rope_theta, sm_scale, S, C, ws_o, ws_l)
         else:
+            refuse(apply_rope)
             kernel_plain(q, pages, page_indptr, page_values, last_page_len, k_pos_offset, q_pos, o, lse, B, ps,
                          rope_scale, rope_theta, sm_scale, S, C, ws_o, ws_l)
         if S > 1:

@@ -11,6 +11,7 @@ from tvm.script import tirx as T
 
 from ..kernel_table import auto_order, choose, unserved
 from ..ops import ATTN_PREFILL_PAGED, ATTN_PREFILL_RAGGED, shape_values
+from ._rope_table import cuda_inline_serves, make_no_inline_rope, rope_on, whole_head_scale
 from ._abi import abi_prim_func, spec_op
 from ._tma_cuda import host_aligned16
 from ._common_cuda import check_head_dim, vec16
@@ -58,7 +59,17 @@ def _make_prefill(op: str, spec, paged: bool):
     """The (rope, plain) SIMT kernel macros of a prefill PrimFunc: ``paged`` selects the K/V source; the mask
     and logits rules are ``CudaVariant`` s (compile-time; an option off leaves the code as without it)."""
     plan = _prefill_plan(op, spec, paged)
-    return make_prefill_kernel(dataclasses.replace(plan, rope=True)), make_prefill_kernel(plan)
+    if spec.rope is not None and not cuda_inline_serves(spec.rope, spec.head_dim):
+        return None, make_prefill_kernel(plan)  # no inline kernel for the variant: the body refuses apply_rope != 0
+    return make_prefill_kernel(dataclasses.replace(plan, rope=True, rope_table=spec.rope)), make_prefill_kernel(plan)
+
+
+def _inline_modes(op: str, spec):
+    """``(INLINE, TABLE, refuse)`` of a prefill body: whether it has an inline RoPE kernel, whether that kernel takes
+    a variant's table (``apply_rope`` 1 or 2 then, passed as its set; ``rope_scale`` 1; ``sm_scale`` times the
+    attention factor squared, ``_rope_table.whole_head_scale``), and the host check of a body without one."""
+    table = spec.rope is not None and cuda_inline_serves(spec.rope, spec.head_dim)
+    return spec.rope is None or table, table, make_no_inline_rope(op)
 
 
 def use_tensor_cores(op: str, spec) -> str | None:
@@ -80,7 +91,8 @@ def attn_prefill_ragged_cuda(spec):
     """``pagedkv_attn_prefill_ragged`` for CUDA (arguments: ``pagedkv.ops.OP_SPECS``), for a ``KernelSpec``.
 
     The mask and logits rules (causal, sliding window, soft cap) are ``CudaVariant.from_spec(spec)``'s; a
-    window also skips the key tiles below the query tile's first window start.
+    window also skips the key tiles below the query tile's first window start. A RoPE variant (``spec.rope``)
+    has no inline kernel: ``apply_rope != 0`` raises (``_rope_table.make_no_inline_rope``).
     """
     tile = use_tensor_cores(ATTN_PREFILL_RAGGED, spec)
     TC = tile is not None  # a bool: parse-time ``if``
@@ -89,6 +101,21 @@ def attn_prefill_ragged_cuda(spec):
     kernel_rope, kernel_plain = _make_prefill(ATTN_PREFILL_RAGGED, spec, paged=False)
     kernel_tc = make_prefill_tc(ATTN_PREFILL_RAGGED, spec, paged=False, tile=tile) if TC else None
     kernel_fb = make_prefill_tc(ATTN_PREFILL_RAGGED, spec, paged=False, tile=tma_fallback(ATTN_PREFILL_RAGGED, spec)) if TMA else None
+    INLINE, TABLE, refuse = _inline_modes(ATTN_PREFILL_RAGGED, spec)
+
+    @T.macro
+    def plain(q, k, v, q_indptr, kv_indptr, q_pos, k_pos_offset, o, lse, causal, rope_scale, rope_theta, sm_scale,
+              n, B):
+        if TMA:
+            if T.And(host_aligned16(T.address_of(k[0, 0, 0])), host_aligned16(T.address_of(v[0, 0, 0]))):
+                kernel_tc(q, q_indptr, o, lse, (k, v, kv_indptr), B, n, causal, sm_scale)
+            else:
+                kernel_fb(q, q_indptr, o, lse, (k, v, kv_indptr), B, n, causal, sm_scale)
+        elif TC:
+            kernel_tc(q, q_indptr, o, lse, (k, v, kv_indptr), B, n, causal, sm_scale)
+        else:
+            kernel_plain(q, q_indptr, q_pos, k_pos_offset, o, lse, (k, v, kv_indptr), B, n, causal,
+                         rope_scale, rope_theta, sm_scale)
 
     @T.macro
     def body(q, k, v, q_indptr, kv_indptr, q_pos, k_pos_offset, o, lse, causal, apply_rope, rope_scale,
@@ -96,20 +123,23 @@ def attn_prefill_ragged_cuda(spec):
         n, _m, B = dims
         # Two kernels: inline RoPE costs registers that the plain kernel does not pay for. The tensor-core
         # kernel has no inline RoPE: with it, apply_rope == 1 still runs the SIMT RoPE kernel.
-        if apply_rope == 1:
+        if not INLINE:  # static: a RoPE variant without an inline kernel
+            refuse(apply_rope)
+            plain(q, k, v, q_indptr, kv_indptr, q_pos, k_pos_offset, o, lse, causal, rope_scale, rope_theta,
+                  sm_scale, n, B)
+        elif TABLE:  # static: a variant's table (_inline_modes)
+            if rope_on(apply_rope):
+                kernel_rope(q, q_indptr, q_pos, k_pos_offset, o, lse, (k, v, kv_indptr), B, n, causal,
+                            T.float32(1), T.Cast("float32", apply_rope), whole_head_scale(spec.rope, sm_scale))
+            else:
+                plain(q, k, v, q_indptr, kv_indptr, q_pos, k_pos_offset, o, lse, causal, rope_scale, rope_theta,
+                      sm_scale, n, B)
+        elif apply_rope == 1:
             kernel_rope(q, q_indptr, q_pos, k_pos_offset, o, lse, (k, v, kv_indptr), B, n, causal,
                         rope_scale, rope_theta, sm_scale)
         else:
-            if TMA:
-                if T.And(host_aligned16(T.address_of(k[0, 0, 0])), host_aligned16(T.address_of(v[0, 0, 0]))):
-                    kernel_tc(q, q_indptr, o, lse, (k, v, kv_indptr), B, n, causal, sm_scale)
-                else:
-                    kernel_fb(q, q_indptr, o, lse, (k, v, kv_indptr), B, n, causal, sm_scale)
-            elif TC:
-                kernel_tc(q, q_indptr, o, lse, (k, v, kv_indptr), B, n, causal, sm_scale)
-            else:
-                kernel_plain(q, q_indptr, q_pos, k_pos_offset, o, lse, (k, v, kv_indptr), B, n, causal,
-                             rope_scale, rope_theta, sm_scale)
+            plain(q, k, v, q_indptr, kv_indptr, q_pos, k_pos_offset, o, lse, causal, rope_scale, rope_theta,
+                  sm_scale, n, B)
 
     return abi_prim_func(spec_op(ATTN_PREFILL_RAGGED, spec), shape_values(spec), spec.dtype, body, scheduled=True,
                          any_align=("k", "v") if TMA else ())
@@ -117,7 +147,7 @@ def attn_prefill_ragged_cuda(spec):
 
 def attn_prefill_paged_cuda(spec):
     """``pagedkv_attn_prefill_paged`` for CUDA (arguments: ``pagedkv.ops.OP_SPECS``), for a ``KernelSpec``;
-    mask and logits rules as ``attn_prefill_ragged_cuda``."""
+    mask and logits rules and RoPE variants as ``attn_prefill_ragged_cuda``."""
     tile = use_tensor_cores(ATTN_PREFILL_PAGED, spec)
     TC = tile is not None
     TMA = TC and TC_TILES[tile].tma  # boxes of 8 keys of a page: pages 16-byte aligned, ps a multiple of 8
@@ -125,30 +155,49 @@ def attn_prefill_paged_cuda(spec):
     kernel_tc = make_prefill_tc(ATTN_PREFILL_PAGED, spec, paged=True, tile=tile) if TC else None
     kernel_fb = make_prefill_tc(ATTN_PREFILL_PAGED, spec, paged=True,
                                 tile=tma_fallback(ATTN_PREFILL_PAGED, spec)) if TMA else None
+    INLINE, TABLE, refuse = _inline_modes(ATTN_PREFILL_PAGED, spec)
+
+    @T.macro
+    def plain(q, q_indptr, kvb, q_pos, k_pos_offset, o, lse, causal, rope_scale, rope_theta, sm_scale, n, B):
+        pages, page_values, page_indptr, ps, last_page_len = kvb
+        if TMA:
+            if T.And(T.truncmod(ps, 8) == 0, host_aligned16(T.address_of(pages[0, 0, 0, 0, 0]))):
+                kernel_tc(q, q_indptr, o, lse, (pages, page_values, page_indptr, ps, last_page_len), B, n,
+                          causal, sm_scale)
+            else:
+                kernel_fb(q, q_indptr, o, lse, (pages, page_values, page_indptr, ps, last_page_len), B, n,
+                          causal, sm_scale)
+        elif TC:
+            kernel_tc(q, q_indptr, o, lse, (pages, page_values, page_indptr, ps, last_page_len), B, n,
+                      causal, sm_scale)
+        else:
+            kernel_plain(q, q_indptr, q_pos, k_pos_offset, o, lse,
+                         (pages, page_values, page_indptr, ps, last_page_len), B, n, causal,
+                         rope_scale, rope_theta, sm_scale)
 
     @T.macro
     def body(q, q_indptr, pages, page_indptr, page_values, last_page_len, k_pos_offset, q_pos, o, lse, causal,
              apply_rope, rope_scale, rope_theta, sm_scale, dims):
         n, B, _p, ps, _nnz = dims
-        if apply_rope == 1:
+        if not INLINE:  # static: a RoPE variant without an inline kernel
+            refuse(apply_rope)
+            plain(q, q_indptr, (pages, page_values, page_indptr, ps, last_page_len), q_pos, k_pos_offset, o, lse,
+                  causal, rope_scale, rope_theta, sm_scale, n, B)
+        elif TABLE:  # static: a variant's table (_inline_modes)
+            if rope_on(apply_rope):
+                kernel_rope(q, q_indptr, q_pos, k_pos_offset, o, lse,
+                            (pages, page_values, page_indptr, ps, last_page_len), B, n, causal,
+                            T.float32(1), T.Cast("float32", apply_rope), whole_head_scale(spec.rope, sm_scale))
+            else:
+                plain(q, q_indptr, (pages, page_values, page_indptr, ps, last_page_len), q_pos, k_pos_offset, o,
+                      lse, causal, rope_scale, rope_theta, sm_scale, n, B)
+        elif apply_rope == 1:
             kernel_rope(q, q_indptr, q_pos, k_pos_offset, o, lse,
                         (pages, page_values, page_indptr, ps, last_page_len), B, n, causal,
                         rope_scale, rope_theta, sm_scale)
         else:
-            if TMA:
-                if T.And(T.truncmod(ps, 8) == 0, host_aligned16(T.address_of(pages[0, 0, 0, 0, 0]))):
-                    kernel_tc(q, q_indptr, o, lse, (pages, page_values, page_indptr, ps, last_page_len), B, n,
-                              causal, sm_scale)
-                else:
-                    kernel_fb(q, q_indptr, o, lse, (pages, page_values, page_indptr, ps, last_page_len), B, n,
-                              causal, sm_scale)
-            elif TC:
-                kernel_tc(q, q_indptr, o, lse, (pages, page_values, page_indptr, ps, last_page_len), B, n,
-                          causal, sm_scale)
-            else:
-                kernel_plain(q, q_indptr, q_pos, k_pos_offset, o, lse,
-                             (pages, page_values, page_indptr, ps, last_page_len), B, n, causal,
-                             rope_scale, rope_theta, sm_scale)
+            plain(q, q_indptr, (pages, page_values, page_indptr, ps, last_page_len), q_pos, k_pos_offset, o, lse,
+                  causal, rope_scale, rope_theta, sm_scale, n, B)
 
     return abi_prim_func(spec_op(ATTN_PREFILL_PAGED, spec), shape_values(spec), spec.dtype, body, scheduled=True,
                          any_align=("pages",) if TMA else ())
