@@ -109,7 +109,7 @@ def test_building_fa3_without_curand_says_so_before_any_work(jit):
 def test_flashinfer_alone_serves_the_other_ops_from_tir_and_says_so(jit, capsys):
     jit(curand=True)
     res = backends.resolve(CFG, SM90, "flashinfer")
-    others = [op for op in ops.OPS_BY_KIND["mha"] if op not in ATTENTION]
+    others = [op for op in ops.ops_for(CFG) if op not in ATTENTION]
     assert res.choice == {**dict.fromkeys(others, "tir"), **dict.fromkeys(ATTENTION, "flashinfer")}
     assert res.filled == dict.fromkeys(others, ("flashinfer",))
     note = capsys.readouterr().out
