@@ -101,10 +101,10 @@ def test_emulated_tc_decode_nan_propagates(built):
     check_against_reference(f"{name}-nan", cfg, ents, o, lse, 0, THETA, SCALE, sm_scale)
 
 
-@pytest.mark.parametrize("apply_rope", [0, 1], ids=["plain", "rope"])
-def test_emulated_tc_decode_two_slot_ring(apply_rope, tmp_path, monkeypatch):
+def test_emulated_tc_decode_two_slot_ring(tmp_path, monkeypatch):
     """The ring's other size (``TCD_SLOTS = 2``: one tile in flight, ``wait_group 0``), which the default (3)
-    never builds: plain and RoPE, splits 1 (the ring wraps over 300 keys) and 3."""
+    never builds: plain and RoPE (one build serves both: ``apply_rope`` is a runtime argument), splits 1 (the
+    ring wraps over 300 keys) and 3."""
     if shutil.which("g++") is None:
         pytest.skip("g++ not found")
     from pagedkv.tir_kernels import _decode_tc_cuda as tcd
@@ -115,13 +115,15 @@ def test_emulated_tc_decode_two_slot_ring(apply_rope, tmp_path, monkeypatch):
         b = build(cfg, {"cuda_decode_kernel": "tc", "cuda_decode_splits": splits}, tmp_path / f"s{splits}")
         tc = [body for body, _p in b.kernels.values() if "tcd_smem" in body]
         assert len(tc) == 2 and not any("pagedkv_cp_async_wait1(" in body for body in tc)  # no 3-slot wait
-        gen = torch.Generator().manual_seed(int(torch.randint(0, 2**31 - 1, (1,))))
-        ents, pages, page_indptr, page_values, last = inputs(cfg, gen, LENGTHS, PS)
-        sm_scale = 0.9 / math.sqrt(cfg.head_dim)
-        o, lse, env = run_decode(b, cfg, ents, pages, page_indptr, page_values, last, PS, apply_rope, sm_scale,
-                                 THETA, SCALE)
-        assert env["S"] == int(splits)
-        check_against_reference(f"slots2-s{splits}", cfg, ents, o, lse, apply_rope, THETA, SCALE, sm_scale)
+        for apply_rope in (0, 1):
+            gen = torch.Generator().manual_seed(int(torch.randint(0, 2**31 - 1, (1,))))
+            ents, pages, page_indptr, page_values, last = inputs(cfg, gen, LENGTHS, PS)
+            sm_scale = 0.9 / math.sqrt(cfg.head_dim)
+            o, lse, env = run_decode(b, cfg, ents, pages, page_indptr, page_values, last, PS, apply_rope,
+                                     sm_scale, THETA, SCALE)
+            assert env["S"] == int(splits)
+            check_against_reference(f"slots2-s{splits}-rope{apply_rope}", cfg, ents, o, lse, apply_rope, THETA,
+                                    SCALE, sm_scale)
 
 
 #: (head dim, split count, dtype) of the anchor runs, a covering set: both head dims' lane layouts at S = 1, both

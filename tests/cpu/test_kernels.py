@@ -46,6 +46,24 @@ ATTN_SHAPES = [(4, 4, 64), (6, 2, 128), (8, 2, 64), (14, 2, 128), (3, 1, 96)]
 DTYPES = ["float32", "float16", "bfloat16"]
 
 
+def covering(shapes, *, offset: int):
+    """(shape, dtype) pairs, a covering set instead of the product: one dtype a shape, rotating from
+    ``offset``, so every dtype meets two or three shapes (GQA groups and head dims) of an op, and a shape
+    meets another dtype in each op (the ops' offsets differ). A kernel is compiled per (shape, dtype) (page
+    size, causal and RoPE are runtime arguments, run in full over each pair): the compiles are the cost of
+    this module."""
+    return [(shape, DTYPES[(i + offset) % len(DTYPES)]) for i, shape in enumerate(shapes)]
+
+
+def _pair_ids(pairs):
+    return [f"{'x'.join(map(str, shape))}-{dtype}" for shape, dtype in pairs]
+
+
+DECODE_PAIRS = covering(ATTN_SHAPES + [(16, 2, 256)], offset=0)
+PAGED_PAIRS = covering(ATTN_SHAPES, offset=1)
+RAGGED_PAIRS = covering([s + (s[2],) for s in ATTN_SHAPES] + [(8, 2, 128, 64)], offset=2)
+
+
 # ---------------------------------------------------------------------------------------------------
 # helpers
 # ---------------------------------------------------------------------------------------------------
@@ -221,8 +239,7 @@ def run_decode_paged(shape, dtype, ps, apply_rope, lens, masking=None, kv=None, 
 
 @pytest.mark.parametrize("apply_rope", [0, 1])
 @pytest.mark.parametrize("ps", [16, 8])
-@pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("shape", ATTN_SHAPES + [(16, 2, 256)], ids=lambda s: "x".join(map(str, s)))
+@pytest.mark.parametrize("shape,dtype", DECODE_PAIRS, ids=_pair_ids(DECODE_PAIRS))
 def test_attn_decode_paged(shape, dtype, ps, apply_rope):
     lens = [0, 1, ps, 3 * ps + 5, 9 * ps + 1, int(RNG.integers(1, 4 * ps))]
     run_decode_paged(shape, dtype, ps, apply_rope, lens)
@@ -266,8 +283,7 @@ def run_prefill_paged(shape, dtype, ps, causal, apply_rope, entries, masking=Non
 @pytest.mark.parametrize("apply_rope", [0, 1])
 @pytest.mark.parametrize("causal", [0, 1])
 @pytest.mark.parametrize("ps", [16, 8])
-@pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("shape", ATTN_SHAPES, ids=lambda s: "x".join(map(str, s)))
+@pytest.mark.parametrize("shape,dtype", PAGED_PAIRS, ids=_pair_ids(PAGED_PAIRS))
 def test_attn_prefill_paged(shape, dtype, ps, causal, apply_rope):
     run_prefill_paged(shape, dtype, ps, causal, apply_rope, prefill_entries(ps))
 
@@ -310,9 +326,7 @@ def run_prefill_ragged(shape, dtype, causal, apply_rope, entries, masking=None, 
 
 @pytest.mark.parametrize("apply_rope", [0, 1])
 @pytest.mark.parametrize("causal", [0, 1])
-@pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("shape", [s + (s[2],) for s in ATTN_SHAPES] + [(8, 2, 128, 64)],
-                         ids=lambda s: "x".join(map(str, s)))
+@pytest.mark.parametrize("shape,dtype", RAGGED_PAIRS, ids=_pair_ids(RAGGED_PAIRS))
 def test_attn_prefill_ragged(shape, dtype, causal, apply_rope):
     run_prefill_ragged(shape, dtype, causal, apply_rope, ragged_entries())
 
