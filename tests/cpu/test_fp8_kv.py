@@ -19,6 +19,7 @@ Two caches are compiled (one MHA, one MLA, small shapes); they land in the kerne
 from __future__ import annotations
 
 import math
+import re
 
 import numpy as np
 import pytest
@@ -61,7 +62,7 @@ def _codec():
     def enc(n: T.int32, a_h: T.handle, b_h: T.handle):
         a = T.match_buffer(a_h, (n,), "float32")
         b = T.match_buffer(b_h, (n,), "uint8")
-        for i in T.vectorized(n):
+        for i in T.serial(n):  # (a symbolic extent cannot be vectorized; the kernels' loops are)
             b[i] = encode_e4m3(a[i])
 
     lib = tvm.compile(tvm.IRModule({"dec": dec, "enc": enc}), target="llvm")
@@ -215,6 +216,31 @@ def test_mha_scales_delivered_on_every_pass_structure(gen):
     rk, rv = run.refs["right"].debug_get_kv(1, 0, 15)
     assert per_head_error(k[0], rk[0]) < 1e-3 and per_head_error(v[0], rv[0]) < 1e-3
     assert KVCacheConfig.from_json(str(run.cache._call("config_json"))) == MHA  # the runtime writes it back
+
+
+@pytest.mark.parametrize("change, reason", [
+    (dict(k_scale=[1.0, 2.0, 3.0]), "k_scale has 3 values"),
+    (dict(v_scale=-2.0), "v_scale must hold finite numbers > 0"),
+    (dict(ckv_scale=2.0), "ckv_scale does not apply to MHA layers"),
+    (dict(kv_dtype="float16"), "FP8 scales need kv_dtype"),
+    (dict(kv_dtype="int8"), "kv_dtype 'int8' is not one of"),
+    (dict(schema_version=FP8_SCHEMA - 1), "unknown field 'k_scale' for schema_version"),
+])
+def test_runtime_refuses_fp8_fields(change, reason):
+    """The runtime's own parse (src/config.cc) checks what Python checks: a library's JSON is not trusted."""
+    import json
+
+    import tvm_ffi
+
+    from pagedkv import backends
+    from pagedkv._lib import get_global
+    from pagedkv.cache import _compile_op_table
+
+    _module, table = _compile_op_table(MHA, "llvm", tuple(backends.resolve(MHA, "llvm", "tir").choice.items()))
+    data = {**json.loads(MHA.to_json()), **change}
+    with pytest.raises(Exception, match=re.escape(reason)):
+        get_global("pagedkv.create")(json.dumps(data), (), [list(e) for e in table],
+                                     tvm_ffi.from_dlpack(torch.empty((1,), dtype=torch.float16)))
 
 
 def test_mla_scales_delivered(gen):
