@@ -9,8 +9,8 @@
   prefill, a decode, prefix-shared decodes and prefills (float32 pass states merged, the last merge with the
   sinks), a chunked prefill over the pages; MLA ``cross_attention`` (ckv 4, kpe 2) over one and several passes.
   Each output matches the float64 reference over the dequantized values (``pagedkv.testing.reference_fp8``) within
-  the output dtype's tolerance, and is far from the references with the scales dropped (1: the values saturate)
-  and applied twice (squared), so a path that loses or doubles a scale fails.
+  the output dtype's tolerance, and is far from the references of a cache with scales 1 (the values saturate) and
+  of readers that drop the scales or apply them twice, so a path that loses or doubles a scale fails.
 - ``pagedkv backends``: the FP8 path per op on the CPU, and FlashInfer / the CUDA TIR kernels refusing with reasons.
 
 Two caches are compiled (one MHA, one MLA, small shapes); they land in the kernel cache.
@@ -142,13 +142,15 @@ def test_config_refuses_mha_scales_on_mla():
 
 
 # -- scale delivery through whole caches ---------------------------------------------------------------------------
-def _wrong_scales(cfg, how):
-    """``cfg`` with its scales dropped (1) or applied twice (squared): what a path losing or doubling them reads."""
+def _scales_one(cfg):
+    """``cfg`` with every scale 1: a cache that drops the scales on append and read (the values saturate)."""
     names = ("ckv_scale", "kpe_scale") if cfg.is_mla else ("k_scale", "v_scale")
-    def f(v):
-        return 1.0 if how == "dropped" else v * v
-    return cfg.replace(**{n: tuple(map(f, getattr(cfg, n))) if isinstance(getattr(cfg, n), tuple) else f(getattr(cfg, n))
-                          for n in names})
+    return cfg.replace(**dict.fromkeys(names, 1.0))
+
+
+#: The wrong references an output must be far from: the scales dropped everywhere (s = 1: saturated values), and
+#: the pages' readers dropping the scales or applying them twice.
+WRONG = ("scale 1", "read dropped", "read doubled")
 
 
 class Fp8Run:
@@ -157,8 +159,9 @@ class Fp8Run:
     def __init__(self, cfg, gen, sm_scale):
         self.cache = pagedkv.create(cfg, backend="tir", target="llvm", poison=True)
         self.cfg, self.gen, self.sm = cfg, gen, sm_scale
-        self.refs = {"right": fp8_reference_for(cfg), "dropped": fp8_reference_for(_wrong_scales(cfg, "dropped")),
-                     "doubled": fp8_reference_for(_wrong_scales(cfg, "doubled"))}
+        self.refs = {"right": fp8_reference_for(cfg), "scale 1": fp8_reference_for(_scales_one(cfg)),
+                     "read dropped": fp8_reference_for(cfg, read_power=0),
+                     "read doubled": fp8_reference_for(cfg, read_power=2)}
 
     def each(self, method, *args):
         getattr(self.cache, method)(*args)
@@ -175,8 +178,8 @@ class Fp8Run:
             return err if lse is None else max(err, (lse.double() - answers[name][1]).abs().max().item() / 10)
 
         assert miss("right") < TOL, f"{what}: {miss('right'):.3g} from the dequantized reference"
-        for name in ("dropped", "doubled"):
-            assert miss(name) > SHARP * TOL, f"{what}: {miss(name):.3g} from the reference with scales {name}"
+        for name in WRONG:
+            assert miss(name) > SHARP * TOL, f"{what}: {miss(name):.3g} from the reference with {name}"
 
     def fused(self, batch, sinks):
         self.each("begin_forward", list(batch), list(batch.values()))

@@ -30,9 +30,10 @@ def dequantize(codes: torch.Tensor, scale) -> torch.Tensor:
     return codes.view(torch.float8_e4m3fn).to(torch.float64) * torch.as_tensor(scale, dtype=torch.float64)
 
 
-def quantize_dequantize(x: torch.Tensor, scale) -> torch.Tensor:
-    """What a reader of an FP8 page gets for ``x`` stored with ``scale``: float64."""
-    return dequantize(fp8_codes(x, scale), scale)
+def quantize_dequantize(x: torch.Tensor, scale, read_power: int = 1) -> torch.Tensor:
+    """What a reader of an FP8 page gets for ``x`` stored with ``scale``: float64. ``read_power`` 0 or 2 is a reader
+    that drops the scale or applies it twice (``code * scale ** read_power``): the bugs a test must catch."""
+    return dequantize(fp8_codes(x, scale), torch.as_tensor(scale, dtype=torch.float64) ** read_power)
 
 
 def _head_scales(config, name: str) -> torch.Tensor:
@@ -50,25 +51,34 @@ def latent_scales(config) -> torch.Tensor:
 class ReferenceFp8Cache(ReferenceCache):
     """:class:`ReferenceCache` of an FP8 MHA config: appended k / v quantized with ``k_scale`` / ``v_scale``."""
 
+    read_power = 1
+
+    def _qd(self, k, v):
+        return (quantize_dequantize(k, _head_scales(self.config, "k_scale"), self.read_power),
+                quantize_dequantize(v, _head_scales(self.config, "v_scale"), self.read_power))
+
     def _append(self, layer, k, v):
-        super()._append(layer, quantize_dequantize(k, _head_scales(self.config, "k_scale")),
-                        quantize_dequantize(v, _head_scales(self.config, "v_scale")))
+        super()._append(layer, *self._qd(k, v))
 
     def self_attention(self, layer, q, k, v, sm_scale):
-        return super().self_attention(layer, q, quantize_dequantize(k, _head_scales(self.config, "k_scale")),
-                                      quantize_dequantize(v, _head_scales(self.config, "v_scale")), sm_scale)
+        return super().self_attention(layer, q, *self._qd(k, v), sm_scale)
 
 
 class ReferenceFp8MLACache(ReferenceMLACache):
     """:class:`ReferenceMLACache` of an FP8 MLA config: latents quantized with ``ckv_scale`` / ``kpe_scale``."""
 
+    read_power = 1
+
     def _append(self, layer, k, v):
-        k = quantize_dequantize(k, latent_scales(self.config))
+        k = quantize_dequantize(k, latent_scales(self.config), self.read_power)
         super()._append(layer, k, k[..., :self.kv_lora_rank])
 
 
-def fp8_reference_for(config) -> ReferenceCache:
-    """The reference cache of an FP8 ``config`` (either layer kind)."""
+def fp8_reference_for(config, *, read_power: int = 1) -> ReferenceCache:
+    """The reference cache of an FP8 ``config`` (either layer kind); ``read_power`` as in ``quantize_dequantize``
+    (0: a cache whose readers drop the scales, 2: apply them twice)."""
     if not config.fp8:
         raise ValueError(f"fp8_reference_for needs an FP8 config, got kv_dtype {config.page_dtype}")
-    return ReferenceFp8MLACache(config) if config.is_mla else ReferenceFp8Cache(config)
+    ref = ReferenceFp8MLACache(config) if config.is_mla else ReferenceFp8Cache(config)
+    ref.read_power = read_power
+    return ref
