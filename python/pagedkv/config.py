@@ -302,23 +302,9 @@ class KVCacheConfig:
         return self.page_dtype in FP8_KV_DTYPES
 
     def with_kv_scales(self, **scales) -> "KVCacheConfig":
-        """A copy with the FP8 scales of a checkpoint, by name (``kv_dtype`` must already be FP8).
-
-        Parameters
-        ----------
-        **scales :
-            ``k_scale`` / ``v_scale`` (MHA) or ``ckv_scale`` / ``kpe_scale`` (MLA): arrays (numpy, torch) or
-            numbers of shape ``()`` or ``[1]`` (per tensor) or ``[num_kv_heads]`` (per kv head; MHA). A per-layer
-            checkpoint's ``[num_layers]`` / ``[num_layers, num_kv_heads]`` arrays are refused unless every layer
-            holds the same values: one cache applies one set to all its layers.
-
-        Raises
-        ------
-        TypeError
-            An unknown name, or a value that is not numeric.
-        ValueError
-            A scale that is not finite and > 0, a wrong length, layers that differ, or a cache that is not FP8.
-        """
+        """A copy with a checkpoint's FP8 scales by name (``k_scale`` / ``v_scale``, or MLA's ``ckv_scale`` /
+        ``kpe_scale``): numbers or arrays of shape ``()``, ``[1]``, ``[num_kv_heads]``, or per layer with every
+        layer equal (``pagedkv.kv_scales.from_checkpoint``, which says what it refuses and raises)."""
         return self.replace(**kv_scales.from_checkpoint(self, scales))
 
     def _mla_problems(self) -> list[str]:

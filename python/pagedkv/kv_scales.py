@@ -60,7 +60,20 @@ def problems(config) -> list[str]:
 
 
 def from_checkpoint(config, scales: Mapping[str, Any]) -> dict:
-    """The field values of checkpoint arrays ``scales`` by name (``KVCacheConfig.with_kv_scales``)."""
+    """The field values of checkpoint arrays ``scales`` by name (``KVCacheConfig.with_kv_scales``).
+
+    ``k_scale`` / ``v_scale`` (MHA) or ``ckv_scale`` / ``kpe_scale`` (MLA): arrays (numpy, torch) or numbers of shape
+    ``()`` or ``[1]`` (per tensor) or ``[num_kv_heads]`` (per kv head; MHA). A per-layer checkpoint's ``[num_layers]``
+    / ``[num_layers, num_kv_heads]`` arrays are refused unless every layer holds the same values: one cache applies
+    one set to all its layers.
+
+    Raises
+    ------
+    TypeError
+        An unknown name, or a value that is not numeric.
+    ValueError
+        A wrong length, layers that differ, or a cache that is not FP8 (the config then checks the values).
+    """
     import numpy as np  # checkpoints hand numpy / torch arrays; numpy reads both
 
     unknown = sorted(set(scales) - set(MHA_SCALES + MLA_SCALES))
