@@ -33,6 +33,9 @@ const std::set<std::string> kSchema4Fields = {"cuda_graph_batch"};
 const std::set<std::string> kSchema5Fields = {"attention_sinks", "sink_size"};
 // Added by schema 6 (RoPE variants): one object of RopeSpec's fields.
 const std::set<std::string> kSchema6Fields = {"rope"};
+// Added by schema kFp8Schema (FP8 KV cache).
+const std::set<std::string> kSchemaFp8Fields = {"kv_dtype", "k_scale", "v_scale", "ckv_scale", "kpe_scale"};
+const std::set<std::string> kKVDTypes = {"float8_e4m3fn"};
 const std::set<std::string> kRopeTypes = {"default", "linear", "llama3", "yarn", "longrope"};
 const std::set<std::string> kRuntimeFields = {"max_batch_size", "max_total_seq_len",
                                               "prefill_chunk_size", "page_size"};
@@ -178,6 +181,67 @@ void ReadRope(const FieldMap& f, KVConfig* c) {
   }
 }
 
+// A scale field: one number (per tensor) or a list (per kv head; its length is checked by ValidateFp8).
+std::vector<double> GetScales(const FieldMap& f, const std::string& name) {
+  auto it = f.find(name);
+  if (it == f.end()) return {1.0};
+  if (auto arr = it->second.as<ffi::Array<ffi::Any>>()) {
+    std::vector<double> out;
+    for (const ffi::Any& item : *arr) {
+      FieldMap one{{name, item}};
+      out.push_back(GetFloat(one, name, 0.0));
+    }
+    return out;
+  }
+  return {GetFloat(f, name, 1.0)};
+}
+
+// Schema kFp8Schema: kv_dtype equal to dtype is stored as "" (the pages hold dtype).
+void ReadFp8(const FieldMap& f, KVConfig* c) {
+  std::set<std::string> kv_dtypes = kKVDTypes;
+  kv_dtypes.insert(c->dtype);
+  c->kv_dtype = GetString(f, "kv_dtype", c->dtype, kv_dtypes);
+  if (c->kv_dtype == c->dtype) c->kv_dtype.clear();
+  c->k_scale = GetScales(f, "k_scale");
+  c->v_scale = GetScales(f, "v_scale");
+  c->ckv_scale = GetFloat(f, "ckv_scale", 1.0);
+  c->kpe_scale = GetFloat(f, "kpe_scale", 1.0);
+}
+
+// Scales finite and > 0, of the right length, and only where FP8 pages and the layer kind apply them: a scale the
+// kernels would not apply is an error, never ignored.
+void ValidateFp8(const KVConfig& c) {
+  const std::pair<const char*, const std::vector<double>*> lists[] = {{"k_scale", &c.k_scale}, {"v_scale", &c.v_scale}};
+  bool scaled = c.ckv_scale != 1.0 || c.kpe_scale != 1.0;
+  for (const auto& [name, values] : lists) {
+    if (values->size() != 1 && static_cast<int64_t>(values->size()) != c.num_kv_heads) {
+      TVM_FFI_THROW(ValueError) << "pagedkv config: " << name << " has " << values->size()
+                                << " values; it takes one (per tensor) or num_kv_heads (" << c.num_kv_heads << ")";
+    }
+    for (double v : *values) {
+      if (!std::isfinite(v) || v <= 0) {
+        TVM_FFI_THROW(ValueError) << "pagedkv config: " << name << " must hold finite numbers > 0, got " << v;
+      }
+      scaled = scaled || v != 1.0;
+      if (v != 1.0 && c.is_mla()) {
+        TVM_FFI_THROW(ValueError) << "pagedkv config: " << name << " does not apply to MLA layers (ckv_scale, kpe_scale)";
+      }
+    }
+  }
+  for (const auto& [name, v] : {std::pair<const char*, double>{"ckv_scale", c.ckv_scale}, {"kpe_scale", c.kpe_scale}}) {
+    if (!std::isfinite(v) || v <= 0) {
+      TVM_FFI_THROW(ValueError) << "pagedkv config: " << name << " must be a finite number > 0, got " << v;
+    }
+    if (v != 1.0 && !c.is_mla()) {
+      TVM_FFI_THROW(ValueError) << "pagedkv config: " << name << " does not apply to MHA layers (k_scale, v_scale)";
+    }
+  }
+  if (scaled && !c.fp8()) {
+    TVM_FFI_THROW(ValueError) << "pagedkv config: FP8 scales need kv_dtype 'float8_e4m3fn' (the pages hold " << c.dtype
+                              << ", so they would be ignored)";
+  }
+}
+
 void ValidateMLA(const KVConfig& c) {
   const std::pair<const char*, int64_t> dims[] = {{"kv_lora_rank", c.kv_lora_rank},
                                                   {"qk_nope_head_dim", c.qk_nope_head_dim},
@@ -313,6 +377,10 @@ std::string FloatJSON(double v) {
 
 }  // namespace
 
+DLDataType KVConfig::page_dl_dtype() const {
+  return fp8() ? DLDataType{kDLUInt, 8, 1} : dl_dtype();
+}
+
 DLDataType KVConfig::dl_dtype() const {
   if (dtype == "float32") return DLDataType{kDLFloat, 32, 1};
   if (dtype == "bfloat16") return DLDataType{kDLBfloat, 16, 1};
@@ -332,7 +400,8 @@ KVConfig ParseConfig(const std::string& json, const ffi::Shape& runtime_values) 
         !(c.schema_version >= 3 && kSchema3Fields.count(kv.first)) &&
         !(c.schema_version >= 4 && kSchema4Fields.count(kv.first)) &&
         !(c.schema_version >= 5 && kSchema5Fields.count(kv.first)) &&
-        !(c.schema_version >= 6 && kSchema6Fields.count(kv.first))) {
+        !(c.schema_version >= 6 && kSchema6Fields.count(kv.first)) &&
+        !(c.schema_version >= kFp8Schema && kSchemaFp8Fields.count(kv.first))) {
       TVM_FFI_THROW(ValueError) << "pagedkv config: unknown field '" << kv.first << "' for schema_version "
                                 << c.schema_version;
     }
@@ -362,7 +431,9 @@ KVConfig ParseConfig(const std::string& json, const ffi::Shape& runtime_values) 
   c.attention_sinks = GetBool(f, "attention_sinks", false);
   c.sink_size = GetInt(f, "sink_size", 0, false);
   ReadRope(f, &c);
+  ReadFp8(f, &c);
   Validate(c);
+  ValidateFp8(c);
   return c;
 }
 
@@ -402,6 +473,19 @@ std::string ConfigToJSON(const KVConfig& c) {
     out["sink_size"] = std::to_string(c.sink_size);
   }
   if (c.schema_version >= 6) out["rope"] = c.rope_json.empty() ? "{\"rope_type\": \"default\"}" : c.rope_json;
+  if (c.schema_version >= kFp8Schema) {
+    auto scales = [](const std::vector<double>& v) {
+      if (v.size() == 1) return FloatJSON(v[0]);
+      std::string s = "[";
+      for (size_t i = 0; i < v.size(); ++i) s += (i ? ", " : "") + FloatJSON(v[i]);
+      return s + "]";
+    };
+    out["kv_dtype"] = str(c.fp8() ? c.kv_dtype : c.dtype);
+    out["k_scale"] = scales(c.k_scale);
+    out["v_scale"] = scales(c.v_scale);
+    out["ckv_scale"] = FloatJSON(c.ckv_scale);
+    out["kpe_scale"] = FloatJSON(c.kpe_scale);
+  }
   std::string json = "{";
   for (const auto& [k, v] : out) json += (json.size() > 1 ? ", " : "") + str(k) + ": " + v;
   return json + "}";

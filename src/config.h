@@ -19,7 +19,11 @@ namespace pagedkv {
 // Schema 5 added attention_sinks (false: off): learnable per-head attention sinks (attention.cc), and sink_size (0:
 // off): StreamingLLM sink tokens beside a sliding window (forward_plan.h).
 // Schema 6 added rope (absent: plain RoPE): the RoPE variant (python/pagedkv/rope_spec.py, RopeSpec), an object.
-inline constexpr int64_t kSchemaVersion = 6;
+// Schema kFp8Schema added the FP8 KV cache: kv_dtype (absent: dtype; "float8_e4m3fn": e4m3 bytes in the pages), k_scale
+// and v_scale (MHA; a number or one per kv head), ckv_scale and kpe_scale (MLA). The kernels hold the scales (compiled
+// in); the runtime checks them and sizes the pages by kv_dtype. One constant, renumbered when other schemas land.
+inline constexpr int64_t kFp8Schema = 8;
+inline constexpr int64_t kSchemaVersion = kFp8Schema;
 
 struct KVConfig {
   int64_t schema_version = kSchemaVersion;
@@ -64,8 +68,18 @@ struct KVConfig {
   // factors, apply_rope = 2 (as transformers switches per call); 0: no switch.
   int64_t rope_long_after = 0;
   int64_t rotary_dim = 0;  // 0: the whole head
+  // schema kFp8Schema; "" : the pages hold dtype. "float8_e4m3fn": the pages hold e4m3 bytes (uint8 tensors), q / k / v
+  // / o keep dtype. Scales: one value (per tensor) or one per kv head; 1 without FP8 pages (Validate checks it).
+  std::string kv_dtype;
+  std::vector<double> k_scale{1.0};
+  std::vector<double> v_scale{1.0};
+  double ckv_scale = 1.0;
+  double kpe_scale = 1.0;
 
   DLDataType dl_dtype() const;
+  // The dtype of the page tensors: dl_dtype(), or uint8 for FP8 pages (the kernels decode the bits themselves).
+  DLDataType page_dl_dtype() const;
+  bool fp8() const { return !kv_dtype.empty(); }
   // The rope_scale argument of the kernels (the config's, divided by a "linear" variant's factor).
   double rope_scale_arg() const { return rope_scale / rope_linear_factor; }
   // A windowed cache attends each sequence's whole chain in one causal pass (forward_plan.h).

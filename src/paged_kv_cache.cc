@@ -89,7 +89,7 @@ struct DeviceBytes {
 };
 
 DeviceBytes ComputeDeviceBytes(const KVConfig& c, bool partial) {
-  uint64_t elem = (c.dl_dtype().bits + 7) / 8;
+  uint64_t elem = (c.page_dl_dtype().bits + 7) / 8;  // FP8 pages: one byte an element
   DeviceBytes b;
   // ceil(max_total_seq_len / page_size) + max_batch_size, without the overflow of the plain formula
   b.num_pages = Size{static_cast<uint64_t>((c.max_total_seq_len - 1) / c.page_size + 1)} +
@@ -182,6 +182,7 @@ PagedKVCacheObj::PagedKVCacheObj(KVConfig config, OpTable ops, DLDevice device)
       ops_(std::move(ops)),
       device_(device),
       dtype_(cfg_.dl_dtype()),
+      page_dtype_(cfg_.page_dl_dtype()),
       pool_(cfg_.num_pages(), cfg_.page_size),
       aux_(&fns_, device, InitialAuxElems(cfg_)),
       pdl_(DeviceSupportsPDL(device)) {
@@ -189,7 +190,7 @@ PagedKVCacheObj::PagedKVCacheObj(KVConfig config, OpTable ops, DLDevice device)
   partial_states_ = UsesPartialStates(ops_, cfg_);
   std::vector<int64_t> pages_shape = PageShape();
   pages_shape.insert(pages_shape.begin(), cfg_.num_pages());
-  for (int64_t l = 0; l < cfg_.num_layers; ++l) pages_.push_back(AllocDevice(pages_shape, dtype_, "the pages of a layer"));
+  for (int64_t l = 0; l < cfg_.num_layers; ++l) pages_.push_back(AllocDevice(pages_shape, page_dtype_, "the pages of a layer"));
   // The split q/k/v buffers serve attention_with_fused_qkv, which MLA layers do not have.
   int64_t split_n = cfg_.is_mla() ? 1 : n;
   q_buf_ = AllocDevice({split_n, hq, d}, dtype_, "work buffer q");
@@ -433,10 +434,10 @@ void PagedKVCacheObj::PoisonNewPages() {
 
 void PagedKVCacheObj::PoisonPage(int32_t page) {
   std::vector<int64_t> shape = PageShape();
-  size_t bytes = NumBytes(shape, dtype_);
-  std::vector<uint8_t> nan = NaNBytes(dtype_, bytes / ((dtype_.bits + 7) / 8));
+  size_t bytes = NumBytes(shape, page_dtype_);
+  std::vector<uint8_t> nan = NaNBytes(page_dtype_, bytes / ((page_dtype_.bits + 7) / 8));
   for (const ffi::Tensor& pages : pages_) {
-    fns_.CopyFromBytes(fns_.View(pages, shape, dtype_, static_cast<uint64_t>(page) * bytes), nan.data(), bytes);
+    fns_.CopyFromBytes(fns_.View(pages, shape, page_dtype_, static_cast<uint64_t>(page) * bytes), nan.data(), bytes);
   }
 }
 

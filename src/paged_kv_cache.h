@@ -234,6 +234,7 @@ class PagedKVCacheObj : public tvm::runtime::vm::AttentionKVCacheObj {
   OpTable ops_;
   DLDevice device_;
   DLDataType dtype_;
+  DLDataType page_dtype_;  // dtype_, or uint8 for FP8 pages (KVConfig::page_dl_dtype)
   TensorFns fns_;
   BlockPool pool_;
   std::vector<ffi::Tensor> pages_;  // per layer [P, ...PageShape()]

@@ -123,6 +123,8 @@ std::vector<uint8_t> NaNBytes(DLDataType dtype, size_t count) {
   std::vector<uint8_t> out(count * elem);
   uint32_t f32 = 0x7FC00000u;
   uint16_t f16 = dtype.code == kDLBfloat ? 0x7FC0 : 0x7E00;
+  // One byte an element: FP8 e4m3 pages (uint8 tensors), whose NaN is 0x7F.
+  if (elem == 1) return std::vector<uint8_t>(count, 0x7F);
   for (size_t i = 0; i < count; ++i) {
     if (elem == 4) std::memcpy(out.data() + i * 4, &f32, 4);
     else std::memcpy(out.data() + i * 2, &f16, 2);

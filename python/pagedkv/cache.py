@@ -20,7 +20,7 @@ from . import backends as _backends
 from . import kernel_cache as _kcache
 from . import target as _target
 from ._lib import get_global
-from .config import KVCacheConfig, check_sm_scale
+from .config import FP8_FIELDS, KVCacheConfig, check_sm_scale
 from .kernel_spec import KernelSpec
 from .progress import QUIET_FOR, Progress
 
@@ -51,14 +51,17 @@ def kernel_shape(config: KVCacheConfig) -> KVCacheConfig:
     spec = KernelSpec.from_config(config)
     rope = {} if spec.rope is None else {"rope_mode": config.rope_mode, "rope_theta": config.rope_theta,
                                          "rope_scale": config.rope_scale, "rope": config.rope}
+    # FP8 pages: the kernels hold the scales (compiled in), so they key the kernels as the dtype does.
+    fp8 = {name: getattr(config, name) for name in FP8_FIELDS} if config.fp8 else {}
     if spec.is_mla:
         return KVCacheConfig.mla(num_layers=1, num_heads=spec.num_qo_heads, kv_lora_rank=spec.kv_lora_rank,
                                  qk_nope_head_dim=spec.head_dim - spec.qk_rope_head_dim,
                                  qk_rope_head_dim=spec.qk_rope_head_dim, v_head_dim=spec.v_head_dim,
-                                 dtype=spec.dtype, attention_sinks=spec.attention_sinks)
+                                 dtype=spec.dtype, attention_sinks=spec.attention_sinks, **fp8)
     return KVCacheConfig(num_layers=1, num_qo_heads=spec.num_qo_heads, num_kv_heads=spec.num_kv_heads,
                          head_dim=spec.head_dim, v_head_dim=spec.v_head_dim, dtype=spec.dtype,
-                         attention_sinks=spec.attention_sinks, **{"rope_mode": "none", **rope}, **spec.options())
+                         attention_sinks=spec.attention_sinks, **{"rope_mode": "none", **rope}, **spec.options(),
+                         **fp8)
 
 
 #: Modules of the package besides ``tir_kernels/`` whose code decides which kernels are generated (the spec and

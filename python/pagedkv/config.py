@@ -14,17 +14,25 @@ import numbers
 from dataclasses import dataclass, field
 from typing import Any, Mapping
 
+from . import kv_scales
+from .kv_scales import FP8_E4M3_MAX, FP8_KV_DTYPES  # noqa: F401 (the config's vocabulary)
 from .rope_spec import RopeSpec
 
 #: The newest schema this package writes; the runtime accepts every schema up to its own newest.
 #: Schema 2 added MLA layers (``kv_lora_rank``, ``qk_nope_head_dim``, ``qk_rope_head_dim``); schema 3 the
 #: attention options ``sliding_window`` and ``logits_soft_cap``; schema 4 ``cuda_graph_batch``; schema 5 the
-#: attention sinks (``attention_sinks``, ``sink_size``); schema 6 the RoPE variants (``rope``: ``RopeSpec``). A config
+#: attention sinks (``attention_sinks``, ``sink_size``); schema 6 the RoPE variants (``rope``: ``RopeSpec``); schema
+#: ``FP8_SCHEMA`` the FP8 KV cache (``kv_dtype``, ``k_scale``, ``v_scale``, ``ckv_scale``, ``kpe_scale``). A config
 #: is written with the lowest schema that holds it, so an MHA library without those options still loads in a
 #: schema-1 runtime.
-SCHEMA_VERSION = 6
+#: The schema that added the FP8 KV cache: one constant (mirrored by ``kFp8Schema`` in ``src/config.h``) so that
+#: it can be renumbered when other schemas land first.
+FP8_SCHEMA = 8
+SCHEMA_VERSION = FP8_SCHEMA
 
 DTYPES = ("float16", "float32", "bfloat16")
+#: Fields added by schema ``FP8_SCHEMA`` (``kv_dtype`` = ``dtype``, scales 1: off).
+FP8_FIELDS = ("kv_dtype", "k_scale", "v_scale", "ckv_scale", "kpe_scale")
 ROPE_MODES = ("none", "normal", "inline")
 LAYER_KINDS = ("mha", "mla")
 #: Fields added by schema 2 (all 0 for an MHA cache).
@@ -45,6 +53,10 @@ def _positive_finite(value) -> bool:
     """Whether ``value`` is a real number (numpy scalars too; not a bool), finite and > 0."""
     return (isinstance(value, numbers.Real) and not isinstance(value, bool) and math.isfinite(value)
             and value > 0)
+
+
+def _is_number(value) -> bool:
+    return isinstance(value, numbers.Real) and not isinstance(value, bool)
 
 
 def check_sm_scale(sm_scale, where: str) -> float:
@@ -140,10 +152,22 @@ class KVCacheConfig:
         also sees the first ``sink_size`` tokens of its sequence (a fork's are its parent's). Read by extra passes
         of the window kernels over each sequence's first pages (the kernels do not change). Not with
         ``cuda_graph_batch``.
+    kv_dtype :
+        The page storage dtype: ``None`` (the default, also what ``kv_dtype=dtype`` is stored as) is ``dtype``; ``"float8_e4m3fn"`` stores K and V (MLA: the
+        latent) as e4m3 bytes, half the memory of fp16, with ``dtype`` (fp16 / bf16 / fp32) for q, k, v and o.
+        Appends store ``e4m3(clamp(x / scale, -448, 448))`` (round to nearest even); the kernels read
+        ``code * scale``. Served by the TIR CPU kernels (``pagedkv backends`` says who refuses it and why).
+    k_scale, v_scale :
+        MHA FP8 scales: one float (per tensor) or a tuple of ``num_kv_heads`` floats (per kv head), finite and
+        > 0, the same in every layer. The kernels fold ``k_scale`` into the scores and ``v_scale`` into ``o``.
+        1.0 and only 1.0 without an FP8 ``kv_dtype``. From a checkpoint: :meth:`with_kv_scales`.
+    ckv_scale, kpe_scale :
+        MLA FP8 scales (per tensor, FlashInfer's names): ``ckv_scale`` of the latent's first ``kv_lora_rank``
+        elements (key and value of the absorbed attention), ``kpe_scale`` of its rope part (key only).
     schema_version :
         ``None``: the lowest schema that holds this config (1 for MHA, 2 for MLA, 3 with an attention
         option, 4 with ``cuda_graph_batch``, 5 with ``attention_sinks`` or ``sink_size``, 6 with a ``rope``
-        variant).
+        variant, ``FP8_SCHEMA`` with an FP8 ``kv_dtype``).
     """
 
     num_layers: int
@@ -169,9 +193,20 @@ class KVCacheConfig:
     attention_sinks: bool = False
     sink_size: int = 0
     rope: RopeSpec = RopeSpec()
+    kv_dtype: str | None = None
+    k_scale: float | tuple[float, ...] = 1.0
+    v_scale: float | tuple[float, ...] = 1.0
+    ckv_scale: float = 1.0
+    kpe_scale: float = 1.0
     schema_version: int | None = field(default=None)
 
     def __post_init__(self) -> None:
+        if self.kv_dtype == self.dtype:  # the default, said explicitly: kept as None so replace(dtype=) follows
+            object.__setattr__(self, "kv_dtype", None)
+        for name in ("k_scale", "v_scale"):  # a per-head list (JSON, numpy) is kept as a tuple of floats
+            value = getattr(self, name)
+            if isinstance(value, (list, tuple)) or (hasattr(value, "__len__") and not isinstance(value, str)):
+                object.__setattr__(self, name, tuple(float(v) if _is_number(v) else v for v in value))
         if self.rope is None:
             object.__setattr__(self, "rope", RopeSpec())
         elif isinstance(self.rope, Mapping):
@@ -224,6 +259,7 @@ class KVCacheConfig:
                            f"{[i for i, k in enumerate(self.layer_kinds) if k == 'mha']} and 'mla' at "
                            f"{[i for i, k in enumerate(self.layer_kinds) if k == 'mla']} (use two caches)")
         out += self._rope_problems()
+        out += self._fp8_problems()
         out += self._mla_problems()
         out += self._option_problems()
         need = self.min_schema
@@ -246,6 +282,30 @@ class KVCacheConfig:
             out.append("rope_type 'longrope' with cuda_graph_batch is not supported: its short / long switch is a "
                        "per-forward kernel argument, which a captured CUDA graph would freeze")
         return out
+
+    def _fp8_problems(self) -> list[str]:
+        return kv_scales.problems(self)
+
+    def scales_of(self, name: str) -> tuple[float, ...]:
+        """Scale field ``name`` as a tuple: one value (per tensor) or one per kv head."""
+        value = getattr(self, name)
+        return tuple(float(v) for v in value) if isinstance(value, tuple) else (float(value),)
+
+    @property
+    def page_dtype(self) -> str:
+        """What the pages hold: ``kv_dtype``, or ``dtype`` when that is ``None``."""
+        return self.kv_dtype or self.dtype
+
+    @property
+    def fp8(self) -> bool:
+        """Whether the pages hold FP8 bytes (``kv_dtype`` is one of ``FP8_KV_DTYPES``)."""
+        return self.page_dtype in FP8_KV_DTYPES
+
+    def with_kv_scales(self, **scales) -> "KVCacheConfig":
+        """A copy with a checkpoint's FP8 scales by name (``k_scale`` / ``v_scale``, or MLA's ``ckv_scale`` /
+        ``kpe_scale``): numbers or arrays of shape ``()``, ``[1]``, ``[num_kv_heads]``, or per layer with every
+        layer equal (``pagedkv.kv_scales.from_checkpoint``, which says what it refuses and raises)."""
+        return self.replace(**kv_scales.from_checkpoint(self, scales))
 
     def _mla_problems(self) -> list[str]:
         dims = {name: getattr(self, name) for name in MLA_FIELDS}
@@ -311,6 +371,8 @@ class KVCacheConfig:
     @property
     def min_schema(self) -> int:
         """The lowest schema that holds this config."""
+        if self.kv_dtype is not None:
+            return FP8_SCHEMA
         if isinstance(self.rope, RopeSpec) and not self.rope.is_default:
             return 6
         if self.attention_sinks or self.sink_size:
@@ -408,6 +470,10 @@ class KVCacheConfig:
             out["sink_size"] = self.sink_size
         if self.schema_version >= 6:
             out["rope"] = self.rope.to_dict()
+        if self.schema_version >= FP8_SCHEMA:
+            out["kv_dtype"] = self.page_dtype
+            out.update({n: list(v) if isinstance(v, tuple) else float(v)
+                        for n in ("k_scale", "v_scale", "ckv_scale", "kpe_scale") for v in [getattr(self, n)]})
         for name in runtime_fields:
             del out[name]
         return out
@@ -476,9 +542,10 @@ _KEYS_BY_SCHEMA = {
     4: ("cuda_graph_batch",),
     5: SINK_FIELDS,
     6: ("rope",),
+    FP8_SCHEMA: FP8_FIELDS,
 }
-_FLOAT_FIELDS = ("rope_theta", "rope_scale", "logits_soft_cap")
-_STR_FIELDS = ("dtype", "rope_mode")
+_FLOAT_FIELDS = ("rope_theta", "rope_scale", "logits_soft_cap", "ckv_scale", "kpe_scale")
+_STR_FIELDS = ("dtype", "rope_mode", "kv_dtype")
 
 
 def _check_keys(fields: dict, schema: int) -> None:
@@ -519,6 +586,12 @@ def _check_types(fields: dict) -> None:
         raise TypeError(f"KVCacheConfig field attention_sinks must be a bool, got {fields['attention_sinks']!r}")
     if not isinstance(fields.get("rope", {}), Mapping):
         raise TypeError(f"KVCacheConfig field rope must be an object (RopeSpec fields), got {fields['rope']!r}")
+    for name in ("k_scale", "v_scale"):
+        value = fields.get(name, 1.0)
+        values = value if isinstance(value, list) else [value]
+        if not values or any(isinstance(v, bool) or not isinstance(v, (int, float)) for v in values):
+            raise TypeError(f"KVCacheConfig field {name} must be a number or a non-empty list of numbers, "
+                            f"got {value!r}")
     kinds = fields.get("layer_kinds", [])
     if not isinstance(kinds, (list, tuple)) or not all(isinstance(k, str) for k in kinds):
         raise TypeError(f"KVCacheConfig field layer_kinds must be a list of strings, got {kinds!r}")

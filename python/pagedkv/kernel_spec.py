@@ -21,6 +21,9 @@ from .rope_spec import RopeTable, rope_table
 
 #: Storage dtypes of the TIR kernels (accumulation is float32 for every one).
 DTYPES = ("float16", "float32", "bfloat16")
+#: Page formats besides ``dtype`` (``KernelSpec.kv_dtype``), and the fields that describe them.
+FP8_KV_DTYPES = ("float8_e4m3fn",)
+_FP8_FIELDS = ("kv_dtype", "k_scale", "v_scale", "ckv_scale", "kpe_scale")
 
 #: switch -> (what reads it, allowed values; "auto" = the kernel's own run-time choice).
 SWITCHES: dict[str, tuple[str, tuple[str, ...]]] = {
@@ -200,6 +203,16 @@ class KernelSpec:
         its frequencies, pairing, rotated dims and attention factor as compile-time constants and ignore their
         ``rope_scale`` / ``rope_theta`` arguments; ``apply_rope == 2`` selects LongRoPE's long set. None: the
         kernels are what they were before the field (not part of ``to_dict``).
+    kv_dtype : str
+        ``""``: the pages hold ``dtype``. ``"float8_e4m3fn"``: they hold e4m3 codes (``uint8`` tensors) that the
+        kernels encode and decode themselves (``tir_kernels._fp8``); q, k, v and o keep ``dtype``.
+    k_scale, v_scale : tuple of float
+        FP8 MHA pages: the scale of each kv head (``num_kv_heads`` values; the page holds ``x / scale``), compiled
+        into the kernels. Empty otherwise.
+    ckv_scale, kpe_scale : float
+        FP8 MLA pages: the scales of the latent's first ``kv_lora_rank`` elements and of its rope part.
+        ``kv_dtype`` and the scales are not part of ``to_dict`` when ``kv_dtype`` is "" (keys of other caches are
+        what they were before the fields).
     """
 
     num_qo_heads: int
@@ -216,6 +229,11 @@ class KernelSpec:
     partial: bool = False
     attention_sinks: bool = False
     rope: RopeTable | None = None
+    kv_dtype: str = ""
+    k_scale: tuple = ()
+    v_scale: tuple = ()
+    ckv_scale: float = 1.0
+    kpe_scale: float = 1.0
 
     def __post_init__(self):
         object.__setattr__(self, "paths", normalize_paths(self.paths))
@@ -248,6 +266,29 @@ class KernelSpec:
             raise ValueError("MLA kernels take no sliding_window or logits_soft_cap")
         if self.rope is not None:
             self._check_rope()
+        self._check_fp8()
+
+    def _check_fp8(self):
+        if self.kv_dtype not in ("", *FP8_KV_DTYPES):
+            raise ValueError(f"KernelSpec.kv_dtype must be '' (dtype) or one of {FP8_KV_DTYPES}, got {self.kv_dtype!r}")
+        object.__setattr__(self, "k_scale", tuple(float(v) for v in self.k_scale))
+        object.__setattr__(self, "v_scale", tuple(float(v) for v in self.v_scale))
+        heads = () if self.is_mla or not self.kv_dtype else (self.num_kv_heads,)
+        for name in ("k_scale", "v_scale"):
+            value = getattr(self, name)
+            if len(value) not in heads + (0,) or (heads and len(value) != heads[0]):
+                raise ValueError(f"KernelSpec.{name} takes one value per kv head with FP8 MHA pages (else none), got "
+                                 f"{value!r}")
+        scales = (*self.k_scale, *self.v_scale, self.ckv_scale, self.kpe_scale)
+        if not all(math.isfinite(v) and v > 0 for v in scales):
+            raise ValueError(f"KernelSpec scales must be finite and > 0, got {scales}")
+        if not self.kv_dtype and scales != (1.0, 1.0):
+            raise ValueError("KernelSpec scales need FP8 pages (kv_dtype)")
+
+    @property
+    def page_dtype(self) -> str:
+        """The dtype of the ``pages`` buffer: ``dtype``, or ``uint8`` for FP8 pages."""
+        return "uint8" if self.kv_dtype else self.dtype
 
     def _check_rope(self):
         r = self.rope
@@ -284,7 +325,13 @@ class KernelSpec:
         rope = getattr(config, "rope", None)
         table = (rope_table(rope, config.head_dim, config.rope_theta, config.rope_scale)
                  if rope is not None and config.rope_mode != "none" else None)
-        return cls(num_qo_heads=config.num_qo_heads, num_kv_heads=config.num_kv_heads, head_dim=config.head_dim,
+        fp8 = {}
+        if getattr(config, "fp8", False):
+            per_head = () if config.is_mla else (config.num_kv_heads,)
+            fp8 = {"kv_dtype": config.kv_dtype, "ckv_scale": config.ckv_scale, "kpe_scale": config.kpe_scale,
+                   **{n: (config.scales_of(n) * per_head[0] if len(config.scales_of(n)) == 1 else config.scales_of(n))
+                      if per_head else () for n in ("k_scale", "v_scale")}}
+        return cls(**fp8,num_qo_heads=config.num_qo_heads, num_kv_heads=config.num_kv_heads, head_dim=config.head_dim,
                    v_head_dim=config.v_dim, dtype=config.dtype, kv_lora_rank=config.kv_lora_rank,
                    qk_rope_head_dim=config.qk_rope_head_dim, paths=paths, rope=table,
                    attention_sinks=bool(getattr(config, "attention_sinks", False)),
@@ -298,9 +345,13 @@ class KernelSpec:
 
     def to_dict(self) -> dict:
         """JSON-able fields (the kernel library key's config part)."""
+        def kept(name, value):  # fields added later are left out at their defaults (older keys stay the same)
+            if name in _FP8_FIELDS:
+                return bool(self.kv_dtype)
+            return name not in ("target_arch", "partial", "attention_sinks", "rope") or value
+
         out = {f.name: (list(map(list, v)) if f.name == "paths" else v)
-               for f in fields(self) for v in [getattr(self, f.name)]
-               if f.name not in ("target_arch", "partial", "attention_sinks", "rope") or v}
+               for f in fields(self) for v in [getattr(self, f.name)] if kept(f.name, v)}
         if self.rope is not None:
             out["rope"] = self.rope.to_dict()
         return out

@@ -11,7 +11,7 @@ from typing import Any
 
 from . import backends as _backends
 from . import ops as _ops
-from .config import ATTENTION_OPTION_FIELDS, DTYPES, KVCacheConfig
+from .config import ATTENTION_OPTION_FIELDS, DTYPES, FP8_KV_DTYPES, KVCacheConfig
 
 
 @dataclass(frozen=True)
@@ -97,7 +97,7 @@ def config_from_args(args: argparse.Namespace) -> KVCacheConfig:
     without it) is refused with the config's own reason instead of being replaced."""
     common = dict(num_layers=1, num_qo_heads=args.num_qo_heads, dtype=args.dtype, page_size=args.page_size,
                   prefill_chunk_size=args.prefill_chunk_size, max_batch_size=args.max_batch_size,
-                  attention_sinks=args.attention_sinks, sink_size=args.sink_size,
+                  attention_sinks=args.attention_sinks, sink_size=args.sink_size, kv_dtype=args.kv_dtype,
                   **{f: getattr(args, f) for f in ATTENTION_OPTION_FIELDS})
     if args.kv_lora_rank:
         nope, rope = (MLA_DEFAULTS[f] if getattr(args, f) is None else getattr(args, f) for f in MLA_DEFAULTS)
@@ -137,6 +137,8 @@ def _parser() -> argparse.ArgumentParser:
                     help="learnable attention sinks (gpt-oss): adds the sink ops")
     ap.add_argument("--sink-size", type=int, default=0,
                     help="StreamingLLM sink tokens beside --sliding-window (changes no kernel)")
+    ap.add_argument("--kv-dtype", default=None, choices=FP8_KV_DTYPES,
+                    help="page storage dtype (default: --dtype); float8_e4m3fn: FP8 pages, per op who serves them")
     ap.add_argument("--kv-lora-rank", type=int, default=0, help="MLA: > 0 makes an MLA cache")
     ap.add_argument("--qk-nope-head-dim", type=int, default=None, help="MLA only; default 128")
     ap.add_argument("--qk-rope-head-dim", type=int, default=None, help="MLA only; default 64")

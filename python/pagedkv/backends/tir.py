@@ -131,6 +131,36 @@ def _cpu_attention_limits(op: str, config: KVCacheConfig) -> list[str]:
     return []
 
 
+#: The ops that read or write FP8 pages (an FP8 cache's other ops see only dtype tensors). The partial-state
+#: variants run their attention op's kernel.
+FP8_PAGE_OPS = frozenset({ops.APPEND_KV, ops.GATHER_KV, ops.ATTN_PREFILL_PAGED, ops.ATTN_DECODE_PAGED, ops.COPY_PAGE,
+                          ops.COMPACT_COPY, ops.MLA_APPEND_KV, ops.MLA_GATHER_KV, ops.MLA_ATTN_PREFILL_PAGED,
+                          ops.MLA_ATTN_DECODE_PAGED, ops.ATTN_PREFILL_RAGGED,
+                          *(p for b, p in ops.PARTIAL_OF.items())})
+
+
+def fp8_path(op: str, config: KVCacheConfig) -> str:
+    """What the CPU kernel of ``op`` does with an FP8 cache's pages and scales (``pagedkv backends``)."""
+    mla = config.is_mla
+    k, v = ("ckv_scale / kpe_scale", "ckv_scale") if mla else ("k_scale", "v_scale")
+    reads = {ops.ATTN_DECODE_PAGED, ops.ATTN_PREFILL_PAGED, ops.MLA_ATTN_DECODE_PAGED, ops.MLA_ATTN_PREFILL_PAGED}
+    if op in reads:
+        return (f"FP8 e4m3 pages decoded by integer ops; {k} folded into q (per kv head), {v} into o when each "
+                "pass stores it")
+    if op == ops.ATTN_PREFILL_RAGGED:
+        if mla:
+            return "FP8 cache: self_attention reads the model's k / v (dtype), no pages"
+        return ("FP8 cache: new k / v read as their pages will hold them (e4m3 of x / scale), k_scale folded into q, "
+                "v_scale into o")
+    if op in (ops.APPEND_KV, ops.MLA_APPEND_KV):
+        return f"FP8 e4m3 pages: writes e4m3(x / scale), round to nearest even, saturated at +-448 ({k}, {v})"
+    if op in (ops.GATHER_KV, ops.MLA_GATHER_KV):
+        return "FP8 e4m3 pages: reads code * scale"
+    if op in (ops.COPY_PAGE, ops.COMPACT_COPY):
+        return "FP8 e4m3 pages: copies the bytes"
+    return "FP8 cache: dtype tensors only (no pages)"
+
+
 class TIRBackend(Backend):
     """TIR kernels (our own, ``pagedkv.tir_kernels``) for every op."""
 
@@ -157,6 +187,10 @@ class TIRBackend(Backend):
             reasons += _cuda_inline_rope_limits(kernel_op, config)
         if kind == "llvm" and kernel_op in ops.ATTENTION_OPS:
             reasons += _cpu_attention_limits(kernel_op, config)
+        mla_self = config.is_mla and kernel_op == ops.ATTN_PREFILL_RAGGED  # reads no cached values
+        if kind == "cuda" and getattr(config, "fp8", False) and op in FP8_PAGE_OPS and not mla_self:
+            reasons.append(f"kv_dtype {config.kv_dtype}: the CUDA TIR kernels read pages of the cache dtype only "
+                           "(FP8 pages are served by the CPU kernels, target llvm)")
         return reasons
 
     def describe(self, op: str, config: KVCacheConfig, target: Any) -> str:
@@ -165,6 +199,8 @@ class TIRBackend(Backend):
         kind = target_kind(target)
         head = f"TIR {kind} kernel pagedkv_{op}"
         kernel_op = ops.BASE_OF.get(op, op)  # a partial-state variant runs its attention op's kernel
+        if getattr(config, "fp8", False) and kind == "llvm":
+            return f"{head}: {fp8_path(kernel_op, config)}"
         if kind != "cuda" or kernel_op not in kernel_table.SWITCH_OF_OP:
             return head
         spec = dataclasses.replace(kernel_spec_of(config), target_arch=_target.arch(target) or "")

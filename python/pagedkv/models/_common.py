@@ -116,6 +116,8 @@ class CausalLMExports:
         values = {"max_batch_size": max_batch_size, "max_total_seq_len": max_total_seq_len,
                   "prefill_chunk_size": prefill_chunk_size, "page_size": page_size}
         config = self.cfg.kv_cache_config(self.dtype)
+        if getattr(self, "kv_options", None):  # e.g. an FP8 cache: kv_dtype and its scales (KVCacheConfig fields)
+            config = config.replace(**self.kv_options)
         if self.cuda_graph_batch:
             config = config.replace(cuda_graph_batch=self.cuda_graph_batch)
         return PagedKVCache(config, target=self.target, backend=self.backend, runtime_values=values)

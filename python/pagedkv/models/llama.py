@@ -61,12 +61,13 @@ class LlamaForCausalLM(CausalLMExports, nn.Module):
     """Llama decoder with a pagedkv cache; ``backend`` and ``target`` choose the cache's kernels, ``target``
     also the projections' weight layout (``_common.layout_for``: ``[in, out]`` on the CPU).
     ``cuda_graph_batch > 0`` (CUDA targets): decode steps of up to that many sequences run in CUDA graphs
-    (``CausalLMExports``)."""
+    (``CausalLMExports``). ``kv_options``: ``KVCacheConfig`` fields for the cache beyond the model's (e.g.
+    ``{"kv_dtype": "float8_e4m3fn", "k_scale": ...}``: an FP8 cache)."""
 
     def __init__(self, cfg: LlamaConfig, *, dtype: str, target: Any, backend: Any = None,
-                 cuda_graph_batch: int = 0):
+                 cuda_graph_batch: int = 0, kv_options: dict | None = None):
         self.cfg, self.dtype, self.target, self.backend = cfg, dtype, target, backend
-        self.cuda_graph_batch = cuda_graph_batch
+        self.cuda_graph_batch, self.kv_options = cuda_graph_batch, dict(kv_options or {})
         layout = layout_for(target)
         self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size, dtype=dtype)
         self.layers = nn.ModuleList([LlamaDecoderLayer(cfg, i, dtype, layout)

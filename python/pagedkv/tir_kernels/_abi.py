@@ -47,13 +47,15 @@ def _dim(sym: str, shape: Mapping[str, int]) -> str:
 
 @functools.lru_cache(maxsize=None)
 def _header(op: str, shape_items: tuple, dtype: str, scheduled: bool, symbol: str, adapter: str,
-            any_align: tuple = ()) -> str:
+            any_align: tuple = (), page_dtype: str | None = None) -> str:
     args, shape = call_args(op, adapter), dict(shape_items)
     params, lines = [], []
     for a in args:
         if a.is_tensor:
             params.append(f"{a.name}_h: T.handle")
             dt = dtype if a.dtype == "cache" else a.dtype
+            if a.name == "pages" and page_dtype:  # FP8 pages: bytes (tir_kernels._fp8)
+                dt = page_dtype
             dims = ", ".join(_dim(s, shape) for s in a.shape)
             offset = "" if a.name == "pages" else ", elem_offset=T.int32()"
             if a.name in any_align:  # the data pointer itself may sit anywhere (element-aligned)
@@ -72,7 +74,8 @@ def _header(op: str, shape_items: tuple, dtype: str, scheduled: bool, symbol: st
 
 
 def abi_prim_func(op: str, shape: Mapping[str, int], dtype: str, body: Any, *, scheduled: bool = False,
-                  symbol: str | None = None, adapter: str = "direct", any_align: tuple[str, ...] = ()):
+                  symbol: str | None = None, adapter: str = "direct", any_align: tuple[str, ...] = (),
+                  page_dtype: str | None = None):
     """The PrimFunc (global symbol ``symbol``, default ``pagedkv_<op>``) whose parameters are the op table's and whose body is ``body``.
 
     Parameters
@@ -97,9 +100,11 @@ def abi_prim_func(op: str, shape: Mapping[str, int], dtype: str, body: Any, *, s
         Tensor arguments declared element-aligned instead of TVM's default 64 bytes (the calling convention is
         the same): host code that tests their addresses (``_tma_cuda.host_aligned16``) must not have the test
         folded away by that assumption (callers do pass views, e.g. torch slices, whose data pointers are not).
+    page_dtype : str, optional
+        The dtype of ``pages`` when it is not ``dtype`` (``KernelSpec.page_dtype``: ``uint8`` for FP8 pages).
     """
     src = _header(op, tuple(sorted(shape.items())), dtype, scheduled, symbol or SPECS[op].symbol, adapter,
-                  tuple(any_align))
+                  tuple(any_align), None if page_dtype == dtype else page_dtype)
     return from_source(src, extra_vars={"T": T, "body": body})
 
 

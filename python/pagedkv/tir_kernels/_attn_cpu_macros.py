@@ -29,14 +29,16 @@ def _rope_macros(plan: TilePlan):
     return table_rope_on, init_inv_freq, rope_row
 
 
-def make_attn_macros(plan: TilePlan):
+def make_attn_macros(plan: TilePlan, fp8=None):
     """The shared macros specialized to ``plan``: ``rope_on, init_inv_freq, load_q, init_state, rope_key,
     clear_key, store`` (``rope_on(apply_rope)``: whether inline RoPE rotates; ``init_inv_freq(invf, apply_rope,
-    rope_theta)``)."""
+    rope_theta)``). ``fp8`` (``_fp8.Fp8Scales``, for kernels reading FP8 pages): ``load_q`` folds the K scale into
+    the q rows and ``store`` the V scale into ``o``; None leaves both as they were."""
     D, DV, G, R = plan.d, plan.dv, plan.group, plan.rows
     KEYS_MAJOR, RB, ROPE = plan.keys_major, plan.rb, plan.rope
     rope_on, init_freqs, rope_row = _rope_macros(plan)
     TABLE = plan.rope_table is not None
+    FP8 = fp8
 
     @T.macro
     def init_inv_freq(invf, apply_rope, rope_theta):
@@ -59,8 +61,12 @@ def make_attn_macros(plan: TilePlan):
             if ROPE:  # static: kernels without inline RoPE (MLA) leave this out
                 if rope_on(apply_rope):
                     rope_row(Qf, r, q_pos[tok0 + r // G], rope_scale, invf)
-            for dd in T.vectorized(D):
-                Qf[r, dd] = Qf[r, dd] * qk_scale
+            if FP8 is None:  # static
+                for dd in T.vectorized(D):
+                    Qf[r, dd] = Qf[r, dd] * qk_scale
+            else:  # scores are linear in k: the K scale of the row's kv head (MLA: of the latent part) joins q's
+                for dd in T.vectorized(D):
+                    Qf[r, dd] = Qf[r, dd] * (qk_scale * FP8.k_of(h, dd))
         if not KEYS_MAJOR:
             for r in T.serial(ntok * G, R):
                 for dd in T.vectorized(D):
@@ -94,7 +100,7 @@ def make_attn_macros(plan: TilePlan):
 
     return SimpleNamespace(rope_on=rope_on, init_inv_freq=init_inv_freq, load_q=load_q, init_state=init_state,
                            rope_key=rope_key, clear_key=clear_key, isolate_values=_make_isolate_values(plan),
-                           store=_make_store(plan))
+                           store=_make_store(plan, fp8))
 
 
 def _make_isolate_values(plan: TilePlan):
@@ -125,10 +131,12 @@ def _make_isolate_values(plan: TilePlan):
     return isolate_values
 
 
-def _make_store(plan: TilePlan):
+def _make_store(plan: TilePlan, fp8=None):
     """``store(o, lse, O, m, l, tok0, ntok, h)``: normalize and write the rows of tokens
-    ``tok0 .. tok0 + ntok``; a row that saw no key gets o = 0 and lse = EMPTY_LSE."""
-    DV, G, TQ, dtype = plan.dv, plan.group, plan.tq, plan.dtype
+    ``tok0 .. tok0 + ntok``; a row that saw no key gets o = 0 and lse = EMPTY_LSE. ``fp8``: ``o`` times kv head
+    ``h``'s V scale (``o`` is linear in v, and a merge of pass states is a convex combination of their ``o``s, so
+    scaling each pass's ``o`` is exact whatever the passes; the empty ``o = 0`` needs none)."""
+    DV, G, TQ, dtype, FP8 = plan.dv, plan.group, plan.tq, plan.dtype, fp8
     zero_loop = const_store_loop(dtype)
 
     @T.macro
@@ -140,8 +148,12 @@ def _make_store(plan: TilePlan):
                         o[tok0 + r // G, h * G + r % G, dd] = T.Cast(o.dtype, T.float32(0))
                     lse[tok0 + r // G, h * G + r % G] = T.float32(EMPTY_LSE)
                 else:
-                    for dd in T.vectorized(DV):
-                        o[tok0 + r // G, h * G + r % G, dd] = T.Cast(o.dtype, O[r, dd] / l[r])
+                    if FP8 is None:  # static
+                        for dd in T.vectorized(DV):
+                            o[tok0 + r // G, h * G + r % G, dd] = T.Cast(o.dtype, O[r, dd] / l[r])
+                    else:
+                        for dd in T.vectorized(DV):
+                            o[tok0 + r // G, h * G + r % G, dd] = T.Cast(o.dtype, O[r, dd] / l[r] * FP8.v_of(h))
                     lse[tok0 + r // G, h * G + r % G] = m[r] + T.log2(l[r])
 
     return store

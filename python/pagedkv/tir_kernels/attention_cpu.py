@@ -25,6 +25,7 @@ from ._abi import abi_prim_func, spec_op
 from ._attn_cpu_gemm import make_gemm_macros, scratch_shapes
 from ._attn_cpu_macros import make_attn_macros
 from ._common import LOG2E, TilePlan, make_tile_plan
+from ._fp8 import decode_e4m3, fp8_scales, quantize
 from ._variant_cpu import CpuVariant
 from ..kernel_spec import forced, normalize_paths
 from ..ops import shape_values
@@ -121,10 +122,13 @@ def _make_runner(plan: TilePlan, item):
     return run
 
 
-def _make_paged_loader(plan: TilePlan, mac):
+def _make_paged_loader(plan: TilePlan, mac, fp8=None):
     """Tile loader over pages; ``kv = (pages, page_values, page_size)``, ``base`` = the entry's first
     ``page_values`` index. The (page, offset) cursor advances incrementally: one division per tile
-    instead of one per key (the page size is a runtime value)."""
+    instead of one per key (the page size is a runtime value). ``fp8``: the pages hold e4m3 codes, staged as
+    their values (the scales are folded into q and o by the macros)."""
+    if fp8 is not None:
+        return _make_paged_loader_fp8(plan, mac)
     D, DV, JB = plan.d, plan.dv, plan.jb
 
     @T.macro
@@ -148,8 +152,37 @@ def _make_paged_loader(plan: TilePlan, mac):
     return load_tile
 
 
-def _make_ragged_loader(plan: TilePlan, mac):
-    """Tile loader over contiguous rows; ``kv = (k, v)``, ``base`` = the entry's first row."""
+def _make_paged_loader_fp8(plan: TilePlan, mac):
+    D, DV, JB = plan.d, plan.dv, plan.jb
+
+    @T.macro
+    def load_tile(Kf, Vf, cur, kv, base, kpos0, h, j0, nk, rope):
+        pages, page_values, ps = kv
+        cur[0] = j0 // ps
+        cur[1] = j0 % ps
+        for j in T.serial(nk):
+            for dd in T.vectorized(D):
+                Kf[j, dd] = decode_e4m3(pages[page_values[base + cur[0]], 0, h, cur[1], dd])
+            for dd in T.vectorized(DV):
+                Vf[j, dd] = decode_e4m3(pages[page_values[base + cur[0]], 1, h, cur[1], dd])
+            mac.rope_key(Kf, j, kpos0 + j0 + j, rope)
+            cur[1] = cur[1] + 1
+            if cur[1] == ps:
+                cur[0] = cur[0] + 1
+                cur[1] = 0
+        for j in T.serial(nk, (nk + JB - 1) // JB * JB):
+            mac.clear_key(Kf, j)
+
+    return load_tile
+
+
+def _make_ragged_loader(plan: TilePlan, mac, fp8=None):
+    """Tile loader over contiguous rows; ``kv = (k, v)``, ``base`` = the entry's first row. ``fp8`` (an MHA cache
+    with FP8 pages): k and v are staged as the values their pages hold, ``e4m3(k / k_scale)`` (the scales folded
+    into q and o as for the pages), so every pass reads a key as the same number, whether it comes from the
+    pages or from this forward's new tokens: the attention is the same however a forward is split."""
+    if fp8 is not None:
+        return _make_ragged_loader_fp8(plan, mac, fp8)
     D, DV, JB = plan.d, plan.dv, plan.jb
 
     @T.macro
@@ -160,6 +193,24 @@ def _make_ragged_loader(plan: TilePlan, mac):
                 Kf[j, dd] = T.Cast("float32", k[base + j0 + j, h, dd])
             for dd in T.vectorized(DV):
                 Vf[j, dd] = T.Cast("float32", v[base + j0 + j, h, dd])
+            mac.rope_key(Kf, j, kpos0 + j0 + j, rope)
+        for j in T.serial(nk, (nk + JB - 1) // JB * JB):
+            mac.clear_key(Kf, j)
+
+    return load_tile
+
+
+def _make_ragged_loader_fp8(plan: TilePlan, mac, fp8):
+    D, DV, JB, F = plan.d, plan.dv, plan.jb, fp8
+
+    @T.macro
+    def load_tile(Kf, Vf, cur, kv, base, kpos0, h, j0, nk, rope):
+        k, v = kv
+        for j in T.serial(nk):
+            for dd in T.vectorized(D):
+                Kf[j, dd] = decode_e4m3(quantize(T.Cast("float32", k[base + j0 + j, h, dd]), F.k_of(h)))
+            for dd in T.vectorized(DV):
+                Vf[j, dd] = decode_e4m3(quantize(T.Cast("float32", v[base + j0 + j, h, dd]), F.v_of(h)))
             mac.rope_key(Kf, j, kpos0 + j0 + j, rope)
         for j in T.serial(nk, (nk + JB - 1) // JB * JB):
             mac.clear_key(Kf, j)
@@ -218,8 +269,9 @@ def attn_decode_paged_cpu(spec):
     HKV, THREADS = spec.num_kv_heads, cpu_threads(spec.paths)
     plan = make_tile_plan(spec.head_dim, spec.head_dim, spec.num_qo_heads // HKV, spec.dtype, 1,
                           CpuVariant.from_spec(spec), rope_table=spec.rope)
-    var, mac = plan.variant, make_attn_macros(plan)
-    attend = _make_attend(plan, mac, _make_paged_loader(plan, mac))
+    fp8 = fp8_scales(spec)
+    var, mac = plan.variant, make_attn_macros(plan, fp8)
+    attend = _make_attend(plan, mac, _make_paged_loader(plan, mac, fp8))
 
     @T.macro
     def item(it, scr, args):
@@ -243,7 +295,8 @@ def attn_decode_paged_cpu(spec):
             (q, q_pos, o, lse, pages, page_values, ps, page_indptr, last_page_len, k_pos_offset,
              (apply_rope, rope_scale, rope_theta), sm_scale))
 
-    return abi_prim_func(spec_op("attn_decode_paged", spec), shape_values(spec), spec.dtype, body)
+    return abi_prim_func(spec_op("attn_decode_paged", spec), shape_values(spec), spec.dtype, body,
+                         page_dtype=spec.page_dtype)
 
 
 @T.macro
@@ -302,8 +355,9 @@ def attn_prefill_paged_cpu(spec):
     plan = make_tile_plan(spec.head_dim, spec.head_dim, spec.num_qo_heads // HKV, spec.dtype, None,
                           CpuVariant.from_spec(spec), prefill_rows=_PAGED_PREFILL_ROWS,
                           rope_table=spec.rope)
-    TQ, mac = plan.tq, make_attn_macros(plan)
-    attend = _make_attend(plan, mac, _make_paged_loader(plan, mac))
+    fp8 = fp8_scales(spec)
+    TQ, mac = plan.tq, make_attn_macros(plan, fp8)
+    attend = _make_attend(plan, mac, _make_paged_loader(plan, mac, fp8))
 
     @T.macro
     def item(it, scr, args):
@@ -332,7 +386,8 @@ def attn_prefill_paged_cpu(spec):
              (pages, page_values, ps, page_indptr, last_page_len, k_pos_offset), causal,
              (apply_rope, rope_scale, rope_theta), sm_scale))
 
-    return abi_prim_func(spec_op("attn_prefill_paged", spec), shape_values(spec), spec.dtype, body)
+    return abi_prim_func(spec_op("attn_prefill_paged", spec), shape_values(spec), spec.dtype, body,
+                         page_dtype=spec.page_dtype)
 
 
 def attn_prefill_ragged_cpu(spec):
@@ -344,8 +399,10 @@ def attn_prefill_ragged_cpu(spec):
     HKV, THREADS = spec.num_kv_heads, cpu_threads(spec.paths)
     plan = make_tile_plan(spec.head_dim, spec.v_head_dim, spec.num_qo_heads // HKV, spec.dtype, None,
                           CpuVariant.from_spec(spec), rope_table=spec.rope)
-    TQ, mac = plan.tq, make_attn_macros(plan)
-    attend = _make_attend(plan, mac, _make_ragged_loader(plan, mac))
+    # An MLA cache's ragged attention (self_attention) reads the model's up-projected k / v, not cached values.
+    fp8 = None if spec.is_mla else fp8_scales(spec)
+    TQ, mac = plan.tq, make_attn_macros(plan, fp8)
+    attend = _make_attend(plan, mac, _make_ragged_loader(plan, mac, fp8))
 
     @T.macro
     def item(it, scr, args):

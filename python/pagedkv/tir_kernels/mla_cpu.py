@@ -19,6 +19,7 @@ from tvm.script import tirx as T
 from ._abi import abi_prim_func, spec_op
 from ._attn_cpu_macros import make_attn_macros
 from ._common import TilePlan, make_tile_plan
+from ._fp8 import decode_e4m3, fp8_scales
 from .attention_cpu import (
     _SERIAL_DECODE_WORK,
     _SERIAL_PREFILL_WORK,
@@ -45,10 +46,13 @@ def head_chunk(num_heads: int) -> int:
     return next(c for c in range(min(num_heads, MAX_CHUNK), 0, -1) if num_heads % c == 0)
 
 
-def _make_latent_loader(plan: TilePlan, mac):
+def _make_latent_loader(plan: TilePlan, mac, fp8=None):
     """Tile loader over latent pages: ``Kf[j] = latent``, ``Vf[j] = latent[:DV]``; ``kv = (pages,
     page_values, page_size)``, ``base`` = the entry's first ``page_values`` index; the head index is
-    ignored (every head chunk reads the same latents)."""
+    ignored (every head chunk reads the same latents). ``fp8``: the pages hold e4m3 codes, staged as their
+    values (``ckv_scale`` / ``kpe_scale`` are folded into q's two parts and ``ckv_scale`` into o)."""
+    if fp8 is not None:
+        return _make_latent_loader_fp8(plan, mac)
     D, DV, JB = plan.d, plan.dv, plan.jb
 
     @T.macro
@@ -61,6 +65,29 @@ def _make_latent_loader(plan: TilePlan, mac):
                 Kf[j, dd] = T.Cast("float32", pages[page_values[base + cur[0]], 0, 0, cur[1], dd])
             for dd in T.vectorized(DV):
                 Vf[j, dd] = T.Cast("float32", pages[page_values[base + cur[0]], 0, 0, cur[1], dd])
+            cur[1] = cur[1] + 1
+            if cur[1] == ps:
+                cur[0] = cur[0] + 1
+                cur[1] = 0
+        for j in T.serial(nk, (nk + JB - 1) // JB * JB):
+            mac.clear_key(Kf, j)
+
+    return load_tile
+
+
+def _make_latent_loader_fp8(plan: TilePlan, mac):
+    D, DV, JB = plan.d, plan.dv, plan.jb
+
+    @T.macro
+    def load_tile(Kf, Vf, cur, kv, base, kpos0, h, j0, nk, rope):
+        pages, page_values, ps = kv
+        cur[0] = j0 // ps
+        cur[1] = j0 % ps
+        for j in T.serial(nk):
+            for dd in T.vectorized(D):
+                Kf[j, dd] = decode_e4m3(pages[page_values[base + cur[0]], 0, 0, cur[1], dd])
+            for dd in T.vectorized(DV):
+                Vf[j, dd] = Kf[j, dd]
             cur[1] = cur[1] + 1
             if cur[1] == ps:
                 cur[0] = cur[0] + 1
@@ -88,8 +115,9 @@ def mla_attn_decode_paged_cpu(spec):
     """
     THREADS = cpu_threads(spec.paths)
     plan, NC = _mla_plan(spec, 1)
-    mac = make_attn_macros(plan)
-    attend = _make_attend(plan, mac, _make_latent_loader(plan, mac))
+    fp8 = fp8_scales(spec)
+    mac = make_attn_macros(plan, fp8)
+    attend = _make_attend(plan, mac, _make_latent_loader(plan, mac, fp8))
 
     @T.macro
     def item(it, scr, args):
@@ -110,7 +138,8 @@ def mla_attn_decode_paged_cpu(spec):
         run(b * NC, serial_arg(THREADS, work, _SERIAL_DECODE_WORK),
             (q, o, lse, pages, page_values, ps, page_indptr, last_page_len, sm_scale))
 
-    return abi_prim_func(spec_op("mla_attn_decode_paged", spec), shape_values(spec), spec.dtype, body)
+    return abi_prim_func(spec_op("mla_attn_decode_paged", spec), shape_values(spec), spec.dtype, body,
+                         page_dtype=spec.page_dtype)
 
 
 def mla_attn_prefill_paged_cpu(spec):
@@ -121,8 +150,9 @@ def mla_attn_prefill_paged_cpu(spec):
     """
     THREADS = cpu_threads(spec.paths)
     plan, NC = _mla_plan(spec, None)
-    TQ, mac = plan.tq, make_attn_macros(plan)
-    attend = _make_attend(plan, mac, _make_latent_loader(plan, mac))
+    fp8 = fp8_scales(spec)
+    TQ, mac = plan.tq, make_attn_macros(plan, fp8)
+    attend = _make_attend(plan, mac, _make_latent_loader(plan, mac, fp8))
 
     @T.macro
     def item(it, scr, args):
@@ -149,4 +179,5 @@ def mla_attn_prefill_paged_cpu(spec):
             (tile_ptr, b, q, q_indptr, o, lse, (pages, page_values, ps, page_indptr, last_page_len),
              causal, sm_scale))
 
-    return abi_prim_func(spec_op("mla_attn_prefill_paged", spec), shape_values(spec), spec.dtype, body)
+    return abi_prim_func(spec_op("mla_attn_prefill_paged", spec), shape_values(spec), spec.dtype, body,
+                         page_dtype=spec.page_dtype)

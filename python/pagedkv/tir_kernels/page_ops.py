@@ -12,6 +12,7 @@ from __future__ import annotations
 from tvm.script import tirx as T
 
 from ._abi import abi_prim_func
+from ._fp8 import decode_e4m3, fp8_scales, quantize
 from ..ops import shape_values
 
 
@@ -26,9 +27,11 @@ def append_kv_cpu(spec):
     """``pagedkv_append_kv(pages, k[n,Hkv,D], v[n,Hkv,D], slot[n])``: write token ``s`` to ``slot[s]``.
 
     A negative slot skips the token (never produced by the runtime; tolerated so that padding rows
-    cannot corrupt page 0).
+    cannot corrupt page 0). FP8 pages (``spec.kv_dtype``): the e4m3 code of ``k / k_scale[h]``, ``v / v_scale[h]``.
     """
     HKV, D = spec.num_kv_heads, spec.head_dim
+    if spec.kv_dtype:
+        return _append_kv_fp8(spec)
 
     @T.macro
     def body(pages, k, v, slot, dims):
@@ -44,8 +47,11 @@ def append_kv_cpu(spec):
 
 
 def gather_kv_cpu(spec):
-    """``pagedkv_gather_kv(pages, slot[n], k[n,Hkv,D], v[n,Hkv,D])``: read token ``s`` from ``slot[s]``."""
+    """``pagedkv_gather_kv(pages, slot[n], k[n,Hkv,D], v[n,Hkv,D])``: read token ``s`` from ``slot[s]`` (FP8 pages:
+    dequantized, ``code * scale``)."""
     HKV, D = spec.num_kv_heads, spec.head_dim
+    if spec.kv_dtype:
+        return _gather_kv_fp8(spec)
 
     @T.macro
     def body(pages, slot, k, v, dims):
@@ -77,7 +83,7 @@ def copy_page_cpu(spec):
                     pages[T.Cast("int32", dst_page), ch // HKV, ch % HKV, t, d] = \
                         pages[T.Cast("int32", src_page), ch // HKV, ch % HKV, t, d]
 
-    return abi_prim_func("copy_page", shape_values(spec), spec.dtype, body)
+    return abi_prim_func("copy_page", shape_values(spec), spec.dtype, body, page_dtype=spec.page_dtype)
 
 
 def compact_copy_cpu(spec):
@@ -97,12 +103,15 @@ def compact_copy_cpu(spec):
                     pages[dst_slot[i] // ps, c, h, dst_slot[i] % ps, d] = \
                         pages[src_slot[i] // ps, c, h, src_slot[i] % ps, d]
 
-    return abi_prim_func("compact_copy", shape_values(spec), spec.dtype, body)
+    return abi_prim_func("compact_copy", shape_values(spec), spec.dtype, body, page_dtype=spec.page_dtype)
 
 
 def mla_append_kv_cpu(spec):
-    """``pagedkv_mla_append_kv(pages[P,1,1,ps,DL], kv[n,DL], slot[n])``; a negative slot skips the token."""
+    """``pagedkv_mla_append_kv(pages[P,1,1,ps,DL], kv[n,DL], slot[n])``; a negative slot skips the token. FP8 pages:
+    the code of ``kv / ckv_scale`` (first ``kv_lora_rank`` elements) and ``kv / kpe_scale`` (the rope part)."""
     DL = spec.latent_dim
+    if spec.kv_dtype:
+        return _mla_append_kv_fp8(spec)
 
     @T.macro
     def body(pages, kv, slot, dims):
@@ -116,8 +125,11 @@ def mla_append_kv_cpu(spec):
 
 
 def mla_gather_kv_cpu(spec):
-    """``pagedkv_mla_gather_kv(pages[P,1,1,ps,DL], slot[n], kv[n,DL])``: read token ``s`` from ``slot[s]``."""
+    """``pagedkv_mla_gather_kv(pages[P,1,1,ps,DL], slot[n], kv[n,DL])``: read token ``s`` from ``slot[s]`` (FP8 pages:
+    dequantized)."""
     DL = spec.latent_dim
+    if spec.kv_dtype:
+        return _mla_gather_kv_fp8(spec)
 
     @T.macro
     def body(pages, slot, kv, dims):
@@ -127,3 +139,64 @@ def mla_gather_kv_cpu(spec):
                 kv[s, d] = pages[slot[s] // ps, 0, 0, slot[s] % ps, d]
 
     return abi_prim_func("mla_gather_kv", shape_values(spec), spec.dtype, body)
+
+
+# -- FP8 pages (tir_kernels._fp8): separate bodies, so that the kernels of other caches stay what they were --------
+def _append_kv_fp8(spec):
+    HKV, D, F = spec.num_kv_heads, spec.head_dim, fp8_scales(spec)
+
+    @T.macro
+    def body(pages, k, v, slot, dims):
+        _p, ps, n = dims
+        for s in T.parallel(n):
+            if slot[s] >= 0:
+                for h in T.serial(HKV):
+                    for d in T.vectorized(D):
+                        pages[slot[s] // ps, 0, h, slot[s] % ps, d] = quantize(T.Cast("float32", k[s, h, d]),
+                                                                               F.k_of(h))
+                        pages[slot[s] // ps, 1, h, slot[s] % ps, d] = quantize(T.Cast("float32", v[s, h, d]),
+                                                                               F.v_of(h))
+
+    return abi_prim_func("append_kv", shape_values(spec), spec.dtype, body, page_dtype=spec.page_dtype)
+
+
+def _gather_kv_fp8(spec):
+    HKV, D, F = spec.num_kv_heads, spec.head_dim, fp8_scales(spec)
+
+    @T.macro
+    def body(pages, slot, k, v, dims):
+        _p, ps, n = dims
+        for s in T.parallel(n):
+            for h in T.serial(HKV):
+                for d in T.vectorized(D):
+                    k[s, h, d] = T.Cast(k.dtype, decode_e4m3(pages[slot[s] // ps, 0, h, slot[s] % ps, d]) * F.k_of(h))
+                    v[s, h, d] = T.Cast(v.dtype, decode_e4m3(pages[slot[s] // ps, 1, h, slot[s] % ps, d]) * F.v_of(h))
+
+    return abi_prim_func("gather_kv", shape_values(spec), spec.dtype, body, page_dtype=spec.page_dtype)
+
+
+def _mla_append_kv_fp8(spec):
+    DL, F = spec.latent_dim, fp8_scales(spec)
+
+    @T.macro
+    def body(pages, kv, slot, dims):
+        _p, ps, n = dims
+        for s in T.parallel(n):
+            if slot[s] >= 0:
+                for d in T.vectorized(DL):
+                    pages[slot[s] // ps, 0, 0, slot[s] % ps, d] = quantize(T.Cast("float32", kv[s, d]), F.k_of(0, d))
+
+    return abi_prim_func("mla_append_kv", shape_values(spec), spec.dtype, body, page_dtype=spec.page_dtype)
+
+
+def _mla_gather_kv_fp8(spec):
+    DL, F = spec.latent_dim, fp8_scales(spec)
+
+    @T.macro
+    def body(pages, slot, kv, dims):
+        _p, ps, n = dims
+        for s in T.parallel(n):
+            for d in T.vectorized(DL):
+                kv[s, d] = T.Cast(kv.dtype, decode_e4m3(pages[slot[s] // ps, 0, 0, slot[s] % ps, d]) * F.k_of(0, d))
+
+    return abi_prim_func("mla_gather_kv", shape_values(spec), spec.dtype, body, page_dtype=spec.page_dtype)
