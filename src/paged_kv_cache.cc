@@ -337,6 +337,7 @@ void PagedKVCacheObj::AddSequence(int64_t seq_id) {
 void PagedKVCacheObj::RemoveSequence(int64_t seq_id) {
   CheckNoForward("remove_sequence");
   pool_.Remove(seq_id);
+  AfterPoolChange(std::nullopt);  // the window pools give back their pages of the freed blocks
   chains_.erase(seq_id);
 }
 

@@ -164,6 +164,8 @@ def build_kernel_library(config: KVCacheConfig, out_dir: str | Path, *, target: 
     """Compile the kernels of ``config`` for ``target`` and export them (``kernels-<key>.so`` + ``.json``
     with the op table) into ``out_dir``, for a process that has the TVM runtime only."""
     lib, choice = _library_path(config, out_dir, target, backend)
+    for window in config.group_windows:  # layer groups: each window's library (the groups' backend choice per op),
+        build_kernel_library(config.window_config(window), out_dir, target=target, backend=dict(choice))  # own key
     key = lib.name[len("kernels-"):-len(".so")]
     return _kcache.load_or_build(lib.parent, key, functools.partial(
         _export_kernels, config, _target.canonical(target), choice), what=_what(config, target, choice))
