@@ -123,7 +123,8 @@ class KVCacheConfig:
         0: off. Else every query attends only to the ``sliding_window`` most recent positions up to its
         own (keys with ``q_pos - k_pos < sliding_window``; HF's and Mistral's definition), in every layer.
         A windowed cache attends each sequence's whole chain in one pass (no shared-prefix passes; see
-        ``docs/ARCHITECTURE.md``, "Attention options"); pages outside the window are kept. Per-layer windows
+        ``docs/ARCHITECTURE.md``, "Attention options"); pages outside the window are kept here (a sliding
+        layer group gives them back). Per-layer windows
         (with window-sized memory) are ``layer_groups``.
     logits_soft_cap :
         0: off. Else attention scores ``s = sm_scale * q.k`` become ``cap * tanh(s / cap)`` before the

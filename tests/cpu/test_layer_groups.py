@@ -270,3 +270,23 @@ def test_tir_alternating_windows(make_cache, gen):
     assert dropped > 1e-2  # a kernel ignoring the group's window fails the comparison above
     pools = cache.pool_pages()
     assert set(pools) == {"main", "sliding13"} and pools["sliding13"][1] > pools["main"][1]
+
+
+def test_cuda_builds_the_compile_tested_kernels():
+    """On CUDA a layer-groups config (gpt-oss-like: window 1024 beside full layers, Llama-3's 32/8 x 128 fp16) is
+    served by the TIR kernels (FlashInfer refuses groups, saying why), and its kernel libraries are those of two
+    plain configs that ``test_cuda_compile.py`` lowers and nvcc-compiles: the base (``CONFIGS[0]``) and the window
+    kernels (``MASKED_CONFIGS``' window-1024 entry); so no CUDA source is generated again here."""
+    from pagedkv import backends
+    from pagedkv.kernel_spec import KernelSpec
+
+    cfg = KVCacheConfig(num_layers=4, num_qo_heads=32, num_kv_heads=8, head_dim=128, dtype="float16",
+                        layer_groups=layer_groups_from_windows([1024, 0, 1024, 0]))
+    target = {"kind": "cuda", "arch": "sm_90a"}
+    res = backends.resolve(cfg, target)
+    assert set(res.choice.values()) == {"tir"}
+    why = [r for r in res.reasons.get("attn_decode_paged", {}).get("flashinfer", [])]
+    assert not why or any("layer_groups" in r for r in why)
+    spec = lambda c: KernelSpec.from_config(c).to_dict()  # noqa: E731
+    assert spec(cfg) == KernelSpec(32, 8, 128, 128, "float16").to_dict()  # test_cuda_compile.CONFIGS[0]
+    assert spec(cfg.window_config(1024)) == KernelSpec(32, 8, 128, 128, "float16", sliding_window=1024).to_dict()
