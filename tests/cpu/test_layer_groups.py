@@ -290,3 +290,29 @@ def test_cuda_builds_the_compile_tested_kernels():
     spec = lambda c: KernelSpec.from_config(c).to_dict()  # noqa: E731
     assert spec(cfg) == KernelSpec(32, 8, 128, 128, "float16").to_dict()  # test_cuda_compile.CONFIGS[0]
     assert spec(cfg.window_config(1024)) == KernelSpec(32, 8, 128, 128, "float16", sliding_window=1024).to_dict()
+
+
+def test_relax_export_adds_each_window_kernels():
+    """``pagedkv.relax.PagedKVCache`` of a groups config: the window ops again for each window, under their own
+    names and global symbols (two PrimFuncs of one symbol would collide in the library), in a ``window=<W>``
+    sub-table of the op table."""
+    import tvm
+    from tvm.relax.frontend import nn
+
+    from pagedkv.relax import PagedKVCache
+
+    cfg = _cfg(layer_groups=layer_groups_from_windows([13, 0, 13, 0]))
+
+    class Model(nn.Module):
+        def create(self, n: int):
+            return PagedKVCache(cfg, target="llvm", backend="tir")
+
+    none = {"$": {"param_mode": "none", "effect_mode": "none"}}
+    mod, _ = Model().export_tvm(spec={"create": {"n": int, **none}})
+    prims = {gv.name_hint: f for gv, f in mod.functions.items() if isinstance(f, tvm.tirx.PrimFunc)}
+    symbols = [f.attrs["global_symbol"] for f in prims.values()]
+    assert len(symbols) == len(set(symbols))
+    windowed = {f"pagedkv_{op}_w13" for op in ("attn_prefill_ragged", "attn_prefill_paged", "attn_decode_paged")}
+    assert windowed | {"pagedkv_attn_decode_paged", "pagedkv_split_rotary"} <= set(prims)
+    assert not any(name.endswith("_w13") for name in prims if name[len("pagedkv_"):-4] not in WINDOW_OPS)
+    assert "window=13" in mod["create"].script()
