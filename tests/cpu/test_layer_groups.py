@@ -316,3 +316,65 @@ def test_relax_export_adds_each_window_kernels():
     assert windowed | {"pagedkv_attn_decode_paged", "pagedkv_split_rotary"} <= set(prims)
     assert not any(name.endswith("_w13") for name in prims if name[len("pagedkv_"):-4] not in WINDOW_OPS)
     assert "window=13" in mod["create"].script()
+
+
+hypothesis = pytest.importorskip("hypothesis")
+st = hypothesis.strategies
+
+
+def _try(h, fn) -> bool:
+    """Runs a fork or popn; one refused for tokens a group gave back must name the group and change nothing."""
+    before = h.snapshot()
+    try:
+        fn()
+        return True
+    except ValueError as err:
+        assert "layer group 'sliding" in str(err), err
+    after = h.snapshot()
+    assert before.keys() == after.keys()
+    for key, x in before.items():
+        y = after[key]
+        if isinstance(x, tuple):  # (length, k, v) of a sequence
+            assert x[0] == y[0] and all(np.array_equal(a, b, equal_nan=True) for a, b in zip(x[1:], y[1:]))
+        else:
+            assert x == y, key
+    return False
+
+
+@hypothesis.settings(max_examples=25, deadline=None, derandomize=False,
+                     suppress_health_check=[hypothesis.HealthCheck.too_slow])
+@hypothesis.given(data=st.data())
+def test_random_op_sequences(data):
+    """Random adds, forks and popn (near the end: some reach behind a window and are refused), removes and mixed
+    forwards on two window pools and a full layer: every output against the reference, the tokens every pool keeps,
+    and after every call each window pool holds at most ceil(W/ps) + 1 pages a live sequence."""
+    h = GroupHarness(seed=data.draw(st.integers(0, 2**16), label="seed"))
+    next_id = 0
+    for _ in range(data.draw(st.integers(6, 16), label="calls")):
+        seqs = sorted(h.ref)
+        op = data.draw(st.sampled_from(["add", "forward", "forward", "fork", "popn", "remove"]) if seqs else
+                       st.just("add"))
+        if op == "add" and len(seqs) < 4:
+            h.add(next_id)
+            next_id += 1
+        elif op == "forward" and seqs:
+            ids = data.draw(st.lists(st.sampled_from(seqs), min_size=1, max_size=4, unique=True))
+            lens = [data.draw(st.integers(1, 7)) for _ in ids]
+            if sum(h.length(s) for s in seqs) + sum(lens) < 200:
+                h.forward(dict(zip(ids, lens)))
+        elif op == "fork" and seqs and len(seqs) < 4:
+            parent = data.draw(st.sampled_from(seqs))
+            pos = max(0, h.length(parent) - data.draw(st.integers(0, 6)))
+            if _try(h, lambda: h.fork(parent, next_id, pos)):
+                next_id += 1
+        elif op == "popn" and seqs:
+            s = data.draw(st.sampled_from(seqs))
+            n = data.draw(st.integers(0, min(6, h.length(s))))
+            _try(h, lambda: h.popn(s, n))
+        elif op == "remove" and seqs:
+            h.remove(data.draw(st.sampled_from(seqs)))
+        pools = h.pools()
+        for w in (5, 9):
+            held = pools[w][0] - pools[w][1]
+            assert held <= len(h.ref) * (math.ceil(w / 4) + 1), (w, held, {s: h.length(s) for s in h.ref})
+    h.check_state()
