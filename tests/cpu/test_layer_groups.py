@@ -14,7 +14,6 @@ import math
 
 import numpy as np
 import pytest
-import torch
 
 from _numpy_runtime import Harness, N, NumpyKernels, T, config, g
 from pagedkv.config import KVCacheConfig
@@ -229,45 +228,13 @@ def test_window_tables_are_checked():
 # TIR CPU kernels against pagedkv.testing.reference
 
 def test_tir_alternating_windows(make_cache, gen):
-    """gpt-oss / Gemma-2 shape (sliding and full layers alternating, GQA 4): TIR CPU kernels of each window share
-    the kernel library of a plain windowed cache (window 13: the scenario shape h4x1-d64-fp32-p8-normal-w13)."""
-    from pagedkv.testing.reference import ReferenceCache
+    """gpt-oss / Gemma-2 shape (sliding and full layers alternating, GQA 4) on the TIR CPU kernels, against the
+    reference (``pagedkv.testing.layer_groups.run_alternating``: forks, popn, prefix sharing, mixed batches, NaN
+    poisoned pages); the window-13 kernels are the library of the scenario shape h4x1-d64-fp32-p8-normal-w13."""
+    from pagedkv.testing.layer_groups import run_alternating
 
-    cfg = _cfg(rope_mode="normal", layer_groups=layer_groups_from_windows([13, 0, 13, 0]))
-    cache, ref = make_cache(cfg), ReferenceCache(cfg)
-    full = ReferenceCache(cfg.replace(layer_groups=None))  # the sliding layers' outputs with the window dropped
-    caches = (cache, ref, full)
-    ops = (("add_sequence", 0), ("add_sequence", 1))
-    plan = [([0, 1], [20, 9]), ([0, 1], [1, 1]), "fork", ([2, 0, 1], [5, 1, 17]), ([0, 1, 2], [1, 1, 1]),
-            "popn", ([2, 1], [3, 1]), ([0, 1, 2], [1, 1, 1])]
-    for name, arg in ops:
-        for c in caches:
-            getattr(c, name)(arg)
-    dropped = 0.0
-    for step in plan:
-        if step == "fork":
-            for c in caches:
-                c.fork_sequence(0, 2, -1)
-            continue
-        if step == "popn":
-            for c in caches:
-                c.popn(2, 2)
-            continue
-        ids, lens = step
-        n = sum(lens)
-        for c in caches:
-            c.begin_forward(ids, lens)
-        for layer in range(4):
-            qkv = torch.randn(n, 6, 64, generator=gen)
-            o = cache.attention_with_fused_qkv(layer, qkv, 0.125)
-            expect = ref.attention_with_fused_qkv(layer, qkv, 0.125)
-            torch.testing.assert_close(o.double(), expect, rtol=1e-5, atol=1e-5)
-            unwindowed = full.attention_with_fused_qkv(layer, qkv, 0.125)
-            if cfg.layer_window(layer):
-                dropped = max(dropped, (o.double() - unwindowed).abs().max().item())
-        for c in caches:
-            c.end_forward()
-    assert dropped > 1e-2  # a kernel ignoring the group's window fails the comparison above
+    cache = make_cache(_cfg(rope_mode="normal", layer_groups=layer_groups_from_windows([13, 0, 13, 0])))
+    assert run_alternating(cache, gen, tol=1e-5) > 1e-2  # a kernel ignoring the group's window fails the comparison
     pools = cache.pool_pages()
     assert set(pools) == {"main", "sliding13"} and pools["sliding13"][1] > pools["main"][1]
 
