@@ -343,6 +343,9 @@ void PagedKVCacheObj::RemoveSequence(int64_t seq_id) {
   pool_.Remove(seq_id);
   AfterPoolChange(std::nullopt);  // the window pools give back their pages of the freed blocks
   chains_.erase(seq_id);
+  // and of shared blocks that only this sequence's window still reached (a fork behind its parent): without it
+  // they stayed until the next end_forward, and num_available_pages undercounted until then
+  windows_.Trim(pool_, chains_);
 }
 
 void PagedKVCacheObj::ForkSequence(int64_t parent_id, int64_t child_id, int64_t fork_pos) {

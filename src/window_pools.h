@@ -5,8 +5,8 @@
 // all layers at once. A logical page is a page of the main pool's tensors (full layers; a cache without groups has
 // only that pool). Each window pool (one per distinct window W) maps a logical page to a page of its own, smaller
 // tensors while some sequence's window may still read it, and gives that page back once it lies wholly behind the
-// window of every sequence whose chain holds it (Trim, after each forward): a sliding group then holds at most
-// ceil(W / ps) + 1 pages per sequence (its last W tokens), plus the pages of the forward in flight. Released pages
+// window of every sequence whose chain holds it (Trim, after each forward and remove): a sliding group then holds at
+// most ceil(W / ps) + 1 pages per sequence (its last W tokens), plus the pages of the forward in flight. Released pages
 // of a block are always a prefix of its pages (a fork or popn that needs a released token is refused, naming the
 // group: CheckResident), so Trim walks back from each threshold only over pages it has not released yet.
 //

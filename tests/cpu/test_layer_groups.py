@@ -234,6 +234,27 @@ def test_prefix_sharing_and_popn():
     h.check_state()
 
 
+def test_remove_gives_back_shared_window_pages_at_once():
+    """A child forked at its parent's end keeps the shared pages of its window; once the parent has moved past them,
+    removing the child gives them back in the same call (not at the next end_forward), so ``num_available_pages``
+    counts them at once."""
+    h = GroupHarness(seed=4)
+    h.add(0)
+    h.forward({0: 10})
+    h.fork(0, 1)
+    for _ in range(6):
+        h.forward({0: 3})  # the parent moves 18 tokens on: the child's window pages are behind the parent's
+    n = h.length(0)
+    held = {w: pages - free for w, (pages, free) in h.pools().items() if w}
+    assert all(held[w] > _resident_bound(w, 4, n) for w in held)  # the child's window still holds shared pages
+    h.remove(1)
+    pools = h.pools()
+    assert {w: pages - free for w, (pages, free) in pools.items() if w} == {w: _resident_bound(w, 4, n) for w in held}
+    assert h.call("get_num_available_pages") == min(free for _, free in pools.values())
+    h.forward({0: 1})
+    h.check_state()
+
+
 def test_fork_and_popn_behind_the_window_are_refused():
     """A fork or popn that needs tokens a group gave back is refused naming the group, and changes nothing."""
     h = GroupHarness(seed=2)
