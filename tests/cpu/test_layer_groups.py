@@ -256,13 +256,20 @@ def test_remove_gives_back_shared_window_pages_at_once():
 
 
 def test_fork_and_popn_behind_the_window_are_refused():
-    """A fork or popn that needs tokens a group gave back is refused naming the group, and changes nothing."""
+    """A fork, popn or debug access that needs tokens a group gave back is refused naming the group, and changes
+    nothing."""
     h = GroupHarness(seed=2)
     h.add(0)
     h.forward({0: 30})  # pool 5 keeps tokens 25.., pool 9 keeps 21.. (page-aligned: 24.., 20..)
     h.rejects(lambda: h.fork(0, 1, 12), r"layer group 'sliding5'.*sliding_window 5")
     h.rejects(lambda: h.popn(0, 10), r"popn of 10 tokens of sequence 0 needs tokens \[15, 20\)")
     h.rejects(lambda: h.popn(0, 2), r"needs tokens \[23, 28\) resident in layer group 'sliding5'")
+    # debug access to a given-back token: refused naming the group (not garbage from a reused page), nothing written
+    k = np.zeros((h.L, 4, h.hkv, h.d), np.float32)
+    h.rejects(lambda: h.call("debug_get_kv", 0, 21, 25, T(k), T(k.copy())),
+              r"debug_get_kv: token 21 of sequence 0 is behind the window of layer group 'sliding5' \(sliding_window")
+    assert not k.any()
+    h.rejects(lambda: h.call("debug_set_kv", 0, 19, T(k), T(k)), "debug_set_kv: token 19 .* group 'sliding5'")
     h.popn(0, 1)  # 29: [24, 29) and [20, 29) are resident
     h.forward({0: 2})
     h.check_state()
@@ -369,40 +376,61 @@ def _try(h, fn) -> bool:
     return False
 
 
+def _abort(h, batch):
+    """begin_forward, then abort_forward: the cache (every pool's pages included) is as before."""
+    before = h.snapshot()
+    h.call("begin_forward", list(batch), list(batch.values()))
+    h.call("abort_forward")
+    after = h.snapshot()
+    assert before["pools"] == after["pools"] and before["pages"] == after["pages"]
+
+
+def _random_op(h, data, next_id) -> int:
+    """One random call on ``h``; returns the next free sequence id."""
+    seqs = sorted(h.ref)
+    op = data.draw(st.sampled_from(["add", "forward", "forward", "abort", "fork", "popn", "remove"]) if seqs else
+                   st.just("add"), label="op")
+    if op == "add" and len(seqs) < 4:
+        h.add(next_id)
+        return next_id + 1
+    if op in ("forward", "abort") and seqs:
+        ids = data.draw(st.lists(st.sampled_from(seqs), min_size=1, max_size=4, unique=True))
+        batch = {s: data.draw(st.integers(1, 7)) for s in ids}
+        if sum(h.length(s) for s in seqs) + sum(batch.values()) < 200:
+            h.forward(batch) if op == "forward" else _abort(h, batch)
+    elif op == "fork" and seqs and len(seqs) < 4:
+        parent = data.draw(st.sampled_from(seqs))
+        pos = max(0, h.length(parent) - data.draw(st.integers(0, 6)))
+        if _try(h, lambda: h.fork(parent, next_id, pos)):
+            return next_id + 1
+    elif op == "popn" and seqs:
+        s = data.draw(st.sampled_from(seqs))
+        n = data.draw(st.integers(0, min(6, h.length(s))))
+        _try(h, lambda: h.popn(s, n))
+    elif op == "remove" and seqs:
+        h.remove(data.draw(st.sampled_from(seqs)))
+    return next_id
+
+
 @hypothesis.settings(max_examples=25, deadline=None, derandomize=False,
                      suppress_health_check=[hypothesis.HealthCheck.too_slow])
 @hypothesis.given(data=st.data())
 def test_random_op_sequences(data):
-    """Random adds, forks and popn (near the end: some reach behind a window and are refused), removes and mixed
-    forwards on two window pools and a full layer: every output against the reference, the tokens every pool keeps,
-    and after every call each window pool holds at most ceil(W/ps) + 1 pages a live sequence."""
+    """Random adds, forks and popn (near the end: some reach behind a window and are refused), removes, aborted and
+    mixed forwards on two window pools and a full layer: every output against the reference, the tokens every pool
+    keeps; after every call each window pool holds no more than the pages of each live sequence's last W tokens
+    (shared ones once: at most ceil(W/ps) + 1 a sequence) and ``num_available_pages`` is the fewest free of any pool;
+    removing every sequence gives every page back (no leak)."""
     h = GroupHarness(seed=data.draw(st.integers(0, 2**16), label="seed"))
     next_id = 0
     for _ in range(data.draw(st.integers(6, 16), label="calls")):
-        seqs = sorted(h.ref)
-        op = data.draw(st.sampled_from(["add", "forward", "forward", "fork", "popn", "remove"]) if seqs else
-                       st.just("add"))
-        if op == "add" and len(seqs) < 4:
-            h.add(next_id)
-            next_id += 1
-        elif op == "forward" and seqs:
-            ids = data.draw(st.lists(st.sampled_from(seqs), min_size=1, max_size=4, unique=True))
-            lens = [data.draw(st.integers(1, 7)) for _ in ids]
-            if sum(h.length(s) for s in seqs) + sum(lens) < 200:
-                h.forward(dict(zip(ids, lens)))
-        elif op == "fork" and seqs and len(seqs) < 4:
-            parent = data.draw(st.sampled_from(seqs))
-            pos = max(0, h.length(parent) - data.draw(st.integers(0, 6)))
-            if _try(h, lambda: h.fork(parent, next_id, pos)):
-                next_id += 1
-        elif op == "popn" and seqs:
-            s = data.draw(st.sampled_from(seqs))
-            n = data.draw(st.integers(0, min(6, h.length(s))))
-            _try(h, lambda: h.popn(s, n))
-        elif op == "remove" and seqs:
-            h.remove(data.draw(st.sampled_from(seqs)))
-        pools = h.pools()
+        next_id = _random_op(h, data, next_id)
+        pools, lengths = h.pools(), [h.length(s) for s in h.ref]
         for w in (5, 9):
             held = pools[w][0] - pools[w][1]
-            assert held <= len(h.ref) * (math.ceil(w / 4) + 1), (w, held, {s: h.length(s) for s in h.ref})
+            assert held <= sum(_resident_bound(w, 4, n) for n in lengths), (w, held, lengths)
+        assert h.call("get_num_available_pages") == min(free for _, free in pools.values())
     h.check_state()
+    for s in list(h.ref):
+        h.remove(s)
+    assert all(free == pages for pages, free in h.pools().values())
