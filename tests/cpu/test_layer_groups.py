@@ -255,6 +255,25 @@ def test_remove_gives_back_shared_window_pages_at_once():
     h.check_state()
 
 
+def test_fork_then_popn_into_the_shared_prefix():
+    """A popn reaching into the blocks a fork shares re-roots the sequence (a mid-page copy in every pool, the old leaf
+    freed); the pages the tree frees are given back once in each pool: with both sequences removed every pool is
+    whole again (a page freed twice would show as more free pages than the pool has)."""
+    h = GroupHarness(seed=5)
+    h.add(0)
+    h.forward({0: 12})  # window 5 keeps tokens 7.. (pages 1..), window 9 all
+    h.fork(0, 1)  # at a page boundary: no copy
+    h.popn(0, 1)  # the parent's leaf is empty: re-rooted at 11, mid-page, copying tokens 8..10
+    h.forward({0: 3, 1: 2})
+    h.fork(1, 2, 13)
+    h.popn(1, 1)
+    h.forward({1: 1, 2: 4, 0: 1})
+    h.check_state()
+    for s in (1, 0, 2):
+        h.remove(s)
+    assert all(free == pages for pages, free in h.pools().values())
+
+
 def test_fork_and_popn_behind_the_window_are_refused():
     """A fork, popn or debug access that needs tokens a group gave back is refused naming the group, and changes
     nothing."""
