@@ -274,6 +274,28 @@ def test_fork_then_popn_into_the_shared_prefix():
     assert all(free == pages for pages, free in h.pools().values())
 
 
+def test_token_chain_keeps_the_window_behind_it_until_commit():
+    """A speculative token chain (TVM's token tree, a chain) may still be popped by its commit: until then each window
+    pool keeps the W tokens before the chain; the commit pops the rejected nodes (never refused) and trims."""
+    from pagedkv.testing.tvm_protocol import Builtins, shape
+
+    h, f = GroupHarness(seed=6), Builtins.load()
+    h.add(0)
+    h.forward({0: 20})
+    call = h.call
+    tree = lambda ids, lens: f.begin_forward(h.cache, shape(ids), shape(lens), shape(range(-1, 5)))  # noqa: E731
+    h.call = lambda name, *a: tree(*a) if name == "begin_forward" else call(name, *a)
+    h.forward({0: 6})  # nodes 20..25, each the previous one's child
+    h.call = call
+    held = lambda: {w: pages - free for w, (pages, free) in h.pools().items() if w}  # noqa: E731
+    assert held() == {w: _resident_bound(w + 6, 4, 26) for w in (5, 9)}  # the W tokens before the chain too
+    f.commit_accepted_token_tree_nodes(h.cache, shape([0]), shape([1]))  # nodes 20, 21 accepted
+    h.ref[0] = tuple(x[:, :22] for x in h.ref[0])
+    assert h.length(0) == 22 and held() == {w: _resident_bound(w, 4, 22) for w in (5, 9)}
+    h.forward({0: 3})
+    h.check_state()
+
+
 def test_fork_and_popn_behind_the_window_are_refused():
     """A fork, popn or debug access that needs tokens a group gave back is refused naming the group, and changes
     nothing."""
