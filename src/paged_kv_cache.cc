@@ -90,14 +90,13 @@ void CheckWindowTables(const OpTable& table, const KVConfig& c) {
                                 << ", which no layer group of the config has";
     }
   }
-  for (int64_t window : c.group_windows) {
+  for (size_t i = 0; i < c.group_windows.size(); ++i) {
+    int64_t window = c.group_windows[i];
     auto it = table.windows.find(window);
     for (const char* op : ops::kWindowOps) {
       if (!table.adapters.count(op) || (it != table.windows.end() && it->second->adapters.count(op))) continue;
       TVM_FFI_THROW(ValueError) << "pagedkv.create: the op table has no '" << op << "' for window " << window
-                                << " (layer groups " << c.PoolGroupNames(1 + static_cast<int>(
-                                       std::find(c.group_windows.begin(), c.group_windows.end(), window) -
-                                       c.group_windows.begin()))
+                                << " (layer groups " << c.PoolGroupNames(static_cast<int>(i) + 1)
                                 << "): build it with the config's layer_groups (pagedkv.ops.WINDOW_OPS)";
     }
   }
