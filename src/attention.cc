@@ -142,6 +142,7 @@ std::vector<ForwardPlan> PagedKVCacheObj::BuildPlans(const std::vector<int64_t>&
     w.flat = true;
     w.window = windows_.Window(i);
     w.skip_behind_window = true;
+    w.sink_size = cfg_.sink_size;  // each sliding group reads the sink tokens (their pages are kept: Trim)
     plans.push_back(BuildForwardPlan(pool_, ids, lengths, w));
     windows_.Translate(i, &plans.back());
   }

@@ -251,7 +251,6 @@ void ValidateLayerGroups(KVConfig* c) {
   }
   const std::pair<bool, const char*> refused[] = {
       {c->sliding_window != 0, "the top-level sliding_window (each group's sliding_window says it)"},
-      {c->sink_size != 0, "sink_size (not implemented per layer group yet)"},
       {c->cuda_graph(), "cuda_graph_batch (not implemented with layer groups yet)"},
       {c->is_mla(), "MLA layers (they take no window)"}};
   for (const auto& [bad, what] : refused) {
@@ -294,19 +293,24 @@ void ValidateMLA(const KVConfig& c) {
 }
 
 // StreamingLLM sink tokens are read by the window kernels in passes of their own (forward_plan.h), each of whose
-// keys lies inside one window: so sink_size <= sliding_window, and a window at all.
+// keys lies inside one window: so sink_size <= sliding_window, and a window at all. With layer groups every sliding
+// group keeps them (window_pools.h), so the smallest group window bounds them; full groups see every token anyway.
 void ValidateSinkTokens(const KVConfig& c) {
   if (c.sink_size < 0) {
     TVM_FFI_THROW(ValueError) << "pagedkv config: sink_size must be >= 0 (0: off), got " << c.sink_size;
   }
   if (c.sink_size == 0) return;
-  if (!c.windowed()) {
+  int64_t window = c.sliding_window;
+  for (const LayerGroup& g : c.layer_groups) {
+    if (g.sliding_window > 0 && (window == 0 || g.sliding_window < window)) window = g.sliding_window;
+  }
+  if (window == 0) {
     TVM_FFI_THROW(ValueError) << "pagedkv config: sink_size " << c.sink_size << " needs a sliding_window (sink tokens "
                               << "stay visible beside the window; without one every token is)";
   }
-  if (c.sink_size > c.sliding_window) {
-    TVM_FFI_THROW(ValueError) << "pagedkv config: sink_size " << c.sink_size << " must be <= sliding_window "
-                              << c.sliding_window;
+  if (c.sink_size > window) {
+    TVM_FFI_THROW(ValueError) << "pagedkv config: sink_size " << c.sink_size << " must be <= sliding_window " << window
+                              << (c.has_groups() ? " (the smallest of the layer groups')" : "");
   }
   if (c.cuda_graph()) {
     TVM_FFI_THROW(ValueError) << "pagedkv config: sink_size with cuda_graph_batch is not implemented (a CUDA-graph "

@@ -17,11 +17,13 @@ int64_t CeilDiv(int64_t a, int64_t b) { return (a + b - 1) / b; }
 int64_t WindowPoolPages(const KVConfig& c, int64_t window) {
   // in 128 bits: called before pagedkv.create has bounded the sizes (ComputeDeviceBytes)
   __int128 ps = c.page_size, b = c.max_batch_size;
-  __int128 pages = b * ((window + ps - 1) / ps + 2) + (c.prefill_chunk_size + ps - 1) / ps;
+  __int128 per_seq = (window + ps - 1) / ps + 2 + (c.sink_size + ps - 1) / ps;
+  __int128 pages = b * per_seq + (c.prefill_chunk_size + ps - 1) / ps;
   return static_cast<int64_t>(std::min<__int128>(pages, c.num_pages()));
 }
 
-WindowPools::WindowPools(const KVConfig& cfg) : page_size_(cfg.page_size), num_logical_(cfg.num_pages()) {
+WindowPools::WindowPools(const KVConfig& cfg)
+    : page_size_(cfg.page_size), sink_size_(cfg.sink_size), num_logical_(cfg.num_pages()) {
   for (size_t i = 0; i < cfg.group_windows.size(); ++i) {
     Pool p;
     p.window = cfg.group_windows[i];
@@ -104,10 +106,11 @@ void WindowPools::Trim(const BlockPool& pool, const std::map<int64_t, int64_t>& 
     }
     for (const auto& [b, from] : keep) {
       const Block& block = pool.block(b);
-      int64_t behind = std::clamp<int64_t>((from - block.start) / page_size_, 0,
-                                           static_cast<int64_t>(block.pages.size()));
-      // released pages are a prefix: walk back to the first one
-      for (int64_t k = behind - 1; k >= 0 && p.phys[block.pages[k]] >= 0; --k) Release(&p, block.pages[k]);
+      int64_t size = static_cast<int64_t>(block.pages.size());
+      int64_t behind = std::clamp<int64_t>((from - block.start) / page_size_, 0, size);
+      int64_t sinks = std::clamp<int64_t>(CeilDiv(sink_size_ - block.start, page_size_), 0, size);  // kept
+      // released pages are one run after the sink pages: walk back to its last one
+      for (int64_t k = behind - 1; k >= sinks && p.phys[block.pages[k]] >= 0; --k) Release(&p, block.pages[k]);
     }
   }
 }

@@ -6,9 +6,11 @@
 // only that pool). Each window pool (one per distinct window W) maps a logical page to a page of its own, smaller
 // tensors while some sequence's window may still read it, and gives that page back once it lies wholly behind the
 // window of every sequence whose chain holds it (Trim, after each forward and remove): a sliding group then holds at
-// most ceil(W / ps) + 1 pages per sequence (its last W tokens), plus the pages of the forward in flight. Released pages
-// of a block are always a prefix of its pages (a fork or popn that needs a released token is refused, naming the
-// group: CheckResident), so Trim walks back from each threshold only over pages it has not released yet.
+// most ceil(W / ps) + 1 pages per sequence (its last W tokens), plus the pages of the forward in flight. With
+// sink_size (StreamingLLM sink tokens) the pages of each sequence's first sink_size tokens stay too: every window
+// reads them. Released pages of a block are always one run, after its sink pages (a fork or popn that needs a
+// released token is refused, naming the group: CheckResident), so Trim walks back from each threshold only over
+// pages it has not released yet.
 //
 // Pure host bookkeeping, like BlockPool; every check throws before anything changes.
 #ifndef PAGEDKV_WINDOW_POOLS_H_
@@ -70,13 +72,14 @@ class WindowPools {
   void Release(Pool* p, int32_t logical);
 
   int64_t page_size_;
+  int64_t sink_size_;  // KVConfig::sink_size: the tokens [0, sink_size) of every sequence are never given back
   int64_t num_logical_;
   std::vector<Pool> pools_;
 };
 
 // Pages of the pool of window W: enough for max_batch_size sequences each holding its last W tokens (ceil(W/ps) + 1
-// pages) and a forward of prefill_chunk_size tokens in flight (ceil(chunk/ps) + one partial page a sequence), and
-// never more than the main pool (num_pages).
+// pages) and its sink tokens (ceil(sink_size/ps) pages), and a forward of prefill_chunk_size tokens in flight
+// (ceil(chunk/ps) + one partial page a sequence), and never more than the main pool (num_pages).
 int64_t WindowPoolPages(const KVConfig& cfg, int64_t window);
 
 }  // namespace pagedkv

@@ -142,14 +142,15 @@ class KVCacheConfig:
     sink_size :
         0: off. StreamingLLM sink tokens: with a ``sliding_window`` (``sink_size <= sliding_window``), every query
         also sees the first ``sink_size`` tokens of its sequence (a fork's are its parent's). Read by extra passes
-        of the window kernels over each sequence's first pages (the kernels do not change). Not with
-        ``cuda_graph_batch``.
+        of the window kernels over each sequence's first pages (the kernels do not change). With ``layer_groups``:
+        every sliding group's layers (``sink_size <=`` the smallest group window), whose page pools keep those
+        pages. Not with ``cuda_graph_batch``.
     layer_groups :
         ``None``: every layer alike (the config's ``sliding_window``). Else the layers in groups
         (``pagedkv.layer_groups.LayerGroup``: full attention or a sliding window of its own; build them from a
         per-layer window list with ``layer_groups_from_windows``): each layer runs with its group's window, and a
         sliding group keeps window-sized memory in a page pool of its own (``docs/ARCHITECTURE.md``, "Layer
-        groups"). The top-level ``sliding_window`` is then 0; not with ``sink_size``, ``cuda_graph_batch`` or MLA.
+        groups"). The top-level ``sliding_window`` is then 0; not with ``cuda_graph_batch`` or MLA.
         A list, or mappings of ``LayerGroup`` fields, are converted.
     schema_version :
         ``None``: the lowest schema that holds this config (1 for MHA, 2 for MLA, 3 with an attention
@@ -312,6 +313,8 @@ class KVCacheConfig:
         # The sink tokens are read by the window kernels in passes of their own, each entry of which must lie in
         # one window (src/forward_plan.h): so a window, and sink_size <= sliding_window.
         s, w = self.sink_size, self.sliding_window
+        if self.layer_groups is not None and not w:  # every sliding group keeps them: the smallest window bounds them
+            w = min(self.group_windows, default=0) if not cover_problems(self.layer_groups, self.num_layers) else 0
         if isinstance(s, bool) or not isinstance(s, int) or s < 0:
             return [f"sink_size must be an int >= 0 (0: off), got {s!r}"]
         if not s:
@@ -329,10 +332,9 @@ class KVCacheConfig:
         if self.layer_groups is None:
             return []
         out = cover_problems(self.layer_groups, self.num_layers)
-        # The groups say every layer's window; the sink tokens' passes and the CUDA-graph layout are planned for
-        # one window (src/forward_plan.h): not implemented per group yet, refused rather than applied to some.
+        # The groups say every layer's window; the CUDA-graph layout is planned for one window (src/forward_plan.h):
+        # not implemented per group yet, refused rather than applied to some.
         refused = [(self.sliding_window, "the top-level sliding_window (each group's sliding_window says it)"),
-                   (self.sink_size, "sink_size (not implemented per layer group yet)"),
                    (self.cuda_graph_batch, "cuda_graph_batch (not implemented with layer groups yet)"),
                    (self.is_mla, "MLA layers (they take no window)")]
         out += [f"layer_groups with {what}" for value, what in refused if value]
@@ -353,7 +355,7 @@ class KVCacheConfig:
     def window_config(self, window: int) -> "KVCacheConfig":
         """The config whose kernels serve the layers of ``window`` (0: full attention): this one without groups,
         with ``sliding_window = window`` (so groups of equal windows share kernels with plain windowed caches)."""
-        return self.replace(layer_groups=None, sliding_window=window)
+        return self.replace(layer_groups=None, sliding_window=window, sink_size=self.sink_size if window else 0)
 
     @property
     def min_schema(self) -> int:

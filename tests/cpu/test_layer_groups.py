@@ -50,7 +50,8 @@ def test_config_round_trip_and_lowest_schema():
     ((LayerGroup((0, 1, 2, 4)),), {}, r"names layer 4, outside \[0, 4\)"),
     ((LayerGroup((0, 1), 4, "a"), LayerGroup((2, 3), 8, "a")), {}, r"names \['a'\] are given twice"),
     ((LayerGroup((0, 1, 2, 3), 4),), {"sliding_window": 4}, "with the top-level sliding_window"),
-    ((LayerGroup((0, 1, 2, 3), 4),), {"sliding_window": 4, "sink_size": 2}, "sink_size"),
+    ((LayerGroup((0, 1), 4), LayerGroup((2, 3), 8)), {"sink_size": 5}, "sink_size 5 must be <= sliding_window 4"),
+    ((LayerGroup((0, 1, 2, 3)),), {"sink_size": 2}, "sink_size 2 needs a sliding_window"),
     ((LayerGroup((0, 1, 2, 3), 4),), {"cuda_graph_batch": 8}, "cuda_graph_batch"),
 ])
 def test_config_rejects(groups, kw, match):
@@ -232,6 +233,35 @@ def test_prefix_sharing_and_popn():
     assert all(after[w][1] > before[w][1] for w in (5, 9))
     h.forward({0: 1, 1: 1})
     h.check_state()
+
+
+def test_sink_tokens_stay_resident():
+    """sink_size (StreamingLLM) with layer groups: every sliding group's queries also see the first sink_size tokens
+    (outputs against the float64 reference with sinks), so each window pool keeps those pages beside the window's:
+    one sequence holds exactly the pages of its sink and last-W tokens, a fork midway; the sink tokens stay readable
+    while the tokens after them are given back; sink_size above the smallest window is refused."""
+    sink, ps = 3, 4
+    h = GroupHarness(seed=7, sink_size=sink)
+    h.add(0)
+    h.forward({0: 11})
+    for step in range(14):
+        if step == 5:
+            h.fork(0, 1)
+        h.forward({0: 2, 1: 1} if step >= 5 else {0: 2})
+        if step < 5:  # one sequence: exactly its sink pages and its window's
+            n = h.length(0)
+            for w in (5, 9):
+                pages = set(range(math.ceil(sink / ps))) | set(range(max(0, n - w) // ps, math.ceil(n / ps)))
+                assert h.pools()[w][0] - h.pools()[w][1] == len(pages), (w, n)
+    h.check_state()
+    k = np.full((h.L, sink, h.hkv, h.d), np.nan, np.float32)
+    h.call("debug_get_kv", 0, 0, sink, T(k), T(k.copy()))
+    np.testing.assert_allclose(k, np.stack([h.rotate(x, np.arange(sink)) for x in h.ref[0][0][:, :sink]]),
+                               rtol=2e-5, atol=2e-5)
+    h.rejects(lambda: h.call("debug_get_kv", 0, ps, ps + 1, T(k[:, :1]), T(k[:, :1].copy())), "'sliding5'")
+    cfg = config(schema_version=7, num_layers=2, layer_groups=_groups([6, 0]), sink_size=7)
+    with pytest.raises(ValueError, match=r"sink_size 7 must be <= sliding_window 6 \(the smallest of the layer"):
+        g("create")(json.dumps({**cfg, "runtime_fields": []}), [], _table([6, 0]), T(np.zeros((1,), np.float32)))
 
 
 def test_remove_gives_back_shared_window_pages_at_once():
