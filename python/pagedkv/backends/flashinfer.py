@@ -222,6 +222,10 @@ class FlashInferBackend(Backend):
             # run on pages of another dtype.
             reasons.append(f"kv_dtype {config.kv_dtype}: pagedkv's FlashInfer modules are built with dtype_kv = "
                            f"{config.dtype} (its FP8 decode / fa2 prefill modules are not wired yet)")
+        if getattr(config, "layer_groups", None) is not None:
+            # each window pool is a plan of its own (its pages, its passes): not wired to the FlashInfer adapters
+            return reasons + ["layer_groups (per-layer windows with window-sized memory, schema 7) are not implemented on "
+                    "pagedkv's FlashInfer adapters yet: the TIR kernels serve them"]
         if op in MHA_OPS:
             if config.rope_mode == "inline":
                 reasons.append("rope_mode 'inline' needs RoPE inside the attention kernel with a per-entry key "
