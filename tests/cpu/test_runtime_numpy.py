@@ -12,6 +12,7 @@ import numpy as np
 import pytest
 from _numpy_runtime import (EMPTY_LSE, OPS, Harness, N, NumpyKernels, T, _fork_tree, config, create, g)
 
+from pagedkv.config import SCHEMA_VERSION
 from pagedkv.ops import PARTIAL_OPS
 # ----------------------------------------------------------------------------------------------------------
 # Tests
@@ -240,7 +241,7 @@ def test_config_json_and_op_backends():
 
 
 @pytest.mark.parametrize("change, pattern", [
-    ({"schema_version": 8}, "schema_version 8"),
+    ({"schema_version": SCHEMA_VERSION + 1}, f"schema_version {SCHEMA_VERSION + 1}"),
     ({"schema_version": 3, "cuda_graph_batch": 4}, "unknown field 'cuda_graph_batch' for schema_version 3"),
     ({"schema_version": 4, "cuda_graph_batch": -1}, "cuda_graph_batch must be >= 0"),
     ({"schema_version": 4, "cuda_graph_batch": 1, "max_batch_size": 2},
