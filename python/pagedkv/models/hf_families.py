@@ -138,7 +138,7 @@ def params_from_hf(state_dict: Mapping[str, Any] | Any, named_params, dtype: str
         transpose = name.endswith(".weight_kn")
         name = name.removesuffix("_kn")
         key = name if name.startswith("lm_head") else "model." + name
-        base, part, leaf = key.rsplit(".", 2)
+        base, part, leaf = ([""] + key.rsplit(".", 2))[-3:]
         if key in state_dict:
             arr = get(key)
         elif part in _FUSED:
