@@ -200,3 +200,29 @@ def test_family_matches_hf_eager(name, library, seed):
                     f"{name} sequence {s} step {step}: greedy token {token}, HF's {int(want.argmax())} "
                     f"(logit gap {gap:.3e})")
                 print(f"{name} sequence {s} step {step}: near-tie, gap {gap:.3e}")
+
+
+@pytest.mark.parametrize("name, field, change", [
+    ("gemma2", "layer_types", {"layer_types": ["sliding_attention", "full_attention"]}),
+    ("gpt-oss", "layer_types", {"layer_types": ["sliding_attention", "full_attention"]}),
+    ("llama3", "mlp_bias", {"mlp_bias": True}),
+    ("qwen3", "hidden_act", {"hidden_act": "relu"}),
+    ("gemma3", "use_bidirectional_attention", {"use_bidirectional_attention": True}),
+])
+def test_unrepresentable_config_is_refused_naming_the_field(name, field, change):
+    """What the shared decoder cannot represent is refused before anything is built, the message naming the HF
+    field (no silent fallback: mixed layer kinds would otherwise run every layer with one window)."""
+    from pagedkv.models.hf_families import UnsupportedConfigError
+
+    cfg = FAMILIES[name]()
+    for key, value in change.items():
+        setattr(cfg, key, value)
+    with pytest.raises(UnsupportedConfigError, match=f"{field}="):
+        from_hf(cfg)
+
+
+def test_other_model_types_are_refused():
+    from pagedkv.models.hf_families import UnsupportedConfigError
+
+    with pytest.raises(UnsupportedConfigError, match="model_type 'gpt2'"):
+        from_hf(transformers.GPT2Config())
