@@ -101,17 +101,43 @@ class Run:
     tokens: tuple
 
 
+def _compiled(name: str, hf_cfg, out_dir) -> tuple:
+    """``(path, named_params)`` of the family's float32 CPU library. With the kernel cache on (``make test``
+    sets it) the library is an entry there keyed by the decoder config and the package's sources (as
+    ``pagedkv.apps.chat`` keeps its models): an unchanged tree compiles each family once, not once per run."""
+    import hashlib
+
+    import tvm
+
+    from pagedkv import kernel_cache
+    from pagedkv.apps.chat import _source_digest
+    from pagedkv.cpu_pipeline import SCHEDULE_VERSION
+    from pagedkv.engine import param_names
+
+    cfg = from_hf(hf_cfg)
+
+    def build(path, progress=None):
+        model = DecoderForCausalLM(cfg, dtype="float32", target="llvm", backend="tir")
+        return build_library(model, "llvm", path, progress=progress)
+
+    directory = kernel_cache.cache_dir()
+    if directory is None:
+        return build(out_dir / "model.so")
+    key = hashlib.sha256(repr((cfg, SCHEDULE_VERSION, _source_digest(), tvm.__version__)).encode()).hexdigest()
+    path = kernel_cache.load_or_build(directory, key[:20], build, what=f"the {name} test model for llvm",
+                                      prefix="decoder-test")
+    return path, param_names(path)
+
+
 @pytest.fixture(scope="module")
 def library(tmp_path_factory):
-    """``library(name)``: ``(path, named_params, hf_config)`` of the family's float32 CPU library, built once."""
+    """``library(name)``: ``(path, named_params, hf_config)`` of the family's library, built once."""
     built = {}
 
     def get(name: str):
         if name not in built:
             hf_cfg = FAMILIES[name]()
-            model = DecoderForCausalLM(from_hf(hf_cfg), dtype="float32", target="llvm", backend="tir")
-            path, named = build_library(model, "llvm", tmp_path_factory.mktemp(name) / "model.so")
-            built[name] = (path, named, hf_cfg)
+            built[name] = (*_compiled(name, hf_cfg, tmp_path_factory.mktemp(name)), hf_cfg)
         return built[name]
 
     return get
