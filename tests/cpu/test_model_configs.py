@@ -42,3 +42,31 @@ def test_valid_configs_and_gqa_multiple():
     assert dataclasses.replace(DEEPSEEK, q_lora_rank=None, qk_nope_head_dim=0).q_lora_rank is None
     with pytest.raises(ValueError, match="not a multiple of num_key_value_heads=3"):
         dataclasses.replace(LLAMA, num_key_value_heads=3)
+
+
+DECODER = LLAMA.decoder_config()
+
+
+@pytest.mark.parametrize(("field", "bad", "message"), [
+    ("hidden_act", "relu", "hidden_act must be one of"), ("attn_logit_softcap", -1.0, "attn_logit_softcap must be"),
+    ("final_logit_softcap", math.nan, "final_logit_softcap must be"), ("sm_scale", "0.1", "sm_scale must be"),
+    ("embedding_multiplier", 0.0, "embedding_multiplier must be a finite number > 0"),
+    ("num_key_value_heads", 3, "num_attention_heads=4 is not a multiple of num_key_value_heads=3")])
+def test_decoder_config_fields_are_checked(field, bad, message):
+    """The shared decoder's options (``DecoderConfig``) refuse values out of range, naming the field."""
+    with pytest.raises(ValueError, match=rf"DecoderConfig\.{message}"):
+        dataclasses.replace(DECODER, **{field: bad})
+
+
+def test_moe_spec_checks_top_k():
+    from pagedkv.models.decoder_config import MoeSpec
+
+    with pytest.raises(ValueError, match="MoeSpec.top_k=5 exceeds num_experts=4"):
+        MoeSpec(num_experts=4, top_k=5)
+
+
+def test_llama_decoder_config_keeps_the_cache_config():
+    """``LlamaForCausalLM`` builds on the shared decoder: its options give the cache config Llama's own."""
+    assert DECODER.kv_cache_config("float32") == LLAMA.kv_cache_config("float32")
+    mistral = dataclasses.replace(LLAMA, sliding_window=8)
+    assert mistral.decoder_config().kv_cache_config("float16") == mistral.kv_cache_config("float16")
