@@ -81,32 +81,26 @@ void PagedKVCacheObj::BeginForward(const ffi::Shape& seq_ids, const ffi::Shape& 
   int64_t batch = static_cast<int64_t>(ids.size());
   int64_t total = CheckForwardSize(cfg_, batch, lengths);
   pool_.CheckAppend(ids, lengths);  // ids known and unique, lengths >= 1, enough pages
+  if (windows_.NumPools() > 0) windows_.CheckFree(pool_.AppendPages(ids, lengths), "begin_forward");
   CheckTokenTree(ids, lengths, token_tree_parent_ptr);
   bool graph = GraphDecode(lengths);
   if (!graph) {  // the CUDA-graph layout was reserved at creation, for max_batch_size
     int64_t fixed = AuxBuilder::Padded(batch + 1) * 4 + 2 * AuxBuilder::Padded(total);
     int64_t entries = MaxEntriesPerPass(batch, cfg_.sink_size);
     int64_t per_pass = 2 * AuxBuilder::Padded(entries + 1) + 2 * AuxBuilder::Padded(entries) + 4;
-    aux_.Reserve(fixed + kMaxPasses * per_pass + PageValuesBound(pool_, ids, lengths, cfg_.sink_size));
+    int64_t per_pool = AuxBuilder::Padded(total) + kMaxPasses * per_pass +
+                       PageValuesBound(pool_, ids, lengths, cfg_.sink_size);
+    aux_.Reserve(fixed + (1 + windows_.NumPools()) * per_pool);
   }
   // Nothing below can fail on bad input: mutate.
   pool_.Append(ids, lengths);
-  PoisonNewPages();
+  AfterPoolChange(std::nullopt);
   try {
-    // A CUDA-graph decode attends each sequence's whole chain in one pass, as a windowed cache does: the
-    // captured kernel sequence must not depend on which sequences share a prefix.
-    // MLA keeps continuations split: its paged pass is the absorbed (latent) attention, non-causal only,
-    // and the new tokens' own attention is the cheaper plain multi-head one (self_attention).
-    PlanOptions options;
-    options.flat = cfg_.windowed() || graph;
-    options.through_continuations = !cfg_.is_mla();
-    options.window = cfg_.sliding_window;
-    options.sink_size = cfg_.sink_size;
-    ForwardPlan plan = BuildForwardPlan(pool_, ids, lengths, options);
+    std::vector<ForwardPlan> plans = BuildPlans(ids, lengths, graph);
     if (graph) {
-      UploadGraphPlan(plan);
+      UploadGraphPlan(plans[0]);
     } else {
-      UploadPlan(plan);
+      UploadPlan(plans);
     }
   } catch (...) {
     // A library backend's plan failed (NotifyBeginForward abandoned the forward): take the appended
@@ -123,41 +117,72 @@ void PagedKVCacheObj::BeginForward(const ffi::Shape& seq_ids, const ffi::Shape& 
 }
 
 void PagedKVCacheObj::CheckAppend(const ffi::Shape& seq_ids, const ffi::Shape& append_lengths) const {
-  pool_.CheckAppend(ToVector(seq_ids), ToVector(append_lengths));
+  std::vector<int64_t> ids = ToVector(seq_ids), lengths = ToVector(append_lengths);
+  pool_.CheckAppend(ids, lengths);
+  if (windows_.NumPools() > 0) windows_.CheckFree(pool_.AppendPages(ids, lengths), "check_append");
+}
+
+std::vector<ForwardPlan> PagedKVCacheObj::BuildPlans(const std::vector<int64_t>& ids,
+                                                     const std::vector<int64_t>& lengths, bool graph) const {
+  // A CUDA-graph decode attends each sequence's whole chain in one pass, as a windowed cache does: the
+  // captured kernel sequence must not depend on which sequences share a prefix.
+  // MLA keeps continuations split: its paged pass is the absorbed (latent) attention, non-causal only,
+  // and the new tokens' own attention is the cheaper plain multi-head one (self_attention).
+  PlanOptions options;
+  options.flat = cfg_.windowed() || graph;
+  options.through_continuations = !cfg_.is_mla();
+  options.window = cfg_.sliding_window;
+  options.sink_size = cfg_.sink_size;
+  std::vector<ForwardPlan> plans;
+  plans.push_back(BuildForwardPlan(pool_, ids, lengths, options));
+  // Layer groups: each window pool's layers attend their chain in one through pass (as a windowed cache's),
+  // from the first page their window reads, over the pool's own pages.
+  for (int i = 0; i < windows_.NumPools(); ++i) {
+    PlanOptions w;
+    w.flat = true;
+    w.window = windows_.Window(i);
+    w.skip_behind_window = true;
+    plans.push_back(BuildForwardPlan(pool_, ids, lengths, w));
+    windows_.Translate(i, &plans.back());
+  }
+  return plans;
 }
 
 void PagedKVCacheObj::TakeBack(const std::vector<int64_t>& ids, const std::vector<int64_t>& lengths) {
   // Appended tokens sit in each sequence's own leaf block, so popping them frees their pages and never
   // copies one (RunCopy is a no-op then).
-  for (size_t i = 0; i < ids.size(); ++i) RunCopy(pool_.PopN(ids[i], lengths[i]));
-  PoisonNewPages();
+  for (size_t i = 0; i < ids.size(); ++i) AfterPoolChange(pool_.PopN(ids[i], lengths[i]));
 }
 
 bool PagedKVCacheObj::GraphDecode(const std::vector<int64_t>& lengths) const {
   return cfg_.cuda_graph() && std::all_of(lengths.begin(), lengths.end(), [](int64_t l) { return l == 1; });
 }
 
-// The arrays every forward has, as handles 0..4 of `aux`: q_pos, q_indptr, append_slot, prior_len and the
-// B+1 zeros of a ragged kv_indptr without keys. q_pos first: get_query_positions hands its view to the model,
-// and ordinary compiled ops accept only tensors with byte_offset 0.
+// The arrays every forward has, as handles 0..3 of `aux`: q_pos, q_indptr, prior_len and the B+1 zeros of a
+// ragged kv_indptr without keys. q_pos first: get_query_positions hands its view to the model, and ordinary
+// compiled ops accept only tensors with byte_offset 0.
 static void AddForwardArrays(AuxBuilder* aux, const ForwardPlan& plan) {
   aux->Reset();
   aux->Add(plan.q_pos);
   aux->Add(plan.q_indptr);
-  aux->Add(plan.append_slot);
   aux->Add(plan.prior_len);
   aux->Add(std::vector<int32_t>(plan.q_indptr.size(), 0));
 }
 
-void PagedKVCacheObj::UploadPlan(const ForwardPlan& plan) {
-  AddForwardArrays(&aux_, plan);
-  std::vector<std::array<int, 5>> pass_handles;
-  for (const PassPlan& p : plan.passes) {
-    pass_handles.push_back({aux_.Add(p.q_indptr), aux_.Add(p.page_indptr), aux_.Add(p.page_values),
-                            aux_.Add(p.last_page_len), aux_.Add(p.k_pos_offset)});
+void PagedKVCacheObj::UploadPlan(const std::vector<ForwardPlan>& plans) {
+  AddForwardArrays(&aux_, plans[0]);
+  std::vector<std::vector<int>> handles;
+  for (const ForwardPlan& plan : plans) {
+    std::vector<int> h = {aux_.Add(plan.append_slot)};
+    for (const PassPlan& p : plan.passes) {
+      for (const auto* a : {&p.q_indptr, &p.page_indptr, &p.page_values, &p.last_page_len, &p.k_pos_offset}) {
+        h.push_back(aux_.Add(*a));
+      }
+    }
+    handles.push_back(std::move(h));
   }
   aux_.Upload();
-  OpenForward(plan, aux_, pass_handles);
+  OpenForward(plans, aux_, handles);
 }
 
 // CUDA-graph decode: a replay of the captured step reads its index arrays from the device addresses and
@@ -169,26 +194,26 @@ void PagedKVCacheObj::UploadGraphPlan(const ForwardPlan& plan) {
   AuxBuilder& aux = *graph_aux_;
   AddForwardArrays(&aux, plan);
   const PassPlan& p = plan.passes[0];
-  std::array<int, 5> h;
-  h[0] = aux.Add(p.q_indptr);
-  h[1] = aux.Add(p.page_indptr);
-  h[3] = aux.Add(p.last_page_len);
-  h[4] = aux.Add(p.k_pos_offset);
-  h[2] = aux.Add(p.page_values, GraphPageValues(cfg_, p.num_entries()));
+  std::vector<int> h(6);
+  h[0] = aux.Add(plan.append_slot);
+  h[1] = aux.Add(p.q_indptr);
+  h[2] = aux.Add(p.page_indptr);
+  h[4] = aux.Add(p.last_page_len);
+  h[5] = aux.Add(p.k_pos_offset);
+  h[3] = aux.Add(p.page_values, GraphPageValues(cfg_, p.num_entries()));
   aux.Upload();
-  OpenForward(plan, aux, {h});
+  OpenForward({plan}, aux, {h});
 }
 
-void PagedKVCacheObj::OpenForward(const ForwardPlan& plan, const AuxBuilder& aux,
-                                  const std::vector<std::array<int, 5>>& pass_handles) {
-  const int q_pos = 0, q_indptr = 1, slot = 2, prior = 3, no_keys = 4;  // AddForwardArrays
+void PagedKVCacheObj::OpenForward(const std::vector<ForwardPlan>& plans, const AuxBuilder& aux,
+                                  const std::vector<std::vector<int>>& handles) {
+  const int q_pos = 0, q_indptr = 1, prior = 2, no_keys = 3;  // AddForwardArrays
+  const ForwardPlan& plan = plans[0];
   Forward f;
   f.is_decode = plan.is_decode;
-  f.through = plan.through;
   f.num_tokens = plan.num_tokens;
   f.q_indptr = aux.View(q_indptr);
   f.q_pos = aux.View(q_pos);
-  f.append_slot = aux.View(slot);
   f.prior_len = aux.View(prior);
   f.no_keys_indptr = aux.View(no_keys);
   if (cfg_.rope_long_after > 0) {
@@ -198,11 +223,16 @@ void PagedKVCacheObj::OpenForward(const ForwardPlan& plan, const AuxBuilder& aux
     for (int32_t p : plan.q_pos) longest = std::max<int64_t>(longest, int64_t{p} + 1);
     if (longest > cfg_.rope_long_after) f.rope_set = 2;
   }
-  for (size_t i = 0; i < plan.passes.size(); ++i) {
-    const auto& h = pass_handles[i];
-    f.passes.push_back(PassViews{aux.View(h[0]), aux.View(h[1]), aux.View(h[2]), aux.View(h[3]),
-                                 aux.View(h[4]), plan.passes[i].all_empty,
-                                 plan.passes[i].one_query_per_entry, plan.passes[i].causal});
+  for (size_t k = 0; k < plans.size(); ++k) {
+    const std::vector<int>& h = handles[k];
+    PoolForward pool{plans[k].through, aux.View(h[0]), {}};
+    for (size_t i = 0; i < plans[k].passes.size(); ++i) {
+      const PassPlan& p = plans[k].passes[i];
+      const int* v = h.data() + 1 + 5 * i;
+      pool.passes.push_back(PassViews{aux.View(v[0]), aux.View(v[1]), aux.View(v[2]), aux.View(v[3]), aux.View(v[4]),
+                                      p.all_empty, p.one_query_per_entry, p.causal});
+    }
+    f.pools.push_back(std::move(pool));
   }
   int64_t n = plan.num_tokens;
   if (!cfg_.is_mla()) {
@@ -215,7 +245,7 @@ void PagedKVCacheObj::OpenForward(const ForwardPlan& plan, const AuxBuilder& aux
   f.lse_tmp = fns_.View(lse_tmp_buf_, {n, cfg_.num_qo_heads}, kFloat32, 0);
   f.lse_own = fns_.View(lse_own_buf_, {n, cfg_.num_qo_heads}, kFloat32, 0);
   forward_ = std::move(f);
-  NotifyBeginForward(plan);
+  NotifyBeginForward(plans);
 }
 
 std::vector<int64_t> PagedKVCacheObj::UnwrittenLayers() const {
@@ -250,6 +280,8 @@ void PagedKVCacheObj::FinishForward(bool allow_unwritten) {
   }
   forward_.reset();
   ops_.EndForward();
+  // Every layer has read this forward's windows: give back the window pools' pages behind the next ones.
+  windows_.Trim(pool_, chains_);
 }
 
 void PagedKVCacheObj::AbortForward() {
@@ -262,13 +294,17 @@ void PagedKVCacheObj::AbortForward() {
 
 // Library backends plan here (src/backend.h ForwardInfo). A failure is a device failure: the forward
 // is abandoned.
-void PagedKVCacheObj::NotifyBeginForward(const ForwardPlan& plan) {
+void PagedKVCacheObj::NotifyBeginForward(const std::vector<ForwardPlan>& plans) {
+  const ForwardPlan& plan = plans[0];
   ForwardInfo info{&cfg_, device_, &fns_, &plan, forward_->q_indptr, forward_->no_keys_indptr, {},
                    &backend_scratch_, /*cuda_graph=*/cfg_.cuda_graph() && plan.is_decode, pdl_};
-  for (size_t i = 0; i < plan.passes.size(); ++i) {
-    const PassViews& v = forward_->passes[i];
-    info.passes.push_back({&plan.passes[i], v.q_indptr, v.page_indptr, v.page_values, v.last_page_len,
-                           v.k_pos_offset});
+  // every pool's passes (layer groups: adapters find a pass by its index views, distinct per pool)
+  for (size_t k = 0; k < plans.size(); ++k) {
+    for (size_t i = 0; i < plans[k].passes.size(); ++i) {
+      const PassViews& v = forward_->pools[k].passes[i];
+      info.passes.push_back({&plans[k].passes[i], v.q_indptr, v.page_indptr, v.page_values, v.last_page_len,
+                             v.k_pos_offset});
+    }
   }
   try {
     ops_.BeginForward(info);
@@ -284,19 +320,28 @@ ffi::Map<ffi::String, ffi::Tensor> PagedKVCacheObj::DebugForwardArrays() const {
   ffi::Map<ffi::String, ffi::Tensor> out;
   out.Set("q_pos", f.q_pos);
   out.Set("q_indptr", f.q_indptr);
-  out.Set("append_slot", f.append_slot);
   out.Set("prior_len", f.prior_len);
   out.Set("no_keys_indptr", f.no_keys_indptr);
-  for (size_t i = 0; i < f.passes.size(); ++i) {
-    const PassViews& p = f.passes[i];
-    std::string pre = "pass" + std::to_string(i) + ".";
-    out.Set(pre + "q_indptr", p.q_indptr);
-    out.Set(pre + "page_indptr", p.page_indptr);
-    out.Set(pre + "page_values", p.page_values);
-    out.Set(pre + "last_page_len", p.last_page_len);
-    out.Set(pre + "k_pos_offset", p.k_pos_offset);
+  for (size_t k = 0; k < f.pools.size(); ++k) {
+    // the main pool's arrays by their names; a window pool's prefixed "window<W>."
+    std::string pool = k == 0 ? "" : "window" + std::to_string(cfg_.pool_window(static_cast<int>(k))) + ".";
+    out.Set(pool + "append_slot", f.pools[k].append_slot);
+    AddPassArrays(f.pools[k].passes, pool, &out);
   }
   return out;
+}
+
+void PagedKVCacheObj::AddPassArrays(const std::vector<PassViews>& passes, const std::string& prefix,
+                                    ffi::Map<ffi::String, ffi::Tensor>* out) {
+  for (size_t i = 0; i < passes.size(); ++i) {
+    const PassViews& p = passes[i];
+    std::string pre = prefix + "pass" + std::to_string(i) + ".";
+    out->Set(pre + "q_indptr", p.q_indptr);
+    out->Set(pre + "page_indptr", p.page_indptr);
+    out->Set(pre + "page_values", p.page_values);
+    out->Set(pre + "last_page_len", p.last_page_len);
+    out->Set(pre + "k_pos_offset", p.k_pos_offset);
+  }
 }
 
 PagedKVCacheObj::Tensor PagedKVCacheObj::GetQueryPositions() { return CheckForward("get_query_positions").q_pos; }
@@ -304,11 +349,11 @@ PagedKVCacheObj::Tensor PagedKVCacheObj::GetQueryPositions() { return CheckForwa
 // ---------------------------------------------------------------------------------------------------
 // Kernel sequences
 
-void PagedKVCacheObj::RunRagged(const ffi::Tensor& q, const ffi::Tensor& k, const ffi::Tensor& v,
+void PagedKVCacheObj::RunRagged(int64_t layer, const ffi::Tensor& q, const ffi::Tensor& k, const ffi::Tensor& v,
                                 const ffi::Tensor& o, const ffi::Tensor& lse, double sm_scale, bool partial) {
   const Forward& f = *forward_;
   // New tokens attend causally to the new tokens of their own sequence; keys start at the prior length.
-  CallVariant<ops::AttnPrefillRagged, ops::AttnPrefillRaggedPartial>(ops_, partial, [&](auto a) {
+  CallVariant<ops::AttnPrefillRagged, ops::AttnPrefillRaggedPartial>(AttnOps(layer), partial, [&](auto a) {
     return a.q(q).k(k).v(v).q_indptr(f.q_indptr).kv_indptr(f.q_indptr).q_pos(f.q_pos).k_pos_offset(f.prior_len)
         .o(o).lse(lse).causal(1).apply_rope(apply_rope_inline()).rope_scale(cfg_.rope_scale_arg())
         .rope_theta(cfg_.rope_theta).sm_scale(sm_scale);
@@ -340,14 +385,15 @@ void PagedKVCacheObj::RunPass(int64_t layer, const PassViews& p, const ffi::Tens
         .apply_rope(apply_rope_inline()).rope_scale(cfg_.rope_scale_arg()).rope_theta(cfg_.rope_theta)
         .sm_scale(sm_scale);
   };
+  const OpTable& table = AttnOps(layer);
   if (decode) {
-    CallVariant<ops::AttnDecodePaged, ops::AttnDecodePagedPartial>(ops_, partial, paged);
+    CallVariant<ops::AttnDecodePaged, ops::AttnDecodePagedPartial>(table, partial, paged);
   } else {
     // Multi-query entries (prefill, or decode queries grouped on a shared prefix): every key precedes
     // every query of the entry and the pass is non-causal, except the own pass of a through prefill, whose
     // entries end with their queries' own tokens.
     CallVariant<ops::AttnPrefillPaged, ops::AttnPrefillPagedPartial>(
-        ops_, partial, [&](auto a) { return paged(a).q_indptr(p.q_indptr).causal(p.causal ? 1 : 0); });
+        table, partial, [&](auto a) { return paged(a).q_indptr(p.q_indptr).causal(p.causal ? 1 : 0); });
   }
 }
 
@@ -358,12 +404,12 @@ void PagedKVCacheObj::RunAttention(int64_t layer, const ffi::Tensor& q, const ff
                                    const ffi::Tensor& lse, double sm_scale, bool ragged, const ffi::Tensor* sinks) {
   const Forward& f = *forward_;
   int states = ragged ? 1 : 0;
-  for (const PassViews& p : f.passes) states += p.all_empty ? 0 : 1;
+  for (const PassViews& p : PlanOf(layer).passes) states += p.all_empty ? 0 : 1;
   if (states >= 2 && partial_states_) {
     RunPartialStates(layer, q, o, lse, sm_scale, ragged, states, sinks);
     return;
   }
-  if (ragged) RunRagged(f.q, f.k, f.v, o, lse, sm_scale, /*partial=*/false);
+  if (ragged) RunRagged(layer, f.q, f.k, f.v, o, lse, sm_scale, /*partial=*/false);
   RunPasses(layer, q, o, lse, sm_scale, /*output_written=*/ragged);
   if (sinks != nullptr) ops_.Call(ops::ApplySinks().o(o).lse(lse).sinks(*sinks));
 }
@@ -389,9 +435,11 @@ void PagedKVCacheObj::RunPartialStates(int64_t layer, const ffi::Tensor& q, cons
     }
   };
   if (ragged) {
-    state([&](const ffi::Tensor& so, const ffi::Tensor& sl) { RunRagged(f.q, f.k, f.v, so, sl, sm_scale, true); });
+    state([&](const ffi::Tensor& so, const ffi::Tensor& sl) {
+      RunRagged(layer, f.q, f.k, f.v, so, sl, sm_scale, true);
+    });
   }
-  for (const PassViews& p : f.passes) {
+  for (const PassViews& p : PlanOf(layer).passes) {
     if (p.all_empty) continue;
     state([&](const ffi::Tensor& so, const ffi::Tensor& sl) { RunPass(layer, p, q, so, sl, sm_scale, true); });
   }
@@ -403,9 +451,10 @@ void PagedKVCacheObj::RunPartialStates(int64_t layer, const ffi::Tensor& q, cons
 void PagedKVCacheObj::RunPasses(int64_t layer, const ffi::Tensor& q, const ffi::Tensor& o,
                                 const ffi::Tensor& lse, double sm_scale, bool output_written) {
   const Forward& f = *forward_;
-  for (size_t i = 0; i < f.passes.size(); ++i) {
-    const PassViews& p = f.passes[i];
-    bool last = i + 1 == f.passes.size();
+  const std::vector<PassViews>& passes = PlanOf(layer).passes;
+  for (size_t i = 0; i < passes.size(); ++i) {
+    const PassViews& p = passes[i];
+    bool last = i + 1 == passes.size();
     if (p.all_empty && (output_written || !last)) continue;
     if (!output_written) {
       RunPass(layer, p, q, o, lse, sm_scale, /*partial=*/false);
@@ -448,10 +497,11 @@ void PagedKVCacheObj::FusedAttention(int64_t layer, const Tensor& qkv, const ffi
   ops_.Call(ops::SplitRotary()
                 .qkv(qkv).q_pos(f.q_pos).q(f.q).k(f.k).v(f.v).apply_rope(apply_rope)
                 .rope_scale(cfg_.rope_scale_arg()).rope_theta(cfg_.rope_theta));
+  const PoolForward& plan = PlanOf(layer);
   auto append = [&] {
-    ops_.Call(ops::AppendKV().pages(pages_[layer]).k(f.k).v(f.v).slot(f.append_slot));
+    ops_.Call(ops::AppendKV().pages(pages_[layer]).k(f.k).v(f.v).slot(plan.append_slot));
   };
-  if (f.through) {
+  if (plan.through) {
     append();  // the passes include the new tokens
     RunAttention(layer, f.q, o, f.lse_own, sm_scale, /*ragged=*/false, sinks);
   } else {
@@ -473,17 +523,17 @@ void PagedKVCacheObj::SelfAttention(int64_t layer, Tensor q, Tensor k, Tensor v,
   CheckTensor(v, "v", {n, cfg_.num_kv_heads, cfg_.v_head_dim}, dtype_, device_);
   CheckTensor(o, "o", {n, cfg_.num_qo_heads, cfg_.v_head_dim}, dtype_, device_);
   CheckTensor(lse, "lse", {n, cfg_.num_qo_heads}, kFloat32, device_);
-  if (f.through) {
+  if (PlanOf(layer).through) {
     // cross_attention's view of a decode forward (or of any forward of a windowed cache) already holds the
     // new tokens, so self_attention covers no key: the ragged kernel over zero keys writes the empty state
     // (o = 0, lse = -1e30), and merging self and cross is the full attention whichever path the model takes.
-    ops_.Call(ops::AttnPrefillRagged()
+    AttnOps(layer).Call(ops::AttnPrefillRagged()
                   .q(q).k(k).v(v).q_indptr(f.q_indptr).kv_indptr(f.no_keys_indptr).q_pos(f.q_pos)
                   .k_pos_offset(f.prior_len).o(o).lse(lse).causal(1).apply_rope(apply_rope_inline())
                   .rope_scale(cfg_.rope_scale_arg()).rope_theta(cfg_.rope_theta).sm_scale(sm_scale));
     return;
   }
-  RunRagged(q, k, v, o, lse, sm_scale, /*partial=*/false);
+  RunRagged(layer, q, k, v, o, lse, sm_scale, /*partial=*/false);
 }
 
 void PagedKVCacheObj::CrossAttention(int64_t layer, Tensor q, Tensor o, Tensor lse, double sm_scale) {
@@ -506,7 +556,7 @@ void PagedKVCacheObj::PagedAttention(int64_t layer, const Tensor& q, const Tenso
   CheckTensor(o, "o", {n, cfg_.num_qo_heads, PagedVDim()}, dtype_, device_);
   CheckTensor(lse, "lse", {n, cfg_.num_qo_heads}, kFloat32, device_);
   if (sinks != nullptr) CheckSinks("cross_attention", *sinks);
-  if (f.through && !f.written[layer]) {
+  if (PlanOf(layer).through && !f.written[layer]) {
     // Its passes read the forward's own token slots, which would still hold the pages' earlier contents.
     TVM_FFI_THROW(RuntimeError) << "pagedkv: cross_attention of layer " << layer << " attends over this forward's "
                                 << "new tokens (a decode, continuation or sliding-window forward), whose k/v layer "
@@ -542,7 +592,7 @@ void PagedKVCacheObj::AppendMLAKV(int64_t layer, Tensor kv) {
   CheckKind("append_mla_kv", true);
   CheckLayer(layer);
   CheckTensor(kv, "kv", {f.num_tokens, cfg_.latent_dim()}, dtype_, device_);
-  ops_.Call(ops::MLAAppendKV().pages(pages_[layer]).kv(kv).slot(f.append_slot));
+  ops_.Call(ops::MLAAppendKV().pages(pages_[layer]).kv(kv).slot(PlanOf(layer).append_slot));
   forward_->written[layer] = true;
 }
 

@@ -167,10 +167,12 @@ OpAdapter& OpTable::Get(const char* op) const {
 
 void OpTable::BeginForward(const ForwardInfo& info) const {
   for (const auto& kv : adapters) kv.second->BeginForward(info);
+  for (const auto& kv : windows) kv.second->BeginForward(info);
 }
 
 void OpTable::EndForward() const {
   for (const auto& kv : adapters) kv.second->EndForward();
+  for (const auto& kv : windows) kv.second->EndForward();
 }
 
 void MissingArgument(const char* op, const char* const* names, int num_args, uint64_t given) {
@@ -183,30 +185,73 @@ void MissingArgument(const char* op, const char* const* names, int num_args, uin
   TVM_FFI_THROW(InternalError) << "pagedkv: call of op '" << op << "' with unexpected arguments";
 }
 
+namespace {
+
+// One entry [op, tag, ...] into `out`; `window` > 0: an entry of that window's sub-table (window ops only).
+void ParseEntry(const ffi::Any& entry_any, const std::string& layer_kind, int64_t window, OpTable* out) {
+  auto entry = entry_any.as<ffi::Array<ffi::Any>>();
+  if (!entry.has_value() || entry->size() < 2) {
+    TVM_FFI_THROW(ValueError) << "pagedkv op table: each entry must be [op_name, backend_tag, func...]";
+  }
+  auto op = (*entry)[0].as<ffi::String>();
+  auto tag = (*entry)[1].as<ffi::String>();
+  if (!op.has_value() || !tag.has_value()) {
+    TVM_FFI_THROW(ValueError) << "pagedkv op table: op name and backend tag must be strings";
+  }
+  std::string op_name(*op);
+  if (!ops::IsKnownOp(op_name)) TVM_FFI_THROW(ValueError) << "pagedkv op table: unknown op '" << op_name << "'";
+  if (layer_kind == "mla" ? !ops::Contains(ops::kMLAOps, op_name) : !ops::Contains(ops::kMHAOps, op_name)) {
+    TVM_FFI_THROW(ValueError) << "pagedkv op table: op '" << op_name << "' is not an op of " << layer_kind
+                              << " layers, the kind of this cache";
+  }
+  if (window > 0 && !ops::Contains(ops::kWindowOps, op_name)) {
+    TVM_FFI_THROW(ValueError) << "pagedkv op table: op '" << op_name << "' in the sub-table of window " << window
+                              << " applies no window (only the window ops are built per window)";
+  }
+  if (out->adapters.count(op_name)) TVM_FFI_THROW(ValueError) << "pagedkv op table: op '" << op_name << "' given twice";
+  auto [adapter, first_func] = AdapterOf(*entry, std::string(*tag));
+  ffi::Array<ffi::Any> funcs(entry->begin() + first_func, entry->end());
+  out->adapters[op_name] = BackendRegistry::Global().Make(adapter, op_name, funcs);
+  out->backends[op_name] = std::string(*tag);
+}
+
+constexpr std::string_view kWindowPrefix = "window=";
+
+// The window W of a sub-table entry ["window=<W>", entry...], or 0 for an op entry.
+int64_t WindowOf(const ffi::Any& entry_any) {
+  auto entry = entry_any.as<ffi::Array<ffi::Any>>();
+  if (!entry.has_value() || entry->empty()) return 0;
+  auto head = (*entry)[0].as<ffi::String>();
+  if (!head.has_value()) return 0;
+  std::string text(*head);
+  if (text.rfind(kWindowPrefix, 0) != 0) return 0;
+  int64_t w = 0;
+  try {
+    w = std::stoll(text.substr(kWindowPrefix.size()));
+  } catch (const std::exception&) {
+    w = 0;
+  }
+  if (w < 1) TVM_FFI_THROW(ValueError) << "pagedkv op table: '" << text << "' is not a window > 0";
+  return w;
+}
+
+}  // namespace
+
 OpTable ParseOpTable(const ffi::Array<ffi::Any>& table, const std::string& layer_kind) {
-  bool mla = layer_kind == "mla";
   OpTable out;
   for (const ffi::Any& entry_any : table) {
-    auto entry = entry_any.as<ffi::Array<ffi::Any>>();
-    if (!entry.has_value() || entry->size() < 2) {
-      TVM_FFI_THROW(ValueError) << "pagedkv op table: each entry must be [op_name, backend_tag, func...]";
+    int64_t window = WindowOf(entry_any);
+    if (window == 0) {
+      ParseEntry(entry_any, layer_kind, 0, &out);
+      continue;
     }
-    auto op = (*entry)[0].as<ffi::String>();
-    auto tag = (*entry)[1].as<ffi::String>();
-    if (!op.has_value() || !tag.has_value()) {
-      TVM_FFI_THROW(ValueError) << "pagedkv op table: op name and backend tag must be strings";
+    if (out.windows.count(window)) {
+      TVM_FFI_THROW(ValueError) << "pagedkv op table: the sub-table of window " << window << " is given twice";
     }
-    std::string op_name(*op);
-    if (!ops::IsKnownOp(op_name)) TVM_FFI_THROW(ValueError) << "pagedkv op table: unknown op '" << op_name << "'";
-    if (mla ? !ops::Contains(ops::kMLAOps, op_name) : !ops::Contains(ops::kMHAOps, op_name)) {
-      TVM_FFI_THROW(ValueError) << "pagedkv op table: op '" << op_name << "' is not an op of " << layer_kind
-                                << " layers, the kind of this cache";
-    }
-    if (out.adapters.count(op_name)) TVM_FFI_THROW(ValueError) << "pagedkv op table: op '" << op_name << "' given twice";
-    auto [adapter, first_func] = AdapterOf(*entry, std::string(*tag));
-    ffi::Array<ffi::Any> funcs(entry->begin() + first_func, entry->end());
-    out.adapters[op_name] = BackendRegistry::Global().Make(adapter, op_name, funcs);
-    out.backends[op_name] = std::string(*tag);
+    auto sub = std::make_unique<OpTable>();
+    auto entries = entry_any.cast<ffi::Array<ffi::Any>>();
+    for (size_t i = 1; i < entries.size(); ++i) ParseEntry(entries[i], layer_kind, window, sub.get());
+    out.windows[window] = std::move(sub);
   }
   auto require = [&out, &layer_kind](const auto& required) {
     for (const char* op : required) {
@@ -216,7 +261,7 @@ OpTable ParseOpTable(const ffi::Array<ffi::Any>& table, const std::string& layer
       }
     }
   };
-  if (mla) {
+  if (layer_kind == "mla") {
     require(ops::kRequiredMLAOps);
   } else {
     require(ops::kRequiredMHAOps);

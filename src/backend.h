@@ -98,6 +98,9 @@ class BackendRegistry {
 struct OpTable {
   std::map<std::string, std::unique_ptr<OpAdapter>> adapters;
   std::map<std::string, std::string> backends;
+  // Config layer_groups (schema 7): sliding window -> the kernels of the window ops (ops::kWindowOps) built with
+  // that window, for the layers of the groups with it; every other op (and full layers) are served by this table.
+  std::map<int64_t, std::unique_ptr<OpTable>> windows;
 
   // The adapter of `op`; throws naming `op` when the table has none.
   OpAdapter& Get(const char* op) const;
@@ -117,7 +120,8 @@ struct OpTable {
 // Parses `[[op_name, backend_tag, "adapter=<kind>", option..., func...], ...]` (or the older
 // `[op_name, backend_tag, func...]`, whose tag names the adapter) for a cache of `layer_kind` ("mha" or
 // "mla"); unknown op names, ops of the other kind, duplicate ops, unknown adapter kinds and missing required
-// ops (src/ops.h) are errors that name them.
+// ops (src/ops.h) are errors that name them. An entry `["window=<W>", entry...]` is the sub-table of window W
+// (OpTable::windows; window ops only).
 OpTable ParseOpTable(const ffi::Array<ffi::Any>& table, const std::string& layer_kind);
 
 }  // namespace pagedkv

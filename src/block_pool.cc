@@ -21,6 +21,7 @@ void BlockPool::Clear() {
   free_blocks_.clear();
   seqs_.clear();
   new_pages_.clear();
+  freed_pages_.clear();
 }
 
 const Sequence& BlockPool::Get(int64_t seq_id) const {
@@ -70,6 +71,7 @@ std::optional<PageCopy> BlockPool::PopN(int64_t seq_id, int64_t n) {
     size_t keep = static_cast<size_t>((leaf.num_tokens + page_size_ - 1) / page_size_);
     while (leaf.pages.size() > keep) {
       free_pages_.push_back(leaf.pages.back());
+      freed_pages_.push_back(leaf.pages.back());
       leaf.pages.pop_back();
     }
     seqs_[seq_id].length -= n;
@@ -163,6 +165,29 @@ std::vector<int32_t> BlockPool::TakeNewPages() {
   return out;
 }
 
+std::vector<int32_t> BlockPool::TakeFreedPages() {
+  std::vector<int32_t> out;
+  out.swap(freed_pages_);
+  return out;
+}
+
+int64_t BlockPool::AppendPages(const std::vector<int64_t>& ids, const std::vector<int64_t>& lengths) const {
+  int64_t pages = 0;
+  for (size_t i = 0; i < ids.size() && i < lengths.size(); ++i) pages += PagesNeeded(Get(ids[i]), lengths[i]);
+  return pages;
+}
+
+int64_t BlockPool::ForkPages(int64_t parent_id, int64_t pos) const {
+  if (pos == -1) pos = Get(parent_id).length;
+  return pos % page_size_ != 0 ? 1 : 0;
+}
+
+int64_t BlockPool::PopNPages(int64_t seq_id, int64_t n) const {
+  const Sequence& seq = Get(seq_id);
+  bool reroot = n > blocks_[seq.leaf].num_tokens && n <= seq.length;
+  return reroot && (seq.length - n) % page_size_ != 0 ? 1 : 0;
+}
+
 int32_t BlockPool::NewBlock(int32_t parent, int64_t start) {
   int32_t id;
   if (!free_blocks_.empty()) {
@@ -195,6 +220,7 @@ void BlockPool::ReleaseLeaf(int32_t leaf) {
   while (b != -1) {
     Block& block = blocks_[b];
     free_pages_.insert(free_pages_.end(), block.pages.rbegin(), block.pages.rend());
+    freed_pages_.insert(freed_pages_.end(), block.pages.begin(), block.pages.end());
     int32_t parent = block.parent;
     block = Block();
     free_blocks_.push_back(b);

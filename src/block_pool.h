@@ -66,8 +66,16 @@ class BlockPool {
   int64_t NumPages() const { return num_pages_; }
   int64_t PageSize() const { return page_size_; }
   int64_t TotalLength() const;
-  // Pages taken from the free list since the last call (the cache poisons them in debug mode).
+  // Pages taken from the free list since the last call (the cache poisons them in debug mode, and maps them in
+  // the window pools: window_pools.h).
   std::vector<int32_t> TakeNewPages();
+  // Pages given back to the free list since the last call (the window pools free their own pages of them).
+  std::vector<int32_t> TakeFreedPages();
+  // Pages Append(ids, lengths) takes (only after CheckAppend passed), Fork(parent, -, pos) takes and PopN(seq, n)
+  // takes (0 or 1: a mid-page cut of a shared page), for the window pools' budget checks before either runs.
+  int64_t AppendPages(const std::vector<int64_t>& ids, const std::vector<int64_t>& lengths) const;
+  int64_t ForkPages(int64_t parent_id, int64_t pos) const;
+  int64_t PopNPages(int64_t seq_id, int64_t n) const;
   std::vector<int32_t> FreePages() const { return free_pages_; }
 
  private:
@@ -86,6 +94,7 @@ class BlockPool {
   std::vector<int32_t> free_blocks_;
   std::map<int64_t, Sequence> seqs_;
   std::vector<int32_t> new_pages_;
+  std::vector<int32_t> freed_pages_;
 };
 
 }  // namespace pagedkv

@@ -6,6 +6,7 @@
 #include <tvm/ffi/error.h>
 #include <tvm/ffi/extra/json.h>
 
+#include <algorithm>
 #include <cmath>
 #include <cstdio>
 #include <map>
@@ -33,6 +34,8 @@ const std::set<std::string> kSchema4Fields = {"cuda_graph_batch"};
 const std::set<std::string> kSchema5Fields = {"attention_sinks", "sink_size"};
 // Added by schema 6 (RoPE variants): one object of RopeSpec's fields.
 const std::set<std::string> kSchema6Fields = {"rope"};
+// Added by schema 7 (layer groups): a list of objects {name, layers, sliding_window}.
+const std::set<std::string> kSchema7Fields = {"layer_groups"};
 const std::set<std::string> kRopeTypes = {"default", "linear", "llama3", "yarn", "longrope"};
 const std::set<std::string> kRuntimeFields = {"max_batch_size", "max_total_seq_len",
                                               "prefill_chunk_size", "page_size"};
@@ -178,6 +181,92 @@ void ReadRope(const FieldMap& f, KVConfig* c) {
   }
 }
 
+// Schema 7's "layer_groups": each an object of name, layers (ints) and sliding_window (int, default 0).
+void ReadLayerGroups(const FieldMap& f, KVConfig* c) {
+  auto it = f.find("layer_groups");
+  if (it == f.end()) return;
+  auto arr = it->second.as<ffi::Array<ffi::Any>>();
+  if (!arr.has_value()) TVM_FFI_THROW(ValueError) << "pagedkv config: field 'layer_groups' must be a list";
+  for (const ffi::Any& item : *arr) {
+    auto obj = item.as<ffi::Map<ffi::Any, ffi::Any>>();
+    if (!obj.has_value()) TVM_FFI_THROW(ValueError) << "pagedkv config: each of 'layer_groups' must be an object";
+    FieldMap g = ToFieldMap(&*obj);
+    for (const auto& kv : g) {
+      if (kv.first != "name" && kv.first != "layers" && kv.first != "sliding_window") {
+        TVM_FFI_THROW(ValueError) << "pagedkv config: unknown layer group field '" << kv.first << "'";
+      }
+    }
+    LayerGroup group;
+    auto name = g.count("name") ? g.at("name").as<ffi::String>() : std::nullopt;
+    if (!name.has_value() || name->empty()) {
+      TVM_FFI_THROW(ValueError) << "pagedkv config: each layer group needs a non-empty string 'name'";
+    }
+    group.name = std::string(*name);
+    group.sliding_window = GetInt(g, "sliding_window", 0, false);
+    auto layers = g.count("layers") ? g.at("layers").as<ffi::Array<ffi::Any>>() : std::nullopt;
+    if (!layers.has_value()) {
+      TVM_FFI_THROW(ValueError) << "pagedkv config: layer group '" << group.name << "' needs a list 'layers'";
+    }
+    for (const ffi::Any& layer : *layers) {
+      auto v = layer.as<int64_t>();
+      if (!v.has_value()) {
+        TVM_FFI_THROW(ValueError) << "pagedkv config: layer group '" << group.name << "' layers must be ints";
+      }
+      group.layers.push_back(*v);
+    }
+    c->layer_groups.push_back(std::move(group));
+  }
+}
+
+// Each layer in exactly one group, names unique, windows >= 0, and none of the options planned for one window
+// (python/pagedkv/config.py says the same); then the per-layer pool map.
+void ValidateLayerGroups(KVConfig* c) {
+  if (c->layer_groups.empty()) return;
+  std::vector<std::string> owner(static_cast<size_t>(c->num_layers));
+  std::set<std::string> names;
+  std::set<int64_t> windows;
+  for (const LayerGroup& g : c->layer_groups) {
+    if (!names.insert(g.name).second) {
+      TVM_FFI_THROW(ValueError) << "pagedkv config: layer group name '" << g.name << "' is given twice";
+    }
+    if (g.sliding_window < 0) {
+      TVM_FFI_THROW(ValueError) << "pagedkv config: layer group '" << g.name << "': sliding_window must be >= 0 "
+                                << "(0: full attention), got " << g.sliding_window;
+    }
+    if (g.sliding_window > 0) windows.insert(g.sliding_window);
+    for (int64_t layer : g.layers) {
+      if (layer < 0 || layer >= c->num_layers) {
+        TVM_FFI_THROW(ValueError) << "pagedkv config: layer group '" << g.name << "' names layer " << layer
+                                  << ", outside [0, " << c->num_layers << ")";
+      }
+      if (!owner[layer].empty()) {
+        TVM_FFI_THROW(ValueError) << "pagedkv config: layer " << layer << " is in two layer groups ('" << owner[layer]
+                                  << "' and '" << g.name << "')";
+      }
+      owner[layer] = g.name;
+    }
+  }
+  for (int64_t l = 0; l < c->num_layers; ++l) {
+    if (owner[l].empty()) TVM_FFI_THROW(ValueError) << "pagedkv config: layer " << l << " is in no layer group";
+  }
+  const std::pair<bool, const char*> refused[] = {
+      {c->sliding_window != 0, "the top-level sliding_window (each group's sliding_window says it)"},
+      {c->sink_size != 0, "sink_size (not implemented per layer group yet)"},
+      {c->cuda_graph(), "cuda_graph_batch (not implemented with layer groups yet)"},
+      {c->is_mla(), "MLA layers (they take no window)"}};
+  for (const auto& [bad, what] : refused) {
+    if (bad) TVM_FFI_THROW(ValueError) << "pagedkv config: layer_groups with " << what;
+  }
+  c->group_windows.assign(windows.begin(), windows.end());
+  c->layer_pool.assign(static_cast<size_t>(c->num_layers), 0);
+  for (const LayerGroup& g : c->layer_groups) {
+    if (g.sliding_window == 0) continue;
+    int pool = 1 + static_cast<int>(std::lower_bound(c->group_windows.begin(), c->group_windows.end(),
+                                                     g.sliding_window) - c->group_windows.begin());
+    for (int64_t layer : g.layers) c->layer_pool[layer] = pool;
+  }
+}
+
 void ValidateMLA(const KVConfig& c) {
   const std::pair<const char*, int64_t> dims[] = {{"kv_lora_rank", c.kv_lora_rank},
                                                   {"qk_nope_head_dim", c.qk_nope_head_dim},
@@ -311,7 +400,28 @@ std::string FloatJSON(double v) {
   return s;
 }
 
+std::string LayerGroupsJSON(const KVConfig& c) {
+  std::ostringstream os;
+  os << "[";
+  for (size_t i = 0; i < c.layer_groups.size(); ++i) {
+    const LayerGroup& g = c.layer_groups[i];
+    os << (i ? ", " : "") << "{\"layers\": [";
+    for (size_t j = 0; j < g.layers.size(); ++j) os << (j ? ", " : "") << g.layers[j];
+    os << "], \"name\": \"" << g.name << "\", \"sliding_window\": " << g.sliding_window << "}";
+  }
+  os << "]";
+  return os.str();
+}
+
 }  // namespace
+
+std::string KVConfig::PoolGroupNames(int pool) const {
+  std::string out;
+  for (const LayerGroup& g : layer_groups) {
+    if (pool >= 1 && g.sliding_window == group_windows[pool - 1]) out += (out.empty() ? "'" : ", '") + g.name + "'";
+  }
+  return out;
+}
 
 DLDataType KVConfig::dl_dtype() const {
   if (dtype == "float32") return DLDataType{kDLFloat, 32, 1};
@@ -332,7 +442,8 @@ KVConfig ParseConfig(const std::string& json, const ffi::Shape& runtime_values) 
         !(c.schema_version >= 3 && kSchema3Fields.count(kv.first)) &&
         !(c.schema_version >= 4 && kSchema4Fields.count(kv.first)) &&
         !(c.schema_version >= 5 && kSchema5Fields.count(kv.first)) &&
-        !(c.schema_version >= 6 && kSchema6Fields.count(kv.first))) {
+        !(c.schema_version >= 6 && kSchema6Fields.count(kv.first)) &&
+        !(c.schema_version >= 7 && kSchema7Fields.count(kv.first))) {
       TVM_FFI_THROW(ValueError) << "pagedkv config: unknown field '" << kv.first << "' for schema_version "
                                 << c.schema_version;
     }
@@ -362,7 +473,9 @@ KVConfig ParseConfig(const std::string& json, const ffi::Shape& runtime_values) 
   c.attention_sinks = GetBool(f, "attention_sinks", false);
   c.sink_size = GetInt(f, "sink_size", 0, false);
   ReadRope(f, &c);
+  ReadLayerGroups(f, &c);
   Validate(c);
+  ValidateLayerGroups(&c);
   return c;
 }
 
@@ -402,6 +515,7 @@ std::string ConfigToJSON(const KVConfig& c) {
     out["sink_size"] = std::to_string(c.sink_size);
   }
   if (c.schema_version >= 6) out["rope"] = c.rope_json.empty() ? "{\"rope_type\": \"default\"}" : c.rope_json;
+  if (c.schema_version >= 7) out["layer_groups"] = LayerGroupsJSON(c);
   std::string json = "{";
   for (const auto& [k, v] : out) json += (json.size() > 1 ? ", " : "") + str(k) + ": " + v;
   return json + "}";

@@ -19,7 +19,16 @@ namespace pagedkv {
 // Schema 5 added attention_sinks (false: off): learnable per-head attention sinks (attention.cc), and sink_size (0:
 // off): StreamingLLM sink tokens beside a sliding window (forward_plan.h).
 // Schema 6 added rope (absent: plain RoPE): the RoPE variant (python/pagedkv/rope_spec.py, RopeSpec), an object.
-inline constexpr int64_t kSchemaVersion = 6;
+// Schema 7 added layer_groups (absent or empty: every layer alike): per-layer windows in one cache, each sliding
+// group with window-sized memory in a page pool of its own (window_pools.h).
+inline constexpr int64_t kSchemaVersion = 7;
+
+// Schema 7: layers that attend alike. sliding_window 0: full attention.
+struct LayerGroup {
+  std::string name;
+  std::vector<int64_t> layers;
+  int64_t sliding_window = 0;
+};
 
 struct KVConfig {
   int64_t schema_version = kSchemaVersion;
@@ -64,12 +73,24 @@ struct KVConfig {
   // factors, apply_rope = 2 (as transformers switches per call); 0: no switch.
   int64_t rope_long_after = 0;
   int64_t rotary_dim = 0;  // 0: the whole head
+  // schema 7; empty: every layer alike (sliding_window). Else each layer in exactly one group.
+  std::vector<LayerGroup> layer_groups;
+  // Per layer: 0 (a full layer, or a cache without groups), or 1 + the index in group_windows of its window.
+  std::vector<int> layer_pool;
+  // The distinct sliding windows > 0 of layer_groups, ascending: window pool i serves group_windows[i].
+  std::vector<int64_t> group_windows;
 
   DLDataType dl_dtype() const;
   // The rope_scale argument of the kernels (the config's, divided by a "linear" variant's factor).
   double rope_scale_arg() const { return rope_scale / rope_linear_factor; }
   // A windowed cache attends each sequence's whole chain in one causal pass (forward_plan.h).
   bool windowed() const { return sliding_window > 0; }
+  bool has_groups() const { return !layer_groups.empty(); }
+  // The page pool of a layer (0: the main pool) and the window its kernels apply (0: none, or the config's).
+  int pool_of(int64_t layer) const { return layer_pool.empty() ? 0 : layer_pool[layer]; }
+  int64_t pool_window(int pool) const { return pool == 0 ? sliding_window : group_windows[pool - 1]; }
+  // "'a', 'b'": the names of the groups whose layers use window pool `pool` (>= 1), for errors.
+  std::string PoolGroupNames(int pool) const;
   bool cuda_graph() const { return cuda_graph_batch > 0; }
   // Every layer is MLA (a cache holds one layer kind).
   bool is_mla() const { return !layer_kinds.empty() && layer_kinds[0] == "mla"; }

@@ -42,6 +42,7 @@ struct SeqView {
   std::vector<int32_t> own_pages;
   int64_t kv_len = 0;   // keys the passes see
   size_t shared = 0;    // leading blocks read in prefix passes
+  int64_t first_key = 0;  // page-aligned: the own entry starts no earlier (PlanOptions::skip_behind_window)
 };
 
 void ViewPages(const BlockPool& pool, SeqView* s) {
@@ -95,7 +96,7 @@ PassPlan OwnPass(const BlockPool& pool, const std::vector<SeqView>& seqs, const 
   ReservePass(&pass, seqs.size(), pages);
   for (size_t i = 0; i < seqs.size(); ++i) {
     const SeqView& s = seqs[i];
-    int64_t start = pool.block(s.chain[s.shared]).start;
+    int64_t start = std::max(pool.block(s.chain[s.shared]).start, s.first_key);
     int64_t tokens = std::max<int64_t>(s.kv_len - start, 0);
     AddEntry(&pass, plan.q_indptr[i], plan.q_indptr[i + 1], s.pages + start / ps, tokens, start, ps);
   }
@@ -158,6 +159,7 @@ ForwardPlan BuildForwardPlan(const BlockPool& pool, const std::vector<int64_t>& 
     int64_t length = seq.length;
     int64_t prior = length - lengths[i];
     s.kv_len = length;  // through; split forwards see `prior` (below, once every prior is known)
+    if (options.skip_behind_window) s.first_key = std::max<int64_t>(0, prior - options.window + 1) / ps * ps;
     plan.prior_len.push_back(static_cast<int32_t>(prior));
     for (int64_t pos = prior; pos < length; ++pos) {
       plan.q_pos.push_back(static_cast<int32_t>(pos));

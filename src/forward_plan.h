@@ -84,11 +84,17 @@ struct ForwardPlan {
 // sequence: one pass of c(p) keys per entry. A prefill's queries: c grows by one a row up to sink_size, so the rows
 // with 0 < c < sink_size form one causal entry (bottom-right aligned on c(last row) keys: row p sees keys <= p -
 // window), and those with c == sink_size one non-causal entry of sink_size keys, in a second pass.
+//
+// `skip_behind_window` (a window pool's plan, with `flat` and `window`): each sequence's entry starts at the page
+// holding the first key its first query sees (position prior - window + 1), not at its first page: the pages before
+// lie wholly behind every query's window, and a window pool may have given them back (window_pools.h). The window
+// kernels place a query by its entry's key count (bottom-right), so the result is the same.
 struct PlanOptions {
   bool flat = false;
   bool through_continuations = false;
   int64_t window = 0;
   int64_t sink_size = 0;
+  bool skip_behind_window = false;
 };
 ForwardPlan BuildForwardPlan(const BlockPool& pool, const std::vector<int64_t>& ids,
                              const std::vector<int64_t>& lengths, PlanOptions options);

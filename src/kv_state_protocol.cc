@@ -103,6 +103,7 @@ void PagedKVCacheObj::CommitAcceptedTokenTreeNodes(const ffi::Shape& seq_ids, co
     PopN(id, chains_.at(id) - (leaf_indices[i] + 1));
     chains_.erase(id);
   }
+  windows_.Trim(pool_, chains_);  // the committed tokens' windows no longer reach behind the chains
 }
 
 // ---------------------------------------------------------------------------------------------------

@@ -55,6 +55,10 @@ inline constexpr std::array<const char*, 6> kRequiredMLAOps = {kAttnPrefillRagge
 inline constexpr std::array<const char*, 4> kPartialMHAOps = {kAttnPrefillRaggedPartial, kAttnPrefillPagedPartial, kAttnDecodePagedPartial, kMergeStatePartial};
 inline constexpr std::array<const char*, 3> kPartialMLAOps = {kMergeStatePartial, kMLAAttnPrefillPagedPartial, kMLAAttnDecodePagedPartial};
 
+// The attention ops whose kernels apply a sliding window (WINDOW_OPS): a config with layer groups
+// gives each distinct window its own kernels of these in a sub-table of the op table.
+inline constexpr std::array<const char*, 6> kWindowOps = {kAttnPrefillRagged, kAttnPrefillPaged, kAttnDecodePaged, kAttnPrefillRaggedPartial, kAttnPrefillPagedPartial, kAttnDecodePagedPartial};
+
 template <size_t N>
 inline bool Contains(const std::array<const char*, N>& ops, std::string_view name) {
   for (const char* op : ops) {

@@ -81,6 +81,28 @@ void CheckSinkOps(const OpTable& table, const KVConfig& c, bool partial) {
   }
 }
 
+// Layer groups (schema 7): the op table holds a sub-table for each window of the groups, and only those, with the
+// window ops the main table holds (so every layer's attention finds its kernels).
+void CheckWindowTables(const OpTable& table, const KVConfig& c) {
+  for (const auto& [window, sub] : table.windows) {
+    if (!std::count(c.group_windows.begin(), c.group_windows.end(), window)) {
+      TVM_FFI_THROW(ValueError) << "pagedkv.create: the op table has kernels for window " << window
+                                << ", which no layer group of the config has";
+    }
+  }
+  for (int64_t window : c.group_windows) {
+    auto it = table.windows.find(window);
+    for (const char* op : ops::kWindowOps) {
+      if (!table.adapters.count(op) || (it != table.windows.end() && it->second->adapters.count(op))) continue;
+      TVM_FFI_THROW(ValueError) << "pagedkv.create: the op table has no '" << op << "' for window " << window
+                                << " (layer groups " << c.PoolGroupNames(1 + static_cast<int>(
+                                       std::find(c.group_windows.begin(), c.group_windows.end(), window) -
+                                       c.group_windows.begin()))
+                                << "): build it with the config's layer_groups (pagedkv.ops.WINDOW_OPS)";
+    }
+  }
+}
+
 // The device memory a cache of `c` allocates: every layer's pages and the chunk-sized work buffers
 // (the constructor's allocations, in the same order). `partial`: float32 partial states (o_tmp in float32 and
 // the o_acc buffer).
@@ -96,8 +118,15 @@ DeviceBytes ComputeDeviceBytes(const KVConfig& c, bool partial) {
                 Size{static_cast<uint64_t>(c.max_batch_size)};
   b.page = Size{elem};
   for (int64_t d : PageShapeOf(c)) b.page = b.page * static_cast<uint64_t>(d);
-  b.pages = Size{b.page.value, b.page.overflow || b.num_pages.overflow} * b.num_pages.value *
-            static_cast<uint64_t>(c.num_layers);
+  // a layer of a window pool (layer groups) holds WindowPoolPages <= num_pages pages, computed once num_pages fits
+  Size layer_pages{0, b.num_pages.overflow};
+  for (int64_t l = 0; l < c.num_layers; ++l) {
+    int pool = c.pool_of(l);
+    uint64_t pages = pool == 0 || b.num_pages.overflow ? b.num_pages.value
+                                                       : static_cast<uint64_t>(WindowPoolPages(c, c.pool_window(pool)));
+    layer_pages = layer_pages + Size{pages};
+  }
+  b.pages = Size{b.page.value, b.page.overflow || layer_pages.overflow} * layer_pages.value;
   uint64_t n = static_cast<uint64_t>(c.prefill_chunk_size), hq = static_cast<uint64_t>(c.num_qo_heads);
   uint64_t split_n = c.is_mla() ? 1 : n, kv = static_cast<uint64_t>(c.num_kv_heads * c.head_dim);
   uint64_t v_dim = static_cast<uint64_t>(c.is_mla() ? c.kv_lora_rank : c.head_dim);
@@ -183,13 +212,18 @@ PagedKVCacheObj::PagedKVCacheObj(KVConfig config, OpTable ops, DLDevice device)
       device_(device),
       dtype_(cfg_.dl_dtype()),
       pool_(cfg_.num_pages(), cfg_.page_size),
+      windows_(cfg_),
       aux_(&fns_, device, InitialAuxElems(cfg_)),
       pdl_(DeviceSupportsPDL(device)) {
   int64_t hq = cfg_.num_qo_heads, hkv = cfg_.num_kv_heads, d = cfg_.head_dim, n = cfg_.prefill_chunk_size;
   partial_states_ = UsesPartialStates(ops_, cfg_);
   std::vector<int64_t> pages_shape = PageShape();
   pages_shape.insert(pages_shape.begin(), cfg_.num_pages());
-  for (int64_t l = 0; l < cfg_.num_layers; ++l) pages_.push_back(AllocDevice(pages_shape, dtype_, "the pages of a layer"));
+  for (int64_t l = 0; l < cfg_.num_layers; ++l) {
+    int pool = cfg_.pool_of(l);
+    pages_shape[0] = pool == 0 ? cfg_.num_pages() : windows_.Capacity(pool - 1);
+    pages_.push_back(AllocDevice(pages_shape, dtype_, "the pages of a layer"));
+  }
   // The split q/k/v buffers serve attention_with_fused_qkv, which MLA layers do not have.
   int64_t split_n = cfg_.is_mla() ? 1 : n;
   q_buf_ = AllocDevice({split_n, hq, d}, dtype_, "work buffer q");
@@ -211,6 +245,7 @@ PagedKVCache CreatePagedKVCache(const std::string& config_json, const ffi::Shape
   OpTable ops = ParseOpTable(op_table, config.layer_kind());
   bool partial = UsesPartialStates(ops, config);
   CheckSinkOps(ops, config, partial);
+  CheckWindowTables(ops, config);
   DeviceBytes bytes = ComputeDeviceBytes(config, partial);
   CheckCapacity(config, bytes, device_ref.device());
   int64_t num_pages = config.num_pages();
@@ -272,6 +307,26 @@ int32_t PagedKVCacheObj::GetSequenceLength(int64_t seq_id) const {
 
 int32_t PagedKVCacheObj::GetNumAvailablePages() const { return static_cast<int32_t>(pool_.NumFreePages()); }
 
+ffi::Shape PagedKVCacheObj::PoolPages() const {
+  std::vector<int64_t> out = {pool_.NumPages(), pool_.NumFreePages()};
+  for (int i = 0; i < windows_.NumPools(); ++i) {
+    out.push_back(windows_.Capacity(i));
+    out.push_back(windows_.NumFree(i));
+  }
+  return ffi::Shape(out);
+}
+
+const OpTable& PagedKVCacheObj::AttnOps(int64_t layer) const {
+  int pool = cfg_.pool_of(layer);
+  return pool == 0 ? ops_ : *ops_.windows.at(cfg_.pool_window(pool));
+}
+
+void PagedKVCacheObj::CheckWindows(int64_t seq_id, int64_t pos, int64_t pages, const std::string& what) const {
+  if (windows_.NumPools() == 0) return;
+  windows_.CheckFree(pages, what);
+  windows_.CheckResident(pool_.ChainPages(seq_id), pos, what);
+}
+
 int32_t PagedKVCacheObj::GetTotalSequenceLength() const { return static_cast<int32_t>(pool_.TotalLength()); }
 
 void PagedKVCacheObj::AddSequence(int64_t seq_id) {
@@ -282,6 +337,7 @@ void PagedKVCacheObj::AddSequence(int64_t seq_id) {
 void PagedKVCacheObj::RemoveSequence(int64_t seq_id) {
   CheckNoForward("remove_sequence");
   pool_.Remove(seq_id);
+  AfterPoolChange(std::nullopt);  // the window pools give back their pages of the freed blocks
   chains_.erase(seq_id);
 }
 
@@ -289,16 +345,22 @@ void PagedKVCacheObj::ForkSequence(int64_t parent_id, int64_t child_id, int64_t 
   CheckNoForward("fork_sequence");
   // The chain's tokens would become shared, and its commit could then need a page it cannot be refused.
   CheckNoChain("fork_sequence", parent_id);
-  std::optional<PageCopy> copy = pool_.Fork(parent_id, child_id, fork_pos);
-  PoisonNewPages();  // before the copy, so the copied tokens survive
-  RunCopy(copy);
+  int64_t length = pool_.Get(parent_id).length, pos = fork_pos == -1 ? length : fork_pos;
+  if (pos >= 0 && pos <= length && !pool_.Has(child_id)) {  // else pool_.Fork names the error
+    CheckWindows(parent_id, pos, pool_.ForkPages(parent_id, pos),
+                 "fork_sequence of sequence " + std::to_string(parent_id) + " at position " + std::to_string(pos));
+  }
+  AfterPoolChange(pool_.Fork(parent_id, child_id, fork_pos));
 }
 
 void PagedKVCacheObj::PopN(int64_t seq_id, int64_t n) {
   CheckNoForward("popn");
-  std::optional<PageCopy> copy = pool_.PopN(seq_id, n);
-  PoisonNewPages();
-  RunCopy(copy);
+  int64_t length = pool_.Get(seq_id).length;
+  if (n >= 0 && n <= length) {  // else pool_.PopN names the error
+    CheckWindows(seq_id, length - n, pool_.PopNPages(seq_id, n),
+                 "popn of " + std::to_string(n) + " tokens of sequence " + std::to_string(seq_id));
+  }
+  AfterPoolChange(pool_.PopN(seq_id, n));
   auto chain = chains_.find(seq_id);  // popped chain tokens are no longer the chain's
   if (chain != chains_.end() && (chain->second -= std::min(n, chain->second)) == 0) chains_.erase(chain);
 }
@@ -307,18 +369,31 @@ void PagedKVCacheObj::Clear() {
   if (forward_.has_value()) ops_.EndForward();
   forward_.reset();  // clearing also abandons an open forward
   pool_.Clear();
+  windows_.Clear();
   chains_.clear();
-  if (poison_) {
-    for (int32_t page : pool_.FreePages()) PoisonPage(page);
+  if (poison_) DebugPoisonPages(true);
+}
+
+void PagedKVCacheObj::AfterPoolChange(const std::optional<PageCopy>& copy) {
+  std::vector<int32_t> fresh = pool_.TakeNewPages();  // drained even when not poisoning, so it never grows
+  windows_.Map(fresh);
+  for (int pool = 0; pool <= windows_.NumPools(); ++pool) {
+    std::vector<int32_t> pages = pool == 0 ? fresh : windows_.TakeNewPages(pool - 1);
+    if (!poison_) continue;
+    for (int32_t page : pages) PoisonPage(pool, page);  // before the copy, so the copied tokens survive
   }
+  RunCopy(copy);
+  windows_.Unmap(pool_.TakeFreedPages());  // after the copy: its source may be among them
 }
 
 void PagedKVCacheObj::RunCopy(const std::optional<PageCopy>& copy) {
   if (!copy.has_value()) return;
-  for (const ffi::Tensor& pages : pages_) {
-    ops_.Call(ops::CopyPage()
-                  .pages(pages).src_page(static_cast<int64_t>(copy->src)).dst_page(static_cast<int64_t>(copy->dst))
-                  .num_tokens(copy->num_tokens));
+  for (int64_t l = 0; l < cfg_.num_layers; ++l) {
+    int pool = cfg_.pool_of(l);
+    int64_t src = pool == 0 ? copy->src : windows_.Phys(pool - 1, copy->src);
+    int64_t dst = pool == 0 ? copy->dst : windows_.Phys(pool - 1, copy->dst);
+    TVM_FFI_ICHECK(src >= 0 && dst >= 0) << "pagedkv: a page copy of layer " << l << " reads a released page";
+    ops_.Call(ops::CopyPage().pages(pages_[l]).src_page(src).dst_page(dst).num_tokens(copy->num_tokens));
   }
 }
 
@@ -333,17 +408,32 @@ void PagedKVCacheObj::CheckDebugRange(const char* what, int64_t seq_id, int64_t 
   }
 }
 
-ffi::Tensor PagedKVCacheObj::SlotsOnDevice(int64_t seq_id, int64_t start, int64_t count) {
+std::vector<ffi::Tensor> PagedKVCacheObj::SlotsOnDevice(int64_t seq_id, int64_t start, int64_t count,
+                                                        const char* what) {
   std::vector<int32_t> pages = pool_.ChainPages(seq_id);
-  std::vector<int32_t> slots;
-  int64_t ps = cfg_.page_size;
-  for (int64_t t = start; t < start + count; ++t) slots.push_back(static_cast<int32_t>(pages[t / ps] * ps + t % ps));
-  if (!debug_aux_) debug_aux_ = std::make_unique<AuxBuilder>(&fns_, device_, AuxBuilder::Padded(count));
-  debug_aux_->Reserve(AuxBuilder::Padded(count));
+  int64_t ps = cfg_.page_size, pools = 1 + windows_.NumPools();
+  std::vector<std::vector<int32_t>> slots(static_cast<size_t>(pools));
+  for (int64_t t = start; t < start + count; ++t) {
+    for (int pool = 0; pool < pools; ++pool) {
+      int32_t page = pool == 0 ? pages[t / ps] : windows_.Phys(pool - 1, pages[t / ps]);
+      if (page < 0) {
+        TVM_FFI_THROW(ValueError) << "pagedkv: " << what << ": token " << t << " of sequence " << seq_id
+                                  << " is behind the window of layer group " << cfg_.PoolGroupNames(pool)
+                                  << " (sliding_window " << cfg_.pool_window(pool) << "), which gave its page back";
+      }
+      slots[pool].push_back(static_cast<int32_t>(page * ps + t % ps));
+    }
+  }
+  int64_t elems = pools * AuxBuilder::Padded(count);
+  if (!debug_aux_) debug_aux_ = std::make_unique<AuxBuilder>(&fns_, device_, elems);
+  debug_aux_->Reserve(elems);
   debug_aux_->Reset();
-  int handle = debug_aux_->Add(slots);
+  std::vector<int> handles;
+  for (const auto& s : slots) handles.push_back(debug_aux_->Add(s));
   debug_aux_->Upload();
-  return debug_aux_->View(handle);
+  std::vector<ffi::Tensor> out;
+  for (int h : handles) out.push_back(debug_aux_->View(h));
+  return out;
 }
 
 void PagedKVCacheObj::DebugGetKV(int64_t seq_id, int64_t start, int64_t end, Tensor k_out, Tensor v_out) {
@@ -355,12 +445,12 @@ void PagedKVCacheObj::DebugGetKV(int64_t seq_id, int64_t start, int64_t end, Ten
   CheckTensor(v_out, "v_out", shape, dtype_, device_);
   ops_.Get(ops::kGatherKV);  // an optional op: fails naming it when the table lacks it, even for m == 0
   if (m == 0) return;
-  ffi::Tensor slots = SlotsOnDevice(seq_id, start, m);
+  std::vector<ffi::Tensor> slots = SlotsOnDevice(seq_id, start, m, "debug_get_kv");
   uint64_t layer_bytes = NumBytes(KVShape(m), dtype_);
   for (int64_t l = 0; l < cfg_.num_layers; ++l) {
     ffi::Tensor k = fns_.View(k_out, KVShape(m), dtype_, l * layer_bytes);
     ffi::Tensor v = fns_.View(v_out, KVShape(m), dtype_, l * layer_bytes);
-    ops_.Call(ops::GatherKV().pages(pages_[l]).slot(slots).k(k).v(v));
+    ops_.Call(ops::GatherKV().pages(pages_[l]).slot(slots[cfg_.pool_of(l)]).k(k).v(v));
   }
 }
 
@@ -373,12 +463,12 @@ void PagedKVCacheObj::DebugSetKV(int64_t seq_id, int64_t start, Tensor k, Tensor
   CheckTensor(v, "v", shape, dtype_, device_);
   CheckDebugRange("debug_set_kv", seq_id, start, m);
   if (m == 0) return;
-  ffi::Tensor slots = SlotsOnDevice(seq_id, start, m);
+  std::vector<ffi::Tensor> slots = SlotsOnDevice(seq_id, start, m, "debug_set_kv");
   uint64_t layer_bytes = NumBytes(KVShape(m), dtype_);
   for (int64_t l = 0; l < cfg_.num_layers; ++l) {
     ffi::Tensor k_l = fns_.View(k, KVShape(m), dtype_, l * layer_bytes);
     ffi::Tensor v_l = fns_.View(v, KVShape(m), dtype_, l * layer_bytes);
-    ops_.Call(ops::AppendKV().pages(pages_[l]).k(k_l).v(v_l).slot(slots));
+    ops_.Call(ops::AppendKV().pages(pages_[l]).k(k_l).v(v_l).slot(slots[cfg_.pool_of(l)]));
   }
 }
 
@@ -389,12 +479,12 @@ void PagedKVCacheObj::DebugGetKVMLA(int64_t seq_id, int64_t start, int64_t end, 
   CheckTensor(kv_out, "kv_out", {cfg_.num_layers, m, cfg_.latent_dim()}, dtype_, device_);
   ops_.Get(ops::kMLAGatherKV);  // an optional op: fails naming it when the table lacks it, even for m == 0
   if (m == 0) return;
-  ffi::Tensor slots = SlotsOnDevice(seq_id, start, m);
+  std::vector<ffi::Tensor> slots = SlotsOnDevice(seq_id, start, m, "debug_mla_kv");
   std::vector<int64_t> layer_shape = {m, cfg_.latent_dim()};
   uint64_t layer_bytes = NumBytes(layer_shape, dtype_);
   for (int64_t l = 0; l < cfg_.num_layers; ++l) {
     ffi::Tensor kv_l = fns_.View(kv_out, layer_shape, dtype_, l * layer_bytes);
-    ops_.Call(ops::MLAGatherKV().pages(pages_[l]).slot(slots).kv(kv_l));
+    ops_.Call(ops::MLAGatherKV().pages(pages_[l]).slot(slots[0]).kv(kv_l));
   }
 }
 
@@ -405,12 +495,12 @@ void PagedKVCacheObj::DebugSetMLAKV(int64_t seq_id, int64_t start, const ffi::Te
   CheckTensor(kv, "kv", {cfg_.num_layers, m, cfg_.latent_dim()}, dtype_, device_);
   CheckDebugRange("debug_set_mla_kv", seq_id, start, m);
   if (m == 0) return;
-  ffi::Tensor slots = SlotsOnDevice(seq_id, start, m);
+  std::vector<ffi::Tensor> slots = SlotsOnDevice(seq_id, start, m, "debug_mla_kv");
   std::vector<int64_t> layer_shape = {m, cfg_.latent_dim()};
   uint64_t layer_bytes = NumBytes(layer_shape, dtype_);
   for (int64_t l = 0; l < cfg_.num_layers; ++l) {
     ffi::Tensor kv_l = fns_.View(kv, layer_shape, dtype_, l * layer_bytes);
-    ops_.Call(ops::MLAAppendKV().pages(pages_[l]).kv(kv_l).slot(slots));
+    ops_.Call(ops::MLAAppendKV().pages(pages_[l]).kv(kv_l).slot(slots[0]));
   }
 }
 
@@ -421,22 +511,20 @@ void PagedKVCacheObj::DebugSetMLAKV(int64_t seq_id, int64_t start, const ffi::Te
 void PagedKVCacheObj::DebugPoisonPages(bool on) {
   poison_ = on;
   if (!on) return;
-  for (int32_t page : pool_.FreePages()) PoisonPage(page);
+  for (int32_t page : pool_.FreePages()) PoisonPage(0, page);
+  for (int i = 0; i < windows_.NumPools(); ++i) {
+    for (int32_t page : windows_.FreePages(i)) PoisonPage(i + 1, page);
+  }
   PoisonTemps();
 }
 
-void PagedKVCacheObj::PoisonNewPages() {
-  std::vector<int32_t> pages = pool_.TakeNewPages();  // drained even when off, so it never grows
-  if (!poison_) return;
-  for (int32_t page : pages) PoisonPage(page);
-}
-
-void PagedKVCacheObj::PoisonPage(int32_t page) {
+void PagedKVCacheObj::PoisonPage(int pool, int32_t page) {
   std::vector<int64_t> shape = PageShape();
   size_t bytes = NumBytes(shape, dtype_);
   std::vector<uint8_t> nan = NaNBytes(dtype_, bytes / ((dtype_.bits + 7) / 8));
-  for (const ffi::Tensor& pages : pages_) {
-    fns_.CopyFromBytes(fns_.View(pages, shape, dtype_, static_cast<uint64_t>(page) * bytes), nan.data(), bytes);
+  for (int64_t l = 0; l < cfg_.num_layers; ++l) {
+    if (cfg_.pool_of(l) != pool) continue;
+    fns_.CopyFromBytes(fns_.View(pages_[l], shape, dtype_, static_cast<uint64_t>(page) * bytes), nan.data(), bytes);
   }
 }
 

@@ -34,6 +34,7 @@
 #include "config.h"
 #include "forward_plan.h"
 #include "tensor_util.h"
+#include "window_pools.h"
 
 namespace pagedkv {
 
@@ -58,6 +59,9 @@ class PagedKVCacheObj : public tvm::runtime::vm::AttentionKVCacheObj {
   // its pages and any total length) by INT32_MAX.
   int32_t GetSequenceLength(int64_t seq_id) const final;
   int32_t GetNumAvailablePages() const final;
+  // Config layer_groups (schema 7): per page pool, [pages in all, pages free]: the main pool (logical pages; full
+  // layers) first, then each window pool (window_pools.h) in ascending window order.
+  ffi::Shape PoolPages() const;
   int32_t GetTotalSequenceLength() const final;
 
   // Throws the error begin_forward would for these sequences and append lengths (ids known and distinct,
@@ -147,18 +151,23 @@ class PagedKVCacheObj : public tvm::runtime::vm::AttentionKVCacheObj {
     bool one_query_per_entry = true;
     bool causal = false;  // PassPlan::causal
   };
+  // The plan of one page pool's layers in the open forward (the main pool's, or a window pool's: window_pools.h).
+  struct PoolForward {
+    bool through = false;  // ForwardPlan::through: the passes cover the new tokens
+    ffi::Tensor append_slot;
+    std::vector<PassViews> passes;
+  };
   // State of the open forward (begin_forward .. end_forward).
   struct Forward {
     bool is_decode = false;
-    bool through = false;  // ForwardPlan::through: the passes cover the new tokens
     bool graph = false;    // a CUDA-graph decode (GraphDecode): replays run the kernels without our calls
     bool chains = false;   // begun with a token tree (all chains): FinishForward adds the tokens to chains_
     int64_t num_tokens = 0;
     std::vector<int64_t> seq_ids, lengths;  // as given to begin_forward, to take the tokens back
     std::vector<bool> written;              // per layer: the new tokens' k/v were written
-    ffi::Tensor q_indptr, q_pos, append_slot, prior_len;
+    ffi::Tensor q_indptr, q_pos, prior_len;
     ffi::Tensor no_keys_indptr;  // [B+1] zeros: a ragged kv_indptr with no keys
-    std::vector<PassViews> passes;
+    std::vector<PoolForward> pools;  // per page pool (KVConfig::pool_of): [0] the main pool
     ffi::Tensor q, k, v, o_tmp, lse_tmp, lse_own;  // [n, ...] views of the work buffers (MLA: no q, k, v)
     ffi::Tensor o_acc;  // [n, Hq, paged v dim] float32: the running merged state (partial_states_ only)
     // apply_rope of the rotating kernels: 1, or 2 for LongRoPE's long factors (config rope_long_after).
@@ -189,11 +198,28 @@ class PagedKVCacheObj : public tvm::runtime::vm::AttentionKVCacheObj {
   int64_t PagedVDim() const { return cfg_.is_mla() ? cfg_.kv_lora_rank : cfg_.head_dim; }
   // Whether a forward of these append lengths is a CUDA-graph decode (config cuda_graph_batch, all 1).
   bool GraphDecode(const std::vector<int64_t>& lengths) const;
-  void UploadPlan(const ForwardPlan& plan);
+  // The plans of a forward: the main pool's, then each window pool's (flat, its pages).
+  std::vector<ForwardPlan> BuildPlans(const std::vector<int64_t>& ids, const std::vector<int64_t>& lengths,
+                                      bool graph) const;
+  void UploadPlan(const std::vector<ForwardPlan>& plans);
   void UploadGraphPlan(const ForwardPlan& plan);
-  void OpenForward(const ForwardPlan& plan, const AuxBuilder& aux,
-                   const std::vector<std::array<int, 5>>& pass_handles);
-  void NotifyBeginForward(const ForwardPlan& plan);
+  // `handles[pool]`: the append_slot handle, then five per pass.
+  void OpenForward(const std::vector<ForwardPlan>& plans, const AuxBuilder& aux,
+                   const std::vector<std::vector<int>>& handles);
+  void NotifyBeginForward(const std::vector<ForwardPlan>& plans);
+  // The open forward's plan of `layer`'s page pool.
+  const PoolForward& PlanOf(int64_t layer) const { return forward_->pools[cfg_.pool_of(layer)]; }
+  // debug_forward_arrays' entries of one pool's passes ("<prefix>pass<i>.<array>").
+  static void AddPassArrays(const std::vector<PassViews>& passes, const std::string& prefix,
+                            ffi::Map<ffi::String, ffi::Tensor>* out);
+  // The op table serving `layer`'s attention ops: its window's sub-table (layer groups), else the cache's.
+  const OpTable& AttnOps(int64_t layer) const;
+  // After every change to the block tree: maps its new pages in the window pools (and poisons them in debug mode),
+  // runs `copy` in every layer, then frees the window pools' pages of the pages the tree freed.
+  void AfterPoolChange(const std::optional<PageCopy>& copy);
+  // Throws (naming the group) unless every window pool has the `pages` a change takes and keeps the tokens before
+  // `pos` of `seq_id` that its window reads (a fork's child or a popn's new end continues there).
+  void CheckWindows(int64_t seq_id, int64_t pos, int64_t pages, const std::string& what) const;
   // Pops the tokens a forward appended (they sit in each sequence's own leaf: no page is copied).
   void TakeBack(const std::vector<int64_t>& ids, const std::vector<int64_t>& lengths);
   // Layers whose k/v the open forward has not written.
@@ -219,13 +245,15 @@ class PagedKVCacheObj : public tvm::runtime::vm::AttentionKVCacheObj {
                       const Tensor* sinks);
   void RunPasses(int64_t layer, const ffi::Tensor& q, const ffi::Tensor& o, const ffi::Tensor& lse,
                  double sm_scale, bool output_written);
-  void RunRagged(const ffi::Tensor& q, const ffi::Tensor& k, const ffi::Tensor& v, const ffi::Tensor& o,
+  void RunRagged(int64_t layer, const ffi::Tensor& q, const ffi::Tensor& k, const ffi::Tensor& v, const ffi::Tensor& o,
                  const ffi::Tensor& lse, double sm_scale, bool partial);
   // Throws ValueError naming `what` unless [start, start + count) lies inside the sequence.
   void CheckDebugRange(const char* what, int64_t seq_id, int64_t start, int64_t count) const;
-  ffi::Tensor SlotsOnDevice(int64_t seq_id, int64_t start, int64_t count);
-  void PoisonNewPages();
-  void PoisonPage(int32_t page);
+  // Slot maps of tokens [start, start + count) of `seq_id`, one per page pool (window pools: their pages; throws
+  // naming `what` and the group when a token was given back).
+  std::vector<ffi::Tensor> SlotsOnDevice(int64_t seq_id, int64_t start, int64_t count, const char* what);
+  // Poisons page `page` of every layer of page pool `pool`.
+  void PoisonPage(int pool, int32_t page);
   void PoisonTemps();
   // apply_rope of the attention kernels (the open forward's rope_set with inline RoPE, else 0).
   int apply_rope_inline() const { return cfg_.rope_mode == "inline" ? forward_->rope_set : 0; }
@@ -236,7 +264,8 @@ class PagedKVCacheObj : public tvm::runtime::vm::AttentionKVCacheObj {
   DLDataType dtype_;
   TensorFns fns_;
   BlockPool pool_;
-  std::vector<ffi::Tensor> pages_;  // per layer [P, ...PageShape()]
+  WindowPools windows_;  // the sliding layer groups' page pools (none without layer_groups)
+  std::vector<ffi::Tensor> pages_;  // per layer [P, ...PageShape()]; P of its page pool
   ffi::Tensor q_buf_, k_buf_, v_buf_, o_tmp_buf_, lse_tmp_buf_, lse_own_buf_;  // chunk-sized work buffers
   // An fp16 / bf16 cache whose op table holds the float32 partial-state ops of its kind (ops::kPartialMHAOps /
   // MLA): multi-pass attention keeps every pass's output and the running merge in float32 (o_tmp_buf_ is float32

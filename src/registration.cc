@@ -134,6 +134,7 @@ void RegisterLifecycleGlobals() {
   Def("pagedkv.get_sequence_length", {"cache", "seq_id"},
       [](C c, int64_t id) -> int64_t { return c->GetSequenceLength(id); });
   Def("pagedkv.get_num_available_pages", {"cache"}, [](C c) -> int64_t { return c->GetNumAvailablePages(); });
+  Def("pagedkv.pool_pages", {"cache"}, [](C c) -> ffi::Shape { return c->PoolPages(); });
   Def("pagedkv.get_total_sequence_length", {"cache"},
       [](C c) -> int64_t { return c->GetTotalSequenceLength(); });
   Def("pagedkv.begin_forward", {"cache", "seq_ids", "append_lengths"},

@@ -7,7 +7,7 @@ from __future__ import annotations
 import argparse
 import re
 
-from .ops import ADAPTER_ARGS, LAYER_KINDS, OP_SPECS, OPS_BY_KIND, PARTIAL_OPS, REQUIRED_BY_KIND, Arg, OpSpec
+from .ops import ADAPTER_ARGS, LAYER_KINDS, OP_SPECS, OPS_BY_KIND, PARTIAL_OPS, REQUIRED_BY_KIND, WINDOW_OPS, Arg, OpSpec
 
 _ACRONYMS = {"kv": "KV", "mla": "MLA", "mha": "MHA"}
 
@@ -68,6 +68,9 @@ def cpp_header() -> str:
               "// kind's runs multi-pass attention on them, rounding once; else it merges in the storage dtype.",
               *(_array(f"kPartial{camel(k)}Ops", tuple(o for o in OPS_BY_KIND[k] if o in PARTIAL_OPS))
                 for k in LAYER_KINDS), "",
+              "// The attention ops whose kernels apply a sliding window (WINDOW_OPS): a config with layer groups",
+              "// gives each distinct window its own kernels of these in a sub-table of the op table.",
+              _array("kWindowOps", WINDOW_OPS), "",
               "template <size_t N>",
               "inline bool Contains(const std::array<const char*, N>& ops, std::string_view name) {",
               "  for (const char* op : ops) {", "    if (name == op) return true;", "  }", "  return false;", "}", "",

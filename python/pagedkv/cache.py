@@ -18,6 +18,7 @@ from typing import Any, Sequence
 
 from . import backends as _backends
 from . import kernel_cache as _kcache
+from . import ops
 from . import target as _target
 from ._lib import get_global
 from .config import KVCacheConfig, check_sm_scale
@@ -163,6 +164,8 @@ def build_kernel_library(config: KVCacheConfig, out_dir: str | Path, *, target: 
     """Compile the kernels of ``config`` for ``target`` and export them (``kernels-<key>.so`` + ``.json``
     with the op table) into ``out_dir``, for a process that has the TVM runtime only."""
     lib, choice = _library_path(config, out_dir, target, backend)
+    for window in config.group_windows:  # layer groups: each window's library (the groups' backend choice per op),
+        build_kernel_library(config.window_config(window), out_dir, target=target, backend=dict(choice))  # own key
     key = lib.name[len("kernels-"):-len(".so")]
     return _kcache.load_or_build(lib.parent, key, functools.partial(
         _export_kernels, config, _target.canonical(target), choice), what=_what(config, target, choice))
@@ -271,9 +274,20 @@ def _op_table_cached(config: KVCacheConfig, spec_json: str, choice: tuple[tuple[
 def _compile_op_table(config: KVCacheConfig, target: Any, choice: tuple[tuple[str, str], ...]):
     """(module, op table entries ``[op, tag, func...]``) for ``config`` on ``target``: loaded from a prebuilt
     kernel library (``$PAGEDKV_KERNEL_DIR``) or the disk cache (``pagedkv.kernel_cache``), compiled into the
-    cache first when missing, or compiled here when the cache is off."""
-    return _op_table_cached(kernel_shape(config), _target.key(target), tuple(choice),
-                            json.dumps(_backends.key_parts(config, target, choice), sort_keys=True))
+    cache first when missing, or compiled here when the cache is off. Layer groups (schema 7): the library of each
+    window's config (``KVCacheConfig.window_config``: shared with plain windowed caches of that window) gives the
+    window ops (``pagedkv.ops.WINDOW_OPS``) of a sub-table ``["window=<W>", entry...]``."""
+    def table_of(cfg):
+        return _op_table_cached(kernel_shape(cfg), _target.key(target), tuple(choice),
+                                json.dumps(_backends.key_parts(cfg, target, choice), sort_keys=True))
+
+    module, table = table_of(config)
+    modules = [module]
+    for window in config.group_windows:
+        window_module, window_table = table_of(config.window_config(window))
+        modules.append(window_module)
+        table = [*table, [f"window={window}", *(e for e in window_table if e[0] in ops.WINDOW_OPS)]]
+    return (module if len(modules) == 1 else tuple(modules)), table  # a tuple: the caller keeps every module alive
 
 
 def create(config: KVCacheConfig, *, backend: str | Sequence[str] | None = None,
@@ -391,6 +405,15 @@ class KVCache:
     @property
     def num_available_pages(self) -> int:
         return int(self._call("get_num_available_pages"))
+
+    def pool_pages(self) -> dict[str, tuple[int, int]]:
+        """Pages in all and pages free per page pool: ``"main"`` (the block tree's pages, held by full layers; what
+        ``num_available_pages`` counts), and with ``layer_groups`` each sliding window's pool, by its groups' names
+        (``"sliding128"``, or ``"a+b"`` for groups of one window), whose pages behind every window go back to it."""
+        flat = [int(x) for x in self._call("pool_pages")]
+        names = ["main"] + ["+".join(g.name for g in self.config.layer_groups or () if g.sliding_window == w)
+                            for w in self.config.group_windows]
+        return {name: (flat[2 * i], flat[2 * i + 1]) for i, name in enumerate(names)}
 
     @property
     def total_sequence_length(self) -> int:

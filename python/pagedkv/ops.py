@@ -244,6 +244,12 @@ PARTIAL_OPS: tuple[str, ...] = tuple(op for op in OPS if op in BASE_OF or op == 
 #: sinks config holds it too (the runtime checks, ``src/paged_kv_cache.cc``).
 SINK_OPS: tuple[str, ...] = (APPLY_SINKS, MERGE_STATE_PARTIAL_SINKS)
 
+#: The MHA attention ops whose kernels apply a sliding window (compile-time, ``KernelSpec.sliding_window``): a
+#: config with layer groups (schema 7) gives each distinct window its own kernels of these ops, in a sub-table
+#: of the op table (``["window=<W>", entry...]``); every other op serves all layers.
+WINDOW_OPS: tuple[str, ...] = (ATTN_PREFILL_RAGGED, ATTN_PREFILL_PAGED, ATTN_DECODE_PAGED, ATTN_PREFILL_RAGGED_PARTIAL,
+                               ATTN_PREFILL_PAGED_PARTIAL, ATTN_DECODE_PAGED_PARTIAL)
+
 
 def ops_for(config) -> tuple[str, ...]:
     """The ops a cache with ``config`` (a ``KVCacheConfig`` or ``KernelSpec``) uses, in ``OPS`` order: its

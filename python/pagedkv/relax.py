@@ -18,6 +18,7 @@ from tvm import tirx
 from tvm.relax.frontend.nn import Object, Tensor
 
 from . import backends as _backends
+from . import ops as _ops
 from .config import RUNTIME_FIELDS, KVCacheConfig, check_sm_scale
 
 
@@ -38,21 +39,33 @@ def collect_export_options() -> Iterator[list[str]]:
         _EXPORT_OPTIONS.reset(token)
 
 
-def _op_table_expr(config: KVCacheConfig, target: Any, resolution) -> rx.Tuple:
-    """Add each op's functions to the module being built; return the op table as a Relax tuple."""
+def _op_entry(op: str, tag: str, config: KVCacheConfig, target: Any, suffix: str = "") -> rx.Tuple:
+    """Add ``op``'s functions (built for ``config``) to the module being built; return its op-table entry.
+    ``suffix`` renames them (and their ``global_symbol``): a window's kernels beside the base ones."""
     bb = rx.BlockBuilder.current()
-    entries = []
     collected = _EXPORT_OPTIONS.get()
-    for op, tag in resolution.choice.items():
-        build = _backends.get_backend(tag).build(op, config, target)
-        if collected is not None:
-            collected += [o for o in build.export_options if o not in collected]
-        funcs = [tvm.ir.StringImm(s) for s in build.op_table_head()[2:]]
-        funcs += [bb.add_func(func, name) for name, func in build.prim_funcs]
-        funcs += [rx.ExternFunc(symbol) for symbol in build.extern_symbols]
-        for built in build.extern_modules:
-            _add_extern_object(built.object_path, built.functions.values())
-        entries.append(rx.Tuple([tvm.ir.StringImm(op), tvm.ir.StringImm(tag), *funcs]))
+    build = _backends.get_backend(tag).build(op, config, target)
+    if collected is not None:
+        collected += [o for o in build.export_options if o not in collected]
+    funcs = [tvm.ir.StringImm(s) for s in build.op_table_head()[2:]]
+    prim_funcs = [(name + suffix, func.with_attr("global_symbol", name + suffix) if suffix else func)
+                  for name, func in build.prim_funcs]
+    funcs += [bb.add_func(func, name) for name, func in prim_funcs]
+    funcs += [rx.ExternFunc(symbol) for symbol in build.extern_symbols]
+    for built in build.extern_modules:
+        _add_extern_object(built.object_path, built.functions.values())
+    return rx.Tuple([tvm.ir.StringImm(op), tvm.ir.StringImm(tag), *funcs])
+
+
+def _op_table_expr(config: KVCacheConfig, target: Any, resolution) -> rx.Tuple:
+    """Add each op's functions to the module being built; return the op table as a Relax tuple. Layer groups
+    (schema 7): the window ops of each window again, built for ``config.window_config(W)``, in a sub-table
+    ``("window=<W>", entry...)``."""
+    entries = [_op_entry(op, tag, config, target) for op, tag in resolution.choice.items()]
+    for window in config.group_windows:
+        sub = [_op_entry(op, tag, config.window_config(window), target, f"_w{window}")
+               for op, tag in resolution.choice.items() if op in _ops.WINDOW_OPS]
+        entries.append(rx.Tuple([tvm.ir.StringImm(f"window={window}"), *sub]))
     return rx.Tuple(entries)
 
 

@@ -339,7 +339,8 @@ class Harness:
                 new_k[s].append(x[:, hq:hq + hkv])
                 new_v[s].append(x[:, hq + hkv:])
                 if check:
-                    expect = self.reference_attention(x[:, :hq], k_all, v_all, sm_scale, sinks)
+                    expect = self.reference_attention(x[:, :hq], k_all, v_all, sm_scale, sinks,
+                                                      window=self.layer_window(layer))
                     np.testing.assert_allclose(o[row:row + a], expect, rtol=tol, atol=tol,
                                                err_msg=f"layer {layer} seq {s}")
                 row += a
@@ -352,13 +353,17 @@ class Harness:
             return x
         return rope(x, pos, self.cfg["rope_scale"], self.cfg["rope_theta"])
 
-    def reference_attention(self, q, k_all, v_all, sm_scale, sinks=None):
+    def layer_window(self, layer):
+        """The sliding window of ``layer`` (the config's; layer groups: its group's)."""
+        return self.cfg.get("sliding_window", 0)
+
+    def reference_attention(self, q, k_all, v_all, sm_scale, sinks=None, window=None):
         """Causal attention of the last len(q) tokens of a sequence over all of its tokens (and the sinks)."""
         m, a = len(k_all), len(q)
         qr = self.rotate(q, np.arange(m - a, m))
         kr = self.rotate(k_all, np.arange(m))
-        return attend(qr, kr, v_all, sm_scale, True, sinks, self.cfg.get("sliding_window", 0),
-                      self.cfg.get("sink_size", 0))[0]
+        window = self.cfg.get("sliding_window", 0) if window is None else window
+        return attend(qr, kr, v_all, sm_scale, True, sinks, window, self.cfg.get("sink_size", 0))[0]
 
     # -- state checks --
     def dump(self, s):

@@ -133,6 +133,8 @@ def test_bundle_builds_every_kernel_library_of_the_gpu_suite(tmp_path):
     tc, sinks = _gpu_module("test_prefill_tc_gpu"), _gpu_module("test_sinks_gpu")
     need = [(s.config(), {}) for s in scen.SHAPES + mask.SHAPES + fi.SHAPES]
     need += [(c, {}) for c in sinks.SINK_GPU_CONFIGS.values()]
+    groups = _gpu_module("test_layer_groups_gpu").GPU_GROUPS  # its base library and each window's (create looks both up)
+    need += [(groups, {})] + [(groups.window_config(w), {}) for w in groups.group_windows]
     need += [(s.config(), p) for s, p in paths.LIBRARIES + tc.LIBRARIES]
     assert any(p for _, p in need), "the GPU suite forces no path"
     want = {f"kernels-{_lookup_key(c, p)}.so" for c, p in need}

@@ -49,8 +49,8 @@ def test_from_json_fills_runtime_fields_and_defaults():
 @pytest.mark.parametrize("data,error,pattern", [
     ({"num_layers": 1, "num_qo_heads": 1, "num_kv_heads": 1, "head_dim": 2, "num_kv_head": 1}, ValueError,
      r"unknown KVCacheConfig keys \['num_kv_head'\]"),
-    ({"schema_version": 7, "num_layers": 1, "num_qo_heads": 1, "num_kv_heads": 1, "head_dim": 2}, ValueError,
-     r"schema_version 7 is newer than this pagedkv reads \(up to 6\)"),
+    ({"schema_version": 8, "num_layers": 1, "num_qo_heads": 1, "num_kv_heads": 1, "head_dim": 2}, ValueError,
+     r"schema_version 8 is newer than this pagedkv reads \(up to 7\)"),
     ({"schema_version": 2, "num_layers": 1, "num_qo_heads": 1, "num_kv_heads": 1, "head_dim": 2,
       "sliding_window": 4}, ValueError, r"\['sliding_window'\] need schema_version >= 3"),
     ({"num_layers": 1, "num_qo_heads": 1, "num_kv_heads": 1, "head_dim": 2, "rope_theta": "1e4"}, TypeError,

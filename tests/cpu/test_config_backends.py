@@ -29,25 +29,25 @@ BASE = dict(num_layers=2, num_qo_heads=8, num_kv_heads=2, head_dim=64, dtype="fl
     (dict(layer_kinds=("mha", "xla")), ["unknown layer kinds ['xla']"]),
     (dict(layer_kinds=("mha", "mla")), ["one layer kind", "'mha' at layers [0] and 'mla' at [1]"]),
     (dict(kv_lora_rank=64), ["kv_lora_rank need MLA layers"]),
-    (dict(schema_version=7), ["schema_version 7 is outside [1, 6]"]),
-    (dict(attention_sinks=True, schema_version=4), ["schema_version 4 is outside [5, 6]"]),
+    (dict(schema_version=8), ["schema_version 8 is outside [1, 7]"]),
+    (dict(attention_sinks=True, schema_version=4), ["schema_version 4 is outside [5, 7]"]),
     (dict(attention_sinks=1), ["attention_sinks must be a bool, got 1"]),
     (dict(sink_size=2), ["sink_size 2 needs a sliding_window"]),
     (dict(sink_size=9, sliding_window=8), ["sink_size 9 must be <= sliding_window 8"]),
     (dict(sink_size=-1, sliding_window=8), ["sink_size must be an int >= 0 (0: off), got -1"]),
     (dict(sink_size=2, sliding_window=8, cuda_graph_batch=4), ["sink_size with cuda_graph_batch"]),
-    (dict(sink_size=2, sliding_window=8, schema_version=4), ["schema_version 4 is outside [5, 6]"]),
+    (dict(sink_size=2, sliding_window=8, schema_version=4), ["schema_version 4 is outside [5, 7]"]),
     (dict(cuda_graph_batch=-1), ["cuda_graph_batch must be an int >= 0 (0: off), got -1"]),
     (dict(cuda_graph_batch=True), ["cuda_graph_batch must be an int >= 0"]),
     (dict(cuda_graph_batch=2, max_batch_size=4), ["max_batch_size=4 is larger than cuda_graph_batch=2"]),
-    (dict(cuda_graph_batch=4, schema_version=3), ["schema_version 3 is outside [4, 6]"]),
+    (dict(cuda_graph_batch=4, schema_version=3), ["schema_version 3 is outside [4, 7]"]),
     (dict(sliding_window=-1), ["sliding_window must be an int >= 0 (0: off), got -1"]),
     (dict(sliding_window=2.5), ["sliding_window must be an int >= 0"]),
     (dict(sliding_window=True), ["sliding_window must be an int >= 0"]),
     (dict(logits_soft_cap=-1.0), ["logits_soft_cap must be a finite number >= 0 (0: off), got -1.0"]),
     (dict(logits_soft_cap=float("nan")), ["logits_soft_cap must be a finite number"]),
     (dict(logits_soft_cap=float("inf")), ["logits_soft_cap must be a finite number"]),
-    (dict(sliding_window=8, schema_version=2), ["schema_version 2 is outside [3, 6]"]),
+    (dict(sliding_window=8, schema_version=2), ["schema_version 2 is outside [3, 7]"]),
     # RoPE's numbers enter every angle: NaN, inf, zero or negative would rotate silently wrong
     (dict(rope_theta=0.0), ["rope_theta must be a finite number > 0, got 0.0"]),
     (dict(rope_theta=-10000.0), ["rope_theta must be a finite number > 0, got -10000.0"]),
@@ -302,7 +302,7 @@ def test_mla_config_fields_and_json():
     assert cfg.is_mla and cfg.latent_dim == 96 and cfg.head_dim == 64 and cfg.v_dim == 48
     assert cfg.kinds == ("mla", "mla") and cfg.num_kv_heads == 4 and cfg.rope_mode == "none"
     d = json.loads(cfg.to_json())
-    assert d["schema_version"] == 2 and SCHEMA_VERSION == 6
+    assert d["schema_version"] == 2 and SCHEMA_VERSION == 7
     assert (d["kv_lora_rank"], d["qk_nope_head_dim"], d["qk_rope_head_dim"]) == (64, 32, 32)
     assert _from_dict(d) == cfg
     with pytest.raises(ValueError, match=r"MLA head_dim \(60\) must be qk_nope_head_dim"):

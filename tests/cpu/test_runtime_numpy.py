@@ -240,7 +240,7 @@ def test_config_json_and_op_backends():
 
 
 @pytest.mark.parametrize("change, pattern", [
-    ({"schema_version": 7}, "schema_version 7"),
+    ({"schema_version": 8}, "schema_version 8"),
     ({"schema_version": 3, "cuda_graph_batch": 4}, "unknown field 'cuda_graph_batch' for schema_version 3"),
     ({"schema_version": 4, "cuda_graph_batch": -1}, "cuda_graph_batch must be >= 0"),
     ({"schema_version": 4, "cuda_graph_batch": 1, "max_batch_size": 2},

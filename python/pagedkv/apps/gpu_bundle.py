@@ -40,10 +40,13 @@ def tir_kernel_libraries() -> list[tuple]:
     ones (``pagedkv.testing.sinks.SINK_GPU_CONFIGS``) and the benchmark's windowed one without forced paths
     (``{}``), and those of the CUDA path tests (``pagedkv.testing.shapes.gpu_path_libraries``, built under
     ``pagedkv.backends.tir.forced_paths``)."""
+    from ..testing.layer_groups import GPU_GROUPS
     from ..testing.shapes import BENCH_WINDOWED, gpu_configs, gpu_path_libraries
     from ..testing.sinks import SINK_GPU_CONFIGS
 
-    configs = gpu_configs() + list(SINK_GPU_CONFIGS.values()) + [BENCH_WINDOWED.config()]
+    # GPU_GROUPS (layer groups): its base library and each window's, listed apart (the build dedups by the base key)
+    windows = [GPU_GROUPS.window_config(w) for w in GPU_GROUPS.group_windows]
+    configs = gpu_configs() + list(SINK_GPU_CONFIGS.values()) + [BENCH_WINDOWED.config(), GPU_GROUPS, *windows]
     return [(cfg, {}) for cfg in configs] + gpu_path_libraries()
 
 

@@ -217,6 +217,10 @@ class FlashInferBackend(Backend):
         layer_kind = "mla" if config.is_mla else "mha"
         if op not in ops.OPS_BY_KIND[layer_kind]:
             return [f"op {op!r} is not an op of {layer_kind} layers"]
+        if getattr(config, "layer_groups", None) is not None:
+            # each window pool is a plan of its own (its pages, its passes): not wired to the FlashInfer adapters
+            return ["layer_groups (per-layer windows with window-sized memory, schema 7) are not implemented on "
+                    "pagedkv's FlashInfer adapters yet: the TIR kernels serve them"]
         if op in MHA_OPS:
             if config.rope_mode == "inline":
                 reasons.append("rope_mode 'inline' needs RoPE inside the attention kernel with a per-entry key "

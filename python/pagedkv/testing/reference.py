@@ -80,8 +80,12 @@ class _Forward:
         """Whether cross_attention covers the new tokens too (decode forwards; a continuation forward, in
         which every sequence already held tokens, of an MHA cache; any forward of a windowed cache), so that
         self_attention covers no key."""
+        return self.through_of(self.windowed)
+
+    def through_of(self, windowed: bool) -> bool:
+        """``through`` for a layer that is windowed or not (layer groups: each layer has its group's window)."""
         continuation = not self.mla and all(p > 0 for p in self.prior)
-        return self.is_decode or self.windowed or continuation
+        return self.is_decode or windowed or continuation
 
     @property
     def q_pos(self) -> list[int]:
@@ -126,6 +130,18 @@ class ReferenceCache:
                         "sink_size": int(getattr(config, "sink_size", 0))}
         self.seqs: dict[int, _Seq] = {}
         self.fwd: _Forward | None = None
+
+    def _window(self, layer: int) -> int:
+        """The sliding window of ``layer``: its layer group's (schema 7), else the config's."""
+        of = getattr(self.config, "layer_window", None)
+        return int(of(layer)) if of is not None else self.options["sliding_window"]
+
+    def _options(self, layer: int) -> dict:
+        """The attention options of ``layer``: the config's, with the layer's window."""
+        return {**self.options, "sliding_window": self._window(layer)}
+
+    def _through(self, layer: int) -> bool:
+        return self._fwd().through_of(bool(self._window(layer)))
 
     # -- page accounting ----------------------------------------------------------------------------
     def _pages(self, tokens: int) -> int:
@@ -421,7 +437,7 @@ class ReferenceCache:
         fwd = self._fwd()
         self._check_layer(layer)
         self._check_scale(sm_scale)
-        extra = {**self.options, **self._sinks(sinks)}
+        extra = {**self._options(layer), **self._sinks(sinks)}
         q, k, v = self.split_rotary(qkv)
         self._append(layer, k, v)
         ptr = fwd.q_indptr
@@ -452,7 +468,7 @@ class ReferenceCache:
             raise ReferenceCacheError(f"q/k/v must have {ptr[-1]} tokens")
         o = torch.empty((q.shape[0], self.hq, v.shape[2]), dtype=torch.float64)
         lse = torch.empty((q.shape[0], self.hq), dtype=torch.float64)
-        if fwd.through:
+        if self._through(layer):
             return o.zero_(), lse.fill_(EMPTY_LSE)
         for b in range(len(fwd.seq_ids)):
             sl = slice(ptr[b], ptr[b + 1])
@@ -460,7 +476,7 @@ class ReferenceCache:
             if self.rope_mode == "inline":
                 qb = self._maybe_rope(qb, fwd.q_pos[sl])
                 kb = self._maybe_rope(kb, fwd.q_pos[sl])
-            o[sl], lse[sl] = attention(qb, kb, v[sl], sm_scale, causal=True, **self.options)
+            o[sl], lse[sl] = attention(qb, kb, v[sl], sm_scale, causal=True, **self._options(layer))
         return o, lse
 
     def cross_attention(self, layer: int, q: torch.Tensor, sm_scale: float, *,
@@ -476,11 +492,12 @@ class ReferenceCache:
         fwd = self._fwd()
         self._check_layer(layer)
         self._check_scale(sm_scale)
-        extra = {**self.options, **self._sinks(sinks)}
+        extra = {**self._options(layer), **self._sinks(sinks)}
+        through = self._through(layer)
         ptr = fwd.q_indptr
         if q.shape[0] != ptr[-1]:
             raise ReferenceCacheError(f"q must have {ptr[-1]} tokens")
-        if fwd.through and layer not in fwd.done_layers:
+        if through and layer not in fwd.done_layers:
             raise ReferenceCacheError(f"cross_attention of layer {layer} over the new tokens before their k/v "
                                       "were appended")
         o = torch.empty((q.shape[0], self.hq, self.cross_dv), dtype=torch.float64)
@@ -490,9 +507,9 @@ class ReferenceCache:
             qb = q[sl]
             if self.rope_mode == "inline":
                 qb = self._maybe_rope(qb, fwd.q_pos[sl])
-            end = fwd.prior[b] + (fwd.lengths[b] if fwd.through else 0)
+            end = fwd.prior[b] + (fwd.lengths[b] if through else 0)
             kb, vb = self._keys(layer, b, end)
-            o[sl], lse[sl] = attention(qb, kb, vb, sm_scale, causal=fwd.through, **extra)
+            o[sl], lse[sl] = attention(qb, kb, vb, sm_scale, causal=through, **extra)
         return o, lse
 
     @staticmethod
