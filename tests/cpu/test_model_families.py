@@ -62,7 +62,7 @@ def _phi3():
 def _gemma2():
     return transformers.Gemma2Config(**SMALL, hidden_size=64, intermediate_size=128, num_attention_heads=4,
                                      num_key_value_heads=2, head_dim=256, query_pre_attn_scalar=192,
-                                     sliding_window=WINDOW, layer_types=["sliding_attention"] * 2,
+                                     sliding_window=WINDOW, layer_types=["sliding_attention", "full_attention"],
                                      attn_logit_softcapping=5.0, final_logit_softcapping=3.0)
 
 
@@ -75,7 +75,7 @@ def _gemma3():
 def _gpt_oss():
     return transformers.GptOssConfig(**SMALL, hidden_size=64, intermediate_size=48, num_attention_heads=4,
                                      num_key_value_heads=1, head_dim=64, num_local_experts=4, num_experts_per_tok=2,
-                                     layer_types=["full_attention"] * 2,
+                                     sliding_window=WINDOW, layer_types=["sliding_attention", "full_attention"],
                                      rope_parameters={"rope_type": "yarn", "factor": 4.0, "beta_fast": 32.0,
                                                       "beta_slow": 1.0, "truncate": False, "rope_theta": 150000.0,
                                                       "original_max_position_embeddings": 64})
@@ -84,7 +84,7 @@ def _gpt_oss():
 def _granite_swa():
     return transformers.GraniteSWAConfig(**SMALL, hidden_size=96, intermediate_size=128, num_attention_heads=6,
                                          num_key_value_heads=2, sliding_window=WINDOW,
-                                         layer_types=["sliding_attention"] * 2, embedding_multiplier=4.0,
+                                         layer_types=["full_attention", "sliding_attention"], embedding_multiplier=4.0,
                                          residual_multiplier=0.5, attention_multiplier=0.1, logits_scaling=2.0)
 
 
@@ -229,15 +229,16 @@ def test_family_matches_hf_eager(name, library, seed):
 
 
 @pytest.mark.parametrize("name, field, change", [
-    ("gemma2", "layer_types", {"layer_types": ["sliding_attention", "full_attention"]}),
-    ("gpt-oss", "layer_types", {"layer_types": ["sliding_attention", "full_attention"]}),
+    ("gemma3", "rope_parameters", {"layer_types": ["sliding_attention", "full_attention"]}),
+    ("gpt-oss", "layer_types", {"layer_types": ["chunked_attention", "full_attention"]}),
     ("llama3", "mlp_bias", {"mlp_bias": True}),
     ("qwen3", "hidden_act", {"hidden_act": "relu"}),
     ("gemma3", "use_bidirectional_attention", {"use_bidirectional_attention": True}),
 ])
 def test_unrepresentable_config_is_refused_naming_the_field(name, field, change):
     """What the shared decoder cannot represent is refused before anything is built, the message naming the HF
-    field (no silent fallback: mixed layer kinds would otherwise run every layer with one window)."""
+    field (no silent fallback: Gemma 3's sliding and full layers rotate with different RoPE bases, and the cache
+    has one rotation)."""
     from pagedkv.models.hf_families import UnsupportedConfigError
 
     cfg = FAMILIES[name]()

@@ -12,6 +12,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from ..config import KVCacheConfig
+from ..layer_groups import layer_groups_from_windows
 from ..rope_spec import RopeSpec
 from ._checks import check_fields
 
@@ -55,6 +56,10 @@ class DecoderConfig:  # pylint: disable=too-many-instance-attributes
         The family's HF ``model_type`` (messages and library names only).
     sliding_window : int
         Every layer's window (keys with ``q_pos - k_pos < sliding_window``); 0: full attention.
+    layer_windows : tuple of int
+        Per-layer windows (0: full attention) when layers differ (gpt-oss, Gemma 2, GraniteSWA alternate sliding
+        and full layers): the cache gets one layer group per window (``KVCacheConfig.layer_groups``, schema 7);
+        empty: every layer has ``sliding_window``.
     rope : RopeSpec
         The cache's rotation beyond ``rope_theta`` (llama3, YaRN, LongRoPE, partial ``rotary_dim``).
     norm_offset : bool
@@ -99,6 +104,7 @@ class DecoderConfig:  # pylint: disable=too-many-instance-attributes
     rope: RopeSpec = RopeSpec()
     tie_word_embeddings: bool = False
     sliding_window: int = 0
+    layer_windows: tuple[int, ...] = ()
     norm_offset: bool = False
     qk_norm: bool = False
     qkv_bias: bool = False
@@ -124,6 +130,13 @@ class DecoderConfig:  # pylint: disable=too-many-instance-attributes
         if self.num_attention_heads % self.num_key_value_heads:
             raise ValueError(f"{name}.num_attention_heads={self.num_attention_heads} is not a multiple of "
                              f"num_key_value_heads={self.num_key_value_heads}")
+        if self.layer_windows:
+            ok = all(isinstance(w, int) and not isinstance(w, bool) and w >= 0 for w in self.layer_windows)
+            if not ok or len(self.layer_windows) != self.num_hidden_layers:
+                raise ValueError(f"{name}.layer_windows must hold one int >= 0 per layer "
+                                 f"({self.num_hidden_layers}), got {self.layer_windows!r}")
+            if self.sliding_window:
+                raise ValueError(f"{name}.sliding_window must be 0 with layer_windows (they say every layer's)")
         if self.hidden_act not in ACTIVATIONS:
             raise ValueError(f"{name}.hidden_act must be one of {ACTIVATIONS}, got {self.hidden_act!r}")
         for field in ("attn_logit_softcap", "final_logit_softcap", "sm_scale"):
@@ -137,9 +150,16 @@ class DecoderConfig:  # pylint: disable=too-many-instance-attributes
         return self.sm_scale or self.head_dim ** -0.5
 
     def kv_cache_config(self, dtype: str, **capacity) -> KVCacheConfig:
-        """The cache: one MHA layer kind, the cache rotating q and k (``rope_mode="normal"``) with ``rope``."""
+        """The cache: MHA layers, the cache rotating q and k (``rope_mode="normal"``) with ``rope``; one layer group
+        per window when ``layer_windows`` differ (equal ones are the plain ``sliding_window``)."""
+        window, groups = self.sliding_window, None
+        if len(set(self.layer_windows)) == 1:
+            window = self.layer_windows[0]
+        elif self.layer_windows:
+            groups = layer_groups_from_windows(self.layer_windows)
         return KVCacheConfig(num_layers=self.num_hidden_layers, num_qo_heads=self.num_attention_heads,
                              num_kv_heads=self.num_key_value_heads, head_dim=self.head_dim, dtype=dtype,
-                             rope_mode="normal", rope_theta=self.rope_theta, sliding_window=self.sliding_window,
+                             rope_mode="normal", rope_theta=self.rope_theta, sliding_window=window,
+                             layer_groups=groups,
                              logits_soft_cap=float(self.attn_logit_softcap), attention_sinks=self.attention_sinks,
                              rope=self.rope, **capacity)

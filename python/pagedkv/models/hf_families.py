@@ -3,9 +3,9 @@ compiler.
 
 ``from_hf(hf_config)`` reads a transformers config of a supported family (``FAMILIES``: HF ``model_type`` names)
 into a ``DecoderConfig`` and raises ``UnsupportedConfigError`` (a ``ValueError``) naming the field for what the
-decoder or the cache cannot represent: until per-layer attention kinds exist, a ``layer_types`` that mixes sliding
-and full layers (Gemma 2 / 3's, gpt-oss's and GraniteSWA's defaults; a config with one kind for every layer
-builds), biases the decoder has no slot for, another activation.
+decoder or the cache cannot represent: sliding and full layers with different RoPE parameters (Gemma 3's default:
+the cache has one rotation; mixed windows alone become layer groups), biases the decoder has no slot for, another
+activation.
 """
 
 from __future__ import annotations
@@ -33,19 +33,25 @@ def _refuse(c, field: str, why: str):
     raise UnsupportedConfigError(f"{c.model_type}: {field}={getattr(c, field, None)!r} is not supported: {why}")
 
 
-def _window(c) -> int:
-    """The one window of every layer (0: full), from ``layer_types`` or ``sliding_window``."""
-    kinds = set(getattr(c, "layer_types", None) or [])
-    if len(kinds) > 1:
-        _refuse(c, "layer_types", "it mixes " + " and ".join(sorted(kinds)) + " layers, and a pagedkv cache has "
-                "one attention kind for every layer until per-layer kinds land (issue 45 item 2); give every layer "
-                "the same kind")
-    unknown = kinds - {"full_attention", "sliding_attention"}
+def _windows(c) -> dict[str, Any]:
+    """``sliding_window`` (every layer's) or ``layer_windows`` (per layer, from a ``layer_types`` that mixes
+    sliding and full layers)."""
+    kinds = list(getattr(c, "layer_types", None) or [])
+    unknown = set(kinds) - {"full_attention", "sliding_attention"}
     if unknown:
         _refuse(c, "layer_types", f"layer kind {sorted(unknown)[0]!r} (only full_attention / sliding_attention)")
-    if kinds == {"full_attention"}:
-        return 0
-    return int(getattr(c, "sliding_window", None) or 0)
+    window = int(getattr(c, "sliding_window", None) or 0)
+    if not kinds:
+        return {"sliding_window": window}
+    per_layer = tuple(window if k == "sliding_attention" else 0 for k in kinds)
+    if len(set(per_layer)) == 1:
+        return {"sliding_window": per_layer[0]}
+    params = getattr(c, "rope_parameters", None) or {}
+    if "full_attention" in params and params["full_attention"] != params.get("sliding_attention"):
+        _refuse(c, "rope_parameters", "sliding and full layers rotate with different RoPE parameters "
+                f"({params.get('sliding_attention')} / {params['full_attention']}), and a cache has one rotation "
+                "for every layer; give every layer one kind (layer_types) or equal rope_parameters")
+    return {"layer_windows": per_layer}
 
 
 def _rope_config(c):
@@ -110,7 +116,7 @@ def from_hf(hf_config) -> DecoderConfig:
                          num_hidden_layers=c.num_hidden_layers, num_attention_heads=c.num_attention_heads,
                          num_key_value_heads=kv_heads, head_dim=head_dim, family=t, rms_norm_eps=c.rms_norm_eps,
                          tie_word_embeddings=bool(getattr(c, "tie_word_embeddings", False)),
-                         sliding_window=_window(c), hidden_act=_activation(c), **hf_rope_fields(_rope_config(c)),
+                         **_windows(c), hidden_act=_activation(c), **hf_rope_fields(_rope_config(c)),
                          **_family_options(c))
 
 
