@@ -70,3 +70,17 @@ def test_llama_decoder_config_keeps_the_cache_config():
     assert DECODER.kv_cache_config("float32") == LLAMA.kv_cache_config("float32")
     mistral = dataclasses.replace(LLAMA, sliding_window=8)
     assert mistral.decoder_config().kv_cache_config("float16") == mistral.kv_cache_config("float16")
+
+
+def test_decoder_layer_windows_become_layer_groups():
+    """Per-layer windows give the cache one layer group per window; equal ones the plain ``sliding_window``; a
+    list of the wrong length, or beside a ``sliding_window``, is refused."""
+    mixed = dataclasses.replace(DECODER, layer_windows=(12, 0)).kv_cache_config("float32")
+    assert mixed.sliding_window == 0 and [(g.layers, g.sliding_window) for g in mixed.layer_groups] == [
+        ((0,), 12), ((1,), 0)]
+    same = dataclasses.replace(DECODER, layer_windows=(12, 12)).kv_cache_config("float32")
+    assert same.sliding_window == 12 and same.layer_groups is None
+    with pytest.raises(ValueError, match=r"DecoderConfig\.layer_windows must hold one int >= 0 per layer \(2\)"):
+        dataclasses.replace(DECODER, layer_windows=(12,))
+    with pytest.raises(ValueError, match=r"DecoderConfig\.sliding_window must be 0 with layer_windows"):
+        dataclasses.replace(DECODER, layer_windows=(12, 0), sliding_window=4)
