@@ -84,3 +84,19 @@ def test_decoder_layer_windows_become_layer_groups():
         dataclasses.replace(DECODER, layer_windows=(12,))
     with pytest.raises(ValueError, match=r"DecoderConfig\.sliding_window must be 0 with layer_windows"):
         dataclasses.replace(DECODER, layer_windows=(12, 0), sliding_window=4)
+
+
+def test_decoder_layer_rope_moves_the_rotation_into_the_model():
+    """Per-layer rotations (Gemma 3's two bases): the cache rotates nothing (``rope_mode="none"``); a rotation the
+    model does not apply itself (LongRoPE's per-forward switch, interleaved pairs) is refused naming the layer."""
+    from pagedkv.rope_spec import RopeSpec
+
+    local, linear = (10000.0, RopeSpec()), (1e6, RopeSpec(rope_type="linear", factor=8.0))
+    cfg = dataclasses.replace(DECODER, layer_rope=(local, linear)).kv_cache_config("float32")
+    assert cfg.rope_mode == "none" and cfg.rope == RopeSpec()
+    longrope = RopeSpec(rope_type="longrope", short_factor=(1.0,) * 8, long_factor=(2.0,) * 8, factor=2.0,
+                        original_max_position_embeddings=16)
+    with pytest.raises(ValueError, match=r"DecoderConfig\.layer_rope\[1\]: the model rotates default"):
+        dataclasses.replace(DECODER, layer_rope=(local, (1e4, longrope)))
+    with pytest.raises(ValueError, match=r"DecoderConfig\.layer_rope must hold one"):
+        dataclasses.replace(DECODER, layer_rope=(local,))

@@ -69,7 +69,7 @@ def _gemma2():
 def _gemma3():
     return transformers.Gemma3TextConfig(**SMALL, hidden_size=96, intermediate_size=128, num_attention_heads=3,
                                          num_key_value_heads=1, head_dim=256, query_pre_attn_scalar=256,
-                                         sliding_window=WINDOW, layer_types=["sliding_attention"] * 2)
+                                         sliding_window=WINDOW, layer_types=["sliding_attention", "full_attention"])
 
 
 def _gpt_oss():
@@ -229,7 +229,6 @@ def test_family_matches_hf_eager(name, library, seed):
 
 
 @pytest.mark.parametrize("name, field, change", [
-    ("gemma3", "rope_parameters", {"layer_types": ["sliding_attention", "full_attention"]}),
     ("gpt-oss", "layer_types", {"layer_types": ["chunked_attention", "full_attention"]}),
     ("llama3", "mlp_bias", {"mlp_bias": True}),
     ("qwen3", "hidden_act", {"hidden_act": "relu"}),
@@ -237,8 +236,7 @@ def test_family_matches_hf_eager(name, library, seed):
 ])
 def test_unrepresentable_config_is_refused_naming_the_field(name, field, change):
     """What the shared decoder cannot represent is refused before anything is built, the message naming the HF
-    field (no silent fallback: Gemma 3's sliding and full layers rotate with different RoPE bases, and the cache
-    has one rotation)."""
+    field (no silent fallback)."""
     from pagedkv.models.hf_families import UnsupportedConfigError
 
     cfg = FAMILIES[name]()

@@ -25,6 +25,33 @@ from tvm.relax.frontend.nn import Tensor, op
 from ..relax import PagedKVCache
 from ._common import CausalLMExports, GatedMLP, cast, layout_for, linear, proj
 from .decoder_config import DecoderConfig, MoeSpec
+from .deepseek_v3 import _rope_tables
+
+
+def _layer_rope_tables(cfg: DecoderConfig, positions: Tensor) -> list:
+    """Per layer, ``(cos, sin)`` ``float32[T, R / 2]`` of its ``layer_rope`` (built once per distinct rotation),
+    times the rotation's attention factor, from float32 inverse frequencies (HF's dtype)."""
+    from .. import rope_spec
+
+    tables: dict = {}
+    for theta, spec in cfg.layer_rope:
+        if (theta, spec) not in tables:
+            freq = np.asarray(rope_spec.inv_freq(spec, cfg.head_dim, theta), dtype=np.float32)
+            tables[(theta, spec)] = _rope_tables(positions, freq, rope_spec.attention_factor(spec))
+    return [tables[key] for key in cfg.layer_rope]
+
+
+def _rotate(x: Tensor, cos: Tensor, sin: Tensor, dtype: str) -> Tensor:
+    """``x[b, s, H, D]`` rotated over its leading ``R = 2 * cos.shape[1]`` dims in halves pairs (``rotate_half``);
+    the rest passes through."""
+    b, s, h, d = x.shape
+    half = cos.shape[1]
+    x = op.reshape(cast(x, "float32"), (b * s, h, d))
+    rot, rest = (x, None) if 2 * half == d else op.split(x, [2 * half], axis=-1)
+    x1, x2 = op.split(rot, 2, axis=-1)
+    c, sn = op.reshape(cos, (b * s, 1, half)), op.reshape(sin, (b * s, 1, half))
+    parts = [x1 * c - x2 * sn, x2 * c + x1 * sn] + ([rest] if rest is not None else [])
+    return cast(op.reshape(op.concat(parts, dim=-1), (b, s, h, d)), dtype)
 
 
 def _const(value: float, dtype: str) -> Tensor:
@@ -89,14 +116,18 @@ class Attention(nn.Module):  # pylint: disable=too-many-instance-attributes
         if cfg.attention_sinks:
             self.sinks = nn.Parameter((hq,), "float32")
 
-    def forward(self, x: Tensor, cache: PagedKVCache) -> Tensor:
+    def forward(self, x: Tensor, cache: PagedKVCache, rope=None) -> Tensor:
         b, s, _ = x.shape
         c = self.cfg
         hq, hkv, d = c.num_attention_heads, c.num_key_value_heads, c.head_dim
         qkv = op.reshape(proj(self.qkv_proj, x, self.dtype), (b, s, hq + 2 * hkv, d))
-        if c.qk_norm:  # per head, before RoPE (the cache rotates the normalized heads)
+        if c.qk_norm or rope is not None:  # norms per head, before RoPE (the cache or the model rotates after)
             q, k, v = op.split(qkv, [hq, hq + hkv], axis=2)
-            qkv = op.concat([self.q_norm(q), self.k_norm(k), v], dim=2)
+            if c.qk_norm:
+                q, k = self.q_norm(q), self.k_norm(k)
+            if rope is not None:  # this layer's own rotation (DecoderConfig.layer_rope)
+                q, k = _rotate(q, *rope, self.dtype), _rotate(k, *rope, self.dtype)
+            qkv = op.concat([q, k, v], dim=2)
         sinks = self.sinks if c.attention_sinks else None
         o = cache.attention_with_fused_qkv(self.layer_id, qkv, hq, c.attention_scale, sinks=sinks)
         return proj(self.o_proj, op.reshape(o, (b, s, hq * d)), self.dtype)
@@ -168,8 +199,8 @@ class DecoderLayer(nn.Module):
     def _branch(self, y: Tensor) -> Tensor:
         return y if self.residual == 1.0 else op.multiply(y, _const(self.residual, y.dtype))
 
-    def forward(self, x: Tensor, cache: PagedKVCache) -> Tensor:
-        a = self.self_attn(self.input_layernorm(x), cache)
+    def forward(self, x: Tensor, cache: PagedKVCache, rope=None) -> Tensor:
+        a = self.self_attn(self.input_layernorm(x), cache, rope)
         if self.sandwich:
             x = x + self._branch(self.post_attention_layernorm(a))
             return x + self._branch(self.post_feedforward_layernorm(self.mlp(self.pre_feedforward_layernorm(x))))
@@ -199,8 +230,12 @@ class DecoderForCausalLM(CausalLMExports, nn.Module):
         if self.decoder_cfg.embedding_multiplier != 1.0:
             # HF Gemma: the normalizer is a tensor of the model dtype (rounded there first)
             h = op.multiply(h, _const(self.decoder_cfg.embedding_multiplier, self.dtype))
-        for layer in self.layers:
-            h = layer(h, cache)
+        ropes = [None] * len(self.layers)
+        if self.decoder_cfg.layer_rope:
+            b, s = input_ids.shape
+            ropes = _layer_rope_tables(self.decoder_cfg, cache.get_query_positions(b * s))
+        for layer, rope in zip(self.layers, ropes):
+            h = layer(h, cache, rope)
         return self.norm(h)
 
     def _logits(self, h: Tensor) -> Tensor:

@@ -62,6 +62,11 @@ class DecoderConfig:  # pylint: disable=too-many-instance-attributes
         empty: every layer has ``sliding_window``.
     rope : RopeSpec
         The cache's rotation beyond ``rope_theta`` (llama3, YaRN, LongRoPE, partial ``rotary_dim``).
+    layer_rope : tuple of (float, RopeSpec)
+        Per-layer ``(rope_theta, rope)`` when layers rotate differently (Gemma 3's local and global bases): the model
+        rotates q and k itself and the cache does not (``rope_mode="none"``); default / linear / llama3 / yarn types
+        over halves pairs (LongRoPE's per-forward switch stays the cache's). Empty: the cache rotates every layer
+        with ``rope_theta`` / ``rope``.
     norm_offset : bool
         Gemma's RMSNorm: ``x * (1 + w)`` instead of ``x * w`` (every norm of the model, q / k norms included).
     qk_norm : bool
@@ -105,6 +110,7 @@ class DecoderConfig:  # pylint: disable=too-many-instance-attributes
     tie_word_embeddings: bool = False
     sliding_window: int = 0
     layer_windows: tuple[int, ...] = ()
+    layer_rope: tuple[tuple[float, RopeSpec], ...] = ()
     norm_offset: bool = False
     qk_norm: bool = False
     qkv_bias: bool = False
@@ -137,12 +143,27 @@ class DecoderConfig:  # pylint: disable=too-many-instance-attributes
                                  f"({self.num_hidden_layers}), got {self.layer_windows!r}")
             if self.sliding_window:
                 raise ValueError(f"{name}.sliding_window must be 0 with layer_windows (they say every layer's)")
+        if self.layer_rope:
+            self._check_layer_rope(name)
         if self.hidden_act not in ACTIVATIONS:
             raise ValueError(f"{name}.hidden_act must be one of {ACTIVATIONS}, got {self.hidden_act!r}")
         for field in ("attn_logit_softcap", "final_logit_softcap", "sm_scale"):
             value = getattr(self, field)
             if isinstance(value, bool) or not isinstance(value, (int, float)) or not value >= 0:
                 raise ValueError(f"{name}.{field} must be a number >= 0 (0: off / default), got {value!r}")
+
+    def _check_layer_rope(self, name: str) -> None:
+        if len(self.layer_rope) != self.num_hidden_layers:
+            raise ValueError(f"{name}.layer_rope must hold one (rope_theta, RopeSpec) per layer "
+                             f"({self.num_hidden_layers}), got {len(self.layer_rope)}")
+        for layer, (theta, spec) in enumerate(self.layer_rope):
+            problems = spec.problems(self.head_dim) if isinstance(spec, RopeSpec) else ["not a RopeSpec"]
+            if isinstance(spec, RopeSpec) and (spec.rope_type == "longrope" or spec.interleaved):
+                problems.append("the model rotates default / linear / llama3 / yarn over halves pairs only")
+            if not (isinstance(theta, (int, float)) and theta > 0):
+                problems.append(f"rope_theta must be > 0, got {theta!r}")
+            if problems:
+                raise ValueError(f"{name}.layer_rope[{layer}]: " + "; ".join(problems))
 
     @property
     def attention_scale(self) -> float:
@@ -159,7 +180,7 @@ class DecoderConfig:  # pylint: disable=too-many-instance-attributes
             groups = layer_groups_from_windows(self.layer_windows)
         return KVCacheConfig(num_layers=self.num_hidden_layers, num_qo_heads=self.num_attention_heads,
                              num_kv_heads=self.num_key_value_heads, head_dim=self.head_dim, dtype=dtype,
-                             rope_mode="normal", rope_theta=self.rope_theta, sliding_window=window,
-                             layer_groups=groups,
+                             rope_mode="none" if self.layer_rope else "normal", rope_theta=self.rope_theta,
+                             sliding_window=window, layer_groups=groups,
                              logits_soft_cap=float(self.attn_logit_softcap), attention_sinks=self.attention_sinks,
-                             rope=self.rope, **capacity)
+                             rope=RopeSpec() if self.layer_rope else self.rope, **capacity)

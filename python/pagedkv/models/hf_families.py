@@ -3,9 +3,9 @@ compiler.
 
 ``from_hf(hf_config)`` reads a transformers config of a supported family (``FAMILIES``: HF ``model_type`` names)
 into a ``DecoderConfig`` and raises ``UnsupportedConfigError`` (a ``ValueError``) naming the field for what the
-decoder or the cache cannot represent: sliding and full layers with different RoPE parameters (Gemma 3's default:
-the cache has one rotation; mixed windows alone become layer groups), biases the decoder has no slot for, another
-activation.
+decoder or the cache cannot represent: biases the decoder has no slot for, another activation, other layer kinds.
+Mixed sliding / full layers become layer groups (``DecoderConfig.layer_windows``); layer kinds with their own RoPE
+(Gemma 3's local and global bases) a rotation in the model per layer (``DecoderConfig.layer_rope``).
 """
 
 from __future__ import annotations
@@ -46,19 +46,21 @@ def _windows(c) -> dict[str, Any]:
     per_layer = tuple(window if k == "sliding_attention" else 0 for k in kinds)
     if len(set(per_layer)) == 1:
         return {"sliding_window": per_layer[0]}
+    out: dict[str, Any] = {"layer_windows": per_layer}
     params = getattr(c, "rope_parameters", None) or {}
     if "full_attention" in params and params["full_attention"] != params.get("sliding_attention"):
-        _refuse(c, "rope_parameters", "sliding and full layers rotate with different RoPE parameters "
-                f"({params.get('sliding_attention')} / {params['full_attention']}), and a cache has one rotation "
-                "for every layer; give every layer one kind (layer_types) or equal rope_parameters")
-    return {"layer_windows": per_layer}
+        # Gemma 3: local and global bases; the cache has one rotation, so the model rotates per layer
+        rope = {k: hf_rope_fields(_rope_config(c, k)) for k in set(kinds)}
+        out["layer_rope"] = tuple((rope[k]["rope_theta"], rope[k]["rope"]) for k in kinds)
+    return out
 
 
-def _rope_config(c):
-    """An object ``hf_rope_fields`` reads: Gemma 3 keeps one ``rope_parameters`` per layer kind."""
+def _rope_config(c, kind: str | None = None):
+    """An object ``hf_rope_fields`` reads: Gemma 3 keeps one ``rope_parameters`` per layer kind (``kind``, else
+    the first layer's)."""
     params = getattr(c, "rope_parameters", None) or {}
     if "full_attention" in params or "sliding_attention" in params:
-        kind = (getattr(c, "layer_types", None) or ["full_attention"])[0]
+        kind = kind or (getattr(c, "layer_types", None) or ["full_attention"])[0]
         return SimpleNamespace(**{**c.to_dict(), "rope_parameters": params[kind], "rope_scaling": None,
                                   "head_dim": getattr(c, "head_dim", None)})
     return c
