@@ -305,7 +305,11 @@ int32_t PagedKVCacheObj::GetSequenceLength(int64_t seq_id) const {
   return static_cast<int32_t>(pool_.Get(seq_id).length);
 }
 
-int32_t PagedKVCacheObj::GetNumAvailablePages() const { return static_cast<int32_t>(pool_.NumFreePages()); }
+int32_t PagedKVCacheObj::GetNumAvailablePages() const {
+  int64_t free = pool_.NumFreePages();
+  for (int i = 0; i < windows_.NumPools(); ++i) free = std::min(free, windows_.NumFree(i));
+  return static_cast<int32_t>(free);
+}
 
 ffi::Shape PagedKVCacheObj::PoolPages() const {
   std::vector<int64_t> out = {pool_.NumPages(), pool_.NumFreePages()};

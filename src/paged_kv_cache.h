@@ -58,6 +58,10 @@ class PagedKVCacheObj : public tvm::runtime::vm::AttentionKVCacheObj {
   // The protocol's counts are int32: lossless, since CheckCapacity bounds the cache's token slots (and so
   // its pages and any total length) by INT32_MAX.
   int32_t GetSequenceLength(int64_t seq_id) const final;
+  // The new pages the next change can still take: the free pages of the main pool, or with layer_groups the fewest
+  // free of any pool, since every page the block tree takes is also taken in each window pool (window_pools.h).
+  // So a forward (or mid-page fork / popn) of k new pages succeeds iff k <= this, whether or not any layer is full;
+  // an engine admitting by it never over-admits (window pools get pages back after end_forward and remove).
   int32_t GetNumAvailablePages() const final;
   // Config layer_groups (schema 7): per page pool, [pages in all, pages free]: the main pool (logical pages; full
   // layers) first, then each window pool (window_pools.h) in ascending window order.

@@ -404,12 +404,21 @@ class KVCache:
 
     @property
     def num_available_pages(self) -> int:
+        """The new pages the next forward (or mid-page fork / popn) can still take: a forward needing ``k`` new
+        pages (``ceil`` of each sequence's tokens past its last page) succeeds iff ``k <= num_available_pages``.
+
+        Without ``layer_groups`` the main pool's free pages. With them the fewest free of any page pool
+        (``pool_pages``): every page the block tree takes is also taken in each sliding window's pool, which is
+        smaller, so an engine admitting by this count never over-admits, full layers or none. Window pools get
+        their pages back after ``end_forward`` (those behind every window) and ``remove_sequence``, so the count
+        can grow without a removal."""
         return int(self._call("get_num_available_pages"))
 
     def pool_pages(self) -> dict[str, tuple[int, int]]:
-        """Pages in all and pages free per page pool: ``"main"`` (the block tree's pages, held by full layers; what
-        ``num_available_pages`` counts), and with ``layer_groups`` each sliding window's pool, by its groups' names
-        (``"sliding128"``, or ``"a+b"`` for groups of one window), whose pages behind every window go back to it."""
+        """Pages in all and pages free per page pool: ``"main"`` (the block tree's pages, held by full layers; it
+        bounds the tokens), and with ``layer_groups`` each sliding window's pool, by its groups' names
+        (``"sliding128"``, or ``"a+b"`` for groups of one window), whose pages behind every window go back to it.
+        ``num_available_pages`` is the fewest free of them."""
         flat = [int(x) for x in self._call("pool_pages")]
         names = ["main"] + ["+".join(g.name for g in self.config.layer_groups or () if g.sliding_window == w)
                             for w in self.config.group_windows]

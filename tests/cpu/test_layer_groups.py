@@ -112,6 +112,9 @@ class GroupHarness(Harness):
         keys = [0, *sorted({w for w in self.windows if w})]
         return {w: (flat[2 * i], flat[2 * i + 1]) for i, w in enumerate(keys)}
 
+    def snapshot(self):
+        return {**super().snapshot(), "pools": self.pools()}
+
     def dump(self, s):
         n = self.length(s)
         keep = min(n, min(w for w in self.windows if w))
@@ -158,7 +161,8 @@ def test_window_memory_with_fork_midway():
             x.forward(batch, check=x is h)
         lengths = {s: h.length(s) for s in h.ref}
         pools = h.pools()
-        assert pools[0][1] == plain.call("get_num_available_pages") == h.call("get_num_available_pages")
+        assert pools[0][1] == plain.call("get_num_available_pages")
+        assert h.call("get_num_available_pages") == min(free for _, free in pools.values())
         for w in (5, 9):
             pages, free = pools[w]
             held = pages - free
@@ -170,6 +174,42 @@ def test_window_memory_with_fork_midway():
     assert h.length(0) >= 8 * 9 and h.length(1) >= 5 * 9  # 8x the larger window; the fork 5x
     # the main pool keeps everything: the parent's pages, and the fork's own after the shared ones
     assert total - h.pools()[0][1] == math.ceil(h.length(0) / ps) + math.ceil(h.length(1) / ps) - fork_len // ps
+    h.check_state()
+
+
+@pytest.mark.parametrize("windows", [[5, 9], [5, 0]], ids=["all-sliding", "mixed"])
+def test_num_available_pages_never_over_admits(windows):
+    """``num_available_pages`` is the fewest free pages of any pool: an engine admitting forwards by it never
+    over-admits. Sequences (no sharing) arrive and grow until a forward is refused, then the oldest is removed;
+    before every forward the count equals an independent one (the main pool: every token's page; a window pool:
+    its fixed size less each sequence's last-W-token pages) and the forward succeeds iff its new pages fit. The
+    window pools (far smaller than the main one, max_batch_size 2) refuse first, naming their group."""
+    h = GroupHarness(windows=windows, seed=3, max_batch_size=2, prefill_chunk_size=16)
+    ps, num_pages = 4, 256 // 4 + 2
+    caps = {w: min(num_pages, 2 * (math.ceil(w / ps) + 2) + 16 // ps) for w in set(windows) - {0}}
+    assert {w: h.pools()[w][0] for w in caps} == caps
+    rng = np.random.default_rng(3)
+    next_id, refused = 0, []
+    for _ in range(40):
+        lengths = {s: h.length(s) for s in h.ref}
+        free = [num_pages - sum(math.ceil(n / ps) for n in lengths.values())]
+        free += [cap - sum(_resident_bound(w, ps, n) for n in lengths.values()) for w, cap in caps.items()]
+        assert h.call("get_num_available_pages") == min(free), (lengths, h.pools())
+        if len(lengths) < 2 or rng.random() < 0.3:  # a new request: its first prefill chunk
+            h.add(next_id)
+            lengths[next_id] = 0
+            next_id += 1
+        ids = list(rng.permutation(sorted(lengths))[:2])
+        batch = {int(s): int(rng.integers(1, 8)) for s in ids}
+        need = sum(math.ceil((lengths[s] + a) / ps) - math.ceil(lengths[s] / ps) for s, a in batch.items())
+        if need <= min(free):
+            h.forward(batch)
+            continue
+        h.rejects(lambda: h.forward(batch), "out of pages" + ("" if need > free[0] else " in layer group 'sliding"))
+        refused.append((need, free[0]))
+        h.remove(min(h.ref))
+    # the window pools bind first: the main pool alone would have admitted these forwards
+    assert refused and any(need <= main for need, main in refused)
     h.check_state()
 
 
