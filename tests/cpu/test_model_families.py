@@ -199,8 +199,8 @@ def _run_hf(model, tokens: list[int], first_chunk: int, prompt: int) -> list[np.
     past, pos, out = None, 0, []
     with torch.no_grad():
         for n in sizes:
-            res = model(torch.tensor([tokens[pos:pos + n]]), past_key_values=past, use_cache=True)
-            past, pos = res.past_key_values, pos + n
+            res = model(torch.tensor([tokens[pos:pos + n]]), cache=past, use_cache=True)  # transformers 5.25's name
+            past, pos = res.cache, pos + n
             out.append(res.logits[0].numpy())
     return out
 
