@@ -32,7 +32,7 @@ SLOW_MODULES = frozenset({
     "test_bundle", "test_cuda_compile", "test_cuda_decode_staged", "test_cuda_decode_tc", "test_cuda_graph_compile",
     "test_cuda_paths_compile", "test_decode_chunked_emulated", "test_decode_staged_emulated",
     "test_decode_tc_emulated", "test_deepseek_v3", "test_examples", "test_flashinfer_build", "test_kernel_cache",
-    "test_mla_cuda_compile", "test_mla_prefill_tc_compile", "test_mla_tc_compile", "test_mla_tc_emulated",
+    "test_mla_cuda_compile", "test_mla_prefill_tc_compile", "test_mla_tc_compile", "test_mla_tc_emulated", "test_model_families",
     "test_rope_cuda_emulated",
     "test_partial_compile",
     "test_prefill_tc_compile", "test_prefill_tc_emulated", "test_prefill_wg_compile", "test_relax_model",

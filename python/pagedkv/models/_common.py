@@ -62,16 +62,21 @@ def proj(layer: nn.Module, x: Tensor, dtype: str) -> Tensor:
 
 
 class GatedMLP(nn.Module):
-    """SiLU-gated MLP with gate and up fused into one projection (Llama, DeepSeek's dense layers)."""
+    """Gated MLP with gate and up fused into one projection: ``down(act(gate) * up)``, ``act`` SiLU (Llama,
+    DeepSeek's dense layers) or ``"gelu_tanh"`` (Gemma's ``gelu_pytorch_tanh``)."""
 
-    def __init__(self, hidden_size: int, intermediate_size: int, dtype: str, layout: str = "nk"):
-        self.dtype = dtype
+    def __init__(self, hidden_size: int, intermediate_size: int, dtype: str, layout: str = "nk", *,
+                 hidden_act: str = "silu"):
+        if hidden_act not in ("silu", "gelu_tanh"):
+            raise ValueError(f"hidden_act must be 'silu' or 'gelu_tanh', got {hidden_act!r}")
+        self.dtype, self.hidden_act = dtype, hidden_act
         self.gate_up_proj = linear(hidden_size, 2 * intermediate_size, dtype, layout)
         self.down_proj = linear(intermediate_size, hidden_size, dtype, layout)
 
     def forward(self, x: Tensor) -> Tensor:
         gate, up = op.split(proj(self.gate_up_proj, x, self.dtype), 2, axis=-1)
-        return proj(self.down_proj, op.silu(gate) * up, self.dtype)
+        act = op.silu(gate) if self.hidden_act == "silu" else op.gelu(gate, approximate="tanh")
+        return proj(self.down_proj, act * up, self.dtype)
 
 
 class CausalLMExports:

@@ -38,6 +38,18 @@ class LlamaConfig:
             raise ValueError(f"LlamaConfig.num_attention_heads={self.num_attention_heads} is not a multiple of "
                              f"num_key_value_heads={self.num_key_value_heads}")
 
+    def decoder_config(self):
+        """The shared decoder's options (``pagedkv.models.decoder_config.DecoderConfig``) of this model."""
+        from .decoder_config import DecoderConfig
+
+        return DecoderConfig(vocab_size=self.vocab_size, hidden_size=self.hidden_size,
+                             intermediate_size=self.intermediate_size, num_hidden_layers=self.num_hidden_layers,
+                             num_attention_heads=self.num_attention_heads,
+                             num_key_value_heads=self.num_key_value_heads, head_dim=self.head_dim,
+                             family="mistral" if self.sliding_window else "llama", rms_norm_eps=self.rms_norm_eps,
+                             rope_theta=self.rope_theta, rope=self.rope,
+                             tie_word_embeddings=self.tie_word_embeddings, sliding_window=self.sliding_window)
+
     def kv_cache_config(self, dtype: str, **capacity) -> KVCacheConfig:
         return KVCacheConfig(num_layers=self.num_hidden_layers, num_qo_heads=self.num_attention_heads,
                              num_kv_heads=self.num_key_value_heads, head_dim=self.head_dim, dtype=dtype,
