@@ -261,7 +261,6 @@ def test_emulated_tc_mla_decode_matches_reference(name, kernel, built):
 PREFILL_CASES = {
     "tc-h16-r128-f16-s1-causal": ("h16-r128-f16-s1", "tc", True, [(5, 130), (4, 0), (20, 17), (1, 64)]),
     "tc-h12-r128-bf16-s3": ("h12-r128-bf16-s3", "tc", False, [(3, 130), (2, 1), (6, 64)]),
-    "tc-h40-r128-f16-s3-causal": ("h40-r128-f16-s3", "tc", True, [(4, 130), (3, 2)]),
     "tc-h16-r128-bf16-s8-causal": ("h16-r128-bf16-s8", "tc", True, [(3, 150), (2, 0), (5, 3)]),
     "wgq-h40-r256-f16-s3-causal": ("h40-r256-f16-s3", "wgq", True, [(3, 200), (4, 2), (1, 0)]),
     "wgq-h128-r512-bf16-s1": ("h128-r512-bf16-s1", "wgq", False, [(2, 80), (2, 1)]),
