@@ -57,7 +57,7 @@ struct KVConfig {
   double logits_soft_cap = 0.0;  // schema 3; 0: off. Scores s become cap * tanh(s / cap).
   // schema 4; 0: off. Else the library's decode step runs in CUDA graphs for up to this many sequences, so
   // every decode forward keeps its index arrays at fixed device addresses with shapes that depend on the
-  // batch size only (attention.cc, "CUDA-graph decode"), and max_batch_size may not exceed it.
+  // batch size only (forward.cc, "CUDA-graph decode"), and max_batch_size may not exceed it.
   int64_t cuda_graph_batch = 0;
   // schema 5; false: off. Else the attention calls may take sinks[num_qo_heads] (float32): one more softmax logit
   // per query head whose value is 0, merged once into each call's final state by the sink ops (the op table

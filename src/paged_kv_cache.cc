@@ -1,5 +1,5 @@
 // PagedKVCache: creation, sequence management, debug access and poisoning.
-// Forward and attention orchestration is in attention.cc.
+// The forward is in forward.cc, the attention entry points in attention.cc.
 #include "paged_kv_cache.h"
 
 #include <tvm/ffi/error.h>
@@ -47,7 +47,7 @@ struct Size {
   }
 };
 
-// int32 elements of the CUDA-graph decode layout (attention.cc UploadGraphPlan) for max_batch_size sequences:
+// int32 elements of the CUDA-graph decode layout (forward.cc UploadGraphPlan) for max_batch_size sequences:
 // nine arrays of b or b + 1 entries, then page_values with room for GraphPageValues = b * num_pages (padded).
 // A Size, because ComputeDeviceBytes counts it before CheckCapacity has bounded the config.
 Size GraphAuxElems(const KVConfig& c, const Size& num_pages) {

@@ -68,7 +68,7 @@ def kernel_shape(config: KVCacheConfig) -> KVCacheConfig:
 #: Modules of the package besides ``tir_kernels/`` whose code decides which kernels are generated (the spec and
 #: its limits, the op ABI, the targets, the backends' choices): part of the source digest.
 KERNEL_SOURCE_MODULES = ("kernel_spec.py", "kernel_table.py", "ops.py", "target.py", "config.py", "rope_spec.py",
-                         "backends/tir.py",
+                         "config_schema.py", "kv_scales.py", "layer_groups.py", "backends/tir.py",
                          "backends/flashinfer.py", "backends/base.py")
 
 

@@ -14,49 +14,25 @@ import numbers
 from dataclasses import dataclass, field
 from typing import Any, Mapping
 
-from . import kv_scales
+from . import config_schema, kv_scales
+from .config_schema import (  # noqa: F401 (the config's vocabulary: schema versions and field names by schema)
+    ATTENTION_OPTION_FIELDS, FP8_FIELDS, FP8_SCHEMA, MLA_FIELDS, RUNTIME_FIELDS, SCHEMA_VERSION, SINK_FIELDS)
 from .kv_scales import FP8_E4M3_MAX, FP8_KV_DTYPES  # noqa: F401 (the config's vocabulary)
-from .layer_groups import LayerGroup, cover_problems
+from .layer_groups import LayerGroup, as_groups, cover_problems, group_problems
 from .rope_spec import RopeSpec
 
-#: The newest schema this package writes; the runtime accepts every schema up to its own newest.
-#: Schema 2 added MLA layers (``kv_lora_rank``, ``qk_nope_head_dim``, ``qk_rope_head_dim``); schema 3 the
-#: attention options ``sliding_window`` and ``logits_soft_cap``; schema 4 ``cuda_graph_batch``; schema 5 the
-#: attention sinks (``attention_sinks``, ``sink_size``); schema 6 the RoPE variants (``rope``: ``RopeSpec``); schema 7
-#: the layer groups (``layer_groups``: per-layer windows, window-sized memory); schema ``FP8_SCHEMA`` the FP8 KV cache
-#: (``kv_dtype``, ``k_scale``, ``v_scale``, ``ckv_scale``, ``kpe_scale``). A config is written with the lowest schema
-#: that holds it, so an MHA library without those options still loads in a schema-1 runtime.
-#: The schema that added the FP8 KV cache: one constant (mirrored by ``kFp8Schema`` in ``src/config.h``).
-FP8_SCHEMA = 8
-SCHEMA_VERSION = FP8_SCHEMA
-
 DTYPES = ("float16", "float32", "bfloat16")
-#: Fields added by schema ``FP8_SCHEMA`` (``kv_dtype`` = ``dtype``, scales 1: off).
-FP8_FIELDS = ("kv_dtype", "k_scale", "v_scale", "ckv_scale", "kpe_scale")
 ROPE_MODES = ("none", "normal", "inline")
 LAYER_KINDS = ("mha", "mla")
-#: Fields added by schema 2 (all 0 for an MHA cache).
-MLA_FIELDS = ("kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim")
-#: Fields added by schema 3 (0: off).
-ATTENTION_OPTION_FIELDS = ("sliding_window", "logits_soft_cap")
-#: Fields added by schema 5 (attention sinks; False / 0: off).
-SINK_FIELDS = ("attention_sinks", "sink_size")
 
 #: Token slots a cache may hold: slot indices (page * page_size + offset) are int32 in the kernel ABI.
 MAX_SLOTS = 2**31 - 1
-
-#: Fields that may be given at run time (e.g. as Relax symbolic variables) instead of at compile time.
-RUNTIME_FIELDS = ("max_batch_size", "max_total_seq_len", "prefill_chunk_size", "page_size")
 
 
 def _positive_finite(value) -> bool:
     """Whether ``value`` is a real number (numpy scalars too; not a bool), finite and > 0."""
     return (isinstance(value, numbers.Real) and not isinstance(value, bool) and math.isfinite(value)
             and value > 0)
-
-
-def _is_number(value) -> bool:
-    return isinstance(value, numbers.Real) and not isinstance(value, bool)
 
 
 def check_sm_scale(sm_scale, where: str) -> float:
@@ -214,10 +190,8 @@ class KVCacheConfig:
     def __post_init__(self) -> None:
         if self.kv_dtype == self.dtype:  # the default, said explicitly: kept as None so replace(dtype=) follows
             object.__setattr__(self, "kv_dtype", None)
-        for name in ("k_scale", "v_scale"):  # a per-head list (JSON, numpy) is kept as a tuple of floats
-            value = getattr(self, name)
-            if isinstance(value, (list, tuple)) or (hasattr(value, "__len__") and not isinstance(value, str)):
-                object.__setattr__(self, name, tuple(float(v) if _is_number(v) else v for v in value))
+        for name in ("k_scale", "v_scale"):
+            object.__setattr__(self, name, kv_scales.as_scale(getattr(self, name)))
         if self.rope is None:
             object.__setattr__(self, "rope", RopeSpec())
         elif isinstance(self.rope, Mapping):
@@ -225,11 +199,7 @@ class KVCacheConfig:
         if isinstance(self.rope, RopeSpec) and self.rope.rotary_dim and self.rope.rotary_dim == self.head_dim:
             # the whole head, said explicitly: stored as 0 so that the config keeps its lowest schema
             object.__setattr__(self, "rope", dataclasses.replace(self.rope, rotary_dim=0))
-        if isinstance(self.layer_groups, list):
-            object.__setattr__(self, "layer_groups", tuple(self.layer_groups))
-        if isinstance(self.layer_groups, tuple) and any(isinstance(g, Mapping) for g in self.layer_groups):
-            object.__setattr__(self, "layer_groups", tuple(LayerGroup.from_dict(g) if isinstance(g, Mapping) else g
-                                                           for g in self.layer_groups))
+        object.__setattr__(self, "layer_groups", as_groups(self.layer_groups))
         if self.schema_version is None:
             object.__setattr__(self, "schema_version", self.min_schema)
         problems = self.problems()
@@ -387,16 +357,7 @@ class KVCacheConfig:
         return out
 
     def _group_problems(self) -> list[str]:
-        if self.layer_groups is None:
-            return []
-        out = cover_problems(self.layer_groups, self.num_layers)
-        # The groups say every layer's window; the CUDA-graph layout is planned for one window (src/forward_plan.h):
-        # not implemented per group yet, refused rather than applied to some.
-        refused = [(self.sliding_window, "the top-level sliding_window (each group's sliding_window says it)"),
-                   (self.cuda_graph_batch, "cuda_graph_batch (not implemented with layer groups yet)"),
-                   (self.is_mla, "MLA layers (they take no window)")]
-        out += [f"layer_groups with {what}" for value, what in refused if value]
-        return out
+        return group_problems(self)
 
     # -- derived ----------------------------------------------------------------------------------------
     def layer_window(self, layer: int) -> int:
@@ -520,9 +481,7 @@ class KVCacheConfig:
         if self.schema_version >= 6:
             out["rope"] = self.rope.to_dict()
         if self.schema_version >= FP8_SCHEMA:
-            out["kv_dtype"] = self.page_dtype
-            out.update({n: list(v) if isinstance(v, tuple) else float(v)
-                        for n in ("k_scale", "v_scale", "ckv_scale", "kpe_scale") for v in [getattr(self, n)]})
+            out.update(kv_scales.json_fields(self))
         if self.schema_version >= 7:
             out["layer_groups"] = [g.to_dict() for g in self.layer_groups or ()]
         for name in runtime_fields:
@@ -560,9 +519,9 @@ class KVCacheConfig:
         if isinstance(schema, int) and not isinstance(schema, bool) and schema > SCHEMA_VERSION:
             raise ValueError(f"config schema_version {schema} is newer than this pagedkv reads (up to "
                              f"{SCHEMA_VERSION}): upgrade pagedkv to read it")
-        _check_keys(fields, schema if isinstance(schema, int) else SCHEMA_VERSION)
-        fields.update(_runtime_values(fields.pop("runtime_fields", []), runtime_values))
-        _check_types(fields)
+        config_schema.check_keys(fields, schema if isinstance(schema, int) else SCHEMA_VERSION)
+        fields.update(config_schema.runtime_values(fields.pop("runtime_fields", []), runtime_values))
+        config_schema.check_types(fields)
         if fields.get("layer_groups") == []:  # written by a schema-7 config without groups
             fields["layer_groups"] = None
         kinds = tuple(fields.pop("layer_kinds", ()))
@@ -584,71 +543,3 @@ class KVCacheConfig:
             raise ValueError(f"KVCacheConfig.from_json: not JSON ({err})") from None
         return cls.from_dict(data, runtime_values=runtime_values)
 
-
-#: The keys ``to_dict`` writes, by the schema that introduced them.
-_KEYS_BY_SCHEMA = {
-    1: ("schema_version", "num_layers", "num_qo_heads", "num_kv_heads", "head_dim", "v_head_dim", "dtype",
-        "rope_mode", "rope_theta", "rope_scale", "page_size", "max_batch_size", "max_total_seq_len",
-        "prefill_chunk_size", "layer_kinds", "runtime_fields"),
-    2: MLA_FIELDS,
-    3: ATTENTION_OPTION_FIELDS,
-    4: ("cuda_graph_batch",),
-    5: SINK_FIELDS,
-    6: ("rope",),
-    7: ("layer_groups",),
-    FP8_SCHEMA: FP8_FIELDS,
-}
-_FLOAT_FIELDS = ("rope_theta", "rope_scale", "logits_soft_cap", "ckv_scale", "kpe_scale")
-_STR_FIELDS = ("dtype", "rope_mode", "kv_dtype")
-
-
-def _check_keys(fields: dict, schema: int) -> None:
-    """Unknown keys, and keys of a schema newer than the one the data says it is, are errors: a misspelled
-    or misplaced field never passes as its default."""
-    since = {key: v for v, keys in _KEYS_BY_SCHEMA.items() for key in keys}
-    unknown = sorted(k for k in fields if k not in since)
-    if unknown:
-        raise ValueError(f"unknown KVCacheConfig keys {unknown}; known: {sorted(since)}")
-    late = sorted(k for k in fields if since[k] > schema)
-    if late:
-        raise ValueError(f"keys {late} need schema_version >= {max(since[k] for k in late)}, but the config "
-                         f"says schema_version {schema}")
-
-
-def _runtime_values(names: Any, values: Mapping[str, int] | None) -> dict:
-    """The fields a config left to run time, from ``values``; each named one must be given."""
-    if not isinstance(names, (list, tuple)) or any(n not in RUNTIME_FIELDS for n in names):
-        raise ValueError(f"runtime_fields must list fields of {RUNTIME_FIELDS}, got {names!r}")
-    values = dict(values or {})
-    missing, extra = sorted(set(names) - set(values)), sorted(set(values) - set(names))
-    if missing or extra:
-        raise ValueError(f"the config leaves {list(names)} to run time: runtime_values must give exactly those "
-                         f"(missing {missing}, not runtime fields here {extra})")
-    return values
-
-
-def _check_types(fields: dict) -> None:
-    """JSON types the constructor does not check itself (it checks the int fields)."""
-    for name in _FLOAT_FIELDS:
-        value = fields.get(name, 0.0)
-        if isinstance(value, bool) or not isinstance(value, (int, float)):
-            raise TypeError(f"KVCacheConfig field {name} must be a number, got {value!r}")
-    for name in _STR_FIELDS:
-        if name in fields and not isinstance(fields[name], str):
-            raise TypeError(f"KVCacheConfig field {name} must be a string, got {fields[name]!r}")
-    if not isinstance(fields.get("attention_sinks", False), bool):
-        raise TypeError(f"KVCacheConfig field attention_sinks must be a bool, got {fields['attention_sinks']!r}")
-    if not isinstance(fields.get("rope", {}), Mapping):
-        raise TypeError(f"KVCacheConfig field rope must be an object (RopeSpec fields), got {fields['rope']!r}")
-    for name in ("k_scale", "v_scale"):
-        value = fields.get(name, 1.0)
-        values = value if isinstance(value, list) else [value]
-        if not values or any(isinstance(v, bool) or not isinstance(v, (int, float)) for v in values):
-            raise TypeError(f"KVCacheConfig field {name} must be a number or a non-empty list of numbers, "
-                            f"got {value!r}")
-    groups = fields.get("layer_groups") or []
-    if not isinstance(groups, (list, tuple)) or not all(isinstance(g, Mapping) for g in groups):
-        raise TypeError(f"KVCacheConfig field layer_groups must be a list of objects (LayerGroup fields), got {groups!r}")
-    kinds = fields.get("layer_kinds", [])
-    if not isinstance(kinds, (list, tuple)) or not all(isinstance(k, str) for k in kinds):
-        raise TypeError(f"KVCacheConfig field layer_kinds must be a list of strings, got {kinds!r}")

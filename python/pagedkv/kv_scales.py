@@ -1,5 +1,6 @@
 """FP8 KV cache fields of ``KVCacheConfig`` (``kv_dtype``, ``k_scale``, ``v_scale``, ``ckv_scale``, ``kpe_scale``):
-their checks and the checkpoint reader, kept apart from ``config.py`` (which calls them). Imports nothing of pagedkv.
+their checks, their normal form and JSON, and the checkpoint reader, kept apart from ``config.py`` (which calls
+them). Imports nothing of pagedkv.
 
 A scale that nothing applies is the bug every FP8 KV cache has shipped (a path that drops or doubles it), so a
 config never holds one its kernels would ignore: scales other than 1 need an FP8 ``kv_dtype``, MHA layers take
@@ -23,6 +24,22 @@ MLA_SCALES = ("ckv_scale", "kpe_scale")
 def _positive_finite(value) -> bool:
     return (isinstance(value, numbers.Real) and not isinstance(value, bool) and math.isfinite(value)
             and value > 0)
+
+
+def as_scale(value: Any) -> Any:
+    """A ``k_scale`` / ``v_scale`` as the config keeps it: a per-head list (JSON, numpy) as a tuple of floats (what is
+    not a number is kept, for ``problems`` to name); a single value as given."""
+    if isinstance(value, (list, tuple)) or (hasattr(value, "__len__") and not isinstance(value, str)):
+        return tuple(float(v) if isinstance(v, numbers.Real) and not isinstance(v, bool) else v for v in value)
+    return value
+
+
+def json_fields(config) -> dict:
+    """The FP8 fields of ``config`` as ``KVCacheConfig.to_dict`` writes them (schema ``FP8_SCHEMA``)."""
+    out = {"kv_dtype": config.page_dtype}
+    out.update({n: list(v) if isinstance(v, tuple) else float(v)
+                for n in MHA_SCALES + MLA_SCALES for v in [getattr(config, n)]})
+    return out
 
 
 def _value_problems(config) -> list[str]:

@@ -123,4 +123,29 @@ def cover_problems(groups: Any, num_layers: int) -> list[str]:
     return out
 
 
-__all__ = ["LayerGroup", "cover_problems", "layer_groups_from_windows"]
+def as_groups(groups: Any) -> Any:
+    """``KVCacheConfig.layer_groups`` as the config keeps it: a list as a tuple, mappings as ``LayerGroup``s
+    (``LayerGroup.from_dict``); anything else as given, for ``cover_problems`` to name."""
+    if isinstance(groups, list):
+        groups = tuple(groups)
+    if isinstance(groups, tuple) and any(isinstance(g, Mapping) for g in groups):
+        groups = tuple(LayerGroup.from_dict(g) if isinstance(g, Mapping) else g for g in groups)
+    return groups
+
+
+def group_problems(config) -> list[str]:
+    """Every reason the ``layer_groups`` of ``config`` (a ``KVCacheConfig``) are invalid: the cover, and the options
+    they do not combine with."""
+    if config.layer_groups is None:
+        return []
+    out = cover_problems(config.layer_groups, config.num_layers)
+    # The groups say every layer's window; the CUDA-graph layout is planned for one window (src/forward_plan.h):
+    # not implemented per group yet, refused rather than applied to some.
+    refused = [(config.sliding_window, "the top-level sliding_window (each group's sliding_window says it)"),
+               (config.cuda_graph_batch, "cuda_graph_batch (not implemented with layer groups yet)"),
+               (config.is_mla, "MLA layers (they take no window)")]
+    out += [f"layer_groups with {what}" for value, what in refused if value]
+    return out
+
+
+__all__ = ["LayerGroup", "as_groups", "cover_problems", "group_problems", "layer_groups_from_windows"]
