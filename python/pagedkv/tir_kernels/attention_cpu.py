@@ -25,7 +25,7 @@ from ._abi import abi_prim_func, spec_op
 from ._attn_cpu_gemm import make_gemm_macros, scratch_shapes
 from ._attn_cpu_macros import make_attn_macros
 from ._common import LOG2E, TilePlan, make_tile_plan
-from ._fp8 import decode_e4m3, fp8_scales, quantize
+from ._fp8 import decode_e4m3, encode_e4m3, fp8_scales
 from ._variant_cpu import CpuVariant
 from ..kernel_spec import forced, normalize_paths
 from ..ops import shape_values
@@ -201,16 +201,30 @@ def _make_ragged_loader(plan: TilePlan, mac, fp8=None):
 
 
 def _make_ragged_loader_fp8(plan: TilePlan, mac, fp8):
+    # The round trip runs in three loops through buffers (x / scale, its code, the code's value) rather than as
+    # one expression: encode and decode reuse their operands many times, and TIR expressions are trees, so
+    # ``decode_e4m3(quantize(x))`` is a few hundred copies of ``x`` per element; the simplifier and lowering passes
+    # took a minute over each kernel with it. Storing x / scale as float32 is the division ``quantize`` does, so
+    # the codes are the same.
     D, DV, JB, F = plan.d, plan.dv, plan.jb, fp8
 
     @T.macro
     def load_tile(Kf, Vf, cur, kv, base, kpos0, h, j0, nk, rope):
         k, v = kv
+        code = T.alloc_buffer((max(D, DV),), "uint8")
         for j in T.serial(nk):
             for dd in T.vectorized(D):
-                Kf[j, dd] = decode_e4m3(quantize(T.Cast("float32", k[base + j0 + j, h, dd]), F.k_of(h)))
+                Kf[j, dd] = T.Cast("float32", k[base + j0 + j, h, dd]) / F.k_of(h)
+            for dd in T.vectorized(D):
+                code[dd] = encode_e4m3(Kf[j, dd])
+            for dd in T.vectorized(D):
+                Kf[j, dd] = decode_e4m3(code[dd])
             for dd in T.vectorized(DV):
-                Vf[j, dd] = decode_e4m3(quantize(T.Cast("float32", v[base + j0 + j, h, dd]), F.v_of(h)))
+                Vf[j, dd] = T.Cast("float32", v[base + j0 + j, h, dd]) / F.v_of(h)
+            for dd in T.vectorized(DV):
+                code[dd] = encode_e4m3(Vf[j, dd])
+            for dd in T.vectorized(DV):
+                Vf[j, dd] = decode_e4m3(code[dd])
             mac.rope_key(Kf, j, kpos0 + j0 + j, rope)
         for j in T.serial(nk, (nk + JB - 1) // JB * JB):
             mac.clear_key(Kf, j)
