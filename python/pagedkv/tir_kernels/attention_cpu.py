@@ -127,9 +127,9 @@ def _make_paged_loader(plan: TilePlan, mac, fp8=None):
     ``page_values`` index. The (page, offset) cursor advances incrementally: one division per tile
     instead of one per key (the page size is a runtime value). ``fp8``: the pages hold e4m3 codes, staged as
     their values (the scales are folded into q and o by the macros)."""
-    if fp8 is not None:
-        return _make_paged_loader_fp8(plan, mac)
     D, DV, JB = plan.d, plan.dv, plan.jb
+    # the staged value of a page element: its code decoded, or the storage dtype cast (one loader for both)
+    read = decode_e4m3 if fp8 is not None else (lambda x: T.Cast("float32", x))
 
     @T.macro
     def load_tile(Kf, Vf, cur, kv, base, kpos0, h, j0, nk, rope):
@@ -138,33 +138,9 @@ def _make_paged_loader(plan: TilePlan, mac, fp8=None):
         cur[1] = j0 % ps
         for j in T.serial(nk):
             for dd in T.vectorized(D):
-                Kf[j, dd] = T.Cast("float32", pages[page_values[base + cur[0]], 0, h, cur[1], dd])
+                Kf[j, dd] = read(pages[page_values[base + cur[0]], 0, h, cur[1], dd])
             for dd in T.vectorized(DV):
-                Vf[j, dd] = T.Cast("float32", pages[page_values[base + cur[0]], 1, h, cur[1], dd])
-            mac.rope_key(Kf, j, kpos0 + j0 + j, rope)
-            cur[1] = cur[1] + 1
-            if cur[1] == ps:
-                cur[0] = cur[0] + 1
-                cur[1] = 0
-        for j in T.serial(nk, (nk + JB - 1) // JB * JB):
-            mac.clear_key(Kf, j)
-
-    return load_tile
-
-
-def _make_paged_loader_fp8(plan: TilePlan, mac):
-    D, DV, JB = plan.d, plan.dv, plan.jb
-
-    @T.macro
-    def load_tile(Kf, Vf, cur, kv, base, kpos0, h, j0, nk, rope):
-        pages, page_values, ps = kv
-        cur[0] = j0 // ps
-        cur[1] = j0 % ps
-        for j in T.serial(nk):
-            for dd in T.vectorized(D):
-                Kf[j, dd] = decode_e4m3(pages[page_values[base + cur[0]], 0, h, cur[1], dd])
-            for dd in T.vectorized(DV):
-                Vf[j, dd] = decode_e4m3(pages[page_values[base + cur[0]], 1, h, cur[1], dd])
+                Vf[j, dd] = read(pages[page_values[base + cur[0]], 1, h, cur[1], dd])
             mac.rope_key(Kf, j, kpos0 + j0 + j, rope)
             cur[1] = cur[1] + 1
             if cur[1] == ps:

@@ -51,9 +51,9 @@ def _make_latent_loader(plan: TilePlan, mac, fp8=None):
     page_values, page_size)``, ``base`` = the entry's first ``page_values`` index; the head index is
     ignored (every head chunk reads the same latents). ``fp8``: the pages hold e4m3 codes, staged as their
     values (``ckv_scale`` / ``kpe_scale`` are folded into q's two parts and ``ckv_scale`` into o)."""
-    if fp8 is not None:
-        return _make_latent_loader_fp8(plan, mac)
     D, DV, JB = plan.d, plan.dv, plan.jb
+    # the staged value of a latent element: its code decoded, or the storage dtype cast (one loader for both)
+    read = decode_e4m3 if fp8 is not None else (lambda x: T.Cast("float32", x))
 
     @T.macro
     def load_tile(Kf, Vf, cur, kv, base, kpos0, h, j0, nk, rope):
@@ -62,32 +62,9 @@ def _make_latent_loader(plan: TilePlan, mac, fp8=None):
         cur[1] = j0 % ps
         for j in T.serial(nk):
             for dd in T.vectorized(D):
-                Kf[j, dd] = T.Cast("float32", pages[page_values[base + cur[0]], 0, 0, cur[1], dd])
+                Kf[j, dd] = read(pages[page_values[base + cur[0]], 0, 0, cur[1], dd])
             for dd in T.vectorized(DV):
-                Vf[j, dd] = T.Cast("float32", pages[page_values[base + cur[0]], 0, 0, cur[1], dd])
-            cur[1] = cur[1] + 1
-            if cur[1] == ps:
-                cur[0] = cur[0] + 1
-                cur[1] = 0
-        for j in T.serial(nk, (nk + JB - 1) // JB * JB):
-            mac.clear_key(Kf, j)
-
-    return load_tile
-
-
-def _make_latent_loader_fp8(plan: TilePlan, mac):
-    D, DV, JB = plan.d, plan.dv, plan.jb
-
-    @T.macro
-    def load_tile(Kf, Vf, cur, kv, base, kpos0, h, j0, nk, rope):
-        pages, page_values, ps = kv
-        cur[0] = j0 // ps
-        cur[1] = j0 % ps
-        for j in T.serial(nk):
-            for dd in T.vectorized(D):
-                Kf[j, dd] = decode_e4m3(pages[page_values[base + cur[0]], 0, 0, cur[1], dd])
-            for dd in T.vectorized(DV):
-                Vf[j, dd] = Kf[j, dd]
+                Vf[j, dd] = read(pages[page_values[base + cur[0]], 0, 0, cur[1], dd])
             cur[1] = cur[1] + 1
             if cur[1] == ps:
                 cur[0] = cur[0] + 1
