@@ -16,7 +16,7 @@ CURAND_SPEC ?= nvidia-curand==10.4.0.35
 SOURCES := $(wildcard src/*.cc src/*.h) CMakeLists.txt pyproject.toml \
            $(shell find python -name '*.py' 2>/dev/null)
 
-.PHONY: demo test test-fast lint install clean bench bench-e2e gpu-bundle gpu-test bench-bundle bench-gpu \
+.PHONY: demo test test-fast test-knobs lint install clean bench bench-e2e gpu-bundle gpu-test bench-bundle bench-gpu \
         gpu-carry gpu-stage gpu-assemble bench-e2e-gpu
 demo: $(STAMP)
 	$(PY) -m pagedkv.apps.chat
@@ -34,6 +34,12 @@ test: $(STAMP) lint
 test-fast: $(STAMP)
 	$(TEST_ENV) $(PY) -m pytest tests -q -p no:cacheprovider -n $(TEST_WORKERS) --dist loadfile -m "not slow" \
 	  --durations=10 $(PYTEST_ARGS)
+
+# The knob lane (tests/conftest.py: KNOBS): kernels built with a tuning constant flipped, which no library ships; run
+# it after changing one of those constants' kernels.
+test-knobs: $(STAMP)
+	PAGEDKV_TEST_KNOBS=1 $(TEST_ENV) $(PY) -m pytest tests -q -p no:cacheprovider -n $(TEST_WORKERS) --dist loadfile \
+	  -m knobs $(PYTEST_ARGS)
 
 # ruff (configured in pyproject.toml) over the Python of the whole tree.
 lint: $(DEPS)

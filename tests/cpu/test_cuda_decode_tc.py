@@ -175,6 +175,7 @@ def test_tc_dynamic_shared_memory_launch():
             assert dyn == [tc.smem_words(cfg.head_dim, rope=bool(rope)) * 4], (rope, dyn, params)
 
 
+@pytest.mark.knobs
 def test_tc_switches_nvcc(tmp_path, monkeypatch):
     """The kernel's non-default build switches (``PACKED_F16 = False``: fp16 keys rotated in float32;
     ``TCD_WARP_RING`` inverted: per-warp copies in the plain kernel, block-wide in the RoPE one;

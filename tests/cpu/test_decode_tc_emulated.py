@@ -7,7 +7,8 @@ float64 reference.
 Cases: GQA groups 1, 4, 7, 8 and 16 (padding rows of the m16 tile, a full tile), head dims 64 / 128, fp16 /
 bf16, one windowed + soft-capped; batches of mixed lengths (an empty entry, one key, fewer keys than a tile,
 page and tile edges, five tiles: the 3-slot ring wraps) with pages in random order and every slot not holding a
-key NaN; split counts forced to 1 (direct write) and 3 (workspace + merge), and the automatic count. Inline RoPE
+key NaN; split counts forced to 1 (direct write), 3 and 8 (workspace + merge; the automatic count on this kernel:
+``test_decode_chunked_emulated``). Inline RoPE
 (``apply_rope = 1``: the tensor-core RoPE kernel of ``_decode_tc_rope_cuda`` in the same PrimFunc, keys rotated in
 shared memory) on groups 1, 4, 7, 8 and 16, both head dims and dtypes, windowed + capped, every other entry's positions
 near 30,000 (``k_pos_offset``). A NaN run (issue 44): NaN q row and keys, one outside the window. Fresh random
@@ -35,7 +36,9 @@ CONFIGS = {
     "4x1x64-bf16-s3": (tk.KernelSpec(4, 1, 64, 64, "bfloat16"), "3"),
     "7x1x128-f16-s3": (tk.KernelSpec(7, 1, 128, 128, "float16"), "3"),
     "8x1x128-bf16-s1": (tk.KernelSpec(8, 1, 128, 128, "bfloat16"), "1"),
-    "16x1x64-f16-auto": (tk.KernelSpec(16, 1, 64, 64, "float16"), "auto"),
+    # 8 splits: more than an entry's tiles (splits past its keys write the empty state); the automatic count
+    # (several times the blocks to emulate) runs on this kernel in test_decode_chunked_emulated's auto test
+    "16x1x64-f16-s8": (tk.KernelSpec(16, 1, 64, 64, "float16"), "8"),
     "16x1x128-bf16-s3": (tk.KernelSpec(16, 1, 128, 128, "bfloat16"), "3"),
     "8x1x64-f16-w90-cap20-s3": (tk.KernelSpec(8, 1, 64, 64, "float16", sliding_window=90, logits_soft_cap=20.0),
                                 "3"),
@@ -101,6 +104,7 @@ def test_emulated_tc_decode_nan_propagates(built):
     check_against_reference(f"{name}-nan", cfg, ents, o, lse, 0, THETA, SCALE, sm_scale)
 
 
+@pytest.mark.knobs
 def test_emulated_tc_decode_two_slot_ring(tmp_path, monkeypatch):
     """The ring's other size (``TCD_SLOTS = 2``: one tile in flight, ``wait_group 0``), which the default (3)
     never builds: plain and RoPE (one build serves both: ``apply_rope`` is a runtime argument), splits 1 (the
@@ -175,6 +179,7 @@ def test_emulated_tc_decode_partial(splits, tmp_path):
         check_against_reference(f"partial-s{splits}-rope{rope}", cfg, ents, o, lse, rope, THETA, SCALE, sm_scale)
 
 
+@pytest.mark.knobs
 @pytest.mark.parametrize("switch", list(TC_SWITCHES))
 def test_emulated_tc_decode_switches(switch, tmp_path, monkeypatch):
     """The kernel's other build switches, which the defaults never build: ``PACKED_F16 = False`` (fp16 keys

@@ -13,6 +13,7 @@ import pytest
 from pagedkv import KVCacheConfig, backends, ops
 from pagedkv.backends import NoBackendError
 from pagedkv.backends import flashinfer as fib
+from pagedkv.backends.tir import forced_paths
 from pagedkv.flashinfer import unavailable_reasons
 
 SM90 = {"kind": "cuda", "arch": "sm_90"}
@@ -196,7 +197,9 @@ def test_kernel_library_links_flashinfer_objects(tmp_path):
     # (test_flashinfer_build builds both dtypes' modules), and each library costs a CUDA compile of the TIR ops
     dtype = "bfloat16"
     backend = {ops.ATTN_DECODE_PAGED: ["flashinfer", "tir"], "*": "tir"}
-    with fib.forced_modules({ops.ATTN_DECODE_PAGED: "decode"}):
+    # the TIR ops on their SIMT kernels: the link is what is checked, and the wgmma prefill tiles' nvcc builds
+    # (test_prefill_wg_compile) would cost most of this test's time
+    with fib.forced_modules({ops.ATTN_DECODE_PAGED: "decode"}), forced_paths({"cuda_prefill_kernel": "simt"}):
         lib = build_kernel_library(CFG.replace(dtype=dtype), tmp_path, target=SM90, backend=backend)
     entries = {op: (tag, names, opts)
                for op, tag, names, opts in json.loads(lib.with_suffix(".json").read_text())["entries"]}

@@ -20,10 +20,10 @@ from pagedkv import KVCacheConfig, ops
 from pagedkv.testing import reference as R
 from pagedkv.testing.scenarios import (SCENARIOS, ScenarioRunner, add, check, fork, forward,
                                        random_sm_scale)
-from pagedkv.testing.shapes import MLA_SHAPES, SHAPES  # shared with the GPU suite and pagedkv.apps.gpu_bundle
+from pagedkv.testing.shapes import CPU_SCENARIO_SHAPES, MLA_SHAPES  # shared with the GPU suite and the bundle
 
 
-def _backend_shape_params(shapes=SHAPES):
+def _backend_shape_params(shapes=CPU_SCENARIO_SHAPES):
     out = []
     for shape in shapes:
         for tag in cpu_backends(shape.config()):
