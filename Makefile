@@ -17,7 +17,7 @@ SOURCES := $(wildcard src/*.cc src/*.h) CMakeLists.txt pyproject.toml \
            $(shell find python -name '*.py' 2>/dev/null)
 
 .PHONY: demo test test-fast test-knobs lint install clean bench bench-e2e gpu-bundle gpu-test bench-bundle bench-gpu \
-        gpu-carry gpu-stage gpu-assemble bench-e2e-gpu
+        gpu-carry gpu-carry-kernels gpu-stage gpu-assemble bench-e2e-gpu
 demo: $(STAMP)
 	$(PY) -m pagedkv.apps.chat
 
@@ -126,6 +126,17 @@ gpu-carry: $(STAMP)
 	g=$$($(PY) -c "from pagedkv.apps.smollm2 import gguf_path; print(gguf_path())") && \
 	  $(PY) tools/carry.py split .gpu-carry --max-mb $(CARRY_MB) .gpu .gpu-carry/extra=.gpu/extra \
 	    "$$g=.gpu/extra/$$(basename "$$g")"
+
+# Build host, after gpu-bundle (and tools/fi_gpu_bundle.py, whose FlashInfer libraries in .gpu-fi/kernels join
+# .gpu/kernels): the kernel suite's share of .gpu/ in ONE carry (.gpu-carry1/part1, ~51 MB: no models, no GGUF), so
+# a single GPU call stages it and runs tools/gpu_suite.sh (the model tests excluded) while machines are scarce.
+gpu-carry-kernels: $(STAMP)
+	@test -f .gpu/bundle/activate.sh || { echo "no .gpu/ bundle here: run make gpu-bundle first" >&2; exit 1; }
+	rm -rf .gpu-carry1 && fi=$$(mktemp -d) && \
+	  for f in $$(ls .gpu-fi/kernels/*.so .gpu-fi/kernels/*.json 2>/dev/null); do \
+	    test -e .gpu/kernels/$$(basename $$f) || cp $$f $$fi/; done && \
+	  $(PY) tools/carry.py split .gpu-carry1 --max-mb $(CARRY_MB) .gpu/bundle=.gpu/bundle .gpu/kernels=.gpu/kernels \
+	    .gpu/lib=.gpu/lib .gpu/upstream=.gpu/upstream $$fi=.gpu/kernels; rc=$$?; rm -rf $$fi; exit $$rc
 
 # GPU host: stage one carried part (or several: PART="a b") under $(CARRY_STAGE), which outlives the call.
 gpu-stage:
