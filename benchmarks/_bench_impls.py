@@ -5,9 +5,9 @@ timed call), or raises ``Unavailable`` saying why the implementation does not ap
 
 - ``fi:*``: FlashInfer 0.7.4 through its own Python wrappers (plan once, run timed), every variant:
   decode on CUDA cores and on tensor cores (fa2, fa3), ragged and paged prefill (fa2, fa3), MLA (fa2, fa3);
-- ``pagedkv-tir-tc`` / ``-tc2`` / ``-tc3`` / ``-wg2t`` / ``-wg1t``: ``pagedkv-tir`` with the tensor-core prefill
-  kernel forced (path switch ``cuda_prefill_kernel=tc``, or ``tc2`` / ``tc3``: its 128-row two-stage tiles, or
-  ``wg2t`` / ``wg1t``: the wgmma warpgroup tiles with TMA copies), on the prefill workloads;
+- ``pagedkv-tir-tc2`` / ``-tc3`` / ``-wg2t`` / ``-wg1t``: ``pagedkv-tir`` with the tensor-core prefill kernel
+  forced (path switch ``cuda_prefill_kernel=tc2`` / ``tc3``: its 128-row two-stage mma.sync tiles, or ``wg2t`` /
+  ``wg1t``: the wgmma warpgroup tiles with TMA copies), on the prefill workloads;
 - ``pagedkv-tir-tcd``: ``pagedkv-tir`` with the tensor-core decode kernel forced (``cuda_decode_kernel=tc``,
   ``tir_kernels/_decode_tc_cuda.py``), on the plain MHA decode workloads;
 - ``pagedkv-tir-entry``: ``pagedkv-tir`` with the decode's split ranges forced equal per entry

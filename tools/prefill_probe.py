@@ -128,6 +128,8 @@ def gen(out: Path, tiles: list[str], prefix: str = "") -> None:
             for a, b in EDITS[v]:
                 body = body.replace(a, b)
         t = TC_TILES[base]
+        # Dynamic shared memory, every tile's; 0 for a one-stage tile (static), which a baseline ``gen`` from an older
+        # tree (``PYTHONPATH=$OLD/python``) may still name.
         smem = t.smem_bytes(D, D) if t.stages > 1 else 0
         maps = tma_maps(cfg, base) if TC_TILES[base].tma else None
         src = ("__device__ __forceinline__ void pk_noop(void*, const void*) {}\n" + src[:start] + body + src[end:]

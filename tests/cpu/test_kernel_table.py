@@ -79,8 +79,9 @@ def test_sm90_and_sm90a_take_the_same_kernels():
 
 
 def test_forced_variant_is_taken_or_raises_with_reasons():
-    forced = kt.choose(ops.ATTN_PREFILL_RAGGED, _spec(paths={"cuda_prefill_kernel": "tc"}))
-    assert forced.name == "tc" and forced.forced
+    # tc2: a row auto never takes for this op ("forced only"), and wg1t would serve the spec
+    forced = kt.choose(ops.ATTN_PREFILL_RAGGED, _spec(paths={"cuda_prefill_kernel": "tc2"}))
+    assert forced.name == "tc2" and forced.forced
     with pytest.raises(NotImplementedError, match="cuda_prefill_kernel=wg1t.*head dims 64/64"):
         kt.choose(ops.ATTN_PREFILL_RAGGED, _spec(d=64, paths={"cuda_prefill_kernel": "wg1t"}))
     with pytest.raises(NotImplementedError, match="target arch sm_80"):

@@ -7,8 +7,8 @@ op runs (``pagedkv.kernel_table``), one CUDA source per case:
 
 - MHA on sm_90a, auto: the wgmma prefill tiles (wg1t ragged, wg2t paged, each holding its mma.sync fallback tile),
   the SIMT inline-RoPE prefill of the same PrimFuncs, the tensor-core decode (plain and RoPE);
-- MHA on sm_80, auto: tc3 ragged, tc2 paged; forced: the one-stage tc prefill with the staged decode, and at head
-  dim 96 (bf16) the SIMT prefill with the lane-group decode;
+- MHA on sm_80, auto: tc3 ragged, tc2 paged; forced: tc2 on both prefill ops (the ragged one's auto is tc3) with
+  the staged decode, and at head dim 96 (bf16) the SIMT prefill with the lane-group decode;
 - MLA on sm_90a, auto at 128 heads (wgq, with its wg fallback), and on sm_80 forced: tc decode, SIMT paged prefill.
 
 Per case, every partial op's PrimFunc declares ``o`` float32 (the rest of its header is its op's). The CUDA source
@@ -41,8 +41,8 @@ _MLA = dict(kv_lora_rank=512, qk_rope_head_dim=64)
 CASES = {
     "mha-sm90a-auto": (tk.KernelSpec(32, 8, 128, 128, "float16"), SM90A),
     "mha-sm80-auto": (tk.KernelSpec(32, 8, 128, 128, "bfloat16"), SM80),
-    "mha-sm80-tc-staged": (tk.KernelSpec(32, 8, 128, 128, "float16",
-                                         paths={"cuda_prefill_kernel": "tc", "cuda_decode_kernel": "staged"}), SM80),
+    "mha-sm80-tc2-staged": (tk.KernelSpec(32, 8, 128, 128, "float16",
+                                          paths={"cuda_prefill_kernel": "tc2", "cuda_decode_kernel": "staged"}), SM80),
     "mha-sm80-d96-simt-lanes": (tk.KernelSpec(12, 4, 96, 96, "bfloat16", paths={"cuda_decode_kernel": "lanes"}),
                                 SM80),
     # 128 heads, as test_mla_prefill_tc_compile's wgq case: at 16 the default prefill's wg fallback kernel already

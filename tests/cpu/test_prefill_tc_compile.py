@@ -2,14 +2,13 @@
 
 - The default where it serves: without the switch and with "auto" the prefill PrimFuncs of an fp16 / bf16 spec
   are the tensor-core ones in the op's default tile (same ``script()`` as "tc3" for the ragged op, "tc2" for
-  the paged one, with ``mma.sync`` calls), "simt" gives the FP32 kernel, "tc" the 64-row one-stage tile (no
-  ``shared.dyn``); a spec it does not serve (float32, a head dim over 128) gets the SIMT kernel under "auto",
+  the paged one, with ``mma.sync`` calls), "simt" gives the FP32 kernel, every mma.sync tile its stages in
+  ``shared.dyn``; a spec it does not serve (float32, a head dim over 128) gets the SIMT kernel under "auto",
   and any tile forced on it raises naming why.
-- ``nvcc --cubin -arch=sm_90a`` compiles each tile's kernels for the ops auto takes it for (``NVCC_OPS``) without register spills (but for a
-  known 20 bytes in the windowed + capped paged kernel at D 64: ``SPILL_BYTES``), and the SASS
-  holds the expected HMMA count (``cuobjdump -sass``; skipped when cuobjdump is missing): per kernel and key
-  tile, ``mtiles * (D/16 * TK/8)`` MMAs for S and ``mtiles * TK/16 * D/8`` for P V, every one unrolled (also
-  counted in the CUDA source, without cuobjdump).
+- ``nvcc --cubin -arch=sm_90a`` compiles each tile's kernels for the op auto takes it for (``NVCC_OPS``) without
+  register spills, and the SASS holds the expected HMMA count (``cuobjdump -sass``; skipped when cuobjdump is
+  missing): per kernel and key tile, ``mtiles * (D/16 * TK/8)`` MMAs for S and ``mtiles * TK/16 * D/8`` for P V,
+  every one unrolled (also counted in the CUDA source, without cuobjdump).
 
 The numerical check needs a GPU (``tests/gpu/test_prefill_tc_gpu.py``).
 """
@@ -45,9 +44,6 @@ SHAPES = {
 }
 
 
-#: Spill bytes (stores or loads) allowed per kernel of a shape (default 0).
-SPILL_BYTES = {("12x4x64-bf16-w100-cap30", "tc"): 32}
-
 
 def _with(cfg, value):
     return dataclasses.replace(cfg, paths={SWITCH: value})
@@ -59,8 +55,8 @@ def _script(cfg, op):
 
 def test_switch_is_registered_and_on_by_default():
     assert tk.SWITCHES[SWITCH][1] == ("auto", "simt", *TILES, *WG_PREFILL_TILES)  # test_prefill_wg_compile.py
-    assert [v.name for v in auto_order("attn_prefill_ragged")] == ["wg1t", "tc3", "tc", "simt"]
-    assert [v.name for v in auto_order("attn_prefill_paged")] == ["wg2t", "tc2", "tc", "simt"]
+    assert [v.name for v in auto_order("attn_prefill_ragged")] == ["wg1t", "tc3", "simt"]
+    assert [v.name for v in auto_order("attn_prefill_paged")] == ["wg2t", "tc2", "simt"]
 
 
 @pytest.mark.parametrize("op", OPS)
@@ -71,9 +67,7 @@ def test_tc_is_the_default_where_it_serves(op):
     first = next(v.name for v in auto_order(op) if v.name not in WG_PREFILL_TILES)  # sm_80: no wgmma tile
     assert _script(_with(cfg, "auto"), op) == default == _script(_with(cfg, first), op)
     assert "pagedkv_mma" not in _script(_with(cfg, "simt"), op)
-    one_stage = _script(_with(cfg, "tc"), op)  # 64 rows, one stage in static shared memory
-    assert "pagedkv_mma_f16" in one_stage and "shared.dyn" not in one_stage
-    for tile in TILES[1:]:  # 128 rows, two stages in dynamic shared memory
+    for tile in TILES:  # 128 rows, two stages in dynamic shared memory
         script = _script(_with(cfg, tile), op)
         assert "pagedkv_mma_f16" in script and "shared.dyn" in script
     unserved = tk.KernelSpec(4, 4, 64, 64, "float32")
@@ -92,19 +86,19 @@ def test_tc_refuses_what_it_does_not_serve(cfg, why):
 
 
 def test_tile_shared_memory():
-    """Bytes a block holds: "tc" one K and one V tile (static, under 48 KB), "tc2" two of each (dynamic)."""
+    """Bytes a block holds: "tc2" two K and two V tiles of 64 keys, "tc3" two of each of 32 keys and Q's 128 rows
+    (one dynamic buffer each)."""
     tiles = TC_TILES
-    assert (tiles["tc"].rows, tiles["tc"].threads, tiles["tc"].stages) == (64, 128, 1)
     assert (tiles["tc2"].rows, tiles["tc2"].threads, tiles["tc2"].stages) == (128, 256, 2)
-    assert tiles["tc"].smem_bytes(128, 128) == 34816 and tiles["tc2"].smem_bytes(128, 128) == 69632
+    assert tiles["tc2"].smem_bytes(128, 128) == 69632
     assert tiles["tc2"].smem_bytes(64, 64) == 36864
     assert (tiles["tc3"].rows, tiles["tc3"].threads, tiles["tc3"].stages, tiles["tc3"].tk) == (128, 128, 2, 32)
     assert tiles["tc3"].smem_bytes(128, 128) == 2 * 32 * 272 * 2 + 128 * 136 * 2 == 69632
 
 
-#: The ops nvcc compiles a tile for: the one auto takes it for (``kernel_table``: tc3 ragged, tc2 paged) and both
-#: for "tc" (auto's third choice for both); the other op of tc3 / tc2 runs in ``test_prefill_tc_emulated.py``.
-NVCC_OPS = {"tc3": ("attn_prefill_ragged",), "tc2": ("attn_prefill_paged",), "tc": OPS}
+#: The op nvcc compiles a tile for: the one auto takes it for (``kernel_table``: tc3 ragged, tc2 paged); the other
+#: op of each runs in ``test_prefill_tc_emulated.py``.
+NVCC_OPS = {"tc3": ("attn_prefill_ragged",), "tc2": ("attn_prefill_paged",)}
 
 
 def _source(key):
@@ -137,10 +131,7 @@ def test_tc_nvcc_no_spills_and_hmma(name, tile, nvcc_results):
     rc, log = results[(name, tile)]
     assert rc == 0, log[-3000:]
     usage = ptxas_usage(log)
-    # No spills, except a known small one: ptxas caps the windowed + capped paged kernel (D 64) at 168
-    # registers and spills 20 bytes there (a performance nit, looked at when the kernel is tuned on a GPU).
-    limit = SPILL_BYTES.get((name, tile), 0)
-    assert usage and all(max(u[1:]) <= limit for u in usage.values()), usage
+    assert usage and all(max(u[1:]) == 0 for u in usage.values()), usage  # no spill stores or loads
     d, t = SHAPES[name].head_dim, TC_TILES[tile]
     want = t.mtiles * (d // 16 * t.tk // 8 + t.tk // 16 * d // 8)  # per kernel: S and P V of a key tile, unrolled
     # Each op's PrimFunc: the tensor-core kernel (the plain one) and the SIMT RoPE kernel (no MMA). In the

@@ -1,8 +1,8 @@
 """The tensor-core CUDA prefill (``tir_kernels.attention_cuda_prefill_tc``, forced with the path switch
-``cuda_prefill_kernel=tc`` (64 rows, one stage), ``tc2`` or ``tc3`` (128 rows, two stages in dynamic shared
-memory; under auto, without wgmma, tc3 serves the ragged op and tc2 the paged one where they serve the spec),
-``wg2t`` / ``wg1t`` (wgmma, two / one warpgroups, K / V by TMA; their libraries built for sm_90a)) and the SIMT one
-(forced ``simt``) against the float64 reference. Skips cleanly without a CUDA GPU.
+``cuda_prefill_kernel=tc2`` or ``tc3`` (128 rows, two stages in dynamic shared memory; under auto, without wgmma,
+tc3 serves the ragged op and tc2 the paged one where they serve the spec), ``wg2t`` / ``wg1t`` (wgmma, two / one
+warpgroups, K / V by TMA; their libraries built for sm_90a)) and the SIMT one (forced ``simt``) against the float64
+reference. Skips cleanly without a CUDA GPU.
 
 Shapes ``pagedkv.testing.shapes.PREFILL_TC_SHAPES`` (GQA groups 4, 1, 8, 7, 3; head dims 128 and 64; fp16 and
 bf16; two windowed + soft-capped, at head dims 64 and 128), ragged and paged, causal and not, over one batch of entries of mixed
@@ -68,7 +68,7 @@ def _misaligned(x: torch.Tensor) -> torch.Tensor:
     return view
 
 
-def _run(shape, paged: bool, causal: int, apply_rope: int, gen, misalign: bool = False, kernel: str = "tc",
+def _run(shape, paged: bool, causal: int, apply_rope: int, gen, misalign: bool = False, kernel: str = "tc3",
          ps: int | None = None):
     """Run one prefill over ``ENTRIES``; returns (entries, q_pos, o, lse, sm_scale). ``misalign``: ragged q / k / v
     as unaligned views (the kernel's element-load path); ``ps``: pages of that many keys instead of the shape's
@@ -99,7 +99,7 @@ def _run(shape, paged: bool, causal: int, apply_rope: int, gen, misalign: bool =
     return ents, q_pos, o, lse, sm_scale
 
 
-def _check(shape, paged, causal, apply_rope, gen, misalign=False, kernel="tc", ps=None):
+def _check(shape, paged, causal, apply_rope, gen, misalign=False, kernel="tc3", ps=None):
     if why := prefill_kernel_refusal(shape, kernel):
         pytest.skip(f"tile {kernel!r} refuses {shape.id}: {why}")
     ents, q_pos, o, lse, sm_scale = _run(shape, paged, causal, apply_rope, gen, misalign, kernel, ps)

@@ -207,10 +207,10 @@ def cuda_path_switches() -> dict[str, tuple[str, ...]]:
     return {name: values for name, (_, values) in sorted(path_switches().items()) if name.startswith("cuda_")}
 
 
-#: Shapes of the tensor-core prefill tests (``tests/gpu/test_prefill_tc_gpu.py``, path switch
-#: ``cuda_prefill_kernel=tc``): GQA groups 4, 1, 8, 7 and 3; head dims 128 and 64; fp16 and bf16; the last two
-#: windowed and soft-capped (the variant hooks inside the MMA tiles), at head dim 64 and at 128 (the wgmma tiles,
-#: auto's on sm_90a, serve only 128).
+#: Shapes of the tensor-core prefill tests (``tests/gpu/test_prefill_tc_gpu.py``, each tile forced through the path
+#: switch ``cuda_prefill_kernel``: ``PREFILL_KERNEL_PATHS``): GQA groups 4, 1, 8, 7 and 3; head dims 128 and 64;
+#: fp16 and bf16; the last two windowed and soft-capped (the variant hooks inside the MMA tiles), at head dim 64 and
+#: at 128 (the wgmma tiles, auto's on sm_90a, serve only 128).
 PREFILL_TC_SHAPES = [
     Shape(32, 8, 128, "float16", 16, "none"),
     Shape(8, 8, 128, "bfloat16", 16, "none"),
@@ -219,8 +219,6 @@ PREFILL_TC_SHAPES = [
     Shape(12, 4, 64, "bfloat16", 8, "none", window=100, cap=30.0),
     Shape(28, 4, 128, "bfloat16", 8, "none", window=100, cap=30.0),
 ]
-#: The forced path of the tensor-core prefill tests.
-PREFILL_TC_PATHS = {"cuda_prefill_kernel": "tc"}
 #: Both plain prefill kernels, forced, the tensor-core one in each of its tiles (every value of the path switch but
 #: auto; the wg tiles' libraries are built for and looked up under sm_90a: ``kernel_spec.target_for_paths``): the tests run the
 #: shapes on each (the SIMT one is the default only where the tensor-core kernel does not serve a spec, so the
@@ -315,7 +313,7 @@ def mla_prefill_path_cases() -> list[tuple[MLAShape, dict[str, str]]]:
 def gpu_path_libraries() -> list[tuple[KVCacheConfig, dict[str, str]]]:
     """(config, forced paths) of every kernel library the CUDA path tests load (``decode_path_cases``,
     ``mla_path_cases``, ``mla_prefill_path_cases``; ``"auto"`` values dropped), and the tensor-core prefill shapes under each of ``PREFILL_KERNEL_PATHS``
-    (that switch has its own shapes: "tc" raises on a spec the kernel does not serve, e.g. float32 or MLA).
+    (that switch has its own shapes: a forced tile raises on a spec it does not serve, e.g. float32 or MLA).
     ``pagedkv.apps.gpu_bundle`` prebuilds exactly these beside ``gpu_configs``."""
     return ([(s.config(), {k: v for k, v in paths.items() if v != "auto"})
              for s, paths in decode_path_cases() + mla_path_cases() + mla_prefill_path_cases()]

@@ -72,15 +72,13 @@ class _Chunks:
 class KvCopies(NamedTuple):
     """The copies of a kernel: ``ti_slots`` (the tile info's size), ``kv_len(kvb, b)`` (keys of entry b),
     ``prepare(ti, kvb, tid, cursor)`` (once a block, entry ``ti[0]`` located: the slots from ``TI_KV0`` on;
-    ``cursor`` False: a kernel that does not issue these copies, none of the paged cursor's),
-    ``issue(dst, base, kvb, ti, kt, h, tid, c01)`` (tile kt of K (``c01`` 0) or V (1) into ``dst`` from element
-    ``base``, one cp.async group) and ``issue_kv(smem, base_k, base_v, kvb, ti, kt, h, tid)`` (K and V of tile kt
-    into one stage, one group: one ``wait_group 0`` covers both)."""
+    ``cursor`` False: a kernel that does not issue these copies, none of the paged cursor's) and
+    ``issue_kv(smem, base_k, base_v, kvb, ti, kt, h, tid)`` (K and V of tile kt into one stage, one cp.async group:
+    one ``wait_group 0`` covers both)."""
 
     ti_slots: int
     kv_len: object
     prepare: object
-    issue: object
     issue_kv: object
 
 
@@ -293,14 +291,6 @@ def make_kv_copies(p: TcParams) -> KvCopies:
     load_elem = (_elem_loader(p, src, 0, dims[0]), _elem_loader(p, src, 1, dims[1]))
 
     @T.macro
-    def issue(dst, base, kvb, ti, kt, h, tid, c01: int):
-        if _aligned(p, kvb):
-            load_vec[c01](dst, (base,), kvb, ti, kt, h, tid)
-        else:
-            load_elem[c01](dst, base, kvb, ti, kt, h, tid)
-        T.evaluate(cp_async_commit())
-
-    @T.macro
     def issue_kv(smem, base_k, base_v, kvb, ti, kt, h, tid):
         if _aligned(p, kvb):
             if same_keys:
@@ -313,7 +303,7 @@ def make_kv_copies(p: TcParams) -> KvCopies:
             load_elem[1](smem, base_v, kvb, ti, kt, h, tid)
         T.evaluate(cp_async_commit())
 
-    return KvCopies(src.ti_slots, src.kv_len, _prepare(p, chunks, src), issue, issue_kv)
+    return KvCopies(src.ti_slots, src.kv_len, _prepare(p, chunks, src), issue_kv)
 
 
 __all__ = ["PAGE_LOOKAHEAD_MAX", "PAGE_LOOKAHEAD_MIN_DIM", "TI_KV0", "TI_PAGE0", "KvCopies", "make_kv_copies"]

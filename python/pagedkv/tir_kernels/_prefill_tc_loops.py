@@ -1,7 +1,6 @@
 """The key-tile loops of the tensor-core CUDA prefill (``attention_cuda_prefill_tc``), one per kind of tile, and
 the top of a multi-stage tile (``make_issue_kv``, ``make_next_tile``):
 
-* ``make_one_stage_loop`` ("tc"): one K and one V buffer, software-pipelined through the two cp.async groups;
 * ``make_two_stage_loop`` ("tc2", "tc3"): tile kt + 1 loads into the other stage during all of tile kt;
 * ``make_overlap_loop`` (the wgmma tiles "wg2t", "wg1t"): two wgmma groups in flight per warpgroup. At key tile
   kt it issues S of kt and P V of kt - 1 (P of kt - 1 kept in ``pfo``) as two groups, waits for S alone
@@ -57,35 +56,6 @@ def make_next_tile(p: TcParams, issue_kv, tma):
         issue_kv(smem, T.truncmod(kt + cfg.ahead, cfg.stages), kvb, ti, kt + cfg.ahead, h, tid)
 
     return next_tile
-
-
-def make_one_stage_loop(p: TcParams, issue, score, softmax, accumulate):
-    """``loop(Ks, Vs, fr, acc, rows, ti, kvb, h, tid, w, lane, causal, sm_scale)``; ``issue`` =
-    ``KvCopies.issue``."""
-    TK = p.tk
-
-    @T.macro
-    def loop(Ks, Vs, fr, acc, rows, ti, kvb, h, tid, w, lane, causal, sm_scale):
-        """K of tile kt + 1 loads during the softmax and P V of tile kt, V of kt + 1 during the scores of kt + 1.
-        In flight at each wait: {K kt, V kt} at the top, {V kt, K kt + 1} before P V (wait_group 1 = the older
-        is done)."""
-        issue(Ks, 0, kvb, ti, ti[7], h, tid, 0)
-        issue(Vs, 0, kvb, ti, ti[7], h, tid, 1)
-        for kt in T.serial(ti[7], T.truncdiv(ti[6] + TK - 1, TK)):
-            T.evaluate(cp_async_wait(1))
-            T.tvm_storage_sync("shared")  # K kt visible to every warp
-            score(acc[0], fr[0], fr[1], Ks, 0, fr[2], w, lane)
-            T.tvm_storage_sync("shared")  # every warp is done with Ks
-            issue(Ks, 0, kvb, ti, kt + 1, h, tid, 0)  # past the last tile: zeros, never read
-            softmax(acc[0], acc[1], rows[0], rows[1], acc[2], rows[5], rows[2], rows[3], rows[4], ti, kt, lane,
-                    causal, sm_scale)
-            T.evaluate(cp_async_wait(1))
-            T.tvm_storage_sync("shared")  # V kt visible
-            accumulate(acc[2], acc[1], Vs, 0, fr[2], lane)
-            T.tvm_storage_sync("shared")  # every warp is done with Vs
-            issue(Vs, 0, kvb, ti, kt + 1, h, tid, 1)
-
-    return loop
 
 
 def make_two_stage_loop(p: TcParams, issue_kv, next_tile, score, softmax, accumulate):
@@ -166,4 +136,4 @@ def make_overlap_loop(p: TcParams, issue_kv, next_tile, softmax, rescale_o, wgg)
     return loop
 
 
-__all__ = ["make_issue_kv", "make_next_tile", "make_one_stage_loop", "make_overlap_loop", "make_two_stage_loop"]
+__all__ = ["make_issue_kv", "make_next_tile", "make_overlap_loop", "make_two_stage_loop"]

@@ -110,11 +110,6 @@ class TcParams:
     def on(self) -> int:
         return self.ndn * 4
 
-    @property
-    def stage_o(self) -> bool:
-        """O leaves through the stage buffer (multi-stage tiles; ``_prefill_tc_store``)."""
-        return self.tile.stages > 1
-
     def wrow(self, w, mt):
         """First row of m16 tile ``mt`` of warp ``w``."""
         return (w * self.mt + mt) * TC_WROWS

@@ -2,11 +2,11 @@
 log2(sum) (base 2) of the lane's rows, and for a row that saw no key (sum 0) the empty state, o = 0 and lse =
 ``EMPTY_LSE``, each written once here (``_o_value``, ``_store_lse``) for both ways o leaves:
 
-* ``make_store``: from each lane's fragments straight to o (the one-stage tile "tc", and every tile's float32 o
-  of a partial-state kernel: the stage buffer holds the storage dtype);
-* ``make_store_staged``: through the stage buffer (multi-stage tiles): each lane's O / sum into row-major staged
-  rows, then consecutive threads copy consecutive 16 bytes (or, o not 16-byte aligned, elements) of a token's G
-  rows, which lie together in o. From the fragments, a warp's store touched 8 rows x 8 bytes: 8 sectors for 64
+* ``make_store``: from each lane's fragments straight to o (a partial-state kernel's float32 o: the stage buffer
+  holds the storage dtype);
+* ``make_store_staged``: through the stage buffer (every tile's storage-dtype o): each lane's O / sum into
+  row-major staged rows, then consecutive threads copy consecutive 16 bytes (or, o not 16-byte aligned, elements)
+  of a token's G rows, which lie together in o. From the fragments, a warp's store touched 8 rows x 8 bytes: 8 sectors for 64
   bytes, and 64 two-byte stores a thread (wg1t's SASS, 2026-12-06).
 
 Each factory takes the kernel's ``TcParams`` and returns its ``@T.macro``.

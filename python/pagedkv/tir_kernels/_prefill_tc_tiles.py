@@ -13,11 +13,8 @@ from ..kernel_spec import PATH_ARCHS
 from ._tma_cuda import MBAR_BYTES, SW128_ALIGN
 from ._wgmma_cuda import Sw128Layout
 
-#: Warps per block, rows per warp (one m16 tile), keys per tile, shared-memory row padding (elements): the
-#: "tc" tile (``TC_TILES``); ``TC_ROWS`` / ``TC_NT`` are its rows and threads per block.
-TC_WARPS, TC_WROWS, TC_TK, TC_PAD = 4, 16, 64, 8
-TC_ROWS = TC_WARPS * TC_WROWS
-TC_NT = TC_WARPS * 32
+#: Rows of an m16 tile, keys per tile (``TcTile.tk``'s default), shared-memory row padding (elements).
+TC_WROWS, TC_TK, TC_PAD = 16, 64, 8
 TC_DTYPES = ("float16", "bfloat16")
 TC_MAX_DIM = 128
 #: qk and v head dims served: those run on the H200 (tests/gpu/test_prefill_tc_gpu.py) and in the CPU emulation
@@ -26,9 +23,9 @@ TC_HEAD_DIMS = (64, 128)
 #: GQA groups served: the PrimFunc also holds the SIMT RoPE kernel, whose tile takes groups up to 32 rows
 #: (``attention_cuda_prefill._prefill_plan``); the tensor-core tile itself would take 64.
 TC_MAX_GROUP = 32
-#: Shared memory a block may use (bytes): sm_90's 227 KB of dynamic shared memory per block; static shared
-#: memory stops at 48 KB (the one-stage tile stays under it).
-TC_MAX_SMEM, TC_STATIC_SMEM = 227 * 1024, 48 * 1024
+#: Shared memory a block may use (bytes): sm_90's 227 KB of dynamic shared memory per block (every tile holds its
+#: stages in one dynamic buffer).
+TC_MAX_SMEM = 227 * 1024
 
 
 @dataclasses.dataclass(frozen=True)
@@ -36,11 +33,10 @@ class TcTile:
     """A configuration of the kernel, named by its value of the path switch ``cuda_prefill_kernel``.
 
     ``warps`` warps of ``mtiles`` m16 tiles each (rows per block = 16 warps mtiles; with two, Q lives in shared
-    memory: ``q_in_smem``); key tiles of ``tk``; ``stages`` K/V buffers: 1 = one K and one V tile in static
-    shared memory, loads overlapped through the two cp.async groups (4 barriers a key tile); 2 = two of each in
-    one dynamic shared-memory buffer, tile kt + 1 loading during all of tile kt (one barrier a key tile; over 48
-    KB at D 128, which TVM's CUDA launcher allows by raising the function's
-    ``CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES`` when a launch asks for 48 KB or more).
+    memory: ``q_in_smem``); key tiles of ``tk``; ``stages`` K/V buffers in one dynamic shared-memory buffer: with
+    2 (mma.sync), tile kt + 1 loads during all of tile kt (one barrier a key tile; over 48 KB at D 128, which TVM's
+    CUDA launcher allows by raising the function's ``CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES`` when a
+    launch asks for 48 KB or more).
     ``wgmma``: each warpgroup (4 warps, 64 rows, Q in registers) computes S and O with ``wgmma`` (sm_90a,
     ``_wgmma_cuda``) instead of ``mma.sync``; its K and V tiles arrive by TMA (``tma``), 128-byte swizzled
     (``kv_layout``), in a multi-stage buffer; with 8 warps two warpgroups share each K / V tile (128 rows: half
@@ -120,7 +116,7 @@ class TcTile:
 
 
 #: The tiles, by switch value (``attention_cuda_prefill_tc``'s docstring: registers, shared memory, occupancy).
-TC_TILES = {"tc": TcTile("tc", TC_WARPS, 1), "tc2": TcTile("tc2", 8, 2), "tc3": TcTile("tc3", 4, 2, mtiles=2, tk=32),
+TC_TILES = {"tc2": TcTile("tc2", 8, 2), "tc3": TcTile("tc3", 4, 2, mtiles=2, tk=32),
             # Two warpgroups, four stages (two tiles loading ahead); TMA copies (one thread a block issues them,
             # ragged; a lane of each warp, paged).
             "wg2t": TcTile("wg2t", 8, 4, wgmma=True),
@@ -173,6 +169,6 @@ def v_ldsm_index(lane, kk, dn2, dv: int):
     return (kk * 16 + ((lane // 8) % 2) * 8 + lane % 8) * (dv + TC_PAD) + dn2 * 16 + (lane // 16) * 8
 
 
-__all__ = ["WG_ARCH", "TC_DTYPES", "TC_HEAD_DIMS", "TC_MAX_DIM", "TC_MAX_GROUP", "TC_MAX_SMEM", "TC_NT", "TC_PAD", "TC_ROWS",
-           "TC_STATIC_SMEM", "TC_TILES", "TC_TK", "TC_WARPS", "TC_WROWS", "TcTile", "k_ldsm_index", "k_ldsm_index_nt2",
+__all__ = ["WG_ARCH", "TC_DTYPES", "TC_HEAD_DIMS", "TC_MAX_DIM", "TC_MAX_GROUP", "TC_MAX_SMEM", "TC_PAD",
+           "TC_TILES", "TC_TK", "TC_WROWS", "TcTile", "k_ldsm_index", "k_ldsm_index_nt2",
            "k_store_index", "q_ldsm_index", "v_ldsm_index", "v_store_index"]

@@ -2,7 +2,7 @@
 plain (``apply_rope == 0``) kernel on ``mma.sync.m16n8k16`` (``_mma_cuda``), in one of the tiles ``TC_TILES``,
 picked by the path switch ``cuda_prefill_kernel`` (``pagedkv.kernel_spec.SWITCHES``); which tile auto takes per
 op is the selection table's (``pagedkv.kernel_table``: the ragged op wg1t on Hopper at head dim 128, else tc3; the
-paged op wg2t there, else tc2; each falling back to tc); ``tc_unserved`` says which specs a tile serves.
+paged op wg2t there, else tc2); ``tc_unserved`` says which specs a tile serves.
 
 Same ABI and semantics as the SIMT kernel (``attention_cuda.py``): base-2 LSE, bottom-right causal, sliding
 window and soft cap through ``CudaVariant``, empty rows ``o = 0`` / ``lse = -1e30``, sm_scale an argument.
@@ -29,13 +29,11 @@ Design (FlashAttention-2 style), one block per (query tile, kv head):
   Ragged q / k / v are views that may start at any element: when k or v does not start at a 16-byte aligned
   address (a block-uniform run-time test) the same schedule loads elements through registers instead
   (slower, same results); pages always take the 16-byte path.
-* One stage ("tc"): one K and one V buffer in static shared memory; K of tile ``kt + 1`` is in flight during
-  the softmax and P V of ``kt``, V of ``kt + 1`` during the scores of ``kt + 1``; 4 barriers a tile. Two
-  stages ("tc2", "tc3"): two of each in one ``shared.dyn`` buffer (over 48 KB at D 128; TVM's CUDA launcher
-  raises the function's dynamic shared-memory limit when a launch asks for 48 KB or more); K and V of tile
-  ``kt + 1`` load during all of tile ``kt``, one barrier a tile.
-* S = Q K^T: ``D/16 x tk/8`` MMAs per m16 tile and key tile into C fragments (fp32). Q in registers ("tc",
-  "tc2": the A fragments of the warp's one m16 tile), the B fragments of two k steps per ``ldmatrix.x4``; or
+* Two stages ("tc2", "tc3"): two K and two V buffers in one ``shared.dyn`` buffer (over 48 KB at D 128; TVM's
+  CUDA launcher raises the function's dynamic shared-memory limit when a launch asks for 48 KB or more); K and V
+  of tile ``kt + 1`` load during all of tile ``kt``, one barrier a tile.
+* S = Q K^T: ``D/16 x tk/8`` MMAs per m16 tile and key tile into C fragments (fp32). Q in registers ("tc2":
+  the A fragments of the warp's one m16 tile), the B fragments of two k steps per ``ldmatrix.x4``; or
   Q in shared memory ("tc3", two m16 tiles a warp: their A fragments would take 64 more registers), re-read
   per k step with one ``ldmatrix.x4`` per m16 tile, and the B fragments of two n tiles per ``ldmatrix.x4``,
   each used by both m16 tiles. Scores scaled by ``sm_scale * log2(e)`` in fp32 (base-2 softmax), masked /
@@ -64,9 +62,9 @@ Design (FlashAttention-2 style), one block per (query tile, kv head):
   softmax, entry search, first copies and stores can run under the other's GEMMs (wg2t: one block an SM, whose
   fixed costs nothing hides). Each K / V tile serves half wg2t's rows. Run 21 (H100, ratio to fa3): 0.708 /
   0.564 / 0.709 at 1x4K / 16x1K / 1x16K against wg2t's 0.693 / 0.516 / 0.720.
-* O leaves through the stage buffer (multi-stage tiles): each lane's O / sum into row-major staged rows, then
-  consecutive threads copy consecutive 16 bytes of a token's G rows (element copies where o is not 16-byte
-  aligned); "tc" stores its fragments directly.
+* O leaves through the stage buffer: each lane's O / sum into row-major staged rows, then consecutive threads
+  copy consecutive 16 bytes of a token's G rows (element copies where o is not 16-byte aligned); a partial-state
+  kernel's float32 o from the fragments.
 * Causal tiles past the tile's last row are skipped (and, with a window, those before its first window).
 * Grid as the SIMT kernel (virtual tiles, idle blocks run zero-trip loops); each warp finds the entry in rounds
   of 32 probes, one a lane (``locate``: one round up to 32 entries, where a binary search waits for log2 B loads).
@@ -77,7 +75,6 @@ memory (228 KB), H200):
 ======  ====  =======  ======  ==  ==============  =============  =====================  =================
 tile    rows  threads  stages  tk  m16 tiles/warp  shared (D 128)  registers D 128 / D 64  blocks/SM D 128/64
 ======  ====  =======  ======  ==  ==============  =============  =====================  =================
-tc      64    128      1       64  1 (Q in regs)   34,816 static  176/208, 130/137       2 / 3
 tc2     128   256      2       64  1 (Q in regs)   69,632 dyn.    210/180, 136/155       1 / 1
 tc3     128   128      2       32  2 (Q in smem)   69,632 dyn.    230/230, 161/162       2 / 3
 ======  ====  =======  ======  ==  ==============  =============  =====================  =================
@@ -87,17 +84,13 @@ D 128 numbers are those of the copies of ``_prefill_tc_copy`` (2026-12-05); the 
 older (``test_prefill_tc_compile.py`` / ``test_prefill_wg_compile.py`` hold the spill limits). ptxas moves
 register-only work below a wgmma wait that nothing it depends on needs: the wgmma tiles store the row sums (which
 depend on every exp) to a shared scratch word before the P V wait (``store_before_wait``), which keeps the softmax
-in the overlap window. (D 64: the 8 / 8 / 64 bf16 spec; the windowed + capped D 64 one takes 162/168 (20 bytes
-spilled), 156/142 and 206/203.) Every tile runs 8 warps an SM at D 128. Expected effect, not measured (the GPU
+in the overlap window. (D 64: the 8 / 8 / 64 bf16 spec; the windowed + capped D 64 one takes 156/142 on tc2 and
+206/203 on tc3.) Every tile runs 8 warps an SM at D 128. Expected effect, not measured (the GPU
 run decides):
 
-* "tc2" vs "tc": each K/V tile fetched from L2 serves 128 rows instead of 64 (half the L2 -> SM bytes and
-  cp.async work per row), the next tile loads during a whole tile, and a tile has one barrier for 8 warps
-  instead of 4 for 4. The shared-memory reads per MMA are unchanged (one ``ldmatrix.x4``, 512 bytes, per 2
-  MMAs), and at D 64 it holds 8 warps an SM where "tc" holds 12.
 * "tc3" vs "tc2": the same 128 rows and two stages, and every K / V fragment read from shared memory feeds
   both m16 tiles of a warp: with Q re-read each key tile, 24 KB of ldmatrix traffic per 128 MMAs of a warp
-  (192 bytes an MMA, vs 256 for "tc" / "tc2"), the lever if the kernel is bound by shared-memory bandwidth;
+  (192 bytes an MMA, vs 256 for "tc2"), the lever if the kernel is bound by shared-memory bandwidth;
   the price is 32-key tiles (twice the softmax rescales of O and the barriers per key) to fit 255 registers.
 """
 
@@ -114,7 +107,6 @@ from ._prefill_tc_load import make_init_rows, make_load_q, make_load_q_smem, mak
 from ._prefill_tc_loops import (
     make_issue_kv,
     make_next_tile,
-    make_one_stage_loop,
     make_overlap_loop,
     make_two_stage_loop,
 )
@@ -128,8 +120,6 @@ from ._prefill_tc_tiles import (
     TC_MAX_GROUP,
     TC_MAX_SMEM,
     TC_PAD,
-    TC_ROWS,
-    TC_STATIC_SMEM,
     TC_TILES,
     TC_TK,
     WG_ARCH,
@@ -146,7 +136,7 @@ from ._variant_cuda import CudaVariant
 from ._wgmma_cuda import wg_attention_gemms
 
 
-def tc_unserved(spec, dv: int, tile: str = "tc", *, paged: bool = False) -> str | None:
+def tc_unserved(spec, dv: int, tile: str, *, paged: bool = False) -> str | None:
     """Why the tensor-core prefill tile ``tile`` (``TC_TILES``) does not serve ``spec`` (value head dim ``dv``)
     for the paged op (``paged``) or the ragged one, or None when it does. Inline RoPE is not a reason: the
     PrimFunc runs the SIMT RoPE kernel when ``apply_rope == 1``."""
@@ -164,7 +154,7 @@ def tc_unserved(spec, dv: int, tile: str = "tc", *, paged: bool = False) -> str 
     if g > TC_MAX_GROUP:
         return f"GQA group {g} (the tensor-core prefill takes groups up to {TC_MAX_GROUP})"
     smem = cfg.smem_bytes(d, dv)
-    if smem > (TC_STATIC_SMEM if cfg.stages == 1 else TC_MAX_SMEM):
+    if smem > TC_MAX_SMEM:
         return f"head dims {d}/{dv} with tile {tile!r}: {smem} bytes of shared memory"
     return None
 
@@ -187,53 +177,44 @@ def _params(op: str, spec, paged: bool, tile: str) -> TcParams:
 
 def _make_tiles(p: TcParams, copies, tma):
     """``tiles(q, o, lse, fr, acc, rows, ti, kvb, h, tid, w, lane, causal, sm_scale)``: the tile's shared memory,
-    its key-tile loop (``_prefill_tc_loops``) and, multi-stage, the store of o and lse through it."""
-    D, DV, TK, KS, VS, QS, WG, cfg, dtype = p.d, p.dv, p.tk, p.ks, p.vs, p.qs, p.wg, p.tile, p.dtype
+    its key-tile loop (``_prefill_tc_loops``) and the store of o and lse through it (storage-dtype o)."""
+    D, DV, TK, QS, WG, cfg, dtype = p.d, p.dv, p.tk, p.qs, p.wg, p.tile, p.dtype
     softmax = make_softmax(p, defer=WG)
     score, accumulate = (None, None) if WG else (make_score(p), make_accumulate(p))
     load_q_smem = make_load_q_smem(p) if QS else None
-    one_stage = two_stage = overlap = store_staged = None
-    if cfg.stages == 1:
-        one_stage = make_one_stage_loop(p, copies.issue, score, softmax, accumulate)
+    two_stage = overlap = None
+    issue_kv = make_issue_kv(p, copies, tma)
+    next_tile = make_next_tile(p, issue_kv, tma)
+    store_staged = make_store_staged(p)
+    if WG:  # S and O += P V on the warpgroup's m64 tile, K / V tiles as the TMA writes them (swizzled)
+        wgg = wg_attention_gemms(dtype, s_steps=p.nks, tk=TK, k_lay=cfg.kv_layout(D), dv=DV,
+                                 v_lay=cfg.kv_layout(DV))
+        overlap = tma.tiles(make_overlap_loop(p, issue_kv, next_tile, softmax, make_rescale_o(p), wgg))
     else:
-        issue_kv = make_issue_kv(p, copies, tma)
-        next_tile = make_next_tile(p, issue_kv, tma)
-        store_staged = make_store_staged(p)
-        if WG:  # S and O += P V on the warpgroup's m64 tile, K / V tiles as the TMA writes them (swizzled)
-            wgg = wg_attention_gemms(dtype, s_steps=p.nks, tk=TK, k_lay=cfg.kv_layout(D), dv=DV,
-                                     v_lay=cfg.kv_layout(DV))
-            overlap = tma.tiles(make_overlap_loop(p, issue_kv, next_tile, softmax, make_rescale_o(p), wgg))
-        else:
-            two_stage = make_two_stage_loop(p, issue_kv, next_tile, score, softmax, accumulate)
+        two_stage = make_two_stage_loop(p, issue_kv, next_tile, score, softmax, accumulate)
 
     @T.macro
     def tiles(q, o, lse, fr, acc, rows, ti, kvb, h, tid, w, lane, causal, sm_scale):
-        if cfg.stages == 1:
-            Ks = T.alloc_buffer((TK * KS,), dtype, scope="shared")
-            Vs = T.alloc_buffer((TK * VS,), dtype, scope="shared")
-            keep_extent(Ks, TK * KS)  # declared sizes: chunks are reached through addresses
-            keep_extent(Vs, TK * VS)
-            one_stage(Ks, Vs, fr, acc, rows, ti, kvb, h, tid, w, lane, causal, sm_scale)
+        # One dynamic buffer (TVM 0.27 fails to merge several shared.dyn buffers here).
+        smem = T.alloc_buffer((cfg.smem_bytes(D, DV) // 2,), dtype, scope="shared.dyn")
+        keep_extent(smem, cfg.smem_bytes(D, DV) // 2)  # the launch's bytes (chunks: addresses)
+        if QS:
+            load_q_smem(smem, q, ti, h, tid)
+        if WG:
+            scratch = T.alloc_buffer((1,), "float32", scope="shared")
+            overlap(smem, scratch, fr, acc, rows, ti, kvb, h, tid, causal, sm_scale)
         else:
-            # One dynamic buffer (TVM 0.27 fails to merge several shared.dyn buffers here).
-            smem = T.alloc_buffer((cfg.smem_bytes(D, DV) // 2,), dtype, scope="shared.dyn")
-            keep_extent(smem, cfg.smem_bytes(D, DV) // 2)  # the launch's bytes (chunks: addresses)
-            if QS:
-                load_q_smem(smem, q, ti, h, tid)
-            if WG:
-                scratch = T.alloc_buffer((1,), "float32", scope="shared")
-                overlap(smem, scratch, fr, acc, rows, ti, kvb, h, tid, causal, sm_scale)
-            else:
-                two_stage(smem, fr, acc, rows, ti, kvb, h, tid, w, lane, causal, sm_scale)
-            if o.dtype == dtype:  # else (a float32 partial state) the blocks store from the fragments
-                store_staged(smem, o, lse, acc[2], rows[0], rows[1], ti, h, tid, w, lane)
+            two_stage(smem, fr, acc, rows, ti, kvb, h, tid, w, lane, causal, sm_scale)
+        if o.dtype == dtype:  # else (a float32 partial state) the blocks store from the fragments
+            store_staged(smem, o, lse, acc[2], rows[0], rows[1], ti, h, tid, w, lane)
 
     return tiles
 
 
 def _make_blocks(p: TcParams, copies, tiles):
     """``blocks(q, q_indptr, o, lse, kvb, B, n, causal, sm_scale)``: the grid, each thread's registers and the
-    prologue, then ``tiles`` (``_make_tiles``) and, one-stage, the store of o and lse from the fragments."""
+    prologue, then ``tiles`` (``_make_tiles``) and, for a partial-state kernel's float32 o, the store of o and lse
+    from the fragments."""
     MT, NKS, SN, ON, QS, TMA, dtype = p.mt, p.nks, p.sn, p.on, p.qs, p.wg, p.dtype
     locate, init_rows = make_locate(p, copies.kv_len), make_init_rows(p)
     load_q = None if QS else make_load_q(p)
@@ -278,9 +259,7 @@ def _make_blocks(p: TcParams, copies, tiles):
                     init_rows(lim, m, lsum, oacc, ti, w, lane, causal)
                     tiles(q, o, lse, (qf, afr, bfr), (sacc, pf, oacc, pfo), (m, lsum, lim, mx, st, fac), ti, kvb, h,
                           tid, w, lane, causal, sm_scale)
-                    if not p.stage_o:
-                        store(o, lse, oacc, m, lsum, ti, h, w, lane)
-                    elif o.dtype != dtype:
+                    if o.dtype != dtype:
                         # A partial-state kernel's float32 o, which the storage-dtype stage buffer cannot hold:
                         # from the fragments, once this thread's copies are drained (as the staged store does).
                         T.evaluate(cp_async_wait(0))
@@ -317,7 +296,7 @@ def _make_host(p: TcParams, blocks, tma):
     return kernel
 
 
-def make_prefill_tc(op: str, spec, paged: bool, tile: str = "tc"):
+def make_prefill_tc(op: str, spec, paged: bool, tile: str):
     """The plain tensor-core kernel macro of a prefill PrimFunc (``paged`` selects the K/V source, ``tile`` the
     configuration of ``TC_TILES``), called as ``kernel(q, q_indptr, o, lse, kvb, B, n, causal, sm_scale)``: its
     stages (module docstring) made from one ``TcParams``."""
@@ -328,6 +307,6 @@ def make_prefill_tc(op: str, spec, paged: bool, tile: str = "tc"):
     return _make_host(p, _make_blocks(p, copies, _make_tiles(p, copies, tma)), tma)
 
 
-__all__ = ["tma_maps", "TC_DTYPES", "TC_HEAD_DIMS", "TC_MAX_DIM", "TC_MAX_GROUP", "TC_PAD", "TC_ROWS", "TC_TILES", "TC_TK", "TcTile",
+__all__ = ["tma_maps", "TC_DTYPES", "TC_HEAD_DIMS", "TC_MAX_DIM", "TC_MAX_GROUP", "TC_PAD", "TC_TILES", "TC_TK", "TcTile",
            "k_ldsm_index", "k_ldsm_index_nt2", "k_store_index", "make_prefill_tc", "q_ldsm_index", "tc_unserved",
            "v_ldsm_index", "v_store_index"]
