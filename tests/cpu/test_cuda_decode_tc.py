@@ -21,7 +21,7 @@ import re
 
 import pytest
 from _cuda_support import nvcc_all, ops_cuda_source, ptxas_usage, stack_frames
-from _decode_emu import TC_SWITCHES, host_main, launches, set_tc_switch
+from _decode_emu import TC_SWITCHES, set_tc_switch
 
 from pagedkv import tir_kernels as tk
 from pagedkv.tir_kernels import _decode_tc_cuda as tc
@@ -156,23 +156,6 @@ def test_tc_nvcc_no_spills_registers_mma(name, nvcc_results):
         assert len(re.findall(r"\bpagedkv_rope_rotl_b?f16_j\d+_r\d+_h\d+(_p)?\(", body)) == (1 if rope else 0)
     assert sum("pagedkv_rope_rotl_" in bodies[k] for k in tc_kernels) == 1
     assert "mma" not in "".join(b for k, b in bodies.items() if k not in tc_kernels)  # merge: SIMT
-
-
-def test_tc_dynamic_shared_memory_launch():
-    """The host code launches the tc kernel with the ring's bytes of dynamic shared memory."""
-    for cfg in (tk.KernelSpec(32, 8, 128, 128, "float16"), tk.KernelSpec(32, 2, 64, 64, "bfloat16")):
-        func = tk.build_kernels(_with(cfg, cuda_decode_kernel="tc"), SM80, ops=(OP,))[OP]
-        main, params = host_main(func)
-        for rope in (0, 1):
-            env = {"B": 4, "_p": 64, "ps": 16, "nnz": 32, "apply_rope": rope, "sm_scale": 0.1, "rope_scale": 1.0,
-                   "rope_theta": 1e4, "max_kv_len": 100, "dev_id": 0}
-            dyn = []
-            for kname, args in launches(main, env):
-                names = params[kname]
-                vals = dict(zip(names, args[len(args) - len(names):]))
-                if "tirx.use_dyn_shared_memory" in names:
-                    dyn.append(vals["tirx.use_dyn_shared_memory"])
-            assert dyn == [tc.smem_words(cfg.head_dim, rope=bool(rope)) * 4], (rope, dyn, params)
 
 
 @pytest.mark.knobs

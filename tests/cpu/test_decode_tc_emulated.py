@@ -26,9 +26,11 @@ import pytest
 import torch
 from _decode_emu import (TC_SWITCHES, build, check_against_reference, inputs, launch, run_decode, set_tc_switch,
                          storage, values)
+from _decode_emu import launches as launch_list
 
 from pagedkv import tir_kernels as tk
 from pagedkv.testing import reference as R
+from pagedkv.tir_kernels import _decode_tc_cuda as tcd
 
 #: name -> (config, forced split count or "auto").
 CONFIGS = {
@@ -83,6 +85,24 @@ def test_emulated_tc_decode_matches_reference(name, apply_rope, built):
     check_against_reference(name, cfg, ents, o, lse, apply_rope, THETA, SCALE, sm_scale)
 
 
+@pytest.mark.parametrize("name", ["2x2x128-f16-s1", "4x1x64-bf16-s3"], ids=["d128", "d64"])
+def test_tc_dynamic_shared_memory_launch(name, built):
+    """The host code launches the tc kernel (plain and RoPE) with the ring's bytes of dynamic shared memory (the
+    emulator gives every kernel a static array, so its runs would not see a short launch)."""
+    b = built(name)
+    cfg, _splits = CONFIGS[name]
+    for rope in (0, 1):
+        env = {"B": 4, "_p": 64, "ps": 16, "nnz": 32, "apply_rope": rope, "sm_scale": 0.1, "rope_scale": 1.0,
+               "rope_theta": 1e4, "max_kv_len": 100, "dev_id": 0}
+        dyn = []
+        for kname, args in launch_list(b.main, env):
+            names = b.launch_params[kname]
+            vals = dict(zip(names, args[len(args) - len(names):]))
+            if "tirx.use_dyn_shared_memory" in names:
+                dyn.append(vals["tirx.use_dyn_shared_memory"])
+        assert dyn == [tcd.smem_words(cfg.head_dim, rope=bool(rope)) * 4], (rope, dyn, b.launch_params)
+
+
 #: The NaN run's poisoned elements (``_decode_emu.inputs``' ``nan``) on LENGTHS: a q row of entry 3; a key of
 #: entry 5 inside the window of 90 (its rows NaN) and one of entry 0 below it (300 keys: never read, rows finite).
 NAN_AT = [("q", 3, 5), ("k", 5, 100, 0), ("k", 0, 150, 0)]
@@ -111,8 +131,6 @@ def test_emulated_tc_decode_two_slot_ring(tmp_path, monkeypatch):
     ring wraps over 300 keys) and 3."""
     if shutil.which("g++") is None:
         pytest.skip("g++ not found")
-    from pagedkv.tir_kernels import _decode_tc_cuda as tcd
-
     monkeypatch.setattr(tcd, "TCD_SLOTS", 2)
     for splits in ("1", "3"):
         cfg = tk.KernelSpec(8, 2, 128, 128, "float16")
