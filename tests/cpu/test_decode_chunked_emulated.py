@@ -38,8 +38,11 @@ CONFIGS = {
 }
 #: Keys per entry: several chunks with a short last one, empty, one key, page and tile edges.
 LENGTHS = [300, 0, 1, 17, 64, 129, 63]
-#: A skewed batch long enough for the automatic split count to split (S > 1 before chunking).
+#: A skewed batch long enough for the automatic split count to split (S > 1 before chunking; the longest entry
+#: over 5/4 of the average).
 SKEWED = [2600, 1, 0, 300, 17]
+#: A balanced batch (no entry over 5/4 of the average): equal ranges.
+BALANCED = [300, 310, 290, 300]
 PS = 16
 THETA, SCALE = 10000.0, 1.0
 
@@ -103,5 +106,5 @@ def test_emulated_chunked_decode_auto(name, apply_rope, built):
     assert env["C"] > 0 and env["S"] == -(-max(SKEWED) // env["C"]), env
     env = _run(b, cfg, SKEWED, apply_rope, f"{name}-unknown", max_kv_len=0)
     assert env["C"] == 0 and env["S"] > 1, env
-    env = _run(b, cfg, [600, 610, 590, 600], apply_rope, f"{name}-balanced")
+    env = _run(b, cfg, BALANCED, apply_rope, f"{name}-balanced")
     assert env["C"] == 0, env
