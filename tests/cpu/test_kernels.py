@@ -538,30 +538,37 @@ def test_compact_copy(hkv_d, dtype, ps):
     assert np.array_equal(tpool.numpy(), expect, equal_nan=True)
 
 
+def _pair_shape(pairs, dtype):
+    """The first (Hq, Hkv, D) an op's covering pairs compile in ``dtype`` (its kernel is built already)."""
+    return next(shape[:3] for shape, dt in pairs if dt == dtype and (len(shape) == 3 or shape[3] == shape[2]))
+
+
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_attn_tiny_calls(dtype):
-    """Calls small enough to run on the calling thread (no thread pool): all three attention kernels."""
-    hq, hkv, d, ps = 6, 2, 64, 16
-    cfg = tk.KernelSpec(hq, hkv, d, d, dtype)
-    sm_scale = 0.125
+    """Calls small enough to run on the calling thread (no thread pool): all three attention kernels, each on a
+    shape its covering pairs compile in this dtype (no kernels of their own)."""
+    ps, sm_scale = 16, 0.125
     # decode: two sequences of 3 and 0 keys
+    hq, hkv, d = _pair_shape(DECODE_PAIRS, dtype)
     kv = PagedKV([3, 0], hkv, d, ps, dtype)
     q = randn(2, hq, d, dtype=dtype)
     zeros2 = np.zeros(2, np.int32)
     o, lse = dev(np.full((2, hq, d), np.nan, dtype)), dev(np.full((2, hq), np.nan, np.float32))
-    kernel("attn_decode_paged", cfg)(dev(q), dev(kv.pages), dev(kv.page_indptr), dev(kv.page_values),
-                                     dev(kv.last_page_len), dev(zeros2), dev(zeros2), o, lse,
-                                     0, 1.0, 1e4, sm_scale)
+    kernel("attn_decode_paged", tk.KernelSpec(hq, hkv, d, d, dtype))(
+        dev(q), dev(kv.pages), dev(kv.page_indptr), dev(kv.page_values), dev(kv.last_page_len), dev(zeros2),
+        dev(zeros2), o, lse, 0, 1.0, 1e4, sm_scale)
     refs = [attention_ref(q[b:b + 1], kv.k[b], kv.v[b], False, sm_scale) for b in range(2)]
     check_attention(o.numpy(), lse.numpy(), np.concatenate([r[0] for r in refs]),
                     np.concatenate([r[1] for r in refs]), dtype)
     # prefill: one entry, 2 queries over 2 new keys (ragged) / 3 cached keys (paged)
-    q = randn(2, hq, d, dtype=dtype)
-    k, v = randn(2, hkv, d, dtype=dtype), randn(2, hkv, d, dtype=dtype)
     indptr, zero1, pos = np.array([0, 2], np.int32), np.zeros(1, np.int32), np.array([3, 4], np.int32)
-    for op in ("attn_prefill_ragged", "attn_prefill_paged"):
+    for op, pairs in (("attn_prefill_ragged", RAGGED_PAIRS), ("attn_prefill_paged", PAGED_PAIRS)):
+        hq, hkv, d = _pair_shape(pairs, dtype)
+        cfg = tk.KernelSpec(hq, hkv, d, d, dtype)
+        q = randn(2, hq, d, dtype=dtype)
         o, lse = dev(np.full((2, hq, d), np.nan, dtype)), dev(np.full((2, hq), np.nan, np.float32))
         if op == "attn_prefill_ragged":
+            k, v = randn(2, hkv, d, dtype=dtype), randn(2, hkv, d, dtype=dtype)
             kernel(op, cfg)(dev(q), dev(k), dev(v), dev(indptr), dev(indptr), dev(pos), dev(zero1), o, lse,
                             1, 0, 1.0, 1e4, sm_scale)
             o_ref, lse_ref = attention_ref(q, k, v, True, sm_scale)
