@@ -197,9 +197,10 @@ def test_kernel_library_links_flashinfer_objects(tmp_path):
     # (test_flashinfer_build builds both dtypes' modules), and each library costs a CUDA compile of the TIR ops
     dtype = "bfloat16"
     backend = {ops.ATTN_DECODE_PAGED: ["flashinfer", "tir"], "*": "tir"}
-    # the TIR ops on their SIMT kernels: the link is what is checked, and the wgmma prefill tiles' nvcc builds
-    # (test_prefill_wg_compile) would cost most of this test's time
-    with fib.forced_modules({ops.ATTN_DECODE_PAGED: "decode"}), forced_paths({"cuda_prefill_kernel": "simt"}):
+    # the TIR ops on their CUDA-core kernels: the link is what is checked, and the tensor-core prefill tiles' and the
+    # tc decode's (its partial-state op is TIR's) nvcc builds (their own modules) would cost most of this test's time
+    with fib.forced_modules({ops.ATTN_DECODE_PAGED: "decode"}), \
+            forced_paths({"cuda_prefill_kernel": "simt", "cuda_decode_kernel": "lanes"}):
         lib = build_kernel_library(CFG.replace(dtype=dtype), tmp_path, target=SM90, backend=backend)
     entries = {op: (tag, names, opts)
                for op, tag, names, opts in json.loads(lib.with_suffix(".json").read_text())["entries"]}
