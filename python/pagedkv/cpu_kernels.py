@@ -38,6 +38,8 @@ from dataclasses import dataclass
 from tvm import tirx
 from tvm.script import tirx as T
 
+from .tir_kernels._common import fast_macro_expansion
+
 #: Rows up to which one zero-padded register tile serves (above one row: one row streams, see above).
 GEMV_ROWS = 4
 #: Float32 lanes of one vector (AVX-512); strips and chunks are multiples of it.
@@ -109,6 +111,11 @@ def supported(shape: MatmulShape) -> bool:
 
 def matmul_kernel(shape: MatmulShape) -> tirx.PrimFunc:
     """The replacement PrimFunc for ``shape`` (same parameters, in the same order)."""
+    with fast_macro_expansion():  # TVM's macro lookup otherwise walks every frame's source: a fifth of a model build
+        return _matmul_kernel(shape)
+
+
+def _matmul_kernel(shape: MatmulShape) -> tirx.PrimFunc:
     K, N = shape.k, shape.n
     RB, SR = gemv_chunk(N), gemm_strip(N)
     rows = math.prod(shape.a_shape[:-1])

@@ -32,7 +32,6 @@ import tvm
 from tvm import s_tir, tirx
 
 from . import cpu_kernels
-from .tir_kernels._common import fast_macro_expansion
 from .cpu_kernels import MatmulShape
 
 #: Bumped whenever a schedule here or a kernel of ``cpu_kernels`` changes what is compiled.
@@ -282,8 +281,7 @@ def schedule_pass(target, report: dict | None = None):
         updates = {}
         for gv, func in mod.functions.items():
             if isinstance(func, tirx.PrimFunc):
-                with fast_macro_expansion():  # the matmul kernels' TVMScript parse (a third of a model's build)
-                    kind, new = schedule_func(func, target)
+                kind, new = schedule_func(func, target)
                 if report is not None:
                     report[gv.name_hint] = kind
                 if kind != "kept":

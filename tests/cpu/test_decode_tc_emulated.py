@@ -24,9 +24,8 @@ import shutil
 import numpy as np
 import pytest
 import torch
-from _decode_emu import (TC_SWITCHES, build, check_against_reference, inputs, launch, run_decode, set_tc_switch,
-                         storage, values)
-from _decode_emu import launches as launch_list
+from _decode_emu import (TC_SWITCHES, build, check_against_reference, inputs, launch, launches, run_decode,
+                         set_tc_switch, storage, values)
 
 from pagedkv import tir_kernels as tk
 from pagedkv.testing import reference as R
@@ -95,7 +94,7 @@ def test_tc_dynamic_shared_memory_launch(name, built):
         env = {"B": 4, "_p": 64, "ps": 16, "nnz": 32, "apply_rope": rope, "sm_scale": 0.1, "rope_scale": 1.0,
                "rope_theta": 1e4, "max_kv_len": 100, "dev_id": 0}
         dyn = []
-        for kname, args in launch_list(b.main, env):
+        for kname, args in launches(b.main, env):
             names = b.launch_params[kname]
             vals = dict(zip(names, args[len(args) - len(names):]))
             if "tirx.use_dyn_shared_memory" in names:
