@@ -65,7 +65,7 @@ CONFIGS = {
     "7x1x96-bf16": tk.KernelSpec(7, 1, 96, 96, "bfloat16"),
     # Head dim 256: the "tcq" tile's.
     "8x2x256-bf16-w40-cap20": tk.KernelSpec(8, 2, 256, 256, "bfloat16", sliding_window=40, logits_soft_cap=20.0),
-    "4x4x256-f16": tk.KernelSpec(4, 4, 256, 256, "float16"),
+    "2x2x256-f16": tk.KernelSpec(2, 2, 256, 256, "float16"),
 }
 #: Ragged-only configs with a value head dim other than the qk one (``attn_prefill_ragged`` alone takes
 #: ``Dv != D``): K and V tiles are copied by separate loops (``_prefill_tc_copy``'s pair loop needs the same dims).
@@ -83,7 +83,7 @@ ALL_CONFIGS = {**CONFIGS, **DV_CONFIGS, **WG_CONFIGS}
 #: page offset wraps past the page end, the carry of ``_prefill_tc_copy``'s one-division-a-tile page lookup).
 PAGE_SIZES = {"8x2x64-f16": 16, "6x2x64-bf16-w40-cap20": 24, "4x1x128-f16": 5, "2x2x128-f16": 16,
               "7x1x128-bf16": 40, "8x1x64-bf16": 16, "16x2x128-bf16-w40-cap20": 24, "7x1x96-bf16": 40,
-              "8x2x256-bf16-w40-cap20": 16, "4x4x256-f16": 5}
+              "8x2x256-bf16-w40-cap20": 16, "2x2x256-f16": 5}
 OPS = ("attn_prefill_ragged", "attn_prefill_paged")
 #: (config, tile, op) runs, a covering set: each mma.sync tile on four configs for the op auto takes it for (tc3:
 #: ragged, on GQA groups 3, 1, 7, 8; tc2: paged, on groups 4, 4, 3, 7 with pages of 16, 5, 24, 40 keys; between
@@ -96,7 +96,7 @@ TC3_CONFIGS = ["6x2x64-bf16-w40-cap20", "2x2x128-f16", "7x1x96-bf16", "8x1x64-bf
 TC2_CONFIGS = ["8x2x64-f16", "4x1x128-f16", "6x2x64-bf16-w40-cap20", "7x1x96-bf16"]
 OTHER_OP = {"tc3": ("attn_prefill_paged", ["4x1x128-f16", "6x2x64-bf16-w40-cap20"]),
             "tc2": ("attn_prefill_ragged", ["8x2x64-f16", "7x1x128-bf16"])}
-TCQ_CASES = [("8x2x256-bf16-w40-cap20", "tcq", "attn_prefill_ragged"), ("4x4x256-f16", "tcq", "attn_prefill_paged")]
+TCQ_CASES = [("8x2x256-bf16-w40-cap20", "tcq", "attn_prefill_ragged"), ("2x2x256-f16", "tcq", "attn_prefill_paged")]
 CASES = ([(name, "tc3", "attn_prefill_ragged") for name in TC3_CONFIGS]
          + [(name, "tc2", "attn_prefill_paged") for name in TC2_CONFIGS]
          + [(name, tile, op) for tile, (op, names) in OTHER_OP.items() for name in names] + TCQ_CASES)
