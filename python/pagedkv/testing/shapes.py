@@ -74,12 +74,15 @@ SHAPES = [
     Shape(7, 1, 64, "bfloat16", 16, "normal"),
 ]
 
-#: The CPU scenario matrix (``tests/cpu/test_scenarios.py``): ``SHAPES`` but two whose properties the others
+#: The CPU scenario matrix (``tests/cpu/test_scenarios.py``): ``SHAPES`` but four whose properties the others
 #: cover on the CPU (group 3 at head dim 128 in float32 with inline RoPE: groups 3, head dim 128, float32, inline
 #: RoPE and a RoPE scale each run on other shapes; the soft cap alone: with a window on the inline shape, and alone
-#: in ``test_scenarios_paths``' forced-thread runs). Each CPU shape compiles its own kernel library (seconds).
+#: in ``test_scenarios_paths``' forced-thread runs; group 3 at head dim 64 in fp16 with normal RoPE, and group 7 at
+#: 128 in float32 with normal RoPE: each property on two or more others). Each CPU shape compiles its own kernel
+#: library (seconds).
 CPU_SCENARIO_SHAPES = [s for s in SHAPES
-                       if s.id not in ("h6x2-d128-f32-p16-inline-t10000s0.5", "h6x2-d128-f16-p16-none-cap2")]
+                       if s.id not in ("h6x2-d128-f32-p16-inline-t10000s0.5", "h6x2-d128-f16-p16-none-cap2",
+                                       "h6x2-d64-f16-p8-normal", "h7x1-d128-f32-p8-normal")]
 
 #: CPU shapes of the many-sequence scenarios (``scenarios_batch``): 24 sequences, 16 and 4 kv heads (more
 #: work items than the CPU kernels' 64 parallel chunks), windowed with a window shorter than a key tile (the
