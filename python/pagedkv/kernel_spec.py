@@ -45,7 +45,7 @@ SWITCHES: dict[str, tuple[str, tuple[str, ...]]] = {
     "cuda_prefill_kernel": ("CUDA MHA prefill (attn_prefill_ragged, attn_prefill_paged), apply_rope = 0: the SIMT "
                             "FP32 kernel or a tensor-core tile (tir_kernels._prefill_tc_tiles.TC_TILES); inline "
                             "RoPE always runs the SIMT kernel; auto and the limits: pagedkv.kernel_table",
-                            ("auto", "simt", "tc2", "tc3", "wg2t", "wg1t")),
+                            ("auto", "simt", "tc2", "tc3", "tcq", "wg2t", "wg1t")),
     "cuda_decode_kernel": ("CUDA MHA decode (attn_decode_paged), plain and inline RoPE: the tensor-core kernel, the "
                            "shared-memory staged kernel or the lane-group kernel, for both variants; auto (per "
                            "variant) and the limits: pagedkv.kernel_table", ("auto", "lanes", "staged", "tc")),

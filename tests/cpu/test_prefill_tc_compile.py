@@ -3,9 +3,10 @@
 - The default where it serves: without the switch and with "auto" the prefill PrimFuncs of an fp16 / bf16 spec
   are the tensor-core ones in the op's default tile (same ``script()`` as "tc3" for the ragged op, "tc2" for
   the paged one, with ``mma.sync`` calls), "simt" gives the FP32 kernel, every mma.sync tile its stages in
-  ``shared.dyn``; a spec it does not serve (float32, a head dim over 128) gets the SIMT kernel under "auto",
+  ``shared.dyn``; a spec it does not serve (float32, head dim 512) gets the SIMT kernel under "auto",
   and any tile forced on it raises naming why.
-- ``nvcc --cubin -arch=sm_90a`` compiles each tile's kernels for the op auto takes it for (``NVCC_OPS``) without
+- ``nvcc --cubin -arch=sm_90a`` compiles each tile's kernels for the op auto takes it for (``NVCC_OPS``,
+  ``NVCC_CASES``: head dims 64, 96, 128 and 256 among them) without
   register spills, and the SASS holds the expected HMMA count (``cuobjdump -sass``; skipped when cuobjdump is
   missing): per kernel and key tile, ``mtiles * (D/16 * TK/8)`` MMAs for S and ``mtiles * TK/16 * D/8`` for P V,
   every one unrolled (also counted in the CUDA source, without cuobjdump).
@@ -41,6 +42,8 @@ TILES = tuple(t for t, cfg in TC_TILES.items() if not cfg.wgmma)
 SHAPES = {
     "32x8x128-f16": tk.KernelSpec(32, 8, 128, 128, "float16"),
     "12x4x64-bf16-w100-cap30": tk.KernelSpec(12, 4, 64, 64, "bfloat16", sliding_window=100, logits_soft_cap=30.0),
+    "16x4x96-bf16-w100-cap30": tk.KernelSpec(16, 4, 96, 96, "bfloat16", sliding_window=100, logits_soft_cap=30.0),
+    "8x2x256-bf16": tk.KernelSpec(8, 2, 256, 256, "bfloat16"),
 }
 
 
@@ -55,8 +58,8 @@ def _script(cfg, op):
 
 def test_switch_is_registered_and_on_by_default():
     assert tk.SWITCHES[SWITCH][1] == ("auto", "simt", *TILES, *WG_PREFILL_TILES)  # test_prefill_wg_compile.py
-    assert [v.name for v in auto_order("attn_prefill_ragged")] == ["wg1t", "tc3", "simt"]
-    assert [v.name for v in auto_order("attn_prefill_paged")] == ["wg2t", "tc2", "simt"]
+    assert [v.name for v in auto_order("attn_prefill_ragged")] == ["wg1t", "tc3", "tcq", "simt"]
+    assert [v.name for v in auto_order("attn_prefill_paged")] == ["wg2t", "tc2", "tcq", "simt"]
 
 
 @pytest.mark.parametrize("op", OPS)
@@ -68,15 +71,15 @@ def test_tc_is_the_default_where_it_serves(op):
     assert _script(_with(cfg, "auto"), op) == default == _script(_with(cfg, first), op)
     assert "pagedkv_mma" not in _script(_with(cfg, "simt"), op)
     for tile in TILES:  # 128 rows, two stages in dynamic shared memory
-        script = _script(_with(cfg, tile), op)
-        assert "pagedkv_mma_f16" in script and "shared.dyn" in script
+        script = _script(_with(cfg if tile != "tcq" else SHAPES["8x2x256-bf16"], tile), op)
+        assert "pagedkv_mma_" in script and "shared.dyn" in script
     unserved = tk.KernelSpec(4, 4, 64, 64, "float32")
     assert "pagedkv_mma" not in _script(unserved, op)
     assert _script(unserved, op) == _script(_with(unserved, "simt"), op)
 
 
 @pytest.mark.parametrize("cfg,why", [(tk.KernelSpec(4, 4, 64, 64, "float32"), "dtype float32"),
-                                     (tk.KernelSpec(4, 4, 256, 256, "float16"), "head dims 256"),
+                                     (tk.KernelSpec(4, 4, 512, 512, "float16"), "head dims 512"),
                                      (tk.KernelSpec(64, 1, 64, 64, "float16"), "GQA group 64")])
 def test_tc_refuses_what_it_does_not_serve(cfg, why):
     for op in OPS:
@@ -94,11 +97,19 @@ def test_tile_shared_memory():
     assert tiles["tc2"].smem_bytes(64, 64) == 36864
     assert (tiles["tc3"].rows, tiles["tc3"].threads, tiles["tc3"].stages, tiles["tc3"].tk) == (128, 128, 2, 32)
     assert tiles["tc3"].smem_bytes(128, 128) == 2 * 32 * 272 * 2 + 128 * 136 * 2 == 69632
+    assert (tiles["tcq"].rows, tiles["tcq"].threads, tiles["tcq"].tk, tiles["tcq"].q_in_smem) == (128, 256, 32, True)
+    assert tiles["tcq"].smem_bytes(256, 256) == 2 * 32 * 528 * 2 + 128 * 264 * 2 == 135168
 
 
-#: The op nvcc compiles a tile for: the one auto takes it for (``kernel_table``: tc3 ragged, tc2 paged); the other
-#: op of each runs in ``test_prefill_tc_emulated.py``.
-NVCC_OPS = {"tc3": ("attn_prefill_ragged",), "tc2": ("attn_prefill_paged",)}
+#: The op nvcc compiles a tile for: the one auto takes it for (``kernel_table``: tc3 ragged, tc2 paged, tcq both);
+#: the other op of each runs in ``test_prefill_tc_emulated.py``.
+NVCC_OPS = {"tc3": ("attn_prefill_ragged",), "tc2": ("attn_prefill_paged",),
+            "tcq": ("attn_prefill_ragged", "attn_prefill_paged")}
+#: (shape, tile) compiled: tc2 and tc3 at head dims 128 and 64 (fp16; bf16 windowed + capped) and 96 (copies with
+#: idle threads; windowed + capped: the most registers), tcq at 256 (``test_cuda_compile.py`` leaves these prefill
+#: kernels to this module).
+NVCC_CASES = [(name, tile) for name in ("32x8x128-f16", "12x4x64-bf16-w100-cap30", "16x4x96-bf16-w100-cap30")
+              for tile in ("tc2", "tc3")] + [("8x2x256-bf16", "tcq")]
 
 
 def _source(key):
@@ -108,7 +119,7 @@ def _source(key):
 @pytest.fixture(scope="module")
 def nvcc_results(tmp_path_factory):
     workdir = tmp_path_factory.mktemp("tc")
-    return workdir, nvcc_all([(name, tile) for name in SHAPES for tile in TILES], _source, workdir, "tc_")
+    return workdir, nvcc_all(NVCC_CASES, _source, workdir, "tc_")
 
 
 def _cuobjdump() -> str | None:
@@ -124,8 +135,7 @@ def _sass_by_kernel(cubin: pathlib.Path) -> dict:
     return dict(zip(parts[1::2], parts[2::2]))
 
 
-@pytest.mark.parametrize("tile", TILES)
-@pytest.mark.parametrize("name", list(SHAPES))
+@pytest.mark.parametrize("name,tile", NVCC_CASES, ids=[f"{n}-{t}" for n, t in NVCC_CASES])
 def test_tc_nvcc_no_spills_and_hmma(name, tile, nvcc_results):
     workdir, results = nvcc_results
     rc, log = results[(name, tile)]

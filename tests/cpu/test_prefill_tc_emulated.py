@@ -5,8 +5,8 @@ from the PTX ISA's definitions), checked against the float64 reference on ragged
 (tile, page and 128-row block edges, entries with no keys or no queries; pages of 16, 24, 40 and 5 keys), causal and
 not, fp16 and bf16, windowed + soft-capped, ragged k / v also unaligned (the element-load path), ragged with a value
 head dim other than the qk one (128 / 64, 64 / 128: separate K and V copy loops). Tiles
-(``TC_TILES``): "tc2" and "tc3" on GQA groups 1, 3, 4, 7, 8 and head dims 64 / 128 for the op auto takes each for
-(the other op on two configs: a covering set, ``CASES``), the wgmma tiles "wg1t", "wg2t" (built for sm_90a; TMA boxes and mbarriers emulated; the emulator's wgmma is
+(``TC_TILES``): "tc2" and "tc3" on GQA groups 1, 3, 4, 7, 8 and head dims 64 / 96 / 128 for the op auto takes each
+for (the other op on two configs: a covering set, ``CASES``), "tcq" at head dim 256 on both ops, the wgmma tiles "wg1t", "wg2t" (built for sm_90a; TMA boxes and mbarriers emulated; the emulator's wgmma is
 a warpgroup collective performed at the ``wait_group`` that completes its group, B read through the descriptor's
 strides then) on what they serve (head dim 128, groups 1, 7, 8), fp16 and bf16, windowed + capped. Fresh random inputs each run
 (the messages name the seed). NaN runs (issue 44, ``NAN_RUNS``; the SIMT prefill's too, on ``_decode_emu``'s
@@ -61,6 +61,11 @@ CONFIGS = {
     "2x2x128-f16": tk.KernelSpec(2, 2, 128, 128, "float16"),
     "7x1x128-bf16": tk.KernelSpec(7, 1, 128, 128, "bfloat16"),
     "8x1x64-bf16": tk.KernelSpec(8, 1, 64, 64, "bfloat16"),
+    # Head dim 96: 12 16-byte chunks a key, which 256 / 128 threads do not divide (idle copy threads).
+    "7x1x96-bf16": tk.KernelSpec(7, 1, 96, 96, "bfloat16"),
+    # Head dim 256: the "tcq" tile's.
+    "8x2x256-bf16-w40-cap20": tk.KernelSpec(8, 2, 256, 256, "bfloat16", sliding_window=40, logits_soft_cap=20.0),
+    "2x2x256-f16": tk.KernelSpec(2, 2, 256, 256, "float16"),
 }
 #: Ragged-only configs with a value head dim other than the qk one (``attn_prefill_ragged`` alone takes
 #: ``Dv != D``): K and V tiles are copied by separate loops (``_prefill_tc_copy``'s pair loop needs the same dims).
@@ -77,25 +82,29 @@ ALL_CONFIGS = {**CONFIGS, **DV_CONFIGS, **WG_CONFIGS}
 #: Page size of each config's paged runs: 16 divides the 64-key tiles, the others do not (24, 40, 5: a chunk's
 #: page offset wraps past the page end, the carry of ``_prefill_tc_copy``'s one-division-a-tile page lookup).
 PAGE_SIZES = {"8x2x64-f16": 16, "6x2x64-bf16-w40-cap20": 24, "4x1x128-f16": 5, "2x2x128-f16": 16,
-              "7x1x128-bf16": 40, "8x1x64-bf16": 16, "16x2x128-bf16-w40-cap20": 24}
+              "7x1x128-bf16": 40, "8x1x64-bf16": 16, "16x2x128-bf16-w40-cap20": 24, "7x1x96-bf16": 40,
+              "8x2x256-bf16-w40-cap20": 16, "2x2x256-f16": 5}
 OPS = ("attn_prefill_ragged", "attn_prefill_paged")
 #: (config, tile, op) runs, a covering set: each mma.sync tile on four configs for the op auto takes it for (tc3:
 #: ragged, on GQA groups 3, 1, 7, 8; tc2: paged, on groups 4, 4, 3, 7 with pages of 16, 5, 24, 40 keys; between
-#: them D 64 and 128, fp16 and bf16, windowed + capped; ``kernel_table``), and on two configs for the other op (the
-#: stages are shared; the op changes only the K / V copy: ragged rows or pages, a wrapping page size among them).
-#: Each op runs groups 4 and 3 at D 64 (tc2 ragged and paged on 8x2x64-f16; tc3 ragged, tc2 and tc3 paged on the
-#: windowed + capped 6x2x64-bf16).
-TC3_CONFIGS = ["6x2x64-bf16-w40-cap20", "2x2x128-f16", "7x1x128-bf16", "8x1x64-bf16"]
-TC2_CONFIGS = ["8x2x64-f16", "4x1x128-f16", "6x2x64-bf16-w40-cap20", "7x1x128-bf16"]
+#: them head dims 64, 96 and 128, fp16 and bf16, windowed + capped; ``kernel_table``), and on two configs for the
+#: other op (the stages are shared; the op changes only the K / V copy: ragged rows or pages, a wrapping page size
+#: among them). Each op runs groups 4 and 3 at D 64 (tc2 ragged and paged on 8x2x64-f16; tc3 ragged, tc2 and tc3
+#: paged on the windowed + capped 6x2x64-bf16). "tcq" (auto's tile for both ops at head dim 256) on one config an
+#: op: ragged windowed + capped bf16 (group 4), paged fp16 (group 1, pages of 5 keys).
+TC3_CONFIGS = ["6x2x64-bf16-w40-cap20", "2x2x128-f16", "7x1x96-bf16", "8x1x64-bf16"]
+TC2_CONFIGS = ["8x2x64-f16", "4x1x128-f16", "6x2x64-bf16-w40-cap20", "7x1x96-bf16"]
 OTHER_OP = {"tc3": ("attn_prefill_paged", ["4x1x128-f16", "6x2x64-bf16-w40-cap20"]),
             "tc2": ("attn_prefill_ragged", ["8x2x64-f16", "7x1x128-bf16"])}
+TCQ_CASES = [("8x2x256-bf16-w40-cap20", "tcq", "attn_prefill_ragged"), ("2x2x256-f16", "tcq", "attn_prefill_paged")]
 CASES = ([(name, "tc3", "attn_prefill_ragged") for name in TC3_CONFIGS]
          + [(name, "tc2", "attn_prefill_paged") for name in TC2_CONFIGS]
-         + [(name, tile, op) for tile, (op, names) in OTHER_OP.items() for name in names])
-#: The unaligned-view (element-load) runs, ragged, on built kernels: two configs a tile (three on "tc3", auto's
-#: ragged tile), groups 1, 3, 4, 7, 8 among them.
+         + [(name, tile, op) for tile, (op, names) in OTHER_OP.items() for name in names] + TCQ_CASES)
+#: The unaligned-view (element-load) runs, ragged, on built kernels: two configs on "tc2", three on "tc3" (auto's
+#: ragged tile; head dim 96: idle threads in the element loads), one on "tcq"; groups 1, 3, 4, 7, 8 among them.
 UNALIGNED = ([(n, "tc2") for n in OTHER_OP["tc2"][1]]
-             + [(n, "tc3") for n in ("6x2x64-bf16-w40-cap20", "2x2x128-f16", "8x1x64-bf16")])
+             + [(n, "tc3") for n in ("6x2x64-bf16-w40-cap20", "7x1x96-bf16", "8x1x64-bf16")]
+             + [("8x2x256-bf16-w40-cap20", "tcq")])
 #: The ``Dv != D`` runs (ragged): both configs on every mma.sync tile; unaligned on "tc3" (auto's ragged tile).
 DV_CASES = [(name, t) for t in ("tc2", "tc3") for name in DV_CONFIGS]
 DV_UNALIGNED = [(name, "tc3") for name in DV_CONFIGS]

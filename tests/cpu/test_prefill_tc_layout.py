@@ -101,7 +101,7 @@ def test_ldmatrix_elem_is_the_model():
                     assert regs[t, i, h] == smem[addr[8 * i + r] + c]
 
 
-@pytest.mark.parametrize("d", [64, 128])
+@pytest.mark.parametrize("d", [64, 96, 128, 256])
 def test_ldmatrix_rows_are_aligned_without_bank_conflicts(d):
     """Each 8-lane phase of an ldmatrix reads 8 rows of 16 bytes: 16-byte aligned, 32 distinct banks."""
     for idx in (lambda ln: tc.k_ldsm_index(ln, 3, 1, d), lambda ln: tc.v_ldsm_index(ln, 2, 1, d)):
@@ -112,7 +112,7 @@ def test_ldmatrix_rows_are_aligned_without_bank_conflicts(d):
             assert len(banks) == 32
 
 
-@pytest.mark.parametrize("d,dv", [(128, 128), (64, 64), (64, 128), (96, 32)])
+@pytest.mark.parametrize("d,dv", [(128, 128), (64, 64), (64, 128), (96, 32), (96, 96), (256, 256)])
 def test_one_warp_tile_equals_matmul(d, dv):
     """S = Q K^T over d / 16 k steps x 8 n tiles, then O = P V with P straight from the S accumulators; the
     B fragments from the ldmatrix model at the kernel's addresses (K plain, V transposed)."""
@@ -161,8 +161,9 @@ def test_one_warp_tile_equals_matmul(d, dv):
     np.testing.assert_allclose(got, o_ref, rtol=1e-10, atol=1e-9)
 
 
-@pytest.mark.parametrize("tile", ["tc2", "tc3"])
-@pytest.mark.parametrize("d,dv", [(128, 128), (64, 64), (64, 128)])
+@pytest.mark.parametrize("tile,d,dv", [(t, d, dv) for t in ("tc2", "tc3") for d, dv in ((128, 128), (64, 64),
+                                                                                          (64, 128), (96, 96))]
+                         + [("tcq", 256, 256)])
 def test_two_stage_buffer_regions(d, dv, tile):
     """The two-stage tiles' one dynamic buffer: the K and V tiles of both stages (and Q, when it is in shared
     memory) are disjoint, fill ``smem_bytes``, and start at multiples of 128 bytes (16-byte aligned rows, and
@@ -228,7 +229,7 @@ def test_q_in_shared_memory_fragments(d):
                     assert sacc[mt, ln, nt * 4 + i] == pytest.approx(s_ref[16 * mt + r, nt * 8 + c])
 
 
-@pytest.mark.parametrize("d", [64, 128])
+@pytest.mark.parametrize("d", [64, 96, 128, 256])
 def test_q_and_k_nt2_rows_are_aligned_without_bank_conflicts(d):
     for idx in (lambda ln: tc.q_ldsm_index(ln, 16, 3, d), lambda ln: tc.k_ldsm_index_nt2(ln, 1, 2, d)):
         for phase in range(4):
@@ -237,38 +238,46 @@ def test_q_and_k_nt2_rows_are_aligned_without_bank_conflicts(d):
             assert len({(idx(ln) // 2 + w) % 32 for ln in lanes for w in range(4)}) == 32
 
 
-@pytest.mark.parametrize("tile", sorted(t for t, c in tc.TC_TILES.items() if not c.tma))  # tma: no thread copies
-@pytest.mark.parametrize("d", [64, 128])
+#: (tile, head dim) of the thread copies (tma tiles: none), every head dim each tile serves.
+COPY_TILES = [(t, d) for t, c in sorted(tc.TC_TILES.items()) if not c.tma for d in c.dims]
+
+
+@pytest.mark.parametrize("tile,d", COPY_TILES, ids=[f"{t}-{d}" for t, d in COPY_TILES])
 def test_copy_chunks_cover_each_tile_once(tile, d):
     """``_prefill_tc_copy``'s 16-byte chunks of a K / V tile: every (key, 8-element dim chunk) of the ``tk`` x ``d``
-    tile exactly once over the block's threads, and chunk ``it`` of a thread ``KSTEP it`` keys past its chunk 0
-    at the same dims (the premise of the copy loop that steps one cursor from chunk to chunk). Each 8 consecutive
-    threads (one shared-memory wavefront of 16-byte stores) write 8 different 16-byte bank groups and read 128
-    contiguous bytes of one global row."""
+    tile exactly once over the block's first ``active`` threads (the others idle: head dim 96), and chunk ``it`` of a
+    thread ``KSTEP it`` keys past its chunk 0 at the same dims (the premise of the copy loop that steps one cursor
+    from chunk to chunk). Each 8 consecutive threads (one shared-memory wavefront of 16-byte stores) read
+    contiguous 16-byte chunks of one global row (of two where a row's 12 chunks straddle them: head dim 96) and
+    write 8 different 16-byte bank groups (at most 2 to one where rows straddle)."""
     import operator
 
     from pagedkv.tir_kernels._prefill_tc_copy import _Chunks
 
     cfg = tc.TC_TILES[tile]
     ch = _Chunks(cfg.tk, d, cfg.threads, 8)
-    assert ch.uniform and ch.count * cfg.threads * 8 == cfg.tk * d
-    seen = set()
-    for t in range(cfg.threads):
+    assert ch.active <= cfg.threads and ch.count * ch.active * 8 == cfg.tk * d
+    assert ch.idle == (d == 96)
+    seen = []
+    for t in range(ch.active):
         key0, dim0 = ch.at(t, operator.floordiv, operator.mod)
-        for it in range(ch.count):
-            seen.add((key0 + it * ch.kstep, dim0))
-    assert seen == {(k, c) for k in range(cfg.tk) for c in range(0, d, 8)}
+        seen += [(key0 + it * ch.kstep, dim0) for it in range(ch.count)]
+    assert sorted(seen) == [(k, c) for k in range(cfg.tk) for c in range(0, d, 8)]
 
     def store(key, dim):
         return tc.k_store_index(key, dim, d)
 
     for it in range(ch.count):
-        for t0 in range(0, cfg.threads, 8):
-            at = [ch.at(t, operator.floordiv, operator.mod) for t in range(t0, t0 + 8)]
+        for t0 in range(0, ch.active, 8):
+            at = [ch.at(t, operator.floordiv, operator.mod) for t in range(t0, min(t0 + 8, ch.active))]
             at = [(k + it * ch.kstep, c) for k, c in at]
             assert all(store(k, c) % 8 == 0 for k, c in at)
-            assert len({store(k, c) // 8 % 8 for k, c in at}) == 8, (tile, d, t0, at)
-            assert {k for k, _ in at} == {at[0][0]} and [c for _, c in at] == list(range(at[0][1], at[0][1] + 64, 8))
+            groups = [store(k, c) // 8 % 8 for k, c in at]
+            rows = sorted({k for k, _ in at})
+            assert max(groups.count(g) for g in groups) <= len(rows) <= 2, (tile, d, t0, at)
+            for r in rows:
+                dims = [c for k, c in at if k == r]
+                assert dims == list(range(dims[0], dims[0] + 8 * len(dims), 8))
 
 
 @pytest.mark.parametrize("d,rows", [(128, 64), (64, 64), (128, 128)])

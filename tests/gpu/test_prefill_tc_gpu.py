@@ -4,7 +4,7 @@ tc3 serves the ragged op and tc2 the paged one where they serve the spec), ``wg2
 warpgroups, K / V by TMA; their libraries built for sm_90a)) and the SIMT one (forced ``simt``) against the float64
 reference. Skips cleanly without a CUDA GPU.
 
-Shapes ``pagedkv.testing.shapes.PREFILL_TC_SHAPES`` (GQA groups 4, 1, 8, 7, 3; head dims 128 and 64; fp16 and
+Shapes ``pagedkv.testing.shapes.PREFILL_TC_SHAPES`` (GQA groups 4, 1, 8, 7, 3; head dims 128, 64, 96, 256; fp16 and
 bf16; two windowed + soft-capped, at head dims 64 and 128), ragged and paged, causal and not, over one batch of entries of mixed
 lengths: not multiples of the 64-row / 64-key tiles (1, 17, 63, 64, 65, 200, 1000), more keys than queries
 (bottom-right causal), fewer (rows that see no key), no keys, no queries; outputs NaN-poisoned, fresh random

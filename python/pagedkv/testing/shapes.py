@@ -15,6 +15,7 @@ from dataclasses import dataclass
 
 from ..config import KVCacheConfig
 from ..kernel_spec import SWITCHES, WG_PREFILL_TILES, wg_prefill_limits
+from ..kernel_table import TABLE
 
 
 #: Short dtype names of the test ids.
@@ -73,12 +74,15 @@ SHAPES = [
     Shape(7, 1, 64, "bfloat16", 16, "normal"),
 ]
 
-#: The CPU scenario matrix (``tests/cpu/test_scenarios.py``): ``SHAPES`` but two whose properties the others
+#: The CPU scenario matrix (``tests/cpu/test_scenarios.py``): ``SHAPES`` but four whose properties the others
 #: cover on the CPU (group 3 at head dim 128 in float32 with inline RoPE: groups 3, head dim 128, float32, inline
 #: RoPE and a RoPE scale each run on other shapes; the soft cap alone: with a window on the inline shape, and alone
-#: in ``test_scenarios_paths``' forced-thread runs). Each CPU shape compiles its own kernel library (seconds).
+#: in ``test_scenarios_paths``' forced-thread runs; group 3 at head dim 64 in fp16 with normal RoPE, and group 7 at
+#: 128 in float32 with normal RoPE: each property on two or more others). Each CPU shape compiles its own kernel
+#: library (seconds).
 CPU_SCENARIO_SHAPES = [s for s in SHAPES
-                       if s.id not in ("h6x2-d128-f32-p16-inline-t10000s0.5", "h6x2-d128-f16-p16-none-cap2")]
+                       if s.id not in ("h6x2-d128-f32-p16-inline-t10000s0.5", "h6x2-d128-f16-p16-none-cap2",
+                                       "h6x2-d64-f16-p8-normal", "h7x1-d128-f32-p8-normal")]
 
 #: CPU shapes of the many-sequence scenarios (``scenarios_batch``): 24 sequences, 16 and 4 kv heads (more
 #: work items than the CPU kernels' 64 parallel chunks), windowed with a window shorter than a key tile (the
@@ -208,9 +212,11 @@ def cuda_path_switches() -> dict[str, tuple[str, ...]]:
 
 
 #: Shapes of the tensor-core prefill tests (``tests/gpu/test_prefill_tc_gpu.py``, each tile forced through the path
-#: switch ``cuda_prefill_kernel``: ``PREFILL_KERNEL_PATHS``): GQA groups 4, 1, 8, 7 and 3; head dims 128 and 64;
-#: fp16 and bf16; the last two windowed and soft-capped (the variant hooks inside the MMA tiles), at head dim 64 and
-#: at 128 (the wgmma tiles, auto's on sm_90a, serve only 128).
+#: switch ``cuda_prefill_kernel``: ``PREFILL_KERNEL_PATHS``): GQA groups 4, 1, 8, 7, 3 and 2; head dims 128, 64,
+#: 96 (Phi-3: tc2 / tc3) and 256 (Gemma 2 / 3's 16 q / 8 kv heads: tcq; the last two are
+#: ``benchmarks/bench_prefill_dims_gpu.py``'s too); fp16 and bf16; two windowed and soft-capped (the variant hooks
+#: inside the MMA tiles), at head dim 64 and at 128 (the wgmma tiles, auto's on sm_90a, serve only 128; tcq's
+#: windowed + capped runs are emulated: ``tests/cpu/test_prefill_tc_emulated.py``).
 PREFILL_TC_SHAPES = [
     Shape(32, 8, 128, "float16", 16, "none"),
     Shape(8, 8, 128, "bfloat16", 16, "none"),
@@ -218,6 +224,8 @@ PREFILL_TC_SHAPES = [
     Shape(21, 3, 64, "float16", 8, "none"),
     Shape(12, 4, 64, "bfloat16", 8, "none", window=100, cap=30.0),
     Shape(28, 4, 128, "bfloat16", 8, "none", window=100, cap=30.0),
+    Shape(32, 4, 96, "float16", 16, "none"),
+    Shape(16, 8, 256, "bfloat16", 16, "none"),
 ]
 #: Both plain prefill kernels, forced, the tensor-core one in each of its tiles (every value of the path switch but
 #: auto; the wg tiles' libraries are built for and looked up under sm_90a: ``kernel_spec.target_for_paths``): the tests run the
@@ -322,9 +330,10 @@ def gpu_path_libraries() -> list[tuple[KVCacheConfig, dict[str, str]]]:
 
 
 def prefill_kernel_refusal(shape: Shape, kernel: str) -> str:
-    """Why the forced prefill tile ``kernel`` refuses ``shape`` beyond the tensor-core prefill's limits (TVM-free:
-    ``kernel_spec.wg_prefill_limits`` for the wgmma tiles); empty when it serves it. The tests skip such pairs with it and
-    the bundle builds no library for them."""
-    if kernel not in WG_PREFILL_TILES:
-        return ""
-    return "; ".join(wg_prefill_limits(shape.d, shape.d))
+    """Why the forced prefill tile ``kernel`` refuses ``shape``'s head dim (TVM-free: the selection table's data,
+    ``kernel_spec.wg_prefill_limits`` for the wgmma tiles); empty when it serves it. The tests skip such pairs with
+    it and the bundle builds no library for them."""
+    if kernel in WG_PREFILL_TILES:
+        return "; ".join(wg_prefill_limits(shape.d, shape.d))
+    dims = next(v.head_dims for v in TABLE["cuda_prefill_kernel"] if v.name == kernel)
+    return "" if dims is None or shape.d in dims else f"head dim {shape.d} (tile {kernel!r} takes {dims})"

@@ -52,18 +52,21 @@ PAGE_LOOKAHEAD_MAX, PAGE_LOOKAHEAD_MIN_DIM = 4, 128
 
 class _Chunks:
     """Which 16-byte (``width`` 8) or 2-byte (``width`` 1) chunk of a ``tk`` x ``dim`` tile a thread copies:
-    ``at(idx)`` = (key, first dim) of chunk ``idx`` (``idx = it * threads + tid``), row-major (consecutive threads
-    on consecutive chunks of a key)."""
+    ``at(idx)`` = (key, first dim) of chunk ``idx`` (``idx = it * active + tid``), row-major (consecutive threads
+    on consecutive chunks of a key). A pass of the first ``active`` threads copies ``kstep`` whole keys, the most
+    that fit the threads and divide the tile, so chunk it of a thread is its chunk 0, ``it * kstep`` keys on, same
+    dims; where a key's chunks do not divide the threads (head dim 96: 12 a key, 256 threads copy 16 keys a pass
+    with 192 of them) the others idle in the copies (``idle``)."""
 
     def __init__(self, tk: int, dim: int, threads: int, width: int):
-        self.per_row, self.width, self.threads = dim // width, width, threads
-        self.count = tk * self.per_row // threads  # chunks a thread
-        # The fast path's premise: chunk it of any thread is chunk 0 of it, KSTEP keys further, same dims.
-        self.kstep = self.at(threads, operator.floordiv, operator.mod)[0]
-        self.uniform = all(self.at(it * threads + t, operator.floordiv, operator.mod)
-                           == (self.at(t, operator.floordiv, operator.mod)[0] + it * self.kstep,
-                               self.at(t, operator.floordiv, operator.mod)[1])
-                           for it in range(self.count) for t in range(threads))
+        self.per_row, self.width = dim // width, width
+        self.kstep = max(k for k in range(1, max(threads // self.per_row, 1) + 1) if tk % k == 0)
+        self.active = self.kstep * self.per_row
+        if self.active > threads or tk * self.per_row % self.active:
+            raise NotImplementedError(f"pagedkv.tir_kernels: {threads} threads cannot copy {tk} keys of {dim} "
+                                      f"elements in whole keys a pass")
+        self.idle = self.active < threads
+        self.count = tk * self.per_row // self.active  # chunks a thread
 
     def at(self, idx, div=T.truncdiv, mod=T.truncmod):
         return div(idx, self.per_row), mod(idx, self.per_row) * self.width
@@ -219,7 +222,7 @@ def _vec_loader(p: TcParams, chunks, src: _Source, ops: tuple[int, ...]):
                     T.Cast(dtype, T.float32(0))
 
     @T.macro
-    def load(dst, bases, kvb, ti, kt, h, tid):
+    def copies(dst, bases, kvb, ti, kt, h, tid):
         if paged:
             cursor(ti, kvb, kt, tid)
         if (kt + 1) * tk <= ti[6]:
@@ -235,6 +238,14 @@ def _vec_loader(p: TcParams, chunks, src: _Source, ops: tuple[int, ...]):
                     zero(dst, bases, tid, it)
                 if paged:
                     advance(ti, kvb)
+
+    @T.macro
+    def load(dst, bases, kvb, ti, kt, h, tid):
+        if ch.idle:  # threads past ``active`` have no chunk: their cursor's rows lie past the tile
+            if tid < ch.active:
+                copies(dst, bases, kvb, ti, kt, h, tid)
+        else:
+            copies(dst, bases, kvb, ti, kt, h, tid)
         if last_copies:
             look_ahead(ti, kvb, kt + 1, tid)
 
@@ -244,11 +255,14 @@ def _vec_loader(p: TcParams, chunks, src: _Source, ops: tuple[int, ...]):
 def _elem_loader(p: TcParams, src: _Source, c01: int, dim: int):
     """Element loads through registers (ragged views not 16-byte aligned), 8 in flight a thread (all of them
     unrolled would hold 64 registers), zeros past the keys any row sees."""
-    tk, threads, dtype, store_index, elem = p.tk, p.nt, p.dtype, p.store_index, src.elem
-    ch = _Chunks(tk, dim, threads, 1)
+    tk, dtype, store_index, elem = p.tk, p.dtype, p.store_index, src.elem
+    ch = _Chunks(tk, dim, p.nt, 1)
+    threads = ch.active
+    if ch.count % 8:
+        raise NotImplementedError(f"pagedkv.tir_kernels: {ch.count} element loads a thread (8 in flight)")
 
     @T.macro
-    def load(dst, base, kvb, ti, kt, h, tid):
+    def rows(dst, base, kvb, ti, kt, h, tid):
         for it0 in T.serial(ch.count // 8):
             for it1 in T.unroll(8):
                 if kt * tk + ch.at((it0 * 8 + it1) * threads + tid)[0] < ti[6]:
@@ -260,6 +274,14 @@ def _elem_loader(p: TcParams, src: _Source, c01: int, dim: int):
                     dst[base + store_index(ch.at((it0 * 8 + it1) * threads + tid)[0],
                                            ch.at((it0 * 8 + it1) * threads + tid)[1], c01)] = \
                         T.Cast(dtype, T.float32(0))
+
+    @T.macro
+    def load(dst, base, kvb, ti, kt, h, tid):
+        if ch.idle:  # threads past ``active`` have no element
+            if tid < threads:
+                rows(dst, base, kvb, ti, kt, h, tid)
+        else:
+            rows(dst, base, kvb, ti, kt, h, tid)
 
     return load
 
@@ -278,14 +300,11 @@ def make_kv_copies(p: TcParams) -> KvCopies:
     ``TcParams.store_index``)."""
     threads, dims = p.nt, (p.d, p.dv)
     chunks = (_Chunks(p.tk, dims[0], threads, 8), _Chunks(p.tk, dims[1], threads, 8))
-    if not all(ch.uniform for ch in chunks):
-        raise NotImplementedError(f"pagedkv.tir_kernels: {threads} threads do not split {p.tk}-key tiles into "
-                                  f"16-byte chunks a fixed key step apart")
     src = (_paged_source if p.paged else _ragged_source)(p, chunks)
     # K and V chunks of a thread at the same keys (same head dims): one loop copies both.
     same_keys = all(chunks[0].at(t, operator.floordiv, operator.mod)[0]
                     == chunks[1].at(t, operator.floordiv, operator.mod)[0] for t in range(threads)) and \
-        chunks[0].kstep == chunks[1].kstep and chunks[0].count == chunks[1].count
+        chunks[0].kstep == chunks[1].kstep and chunks[0].count == chunks[1].count and chunks[0].active == chunks[1].active
     load_vec = (_vec_loader(p, chunks, src, (0,)), _vec_loader(p, chunks, src, (1,)))
     load_pair = _vec_loader(p, chunks, src, (0, 1)) if same_keys else None
     load_elem = (_elem_loader(p, src, 0, dims[0]), _elem_loader(p, src, 1, dims[1]))

@@ -16,10 +16,10 @@ from ._wgmma_cuda import Sw128Layout
 #: Rows of an m16 tile, keys per tile (``TcTile.tk``'s default), shared-memory row padding (elements).
 TC_WROWS, TC_TK, TC_PAD = 16, 64, 8
 TC_DTYPES = ("float16", "bfloat16")
-TC_MAX_DIM = 128
-#: qk and v head dims served: those run on the H200 (tests/gpu/test_prefill_tc_gpu.py) and in the CPU emulation
-#: of the kernel; the tile code takes multiples of 32 up to TC_MAX_DIM, but 96 spills 4 bytes in the paged kernel.
-TC_HEAD_DIMS = (64, 128)
+TC_MAX_DIM = 256
+#: qk and v head dims of the tiles with Q in registers or two m16 tiles a warp (``TcTile.dims``' default): their
+#: O accumulators and Q fragments take 255 registers at head dim 256, so that one has a tile of its own ("tcq").
+TC_HEAD_DIMS = (64, 96, 128)
 #: GQA groups served: the PrimFunc also holds the SIMT RoPE kernel, whose tile takes groups up to 32 rows
 #: (``attention_cuda_prefill._prefill_plan``); the tensor-core tile itself would take 64.
 TC_MAX_GROUP = 32
@@ -32,8 +32,8 @@ TC_MAX_SMEM = 227 * 1024
 class TcTile:
     """A configuration of the kernel, named by its value of the path switch ``cuda_prefill_kernel``.
 
-    ``warps`` warps of ``mtiles`` m16 tiles each (rows per block = 16 warps mtiles; with two, Q lives in shared
-    memory: ``q_in_smem``); key tiles of ``tk``; ``stages`` K/V buffers in one dynamic shared-memory buffer: with
+    ``warps`` warps of ``mtiles`` m16 tiles each (rows per block = 16 warps mtiles; with two, or ``q_smem``, Q
+    lives in shared memory: ``q_in_smem``); key tiles of ``tk``; qk and v head dims ``dims``; ``stages`` K/V buffers in one dynamic shared-memory buffer: with
     2 (mma.sync), tile kt + 1 loads during all of tile kt (one barrier a key tile; over 48 KB at D 128, which TVM's
     CUDA launcher allows by raising the function's ``CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES`` when a
     launch asks for 48 KB or more).
@@ -51,6 +51,8 @@ class TcTile:
     mtiles: int = 1
     tk: int = TC_TK
     wgmma: bool = False
+    q_smem: bool = False
+    dims: tuple = TC_HEAD_DIMS
 
     @property
     def tma(self) -> bool:
@@ -75,8 +77,8 @@ class TcTile:
     @property
     def q_in_smem(self) -> bool:
         """Q staged in shared memory (re-read as A fragments each key tile) rather than held in registers:
-        with two m16 tiles a warp the registers go to the accumulators."""
-        return self.mtiles > 1
+        with two m16 tiles a warp, or O of head dim 256, the registers go to the accumulators."""
+        return self.q_smem or self.mtiles > 1
 
     @property
     def threads(self) -> int:
@@ -117,12 +119,15 @@ class TcTile:
 
 #: The tiles, by switch value (``attention_cuda_prefill_tc``'s docstring: registers, shared memory, occupancy).
 TC_TILES = {"tc2": TcTile("tc2", 8, 2), "tc3": TcTile("tc3", 4, 2, mtiles=2, tk=32),
+            # Head dim 256: tc2's 8 warps of one m16 tile with tc3's Q in shared memory and 32-key tiles (O takes
+            # 128 registers a lane; Q's fragments would take 64 more).
+            "tcq": TcTile("tcq", 8, 2, tk=32, q_smem=True, dims=(256,)),
             # Two warpgroups, four stages (two tiles loading ahead); TMA copies (one thread a block issues them,
             # ragged; a lane of each warp, paged).
-            "wg2t": TcTile("wg2t", 8, 4, wgmma=True),
+            "wg2t": TcTile("wg2t", 8, 4, wgmma=True, dims=(128,)),
             # wg2t's loop on one warpgroup, three stages (1 tile ahead): 97 KB, so two blocks share an SM and
             # one's softmax, prologue and stores run under the other's GEMMs.
-            "wg1t": TcTile("wg1t", 4, 3, wgmma=True)}
+            "wg1t": TcTile("wg1t", 4, 3, wgmma=True, dims=(128,))}
 #: The PTX target a ``wgmma`` tile needs (its instructions exist on sm_90a only; libraries forcing it are built
 #: for it: ``kernel_spec.PATH_ARCHS``).
 WG_ARCH = PATH_ARCHS[("cuda_prefill_kernel", "wg1t")]

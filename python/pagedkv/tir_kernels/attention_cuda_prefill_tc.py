@@ -2,7 +2,7 @@
 plain (``apply_rope == 0``) kernel on ``mma.sync.m16n8k16`` (``_mma_cuda``), in one of the tiles ``TC_TILES``,
 picked by the path switch ``cuda_prefill_kernel`` (``pagedkv.kernel_spec.SWITCHES``); which tile auto takes per
 op is the selection table's (``pagedkv.kernel_table``: the ragged op wg1t on Hopper at head dim 128, else tc3; the
-paged op wg2t there, else tc2); ``tc_unserved`` says which specs a tile serves.
+paged op wg2t there, else tc2; tcq for both at head dim 256); ``tc_unserved`` says which specs a tile serves.
 
 Same ABI and semantics as the SIMT kernel (``attention_cuda.py``): base-2 LSE, bottom-right causal, sliding
 window and soft cap through ``CudaVariant``, empty rows ``o = 0`` / ``lse = -1e30``, sm_scale an argument.
@@ -77,7 +77,14 @@ tile    rows  threads  stages  tk  m16 tiles/warp  shared (D 128)  registers D 1
 ======  ====  =======  ======  ==  ==============  =============  =====================  =================
 tc2     128   256      2       64  1 (Q in regs)   69,632 dyn.    210/180, 136/155       1 / 1
 tc3     128   128      2       32  2 (Q in smem)   69,632 dyn.    230/230, 161/162       2 / 3
+tcq     128   256      2       32  1 (Q in smem)   135,168 (256)  235/242 at D 256       1 (D 256)
 ======  ====  =======  ======  ==  ==============  =============  =====================  =================
+
+Head dim 96 runs on tc2 / tc3 (ptxas: 170 paged on tc2, 196 ragged on tc3; windowed + capped bf16 174 / 209): its
+rows of 12 16-byte chunks do not divide the threads, so 16 keys (tc2; tc3: 8) are copied a pass by 192 (96)
+threads while the others idle in the copies (``_prefill_tc_copy._Chunks``). Head dim 256 has a tile of its own,
+"tcq": O takes 128 registers a lane, so Q moves to shared memory (tc3's k-step-outer score) and the key tiles
+shrink to 32 (S and P take 24 registers).
 
 "wg2t" (sm_90a): 132,128 bytes of dynamic shared memory at D 128, one block an SM; "wg1t" 99,352 bytes, two. The
 D 128 numbers are those of the copies of ``_prefill_tc_copy`` (2026-12-05); the D 64 ones (table and below) are
@@ -148,9 +155,8 @@ def tc_unserved(spec, dv: int, tile: str, *, paged: bool = False) -> str | None:
         return f"dtype {spec.dtype} (the tensor-core prefill takes {', '.join(TC_DTYPES)})"
     if cfg.wgmma and (why := wg_prefill_limits(d, dv)):
         return "; ".join(why)
-    if d not in TC_HEAD_DIMS or dv not in TC_HEAD_DIMS:
-        return (f"head dims {d}/{dv} (the tensor-core prefill takes qk and v dims in {TC_HEAD_DIMS}: the ones run "
-                f"on the H200; 96 compiles but spills, others are untested)")
+    if d not in cfg.dims or dv not in cfg.dims:
+        return f"head dims {d}/{dv} (tile {tile!r} takes qk and v dims in {cfg.dims})"
     if g > TC_MAX_GROUP:
         return f"GQA group {g} (the tensor-core prefill takes groups up to {TC_MAX_GROUP})"
     smem = cfg.smem_bytes(d, dv)
