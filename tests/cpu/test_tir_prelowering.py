@@ -45,12 +45,15 @@ CASES = (
     [(f"decode-{k}", tk.KernelSpec(8, 1, 64, 64, "bfloat16", sliding_window=90, logits_soft_cap=20.0),
       {"cuda_decode_kernel": k}, SM80) for k in ("tc", "staged", "lanes")]
     + [(f"prefill-{t}", tk.KernelSpec(32, 8, 128, 128, "float16"), {"cuda_prefill_kernel": t},
-        SM90A if t in WG_PREFILL_TILES else SM80) for t in TC_TILES]
+        SM90A if t in WG_PREFILL_TILES else SM80) for t in TC_TILES if 128 in TC_TILES[t].dims]
+    # tcq at the head dim it serves; tc3 at 96 (copies in whole keys by 96 of its 128 threads)
+    + [("prefill-tcq-d256", tk.KernelSpec(16, 8, 256, 256, "bfloat16"), {"cuda_prefill_kernel": "tcq"}, SM80),
+       ("prefill-tc3-d96", tk.KernelSpec(12, 4, 96, 96, "float16"), {"cuda_prefill_kernel": "tc3"}, SM80)]
     # D 128 (the other decode cases take 64); bfloat16 is decode-tc's dtype above (its buffers' sizes do not
     # depend on the dtype: both are 16-bit)
     + [("decode-tc-float16", tk.KernelSpec(32, 8, 128, 128, "float16"), {"cuda_decode_kernel": "tc"}, SM80)]
     + [(f"prefill-{t}-d64", tk.KernelSpec(8, 2, 64, 64, "bfloat16"), {"cuda_prefill_kernel": t}, SM80)
-       for t in TC_TILES if t not in WG_PREFILL_TILES]
+       for t in TC_TILES if t not in WG_PREFILL_TILES and 64 in TC_TILES[t].dims]
     + [(f"mla-{k}-{h}", tk.KernelSpec(h, h, 64, 64, "float16", kv_lora_rank=512, qk_rope_head_dim=64),
         {"cuda_mla_decode_kernel": k}, SM90A if k != "tc" else SM80) for k in ("tc", "wgq") for h in (16, 128)]
 )
