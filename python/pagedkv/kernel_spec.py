@@ -85,6 +85,10 @@ def tc_decode_limits(g: int, d: int, dtype: str) -> list[str]:
 #: 2026-12-04). Not the operand layouts (``tools/wgmma_probe.cu`` checked them at these strides); cause not found.
 #: Refused, not run.
 WG_PREFILL_HEAD_DIMS = (128,)
+#: qk and v head dims of the mma.sync prefill tiles (``tir_kernels._prefill_tc_tiles``; the selection table reads
+#: them too): tc2 / tc3, whose Q fragments and O accumulators take 255 registers at head dim 256, and tcq for 256.
+TC_PREFILL_HEAD_DIMS = (64, 96, 128)
+TCQ_PREFILL_HEAD_DIMS = (256,)
 
 
 def wg_prefill_limits(d: int, dv: int) -> list[str]:

@@ -19,7 +19,7 @@ import dataclasses
 import importlib
 from typing import Callable, Mapping
 
-from .kernel_spec import forced
+from .kernel_spec import TC_PREFILL_HEAD_DIMS, TCQ_PREFILL_HEAD_DIMS, WG_PREFILL_HEAD_DIMS, forced
 from .ops import ATTN_DECODE_PAGED, ATTN_PREFILL_PAGED, ATTN_PREFILL_RAGGED, MLA_ATTN_DECODE_PAGED, \
     MLA_ATTN_PREFILL_PAGED
 
@@ -122,18 +122,18 @@ MLA_OPS = (MLA_ATTN_DECODE_PAGED, MLA_ATTN_PREFILL_PAGED)
 TABLE: dict[str, tuple[Variant, ...]] = {
     "cuda_prefill_kernel": (
         Variant("wg1t", "wgmma, 64 rows (one warpgroup), K/V tiles by TMA, three stages, two blocks an SM",
-                {ATTN_PREFILL_RAGGED: 1}, arch=HOPPER, head_dims=(128,), max_group=32,
+                {ATTN_PREFILL_RAGGED: 1}, arch=HOPPER, head_dims=WG_PREFILL_HEAD_DIMS, max_group=32,
                 fallback="tc3 where k / v are not 16-byte aligned", check=f"{_TK}:prefill_tile"),
         Variant("wg2t", "wgmma, 128 rows (two warpgroups sharing each K/V tile), K/V boxes by TMA, four stages",
-                {ATTN_PREFILL_PAGED: 1}, arch=HOPPER, head_dims=(128,), max_group=32,
+                {ATTN_PREFILL_PAGED: 1}, arch=HOPPER, head_dims=WG_PREFILL_HEAD_DIMS, max_group=32,
                 fallback="tc2 where the pages are not 16-byte aligned or hold a count of keys not a multiple of 8",
                 check=f"{_TK}:prefill_tile"),
         Variant("tc3", "mma.sync, 128 rows (4 warps of two m16 tiles, Q in shared memory), two stages of 32 keys",
-                {ATTN_PREFILL_RAGGED: 2}, head_dims=(64, 96, 128), max_group=32, check=f"{_TK}:prefill_tile"),
+                {ATTN_PREFILL_RAGGED: 2}, head_dims=TC_PREFILL_HEAD_DIMS, max_group=32, check=f"{_TK}:prefill_tile"),
         Variant("tc2", "mma.sync, 128 rows (8 warps), two stages of 64 keys in dynamic shared memory",
-                {ATTN_PREFILL_PAGED: 2}, head_dims=(64, 96, 128), max_group=32, check=f"{_TK}:prefill_tile"),
+                {ATTN_PREFILL_PAGED: 2}, head_dims=TC_PREFILL_HEAD_DIMS, max_group=32, check=f"{_TK}:prefill_tile"),
         Variant("tcq", "mma.sync, 128 rows (8 warps, Q in shared memory), two stages of 32 keys: head dim 256",
-                {ATTN_PREFILL_RAGGED: 3, ATTN_PREFILL_PAGED: 3}, head_dims=(256,), max_group=32,
+                {ATTN_PREFILL_RAGGED: 3, ATTN_PREFILL_PAGED: 3}, head_dims=TCQ_PREFILL_HEAD_DIMS, max_group=32,
                 check=f"{_TK}:prefill_tile"),
         Variant("simt", "FP32 FMA (CUDA cores): every dtype, head dim and group the op takes; inline RoPE",
                 {ATTN_PREFILL_RAGGED: 9, ATTN_PREFILL_PAGED: 9}, arch="any", dtypes=ANY_DTYPE),

@@ -14,7 +14,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from ..config import KVCacheConfig
-from ..kernel_spec import SWITCHES, WG_PREFILL_TILES, wg_prefill_limits
+from ..kernel_spec import SWITCHES
 from ..kernel_table import TABLE
 
 
@@ -330,10 +330,7 @@ def gpu_path_libraries() -> list[tuple[KVCacheConfig, dict[str, str]]]:
 
 
 def prefill_kernel_refusal(shape: Shape, kernel: str) -> str:
-    """Why the forced prefill tile ``kernel`` refuses ``shape``'s head dim (TVM-free: the selection table's data,
-    ``kernel_spec.wg_prefill_limits`` for the wgmma tiles); empty when it serves it. The tests skip such pairs with
-    it and the bundle builds no library for them."""
-    if kernel in WG_PREFILL_TILES:
-        return "; ".join(wg_prefill_limits(shape.d, shape.d))
+    """Why the forced prefill tile ``kernel`` refuses ``shape``'s head dim (TVM-free: the selection table's data);
+    empty when it serves it. The tests skip such pairs with it and the bundle builds no library for them."""
     dims = next(v.head_dims for v in TABLE["cuda_prefill_kernel"] if v.name == kernel)
     return "" if dims is None or shape.d in dims else f"head dim {shape.d} (tile {kernel!r} takes {dims})"

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 
-from ..kernel_spec import PATH_ARCHS
+from ..kernel_spec import PATH_ARCHS, TC_PREFILL_HEAD_DIMS, TCQ_PREFILL_HEAD_DIMS, WG_PREFILL_HEAD_DIMS
 from ._tma_cuda import MBAR_BYTES, SW128_ALIGN
 from ._wgmma_cuda import Sw128Layout
 
@@ -17,9 +17,9 @@ from ._wgmma_cuda import Sw128Layout
 TC_WROWS, TC_TK, TC_PAD = 16, 64, 8
 TC_DTYPES = ("float16", "bfloat16")
 TC_MAX_DIM = 256
-#: qk and v head dims of the tiles with Q in registers or two m16 tiles a warp (``TcTile.dims``' default): their
-#: O accumulators and Q fragments take 255 registers at head dim 256, so that one has a tile of its own ("tcq").
-TC_HEAD_DIMS = (64, 96, 128)
+#: qk and v head dims of the tiles with Q in registers or two m16 tiles a warp (``TcTile.dims``' default; head dim
+#: 256 has a tile of its own, "tcq"): ``kernel_spec``'s, which the selection table reads too.
+TC_HEAD_DIMS = TC_PREFILL_HEAD_DIMS
 #: GQA groups served: the PrimFunc also holds the SIMT RoPE kernel, whose tile takes groups up to 32 rows
 #: (``attention_cuda_prefill._prefill_plan``); the tensor-core tile itself would take 64.
 TC_MAX_GROUP = 32
@@ -121,13 +121,13 @@ class TcTile:
 TC_TILES = {"tc2": TcTile("tc2", 8, 2), "tc3": TcTile("tc3", 4, 2, mtiles=2, tk=32),
             # Head dim 256: tc2's 8 warps of one m16 tile with tc3's Q in shared memory and 32-key tiles (O takes
             # 128 registers a lane; Q's fragments would take 64 more).
-            "tcq": TcTile("tcq", 8, 2, tk=32, q_smem=True, dims=(256,)),
+            "tcq": TcTile("tcq", 8, 2, tk=32, q_smem=True, dims=TCQ_PREFILL_HEAD_DIMS),
             # Two warpgroups, four stages (two tiles loading ahead); TMA copies (one thread a block issues them,
             # ragged; a lane of each warp, paged).
-            "wg2t": TcTile("wg2t", 8, 4, wgmma=True, dims=(128,)),
+            "wg2t": TcTile("wg2t", 8, 4, wgmma=True, dims=WG_PREFILL_HEAD_DIMS),
             # wg2t's loop on one warpgroup, three stages (1 tile ahead): 97 KB, so two blocks share an SM and
             # one's softmax, prologue and stores run under the other's GEMMs.
-            "wg1t": TcTile("wg1t", 4, 3, wgmma=True, dims=(128,))}
+            "wg1t": TcTile("wg1t", 4, 3, wgmma=True, dims=WG_PREFILL_HEAD_DIMS)}
 #: The PTX target a ``wgmma`` tile needs (its instructions exist on sm_90a only; libraries forcing it are built
 #: for it: ``kernel_spec.PATH_ARCHS``).
 WG_ARCH = PATH_ARCHS[("cuda_prefill_kernel", "wg1t")]
