@@ -20,7 +20,7 @@ case "${1:-}" in
   extras)
     test -f .gpu/bundle/activate.sh || { echo "no .gpu/: run the suite phase first (same warm machine)"; exit 2; }
     source .gpu/bundle/activate.sh
-    export PYTHONPATH=$PWD/python:$PWD/benchmarks PAGEDKV_RUNTIME_LIB=$PWD/.gpu/lib/libpagedkv_runtime.so \
+    export PYTHONPATH=$PWD/python:$PWD/benchmarks:$PYTHONPATH PAGEDKV_RUNTIME_LIB=$PWD/.gpu/lib/libpagedkv_runtime.so \
       PAGEDKV_KERNEL_DIR=$PWD/.gpu/kernels
     timeout 200 python3 -m pytest tests/gpu/test_prefill_tc_gpu.py -k "d96 or d256" -q -p no:cacheprovider -rs \
       >"$OUT/prefill_tc_dims.log" 2>&1
