@@ -78,6 +78,39 @@ def seed() -> int:
     return value
 
 
+#: Modules that read TVM's generated CUDA source and nothing TVM compiles from it (the compile tests run nvcc
+#: themselves, the emulators g++): ``source_only_cuda`` serves them. Not ``test_cuda_graph_compile`` (real libraries).
+SOURCE_ONLY_CUDA = frozenset({
+    "test_cuda_compile", "test_cuda_decode_staged", "test_cuda_decode_tc", "test_cuda_paths_compile",
+    "test_decode_chunked_emulated", "test_decode_staged_emulated", "test_decode_tc_emulated", "test_mla_cuda_compile",
+    "test_mla_prefill_tc_compile", "test_mla_tc_compile", "test_mla_tc_emulated", "test_partial_compile",
+    "test_prefill_tc_compile", "test_prefill_tc_emulated", "test_prefill_wg_compile", "test_rope_cuda_emulated",
+    "test_tir_prelowering"})
+
+
+@pytest.fixture(autouse=True, scope="module")
+def source_only_cuda(request):
+    """In ``SOURCE_ONLY_CUDA``'s modules, TVM's CUDA compile step (``tvm_callback_cuda_compile``) returns a
+    placeholder instead of running nvcc. A library build earlier in the same worker process turns TVM's CUDA
+    codegen on for the process (``pagedkv.cuda_build.enable_cuda_codegen``); from then on every ``tvm.compile``
+    of these modules would also run nvcc -O3 over every kernel it lowers (about half of a lowering's time),
+    for device code nobody loads. The previous callback is restored after the module."""
+    if Path(str(request.node.fspath)).stem not in SOURCE_ONLY_CUDA:
+        yield
+        return
+    import tvm  # noqa: F401  (registers TVM's callback first)
+    import tvm_ffi
+
+    name = "tvm_callback_cuda_compile"
+    previous = tvm_ffi.get_global_func(name, allow_missing=True)
+    tvm_ffi.register_global_func(name, lambda *_args: bytearray(b"// source-only test build"), override=True)
+    try:
+        yield
+    finally:
+        if previous is not None:
+            tvm_ffi.register_global_func(name, previous, override=True)
+
+
 @pytest.fixture
 def gen(seed) -> torch.Generator:
     """A CPU ``torch.Generator`` seeded with ``seed``."""
