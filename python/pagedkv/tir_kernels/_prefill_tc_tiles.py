@@ -17,9 +17,6 @@ from ._wgmma_cuda import Sw128Layout
 TC_WROWS, TC_TK, TC_PAD = 16, 64, 8
 TC_DTYPES = ("float16", "bfloat16")
 TC_MAX_DIM = 256
-#: qk and v head dims of the tiles with Q in registers or two m16 tiles a warp (``TcTile.dims``' default; head dim
-#: 256 has a tile of its own, "tcq"): ``kernel_spec``'s, which the selection table reads too.
-TC_HEAD_DIMS = TC_PREFILL_HEAD_DIMS
 #: GQA groups served: the PrimFunc also holds the SIMT RoPE kernel, whose tile takes groups up to 32 rows
 #: (``attention_cuda_prefill._prefill_plan``); the tensor-core tile itself would take 64.
 TC_MAX_GROUP = 32
@@ -52,7 +49,7 @@ class TcTile:
     tk: int = TC_TK
     wgmma: bool = False
     q_smem: bool = False
-    dims: tuple = TC_HEAD_DIMS
+    dims: tuple = TC_PREFILL_HEAD_DIMS  # (kernel_spec: the selection table reads the same)
 
     @property
     def tma(self) -> bool:
@@ -174,6 +171,6 @@ def v_ldsm_index(lane, kk, dn2, dv: int):
     return (kk * 16 + ((lane // 8) % 2) * 8 + lane % 8) * (dv + TC_PAD) + dn2 * 16 + (lane // 16) * 8
 
 
-__all__ = ["WG_ARCH", "TC_DTYPES", "TC_HEAD_DIMS", "TC_MAX_DIM", "TC_MAX_GROUP", "TC_MAX_SMEM", "TC_PAD",
+__all__ = ["WG_ARCH", "TC_DTYPES", "TC_MAX_DIM", "TC_MAX_GROUP", "TC_MAX_SMEM", "TC_PAD",
            "TC_TILES", "TC_TK", "TC_WROWS", "TcTile", "k_ldsm_index", "k_ldsm_index_nt2",
            "k_store_index", "q_ldsm_index", "v_ldsm_index", "v_store_index"]

@@ -122,7 +122,6 @@ from ._prefill_tc_softmax import make_rescale_o, make_softmax
 from ._prefill_tc_store import make_store, make_store_staged
 from ._prefill_tc_tiles import (
     TC_DTYPES,
-    TC_HEAD_DIMS,
     TC_MAX_DIM,
     TC_MAX_GROUP,
     TC_MAX_SMEM,
@@ -313,6 +312,6 @@ def make_prefill_tc(op: str, spec, paged: bool, tile: str):
     return _make_host(p, _make_blocks(p, copies, _make_tiles(p, copies, tma)), tma)
 
 
-__all__ = ["tma_maps", "TC_DTYPES", "TC_HEAD_DIMS", "TC_MAX_DIM", "TC_MAX_GROUP", "TC_PAD", "TC_TILES", "TC_TK", "TcTile",
+__all__ = ["tma_maps", "TC_DTYPES", "TC_MAX_DIM", "TC_MAX_GROUP", "TC_PAD", "TC_TILES", "TC_TK", "TcTile",
            "k_ldsm_index", "k_ldsm_index_nt2", "k_store_index", "make_prefill_tc", "q_ldsm_index", "tc_unserved",
            "v_ldsm_index", "v_store_index"]
